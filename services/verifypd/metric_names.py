@@ -1,0 +1,34 @@
+"""The telemetry contract between the services (exporters) and the operator (OTLP receiver).
+
+Torch-free and dependency-free so that the operator and loadgen can import it. Names follow the
+OpenTelemetry GenAI semantic conventions where one exists (`gen_ai.server.*`); the rest are ours
+(`verifypd.*`). Durations are histograms in seconds.
+"""
+
+# GenAI semantic conventions (server side).
+TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"  # histogram, s
+TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"  # histogram, s (inter-token latency)
+REQUEST_DURATION = "gen_ai.server.request.duration"  # histogram, s
+TOKEN_USAGE = "gen_ai.client.token.usage"  # histogram, {token}; attribute gen_ai.token.type
+
+# verifypd's own.
+LANE_QUEUE_DEPTH = "verifypd.lane.queue_depth"  # gauge, {request}; attribute verifypd.lane
+LANE_STEP_DURATION = "verifypd.lane.step.duration"  # histogram, s; attribute verifypd.lane
+DRAFT_TOKENS = "verifypd.speculation.draft_tokens"  # counter, {token}
+ACCEPTED_TOKENS = "verifypd.speculation.accepted_tokens"  # counter, {token}
+ACCEPTANCE_RATE = "verifypd.speculation.acceptance_rate"  # gauge, ratio over the last window
+APPLIED_K = "verifypd.speculation.applied_k"  # histogram, {token}: k used per verify item
+KV_BLOCKS_IN_USE = "verifypd.kv.blocks_in_use"  # gauge, {block}; attribute verifypd.pool
+
+# Attribute keys.
+ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"
+ATTR_POOL = "verifypd.pool"  # "target" | "draft"
+ATTR_TOKEN_TYPE = "gen_ai.token.type"  # "input" | "output"
+
+# Resource attributes the operator sets (through OTEL_RESOURCE_ATTRIBUTES) on every pod it runs;
+# the receiver counts only metrics whose resource names a config it manages.
+RES_CONFIG_NAME = "verifypd.config.name"
+RES_CONFIG_NAMESPACE = "k8s.namespace.name"
+RES_POD_NAME = "k8s.pod.name"
+
+LANES = ("prefill", "draft", "verify")
