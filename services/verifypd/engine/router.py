@@ -1,0 +1,223 @@
+"""The router: owns every request's state and runs the speculative loop over the three lanes.
+
+Torch-free. One `step()` = plan (scheduler) -> lane calls in lane-priority order -> commit the
+lanes' results into sequence state -> stream outputs. Losslessness lives in the verify lane's
+acceptance rule; the router's job is the bookkeeping that keeps KV positions and tokens aligned
+(see `verifypd.engine.sequence` for the layout invariant).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from typing import Callable, Sequence as Seq
+
+from verifypd.engine.block_manager import BlockManager
+from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, update_alpha
+from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
+from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
+from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, PoolInfo, PrefillItem, PrefillLane,
+                                      VerifyItem, VerifyLane)
+
+
+class EngineObserver:
+    """Telemetry hooks; the default does nothing. Implemented by verifypd.telemetry."""
+
+    def on_lane_step(self, lane: str, seconds: float, batch: int) -> None: ...
+    def on_verify(self, k: int, accepted: int) -> None: ...
+    def on_request_finished(self, seq: Sequence) -> None: ...
+    def on_step(self, router: "Router") -> None: ...
+
+
+class Router:
+    def __init__(self, prefill: PrefillLane, draft: DraftLane, verify: VerifyLane, *, decode: Decode,
+                 eos_token_ids: Seq[int], config: RuntimeConfig | None = None, max_running: int = 256,
+                 observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic):
+        self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
+        verify_info, draft_info = verify.describe(), draft.describe()
+        self.target_pool = _pool(verify_info.pools, "target")
+        self.draft_pool = _pool(draft_info.pools, "draft")
+        self.vocab_size = verify_info.vocab_size
+        self.max_context = verify_info.max_context
+        self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
+        self.draft_blocks = BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
+        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running)
+        self.config = config or RuntimeConfig()
+        self.config.validate()
+        self.costs = StepCostModel()
+        self.observer = observer or EngineObserver()
+        self._decode = decode
+        self._eos = frozenset(eos_token_ids)
+        self._clock = clock
+        self._arrivals = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, spec: RequestSpec) -> str:
+        spec.validate(vocab_size=self.vocab_size, max_context=self.max_context)
+        request_id = spec.request_id or uuid.uuid4().hex
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
+        stats = RequestStats(prompt_tokens=len(spec.prompt_ids), arrival_time=self._clock())
+        seq = Sequence(spec=spec, request_id=request_id, arrival_order=next(self._arrivals), stats=stats)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self._decode, spec.prompt_ids, spec.stop)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancels a request; its blocks return to the pools immediately."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, FinishReason.CANCELLED, [], "")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def sequences(self) -> list[Sequence]:
+        return list(self._seqs.values())
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        config = self.config  # one config per step; UpdateConfig takes effect on the next one
+        plan = self.scheduler.plan(config, self.costs)
+        outputs: list[RequestOutput] = []
+        prefill_first = config.priorities.prefill > config.priorities.verify
+        if prefill_first:
+            outputs += self._run_prefill(plan.prefill)
+        outputs += self._run_decode(plan.decode)
+        if not prefill_first:
+            outputs += self._run_prefill(plan.prefill)
+        self.observer.on_step(self)
+        return outputs
+
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> list[RequestOutput]:
+        if not chunks:
+            return []
+        items = []
+        for c in chunks:
+            ids = c.seq.all_ids[c.start:c.end]
+            items.append(PrefillItem(
+                request_id=c.seq.request_id, token_ids=ids, start_pos=c.start,
+                target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start, c.seq.target_computed),
+                draft_kv=self._handle(self.draft_pool, c.seq.draft_blocks, c.start, c.seq.draft_computed),
+                sample_first=c.sample_first, sampling=c.seq.spec.sampling))
+        t0 = self._clock()
+        results = self.prefill_lane.prefill(items)
+        self.observer.on_lane_step("prefill", self._clock() - t0, len(items))
+        outputs = []
+        for c, res in zip(chunks, results):
+            seq = c.seq
+            seq.target_computed = seq.draft_computed = c.end
+            if c.end == seq.prefill_target:
+                seq.status = SeqStatus.DECODING
+            if c.sample_first:
+                assert res.first_token is not None, "prefill lane returned no first token"
+                outputs += self._emit(seq, [res.first_token], applied_k=0)
+        return outputs
+
+    def _run_decode(self, work: list[DecodeWork]) -> list[RequestOutput]:
+        if not work:
+            return []
+        drafting = [w for w in work if w.k > 0]
+        drafts: dict[str, tuple[list[int], object]] = {}
+        if drafting:
+            items = []
+            for w in drafting:
+                seq, n = w.seq, w.seq.pending_pos
+                items.append(DraftItem(
+                    request_id=seq.request_id, input_tokens=seq.all_ids[seq.draft_computed:n + 1],
+                    start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
+                    draft_kv=self._handle(self.draft_pool, seq.draft_blocks, seq.draft_computed, seq.draft_computed)))
+            t0 = self._clock()
+            for out in self.draft_lane.draft(items):
+                drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
+            seconds = self._clock() - t0
+            self.costs.observe_draft(max(w.k for w in drafting), seconds)
+            self.observer.on_lane_step("draft", seconds, len(items))
+        items = []
+        for w in work:
+            seq, n = w.seq, w.seq.pending_pos
+            tokens, probs = drafts.get(seq.request_id, ([], None))
+            items.append(VerifyItem(
+                request_id=seq.request_id, pending_token=seq.all_ids[n], start_pos=n, draft_tokens=list(tokens),
+                draft_probs=probs, sampling=seq.spec.sampling,
+                target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
+        t0 = self._clock()
+        results = self.verify_lane.verify(items)
+        seconds = self._clock() - t0
+        self.costs.observe_verify(sum(len(i.draft_tokens) + 1 for i in items), seconds)
+        self.observer.on_lane_step("verify", seconds, len(items))
+        outputs = []
+        for w, item, res in zip(work, items, results):
+            seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)
+            m = res.accepted
+            assert 0 <= m <= k and len(res.new_tokens) == m + 1, "verify lane broke its contract"
+            seq.target_computed = n + m + 1
+            if k > 0:  # the draft lane wrote positions draft_computed .. n + k - 1
+                seq.draft_computed = min(n + k, n + m + 1)
+            seq.stats.draft_tokens += k
+            seq.stats.accepted_tokens += m
+            seq.stats.verify_steps += 1
+            seq.alpha_estimate = update_alpha(seq.alpha_estimate, m, k)
+            seq.last_k = k
+            self.observer.on_verify(k, m)
+            outputs += self._emit(seq, res.new_tokens, applied_k=k)
+        return outputs
+
+    # -- committing tokens -------------------------------------------------------------------
+    def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
+        """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
+        finish = None
+        tokens = []
+        for tok in new_tokens:
+            tokens.append(tok)
+            if seq.spec.stop_at_eos and tok in self._eos:
+                finish = FinishReason.EOS
+                break
+            if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
+                finish = FinishReason.LENGTH
+                break
+            if seq.num_tokens + len(tokens) >= self.max_context:
+                finish = FinishReason.LENGTH
+                break
+        now = self._clock()
+        seq.output_ids.extend(tokens)
+        seq.stats.completion_tokens = len(seq.output_ids)
+        seq.stats.token_times.extend([now] * len(tokens))
+        if seq.stats.first_token_time is None:
+            seq.stats.first_token_time = now
+        text_ids = [t for t in tokens if t not in self._eos]
+        text, stop_hit = self._detok[seq.request_id].add(text_ids)
+        if stop_hit:
+            finish = FinishReason.STOP
+        if finish is not None:
+            return [self._finish(seq, finish, tokens, text, applied_k)]
+        return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k)]
+
+    def _finish(self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str,
+                applied_k: int = 0) -> RequestOutput:
+        if reason is not FinishReason.STOP:
+            text += self._detok[seq.request_id].flush()
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.request_id]
+        del self._detok[seq.request_id]
+        self.observer.on_request_finished(seq)
+        return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k)
+
+    @staticmethod
+    def _handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
+        return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
+
+
+def _pool(pools: tuple[PoolInfo, ...], role: str) -> PoolInfo:
+    for pool in pools:
+        if pool.role == role:
+            return pool
+    raise ValueError(f"lane announced no {role} pool")

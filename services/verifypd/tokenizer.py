@@ -1,0 +1,42 @@
+"""Text <-> token ids for front ends and the router's detokenizer. Torch-free.
+
+Wraps a transformers tokenizer; models loaded with random weights have none, so they take token
+id prompts only and "decode" to space-separated ids.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from verifypd.engine.types import InvalidRequest
+
+
+class TextCodec:
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: send the prompt as token_ids")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        if not self.has_chat_template:
+            raise InvalidRequest("this model has no chat template: send the prompt as text or token_ids")
+        for n, m in enumerate(messages):
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise InvalidRequest(f"chat.messages[{n}].role must be system, user or assistant; got {m.get('role')!r}")
+        if not messages:
+            raise InvalidRequest("chat.messages is empty: give at least one message")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {i}" for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,44 @@
+"""Tiny random Llama checkpoints written to a temp dir (no hub): a target and a different draft."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+VOCAB = 96
+
+
+def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int = 64, heads: int = 4,
+                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama") -> pathlib.Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **common))
+    # Sharpen the output layer so greedy choices are well separated (no float near-ties).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>")
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    target = write_tiny_llama(root / "target", seed=1, layers=3)
+    draft = write_tiny_llama(root / "draft", seed=2, layers=1)
+    return str(target), str(draft)
