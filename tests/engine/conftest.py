@@ -10,7 +10,10 @@ VOCAB = 96
 
 
 def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int = 64, heads: int = 4,
-                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama") -> pathlib.Path:
+                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama",
+                     noise: float = 0.0, noise_seed: int = 0) -> pathlib.Path:
+    """`noise` > 0 perturbs every weight by that fraction of its std: same seed + noise gives a
+    draft that agrees with the target often but not always (so tests see accepts and rejects)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -25,6 +28,10 @@ def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int 
     # Sharpen the output layer so greedy choices are well separated (no float near-ties).
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        if noise:
+            gen = torch.Generator().manual_seed(noise_seed)
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * noise)
     model.save_pretrained(path)
     vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
@@ -40,5 +47,29 @@ def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int 
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("models")
     target = write_tiny_llama(root / "target", seed=1, layers=3)
-    draft = write_tiny_llama(root / "draft", seed=2, layers=1)
+    draft = write_tiny_llama(root / "draft", seed=1, layers=3, noise=0.2, noise_seed=7)
     return str(target), str(draft)
+
+
+def make_engine(target: str, draft: str, *, k: int = 4, adaptive: bool = False, num_blocks: int = 128,
+                block_size: int = 4, k_max: int = 8, **options):
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.local_engine import Engine, EngineOptions
+
+    config = RuntimeConfig(k_min=0, k_max=max(k, k_max), k_initial=k, adaptive=adaptive)
+    return Engine(EngineOptions(target=target, draft=draft, num_blocks=num_blocks, block_size=block_size,
+                                device="cpu", config=config, **options))
+
+
+@pytest.fixture(scope="session")
+def hf_target(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models[0]).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

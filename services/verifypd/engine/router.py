@@ -58,6 +58,10 @@ class Router:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> str:
         spec.validate(vocab_size=self.vocab_size, max_context=self.max_context)
+        for blocks in (self.target_blocks, self.draft_blocks):
+            if blocks.blocks_for(len(spec.prompt_ids) + 1) > blocks.num_blocks:
+                raise InvalidRequest(f"prompt of {len(spec.prompt_ids)} tokens does not fit the {blocks.name} KV pool "
+                                     f"({blocks.num_blocks} blocks of {blocks.block_size}); shorten it")
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in self._seqs:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
@@ -85,7 +89,7 @@ class Router:
     def step(self) -> list[RequestOutput]:
         config = self.config  # one config per step; UpdateConfig takes effect on the next one
         plan = self.scheduler.plan(config, self.costs)
-        outputs: list[RequestOutput] = []
+        outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         prefill_first = config.priorities.prefill > config.priorities.verify
         if prefill_first:
             outputs += self._run_prefill(plan.prefill)

@@ -38,6 +38,7 @@ class StepPlan:
     prefill: list[PrefillChunk]
     decode: list[DecodeWork]
     preempted: list[Sequence]
+    out_of_room: list[Sequence]  # alone in a full pool: the router ends them with LENGTH
 
     @property
     def empty(self) -> bool:
@@ -81,12 +82,13 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------------------
     def plan(self, config: RuntimeConfig, costs: StepCostModel) -> StepPlan:
         preempted: list[Sequence] = []
-        decode = self._plan_decode(config, costs, preempted)
+        out_of_room: list[Sequence] = []
+        decode = self._plan_decode(config, costs, preempted, out_of_room)
         prefill = self._plan_prefill(config.prefill_token_budget)
-        return StepPlan(prefill=prefill, decode=decode, preempted=preempted)
+        return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room)
 
-    def _plan_decode(self, config: RuntimeConfig, costs: StepCostModel,
-                     preempted: list[Sequence]) -> list[DecodeWork]:
+    def _plan_decode(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
+                     out_of_room: list[Sequence]) -> list[DecodeWork]:
         decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
         batch = len(decoding)
         work: list[DecodeWork] = []
@@ -101,12 +103,14 @@ class Scheduler:
                     k = 0
                     continue
                 victim = self._pick_victim(exclude=seq)
-                if victim is None:  # alone and still no room: the pool is smaller than one request
-                    raise RuntimeError("KV pool too small for a single request; raise num_blocks")
+                if victim is None:  # alone and still no room: the pool cannot hold this request
+                    out_of_room.append(seq)
+                    break
                 self._preempt(victim)
                 preempted.append(victim)
                 work = [w for w in work if w.seq is not victim]
-            work.append(DecodeWork(seq, k))
+            else:
+                work.append(DecodeWork(seq, k))
         return work
 
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
