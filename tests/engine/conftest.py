@@ -1,12 +1,16 @@
 """Tiny random Llama checkpoints written to a temp dir (no hub): a target and a different draft."""
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
 import torch
 
 VOCAB = 96
+# Set VERIFYPD_TEST_DEVICE=cuda to run the engine tests on a GPU (float32, so exact comparisons
+# with transformers on the CPU still hold).
+DEVICE = os.environ.get("VERIFYPD_TEST_DEVICE", "cpu")
 
 
 def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int = 64, heads: int = 4,
@@ -57,8 +61,9 @@ def make_engine(target: str, draft: str, *, k: int = 4, adaptive: bool = False, 
     from verifypd.local_engine import Engine, EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=max(k, k_max), k_initial=k, adaptive=adaptive)
+    options.setdefault("device", DEVICE)
     return Engine(EngineOptions(target=target, draft=draft, num_blocks=num_blocks, block_size=block_size,
-                                device="cpu", config=config, **options))
+                                dtype="float32", config=config, **options))
 
 
 @pytest.fixture(scope="session")

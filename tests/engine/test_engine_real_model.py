@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, write_tiny_llama
+from conftest import DEVICE, hf_greedy, write_tiny_llama
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.types import RequestSpec
 from verifypd.local_engine import Engine, EngineOptions, Models
@@ -59,7 +59,8 @@ def test_qwen2_layout_with_qkv_bias_matches_transformers(tmp_path):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
     hf.save_pretrained(path)
-    engine = Engine(EngineOptions(target=str(path), draft="self:1", num_blocks=64, block_size=4, device="cpu",
+    engine = Engine(EngineOptions(target=str(path), draft="self:1", num_blocks=64, block_size=4, device=DEVICE,
+                                  dtype="float32",
                                   config=RuntimeConfig(k_initial=2, adaptive=False)))
     prompt = (7, 8, 9, 10)
     (c,) = engine.generate([RequestSpec(prompt, max_tokens=12, stop_at_eos=False)]).values()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import make_engine
+from conftest import DEVICE, make_engine
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
 
@@ -63,7 +63,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_offline_json_and_errors(tiny_models):
     target, draft = tiny_models
     ok = _cli("generate", "--offline", "w5 w6 w7", "--target", target, "--draft", draft, "--k", "3",
-              "--max-tokens", "12", "--json", "--device", "cpu", "--num-blocks", "64")
+              "--max-tokens", "12", "--json", "--device", DEVICE, "--dtype", "float32", "--num-blocks", "64")
     assert ok.returncode == 0, ok.stderr
     result = json.loads(ok.stdout)
     assert len(result["token_ids"]) == 12 and isinstance(result["text"], str)
