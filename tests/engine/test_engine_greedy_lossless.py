@@ -105,3 +105,14 @@ def test_stop_conditions(tiny_models, references):
     (c,) = engine.generate([RequestSpec(prompts[2], max_tokens=24, stop=(word,), stop_at_eos=False)]).values()
     assert c.finish_reason == "stop" and word not in c.text
     assert c.text.strip() == " ".join(f"w{t}" for t in expected[2][:expected[2].index(expected[2][2])])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_draft_equal_to_target_accepts_everything(tiny_models, k):
+    """Draft = target (all layers, own pool): every draft must be accepted. This guards the draft
+    lane itself (catch-up after full accepts, KV positions), which losslessness tests cannot see."""
+    engine = make_engine(tiny_models[0], "self:3", k=k)
+    done = engine.generate([RequestSpec(p, max_tokens=30, stop_at_eos=False) for p in random_prompts(4, seed=11)])
+    for c in done.values():
+        assert c.usage["draft_tokens"] > 0 and c.usage["accepted_tokens"] == c.usage["draft_tokens"]
+        assert c.usage["verify_steps"] < 30 // (k + 1) + 2
