@@ -1,0 +1,84 @@
+"""Scheduler policy, torch-free: chunked prefill budget, priorities, k fallback before preemption."""
+from __future__ import annotations
+
+from verifypd.engine.block_manager import BlockManager
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, choose_k, expected_tokens
+from verifypd.engine.scheduler import Scheduler
+from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.types import RequestSpec, RequestStats
+
+
+def seq(rid: str, prompt_len: int, order: int, priority: int = 0, max_tokens: int = 50) -> Sequence:
+    spec = RequestSpec(tuple(range(3, 3 + prompt_len)), max_tokens=max_tokens, priority=priority)
+    return Sequence(spec=spec, request_id=rid, arrival_order=order, stats=RequestStats())
+
+
+def scheduler(blocks: int = 100, block_size: int = 4) -> Scheduler:
+    return Scheduler(BlockManager(blocks, block_size, "target"), BlockManager(blocks, block_size, "draft"), 512)
+
+
+def test_prefill_is_chunked_by_token_budget():
+    s = scheduler()
+    long = seq("long", 100, 0)
+    s.add(long)
+    config = RuntimeConfig(prefill_token_budget=32)
+    spans = []
+    while long.status is not SeqStatus.DECODING:
+        plan = s.plan(config, StepCostModel())
+        (chunk,) = plan.prefill
+        spans.append((chunk.start, chunk.end, chunk.sample_first))
+        long.target_computed = long.draft_computed = chunk.end  # what the router does
+        if chunk.end == long.prefill_target:
+            long.status = SeqStatus.DECODING
+    assert spans == [(0, 32, False), (32, 64, False), (64, 96, False), (96, 100, True)]
+
+
+def test_higher_priority_is_admitted_first():
+    s = scheduler()
+    s.add(seq("low", 8, 0, priority=-5))
+    s.add(seq("normal", 8, 1))
+    s.add(seq("high", 8, 2, priority=50))
+    plan = s.plan(RuntimeConfig(prefill_token_budget=16), StepCostModel())
+    assert [c.seq.request_id for c in plan.prefill] == ["high", "normal"]  # budget fits two
+
+
+def test_blocks_run_out_k_drops_to_zero_then_lowest_priority_is_preempted():
+    s = scheduler(blocks=5, block_size=4)   # 20 positions per pool
+    a, b = seq("a", 7, 0, priority=10), seq("b", 7, 1)
+    for x in (a, b):
+        s.add(x)
+    plan = s.plan(RuntimeConfig(prefill_token_budget=64), StepCostModel())
+    for c in plan.prefill:
+        c.seq.target_computed = c.seq.draft_computed = c.end
+        c.seq.status = SeqStatus.DECODING
+        c.seq.output_ids.append(5)  # first token from prefill: pending at position 7
+    config = RuntimeConfig(k_initial=4, adaptive=False)
+    plan = s.plan(config, StepCostModel())
+    # a (higher priority) is planned first and takes the last free block for k = 4 (12 positions);
+    # b would need a 3rd block for k = 4, none is left: it falls back to k = 0 (fits in 2 blocks).
+    assert [(w.seq.request_id, w.k) for w in plan.decode] == [("a", 4), ("b", 0)]
+    assert not plan.preempted
+    # Grow a so far that it needs b's blocks: b (lower priority) is preempted by recompute.
+    a.output_ids += [5] * 8
+    a.target_computed = a.draft_computed = a.pending_pos
+    plan = s.plan(config, StepCostModel())
+    assert [x.request_id for x in plan.preempted] == ["b"]
+    assert b.status is SeqStatus.WAITING and b.target_blocks == [] and b.stats.preemptions == 1
+    assert b.prefill_target == 7 and not b.samples_after_prefill  # recompute keeps the pending token
+
+
+def test_choose_k_follows_goodput():
+    costs = StepCostModel()
+    config = RuntimeConfig(k_min=0, k_max=8, k_initial=3, adaptive=True)
+    assert choose_k(config, None, None, costs, batch=1, remaining_tokens=100) == 3   # no estimate yet
+    high = choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100)
+    low = choose_k(config, 0.05, None, costs, batch=1, remaining_tokens=100)
+    assert high >= 4 and low == 0
+    # Saturated GPU: verify cost grows with scored tokens, so drafting stops paying.
+    costs.verify_per_token_s = 1e-3
+    assert choose_k(config, 0.7, None, costs, batch=64, remaining_tokens=100) == 0
+    # Request override and remaining tokens cap k.
+    costs = StepCostModel()
+    assert choose_k(config, 0.95, 2, costs, batch=1, remaining_tokens=100) == 2
+    assert choose_k(config, 0.95, None, costs, batch=1, remaining_tokens=3) == 2
+    assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
