@@ -1,0 +1,10 @@
+"""verifypd-loadgen: open- and closed-loop load against the verifypd `Generate` protocol.
+
+Depends on the public protocol only (`verifypd.v1` stubs); see docs/loadgen.md.
+"""
+
+__version__ = "0.1.0"
+
+# Version of the results JSON layout (docs/loadgen.md). Bump it on any change to the key
+# layout; tests/loadgen/golden_schema_keys.txt pins the layout of this version.
+SCHEMA_VERSION = 1

@@ -1,0 +1,5 @@
+import sys
+
+from verifypd_loadgen.cli import main
+
+sys.exit(main())

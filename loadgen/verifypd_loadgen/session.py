@@ -1,0 +1,157 @@
+"""One `verifypd-loadgen` run: probe the server, warm up, run every load point, report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+
+from verifypd.v1 import generate_pb2, generate_pb2_grpc
+from verifypd_loadgen import metrics, report, schema
+from verifypd_loadgen.runner import LoadPoint, PointResult, Runner
+from verifypd_loadgen.workload import Workload
+
+
+class Unreachable(Exception):
+    """The server could not be reached; str() is the one-line message for the user."""
+
+
+@dataclass
+class Plan:
+    server: str
+    loads: list[LoadPoint]
+    workload: Workload
+    requests: int | None
+    duration: float | None
+    warmup: int
+    timeout: float
+    drain_timeout: float
+    connect_timeout: float
+    slo_ttft_ms: float | None
+    slo_itl_ms: float | None
+    seed: int
+
+
+async def probe(stub, server: str, timeout: float) -> dict:
+    """GetServerInfo, also our reachability check. UNIMPLEMENTED (and other answers) still
+    prove the server is there; only UNAVAILABLE / no answer in time mean it is not."""
+    try:
+        info = await stub.GetServerInfo(generate_pb2.ServerInfoRequest(), timeout=timeout)
+    except grpc.aio.AioRpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise Unreachable(f"cannot reach verifypd at {server} "
+                              f"({e.code().name}: {e.details()})") from None
+        return schema.server_info_block(None, e.code().name)
+    return schema.server_info_block(
+        {k: getattr(info, k) for k in schema.SERVER_INFO_KEYS}, "OK")
+
+
+def warmup_load(plan: Plan) -> LoadPoint:
+    first = plan.loads[0]
+    cap = first.concurrency if first.mode == "closed" else (first.max_concurrency or plan.warmup)
+    return LoadPoint("closed", concurrency=max(1, min(plan.warmup, cap)))
+
+
+async def _ticker(progress: report.LiveProgress) -> None:
+    while True:  # keeps a duration bar moving while no request finishes
+        progress.refresh()
+        await asyncio.sleep(0.25)
+
+
+async def execute_plan(plan: Plan, progress: report.LiveProgress
+                       ) -> tuple[dict, dict, list[PointResult]]:
+    """Returns (server_info block, warm-up counts, one PointResult per load point)."""
+    async with grpc.aio.insecure_channel(plan.server) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        info = await probe(stub, plan.server, plan.connect_timeout)
+        runner = Runner(stub, plan.timeout, plan.drain_timeout,
+                        on_record=progress.on_record, on_send=progress.on_send)
+        warm = {"requests": plan.warmup, "failed": 0}
+        if plan.warmup:
+            progress.start_point("warm-up", plan.warmup, None)
+            # A different request stream from the measured one, so that warm-up prompts do
+            # not pre-fill any prefix cache for the measured requests.
+            res = await runner.run(warmup_load(plan), plan.workload.requests(stream=0),
+                                   plan.warmup, None, "warmup", plan.seed)
+            warm["failed"] = sum(not r.ok for r in res.records)
+        results = []
+        for i, load in enumerate(plan.loads):
+            progress.start_point(load.label, plan.requests, plan.duration)
+            tick = asyncio.create_task(_ticker(progress))
+            try:
+                # stream=1 for every point: each load point sees the same requests
+                results.append(await runner.run(load, plan.workload.requests(stream=1),
+                                                plan.requests, plan.duration, f"lg{i}",
+                                                plan.seed))
+            finally:
+                tick.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tick
+            progress.refresh()
+    return info, warm, results
+
+
+def load_block(load: LoadPoint) -> dict:
+    return {"label": load.label, "mode": load.mode, "concurrency": load.concurrency,
+            "rate": load.rate, "arrival": load.arrival if load.mode == "open" else None,
+            "burstiness": load.burstiness if load.mode == "open" else None,
+            "max_concurrency": load.max_concurrency}
+
+
+@dataclass
+class Outputs:
+    out: str | None = None
+    csv: str | None = None
+    plot: str | None = None
+    label: str | None = None
+    progress: bool = True
+
+
+def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) -> int:
+    err = Console(stderr=True)
+    progress = report.LiveProgress(err, outputs.progress and err.is_terminal)
+    try:
+        with progress:
+            info, warm, results = asyncio.run(execute_plan(plan, progress))
+    except Unreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runs = [{"load": load_block(r.load),
+             "summary": metrics.summarize(r, plan.slo_ttft_ms, plan.slo_itl_ms)}
+            for r in results]
+    doc = schema.build_results(config, info, warm, runs, outputs.label)
+    report.print_summary(console, runs)
+    try:
+        for path in (outputs.out, outputs.csv):
+            if path:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if outputs.out:
+            schema.dump(doc, outputs.out)
+            console.print(f"results: {outputs.out}", markup=False)
+        if outputs.csv:
+            report.write_csv(doc, outputs.csv)
+            console.print(f"csv: {outputs.csv}", markup=False)
+        if outputs.plot:
+            from verifypd_loadgen import plots  # matplotlib only when plotting
+
+            written = plots.plot_results(doc, [metrics.samples(r) for r in results], outputs.plot)
+            console.print("plots: " + ", ".join(str(p) for p in written), markup=False)
+    except OSError as e:
+        print(f"error: cannot write output: {e}", file=sys.stderr)
+        return 2
+    sent = sum(run["summary"]["requests"]["sent"] for run in runs)
+    done = sum(run["summary"]["requests"]["completed"] for run in runs)
+    if sent and not done:
+        codes = {}
+        for run in runs:
+            for code, n in run["summary"]["errors"].items():
+                codes[code] = codes.get(code, 0) + n
+        detail = ", ".join(f"{c}: {n}" for c, n in sorted(codes.items()))
+        print(f"error: all {sent} requests failed ({detail})", file=sys.stderr)
+        return 1
+    return 0
