@@ -36,7 +36,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, mem_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "role", "host_boot_id", "device_uuid", "layout", "dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "shm_path", "cuda_ipc", "owner_pid")
+    __slots__ = ("pool_id", "generation", "role", "host_boot_id", "device_uuid", "layout", "dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "shm_path", "cuda_ipc", "owner_pid", "kv_transfer_addr")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class PoolDescriptor(_message.Message):
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ADDR_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     generation: int
     role: PoolRole
@@ -67,7 +68,8 @@ class PoolDescriptor(_message.Message):
     shm_path: str
     cuda_ipc: CudaIpcHandle
     owner_pid: int
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., role: _Optional[_Union[PoolRole, str]] = ..., host_boot_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., owner_pid: _Optional[int] = ...) -> None: ...
+    kv_transfer_addr: str
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., role: _Optional[_Union[PoolRole, str]] = ..., host_boot_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., owner_pid: _Optional[int] = ..., kv_transfer_addr: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("pool_id", "generation", "block_ids", "seq_len", "committed_len")
@@ -112,20 +114,24 @@ class LaneInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LaneInfo(_message.Message):
-    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context")
+    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received")
     LANE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     lane: str
     target_model: str
     draft_model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
     vocab_size: int
     max_context: int
-    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_bytes_received: int
+    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ...) -> None: ...
 
 class ImportPoolsRequest(_message.Message):
     __slots__ = ("pools", "kv_transport")

@@ -1,0 +1,185 @@
+"""Split (lanes in 3 processes, KV by CUDA IPC handle) vs colocated (one process), same workload.
+
+    PYTHONPATH=services python bench/split_vs_colocated.py                 # GPU: TinyLlama shape, batch 16
+    PYTHONPATH=services python bench/split_vs_colocated.py --device cpu --target DIR --draft DIR --batch 4
+
+Random weights with draft = target (acceptance 1, labeled in the output), fixed k, greedy. Both
+topologies run the same router over the same requests; the script checks the outputs are
+identical and prints one JSON object with:
+  * lane_start_s:     spawning the three lane processes until all serve (model load included)
+  * import_s:         the prefill lane opening both peers' pools (ImportPools, as the lane measured)
+  * wiring_s:         the whole one-time exchange seen from the router (Describe x2 + ImportPools)
+  * per-step times of decode-only steps (median), per-lane call times, and the split overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+
+class StepTimes:
+    """EngineObserver recording lane call durations and step boundaries."""
+
+    def __init__(self):
+        self.lane: dict[str, list[float]] = {"prefill": [], "draft": [], "verify": []}
+        self.steps = 0
+
+    def on_lane_step(self, lane, seconds, batch):
+        self.lane[lane].append(seconds)
+
+    def on_verify(self, k, accepted):
+        pass
+
+    def on_request_finished(self, seq):
+        pass
+
+    def on_step(self, router):
+        self.steps += 1
+
+
+def run(router, specs, observer: StepTimes) -> tuple[list[list[int]], dict]:
+    ids = [router.add_request(s) for s in specs]
+    tokens = {i: [] for i in ids}
+    decode_steps: list[float] = []
+    t_start = time.perf_counter()
+    while router.has_work():
+        prefill_before = len(observer.lane["prefill"])
+        t0 = time.perf_counter()
+        outputs = router.step()
+        dt = time.perf_counter() - t0
+        if len(observer.lane["prefill"]) == prefill_before:  # decode-only step (draft + verify)
+            decode_steps.append(dt)
+        for out in outputs:
+            tokens[out.request_id] += out.token_ids
+    wall = time.perf_counter() - t_start
+    generated = sum(len(t) for t in tokens.values())
+    stats = {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
+             "decode_steps": len(decode_steps),
+             "decode_step_ms_median": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+             "lane_call_ms_median": {lane: (1e3 * statistics.median(v) if v else None)
+                                     for lane, v in observer.lane.items()}}
+    return [tokens[i] for i in ids], stats
+
+
+def summarize(runs: list[dict]) -> dict:
+    return {"runs": len(runs),
+            "decode_step_ms_median_of_runs": statistics.median(r["decode_step_ms_median"] for r in runs),
+            "tokens_per_s_median_of_runs": statistics.median(r["tokens_per_s"] for r in runs),
+            "lane_call_ms_median_of_runs": {lane: statistics.median(r["lane_call_ms_median"][lane] for r in runs)
+                                            for lane in ("prefill", "draft", "verify")},
+            "decode_steps": [r["decode_steps"] for r in runs]}
+
+
+def interleaved(routers: dict, observers: dict, specs, reps: int):
+    """One full-size warm-up each, then timed runs alternating between the topologies (so clock
+    and thermal drift hit both alike). Fresh request ids every run."""
+    outputs = {name: [] for name in routers}
+    runs = {name: [] for name in routers}
+    for rep in range(-1, reps):
+        for name, router in routers.items():
+            observers[name].lane = {lane: [] for lane in observers[name].lane}
+            tokens, stats = run(router, [replace(s, request_id=f"{rep}-{s.request_id}") for s in specs],
+                                observers[name])
+            if rep >= 0:
+                outputs[name].append(tokens)
+                runs[name].append(stats)
+    return outputs, {name: summarize(r) for name, r in runs.items()}
+
+
+def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x != y for x, y in zip(a, b))
+
+
+def specs_for(args, vocab: int):
+    import random
+
+    from verifypd.engine.types import RequestSpec
+
+    rng = random.Random(0)
+    return [RequestSpec(tuple(rng.randrange(3, vocab) for _ in range(args.prompt_len)), max_tokens=args.max_tokens,
+                        stop_at_eos=False, request_id=f"r{n}") for n in range(args.batch)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="random:tinyllama-1.1b")
+    p.add_argument("--draft", default=None, help="default: same as --target (acceptance 1)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-transport", default="handle", choices=["handle", "copy", "auto"])
+    p.add_argument("--reps", type=int, default=5, help="timed runs per topology (after one warm-up)")
+    args = p.parse_args()
+    args.draft = args.draft or args.target
+
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.engine.router import Router
+    from verifypd.local_engine import Engine, EngineOptions
+    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.lane_client import wire_pools
+    from verifypd.server.launcher import LaneProcesses
+
+    config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False)
+    options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+                            num_blocks=args.num_blocks, block_size=args.block_size,
+                            max_context=args.prompt_len + args.max_tokens + 64, max_running=args.batch,
+                            config=config)
+    result: dict = {"target": args.target, "draft": args.draft, "batch": args.batch, "prompt_len": args.prompt_len,
+                    "max_tokens": args.max_tokens, "k": args.k, "kv_transport": args.kv_transport,
+                    "acceptance": "1 (draft = target, random weights)" if args.draft == args.target else "real"}
+
+    # The lanes are spawned (exec), never forked, so this process may use CUDA as well.
+    procs = LaneProcesses(options)
+    t0 = time.perf_counter()
+    addrs = procs.start(timeout_s=600)
+    result["lane_start_s"] = time.perf_counter() - t0
+    try:
+        lanes = connect_lanes(addrs, timeout_s=600)
+        t0 = time.perf_counter()
+        reply = wire_pools(*lanes, kv_transport=args.kv_transport)
+        result["wiring_s"] = time.perf_counter() - t0
+        result["import_s"] = reply.import_seconds
+        result["pool_modes"] = sorted(set(reply.mode_by_pool.values()))
+        result["device"] = lanes[2].describe_pb().pools[0].device_uuid
+        codec = load_codec(args.target)
+        vocab = lanes[2].describe().vocab_size
+        observers = {"split": StepTimes(), "colocated": StepTimes()}
+        engine = Engine(options, observer=observers["colocated"])
+        routers = {"split": Router(*lanes, decode=codec.decode, eos_token_ids=(), config=config,
+                                   max_running=args.batch, observer=observers["split"]),
+                   "colocated": engine.router}
+        outputs, summary = interleaved(routers, observers, specs_for(args, vocab), args.reps)
+        result.update(summary)
+        result["split"]["wire_bytes"] = {lane.lane: lane.wire_bytes for lane in lanes}
+        result["split"]["kv_bytes_copied"] = lanes[0].kv_bytes_copied
+    finally:
+        procs.terminate()
+
+    reference = outputs["colocated"][0]
+    # The engine itself must be deterministic for the comparison to mean anything: every run of
+    # each topology is compared with the first colocated run (block ids differ between runs).
+    result["colocated_runs_mismatched_requests"] = [mismatches(reference, o) for o in outputs["colocated"]]
+    result["split_runs_mismatched_requests"] = [mismatches(reference, o) for o in outputs["split"]]
+    result["identical_output"] = all(o == reference for o in outputs["split"] + outputs["colocated"])
+    c = result["colocated"]["decode_step_ms_median_of_runs"]
+    s_ = result["split"]["decode_step_ms_median_of_runs"]
+    result["per_step_overhead_ms"] = s_ - c
+    result["per_step_overhead_pct"] = 100.0 * (s_ - c) / c
+    result["per_lane_call_overhead_ms"] = {
+        lane: result["split"]["lane_call_ms_median_of_runs"][lane] - result["colocated"]["lane_call_ms_median_of_runs"][lane]
+        for lane in ("prefill", "draft", "verify")}
+    print(json.dumps(result, indent=2))
+    return 0 if result["identical_output"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

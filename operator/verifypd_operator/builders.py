@@ -1,0 +1,272 @@
+"""Pure builders of the Kubernetes objects the operator owns for one `VerifyPDConfig`.
+
+Every function returns plain dicts (apply-ready JSON); no client, no I/O. `build_all` is what the
+reconcile handler applies; anything the operator owns that `build_all` no longer returns is
+deleted (e.g. the lane Deployments after a switch to the colocated topology).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from verifypd.metric_names import RES_CONFIG_NAME, RES_CONFIG_NAMESPACE, RES_POD_NAME
+
+from .spec import API_VERSION, COLOCATED, COLOCATED_LANE_PORTS, GRPC_PORT, KIND, LANES, Spec
+
+MANAGED_BY = "verifypd-operator"
+CONFIG_LABEL = "verifypd.dev/config"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Colocated, devicePlugin sharing: the verify container (which holds the GPU allocation) writes
+# the device list it was given here; its siblings wait for it and pin CUDA to the same device.
+GPU_HANDOFF_DIR = "/run/verifypd/gpu"
+GPU_HANDOFF_FILE = f"{GPU_HANDOFF_DIR}/visible-devices"
+MODEL_DIR = "/models"
+
+Manifest = dict[str, Any]
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "verifypd",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        CONFIG_LABEL: name,
+    }
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": component,
+            CONFIG_LABEL: name}
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """`owner` is the CR body (or any mapping with metadata.name/uid)."""
+    meta = owner["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def deployment_name(name: str, unit: str) -> str:
+    return f"{name}-{unit}"
+
+
+def gateway_pods_service_name(name: str) -> str:
+    """Headless Service resolving to every router pod: the operator calls Control on each."""
+    return f"{name}-gateway-pods"
+
+
+def lane_service_name(name: str, lane: str) -> str:
+    return f"{name}-{lane}"
+
+
+def _meta(name: str, namespace: str, component: str, owner: Mapping[str, Any]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(owner["metadata"]["name"], component),
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def otel_env(config: str, namespace: str, otlp_endpoint: str, service: str) -> list[dict[str, Any]]:
+    """Telemetry env for every container: the receiver keys data on these resource attributes.
+
+    POD_NAME must come first: `$(POD_NAME)` expands only variables defined earlier in the list.
+    """
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": otlp_endpoint},
+        {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "grpc"},
+        {"name": "OTEL_SERVICE_NAME", "value": service},
+        {"name": "OTEL_METRIC_EXPORT_INTERVAL", "value": "5000"},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES",
+         "value": f"{RES_CONFIG_NAME}={config},{RES_CONFIG_NAMESPACE}={namespace},"
+                  f"{RES_POD_NAME}=$(POD_NAME)"},
+    ]
+
+
+def _probes(port: int) -> dict[str, Any]:
+    grpc = {"grpc": {"port": port}}
+    return {
+        # Model loading can take minutes: the startup probe holds liveness off until then.
+        "startupProbe": {**grpc, "periodSeconds": 5, "failureThreshold": 120},
+        "readinessProbe": {**grpc, "periodSeconds": 5},
+        "livenessProbe": {**grpc, "periodSeconds": 10, "failureThreshold": 6},
+    }
+
+
+def _resources(resources: Mapping[str, Any], gpu: int) -> dict[str, Any]:
+    out = {k: dict(v) for k, v in resources.items() if k in ("requests", "limits")}
+    if gpu:
+        # Extended resources go in limits (requests default to them and must not differ).
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpu
+    return out
+
+
+def _model_args(spec: Spec) -> list[str]:
+    return ["--target", spec.target, "--draft", spec.draft]
+
+
+def _volumes(spec: Spec, extra: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): /dev/shm in RAM (shared-memory tensors) plus the optional model PVC."""
+    vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}] + extra
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.model_pvc:
+        vols.append({"name": "models", "persistentVolumeClaim": {"claimName": spec.model_pvc,
+                                                                  "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODEL_DIR, "readOnly": True})
+    return vols, mounts
+
+
+def _container(spec: Spec, cname: str, args: list[str], port: int, env: list[dict[str, Any]],
+               resources: dict[str, Any], mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": cname, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
+            "args": args, "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+            "env": env, "resources": resources, "volumeMounts": mounts, **_probes(port)}
+
+
+def _deployment(name: str, namespace: str, component: str, owner: Mapping[str, Any], replicas: int,
+                pod_spec: dict[str, Any]) -> Manifest:
+    config = owner["metadata"]["name"]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(name, namespace, component, owner),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(config, component)},
+            "template": {"metadata": {"labels": labels(config, component)}, "spec": pod_spec},
+        },
+    }
+
+
+def build_gateway_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str,
+                             otlp_endpoint: str) -> Manifest:
+    """Split topology: the router/gateway alone, connecting to the lane Services."""
+    config = owner["metadata"]["name"]
+    addrs = [arg for lane in LANES for arg in
+             (f"--{lane}-addr", f"{lane_service_name(config, lane)}.{namespace}.svc:{GRPC_PORT}")]
+    args = ["serve", "--port", str(GRPC_PORT), "--topology", "split", *_model_args(spec), *addrs,
+            "--kv-transport", spec.kv_transport]
+    vols, mounts = _volumes(spec, [])
+    c = _container(spec, "gateway", args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
+                   _resources(spec.gateway.resources, 0), mounts)
+    return _deployment(deployment_name(config, "gateway"), namespace, "gateway", owner,
+                       spec.gateway.replicas, {"containers": [c], "volumes": vols})
+
+
+def build_lane_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, lane: str,
+                          replicas: int, otlp_endpoint: str) -> Manifest:
+    config = owner["metadata"]["name"]
+    b = spec.lanes[lane]
+    args = ["lane", lane, "--port", str(GRPC_PORT), *_model_args(spec)]
+    vols, mounts = _volumes(spec, [])
+    c = _container(spec, lane, args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}"),
+                   _resources(b.resources, b.gpu), mounts)
+    return _deployment(deployment_name(config, lane), namespace, lane, owner, replicas,
+                       {"containers": [c], "volumes": vols})
+
+
+def build_resource_claim_template(spec: Spec, owner: Mapping[str, Any], namespace: str) -> Manifest:
+    """Colocated + gpuSharing=dra: one claim per pod, referenced by every lane container."""
+    config = owner["metadata"]["name"]
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": _meta(f"{config}-gpu", namespace, COLOCATED, owner),
+        "spec": {"spec": {"devices": {"requests": [{
+            "name": "gpu",
+            "exactly": {"deviceClassName": spec.dra_device_class, "count": spec.colocated.gpu},
+        }]}}},
+    }
+
+
+def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: int,
+                               otlp_endpoint: str) -> Manifest:
+    """One pod: gateway/router + three lane containers sharing one GPU, PID and IPC namespaces.
+
+    Containers of a pod always share the IPC namespace; `shareProcessNamespace` adds the PID
+    namespace, which CUDA IPC between the lane processes needs (see docs/kubernetes.md).
+    """
+    config = owner["metadata"]["name"]
+    dra = spec.gpu_sharing == "dra"
+    handoff = [] if dra else [{"name": "gpu-handoff", "emptyDir": {"medium": "Memory"}}]
+    vols, mounts = _volumes(spec, handoff)
+    lane_mounts = mounts + ([] if dra else [{"name": "gpu-handoff", "mountPath": GPU_HANDOFF_DIR}])
+    b = spec.colocated
+    containers = []
+    for lane in LANES:
+        port = COLOCATED_LANE_PORTS[lane]
+        lane_cmd = ["verifypd", "lane", lane, "--port", str(port), *_model_args(spec)]
+        env = otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}")
+        if dra:
+            resources = _resources(b.resources, 0)
+            resources["claims"] = [{"name": "gpu"}]
+            c = _container(spec, lane, lane_cmd[1:], port, env, resources, lane_mounts)
+        elif lane == "verify":
+            # Holds the device-plugin allocation; publishes which device it got.
+            script = f'echo "$NVIDIA_VISIBLE_DEVICES" > {GPU_HANDOFF_FILE}.tmp && ' \
+                     f'mv {GPU_HANDOFF_FILE}.tmp {GPU_HANDOFF_FILE} && exec "$@"'
+            c = _container(spec, lane, lane_cmd[1:], port, env, _resources(b.resources, b.gpu), lane_mounts)
+            c.update(command=["sh", "-c", script, "verifypd"], args=lane_cmd)
+        else:
+            # No allocation of its own: the NVIDIA runtime exposes the node's GPUs through the
+            # env var, and CUDA is pinned to the verify container's device by its UUID.
+            script = (f'while [ ! -s {GPU_HANDOFF_FILE} ]; do sleep 1; done; '
+                      f'export CUDA_VISIBLE_DEVICES="$(cat {GPU_HANDOFF_FILE})"; exec "$@"')
+            env = env + [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                         {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}]
+            c = _container(spec, lane, lane_cmd[1:], port, env, _resources(b.resources, 0), lane_mounts)
+            c.update(command=["sh", "-c", script, "verifypd"], args=lane_cmd)
+        containers.append(c)
+    addrs = [arg for lane in LANES for arg in (f"--{lane}-addr", f"localhost:{COLOCATED_LANE_PORTS[lane]}")]
+    gw_args = ["serve", "--port", str(GRPC_PORT), "--topology", "colocated", *_model_args(spec), *addrs,
+               "--kv-transport", spec.kv_transport]
+    containers.insert(0, _container(spec, "gateway", gw_args, GRPC_PORT,
+                                    otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
+                                    _resources(spec.gateway.resources, 0), mounts))
+    pod: dict[str, Any] = {"shareProcessNamespace": True, "containers": containers, "volumes": vols}
+    if dra:
+        pod["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": f"{config}-gpu"}]
+    return _deployment(deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod)
+
+
+def _service(name: str, namespace: str, component: str, owner: Mapping[str, Any], headless: bool) -> Manifest:
+    config = owner["metadata"]["name"]
+    spec: dict[str, Any] = {
+        "selector": selector(config, component),
+        "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                   "appProtocol": "grpc"}],
+    }
+    if headless:
+        spec.update(clusterIP="None", publishNotReadyAddresses=False)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, component, owner),
+            "spec": spec}
+
+
+def build_services(spec: Spec, owner: Mapping[str, Any], namespace: str) -> list[Manifest]:
+    """The public gateway Service `<name>`, the headless control Service, and (split) lane Services.
+
+    Lane Services are headless so the router can resolve and pin individual lane pods: a
+    request's KV lives in one verify replica.
+    """
+    config = owner["metadata"]["name"]
+    gw = COLOCATED if spec.topology == COLOCATED else "gateway"
+    out = [_service(config, namespace, gw, owner, headless=False),
+           _service(gateway_pods_service_name(config), namespace, gw, owner, headless=True)]
+    if spec.topology != COLOCATED:
+        out += [_service(lane_service_name(config, lane), namespace, lane, owner, headless=True)
+                for lane in LANES]
+    return out
+
+
+def build_all(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: Mapping[str, int],
+              otlp_endpoint: str) -> list[Manifest]:
+    """Everything one config owns. `replicas`: unit -> replicas (the autoscaler's current value)."""
+    def r(unit: str) -> int:
+        return replicas.get(unit, spec.bounds(unit).replicas)
+
+    if spec.topology == COLOCATED:
+        objs = [build_colocated_deployment(spec, owner, namespace, r(COLOCATED), otlp_endpoint)]
+        if spec.gpu_sharing == "dra":
+            objs.append(build_resource_claim_template(spec, owner, namespace))
+    else:
+        objs = [build_gateway_deployment(spec, owner, namespace, otlp_endpoint)]
+        objs += [build_lane_deployment(spec, owner, namespace, lane, r(lane), otlp_endpoint) for lane in LANES]
+    return objs + build_services(spec, owner, namespace)

@@ -1,0 +1,224 @@
+"""The `VerifyPDConfig` CustomResourceDefinition, generated here and committed to the chart.
+
+`python -m verifypd_operator.crd > helm/verifypd/crds/verifypdconfigs.verifypd.dev.yaml`
+regenerates the chart's copy; a test fails when the two differ.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+from .spec import GROUP, KIND, PLURAL, VERSION
+
+S = dict[str, Any]
+
+
+def _int(default: int | None = None, minimum: int | None = None, maximum: int | None = None, desc: str = "") -> S:
+    out: S = {"type": "integer"}
+    for k, v in (("default", default), ("minimum", minimum), ("maximum", maximum)):
+        if v is not None:
+            out[k] = v
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def _num(default: float, desc: str, minimum: float | None = None, maximum: float | None = None) -> S:
+    out: S = {"type": "number", "default": default, "description": desc}
+    if minimum is not None:
+        out["minimum"] = minimum
+    if maximum is not None:
+        out["maximum"] = maximum
+    return out
+
+
+def _str(default: str | None, desc: str, enum: list[str] | None = None, max_len: int = 253) -> S:
+    out: S = {"type": "string", "description": desc, "maxLength": max_len}
+    if default is not None:
+        out["default"] = default
+    if enum:
+        out["enum"] = enum
+    return out
+
+
+RESOURCES: S = {
+    "type": "object", "description": "cpu/memory requests and limits (core ResourceRequirements subset); "
+                                     "GPUs are set with `gpu`.",
+    "properties": {k: {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                   for k in ("requests", "limits")},
+}
+
+
+def _replicas(desc: str, gpu: int = 1) -> S:
+    return {
+        "type": "object", "description": desc, "default": {},
+        "properties": {
+            "replicas": _int(1, 0, 64, "initial replicas (the autoscaler then moves within min..max)"),
+            "minReplicas": _int(1, 0, 64),
+            "maxReplicas": _int(4, 1, 64),
+            "gpu": _int(gpu, 0, 8, "nvidia.com/gpu per pod"),
+            "resources": RESOURCES,
+        },
+        "x-kubernetes-validations": [
+            {"rule": "self.minReplicas <= self.replicas && self.replicas <= self.maxReplicas",
+             "message": "replicas must lie within minReplicas..maxReplicas"},
+        ],
+    }
+
+
+def spec_schema() -> S:
+    colocated = _replicas("topology=colocated: pods each holding gateway + all three lanes on one GPU")
+    colocated["properties"].update(
+        gpuSharing=_str("devicePlugin", "how the lane containers share the pod's GPU", ["devicePlugin", "dra"]),
+        draDeviceClass=_str("gpu.nvidia.com", "DeviceClass for gpuSharing=dra"),
+    )
+    gateway = _replicas("the router/gateway (topology=split)", gpu=0)
+    return {
+        "type": "object", "default": {},
+        "properties": {
+            "model": {"type": "object", "default": {}, "properties": {
+                "target": _str("smollm2", "target model: embedded name, HF cache name, local dir or .gguf"),
+                "draft": _str("self:6", "draft model; self:N = the target's first N layers"),
+                "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
+            }},
+            "image": {"type": "object", "default": {}, "properties": {
+                "repository": _str("ghcr.io/verifypd/verifypd", "service image"),
+                "tag": _str("0.1.0", "", max_len=128),
+                "pullPolicy": _str("IfNotPresent", "", ["Always", "IfNotPresent", "Never"]),
+            }},
+            "topology": _str("colocated", "colocated: one pod per replica, lanes share a GPU by KV handle; "
+                             "split: a Deployment per lane", ["colocated", "split"]),
+            "kvTransport": _str("auto", "KV transfer between lanes", ["auto", "handle", "copy"]),
+            "gateway": gateway,
+            "colocated": colocated,
+            "lanes": {"type": "object", "default": {}, "properties": {
+                lane: _replicas(f"{lane} lane Deployment (topology=split)") for lane in ("prefill", "draft", "verify")}},
+            "speculation": {
+                "type": "object", "default": {},
+                "properties": {
+                    "kInitial": _int(4, 0, 16, "draft length before acceptance is known"),
+                    "kMin": _int(1, 0, 16, "floor of the adaptive k and of the autoscaler's kMax"),
+                    "kMax": _int(8, 0, 16, "ceiling; the autoscaler lowers it under ITL pressure"),
+                    "adaptive": {"type": "boolean", "default": True},
+                },
+                "x-kubernetes-validations": [
+                    {"rule": "self.kMin <= self.kInitial && self.kInitial <= self.kMax",
+                     "message": "speculation must satisfy kMin <= kInitial <= kMax"}],
+            },
+            "priorities": {"type": "object", "default": {}, "properties": {
+                "draft": _int(2, -100, 100), "verify": _int(1, -100, 100), "prefill": _int(0, -100, 100)}},
+            "prefillTokenBudget": _int(512, 16, 1 << 20, "prompt tokens prefilled per scheduling step"),
+            "prefillTokenBudgetMax": _int(4096, 16, 1 << 20, "ceiling when the autoscaler raises the budget"),
+            "slo": {
+                "type": "object", "default": {},
+                "properties": {
+                    "ttftP95Ms": _num(1000.0, "time-to-first-token p95 objective, ms"),
+                    "itlP95Ms": _num(100.0, "inter-token latency p95 objective, ms"),
+                },
+                "x-kubernetes-validations": [
+                    {"rule": "self.ttftP95Ms > 0.0 && self.itlP95Ms > 0.0", "message": "SLOs must be positive"}],
+            },
+            "autoscaling": {"type": "object", "default": {}, "properties": {
+                "enabled": {"type": "boolean", "default": True},
+                "intervalSeconds": _int(30, 1, 3600, "evaluation period"),
+                "windowSeconds": _int(120, 5, 3600, "metrics window the p95s are computed over"),
+                "scaleUpCooldownSeconds": _int(60, 0, 86400),
+                "scaleDownCooldownSeconds": _int(300, 0, 86400),
+                "configCooldownSeconds": _int(30, 0, 86400, "between runtime config (k, priority) changes"),
+                "breachPeriods": _int(2, 1, 100, "consecutive breached evaluations before acting"),
+                "headroomPeriods": _int(3, 1, 100, "consecutive evaluations with headroom before relaxing"),
+                "headroomRatio": _num(0.7, "headroom = every p95 below this fraction of its SLO", 0.05, 0.99),
+                "minSamples": _int(20, 0, 1_000_000, "observations needed in the window to act"),
+            }},
+        },
+        "x-kubernetes-validations": [
+            {"rule": "self.prefillTokenBudget <= self.prefillTokenBudgetMax",
+             "message": "prefillTokenBudget must not exceed prefillTokenBudgetMax"},
+            {"rule": "self.priorities.prefill <= self.priorities.verify",
+             "message": "prefill priority must not exceed verify's (the autoscaler raises it at most to verify's)"},
+        ],
+    }
+
+
+def status_schema() -> S:
+    free = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return {
+        "type": "object",
+        "properties": {
+            "observedGeneration": {"type": "integer"},
+            "conditions": {"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+                           "items": {"type": "object", "required": ["type", "status"], "properties": {
+                               "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                               "reason": {"type": "string"}, "message": {"type": "string"},
+                               "lastTransitionTime": {"type": "string", "format": "date-time"},
+                               "observedGeneration": {"type": "integer"}}}},
+            "observed": {"type": "object", "properties": {
+                "ttftP95Ms": {"type": "number", "nullable": True}, "itlP95Ms": {"type": "number", "nullable": True},
+                "samples": {"type": "integer"}, "acceptanceRate": {"type": "number", "nullable": True},
+                "queueDepth": {"type": "object", "additionalProperties": {"type": "number"}},
+                "windowSeconds": {"type": "integer"}, "time": {"type": "string"}}},
+            "applied": {"type": "object", "properties": {
+                "kMin": {"type": "integer"}, "kMax": {"type": "integer"}, "kInitial": {"type": "integer"},
+                "adaptive": {"type": "boolean"}, "prefillTokenBudget": {"type": "integer"},
+                "priorities": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "revision": {"type": "integer"}, "routersInSync": {"type": "integer"},
+                "routerErrors": {"type": "integer"}}},
+            "replicas": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "replicasText": {"type": "string"},
+            "lastDecision": {"type": "object", "properties": {
+                "action": {"type": "string"}, "reason": {"type": "string"}, "time": {"type": "string"},
+                "scales": {"type": "array", "items": {"type": "object", "properties": {
+                    "unit": {"type": "string"}, "from": {"type": "integer"}, "to": {"type": "integer"}}}}}},
+            "autoscaler": free,
+        },
+    }
+
+
+def build_crd() -> S:
+    cols = [
+        ("Topology", "string", ".spec.topology"),
+        ("K", "integer", ".status.applied.kMax"),
+        ("Replicas", "string", ".status.replicasText"),
+        ("TTFT-P95-MS", "number", ".status.observed.ttftP95Ms"),
+        ("ITL-P95-MS", "number", ".status.observed.itlP95Ms"),
+        ("Ready", "string", '.status.conditions[?(@.type=="Ready")].status'),
+        ("Age", "date", ".metadata.creationTimestamp"),
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower(), "listKind": f"{KIND}List",
+                      "shortNames": ["vpd"], "categories": ["verifypd"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [{"name": n, "type": t, "jsonPath": p} for n, t, p in cols],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A verifypd serving deployment run and autoscaled by the verifypd operator.",
+                    "properties": {
+                        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
+                        "spec": spec_schema(), "status": status_schema()},
+                    "x-kubernetes-validations": [{
+                        "rule": "self.metadata.name.size() <= 40",
+                        "message": "name must be at most 40 characters (it prefixes Service names)"}],
+                }},
+            }],
+        },
+    }
+
+
+def main() -> None:
+    sys.stdout.write("# Generated by `python -m verifypd_operator.crd`; do not edit.\n")
+    yaml.safe_dump(build_crd(), sys.stdout, sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+    main()

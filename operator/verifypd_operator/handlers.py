@@ -1,0 +1,178 @@
+"""kopf handlers: read, call a pure function, apply. No policy and no manifest logic lives here.
+
+Handlers are registered into a given registry by `register()` (not at import time), so the
+entry point and the tests each get their own registry, tick and dependencies.
+
+Handlers are sync: kopf runs them in its thread pool, which keeps the blocking Kubernetes and
+gRPC clients off the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from . import status as st
+from .builders import build_all, deployment_name, gateway_pods_service_name
+from .control_client import ControlClient
+from .decision import Decision, clamp_knobs, decide
+from .kube import Kube
+from .otlp_receiver import MetricsStore
+from .spec import COLOCATED, GROUP, GRPC_PORT, PLURAL, VERSION, parse_spec
+
+
+def default_control_target(name: str, namespace: str) -> str:
+    return f"{gateway_pods_service_name(name)}.{namespace}.svc:{GRPC_PORT}"
+
+
+@dataclasses.dataclass
+class OperatorContext:
+    kube: Kube
+    store: MetricsStore
+    control: ControlClient
+    otlp_endpoint: str
+    control_target: Callable[[str, str], str] = default_control_target
+    clock: Callable[[], float] = time.time
+
+
+def _reset_units(diff: Any) -> list[str]:
+    """Units whose `replicas` the user changed: the spec value overrides the autoscaler's."""
+    out = []
+    for _, path, _, _ in diff or ():
+        path = tuple(path)
+        if path[:2] == ("spec", "lanes") and len(path) >= 4 and path[3] == "replicas":
+            out.append(path[2])
+        elif path[:3] == ("spec", "colocated", "replicas"):
+            out.append(COLOCATED)
+        elif path[:2] in (("spec", "lanes"), ("spec", "colocated"), ("spec",)) and len(path) <= 2:
+            out += ["prefill", "draft", "verify", COLOCATED]  # the whole block was (re)set
+    return out
+
+
+def _readiness(ctx: OperatorContext, name: str, namespace: str, objs: list[Mapping[str, Any]]):
+    """(ready, progressing, message) from the owned Deployments' status."""
+    waiting, rolling = [], []
+    for o in objs:
+        if o["kind"] != "Deployment":
+            continue
+        live = ctx.kube.get("Deployment", namespace, o["metadata"]["name"]) or {}
+        want = int((live.get("spec") or {}).get("replicas", o["spec"]["replicas"]))
+        s = live.get("status") or {}
+        if int(s.get("readyReplicas") or 0) < 1:
+            waiting.append(o["metadata"]["name"])
+        if int(s.get("updatedReplicas") or 0) < want or int(s.get("readyReplicas") or 0) < want:
+            rolling.append(o["metadata"]["name"])
+    msg = ("waiting for " + ", ".join(waiting)) if waiting else "all Deployments have ready replicas"
+    return not waiting, bool(rolling), msg
+
+
+def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: float = 5.0) -> None:
+    res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.resume(**res)
+    @kopf.on.create(**res)
+    @kopf.on.update(**res)
+    def reconcile(body, spec, name, namespace, meta, status, diff, patch, logger, **_):
+        spec_ = parse_spec(spec)
+        replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff))
+        objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint)
+        for obj in objs:
+            ctx.kube.apply(obj)
+        pruned = ctx.kube.prune(name, namespace, keep=objs)
+        ctx.store.register(namespace, name)
+
+        now = ctx.clock()
+        gen = meta.get("generation")
+        knobs = clamp_knobs(st.knobs_from_status((status or {}).get("applied")), spec_)
+        ready, rolling, msg = _readiness(ctx, name, namespace, objs)
+        conds = (status or {}).get("conditions")
+        conds = st.set_condition(conds, "Ready", ready, "Available" if ready else "Unavailable", msg, now, gen)
+        conds = st.set_condition(conds, "Progressing", True, "Reconciled",
+                                 f"applied {len(objs)} objects" + (f", pruned {', '.join(pruned)}" if pruned else ""),
+                                 now, gen)
+        if not any(c["type"] == "Degraded" for c in conds):
+            conds = st.set_condition(conds, "Degraded", False, "AsExpected", "", now, gen)
+        old_units = ((status or {}).get("autoscaler") or {}).get("replicas") or {}
+        patch.status["observedGeneration"] = gen
+        patch.status["conditions"] = conds
+        patch.status["applied"] = st.knobs_to_status(knobs)
+        patch.status["replicas"] = st.lane_replicas(spec_, replicas)
+        patch.status["replicasText"] = st.replicas_text(spec_, replicas)
+        # Merge-patch semantics: units that no longer exist must be nulled explicitly.
+        patch.status["autoscaler"] = {"replicas": {**{u: None for u in old_units}, **replicas}}
+        kopf.event(body, type="Normal", reason="Reconciled", message=f"{spec_.topology}: {st.replicas_text(spec_, replicas)}")
+        logger.info("reconciled %s/%s: %d objects, pruned %s", namespace, name, len(objs), pruned)
+
+    @kopf.on.delete(**res)
+    def delete(name, namespace, logger, **_):
+        # Owner references let the garbage collector do this too; deleting explicitly makes
+        # "nothing left behind" not depend on GC timing (and covers orphaning deletes).
+        gone = ctx.kube.prune(name, namespace, keep=())
+        ctx.store.unregister(namespace, name)
+        logger.info("deleted %s/%s: %s", namespace, name, gone)
+
+    @kopf.timer(**res, interval=tick_s, initial_delay=tick_s, idle=None)
+    def autoscale(body, spec, name, namespace, meta, status, patch, logger, **_):
+        ctx.store.register(namespace, name)  # idempotent; covers a fresh operator replica
+        spec_ = parse_spec(spec)
+        status = status or {}
+        now = ctx.clock()
+        before = st.current_from_status(spec_, status, now)
+        last = st.parse_time((status.get("autoscaler") or {}).get("lastEvaluation"))
+        decision: Decision | None = None
+        replicas, knobs = dict(before.replicas), before.knobs
+        if last is None or now - last >= spec_.autoscaling.interval_s:
+            observed = ctx.store.observe(namespace, name, now, spec_.autoscaling.window_s)
+            decision = decide(spec_, observed, before)
+            for s in decision.scales:
+                ctx.kube.scale(namespace, deployment_name(name, s.unit), s.to_replicas)
+                replicas[s.unit] = s.to_replicas
+            knobs = decision.knobs or knobs
+            patch.status["observed"] = st.observed_to_status(observed, spec_.autoscaling.window_s, now)
+            patch.status["autoscaler"] = st.autoscaler_status(spec_, before, decision, observed, replicas, now)
+            patch.status["replicas"] = st.lane_replicas(spec_, replicas)
+            patch.status["replicasText"] = st.replicas_text(spec_, replicas)
+            patch.status["applied"] = st.knobs_to_status(knobs)
+            if decision.changes_something:
+                patch.status["lastDecision"] = st.decision_to_status(decision, now)
+                kopf.event(body, type="Normal", reason=f"Autoscale:{decision.action}", message=decision.reason)
+                logger.info("decision for %s/%s: %s", namespace, name, decision.reason)
+            elif decision.at_limits and not status.get("lastDecision", {}).get("reason") == decision.reason:
+                patch.status["lastDecision"] = st.decision_to_status(decision, now)
+                kopf.event(body, type="Warning", reason="AtLimits", message=decision.reason)
+
+        # Every tick: make every router run the applied knobs (a restarted one has CLI defaults).
+        reason = decision.reason if decision is not None and decision.knobs else "sync runtime config"
+        sync = ctx.control.sync(ctx.control_target(name, namespace), knobs, f"operator/{namespace}/{name}",
+                                reason, force=bool(decision is not None and decision.knobs))
+        applied = dict(patch.status.get("applied") or st.knobs_to_status(knobs))
+        applied.update(routersInSync=sync.reached, routerErrors=len(sync.errors))
+        if sync.revision is not None:
+            applied["revision"] = sync.revision
+        patch.status["applied"] = applied
+
+        gen = meta.get("generation")
+        objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint)
+        ready, rolling, msg = _readiness(ctx, name, namespace, objs)
+        ready = ready and sync.reached > 0
+        if ready is False and not msg.startswith("waiting") and sync.reached == 0:
+            msg = "no router answered Control" + (f": {sync.errors}" if sync.errors else "")
+        conds = status.get("conditions")
+        conds = st.set_condition(conds, "Ready", ready, "Available" if ready else "Unavailable", msg, now, gen)
+        conds = st.set_condition(conds, "Progressing", rolling, "RollingOut" if rolling else "Stable",
+                                 "replicas updating" if rolling else "all replicas updated", now, gen)
+        degraded_msg = "; ".join(
+            ([f"Control errors: {sync.errors}"] if sync.errors else [])
+            + ([decision.reason] if decision is not None and decision.at_limits else []))
+        if decision is None:  # not evaluated this tick: keep the SLO part of Degraded as it was
+            old = next((c for c in conds if c["type"] == "Degraded"), None)
+            if old and old.get("reason") == "SLOAtLimits" and not sync.errors:
+                degraded_msg = old.get("message", "")
+        reason_d = "ControlUnreachable" if sync.errors else ("SLOAtLimits" if degraded_msg else "AsExpected")
+        conds = st.set_condition(conds, "Degraded", bool(degraded_msg), reason_d, degraded_msg, now, gen)
+        if conds != status.get("conditions"):
+            patch.status["conditions"] = conds

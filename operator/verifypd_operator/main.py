@@ -1,0 +1,80 @@
+"""`verifypd-operator`: kopf (handlers, peering, liveness endpoint) plus the OTLP receiver."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import zlib
+
+import kopf
+
+from .control_client import ControlClient
+from .handlers import OperatorContext, register
+from .kube import Kube, api_client_from_env
+from .otlp_receiver import MetricsStore, serve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser("verifypd-operator")
+    p.add_argument("--namespace", action="append", default=[],
+                   help="watch only these namespaces (repeatable); default: cluster-wide")
+    p.add_argument("--otlp-port", type=int, default=int(env("VERIFYPD_OTLP_PORT", "4317")))
+    p.add_argument("--otlp-endpoint", default=env("VERIFYPD_OTLP_ENDPOINT", "http://verifypd-operator-otlp:4317"),
+                   help="OTEL_EXPORTER_OTLP_ENDPOINT given to the pods the operator runs")
+    p.add_argument("--peering-name", default=env("VERIFYPD_PEERING_NAME", "verifypd-operator"))
+    p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority; default derived from POD_NAME so replicas differ")
+    p.add_argument("--liveness", default=env("VERIFYPD_LIVENESS", "http://0.0.0.0:8080/healthz"))
+    p.add_argument("--tick", type=float, default=float(env("VERIFYPD_TICK_SECONDS", "5")),
+                   help="timer period; each config is evaluated every spec.autoscaling.intervalSeconds")
+    p.add_argument("--log-level", default=env("VERIFYPD_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def peering_priority(pod_name: str) -> int:
+    """Distinct per replica: kopf freezes *all* peers that share the top priority."""
+    return 100 + zlib.crc32(pod_name.encode()) % 10_000
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = MetricsStore()
+    server, port = serve(store, f"[::]:{args.otlp_port}")
+    logging.getLogger(__name__).info("OTLP receiver on :%d", port)
+    ctx = OperatorContext(kube=Kube(api_client_from_env()), store=store, control=ControlClient(),
+                          otlp_endpoint=args.otlp_endpoint)
+    registry = kopf.OperatorRegistry()
+    register(registry, ctx, tick_s=args.tick)
+    priority = args.priority if args.priority is not None else peering_priority(
+        os.environ.get("POD_NAME", os.uname().nodename))
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_):
+        settings.peering.priority = priority
+        settings.peering.mandatory = not args.standalone
+        settings.posting.level = logging.WARNING  # our own events are explicit
+        settings.watching.server_timeout = 300
+        # Progress in annotations only: status stays ours (and schema-pruned).
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="verifypd.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="verifypd.dev")
+
+    try:
+        asyncio.run(kopf.operator(
+            registry=registry,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            standalone=args.standalone,
+            peering_name=None if args.standalone else args.peering_name,
+            liveness_endpoint=args.liveness,
+        ))
+    finally:
+        server.stop(grace=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""`verifypd serve`, `verifypd lane` and `verifypd generate --server` (registered by verifypd.cli).
+
+    verifypd serve [--port 50051] [--topology colocated|split] [--target M] [--draft M]
+    verifypd lane prefill|draft|verify --port P [--target M] [--draft M]
+    verifypd generate --server HOST:PORT "PROMPT" [--json] [sampling flags]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+DEFAULT_PORT = 50051
+DEFAULT_HOST = os.environ.get("VERIFYPD_HOST", "127.0.0.1")
+
+
+def register(sub) -> None:
+    from verifypd.cli import add_model_flags
+
+    sub.choices["generate"].set_defaults(handler=cmd_generate_remote)
+    sub.choices["generate"].add_argument("--timeout", type=float, default=None,
+                                         help="with --server: deadline for the whole generation, seconds")
+
+    serve = sub.add_parser("serve", help="run the gateway + router and the three lanes")
+    serve.add_argument("--host", default=DEFAULT_HOST, help="bind address (default 127.0.0.1, env VERIFYPD_HOST)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--topology", choices=["colocated", "split"], default="colocated",
+                       help="colocated: lanes in this process; split: each lane its own process")
+    add_model_flags(serve)
+    add_engine_flags(serve)
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
+    serve.add_argument("--default-max-tokens", type=int, default=256, help="when a request sends max_tokens 0")
+    serve.add_argument("--kv-transport", choices=["auto", "handle", "copy"], default="auto",
+                       help="split: import co-located pools (handle) or copy KV bytes over gRPC (copy)")
+    for lane in ("prefill", "draft", "verify"):
+        serve.add_argument(f"--{lane}-addr", metavar="HOST:PORT", default=None,
+                           help=f"connect to a running {lane} lane instead of starting one")
+    serve.add_argument("--lane-timeout", type=float, default=60.0, help="seconds per lane call")
+    serve.add_argument("--k-min", type=int, default=None)
+    serve.add_argument("--k-max", type=int, default=None)
+    serve.add_argument("--k-initial", type=int, default=None)
+    serve.add_argument("--no-adaptive", action="store_true", help="every request uses k-initial")
+    serve.add_argument("--prefill-token-budget", type=int, default=None)
+    serve.set_defaults(handler=cmd_serve)
+
+    lane = sub.add_parser("lane", help="run one lane server (split topology)")
+    lane.add_argument("lane", choices=["prefill", "draft", "verify"])
+    lane.add_argument("--host", default=DEFAULT_HOST)
+    lane.add_argument("--port", type=int, default=0, help="0 = any free port (see --port-file)")
+    lane.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    lane.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    add_model_flags(lane)
+    add_engine_flags(lane, router=False)
+    lane.set_defaults(handler=cmd_lane)
+
+
+def add_engine_flags(p: argparse.ArgumentParser, router: bool = True) -> None:
+    p.add_argument("--block-size", type=int, default=16, help="token positions per KV block")
+    p.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
+    if router:
+        p.add_argument("--max-running", type=int, default=256, help="requests decoding at once")
+
+
+def engine_options(args):
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.local_engine import EngineOptions
+
+    options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+                            num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context)
+    if hasattr(args, "max_running"):
+        options.max_running = args.max_running
+        changes = {name: getattr(args, name) for name in ("k_min", "k_max", "k_initial", "prefill_token_budget")
+                   if getattr(args, name) is not None}
+        if args.no_adaptive:
+            changes["adaptive"] = False
+        options.config = RuntimeConfig(**changes) if changes else RuntimeConfig()
+        options.config.validate()
+    return options
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _wait_for_signal(poll=None) -> None:
+    """Blocks until SIGTERM/SIGINT (or poll() returns True)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if poll is not None and poll():
+            return
+
+
+def cmd_serve(args) -> int:
+    from verifypd.server.gateway import build_colocated, build_split
+    from verifypd.server.telemetry import Telemetry
+
+    _setup_logging()
+    options = engine_options(args)
+    telemetry = Telemetry("verifypd-gateway")
+    common = dict(host=args.host, port=args.port, max_queue=args.max_queue,
+                  default_max_tokens=args.default_max_tokens, observer=telemetry)
+    addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
+    if any(addrs.values()):
+        missing = [lane for lane, a in addrs.items() if not a]
+        if missing:
+            print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
+            return 2
+        gateway = build_split(addrs, options, kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout,
+                              topology=args.topology, **common)
+    elif args.topology == "split":
+        from verifypd.server.launcher import LaneProcesses
+
+        options.shared_cpu_pools = True
+        procs = LaneProcesses(options, host="127.0.0.1")
+        try:
+            addrs = procs.start()
+            for lane, pid in procs.pids().items():
+                print(f"verifypd: {lane} lane pid={pid} addr={addrs[lane]}", file=sys.stderr, flush=True)
+            gateway = build_split(addrs, options, kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout,
+                                  on_close=[procs.terminate], **common)
+            procs.shm_paths = [d.shm_path for lane in gateway.lanes[1:] for d in lane.describe_pb().pools
+                               if d.shm_path]
+        except BaseException:
+            procs.terminate()
+            raise
+    else:
+        gateway = build_colocated(options, **common)
+    gateway.start()
+    print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
+          f"(target {options.target}, draft {options.draft})", file=sys.stderr, flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        gateway.stop()
+        telemetry.shutdown()
+    return 0
+
+
+def cmd_lane(args) -> int:
+    from verifypd.server.lane_server import LaneServicer, build_lane_server
+
+    _setup_logging()
+    servicer = LaneServicer(args.lane, engine_options(args))
+    server, port, health = build_lane_server(servicer, args.host, args.port)
+    if args.port_file:  # written atomically: the launcher reads it as soon as it exists
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    print(f"verifypd: {args.lane} lane serving on {args.host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    parent = args.parent_pid
+    try:
+        _wait_for_signal(poll=(lambda: os.getppid() != parent) if parent else None)
+    finally:
+        health.set(False)
+        server.stop(1).wait(2)
+        servicer.close()
+    return 0
+
+
+def cmd_generate_remote(args) -> int:
+    import grpc
+
+    from verifypd.server.convert import FINISH_NAMES
+    from verifypd.v1 import generate_pb2, generate_pb2_grpc
+
+    channel = grpc.insecure_channel(args.server)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=5)
+    except grpc.FutureTimeoutError:
+        print(f"verifypd: error: cannot reach a verifypd server at {args.server} (is `verifypd serve` running?)",
+              file=sys.stderr)
+        return 2
+    stub = generate_pb2_grpc.GenerationStub(channel)
+    req = generate_pb2.GenerateRequest(
+        sampling=generate_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                             seed=args.seed),
+        max_tokens=args.max_tokens, stop=args.stop)
+    if args.no_speculation:
+        req.speculation.disable = True
+    elif args.k is not None:
+        req.speculation.max_k = args.k
+    if args.raw:
+        req.text = args.prompt
+    else:
+        req.chat.messages.add(role="user", content=args.prompt)
+    t0 = time.monotonic()
+    ids, text, last, ttft = [], [], None, None
+    try:
+        info = stub.GetServerInfo(generate_pb2.ServerInfoRequest(), timeout=10)
+        for attempt in range(2):
+            try:
+                for msg in stub.Generate(req, timeout=args.timeout):
+                    if ttft is None and msg.token_ids:
+                        ttft = time.monotonic() - t0
+                    ids += msg.token_ids
+                    text.append(msg.text)
+                    if not args.json:
+                        print(msg.text, end="", flush=True)
+                    last = msg
+                break
+            except grpc.RpcError as exc:
+                # Like the offline CLI: chat template when the model has one, else plain text.
+                if attempt == 0 and last is None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT \
+                        and "chat template" in (exc.details() or ""):
+                    req.text = args.prompt
+                    continue
+                raise
+    except grpc.RpcError as exc:
+        print(f"\nverifypd: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    elapsed = time.monotonic() - t0
+    u = last.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens, "verify_steps": u.verify_steps}
+    if args.json:
+        print(json.dumps({"request_id": last.request_id, "text": "".join(text), "token_ids": ids,
+                          "finish_reason": FINISH_NAMES[last.finish_reason], "usage": usage, "ttft_s": ttft,
+                          "target": info.target_model, "draft": info.draft_model, "device": f"server:{args.server}"}))
+        return 0
+    rate = u.completion_tokens / max(elapsed, 1e-9)
+    acc = f"acceptance {u.accepted_tokens / u.draft_tokens:.0%}" if u.draft_tokens else "no speculation"
+    ttft_ms = f"TTFT {ttft * 1000:.0f} ms, " if ttft is not None else ""
+    print(f"\n[{u.completion_tokens} tokens, {acc}, {ttft_ms}{rate:.1f} tok/s]", file=sys.stderr)
+    return 0

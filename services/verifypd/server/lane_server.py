@@ -1,0 +1,238 @@
+"""One lane process: `verifypd lane prefill|draft|verify --port P --target M --draft M`.
+
+No request logic here: each server wraps the in-process lane (verifypd.lanes.local) over runners
+whose pools are the ones this process owns or imported, and converts messages at the edge.
+
+    draft lane   owns the draft pool (+ draft weights); serves KvTransfer for it
+    verify lane  owns the target pool (+ target weights); serves KvTransfer for it
+    prefill lane has both models; after ImportPools it writes into the owners' pools directly
+                 (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
+                 touched blocks it then streams to the owners (copy transport)
+
+One lock per process serializes work calls (and KvTransfer writes) on the pools.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import replace
+
+import grpc
+import torch
+
+from verifypd.lanes.interface import LaneInfo
+from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+from verifypd.local_engine import EngineOptions, resolve_device, resolve_dtype
+from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.llama import PagedLlama
+from verifypd.model.loader import ModelLoadError, load_model
+from verifypd.model.runner import ModelRunner
+from verifypd.server import kv_transport as kv
+from verifypd.server import lane_convert as lc
+from verifypd.server.health import add_health_and_reflection
+from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+
+log = logging.getLogger("verifypd.lane")
+LANES = ("prefill", "draft", "verify")
+
+
+def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
+    """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids)."""
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    self_draft = options.draft.startswith("self:")
+    target = load_model(options.target, device, dtype, options.max_context) if (need_target or self_draft) else None
+    target_model = PagedLlama(target.shape, target.weights) if need_target else None
+    draft_model = None
+    if need_draft:
+        if self_draft:
+            try:
+                layers = int(options.draft.removeprefix("self:"))
+            except ValueError:
+                raise ModelLoadError(f"--draft self:N needs an integer N, got {options.draft!r}") from None
+            if not (1 <= layers <= target.shape.num_layers):
+                raise ModelLoadError(f"--draft self:N needs 1 <= N <= {target.shape.num_layers}, got {layers}")
+            draft_model = PagedLlama(target.shape, target.weights, num_layers=layers)
+        else:
+            draft = load_model(options.draft, device, dtype, options.max_context)
+            draft_model = PagedLlama(draft.shape, draft.weights)
+    return target, target_model, draft_model, device, dtype
+
+
+def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dtype) -> KvPool:
+    s = model.shape
+    geometry = PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
+    blocks = options.num_blocks
+    if blocks is None:
+        per_block = geometry.bytes_per_block(dtype)
+        if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
+            free, _ = torch.cuda.mem_get_info(device)
+            blocks = int(free * options.gpu_memory_fraction / 3) // per_block
+        else:
+            blocks = min(4096, max(256, (1 << 29) // per_block))
+    geometry = replace(geometry, num_blocks=blocks)
+    if device.type == "cpu":  # /dev/shm so the prefill lane can map the same bytes
+        return KvPool.create_shared_cpu(role, geometry, dtype)
+    return KvPool(role, geometry, dtype, device)
+
+
+class LaneServicer:
+    """Implements Describe / ImportPools and the lane's work RPC (Prefill, Draft or Verify)."""
+
+    def __init__(self, role: str, options: EngineOptions):
+        if role not in LANES:
+            raise ValueError(f"lane must be one of {', '.join(LANES)}; got {role!r}")
+        self.role, self.options = role, options
+        self.lock = threading.Lock()
+        target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
+            options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft"))
+        shape = (self.target_model or self.draft_model).shape
+        self.vocab_size, self.max_context = shape.vocab_size, shape.max_context
+        self.eos_token_ids = target.eos_token_ids if target else ()
+        self.owned: dict[str, KvPool] = {}
+        self.lane = None
+        if role == "verify":
+            pool = owned_pool("target", self.target_model, options, self.device, self.dtype)
+            self.owned[pool.pool_id] = pool
+            self.lane = LocalVerifyLane(ModelRunner(self.target_model, pool), self._info((pool.info(),)))
+        elif role == "draft":
+            pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype)
+            self.owned[pool.pool_id] = pool
+            self.lane = LocalDraftLane(ModelRunner(self.draft_model, pool), self._info((pool.info(),)))
+        self.transfer = kv.KvTransferServicer(self.owned, self.lock)
+        self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
+        self.pool_ids: dict[str, str] = {p.role: p.pool_id for p in self.owned.values()}
+        self.kv_bytes_copied = 0
+        self.import_seconds = 0.0
+
+    def _info(self, pools) -> LaneInfo:
+        return LaneInfo(self.role, tuple(pools), self.vocab_size, self.max_context,
+                        target_model=self.options.target, draft_model=self.options.draft)
+
+    def close(self) -> None:
+        with self.lock:
+            self.lane, self.pushers = None, {}
+        kv.release_imported()
+        gc.collect()  # the imported storages go now, not at interpreter teardown
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for pool in self.owned.values():
+            pool.close()
+
+    # -- RPCs ------------------------------------------------------------------------------
+    def Describe(self, request, context) -> lanes_pb2.LaneInfo:
+        return lanes_pb2.LaneInfo(
+            lane=self.role, target_model=self.options.target, draft_model=self.options.draft,
+            pools=[kv.describe_pool(p) for p in self.owned.values()], vocab_size=self.vocab_size,
+            max_context=self.max_context, eos_token_ids=self.eos_token_ids,
+            kv_bytes_received=self.transfer.bytes_received)
+
+    def ImportPools(self, request, context) -> lanes_pb2.ImportPoolsReply:
+        if self.role != "prefill":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
+        mode_arg = request.kv_transport or "auto"
+        if mode_arg not in ("auto", "handle", "copy"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}")
+        t0 = time.perf_counter()
+        pools, pushers, modes = {}, {}, {}
+        for d in request.pools:
+            role = lc.ROLE_FROM_PB.get(d.role)
+            if role is None or role in pools:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
+            near = kv.colocated(d, self.device)
+            if mode_arg == "handle" and not near:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pool {d.pool_id} is on another host or device; use kv_transport copy")
+            try:
+                if near and mode_arg != "copy":
+                    pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
+                else:
+                    pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
+                    pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr)
+            except (ValueError, OSError, RuntimeError) as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
+        if set(pools) != {"target", "draft"}:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
+        runners = (ModelRunner(self.target_model, pools["target"]), ModelRunner(self.draft_model, pools["draft"]))
+        with self.lock:
+            self.lane = LocalPrefillLane(*runners, self._info(()))
+            self.pushers = pushers
+            self.pool_ids = {role: p.pool_id for role, p in pools.items()}
+            self.import_seconds = time.perf_counter() - t0
+        log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
+        return lanes_pb2.ImportPoolsReply(mode_by_pool=modes, import_seconds=self.import_seconds)
+
+    def _check(self, context, handles) -> None:
+        if self.lane is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefill lane has no pools yet: call ImportPools")
+        for role, h in handles:
+            if h.pool_id != self.pool_ids.get(role):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{role}_kv.pool_id {h.pool_id!r} is not the {role} pool {self.pool_ids.get(role)!r}")
+
+    def _run(self, context, fn):
+        try:
+            with self.lock:
+                return fn()
+        except (ValueError, IndexError, RuntimeError, grpc.RpcError) as exc:
+            log.exception("%s lane call failed", self.role)
+            context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: {exc}")
+
+    def Prefill(self, request, context) -> lanes_pb2.PrefillResult:
+        items = lc.prefill_batch_from_pb(request)
+        self._check(context, [(r, h) for i in items for r, h in (("target", i.target_kv), ("draft", i.draft_kv))])
+
+        def work():
+            outputs = self.lane.prefill(items)
+            copied = 0
+            for role, pusher in self.pushers.items():
+                blocks = [b for i in items
+                          for b in kv.touched_blocks((i.target_kv if role == "target" else i.draft_kv).block_ids,
+                                                     i.start_pos, i.start_pos + len(i.token_ids),
+                                                     pusher.pool.geometry.block_size)]
+                copied += pusher.push(blocks)
+            if self.device.type == "cuda":  # IPC shares memory, not ordering: finish before replying
+                torch.cuda.synchronize(self.device)
+            return outputs, copied
+
+        outputs, copied = self._run(context, work)
+        self.kv_bytes_copied += copied
+        return lc.prefill_outputs_to_pb(outputs, copied)
+
+    def Draft(self, request, context) -> lanes_pb2.DraftResult:
+        items = lc.draft_batch_from_pb(request)
+        self._check(context, [("draft", i.draft_kv) for i in items])
+        outputs = self._run(context, lambda: self.lane.draft(items))
+        result = lanes_pb2.DraftResult()
+        for item, out in zip(items, outputs):
+            msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
+            if out.draft_probs is not None:
+                msg.probs.CopyFrom(kv.encode_probs(out.draft_probs, item.sampling.top_k))
+        return result
+
+    def Verify(self, request, context) -> lanes_pb2.VerifyResult:
+        items = lc.verify_batch_from_pb(request, lambda d: kv.decode_probs(d, self.device))
+        self._check(context, [("target", i.target_kv) for i in items])
+        return lc.verify_outputs_to_pb(self._run(context, lambda: self.lane.verify(items)))
+
+
+def build_lane_server(servicer: LaneServicer, host: str, port: int) -> tuple[grpc.Server, int, object]:
+    """A started gRPC server for the lane; returns (server, bound port, health servicer)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS)
+    adders = {"prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
+              "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
+              "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server}
+    adders[servicer.role](servicer, server)
+    services = [f"verifypd.v1.{servicer.role.capitalize()}Lane"]
+    if servicer.owned:
+        lanes_pb2_grpc.add_KvTransferServicer_to_server(servicer.transfer, server)
+        services.append("verifypd.v1.KvTransfer")
+    health = add_health_and_reflection(server, services)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    return server, bound, health

@@ -1,0 +1,114 @@
+"""Helpers and fixtures of the services tests.
+
+Deliberately no conftest.py in this directory: the engine tests do `from conftest import ...`, and
+a second module named `conftest` would shadow theirs when both directories are collected in one
+run. Test modules import the fixtures they use from here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import random
+import socket
+import time
+
+import grpc
+import pytest
+
+# The checkpoint writer of the engine tests, loaded under another module name.
+_spec = importlib.util.spec_from_file_location(
+    "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "conftest.py")
+_engine_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_engine_models)
+write_tiny_llama = _engine_models.write_tiny_llama
+VOCAB = _engine_models.VOCAB
+
+K = 4
+NUM_BLOCKS = 64
+BLOCK_SIZE = 4
+MAX_CONTEXT = 256
+
+
+def engine_options(target: str, draft: str, *, k: int = K, adaptive: bool = False, **overrides):
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.local_engine import EngineOptions
+
+    config = RuntimeConfig(k_min=0, k_max=8, k_initial=k, adaptive=adaptive)
+    fields = dict(target=target, draft=draft, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                  max_context=MAX_CONTEXT, config=config)
+    fields.update(overrides)
+    return EngineOptions(**fields)
+
+
+def random_prompts(n: int, seed: int, max_len: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+
+
+def offline_outputs(options, specs) -> list[list[int]]:
+    """What the offline engine (no gRPC) produces for the same requests."""
+    from verifypd.local_engine import Engine
+
+    done = Engine(options).generate(specs)
+    return [c.token_ids for c in done.values()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+class Client:
+    """Stubs of one server (Generation, Control, Health, Reflection) on one channel."""
+
+    def __init__(self, address: str):
+        from grpc_health.v1 import health_pb2_grpc
+
+        from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
+
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.gen = generate_pb2_grpc.GenerationStub(self.channel)
+        self.control = control_pb2_grpc.ControlStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, timeout: float = 60, **fields):
+        """Runs one request to completion; returns (token ids, messages)."""
+        from verifypd.v1 import generate_pb2
+
+        msgs = list(self.gen.Generate(generate_pb2.GenerateRequest(**fields), timeout=timeout))
+        return [t for m in msgs for t in m.token_ids], msgs
+
+    def health_status(self, service: str = "") -> int:
+        from grpc_health.v1 import health_pb2
+
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def greedy_request(prompt: list[int], max_tokens: int = 24, **extra) -> dict:
+    from verifypd.v1 import generate_pb2
+
+    return dict(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=max_tokens, stop_at_eos=False,
+                sampling=generate_pb2.SamplingParams(seed=0), **extra)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> tuple[str, str]:
+    """A tiny random Llama target and a noisy copy of it as draft (accepts and rejects both occur)."""
+    root = tmp_path_factory.mktemp("models")
+    target = write_tiny_llama(root / "target", seed=1, layers=3)
+    draft = write_tiny_llama(root / "draft", seed=1, layers=3, noise=0.2, noise_seed=7)
+    return str(target), str(draft)

@@ -1,0 +1,101 @@
+"""`split` topology on CPU: three lane processes, KV passed by handle (/dev/shm) or copied.
+
+One set of lane processes serves the whole module; each test wires a fresh gateway (router) to
+them, so block allocation starts clean every time.
+"""
+from __future__ import annotations
+
+import pytest
+
+from services_helpers import Client, engine_options, greedy_request, offline_outputs, random_prompts
+from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.v1 import generate_pb2
+
+
+@pytest.fixture(scope="module")
+def lanes(tiny_models):
+    from verifypd.server.launcher import LaneProcesses
+
+    procs = LaneProcesses(engine_options(*tiny_models))
+    addrs = procs.start(timeout_s=120)
+    yield addrs
+    procs.terminate()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(6, seed=3, max_len=40)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models, prompts):
+    return offline_outputs(engine_options(*tiny_models),
+                           [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts])
+
+
+def split_gateway(tiny_models, lanes, kv_transport):
+    from verifypd.server.gateway import build_split
+
+    return build_split(lanes, engine_options(*tiny_models), kv_transport=kv_transport).start()
+
+
+def owner_bytes_received(gw) -> int:
+    _, draft, verify = gw.lanes
+    return sum(lane.describe_pb(refresh=True).kv_bytes_received for lane in (draft, verify))
+
+
+def kv_bytes_per_token(gw) -> int:
+    """Bytes one token's KV takes in the target plus the draft pool."""
+    total = 0
+    for lane in gw.lanes[1:]:
+        for d in lane.describe_pb().pools:
+            total += 2 * d.num_layers * d.num_kv_heads * d.head_dim * 4  # float32 on CPU
+    return total
+
+
+def run_all(gw, prompts) -> list[list[int]]:
+    client = Client(gw.address)
+    try:
+        return [client.generate(**greedy_request(p))[0] for p in prompts]
+    finally:
+        client.close()
+
+
+def test_handles_give_offline_output_and_no_kv_bytes_cross_grpc(tiny_models, lanes, prompts, expected):
+    with split_gateway(tiny_models, lanes, "handle") as gw:
+        assert set(gw.wiring.mode_by_pool.values()) == {"imported"}
+        received_before = owner_bytes_received(gw)
+        assert run_all(gw, prompts) == expected
+        prefill = gw.lanes[0]
+        assert prefill.kv_bytes_copied == 0
+        assert owner_bytes_received(gw) == received_before
+        # Every byte of every Prefill call (requests + replies) is less than the KV that the
+        # prompts produced: the KV itself cannot have travelled with them.
+        prompt_kv = sum(len(p) for p in prompts) * kv_bytes_per_token(gw)
+        assert prefill.calls >= len(prompts) and prefill.wire_bytes < prompt_kv / 10
+
+
+def test_copy_transport_gives_same_output(tiny_models, lanes, prompts, expected):
+    with split_gateway(tiny_models, lanes, "copy") as gw:
+        assert set(gw.wiring.mode_by_pool.values()) == {"copy"}
+        received_before = owner_bytes_received(gw)
+        assert run_all(gw, prompts) == expected
+        copied = gw.lanes[0].kv_bytes_copied
+        assert copied >= sum(len(p) for p in prompts) * kv_bytes_per_token(gw)
+        assert owner_bytes_received(gw) - received_before == copied
+
+
+@pytest.mark.parametrize("top_k", [0, 7])  # dense and sparse DraftProbs on the wire
+def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
+    prompt = [4, 8, 15, 16, 23, 42]
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=99)
+    expected = offline_outputs(engine_options(*tiny_models),
+                               [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)])
+    with split_gateway(tiny_models, lanes, "auto") as gw:
+        ids, msgs = Client(gw.address).generate(
+            token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=20, stop_at_eos=False,
+            sampling=generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=99))
+        assert [ids] == expected
+        assert msgs[-1].usage.draft_tokens > 0
+        assert gw.info.topology == "split"
