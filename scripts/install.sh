@@ -5,7 +5,7 @@
 # need its GGUF file). Pass "test" to add the test dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP="python3 -m pip install -q --disable-pip-version-check"
+PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 if ! python3 -c "import torch" 2>/dev/null; then
   $PIP "torch==2.13.0"
 fi

@@ -118,6 +118,9 @@ def _volumes(spec: Spec, extra: list[dict[str, Any]]) -> tuple[list[dict[str, An
 
 def _container(spec: Spec, cname: str, args: list[str], port: int, env: list[dict[str, Any]],
                resources: dict[str, Any], mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    # Servers bind 127.0.0.1 unless told otherwise; in a pod they must listen on the pod IP for the
+    # Service and the kubelet's gRPC probes.
+    env = [{"name": "VERIFYPD_HOST", "value": "0.0.0.0"}] + env
     return {"name": cname, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
             "args": args, "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
             "env": env, "resources": resources, "volumeMounts": mounts, **_probes(port)}

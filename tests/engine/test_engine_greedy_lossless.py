@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import VOCAB, hf_greedy, make_engine
+from engine_helpers import VOCAB, hf_greedy, make_engine
 from verifypd.engine.types import FinishReason, RequestSpec
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import VOCAB, make_engine
+from engine_helpers import VOCAB, make_engine
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.types import InvalidRequest, RequestSpec
 

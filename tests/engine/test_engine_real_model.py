@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, hf_greedy, write_tiny_llama
+from engine_helpers import DEVICE, hf_greedy, write_tiny_llama
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.types import RequestSpec
 from verifypd.local_engine import Engine, EngineOptions, Models

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest import make_engine
+from engine_helpers import make_engine
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.model import sampler
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import DEVICE, make_engine
+from engine_helpers import DEVICE, make_engine
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
 

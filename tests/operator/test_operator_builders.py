@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from conftest import K8S_VERSION
+from operator_helpers import K8S_VERSION
 
 from verifypd_operator.builders import build_all, otel_env
 from verifypd_operator.spec import parse_spec
@@ -94,3 +94,13 @@ def test_otel_env_contract():
     assert vals["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://op:4317"
     assert vals["OTEL_RESOURCE_ATTRIBUTES"] == \
         "verifypd.config.name=demo,k8s.namespace.name=ns1,k8s.pod.name=$(POD_NAME)"
+
+
+def test_every_container_listens_on_the_pod_ip(owner):
+    """Servers default to 127.0.0.1; Services and kubelet gRPC probes need the pod IP."""
+    for topology in ("colocated", "split"):
+        for manifest in build_all(parse_spec({"topology": topology}), owner, "default", {}, "http://otlp:4317"):
+            if manifest["kind"] != "Deployment":
+                continue
+            for c in manifest["spec"]["template"]["spec"]["containers"]:
+                assert {"name": "VERIFYPD_HOST", "value": "0.0.0.0"} in c["env"], (topology, c["name"])

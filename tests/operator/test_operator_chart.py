@@ -14,7 +14,7 @@ import kmock
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CHART, K8S_VERSION, declare_kinds, emulator, kubeconfig_for
+from operator_helpers import CHART, K8S_VERSION, declare_kinds, emulator, kubeconfig_for
 
 
 def lint(path=CHART):

@@ -10,7 +10,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CRD_FILE, EXAMPLE, K8S_VERSION
+from operator_helpers import CRD_FILE, EXAMPLE, K8S_VERSION
 
 from verifypd_operator.crd import build_crd
 from verifypd_operator.spec import parse_spec

@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 import kmock
 import kopf
-from conftest import declare_kinds, emulator
+from operator_helpers import declare_kinds, emulator
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2

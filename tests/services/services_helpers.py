@@ -1,8 +1,7 @@
 """Helpers and fixtures of the services tests.
 
-Deliberately no conftest.py in this directory: the engine tests do `from conftest import ...`, and
-a second module named `conftest` would shadow theirs when both directories are collected in one
-run. Test modules import the fixtures they use from here.
+Fixtures are defined here and imported by the test modules (test modules never import a module
+named `conftest`: several test directories have one).
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import pytest
 
 # The checkpoint writer of the engine tests, loaded under another module name.
 _spec = importlib.util.spec_from_file_location(
-    "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "conftest.py")
+    "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "engine_helpers.py")
 _engine_models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_engine_models)
 write_tiny_llama = _engine_models.write_tiny_llama

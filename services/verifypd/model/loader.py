@@ -58,6 +58,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantizer's own progress bar
 
     kwargs: dict = {}
     if spec == EMBEDDED_NAME:

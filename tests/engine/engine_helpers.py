@@ -1,0 +1,66 @@
+"""Helpers of the engine tests: tiny random Llama checkpoints written to a temp dir (no hub), engines
+over them, and transformers' greedy reference. Fixtures are in conftest.py (which test modules
+never import by name: several test directories have one)."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+
+VOCAB = 96
+# Set VERIFYPD_TEST_DEVICE=cuda to run the engine tests on a GPU (float32, so exact comparisons
+# with transformers on the CPU still hold).
+DEVICE = os.environ.get("VERIFYPD_TEST_DEVICE", "cpu")
+
+
+def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int = 64, heads: int = 4,
+                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama",
+                     noise: float = 0.0, noise_seed: int = 0) -> pathlib.Path:
+    """`noise` > 0 perturbs every weight by that fraction of its std: same seed + noise gives a
+    draft that agrees with the target often but not always (so tests see accepts and rejects)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **common))
+    # Sharpen the output layer so greedy choices are well separated (no float near-ties).
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        if noise:
+            gen = torch.Generator().manual_seed(noise_seed)
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * noise)
+    model.save_pretrained(path)
+    vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>")
+    fast.save_pretrained(path)
+    return path
+
+
+def make_engine(target: str, draft: str, *, k: int = 4, adaptive: bool = False, num_blocks: int = 128,
+                block_size: int = 4, k_max: int = 8, **options):
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.local_engine import Engine, EngineOptions
+
+    config = RuntimeConfig(k_min=0, k_max=max(k, k_max), k_initial=k, adaptive=adaptive)
+    options.setdefault("device", DEVICE)
+    return Engine(EngineOptions(target=target, draft=draft, num_blocks=num_blocks, block_size=block_size,
+                                dtype="float32", config=config, **options))
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
