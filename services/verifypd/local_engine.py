@@ -61,18 +61,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def self_draft_layers(draft: str, target_layers: int) -> int:
+    """N of a "self:N" draft spec, checked against the target's depth."""
+    try:
+        layers = int(draft.removeprefix("self:"))
+    except ValueError:
+        raise ModelLoadError(f"--draft self:N needs an integer N, got {draft!r}") from None
+    if not (1 <= layers <= target_layers):
+        raise ModelLoadError(f"--draft self:N needs 1 <= N <= {target_layers}, got {layers}")
+    return layers
+
+
 def load_models(options: EngineOptions) -> Models:
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     target = load_model(options.target, device, dtype, options.max_context)
     target_model = PagedLlama(target.shape, target.weights)
     if options.draft.startswith("self:"):
-        try:
-            layers = int(options.draft.removeprefix("self:"))
-        except ValueError:
-            raise ModelLoadError(f"--draft self:N needs an integer N, got {options.draft!r}") from None
-        if not (1 <= layers <= target.shape.num_layers):
-            raise ModelLoadError(f"--draft self:N needs 1 <= N <= {target.shape.num_layers}, got {layers}")
+        layers = self_draft_layers(options.draft, target.shape.num_layers)
         draft_model = PagedLlama(target.shape, target.weights, num_layers=layers)
     else:
         draft = load_model(options.draft, device, dtype, options.max_context)

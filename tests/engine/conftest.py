@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import write_tiny_llama
+from engine_helpers import write_target_and_draft
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("models")
-    target = write_tiny_llama(root / "target", seed=1, layers=3)
-    draft = write_tiny_llama(root / "draft", seed=1, layers=3, noise=0.2, noise_seed=7)
-    return str(target), str(draft)
+    return write_target_and_draft(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

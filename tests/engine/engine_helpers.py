@@ -48,6 +48,13 @@ def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int 
     return path
 
 
+def write_target_and_draft(root: pathlib.Path) -> tuple[str, str]:
+    """A tiny random Llama target and a noisy copy of it as draft (accepts and rejects both occur)."""
+    target = write_tiny_llama(root / "target", seed=1, layers=3)
+    draft = write_tiny_llama(root / "draft", seed=1, layers=3, noise=0.2, noise_seed=7)
+    return str(target), str(draft)
+
+
 def make_engine(target: str, draft: str, *, k: int = 4, adaptive: bool = False, num_blocks: int = 128,
                 block_size: int = 4, k_max: int = 8, **options):
     from verifypd.engine.draft_length import RuntimeConfig

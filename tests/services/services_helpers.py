@@ -14,12 +14,11 @@ import time
 import grpc
 import pytest
 
-# The checkpoint writer of the engine tests, loaded under another module name.
+# The engine tests' checkpoint writers, loaded under another module name.
 _spec = importlib.util.spec_from_file_location(
     "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "engine_helpers.py")
 _engine_models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_engine_models)
-write_tiny_llama = _engine_models.write_tiny_llama
 VOCAB = _engine_models.VOCAB
 
 K = 4
@@ -106,8 +105,4 @@ def greedy_request(prompt: list[int], max_tokens: int = 24, **extra) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
-    """A tiny random Llama target and a noisy copy of it as draft (accepts and rejects both occur)."""
-    root = tmp_path_factory.mktemp("models")
-    target = write_tiny_llama(root / "target", seed=1, layers=3)
-    draft = write_tiny_llama(root / "draft", seed=1, layers=3, noise=0.2, noise_seed=7)
-    return str(target), str(draft)
+    return _engine_models.write_target_and_draft(tmp_path_factory.mktemp("models"))

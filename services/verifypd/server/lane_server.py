@@ -25,10 +25,10 @@ import torch
 
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
-from verifypd.local_engine import EngineOptions, resolve_device, resolve_dtype
+from verifypd.local_engine import EngineOptions, resolve_device, resolve_dtype, self_draft_layers
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
-from verifypd.model.loader import ModelLoadError, load_model
+from verifypd.model.loader import load_model
 from verifypd.model.runner import ModelRunner
 from verifypd.server import kv_transport as kv
 from verifypd.server import lane_convert as lc
@@ -49,12 +49,7 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
     draft_model = None
     if need_draft:
         if self_draft:
-            try:
-                layers = int(options.draft.removeprefix("self:"))
-            except ValueError:
-                raise ModelLoadError(f"--draft self:N needs an integer N, got {options.draft!r}") from None
-            if not (1 <= layers <= target.shape.num_layers):
-                raise ModelLoadError(f"--draft self:N needs 1 <= N <= {target.shape.num_layers}, got {layers}")
+            layers = self_draft_layers(options.draft, target.shape.num_layers)
             draft_model = PagedLlama(target.shape, target.weights, num_layers=layers)
         else:
             draft = load_model(options.draft, device, dtype, options.max_context)
