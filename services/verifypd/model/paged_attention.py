@@ -1,0 +1,117 @@
+"""Paged attention in Triton: reads K/V in place through the block table (no gathered copy).
+
+One kernel serves decode (1 query per sequence), verify (k+1 queries, causal inside the run) and
+prefill / chunked prefill (a run of new tokens after a cached prefix). GQA and MHA alike: a
+program owns one (sequence, kv head, tile of query rows) and its rows are (token, head-in-group)
+pairs, so the K/V it loads are shared by all query heads of the group.
+
+Shapes (T = new tokens of the batch, B = sequences, D = head_dim):
+    q            [T, heads, D]                     already rotated (RoPE)
+    k_cache      [num_blocks, block_size, kv_heads, D]   (one layer's view of the pool)
+    block_tables [B, W] int32                      W >= blocks any sequence uses
+    positions    [T] int64                         absolute position of each new token, non-decreasing
+                                                   within a sequence's run
+    query_start  [B + 1] int32                     tokens of sequence b are q[query_start[b]:query_start[b+1]]
+    out          [T, heads, D]
+
+A query at position p attends keys at positions 0..p of its sequence. Those slots were written
+before the call (the new tokens' K/V are written into the pool first). Slots past what a tile
+needs are never loaded, and loads are masked to `other=0`, so garbage (even NaN) in unwritten or
+rolled-back slots cannot reach the output.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, positions_ptr, query_start_ptr,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    if tile * BLOCK_M < q_len * GROUP:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = token < q_len
+        pos = tl.load(positions_ptr + q_begin + token, mask=row_ok, other=-1)
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        # Keys this tile needs: 0 .. the position of its last token (positions never decrease
+        # within a run, so that token's position is the tile's maximum).
+        last_token = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
+        kv_len = tl.load(positions_ptr + q_begin + last_token) + 1
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        table = block_tables_ptr + seq * stride_bt
+        for start in range(0, kv_len, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < kv_len
+            page = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            slot = page * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(kpos[None, :] <= pos[:, None], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def tile_rows(max_query: int, group: int) -> int:
+    """Query rows per program: the smallest power of two >= the rows of one sequence, 16..64."""
+    return min(64, max(16, triton.next_power_of_2(max_query * group)))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    positions: torch.Tensor, query_start: torch.Tensor, max_query: int, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
+    the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert head_dim == triton.next_power_of_2(head_dim), "head_dim must be a power of two"
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = query_start.numel() - 1
+    block_m = tile_rows(max_query, group)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query * group, block_m))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, positions, query_start,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        scale * math.log2(math.e),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    return out
