@@ -1,36 +1,21 @@
 """In-process lanes over ModelRunners: the co-located transport (zero copy: draft probabilities
 stay on the device and pass to the verify lane by reference). The only lane code touching torch.
 
-Host syncs: one `.tolist()` per lane call (to hand tokens back to the router); draft steps feed
-the previous step's tokens to the next forward on the device.
+Host syncs: one device-to-host copy per lane call (the tokens the router needs). Sampling,
+acceptance and the draft loop's feeding of tokens stay on the device; on CUDA the forwards are
+CUDA-graph replays (see `verifypd.model.graph_runner`).
 """
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import torch
 
-from verifypd.engine.types import SamplingParams
 from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneInfo, PrefillItem, PrefillOutput,
                                       VerifyItem, VerifyOutput)
 from verifypd.model import sampler
 from verifypd.model.runner import ModelRunner, TokenRun
-
-
-def _params(samplings: list[SamplingParams], device) -> tuple[torch.Tensor, ...]:
-    temp = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device)
-    top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=device)
-    top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device)
-    seeds = sampler.seed_tensor([s.seed for s in samplings], device)
-    return temp, top_k, top_p, seeds
-
-
-def _choose(logits: torch.Tensor, samplings: list[SamplingParams], positions: list[int], stream: int):
-    """Picks one token per row; returns (tokens [N], probs [N, V] or None if all greedy)."""
-    if all(s.greedy for s in samplings):
-        return logits.argmax(-1), None
-    temp, top_k, top_p, seeds = _params(samplings, logits.device)
-    probs = sampler.probabilities(logits, temp, top_k, top_p)
-    pos = torch.tensor(positions, dtype=torch.long, device=logits.device)
-    return sampler.sample(probs, sampler.uniforms(seeds, pos, stream)), probs
 
 
 class LocalPrefillLane:
@@ -41,16 +26,22 @@ class LocalPrefillLane:
         return self.info
 
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
+        if not items:
+            return []
         target_runs = [TokenRun(i.token_ids, i.start_pos, i.target_kv.block_ids) for i in items]
         draft_runs = [TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items]
         logits = self.target.forward(target_runs, "last")
-        self.draft.forward(draft_runs, None)
+        if self.draft is not None:
+            self.draft.forward(draft_runs, None)
         rows = [n for n, i in enumerate(items) if i.sample_first]
         first: dict[int, int] = {}
         if rows:
             chosen = [items[n] for n in rows]
-            positions = [i.start_pos + len(i.token_ids) for i in chosen]
-            tokens, _ = _choose(logits[rows], [i.sampling for i in chosen], positions, sampler.STREAM_TARGET)
+            samplings = [i.sampling for i in chosen]
+            mode = sampler.choice_mode(samplings)
+            params = sampler.params_tensor(samplings, logits.device) if mode != sampler.GREEDY else (None,) * 4
+            positions = torch.tensor([i.start_pos + len(i.token_ids) for i in chosen], device=logits.device)
+            tokens, _ = sampler.choose(logits[rows], mode, *params, positions, sampler.STREAM_TARGET)
             first = dict(zip(rows, tokens.tolist()))
         return [PrefillOutput(i.request_id, first.get(n)) for n, i in enumerate(items)]
 
@@ -63,84 +54,99 @@ class LocalDraftLane:
         return self.info
 
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
+        if not items:
+            return []
         if any(i.k < 1 for i in items):
             raise ValueError("draft items need k >= 1")
-        samplings = [i.sampling for i in items]
-        # Position of the first draft token of each item (right after its pending token).
-        next_pos = [i.start_pos + len(i.input_tokens) for i in items]
         runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
-        logits = self.runner.forward(runs, "last")
-        tokens, probs = _choose(logits, samplings, next_pos, sampler.STREAM_DRAFT)
-        # Per step: tokens for every item ([N], stale where inactive) and probs of active rows.
-        steps = [(tokens, probs, list(range(len(items))))]
-        for step in range(1, max(i.k for i in items)):
-            active = [n for n in range(len(items)) if items[n].k > step]
-            idx = torch.tensor(active, device=tokens.device)
-            runs = [TokenRun([0], next_pos[n] + step - 1, items[n].draft_kv.block_ids) for n in active]
-            batch = self.runner.layout(runs)
-            batch.input_ids = tokens[idx]  # previous step's drafts, never leaving the device
-            logits = self.runner.model.forward(self.runner.pool.tensor, batch, torch.arange(len(active), device=idx.device))
-            new, probs = _choose(logits, [samplings[n] for n in active],
-                                 [next_pos[n] + step for n in active], sampler.STREAM_DRAFT)
-            tokens = tokens.clone()
-            tokens[idx] = new
-            steps.append((tokens, probs, active))
-        host = [t.tolist() for t, _, _ in steps]  # the one host sync of this call
-        outputs = []
-        for n, item in enumerate(items):
-            toks = [host[s][n] for s in range(item.k)]
-            probs = None
-            if not item.sampling.greedy:
-                probs = torch.stack([p[act.index(n)] for _, p, act in steps[:item.k]])
-            outputs.append(DraftOutput(item.request_id, toks, probs))
-        return outputs
+        tokens, probs = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
+        host = tokens.tolist()  # the one host sync of this call
+        if probs is not None:
+            probs = probs.clone()  # the runner's buffers are reused by its next call
+        return [DraftOutput(i.request_id, host[n][:i.k],
+                            None if probs is None or i.sampling.greedy else probs[n, :i.k])
+                for n, i in enumerate(items)]
 
 
 class LocalVerifyLane:
-    def __init__(self, target: ModelRunner, info: LaneInfo):
+    def __init__(self, target: ModelRunner, info: LaneInfo, simulated_acceptance: float | None = None):
+        """`simulated_acceptance` (benchmarks only; no public API reaches it): do the real verify
+        forward, then keep each draft token with this probability (seeded Bernoulli), so random-weight
+        models can stand in for a trained draft. Output is then NOT the target's distribution."""
         self.target, self.info = target, info
+        self.simulated_acceptance = simulated_acceptance
 
     def describe(self) -> LaneInfo:
         return self.info
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        if not items:
+            return []
         runs = [TokenRun([i.pending_token] + i.draft_tokens, i.start_pos, i.target_kv.block_ids) for i in items]
-        logits = self.target.forward(runs, "all")                        # [T, V]
-        device, R = logits.device, len(items)
-        K = max(len(i.draft_tokens) for i in items)
-        # Row index [R, K+1] into the flat logits; padding repeats the run's last row.
-        starts, index = 0, []
-        for run in runs:
-            n = len(run.token_ids)
-            index.append([starts + min(j, n - 1) for j in range(K + 1)])
-            starts += n
-        index_t = torch.tensor(index, device=device)
-        drafts = torch.tensor([i.draft_tokens + [0] * (K - len(i.draft_tokens)) for i in items],
-                              dtype=torch.long, device=device).view(R, K)
-        k = torch.tensor([len(i.draft_tokens) for i in items], device=device)
-        if all(i.sampling.greedy for i in items):
-            accepted, final = sampler.accept_greedy(logits.argmax(-1)[index_t], drafts, k)
+        logits = self.target.score(runs)                                  # [R, K+1, V], padded
+        device, R, K = logits.device, len(items), logits.shape[1] - 1
+        ks = np.fromiter((len(i.draft_tokens) for i in items), dtype=np.int64, count=R)
+        drafts_np = np.zeros((R, K), dtype=np.int64)
+        for n, item in enumerate(items):
+            drafts_np[n, :ks[n]] = item.draft_tokens
+        drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
+        k = torch.from_numpy(ks).to(device, non_blocking=True)
+        if self.simulated_acceptance is not None:
+            accepted, final = self._accept_simulated(items, logits.argmax(-1), k)
+        elif all(i.sampling.greedy for i in items):
+            accepted, final = sampler.accept_greedy(logits.argmax(-1), drafts, k)
         else:
-            accepted, final = self._accept_sampled(items, logits, index_t, drafts, k)
-        acc, fin = accepted.tolist(), final.tolist()
+            accepted, final = self._accept_sampled(items, logits, drafts, k)
+        acc, fin = torch.stack((accepted, final)).tolist()  # the one host sync of this call
         return [VerifyOutput(i.request_id, a, i.draft_tokens[:a] + [f]) for i, a, f in zip(items, acc, fin)]
 
-    def _accept_sampled(self, items, logits, index_t, drafts, k):
-        R, K1 = index_t.shape
+    def _accept_sampled(self, items, logits, drafts, k):
+        R, K1, V = logits.shape
         samplings = [i.sampling for i in items]
-        temp, top_k, top_p, seeds = _params(samplings, logits.device)
-        rows = logits[index_t.flatten()]
-        p = sampler.probabilities(rows, temp.repeat_interleave(K1), top_k.repeat_interleave(K1),
-                                  top_p.repeat_interleave(K1)).view(R, K1, -1)
-        V = p.shape[-1]
-        q = torch.zeros(R, K1 - 1, V, device=logits.device)
-        for n, item in enumerate(items):
-            kn = len(item.draft_tokens)
-            if kn == 0:
-                continue
-            if item.draft_probs is not None:
-                q[n, :kn] = item.draft_probs.to(q.device, torch.float32)
-            else:  # greedy draft: q is the one-hot of the proposed tokens
-                q[n, torch.arange(kn), drafts[n, :kn]] = 1.0
+        temp, top_k, top_p, seeds = sampler.params_tensor(samplings, logits.device)
+        mode = sampler.choice_mode(samplings)
+        p = sampler.probabilities(logits.reshape(R * K1, V).float(), temp.repeat_interleave(K1),
+                                  top_k.repeat_interleave(K1), top_p.repeat_interleave(K1),
+                                  truncate=mode == sampler.SAMPLE_TRUNCATED).view(R, K1, V)
+        q = draft_probs_matrix(items, K1 - 1, V, drafts)
         start = torch.tensor([i.start_pos for i in items], dtype=torch.long, device=logits.device)
         return sampler.accept_sampled(p, q, drafts, k, seeds, start)
+
+    def _accept_simulated(self, items, target_argmax, k):
+        R, K1 = target_argmax.shape
+        seeds = sampler.seed_tensor([zlib.crc32(i.request_id.encode()) for i in items], target_argmax.device)
+        start = torch.tensor([i.start_pos for i in items], dtype=torch.long, device=target_argmax.device)
+        pos = start[:, None] + 1 + torch.arange(K1 - 1, device=target_argmax.device)[None, :]
+        u = sampler.uniforms(seeds[:, None].expand_as(pos), pos, sampler.STREAM_ACCEPT)
+        valid = torch.arange(K1 - 1, device=k.device)[None, :] < k[:, None]
+        accepted = ((u < self.simulated_acceptance) & valid).long().cumprod(-1).sum(-1)
+        return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
+
+
+def draft_probs_matrix(items: list[VerifyItem], K: int, V: int, drafts: torch.Tensor) -> torch.Tensor:
+    """q [R, K, V]: each item's draft probabilities (rows past its k are zero); one-hot of the
+    proposal for items without probabilities (greedy drafts). Views of one in-process draft call's
+    tensor are gathered with one index op; anything else (e.g. decoded from gRPC) row by row."""
+    q = torch.zeros(len(items), K, V, device=drafts.device)
+    shared: dict[int, list[int]] = {}
+    for n, item in enumerate(items):
+        kn = len(item.draft_tokens)
+        probs = item.draft_probs
+        if kn == 0:
+            continue
+        if probs is None:
+            q[n, torch.arange(kn), drafts[n, :kn]] = 1.0
+        elif probs._base is not None and probs._base.dim() == 3 and probs.device == q.device:
+            shared.setdefault(id(probs._base), []).append(n)
+        else:
+            q[n, :kn] = probs.to(q.device, torch.float32)
+    for rows in shared.values():
+        base = items[rows[0]].draft_probs._base           # [B, S, V] from LocalDraftLane
+        steps = base.shape[1]
+        src = [(items[n].draft_probs.storage_offset() - base.storage_offset()) // (steps * V) for n in rows]
+        width = min(steps, K)
+        picked = base[torch.tensor(src, device=q.device), :width]
+        keep = torch.arange(width, device=q.device)[None, :] < torch.tensor(
+            [len(items[n].draft_tokens) for n in rows], device=q.device)[:, None]
+        q[torch.tensor(rows, device=q.device), :width] = picked * keep[..., None]
+    return q

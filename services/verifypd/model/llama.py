@@ -1,16 +1,23 @@
 """Llama-family forward pass over paged KV (Llama, Mistral, Qwen2 and friends).
 
-Reference attention in plain torch (runs on CPU and CUDA): new K/V are scattered into the pool
-by slot, then each sequence's context is gathered through its block table and attended with
-`scaled_dot_product_attention` on a padded batch. Shapes (T = new tokens in the batch, B =
-sequences, Q = longest query run, C = longest context padded to whole blocks):
+Two attention backends behind one forward:
+  * "triton" (CUDA default): `paged_attention` reads K/V in place through the block table and
+    `store_kv` writes new K/V in one launch. The forward has no host syncs, so the runner can
+    capture it in a CUDA graph.
+  * "reference" (CPU default, and the oracle in tests): new K/V are scattered into the pool by
+    slot, each context is gathered through its block table and attended with
+    `scaled_dot_product_attention` on a padded batch.
+
+Shapes (T = new tokens in the batch, B = sequences, Q = longest query run, C = longest context
+padded to whole blocks):
 
     hidden      [T, H]
     pool        [2, layers, num_blocks, block_size, kv_heads, head_dim]
-    q (padded)  [B, heads, Q, head_dim];  k, v (gathered) [B, kv_heads, C, head_dim]
+    reference:  q (padded) [B, heads, Q, head_dim];  k, v (gathered) [B, kv_heads, C, head_dim]
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,16 +61,15 @@ class LlamaWeights:
 
 @dataclass
 class BatchLayout:
-    """Where each new token goes and what it attends to. Built once per forward by the runner."""
+    """Where each new token goes and what it attends to. Built by the runner (or static buffers of a
+    CUDA graph). Tokens of a sequence are consecutive; positions never decrease within a run."""
 
     input_ids: torch.Tensor    # [T] long
     positions: torch.Tensor    # [T] long
-    slots: torch.Tensor        # [T] long: block_id * block_size + offset in the pool
-    block_tables: torch.Tensor  # [B, max_blocks] long (padded with 0)
-    context_lens: torch.Tensor  # [B] long: positions attended by the last query of each sequence
-    query_seq: torch.Tensor    # [T] long: which sequence each token belongs to
-    query_idx: torch.Tensor    # [T] long: index of the token within its sequence's run
-    max_query: int
+    slots: torch.Tensor        # [T] long: block_id * block_size + offset in the pool, -1 = write nowhere
+    block_tables: torch.Tensor  # [B, W] int32/int64 (entries past a sequence's blocks are never read)
+    query_start: torch.Tensor  # [B + 1] int32: tokens of sequence b are [query_start[b], query_start[b+1])
+    max_query: int             # upper bound on tokens of one sequence
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,29 +103,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def attention_backend(name: str, device: torch.device) -> str:
+    """"auto" picks the Triton kernels on CUDA and the torch reference elsewhere;
+    VERIFYPD_ATTENTION=reference|triton overrides "auto" (tests, debugging)."""
+    if name == "auto":
+        name = os.environ.get("VERIFYPD_ATTENTION") or ("triton" if device.type == "cuda" else "reference")
+    if name not in ("triton", "reference"):
+        raise ValueError(f"attention backend must be triton, reference or auto, got {name!r}")
+    return name
+
+
 class PagedLlama:
     """A stateless forward over given weights; `num_layers` < shape.num_layers gives the
     self-speculative draft (first layers + final norm + head, sharing the target's tensors)."""
 
-    def __init__(self, shape: LlamaShape, weights: LlamaWeights, num_layers: int | None = None):
+    def __init__(self, shape: LlamaShape, weights: LlamaWeights, num_layers: int | None = None,
+                 attention: str = "auto"):
         self.shape = shape
         self.weights = weights
         self.num_layers = num_layers or shape.num_layers
         if not (1 <= self.num_layers <= len(weights.layers)):
             raise ValueError(f"num_layers must be in [1, {len(weights.layers)}], got {self.num_layers}")
         device = weights.embed.device
-        self.inv_freq = rope_inv_freq(shape, device)
+        self.attention = attention_backend(attention, device)
+        if self.attention == "triton":  # imported only here: CPU installs need no Triton
+            from verifypd.model.paged_attention import paged_attention
+            from verifypd.model.store_kv import store_kv
+            self._kernels = (store_kv, paged_attention)
         self.scale = shape.head_dim ** -0.5
+        # cos/sin of every position, [max_context + slack, D]: looked up, not recomputed, per step.
+        # (positions.float() * inv_freq in float32, as computed per step before: same values.)
+        positions = torch.arange(shape.max_context + 64, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * rope_inv_freq(shape, device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos, self.rope_sin = emb.cos().to(weights.embed.dtype), emb.sin().to(weights.embed.dtype)
 
     @torch.inference_mode()
-    def forward(self, pool: torch.Tensor, batch: BatchLayout, logits_index: torch.Tensor | None) -> torch.Tensor | None:
-        """Writes the new tokens' KV into `pool`; returns logits [len(logits_index), V] (float32)."""
+    def forward(self, pool: torch.Tensor, batch: BatchLayout, logits_index: torch.Tensor | None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Writes the new tokens' KV into `pool`; returns logits [len(logits_index), V] in the model's
+        dtype (into `logits_out` when given: a CUDA graph's static output)."""
         s, w = self.shape, self.weights
         h = w.embed[batch.input_ids]
-        freqs = batch.positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        mask = self._attention_mask(batch, pool.shape[3])
+        cos, sin = self.rope_cos[batch.positions][:, None, :], self.rope_sin[batch.positions][:, None, :]
+        mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
         for i in range(self.num_layers):
             layer = w.layers[i]
             x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
@@ -130,19 +157,9 @@ class PagedLlama:
         if logits_index is None:
             return None
         h = rms_norm(h[logits_index], w.final_norm, s.rms_norm_eps)
-        return F.linear(h, w.lm_head).float()
-
-    def _attention_mask(self, batch: BatchLayout, block_size: int) -> torch.Tensor:
-        """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p."""
-        num_seqs, max_blocks = batch.block_tables.shape
-        ctx = max_blocks * block_size
-        qpos = torch.full((num_seqs, batch.max_query), -1, dtype=torch.long, device=batch.positions.device)
-        qpos[batch.query_seq, batch.query_idx] = batch.positions
-        kpos = torch.arange(ctx, device=qpos.device)
-        allowed = kpos[None, None, :] <= qpos[:, :, None]
-        allowed[..., 0] |= qpos < 0  # padded query rows attend one key so softmax stays finite
-        mask = torch.zeros(allowed.shape, dtype=self.weights.embed.dtype, device=qpos.device)
-        return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+        if logits_out is None:
+            return F.linear(h, w.lm_head)
+        return torch.mm(h, w.lm_head.t(), out=logits_out)
 
     def _attention(self, x, layer: LayerWeights, pool, layer_idx, batch: BatchLayout, cos, sin, mask):
         s = self.shape
@@ -153,14 +170,60 @@ class PagedLlama:
         v = qkv[:, q_dim + kv_dim:].view(-1, s.num_kv_heads, s.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = pool[0, layer_idx], pool[1, layer_idx]  # [blocks, block_size, kvh, D]
-        k_cache.view(-1, s.num_kv_heads, s.head_dim)[batch.slots] = k
-        v_cache.view(-1, s.num_kv_heads, s.head_dim)[batch.slots] = v
-        num_seqs = batch.block_tables.shape[0]
-        keys = k_cache[batch.block_tables].flatten(1, 2).transpose(1, 2)    # [B, kvh, C, D]
-        values = v_cache[batch.block_tables].flatten(1, 2).transpose(1, 2)
+        flat = (-1, s.num_kv_heads, s.head_dim)
+        if self.attention == "triton":
+            store_kv, paged_attention = self._kernels
+            store_kv(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
+            out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.positions, batch.query_start,
+                                  batch.max_query, self.scale)
+            return F.linear(out.view(-1, q_dim), layer.o)
+        store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
+        return F.linear(self._reference_attention(q, k_cache, v_cache, batch, mask), layer.o)
+
+    def _reference_attention(self, q, k_cache, v_cache, batch: BatchLayout, mask) -> torch.Tensor:
+        s = self.shape
+        seq_of, idx_in_run = _token_coordinates(batch)
+        tables = batch.block_tables.long()
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)    # [B, kvh, C, D]
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        # Slots past a sequence's last position may hold garbage, NaN included: zero them, since
+        # an additive -inf mask does not stop NaN (0 * NaN is NaN in the weighted sum).
+        visible = mask.isfinite().any(2)                             # [B, 1, C]
+        keys = torch.where(visible[..., None], keys, 0)
+        values = torch.where(visible[..., None], values, 0)
+        num_seqs = tables.shape[0]
         qp = q.new_zeros(num_seqs, batch.max_query, s.num_heads, s.head_dim)
-        qp[batch.query_seq, batch.query_idx] = q
+        qp[seq_of, idx_in_run] = q
         out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=True)   # [B, heads, Q, D]
-        out = out.transpose(1, 2)[batch.query_seq, batch.query_idx].reshape(-1, q_dim)
-        return F.linear(out, layer.o)
+        return out.transpose(1, 2)[seq_of, idx_in_run].reshape(-1, s.num_heads * s.head_dim)
+
+    def _attention_mask(self, batch: BatchLayout, block_size: int) -> torch.Tensor:
+        """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p."""
+        num_seqs, max_blocks = batch.block_tables.shape
+        ctx = max_blocks * block_size
+        seq_of, idx_in_run = _token_coordinates(batch)
+        qpos = torch.full((num_seqs, batch.max_query), -1, dtype=torch.long, device=batch.positions.device)
+        qpos[seq_of, idx_in_run] = batch.positions
+        kpos = torch.arange(ctx, device=qpos.device)
+        allowed = kpos[None, None, :] <= qpos[:, :, None]
+        allowed[..., 0] |= qpos < 0  # padded query rows attend one key so softmax stays finite
+        mask = torch.zeros(allowed.shape, dtype=self.weights.embed.dtype, device=qpos.device)
+        return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def store_kv_reference(k, v, k_cache, v_cache, slots) -> None:
+    """Plain torch twin of `store_kv`: k/v [T, kvh, D] into the flat cache; negative slots skipped."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    k_cache[slots] = k
+    v_cache[slots] = v
+
+
+def _token_coordinates(batch: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence of each token [T], index of the token within its sequence's run [T])."""
+    starts = batch.query_start.long()
+    lens = starts[1:] - starts[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=starts.device), lens)
+    return seq_of, torch.arange(seq_of.numel(), device=starts.device) - starts[seq_of]

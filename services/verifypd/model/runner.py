@@ -1,10 +1,23 @@
-"""ModelRunner: one model + its KV pool; turns ragged token runs into one paged forward."""
+"""ModelRunner: one model + its KV pool; turns token runs into paged forwards.
+
+Batch layouts are built with numpy (no per-token Python loops) and cross to the device in one
+copy. Two layouts:
+  * ragged (prefill): the runs' tokens back to back;
+  * padded (decode, verify, draft): every sequence gets exactly Q token slots, the batch is padded
+    to a CUDA-graph bucket. Padding tokens repeat a real position and write nowhere (slot -1);
+    padding sequences write nowhere either. Left-aligned (real tokens first) for verify, so row j
+    of a sequence is its j-th token; right-aligned for drafting, so its last token is row Q - 1.
+"""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from verifypd.model import sampler
+from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.llama import BatchLayout, PagedLlama
 
@@ -18,51 +31,158 @@ class TokenRun:
     block_ids: tuple[int, ...]
 
 
+@dataclass
+class HostLayout:
+    """A batch layout in host memory (int64 numpy arrays); `rows` sequences of which `real` hold runs."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    tables: np.ndarray        # [rows, W]
+    query_start: np.ndarray   # [rows + 1]
+    max_query: int
+    real: int
+
+
+def build_layout(runs: list[TokenRun], block_size: int, *, query: int | None = None, align: str = "left",
+                 rows: int | None = None, width: int | None = None) -> HostLayout:
+    """query=None: ragged. Else each sequence padded to `query` tokens (>= its run), the batch to
+    `rows` sequences, block tables to `width` columns."""
+    num = len(runs)
+    lens = np.fromiter((len(r.token_ids) for r in runs), dtype=np.int64, count=num)
+    starts = np.fromiter((r.start_pos for r in runs), dtype=np.int64, count=num)
+    nblocks = np.fromiter((len(r.block_ids) for r in runs), dtype=np.int64, count=num)
+    if (lens < 1).any():
+        raise ValueError("every run needs at least one token")
+    too_long = np.nonzero(starts + lens > nblocks * block_size)[0]
+    if too_long.size:
+        r = runs[int(too_long[0])]
+        raise ValueError(f"run needs {r.start_pos + len(r.token_ids)} positions but holds {len(r.block_ids)} blocks")
+    rows = num if rows is None else rows
+    width = max(1, int(nblocks.max())) if width is None else width
+    tables = np.zeros((rows, width), dtype=np.int64)
+    for i, run in enumerate(runs):
+        tables[i, :len(run.block_ids)] = run.block_ids
+    flat_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in runs), dtype=np.int64,
+                           count=int(lens.sum()))
+    run_start = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    if query is None:  # ragged
+        seq = np.repeat(np.arange(num), lens)
+        idx = np.arange(flat_ids.size) - run_start[seq]
+        positions = starts[seq] + idx
+        slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        query_start = np.concatenate(([0], np.cumsum(lens)))
+        return HostLayout(flat_ids, positions, slots, tables, query_start, int(lens.max()), num)
+    if lens.max() > query:
+        raise ValueError(f"a run of {int(lens.max())} tokens does not fit {query} query slots")
+    pad = rows - num
+    lens_p = np.concatenate((lens, np.ones(pad, dtype=np.int64)))
+    starts_p = np.concatenate((starts, np.zeros(pad, dtype=np.int64)))
+    run_start_p = np.concatenate((run_start, np.zeros(pad, dtype=np.int64)))
+    j = np.arange(query)[None, :]
+    if align == "left":
+        idx = np.minimum(j, lens_p[:, None] - 1)
+        real = j < lens_p[:, None]
+    else:
+        offset = query - lens_p[:, None]
+        idx = np.maximum(j - offset, 0)
+        real = j >= offset
+    real[num:] = False
+    positions = starts_p[:, None] + idx
+    ids = np.where(real, flat_ids[np.minimum(run_start_p[:, None] + idx, flat_ids.size - 1)], 0)
+    seq = np.arange(rows)[:, None]
+    slots = np.where(real, tables[seq, positions // block_size] * block_size + positions % block_size, -1)
+    query_start = np.arange(rows + 1, dtype=np.int64) * query
+    return HostLayout(ids.ravel(), positions.ravel(), slots.ravel(), tables, query_start, query, num)
+
+
+def to_device(layout: HostLayout, device: torch.device) -> BatchLayout:
+    """One host-to-device copy of all index arrays (from pinned memory on CUDA)."""
+    parts = (layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables.ravel())
+    host = torch.from_numpy(np.concatenate(parts))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    n, b = layout.ids.size, layout.query_start.size
+    return BatchLayout(input_ids=flat[:n], positions=flat[n:2 * n], slots=flat[2 * n:3 * n],
+                       query_start=flat[3 * n:3 * n + b], block_tables=flat[3 * n + b:].view(layout.tables.shape),
+                       max_query=layout.max_query)
+
+
 class ModelRunner:
-    def __init__(self, model: PagedLlama, pool: KvPool):
+    def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | None = None):
+        """graphs: capture CUDA graphs for padded batches (None = on CUDA with the Triton backend)."""
         if model.num_layers != pool.geometry.num_layers:
             raise ValueError(f"pool has {pool.geometry.num_layers} layers, model uses {model.num_layers}")
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.block_size = pool.geometry.block_size
+        if graphs is None:
+            graphs = self.device.type == "cuda" and model.attention == "triton"
+        self.graphs = None
+        if graphs:
+            from verifypd.model.graph_runner import GraphRunner
+            self.graphs = GraphRunner(model, pool.tensor, self.block_size)
 
     @property
     def vocab_size(self) -> int:
         return self.model.shape.vocab_size
 
     def layout(self, runs: list[TokenRun]) -> BatchLayout:
-        """Host-side bookkeeping, one host-to-device copy per tensor."""
-        bs = self.block_size
-        ids, pos, slots, qseq, qidx, ctx = [], [], [], [], [], []
-        max_blocks = max(len(r.block_ids) for r in runs)
-        tables = []
-        for s, run in enumerate(runs):
-            end = run.start_pos + len(run.token_ids)
-            if end > len(run.block_ids) * bs:
-                raise ValueError(f"run needs {end} positions but holds {len(run.block_ids)} blocks")
-            for i, tok in enumerate(run.token_ids):
-                p = run.start_pos + i
-                ids.append(tok)
-                pos.append(p)
-                slots.append(run.block_ids[p // bs] * bs + p % bs)
-                qseq.append(s)
-                qidx.append(i)
-            ctx.append(end)
-            tables.append(list(run.block_ids) + [0] * (max_blocks - len(run.block_ids)))
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return BatchLayout(
-            input_ids=as_tensor(ids), positions=as_tensor(pos), slots=as_tensor(slots),
-            block_tables=as_tensor(tables), context_lens=as_tensor(ctx), query_seq=as_tensor(qseq),
-            query_idx=as_tensor(qidx), max_query=max(len(r.token_ids) for r in runs))
+        return to_device(build_layout(runs, self.block_size), self.device)
 
     def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None:
-        """logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V], in run order)."""
-        batch = self.layout(runs)
+        """Ragged, eager (prefill). logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V])."""
+        host = build_layout(runs, self.block_size)
+        batch = to_device(host, self.device)
         index = None
         if logits_for == "last":
-            lens = torch.tensor([len(r.token_ids) for r in runs], device=self.device)
-            index = lens.cumsum(0) - 1
+            index = batch.query_start[1:] - 1
         elif logits_for == "all":
-            index = torch.arange(batch.input_ids.numel(), device=self.device)
+            index = torch.arange(host.ids.size, device=self.device)
         return self.model.forward(self.pool.tensor, batch, index)
+
+    def score(self, runs: list[TokenRun]) -> torch.Tensor:
+        """Logits of every token of every run, padded: [B, Q, V] with Q = the longest run; rows past
+        a run's end repeat its last position (their logits are not meaningful)."""
+        query = max(len(r.token_ids) for r in runs)
+        if self.graphs is not None and self.graphs.fits(len(runs), query):
+            return self.graphs.score(runs, query)
+        host = build_layout(runs, self.block_size, query=query, align="left")
+        batch = to_device(host, self.device)
+        logits = self.model.forward(self.pool.tensor, batch, torch.arange(host.ids.size, device=self.device))
+        return logits.view(len(runs), query, -1)
+
+    def last_logits(self, runs: list[TokenRun]) -> torch.Tensor:
+        """Logits of each run's last token [B, V] through the padded (graph-able) layout."""
+        query = max(len(r.token_ids) for r in runs)
+        if self.graphs is not None and self.graphs.fits(len(runs), query):
+            return self.graphs.last_logits(runs, query)
+        host = build_layout(runs, self.block_size, query=query, align="right")
+        batch = to_device(host, self.device)
+        index = torch.arange(1, len(runs) + 1, device=self.device) * query - 1
+        return self.model.forward(self.pool.tensor, batch, index)
+
+    def draft(self, runs: list[TokenRun], ks: list[int], samplings) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft loop: run r feeds its tokens, then k_r tokens are proposed, each fed to the next
+        step on the device. Returns (tokens [B, K], probs [B, K, V] float32 or None when all greedy),
+        K = max(ks); entries past a row's k are meaningless."""
+        mode = sampler.choice_mode(samplings)
+        next_pos = [r.start_pos + len(r.token_ids) for r in runs]
+        logits = self.last_logits(runs)[:len(runs)]
+        params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
+        first, first_probs = sampler.choose(logits, mode, *params, torch.tensor(next_pos, device=self.device),
+                                            sampler.STREAM_DRAFT)
+        steps = max(ks)
+        if steps == 1:
+            return first[:, None], None if first_probs is None else first_probs[:, None]
+        if self.graphs is not None and self.graphs.draft_fits(len(runs), steps):
+            return self.graphs.draft_steps(samplings, first, first_probs, next_pos, ks, mode)
+        tables = self.layout(runs).block_tables
+        state = DraftState.allocate(len(runs), steps, self.vocab_size, tables, self.model.weights.embed.dtype,
+                                    probs=mode != sampler.GREEDY)
+        state.start(samplings, first, first_probs, next_pos, ks)
+        for _ in range(steps - 1):
+            draft_step(self.model, self.pool.tensor, state, self.block_size, mode)
+        return state.out_tokens, state.out_probs

@@ -34,20 +34,31 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     return ((x.double() + 0.5) / 4294967296.0).float()
 
 
+def params_tensor(samplings, device) -> tuple[torch.Tensor, ...]:
+    """(temperature, top_k, top_p, seeds) of a batch's SamplingParams, on `device`."""
+    temp = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device)
+    top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=device)
+    top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device)
+    return temp, top_k, top_p, seed_tensor([s.seed for s in samplings], device)
+
+
 def seed_tensor(seeds: list[int], device) -> torch.Tensor:
     """uint64 seeds as int64 bit patterns."""
     return torch.tensor([s - (1 << 64) if s >= (1 << 63) else s for s in seeds], dtype=torch.long, device=device)
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, truncate: bool | None = None) -> torch.Tensor:
     """logits [N, V] float32 -> processed probs [N, V]. Rows with temperature 0 become one-hot
-    argmax. top_k 0 and top_p 1 disable truncation."""
+    argmax. top_k 0 and top_p 1 disable truncation. `truncate` says whether any row truncates;
+    None looks (a host sync), so CUDA-graph code passes it from the host-side parameters."""
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     vocab = probs.shape[-1]
-    if bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any()):
+    if truncate is None:
+        truncate = bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any())
+    if truncate:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=probs.device)[None, :]
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
@@ -111,3 +122,23 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, k: to
         dist = p_m
     u_final = uniforms(seeds, start_pos + 1 + accepted, STREAM_TARGET)
     return accepted, sample(dist, u_final)
+
+
+# How a batch picks its tokens; host-side knowledge, so device code needs no sync to branch.
+GREEDY, SAMPLE, SAMPLE_TRUNCATED = "greedy", "sample", "sample_truncated"
+
+
+def choice_mode(samplings) -> str:
+    if all(s.greedy for s in samplings):
+        return GREEDY
+    truncates = any((s.top_k > 0 or s.top_p < 1) and not s.greedy for s in samplings)
+    return SAMPLE_TRUNCATED if truncates else SAMPLE
+
+
+def choose(logits: torch.Tensor, mode: str, temp, top_k, top_p, seeds, positions: torch.Tensor, stream: int):
+    """One token per row with no host sync: (tokens [N], probs [N, V] float32 or None if greedy).
+    `positions` are where the chosen tokens will sit (they key the counter-based uniforms)."""
+    if mode == GREEDY:
+        return logits.argmax(-1), None
+    probs = probabilities(logits.float(), temp, top_k, top_p, truncate=mode == SAMPLE_TRUNCATED)
+    return sample(probs, uniforms(seeds, positions, stream)), probs

@@ -1,0 +1,103 @@
+"""The k-step draft loop with tokens fed forward on the device: no host sync between steps.
+
+After the first draft token (chosen from the first forward's logits), each `draft_step` feeds the
+previous step's tokens, writes their KV, and chooses the next tokens, all from device state, so
+the same function runs eagerly (CPU, odd sizes) or as a captured CUDA graph replayed k - 1 times.
+
+State per row (R rows, S >= k steps, V vocab):
+    tok [R]      token fed this step            pos [R]   its position
+    base [R]     position of the first draft    k [R]     drafts wanted (0 = padding row)
+    step [1]     index of the token this step produces (1 .. k-1)
+    out_tokens [R, S], out_probs [R, S, V] (sampled modes only)
+A row is active while step < k. Inactive rows (finished or padding) still compute, but write no
+KV (slot -1) and read only KV that exists (their position falls back to base - 1, the pending
+token's, which is in the pool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from verifypd.model import sampler
+from verifypd.model.llama import BatchLayout, PagedLlama
+
+
+@dataclass
+class DraftState:
+    tok: torch.Tensor
+    pos: torch.Tensor
+    base: torch.Tensor
+    k: torch.Tensor
+    step: torch.Tensor
+    temp: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    tables: torch.Tensor       # [R, W] block tables (shared with the first step's layout)
+    out_tokens: torch.Tensor
+    out_probs: torch.Tensor | None
+    logits: torch.Tensor       # [R, V] static output of the forward
+    rows: torch.Tensor         # arange(R): logits index
+    query_start: torch.Tensor  # arange(R + 1): one token per row
+
+    @classmethod
+    def allocate(cls, rows: int, steps: int, vocab: int, tables: torch.Tensor, dtype: torch.dtype,
+                 probs: bool) -> "DraftState":
+        dev = tables.device
+        zeros = lambda *shape, d=torch.long: torch.zeros(*shape, dtype=d, device=dev)  # noqa: E731
+        return cls(tok=zeros(rows), pos=zeros(rows), base=torch.ones(rows, dtype=torch.long, device=dev),
+                   k=zeros(rows), step=zeros(1), temp=zeros(rows, d=torch.float32), top_k=zeros(rows),
+                   top_p=torch.ones(rows, device=dev), seeds=zeros(rows), tables=tables,
+                   out_tokens=zeros(rows, steps),
+                   out_probs=zeros(rows, steps, vocab, d=torch.float32) if probs else None,
+                   logits=torch.empty(rows, vocab, dtype=dtype, device=dev),
+                   rows=torch.arange(rows, device=dev), query_start=torch.arange(rows + 1, device=dev))
+
+    def head(self, rows: int) -> "DraftState":
+        """The first `rows` rows (views: same memory, so graphs captured on them see updates)."""
+        sliced = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in sliced.items():
+            if name == "query_start":
+                sliced[name] = value[:rows + 1]
+            elif name != "step" and value is not None:
+                sliced[name] = value[:rows]
+        return DraftState(**sliced)
+
+    def start(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int]) -> None:
+        """Loads a call's rows (the first len(ks)); later rows become inactive padding."""
+        n, dev = len(ks), self.tok.device
+        ints = torch.tensor([next_pos, next_pos, ks, [s.top_k for s in samplings]], dtype=torch.long)
+        seeds = sampler.seed_tensor([s.seed for s in samplings], "cpu")
+        floats = torch.tensor([[s.temperature for s in samplings], [s.top_p for s in samplings]], dtype=torch.float32)
+        if dev.type == "cuda":
+            ints, seeds, floats = ints.pin_memory(), seeds.pin_memory(), floats.pin_memory()
+        ints, seeds, floats = (t.to(dev, non_blocking=True) for t in (ints, seeds, floats))
+        self.k.zero_()
+        self.base.fill_(1)
+        self.pos[:n], self.base[:n], self.k[:n], self.top_k[:n] = ints
+        self.seeds[:n] = seeds
+        self.temp[:n], self.top_p[:n] = floats
+        self.tok[:n] = first_tokens
+        self.out_tokens[:n, 0] = first_tokens
+        if first_probs is not None:
+            self.out_probs[:n, 0] = first_probs
+        self.step.fill_(1)
+
+
+def draft_step(model: PagedLlama, pool: torch.Tensor, st: DraftState, block_size: int, mode: str) -> None:
+    """One draft forward over all rows of `st`; advances the state in place (graph-capturable)."""
+    active = st.step < st.k
+    pos = torch.where(active, st.pos, st.base - 1)
+    block = st.tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
+    slots = torch.where(active, block * block_size + pos % block_size, -1)
+    batch = BatchLayout(input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables,
+                        query_start=st.query_start, max_query=1)
+    logits = model.forward(pool, batch, st.rows, logits_out=st.logits)
+    new, probs = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, pos + 1, sampler.STREAM_DRAFT)
+    st.out_tokens.index_copy_(1, st.step, new[:, None])
+    if probs is not None:
+        st.out_probs.index_copy_(1, st.step, probs[:, None])
+    st.tok.copy_(new)
+    st.pos.add_(1)
+    st.step.add_(1)

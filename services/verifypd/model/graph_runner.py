@@ -1,0 +1,154 @@
+"""CUDA graphs of one model over its KV pool: the only place graphs are captured and replayed.
+
+Graphs (all sharing one memory pool and one set of static input buffers):
+  * ("all", B, Q): forward of B sequences x Q tokens, logits of every token (verify, plain decode);
+  * ("last", B, Q): the same, logits of each sequence's last token (the draft's first step);
+  * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times.
+B is a padded batch bucket (1, 2, 4, ..., 256), Q a tokens-per-sequence count. Static inputs are
+filled before each replay with one host-to-device copy; outputs are views of static buffers,
+valid until the next replay of this runner (callers consume them within the lane call).
+Sizes outside the buckets run eagerly through the same code.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verifypd.model.draft_loop import DraftState, draft_step
+from verifypd.model.llama import BatchLayout, PagedLlama
+from verifypd.model.runner import TokenRun, build_layout
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GraphRunner:
+    def __init__(self, model: PagedLlama, pool: torch.Tensor, block_size: int, *, buckets=BUCKETS,
+                 max_query: int = 9, max_draft_steps: int = 8, max_graph_tokens: int = 2048):
+        self.model, self.pool, self.block_size = model, pool, block_size
+        self.buckets = tuple(sorted(buckets))
+        self.max_query, self.max_draft_steps, self.max_graph_tokens = max_query, max_draft_steps, max_graph_tokens
+        dev, rows = pool.device, self.buckets[-1]
+        self.width = -(-(model.shape.max_context + 64) // block_size)  # block-table columns
+        tokens = rows * max_query
+        self.ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.slots = torch.full((tokens,), -1, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=dev)
+        self.logits = torch.empty(tokens, model.shape.vocab_size, dtype=model.weights.embed.dtype, device=dev)
+        self.arange = torch.arange(tokens + 1, device=dev)
+        self.draft = DraftState.allocate(rows, max_draft_steps, model.shape.vocab_size, self.tables,
+                                         model.weights.embed.dtype, probs=False)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._mempool = torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0
+
+    # -- sizes -------------------------------------------------------------------------------
+    def bucket(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def fits(self, batch: int, query: int) -> bool:
+        rows = self.bucket(batch)
+        return rows is not None and query <= self.max_query and rows * query <= self.max_graph_tokens
+
+    # -- forwards ----------------------------------------------------------------------------
+    def score(self, runs: list[TokenRun], query: int) -> torch.Tensor:
+        rows = self.bucket(len(runs))
+        graph = self._graph(("all", rows, query))
+        self._load(runs, query, "left", rows)
+        graph.replay()
+        return self.logits[:rows * query].view(rows, query, -1)[:len(runs)]
+
+    def last_logits(self, runs: list[TokenRun], query: int) -> torch.Tensor:
+        rows = self.bucket(len(runs))
+        graph = self._graph(("last", rows, query))
+        self._load(runs, query, "right", rows)
+        graph.replay()
+        return self.logits[:len(runs)]
+
+    def _load(self, runs: list[TokenRun], query: int, align: str, rows: int) -> None:
+        host = build_layout(runs, self.block_size, query=query, align=align, rows=rows, width=self.width)
+        n = rows * query
+        flat = torch.from_numpy(host.ids).new_empty(3 * n + rows * self.width)
+        for i, part in enumerate((host.ids, host.positions, host.slots)):
+            flat[i * n:(i + 1) * n] = torch.from_numpy(part)
+        flat[3 * n:] = torch.from_numpy(host.tables.ravel())
+        dev = flat.pin_memory().to(self.pool.device, non_blocking=True)
+        self.ids[:n].copy_(dev[:n])
+        self.positions[:n].copy_(dev[n:2 * n])
+        self.slots[:n].copy_(dev[2 * n:3 * n])
+        self.tables[:rows].copy_(dev[3 * n:].view(rows, self.width))
+
+    def _forward(self, mode: str, rows: int, query: int) -> None:
+        n = rows * query
+        batch = BatchLayout(self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows],
+                            self.arange[:rows + 1] * query, query)
+        if mode == "all":
+            self.model.forward(self.pool, batch, self.arange[:n], logits_out=self.logits[:n])
+        else:
+            index = self.arange[1:rows + 1] * query - 1
+            self.model.forward(self.pool, batch, index, logits_out=self.logits[:rows])
+
+    # -- the draft loop ----------------------------------------------------------------------
+    def draft_steps(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int], mode: str):
+        """Runs steps 1 .. max(ks)-1 of the draft loop; returns (tokens [B, K], probs [B, K, V] or None),
+        views of static buffers. The caller ran step 0 (`last_logits` + choose) just before."""
+        rows, steps = self.bucket(len(ks)), max(ks)
+        if mode != "greedy" and self.draft.out_probs is None:
+            self.draft.out_probs = torch.zeros(*self.draft.out_tokens.shape, self.model.shape.vocab_size,
+                                               device=self.pool.device)
+        graph = self._graph(("draft", rows, mode))
+        self.draft.start(samplings, first_tokens[:len(ks)], first_probs, next_pos, ks)
+        for _ in range(steps - 1):
+            graph.replay()
+        probs = self.draft.out_probs[:len(ks), :steps] if mode != "greedy" else None
+        return self.draft.out_tokens[:len(ks), :steps], probs
+
+    def draft_fits(self, batch: int, steps: int) -> bool:
+        return self.bucket(batch) is not None and steps <= self.max_draft_steps
+
+    # -- capture -----------------------------------------------------------------------------
+    def _graph(self, key: tuple) -> torch.cuda.CUDAGraph:
+        """The graph for `key`, captured on first use. Call before loading a call's inputs: capture
+        runs the forward once and must find the static inputs inert."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(key)
+        return graph
+
+    def _capture(self, key: tuple) -> torch.cuda.CUDAGraph:
+        kind, rows = key[0], key[1]
+        if kind == "draft":
+            state = self.draft.head(rows)
+            fn = lambda: draft_step(self.model, self.pool, state, self.block_size, key[2])  # noqa: E731
+        else:
+            fn = lambda: self._forward(kind, rows, key[2])  # noqa: E731
+        t0 = time.perf_counter()
+        # Warm up on a side stream (lazy cuBLAS/Triton init stays out of the graph). Slots -1 and
+        # draft rows inactive (k = 0): the warm-up run writes no KV.
+        self.slots.fill_(-1)
+        self.draft.k.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            fn()
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - t0
+        return graph
+
+    def warm_up(self, kinds: tuple[str, ...], max_query: int | None = None) -> float:
+        """Captures the graphs a lane will use, at start-up; returns the seconds spent."""
+        t0 = time.perf_counter()
+        for rows in reversed(self.buckets):  # largest first: later captures reuse its pool memory
+            for kind in kinds:
+                if kind == "draft":
+                    self._graph(("draft", rows, "greedy"))
+                    continue
+                for query in range(1, (max_query or self.max_query) + 1):
+                    if self.fits(rows, query):
+                        self._graph((kind, rows, query))
+        return time.perf_counter() - t0
