@@ -1,12 +1,17 @@
-"""Decode throughput of the verifypd engine vs transformers `generate`, same GPU, same run.
+"""Engine throughput on the GPU against same-run hardware floors (one process, one run).
 
-Target: a real model *shape* with random weights (bf16). Draft = the target itself ("self:<all
-layers>", separate KV pool), so acceptance is ~1 by construction (measured and reported, not
-assumed). Each batch runs B requests with a random prompt of --prompt-len tokens and exactly
---gen-len generated tokens (EOS ignored). tok/s = B * gen_len / wall time from the first step to
-the last token (prefill included), after a warm-up run at the same batch.
+Models: real *shapes* with random bf16 weights. Random weights give ~0 acceptance between two
+different models, so speculative rows use SIMULATED ACCEPTANCE (real draft and verify compute,
+each draft token kept with probability alpha, seeded) and say so in every row; "draft = target"
+rows use the target itself as draft (real acceptance, ~1 by construction: the overhead check).
 
-    python bench/engine_throughput.py --shape llama-2-7b --batches 1,16,64 --out results.json
+Floors measured in the same run:
+  * matmul floor: every weight matrix of the model once, batch B, in one CUDA graph (no attention);
+  * bytes floor: (weight bytes + KV bytes read at the mean context) / measured device copy bandwidth.
+Rows report end-to-end tok/s (B requests, prompt P, exactly G generated, prefill included) and
+the median lane-call times of the decode phase against those floors.
+
+    python bench/engine_throughput.py --out bench/results/engine_throughput_h100.json
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -24,118 +29,202 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
+from verifypd.engine.router import EngineObserver  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
 
 
 def git_revision() -> str:
-    if os.environ.get("VERIFYPD_GIT_REV"):
-        return os.environ["VERIFYPD_GIT_REV"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        return os.environ.get("VERIFYPD_GIT_REV") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:
         return "unknown"
 
 
-def random_prompts(batch: int, length: int, seed: int) -> list[tuple[int, ...]]:
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(256 * 1024 * 1024, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); dst.copy_(src); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times[2:])
+
+
+def matmul_floor(model, batch: int) -> float:
+    """Seconds for every weight matrix once at this batch, replayed from one CUDA graph."""
+    w = model.weights
+    x = torch.randn(batch, model.shape.hidden_size, device="cuda", dtype=w.embed.dtype)
+    inter = torch.randn(batch, model.shape.intermediate_size, device="cuda", dtype=w.embed.dtype)
+    attn = torch.randn(batch, model.shape.num_heads * model.shape.head_dim, device="cuda", dtype=w.embed.dtype)
+
+    def run():
+        for layer in w.layers[:model.num_layers]:
+            torch.mm(x, layer.qkv.t()); torch.mm(attn, layer.o.t())
+            torch.mm(x, layer.gate_up.t()); torch.mm(inter, layer.down.t())
+        torch.mm(x, w.lm_head.t())
+    run(); torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return _median_replay(graph)
+
+
+def _median_replay(graph, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); graph.replay(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times[3:])
+
+
+def weight_bytes(model) -> int:
+    w = model.weights
+    mats = [t for layer in w.layers[:model.num_layers] for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(t.numel() * t.element_size() for t in mats + [w.lm_head])
+
+
+def kv_bytes(model, batch: int, context: int) -> int:
+    s = model.shape
+    return batch * context * model.num_layers * 2 * s.num_kv_heads * s.head_dim * 2
+
+
+class LaneTimes(EngineObserver):
+    def __init__(self):
+        self.calls: list[tuple[str, float, int]] = []
+
+    def on_lane_step(self, lane: str, seconds: float, batch: int) -> None:
+        self.calls.append((lane, seconds, batch))
+
+
+def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(100, 31000, (length,), generator=gen).tolist()) for _ in range(batch)]
-
-
-def run_ours(engine: Engine, prompts, gen_len: int) -> dict:
     router = engine.router
-    for i, p in enumerate(prompts):
-        router.add_request(RequestSpec(p, max_tokens=gen_len, stop_at_eos=False, request_id=f"b{i}"))
+    for i in range(batch):
+        prompt = tuple(torch.randint(100, 31000, (prompt_len,), generator=gen).tolist())
+        router.add_request(RequestSpec(prompt, max_tokens=gen_len, stop_at_eos=False, request_id=f"s{seed}-{i}"))
+    times.calls.clear()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    drafted = accepted = produced = steps = 0
+    produced = drafted = accepted = steps = 0
+    ks = []
     while router.has_work():
         steps += 1
         for out in router.step():
             produced += len(out.token_ids)
+            ks.append(out.applied_k)
             if out.finished:
                 drafted += out.stats.draft_tokens
                 accepted += out.stats.accepted_tokens
-    torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"tokens": produced, "seconds": seconds, "tok_per_s": produced / seconds, "steps": steps,
-            "acceptance_rate": accepted / drafted if drafted else None}
 
-
-def run_transformers(model, prompts, gen_len: int) -> dict:
-    ids = torch.tensor(prompts, device="cuda")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
-                         do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"tokens": produced, "seconds": seconds, "tok_per_s": produced / seconds}
-
-
-def hf_random_model(shape_name: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = RANDOM_SHAPES[shape_name]
-    config = LlamaConfig(vocab_size=32000, hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-                         num_hidden_layers=d["num_layers"], num_attention_heads=d["num_heads"],
-                         num_key_value_heads=d["num_kv_heads"], max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-    return model.eval()
+    def median(lane):
+        xs = [s for name, s, b in times.calls if name == lane and b == batch]
+        return statistics.median(xs) if xs else None
+    return {"tokens": produced, "seconds": round(seconds, 4), "tok_per_s": round(produced / seconds, 1), "steps": steps,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_k": round(sum(ks) / len(ks), 3) if ks else 0,
+            "verify_call_s": median("verify"), "draft_call_s": median("draft")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama-2-7b", choices=sorted(RANDOM_SHAPES))
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--target", default="llama-2-7b", choices=sorted(RANDOM_SHAPES))
+    ap.add_argument("--draft", default="tinyllama-1.1b", choices=sorted(RANDOM_SHAPES))
+    ap.add_argument("--batches", default="1,4,16,64,128")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--num-blocks", type=int, default=1400)
-    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--alphas", default="0.5,0.7,0.9", help="simulated acceptance rates")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,adaptive")
+    ap.add_argument("--rows", default="plain,simulated,self", help="which row families to run")
     ap.add_argument("--out", default="engine_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "git_revision": git_revision(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-               "target_shape": args.shape, "weights": "random (bf16)", "prompt_len": args.prompt_len,
-               "gen_len": args.gen_len, "draft": "target itself (self:all layers), acceptance ~1 by construction",
-               "runs": []}
-    if not args.skip_transformers:
-        import transformers
+    families = args.rows.split(",")
+    results = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "weights": "random (bf16)", "prompt_len": args.prompt_len,
+               "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft, "rows": []}
+    bandwidth = copy_bandwidth()
+    results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+    max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
+    base = dict(device="cuda", dtype="bfloat16", num_blocks=max_blocks, max_context=args.prompt_len + args.gen_len + 64,
+                graph_buckets=tuple(batches))
+    t0 = time.perf_counter()
+    target_models = load_models(EngineOptions(target=f"random:{args.target}", draft=f"random:{args.draft}", **base))
+    results["load_seconds"] = round(time.perf_counter() - t0, 1)
+    tm, dm = target_models.target_model, target_models.draft_model
+    floors = {}
+    for b in batches:
+        ctx = args.prompt_len + args.gen_len // 2
+        floors[b] = {"target_matmul_s": matmul_floor(tm, b), "draft_matmul_s": matmul_floor(dm, b),
+                     "target_bytes_s": (weight_bytes(tm) + kv_bytes(tm, b, ctx)) / bandwidth,
+                     "draft_bytes_s": (weight_bytes(dm) + kv_bytes(dm, b, ctx)) / bandwidth}
+    results["floors"] = {str(b): {k: round(v * 1e3, 3) for k, v in f.items()} for b, f in floors.items()}
+    results["floors_unit"] = "ms per step"
+    print(f"# {results['device']}  copy {results['copy_bandwidth_GBps']} GB/s  (rev {results['git_revision'][:10]})")
+    print("# floors (ms):", json.dumps(results["floors"]), flush=True)
 
-        results["transformers"] = transformers.__version__
-        model = hf_random_model(args.shape)
+    configs = []
+    if "plain" in families:
+        configs.append(("k=0 (plain decoding)", None, RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False), False))
+    if "simulated" in families:
+        for alpha in [float(a) for a in args.alphas.split(",")]:
+            for k in args.ks.split(","):
+                cfg = (RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True) if k == "adaptive"
+                       else RuntimeConfig(k_min=0, k_max=max(int(k), 1), k_initial=int(k), adaptive=False))
+                configs.append((f"SIMULATED acceptance {alpha}, k={k}", alpha, cfg, False))
+    if "self" in families:
+        configs.append(("draft = target (real acceptance), k=4", None,
+                        RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=False), True))
+    self_models = None
+    for label, alpha, cfg, self_draft in configs:
+        models = target_models
+        if self_draft:
+            if self_models is None:
+                self_models = load_models(EngineOptions(target=f"random:{args.target}",
+                                                        draft=f"self:{tm.shape.num_layers}", **base))
+            models = self_models
+        times = LaneTimes()
+        engine = Engine(EngineOptions(config=cfg, **base), observer=times, models=models, simulated_acceptance=alpha)
         for b in batches:
-            prompts = random_prompts(b, args.prompt_len, seed=b)
-            run_transformers(model, prompts, 8)  # warm-up
-            r = run_transformers(model, prompts, args.gen_len)
-            results["runs"].append({"system": "transformers.generate", "batch": b, **r})
-            print(json.dumps(results["runs"][-1]), flush=True)
-        del model
-        torch.cuda.empty_cache()
-    layers = RANDOM_SHAPES[args.shape]["num_layers"]
-    options = EngineOptions(target=f"random:{args.shape}", draft=f"self:{layers}", device="cuda", dtype="bfloat16",
-                            num_blocks=args.num_blocks, max_context=args.prompt_len + args.gen_len + 64)
-    models = load_models(options)
-    for k in (0, args.k):
-        options.config = RuntimeConfig(k_min=0, k_max=max(k, 1), k_initial=k, adaptive=False)
-        engine = Engine(options, models=models)
-        for b in batches:
-            prompts = random_prompts(b, args.prompt_len, seed=b)
-            run_ours(engine, prompts, 8)  # warm-up
-            r = run_ours(engine, prompts, args.gen_len)
-            results["runs"].append({"system": f"verifypd k={k}", "batch": b, **r})
-            print(json.dumps(results["runs"][-1]), flush=True)
+            run_engine(engine, times, b, args.prompt_len, 16, seed=1000 + b)  # warm-up (lazy graphs, allocator)
+            r = run_engine(engine, times, b, args.prompt_len, args.gen_len, seed=b)
+            f = floors[b]
+            row = {"system": label, "simulated_acceptance": alpha, "batch": b, **r,
+                   "graph_capture_s": round(engine.startup_capture_seconds, 2)}
+            if r["verify_call_s"] and cfg.k_initial == 0 and not cfg.adaptive:
+                row["decode_step_over_matmul_floor"] = round(r["verify_call_s"] / f["target_matmul_s"], 3)
+                row["decode_step_over_bytes_floor"] = round(r["verify_call_s"] / f["target_bytes_s"], 3)
+            if r["draft_call_s"] and not cfg.adaptive and cfg.k_initial > 0 and not self_draft:
+                per_step = r["draft_call_s"] / cfg.k_initial
+                row["draft_step_s"] = per_step
+                row["draft_step_over_matmul_floor"] = round(per_step / f["draft_matmul_s"], 3)
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
         del engine
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith("k=0")}
+    for row in results["rows"]:
+        if row["batch"] in plain:
+            row["speedup_vs_k0"] = round(row["tok_per_s"] / plain[row["batch"]], 3)
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'system':48s} {'batch':>5s} {'tok/s':>9s} {'x k=0':>6s} {'acc':>5s} {'k':>5s} {'verify ms':>9s} {'draft ms':>8s}")
+    for r in results["rows"]:
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        v = "-" if not r["verify_call_s"] else f"{r['verify_call_s'] * 1e3:.2f}"
+        d = "-" if not r["draft_call_s"] else f"{r['draft_call_s'] * 1e3:.2f}"
+        print(f"{r['system']:48s} {r['batch']:5d} {r['tok_per_s']:9.1f} {r.get('speedup_vs_k0', 0):6.2f} {acc:>5s} "
+              f"{r['mean_k']:5.2f} {v:>9s} {d:>8s}")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ class EngineOptions:
     max_running: int = 256
     gpu_memory_fraction: float = 0.85
     shared_cpu_pools: bool = False   # CPU pools in /dev/shm (needed when split lanes import them)
+    cuda_graphs: bool = True         # on CUDA: capture graphs per batch bucket at start-up
+    graph_buckets: tuple[int, ...] | None = None  # padded batch sizes of the graphs (None = 1, 2, 4 .. 256)
     config: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
@@ -112,22 +114,37 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool]:
     return pools[0], pools[1]
 
 
+def capture_graphs(target: ModelRunner, draft: ModelRunner, k_max: int) -> float:
+    """Captures the CUDA graphs the lanes use at start-up (others on first use); returns seconds."""
+    seconds = 0.0
+    if target.graphs is not None:
+        seconds += target.graphs.warm_up(("all",), max_query=min(k_max + 1, target.graphs.max_query))
+    if draft.graphs is not None:
+        seconds += draft.graphs.warm_up(("last", "draft"), max_query=2)
+    return seconds
+
+
 class Engine:
     def __init__(self, options: EngineOptions | None = None, observer: EngineObserver | None = None,
-                 models: Models | None = None):
+                 models: Models | None = None, *, simulated_acceptance: float | None = None):
+        """`simulated_acceptance` is for benchmarks only (see LocalVerifyLane); no CLI or RPC sets it."""
         self.options = options or EngineOptions()
         self.models = models or load_models(self.options)
         m = self.models
         self.codec = TextCodec(m.target.tokenizer)
         self.target_pool, self.draft_pool = make_pools(m, self.options)
-        target_runner = ModelRunner(m.target_model, self.target_pool)
-        draft_runner = ModelRunner(m.draft_model, self.draft_pool)
+        graphs = None if self.options.cuda_graphs else False
+        buckets = self.options.graph_buckets
+        target_runner = ModelRunner(m.target_model, self.target_pool, graphs=graphs, buckets=buckets)
+        draft_runner = ModelRunner(m.draft_model, self.draft_pool, graphs=graphs, buckets=buckets)
+        self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
         common = dict(vocab_size=m.target.shape.vocab_size, max_context=m.target.shape.max_context,
                       target_model=m.target.name, draft_model=m.draft_name)
         pools = (self.target_pool.info(), self.draft_pool.info())
         self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, LaneInfo("prefill", pools, **common))
         self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", (pools[1],), **common))
-        self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common))
+        self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
+                                           simulated_acceptance=simulated_acceptance)
         self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode,
                              eos_token_ids=m.target.eos_token_ids, config=self.options.config,
                              max_running=self.options.max_running, observer=observer)

@@ -110,8 +110,10 @@ def to_device(layout: HostLayout, device: torch.device) -> BatchLayout:
 
 
 class ModelRunner:
-    def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | None = None):
-        """graphs: capture CUDA graphs for padded batches (None = on CUDA with the Triton backend)."""
+    def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | None = None,
+                 buckets: tuple[int, ...] | None = None):
+        """graphs: capture CUDA graphs for padded batches (None = on CUDA with the Triton backend);
+        buckets: their padded batch sizes (None = the GraphRunner's default)."""
         if model.num_layers != pool.geometry.num_layers:
             raise ValueError(f"pool has {pool.geometry.num_layers} layers, model uses {model.num_layers}")
         self.model = model
@@ -123,7 +125,7 @@ class ModelRunner:
         self.graphs = None
         if graphs:
             from verifypd.model.graph_runner import GraphRunner
-            self.graphs = GraphRunner(model, pool.tensor, self.block_size)
+            self.graphs = GraphRunner(model, pool.tensor, self.block_size, **({"buckets": buckets} if buckets else {}))
 
     @property
     def vocab_size(self) -> int:
