@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, choose_k, expected_tokens
+from verifypd.engine.draft_length import (AcceptanceTracker, RuntimeConfig, StepCostModel, choose_batch_k, choose_k,
+                                          expected_tokens, request_alpha)
 from verifypd.engine.scheduler import Scheduler
 from verifypd.engine.sequence import Sequence, SeqStatus
 from verifypd.engine.types import RequestSpec, RequestStats
@@ -74,11 +75,31 @@ def test_choose_k_follows_goodput():
     high = choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100)
     low = choose_k(config, 0.05, None, costs, batch=1, remaining_tokens=100)
     assert high >= 4 and low == 0
-    # Saturated GPU: verify cost grows with scored tokens, so drafting stops paying.
-    costs.verify_per_token_s = 1e-3
+    # Saturated GPU: measured verify cost grows with the tokens scored, so drafting stops paying.
+    for q in range(1, 10):
+        costs.observe_verify(64, q, 5e-3 * q)
     assert choose_k(config, 0.7, None, costs, batch=64, remaining_tokens=100) == 0
+    # The same measurements say nothing about batch 1, where verify is memory-bound.
+    assert choose_k(config, 0.7, None, costs, batch=1, remaining_tokens=100) > 0
     # Request override and remaining tokens cap k.
     costs = StepCostModel()
     assert choose_k(config, 0.95, 2, costs, batch=1, remaining_tokens=100) == 2
     assert choose_k(config, 0.95, None, costs, batch=1, remaining_tokens=3) == 2
     assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+
+def test_batch_k_probes_and_acceptance_estimates():
+    config = RuntimeConfig(k_min=0, k_max=6, k_initial=4, adaptive=True)
+    costs = StepCostModel()
+    costs.observe_draft(1, 4, 4e-3)        # 1 ms per draft step
+    costs.observe_verify(1, 1, 5e-3)       # 5 ms per verify, whatever k
+    assert choose_batch_k(config, [0.05], costs, 1, 6) == 0
+    assert choose_batch_k(config, [0.05], costs, 1, 6, probe=True) == 1
+    assert choose_batch_k(config, [0.8, 0.8], costs, 1, 6) >= 3
+    # A verify of k = 4 accepting 2 is 2 successes and 1 failure: alpha 2/3, not 2/4.
+    tracker = AcceptanceTracker(decay=1.0)
+    tracker.observe(2, 4)
+    tracker.observe(4, 4)                   # all accepted: no failure
+    assert abs(tracker.alpha - 6 / 7) < 1e-12
+    assert request_alpha(0, 0, None) is None and request_alpha(0, 0, 0.6) == 0.6
+    assert abs(request_alpha(3, 1, 0.5, prior_weight=4) - 5 / 8) < 1e-12

@@ -54,55 +54,113 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-class StepCostModel:
-    """Online linear fits of lane step times, from the router's own measurements.
+def batch_bucket(batch: int) -> int:
+    """Costs are tracked per padded batch size (powers of two, as the CUDA graphs are)."""
+    return 1 << max(0, batch - 1).bit_length()
 
-    draft:  seconds per draft step (one forward of the batch), an EMA;
-    verify: seconds = fixed + per_token * scored_tokens, least squares over a sliding window.
-    Until measured, defaults describe a memory-bound GPU (verifying k+1 tokens costs ~ one).
+
+class StepCostModel:
+    """Lane step costs measured online by the router, per padded batch bucket.
+
+    verify: seconds of a verify call per (bucket, tokens per sequence q = k + 1);
+    draft:  seconds per draft step per bucket.
+    An unmeasured verify cost is estimated by the measured one of the largest smaller q at that
+    bucket (cost does not fall as q grows, so this is a lower bound): optimism makes the policy
+    try an unmeasured k once, and the measurement then corrects it. Defaults describe a
+    memory-bound GPU until anything is measured.
     """
 
-    def __init__(self, window: int = 64):
-        self.draft_step_s = 0.3e-3
-        self._verify: deque[tuple[int, float]] = deque(maxlen=window)
-        self.verify_fixed_s = 3e-3
-        self.verify_per_token_s = 0.02e-3
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self._verify: dict[tuple[int, int], float] = {}
+        self._draft: dict[int, float] = {}
+        self.default_verify_s = 3e-3
+        self.default_draft_step_s = 0.3e-3
+        self.acceptance = AcceptanceTracker()  # engine-wide prior for requests not yet observed
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
+    def _ema(self, table: dict, key, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps > 0:
-            self.draft_step_s = 0.8 * self.draft_step_s + 0.2 * (seconds / steps)
+            self._ema(self._draft, batch_bucket(batch), seconds / steps)
 
-    def observe_verify(self, scored_tokens: int, seconds: float) -> None:
-        self._verify.append((scored_tokens, seconds))
-        xs = [x for x, _ in self._verify]
-        if len(self._verify) < 8 or max(xs) == min(xs):
-            return
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(y for _, y in self._verify) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in self._verify) / sxx
-        self.verify_per_token_s = max(slope, 0.0)
-        self.verify_fixed_s = max(my - self.verify_per_token_s * mx, 1e-6)
+    def observe_verify(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
+        self._ema(self._verify, (batch_bucket(batch), tokens_per_seq), seconds)
 
-    def goodput(self, alpha: float, k: int, batch: int) -> float:
-        """Tokens per second for one request in a batch of `batch` requests all using k."""
-        verify = self.verify_fixed_s + self.verify_per_token_s * batch * (k + 1)
-        return expected_tokens(alpha, k) / (k * self.draft_step_s + verify)
+    def verify_s(self, batch: int, tokens_per_seq: int) -> float:
+        b = batch_bucket(batch)
+        exact = self._verify.get((b, tokens_per_seq))
+        if exact is not None:
+            return exact
+        below = [(q, v) for (bb, q), v in self._verify.items() if bb == b and q < tokens_per_seq]
+        return max(below)[1] if below else self.default_verify_s
+
+    def draft_step_s(self, batch: int) -> float:
+        measured = self._draft.get(batch_bucket(batch))
+        return measured if measured is not None else min(self._draft.values(), default=self.default_draft_step_s)
+
+    def goodput(self, alphas: list[float], k: int, batch: int) -> float:
+        """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
+        seconds = k * self.draft_step_s(batch) + self.verify_s(batch, k + 1)
+        return sum(expected_tokens(a, k) for a in alphas) / seconds
+
+
+class AcceptanceTracker:
+    """Per-token acceptance estimate, engine-wide, from verify outcomes.
+
+    Under the i.i.d. model behind E(a, k), a verify of k drafts that accepted m is m successes plus
+    one failure when m < k, so a = successes / (successes + failures) is the maximum-likelihood
+    estimate (accepted / drafted would be biased low: drafts after a rejection are never tried).
+    Counts decay so the estimate follows a changing workload."""
+
+    def __init__(self, decay: float = 0.99):
+        self.decay = decay
+        self.successes = 0.0
+        self.failures = 0.0
+
+    def observe(self, accepted: int, k: int) -> None:
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (1 if accepted < k else 0)
+
+    @property
+    def alpha(self) -> float | None:
+        total = self.successes + self.failures
+        return None if total <= 0 else self.successes / total
+
+
+def request_alpha(successes: int, failures: int, prior: float | None, prior_weight: float = 4.0) -> float | None:
+    """A request's acceptance: its own counts, shrunk toward the engine-wide estimate."""
+    if prior is None:
+        total = successes + failures
+        return None if total == 0 else successes / total
+    return (successes + prior_weight * prior) / (successes + failures + prior_weight)
 
 
 def choose_k(config: RuntimeConfig, alpha: float | None, request_max_k: int | None,
              costs: StepCostModel, batch: int, remaining_tokens: int) -> int:
-    """k for one request this step. Never drafts more than the request can still emit."""
+    """k for one request deciding alone (see choose_batch_k for a batch)."""
+    return cap_k(config, choose_batch_k(config, [alpha], costs, batch, config.k_max), request_max_k,
+                 remaining_tokens)
+
+
+def cap_k(config: RuntimeConfig, k: int, request_max_k: int | None, remaining_tokens: int) -> int:
+    """Never more than the request allows or can still emit."""
     hi = config.k_max if request_max_k is None else min(config.k_max, request_max_k)
     hi = min(hi, max(remaining_tokens - 1, 0))
+    return max(min(config.k_min, hi), min(k, hi))
+
+
+def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
+                   hi: int, probe: bool = False) -> int:
+    """One k for the decoding batch: verify runs every request padded to max(k) + 1 tokens, so a
+    shared k is what the GPU pays for. Maximises the batch's goodput; `probe` turns a 0 into 1 so
+    acceptance keeps being observed while speculation is off (the caller probes now and then)."""
+    hi = max(min(hi, config.k_max), 0)
     lo = min(config.k_min, hi)
-    if not config.adaptive or alpha is None:
+    known = [a for a in alphas if a is not None]
+    if not config.adaptive or not known:
         return max(lo, min(config.k_initial, hi))
-    return max(range(lo, hi + 1), key=lambda k: costs.goodput(alpha, k, batch))
-
-
-def update_alpha(previous: float | None, accepted: int, k: int, weight: float = 0.3) -> float | None:
-    if k == 0:
-        return previous
-    observed = accepted / k
-    return observed if previous is None else (1 - weight) * previous + weight * observed
+    best = max(range(lo, hi + 1), key=lambda k: costs.goodput(known, k, batch))
+    return 1 if probe and best == 0 and hi >= 1 else best

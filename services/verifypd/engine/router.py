@@ -14,7 +14,7 @@ from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, update_alpha
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, request_alpha
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
@@ -141,7 +141,7 @@ class Router:
             for out in self.draft_lane.draft(items):
                 drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
             seconds = self._clock() - t0
-            self.costs.observe_draft(max(w.k for w in drafting), seconds)
+            self.costs.observe_draft(len(items), max(w.k for w in drafting), seconds)
             self.observer.on_lane_step("draft", seconds, len(items))
         items = []
         for w in work:
@@ -154,7 +154,7 @@ class Router:
         t0 = self._clock()
         results = self.verify_lane.verify(items)
         seconds = self._clock() - t0
-        self.costs.observe_verify(sum(len(i.draft_tokens) + 1 for i in items), seconds)
+        self.costs.observe_verify(len(items), max(len(i.draft_tokens) for i in items) + 1, seconds)
         self.observer.on_lane_step("verify", seconds, len(items))
         outputs = []
         for w, item, res in zip(work, items, results):
@@ -167,7 +167,11 @@ class Router:
             seq.stats.draft_tokens += k
             seq.stats.accepted_tokens += m
             seq.stats.verify_steps += 1
-            seq.alpha_estimate = update_alpha(seq.alpha_estimate, m, k)
+            if k > 0:
+                seq.draft_rejections += m < k
+                self.costs.acceptance.observe(m, k)
+            seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections,
+                                               self.costs.acceptance.alpha)
             seq.last_k = k
             self.observer.on_verify(k, m)
             outputs += self._emit(seq, res.new_tokens, applied_k=k)

@@ -15,7 +15,9 @@ import heapq
 from dataclasses import dataclass
 
 from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, choose_k
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, choose_batch_k
+
+PROBE_EVERY = 32  # with speculation off, every 32nd decode step drafts k = 1 to keep measuring acceptance
 from verifypd.engine.sequence import Sequence, SeqStatus
 
 
@@ -54,6 +56,7 @@ class Scheduler:
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
         self.running: list[Sequence] = []
+        self._steps_without_drafts = 0
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -92,11 +95,18 @@ class Scheduler:
         decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
         batch = len(decoding)
         work: list[DecodeWork] = []
+        k_batch = 0
+        if decoding:
+            prior = costs.acceptance.alpha
+            alphas = [prior if s.alpha_estimate is None else s.alpha_estimate for s in decoding]
+            probe = self._steps_without_drafts % PROBE_EVERY == PROBE_EVERY - 1
+            k_batch = choose_batch_k(config, alphas, costs, batch, config.k_max, probe=probe)
+            self._steps_without_drafts = self._steps_without_drafts + 1 if k_batch == 0 else 0
         for seq in decoding:
             if seq in preempted:
                 continue
             n = seq.pending_pos
-            k = choose_k(config, seq.alpha_estimate, seq.spec.max_k, costs, batch, seq.remaining_tokens)
+            k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
             k = max(0, min(k, self.max_context - 1 - n))  # verify writes positions n..n+k
             while not self._reserve(seq, n, k):
                 if k > 0:

@@ -40,8 +40,10 @@ class Sequence:
     target_computed: int = 0
     draft_computed: int = 0
     finish_reason: FinishReason | None = None
-    # Acceptance estimate (EMA) for the draft-length controller; None until observed.
+    # Per-token acceptance estimate for the draft-length controller (draft_length.request_alpha);
+    # None until anything is observed. draft_rejections counts verify steps that rejected a draft.
     alpha_estimate: float | None = None
+    draft_rejections: int = 0
     last_k: int = 0
 
     @property

@@ -128,6 +128,7 @@ class GraphRunner:
         # draft rows inactive (k = 0): the warm-up run writes no KV.
         self.slots.fill_(-1)
         self.draft.k.zero_()
+        self.draft.step.fill_(1)  # in range of out_tokens for the warm-up step
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

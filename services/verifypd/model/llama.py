@@ -128,8 +128,10 @@ class PagedLlama:
         self.attention = attention_backend(attention, device)
         if self.attention == "triton":  # imported only here: CPU installs need no Triton
             from verifypd.model.paged_attention import paged_attention
-            from verifypd.model.store_kv import store_kv
-            self._kernels = (store_kv, paged_attention)
+            from verifypd.model.rms_norm import add_rms_norm
+            from verifypd.model.rope_kv import rope_and_store_kv
+            from verifypd.model.silu_mul import silu_mul
+            self._kernels = (add_rms_norm, silu_mul, rope_and_store_kv, paged_attention)
         self.scale = shape.head_dim ** -0.5
         # cos/sin of every position, [max_context + slack, D]: looked up, not recomputed, per step.
         # (positions.float() * inv_freq in float32, as computed per step before: same values.)
@@ -144,41 +146,57 @@ class PagedLlama:
         """Writes the new tokens' KV into `pool`; returns logits [len(logits_index), V] in the model's
         dtype (into `logits_out` when given: a CUDA graph's static output)."""
         s, w = self.shape, self.weights
-        h = w.embed[batch.input_ids]
-        cos, sin = self.rope_cos[batch.positions][:, None, :], self.rope_sin[batch.positions][:, None, :]
+        norm = self._add_rms_norm
+        h, delta = w.embed[batch.input_ids], None
         mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
         for i in range(self.num_layers):
             layer = w.layers[i]
-            x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
-            h = h + self._attention(x, layer, pool, i, batch, cos, sin, mask)
-            x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h, x = norm(h, delta, layer.input_norm)          # h += delta; x = norm(h)
+            delta = F.linear(self._attention(x, layer, pool, i, batch, mask), layer.o)
+            h, x = norm(h, delta, layer.post_norm)
+            delta = F.linear(self._silu_mul(F.linear(x, layer.gate_up)), layer.down)
         if logits_index is None:
             return None
-        h = rms_norm(h[logits_index], w.final_norm, s.rms_norm_eps)
+        h, delta = h[logits_index], delta[logits_index]
+        _, x = norm(h, delta, w.final_norm)
         if logits_out is None:
-            return F.linear(h, w.lm_head)
-        return torch.mm(h, w.lm_head.t(), out=logits_out)
+            return F.linear(x, w.lm_head)
+        return torch.mm(x, w.lm_head.t(), out=logits_out)
 
-    def _attention(self, x, layer: LayerWeights, pool, layer_idx, batch: BatchLayout, cos, sin, mask):
+    def _attention(self, x, layer: LayerWeights, pool, layer_idx, batch: BatchLayout, mask) -> torch.Tensor:
+        """[T, heads * D]: attention output of the new tokens, after writing their K/V."""
         s = self.shape
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        k_cache, v_cache = pool[0, layer_idx], pool[1, layer_idx]  # [blocks, block_size, kvh, D]
+        flat = (-1, s.num_kv_heads, s.head_dim)
+        if self.attention == "triton":
+            _, _, rope_and_store_kv, paged_attention = self._kernels
+            q = rope_and_store_kv(qkv, self.rope_cos, self.rope_sin, batch.positions, batch.slots,
+                                  k_cache.view(flat), v_cache.view(flat), s.num_heads)
+            out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.positions, batch.query_start,
+                                  batch.max_query, self.scale)
+            return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[:, :q_dim].view(-1, s.num_heads, s.head_dim)
         k = qkv[:, q_dim:q_dim + kv_dim].view(-1, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_dim + kv_dim:].view(-1, s.num_kv_heads, s.head_dim)
+        cos, sin = self.rope_cos[batch.positions][:, None, :], self.rope_sin[batch.positions][:, None, :]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = pool[0, layer_idx], pool[1, layer_idx]  # [blocks, block_size, kvh, D]
-        flat = (-1, s.num_kv_heads, s.head_dim)
-        if self.attention == "triton":
-            store_kv, paged_attention = self._kernels
-            store_kv(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
-            out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.positions, batch.query_start,
-                                  batch.max_query, self.scale)
-            return F.linear(out.view(-1, q_dim), layer.o)
         store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
-        return F.linear(self._reference_attention(q, k_cache, v_cache, batch, mask), layer.o)
+        return self._reference_attention(q, k_cache, v_cache, batch, mask)
+
+    def _add_rms_norm(self, h, delta, weight):
+        """(h + delta, rms_norm(h + delta)); the Triton kernel updates h in place."""
+        if self.attention == "triton":
+            return h, self._kernels[0](h, delta, weight, self.shape.rms_norm_eps)
+        h = h if delta is None else h + delta
+        return h, rms_norm(h, weight, self.shape.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.attention == "triton":
+            return self._kernels[1](gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _reference_attention(self, q, k_cache, v_cache, batch: BatchLayout, mask) -> torch.Tensor:
         s = self.shape

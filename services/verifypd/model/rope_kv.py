@@ -1,0 +1,62 @@
+"""RoPE on q and k, and the KV write into the paged pool, in one launch (Triton).
+
+    qkv [T, (heads + 2 kv_heads) * D]   the fused projection's output (q heads, k heads, v heads)
+    cos, sin [positions, D]             tables (HF rotate-half convention: both halves equal)
+    positions, slots [T] int64          slot = block_id * block_size + offset, or -1: write nowhere
+                                        (a CUDA graph's padding, draft steps past a request's k)
+    k_cache, v_cache [slots, kv_heads, D]  one layer's view of the pool, flattened
+    returns q [T, heads, D] rotated
+A program handles one (token, head): heads < `heads` are query heads, the rest key heads (whose
+value head is copied beside them).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                    stride_t, stride_qt, stride_cs, stride_tab,
+                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    pos = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + pos * stride_tab + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_tab + d).to(tl.float32)
+    src = qkv_ptr + token * stride_t + head * 2 * HALF
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    out1 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)
+    out2 = (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
+    if head < HEADS:
+        dst = q_ptr + token * stride_qt + head * 2 * HALF
+        tl.store(dst + d, out1)
+        tl.store(dst + HALF + d, out2)
+    else:
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:
+            kv_head = head - HEADS
+            dst = k_cache_ptr + slot * stride_cs + kv_head * 2 * HALF
+            tl.store(dst + d, out1)
+            tl.store(dst + HALF + d, out2)
+            v_src = src + KV_HEADS * 2 * HALF
+            vdst = v_cache_ptr + slot * stride_cs + kv_head * 2 * HALF
+            tl.store(vdst + d, tl.load(v_src + d))
+            tl.store(vdst + HALF + d, tl.load(v_src + HALF + d))
+
+
+def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    tokens = qkv.shape[0]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    assert qkv.stride(1) == 1 and k_cache.is_contiguous() and cos.is_contiguous()
+    q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        _rope_kv_kernel[(tokens, heads + kv_heads)](
+            qkv, cos, sin, positions, slots, q, k_cache, v_cache,
+            qkv.stride(0), q.stride(0), k_cache.stride(0), cos.stride(0),
+            HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, num_warps=1)
+    return q
