@@ -49,7 +49,17 @@ def main() -> None:
             router.step()
         torch.cuda.synchronize()
     print(f"# {args.shape} batch {args.batch} context {args.context}: {step_ms:.3f} ms per router step (unprofiled)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    import cProfile
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(args.steps):
+        router.step()
+    host.disable()
+    print("# host time per function (cProfile, all steps):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":

@@ -63,31 +63,35 @@ class StepCostModel:
     """Lane step costs measured online by the router, per padded batch bucket.
 
     verify: seconds of a verify call per (bucket, tokens per sequence q = k + 1);
-    draft:  seconds per draft step per bucket.
+    draft:  seconds per draft step per bucket (calls that first catch up on many committed tokens,
+            after steps without drafting, are not typical steps and are not recorded).
     An unmeasured verify cost is estimated by the measured one of the largest smaller q at that
     bucket (cost does not fall as q grows, so this is a lower bound): optimism makes the policy
     try an unmeasured k once, and the measurement then corrects it. Defaults describe a
     memory-bound GPU until anything is measured.
     """
 
-    def __init__(self, smoothing: float = 0.3):
-        self.smoothing = smoothing
+    def __init__(self, window: int = 9):
+        self.window = window
         self._verify: dict[tuple[int, int], float] = {}
         self._draft: dict[int, float] = {}
+        self._samples: dict[tuple, deque] = {}
         self.default_verify_s = 3e-3
         self.default_draft_step_s = 0.3e-3
         self.acceptance = AcceptanceTracker()  # engine-wide prior for requests not yet observed
 
-    def _ema(self, table: dict, key, seconds: float) -> None:
-        old = table.get(key)
-        table[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+    def _observe(self, table: dict, key, seconds: float) -> None:
+        """Median of the last few calls: one slow call (a lazy compile, a GC pause) moves nothing."""
+        samples = self._samples.setdefault((id(table), key), deque(maxlen=self.window))
+        samples.append(seconds)
+        table[key] = sorted(samples)[len(samples) // 2]
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps > 0:
-            self._ema(self._draft, batch_bucket(batch), seconds / steps)
+            self._observe(self._draft, batch_bucket(batch), seconds / steps)
 
     def observe_verify(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
-        self._ema(self._verify, (batch_bucket(batch), tokens_per_seq), seconds)
+        self._observe(self._verify, (batch_bucket(batch), tokens_per_seq), seconds)
 
     def verify_s(self, batch: int, tokens_per_seq: int) -> float:
         b = batch_bucket(batch)

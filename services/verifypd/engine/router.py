@@ -141,7 +141,8 @@ class Router:
             for out in self.draft_lane.draft(items):
                 drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
             seconds = self._clock() - t0
-            self.costs.observe_draft(len(items), max(w.k for w in drafting), seconds)
+            if max(len(i.input_tokens) for i in items) <= 2:  # a typical call: no long catch-up
+                self.costs.observe_draft(len(items), max(w.k for w in drafting), seconds)
             self.observer.on_lane_step("draft", seconds, len(items))
         items = []
         for w in work:

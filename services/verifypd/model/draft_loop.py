@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from verifypd.model import sampler
@@ -64,20 +65,28 @@ class DraftState:
                 sliced[name] = value[:rows]
         return DraftState(**sliced)
 
-    def start(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int]) -> None:
+    def start(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int], staging) -> None:
         """Loads a call's rows (the first len(ks)); later rows become inactive padding."""
-        n, dev = len(ks), self.tok.device
-        ints = torch.tensor([next_pos, next_pos, ks, [s.top_k for s in samplings]], dtype=torch.long)
-        seeds = sampler.seed_tensor([s.seed for s in samplings], "cpu")
-        floats = torch.tensor([[s.temperature for s in samplings], [s.top_p for s in samplings]], dtype=torch.float32)
-        if dev.type == "cuda":
-            ints, seeds, floats = ints.pin_memory(), seeds.pin_memory(), floats.pin_memory()
-        ints, seeds, floats = (t.to(dev, non_blocking=True) for t in (ints, seeds, floats))
+        from verifypd.model.runner import pack  # runner imports this module
+
+        n = len(ks)
+        greedy = all(s.greedy for s in samplings)
+        arrays = [np.asarray(next_pos, dtype=np.int64), np.asarray(ks, dtype=np.int64)]
+        if not greedy:
+            arrays += [np.asarray([s.top_k for s in samplings], dtype=np.int64),
+                       sampler.seed_tensor([s.seed for s in samplings], "cpu").numpy()]
+        device_arrays = pack(arrays, self.tok.device, staging)
+        staging.sent()
         self.k.zero_()
         self.base.fill_(1)
-        self.pos[:n], self.base[:n], self.k[:n], self.top_k[:n] = ints
-        self.seeds[:n] = seeds
-        self.temp[:n], self.top_p[:n] = floats
+        self.pos[:n] = device_arrays[0]
+        self.base[:n] = device_arrays[0]
+        self.k[:n] = device_arrays[1]
+        if not greedy:
+            self.top_k[:n], self.seeds[:n] = device_arrays[2], device_arrays[3]
+            floats = torch.tensor([[s.temperature for s in samplings], [s.top_p for s in samplings]],
+                                  dtype=torch.float32)
+            self.temp[:n], self.top_p[:n] = floats.to(self.tok.device)
         self.tok[:n] = first_tokens
         self.out_tokens[:n, 0] = first_tokens
         if first_probs is not None:

@@ -17,13 +17,14 @@ import torch
 
 from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.runner import TokenRun, build_layout
+from verifypd.model.runner import PinnedStaging, TokenRun, build_layout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class GraphRunner:
-    def __init__(self, model: PagedLlama, pool: torch.Tensor, block_size: int, *, buckets=BUCKETS,
+    def __init__(self, model: PagedLlama, pool: torch.Tensor, block_size: int, staging: PinnedStaging, *,
+                 buckets=BUCKETS,
                  max_query: int = 9, max_draft_steps: int = 8, max_graph_tokens: int = 2048):
         self.model, self.pool, self.block_size = model, pool, block_size
         self.buckets = tuple(sorted(buckets))
@@ -31,10 +32,13 @@ class GraphRunner:
         dev, rows = pool.device, self.buckets[-1]
         self.width = -(-(model.shape.max_context + 64) // block_size)  # block-table columns
         tokens = rows * max_query
-        self.ids = torch.zeros(tokens, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
-        self.slots = torch.full((tokens,), -1, dtype=torch.long, device=dev)
-        self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=dev)
+        # Static inputs are views of one buffer, so a call's inputs arrive in one copy:
+        # [ids | positions | slots | tables], each region at a fixed offset (prefixes are used).
+        self.staging = staging
+        self._meta = torch.zeros(3 * tokens + rows * self.width, dtype=torch.long, device=dev)
+        self.ids, self.positions, self.slots = (self._meta[i * tokens:(i + 1) * tokens] for i in range(3))
+        self.tables = self._meta[3 * tokens:].view(rows, self.width)
+        self.slots.fill_(-1)
         self.logits = torch.empty(tokens, model.shape.vocab_size, dtype=model.weights.embed.dtype, device=dev)
         self.arange = torch.arange(tokens + 1, device=dev)
         self.draft = DraftState.allocate(rows, max_draft_steps, model.shape.vocab_size, self.tables,
@@ -68,16 +72,15 @@ class GraphRunner:
 
     def _load(self, runs: list[TokenRun], query: int, align: str, rows: int) -> None:
         host = build_layout(runs, self.block_size, query=query, align=align, rows=rows, width=self.width)
-        n = rows * query
-        flat = torch.from_numpy(host.ids).new_empty(3 * n + rows * self.width)
+        n, tokens = rows * query, self.ids.numel()
+        span = 3 * tokens + rows * self.width
+        host_buf = self.staging.take(span)
+        view = host_buf.numpy()
         for i, part in enumerate((host.ids, host.positions, host.slots)):
-            flat[i * n:(i + 1) * n] = torch.from_numpy(part)
-        flat[3 * n:] = torch.from_numpy(host.tables.ravel())
-        dev = flat.pin_memory().to(self.pool.device, non_blocking=True)
-        self.ids[:n].copy_(dev[:n])
-        self.positions[:n].copy_(dev[n:2 * n])
-        self.slots[:n].copy_(dev[2 * n:3 * n])
-        self.tables[:rows].copy_(dev[3 * n:].view(rows, self.width))
+            view[i * tokens:i * tokens + n] = part
+        view[3 * tokens:span] = host.tables.ravel()
+        self._meta[:span].copy_(host_buf, non_blocking=True)
+        self.staging.sent()
 
     def _forward(self, mode: str, rows: int, query: int) -> None:
         n = rows * query
@@ -98,7 +101,7 @@ class GraphRunner:
             self.draft.out_probs = torch.zeros(*self.draft.out_tokens.shape, self.model.shape.vocab_size,
                                                device=self.pool.device)
         graph = self._graph(("draft", rows, mode))
-        self.draft.start(samplings, first_tokens[:len(ks)], first_probs, next_pos, ks)
+        self.draft.start(samplings, first_tokens[:len(ks)], first_probs, next_pos, ks, self.staging)
         for _ in range(steps - 1):
             graph.replay()
         probs = self.draft.out_probs[:len(ks), :steps] if mode != "greedy" else None

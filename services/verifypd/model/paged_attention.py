@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The block-table row stride varies with the batch's widest table: don't compile a variant per value.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, positions_ptr, query_start_ptr,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,

@@ -96,17 +96,54 @@ def build_layout(runs: list[TokenRun], block_size: int, *, query: int | None = N
     return HostLayout(ids.ravel(), positions.ravel(), slots.ravel(), tables, query_start, query, num)
 
 
-def to_device(layout: HostLayout, device: torch.device) -> BatchLayout:
-    """One host-to-device copy of all index arrays (from pinned memory on CUDA)."""
-    parts = (layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables.ravel())
-    host = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    n, b = layout.ids.size, layout.query_start.size
-    return BatchLayout(input_ids=flat[:n], positions=flat[n:2 * n], slots=flat[2 * n:3 * n],
-                       query_start=flat[3 * n:3 * n + b], block_tables=flat[3 * n + b:].view(layout.tables.shape),
-                       max_query=layout.max_query)
+ALIGN = 16  # elements: every array starts 128-byte aligned in the packed buffer (Triton specializes
+            # kernels on 16-byte pointer alignment; misaligned views would compile extra variants)
+
+
+def pack(arrays: list[np.ndarray], device: torch.device, staging: "PinnedStaging | None" = None) -> list[torch.Tensor]:
+    """Copies int64 arrays to `device` in one transfer; returns flat device views, each aligned."""
+    sizes = [a.size for a in arrays]
+    offsets = np.concatenate(([0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])))
+    total = int(offsets[-1])
+    host = staging.take(total) if staging is not None else torch.empty(total, dtype=torch.long)
+    view = host.numpy()
+    for a, off in zip(arrays, offsets):
+        view[off:off + a.size] = a.ravel()
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return [flat[off:off + n] for off, n in zip(offsets, sizes)]
+
+
+class PinnedStaging:
+    """A reusable pinned host buffer (pinning per call costs more than the copy). One transfer may
+    be in flight: `take` waits for the previous one before handing the memory out again."""
+
+    def __init__(self, device: torch.device, size: int = 1 << 16):
+        self.device = device
+        self._buffer = torch.empty(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.device.type != "cuda":  # no transfer: the arrays are used in place, so never reuse
+            return torch.empty(size, dtype=torch.long)
+        if self._done is not None:
+            self._done.synchronize()
+        if size > self._buffer.numel():
+            self._buffer = torch.empty(2 * size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return self._buffer[:size]
+
+    def sent(self) -> None:
+        if self._done is not None:
+            self._done.record()
+
+
+def to_device(layout: HostLayout, device: torch.device, staging: PinnedStaging | None = None) -> BatchLayout:
+    """One host-to-device copy of all index arrays."""
+    ids, positions, slots, query_start, tables = pack(
+        [layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables], device, staging)
+    if staging is not None:
+        staging.sent()
+    return BatchLayout(input_ids=ids, positions=positions, slots=slots, query_start=query_start,
+                       block_tables=tables.view(layout.tables.shape), max_query=layout.max_query)
 
 
 class ModelRunner:
@@ -120,24 +157,26 @@ class ModelRunner:
         self.pool = pool
         self.device = pool.device
         self.block_size = pool.geometry.block_size
+        self.staging = PinnedStaging(self.device)
         if graphs is None:
             graphs = self.device.type == "cuda" and model.attention == "triton"
         self.graphs = None
         if graphs:
             from verifypd.model.graph_runner import GraphRunner
-            self.graphs = GraphRunner(model, pool.tensor, self.block_size, **({"buckets": buckets} if buckets else {}))
+            self.graphs = GraphRunner(model, pool.tensor, self.block_size, self.staging,
+                                      **({"buckets": buckets} if buckets else {}))
 
     @property
     def vocab_size(self) -> int:
         return self.model.shape.vocab_size
 
     def layout(self, runs: list[TokenRun]) -> BatchLayout:
-        return to_device(build_layout(runs, self.block_size), self.device)
+        return to_device(build_layout(runs, self.block_size), self.device, self.staging)
 
     def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None:
         """Ragged, eager (prefill). logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V])."""
         host = build_layout(runs, self.block_size)
-        batch = to_device(host, self.device)
+        batch = to_device(host, self.device, self.staging)
         index = None
         if logits_for == "last":
             index = batch.query_start[1:] - 1
@@ -152,7 +191,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(len(runs), query):
             return self.graphs.score(runs, query)
         host = build_layout(runs, self.block_size, query=query, align="left")
-        batch = to_device(host, self.device)
+        batch = to_device(host, self.device, self.staging)
         logits = self.model.forward(self.pool.tensor, batch, torch.arange(host.ids.size, device=self.device))
         return logits.view(len(runs), query, -1)
 
@@ -162,7 +201,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(len(runs), query):
             return self.graphs.last_logits(runs, query)
         host = build_layout(runs, self.block_size, query=query, align="right")
-        batch = to_device(host, self.device)
+        batch = to_device(host, self.device, self.staging)
         index = torch.arange(1, len(runs) + 1, device=self.device) * query - 1
         return self.model.forward(self.pool.tensor, batch, index)
 
@@ -184,7 +223,7 @@ class ModelRunner:
         tables = self.layout(runs).block_tables
         state = DraftState.allocate(len(runs), steps, self.vocab_size, tables, self.model.weights.embed.dtype,
                                     probs=mode != sampler.GREEDY)
-        state.start(samplings, first, first_probs, next_pos, ks)
+        state.start(samplings, first, first_probs, next_pos, ks, self.staging)
         for _ in range(steps - 1):
             draft_step(self.model, self.pool.tensor, state, self.block_size, mode)
         return state.out_tokens, state.out_probs
