@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--alphas", default="0.5,0.7,0.9", help="simulated acceptance rates")
     ap.add_argument("--ks", default="1,2,3,4,5,6,adaptive")
     ap.add_argument("--rows", default="plain,simulated,self", help="which row families to run")
+    ap.add_argument("--memory-test", action="store_true",
+                    help="only: 128 concurrent requests of 1000 + 1000 tokens, KV pools sized from free memory")
     ap.add_argument("--out", default="engine_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -149,6 +151,8 @@ def main() -> None:
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "weights": "random (bf16)", "prompt_len": args.prompt_len,
                "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft, "rows": []}
+    if args.memory_test:
+        return memory_test(args, results)
     bandwidth = copy_bandwidth()
     results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
@@ -215,6 +219,40 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
     print_table(results)
+
+
+def memory_test(args, results: dict) -> None:
+    """128 requests of 2,000 tokens at once (prompt 1000, 1000 generated) on the target shape, with the
+    draft (SIMULATED acceptance 0.7, adaptive k): must finish with no out-of-memory error; the router
+    queues and preempts when the pools run out."""
+    opts = EngineOptions(target=f"random:{args.target}", draft=f"random:{args.draft}", device="cuda",
+                         dtype="bfloat16", max_context=2048, config=RuntimeConfig(k_min=0, k_max=6, k_initial=3))
+    times = LaneTimes()
+    engine = Engine(opts, observer=times, simulated_acceptance=0.7)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(128):
+        prompt = tuple(torch.randint(100, 31000, (1000,), generator=gen).tolist())
+        engine.router.add_request(RequestSpec(prompt, max_tokens=1000, stop_at_eos=False, request_id=f"m{i}"))
+    t0 = time.perf_counter()
+    finished, tokens, preemptions, reasons = 0, 0, 0, {}
+    while engine.router.has_work():
+        for out in engine.router.step():
+            tokens += len(out.token_ids)
+            if out.finished:
+                finished += 1
+                preemptions += out.stats.preemptions
+                reasons[out.finish_reason.value] = reasons.get(out.finish_reason.value, 0) + 1
+    seconds = time.perf_counter() - t0
+    results["memory_test"] = {
+        "requests": 128, "prompt_len": 1000, "gen_len": 1000, "finished": finished, "finish_reasons": reasons,
+        "generated_tokens": tokens, "seconds": round(seconds, 1), "tok_per_s": round(tokens / seconds, 1),
+        "preemptions": preemptions, "kv_blocks_per_pool": engine.target_pool.geometry.num_blocks,
+        "max_memory_allocated_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "gpu_memory_GiB": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        "simulated_acceptance": 0.7}
+    print(json.dumps(results["memory_test"]), flush=True)
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
 
 
 def print_table(results: dict) -> None:

@@ -91,7 +91,8 @@ def test_choose_k_follows_goodput():
 def test_batch_k_probes_and_acceptance_estimates():
     config = RuntimeConfig(k_min=0, k_max=6, k_initial=4, adaptive=True)
     costs = StepCostModel()
-    costs.observe_draft(1, 4, 4e-3)        # 1 ms per draft step
+    for k in range(1, 7):
+        costs.observe_draft(1, k, 1e-3 * k)  # 1 ms per draft step
     costs.observe_verify(1, 1, 5e-3)       # 5 ms per verify, whatever k
     assert choose_batch_k(config, [0.05], costs, 1, 6) == 0
     assert choose_batch_k(config, [0.05], costs, 1, 6, probe=True) == 1

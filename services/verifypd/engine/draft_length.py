@@ -60,21 +60,22 @@ def batch_bucket(batch: int) -> int:
 
 
 class StepCostModel:
-    """Lane step costs measured online by the router, per padded batch bucket.
+    """Lane call costs measured online by the router, per padded batch bucket:
 
     verify: seconds of a verify call per (bucket, tokens per sequence q = k + 1);
-    draft:  seconds per draft step per bucket (calls that first catch up on many committed tokens,
-            after steps without drafting, are not typical steps and are not recorded).
-    An unmeasured verify cost is estimated by the measured one of the largest smaller q at that
-    bucket (cost does not fall as q grows, so this is a lower bound): optimism makes the policy
-    try an unmeasured k once, and the measurement then corrects it. Defaults describe a
-    memory-bound GPU until anything is measured.
+    draft:  seconds of a draft call per (bucket, steps k) (a call has a fixed part: its first
+            forward, the loop's set-up, the copy back; so cost is not k times a step).
+    An unmeasured cost is estimated by the measured one of the largest smaller size at that bucket
+    (cost does not fall as the size grows, so this is a lower bound): optimism makes the policy try
+    an unmeasured k once, and the measurement then corrects it. Defaults describe a memory-bound
+    GPU until anything is measured. Draft calls that first catch up on many committed tokens
+    (after steps without drafting) are not typical and are not recorded.
     """
 
     def __init__(self, window: int = 9):
         self.window = window
         self._verify: dict[tuple[int, int], float] = {}
-        self._draft: dict[int, float] = {}
+        self._draft: dict[tuple[int, int], float] = {}
         self._samples: dict[tuple, deque] = {}
         self.default_verify_s = 3e-3
         self.default_draft_step_s = 0.3e-3
@@ -88,26 +89,31 @@ class StepCostModel:
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         if steps > 0:
-            self._observe(self._draft, batch_bucket(batch), seconds / steps)
+            self._observe(self._draft, (batch_bucket(batch), steps), seconds)
 
     def observe_verify(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
         self._observe(self._verify, (batch_bucket(batch), tokens_per_seq), seconds)
 
-    def verify_s(self, batch: int, tokens_per_seq: int) -> float:
+    @staticmethod
+    def _lookup(table: dict, batch: int, size: int, default: float) -> float:
         b = batch_bucket(batch)
-        exact = self._verify.get((b, tokens_per_seq))
+        exact = table.get((b, size))
         if exact is not None:
             return exact
-        below = [(q, v) for (bb, q), v in self._verify.items() if bb == b and q < tokens_per_seq]
-        return max(below)[1] if below else self.default_verify_s
+        below = [(n, v) for (bb, n), v in table.items() if bb == b and n < size]
+        return max(below)[1] if below else default
 
-    def draft_step_s(self, batch: int) -> float:
-        measured = self._draft.get(batch_bucket(batch))
-        return measured if measured is not None else min(self._draft.values(), default=self.default_draft_step_s)
+    def verify_s(self, batch: int, tokens_per_seq: int) -> float:
+        return self._lookup(self._verify, batch, tokens_per_seq, self.default_verify_s)
+
+    def draft_s(self, batch: int, steps: int) -> float:
+        if steps == 0:
+            return 0.0
+        return self._lookup(self._draft, batch, steps, steps * self.default_draft_step_s)
 
     def goodput(self, alphas: list[float], k: int, batch: int) -> float:
         """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
-        seconds = k * self.draft_step_s(batch) + self.verify_s(batch, k + 1)
+        seconds = self.draft_s(batch, k) + self.verify_s(batch, k + 1)
         return sum(expected_tokens(a, k) for a in alphas) / seconds
 
 

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, choose_batch_k
 
-PROBE_EVERY = 32  # with speculation off, every 32nd decode step drafts k = 1 to keep measuring acceptance
+# With speculation off, a decode step now and then drafts k = 1 to keep measuring acceptance: after
+# 32 steps, then after twice as many each time a probe confirms k = 0 (up to 1024), since a probe
+# costs a draft call that first catches up on every token decoded since the last one.
+PROBE_FIRST, PROBE_MAX = 32, 1024
 from verifypd.engine.sequence import Sequence, SeqStatus
 
 
@@ -57,6 +60,7 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
         self.running: list[Sequence] = []
         self._steps_without_drafts = 0
+        self._probe_interval = PROBE_FIRST
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -99,8 +103,12 @@ class Scheduler:
         if decoding:
             prior = costs.acceptance.alpha
             alphas = [prior if s.alpha_estimate is None else s.alpha_estimate for s in decoding]
-            probe = self._steps_without_drafts % PROBE_EVERY == PROBE_EVERY - 1
+            probe = self._steps_without_drafts >= self._probe_interval
             k_batch = choose_batch_k(config, alphas, costs, batch, config.k_max, probe=probe)
+            if probe and k_batch == 1:
+                self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
+            elif k_batch > 0:
+                self._probe_interval = PROBE_FIRST  # speculation chosen on its own merits
             self._steps_without_drafts = self._steps_without_drafts + 1 if k_batch == 0 else 0
         for seq in decoding:
             if seq in preempted:
