@@ -16,6 +16,7 @@ the median lane-call times of the decode phase against those floors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -32,6 +33,7 @@ from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
 from verifypd.engine.router import EngineObserver  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
 
 
@@ -185,14 +187,11 @@ def main() -> None:
     if "self" in families:
         configs.append(("draft = target (real acceptance), k=4", None,
                         RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=False), True))
-    self_models = None
     for label, alpha, cfg, self_draft in configs:
         models = target_models
-        if self_draft:
-            if self_models is None:
-                self_models = load_models(EngineOptions(target=f"random:{args.target}",
-                                                        draft=f"self:{tm.shape.num_layers}", **base))
-            models = self_models
+        if self_draft:  # the target's own weights as draft (no second copy), with its own KV pool
+            models = dataclasses.replace(target_models, draft_model=PagedLlama(tm.shape, tm.weights),
+                                         draft_name=f"self:{tm.shape.num_layers}")
         times = LaneTimes()
         engine = Engine(EngineOptions(config=cfg, **base), observer=times, models=models, simulated_acceptance=alpha)
         for b in batches:

@@ -11,6 +11,7 @@ Sizes outside the buckets run eagerly through the same code.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -20,6 +21,8 @@ from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.runner import PinnedStaging, TokenRun, build_layout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
+SYNC_DEBUG = os.environ.get("VERIFYPD_SYNC_DEBUG") == "1"
 
 
 class GraphRunner:
@@ -117,6 +120,8 @@ class GraphRunner:
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._capture(key)
+        if SYNC_DEBUG:
+            return _CheckedGraph(graph, key)
         return graph
 
     def _capture(self, key: tuple) -> torch.cuda.CUDAGraph:
@@ -156,3 +161,18 @@ class GraphRunner:
                     if self.fits(rows, query):
                         self._graph((kind, rows, query))
         return time.perf_counter() - t0
+
+
+class _CheckedGraph:
+    """VERIFYPD_SYNC_DEBUG: a graph whose replay synchronizes and names itself on a device fault."""
+
+    def __init__(self, graph, key):
+        self.graph, self.key = graph, key
+
+    def replay(self) -> None:
+        torch.cuda.synchronize()
+        self.graph.replay()
+        try:
+            torch.cuda.synchronize()
+        except Exception as exc:
+            raise RuntimeError(f"device fault in graph {self.key}") from exc

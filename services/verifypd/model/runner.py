@@ -211,6 +211,9 @@ class ModelRunner:
         K = max(ks); entries past a row's k are meaningless."""
         mode = sampler.choice_mode(samplings)
         next_pos = [r.start_pos + len(r.token_ids) for r in runs]
+        # The graphed loop reads the block tables the graphed first step loaded: both or neither.
+        graphed = (self.graphs is not None and self.graphs.fits(len(runs), max(len(r.token_ids) for r in runs))
+                   and self.graphs.draft_fits(len(runs), max(ks)))
         logits = self.last_logits(runs)[:len(runs)]
         params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
         first, first_probs = sampler.choose(logits, mode, *params, torch.tensor(next_pos, device=self.device),
@@ -218,7 +221,7 @@ class ModelRunner:
         steps = max(ks)
         if steps == 1:
             return first[:, None], None if first_probs is None else first_probs[:, None]
-        if self.graphs is not None and self.graphs.draft_fits(len(runs), steps):
+        if graphed:
             return self.graphs.draft_steps(samplings, first, first_probs, next_pos, ks, mode)
         tables = self.layout(runs).block_tables
         state = DraftState.allocate(len(runs), steps, self.vocab_size, tables, self.model.weights.embed.dtype,
