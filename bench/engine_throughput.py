@@ -193,8 +193,13 @@ def main() -> None:
             models = dataclasses.replace(target_models, draft_model=PagedLlama(tm.shape, tm.weights),
                                          draft_name=f"self:{tm.shape.num_layers}")
         times = LaneTimes()
-        engine = Engine(EngineOptions(config=cfg, **base), observer=times, models=models, simulated_acceptance=alpha)
+        opts = dict(base)
+        if self_draft:  # two target-sized pools: half the blocks each, batches up to 64
+            opts["num_blocks"] = max_blocks // 2
+        engine = Engine(EngineOptions(config=cfg, **opts), observer=times, models=models, simulated_acceptance=alpha)
         for b in batches:
+            if self_draft and b > 64:
+                continue
             run_engine(engine, times, b, args.prompt_len, 16, seed=1000 + b)  # warm-up (lazy graphs, allocator)
             r = run_engine(engine, times, b, args.prompt_len, args.gen_len, seed=b)
             f = floors[b]
