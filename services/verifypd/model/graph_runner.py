@@ -133,7 +133,11 @@ class GraphRunner:
             fn = lambda: self._forward(kind, rows, key[2])  # noqa: E731
         t0 = time.perf_counter()
         # Warm up on a side stream (lazy cuBLAS/Triton init stays out of the graph). Slots -1 and
-        # draft rows inactive (k = 0): the warm-up run writes no KV.
+        # draft rows inactive (k = 0): the warm-up run writes no KV. Token ids and positions past
+        # the last call's prefix hold whatever the staging buffer held: make them valid (0).
+        # Block tables only ever hold block ids, and the draft loop reads the ones just loaded.
+        self.ids.zero_()
+        self.positions.zero_()
         self.slots.fill_(-1)
         self.draft.k.zero_()
         self.draft.step.fill_(1)  # in range of out_tokens for the warm-up step
