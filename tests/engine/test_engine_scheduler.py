@@ -76,8 +76,8 @@ def test_choose_k_follows_goodput():
     low = choose_k(config, 0.05, None, costs, batch=1, remaining_tokens=100)
     assert high >= 4 and low == 0
     # Saturated GPU: measured verify cost grows with the tokens scored, so drafting stops paying.
-    for q in range(1, 10):
-        costs.observe_verify(64, q, 5e-3 * q)
+    for k in range(0, 9):
+        costs.observe_step(64, k, 5e-3 * (k + 1))
     assert choose_k(config, 0.7, None, costs, batch=64, remaining_tokens=100) == 0
     # The same measurements say nothing about batch 1, where verify is memory-bound.
     assert choose_k(config, 0.7, None, costs, batch=1, remaining_tokens=100) > 0
@@ -91,9 +91,8 @@ def test_choose_k_follows_goodput():
 def test_batch_k_probes_and_acceptance_estimates():
     config = RuntimeConfig(k_min=0, k_max=6, k_initial=4, adaptive=True)
     costs = StepCostModel()
-    for k in range(1, 7):
-        costs.observe_draft(1, k, 1e-3 * k)  # 1 ms per draft step
-    costs.observe_verify(1, 1, 5e-3)       # 5 ms per verify, whatever k
+    for k in range(0, 7):
+        costs.observe_step(1, k, 5e-3 + 1e-3 * k)  # 5 ms verify whatever k, 1 ms per draft step
     assert choose_batch_k(config, [0.05], costs, 1, 6) == 0
     assert choose_batch_k(config, [0.05], costs, 1, 6, probe=True) == 1
     assert choose_batch_k(config, [0.8, 0.8], costs, 1, 6) >= 3

@@ -60,61 +60,44 @@ def batch_bucket(batch: int) -> int:
 
 
 class StepCostModel:
-    """Lane call costs measured online by the router, per padded batch bucket:
+    """Decode step costs measured online by the router: seconds of one speculative step (the draft
+    call plus the verify call) per (padded batch bucket, k); k = 0 is a plain verify step.
 
-    verify: seconds of a verify call per (bucket, tokens per sequence q = k + 1);
-    draft:  seconds of a draft call per (bucket, steps k) (a call has a fixed part: its first
-            forward, the loop's set-up, the copy back; so cost is not k times a step).
-    An unmeasured cost is estimated by the measured one of the largest smaller size at that bucket
-    (cost does not fall as the size grows, so this is a lower bound): optimism makes the policy try
-    an unmeasured k once, and the measurement then corrects it. Defaults describe a memory-bound
-    GPU until anything is measured. Draft calls that first catch up on many committed tokens
-    (after steps without drafting) are not typical and are not recorded.
+    Draft and verify are measured together because an in-process draft call returns before its GPU
+    work is done (the tokens stay on the device for the verify call), so only their sum is real.
+    An unmeasured cost is estimated by the measured one of the largest smaller k at that bucket
+    (cost does not fall as k grows, so this is a lower bound): optimism makes the policy try an
+    unmeasured k once, and the measurement then corrects it. Defaults describe a memory-bound GPU
+    until anything is measured. Steps whose draft first caught up on many committed tokens (after
+    steps without drafting) are not typical and are not recorded by the router.
     """
 
     def __init__(self, window: int = 9):
         self.window = window
-        self._verify: dict[tuple[int, int], float] = {}
-        self._draft: dict[tuple[int, int], float] = {}
-        self._samples: dict[tuple, deque] = {}
+        self._step: dict[tuple[int, int], float] = {}
+        self._samples: dict[tuple[int, int], deque] = {}
         self.default_verify_s = 3e-3
         self.default_draft_step_s = 0.3e-3
         self.acceptance = AcceptanceTracker()  # engine-wide prior for requests not yet observed
 
-    def _observe(self, table: dict, key, seconds: float) -> None:
-        """Median of the last few calls: one slow call (a lazy compile, a GC pause) moves nothing."""
-        samples = self._samples.setdefault((id(table), key), deque(maxlen=self.window))
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """Median of the last few steps: one slow step (a lazy compile, a GC pause) moves nothing."""
+        key = (batch_bucket(batch), k)
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
         samples.append(seconds)
-        table[key] = sorted(samples)[len(samples) // 2]
+        self._step[key] = sorted(samples)[len(samples) // 2]
 
-    def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
-        if steps > 0:
-            self._observe(self._draft, (batch_bucket(batch), steps), seconds)
-
-    def observe_verify(self, batch: int, tokens_per_seq: int, seconds: float) -> None:
-        self._observe(self._verify, (batch_bucket(batch), tokens_per_seq), seconds)
-
-    @staticmethod
-    def _lookup(table: dict, batch: int, size: int, default: float) -> float:
+    def step_s(self, batch: int, k: int) -> float:
         b = batch_bucket(batch)
-        exact = table.get((b, size))
+        exact = self._step.get((b, k))
         if exact is not None:
             return exact
-        below = [(n, v) for (bb, n), v in table.items() if bb == b and n < size]
-        return max(below)[1] if below else default
-
-    def verify_s(self, batch: int, tokens_per_seq: int) -> float:
-        return self._lookup(self._verify, batch, tokens_per_seq, self.default_verify_s)
-
-    def draft_s(self, batch: int, steps: int) -> float:
-        if steps == 0:
-            return 0.0
-        return self._lookup(self._draft, batch, steps, steps * self.default_draft_step_s)
+        below = [(kk, v) for (bb, kk), v in self._step.items() if bb == b and kk < k]
+        return max(below)[1] if below else self.default_verify_s + k * self.default_draft_step_s
 
     def goodput(self, alphas: list[float], k: int, batch: int) -> float:
         """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
-        seconds = self.draft_s(batch, k) + self.verify_s(batch, k + 1)
-        return sum(expected_tokens(a, k) for a in alphas) / seconds
+        return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
 
 
 class AcceptanceTracker:

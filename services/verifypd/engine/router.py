@@ -128,7 +128,9 @@ class Router:
         if not work:
             return []
         drafting = [w for w in work if w.k > 0]
-        drafts: dict[str, tuple[list[int], object]] = {}
+        drafts: dict[str, tuple[object, object]] = {}
+        t_step = self._clock()
+        typical = True  # no long draft catch-up: the step's cost is worth learning from
         if drafting:
             items = []
             for w in drafting:
@@ -139,24 +141,25 @@ class Router:
                     draft_kv=self._handle(self.draft_pool, seq.draft_blocks, seq.draft_computed, seq.draft_computed)))
             t0 = self._clock()
             for out in self.draft_lane.draft(items):
+                # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
+                # is read here; the verify lane consumes the values on the device.
                 drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
-            seconds = self._clock() - t0
-            if max(len(i.input_tokens) for i in items) <= 2:  # a typical call: no long catch-up
-                self.costs.observe_draft(len(items), max(w.k for w in drafting), seconds)
-            self.observer.on_lane_step("draft", seconds, len(items))
+            self.observer.on_lane_step("draft", self._clock() - t0, len(items))
+            typical = max(len(i.input_tokens) for i in items) <= 2
         items = []
         for w in work:
             seq, n = w.seq, w.seq.pending_pos
-            tokens, probs = drafts.get(seq.request_id, ([], None))
+            tokens, probs = drafts.get(seq.request_id, ((), None))
             items.append(VerifyItem(
-                request_id=seq.request_id, pending_token=seq.all_ids[n], start_pos=n, draft_tokens=list(tokens),
+                request_id=seq.request_id, pending_token=seq.all_ids[n], start_pos=n, draft_tokens=tokens,
                 draft_probs=probs, sampling=seq.spec.sampling,
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
         t0 = self._clock()
         results = self.verify_lane.verify(items)
-        seconds = self._clock() - t0
-        self.costs.observe_verify(len(items), max(len(i.draft_tokens) for i in items) + 1, seconds)
-        self.observer.on_lane_step("verify", seconds, len(items))
+        now = self._clock()
+        self.observer.on_lane_step("verify", now - t0, len(items))
+        if typical:
+            self.costs.observe_step(len(items), max(len(i.draft_tokens) for i in items), now - t_step)
         outputs = []
         for w, item, res in zip(work, items, results):
             seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)

@@ -7,6 +7,7 @@ gRPC transport serializes it (dense or top-k sparse). It is None for greedy requ
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,7 +77,10 @@ class DraftItem:
 @dataclass
 class DraftOutput:
     request_id: str
-    draft_tokens: list[int]
+    # A sequence of k ints. An in-process draft lane returns a lazy, device-backed sequence: the
+    # router only takes its length and passes it on, the in-process verify lane reads the values
+    # on the device (no host sync between draft and verify); iterating it copies them to the host.
+    draft_tokens: Sequence[int]
     draft_probs: Any = None       # opaque; see module doc
 
 
@@ -85,7 +89,7 @@ class VerifyItem:
     request_id: str
     pending_token: int
     start_pos: int                # position of pending_token
-    draft_tokens: list[int]
+    draft_tokens: Sequence[int]   # as DraftOutput.draft_tokens
     target_kv: KvHandle
     sampling: SamplingParams
     draft_probs: Any = None

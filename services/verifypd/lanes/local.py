@@ -8,6 +8,7 @@ CUDA-graph replays (see `verifypd.model.graph_runner`).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -60,10 +61,12 @@ class LocalDraftLane:
             raise ValueError("draft items need k >= 1")
         runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
         tokens, probs = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
-        host = tokens.tolist()  # the one host sync of this call
+        # No host sync: the tokens stay on the device for the verify lane (copies, since the
+        # runner's buffers are reused by its next call).
+        batch = DraftBatch(tokens.clone())
         if probs is not None:
-            probs = probs.clone()  # the runner's buffers are reused by its next call
-        return [DraftOutput(i.request_id, host[n][:i.k],
+            probs = probs.clone()
+        return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k),
                             None if probs is None or i.sampling.greedy else probs[n, :i.k])
                 for n, i in enumerate(items)]
 
@@ -82,23 +85,32 @@ class LocalVerifyLane:
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         if not items:
             return []
-        runs = [TokenRun([i.pending_token] + i.draft_tokens, i.start_pos, i.target_kv.block_ids) for i in items]
-        logits = self.target.score(runs)                                  # [R, K+1, V], padded
-        device, R, K = logits.device, len(items), logits.shape[1] - 1
-        ks = np.fromiter((len(i.draft_tokens) for i in items), dtype=np.int64, count=R)
-        drafts_np = np.zeros((R, K), dtype=np.int64)
-        for n, item in enumerate(items):
-            drafts_np[n, :ks[n]] = item.draft_tokens
-        drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
-        k = torch.from_numpy(ks).to(device, non_blocking=True)
+        ks = [len(i.draft_tokens) for i in items]
+        on_device = device_drafts(items)
+        # With drafts on the device, runs carry placeholders and the runner writes the real ids.
+        runs = [TokenRun([i.pending_token] + ([0] * k if on_device else list(i.draft_tokens)), i.start_pos,
+                         i.target_kv.block_ids) for i, k in zip(items, ks)]
+        R, K = len(items), max(ks)
+        device = self.target.device
+        if on_device is not None:
+            drafts = on_device.gather(items, K)                               # [R, K] on the device
+            logits = self.target.score(runs, drafts)                          # [R, K+1, V], padded
+        else:
+            drafts_np = np.zeros((R, K), dtype=np.int64)
+            for n, item in enumerate(items):
+                drafts_np[n, :ks[n]] = list(item.draft_tokens)
+            drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
+            logits = self.target.score(runs)
+        k = torch.tensor(ks, device=device)
         if self.simulated_acceptance is not None:
             accepted, final = self._accept_simulated(items, logits.argmax(-1), k)
         elif all(i.sampling.greedy for i in items):
             accepted, final = sampler.accept_greedy(logits.argmax(-1), drafts, k)
         else:
             accepted, final = self._accept_sampled(items, logits, drafts, k)
-        acc, fin = torch.stack((accepted, final)).tolist()  # the one host sync of this call
-        return [VerifyOutput(i.request_id, a, i.draft_tokens[:a] + [f]) for i, a, f in zip(items, acc, fin)]
+        # The one host sync of a draft + verify step: counts, target tokens and the drafts.
+        host = torch.cat((accepted[:, None], final[:, None], drafts), dim=1).tolist()
+        return [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]]) for i, row in zip(items, host)]
 
     def _accept_sampled(self, items, logits, drafts, k):
         R, K1, V = logits.shape
@@ -150,3 +162,63 @@ def draft_probs_matrix(items: list[VerifyItem], K: int, V: int, drafts: torch.Te
             [len(items[n].draft_tokens) for n in rows], device=q.device)[:, None]
         q[torch.tensor(rows, device=q.device), :width] = picked * keep[..., None]
     return q
+
+
+class DraftBatch:
+    """The proposals of one in-process draft call, [B, K] on the device; copied to the host at most
+    once, and only if someone iterates them (e.g. a gRPC verify lane)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self._host: list[list[int]] | None = None
+
+    def host(self) -> list[list[int]]:
+        if self._host is None:
+            self._host = self.tokens.tolist()
+        return self._host
+
+    def gather(self, items: list[VerifyItem], K: int) -> torch.Tensor:
+        """[len(items), K] drafts of the verify items, in their order (zeros where k = 0)."""
+        rows = [i.draft_tokens.row if len(i.draft_tokens) else -1 for i in items]
+        width = min(K, self.tokens.shape[1])
+        if rows == list(range(len(items))) and self.tokens.shape[0] >= len(items):
+            return self.tokens[:len(items), :K] if width == K else _pad(self.tokens[:len(items), :width], K)
+        out = torch.zeros(len(items), K, dtype=self.tokens.dtype, device=self.tokens.device)
+        src = [(n, r) for n, r in enumerate(rows) if r >= 0]
+        if src:
+            dst_idx = torch.tensor([n for n, _ in src], device=out.device)
+            src_idx = torch.tensor([r for _, r in src], device=out.device)
+            out[dst_idx, :width] = self.tokens[src_idx, :width]
+        return out
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+class DeviceDraftTokens(Sequence):
+    """Row `row` of a DraftBatch: a sequence of `k` ints whose values stay on the device unless read."""
+
+    def __init__(self, batch: DraftBatch, row: int, k: int):
+        self.batch, self.row, self.k = batch, row, k
+
+    def __len__(self) -> int:
+        return self.k
+
+    def __getitem__(self, index):
+        return self.batch.host()[self.row][:self.k][index]
+
+
+def device_drafts(items: list[VerifyItem]) -> DraftBatch | None:
+    """The one DraftBatch all drafting items come from, or None (host lists, mixed sources)."""
+    batch = None
+    for item in items:
+        if not len(item.draft_tokens):
+            continue
+        if not isinstance(item.draft_tokens, DeviceDraftTokens):
+            return None
+        if batch is None:
+            batch = item.draft_tokens.batch
+        elif item.draft_tokens.batch is not batch:
+            return None
+    return batch
