@@ -108,7 +108,7 @@ async def execute(backend: OpenAIBackend, spec: RequestSpec, rec: RequestRecord,
                         break
                     obj = json.loads(data)
                     if "error" in obj:
-                        pass
+                        rec.error, rec.error_detail = STREAM_ERROR, str(obj["error"].get("message", obj["error"]))
                         return
                     _record_chunk(rec, obj, time.perf_counter())
         if not rec.finish_reason:
