@@ -17,7 +17,7 @@ import logging
 import uuid
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -189,10 +189,13 @@ class HttpApi:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise too_big
         body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > self.max_body_bytes:  # chunked bodies have no content-length
-                raise too_big
+        try:
+            async for piece in request.stream():
+                body += piece
+                if len(body) > self.max_body_bytes:  # chunked bodies have no content-length
+                    raise too_big
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer
+            raise oc.ApiError(400, "client disconnected while sending the body") from None
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -212,7 +215,11 @@ class HttpApi:
                 default_max_tokens=self.gateway.default_max_tokens)
             sink = AsyncSink(asyncio.get_running_loop())
             future = self.engine.submit(spec, sink, wait=False)
-            stream = await asyncio.wait_for(asyncio.wrap_future(future), SUBMIT_TIMEOUT_S)
+            try:
+                stream = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), SUBMIT_TIMEOUT_S)
+            except BaseException:  # timed out or the client went away: abort it once it is added
+                future.add_done_callback(self._abort_when_added)
+                raise
         except oc.ApiError as err:
             return error_response(err)
         except InvalidRequest as exc:
@@ -224,6 +231,10 @@ class HttpApi:
             return error_response(oc.ApiError(503, f"server is not serving: {exc}", None, "not_serving",
                                               "server_error"))
         return Completion(self, parsed, stream, sink)
+
+    def _abort_when_added(self, future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.engine.cancel(future.result())
 
     # -- info ----------------------------------------------------------------------------------
     async def models(self, request: Request):
