@@ -249,7 +249,14 @@ def test_queue_full_429_and_not_serving_503(chat_models):
         with pytest.raises(openai.RateLimitError):  # what the official client makes of it
             s.gw.engine.max_queue = 0
             s.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2)
+        s.gw.engine.max_queue = 1
+        # A failure after the stream began arrives as an error event, which the client raises.
+        stream = s.openai().completions.create(model=MODEL, prompt=[5, 6], max_tokens=100, stream=True,
+                                               extra_body={"ignore_eos": True})
+        next(iter(stream))
         s.gw.engine.fail("test: a lane is down")
+        with pytest.raises(openai.APIError, match="a lane is down"):
+            list(stream)
         assert wait_until(lambda: httpx.get(s.url + "/health").status_code == 503, timeout_s=2.0)
         r = post(s, COMP, body)
         assert r.status_code == 503 and "a lane is down" in r.json()["error"]["message"]
