@@ -7,4 +7,7 @@ __version__ = "0.1.0"
 
 # Version of the results JSON layout (docs/loadgen.md). Bump it on any change to the key
 # layout; tests/loadgen/golden_schema_keys.txt pins the layout of this version.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions `compare` still reads (2 added config.backend/url/model/openai_api/raw_records and the
+# optional runs[].records; nothing was removed).
+READABLE_SCHEMA_VERSIONS = (1, 2)

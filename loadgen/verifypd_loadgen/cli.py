@@ -46,6 +46,12 @@ def _endpoint(text: str) -> str:
     return text
 
 
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
+        raise ValueError("expected http://HOST:PORT/v1 or https://...")
+    return text
+
+
 def _vocab_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.replace(",", ":").partition(":")
     lo_i, hi_i = int(lo), int(hi)
@@ -60,8 +66,16 @@ def run_parser() -> argparse.ArgumentParser:
         description="Load generator for the verifypd Generate protocol. Other commands: "
                     "`verifypd-loadgen compare A.json B.json ...`, `verifypd-loadgen fake-server`.")
     p.add_argument("--version", action="version", version=f"verifypd-loadgen {__version__}")
-    p.add_argument("--server", required=True, type=_arg(_endpoint, "endpoint"),
-                   help="HOST:PORT of the verifypd gateway; the only endpoint loadgen talks to")
+    p.add_argument("--server", type=_arg(_endpoint, "endpoint"),
+                   help="--backend grpc: HOST:PORT of the verifypd gateway; the only endpoint loadgen talks to")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: verifypd Generate (default); openai: any OpenAI-compatible HTTP server")
+    p.add_argument("--url", type=_arg(_url, "URL"),
+                   help="--backend openai: base URL, e.g. http://127.0.0.1:8000/v1 (the only endpoint)")
+    p.add_argument("--model", help="--backend openai: the model id to request")
+    p.add_argument("--openai-api", choices=("auto", "chat", "completions"), default="auto",
+                   help="--backend openai: auto = chat prompts to /chat/completions, others to "
+                        "/completions; chat = text prompts too as a user message")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--requests", type=_arg(_positive(int), "count"),
                    help="requests per load point (default 100)")
@@ -111,6 +125,8 @@ def run_parser() -> argparse.ArgumentParser:
     o.add_argument("--csv", help="CSV file, one row per load point")
     o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     o.add_argument("--label", help="name of this configuration (used by compare)")
+    o.add_argument("--raw-records", action="store_true",
+                   help="also write every request's timings into the results JSON (runs[].records)")
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
     return p
 
@@ -118,6 +134,10 @@ def run_parser() -> argparse.ArgumentParser:
 def build_plan(args, parser):
     from verifypd_loadgen.session import Plan
 
+    if args.backend == "grpc" and (args.server is None or args.url or args.model):
+        parser.error("--backend grpc needs --server HOST:PORT (--url and --model are for --backend openai)")
+    if args.backend == "openai" and (args.url is None or not args.model or args.server):
+        parser.error("--backend openai needs --url http://HOST:PORT/v1 and --model M (not --server)")
     if args.burstiness is not None and (args.rate is None or args.arrival != "gamma"):
         parser.error("--burstiness applies to --rate with --arrival gamma")
     if args.max_concurrency is not None and args.rate is None:
@@ -155,9 +175,13 @@ def build_plan(args, parser):
     plan = Plan(server=args.server, loads=loads, workload=workload, requests=requests,
                 duration=args.duration, warmup=args.warmup, timeout=args.timeout,
                 drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-                slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed)
+                slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
+                backend=args.backend, url=args.url, model=args.model, openai_api=args.openai_api,
+                raw_records=args.raw_records)
     config = {
-        "server": args.server, "argv": sys.argv[1:] if args._argv is None else args._argv,
+        "server": args.server or args.url, "backend": args.backend, "url": args.url, "model": args.model,
+        "openai_api": args.openai_api if args.backend == "openai" else None,
+        "raw_records": args.raw_records, "argv": sys.argv[1:] if args._argv is None else args._argv,
         "mode": loads[0].mode, "requests": requests, "duration_s": args.duration,
         "concurrency": args.concurrency or ([1] if args.rate is None else None),
         "rate": args.rate, "arrival": args.arrival if args.rate else None,

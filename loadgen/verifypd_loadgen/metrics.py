@@ -82,6 +82,26 @@ def samples(point: PointResult) -> dict[str, list[float]]:
     return out
 
 
+def records(point: PointResult) -> list[dict]:
+    """Per-request raw records (`--raw-records`), in send order; times in ms, `start_ms` from
+    the point's first send. `itl_chunk_ms` are the gaps between token-bearing messages and
+    `chunk_tokens` the tokens of each message (so ITL per token can be recomputed)."""
+    out = []
+    for rec in sorted(point.records, key=lambda r: r.start):
+        times = request_times(rec) if rec.end is not None else None
+        ms = (lambda v: None if v is None else v * 1e3)
+        out.append({"request_id": rec.request_id, "priority": rec.priority, "ok": rec.ok,
+                    "error": rec.error, "cancelled": rec.cancelled, "finish_reason": rec.finish_reason or None,
+                    "start_ms": (rec.start - point.t_start) * 1e3,
+                    "ttft_ms": ms(times.ttft) if times else None, "tpot_ms": ms(times.tpot) if times else None,
+                    "e2e_ms": ms(times.e2e) if times else None,
+                    "itl_chunk_ms": [g * 1e3 for g in times.itl_chunk] if times else [],
+                    "chunk_tokens": list(rec.chunk_tokens), "output_tokens": rec.output_tokens,
+                    "prompt_tokens": rec.prompt_tokens or rec.input_len,
+                    "draft_tokens": rec.draft_tokens, "accepted_tokens": rec.accepted_tokens})
+    return out
+
+
 def summarize(point: PointResult, slo_ttft_ms: float | None = None,
               slo_itl_ms: float | None = None) -> dict:
     recs = point.records

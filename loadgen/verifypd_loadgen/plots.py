@@ -120,8 +120,28 @@ def plot_results(doc: dict, samples: list[dict[str, list[float]]], outdir: str |
     return paths
 
 
+# CDFs `compare` draws from per-request records (--raw-records): file name -> record field.
+RECORD_CDFS = {"compare_cdf_ttft.png": ("ttft", "ttft_ms"), "compare_cdf_itl_chunk.png": ("itl_chunk", "itl_chunk_ms"),
+               "compare_cdf_e2e.png": ("e2e", "e2e_ms")}
+
+
 def plot_comparison(series: list[tuple[str, dict]], outdir: str | Path) -> list[Path]:
+    """Throughput and latency vs load; plus CDFs (one curve per file and load point) when the
+    files carry per-request records (`--raw-records`; files without them are left out)."""
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    return [throughput_plot(series, out / "compare_throughput.png"),
-            latency_plot(series, out / "compare_latency.png")]
+    paths = [throughput_plot(series, out / "compare_throughput.png"),
+             latency_plot(series, out / "compare_latency.png")]
+    with_records = [(label, doc) for label, doc in series if all("records" in r for r in doc["runs"])]
+    if not with_records:
+        return paths
+    for name, (metric, field) in RECORD_CDFS.items():
+        curves = []
+        for label, doc in with_records:
+            for run in doc["runs"]:
+                ok = [r for r in run["records"] if r["ok"]]
+                values = [v for r in ok for v in r[field]] if field == "itl_chunk_ms" else \
+                    [r[field] for r in ok if r[field] is not None]
+                curves.append((f"{label} {run['load']['label']}", values))
+        paths.append(cdf_plot(curves, METRIC_TITLES[metric], out / name))
+    return paths

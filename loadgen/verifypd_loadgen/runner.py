@@ -42,6 +42,7 @@ class RequestRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    reported_output_tokens: int | None = None  # openai backend: usage.completion_tokens
 
     @property
     def ok(self) -> bool:
@@ -49,6 +50,9 @@ class RequestRecord:
 
     @property
     def output_tokens(self) -> int:
+        """Token ids received (gRPC); over OpenAI-compatible HTTP, what usage reports if it does."""
+        if self.reported_output_tokens is not None:
+            return int(self.reported_output_tokens)
         return sum(self.chunk_tokens)
 
 
@@ -119,12 +123,14 @@ async def execute(stub, spec: RequestSpec, rec: RequestRecord, timeout: float) -
 
 
 class Runner:
-    """Runs load points against one Generation stub; `on_record` is called per finished request."""
+    """Runs load points against one Generation stub (or another backend: `execute(stub, spec,
+    rec, timeout)` sends one request); `on_record` is called per finished request."""
 
     def __init__(self, stub: generate_pb2_grpc.GenerationStub, timeout: float,
                  drain_timeout: float, on_record: Callable[[RequestRecord], None] | None = None,
-                 on_send: Callable[[], None] | None = None):
+                 on_send: Callable[[], None] | None = None, execute=execute):
         self.stub, self.timeout, self.drain_timeout = stub, timeout, drain_timeout
+        self.execute = execute
         self.on_record = on_record or (lambda rec: None)
         self.on_send = on_send or (lambda: None)
 
@@ -132,7 +138,7 @@ class Runner:
         rec = RequestRecord(rid, spec.priority, spec.max_tokens, spec.input_len)
         self.on_send()
         try:
-            await execute(self.stub, spec, rec, self.timeout)
+            await self.execute(self.stub, spec, rec, self.timeout)
         finally:  # cancelled requests are recorded too, for the counts
             records.append(rec)
             self.on_record(rec)

@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from verifypd_loadgen import SCHEMA_VERSION, __version__
+from verifypd_loadgen import READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, __version__
 
 # Maps whose keys depend on the data (status codes, k values, priorities): key_paths() stops
 # at them, so the layout check sees only the fixed part of the document.
@@ -105,9 +105,9 @@ def load(path: str | Path) -> dict:
         raise SchemaError(f"{path}: not JSON ({e})") from None
     if not isinstance(doc, dict) or "schema_version" not in doc:
         raise SchemaError(f"{path}: not a verifypd-loadgen results file")
-    if doc["schema_version"] != SCHEMA_VERSION:
+    if doc["schema_version"] not in READABLE_SCHEMA_VERSIONS:
         raise SchemaError(f"{path}: schema_version {doc['schema_version']} "
-                          f"(this loadgen reads {SCHEMA_VERSION})")
+                          f"(this loadgen reads {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
     for key in ("config", "runs"):
         if key not in doc:
             raise SchemaError(f"{path}: missing {key!r}")

@@ -35,6 +35,11 @@ class Plan:
     slo_ttft_ms: float | None
     slo_itl_ms: float | None
     seed: int
+    backend: str = "grpc"           # "grpc" (verifypd Generate) | "openai" (any OpenAI-compatible HTTP server)
+    url: str | None = None          # openai: base URL, e.g. http://127.0.0.1:8000/v1
+    model: str | None = None        # openai: the model id to ask for
+    openai_api: str = "auto"        # openai: auto | chat | completions
+    raw_records: bool = False       # per-request records in the results JSON
 
 
 async def probe(stub, server: str, timeout: float) -> dict:
@@ -66,34 +71,47 @@ async def _ticker(progress: report.LiveProgress) -> None:
 async def execute_plan(plan: Plan, progress: report.LiveProgress
                        ) -> tuple[dict, dict, list[PointResult]]:
     """Returns (server_info block, warm-up counts, one PointResult per load point)."""
+    hooks = dict(on_record=progress.on_record, on_send=progress.on_send)
+    if plan.backend == "openai":
+        from verifypd_loadgen import openai_backend as ob
+
+        async with ob.new_client() as client:
+            info = await ob.probe(client, plan.url, plan.model, plan.connect_timeout)
+            backend = ob.OpenAIBackend(client, plan.url, plan.model, plan.openai_api)
+            runner = Runner(backend, plan.timeout, plan.drain_timeout, execute=ob.execute, **hooks)
+            return (info, *await run_points(plan, runner, progress))
     async with grpc.aio.insecure_channel(plan.server) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await probe(stub, plan.server, plan.connect_timeout)
-        runner = Runner(stub, plan.timeout, plan.drain_timeout,
-                        on_record=progress.on_record, on_send=progress.on_send)
-        warm = {"requests": plan.warmup, "failed": 0}
-        if plan.warmup:
-            progress.start_point("warm-up", plan.warmup, None)
-            # A different request stream from the measured one, so that warm-up prompts do
-            # not pre-fill any prefix cache for the measured requests.
-            res = await runner.run(warmup_load(plan), plan.workload.requests(stream=0),
-                                   plan.warmup, None, "warmup", plan.seed)
-            warm["failed"] = sum(not r.ok for r in res.records)
-        results = []
-        for i, load in enumerate(plan.loads):
-            progress.start_point(load.label, plan.requests, plan.duration)
-            tick = asyncio.create_task(_ticker(progress))
-            try:
-                # stream=1 for every point: each load point sees the same requests
-                results.append(await runner.run(load, plan.workload.requests(stream=1),
-                                                plan.requests, plan.duration, f"lg{i}",
-                                                plan.seed))
-            finally:
-                tick.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await tick
-            progress.refresh()
-    return info, warm, results
+        runner = Runner(stub, plan.timeout, plan.drain_timeout, **hooks)
+        return (info, *await run_points(plan, runner, progress))
+
+
+async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress
+                     ) -> tuple[dict, list[PointResult]]:
+    warm = {"requests": plan.warmup, "failed": 0}
+    if plan.warmup:
+        progress.start_point("warm-up", plan.warmup, None)
+        # A different request stream from the measured one, so that warm-up prompts do
+        # not pre-fill any prefix cache for the measured requests.
+        res = await runner.run(warmup_load(plan), plan.workload.requests(stream=0),
+                               plan.warmup, None, "warmup", plan.seed)
+        warm["failed"] = sum(not r.ok for r in res.records)
+    results = []
+    for i, load in enumerate(plan.loads):
+        progress.start_point(load.label, plan.requests, plan.duration)
+        tick = asyncio.create_task(_ticker(progress))
+        try:
+            # stream=1 for every point: each load point sees the same requests
+            results.append(await runner.run(load, plan.workload.requests(stream=1),
+                                            plan.requests, plan.duration, f"lg{i}",
+                                            plan.seed))
+        finally:
+            tick.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await tick
+        progress.refresh()
+    return warm, results
 
 
 def load_block(load: LoadPoint) -> dict:
@@ -122,7 +140,8 @@ def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) ->
         print(f"error: {e}", file=sys.stderr)
         return 2
     runs = [{"load": load_block(r.load),
-             "summary": metrics.summarize(r, plan.slo_ttft_ms, plan.slo_itl_ms)}
+             "summary": metrics.summarize(r, plan.slo_ttft_ms, plan.slo_itl_ms),
+             **({"records": metrics.records(r)} if plan.raw_records else {})}
             for r in results]
     doc = schema.build_results(config, info, warm, runs, outputs.label)
     report.print_summary(console, runs)

@@ -136,7 +136,7 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
                              "--priority-mix", "0:1,5:1", "--out", out, "--label", "x")
         assert rc == 0, err
         doc = _load(out)
-        assert doc["schema_version"] == SCHEMA_VERSION == 1
+        assert doc["schema_version"] == SCHEMA_VERSION == 2
         assert schema.key_paths(doc) == expected
         assert doc["server_info"]["status"] == ("OK" if server_info else "UNIMPLEMENTED")
         assert doc["config"]["concurrency"] == [1, 2] and doc["config"]["server"] == addr

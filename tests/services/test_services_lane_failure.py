@@ -42,7 +42,7 @@ def split_server(tiny_models):
     cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--topology", "split", "--port", str(port),
            "--target", tiny_models[0], "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "64",
            "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--max-running", "2",
-           "--k-initial", "4", "--no-adaptive"]
+           "--k-initial", "4", "--no-adaptive", "--http-port", "0"]
     proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     ready = threading.Event()

@@ -16,6 +16,7 @@ import threading
 import time
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_HOST = os.environ.get("VERIFYPD_HOST", "127.0.0.1")
 
 
@@ -29,6 +30,12 @@ def register(sub) -> None:
     serve = sub.add_parser("serve", help="run the gateway + router and the three lanes")
     serve.add_argument("--host", default=DEFAULT_HOST, help="bind address (default 127.0.0.1, env VERIFYPD_HOST)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                       help="OpenAI-compatible HTTP API, /health and /metrics on --host (default 8000; 0 = off)")
+    serve.add_argument("--http-max-body-bytes", type=int, default=4 * 1024 * 1024,
+                       help="larger HTTP request bodies get 413")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the HTTP API's model id (default: the --target spec)")
     serve.add_argument("--topology", choices=["colocated", "split"], default="colocated",
                        help="colocated: lanes in this process; split: each lane its own process")
     add_model_flags(serve)
@@ -104,7 +111,15 @@ def cmd_serve(args) -> int:
 
     _setup_logging()
     options = engine_options(args)
-    telemetry = Telemetry("verifypd-gateway")
+    if args.http_port < 0 or args.http_max_body_bytes < 1:
+        print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
+        return 2
+    readers, registry = [], None
+    if args.http_port:  # /metrics: the same instruments as OTLP, through one more reader
+        from verifypd.server.http_server import prometheus_reader
+        reader, registry = prometheus_reader()
+        readers.append(reader)
+    telemetry = Telemetry("verifypd-gateway", readers=readers)
     common = dict(host=args.host, port=args.port, max_queue=args.max_queue,
                   default_max_tokens=args.default_max_tokens, observer=telemetry)
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
@@ -136,12 +151,33 @@ def cmd_serve(args) -> int:
     gateway.start()
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
           f"(target {options.target}, draft {options.draft})", file=sys.stderr, flush=True)
+    http = None
     try:
+        if args.http_port:
+            try:
+                http = _start_http(gateway, args, registry)
+            except OSError as exc:
+                print(f"verifypd: error: {exc}", file=sys.stderr)
+                return 2
         _wait_for_signal()
     finally:
+        if http is not None:
+            http.stop()
         gateway.stop()
         telemetry.shutdown()
     return 0
+
+
+def _start_http(gateway, args, registry):
+    from verifypd.server.http_api import HttpApi
+    from verifypd.server.http_server import HttpServer
+
+    api = HttpApi(gateway, model_name=args.served_model_name, metrics_registry=registry,
+                  max_body_bytes=args.http_max_body_bytes)
+    http = HttpServer(api.app, args.host, args.http_port).start()
+    print(f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})",
+          file=sys.stderr, flush=True)
+    return http
 
 
 def cmd_lane(args) -> int:

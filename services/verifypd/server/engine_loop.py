@@ -55,9 +55,11 @@ class Failure:
 
 
 class RequestStream:
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, sink=None):
         self.request_id = request_id
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # Chunk | Failure
+        # Chunk | Failure. Anything with put() (called on the engine thread, must not block or
+        # raise): the HTTP API passes one that wakes its asyncio loop.
+        self.queue = sink if sink is not None else queue.SimpleQueue()
 
 
 class EngineLoop:
@@ -94,18 +96,19 @@ class EngineLoop:
     def call(self, fn: Callable[[Router], object], timeout_s: float = 60.0):
         return self.post(fn).result(timeout_s)
 
-    def submit(self, spec: RequestSpec) -> RequestStream:
-        """Adds a request; raises InvalidRequest, Overloaded or Unavailable."""
+    def submit(self, spec: RequestSpec, sink=None, *, wait: bool = True):
+        """Adds a request; raises InvalidRequest, Overloaded or Unavailable. `sink`: see RequestStream.
+        wait=False returns the Future of the RequestStream instead (the HTTP API awaits it)."""
         def add(router: Router) -> RequestStream:
             if self.failed:
                 raise Unavailable(self.failed)
             if router.scheduler.num_waiting >= self.max_queue:
                 raise Overloaded(f"server queue is full ({router.scheduler.num_waiting} requests waiting); "
                                  f"retry later")
-            stream = RequestStream(router.add_request(spec))
+            stream = RequestStream(router.add_request(spec), sink)
             self._streams[stream.request_id] = stream
             return stream
-        return self.call(add)
+        return self.call(add) if wait else self.post(add)
 
     def cancel(self, stream: RequestStream) -> None:
         """Client cancel / deadline: frees the request's blocks before the next step. No-op if done."""

@@ -92,6 +92,7 @@ class Gateway:
                  port: int = 0, max_queue: int = 256, default_max_tokens: int = convert.DEFAULT_MAX_TOKENS,
                  lanes=(), on_close=(), watch_interval_s: float = 1.0):
         self.router, self.info = router, info
+        self.codec, self.default_max_tokens = codec, default_max_tokens  # for the HTTP API (http_api.py)
         self.engine = EngineLoop(router, max_queue=max_queue, on_failure=self._on_failure)
         workers = min(1024, max_queue + router.scheduler.max_running + 16)
         # Beyond `workers` concurrent RPCs gRPC itself answers RESOURCE_EXHAUSTED.
