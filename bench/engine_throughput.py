@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--alphas", default="0.5,0.7,0.9", help="simulated acceptance rates")
     ap.add_argument("--ks", default="1,2,3,4,5,6,adaptive")
+    ap.add_argument("--fallback-alphas", default="0.1",
+                    help="simulated acceptance rates run with adaptive k only (must fall back to plain decoding)")
     ap.add_argument("--rows", default="plain,simulated,self", help="which row families to run")
     ap.add_argument("--memory-test", action="store_true",
                     help="only: 128 concurrent requests of 1000 + 1000 tokens, KV pools sized from free memory")
@@ -187,6 +189,9 @@ def main() -> None:
                 cfg = (RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True) if k == "adaptive"
                        else RuntimeConfig(k_min=0, k_max=max(int(k), 1), k_initial=int(k), adaptive=False))
                 configs.append((f"SIMULATED acceptance {alpha}, k={k}", alpha, cfg, False))
+        for alpha in [float(a) for a in args.fallback_alphas.split(",") if a]:
+            configs.append((f"SIMULATED acceptance {alpha}, k=adaptive", alpha,
+                            RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True), False))
     if "self" in families:
         configs.append(("draft = target (real acceptance), k=4", None,
                         RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=False), True))
@@ -215,6 +220,8 @@ def main() -> None:
                 row["decode_step_over_bytes_floor"] = round(r["verify_call_s"] / f["target_bytes_s"], 3)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
+            with open(args.out, "w") as fh:  # after every row: a run cut short keeps what it measured
+                json.dump(results, fh, indent=2)
         del engine
         torch.cuda.empty_cache()
     plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith("k=0")}

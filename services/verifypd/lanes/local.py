@@ -101,6 +101,9 @@ class LocalVerifyLane:
                 drafts_np[n, :ks[n]] = list(item.draft_tokens)
             drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
             logits = self.target.score(runs)
+        if K == 0 and all(i.sampling.greedy for i in items):  # plain greedy decoding: nothing to accept
+            finals = logits[:, 0].argmax(-1).tolist()  # the one host sync
+            return [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, finals)]
         k = torch.tensor(ks, device=device)
         if self.simulated_acceptance is not None:
             accepted, final = self._accept_simulated(items, logits.argmax(-1), k)
