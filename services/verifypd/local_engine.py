@@ -120,7 +120,7 @@ def capture_graphs(target: ModelRunner, draft: ModelRunner, k_max: int) -> float
     if target.graphs is not None:
         seconds += target.graphs.warm_up(("all",), max_query=min(k_max + 1, target.graphs.max_query))
     if draft.graphs is not None:
-        seconds += draft.graphs.warm_up(("last", "draft"), max_query=2)
+        seconds += draft.graphs.warm_up(("last", "draft"))  # "last" up to 9 tokens: short catch-ups
     return seconds
 
 

@@ -145,8 +145,11 @@ def cap_k(config: RuntimeConfig, k: int, request_max_k: int | None, remaining_to
     return max(min(config.k_min, hi), min(k, hi))
 
 
+SWITCH_MARGIN = 1.1  # turning speculation on or off must promise 10% more goodput (see choose_batch_k)
+
+
 def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
-                   hi: int, probe: bool = False) -> int:
+                   hi: int, probe: bool = False, current: int | None = None) -> int:
     """One k for the decoding batch: verify runs every request padded to max(k) + 1 tokens, so a
     shared k is what the GPU pays for. Maximises the batch's goodput; `probe` turns a 0 into 1 so
     acceptance keeps being observed while speculation is off (the caller probes now and then)."""
@@ -156,4 +159,10 @@ def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: Ste
     if not config.adaptive or not known:
         return max(lo, min(config.k_initial, hi))
     best = max(range(lo, hi + 1), key=lambda k: costs.goodput(known, k, batch))
+    # Hysteresis between drafting and not: each return to drafting first catches the draft up on
+    # every token decoded meanwhile, so near break-even flipping back and forth costs more than
+    # either choice. `current` is the batch's k of the previous step.
+    if current is not None and lo <= current <= hi and (best == 0) != (current == 0):
+        if costs.goodput(known, best, batch) < SWITCH_MARGIN * costs.goodput(known, current, batch):
+            best = current
     return 1 if probe and best == 0 and hi >= 1 else best

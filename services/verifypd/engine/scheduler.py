@@ -61,6 +61,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._steps_without_drafts = 0
         self._probe_interval = PROBE_FIRST
+        self._last_k: int | None = None
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -104,7 +105,8 @@ class Scheduler:
             prior = costs.acceptance.alpha
             alphas = [prior if s.alpha_estimate is None else s.alpha_estimate for s in decoding]
             probe = self._steps_without_drafts >= self._probe_interval
-            k_batch = choose_batch_k(config, alphas, costs, batch, config.k_max, probe=probe)
+            k_batch = choose_batch_k(config, alphas, costs, batch, config.k_max, probe=probe, current=self._last_k)
+            self._last_k = k_batch
             if probe and k_batch == 1:
                 self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
             elif k_batch > 0:
