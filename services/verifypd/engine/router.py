@@ -209,6 +209,9 @@ class Router:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         finish = None
         tokens = []
+        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
+        if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
+            raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         for tok in new_tokens:
             tokens.append(tok)
             if seq.spec.stop_at_eos and tok in self._eos:
