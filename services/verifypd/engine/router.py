@@ -29,6 +29,7 @@ class EngineObserver:
     def on_verify(self, k: int, accepted: int) -> None: ...
     def on_request_finished(self, seq: Sequence) -> None: ...
     def on_step(self, router: "Router") -> None: ...
+    def on_idle(self, router: "Router") -> None: ...  # state changed without a step (abort, idle, reset)
 
 
 class Router:
@@ -75,8 +76,14 @@ class Router:
         if seq is None:
             return None
         out = self._finish(seq, FinishReason.CANCELLED, [], "")
-        self.observer.on_step(self)  # gauges (blocks in use, queues) must not keep the old load
+        self.refresh_gauges()  # gauges (blocks in use, queues) must not keep the old load
         return out
+
+    def refresh_gauges(self) -> None:
+        """Tells the observer the state changed without a step (so step counters stay steps)."""
+        hook = getattr(self.observer, "on_idle", None)
+        if hook is not None:
+            hook(self)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -122,7 +129,7 @@ class Router:
             if seq.status is not SeqStatus.WAITING:
                 seq.reset_for_recompute()
             self.scheduler.add(seq)
-        self.observer.on_step(self)
+        self.refresh_gauges()
         return len(seqs)
 
     def _run_prefill(self, chunks: list[PrefillChunk]) -> list[RequestOutput]:

@@ -167,7 +167,7 @@ class EngineLoop:
             except queue.Empty:
                 cmd = None
                 if not busy:  # idle: gauges must show the idle state, not the last busy step
-                    self.router.observer.on_step(self.router)
+                    self.router.refresh_gauges()
             while cmd is not None:
                 self._execute(cmd)
                 try:
