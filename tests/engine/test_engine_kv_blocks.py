@@ -99,10 +99,31 @@ def test_cancel_returns_blocks_immediately(tiny_models):
     assert not router.has_work()
 
 
-def test_pool_smaller_than_one_request_ends_it_with_length_not_a_crash(tiny_models):
-    engine = make_engine(*tiny_models, k=0, num_blocks=3)  # 12 positions in all
-    done = engine.generate([RequestSpec((5, 6, 7, 8, 9), max_tokens=40, stop_at_eos=False, request_id="a")])
-    assert done["a"].finish_reason == "length" and 0 < len(done["a"].token_ids) < 40
-    assert engine.router.target_blocks.num_used == 0
-    with pytest.raises(InvalidRequest, match="does not fit"):
+def test_request_that_can_never_fit_the_pool_is_rejected_up_front_not_truncated(tiny_models):
+    engine = make_engine(*tiny_models, k=4, num_blocks=3)  # 12 positions in all
+    # 5 + 40 positions can never be held: rejected, with a message saying why (it used to end
+    # silently with `length` after a few tokens).
+    with pytest.raises(InvalidRequest, match="can never fit the target KV pool"):
+        engine.router.add_request(RequestSpec((5, 6, 7, 8, 9), max_tokens=40, stop_at_eos=False))
+    with pytest.raises(InvalidRequest, match="never fit"):
         engine.router.add_request(RequestSpec(tuple(range(3, 20)), max_tokens=4))
+    # Exactly the pool's capacity (prompt + max_tokens - 1 positions = 12) completes in full, k or not.
+    done = engine.generate([RequestSpec((5, 6, 7, 8, 9), max_tokens=8, stop_at_eos=False, request_id="a")])
+    assert done["a"].finish_reason == "length" and len(done["a"].token_ids) == 8
+    assert engine.router.target_blocks.num_used == 0
+
+
+def test_requests_that_fit_alone_are_never_truncated_under_pressure(tiny_models):
+    """Several requests that each fit alone but not together: all complete with max_tokens (they
+    wait or are preempted; none is cut short)."""
+    engine = make_engine(*tiny_models, k=4, num_blocks=6)  # 24 positions
+    specs = [RequestSpec((5 + n, 6, 7), max_tokens=20, stop_at_eos=False, request_id=f"r{n}") for n in range(4)]
+    done = engine.generate(specs)
+    assert all(len(done[f"r{n}"].token_ids) == 20 and done[f"r{n}"].finish_reason == "length" for n in range(4))
+
+
+def test_max_tokens_beyond_the_context_is_rejected_with_the_limit(tiny_models):
+    engine = make_engine(*tiny_models, k=0)
+    ctx = engine.router.max_context
+    with pytest.raises(InvalidRequest, match=f"at most {ctx - 3}"):
+        engine.router.add_request(RequestSpec((5, 6, 7), max_tokens=ctx))

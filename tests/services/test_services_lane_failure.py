@@ -1,6 +1,13 @@
-"""`verifypd serve --topology split` as a user runs it, and what happens when a lane process dies:
-in-flight requests end with UNAVAILABLE in bounded time, health turns NOT_SERVING, and the lane
-children go away with the server."""
+"""`verifypd serve --topology split` as a user runs it, and what happens when lane processes die.
+
+* Recovery: under closed-loop load each lane type is SIGKILLed once; the supervisor restarts it,
+  the gateway re-wires the pools and re-prefills the requests in flight. Every request completes
+  OK with exactly max_tokens tokens, equal to a run without faults, and no client stream repeats
+  or skips a token.
+* Crash loop: a lane killed again and again is given up on: one log line, in-flight requests
+  UNAVAILABLE, health NOT_SERVING; SIGTERM still stops the server, its lanes and their /dev/shm
+  files.
+"""
 from __future__ import annotations
 
 import os
@@ -15,10 +22,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, free_port, greedy_request, wait_until
+from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, engine_options, free_port, greedy_request,
+                              offline_outputs, random_prompts, wait_until)
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from verifypd.engine.types import RequestSpec
 from verifypd.server.launcher import child_env
 from verifypd.v1 import generate_pb2
+
+MAX_TOKENS = 24
+CONCURRENCY = 4
+REQUESTS = 30
 
 
 def pid_alive(pid: int) -> bool:
@@ -35,38 +48,58 @@ def shm_pool_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("verifypd-")}
 
 
+class Server:
+    """A `verifypd serve` subprocess whose stderr is collected (lane pids, recovery log lines)."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            sys.stderr.write(line)
+            if "verifypd: serving" in line:
+                self.ready.set()
+
+    def count(self, pattern: str) -> int:
+        return sum(1 for ln in list(self.lines) if re.search(pattern, ln))
+
+    def lane_pids(self) -> dict[str, int]:
+        """The current pid of each lane (the start lines, then the supervisor's restart lines)."""
+        pids: dict[str, int] = {}
+        for ln in list(self.lines):
+            m = re.search(r"verifypd: (\w+) lane pid=(\d+)", ln) or re.search(r"(\w+) lane restarted, pid (\d+)", ln)
+            if m:
+                pids[m.group(1)] = int(m.group(2))
+        return pids
+
+
 @pytest.fixture(scope="module")
 def split_server(tiny_models):
     shm_before = shm_pool_files()
     port = free_port()
     cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--topology", "split", "--port", str(port),
            "--target", tiny_models[0], "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "64",
-           "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--max-running", "2",
-           "--k-initial", "4", "--no-adaptive", "--http-port", "0"]
-    proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            lines.append(line)
-            sys.stderr.write(line)
-            if "verifypd: serving" in line:
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(180):
-        proc.kill()
-        pytest.fail("server did not start:\n" + "".join(lines[-30:]))
-    pids = {m.group(1): int(m.group(2)) for m in (re.search(r"verifypd: (\w+) lane pid=(\d+)", ln) for ln in lines) if m}
-    assert set(pids) == {"prefill", "draft", "verify"}
-    yield f"127.0.0.1:{port}", pids, proc, shm_before
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+           "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--max-running", "4",
+           "--k-initial", "4", "--no-adaptive", "--max-lane-restarts", "3", "--recovery-timeout", "90", "--http-port", "0"]
+    server = Server(cmd)
+    if not server.ready.wait(180):
+        server.proc.kill()
+        pytest.fail("server did not start:\n" + "".join(server.lines[-30:]))
+    assert set(server.lane_pids()) == {"prefill", "draft", "verify"}
+    all_pids: set[int] = set()
+    yield f"127.0.0.1:{port}", server, shm_before, all_pids
+    all_pids.update(server.lane_pids().values())
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(20)
+            server.proc.wait(40)
         except subprocess.TimeoutExpired:
-            proc.kill()
-    for pid in pids.values():
+            server.proc.kill()
+    for pid in all_pids:
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
@@ -81,40 +114,109 @@ def test_cli_client_against_split_server(split_server, capsys):
     assert out["finish_reason"] in ("length", "eos") and 1 <= len(out["token_ids"]) <= 12
 
 
-def test_dead_lane_ends_in_flight_requests_with_unavailable(split_server):
-    address, pids, proc, shm_before = split_server
-    client = Client(address)
-    # 6 long requests, 2 running at a time: plenty still in flight when the lane dies.
-    calls = [client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5 + n, 6, 7], 200)), timeout=60)
-             for n in range(6)]
-    results: dict[int, object] = {}
+def closed_loop(address: str, prompts: list[list[int]], results: dict, stop: threading.Event):
+    """CONCURRENCY workers each send the next prompt as soon as their last one ended."""
+    lock = threading.Lock()
+    todo = list(enumerate(prompts))
 
-    def drain(n):
-        try:
-            list(calls[n])
-            results[n] = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            results[n] = exc.code()
-    threads = [threading.Thread(target=drain, args=(n,)) for n in range(6)]
-    for t in threads:
+    def worker():
+        client = Client(address)
+        while not stop.is_set():
+            with lock:
+                if not todo:
+                    break
+                n, prompt = todo.pop(0)
+            chunks, code = [], grpc.StatusCode.OK
+            try:
+                for msg in client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(prompt, MAX_TOKENS)),
+                                               timeout=240):
+                    chunks.append(msg)
+            except grpc.RpcError as exc:
+                code = exc.code()
+            results[n] = (code, chunks)
+        client.close()
+    return [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+
+
+def test_each_lane_killed_mid_run_loses_no_request_and_no_token(split_server, tiny_models):
+    address, server, _, all_pids = split_server
+    prompts = random_prompts(REQUESTS, seed=11, max_len=20)
+    expected = offline_outputs(engine_options(*tiny_models),
+                               [RequestSpec(tuple(p), max_tokens=MAX_TOKENS, stop_at_eos=False) for p in prompts])
+    results: dict[int, tuple] = {}
+    stop = threading.Event()
+    workers = closed_loop(address, prompts, results, stop)
+    for t in workers:
         t.start()
-    assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.SERVING, 5)
-    time.sleep(0.3)  # requests are decoding now
-    os.kill(pids["draft"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    for t in threads:
-        t.join(15)
-    assert time.monotonic() - killed_at < 15, "requests hung after the lane died"
-    assert len(results) == 6
-    assert grpc.StatusCode.UNAVAILABLE in results.values()
-    assert set(results.values()) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
-    assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
-    with pytest.raises(grpc.RpcError) as err:  # new requests fail fast too
+    killed = []
+    try:
+        for n, lane in enumerate(("draft", "verify", "prefill")):
+            # Mid-run: requests are streaming (some done, more to come), and the last recovery is over.
+            assert wait_until(lambda: len(results) >= 4 + 7 * n, 120), f"no progress before killing {lane}"
+            assert wait_until(lambda: server.count(r"lanes recovered after") == n, 120)
+            pid = server.lane_pids()[lane]
+            all_pids.add(pid)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(lane)
+        assert wait_until(lambda: server.count(r"lanes recovered after") == 3, 120), "no recovery after the kills"
+        for t in workers:
+            t.join(240)
+    finally:
+        stop.set()
+    assert killed == ["draft", "verify", "prefill"]
+    assert server.count(r"lane restarted, pid") == 3
+    assert len(results) == REQUESTS
+    for n, (code, chunks) in sorted(results.items()):
+        streamed = [t for m in chunks for t in m.token_ids]
+        assert code == grpc.StatusCode.OK, f"request {n} ended with {code}"
+        # What the client saw, chunk by chunk, is exactly the fault-free output: no token twice,
+        # none skipped, and exactly max_tokens of them.
+        assert streamed == expected[n], f"request {n}: stream differs from the fault-free run"
+        assert len(streamed) == MAX_TOKENS and chunks[-1].usage.completion_tokens == MAX_TOKENS
+        assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    client = Client(address)
+    assert client.health_status() == health_pb2.HealthCheckResponse.SERVING
+    client.close()
+
+
+def test_crash_loop_gives_up_clearly_and_sigterm_still_cleans_up(split_server):
+    address, server, shm_before, all_pids = split_server
+    client = Client(address)
+    # A long request in flight while the draft lane is killed again and again.
+    call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6, 7], 200)), timeout=120)
+    first = next(call)  # streaming: in flight from here on
+    assert first.token_ids
+    outcome = {}
+
+    def drain():
+        try:
+            list(call)
+            outcome["code"] = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            outcome["code"] = exc.code()
+    reader = threading.Thread(target=drain)
+    reader.start()
+    for _ in range(8):
+        if server.count("crash loop"):
+            break
+        pid = server.lane_pids()["draft"]
+        all_pids.add(pid)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        # Wait for the supervisor's next move: a restart (new pid) or giving up. The next kill
+        # comes while the new lane is still loading, so recovery never completes in between.
+        wait_until(lambda: server.lane_pids()["draft"] != pid or server.count("crash loop"), 30)
+    assert server.count(r"supervisor ERROR draft lane crash loop.*the gateway stops serving") == 1, \
+        "the crash loop was not reported once"
+    reader.join(30)
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE
+    assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+    with pytest.raises(grpc.RpcError) as err:  # new requests fail fast
         client.generate(**greedy_request([5, 6], 5), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     client.close()
-    # The server exits on SIGTERM and takes the remaining lanes with it.
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(20)
-    assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 15)
+    all_pids.update(server.lane_pids().values())
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(40) == 0
+    assert wait_until(lambda: not any(pid_alive(p) for p in all_pids), 15)
     assert shm_pool_files() == shm_before, "KV pool files left in /dev/shm"

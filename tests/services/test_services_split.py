@@ -18,8 +18,8 @@ def lanes(tiny_models):
     from verifypd.server.launcher import LaneProcesses
 
     procs = LaneProcesses(engine_options(*tiny_models))
-    addrs = procs.start(timeout_s=120)
-    yield addrs
+    procs.start(timeout_s=120)
+    yield procs
     procs.terminate()
 
 
@@ -37,7 +37,8 @@ def expected(tiny_models, prompts):
 def split_gateway(tiny_models, lanes, kv_transport):
     from verifypd.server.gateway import build_split
 
-    return build_split(lanes, engine_options(*tiny_models), kv_transport=kv_transport).start()
+    return build_split(lanes.addrs, engine_options(*tiny_models), kv_transport=kv_transport,
+                       lane_secret=lanes.secret).start()
 
 
 def owner_bytes_received(gw) -> int:

@@ -18,8 +18,8 @@ from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, request_a
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
-from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, PoolInfo, PrefillItem, PrefillLane,
-                                      VerifyItem, VerifyLane)
+from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
+                                      PrefillLane, VerifyItem, VerifyLane)
 
 
 class EngineObserver:
@@ -29,6 +29,7 @@ class EngineObserver:
     def on_verify(self, k: int, accepted: int) -> None: ...
     def on_request_finished(self, seq: Sequence) -> None: ...
     def on_step(self, router: "Router") -> None: ...
+    def on_idle(self, router: "Router") -> None: ...  # state changed without a step (abort, idle, reset)
 
 
 class Router:
@@ -58,10 +59,7 @@ class Router:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> str:
         spec.validate(vocab_size=self.vocab_size, max_context=self.max_context)
-        for blocks in (self.target_blocks, self.draft_blocks):
-            if blocks.blocks_for(len(spec.prompt_ids) + 1) > blocks.num_blocks:
-                raise InvalidRequest(f"prompt of {len(spec.prompt_ids)} tokens does not fit the {blocks.name} KV pool "
-                                     f"({blocks.num_blocks} blocks of {blocks.block_size}); shorten it")
+        check_fits(spec, self.max_context, (self.target_blocks, self.draft_blocks))
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in self._seqs:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
@@ -77,7 +75,15 @@ class Router:
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
-        return self._finish(seq, FinishReason.CANCELLED, [], "")
+        out = self._finish(seq, FinishReason.CANCELLED, [], "")
+        self.refresh_gauges()  # gauges (blocks in use, queues) must not keep the old load
+        return out
+
+    def refresh_gauges(self) -> None:
+        """Tells the observer the state changed without a step (so step counters stay steps)."""
+        hook = getattr(self.observer, "on_idle", None)
+        if hook is not None:
+            hook(self)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -91,13 +97,40 @@ class Router:
         plan = self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         prefill_first = config.priorities.prefill > config.priorities.verify
-        if prefill_first:
-            outputs += self._run_prefill(plan.prefill)
-        outputs += self._run_decode(plan.decode)
-        if not prefill_first:
-            outputs += self._run_prefill(plan.prefill)
+        try:
+            if prefill_first:
+                outputs += self._run_prefill(plan.prefill)
+            outputs += self._run_decode(plan.decode)
+            if not prefill_first:
+                outputs += self._run_prefill(plan.prefill)
+        except LaneError as exc:
+            # Tokens committed before the failing call are already in the sequences: hand their
+            # chunks to the caller with the error, or the client's stream would skip them.
+            exc.outputs = outputs
+            raise
         self.observer.on_step(self)
         return outputs
+
+    def reset_kv(self) -> int:
+        """After a lane restart: re-reads the lanes' pools (new pool ids / generations), forgets all
+        KV and re-queues every request for recompute (the preemption path). Tokens already emitted
+        are kept, so a request continues where its stream stopped. Returns the requests re-queued."""
+        verify_info, draft_info = self.verify_lane.describe(), self.draft_lane.describe()
+        self.target_pool = _pool(verify_info.pools, "target")
+        self.draft_pool = _pool(draft_info.pools, "draft")
+        seqs = sorted(self.scheduler.all_sequences(), key=Sequence.sort_key)
+        self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
+        self.draft_blocks = BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
+        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context,
+                                   self.scheduler.max_running)
+        for seq in seqs:  # the old block tables point into pools that are gone: drop, don't free
+            seq.target_blocks.clear()
+            seq.draft_blocks.clear()
+            if seq.status is not SeqStatus.WAITING:
+                seq.reset_for_recompute()
+            self.scheduler.add(seq)
+        self.refresh_gauges()
+        return len(seqs)
 
     def _run_prefill(self, chunks: list[PrefillChunk]) -> list[RequestOutput]:
         if not chunks:
@@ -186,6 +219,9 @@ class Router:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         finish = None
         tokens = []
+        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
+        if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
+            raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         for tok in new_tokens:
             tokens.append(tok)
             if seq.spec.stop_at_eos and tok in self._eos:
@@ -226,6 +262,23 @@ class Router:
     @staticmethod
     def _handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
         return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
+
+
+def check_fits(spec: RequestSpec, max_context: int, pools: Seq[BlockManager]) -> None:
+    """Rejects up front what can never complete; everything else waits or is preempted for room,
+    never truncated (a request alone in a pool always fits, see the scheduler)."""
+    need = len(spec.prompt_ids) + spec.max_tokens
+    if need > max_context:
+        raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) = {need} "
+                             f"exceeds the model's context of {max_context} tokens; lower max_tokens to at most "
+                             f"{max_context - len(spec.prompt_ids)} or shorten the prompt")
+    for blocks in pools:
+        # The last token's KV is never written: prompt + max_tokens - 1 positions at most.
+        if blocks.blocks_for(need - 1) > blocks.num_blocks:
+            raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) can never "
+                                 f"fit the {blocks.name} KV pool ({blocks.num_blocks} blocks of {blocks.block_size} "
+                                 f"= {blocks.num_blocks * blocks.block_size} positions); lower max_tokens or "
+                                 f"shorten the prompt")
 
 
 def _pool(pools: tuple[PoolInfo, ...], role: str) -> PoolInfo:

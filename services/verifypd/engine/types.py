@@ -6,6 +6,12 @@ import math
 from dataclasses import dataclass, field
 
 MAX_K = 16  # hard upper bound on draft length (bounded per-step work and pool reservation)
+# Temperatures below this are greedy: logits / 1e-45 overflow to inf and softmax gives NaN.
+GREEDY_BELOW = 1e-5
+# Stop strings are matched against the text after every step: bounded so one request cannot slow
+# every other one down.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -33,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -83,6 +89,11 @@ class RequestSpec:
             raise InvalidRequest(f"priority must be in [-100, 100], got {self.priority}")
         if any(s == "" for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop: {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        for n, s in enumerate(self.stop):
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidRequest(f"stop[{n}]: {len(s)} characters; at most {MAX_STOP_CHARS}")
 
 
 @dataclass

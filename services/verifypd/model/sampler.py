@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from verifypd.engine.types import GREEDY_BELOW
+
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_TARGET = 0, 1, 2
+NO_TOKEN = -1  # sample() of a row whose distribution is NaN or empty
 _MASK32 = 0xFFFFFFFF
 
 
@@ -50,9 +53,10 @@ def seed_tensor(seeds: list[int], device) -> torch.Tensor:
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, truncate: bool | None = None) -> torch.Tensor:
     """logits [N, V] float32 -> processed probs [N, V]. Rows with temperature 0 become one-hot
-    argmax. top_k 0 and top_p 1 disable truncation. `truncate` says whether any row truncates;
+    argmax, and so do tiny ones (below GREEDY_BELOW: logits / 1e-45 is inf, whose softmax is
+    NaN). top_k 0 and top_p 1 disable truncation. `truncate` says whether any row truncates;
     None looks (a host sync), so CUDA-graph code passes it from the host-side parameters."""
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_BELOW
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     vocab = probs.shape[-1]
@@ -77,7 +81,12 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: probs [N, V], u [N] in (0, 1) -> token ids [N]."""
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    idx = idx.clamp_(max=probs.shape[-1] - 1)
+    # Never a token from a broken distribution (NaN/inf, or no mass): such rows give NO_TOKEN,
+    # which no vocabulary holds, instead of a silent clamp to the last id. Device-side (no host
+    # sync, CUDA-graph safe); the router refuses NO_TOKEN as a lane fault.
+    total = cdf[:, -1]
+    return torch.where(torch.isfinite(total) & (total > 0), idx, torch.full_like(idx, NO_TOKEN))
 
 
 def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor):

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from verifypd.server.auth import API_KEY_ENV, LANE_SECRET_ENV
+
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_HOST = os.environ.get("VERIFYPD_HOST", "127.0.0.1")
@@ -26,6 +28,8 @@ def register(sub) -> None:
     sub.choices["generate"].set_defaults(handler=cmd_generate_remote)
     sub.choices["generate"].add_argument("--timeout", type=float, default=None,
                                          help="with --server: deadline for the whole generation, seconds")
+    sub.choices["generate"].add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                                         help=f"with --server: the server's API key (env {API_KEY_ENV})")
 
     serve = sub.add_parser("serve", help="run the gateway + router and the three lanes")
     serve.add_argument("--host", default=DEFAULT_HOST, help="bind address (default 127.0.0.1, env VERIFYPD_HOST)")
@@ -48,6 +52,16 @@ def register(sub) -> None:
         serve.add_argument(f"--{lane}-addr", metavar="HOST:PORT", default=None,
                            help=f"connect to a running {lane} lane instead of starting one")
     serve.add_argument("--lane-timeout", type=float, default=60.0, help="seconds per lane call")
+    serve.add_argument("--lane-secret-file", default=None,
+                       help=f"with --*-addr: file holding the lanes' shared secret (else env {LANE_SECRET_ENV})")
+    serve.add_argument("--recovery-timeout", type=float, default=120.0,
+                       help="seconds to wait for a failed lane to serve again before failing its requests")
+    serve.add_argument("--max-lane-restarts", type=int, default=5,
+                       help="split: restarts of one lane within 60 s before it counts as a crash loop")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"require `authorization: Bearer KEY` on Generate/Control (env {API_KEY_ENV})")
     serve.add_argument("--k-min", type=int, default=None)
     serve.add_argument("--k-max", type=int, default=None)
     serve.add_argument("--k-initial", type=int, default=None)
@@ -61,6 +75,10 @@ def register(sub) -> None:
     lane.add_argument("--port", type=int, default=0, help="0 = any free port (see --port-file)")
     lane.add_argument("--port-file", default=None, help="write the bound port here once serving")
     lane.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    lane.add_argument("--secret-file", default=None,
+                      help=f"file holding the secret every caller must present (else env {LANE_SECRET_ENV})")
+    lane.add_argument("--allow-unauthenticated", action="store_true",
+                      help="serve without a secret: anyone reaching the port can read and write KV (tests only)")
     add_model_flags(lane)
     add_engine_flags(lane, router=False)
     lane.set_defaults(handler=cmd_lane)
@@ -98,8 +116,12 @@ def _setup_logging() -> None:
 def _wait_for_signal(poll=None) -> None:
     """Blocks until SIGTERM/SIGINT (or poll() returns True)."""
     stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        logging.getLogger("verifypd").info("received %s", signal.Signals(signum).name)
+        stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     while not stop.wait(0.5):
         if poll is not None and poll():
             return
@@ -121,17 +143,23 @@ def cmd_serve(args) -> int:
         readers.append(reader)
     telemetry = Telemetry("verifypd-gateway", readers=readers)
     common = dict(host=args.host, port=args.port, max_queue=args.max_queue,
-                  default_max_tokens=args.default_max_tokens, observer=telemetry)
+                  default_max_tokens=args.default_max_tokens, observer=telemetry, api_key=args.api_key)
+    split = dict(kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout,
+                 recovery_timeout_s=args.recovery_timeout)
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
+    supervisor = None
     if any(addrs.values()):
+        from verifypd.server.auth import load_secret
+
         missing = [lane for lane, a in addrs.items() if not a]
         if missing:
             print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
             return 2
-        gateway = build_split(addrs, options, kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout,
-                              topology=args.topology, **common)
+        gateway = build_split(addrs, options, topology=args.topology, lane_secret=load_secret(args.lane_secret_file),
+                              **split, **common)
     elif args.topology == "split":
         from verifypd.server.launcher import LaneProcesses
+        from verifypd.server.supervisor import LaneSupervisor
 
         options.shared_cpu_pools = True
         procs = LaneProcesses(options, host="127.0.0.1")
@@ -139,16 +167,17 @@ def cmd_serve(args) -> int:
             addrs = procs.start()
             for lane, pid in procs.pids().items():
                 print(f"verifypd: {lane} lane pid={pid} addr={addrs[lane]}", file=sys.stderr, flush=True)
-            gateway = build_split(addrs, options, kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout,
-                                  on_close=[procs.terminate], **common)
-            procs.shm_paths = [d.shm_path for lane in gateway.lanes[1:] for d in lane.describe_pb().pools
-                               if d.shm_path]
+            gateway = build_split(addrs, options, lane_secret=procs.secret, on_close=[procs.terminate],
+                                  **split, **common)
+            supervisor = LaneSupervisor(procs, gateway.engine.fail, max_restarts=args.max_lane_restarts)
         except BaseException:
             procs.terminate()
             raise
     else:
         gateway = build_colocated(options, **common)
     gateway.start()
+    if supervisor is not None:
+        supervisor.start()
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
           f"(target {options.target}, draft {options.draft})", file=sys.stderr, flush=True)
     http = None
@@ -160,9 +189,14 @@ def cmd_serve(args) -> int:
                 print(f"verifypd: error: {exc}", file=sys.stderr)
                 return 2
         _wait_for_signal()
+        if supervisor is not None:
+            supervisor.stop()  # lanes exiting from here on are shutting down, not crashing
+        gateway.drain(args.drain_timeout)
     finally:
         if http is not None:
             http.stop()
+        if supervisor is not None:
+            supervisor.stop()
         gateway.stop()
         telemetry.shutdown()
     return 0
@@ -183,13 +217,24 @@ def _start_http(gateway, args, registry):
 def cmd_lane(args) -> int:
     from verifypd.server.lane_server import LaneServicer, build_lane_server
 
+    from verifypd.server.auth import load_secret
+
     _setup_logging()
-    servicer = LaneServicer(args.lane, engine_options(args))
+    try:
+        secret = load_secret(args.secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    if secret is None and not args.allow_unauthenticated:
+        print(f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
+              f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).", file=sys.stderr)
+        return 2
+    servicer = LaneServicer(args.lane, engine_options(args), secret=secret)
     server, port, health = build_lane_server(servicer, args.host, args.port)
     if args.port_file:  # written atomically: the launcher reads it as soon as it exists
         tmp = f"{args.port_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
+        with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
+            f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
         os.replace(tmp, args.port_file)
     print(f"verifypd: {args.lane} lane serving on {args.host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
     parent = args.parent_pid
@@ -215,6 +260,10 @@ def cmd_generate_remote(args) -> int:
         print(f"verifypd: error: cannot reach a verifypd server at {args.server} (is `verifypd serve` running?)",
               file=sys.stderr)
         return 2
+    if args.api_key:
+        from verifypd.server.auth import bearer_interceptor
+
+        channel = grpc.intercept_channel(channel, bearer_interceptor(args.api_key))
     stub = generate_pb2_grpc.GenerationStub(channel)
     req = generate_pb2.GenerateRequest(
         sampling=generate_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

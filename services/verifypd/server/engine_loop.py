@@ -5,15 +5,26 @@ by gRPC handler threads (add a request, abort one, swap the runtime config, fail
 an abort or config change takes effect before the next step. Outputs go to per-request queues
 that the Generate handlers stream from.
 
-A `LaneError` from a step (a lane process died or timed out) ends every in-flight request with
-UNAVAILABLE and marks the engine failed: later requests get UNAVAILABLE at once, and the gateway
-turns its health NOT_SERVING. Recovery is a later issue.
+Lane failures (split topology). A `LaneError` from a step (a lane process died, timed out or
+refused a stale handle) does not fail the requests: the loop enters *recovery*. Chunks the step
+committed before the failing call are delivered first (the router attaches them to the error), so
+a client's stream never skips a token. While recovering, the loop keeps taking commands (new
+requests queue, cancels work) and calls `recover()` every `RECOVER_POLL_S` until the lanes serve
+again and are re-wired; then `router.reset_kv()` re-queues every request for recompute under the
+new pools (prompt + tokens already streamed are re-prefilled, nothing is emitted twice). The
+engine fails for good (every in-flight request UNAVAILABLE, health NOT_SERVING) only when the
+lanes do not come back within `recovery_timeout_s`, when steps keep failing right after each
+recovery (`max_consecutive_failures`), or when the supervisor reports a crash loop (`fail`).
+
+Drain: after `drain()`, `submit` refuses new requests (UNAVAILABLE, retry elsewhere) while the
+ones in flight run to completion.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +44,13 @@ class Overloaded(Exception):
 
 class Unavailable(Exception):
     """The engine has failed (gRPC UNAVAILABLE)."""
+
+
+class Draining(Unavailable):
+    """The server is shutting down: retry on another replica (gRPC UNAVAILABLE)."""
+
+
+RECOVER_POLL_S = 0.25
 
 
 @dataclass
@@ -64,10 +82,21 @@ class RequestStream:
 
 class EngineLoop:
     def __init__(self, router: Router, *, max_queue: int = 256,
-                 on_failure: Callable[[str], None] | None = None, idle_wait_s: float = 0.2):
+                 on_failure: Callable[[str], None] | None = None, idle_wait_s: float = 0.2,
+                 recover: Callable[[], None] | None = None, recovery_timeout_s: float = 120.0,
+                 max_consecutive_failures: int = 3):
         self.router = router
         self.max_queue = max_queue
         self.failed: str | None = None
+        self.draining = False
+        self.recovering: str | None = None  # the lane failure being recovered from
+        self.recoveries = 0                 # completed recoveries
+        self._recover = recover             # raises LaneError until the lanes serve and are wired
+        self._recovery_timeout_s = recovery_timeout_s
+        self._recover_since = 0.0
+        self._max_consecutive = max_consecutive_failures
+        self._consecutive = 0               # step failures with no successful step in between
+        self._steps_at_recovery = -1
         self.steps = 0                                # router steps completed
         self.config_log: list[tuple[int, int]] = []   # (steps completed when applied, revision)
         self._on_failure = on_failure
@@ -102,6 +131,8 @@ class EngineLoop:
         def add(router: Router) -> RequestStream:
             if self.failed:
                 raise Unavailable(self.failed)
+            if self.draining:
+                raise Draining("server is draining (shutting down); retry on another replica")
             if router.scheduler.num_waiting >= self.max_queue:
                 raise Overloaded(f"server queue is full ({router.scheduler.num_waiting} requests waiting); "
                                  f"retry later")
@@ -122,21 +153,35 @@ class EngineLoop:
     def fail(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.post(lambda router: self._fail_all(message, code))
 
+    def lane_lost(self, message: str) -> None:
+        """A lane stopped serving while idle (watchdog): recover before the next step."""
+        self.post(lambda router: self._lane_lost(message))
+
+    def in_flight(self) -> int:
+        return len(self._streams)
+
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.failed is None and self.router.has_work()
+            busy = self.failed is None and self.recovering is None and self.router.has_work()
+            wait = RECOVER_POLL_S if self.recovering is not None else self._idle_wait_s
             try:
-                cmd = self._inbox.get(block=not busy, timeout=None if busy else self._idle_wait_s)
+                cmd = self._inbox.get(block=not busy, timeout=None if busy else wait)
             except queue.Empty:
                 cmd = None
+                if not busy:  # idle: gauges must show the idle state, not the last busy step
+                    self.router.refresh_gauges()
             while cmd is not None:
                 self._execute(cmd)
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if self.failed is None and self.router.has_work() and not self._stop.is_set():
+            if self.failed is not None or self._stop.is_set():
+                continue
+            if self.recovering is not None:
+                self._try_recover()
+            elif self.router.has_work():
                 self._step()
 
     def _execute(self, cmd) -> None:
@@ -152,14 +197,55 @@ class EngineLoop:
         try:
             outputs = self.router.step()
         except LaneError as exc:
-            log.error("lane failure: %s", exc)
-            self._fail_all(str(exc), grpc.StatusCode.UNAVAILABLE)
+            self._deliver(getattr(exc, "outputs", []))
+            self._consecutive = self._consecutive + 1 if self.steps == self._steps_at_recovery else 1
+            self._lane_lost(str(exc))
             return
         except Exception as exc:  # a bug; the router's state can no longer be trusted
             log.exception("engine step failed")
             self._fail_all(f"internal error in the engine: {exc}", grpc.StatusCode.INTERNAL)
             return
         self.steps += 1
+        self._deliver(outputs)
+
+    def _lane_lost(self, message: str) -> None:
+        if self.failed is not None or self.recovering is not None:
+            return
+        if self._recover is None:
+            log.error("lane failure: %s", message)
+            self._fail_all(message, grpc.StatusCode.UNAVAILABLE)
+        elif self._consecutive > self._max_consecutive:
+            log.error("lane failure: %s; steps failed right after %d recoveries in a row: giving up",
+                      message, self._consecutive - 1)
+            self._fail_all(f"lanes keep failing after recovery: {message}", grpc.StatusCode.UNAVAILABLE)
+        else:
+            log.warning("lane failure: %s; recovering: %d requests wait and will be re-prefilled",
+                        message, len(self._streams))
+            self.recovering = message
+            self._recover_since = time.monotonic()
+
+    def _try_recover(self) -> None:
+        try:
+            self._recover()
+            requeued = self.router.reset_kv()
+        except LaneError as exc:
+            waited = time.monotonic() - self._recover_since
+            if waited > self._recovery_timeout_s:
+                log.error("lanes did not come back within %.0f s: %s", self._recovery_timeout_s, exc)
+                self._fail_all(f"lanes did not come back within {self._recovery_timeout_s:.0f} s: {exc}",
+                               grpc.StatusCode.UNAVAILABLE)
+            return
+        except Exception as exc:
+            log.exception("recovery failed")
+            self._fail_all(f"internal error while recovering the lanes: {exc}", grpc.StatusCode.INTERNAL)
+            return
+        log.info("lanes recovered after %.1f s: %d requests re-queued for recompute",
+                 time.monotonic() - self._recover_since, requeued)
+        self.recovering = None
+        self.recoveries += 1
+        self._steps_at_recovery = self.steps
+
+    def _deliver(self, outputs) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

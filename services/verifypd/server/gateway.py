@@ -18,13 +18,16 @@ from verifypd import __version__
 from verifypd.engine.router import Router
 from verifypd.engine.types import InvalidRequest
 from verifypd.server import convert
-from verifypd.server.engine_loop import EngineLoop, Failure, Overloaded, Unavailable
+from verifypd.lanes.interface import LaneError
+from verifypd.server.auth import api_key_interceptor
+from verifypd.server.engine_loop import Draining, EngineLoop, Failure, Overloaded, Unavailable
 from verifypd.server.health import add_health_and_reflection
 from verifypd.server.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane, wire_pools
 from verifypd.v1 import control_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("verifypd.gateway")
 SERVICES = ["verifypd.v1.Generation", "verifypd.v1.Control"]
+DRAIN_RETRY_MS = 1000
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -42,6 +45,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Draining as exc:
+            # gRPC's retry pushback: a client with a retry policy waits this long, then retries
+            # (on another replica behind a load balancer; this one is going away).
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(DRAIN_RETRY_MS)),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (Unavailable, TimeoutError) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
         if not context.add_callback(lambda: self.engine.cancel(stream)):
@@ -90,14 +98,19 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 class Gateway:
     def __init__(self, router: Router, codec, info: generate_pb2.ServerInfo, *, host: str = "127.0.0.1",
                  port: int = 0, max_queue: int = 256, default_max_tokens: int = convert.DEFAULT_MAX_TOKENS,
-                 lanes=(), on_close=(), watch_interval_s: float = 1.0):
+                 lanes=(), on_close=(), watch_interval_s: float = 1.0, kv_transport: str = "auto",
+                 recovery_timeout_s: float = 120.0, api_key: str | None = None):
         self.router, self.info = router, info
         self.codec, self.default_max_tokens = codec, default_max_tokens  # for the HTTP API (http_api.py)
-        self.engine = EngineLoop(router, max_queue=max_queue, on_failure=self._on_failure)
+        self.lanes = list(lanes)              # gRPC lane clients to watch and re-wire (split)
+        self.kv_transport = kv_transport
+        self.engine = EngineLoop(router, max_queue=max_queue, on_failure=self._on_failure,
+                                 recover=self._rewire if self.lanes else None, recovery_timeout_s=recovery_timeout_s)
         workers = min(1024, max_queue + router.scheduler.max_running + 16)
         # Beyond `workers` concurrent RPCs gRPC itself answers RESOURCE_EXHAUSTED.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gw"),
-                                  maximum_concurrent_rpcs=workers)
+                                  maximum_concurrent_rpcs=workers,
+                                  interceptors=[api_key_interceptor(api_key)] if api_key else [])
         generate_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, codec, info, default_max_tokens), self.server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.engine), self.server)
@@ -106,7 +119,6 @@ class Gateway:
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
-        self.lanes = list(lanes)              # gRPC lane clients to watch (split)
         self._on_close = list(on_close)
         self._watch_interval_s = watch_interval_s
         self._stopped = threading.Event()
@@ -128,18 +140,52 @@ class Gateway:
         self.health.set(False)
 
     def _watch_lanes(self) -> None:
-        """A lane that dies while idle turns the gateway NOT_SERVING too (in-flight calls fail by
-        themselves: the RPC to a dead process ends with UNAVAILABLE)."""
+        """A lane that dies while idle starts recovery too (a call to a dead lane fails by itself:
+        the RPC ends with UNAVAILABLE). Repeated reports during one recovery are no-ops."""
         while not self._stopped.wait(self._watch_interval_s):
             for lane in self.lanes:
                 if not lane.healthy(timeout_s=max(self._watch_interval_s, 1.0)) and not self._stopped.is_set():
-                    self.engine.fail(f"{lane.lane} lane at {lane.addr} is not serving")
-                    return
+                    self.engine.lane_lost(f"{lane.lane} lane at {lane.addr} is not serving")
+                    break
+
+    def _rewire(self) -> None:
+        """Engine thread, during recovery: raises LaneError until every lane serves again; then
+        re-reads the owners' pools (new ids and generations after a restart) and has the prefill
+        lane import them. Old-generation handles are refused by the lanes from then on."""
+        for lane in self.lanes:
+            if not lane.healthy(timeout_s=1.0):
+                raise LaneError(f"{lane.lane} lane at {lane.addr} is not serving yet")
+        for lane in self.lanes:
+            lane.describe_pb(refresh=True)
+        self.wiring = wire_pools(*self.lanes, self.kv_transport)
+        log.info("lanes re-wired: %s", dict(self.wiring.mode_by_pool))
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Graceful shutdown, phase by phase: NOT_SERVING and refuse new requests at once; let the
+        requests in flight finish for up to `timeout_s`; then stop. True if none was cut short."""
+        t0 = time.monotonic()
+        self.health.set(False)
+        self.engine.draining = True
+        log.info("drain: started: health NOT_SERVING, new requests refused; %d in flight, waiting up to %.0f s",
+                 self.engine.in_flight(), timeout_s)
+        while self.engine.in_flight() and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.05)
+        left = self.engine.in_flight()
+        if left:
+            log.warning("drain: timeout after %.1f s: ending %d requests with UNAVAILABLE", time.monotonic() - t0, left)
+            self.engine.fail(f"server shut down before the request finished (drain timeout {timeout_s:.0f} s)")
+        else:
+            log.info("drain: all in-flight requests finished in %.1f s", time.monotonic() - t0)
+        self.stop(grace_s=2.0)
+        log.info("drain: stopped")
+        return not left
 
     def wait(self) -> None:
         self.server.wait_for_termination()
 
     def stop(self, grace_s: float = 1.0) -> None:
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         self.health.set(False)
         self.server.stop(grace_s).wait(grace_s + 1)
@@ -172,18 +218,21 @@ def build_colocated(options, *, observer=None, topology: str = "colocated", **ga
     return gateway
 
 
-def connect_lanes(addrs: dict[str, str], *, timeout_s: float = 60.0, ready_timeout_s: float = 120.0):
-    lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s), GrpcDraftLane(addrs["draft"], timeout_s),
-             GrpcVerifyLane(addrs["verify"], timeout_s))
+def connect_lanes(addrs: dict[str, str], *, timeout_s: float = 60.0, ready_timeout_s: float = 120.0,
+                  secret: str | None = None):
+    lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s, secret), GrpcDraftLane(addrs["draft"], timeout_s, secret),
+             GrpcVerifyLane(addrs["verify"], timeout_s, secret))
     for lane in lanes:
         lane.wait_ready(ready_timeout_s)
     return lanes
 
 
 def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None, codec=None,
-                lane_timeout_s: float = 60.0, topology: str = "split", **gateway_kwargs) -> Gateway:
-    """Router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools once."""
-    prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s)
+                lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
+                **gateway_kwargs) -> Gateway:
+    """Router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools once
+    (and again after a lane restart, see Gateway._rewire)."""
+    prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s, secret=lane_secret)
     reply = wire_pools(prefill, draft, verify, kv_transport)
     log.info("lanes wired: %s (import %.3f s)", dict(reply.mode_by_pool), reply.import_seconds)
     if codec is None:
@@ -192,7 +241,8 @@ def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", o
     router = Router(prefill, draft, verify, decode=codec.decode, eos_token_ids=tuple(verify_info.eos_token_ids),
                     config=options.config, max_running=options.max_running, observer=observer)
     info = server_info(options.target, options.draft, topology, router.max_context)
-    gateway = Gateway(router, codec, info, lanes=(prefill, draft, verify), **gateway_kwargs)
+    gateway = Gateway(router, codec, info, lanes=(prefill, draft, verify), kv_transport=kv_transport,
+                      **gateway_kwargs)
     gateway.wiring = reply
     return gateway
 

@@ -130,7 +130,7 @@ def touched_blocks(block_ids, start: int, end: int, block_size: int) -> list[int
 class KvPusher:
     """Prefill side of the copy transport: streams staged blocks to the pool's owner."""
 
-    def __init__(self, staging: KvPool, owner_addr: str, timeout_s: float = 60.0):
+    def __init__(self, staging: KvPool, owner_addr: str, timeout_s: float = 60.0, metadata=()):
         if not owner_addr:
             raise ValueError(f"pool {staging.pool_id}: copy transport needs the owner's kv_transfer_addr")
         self.pool = staging
@@ -138,6 +138,7 @@ class KvPusher:
         self._channel = grpc.insecure_channel(owner_addr, options=GRPC_OPTIONS)
         self._stub = lanes_pb2_grpc.KvTransferStub(self._channel)
         self._timeout = timeout_s
+        self._metadata = tuple(metadata)  # the lane secret: owners accept KV only from us
 
     def push(self, blocks: list[int]) -> int:
         if not blocks:
@@ -151,7 +152,7 @@ class KvPusher:
         chunks = (lanes_pb2.KvBlockChunk(pool_id=p.pool_id, generation=p.generation, block_id=b, layer=layer,
                                          data=raw[n, layer].tobytes())
                   for n, b in enumerate(blocks) for layer in range(p.geometry.num_layers))
-        return self._stub.WriteBlocks(chunks, timeout=self._timeout).bytes_written
+        return self._stub.WriteBlocks(chunks, timeout=self._timeout, metadata=self._metadata).bytes_written
 
 
 class KvTransferServicer(lanes_pb2_grpc.KvTransferServicer):
@@ -168,7 +169,14 @@ class KvTransferServicer(lanes_pb2_grpc.KvTransferServicer):
         return self.pools[pool_id]
 
     def WriteBlocks(self, request_iterator, context):
-        chunks = list(request_iterator)
+        # Bounded: a stream may not carry more bytes than all owned pools hold.
+        limit = sum(p.tensor.numel() * p.tensor.element_size() for p in self.pools.values())
+        chunks, total = [], 0
+        for c in request_iterator:
+            total += len(c.data)
+            if total > limit:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream carries more than the pools' {limit} bytes")
+            chunks.append(c)
         for pool_id in {c.pool_id for c in chunks}:
             pool = self._pool(pool_id, context)
             try:
@@ -182,6 +190,11 @@ class KvTransferServicer(lanes_pb2_grpc.KvTransferServicer):
 
     def ReadBlocks(self, request, context):
         pool = self._pool(request.pool_id, context)
+        if request.generation != pool.generation:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"generation {request.generation} is not pool {pool.pool_id}'s ({pool.generation})")
+        if len(request.block_ids) > pool.geometry.num_blocks:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_ids: more than the pool's {pool.geometry.num_blocks}")
         for block in request.block_ids:
             if block >= pool.geometry.num_blocks:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_ids: {block} is outside the pool")

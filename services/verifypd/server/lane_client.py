@@ -16,9 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneError, LaneInfo, PrefillItem, PrefillOutput,
                                       VerifyItem, VerifyOutput)
 from verifypd.server import lane_convert as lc
+from verifypd.server.auth import lane_metadata
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
-GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
+# Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
+GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20),
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
 SERVICE_NAMES = {"prefill": "verifypd.v1.PrefillLane", "draft": "verifypd.v1.DraftLane",
                  "verify": "verifypd.v1.VerifyLane"}
 
@@ -27,9 +31,10 @@ class _GrpcLane:
     lane = ""
     _stub_class = None
 
-    def __init__(self, addr: str, timeout_s: float = 60.0):
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None):
         self.addr = addr
         self.timeout_s = timeout_s
+        self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
         self.channel = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
         self.stub = self._stub_class(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -40,7 +45,7 @@ class _GrpcLane:
 
     def _call(self, method: str, request, timeout_s: float | None = None):
         try:
-            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s)
+            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise LaneError(f"{self.lane} lane at {self.addr}: {method} failed: "
                             f"{exc.code().name}: {exc.details()}") from None
@@ -86,8 +91,8 @@ class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
     _stub_class = lanes_pb2_grpc.PrefillLaneStub
 
-    def __init__(self, addr: str, timeout_s: float = 60.0):
-        super().__init__(addr, timeout_s)
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None):
+        super().__init__(addr, timeout_s, secret)
         self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
 
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:

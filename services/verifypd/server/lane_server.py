@@ -10,6 +10,12 @@ whose pools are the ones this process owns or imported, and converts messages at
                  touched blocks it then streams to the owners (copy transport)
 
 One lock per process serializes work calls (and KvTransfer writes) on the pools.
+
+Every request is validated at the edge (lane_validate.py) before it reaches the model code:
+bad input is INVALID_ARGUMENT naming the field, a stale handle (pool or generation this lane
+does not hold) FAILED_PRECONDITION, an empty batch a no-op; INTERNAL is left for real faults.
+Owned pools get a generation that differs for every start of the lane (milliseconds since the
+epoch), so handles allocated before a restart are refused even where pool ids could repeat.
 """
 from __future__ import annotations
 
@@ -26,12 +32,14 @@ import torch
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.local_engine import EngineOptions, resolve_device, resolve_dtype, self_draft_layers
-from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import load_model
 from verifypd.model.runner import ModelRunner
 from verifypd.server import kv_transport as kv
 from verifypd.server import lane_convert as lc
+from verifypd.server import lane_validate as lv
+from verifypd.server.auth import lane_interceptor, lane_metadata
 from verifypd.server.health import add_health_and_reflection
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
@@ -57,30 +65,42 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
     return target, target_model, draft_model, device, dtype
 
 
-def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dtype) -> KvPool:
+def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -> int:
+    """Blocks of a pool with this geometry: `--num-blocks`, else what memory allows. Also the
+    bound on pools a peer asks this lane to import or stage (ImportPools)."""
+    if options.num_blocks is not None:
+        return options.num_blocks
+    per_block = geometry.bytes_per_block(dtype)
+    if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * options.gpu_memory_fraction / 3) // per_block
+    return min(4096, max(256, (1 << 29) // per_block))
+
+
+def model_geometry(model: PagedLlama, options: EngineOptions) -> PoolGeometry:
     s = model.shape
-    geometry = PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
-    blocks = options.num_blocks
-    if blocks is None:
-        per_block = geometry.bytes_per_block(dtype)
-        if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
-            free, _ = torch.cuda.mem_get_info(device)
-            blocks = int(free * options.gpu_memory_fraction / 3) // per_block
-        else:
-            blocks = min(4096, max(256, (1 << 29) // per_block))
-    geometry = replace(geometry, num_blocks=blocks)
+    return PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
+
+
+def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1) -> KvPool:
+    geometry = model_geometry(model, options)
+    geometry = replace(geometry, num_blocks=pool_blocks(options, geometry, device, dtype))
     if device.type == "cpu":  # /dev/shm so the prefill lane can map the same bytes
-        return KvPool.create_shared_cpu(role, geometry, dtype)
-    return KvPool(role, geometry, dtype, device)
+        pool = KvPool.create_shared_cpu(role, geometry, dtype)
+    else:
+        pool = KvPool(role, geometry, dtype, device)
+    pool.generation = generation
+    return pool
 
 
 class LaneServicer:
     """Implements Describe / ImportPools and the lane's work RPC (Prefill, Draft or Verify)."""
 
-    def __init__(self, role: str, options: EngineOptions):
+    def __init__(self, role: str, options: EngineOptions, secret: str | None = None):
         if role not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}; got {role!r}")
-        self.role, self.options = role, options
+        self.role, self.options, self.secret = role, options, secret
+        self.generation = time.time_ns() // 1_000_000  # new for every start of this lane
         self.lock = threading.Lock()
         target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
             options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft"))
@@ -90,16 +110,16 @@ class LaneServicer:
         self.owned: dict[str, KvPool] = {}
         self.lane = None
         if role == "verify":
-            pool = owned_pool("target", self.target_model, options, self.device, self.dtype)
+            pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
             self.lane = LocalVerifyLane(ModelRunner(self.target_model, pool), self._info((pool.info(),)))
         elif role == "draft":
-            pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype)
+            pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
             self.lane = LocalDraftLane(ModelRunner(self.draft_model, pool), self._info((pool.info(),)))
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
-        self.pool_ids: dict[str, str] = {p.role: p.pool_id for p in self.owned.values()}
+        self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
 
@@ -133,10 +153,14 @@ class LaneServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}")
         t0 = time.perf_counter()
         pools, pushers, modes = {}, {}, {}
-        for d in request.pools:
-            role = lc.ROLE_FROM_PB.get(d.role)
-            if role is None or role in pools:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
+        roles = [lc.ROLE_FROM_PB.get(d.role) for d in request.pools]
+        if sorted(r or "" for r in roles) != ["draft", "target"]:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
+        for n, (d, role) in enumerate(zip(request.pools, roles)):
+            try:
+                lv.check_pool_descriptor(f"pools[{n}]", d, role, self._pool_spec(role), LAYOUT, SHM_DIR)
+            except lv.LaneInvalid as exc:
+                context.abort(exc.code, str(exc))
             near = kv.colocated(d, self.device)
             if mode_arg == "handle" and not near:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -146,39 +170,54 @@ class LaneServicer:
                     pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
                 else:
                     pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
-                    pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr)
+                    pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret))
             except (ValueError, OSError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
-        if set(pools) != {"target", "draft"}:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
         runners = (ModelRunner(self.target_model, pools["target"]), ModelRunner(self.draft_model, pools["draft"]))
         with self.lock:
             self.lane = LocalPrefillLane(*runners, self._info(()))
             self.pushers = pushers
-            self.pool_ids = {role: p.pool_id for role, p in pools.items()}
+            self.pools = dict(pools)
             self.import_seconds = time.perf_counter() - t0
         log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
         return lanes_pb2.ImportPoolsReply(mode_by_pool=modes, import_seconds=self.import_seconds)
 
-    def _check(self, context, handles) -> None:
+    def _pool_spec(self, role: str) -> lv.PoolSpec:
+        model = self.target_model if role == "target" else self.draft_model
+        geometry = model_geometry(model, self.options)
+        return lv.PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,
+                           kv.dtype_name(self.dtype), self.dtype.itemsize,
+                           pool_blocks(self.options, geometry, self.device, self.dtype))
+
+    def _limits(self) -> lv.LaneLimits:
+        pools = {role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
+                 for role, p in self.pools.items()}
+        return lv.LaneLimits(self.vocab_size, self.max_context, pools)
+
+    def _check(self, context, check, request) -> bool:
+        """Validates a work batch; False for an empty batch (a no-op). Aborts on bad input."""
         if self.lane is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefill lane has no pools yet: call ImportPools")
-        for role, h in handles:
-            if h.pool_id != self.pool_ids.get(role):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{role}_kv.pool_id {h.pool_id!r} is not the {role} pool {self.pool_ids.get(role)!r}")
+        try:
+            check(request, self._limits())
+        except lv.LaneInvalid as exc:
+            context.abort(exc.code, str(exc))
+        return len(request.items) > 0
 
     def _run(self, context, fn):
+        # Input was validated: whatever fails now is a fault of this lane (INTERNAL, logged with
+        # its traceback here, never sent to the caller).
         try:
             with self.lock:
                 return fn()
-        except (ValueError, IndexError, RuntimeError, grpc.RpcError) as exc:
+        except Exception as exc:
             log.exception("%s lane call failed", self.role)
-            context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
 
     def Prefill(self, request, context) -> lanes_pb2.PrefillResult:
+        if not self._check(context, lv.check_prefill, request):
+            return lanes_pb2.PrefillResult()
         items = lc.prefill_batch_from_pb(request)
-        self._check(context, [(r, h) for i in items for r, h in (("target", i.target_kv), ("draft", i.draft_kv))])
 
         def work():
             outputs = self.lane.prefill(items)
@@ -198,25 +237,35 @@ class LaneServicer:
         return lc.prefill_outputs_to_pb(outputs, copied)
 
     def Draft(self, request, context) -> lanes_pb2.DraftResult:
+        if not self._check(context, lv.check_draft, request):
+            return lanes_pb2.DraftResult()
         items = lc.draft_batch_from_pb(request)
-        self._check(context, [("draft", i.draft_kv) for i in items])
-        outputs = self._run(context, lambda: self.lane.draft(items))
-        result = lanes_pb2.DraftResult()
-        for item, out in zip(items, outputs):
-            msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
-            if out.draft_probs is not None:
-                msg.probs.CopyFrom(kv.encode_probs(out.draft_probs, item.sampling.top_k))
-        return result
+
+        def work():
+            result = lanes_pb2.DraftResult()
+            for item, out in zip(items, self.lane.draft(items)):
+                msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
+                if out.draft_probs is not None:
+                    msg.probs.CopyFrom(kv.encode_probs(out.draft_probs, item.sampling.top_k))
+            return result
+        return self._run(context, work)
 
     def Verify(self, request, context) -> lanes_pb2.VerifyResult:
-        items = lc.verify_batch_from_pb(request, lambda d: kv.decode_probs(d, self.device))
-        self._check(context, [("target", i.target_kv) for i in items])
-        return lc.verify_outputs_to_pb(self._run(context, lambda: self.lane.verify(items)))
+        if not self._check(context, lv.check_verify, request):
+            return lanes_pb2.VerifyResult()
+
+        def work():
+            items = lc.verify_batch_from_pb(request, lambda d: kv.decode_probs(d, self.device))
+            return lc.verify_outputs_to_pb(self.lane.verify(items))
+        return self._run(context, work)
 
 
 def build_lane_server(servicer: LaneServicer, host: str, port: int) -> tuple[grpc.Server, int, object]:
-    """A started gRPC server for the lane; returns (server, bound port, health servicer)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS)
+    """A started gRPC server for the lane; returns (server, bound port, health servicer).
+    With a secret, every RPC but health must carry it (auth.py)."""
+    interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS,
+                         interceptors=interceptors)
     adders = {"prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
               "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
               "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server}

@@ -102,6 +102,9 @@ class Telemetry(EngineObserver):
                         "draft": decoding, "verify": decoding}
         self._blocks = {"target": router.target_blocks.num_used, "draft": router.draft_blocks.num_used}
 
+    def on_idle(self, router) -> None:  # after an abort, while idle, after a lane recovery
+        self.on_step(router)
+
     # -- observable gauges (exporter thread) -----------------------------------------------
     def _observe_queues(self, options: CallbackOptions):
         return [Observation(v, {mn.ATTR_LANE: lane}) for lane, v in self._queues.items()]
