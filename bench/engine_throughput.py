@@ -41,6 +41,7 @@ from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
 
 
 def git_revision() -> str:
+    """VERIFYPD_GIT_REV wins: a copied tree's own git metadata can name another commit."""
     try:
         return os.environ.get("VERIFYPD_GIT_REV") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:
