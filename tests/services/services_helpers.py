@@ -8,7 +8,11 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import random
+import re
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import grpc
@@ -106,3 +110,36 @@ def greedy_request(prompt: list[int], max_tokens: int = 24, **extra) -> dict:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
     return _engine_models.write_target_and_draft(tmp_path_factory.mktemp("models"))
+
+
+class Server:
+    """A `verifypd serve` subprocess whose stderr is collected (lane pids, recovery log lines)."""
+
+    def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True):
+        from verifypd.server.launcher import child_env
+
+        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+        self.ready_line, self.echo = ready_line, echo
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if self.echo:
+                sys.stderr.write(line)
+            if self.ready_line in line:
+                self.ready.set()
+
+    def count(self, pattern: str) -> int:
+        return sum(1 for ln in list(self.lines) if re.search(pattern, ln))
+
+    def lane_pids(self) -> dict[str, int]:
+        """The current pid of each lane (the start lines, then the supervisor's restart lines)."""
+        pids: dict[str, int] = {}
+        for ln in list(self.lines):
+            m = re.search(r"verifypd: (\w+) lane pid=(\d+)", ln) or re.search(r"(\w+) lane restarted, pid (\d+)", ln)
+            if m:
+                pids[m.group(1)] = int(m.group(2))
+        return pids

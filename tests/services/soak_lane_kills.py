@@ -20,9 +20,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
-from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, _engine_models, engine_options, free_port,  # noqa: E402
+from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Server, _engine_models, engine_options, free_port,  # noqa: E402
                               offline_outputs, random_prompts, wait_until)
-from test_services_lane_failure import CONCURRENCY, MAX_TOKENS, Server, closed_loop  # noqa: E402
+from test_services_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
 
 

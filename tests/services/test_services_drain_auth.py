@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -11,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, engine_options, free_port, greedy_request, wait_until
+from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, Server, engine_options, free_port, greedy_request,
+                             wait_until)
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
-from verifypd.server.launcher import child_env
 from verifypd.v1 import control_pb2, generate_pb2
 
 API_KEY = "test-api-key-0123456789"
@@ -51,16 +50,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
     cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--target", tiny_models[0],
            "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "256", "--block-size", str(BLOCK_SIZE),
            "--max-context", str(MAX_CONTEXT), "--drain-timeout", "60", "--http-port", "0"]
-    proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            lines.append(line)
-            if "verifypd: serving" in line:
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
+    server = Server(cmd, echo=False)
+    proc, lines, ready = server.proc, server.lines, server.ready
     try:
         assert ready.wait(120), "".join(lines[-20:])
         client = Client(f"127.0.0.1:{port}")

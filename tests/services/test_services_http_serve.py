@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
-import threading
 
 import httpx
 import openai
@@ -15,9 +13,8 @@ import pytest
 
 from http_helpers import MODEL
 from http_helpers import chat_models  # noqa: F401 (a fixture)
-from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, free_port
+from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, Server, free_port
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
-from verifypd.server.launcher import child_env
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +24,8 @@ def serve(chat_models):
            "--served-model-name", MODEL, "--target", chat_models[0], "--draft", chat_models[1], "--device", "cpu",
            "--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT),
            "--k-initial", "3", "--no-adaptive"]
-    proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            lines.append(line)
-            if "OpenAI-compatible HTTP API on" in line:
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
+    server = Server(cmd, ready_line="OpenAI-compatible HTTP API on", echo=False)
+    proc, lines, ready = server.proc, server.lines, server.ready
     if not ready.wait(180):
         proc.kill()
         pytest.fail("server did not start:\n" + "".join(lines[-30:]))

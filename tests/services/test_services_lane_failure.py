@@ -11,22 +11,19 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, engine_options, free_port, greedy_request,
+from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, Server, engine_options, free_port, greedy_request,
                               offline_outputs, random_prompts, wait_until)
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec
-from verifypd.server.launcher import child_env
 from verifypd.v1 import generate_pb2
 
 MAX_TOKENS = 24
@@ -46,35 +43,6 @@ def pid_alive(pid: int) -> bool:
 
 def shm_pool_files() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("verifypd-")}
-
-
-class Server:
-    """A `verifypd serve` subprocess whose stderr is collected (lane pids, recovery log lines)."""
-
-    def __init__(self, cmd: list[str]):
-        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            sys.stderr.write(line)
-            if "verifypd: serving" in line:
-                self.ready.set()
-
-    def count(self, pattern: str) -> int:
-        return sum(1 for ln in list(self.lines) if re.search(pattern, ln))
-
-    def lane_pids(self) -> dict[str, int]:
-        """The current pid of each lane (the start lines, then the supervisor's restart lines)."""
-        pids: dict[str, int] = {}
-        for ln in list(self.lines):
-            m = re.search(r"verifypd: (\w+) lane pid=(\d+)", ln) or re.search(r"(\w+) lane restarted, pid (\d+)", ln)
-            if m:
-                pids[m.group(1)] = int(m.group(2))
-        return pids
 
 
 @pytest.fixture(scope="module")

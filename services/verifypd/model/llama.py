@@ -145,7 +145,7 @@ class PagedLlama:
                 logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Writes the new tokens' KV into `pool`; returns logits [len(logits_index), V] in the model's
         dtype (into `logits_out` when given: a CUDA graph's static output)."""
-        s, w = self.shape, self.weights
+        w = self.weights
         norm = self._add_rms_norm
         h, delta = w.embed[batch.input_ids], None
         mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
