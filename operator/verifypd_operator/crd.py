@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .spec import GROUP, KIND, PLURAL, VERSION
+from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 
 S = dict[str, Any]
 
@@ -44,12 +44,22 @@ def _str(default: str | None, desc: str, enum: list[str] | None = None, max_len:
     return out
 
 
-RESOURCES: S = {
-    "type": "object", "description": "cpu/memory requests and limits (core ResourceRequirements subset); "
-                                     "GPUs are set with `gpu`.",
-    "properties": {k: {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-                   for k in ("requests", "limits")},
+# A resource.Quantity exactly as the core API declares it (int-or-string with this pattern), so
+# `cpu: banana` is rejected when the CR is written, not when the operator creates the Deployment.
+QUANTITY: S = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)"
+               r"|(\.[0-9]+))))?$",
+    "x-kubernetes-int-or-string": True,
 }
+RESOURCES: S = {
+    "type": "object", "description": "cpu/memory requests and limits (core ResourceRequirements); "
+                                     "GPUs are set with `gpu`.",
+    "properties": {k: {"type": "object", "additionalProperties": QUANTITY} for k in ("requests", "limits")},
+}
+# Object names double as Service names (`<name>`, `<name>-gateway-pods`, ...): DNS-1035 labels of at
+# most 63 characters, so the CR name must be a DNS-1035 label short enough for the longest suffix.
+NAME_RE = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 
 def _replicas(desc: str, gpu: int = 1) -> S:
@@ -75,7 +85,9 @@ def spec_schema() -> S:
         gpuSharing=_str("devicePlugin", "how the lane containers share the pod's GPU", ["devicePlugin", "dra"]),
         draDeviceClass=_str("gpu.nvidia.com", "DeviceClass for gpuSharing=dra"),
     )
-    gateway = _replicas("the router/gateway (topology=split)", gpu=0)
+    gateway = _replicas("the router/gateway (topology=split; its resources apply to the colocated pods' "
+                        "gateway container too)", gpu=0)
+    gateway["properties"]["resources"] = {**RESOURCES, "default": GATEWAY_RESOURCES}
     return {
         "type": "object", "default": {},
         "properties": {
@@ -177,6 +189,20 @@ def status_schema() -> S:
     }
 
 
+def materialize_defaults(schema: S) -> S:
+    """Replace every object's `default: {}` by the object it stands for, nested defaults filled in.
+
+    The API server validates a default as written, CEL rules included, *without* applying the
+    nested defaults first: a rule like `self.kMin <= self.kMax` fails on `{}` ("no such key") and
+    the whole CRD is rejected. Spelled-out defaults pass, and mean the same thing.
+    """
+    props = {k: materialize_defaults(v) for k, v in schema.get("properties", {}).items()}
+    out = {**schema, "properties": props} if "properties" in schema else dict(schema)
+    if out.get("type") == "object" and out.get("default") == {}:
+        out["default"] = {k: v["default"] for k, v in props.items() if "default" in v}
+    return out
+
+
 def build_crd() -> S:
     cols = [
         ("Topology", "string", ".spec.topology"),
@@ -205,10 +231,13 @@ def build_crd() -> S:
                     "description": "A verifypd serving deployment run and autoscaled by the verifypd operator.",
                     "properties": {
                         "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-                        "spec": spec_schema(), "status": status_schema()},
-                    "x-kubernetes-validations": [{
-                        "rule": "self.metadata.name.size() <= 40",
-                        "message": "name must be at most 40 characters (it prefixes Service names)"}],
+                        "spec": materialize_defaults(spec_schema()), "status": status_schema()},
+                    "x-kubernetes-validations": [
+                        {"rule": "self.metadata.name.size() <= 40",
+                         "message": "name must be at most 40 characters (it prefixes Service names)"},
+                        {"rule": f"self.metadata.name.matches('{NAME_RE}')",
+                         "message": "name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+                                    "with a letter, ending with a letter or digit): it names Services"}],
                 }},
             }],
         },

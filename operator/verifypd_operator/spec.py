@@ -21,6 +21,10 @@ LANES = ("prefill", "draft", "verify")
 # The scaling unit of the colocated topology: one pod holding gateway + all three lanes.
 COLOCATED = "colocated"
 
+# The router tokenizes and detokenizes; without requests its container would be BestEffort (the
+# first evicted under node pressure). The CRD default and the parser's agree.
+GATEWAY_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}}
+
 GRPC_PORT = 50051
 # Lane ports inside a colocated pod (containers share the pod's network namespace).
 COLOCATED_LANE_PORTS = {"prefill": 50061, "draft": 50062, "verify": 50063}
@@ -81,7 +85,7 @@ class Spec:
     gpu_sharing: str = "devicePlugin"  # colocated only: "devicePlugin" | "dra"
     dra_device_class: str = "gpu.nvidia.com"
     kv_transport: str = "auto"
-    gateway: Replicas = Replicas(gpu=0)
+    gateway: Replicas = Replicas(gpu=0, resources=GATEWAY_RESOURCES)
     colocated: Replicas = Replicas()
     lanes: Mapping[str, Replicas] = dataclasses.field(
         default_factory=lambda: {lane: Replicas() for lane in LANES})
@@ -100,14 +104,15 @@ class Spec:
         return self.colocated if unit == COLOCATED else self.lanes[unit]
 
 
-def _replicas(d: Mapping[str, Any] | None, *, gpu: int = 1) -> Replicas:
+def _replicas(d: Mapping[str, Any] | None, *, gpu: int = 1,
+              resources: Mapping[str, Any] | None = None) -> Replicas:
     d = d or {}
     return Replicas(
         replicas=int(d.get("replicas", 1)),
         min=int(d.get("minReplicas", 1)),
         max=int(d.get("maxReplicas", 4)),
         gpu=int(d.get("gpu", gpu)),
-        resources=dict(d.get("resources") or {}),
+        resources=dict(d["resources"] if "resources" in d else resources or {}),
     )
 
 
@@ -133,7 +138,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
         gpu_sharing=colo.get("gpuSharing", d.gpu_sharing),
         dra_device_class=colo.get("draDeviceClass", d.dra_device_class),
         kv_transport=s.get("kvTransport", d.kv_transport),
-        gateway=_replicas(s.get("gateway"), gpu=0),
+        gateway=_replicas(s.get("gateway"), gpu=0, resources=GATEWAY_RESOURCES),
         colocated=_replicas(colo),
         lanes={lane: _replicas(lanes.get(lane)) for lane in LANES},
         speculation=Speculation(

@@ -134,3 +134,11 @@ def test_bad_specs_rejected(spec, message):
 def test_long_name_rejected():
     errs, _ = validate_cr(cr({}, name="x" * 41))
     assert any("at most 40" in e for e in errs)
+
+
+def test_object_defaults_are_spelled_out():
+    """The server validates a default's CEL rules without nested defaulting: `{}` would fail."""
+    spec = _schema()["properties"]["spec"]
+    assert spec["default"] == apply_defaults(spec, {})
+    assert spec["default"]["speculation"] == {"kInitial": 4, "kMin": 1, "kMax": 8, "adaptive": True}
+    assert cel_errors(spec, spec["default"]) == []
