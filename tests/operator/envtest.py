@@ -168,3 +168,39 @@ def start(assets: pathlib.Path, workdir: pathlib.Path, timeout_s: float = 120.0)
             raise RuntimeError(f"kube-apiserver did not become ready within {timeout_s}s:\n{tail}")
         time.sleep(0.5)
     return cluster
+
+
+# helm-sdkpy runs in a child process: its Go runtime reads the environment the *process* started
+# with, and one chart action per process keeps Go state from leaking between tests.
+HELM_CHILD = """
+import asyncio, json, sys, helm_sdkpy
+kubeconfig, action, release, namespace, chart, values = json.load(sys.stdin)
+cfg = helm_sdkpy.Configuration(namespace=namespace, kubeconfig=kubeconfig)
+try:
+    if action == "install":
+        rel = helm_sdkpy.Install(cfg).run(release, chart, values=values, create_namespace=True, wait=False,
+                                          timeout=60, disable_openapi_validation=False)
+    elif action == "upgrade":
+        rel = helm_sdkpy.Upgrade(cfg).run(release, chart, values=values, wait=False, timeout=60,
+                                          disable_openapi_validation=False)
+    else:
+        rel = helm_sdkpy.Uninstall(cfg).run(release, wait=False, timeout=60)
+    print(json.dumps(asyncio.run(rel)))
+except helm_sdkpy.HelmError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def helm(cluster: Cluster, action: str, release: str, namespace: str, chart: str = "",
+         values: dict | None = None) -> dict:
+    """A real Helm install/upgrade/uninstall through the Helm library; raises on Helm errors."""
+    import sys
+    payload = json.dumps([str(cluster.kubeconfig), action, release, namespace, chart, values or {}])
+    res = subprocess.run([sys.executable, "-c", HELM_CHILD], input=payload, capture_output=True, text=True,
+                         timeout=180)
+    if res.returncode != 0 or not res.stdout.strip():
+        raise RuntimeError(f"helm {action} crashed ({res.returncode}): {res.stderr[-2000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if "error" in out:
+        raise RuntimeError(f"helm {action} {release}: {out['error']}")
+    return out
