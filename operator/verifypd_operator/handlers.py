@@ -20,7 +20,7 @@ from . import status as st
 from .builders import build_all, deployment_name, gateway_pods_service_name
 from .control_client import ControlClient
 from .decision import Decision, clamp_knobs, decide
-from .kube import Kube
+from .kube import ApiError, ApiNotServed, Kube
 from .otlp_receiver import MetricsStore
 from .spec import COLOCATED, GROUP, GRPC_PORT, PLURAL, VERSION, parse_spec
 
@@ -70,6 +70,32 @@ def _readiness(ctx: OperatorContext, name: str, namespace: str, objs: list[Mappi
     return not waiting, bool(rolling), msg
 
 
+# Why an owned object could not be applied, for the Degraded condition and the Warning event.
+HINTS = {"ResourceClaimTemplate": "gpuSharing: dra needs resource.k8s.io/v1 (Kubernetes >= 1.34 with "
+                                  "DynamicResourceAllocation); use gpuSharing: devicePlugin on this cluster"}
+
+
+class ReconcileError(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def apply_all(ctx: OperatorContext, name: str, namespace: str, objs: list[Mapping[str, Any]]) -> list[str]:
+    """Apply every object, then prune; a failure names the object, the server's message and a hint."""
+    for obj in objs:
+        try:
+            ctx.kube.apply(obj)
+        except ApiError as e:
+            hint = HINTS.get(obj["kind"]) if isinstance(e, ApiNotServed) else None
+            raise ReconcileError(e.reason, f"cannot apply {obj['kind']} {obj['metadata']['name']}: {e}"
+                                 + (f" ({hint})" if hint else "")) from e
+    try:
+        return ctx.kube.prune(name, namespace, keep=objs)
+    except ApiError as e:
+        raise ReconcileError(e.reason, f"cannot prune: {e}") from e
+
+
 def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: float = 5.0) -> None:
     res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 
@@ -80,13 +106,18 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         spec_ = parse_spec(spec)
         replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff))
         objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint)
-        for obj in objs:
-            ctx.kube.apply(obj)
-        pruned = ctx.kube.prune(name, namespace, keep=objs)
-        ctx.store.register(namespace, name)
-
         now = ctx.clock()
         gen = meta.get("generation")
+        try:
+            pruned = apply_all(ctx, name, namespace, objs)
+        except ReconcileError as e:
+            # Visible where users look (status, events); kopf applies this status patch although
+            # the handler fails, and retries the handler after the delay.
+            patch.status["conditions"] = st.reconcile_failed((status or {}).get("conditions"), e.reason,
+                                                             str(e), now, gen)
+            kopf.event(body, type="Warning", reason=e.reason, message=str(e)[:1000])
+            raise kopf.TemporaryError(str(e), delay=60) from e
+        ctx.store.register(namespace, name)
         knobs = clamp_knobs(st.knobs_from_status((status or {}).get("applied")), spec_)
         ready, rolling, msg = _readiness(ctx, name, namespace, objs)
         conds = (status or {}).get("conditions")
@@ -94,7 +125,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         conds = st.set_condition(conds, "Progressing", True, "Reconciled",
                                  f"applied {len(objs)} objects" + (f", pruned {', '.join(pruned)}" if pruned else ""),
                                  now, gen)
-        if not any(c["type"] == "Degraded" for c in conds):
+        if st.reconcile_failure_pending(conds) or not any(c["type"] == "Degraded" for c in conds):
             conds = st.set_condition(conds, "Degraded", False, "AsExpected", "", now, gen)
         old_units = ((status or {}).get("autoscaler") or {}).get("replicas") or {}
         patch.status["observedGeneration"] = gen
@@ -173,6 +204,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
             if old and old.get("reason") == "SLOAtLimits" and not sync.errors:
                 degraded_msg = old.get("message", "")
         reason_d = "ControlUnreachable" if sync.errors else ("SLOAtLimits" if degraded_msg else "AsExpected")
-        conds = st.set_condition(conds, "Degraded", bool(degraded_msg), reason_d, degraded_msg, now, gen)
+        if not st.reconcile_failure_pending(conds):  # the reconcile handler's failure stands until it succeeds
+            conds = st.set_condition(conds, "Degraded", bool(degraded_msg), reason_d, degraded_msg, now, gen)
         if conds != status.get("conditions"):
             patch.status["conditions"] = conds

@@ -29,9 +29,30 @@ KINDS = {
 
 
 class ApiError(Exception):
+    reason = "APIError"
+
     def __init__(self, status: int, body: str):
-        super().__init__(f"HTTP {status}: {body[:300]}")
+        super().__init__(f"HTTP {status}: {_message(body)}")
         self.status = status
+
+
+class ApiNotServed(ApiError):
+    """The API server does not serve a kind we must create (e.g. resource.k8s.io/v1 on < 1.34)."""
+    reason = "APINotServed"
+
+    def __init__(self, api_version: str, kind: str):
+        Exception.__init__(self, f"{api_version} {kind} is not served by this API server")
+        self.status = 404
+        self.api_version, self.kind = api_version, kind
+
+
+def _message(body: str) -> str:
+    """A Status object's message (what kubectl shows), else the raw body, shortened."""
+    try:
+        msg = json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        msg = None
+    return (msg or body)[:600]
 
 
 def api_client_from_env() -> kubernetes.client.ApiClient:
@@ -85,7 +106,8 @@ class Kube:
         coll = self._collection(kind, meta["namespace"])
         if self.get(kind, meta["namespace"], meta["name"]) is None:
             created = self.request("POST", coll, obj, {"fieldManager": FIELD_MANAGER})
-            assert created is not None
+            if created is None:  # 404 on the collection itself: the API group/version is not served
+                raise ApiNotServed(obj["apiVersion"], kind)
             return created
         out = self.request("PATCH", f"{coll}/{meta['name']}", obj,
                            {"fieldManager": FIELD_MANAGER, "force": "true"},

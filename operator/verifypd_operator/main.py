@@ -6,13 +6,14 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import zlib
 
 import kopf
 
 from .control_client import ControlClient
 from .handlers import OperatorContext, register
-from .kube import Kube, api_client_from_env
+from .kube import ApiError, Kube, api_client_from_env
 from .otlp_receiver import MetricsStore, serve
 
 
@@ -24,8 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--otlp-port", type=int, default=int(env("VERIFYPD_OTLP_PORT", "4317")))
     p.add_argument("--otlp-endpoint", default=env("VERIFYPD_OTLP_ENDPOINT", "http://verifypd-operator-otlp:4317"),
                    help="OTEL_EXPORTER_OTLP_ENDPOINT given to the pods the operator runs")
-    p.add_argument("--peering-name", default=env("VERIFYPD_PEERING_NAME", "verifypd-operator"))
-    p.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    p.add_argument("--peering-name", default=env("VERIFYPD_PEERING_NAME", ""),
+                   help="run kopf peering through this (Cluster)KopfPeering, which must exist (the chart "
+                        "creates it with operator.replicas > 1); default: no peering (one replica)")
+    p.add_argument("--standalone", action="store_true", help="no peering, even with --peering-name")
     p.add_argument("--priority", type=int, default=None,
                    help="peering priority; default derived from POD_NAME so replicas differ")
     p.add_argument("--liveness", default=env("VERIFYPD_LIVENESS", "http://0.0.0.0:8080/healthz"))
@@ -40,15 +43,58 @@ def peering_priority(pod_name: str) -> int:
     return 100 + zlib.crc32(pod_name.encode()) % 10_000
 
 
+def peering_paths(name: str, namespaces: list[str]) -> list[str]:
+    """API paths of the peering objects kopf will use: one ClusterKopfPeering cluster-wide, else a
+    KopfPeering per watched namespace."""
+    if not namespaces:
+        return [f"/apis/kopf.dev/v1/clusterkopfpeerings/{name}"]
+    return [f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings/{name}" for ns in namespaces]
+
+
+def peering_problems(kube: Kube, name: str, namespaces: list[str]) -> list[str]:
+    """kopf waits silently (forever) for a peering object it cannot see: check first."""
+    out = []
+    for path in peering_paths(name, namespaces):
+        try:
+            if kube.request("GET", path) is None:
+                out.append(f"{path}: not found")
+        except ApiError as e:
+            out.append(f"{path}: {e}")
+    return out
+
+
+def register_login(registry: kopf.OperatorRegistry) -> None:
+    """A plain OperatorRegistry has no login handlers, so kopf would never authenticate. Log in the
+    way the Kube client does (the official client's config): in-cluster with the pod's service
+    account, else $KUBECONFIG / ~/.kube/config (exec plugins and client certs included)."""
+    @kopf.on.login(registry=registry)
+    def login(**kwargs):
+        return kopf.login_via_client(**kwargs)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     store = MetricsStore()
     server, port = serve(store, f"[::]:{args.otlp_port}")
-    logging.getLogger(__name__).info("OTLP receiver on :%d", port)
-    ctx = OperatorContext(kube=Kube(api_client_from_env()), store=store, control=ControlClient(),
-                          otlp_endpoint=args.otlp_endpoint)
+    log = logging.getLogger(__name__)
+    log.info("OTLP receiver on :%d", port)
+    kube = Kube(api_client_from_env())
+    ctx = OperatorContext(kube=kube, store=store, control=ControlClient(), otlp_endpoint=args.otlp_endpoint)
+    standalone = args.standalone or not args.peering_name
+    if not standalone:
+        problems = peering_problems(kube, args.peering_name, args.namespace)
+        if problems:
+            log.error("peering %r requested but unusable: %s. Create it and grant get/patch on it and "
+                      "list/watch on its kind (the chart does both with operator.replicas > 1), or run "
+                      "one replica with --standalone", args.peering_name, "; ".join(problems))
+            server.stop(grace=0)
+            sys.exit(2)
+        log.info("peering through %s (priority decides the active replica)", args.peering_name)
+    else:
+        log.info("standalone: no peering (run a single replica)")
     registry = kopf.OperatorRegistry()
+    register_login(registry)
     register(registry, ctx, tick_s=args.tick)
     priority = args.priority if args.priority is not None else peering_priority(
         os.environ.get("POD_NAME", os.uname().nodename))
@@ -56,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_):
         settings.peering.priority = priority
-        settings.peering.mandatory = not args.standalone
+        settings.peering.mandatory = not standalone
         settings.posting.level = logging.WARNING  # our own events are explicit
         settings.watching.server_timeout = 300
         # Progress in annotations only: status stays ours (and schema-pruned).
@@ -68,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             registry=registry,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
-            standalone=args.standalone,
-            peering_name=None if args.standalone else args.peering_name,
+            standalone=standalone,
+            peering_name=None if standalone else args.peering_name,
             liveness_endpoint=args.liveness,
         ))
     finally:

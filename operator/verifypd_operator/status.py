@@ -36,6 +36,25 @@ def set_condition(conditions: Sequence[Mapping[str, Any]] | None, type_: str, ok
     return sorted(out, key=lambda c: order.get(c["type"], 9))
 
 
+# Degraded reasons the reconcile handler owns: the timer leaves them alone (it would otherwise
+# flip Degraded back to False on its next tick while the objects still cannot be applied).
+RECONCILE_FAILED = "ReconcileFailed"
+API_NOT_SERVED = "APINotServed"
+RECONCILE_REASONS = (RECONCILE_FAILED, API_NOT_SERVED)
+
+
+def reconcile_failed(conditions: Sequence[Mapping[str, Any]] | None, reason: str, message: str, now: float,
+                     generation: int | None) -> list[dict[str, Any]]:
+    """Conditions after a failed reconcile: Degraded=True with the cause, Progressing=False."""
+    conds = set_condition(conditions, "Degraded", True, reason, message, now, generation)
+    return set_condition(conds, "Progressing", False, RECONCILE_FAILED, message, now, generation)
+
+
+def reconcile_failure_pending(conditions: Sequence[Mapping[str, Any]] | None) -> bool:
+    return any(c.get("type") == "Degraded" and c.get("status") == "True" and c.get("reason") in RECONCILE_REASONS
+               for c in conditions or [])
+
+
 def knobs_to_status(k: Knobs) -> dict[str, Any]:
     return {"kMin": k.k_min, "kMax": k.k_max, "kInitial": k.k_initial, "adaptive": k.adaptive,
             "priorities": {"draft": k.prio_draft, "verify": k.prio_verify, "prefill": k.prio_prefill},
