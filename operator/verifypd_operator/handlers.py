@@ -116,7 +116,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
             patch.status["conditions"] = st.reconcile_failed((status or {}).get("conditions"), e.reason,
                                                              str(e), now, gen)
             kopf.event(body, type="Warning", reason=e.reason, message=str(e)[:1000])
-            raise kopf.TemporaryError(str(e), delay=60) from e
+            raise kopf.TemporaryError(str(e), delay=15) from e
         ctx.store.register(namespace, name)
         knobs = clamp_knobs(st.knobs_from_status((status or {}).get("applied")), spec_)
         ready, rolling, msg = _readiness(ctx, name, namespace, objs)
@@ -164,9 +164,16 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
                 replicas[s.unit] = s.to_replicas
             knobs = decision.knobs or knobs
             patch.status["observed"] = st.observed_to_status(observed, spec_.autoscaling.window_s, now)
-            patch.status["autoscaler"] = st.autoscaler_status(spec_, before, decision, observed, replicas, now)
-            patch.status["replicas"] = st.lane_replicas(spec_, replicas)
-            patch.status["replicasText"] = st.replicas_text(spec_, replicas)
+            auto = st.autoscaler_status(spec_, before, decision, observed, replicas, now)
+            if decision.scales:
+                patch.status["replicas"] = st.lane_replicas(spec_, replicas)
+                patch.status["replicasText"] = st.replicas_text(spec_, replicas)
+            else:
+                # The timer's body can predate a reconcile that just reset replicas from an edited
+                # spec: writing its stale copy back would undo that. Replicas are written only
+                # with a scale the timer itself made.
+                del auto["replicas"]
+            patch.status["autoscaler"] = auto
             patch.status["applied"] = st.knobs_to_status(knobs)
             if decision.changes_something:
                 patch.status["lastDecision"] = st.decision_to_status(decision, now)

@@ -205,6 +205,8 @@ def test_peering_two_replicas_one_active(envtest, release, admin, namespace, tmp
         peers = wait_for(lambda: len((admin.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/e2e-verifypd")
                                       .get("status") or {})) == 2 and True, "two peers in the peering", ops)
         assert peers
+        # The lower-priority replica freezes once it has seen the other: only then is "one active" true.
+        wait_for(lambda: sum("Pausing operations in favour of" in o.text() for o in ops) == 1, "one replica paused", ops)
         envtest.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         wait_for(lambda: admin.get("Deployment", namespace, "smollm2-colocated"), "reconciled by a peer", ops)
         active = [o for o in ops if "reconciled " in o.text()]
