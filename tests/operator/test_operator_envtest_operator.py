@@ -203,8 +203,10 @@ def test_peering_two_replicas_one_active(envtest, release, admin, namespace, tmp
     for cfg, problem in [(envtest.kubeconfig, "not found"), (kubeconfig, "forbidden")]:
         bad = Operator([a for a in args if not a.startswith("--peering-name")] + ["--peering-name=nope"], cfg,
                        tmp_path / "bad.log", "x")
-        bad.proc.wait(timeout=TIMEOUT)
-        bad.stop()
+        try:
+            bad.proc.wait(timeout=TIMEOUT)
+        finally:
+            bad.stop()  # never leave an operator running, also when it hangs (the defect)
         assert bad.proc.returncode == 2, bad.text()[-2000:]
         assert "clusterkopfpeerings/nope" in bad.text() and problem in bad.text(), bad.text()[-2000:]
     ops = [Operator(args, kubeconfig, tmp_path / f"op{i}.log", f"e2e-verifypd-{i}") for i in range(2)]
