@@ -7,12 +7,13 @@ deleted (e.g. the lane Deployments after a switch to the colocated topology).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from typing import Any
 
 from verifypd.metric_names import RES_CONFIG_NAME, RES_CONFIG_NAMESPACE, RES_POD_NAME
 
-from .spec import API_VERSION, COLOCATED, COLOCATED_LANE_PORTS, GRPC_PORT, KIND, LANES, Spec
+from .spec import API_VERSION, COLOCATED, COLOCATED_LANE_PORTS, GRPC_PORT, HTTP_PORT, KIND, LANES, Spec
 
 MANAGED_BY = "verifypd-operator"
 CONFIG_LABEL = "verifypd.dev/config"
@@ -22,6 +23,13 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_HANDOFF_DIR = "/run/verifypd/gpu"
 GPU_HANDOFF_FILE = f"{GPU_HANDOFF_DIR}/visible-devices"
 MODEL_DIR = "/models"
+# The lanes' shared secret (issue 10): a Secret per config, mounted as a file into every pod that
+# runs a lane or the gateway; lanes get `--secret-file`, the gateway `--lane-secret-file`.
+LANE_SECRET_KEY = "lane-secret"
+LANE_SECRET_DIR = "/var/run/verifypd/lane-secret"
+LANE_SECRET_FILE = f"{LANE_SECRET_DIR}/{LANE_SECRET_KEY}"
+PROMETHEUS_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                          "prometheus.io/path": "/metrics"}
 
 Manifest = dict[str, Any]
 
@@ -61,6 +69,14 @@ def lane_service_name(name: str, lane: str) -> str:
     return f"{name}-{lane}"
 
 
+def lane_secret_name(name: str) -> str:
+    return f"{name}-lane-secret"
+
+
+def network_policy_name(name: str) -> str:
+    return f"{name}-lanes"
+
+
 def _meta(name: str, namespace: str, component: str, owner: Mapping[str, Any]) -> dict[str, Any]:
     return {"name": name, "namespace": namespace, "labels": labels(owner["metadata"]["name"], component),
             "ownerReferences": [owner_reference(owner)]}
@@ -83,12 +99,16 @@ def otel_env(config: str, namespace: str, otlp_endpoint: str, service: str) -> l
     ]
 
 
-def _probes(port: int) -> dict[str, Any]:
+def _probes(port: int, http: bool = False) -> dict[str, Any]:
+    """gRPC health everywhere; the gateway's readiness is HTTP `GET /health` (503 while draining or
+    while a lane is down, so the Service stops sending it requests). Liveness stays on gRPC health:
+    a gateway waiting for a lane to come back must not be restarted for it."""
     grpc = {"grpc": {"port": port}}
+    ready = {"httpGet": {"path": "/health", "port": "http"}} if http else grpc
     return {
         # Model loading can take minutes: the startup probe holds liveness off until then.
         "startupProbe": {**grpc, "periodSeconds": 5, "failureThreshold": 120},
-        "readinessProbe": {**grpc, "periodSeconds": 5},
+        "readinessProbe": {**ready, "periodSeconds": 5},
         "livenessProbe": {**grpc, "periodSeconds": 10, "failureThreshold": 6},
     }
 
@@ -105,10 +125,13 @@ def _model_args(spec: Spec) -> list[str]:
     return ["--target", spec.target, "--draft", spec.draft]
 
 
-def _volumes(spec: Spec, extra: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts): /dev/shm in RAM (shared-memory tensors) plus the optional model PVC."""
-    vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}] + extra
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+def _volumes(spec: Spec, extra: list[dict[str, Any]], config: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): /dev/shm in RAM (shared-memory tensors), the lane secret, and the
+    optional model PVC."""
+    vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "lane-secret", "secret": {"secretName": lane_secret_name(config)}}] + extra
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "lane-secret", "mountPath": LANE_SECRET_DIR, "readOnly": True}]
     if spec.model_pvc:
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": spec.model_pvc,
                                                                   "readOnly": True}})
@@ -117,25 +140,37 @@ def _volumes(spec: Spec, extra: list[dict[str, Any]]) -> tuple[list[dict[str, An
 
 
 def _container(spec: Spec, cname: str, args: list[str], port: int, env: list[dict[str, Any]],
-               resources: dict[str, Any], mounts: list[dict[str, Any]]) -> dict[str, Any]:
+               resources: dict[str, Any], mounts: list[dict[str, Any]], http: bool = False) -> dict[str, Any]:
     # Servers bind 127.0.0.1 unless told otherwise; in a pod they must listen on the pod IP for the
-    # Service and the kubelet's gRPC probes.
+    # Service and the kubelet's probes.
     env = [{"name": "VERIFYPD_HOST", "value": "0.0.0.0"}] + env
+    ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+    if http:
+        ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
     return {"name": cname, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
-            "args": args, "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
-            "env": env, "resources": resources, "volumeMounts": mounts, **_probes(port)}
+            "args": args, "ports": ports, "env": env, "resources": resources, "volumeMounts": mounts,
+            **_probes(port, http)}
+
+
+def _gateway_args(spec: Spec, topology: str, addrs: list[str]) -> list[str]:
+    return ["serve", "--port", str(GRPC_PORT), "--http-port", str(HTTP_PORT), "--topology", topology,
+            *_model_args(spec), *addrs, "--kv-transport", spec.kv_transport,
+            "--lane-secret-file", LANE_SECRET_FILE]
 
 
 def _deployment(name: str, namespace: str, component: str, owner: Mapping[str, Any], replicas: int,
-                pod_spec: dict[str, Any]) -> Manifest:
+                pod_spec: dict[str, Any], annotations: Mapping[str, str] | None = None) -> Manifest:
     config = owner["metadata"]["name"]
+    pod_meta: dict[str, Any] = {"labels": labels(config, component)}
+    if annotations:
+        pod_meta["annotations"] = dict(annotations)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(name, namespace, component, owner),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector(config, component)},
-            "template": {"metadata": {"labels": labels(config, component)}, "spec": pod_spec},
+            "template": {"metadata": pod_meta, "spec": pod_spec},
         },
     }
 
@@ -146,21 +181,20 @@ def build_gateway_deployment(spec: Spec, owner: Mapping[str, Any], namespace: st
     config = owner["metadata"]["name"]
     addrs = [arg for lane in LANES for arg in
              (f"--{lane}-addr", f"{lane_service_name(config, lane)}.{namespace}.svc:{GRPC_PORT}")]
-    args = ["serve", "--port", str(GRPC_PORT), "--topology", "split", *_model_args(spec), *addrs,
-            "--kv-transport", spec.kv_transport]
-    vols, mounts = _volumes(spec, [])
-    c = _container(spec, "gateway", args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
-                   _resources(spec.gateway.resources, 0), mounts)
+    vols, mounts = _volumes(spec, [], config)
+    c = _container(spec, "gateway", _gateway_args(spec, "split", addrs), GRPC_PORT,
+                   otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
+                   _resources(spec.gateway.resources, 0), mounts, http=True)
     return _deployment(deployment_name(config, "gateway"), namespace, "gateway", owner,
-                       spec.gateway.replicas, {"containers": [c], "volumes": vols})
+                       spec.gateway.replicas, {"containers": [c], "volumes": vols}, _scrape(spec))
 
 
 def build_lane_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, lane: str,
                           replicas: int, otlp_endpoint: str) -> Manifest:
     config = owner["metadata"]["name"]
     b = spec.lanes[lane]
-    args = ["lane", lane, "--port", str(GRPC_PORT), *_model_args(spec)]
-    vols, mounts = _volumes(spec, [])
+    args = ["lane", lane, "--port", str(GRPC_PORT), *_model_args(spec), "--secret-file", LANE_SECRET_FILE]
+    vols, mounts = _volumes(spec, [], config)
     c = _container(spec, lane, args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}"),
                    _resources(b.resources, b.gpu), mounts)
     return _deployment(deployment_name(config, lane), namespace, lane, owner, replicas,
@@ -190,13 +224,14 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
     config = owner["metadata"]["name"]
     dra = spec.gpu_sharing == "dra"
     handoff = [] if dra else [{"name": "gpu-handoff", "emptyDir": {"medium": "Memory"}}]
-    vols, mounts = _volumes(spec, handoff)
+    vols, mounts = _volumes(spec, handoff, config)
     lane_mounts = mounts + ([] if dra else [{"name": "gpu-handoff", "mountPath": GPU_HANDOFF_DIR}])
     b = spec.colocated
     containers = []
     for lane in LANES:
         port = COLOCATED_LANE_PORTS[lane]
-        lane_cmd = ["verifypd", "lane", lane, "--port", str(port), *_model_args(spec)]
+        lane_cmd = ["verifypd", "lane", lane, "--port", str(port), *_model_args(spec),
+                    "--secret-file", LANE_SECRET_FILE]
         env = otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}")
         if dra:
             resources = _resources(b.resources, 0)
@@ -219,24 +254,24 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
             c.update(command=["sh", "-c", script, "verifypd"], args=lane_cmd)
         containers.append(c)
     addrs = [arg for lane in LANES for arg in (f"--{lane}-addr", f"localhost:{COLOCATED_LANE_PORTS[lane]}")]
-    gw_args = ["serve", "--port", str(GRPC_PORT), "--topology", "colocated", *_model_args(spec), *addrs,
-               "--kv-transport", spec.kv_transport]
-    containers.insert(0, _container(spec, "gateway", gw_args, GRPC_PORT,
+    containers.insert(0, _container(spec, "gateway", _gateway_args(spec, "colocated", addrs), GRPC_PORT,
                                     otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
-                                    _resources(spec.gateway.resources, 0), mounts))
+                                    _resources(spec.gateway.resources, 0), mounts, http=True))
     pod: dict[str, Any] = {"shareProcessNamespace": True, "containers": containers, "volumes": vols}
     if dra:
         pod["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": f"{config}-gpu"}]
-    return _deployment(deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod)
+    return _deployment(deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod,
+                       _scrape(spec))
 
 
-def _service(name: str, namespace: str, component: str, owner: Mapping[str, Any], headless: bool) -> Manifest:
+def _service(name: str, namespace: str, component: str, owner: Mapping[str, Any], headless: bool,
+             http: bool = False) -> Manifest:
     config = owner["metadata"]["name"]
-    spec: dict[str, Any] = {
-        "selector": selector(config, component),
-        "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
-                   "appProtocol": "grpc"}],
-    }
+    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
+    if http:
+        ports.append({"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP",
+                      "appProtocol": "http"})
+    spec: dict[str, Any] = {"selector": selector(config, component), "ports": ports}
     if headless:
         spec.update(clusterIP="None", publishNotReadyAddresses=False)
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, component, owner),
@@ -251,17 +286,70 @@ def build_services(spec: Spec, owner: Mapping[str, Any], namespace: str) -> list
     """
     config = owner["metadata"]["name"]
     gw = COLOCATED if spec.topology == COLOCATED else "gateway"
-    out = [_service(config, namespace, gw, owner, headless=False),
-           _service(gateway_pods_service_name(config), namespace, gw, owner, headless=True)]
+    out = [_service(config, namespace, gw, owner, headless=False, http=True),
+           _service(gateway_pods_service_name(config), namespace, gw, owner, headless=True, http=True)]
     if spec.topology != COLOCATED:
         out += [_service(lane_service_name(config, lane), namespace, lane, owner, headless=True)
                 for lane in LANES]
     return out
 
 
+def _scrape(spec: Spec) -> dict[str, str] | None:
+    return PROMETHEUS_ANNOTATIONS if spec.prometheus_scrape else None
+
+
+def build_lane_secret(owner: Mapping[str, Any], namespace: str, token: str) -> Manifest:
+    """The lanes' shared secret. `token` is generated once by the caller and read back from the
+    live Secret on every later reconcile: rotating it would cut running gateways off their lanes."""
+    config = owner["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(lane_secret_name(config), namespace, "lane-secret", owner),
+            "data": {LANE_SECRET_KEY: base64.b64encode(token.encode()).decode()}}
+
+
+def read_lane_secret(secret: Mapping[str, Any] | None) -> str | None:
+    """The token of a live lane Secret (as built by `build_lane_secret`); None when absent or empty."""
+    data = ((secret or {}).get("data") or {}).get(LANE_SECRET_KEY)
+    if not data:
+        return None
+    token = base64.b64decode(data).decode(errors="replace").strip()
+    return token or None
+
+
+def build_network_policy(spec: Spec, owner: Mapping[str, Any], namespace: str) -> Manifest:
+    """Only the gateway may talk to the lanes (issue 10).
+
+    split: lane pods accept ingress on the gRPC port only from this config's gateway pods and from
+    its other lane pods (KV copy: the prefill lane pushes KV to the verify/draft owners).
+    colocated: lanes listen on localhost ports inside the pod (not subject to NetworkPolicy);
+    from outside the pod only the gateway's gRPC and HTTP ports are open.
+    The kubelet's probes come from the node, which NetworkPolicy always allows.
+    """
+    config = owner["metadata"]["name"]
+    if spec.topology == COLOCATED:
+        pods = {"matchLabels": selector(config, COLOCATED)}
+        ingress = [{"ports": [{"protocol": "TCP", "port": GRPC_PORT}, {"protocol": "TCP", "port": HTTP_PORT}]}]
+    else:
+        def comp(*components: str) -> dict[str, Any]:
+            return {"matchLabels": {CONFIG_LABEL: config, "app.kubernetes.io/instance": config},
+                    "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                          "values": list(components)}]}
+        pods = comp(*LANES)
+        ingress = [{"from": [{"podSelector": comp("gateway", *LANES)}],
+                    "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(network_policy_name(config), namespace, "lanes", owner),
+            "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
 def build_all(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: Mapping[str, int],
-              otlp_endpoint: str) -> list[Manifest]:
-    """Everything one config owns. `replicas`: unit -> replicas (the autoscaler's current value)."""
+              otlp_endpoint: str, lane_secret: str | None = None) -> list[Manifest]:
+    """Everything one config owns. `replicas`: unit -> replicas (the autoscaler's current value).
+
+    `lane_secret`: the lanes' shared token; the reconcile passes it (read from the live Secret, or
+    new). None leaves the Secret out: only for callers that merely read the Deployments back (the
+    autoscale timer), never for one that prunes.
+    """
     def r(unit: str) -> int:
         return replicas.get(unit, spec.bounds(unit).replicas)
 
@@ -272,4 +360,8 @@ def build_all(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: Ma
     else:
         objs = [build_gateway_deployment(spec, owner, namespace, otlp_endpoint)]
         objs += [build_lane_deployment(spec, owner, namespace, lane, r(lane), otlp_endpoint) for lane in LANES]
-    return objs + build_services(spec, owner, namespace)
+    objs += build_services(spec, owner, namespace)
+    objs.append(build_network_policy(spec, owner, namespace))
+    if lane_secret is not None:
+        objs.append(build_lane_secret(owner, namespace, lane_secret))
+    return objs

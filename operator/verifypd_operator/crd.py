@@ -145,6 +145,11 @@ def spec_schema() -> S:
                 "headroomRatio": _num(0.7, "headroom = every p95 below this fraction of its SLO", 0.05, 0.99),
                 "minSamples": _int(20, 0, 1_000_000, "observations needed in the window to act"),
             }},
+            "metrics": {"type": "object", "default": {}, "properties": {
+                "prometheusScrape": {"type": "boolean", "default": False,
+                                     "description": "annotate gateway pods prometheus.io/scrape, port 8000, "
+                                                    "path /metrics"},
+            }},
         },
         "x-kubernetes-validations": [
             {"rule": "self.prefillTokenBudget <= self.prefillTokenBudgetMax",

@@ -10,6 +10,7 @@ gRPC clients off the event loop.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import kopf
 
 from . import status as st
-from .builders import build_all, deployment_name, gateway_pods_service_name
+from .builders import build_all, deployment_name, gateway_pods_service_name, lane_secret_name, read_lane_secret
 from .control_client import ControlClient
 from .decision import Decision, clamp_knobs, decide
 from .kube import ApiError, ApiNotServed, Kube
@@ -51,6 +52,12 @@ def _reset_units(diff: Any) -> list[str]:
         elif path[:2] in (("spec", "lanes"), ("spec", "colocated"), ("spec",)) and len(path) <= 2:
             out += ["prefill", "draft", "verify", COLOCATED]  # the whole block was (re)set
     return out
+
+
+def lane_secret_token(kube: Kube, name: str, namespace: str) -> str:
+    """The live lane Secret's token, or a new one when there is none yet (generated once, then kept:
+    a new token on every reconcile would cut running gateways off their lanes)."""
+    return read_lane_secret(kube.get("Secret", namespace, lane_secret_name(name))) or secrets.token_hex(32)
 
 
 def _readiness(ctx: OperatorContext, name: str, namespace: str, objs: list[Mapping[str, Any]]):
@@ -105,10 +112,14 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
     def reconcile(body, spec, name, namespace, meta, status, diff, patch, logger, **_):
         spec_ = parse_spec(spec)
         replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff))
-        objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint)
         now = ctx.clock()
         gen = meta.get("generation")
         try:
+            try:
+                token = lane_secret_token(ctx.kube, name, namespace)
+            except ApiError as e:
+                raise ReconcileError(e.reason, f"cannot read Secret {lane_secret_name(name)}: {e}") from e
+            objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token)
             pruned = apply_all(ctx, name, namespace, objs)
         except ReconcileError as e:
             # Visible where users look (status, events); kopf applies this status patch although

@@ -26,6 +26,8 @@ COLOCATED = "colocated"
 GATEWAY_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}}
 
 GRPC_PORT = 50051
+# The gateway's OpenAI-compatible HTTP API, /health and /metrics (`verifypd serve --http-port`).
+HTTP_PORT = 8000
 # Lane ports inside a colocated pod (containers share the pod's network namespace).
 COLOCATED_LANE_PORTS = {"prefill": 50061, "draft": 50062, "verify": 50063}
 
@@ -95,6 +97,7 @@ class Spec:
     prefill_token_budget_max: int = 4096
     slo: Slo = Slo()
     autoscaling: Autoscaling = Autoscaling()
+    prometheus_scrape: bool = False  # annotate gateway pods for Prometheus scraping of /metrics
 
     def units(self) -> tuple[str, ...]:
         """The independently scaled Deployments' unit names for this topology."""
@@ -127,6 +130,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
     auto = s.get("autoscaling") or {}
     lanes = s.get("lanes") or {}
     colo = s.get("colocated") or {}
+    metrics = s.get("metrics") or {}
     d = Spec()
     return Spec(
         target=model.get("target", d.target),
@@ -171,4 +175,5 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
             headroom_ratio=float(auto.get("headroomRatio", d.autoscaling.headroom_ratio)),
             min_samples=int(auto.get("minSamples", d.autoscaling.min_samples)),
         ),
+        prometheus_scrape=bool(metrics.get("prometheusScrape", d.prometheus_scrape)),
     )

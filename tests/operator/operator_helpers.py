@@ -31,6 +31,7 @@ GROUPED = {
     "kopf.dev/v1": [("kopfpeerings", "KopfPeering", True), ("clusterkopfpeerings", "ClusterKopfPeering", False)],
     "verifypd.dev/v1alpha1": [("verifypdconfigs", "VerifyPDConfig", True)],
     "resource.k8s.io/v1": [("resourceclaimtemplates", "ResourceClaimTemplate", True)],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True)],
 }
 VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
 

@@ -7,7 +7,10 @@ import kubernetes_validate
 import pytest
 from operator_helpers import K8S_VERSION
 
-from verifypd_operator.builders import build_all, otel_env
+import base64
+
+from verifypd_operator.builders import (LANE_SECRET_FILE, PROMETHEUS_ANNOTATIONS, build_all, otel_env,
+                                        read_lane_secret)
 from verifypd_operator.spec import parse_spec
 
 VARIANTS = {
@@ -22,7 +25,9 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_manifests_validate(variant, owner):
-    objs = build_all(parse_spec(VARIANTS[variant]), owner, "default", {}, "http://otlp:4317")
+    objs = build_all(parse_spec(VARIANTS[variant]), owner, "default", {}, "http://otlp:4317",
+                     lane_secret="s" * 64)
+    assert {"Secret", "NetworkPolicy"} <= {o["kind"] for o in objs}
     for o in objs:
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
         refs = o["metadata"]["ownerReferences"]
@@ -53,13 +58,18 @@ def test_colocated_pod_shares_one_gpu_and_namespaces(owner):
     gpu = {c["name"]: c["resources"].get("limits", {}).get("nvidia.com/gpu") for c in pod["containers"]}
     assert gpu == {"gateway": None, "prefill": None, "draft": None, "verify": 1}  # one allocation
     for c in pod["containers"]:
-        assert c["readinessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"]
+        ready = c["readinessProbe"]
+        if c["name"] == "gateway":
+            assert ready["httpGet"] == {"path": "/health", "port": "http"}
+        else:
+            assert ready["grpc"]["port"] == c["ports"][0]["containerPort"]
+        assert c["livenessProbe"]["grpc"]["port"] == c["ports"][0]["containerPort"]
         if c["name"] in ("prefill", "draft"):
             env = {e["name"]: e.get("value") for e in c["env"]}
             assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
             assert "CUDA_VISIBLE_DEVICES" in c["command"][2]
     gw = pod["containers"][0]["args"]
-    assert gw[:5] == ["serve", "--port", "50051", "--topology", "colocated"]
+    assert gw[:7] == ["serve", "--port", "50051", "--http-port", "8000", "--topology", "colocated"]
     assert "localhost:50063" in gw
     assert {s["metadata"]["name"] for s in objs if s["kind"] == "Service"} == {"demo", "demo-gateway-pods"}
 
@@ -104,3 +114,101 @@ def test_every_container_listens_on_the_pod_ip(owner):
                 continue
             for c in manifest["spec"]["template"]["spec"]["containers"]:
                 assert {"name": "VERIFYPD_HOST", "value": "0.0.0.0"} in c["env"], (topology, c["name"])
+
+
+def _containers(objs):
+    return [(d["metadata"]["name"], c) for d in _deps(objs).values() for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+def test_gateway_serves_http_on_its_service_with_health_readiness(owner, topology):
+    objs = build_all(parse_spec({"topology": topology}), owner, "ns1", {}, "x")
+    gateways = [c for _, c in _containers(objs) if c["name"] == "gateway"]
+    assert len(gateways) == 1
+    gw = gateways[0]
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gw["ports"]
+    assert gw["args"][gw["args"].index("--http-port") + 1] == "8000"
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    for _, c in _containers(objs):  # lanes serve no HTTP
+        if c["name"] != "gateway":
+            assert [p["name"] for p in c["ports"]] == ["grpc"] and "grpc" in c["readinessProbe"]
+    svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    for name in ("demo", "demo-gateway-pods"):
+        ports = {p["name"]: p for p in svcs[name]["spec"]["ports"]}
+        assert ports["http"]["port"] == 8000 and ports["http"]["targetPort"] == "http"
+        assert ports["grpc"]["port"] == 50051
+
+
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+def test_prometheus_annotations_only_when_turned_on(owner, topology):
+    def annotations(spec):
+        deps = _deps(build_all(parse_spec({"topology": topology, **spec}), owner, "ns1", {}, "x"))
+        return {n: d["spec"]["template"]["metadata"].get("annotations") for n, d in deps.items()}
+
+    assert all(a is None for a in annotations({}).values())
+    assert all(a is None for a in annotations({"metrics": {"prometheusScrape": False}}).values())
+    on = annotations({"metrics": {"prometheusScrape": True}})
+    gw = "demo-colocated" if topology == "colocated" else "demo-gateway"
+    assert on.pop(gw) == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                          "prometheus.io/path": "/metrics"} == PROMETHEUS_ANNOTATIONS
+    assert all(a is None for a in on.values())  # lanes have no /metrics endpoint
+
+
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+def test_lane_secret_is_owned_and_mounted_into_every_lane_and_gateway(owner, topology):
+    token = "0123456789abcdef" * 4
+    objs = build_all(parse_spec({"topology": topology}), owner, "ns1", {}, "x", lane_secret=token)
+    secrets = [o for o in objs if o["kind"] == "Secret"]
+    assert len(secrets) == 1 and secrets[0]["metadata"]["name"] == "demo-lane-secret"
+    assert secrets[0]["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
+    assert base64.b64decode(secrets[0]["data"]["lane-secret"]).decode() == token
+    assert read_lane_secret(secrets[0]) == token  # what the next reconcile reads back and keeps
+    for dep in _deps(objs).values():
+        pod = dep["spec"]["template"]["spec"]
+        assert {"name": "lane-secret", "secret": {"secretName": "demo-lane-secret"}} in pod["volumes"]
+        for c in pod["containers"]:
+            mounts = {m["name"]: m for m in c["volumeMounts"]}
+            assert mounts["lane-secret"]["mountPath"] + "/lane-secret" == LANE_SECRET_FILE
+            args = c["args"]
+            flag = "--lane-secret-file" if c["name"] == "gateway" else "--secret-file"
+            assert args[args.index(flag) + 1] == LANE_SECRET_FILE, (dep["metadata"]["name"], c["name"])
+            assert "--allow-unauthenticated" not in args
+
+
+def test_read_lane_secret_absent_or_empty():
+    assert read_lane_secret(None) is None
+    assert read_lane_secret({"data": {}}) is None
+    assert read_lane_secret({"data": {"lane-secret": ""}}) is None
+
+
+def test_split_network_policy_admits_only_gateway_and_lanes_on_the_grpc_port(owner):
+    objs = build_all(parse_spec({"topology": "split"}), owner, "ns1", {}, "x")
+    [np] = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert np["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
+    spec = np["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+
+    def selects(sel, labels):
+        if any(labels.get(k) != v for k, v in sel.get("matchLabels", {}).items()):
+            return False
+        return all(labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", []))
+
+    pod_labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in _deps(objs).values()}
+    other = {**pod_labels["demo-gateway"], "verifypd.dev/config": "other", "app.kubernetes.io/instance": "other"}
+    assert {n for n, lab in pod_labels.items() if selects(spec["podSelector"], lab)} == \
+        {"demo-prefill", "demo-draft", "demo-verify"}
+    [rule] = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 50051}]
+    [peer] = rule["from"]
+    assert set(peer) == {"podSelector"}  # same namespace only
+    admitted = {n for n, lab in pod_labels.items() if selects(peer["podSelector"], lab)}
+    assert admitted == {"demo-gateway", "demo-prefill", "demo-draft", "demo-verify"}  # lanes push KV (copy)
+    assert not selects(peer["podSelector"], other)  # another config's gateway is refused
+
+
+def test_colocated_network_policy_opens_only_the_gateway_ports(owner):
+    objs = build_all(parse_spec({}), owner, "ns1", {}, "x")
+    [np] = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "colocated"
+    [rule] = np["spec"]["ingress"]
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 50051]  # lane ports 5006x stay pod-local

@@ -48,9 +48,10 @@ def test_install_upgrade_uninstall_cluster_wide(fresh_crds):
     sa = "system:serviceaccount:verifypd:vpd-verifypd"
     for verb, res in [("watch", "verifypdconfigs.verifypd.dev"), ("patch", "verifypdconfigs.verifypd.dev/status"),
                       ("create", "deployments.apps"), ("delete", "services"), ("create", "events"),
+                      ("create", "secrets"), ("patch", "secrets"), ("create", "networkpolicies.networking.k8s.io"),
                       ("list", "customresourcedefinitions.apiextensions.k8s.io")]:
         assert can_i(k, sa, verb, res), (verb, res)
-    for verb, res in [("get", "secrets"), ("create", "pods"), ("delete", "namespaces"),
+    for verb, res in [("watch", "secrets"), ("update", "secrets"), ("get", "configmaps"), ("create", "pods"), ("delete", "namespaces"),
                       ("update", "customresourcedefinitions.apiextensions.k8s.io"), ("create", "verifypdconfigs.verifypd.dev"),
                       ("list", "clusterkopfpeerings.kopf.dev")]:
         assert not can_i(k, sa, verb, res), (verb, res)

@@ -52,6 +52,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaimtemplates]
   verbs: [get, list, create, patch, delete]
+# The lanes' shared secret and the NetworkPolicy that keeps lane ports to the gateway, per config.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create]
