@@ -119,7 +119,15 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         ref = dep["metadata"]["ownerReferences"][0]
         assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "VerifyPDConfig", True)
         for svc in ("smollm2", "smollm2-gateway-pods"):
-            assert admin.get("Service", namespace, svc)["metadata"]["ownerReferences"][0]["uid"] == uid
+            live_svc = admin.get("Service", namespace, svc)
+            assert live_svc["metadata"]["ownerReferences"][0]["uid"] == uid
+            assert {"name": "http", "port": 8000} in [{k: p[k] for k in ("name", "port")}
+                                                       for p in live_svc["spec"]["ports"]], live_svc["spec"]
+        secret = wait_for(lambda: admin.get("Secret", namespace, "smollm2-lane-secret"), "lane Secret", ops)
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+        token = secret["data"]["lane-secret"]
+        policy = wait_for(lambda: admin.get("NetworkPolicy", namespace, "smollm2-lanes"), "NetworkPolicy", ops)
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == uid
         cr = wait_for(lambda: (c := admin.request("GET", cr_path(namespace, "smollm2")))
                       and condition(c, "Progressing").get("reason") == "Reconciled" and c, "status", ops)
         assert condition(cr, "Ready")["status"] == "False"  # no pods run on envtest
@@ -144,6 +152,12 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
             wait_for(lambda: admin.get("Deployment", namespace, f"smollm2-{lane}"), f"{lane} Deployment", ops)
         wait_for(lambda: admin.get("Deployment", namespace, "smollm2-colocated") is None, "colocated pruned", ops)
         assert admin.get("Service", namespace, "smollm2-verify")["spec"]["clusterIP"] == "None"
+        lanes = wait_for(lambda: (p := admin.get("NetworkPolicy", namespace, "smollm2-lanes"))
+                         and p["spec"]["podSelector"].get("matchExpressions") and p, "split NetworkPolicy", ops)
+        assert lanes["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 50051}]
+        assert lanes["metadata"]["ownerReferences"][0]["uid"] == uid
+        # Reconciled several times since: the token was kept, not rotated.
+        assert admin.get("Secret", namespace, "smollm2-lane-secret")["data"]["lane-secret"] == token
         gw = admin.get("Deployment", namespace, "smollm2-gateway")["spec"]["template"]["spec"]["containers"][0]
         assert gw["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
         merge_patch(admin, namespace, "smollm2", {"topology": "colocated"})
