@@ -212,3 +212,19 @@ def test_colocated_network_policy_opens_only_the_gateway_ports(owner):
     assert np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "colocated"
     [rule] = np["spec"]["ingress"]
     assert sorted(p["port"] for p in rule["ports"]) == [8000, 50051]  # lane ports 5006x stay pod-local
+
+
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+def test_every_container_command_parses_with_the_real_cli(owner, topology):
+    """The flags the builders emit (--http-port, --secret-file, --lane-secret-file, ...) are the
+    ones `verifypd serve` / `verifypd lane` accept."""
+    from verifypd.cli import build_parser
+
+    parser = build_parser()
+    for _, c in _containers(build_all(parse_spec({"topology": topology}), owner, "ns1", {}, "x")):
+        argv = c["args"][1:] if c["args"][0] == "verifypd" else c["args"]  # colocated lanes: sh -c ... "$@"
+        args = parser.parse_args(argv)
+        if args.command == "serve":
+            assert (args.http_port, args.lane_secret_file) == (8000, LANE_SECRET_FILE)
+        else:
+            assert args.secret_file == LANE_SECRET_FILE and not args.allow_unauthenticated
