@@ -184,6 +184,8 @@ class Router:
                 drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
                 if out.resync_from is not None:  # a pool-less lane lost this request's history
                     w.seq.draft_computed = min(w.seq.draft_computed, out.resync_from)
+                elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
+                    w.seq.draft_computed = w.seq.pending_pos + 1
             self.observer.on_lane_step("draft", self._clock() - t0, len(items))
             typical = max(len(i.input_tokens) for i in items) <= 2
         items = []
