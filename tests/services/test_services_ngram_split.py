@@ -20,15 +20,16 @@ def lanes(tiny_models):
     from verifypd.server.launcher import LaneProcesses
 
     procs = LaneProcesses(engine_options(tiny_models[0], DRAFT))
-    addrs = procs.start(timeout_s=120)
-    yield addrs
+    procs.start(timeout_s=120)
+    yield procs
     procs.terminate()
 
 
 def split_gateway(tiny_models, lanes, kv_transport):
     from verifypd.server.gateway import build_split
 
-    return build_split(lanes, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport).start()
+    return build_split(lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport,
+                       lane_secret=lanes.secret).start()
 
 
 @pytest.mark.parametrize("kv_transport", ["handle", "copy"])
