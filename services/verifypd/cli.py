@@ -18,7 +18,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     spec = p.add_mutually_exclusive_group()
     spec.add_argument("--k", type=int, default=None, help="draft tokens per verify step (fixed; default: adaptive)")
-    spec.add_argument("--no-speculation", action="store_true", help="plain decoding (k = 0)")
+    spec.add_argument("--no-speculation", action="store_true",
+                      help="plain decoding (k = 0); loads no draft (any --draft is ignored)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -31,14 +32,22 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    from verifypd.local_engine import DEFAULT_DRAFT, DEFAULT_TARGET
+    from verifypd.lanes.drafts import DRAFT_HELP
+    from verifypd.local_engine import DEFAULT_TARGET
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help="target model: local dir, .gguf file, HF cache name, or 'smollm2' (embedded, default)")
-    p.add_argument("--draft", default=DEFAULT_DRAFT,
-                   help=f"draft model: 'self:N' (target's first N layers; default {DEFAULT_DRAFT}) or a model spec")
+    # None = not given: resolved by draft_arg() (the default, or none with --no-speculation).
+    p.add_argument("--draft", default=None, help=DRAFT_HELP)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per pool (default: from memory)")
+
+
+def draft_arg(args) -> str:
+    """The draft to load for these arguments (see verifypd.lanes.drafts.resolve_draft)."""
+    from verifypd.lanes.drafts import resolve_draft
+
+    return resolve_draft(args.draft, getattr(args, "no_speculation", False))
 
 
 def _request_spec(args, codec) -> RequestSpec:
@@ -63,7 +72,7 @@ def cmd_generate_offline(args) -> int:
     if k is not None and k < 0:
         raise InvalidRequest(f"--k must be >= 0, got {k}")
     config = RuntimeConfig() if k is None else RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False)
-    options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+    options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
                             num_blocks=args.num_blocks, config=config)
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
     if args.max_tokens <= 0:
@@ -84,7 +93,7 @@ def cmd_generate_offline(args) -> int:
     if args.json:
         print(json.dumps({"request_id": rid, "text": "".join(text), "token_ids": ids,
                           "finish_reason": last.finish_reason.value, "usage": stats.usage(),
-                          "ttft_s": stats.ttft, "target": args.target, "draft": args.draft,
+                          "ttft_s": stats.ttft, "target": args.target, "draft": options.draft,
                           "device": str(engine.models.device)}))
     else:
         elapsed = (stats.token_times[-1] - stats.arrival_time) if stats.token_times else 0.0

@@ -12,6 +12,7 @@ import torch
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.router import EngineObserver, Router
 from verifypd.engine.types import RequestOutput, RequestSpec
+from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpec, DraftSpecError, parse_draft, poolless_draft_lane
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.model.kv_pool import KvPool, PoolGeometry
@@ -21,13 +22,12 @@ from verifypd.model.runner import ModelRunner
 from verifypd.tokenizer import TextCodec
 
 DEFAULT_TARGET = "smollm2"
-DEFAULT_DRAFT = "self:12"
 
 
 @dataclass
 class EngineOptions:
     target: str = DEFAULT_TARGET
-    draft: str = DEFAULT_DRAFT       # "self:N" = the target's first N layers, or another model spec
+    draft: str = DEFAULT_DRAFT       # see verifypd.lanes.drafts: ngram[:MIN-MAX] | none | self:N | a model spec
     device: str = "auto"             # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"              # "auto" (bf16 on CUDA, fp32 on CPU) | "float32" | "bfloat16" | "float16"
     block_size: int = 16
@@ -45,7 +45,7 @@ class EngineOptions:
 class Models:
     target: LoadedModel
     target_model: PagedLlama
-    draft_model: PagedLlama
+    draft_model: PagedLlama | None   # None: a pool-less draft (ngram, none)
     draft_name: str
     device: torch.device
     dtype: torch.dtype
@@ -63,42 +63,55 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def self_draft_layers(draft: str, target_layers: int) -> int:
-    """N of a "self:N" draft spec, checked against the target's depth."""
+def draft_spec(draft: str) -> DraftSpec:
+    """parse_draft with the CLI's error type (a bad --draft exits 2 with the message)."""
     try:
-        layers = int(draft.removeprefix("self:"))
-    except ValueError:
-        raise ModelLoadError(f"--draft self:N needs an integer N, got {draft!r}") from None
-    if not (1 <= layers <= target_layers):
-        raise ModelLoadError(f"--draft self:N needs 1 <= N <= {target_layers}, got {layers}")
-    return layers
+        return parse_draft(draft)
+    except DraftSpecError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def self_draft_layers(draft: str, target_layers: int) -> int:
+    """N of a "self:N" draft spec, checked against the target's depth (the message gives the range)."""
+    try:
+        return draft_spec(draft).check_layers(target_layers)
+    except DraftSpecError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def load_draft_model(spec: DraftSpec, target: LoadedModel | None, device, dtype,
+                     max_context: int | None) -> PagedLlama | None:
+    """The draft's weights, for kinds that have any (the loader entry of a model draft kind)."""
+    if spec.kind == "self":
+        return PagedLlama(target.shape, target.weights, num_layers=self_draft_layers(spec.text, target.shape.num_layers))
+    if spec.kind == "model":
+        draft = load_model(spec.model, device, dtype, max_context)
+        if target is not None and draft.shape.vocab_size != target.shape.vocab_size:
+            raise ModelLoadError(f"draft vocabulary ({draft.shape.vocab_size}) differs from the target's "
+                                 f"({target.shape.vocab_size}): they must share a tokenizer")
+        return PagedLlama(draft.shape, draft.weights)
+    return None  # pool-less kinds load nothing
 
 
 def load_models(options: EngineOptions) -> Models:
+    spec = draft_spec(options.draft)  # a bad --draft fails before the target is loaded
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     target = load_model(options.target, device, dtype, options.max_context)
     target_model = PagedLlama(target.shape, target.weights)
-    if options.draft.startswith("self:"):
-        layers = self_draft_layers(options.draft, target.shape.num_layers)
-        draft_model = PagedLlama(target.shape, target.weights, num_layers=layers)
-    else:
-        draft = load_model(options.draft, device, dtype, options.max_context)
-        if draft.shape.vocab_size != target.shape.vocab_size:
-            raise ModelLoadError(f"draft vocabulary ({draft.shape.vocab_size}) differs from the target's "
-                                 f"({target.shape.vocab_size}): they must share a tokenizer")
-        draft_model = PagedLlama(draft.shape, draft.weights)
+    draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
     return Models(target, target_model, draft_model, options.draft, device, dtype)
 
 
-def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool]:
+def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool | None]:
     def geometry(model: PagedLlama, blocks: int) -> PoolGeometry:
         s = model.shape
         return PoolGeometry(model.num_layers, blocks, options.block_size, s.num_kv_heads, s.head_dim)
 
     blocks = options.num_blocks
     if blocks is None:
-        per_block = sum(geometry(m, 1).bytes_per_block(models.dtype) for m in (models.target_model, models.draft_model))
+        per_block = sum(geometry(m, 1).bytes_per_block(models.dtype)
+                        for m in (models.target_model, models.draft_model) if m is not None)
         if models.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(models.device)
             blocks = int(free * options.gpu_memory_fraction) // per_block
@@ -106,6 +119,9 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool]:
             blocks = min(4096, max(256, (1 << 30) // per_block))
     pools = []
     for role, model in (("target", models.target_model), ("draft", models.draft_model)):
+        if model is None:  # pool-less draft
+            pools.append(None)
+            continue
         g = geometry(model, blocks)
         if options.shared_cpu_pools and models.device.type == "cpu":
             pools.append(KvPool.create_shared_cpu(role, g, models.dtype))
@@ -114,12 +130,12 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool]:
     return pools[0], pools[1]
 
 
-def capture_graphs(target: ModelRunner, draft: ModelRunner, k_max: int) -> float:
+def capture_graphs(target: ModelRunner, draft: ModelRunner | None, k_max: int) -> float:
     """Captures the CUDA graphs the lanes use at start-up (others on first use); returns seconds."""
     seconds = 0.0
     if target.graphs is not None:
         seconds += target.graphs.warm_up(("all",), max_query=min(k_max + 1, target.graphs.max_query))
-    if draft.graphs is not None:
+    if draft is not None and draft.graphs is not None:  # None: pool-less draft
         seconds += draft.graphs.warm_up(("last", "draft"))  # "last" up to 9 tokens: short catch-ups
     return seconds
 
@@ -136,13 +152,19 @@ class Engine:
         graphs = None if self.options.cuda_graphs else False
         buckets = self.options.graph_buckets
         target_runner = ModelRunner(m.target_model, self.target_pool, graphs=graphs, buckets=buckets)
-        draft_runner = ModelRunner(m.draft_model, self.draft_pool, graphs=graphs, buckets=buckets)
-        self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
         common = dict(vocab_size=m.target.shape.vocab_size, max_context=m.target.shape.max_context,
                       target_model=m.target.name, draft_model=m.draft_name)
-        pools = (self.target_pool.info(), self.draft_pool.info())
+        pools = (self.target_pool.info(),) + ((self.draft_pool.info(),) if self.draft_pool else ())
+        if m.draft_model is None:  # pool-less draft lane: built from its spec, no runner, no KV
+            draft_runner = None
+            self.draft_lane = poolless_draft_lane(draft_spec(m.draft_name), LaneInfo("draft", (), **common))
+            if self.draft_lane is None:
+                raise ModelLoadError(f"draft {m.draft_name!r} needs a draft model, and none was loaded")
+        else:
+            draft_runner = ModelRunner(m.draft_model, self.draft_pool, graphs=graphs, buckets=buckets)
+            self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], **common))
+        self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
         self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, LaneInfo("prefill", pools, **common))
-        self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", (pools[1],), **common))
         self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
                                            simulated_acceptance=simulated_acceptance)
         self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode,

@@ -49,6 +49,24 @@ def test_embedded_model_greedy_matches_transformers(smollm2, k):
         assert sum(c.usage["draft_tokens"] for c in done.values()) > 0
 
 
+COPY_PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return a + b + c\n\n\ndef add4(a, b, c, d):",
+                "One, two, three, four. One, two, three, four. One, two,"]
+
+
+def test_embedded_model_greedy_with_ngram_draft_matches_transformers(smollm2):
+    """Prompt lookup as the draft (no draft model, no draft pool) on the real model: exact greedy."""
+    hf, tok, loaded = smollm2
+    models = Models(loaded, PagedLlama(loaded.shape, loaded.weights), None, "ngram", torch.device("cpu"), torch.float32)
+    engine = Engine(EngineOptions(num_blocks=256, device="cpu", config=RuntimeConfig()), models=models)
+    assert engine.draft_pool is None and engine.router.draft_blocks is None
+    prompts = [tuple(tok(p)["input_ids"]) for p in PROMPTS + COPY_PROMPTS]
+    done = engine.generate([RequestSpec(p, max_tokens=NEW_TOKENS, stop_at_eos=False, request_id=str(i))
+                            for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert done[str(i)].token_ids == hf_greedy(hf, list(prompt), NEW_TOKENS), (PROMPTS + COPY_PROMPTS)[i]
+    assert sum(c.usage["accepted_tokens"] for c in done.values()) > 0
+
+
 def test_qwen2_layout_with_qkv_bias_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

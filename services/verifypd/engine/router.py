@@ -39,11 +39,13 @@ class Router:
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
         verify_info, draft_info = verify.describe(), draft.describe()
         self.target_pool = _pool(verify_info.pools, "target")
-        self.draft_pool = _pool(draft_info.pools, "draft")
+        # None: a pool-less draft lane (prompt lookup, none): no draft blocks, no draft KV in prefill.
+        self.draft_pool = _pool(draft_info.pools, "draft", required=False)
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
-        self.draft_blocks = BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
+        self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
+                             if self.draft_pool else None)
         self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running)
         self.config = config or RuntimeConfig()
         self.config.validate()
@@ -59,7 +61,7 @@ class Router:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> str:
         spec.validate(vocab_size=self.vocab_size, max_context=self.max_context)
-        check_fits(spec, self.max_context, (self.target_blocks, self.draft_blocks))
+        check_fits(spec, self.max_context, [b for b in (self.target_blocks, self.draft_blocks) if b is not None])
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in self._seqs:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
@@ -117,10 +119,11 @@ class Router:
         are kept, so a request continues where its stream stopped. Returns the requests re-queued."""
         verify_info, draft_info = self.verify_lane.describe(), self.draft_lane.describe()
         self.target_pool = _pool(verify_info.pools, "target")
-        self.draft_pool = _pool(draft_info.pools, "draft")
+        self.draft_pool = _pool(draft_info.pools, "draft", required=False)  # None: pool-less draft lane
         seqs = sorted(self.scheduler.all_sequences(), key=Sequence.sort_key)
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
-        self.draft_blocks = BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
+        self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
+                             if self.draft_pool else None)
         self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context,
                                    self.scheduler.max_running)
         for seq in seqs:  # the old block tables point into pools that are gone: drop, don't free
@@ -141,7 +144,7 @@ class Router:
             items.append(PrefillItem(
                 request_id=c.seq.request_id, token_ids=ids, start_pos=c.start,
                 target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start, c.seq.target_computed),
-                draft_kv=self._handle(self.draft_pool, c.seq.draft_blocks, c.start, c.seq.draft_computed),
+                draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed),
                 sample_first=c.sample_first, sampling=c.seq.spec.sampling))
         t0 = self._clock()
         results = self.prefill_lane.prefill(items)
@@ -149,7 +152,9 @@ class Router:
         outputs = []
         for c, res in zip(chunks, results):
             seq = c.seq
-            seq.target_computed = seq.draft_computed = c.end
+            seq.target_computed = c.end
+            if self.draft_pool is not None:  # a pool-less lane gets the prompt with its first draft call
+                seq.draft_computed = c.end
             if c.end == seq.prefill_target:
                 seq.status = SeqStatus.DECODING
             if c.sample_first:
@@ -171,12 +176,16 @@ class Router:
                 items.append(DraftItem(
                     request_id=seq.request_id, input_tokens=seq.all_ids[seq.draft_computed:n + 1],
                     start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
-                    draft_kv=self._handle(self.draft_pool, seq.draft_blocks, seq.draft_computed, seq.draft_computed)))
+                    draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed)))
             t0 = self._clock()
-            for out in self.draft_lane.draft(items):
+            for w, out in zip(drafting, self.draft_lane.draft(items)):
                 # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
                 # is read here; the verify lane consumes the values on the device.
                 drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
+                if out.resync_from is not None:  # a pool-less lane lost this request's history
+                    w.seq.draft_computed = min(w.seq.draft_computed, out.resync_from)
+                elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
+                    w.seq.draft_computed = w.seq.pending_pos + 1
             self.observer.on_lane_step("draft", self._clock() - t0, len(items))
             typical = max(len(i.input_tokens) for i in items) <= 2
         items = []
@@ -259,6 +268,11 @@ class Router:
         self.observer.on_request_finished(seq)
         return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k)
 
+    def _draft_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle | None:
+        if self.draft_pool is None:
+            return None
+        return self._handle(self.draft_pool, seq.draft_blocks, seq_len, committed)
+
     @staticmethod
     def _handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
         return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
@@ -281,8 +295,10 @@ def check_fits(spec: RequestSpec, max_context: int, pools: Seq[BlockManager]) ->
                                  f"shorten the prompt")
 
 
-def _pool(pools: tuple[PoolInfo, ...], role: str) -> PoolInfo:
+def _pool(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> PoolInfo | None:
     for pool in pools:
         if pool.role == role:
             return pool
+    if not required:
+        return None
     raise ValueError(f"lane announced no {role} pool")

@@ -51,10 +51,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager, max_context: int,
+    def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager | None, max_context: int,
                  max_running: int = 256):
         self.target = target_blocks
-        self.draft = draft_blocks
+        self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
         self.max_context = max_context
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
@@ -184,3 +184,16 @@ class Scheduler:
         self.draft.grow(seq.draft_blocks, end)
         last = end == seq.prefill_target
         return PrefillChunk(seq, start, end, sample_first=last and seq.samples_after_prefill)
+
+
+class _NoPool:
+    """Stands in for the draft BlockManager when the draft lane owns no pool: always room, no blocks."""
+
+    def can_grow(self, blocks: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        return True
+
+    def grow(self, blocks: list[int], num_tokens: int) -> None:
+        pass
+
+    def free(self, blocks: list[int]) -> None:
+        pass

@@ -3,7 +3,13 @@
 A lane is a batch executor over KV it is told about: it keeps no request state. Work items carry
 `KvHandle`s by value; the router owns allocation. `draft_probs` is opaque to the router: an
 in-process draft lane returns a device tensor that the in-process verify lane consumes as is; the
-gRPC transport serializes it (dense or top-k sparse). It is None for greedy requests.
+gRPC transport serializes it (dense or top-k sparse). It is None for greedy requests, and always
+None from a draft lane whose proposals are deterministic (prompt lookup): q is then the one-hot of
+the proposal, which the verify lane builds itself.
+
+Pool-less draft lanes (prompt lookup, `none`) announce no pool (`LaneInfo.pools == ()`): the router
+then allocates no draft blocks, prefill items carry `draft_kv=None` (prefill computes no draft
+KV), draft items carry `draft_kv=None`, and such a lane may propose fewer than k tokens (even none).
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ class PrefillItem:
     token_ids: list[int]          # prompt chunk
     start_pos: int                # position of token_ids[0]
     target_kv: KvHandle
-    draft_kv: KvHandle
+    draft_kv: KvHandle | None     # None: the draft lane owns no pool
     sample_first: bool            # last chunk of a fresh prompt: sample the first token
     sampling: SamplingParams
 
@@ -67,10 +73,11 @@ class PrefillOutput:
 @dataclass
 class DraftItem:
     request_id: str
-    input_tokens: list[int]       # committed tokens not yet in the draft pool (>= 1)
+    input_tokens: list[int]       # committed tokens not yet in the draft pool (>= 1); for a pool-less
+                                  # lane: not yet in its per-request history (the whole context once)
     start_pos: int                # position of input_tokens[0]
-    draft_kv: KvHandle
-    k: int                        # drafts to propose, >= 1
+    draft_kv: KvHandle | None     # None: the draft lane owns no pool
+    k: int                        # drafts to propose, >= 1 (a pool-less lane may propose fewer)
     sampling: SamplingParams
 
 
@@ -82,6 +89,9 @@ class DraftOutput:
     # on the device (no host sync between draft and verify); iterating it copies them to the host.
     draft_tokens: Sequence[int]
     draft_probs: Any = None       # opaque; see module doc
+    # Pool-less lanes only: the lane holds just [0, resync_from) of this request's tokens (it
+    # restarted or evicted them), so the router resends from there; draft_tokens is then empty.
+    resync_from: int | None = None
 
 
 @dataclass

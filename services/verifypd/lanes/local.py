@@ -20,7 +20,7 @@ from verifypd.model.runner import ModelRunner, TokenRun
 
 
 class LocalPrefillLane:
-    def __init__(self, target: ModelRunner, draft: ModelRunner, info: LaneInfo):
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, info: LaneInfo):
         self.target, self.draft, self.info = target, draft, info
 
     def describe(self) -> LaneInfo:
@@ -30,10 +30,9 @@ class LocalPrefillLane:
         if not items:
             return []
         target_runs = [TokenRun(i.token_ids, i.start_pos, i.target_kv.block_ids) for i in items]
-        draft_runs = [TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items]
         logits = self.target.forward(target_runs, "last")
-        if self.draft is not None:
-            self.draft.forward(draft_runs, None)
+        if self.draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
+            self.draft.forward([TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items], None)
         rows = [n for n, i in enumerate(items) if i.sample_first]
         first: dict[int, int] = {}
         if rows:

@@ -92,10 +92,11 @@ def add_engine_flags(p: argparse.ArgumentParser, router: bool = True) -> None:
 
 
 def engine_options(args):
+    from verifypd.cli import draft_arg
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.local_engine import EngineOptions
 
-    options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+    options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
                             num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context)
     if hasattr(args, "max_running"):
         options.max_running = args.max_running

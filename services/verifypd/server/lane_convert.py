@@ -24,6 +24,15 @@ def handle_from_pb(h: lanes_pb2.KvHandle) -> KvHandle:
     return KvHandle(h.pool_id, h.generation, tuple(h.block_ids), h.seq_len, h.committed_len)
 
 
+def optional_handle_to_pb(h: KvHandle | None) -> lanes_pb2.KvHandle | None:
+    """None (a pool-less draft lane) leaves the message field unset."""
+    return None if h is None else handle_to_pb(h)
+
+
+def draft_handle_from_pb(item) -> KvHandle | None:
+    return handle_from_pb(item.draft_kv) if item.HasField("draft_kv") else None
+
+
 def sampling_to_pb(s: SamplingParams) -> lanes_pb2.LaneSampling:
     return lanes_pb2.LaneSampling(
         params=generate_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k), seed=s.seed)
@@ -50,13 +59,13 @@ def lane_info_from_pb(info: lanes_pb2.LaneInfo) -> LaneInfo:
 def prefill_batch_to_pb(items: list[PrefillItem]) -> lanes_pb2.PrefillBatch:
     return lanes_pb2.PrefillBatch(items=[lanes_pb2.PrefillItem(
         request_id=i.request_id, token_ids=i.token_ids, start_pos=i.start_pos, target_kv=handle_to_pb(i.target_kv),
-        draft_kv=handle_to_pb(i.draft_kv), is_last_chunk=i.sample_first, sampling=sampling_to_pb(i.sampling))
+        draft_kv=optional_handle_to_pb(i.draft_kv), is_last_chunk=i.sample_first, sampling=sampling_to_pb(i.sampling))
         for i in items])
 
 
 def prefill_batch_from_pb(batch: lanes_pb2.PrefillBatch) -> list[PrefillItem]:
     return [PrefillItem(request_id=i.request_id, token_ids=list(i.token_ids), start_pos=i.start_pos,
-                        target_kv=handle_from_pb(i.target_kv), draft_kv=handle_from_pb(i.draft_kv),
+                        target_kv=handle_from_pb(i.target_kv), draft_kv=draft_handle_from_pb(i),
                         sample_first=i.is_last_chunk, sampling=sampling_from_pb(i.sampling)) for i in batch.items]
 
 
@@ -78,18 +87,19 @@ def prefill_outputs_from_pb(result: lanes_pb2.PrefillResult) -> list[PrefillOutp
 def draft_batch_to_pb(items: list[DraftItem]) -> lanes_pb2.DraftBatch:
     return lanes_pb2.DraftBatch(items=[lanes_pb2.DraftItem(
         request_id=i.request_id, input_tokens=i.input_tokens, start_pos=i.start_pos,
-        draft_kv=handle_to_pb(i.draft_kv), k=i.k, sampling=sampling_to_pb(i.sampling)) for i in items])
+        draft_kv=optional_handle_to_pb(i.draft_kv), k=i.k, sampling=sampling_to_pb(i.sampling)) for i in items])
 
 
 def draft_batch_from_pb(batch: lanes_pb2.DraftBatch) -> list[DraftItem]:
     return [DraftItem(request_id=i.request_id, input_tokens=list(i.input_tokens), start_pos=i.start_pos,
-                      draft_kv=handle_from_pb(i.draft_kv), k=i.k, sampling=sampling_from_pb(i.sampling))
+                      draft_kv=draft_handle_from_pb(i), k=i.k, sampling=sampling_from_pb(i.sampling))
             for i in batch.items]
 
 
 def draft_outputs_from_pb(result: lanes_pb2.DraftResult) -> list[DraftOutput]:
     """`draft_probs` stays a `DraftProbs` message (or None for greedy): opaque to the router."""
-    return [DraftOutput(o.request_id, list(o.draft_tokens), o.probs if o.probs.rows else None)
+    return [DraftOutput(o.request_id, list(o.draft_tokens), o.probs if o.probs.rows else None,
+                        o.resync_from if o.HasField("resync_from") else None)
             for o in result.outputs]
 
 

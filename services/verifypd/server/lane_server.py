@@ -3,7 +3,8 @@
 No request logic here: each server wraps the in-process lane (verifypd.lanes.local) over runners
 whose pools are the ones this process owns or imported, and converts messages at the edge.
 
-    draft lane   owns the draft pool (+ draft weights); serves KvTransfer for it
+    draft lane   owns the draft pool (+ draft weights); serves KvTransfer for it. A pool-less
+                 draft (ngram, none) loads no model and owns no pool: it needs no GPU
     verify lane  owns the target pool (+ target weights); serves KvTransfer for it
     prefill lane has both models; after ImportPools it writes into the owners' pools directly
                  (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
@@ -31,7 +32,8 @@ import torch
 
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
-from verifypd.local_engine import EngineOptions, resolve_device, resolve_dtype, self_draft_layers
+from verifypd.lanes.drafts import poolless_draft_lane
+from verifypd.local_engine import EngineOptions, draft_spec, load_draft_model, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import load_model
@@ -49,19 +51,15 @@ LANES = ("prefill", "draft", "verify")
 
 def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
     """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids)."""
-    device = resolve_device(options.device)
+    spec = draft_spec(options.draft)
+    need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
+    device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
     dtype = resolve_dtype(options.dtype, device)
-    self_draft = options.draft.startswith("self:")
-    target = load_model(options.target, device, dtype, options.max_context) if (need_target or self_draft) else None
+    self_draft = spec.kind == "self"
+    target = load_model(options.target, device, dtype, options.max_context) \
+        if (need_target or (need_draft and self_draft)) else None
     target_model = PagedLlama(target.shape, target.weights) if need_target else None
-    draft_model = None
-    if need_draft:
-        if self_draft:
-            layers = self_draft_layers(options.draft, target.shape.num_layers)
-            draft_model = PagedLlama(target.shape, target.weights, num_layers=layers)
-        else:
-            draft = load_model(options.draft, device, dtype, options.max_context)
-            draft_model = PagedLlama(draft.shape, draft.weights)
+    draft_model = load_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
     return target, target_model, draft_model, device, dtype
 
 
@@ -104,8 +102,10 @@ class LaneServicer:
         self.lock = threading.Lock()
         target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
             options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft"))
-        shape = (self.target_model or self.draft_model).shape
-        self.vocab_size, self.max_context = shape.vocab_size, shape.max_context
+        model = self.target_model or self.draft_model
+        # 0 = not this lane's to say (a pool-less draft lane loads no model); the router takes both
+        # from the verify lane.
+        self.vocab_size, self.max_context = (model.shape.vocab_size, model.shape.max_context) if model else (0, 0)
         self.eos_token_ids = target.eos_token_ids if target else ()
         self.owned: dict[str, KvPool] = {}
         self.lane = None
@@ -113,6 +113,8 @@ class LaneServicer:
             pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
             self.lane = LocalVerifyLane(ModelRunner(self.target_model, pool), self._info((pool.info(),)))
+        elif role == "draft" and self.draft_model is None:
+            self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":
             pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
@@ -154,7 +156,11 @@ class LaneServicer:
         t0 = time.perf_counter()
         pools, pushers, modes = {}, {}, {}
         roles = [lc.ROLE_FROM_PB.get(d.role) for d in request.pools]
-        if sorted(r or "" for r in roles) != ["draft", "target"]:
+        if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
+            if roles != ["target"]:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"pools: need one target pool (draft {self.options.draft!r} has no pool)")
+        elif sorted(r or "" for r in roles) != ["draft", "target"]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
         for n, (d, role) in enumerate(zip(request.pools, roles)):
             try:
@@ -173,7 +179,8 @@ class LaneServicer:
                     pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret))
             except (ValueError, OSError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
-        runners = (ModelRunner(self.target_model, pools["target"]), ModelRunner(self.draft_model, pools["draft"]))
+        runners = (ModelRunner(self.target_model, pools["target"]),
+                   ModelRunner(self.draft_model, pools["draft"]) if self.draft_model is not None else None)
         with self.lock:
             self.lane = LocalPrefillLane(*runners, self._info(()))
             self.pushers = pushers
@@ -245,6 +252,8 @@ class LaneServicer:
             result = lanes_pb2.DraftResult()
             for item, out in zip(items, self.lane.draft(items)):
                 msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
+                if out.resync_from is not None:
+                    msg.resync_from = out.resync_from
                 if out.draft_probs is not None:
                     msg.probs.CopyFrom(kv.encode_probs(out.draft_probs, item.sampling.top_k))
             return result

@@ -55,7 +55,9 @@ def _bad(field: str, why: str) -> LaneInvalid:
 def _tokens(field: str, ids, limits: LaneLimits, *, min_len: int = 0) -> None:
     if len(ids) < min_len:
         raise _bad(field, f"need at least {min_len} token(s), got {len(ids)}")
-    if ids and max(ids) >= limits.vocab_size:
+    # vocab_size 0: a pool-less draft lane (prompt lookup) loads no model and knows no vocabulary;
+    # it only copies ids it was given, and the verify lane checks every id it scores.
+    if ids and limits.vocab_size and max(ids) >= limits.vocab_size:
         raise _bad(field, f"token id {max(ids)} is outside the vocabulary [0, {limits.vocab_size})")
 
 
@@ -89,6 +91,15 @@ def _handle(field: str, h, role: str, end: int, limits: LaneLimits) -> None:
         raise _bad(f"{field}.block_ids", f"{len(blocks)} blocks, the pool has {pool.num_blocks}")
 
 
+def _draft_handle(field: str, item, end: int, limits: LaneLimits) -> None:
+    """draft_kv is unset exactly when the draft lane owns no pool (prompt lookup): then no lane
+    holds a draft pool; a lane that does hold one needs the handle."""
+    if item.HasField("draft_kv"):
+        _handle(field, item.draft_kv, "draft", end, limits)
+    elif "draft" in limits.pools:
+        raise _bad(field, "missing: this lane holds a draft pool")
+
+
 def _batch(items, tokens_of) -> None:
     if len(items) > MAX_ITEMS:
         raise _bad("items", f"{len(items)} items in one call; at most {MAX_ITEMS}")
@@ -104,7 +115,7 @@ def check_prefill(batch, limits: LaneLimits) -> None:
         _tokens(f"{f}.token_ids", i.token_ids, limits, min_len=1)
         end = i.start_pos + len(i.token_ids)
         _handle(f"{f}.target_kv", i.target_kv, "target", end, limits)
-        _handle(f"{f}.draft_kv", i.draft_kv, "draft", end, limits)
+        _draft_handle(f"{f}.draft_kv", i, end, limits)
         _sampling(f"{f}.sampling", i.sampling)
 
 
@@ -116,7 +127,7 @@ def check_draft(batch, limits: LaneLimits) -> None:
             raise _bad(f"{f}.k", f"must be in [1, {MAX_K}], got {i.k}")
         _tokens(f"{f}.input_tokens", i.input_tokens, limits, min_len=1)
         # Writes the inputs' KV and that of the first k - 1 drafts.
-        _handle(f"{f}.draft_kv", i.draft_kv, "draft", i.start_pos + len(i.input_tokens) + i.k - 1, limits)
+        _draft_handle(f"{f}.draft_kv", i, i.start_pos + len(i.input_tokens) + i.k - 1, limits)
         _sampling(f"{f}.sampling", i.sampling)
 
 

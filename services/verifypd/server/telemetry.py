@@ -100,7 +100,9 @@ class Telemetry(EngineObserver):
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
         self._queues = {"prefill": router.scheduler.num_waiting + len(running) - decoding,
                         "draft": decoding, "verify": decoding}
-        self._blocks = {"target": router.target_blocks.num_used, "draft": router.draft_blocks.num_used}
+        self._blocks = {"target": router.target_blocks.num_used}
+        if router.draft_blocks is not None:  # None: pool-less draft lane (prompt lookup)
+            self._blocks["draft"] = router.draft_blocks.num_used
 
     def on_idle(self, router) -> None:  # after an abort, while idle, after a lane recovery
         self.on_step(router)

@@ -219,14 +219,16 @@ class DraftBatch(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ...) -> None: ...
 
 class DraftOutput(_message.Message):
-    __slots__ = ("request_id", "draft_tokens", "probs")
+    __slots__ = ("request_id", "draft_tokens", "probs", "resync_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
-    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    resync_from: int
+    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., resync_from: _Optional[int] = ...) -> None: ...
 
 class DraftResult(_message.Message):
     __slots__ = ("outputs",)

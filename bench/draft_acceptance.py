@@ -1,0 +1,151 @@
+"""Draft acceptance and speed-up on the embedded SmolLM2-135M-Instruct, per draft and task family.
+
+Real model, real acceptance (no simulation), greedy, --batch requests at a time (1: the latency
+case speculation is for), the engine's default runtime config (adaptive k) unless --k is given.
+Every draft is compared with plain decoding (`--no-speculation`: draft `none`, k = 0) measured in
+the same run, on the same prompts. Prompts: bench/prompts/draft_acceptance.jsonl (our own; see
+bench/make_draft_prompts.py), the first --per-family of each family.
+
+    python bench/draft_acceptance.py --drafts ngram,self:12,self:24 --per-family 4 --batch 4 \\
+        --max-tokens 48 --out bench/results/draft_acceptance_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+from engine_throughput import git_revision  # noqa: E402
+
+from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
+from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.lanes.drafts import parse_draft  # noqa: E402
+from verifypd.local_engine import Engine, EngineOptions, Models, load_draft_model  # noqa: E402
+from verifypd.model.llama import PagedLlama  # noqa: E402
+from verifypd.model.loader import load_model  # noqa: E402
+from verifypd.tokenizer import TextCodec  # noqa: E402
+
+PROMPTS = pathlib.Path(__file__).resolve().parent / "prompts" / "draft_acceptance.jsonl"
+
+
+def load_prompts(per_family: int) -> dict[str, list[dict]]:
+    families: dict[str, list[dict]] = {}
+    for line in PROMPTS.read_text().splitlines():
+        row = json.loads(line)
+        families.setdefault(row["family"], []).append(row)
+    return {f: rows[:per_family] for f, rows in families.items()}
+
+
+def make_engine(target, draft: str, k: int | None) -> Engine:
+    device = torch.device("cpu")
+    models = Models(target, PagedLlama(target.shape, target.weights),
+                    load_draft_model(parse_draft(draft), target, device, torch.float32, 2048), draft, device,
+                    torch.float32)
+    if draft == "none":
+        config = RuntimeConfig(k_min=0, k_max=0, k_initial=0, adaptive=False)
+    elif k is not None:
+        config = RuntimeConfig(k_min=0, k_max=k, k_initial=k, adaptive=False)
+    else:
+        config = RuntimeConfig()
+    return Engine(EngineOptions(num_blocks=256, device="cpu", config=config), models=models)
+
+
+def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
+    totals = dict(drafted=0, accepted=0, verify_steps=0, tokens=0, seconds=0.0, cpu_seconds=0.0)
+    outputs = []
+    for start in range(0, len(ids), batch):
+        specs = [RequestSpec(p, max_tokens=max_tokens, request_id=f"{family}-{start + i}")
+                 for i, p in enumerate(ids[start:start + batch])]
+        t0, c0 = time.perf_counter(), time.process_time()
+        done = engine.generate(specs)
+        # Wall time is what a user sees; CPU time of this (single-threaded) process is much less
+        # sensitive to other work on a shared machine.
+        totals["seconds"] += time.perf_counter() - t0
+        totals["cpu_seconds"] += time.process_time() - c0
+        for s in specs:
+            c = done[s.request_id]
+            totals["drafted"] += c.usage["draft_tokens"]
+            totals["accepted"] += c.usage["accepted_tokens"]
+            totals["verify_steps"] += c.usage["verify_steps"]
+            totals["tokens"] += c.usage["completion_tokens"]
+            outputs.append(c.token_ids)
+    d, a, steps = totals["drafted"], totals["accepted"], totals["verify_steps"]
+    return {**totals, "acceptance_rate": a / d if d else None, "accepted_per_step": a / steps if steps else 0.0,
+            "tok_per_s": totals["tokens"] / totals["seconds"],
+            "tok_per_cpu_s": totals["tokens"] / totals["cpu_seconds"], "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafts", default="ngram,self:12,self:24")
+    ap.add_argument("--per-family", type=int, default=4, help="prompts per family (the first N of the JSONL)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--k", type=int, default=None, help="fixed k (default: the adaptive policy, as served)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: CPU time measures work)")
+    ap.add_argument("--batch", type=int, default=1, help="requests generated together (1: one at a time)")
+    ap.add_argument("--out", default="draft_acceptance.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_model("smollm2", torch.device("cpu"), torch.float32, 2048)
+    codec = TextCodec(target.tokenizer)
+    rows = load_prompts(args.per_family)
+    prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
+               for f, rs in rows.items()}
+    drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
+    engines = {d: make_engine(target, d, args.k) for d in drafts}
+    for engine in engines.values():  # first-call allocations outside the timings
+        engine.generate([RequestSpec(prompts["chat"][0], max_tokens=4, request_id="warm")])
+    results: dict[str, dict] = {d: {} for d in drafts}
+    for n, (family, ids) in enumerate(prompts.items()):
+        # Drafts of one family run back to back, in an order rotated per family, so that load from
+        # other work on the machine spreads over all of them rather than biasing one.
+        for draft in drafts[n % len(drafts):] + drafts[:n % len(drafts)]:
+            results[draft][family] = r = run_family(engines[draft], family, ids, args.max_tokens, args.batch)
+            print(json.dumps({"draft": draft, "family": family, **{k: v for k, v in r.items() if k != "outputs"}}),
+                  flush=True)
+    table = []
+    base = results["none"]
+    for draft, fams in results.items():
+        for family, r in fams.items():
+            # Speculation is lossless: every draft must give plain decoding's exact tokens.
+            same = r["outputs"] == base[family]["outputs"]
+            table.append({"draft": draft, "family": family, "prompts": len(prompts[family]),
+                          "drafted": r["drafted"], "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
+                          "accepted_per_step": r["accepted_per_step"],
+                          "tok_per_s": r["tok_per_s"], "speedup_vs_no_speculation": r["tok_per_s"] / base[family]["tok_per_s"],
+                          "tok_per_cpu_s": r["tok_per_cpu_s"],
+                          "cpu_speedup_vs_no_speculation": r["tok_per_cpu_s"] / base[family]["tok_per_cpu_s"],
+                          "same_output_as_no_speculation": same})
+    result = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": "cpu",
+              "threads": args.threads, "cpu_count": os.cpu_count(),
+              "target": "smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized fp32)", "greedy": True, "batch": args.batch,
+              "policy": f"fixed k={args.k}" if args.k is not None else "adaptive (RuntimeConfig defaults)",
+              "max_tokens": args.max_tokens, "prompts_per_family": args.per_family,
+              "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)), "rows": table}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown(table))
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| draft | family | acceptance (accepted/drafted) | accepted / step | tok/s (wall) | vs no-spec "
+             "| tok per CPU-s | vs no-spec | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%} ({r['accepted']}/{r['drafted']})"
+        lines.append(f"| {r['draft']} | {r['family']} | {acc} | {r['accepted_per_step']:.2f} | {r['tok_per_s']:.1f} | "
+                     f"{r['speedup_vs_no_speculation']:.2f}x | {r['tok_per_cpu_s']:.1f} | "
+                     f"{r['cpu_speedup_vs_no_speculation']:.2f}x | {'yes' if r['same_output_as_no_speculation'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
