@@ -178,20 +178,14 @@ def test_sampling_with_ngram_draft_keeps_the_target_distribution(tiny_models, hf
     proposal or a residual sample, and must still follow the target's marginal."""
     import numpy as np
 
-    from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue
+    from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue, sample_second_tokens
 
     engine = make_engine(tiny_models[0], "ngram:1-2", k=2, num_blocks=8192, block_size=4, max_running=1024)
     engine.router.config = engine.router.config.updated(prefill_token_budget=1 << 16)  # few, big steps
     prompt = tuple(random.Random(3).sample(range(3, 96), 93))
     temperature, n = 1.5, 1000
-    specs = [RequestSpec(prompt, max_tokens=3, stop_at_eos=False, request_id=f"s{i}",
-                         sampling=SamplingParams(temperature=temperature, seed=500 + i)) for i in range(n)]
-    done = engine.generate(specs)
-    drafted = sum(c.usage["draft_tokens"] for c in done.values())
-    accepted = sum(c.usage["accepted_tokens"] for c in done.values())
-    assert 0 < accepted < drafted
     vocab = hf_target.config.vocab_size
-    seconds = np.bincount([c.token_ids[1] for c in done.values()], minlength=vocab)
+    seconds = sample_second_tokens(engine, prompt, temperature, n, 3, 500, vocab)
     target_p = _second_token_marginal(hf_target, prompt, temperature)
     assert chi_square_pvalue(seconds, target_p) > 1e-3
     # Power: "always accept the proposal" would give this distribution instead; it must be rejected.

@@ -73,18 +73,24 @@ def test_engine_first_speculative_token_matches_target_softmax(tiny_models, hf_t
     prompt = (5, 17, 33)
     temperature = 1.5
     n = 3000
-    specs = [RequestSpec(prompt, max_tokens=k + 2, stop_at_eos=False, request_id=f"s{i}",
-                         sampling=SamplingParams(temperature=temperature, seed=1000 + i)) for i in range(n)]
-    done = engine.generate(specs)
-    drafted = sum(c.usage["draft_tokens"] for c in done.values())
-    accepted = sum(c.usage["accepted_tokens"] for c in done.values())
-    assert 0 < accepted < drafted
-    vocab = hf_target.config.vocab_size
-    seconds = np.bincount([c.token_ids[1] for c in done.values()], minlength=vocab)
+    seconds = sample_second_tokens(engine, prompt, temperature, n, k + 2, 1000, hf_target.config.vocab_size)
     target_p = _second_token_marginal(hf_target, prompt, temperature)
     draft_p = _second_token_marginal(_load(tiny_models[1]), prompt, temperature)
     assert chi_square_pvalue(seconds, target_p) > 1e-3
     assert chi_square_pvalue(seconds, draft_p) < 1e-3, "test has no power: draft and target agree"
+
+
+def sample_second_tokens(engine, prompt, temperature: float, n: int, max_tokens: int, seed0: int,
+                         vocab: int) -> np.ndarray:
+    """Counts of the 2nd output token (the first a verify step produces) over n seeded requests;
+    checks the run saw both accepted and rejected drafts."""
+    specs = [RequestSpec(prompt, max_tokens=max_tokens, stop_at_eos=False, request_id=f"s{i}",
+                         sampling=SamplingParams(temperature=temperature, seed=seed0 + i)) for i in range(n)]
+    done = engine.generate(specs)
+    drafted = sum(c.usage["draft_tokens"] for c in done.values())
+    accepted = sum(c.usage["accepted_tokens"] for c in done.values())
+    assert 0 < accepted < drafted
+    return np.bincount([c.token_ids[1] for c in done.values()], minlength=vocab)
 
 
 def _load(path: str):
