@@ -8,7 +8,7 @@ import pytest
 
 from engine_helpers import make_engine
 from verifypd.engine.types import RequestSpec
-from verifypd.lanes.interface import DraftItem, KvHandle, LaneInfo
+from verifypd.lanes.interface import DraftItem, LaneInfo
 from verifypd.lanes.ngram import NgramDraftLane, propose
 from verifypd.engine.types import SamplingParams
 
