@@ -207,8 +207,14 @@ class DeviceDraftTokens(Sequence):
     def __len__(self) -> int:
         return self.k
 
+    def _values(self) -> list[int]:
+        return self.batch.host()[self.row][:self.k]
+
     def __getitem__(self, index):
-        return self.batch.host()[self.row][:self.k][index]
+        return self._values()[index]
+
+    def __iter__(self):
+        return iter(self._values())
 
 
 def device_drafts(items: list[VerifyItem]) -> DraftBatch | None:

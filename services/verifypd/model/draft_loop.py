@@ -76,7 +76,6 @@ class DraftState:
             arrays += [np.asarray([s.top_k for s in samplings], dtype=np.int64),
                        sampler.seed_tensor([s.seed for s in samplings], "cpu").numpy()]
         device_arrays = pack(arrays, self.tok.device, staging)
-        staging.sent()
         self.k.zero_()
         self.base.fill_(1)
         self.pos[:n] = device_arrays[0]

@@ -110,6 +110,8 @@ def pack(arrays: list[np.ndarray], device: torch.device, staging: "PinnedStaging
     for a, off in zip(arrays, offsets):
         view[off:off + a.size] = a.ravel()
     flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    if staging is not None:
+        staging.sent()
     return [flat[off:off + n] for off, n in zip(offsets, sizes)]
 
 
@@ -140,8 +142,6 @@ def to_device(layout: HostLayout, device: torch.device, staging: PinnedStaging |
     """One host-to-device copy of all index arrays."""
     ids, positions, slots, query_start, tables = pack(
         [layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables], device, staging)
-    if staging is not None:
-        staging.sent()
     return BatchLayout(input_ids=ids, positions=positions, slots=slots, query_start=query_start,
                        block_tables=tables.view(layout.tables.shape), max_query=layout.max_query)
 
