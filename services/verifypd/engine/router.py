@@ -37,6 +37,9 @@ class Router:
                  eos_token_ids: Seq[int], config: RuntimeConfig | None = None, max_running: int = 256,
                  observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic):
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
+        # Lanes that keep per-request state for the router (the call channel's request keys and
+        # block tables) are told when a request is done.
+        self._releasing = [lane for lane in (prefill, draft, verify) if hasattr(lane, "release")]
         verify_info, draft_info = verify.describe(), draft.describe()
         self.target_pool = _pool(verify_info.pools, "target")
         # None: a pool-less draft lane (prompt lookup, none): no draft blocks, no draft KV in prefill.
@@ -265,6 +268,8 @@ class Router:
         seq.finish_reason = reason
         del self._seqs[seq.request_id]
         del self._detok[seq.request_id]
+        for lane in self._releasing:
+            lane.release((seq.request_id,))
         self.observer.on_request_finished(seq)
         return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k)
 

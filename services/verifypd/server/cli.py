@@ -74,6 +74,9 @@ def register(sub) -> None:
     lane.add_argument("--host", default=DEFAULT_HOST)
     lane.add_argument("--port", type=int, default=0, help="0 = any free port (see --port-file)")
     lane.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    lane.add_argument("--call-port", type=int, default=0,
+                      help="TCP port of the call channel, the router's fast path for work calls (0 = any free "
+                           "port, announced by Describe; -1 = none: work calls over gRPC only)")
     lane.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
     lane.add_argument("--secret-file", default=None,
                       help=f"file holding the secret every caller must present (else env {LANE_SECRET_ENV})")
@@ -231,13 +234,24 @@ def cmd_lane(args) -> int:
               f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).", file=sys.stderr)
         return 2
     servicer = LaneServicer(args.lane, engine_options(args), secret=secret)
-    server, port, health = build_lane_server(servicer, args.host, args.port)
+    if not -1 <= args.call_port <= 65535:
+        print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
+        return 2
+    try:
+        server, port, health = build_lane_server(servicer, args.host, args.port,
+                                                 None if args.call_port == -1 else args.call_port)
+    except OSError as exc:
+        print(f"verifypd: error: cannot serve the {args.lane} lane: {exc}", file=sys.stderr)
+        servicer.close()
+        return 2
     if args.port_file:  # written atomically: the launcher reads it as soon as it exists
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
             f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
         os.replace(tmp, args.port_file)
-    print(f"verifypd: {args.lane} lane serving on {args.host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
+    print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()})", file=sys.stderr,
+          flush=True)
     parent = args.parent_pid
     try:
         _wait_for_signal(poll=(lambda: os.getppid() != parent) if parent else None)

@@ -2,9 +2,12 @@
 cannot tell these from the in-process lanes. Torch-free (the gateway process of `split` never
 touches tensors).
 
-Every failure of a lane call (process gone, deadline, error status) becomes `LaneError`; the
-gateway then ends in-flight requests with UNAVAILABLE. `wire_bytes` counts the serialized bytes of
-every lane call (request + reply), so a test can prove that with handles no KV crossed gRPC.
+Work calls go over the lane's call channel (call_channel.py: one persistent connection, compact
+columns, request state and block tables sent as deltas) when the lane announces one, else over
+unary gRPC. Every failure of a lane call (process gone, deadline, error status) becomes
+`LaneError`; the gateway then ends in-flight requests with UNAVAILABLE. `wire_bytes` counts the
+serialized bytes of every lane call (request + reply), so a test can prove that with handles no
+KV crossed the wire.
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneError, LaneInfo, PrefillItem, PrefillOutput,
                                       VerifyItem, VerifyOutput)
+from verifypd.server import call_codec as cc
 from verifypd.server import lane_convert as lc
+from verifypd.server.call_channel import CallClient, ChannelClosed
 from verifypd.server.auth import lane_metadata
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
@@ -31,10 +36,17 @@ class _GrpcLane:
     lane = ""
     _stub_class = None
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None):
+    _method = 0  # lanes_pb2.LaneMethod of this lane's work call
+
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
         self.addr = addr
         self.timeout_s = timeout_s
+        self._secret = secret
         self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
+        self._use_channel = call_channel  # False: work calls over unary gRPC (tools, comparisons)
+        self._client: CallClient | None = None
+        self._mirror = cc.ChannelMirror()
+        self._call_lock = threading.Lock()  # one call at a time on the connection
         self.channel = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
         self.stub = self._stub_class(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -83,7 +95,66 @@ class _GrpcLane:
     def import_pools(self, pools: list[lanes_pb2.PoolDescriptor], kv_transport: str) -> lanes_pb2.ImportPoolsReply:
         return self._call("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
 
+    # -- work calls --------------------------------------------------------------------------
+    def _work(self, items, encode, decode, unary):
+        """One work call: over the call channel when the lane has one, else `unary()`."""
+        if not items:
+            return []
+        with self._call_lock:
+            client = self._connected_client()
+            if client is None:
+                return unary()
+            name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
+            try:
+                batch = encode(self._mirror, items)
+                reply = client.call(lanes_pb2.LaneCall(method=self._method, batch=batch))
+            except (OSError, ChannelClosed) as exc:
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
+            if reply.status_code:
+                code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: {code}: {reply.error}")
+            try:
+                outputs = decode(items, reply)
+            except (IndexError, ValueError) as exc:
+                client.close()
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name}: malformed reply: {exc}") from None
+            with self._lock:
+                self.wire_bytes = self.wire_bytes - self._client_bytes + client.bytes
+                self._client_bytes = client.bytes
+                self.calls += 1
+            return outputs
+
+    _client_bytes = 0
+
+    def _connected_client(self) -> CallClient | None:
+        """The call channel's connection (a new one, with a fresh mirror, after any failure);
+        None when the lane announces no call channel."""
+        if not self._use_channel:
+            return None
+        if self._client is not None and self._client.connected:
+            return self._client
+        port = self.describe_pb(refresh=True).call_port  # a restarted lane may listen elsewhere
+        if not port:
+            return None
+        with self._lock:  # the old connection's bytes stay counted
+            self._client_bytes = 0
+        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s)
+        self._mirror = cc.ChannelMirror()
+        try:
+            self._client.connect()
+        except OSError as exc:
+            raise LaneError(f"{self.lane} lane at {self.addr}: call channel on port {port} unreachable: {exc}") from None
+        return self._client
+
+    def release(self, request_ids) -> None:
+        """The router is done with these requests: the lane drops its copy with the next call."""
+        with self._call_lock:
+            self._mirror.release(request_ids)
+
     def close(self) -> None:
+        with self._call_lock:
+            if self._client is not None:
+                self._client.close()
         self.channel.close()
 
 
@@ -91,34 +162,48 @@ class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
     _stub_class = lanes_pb2_grpc.PrefillLaneStub
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None):
-        super().__init__(addr, timeout_s, secret)
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
+        super().__init__(addr, timeout_s, secret, call_channel)
         self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
 
+    _method = lanes_pb2.LANE_METHOD_PREFILL
+
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
-        result = self._call("Prefill", lc.prefill_batch_to_pb(items))
-        self.kv_bytes_copied += result.kv_bytes_copied
-        return lc.prefill_outputs_from_pb(result)
+        def decode(items, reply):
+            self.kv_bytes_copied += reply.kv_bytes_copied
+            return cc.decode_prefill(items, reply)
+
+        def unary():
+            result = self._call("Prefill", lc.prefill_batch_to_pb(items))
+            self.kv_bytes_copied += result.kv_bytes_copied
+            return lc.prefill_outputs_from_pb(result)
+        return self._work(items, cc.encode_prefill, decode, unary)
 
 
 class GrpcDraftLane(_GrpcLane):
     lane = "draft"
     _stub_class = lanes_pb2_grpc.DraftLaneStub
 
+    _method = lanes_pb2.LANE_METHOD_DRAFT
+
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
-        return lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items)))
+        return self._work(items, cc.encode_draft, cc.decode_draft,
+                          lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))))
 
 
 class GrpcVerifyLane(_GrpcLane):
     lane = "verify"
     _stub_class = lanes_pb2_grpc.VerifyLaneStub
 
+    _method = lanes_pb2.LANE_METHOD_VERIFY
+
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
             from verifypd.server.kv_transport import encode_probs
             return encode_probs(probs, top_k)
 
-        return lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode)))
+        return self._work(items, lambda mirror, items: cc.encode_verify(mirror, items, encode), cc.decode_verify,
+                          lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))))
 
 
 def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane,

@@ -39,14 +39,18 @@ from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import load_model
 from verifypd.model.runner import ModelRunner
 from verifypd.server import kv_transport as kv
+from verifypd.server import call_decode as cd
 from verifypd.server import lane_convert as lc
 from verifypd.server import lane_validate as lv
+from verifypd.server.call_channel import CallServer
 from verifypd.server.auth import lane_interceptor, lane_metadata
 from verifypd.server.health import add_health_and_reflection
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane")
 LANES = ("prefill", "draft", "verify")
+CALL_METHODS = {"prefill": lanes_pb2.LANE_METHOD_PREFILL, "draft": lanes_pb2.LANE_METHOD_DRAFT,
+                "verify": lanes_pb2.LANE_METHOD_VERIFY}
 
 
 def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
@@ -124,12 +128,15 @@ class LaneServicer:
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
+        self.call_server: CallServer | None = None  # started by build_lane_server
 
     def _info(self, pools) -> LaneInfo:
         return LaneInfo(self.role, tuple(pools), self.vocab_size, self.max_context,
                         target_model=self.options.target, draft_model=self.options.draft)
 
     def close(self) -> None:
+        if self.call_server is not None:
+            self.call_server.close()
         with self.lock:
             self.lane, self.pushers = None, {}
         kv.release_imported()
@@ -145,7 +152,8 @@ class LaneServicer:
             lane=self.role, target_model=self.options.target, draft_model=self.options.draft,
             pools=[kv.describe_pool(p) for p in self.owned.values()], vocab_size=self.vocab_size,
             max_context=self.max_context, eos_token_ids=self.eos_token_ids,
-            kv_bytes_received=self.transfer.bytes_received)
+            kv_bytes_received=self.transfer.bytes_received,
+            call_port=self.call_server.port if self.call_server is not None else 0)
 
     def ImportPools(self, request, context) -> lanes_pb2.ImportPoolsReply:
         if self.role != "prefill":
@@ -221,26 +229,35 @@ class LaneServicer:
             log.exception("%s lane call failed", self.role)
             context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
 
+    # -- the work, shared by unary RPCs and the call channel ----------------------------------
+    def _prefill_work(self, items) -> tuple[list, int]:
+        outputs = self.lane.prefill(items)
+        copied = 0
+        for role, pusher in self.pushers.items():
+            blocks = [b for i in items
+                      for b in kv.touched_blocks((i.target_kv if role == "target" else i.draft_kv).block_ids,
+                                                 i.start_pos, i.start_pos + len(i.token_ids),
+                                                 pusher.pool.geometry.block_size)]
+            copied += pusher.push(blocks)
+        if self.device.type == "cuda":  # IPC shares memory, not ordering: finish before replying
+            torch.cuda.synchronize(self.device)
+        self.kv_bytes_copied += copied
+        return outputs, copied
+
+    def _verify_work(self, items) -> list:
+        for item in items:  # DraftProbs bytes -> tensors on this lane's device
+            if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
+                item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
+        return self.lane.verify(items)
+
+    def _encode_probs(self, probs, top_k: int) -> lanes_pb2.DraftProbs:
+        return kv.encode_probs(probs, top_k)
+
     def Prefill(self, request, context) -> lanes_pb2.PrefillResult:
         if not self._check(context, lv.check_prefill, request):
             return lanes_pb2.PrefillResult()
         items = lc.prefill_batch_from_pb(request)
-
-        def work():
-            outputs = self.lane.prefill(items)
-            copied = 0
-            for role, pusher in self.pushers.items():
-                blocks = [b for i in items
-                          for b in kv.touched_blocks((i.target_kv if role == "target" else i.draft_kv).block_ids,
-                                                     i.start_pos, i.start_pos + len(i.token_ids),
-                                                     pusher.pool.geometry.block_size)]
-                copied += pusher.push(blocks)
-            if self.device.type == "cuda":  # IPC shares memory, not ordering: finish before replying
-                torch.cuda.synchronize(self.device)
-            return outputs, copied
-
-        outputs, copied = self._run(context, work)
-        self.kv_bytes_copied += copied
+        outputs, copied = self._run(context, lambda: self._prefill_work(items))
         return lc.prefill_outputs_to_pb(outputs, copied)
 
     def Draft(self, request, context) -> lanes_pb2.DraftResult:
@@ -255,23 +272,51 @@ class LaneServicer:
                 if out.resync_from is not None:
                     msg.resync_from = out.resync_from
                 if out.draft_probs is not None:
-                    msg.probs.CopyFrom(kv.encode_probs(out.draft_probs, item.sampling.top_k))
+                    msg.probs.CopyFrom(self._encode_probs(out.draft_probs, item.sampling.top_k))
             return result
         return self._run(context, work)
 
     def Verify(self, request, context) -> lanes_pb2.VerifyResult:
         if not self._check(context, lv.check_verify, request):
             return lanes_pb2.VerifyResult()
+        items = lc.verify_batch_from_pb(request, lambda d: d)
+        return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
 
-        def work():
-            items = lc.verify_batch_from_pb(request, lambda d: kv.decode_probs(d, self.device))
-            return lc.verify_outputs_to_pb(self.lane.verify(items))
-        return self._run(context, work)
+    def handle_call(self, call: lanes_pb2.LaneCall, state: cd.ChannelState) -> lanes_pb2.LaneReply:
+        """One call on the call channel: the unary RPC's checks, lock and lane, compact messages."""
+        try:
+            if call.method != CALL_METHODS[self.role]:
+                raise lv.LaneInvalid(f"method: {call.method} is not served by the {self.role} lane "
+                                     f"(expects {CALL_METHODS[self.role]})")
+            if self.lane is None:
+                raise lv.LaneInvalid("prefill lane has no pools yet: call ImportPools",
+                                     grpc.StatusCode.FAILED_PRECONDITION)
+            items = cd.decode(call.method, call.batch, state, self._limits())
+        except lv.LaneInvalid as exc:
+            return lanes_pb2.LaneReply(status_code=exc.code.value[0], error=str(exc))
+        try:
+            with self.lock:
+                if self.role == "prefill":
+                    reply = cd.prefill_reply(*self._prefill_work(items))
+                elif self.role == "draft":
+                    reply = cd.draft_reply(self.lane.draft(items), self._encode_probs,
+                                           [i.sampling.top_k for i in items])
+                else:
+                    reply = cd.verify_reply(self._verify_work(items))
+        except Exception as exc:
+            log.exception("%s lane call failed", self.role)
+            return lanes_pb2.LaneReply(status_code=grpc.StatusCode.INTERNAL.value[0],
+                                       error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
+        state.release(call.batch.released)
+        return reply
 
 
-def build_lane_server(servicer: LaneServicer, host: str, port: int) -> tuple[grpc.Server, int, object]:
+def build_lane_server(servicer: LaneServicer, host: str, port: int, call_port: int | None = 0,
+                      ) -> tuple[grpc.Server, int, object]:
     """A started gRPC server for the lane; returns (server, bound port, health servicer).
-    With a secret, every RPC but health must carry it (auth.py)."""
+    With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
+    channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
+    Describe announces its port."""
     interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS,
                          interceptors=interceptors)
@@ -288,4 +333,6 @@ def build_lane_server(servicer: LaneServicer, host: str, port: int) -> tuple[grp
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
+    if call_port is not None:
+        servicer.call_server = CallServer(servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret)
     return server, bound, health

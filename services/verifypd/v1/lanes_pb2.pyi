@@ -13,9 +13,20 @@ class PoolRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_ROLE_UNSPECIFIED: _ClassVar[PoolRole]
     POOL_ROLE_TARGET: _ClassVar[PoolRole]
     POOL_ROLE_DRAFT: _ClassVar[PoolRole]
+
+class LaneMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANE_METHOD_UNSPECIFIED: _ClassVar[LaneMethod]
+    LANE_METHOD_PREFILL: _ClassVar[LaneMethod]
+    LANE_METHOD_DRAFT: _ClassVar[LaneMethod]
+    LANE_METHOD_VERIFY: _ClassVar[LaneMethod]
 POOL_ROLE_UNSPECIFIED: PoolRole
 POOL_ROLE_TARGET: PoolRole
 POOL_ROLE_DRAFT: PoolRole
+LANE_METHOD_UNSPECIFIED: LaneMethod
+LANE_METHOD_PREFILL: LaneMethod
+LANE_METHOD_DRAFT: LaneMethod
+LANE_METHOD_VERIFY: LaneMethod
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("mem_handle", "storage_offset_bytes", "storage_size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -114,7 +125,7 @@ class LaneInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LaneInfo(_message.Message):
-    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received")
+    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received", "call_port")
     LANE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +134,7 @@ class LaneInfo(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     lane: str
     target_model: str
     draft_model: str
@@ -131,7 +143,8 @@ class LaneInfo(_message.Message):
     max_context: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_bytes_received: int
-    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ...) -> None: ...
+    call_port: int
+    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., call_port: _Optional[int] = ...) -> None: ...
 
 class ImportPoolsRequest(_message.Message):
     __slots__ = ("pools", "kv_transport")
@@ -275,6 +288,92 @@ class VerifyResult(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[VerifyOutput]
     def __init__(self, outputs: _Optional[_Iterable[_Union[VerifyOutput, _Mapping]]] = ...) -> None: ...
+
+class RequestIntro(_message.Message):
+    __slots__ = ("key", "request_id", "sampling")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    request_id: str
+    sampling: LaneSampling
+    def __init__(self, key: _Optional[int] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[LaneSampling, _Mapping]] = ...) -> None: ...
+
+class BlockTableDelta(_message.Message):
+    __slots__ = ("pool_id", "generation", "keep_u32", "added_count_u32", "added_u32")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_U32_FIELD_NUMBER: _ClassVar[int]
+    ADDED_COUNT_U32_FIELD_NUMBER: _ClassVar[int]
+    ADDED_U32_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    generation: int
+    keep_u32: bytes
+    added_count_u32: bytes
+    added_u32: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., keep_u32: _Optional[bytes] = ..., added_count_u32: _Optional[bytes] = ..., added_u32: _Optional[bytes] = ...) -> None: ...
+
+class PackedBatch(_message.Message):
+    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs")
+    INTROS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    KEYS_U32_FIELD_NUMBER: _ClassVar[int]
+    START_POS_U32_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_U32_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32_FIELD_NUMBER: _ClassVar[int]
+    PENDING_U32_FIELD_NUMBER: _ClassVar[int]
+    K_U32_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHUNK_U32_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_ITEMS_U32_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    intros: _containers.RepeatedCompositeFieldContainer[RequestIntro]
+    released: _containers.RepeatedScalarFieldContainer[int]
+    keys_u32: bytes
+    start_pos_u32: bytes
+    token_count_u32: bytes
+    tokens_u32: bytes
+    pending_u32: bytes
+    k_u32: bytes
+    last_chunk_u32: bytes
+    target_blocks: BlockTableDelta
+    draft_blocks: BlockTableDelta
+    probs_items_u32: bytes
+    draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
+    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ...) -> None: ...
+
+class LaneCall(_message.Message):
+    __slots__ = ("call_id", "method", "batch")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    method: LaneMethod
+    batch: PackedBatch
+    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[_Union[LaneMethod, str]] = ..., batch: _Optional[_Union[PackedBatch, _Mapping]] = ...) -> None: ...
+
+class LaneReply(_message.Message):
+    __slots__ = ("call_id", "status_code", "error", "count_u32", "tokens_u32", "probs_items_u32", "draft_probs", "resync_from_u32", "kv_bytes_copied")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COUNT_U32_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32_FIELD_NUMBER: _ClassVar[int]
+    PROBS_ITEMS_U32_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FROM_U32_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_COPIED_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    status_code: int
+    error: str
+    count_u32: bytes
+    tokens_u32: bytes
+    probs_items_u32: bytes
+    draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
+    resync_from_u32: bytes
+    kv_bytes_copied: int
+    def __init__(self, call_id: _Optional[int] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., resync_from_u32: _Optional[bytes] = ..., kv_bytes_copied: _Optional[int] = ...) -> None: ...
 
 class KvBlockChunk(_message.Message):
     __slots__ = ("pool_id", "generation", "block_id", "layer", "data")
