@@ -130,10 +130,11 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     return pools[0], pools[1]
 
 
-def capture_graphs(target: ModelRunner, draft: ModelRunner | None, k_max: int) -> float:
-    """Captures the CUDA graphs the lanes use at start-up (others on first use); returns seconds."""
+def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max: int) -> float:
+    """Captures the CUDA graphs the lanes use at start-up (others on first use); returns seconds.
+    A lane process passes only the runner it serves."""
     seconds = 0.0
-    if target.graphs is not None:
+    if target is not None and target.graphs is not None:
         seconds += target.graphs.warm_up(("all",), max_query=min(k_max + 1, target.graphs.max_query))
     if draft is not None and draft.graphs is not None:  # None: pool-less draft
         seconds += draft.graphs.warm_up(("last", "draft"))  # "last" up to 9 tokens: short catch-ups

@@ -36,12 +36,23 @@ class ChannelState:
     def __init__(self):
         self.requests: dict[int, HeldRequest] = {}
         self.tables: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.handles: dict[tuple[str, int], KvHandle] = {}  # built once per table, not per call
 
     def release(self, keys) -> None:
         for key in keys:
             self.requests.pop(key, None)
-            self.tables.pop(("target", key), None)
-            self.tables.pop(("draft", key), None)
+            for role in ("target", "draft"):
+                self.tables.pop((role, key), None)
+                self.handles.pop((role, key), None)
+
+    def handle(self, pool, role: str, key: int) -> KvHandle:
+        """The request's KvHandle in `pool`. Lanes read only its block ids: the channel carries no
+        lengths, so seq_len and committed_len are 0 here."""
+        table = self.tables[(role, key)]
+        h = self.handles.get((role, key))
+        if h is None or h.block_ids is not table:
+            h = self.handles[(role, key)] = KvHandle(pool.pool_id, pool.generation, table, 0, 0)
+        return h
 
 
 def _column(batch, name: str, n: int, required: bool = True) -> np.ndarray:
@@ -95,17 +106,23 @@ def _tables(state: ChannelState, field: str, delta, role: str, keys, ends: np.nd
     if ends.size and int(ends.max()) > limits.max_context:
         raise lv.LaneInvalid(f"{field}: positions up to {int(ends.max())} exceed the lane's context of "
                              f"{limits.max_context}")
+    held = [state.tables.get((role, key), ()) for key in keys]
+    held_len = np.fromiter(map(len, held), dtype=np.int64, count=n)
+    if (keep > held_len).any():
+        i = int(np.argmax(keep > held_len))
+        raise lv.LaneInvalid(f"{field}.keep_u32[{i}]: {int(keep[i])} kept, the channel holds {int(held_len[i])} blocks")
+    lens = keep + counts
+    bad = np.nonzero((lens * pool.block_size < ends) | (lens > pool.num_blocks))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise lv.LaneInvalid(f"{field}: item {i}: {int(lens[i])} blocks of {pool.block_size} cannot hold "
+                             f"{int(ends[i])} positions (pool of {pool.num_blocks} blocks)")
+    if not counts.any() and (keep == held_len).all():  # the usual decode step: no table changed
+        return held
     tables, at, added_l = [], 0, added.tolist()
-    for i, (key, kept, count, end) in enumerate(zip(keys, keep.tolist(), counts.tolist(), ends.tolist())):
-        held = state.tables.get((role, key), ())
-        if kept > len(held):
-            raise lv.LaneInvalid(f"{field}.keep_u32[{i}]: {kept} kept, the channel holds {len(held)} blocks")
-        table = held[:kept] + tuple(added_l[at:at + count]) if count else held[:kept]
+    for table, kept, count in zip(held, keep.tolist(), counts.tolist()):
+        tables.append(table[:kept] + tuple(added_l[at:at + count]) if count or kept < len(table) else table)
         at += count
-        if len(table) * pool.block_size < end or len(table) > pool.num_blocks:
-            raise lv.LaneInvalid(f"{field}: item {i}: {len(table)} blocks of {pool.block_size} cannot hold "
-                                 f"{end} positions (pool of {pool.num_blocks} blocks)")
-        tables.append(table)
     return tables
 
 
@@ -119,6 +136,9 @@ def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits) -> li
     counts = _column(batch, "token_count_u32", n)
     tokens = _flat(batch, "tokens_u32", counts)
     new = _intros(state, batch)
+    if n == 0:  # nothing to run (a keep-alive, or intros ahead of use)
+        state.requests.update(new)
+        return []
     held = [state.requests.get(k) or new.get(k) for k in keys]
     missing = [k for k, h in zip(keys, held) if h is None]
     if missing:
@@ -158,7 +178,8 @@ def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits) -> li
     toks = tokens.tolist()
     starts_l, ks_l = starts.tolist(), ks.tolist()
     pending = _column(batch, "pending_u32", n, required=method == lanes_pb2.LANE_METHOD_VERIFY)
-    return _items(method, batch, held, target, draft, starts_l, ks_l, toks, bounds, pending, probs, limits)
+    return _items(method, batch, state, keys, held, target, draft, starts_l, ks_l, toks, bounds, pending, probs,
+                  limits)
 
 
 def _probs(batch, n: int, counts: np.ndarray, limits: lv.LaneLimits) -> dict[int, object]:
@@ -170,12 +191,9 @@ def _probs(batch, n: int, counts: np.ndarray, limits: lv.LaneLimits) -> dict[int
     return dict(zip(rows, batch.draft_probs))
 
 
-def _items(method, batch, held, target, draft, starts, ks, toks, bounds, pending, probs, limits) -> list:
-    def handle(tables, role, i, end):
-        if tables is None:
-            return None
-        pool = limits.pools[role]
-        return KvHandle(pool.pool_id, pool.generation, tables[i], end, end)
+def _items(method, batch, state, keys, held, target, draft, starts, ks, toks, bounds, pending, probs, limits) -> list:
+    def handle(tables, role, i, _end):
+        return None if tables is None else state.handle(limits.pools[role], role, keys[i])
 
     if method == lanes_pb2.LANE_METHOD_PREFILL:
         last = _column(batch, "last_chunk_u32", len(held)).tolist()

@@ -47,6 +47,10 @@ class _GrpcLane:
         self._client: CallClient | None = None
         self._mirror = cc.ChannelMirror()
         self._call_lock = threading.Lock()  # one call at a time on the connection
+        # Owners: the prefill lane whose KV writes this lane must wait for (wire_pools sets it),
+        # and how many of its writes this lane has been told about.
+        self.producer: GrpcPrefillLane | None = None
+        self._writes_seen = 0
         self.channel = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
         self.stub = self._stub_class(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -107,6 +111,10 @@ class _GrpcLane:
             name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
             try:
                 batch = encode(self._mirror, items)
+                producer = self.producer
+                if producer is not None and producer.kv_written_event and producer.writes != self._writes_seen:
+                    self._writes_seen = producer.writes  # read before the handle goes out: never misses one
+                    batch.wait_event = producer.kv_written_event
                 reply = client.call(lanes_pb2.LaneCall(method=self._method, batch=batch))
             except (OSError, ChannelClosed) as exc:
                 raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
@@ -165,12 +173,15 @@ class GrpcPrefillLane(_GrpcLane):
     def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
         super().__init__(addr, timeout_s, secret, call_channel)
         self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
+        self.kv_written_event = b""  # ImportPoolsReply.kv_written_event (CUDA IPC, call channel only)
+        self.writes = 0  # prefill calls completed: owners wait on the event when this moved
 
     _method = lanes_pb2.LANE_METHOD_PREFILL
 
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
         def decode(items, reply):
             self.kv_bytes_copied += reply.kv_bytes_copied
+            self.writes += 1
             return cc.decode_prefill(items, reply)
 
         def unary():
@@ -221,4 +232,12 @@ def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerif
             d = lanes_pb2.PoolDescriptor.FromString(d.SerializeToString())
             d.kv_transfer_addr = owner.addr
             pools.append(d)
-    return prefill.import_pools(pools, kv_transport)
+    # The prefill lane may skip its device sync only if every call that can read its KV carries
+    # the event: true when the owners are called over their call channels.
+    forward = all(lane._use_channel and lane.describe_pb().call_port for lane in (prefill, draft, verify))
+    reply = prefill._call("ImportPools", lanes_pb2.ImportPoolsRequest(
+        pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward))
+    prefill.kv_written_event = reply.kv_written_event
+    for owner in (draft, verify):
+        owner.producer = prefill
+    return reply

@@ -33,7 +33,7 @@ import torch
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.lanes.drafts import poolless_draft_lane
-from verifypd.local_engine import EngineOptions, draft_spec, load_draft_model, resolve_device, resolve_dtype
+from verifypd.local_engine import EngineOptions, capture_graphs, draft_spec, load_draft_model, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import load_model
@@ -116,19 +116,31 @@ class LaneServicer:
         if role == "verify":
             pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
-            self.lane = LocalVerifyLane(ModelRunner(self.target_model, pool), self._info((pool.info(),)))
+            runner = self._runner(self.target_model, pool)
+            capture_graphs(runner, None, options.config.k_max)  # at start-up, not inside the first calls
+            self.lane = LocalVerifyLane(runner, self._info((pool.info(),)))
         elif role == "draft" and self.draft_model is None:
             self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":
             pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
-            self.lane = LocalDraftLane(ModelRunner(self.draft_model, pool), self._info((pool.info(),)))
+            runner = self._runner(self.draft_model, pool)
+            capture_graphs(None, runner, options.config.k_max)
+            self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
         self.call_server: CallServer | None = None  # started by build_lane_server
+        # Prefill on CUDA with imported pools: recorded after writing KV, waited on by the owners
+        # (instead of a device-wide synchronize before every reply). Owners: opened IPC events.
+        self.kv_written: torch.cuda.Event | None = None
+        self._peer_events: dict[bytes, torch.cuda.Event] = {}
+
+    def _runner(self, model: PagedLlama, pool: KvPool) -> ModelRunner:
+        return ModelRunner(model, pool, graphs=None if self.options.cuda_graphs else False,
+                           buckets=self.options.graph_buckets)
 
     def _info(self, pools) -> LaneInfo:
         return LaneInfo(self.role, tuple(pools), self.vocab_size, self.max_context,
@@ -187,15 +199,20 @@ class LaneServicer:
                     pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret))
             except (ValueError, OSError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
-        runners = (ModelRunner(self.target_model, pools["target"]),
-                   ModelRunner(self.draft_model, pools["draft"]) if self.draft_model is not None else None)
+        runners = (self._runner(self.target_model, pools["target"]),
+                   self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None)
+        event = None
+        if request.forward_kv_written_event and self.device.type == "cuda" and "imported" in modes.values():
+            event = torch.cuda.Event(interprocess=True)
         with self.lock:
             self.lane = LocalPrefillLane(*runners, self._info(()))
             self.pushers = pushers
             self.pools = dict(pools)
+            self.kv_written = event
             self.import_seconds = time.perf_counter() - t0
         log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
-        return lanes_pb2.ImportPoolsReply(mode_by_pool=modes, import_seconds=self.import_seconds)
+        return lanes_pb2.ImportPoolsReply(mode_by_pool=modes, import_seconds=self.import_seconds,
+                                          kv_written_event=bytes(event.ipc_handle()) if event else b"")
 
     def _pool_spec(self, role: str) -> lv.PoolSpec:
         model = self.target_model if role == "target" else self.draft_model
@@ -239,7 +256,11 @@ class LaneServicer:
                                                  i.start_pos, i.start_pos + len(i.token_ids),
                                                  pusher.pool.geometry.block_size)]
             copied += pusher.push(blocks)
-        if self.device.type == "cuda":  # IPC shares memory, not ordering: finish before replying
+        # IPC shares memory, not ordering: the owners' streams wait on kv_written (the router
+        # forwards it), else the device finishes before we reply.
+        if self.kv_written is not None:
+            self.kv_written.record()
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.kv_bytes_copied += copied
         return outputs, copied
@@ -249,6 +270,21 @@ class LaneServicer:
             if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
                 item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
         return self.lane.verify(items)
+
+    def _wait_for_peer(self, handle: bytes) -> None:
+        """Orders this lane's next work after the prefill lane's KV writes (PackedBatch.wait_event)."""
+        if self.device.type != "cuda":
+            raise lv.LaneInvalid("batch.wait_event: this lane runs on the CPU; there is no CUDA event to wait on")
+        event = self._peer_events.get(handle)
+        if event is None:
+            if len(handle) != lv.CUDA_HANDLE_BYTES or len(self._peer_events) >= 8:
+                raise lv.LaneInvalid(f"batch.wait_event: not a CUDA IPC event handle ({len(handle)} bytes)")
+            try:
+                event = torch.cuda.Event.from_ipc_handle(self.device, handle)
+            except RuntimeError as exc:
+                raise lv.LaneInvalid(f"batch.wait_event: cannot open: {exc}") from None
+            self._peer_events[handle] = event
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def _encode_probs(self, probs, top_k: int) -> lanes_pb2.DraftProbs:
         return kv.encode_probs(probs, top_k)
@@ -292,6 +328,8 @@ class LaneServicer:
                 raise lv.LaneInvalid("prefill lane has no pools yet: call ImportPools",
                                      grpc.StatusCode.FAILED_PRECONDITION)
             items = cd.decode(call.method, call.batch, state, self._limits())
+            if call.batch.wait_event:
+                self._wait_for_peer(call.batch.wait_event)
         except lv.LaneInvalid as exc:
             return lanes_pb2.LaneReply(status_code=exc.code.value[0], error=str(exc))
         try:

@@ -147,15 +147,17 @@ class LaneInfo(_message.Message):
     def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., call_port: _Optional[int] = ...) -> None: ...
 
 class ImportPoolsRequest(_message.Message):
-    __slots__ = ("pools", "kv_transport")
+    __slots__ = ("pools", "kv_transport", "forward_kv_written_event")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_KV_WRITTEN_EVENT_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
     kv_transport: str
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    forward_kv_written_event: bool
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., kv_transport: _Optional[str] = ..., forward_kv_written_event: _Optional[bool] = ...) -> None: ...
 
 class ImportPoolsReply(_message.Message):
-    __slots__ = ("mode_by_pool", "import_seconds")
+    __slots__ = ("mode_by_pool", "import_seconds", "kv_written_event")
     class ModeByPoolEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,9 +167,11 @@ class ImportPoolsReply(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODE_BY_POOL_FIELD_NUMBER: _ClassVar[int]
     IMPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_WRITTEN_EVENT_FIELD_NUMBER: _ClassVar[int]
     mode_by_pool: _containers.ScalarMap[str, str]
     import_seconds: float
-    def __init__(self, mode_by_pool: _Optional[_Mapping[str, str]] = ..., import_seconds: _Optional[float] = ...) -> None: ...
+    kv_written_event: bytes
+    def __init__(self, mode_by_pool: _Optional[_Mapping[str, str]] = ..., import_seconds: _Optional[float] = ..., kv_written_event: _Optional[bytes] = ...) -> None: ...
 
 class PrefillItem(_message.Message):
     __slots__ = ("request_id", "token_ids", "start_pos", "target_kv", "draft_kv", "is_last_chunk", "sampling")
@@ -314,7 +318,7 @@ class BlockTableDelta(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., keep_u32: _Optional[bytes] = ..., added_count_u32: _Optional[bytes] = ..., added_u32: _Optional[bytes] = ...) -> None: ...
 
 class PackedBatch(_message.Message):
-    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs")
+    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs", "wait_event")
     INTROS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     KEYS_U32_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +332,7 @@ class PackedBatch(_message.Message):
     DRAFT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROBS_ITEMS_U32_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_EVENT_FIELD_NUMBER: _ClassVar[int]
     intros: _containers.RepeatedCompositeFieldContainer[RequestIntro]
     released: _containers.RepeatedScalarFieldContainer[int]
     keys_u32: bytes
@@ -341,7 +346,8 @@ class PackedBatch(_message.Message):
     draft_blocks: BlockTableDelta
     probs_items_u32: bytes
     draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
-    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ...) -> None: ...
+    wait_event: bytes
+    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., wait_event: _Optional[bytes] = ...) -> None: ...
 
 class LaneCall(_message.Message):
     __slots__ = ("call_id", "method", "batch")

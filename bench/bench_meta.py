@@ -1,0 +1,39 @@
+"""What every benchmark result records: the command, git revision, date and device."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+
+def git_revision() -> str:
+    """VERIFYPD_GIT_REV wins: a copied tree's own git metadata can name another commit."""
+    try:
+        return os.environ.get("VERIFYPD_GIT_REV") or subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu: {cpu} ({os.cpu_count()} cores)"
+
+
+def metadata() -> dict:
+    return {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device_name()}
