@@ -1,15 +1,16 @@
 """Split (lanes in 3 processes, KV by CUDA IPC handle) vs colocated (one process), same workload.
 
-    PYTHONPATH=services python bench/split_vs_colocated.py                 # GPU: TinyLlama shape, batch 16
-    PYTHONPATH=services python bench/split_vs_colocated.py --device cpu --target DIR --draft DIR --batch 4
+    PYTHONPATH=services python bench/split_vs_colocated.py --out FILE     # GPU: Llama-2-7B + TinyLlama,
+                                                                         # simulated acceptance 0.7, batch 1 and 64
+    PYTHONPATH=services python bench/split_vs_colocated.py --device cpu --target DIR --draft DIR --batches 4
 
-Random weights with draft = target (acceptance 1, labeled in the output), fixed k, greedy. Both
-topologies run the same router over the same requests; the script checks the outputs are
-identical and prints one JSON object with:
-  * lane_start_s:     spawning the three lane processes until all serve (model load included)
-  * import_s:         the prefill lane opening both peers' pools (ImportPools, as the lane measured)
-  * wiring_s:         the whole one-time exchange seen from the router (Describe x2 + ImportPools)
-  * per-step times of decode-only steps (median), per-lane call times, and the split overhead.
+Random weights; with --alpha the verify lane keeps each draft token with that probability
+(simulated acceptance: real draft and verify compute, seeded Bernoulli accept, labelled in the
+output); without it, draft = target (acceptance ~1). Fixed k, greedy. Both topologies run the same
+router over the same requests, interleaved run by run; the script checks the outputs are
+identical (0 KV bytes may cross the wire with handles) and prints one JSON object with, per batch:
+tokens/s of each topology and their ratio, median decode-step and lane-call times, and the
+split's wire bytes. Also: lane start-up and the one-time pool wiring.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ import argparse
 import json
 import statistics
 import sys
+import os
 import time
 from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_meta
 
 
 class StepTimes:
@@ -65,11 +69,16 @@ def run(router, specs, observer: StepTimes) -> tuple[list[list[int]], dict]:
     return [tokens[i] for i in ids], stats
 
 
+def _median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def summarize(runs: list[dict]) -> dict:
     return {"runs": len(runs),
             "decode_step_ms_median_of_runs": statistics.median(r["decode_step_ms_median"] for r in runs),
             "tokens_per_s_median_of_runs": statistics.median(r["tokens_per_s"] for r in runs),
-            "lane_call_ms_median_of_runs": {lane: statistics.median(r["lane_call_ms_median"][lane] for r in runs)
+            "lane_call_ms_median_of_runs": {lane: _median_or_none([r["lane_call_ms_median"][lane] for r in runs])
                                             for lane in ("prefill", "draft", "verify")},
             "decode_steps": [r["decode_steps"] for r in runs]}
 
@@ -94,33 +103,39 @@ def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for x, y in zip(a, b))
 
 
-def specs_for(args, vocab: int):
+def specs_for(args, vocab: int, batch: int):
     import random
 
     from verifypd.engine.types import RequestSpec
 
     rng = random.Random(0)
     return [RequestSpec(tuple(rng.randrange(3, vocab) for _ in range(args.prompt_len)), max_tokens=args.max_tokens,
-                        stop_at_eos=False, request_id=f"r{n}") for n in range(args.batch)]
+                        stop_at_eos=False, request_id=f"r{n}") for n in range(batch)]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", default="random:tinyllama-1.1b")
-    p.add_argument("--draft", default=None, help="default: same as --target (acceptance 1)")
+    p.add_argument("--target", default="random:llama-2-7b")
+    p.add_argument("--draft", default="random:tinyllama-1.1b", help="'same': draft = target (acceptance ~1)")
+    p.add_argument("--alpha", type=float, default=0.7, help="simulated acceptance (negative: off)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batches", default="1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-transport", default="handle", choices=["handle", "copy", "auto"])
-    p.add_argument("--reps", type=int, default=5, help="timed runs per topology (after one warm-up)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per topology and batch (after one warm-up)")
+    p.add_argument("--label", default="", help="free text kept in the output (e.g. 'MPS on')")
+    p.add_argument("--out", default=None)
     args = p.parse_args()
-    args.draft = args.draft or args.target
+    if args.draft == "same":
+        args.draft = args.target
+    batches = [int(b) for b in args.batches.split(",")]
+    alpha = args.alpha if args.alpha >= 0 else None
 
+    from bench_meta import metadata
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.engine.router import Router
     from verifypd.local_engine import Engine, EngineOptions
@@ -129,19 +144,25 @@ def main() -> int:
     from verifypd.server.launcher import LaneProcesses
 
     config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False)
+    context = args.prompt_len + args.max_tokens + 64
+    num_blocks = max(batches) * (-(-context // args.block_size)) + 16
     options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
-                            num_blocks=args.num_blocks, block_size=args.block_size,
-                            max_context=args.prompt_len + args.max_tokens + 64, max_running=args.batch,
-                            config=config)
-    result: dict = {"target": args.target, "draft": args.draft, "batch": args.batch, "prompt_len": args.prompt_len,
-                    "max_tokens": args.max_tokens, "k": args.k, "kv_transport": args.kv_transport,
-                    "acceptance": "1 (draft = target, random weights)" if args.draft == args.target else "real"}
+                            num_blocks=num_blocks, block_size=args.block_size, max_context=context,
+                            max_running=max(batches), config=config, graph_buckets=tuple(batches),
+                            simulated_acceptance=alpha)
+    result: dict = {**metadata(), "label": args.label, "target": args.target, "draft": args.draft,
+                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "k": args.k,
+                    "kv_transport": args.kv_transport, "rows": [],
+                    "acceptance": (f"simulated acceptance alpha={alpha} (real compute, seeded Bernoulli accept)"
+                                   if alpha is not None else
+                                   "~1 (draft = target, random weights)" if args.draft == args.target else "real")}
 
     # The lanes are spawned (exec), never forked, so this process may use CUDA as well.
     procs = LaneProcesses(options)
     t0 = time.perf_counter()
     addrs = procs.start(timeout_s=600)
     result["lane_start_s"] = time.perf_counter() - t0
+    ok = True
     try:
         lanes = connect_lanes(addrs, timeout_s=600)
         t0 = time.perf_counter()
@@ -149,36 +170,44 @@ def main() -> int:
         result["wiring_s"] = time.perf_counter() - t0
         result["import_s"] = reply.import_seconds
         result["pool_modes"] = sorted(set(reply.mode_by_pool.values()))
-        result["device"] = lanes[2].describe_pb().pools[0].device_uuid
+        result["kv_written_event"] = bool(reply.kv_written_event)
         codec = load_codec(args.target)
         vocab = lanes[2].describe().vocab_size
         observers = {"split": StepTimes(), "colocated": StepTimes()}
-        engine = Engine(options, observer=observers["colocated"])
+        engine = Engine(options, observer=observers["colocated"], simulated_acceptance=alpha)
         routers = {"split": Router(*lanes, decode=codec.decode, eos_token_ids=(), config=config,
-                                   max_running=args.batch, observer=observers["split"]),
+                                   max_running=max(batches), observer=observers["split"]),
                    "colocated": engine.router}
-        outputs, summary = interleaved(routers, observers, specs_for(args, vocab), args.reps)
-        result.update(summary)
-        result["split"]["wire_bytes"] = {lane.lane: lane.wire_bytes for lane in lanes}
-        result["split"]["kv_bytes_copied"] = lanes[0].kv_bytes_copied
+        for batch in batches:
+            before = {lane.lane: lane.wire_bytes for lane in lanes}
+            outputs, summary = interleaved(routers, observers, specs_for(args, vocab, batch), args.reps)
+            row = {"batch": batch, **summary}
+            row["split"]["wire_bytes"] = {lane.lane: lane.wire_bytes - before[lane.lane] for lane in lanes}
+            row["split"]["kv_bytes_copied"] = lanes[0].kv_bytes_copied
+            reference = outputs["colocated"][0]
+            # Every run of each topology is compared with the first colocated run.
+            row["colocated_runs_mismatched_requests"] = [mismatches(reference, o) for o in outputs["colocated"]]
+            row["split_runs_mismatched_requests"] = [mismatches(reference, o) for o in outputs["split"]]
+            row["identical_output"] = all(o == reference for o in outputs["split"] + outputs["colocated"])
+            ok &= row["identical_output"]
+            c, s_ = row["colocated"], row["split"]
+            row["split_over_colocated_throughput"] = s_["tokens_per_s_median_of_runs"] / c["tokens_per_s_median_of_runs"]
+            row["per_step_overhead_ms"] = s_["decode_step_ms_median_of_runs"] - c["decode_step_ms_median_of_runs"]
+            row["per_lane_call_overhead_ms"] = {
+                lane: s_["lane_call_ms_median_of_runs"][lane] - c["lane_call_ms_median_of_runs"][lane]
+                for lane in ("prefill", "draft", "verify")
+                if s_["lane_call_ms_median_of_runs"][lane] is not None}
+            result["rows"].append(row)
+            print(json.dumps({k: row[k] for k in ("batch", "split_over_colocated_throughput", "per_step_overhead_ms",
+                                                  "identical_output")}), file=sys.stderr, flush=True)
     finally:
         procs.terminate()
-
-    reference = outputs["colocated"][0]
-    # The engine itself must be deterministic for the comparison to mean anything: every run of
-    # each topology is compared with the first colocated run (block ids differ between runs).
-    result["colocated_runs_mismatched_requests"] = [mismatches(reference, o) for o in outputs["colocated"]]
-    result["split_runs_mismatched_requests"] = [mismatches(reference, o) for o in outputs["split"]]
-    result["identical_output"] = all(o == reference for o in outputs["split"] + outputs["colocated"])
-    c = result["colocated"]["decode_step_ms_median_of_runs"]
-    s_ = result["split"]["decode_step_ms_median_of_runs"]
-    result["per_step_overhead_ms"] = s_ - c
-    result["per_step_overhead_pct"] = 100.0 * (s_ - c) / c
-    result["per_lane_call_overhead_ms"] = {
-        lane: result["split"]["lane_call_ms_median_of_runs"][lane] - result["colocated"]["lane_call_ms_median_of_runs"][lane]
-        for lane in ("prefill", "draft", "verify")}
-    print(json.dumps(result, indent=2))
-    return 0 if result["identical_output"] else 1
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -90,8 +90,23 @@ def register(sub) -> None:
 def add_engine_flags(p: argparse.ArgumentParser, router: bool = True) -> None:
     p.add_argument("--block-size", type=int, default=16, help="token positions per KV block")
     p.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
+    p.add_argument("--graph-buckets", type=_buckets, default=None, metavar="B,B,...",
+                   help="on CUDA: batch sizes to capture CUDA graphs for at start-up (default 1,2,4,...,256)")
     if router:
         p.add_argument("--max-running", type=int, default=256, help="requests decoding at once")
+    else:
+        p.add_argument("--k-max", type=int, default=None,
+                       help="longest draft the router will ask for (sizes the graphs captured at start-up)")
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated batch sizes, got {text!r}") from None
+    if not values or values[0] < 1 or values[-1] > 4096:
+        raise argparse.ArgumentTypeError(f"batch sizes must be in [1, 4096], got {text!r}")
+    return values
 
 
 def engine_options(args):
@@ -100,7 +115,12 @@ def engine_options(args):
     from verifypd.local_engine import EngineOptions
 
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
-                            num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context)
+                            num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context,
+                            graph_buckets=args.graph_buckets)
+    if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
+        options.config = RuntimeConfig(k_min=0, k_initial=min(RuntimeConfig().k_initial, max(args.k_max, 0)),
+                                       k_max=args.k_max)
+        options.config.validate()  # InvalidRequest names the bound
     if hasattr(args, "max_running"):
         options.max_running = args.max_running
         changes = {name: getattr(args, name) for name in ("k_min", "k_max", "k_initial", "prefill_token_budget")
@@ -233,7 +253,12 @@ def cmd_lane(args) -> int:
         print(f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
               f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).", file=sys.stderr)
         return 2
-    servicer = LaneServicer(args.lane, engine_options(args), secret=secret)
+    try:
+        options = engine_options(args)
+    except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    servicer = LaneServicer(args.lane, options, secret=secret)
     if not -1 <= args.call_port <= 65535:
         print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
         return 2

@@ -40,6 +40,10 @@ def lane_command(lane: str, options, *, host: str, port: int = 0, port_file: str
         cmd += ["--max-context", str(options.max_context)]
     if options.num_blocks is not None:
         cmd += ["--num-blocks", str(options.num_blocks)]
+    if options.graph_buckets:
+        cmd += ["--graph-buckets", ",".join(map(str, options.graph_buckets))]
+    if lane != "prefill":  # the owners capture graphs up to the router's longest draft
+        cmd += ["--k-max", str(options.config.k_max)]
     if port_file:
         cmd += ["--port-file", port_file]
     if parent_pid:
