@@ -89,6 +89,36 @@ def add_engine_flags(p: argparse.ArgumentParser, router: bool = True) -> None:
     p.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
     if router:
         p.add_argument("--max-running", type=int, default=256, help="requests decoding at once")
+    p.add_argument("--simulated-acceptance", type=acceptance_rate, default=None, metavar="ALPHA",
+                   help="BENCHMARK ONLY: real draft and verify compute, but each draft token is accepted with "
+                        "probability ALPHA (0..1, seeded); outputs are NOT the target model's")
+
+
+def acceptance_rate(text: str) -> float:
+    """--simulated-acceptance: a probability in [0, 1] (argparse reports the error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (a probability), got {text}")
+    return value
+
+
+SIMULATED_WARNING = ("SIMULATED ACCEPTANCE alpha=%g (--simulated-acceptance): BENCHMARK ONLY. Draft tokens are "
+                     "accepted at random with this probability instead of by the target model; every output of "
+                     "this server is NOT the target model's output. Never serve real traffic like this.")
+
+
+def simulated_label(options) -> str:
+    """The words the start-up lines add when acceptance is simulated ('' otherwise)."""
+    alpha = getattr(options, "simulated_acceptance", None)
+    return "" if alpha is None else f", SIMULATED ACCEPTANCE alpha={alpha:g} (benchmark only)"
+
+
+def warn_simulated(options) -> None:
+    if getattr(options, "simulated_acceptance", None) is not None:
+        logging.getLogger("verifypd").warning(SIMULATED_WARNING, options.simulated_acceptance)
 
 
 def engine_options(args):
@@ -97,7 +127,8 @@ def engine_options(args):
     from verifypd.local_engine import EngineOptions
 
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
-                            num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context)
+                            num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context,
+                            simulated_acceptance=getattr(args, "simulated_acceptance", None))
     if hasattr(args, "max_running"):
         options.max_running = args.max_running
         changes = {name: getattr(args, name) for name in ("k_min", "k_max", "k_initial", "prefill_token_budget")
@@ -134,6 +165,7 @@ def cmd_serve(args) -> int:
 
     _setup_logging()
     options = engine_options(args)
+    warn_simulated(options)
     if args.http_port < 0 or args.http_max_body_bytes < 1:
         print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
         return 2
@@ -155,6 +187,10 @@ def cmd_serve(args) -> int:
         missing = [lane for lane, a in addrs.items() if not a]
         if missing:
             print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
+            return 2
+        if options.simulated_acceptance is not None:  # the verify lane decides acceptance, and it runs elsewhere
+            print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
+                  file=sys.stderr)
             return 2
         gateway = build_split(addrs, options, topology=args.topology, lane_secret=load_secret(args.lane_secret_file),
                               **split, **common)
@@ -180,7 +216,7 @@ def cmd_serve(args) -> int:
     if supervisor is not None:
         supervisor.start()
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
-          f"(target {options.target}, draft {options.draft})", file=sys.stderr, flush=True)
+          f"(target {options.target}, draft {options.draft}{simulated_label(options)})", file=sys.stderr, flush=True)
     http = None
     try:
         if args.http_port:
@@ -230,14 +266,21 @@ def cmd_lane(args) -> int:
         print(f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
               f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).", file=sys.stderr)
         return 2
-    servicer = LaneServicer(args.lane, engine_options(args), secret=secret)
+    options = engine_options(args)
+    if args.lane == "verify":
+        warn_simulated(options)
+    elif options.simulated_acceptance is not None:
+        print("verifypd: error: --simulated-acceptance applies to the verify lane only", file=sys.stderr)
+        return 2
+    servicer = LaneServicer(args.lane, options, secret=secret)
     server, port, health = build_lane_server(servicer, args.host, args.port)
     if args.port_file:  # written atomically: the launcher reads it as soon as it exists
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
             f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
         os.replace(tmp, args.port_file)
-    print(f"verifypd: {args.lane} lane serving on {args.host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    print(f"verifypd: {args.lane} lane serving on {args.host}:{port} (pid {os.getpid()}{simulated_label(options)})",
+          file=sys.stderr, flush=True)
     parent = args.parent_pid
     try:
         _wait_for_signal(poll=(lambda: os.getppid() != parent) if parent else None)

@@ -112,7 +112,7 @@ class LaneServicer:
         if role == "verify":
             pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
-            self.lane = LocalVerifyLane(ModelRunner(self.target_model, pool), self._info((pool.info(),)))
+            self.lane = LocalVerifyLane(ModelRunner(self.target_model, pool), self._info((pool.info(),)), simulated_acceptance=options.simulated_acceptance)
         elif role == "draft" and self.draft_model is None:
             self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":

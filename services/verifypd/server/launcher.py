@@ -40,6 +40,8 @@ def lane_command(lane: str, options, *, host: str, port: int = 0, port_file: str
         cmd += ["--max-context", str(options.max_context)]
     if options.num_blocks is not None:
         cmd += ["--num-blocks", str(options.num_blocks)]
+    if lane == "verify" and getattr(options, "simulated_acceptance", None) is not None:  # benchmark only
+        cmd += ["--simulated-acceptance", repr(float(options.simulated_acceptance))]
     if port_file:
         cmd += ["--port-file", port_file]
     if parent_pid:
