@@ -39,6 +39,9 @@ class EngineOptions:
     cuda_graphs: bool = True         # on CUDA: capture graphs per batch bucket at start-up
     graph_buckets: tuple[int, ...] | None = None  # padded batch sizes of the graphs (None = 1, 2, 4 .. 256)
     config: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # BENCHMARK ONLY (`--simulated-acceptance`): real draft and verify compute, but each draft token is
+    # kept with this probability (seeded Bernoulli, see LocalVerifyLane): output is NOT the target's.
+    simulated_acceptance: float | None = None
 
 
 @dataclass
@@ -144,8 +147,11 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
 class Engine:
     def __init__(self, options: EngineOptions | None = None, observer: EngineObserver | None = None,
                  models: Models | None = None, *, simulated_acceptance: float | None = None):
-        """`simulated_acceptance` is for benchmarks only (see LocalVerifyLane); no CLI or RPC sets it."""
+        """`simulated_acceptance` is for benchmarks only (see LocalVerifyLane); it overrides
+        options.simulated_acceptance (set by `verifypd serve --simulated-acceptance`; no RPC sets it)."""
         self.options = options or EngineOptions()
+        if simulated_acceptance is None:
+            simulated_acceptance = self.options.simulated_acceptance
         self.models = models or load_models(self.options)
         m = self.models
         self.codec = TextCodec(m.target.tokenizer)

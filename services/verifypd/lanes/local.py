@@ -72,7 +72,8 @@ class LocalDraftLane:
 
 class LocalVerifyLane:
     def __init__(self, target: ModelRunner, info: LaneInfo, simulated_acceptance: float | None = None):
-        """`simulated_acceptance` (benchmarks only; no public API reaches it): do the real verify
+        """`simulated_acceptance` (benchmarks only; no RPC reaches it, only `verifypd serve` / `verifypd lane
+        verify --simulated-acceptance`, which warn at start-up): do the real verify
         forward, then keep each draft token with this probability (seeded Bernoulli), so random-weight
         models can stand in for a trained draft. Output is then NOT the target's distribution."""
         self.target, self.info = target, info

@@ -97,6 +97,9 @@ def add_engine_flags(p: argparse.ArgumentParser, router: bool = True) -> None:
     else:
         p.add_argument("--k-max", type=int, default=None,
                        help="longest draft the router will ask for (sizes the graphs captured at start-up)")
+    p.add_argument("--simulated-acceptance", type=acceptance_rate, default=None, metavar="ALPHA",
+                   help="BENCHMARK ONLY: real draft and verify compute, but each draft token is accepted with "
+                        "probability ALPHA (0..1, seeded); outputs are NOT the target model's")
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -109,6 +112,33 @@ def _buckets(text: str) -> tuple[int, ...]:
     return values
 
 
+def acceptance_rate(text: str) -> float:
+    """--simulated-acceptance: a probability in [0, 1] (argparse reports the error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (a probability), got {text}")
+    return value
+
+
+SIMULATED_WARNING = ("SIMULATED ACCEPTANCE alpha=%g (--simulated-acceptance): BENCHMARK ONLY. Draft tokens are "
+                     "accepted at random with this probability instead of by the target model; every output of "
+                     "this server is NOT the target model's output. Never serve real traffic like this.")
+
+
+def simulated_label(options) -> str:
+    """The words the start-up lines add when acceptance is simulated ('' otherwise)."""
+    alpha = getattr(options, "simulated_acceptance", None)
+    return "" if alpha is None else f", SIMULATED ACCEPTANCE alpha={alpha:g} (benchmark only)"
+
+
+def warn_simulated(options) -> None:
+    if getattr(options, "simulated_acceptance", None) is not None:
+        logging.getLogger("verifypd").warning(SIMULATED_WARNING, options.simulated_acceptance)
+
+
 def engine_options(args):
     from verifypd.cli import draft_arg
     from verifypd.engine.draft_length import RuntimeConfig
@@ -116,7 +146,8 @@ def engine_options(args):
 
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
                             num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context,
-                            graph_buckets=args.graph_buckets)
+                            graph_buckets=args.graph_buckets,
+                            simulated_acceptance=getattr(args, "simulated_acceptance", None))
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
         options.config = RuntimeConfig(k_min=0, k_initial=min(RuntimeConfig().k_initial, max(args.k_max, 0)),
                                        k_max=args.k_max)
@@ -157,6 +188,7 @@ def cmd_serve(args) -> int:
 
     _setup_logging()
     options = engine_options(args)
+    warn_simulated(options)
     if args.http_port < 0 or args.http_max_body_bytes < 1:
         print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
         return 2
@@ -178,6 +210,10 @@ def cmd_serve(args) -> int:
         missing = [lane for lane, a in addrs.items() if not a]
         if missing:
             print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
+            return 2
+        if options.simulated_acceptance is not None:  # the verify lane decides acceptance, and it runs elsewhere
+            print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
+                  file=sys.stderr)
             return 2
         gateway = build_split(addrs, options, topology=args.topology, lane_secret=load_secret(args.lane_secret_file),
                               **split, **common)
@@ -203,7 +239,7 @@ def cmd_serve(args) -> int:
     if supervisor is not None:
         supervisor.start()
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
-          f"(target {options.target}, draft {options.draft})", file=sys.stderr, flush=True)
+          f"(target {options.target}, draft {options.draft}{simulated_label(options)})", file=sys.stderr, flush=True)
     http = None
     try:
         if args.http_port:
@@ -258,6 +294,11 @@ def cmd_lane(args) -> int:
     except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
+    if args.lane == "verify":
+        warn_simulated(options)
+    elif options.simulated_acceptance is not None:
+        print("verifypd: error: --simulated-acceptance applies to the verify lane only", file=sys.stderr)
+        return 2
     servicer = LaneServicer(args.lane, options, secret=secret)
     if not -1 <= args.call_port <= 65535:
         print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
@@ -275,7 +316,7 @@ def cmd_lane(args) -> int:
             f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
         os.replace(tmp, args.port_file)
     calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
-    print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()})", file=sys.stderr,
+    print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})", file=sys.stderr,
           flush=True)
     parent = args.parent_pid
     try:

@@ -118,7 +118,8 @@ class LaneServicer:
             self.owned[pool.pool_id] = pool
             runner = self._runner(self.target_model, pool)
             capture_graphs(runner, None, options.config.k_max)  # at start-up, not inside the first calls
-            self.lane = LocalVerifyLane(runner, self._info((pool.info(),)))
+            self.lane = LocalVerifyLane(runner, self._info((pool.info(),)),
+                                        simulated_acceptance=options.simulated_acceptance)
         elif role == "draft" and self.draft_model is None:
             self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":

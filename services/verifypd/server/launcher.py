@@ -44,6 +44,8 @@ def lane_command(lane: str, options, *, host: str, port: int = 0, port_file: str
         cmd += ["--graph-buckets", ",".join(map(str, options.graph_buckets))]
     if lane != "prefill":  # the owners capture graphs up to the router's longest draft
         cmd += ["--k-max", str(options.config.k_max)]
+    if lane == "verify" and getattr(options, "simulated_acceptance", None) is not None:  # benchmark only
+        cmd += ["--simulated-acceptance", repr(float(options.simulated_acceptance))]
     if port_file:
         cmd += ["--port-file", port_file]
     if parent_pid:
