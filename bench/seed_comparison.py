@@ -540,7 +540,7 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
     params = doc.get("parameters") or {}
     label = doc.get("label") or "simulated acceptance"
     lines = [f"# Seed-study comparison sweep — {doc.get('device')} — {label}", ""]
-    lines += [f"**Every speculative row uses {label.upper()}**: random weights of the named shapes; real draft "
+    lines += [f"**Every speculative row uses {label} (SIMULATED)**: random weights of the named shapes; real draft "
               f"and verify compute, each draft token kept with probability α (seeded Bernoulli), so acceptance "
               f"is the benchmark's choice, not the models'. k0 rows are plain decoding (no draft).", ""]
     srcs = doc.get("sources") or [{k: doc.get(k) for k in ("command", "device", "git_revision", "date", "sweep_seconds")}]
@@ -712,7 +712,7 @@ def make_plots(doc: dict, base: Path) -> tuple[dict[str, list[str]], str | None]
         if combos and cs:
             grid = [[(ratio(ok(by_mode[a].get(c), "output_tok_s"), ok(by_mode[b].get(c), "output_tok_s")) or math.nan) - 1
                      for c in cs] for a, b in combos]
-            fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(cs), 1.2 + 0.5 * len(combos)))
+            fig, ax = plt.subplots(figsize=(3.5 + 0.75 * len(cs), 1.6 + 0.5 * len(combos)))
             im = ax.imshow([[v * 100 for v in row] for row in grid], cmap="RdYlGn", vmin=-50, vmax=50, aspect="auto")
             ax.set_xticks(range(len(cs)), [str(c) for c in cs])
             ax.set_yticks(range(len(combos)), [f"{MODE_TITLES.get(a, a)} vs {MODE_TITLES.get(b, b)}" for a, b in combos])
