@@ -301,7 +301,7 @@ def _r(v, digits: int = 2):
     return None if v is None else round(v, digits)
 
 
-async def drive(args, address: str, base: dict, nvml: Nvml, on_row, alive) -> dict:
+async def drive(args, address: str, base: dict, nvml: Nvml, on_row, alive, out_of_time) -> dict:
     """Warm-up, then every concurrency point against one server; calls on_row(row) per point."""
     import grpc
 
@@ -326,6 +326,10 @@ async def drive(args, address: str, base: dict, nvml: Nvml, on_row, alive) -> di
             row = dict(base, concurrency=c, status="ok", error=None)
             if not alive():
                 row.update(status="error", error="server is no longer running")
+                on_row(row)
+                continue
+            if out_of_time():
+                row.update(status="error", error=f"not run: --time-budget {args.time_budget:g} s spent")
                 on_row(row)
                 continue
             n = None if args.requests_per_point is None else max(args.requests_per_point, c)
@@ -364,6 +368,7 @@ def run_sweep(args) -> dict:
     out = output_paths(args.out, device_slug, args.tag)
     save = lambda: write_json(results, out["json"])  # noqa: E731
     t_sweep = time.monotonic()
+    out_of_time = lambda: args.time_budget is not None and time.monotonic() - t_sweep > args.time_budget  # noqa: E731
     for pair in args.pairs:
         need = MIN_GPU_GB.get(pair[1])
         if need and (mem_gb is None or mem_gb < need):
@@ -379,6 +384,13 @@ def run_sweep(args) -> dict:
                     "label": "no speculation (k=0)" if mode == "k0" else f"simulated acceptance α={args.alpha:g}"}
             cmd = serve_command(args, pair, mode, free_port())
             entry = {"pair": pair_name(pair), "mode": mode, "command": " ".join(shlex.quote(c) for c in cmd)}
+            if out_of_time():
+                entry.update(status="error", error=f"not started: --time-budget {args.time_budget:g} s spent")
+                results["servers"].append(entry)
+                results["rows"] += [dict(base, concurrency=c, status="error", error=entry["error"])
+                                    for c in args.concurrency]
+                save()
+                continue
             print(f"# {pair_name(pair)} {mode}: starting {entry['command']}", flush=True)
             t0 = time.monotonic()
             server = ServeProcess(cmd, echo=args.echo_server_logs)
@@ -398,7 +410,8 @@ def run_sweep(args) -> dict:
                     print(json.dumps({k: v for k, v in row.items() if k != "summary"}), flush=True)
                     save()
                 entry["server_info"] = asyncio.run(drive(args, server.address, base, nvml, on_row,
-                                                         alive=lambda: server.proc.poll() is None))
+                                                         alive=lambda: server.proc.poll() is None,
+                                                         out_of_time=out_of_time))
                 entry["status"] = "ok" if server.proc.poll() is None else "error"
                 if entry["status"] == "error":
                     entry.update(error=f"server exited with code {server.proc.returncode} during the sweep",
@@ -429,7 +442,9 @@ def output_paths(out_dir: str, device_slug: str, tag: str | None) -> dict[str, P
 def write_json(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, allow_nan=False, default=str) + "\n")
+    from verifypd_loadgen.schema import _clean  # JSON has no inf/nan: written as strings
+
+    tmp.write_text(json.dumps(_clean(results), indent=2, allow_nan=False, default=str) + "\n")
     os.replace(tmp, path)
 
 
@@ -701,11 +716,12 @@ def make_plots(doc: dict, base: Path) -> tuple[dict[str, list[str]], str | None]
         ax.set_ylabel("P95 end-to-end latency (ms)")
         ax.set_title(f"{pair}: P95 latency — {label}", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(f"{stem}_p95.png", dpi=110)
+        if ax.lines:
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(f"{stem}_p95.png", dpi=110)
+            paths.append(f"{stem}_p95.png")
         plt.close(fig)
-        paths.append(f"{stem}_p95.png")
         combos = [(a, b) for a, b in (("pdv", "pd"), ("pdv", "baseline"), ("pd", "baseline"), ("pdv", "k0"),
                                       ("pd", "k0"), ("baseline", "k0")) if a in by_mode and b in by_mode]
         cs = sorted({c for m in by_mode.values() for c in m})
@@ -784,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="per server, before the first point: requests of up to 32 tokens (0 = none)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to start")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: start no server and no point after this (they are recorded as not run), so a "
+                         "run under a hard time limit still ends with its JSON and report written")
     ap.add_argument("--device", default="auto", help="serve --device (default auto)")
     ap.add_argument("--vocab-range", default="100:31000", help="LO:HI of the random prompt token ids")
     ap.add_argument("--seed", type=int, default=0)
