@@ -41,8 +41,8 @@ def test_sweep_on_tiny_models(tiny_models, tmp_path):
     # `bad` passes a flag serve does not know: that server cannot start, and the sweep goes on.
     # --no-schedule-flag: k0 and pdv run without `--schedule` (serve's default schedule).
     proc = run_harness("--pairs", f"{draft}->{target}", "--modes", "k0,bad,pdv", "--mode-args", "bad=--no-such-flag",
-                       "--no-schedule-flag", "--concurrency", "1,3", "--seconds-per-point", "1", "--prompt-tokens", "8",
-                       "--max-tokens", "10", "--warmup-requests", "2", "--device", "cpu", "--vocab-range", "3:96",
+                       "--no-schedule-flag", "--concurrency", "1,3", "--seconds-per-point", "0.7", "--prompt-tokens", "8",
+                       "--max-tokens", "10", "--warmup-requests", "0", "--device", "cpu", "--vocab-range", "3:96",
                        "--serve-args", f"--num-blocks 64 --block-size {BLOCK_SIZE} --k-initial 3", "--out", str(tmp_path),
                        "--tag", "smoke")
     doc = json.loads((tmp_path / "seed_comparison_cpu_smoke.json").read_text())
@@ -83,8 +83,8 @@ def test_sweep_on_tiny_models(tiny_models, tmp_path):
         r["pair"] = "other->pair"
     other["skipped"] = [{"pair": "tinyllama-1.1b->codellama-34b", "note": "skipped: needs >= 120 GB"}]
     (tmp_path / "other.json").write_text(json.dumps(other))
-    run_harness("--report-only", str(tmp_path / "seed_comparison_cpu_smoke.json"), str(tmp_path / "other.json"),
-                "--out", str(tmp_path / "merged"))
+    assert load_harness().main(["--report-only", str(tmp_path / "seed_comparison_cpu_smoke.json"),
+                                str(tmp_path / "other.json"), "--out", str(tmp_path / "merged")]) == 0
     merged = json.loads((tmp_path / "merged" / "seed_comparison_cpu.json").read_text())
     assert len(merged["rows"]) == 12 and len(merged["sources"]) == 2
     text = (tmp_path / "merged" / "seed_comparison_cpu.md").read_text()
