@@ -566,7 +566,7 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
               f"{params.get('max_tokens')} generated tokens per request ({params.get('sampling', 'greedy')}); "
               + (f"{params.get('requests_per_point')} requests per point" if params.get("requests_per_point")
                  else f"{params.get('seconds_per_point')} s per point (requests in flight then finish)")
-              + f"; served over gRPC Generate, measured with the loadgen library.",
+              + "; served over gRPC Generate, measured with the loadgen library.",
               "- GPU utilisation: NVML, sampled every 100 ms during each point "
               + ("(null: NVML was not available)" if doc.get("nvml") not in (None, "ok") else "(mean / max %)."), ""]
     pairs = []
