@@ -164,7 +164,7 @@ def main() -> int:
     result["lane_start_s"] = time.perf_counter() - t0
     ok = True
     try:
-        lanes = connect_lanes(addrs, timeout_s=600)
+        lanes = connect_lanes(addrs, timeout_s=600, secret=procs.secret)
         t0 = time.perf_counter()
         reply = wire_pools(*lanes, kv_transport=args.kv_transport)
         result["wiring_s"] = time.perf_counter() - t0
