@@ -278,7 +278,7 @@ class LaneServicer:
             raise lv.LaneInvalid("batch.wait_event: this lane runs on the CPU; there is no CUDA event to wait on")
         event = self._peer_events.get(handle)
         if event is None:
-            if len(handle) != lv.CUDA_HANDLE_BYTES or len(self._peer_events) >= 8:
+            if len(handle) > lv.CUDA_HANDLE_BYTES or len(self._peer_events) >= 8:
                 raise lv.LaneInvalid(f"batch.wait_event: not a CUDA IPC event handle ({len(handle)} bytes)")
             try:
                 event = torch.cuda.Event.from_ipc_handle(self.device, handle)

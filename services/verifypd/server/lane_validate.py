@@ -22,7 +22,9 @@ MAX_BATCH_TOKENS = 1 << 17  # token positions computed per lane call
 POOL_ID = re.compile(r"(target|draft)-[0-9a-f]{12}")
 ADDR = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
 MAX_SHORT_STR = 128         # ids, boot ids, device uuids
-CUDA_HANDLE_BYTES = 64      # cudaIpcMemHandle_t / cudaIpcEventHandle_t
+# cudaIpcMemHandle_t / cudaIpcEventHandle_t are 64 bytes; torch's share handles can carry more
+# (e.g. a handle-type prefix with expandable segments), so only an upper bound is enforced.
+CUDA_HANDLE_BYTES = 256
 
 
 class LaneInvalid(ValueError):
