@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from verifypd.lanes.interface import (DraftItem, DraftOutput, KvHandle, PrefillItem, PrefillOutput, VerifyItem,
                                       VerifyOutput)
@@ -26,10 +26,27 @@ def u32(values: Iterable[int]) -> bytes:
     return array("I", values).tobytes()
 
 
-def from_u32(data: bytes) -> array:
+def from_u32(data: bytes, n: int | None = None) -> array:
+    """The uint32 column in `data`; with n, it must hold exactly n values (ValueError)."""
     out = array("I")
-    out.frombytes(data)
+    out.frombytes(data[:len(data) - len(data) % 4])
+    if n is not None and len(out) != n:
+        raise ValueError(f"a column of {len(out)} values for {n} items")
     return out
+
+
+class HandoffTokens(Sequence):
+    """`k` proposals that sit in row `row` of DraftHandoff slot `slot` on the device: the router
+    takes only their number; the verify lane reads them there. Never readable on the host."""
+
+    def __init__(self, slot: int, row: int, k: int):
+        self.slot, self.row, self.k = slot, row, k
+
+    def __len__(self) -> int:
+        return self.k
+
+    def __getitem__(self, index):
+        raise TypeError("handed-off draft tokens live on the draft lane's device; only the verify lane reads them")
 
 
 class ChannelMirror:
@@ -99,8 +116,9 @@ def encode_prefill(mirror: ChannelMirror, items: list[PrefillItem]) -> lanes_pb2
     return batch
 
 
-def encode_draft(mirror: ChannelMirror, items: list[DraftItem]) -> lanes_pb2.PackedBatch:
+def encode_draft(mirror: ChannelMirror, items: list[DraftItem], handoff_slot: int = 0) -> lanes_pb2.PackedBatch:
     batch, keys = mirror.batch(items, lambda i: i.input_tokens)
+    batch.handoff_slot = handoff_slot
     batch.k_u32 = u32(i.k for i in items)
     if items[0].draft_kv is not None:
         batch.draft_blocks.CopyFrom(mirror.delta("draft", keys, [i.draft_kv for i in items]))
@@ -110,8 +128,16 @@ def encode_draft(mirror: ChannelMirror, items: list[DraftItem]) -> lanes_pb2.Pac
 def encode_verify(mirror: ChannelMirror, items: list[VerifyItem], encode_probs) -> lanes_pb2.PackedBatch:
     """`encode_probs(tensor, top_k)` serializes probabilities of an in-process draft lane (only when
     an in-process draft lane feeds a remote verify lane); `DraftProbs` messages pass as they are."""
-    batch, keys = mirror.batch(items, lambda i: i.draft_tokens)
+    handed = [isinstance(i.draft_tokens, HandoffTokens) for i in items]
+    batch, keys = mirror.batch(items, lambda i: () if isinstance(i.draft_tokens, HandoffTokens) else i.draft_tokens)
     batch.pending_u32 = u32(i.pending_token for i in items)
+    if any(handed):
+        slots = {i.draft_tokens.slot for i, h in zip(items, handed) if h}
+        if len(slots) != 1:
+            raise ValueError(f"one verify call reads one handoff slot; got drafts from slots {sorted(slots)}")
+        batch.handoff_slot = slots.pop()
+        batch.draft_rows_u32 = u32(i.draft_tokens.row if h else NONE_U32 for i, h in zip(items, handed))
+        batch.token_count_u32 = u32(len(i.draft_tokens) for i in items)
     batch.target_blocks.CopyFrom(mirror.delta("target", keys, [i.target_kv for i in items]))
     with_probs = [n for n, i in enumerate(items) if i.draft_probs is not None]
     if with_probs:
@@ -125,12 +151,16 @@ def encode_verify(mirror: ChannelMirror, items: list[VerifyItem], encode_probs) 
 
 # -- lane -> router --------------------------------------------------------------------------
 def decode_prefill(items: list[PrefillItem], reply: lanes_pb2.LaneReply) -> list[PrefillOutput]:
-    firsts = from_u32(reply.tokens_u32)
+    firsts = from_u32(reply.tokens_u32, len(items))
     return [PrefillOutput(i.request_id, None if t == NONE_U32 else t) for i, t in zip(items, firsts)]
 
 
-def decode_draft(items: list[DraftItem], reply: lanes_pb2.LaneReply) -> list[DraftOutput]:
-    counts, tokens, resync = from_u32(reply.count_u32), from_u32(reply.tokens_u32), from_u32(reply.resync_from_u32)
+def decode_draft(items: list[DraftItem], reply: lanes_pb2.LaneReply, handoff_slot: int = 0) -> list[DraftOutput]:
+    if handoff_slot:  # the proposals stayed on the device: counts only
+        return [DraftOutput(item.request_id, HandoffTokens(handoff_slot, n, c))
+                for n, (item, c) in enumerate(zip(items, from_u32(reply.count_u32, len(items))))]
+    counts, tokens = from_u32(reply.count_u32, len(items)), from_u32(reply.tokens_u32)
+    resync = from_u32(reply.resync_from_u32, len(items))
     probs = dict(zip(from_u32(reply.probs_items_u32), reply.draft_probs))
     outputs, at = [], 0
     for n, item in enumerate(items):
@@ -142,7 +172,9 @@ def decode_draft(items: list[DraftItem], reply: lanes_pb2.LaneReply) -> list[Dra
 
 
 def decode_verify(items: list[VerifyItem], reply: lanes_pb2.LaneReply) -> list[VerifyOutput]:
-    accepted, tokens = from_u32(reply.count_u32), from_u32(reply.tokens_u32)
+    accepted, tokens = from_u32(reply.count_u32, len(items)), from_u32(reply.tokens_u32)
+    if len(tokens) != sum(accepted) + len(items):
+        raise ValueError(f"{len(tokens)} new tokens for {len(items)} items that accepted {sum(accepted)}")
     outputs, at = [], 0
     for item, m in zip(items, accepted):
         outputs.append(VerifyOutput(item.request_id, m, tokens[at:at + m + 1].tolist()))

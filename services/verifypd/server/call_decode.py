@@ -16,7 +16,7 @@ from verifypd.engine.types import MAX_K, SamplingParams
 from verifypd.lanes.interface import (DraftItem, DraftOutput, KvHandle, PrefillItem, PrefillOutput, VerifyItem,
                                       VerifyOutput)
 from verifypd.server import lane_validate as lv
-from verifypd.server.call_codec import NONE_U32, u32
+from verifypd.server.call_codec import NONE_U32, HandoffTokens, u32
 from verifypd.server.lane_convert import sampling_from_pb
 from verifypd.v1 import lanes_pb2
 
@@ -126,15 +126,19 @@ def _tables(state: ChannelState, field: str, delta, role: str, keys, ends: np.nd
     return tables
 
 
-def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits) -> list:
-    """Validates and applies a PackedBatch; returns the work items. Raises LaneInvalid."""
+def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits,
+           handoff: tuple[int, int] | None = None) -> list:
+    """Validates and applies a PackedBatch; returns the work items. Raises LaneInvalid.
+    `handoff`: (rows, cols) of the DraftHandoff buffer this lane writes or reads, if any."""
     n = len(batch.keys_u32) // 4
     if n > lv.MAX_ITEMS:
         raise lv.LaneInvalid(f"batch: {n} items in one call; at most {lv.MAX_ITEMS}")
     keys = _column(batch, "keys_u32", n).tolist()
     starts = _column(batch, "start_pos_u32", n)
     counts = _column(batch, "token_count_u32", n)
-    tokens = _flat(batch, "tokens_u32", counts)
+    rows = _handoff_rows(method, batch, n, counts, handoff)
+    host_counts = counts if rows is None else np.where(rows == NONE_U32, counts, 0)
+    tokens = _flat(batch, "tokens_u32", host_counts)
     new = _intros(state, batch)
     if n == 0:  # nothing to run (a keep-alive, or intros ahead of use)
         state.requests.update(new)
@@ -174,12 +178,40 @@ def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits) -> li
     for role, tables in (("target", target), ("draft", draft)):
         if tables is not None:
             state.tables.update({(role, k): t for k, t in zip(keys, tables)})
-    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+    if method == lanes_pb2.LANE_METHOD_DRAFT and batch.handoff_slot:
+        if handoff is None or n > handoff[0] or int(ks.max()) > handoff[1]:
+            raise lv.LaneInvalid(f"batch.handoff_slot: this lane's handoff buffer cannot take {n} items of up to "
+                                 f"{int(ks.max())} drafts" if handoff else "batch.handoff_slot: this lane has no "
+                                 "handoff buffer (CUDA only)")
+        if not all(h.sampling.greedy for h in held):
+            raise lv.LaneInvalid("batch.handoff_slot: only greedy requests hand drafts off (sampled ones need q)")
+    bounds = np.concatenate(([0], np.cumsum(host_counts))).tolist()
     toks = tokens.tolist()
     starts_l, ks_l = starts.tolist(), ks.tolist()
     pending = _column(batch, "pending_u32", n, required=method == lanes_pb2.LANE_METHOD_VERIFY)
-    return _items(method, batch, state, keys, held, target, draft, starts_l, ks_l, toks, bounds, pending, probs,
-                  limits)
+    items = _items(method, batch, state, keys, held, target, draft, starts_l, ks_l, toks, bounds, pending, probs,
+                   limits)
+    if rows is not None:  # drafts that stayed on the draft lane's device
+        for item, row, k in zip(items, rows.tolist(), counts.tolist()):
+            if row != NONE_U32:
+                item.draft_tokens = HandoffTokens(batch.handoff_slot, row, k)
+    return items
+
+
+def _handoff_rows(method: int, batch, n: int, counts: np.ndarray, handoff) -> np.ndarray | None:
+    """Verify with a handoff slot: each item's row in it (NONE_U32: drafts in tokens_u32)."""
+    if batch.handoff_slot not in (0, 1, 2):
+        raise lv.LaneInvalid(f"batch.handoff_slot: must be 0, 1 or 2, got {batch.handoff_slot}")
+    if method != lanes_pb2.LANE_METHOD_VERIFY or not batch.handoff_slot:
+        return None
+    if handoff is None:
+        raise lv.LaneInvalid("batch.handoff_slot: this lane opened no draft handoff buffer",
+                             lv.grpc.StatusCode.FAILED_PRECONDITION)
+    rows = _column(batch, "draft_rows_u32", n)
+    on_device = rows != NONE_U32
+    if on_device.any() and (int(rows[on_device].max()) >= handoff[0] or int(counts[on_device].max()) > handoff[1]):
+        raise lv.LaneInvalid(f"batch.draft_rows_u32: rows must be < {handoff[0]} and drafts <= {handoff[1]}")
+    return rows
 
 
 def _probs(batch, n: int, counts: np.ndarray, limits: lv.LaneLimits) -> dict[int, object]:

@@ -197,8 +197,18 @@ class GrpcDraftLane(_GrpcLane):
 
     _method = lanes_pb2.LANE_METHOD_DRAFT
 
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
+        super().__init__(addr, timeout_s, secret, call_channel)
+        self.handoff: tuple[int, int] | None = None  # (rows, cols) once the verify lane opened our buffer
+        self._slot = 0
+
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
-        return self._work(items, cc.encode_draft, cc.decode_draft,
+        slot = 0
+        if (self.handoff is not None and len(items) <= self.handoff[0] and max(i.k for i in items) <= self.handoff[1]
+                and all(i.sampling.greedy for i in items)):
+            self._slot = slot = 3 - self._slot if self._slot else 1  # alternate 1, 2, 1, ...
+        return self._work(items, lambda mirror, items: cc.encode_draft(mirror, items, slot),
+                          lambda items, reply: cc.decode_draft(items, reply, slot),
                           lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))))
 
 
@@ -234,10 +244,29 @@ def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerif
             pools.append(d)
     # The prefill lane may skip its device sync only if every call that can read its KV carries
     # the event: true when the owners are called over their call channels.
-    forward = all(lane._use_channel and lane.describe_pb().call_port for lane in (prefill, draft, verify))
+    forward = all(forward_ok(lane) for lane in (prefill, draft, verify))
     reply = prefill._call("ImportPools", lanes_pb2.ImportPoolsRequest(
         pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward))
     prefill.kv_written_event = reply.kv_written_event
     for owner in (draft, verify):
         owner.producer = prefill
+    _wire_handoff(draft, verify)
     return reply
+
+
+def _wire_handoff(draft: "GrpcDraftLane", verify: "GrpcVerifyLane") -> None:
+    """Draft tokens on the device (DraftHandoff) when the verify lane can open the draft lane's
+    buffer: both on the call channel, on one GPU. Otherwise they keep travelling through us."""
+    draft.handoff = None
+    info = draft.describe_pb()
+    if not (info.HasField("draft_handoff") and forward_ok(draft) and forward_ok(verify)):
+        return
+    try:
+        verify._call("ImportPools", lanes_pb2.ImportPoolsRequest(draft_handoff=info.draft_handoff))
+    except LaneError:  # another device or host: the host path it is
+        return
+    draft.handoff = (info.draft_handoff.rows, info.draft_handoff.cols)
+
+
+def forward_ok(lane: _GrpcLane) -> bool:
+    return lane._use_channel and bool(lane.describe_pb().call_port)

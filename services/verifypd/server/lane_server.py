@@ -33,69 +33,26 @@ import torch
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.lanes.drafts import poolless_draft_lane
-from verifypd.local_engine import EngineOptions, capture_graphs, draft_spec, load_draft_model, resolve_device, resolve_dtype
-from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool, PoolGeometry
+from verifypd.local_engine import EngineOptions, capture_graphs, draft_spec
+from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
 from verifypd.model.llama import PagedLlama
-from verifypd.model.loader import load_model
 from verifypd.model.runner import ModelRunner
 from verifypd.server import kv_transport as kv
 from verifypd.server import call_decode as cd
 from verifypd.server import lane_convert as lc
 from verifypd.server import lane_validate as lv
 from verifypd.server.call_channel import CallServer
+from verifypd.server.lane_calls import CallChannelWork
+from verifypd.server.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks
 from verifypd.server.auth import lane_interceptor, lane_metadata
 from verifypd.server.health import add_health_and_reflection
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane")
 LANES = ("prefill", "draft", "verify")
-CALL_METHODS = {"prefill": lanes_pb2.LANE_METHOD_PREFILL, "draft": lanes_pb2.LANE_METHOD_DRAFT,
-                "verify": lanes_pb2.LANE_METHOD_VERIFY}
 
 
-def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
-    """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids)."""
-    spec = draft_spec(options.draft)
-    need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
-    device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
-    dtype = resolve_dtype(options.dtype, device)
-    self_draft = spec.kind == "self"
-    target = load_model(options.target, device, dtype, options.max_context) \
-        if (need_target or (need_draft and self_draft)) else None
-    target_model = PagedLlama(target.shape, target.weights) if need_target else None
-    draft_model = load_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
-    return target, target_model, draft_model, device, dtype
-
-
-def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -> int:
-    """Blocks of a pool with this geometry: `--num-blocks`, else what memory allows. Also the
-    bound on pools a peer asks this lane to import or stage (ImportPools)."""
-    if options.num_blocks is not None:
-        return options.num_blocks
-    per_block = geometry.bytes_per_block(dtype)
-    if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * options.gpu_memory_fraction / 3) // per_block
-    return min(4096, max(256, (1 << 29) // per_block))
-
-
-def model_geometry(model: PagedLlama, options: EngineOptions) -> PoolGeometry:
-    s = model.shape
-    return PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
-
-
-def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1) -> KvPool:
-    geometry = model_geometry(model, options)
-    geometry = replace(geometry, num_blocks=pool_blocks(options, geometry, device, dtype))
-    if device.type == "cpu":  # /dev/shm so the prefill lane can map the same bytes
-        pool = KvPool.create_shared_cpu(role, geometry, dtype)
-    else:
-        pool = KvPool(role, geometry, dtype, device)
-    pool.generation = generation
-    return pool
-
-
-class LaneServicer:
+class LaneServicer(CallChannelWork):
     """Implements Describe / ImportPools and the lane's work RPC (Prefill, Draft or Verify)."""
 
     def __init__(self, role: str, options: EngineOptions, secret: str | None = None):
@@ -128,6 +85,9 @@ class LaneServicer:
             runner = self._runner(self.draft_model, pool)
             capture_graphs(None, runner, options.config.k_max)
             self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
+            if self.device.type == "cuda":
+                from verifypd.server.draft_handoff import DraftHandoffBuffer
+                self.handoff = DraftHandoffBuffer(self.device)
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
@@ -166,9 +126,12 @@ class LaneServicer:
             pools=[kv.describe_pool(p) for p in self.owned.values()], vocab_size=self.vocab_size,
             max_context=self.max_context, eos_token_ids=self.eos_token_ids,
             kv_bytes_received=self.transfer.bytes_received,
-            call_port=self.call_server.port if self.call_server is not None else 0)
+            call_port=self.call_server.port if self.call_server is not None else 0,
+            draft_handoff=self.handoff.describe() if self.handoff is not None else None)
 
     def ImportPools(self, request, context) -> lanes_pb2.ImportPoolsReply:
+        if self.role == "verify" and request.HasField("draft_handoff") and not request.pools:
+            return self._open_handoff(request.draft_handoff, context)
         if self.role != "prefill":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
         mode_arg = request.kv_transport or "auto"
@@ -214,6 +177,21 @@ class LaneServicer:
         log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
         return lanes_pb2.ImportPoolsReply(mode_by_pool=modes, import_seconds=self.import_seconds,
                                           kv_written_event=bytes(event.ipc_handle()) if event else b"")
+
+    def _open_handoff(self, d: lanes_pb2.DraftHandoff, context) -> lanes_pb2.ImportPoolsReply:
+        """The verify lane opens the draft lane's DraftHandoff buffer (CUDA, same device only)."""
+        if self.device.type != "cuda":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft_handoff: this verify lane runs on the CPU")
+        t0 = time.perf_counter()
+        try:
+            from verifypd.server.draft_handoff import OpenedHandoff
+            opened = OpenedHandoff(d, self.device)
+        except (ValueError, RuntimeError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft_handoff: cannot open: {exc}")
+        with self.lock:
+            self.opened_handoff = opened
+        return lanes_pb2.ImportPoolsReply(mode_by_pool={"draft_handoff": "imported"},
+                                          import_seconds=time.perf_counter() - t0)
 
     def _pool_spec(self, role: str) -> lv.PoolSpec:
         model = self.target_model if role == "target" else self.draft_model
@@ -272,21 +250,6 @@ class LaneServicer:
                 item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
         return self.lane.verify(items)
 
-    def _wait_for_peer(self, handle: bytes) -> None:
-        """Orders this lane's next work after the prefill lane's KV writes (PackedBatch.wait_event)."""
-        if self.device.type != "cuda":
-            raise lv.LaneInvalid("batch.wait_event: this lane runs on the CPU; there is no CUDA event to wait on")
-        event = self._peer_events.get(handle)
-        if event is None:
-            if len(handle) > lv.CUDA_HANDLE_BYTES or len(self._peer_events) >= 8:
-                raise lv.LaneInvalid(f"batch.wait_event: not a CUDA IPC event handle ({len(handle)} bytes)")
-            try:
-                event = torch.cuda.Event.from_ipc_handle(self.device, handle)
-            except RuntimeError as exc:
-                raise lv.LaneInvalid(f"batch.wait_event: cannot open: {exc}") from None
-            self._peer_events[handle] = event
-        torch.cuda.current_stream(self.device).wait_event(event)
-
     def _encode_probs(self, probs, top_k: int) -> lanes_pb2.DraftProbs:
         return kv.encode_probs(probs, top_k)
 
@@ -318,37 +281,6 @@ class LaneServicer:
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
         return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
-
-    def handle_call(self, call: lanes_pb2.LaneCall, state: cd.ChannelState) -> lanes_pb2.LaneReply:
-        """One call on the call channel: the unary RPC's checks, lock and lane, compact messages."""
-        try:
-            if call.method != CALL_METHODS[self.role]:
-                raise lv.LaneInvalid(f"method: {call.method} is not served by the {self.role} lane "
-                                     f"(expects {CALL_METHODS[self.role]})")
-            if self.lane is None:
-                raise lv.LaneInvalid("prefill lane has no pools yet: call ImportPools",
-                                     grpc.StatusCode.FAILED_PRECONDITION)
-            items = cd.decode(call.method, call.batch, state, self._limits())
-            if call.batch.wait_event:
-                self._wait_for_peer(call.batch.wait_event)
-        except lv.LaneInvalid as exc:
-            return lanes_pb2.LaneReply(status_code=exc.code.value[0], error=str(exc))
-        try:
-            with self.lock:
-                if self.role == "prefill":
-                    reply = cd.prefill_reply(*self._prefill_work(items))
-                elif self.role == "draft":
-                    reply = cd.draft_reply(self.lane.draft(items), self._encode_probs,
-                                           [i.sampling.top_k for i in items])
-                else:
-                    reply = cd.verify_reply(self._verify_work(items))
-        except Exception as exc:
-            log.exception("%s lane call failed", self.role)
-            return lanes_pb2.LaneReply(status_code=grpc.StatusCode.INTERNAL.value[0],
-                                       error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
-        state.release(call.batch.released)
-        return reply
-
 
 def build_lane_server(servicer: LaneServicer, host: str, port: int, call_port: int | None = 0,
                       ) -> tuple[grpc.Server, int, object]:

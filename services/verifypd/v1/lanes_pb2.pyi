@@ -125,7 +125,7 @@ class LaneInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LaneInfo(_message.Message):
-    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received", "call_port")
+    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received", "call_port", "draft_handoff")
     LANE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class LaneInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     lane: str
     target_model: str
     draft_model: str
@@ -144,17 +145,36 @@ class LaneInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_bytes_received: int
     call_port: int
-    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., call_port: _Optional[int] = ...) -> None: ...
+    draft_handoff: DraftHandoff
+    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., call_port: _Optional[int] = ..., draft_handoff: _Optional[_Union[DraftHandoff, _Mapping]] = ...) -> None: ...
+
+class DraftHandoff(_message.Message):
+    __slots__ = ("buffer", "device_uuid", "host_boot_id", "rows", "cols", "slot_events")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HOST_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    buffer: CudaIpcHandle
+    device_uuid: str
+    host_boot_id: str
+    rows: int
+    cols: int
+    slot_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, buffer: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., device_uuid: _Optional[str] = ..., host_boot_id: _Optional[str] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., slot_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ImportPoolsRequest(_message.Message):
-    __slots__ = ("pools", "kv_transport", "forward_kv_written_event")
+    __slots__ = ("pools", "kv_transport", "forward_kv_written_event", "draft_handoff")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FORWARD_KV_WRITTEN_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
     kv_transport: str
     forward_kv_written_event: bool
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., kv_transport: _Optional[str] = ..., forward_kv_written_event: _Optional[bool] = ...) -> None: ...
+    draft_handoff: DraftHandoff
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., kv_transport: _Optional[str] = ..., forward_kv_written_event: _Optional[bool] = ..., draft_handoff: _Optional[_Union[DraftHandoff, _Mapping]] = ...) -> None: ...
 
 class ImportPoolsReply(_message.Message):
     __slots__ = ("mode_by_pool", "import_seconds", "kv_written_event")
@@ -318,7 +338,7 @@ class BlockTableDelta(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., keep_u32: _Optional[bytes] = ..., added_count_u32: _Optional[bytes] = ..., added_u32: _Optional[bytes] = ...) -> None: ...
 
 class PackedBatch(_message.Message):
-    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs", "wait_event")
+    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs", "wait_event", "handoff_slot", "draft_rows_u32")
     INTROS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     KEYS_U32_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +353,8 @@ class PackedBatch(_message.Message):
     PROBS_ITEMS_U32_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     WAIT_EVENT_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SLOT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROWS_U32_FIELD_NUMBER: _ClassVar[int]
     intros: _containers.RepeatedCompositeFieldContainer[RequestIntro]
     released: _containers.RepeatedScalarFieldContainer[int]
     keys_u32: bytes
@@ -347,7 +369,9 @@ class PackedBatch(_message.Message):
     probs_items_u32: bytes
     draft_probs: _containers.RepeatedCompositeFieldContainer[DraftProbs]
     wait_event: bytes
-    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., wait_event: _Optional[bytes] = ...) -> None: ...
+    handoff_slot: int
+    draft_rows_u32: bytes
+    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., wait_event: _Optional[bytes] = ..., handoff_slot: _Optional[int] = ..., draft_rows_u32: _Optional[bytes] = ...) -> None: ...
 
 class LaneCall(_message.Message):
     __slots__ = ("call_id", "method", "batch")

@@ -1,0 +1,55 @@
+"""What a lane process loads and owns at start: its models and its KV pools. Used by lane_server."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from verifypd.local_engine import EngineOptions, draft_spec, load_draft_model, resolve_device, resolve_dtype
+from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.llama import PagedLlama
+from verifypd.model.loader import load_model
+
+
+def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
+    """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids)."""
+    spec = draft_spec(options.draft)
+    need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
+    device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
+    dtype = resolve_dtype(options.dtype, device)
+    self_draft = spec.kind == "self"
+    target = load_model(options.target, device, dtype, options.max_context) \
+        if (need_target or (need_draft and self_draft)) else None
+    target_model = PagedLlama(target.shape, target.weights) if need_target else None
+    draft_model = load_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
+    return target, target_model, draft_model, device, dtype
+
+
+def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -> int:
+    """Blocks of a pool with this geometry: `--num-blocks`, else what memory allows. Also the
+    bound on pools a peer asks this lane to import or stage (ImportPools)."""
+    if options.num_blocks is not None:
+        return options.num_blocks
+    per_block = geometry.bytes_per_block(dtype)
+    if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * options.gpu_memory_fraction / 3) // per_block
+    return min(4096, max(256, (1 << 29) // per_block))
+
+
+def model_geometry(model: PagedLlama, options: EngineOptions) -> PoolGeometry:
+    s = model.shape
+    return PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
+
+
+def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1) -> KvPool:
+    geometry = model_geometry(model, options)
+    geometry = replace(geometry, num_blocks=pool_blocks(options, geometry, device, dtype))
+    if device.type == "cpu":  # /dev/shm so the prefill lane can map the same bytes
+        pool = KvPool.create_shared_cpu(role, geometry, dtype)
+    else:
+        pool = KvPool(role, geometry, dtype, device)
+    pool.generation = generation
+    return pool
+
+
