@@ -100,3 +100,33 @@ def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
         assert [ids] == expected
         assert msgs[-1].usage.draft_tokens > 0
         assert gw.info.topology == "split"
+
+
+def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, prompts, expected):
+    """The router's fast path (call channel: compact columns, request intros, block-table deltas)
+    and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
+    from verifypd.engine.router import Router
+    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.lane_client import wire_pools
+
+    options = engine_options(*tiny_models)
+    outputs = {}
+    for channel in (True, False):
+        clients = connect_lanes(lanes.addrs, secret=lanes.secret)
+        for c in clients:
+            c._use_channel = channel
+        wire_pools(*clients, kv_transport="handle")
+        router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(),
+                        config=options.config)
+        ids = [router.add_request(RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False)) for p in prompts]
+        tokens = {i: [] for i in ids}
+        while router.has_work():
+            for out in router.step():
+                tokens[out.request_id] += out.token_ids
+        outputs[channel] = [tokens[i] for i in ids]
+        assert all((c._client is not None) == channel for c in clients)
+        if channel:  # finished requests were released: the mirrors hold nothing
+            assert all(not c._mirror.keys and not c._mirror.tables for c in clients)
+        for c in clients:
+            c.close()
+    assert outputs[True] == outputs[False] == expected
