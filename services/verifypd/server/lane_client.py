@@ -11,6 +11,7 @@ KV crossed the wire.
 """
 from __future__ import annotations
 
+import logging
 import threading
 
 import grpc
@@ -24,6 +25,7 @@ from verifypd.server.call_channel import CallClient, ChannelClosed
 from verifypd.server.auth import lane_metadata
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
+log = logging.getLogger("verifypd.lane_client")
 # Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20),
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -154,6 +156,15 @@ class _GrpcLane:
             raise LaneError(f"{self.lane} lane at {self.addr}: call channel on port {port} unreachable: {exc}") from None
         return self._client
 
+    def probe_channel(self) -> None:
+        """At wiring: connects the call channel, or turns it off for this client (with a warning)."""
+        with self._call_lock:
+            try:
+                self._connected_client()
+            except LaneError as exc:
+                log.warning("%s; work calls to this lane go over gRPC", exc)
+                self._use_channel = False
+
     def release(self, request_ids) -> None:
         """The router is done with these requests: the lane drops its copy with the next call."""
         with self._call_lock:
@@ -243,7 +254,11 @@ def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerif
             d.kv_transfer_addr = owner.addr
             pools.append(d)
     # The prefill lane may skip its device sync only if every call that can read its KV carries
-    # the event: true when the owners are called over their call channels.
+    # the event: true when the owners are called over their call channels. A channel that cannot
+    # be reached now (a port a firewall or Service does not expose) is not used at all: work
+    # calls to that lane go over gRPC, and nothing relies on device-side ordering.
+    for lane in (prefill, draft, verify):
+        lane.probe_channel()
     forward = all(forward_ok(lane) for lane in (prefill, draft, verify))
     reply = prefill._call("ImportPools", lanes_pb2.ImportPoolsRequest(
         pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward))
@@ -269,4 +284,5 @@ def _wire_handoff(draft: "GrpcDraftLane", verify: "GrpcVerifyLane") -> None:
 
 
 def forward_ok(lane: _GrpcLane) -> bool:
-    return lane._use_channel and bool(lane.describe_pb().call_port)
+    """The lane's work calls go over its (reachable) call channel."""
+    return lane._use_channel and lane._client is not None and lane._client.connected
