@@ -33,17 +33,26 @@ def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int 
     if model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif model_type == "gemma":
+        # Tied head: sharpening it would also blow up the embeddings, and with them every token's
+        # own logit (greedy would just repeat the prompt's last token). Instead: weights of std
+        # 1/sqrt(hidden), sublayer outputs x8 so they outweigh the scaled embeddings, a sharp final norm.
         common["tie_word_embeddings"] = True
-        model = GemmaForCausalLM(GemmaConfig(hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, **common))
+        model = GemmaForCausalLM(GemmaConfig(hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                                             initializer_range=hidden ** -0.5, **common))
         with torch.no_grad():  # norm weights start at 0 (a plain RMSNorm): make the (1 + w) matter
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0, 0.5)
+            model.model.norm.weight.add_(7.0)
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(8.0)
+                layer.mlp.down_proj.weight.mul_(8.0)
     else:
         model = LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **common))
     # Sharpen the output layer so greedy choices are well separated (no float near-ties).
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        if model_type != "gemma":
+            model.lm_head.weight.mul_(8.0)
         if noise:
             gen = torch.Generator().manual_seed(noise_seed)
             for param in model.parameters():
