@@ -15,24 +15,44 @@ DEVICE = os.environ.get("VERIFYPD_TEST_DEVICE", "cpu")
 
 
 def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int = 64, heads: int = 4,
-                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama",
+                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama", head_dim: int | None = None,
                      noise: float = 0.0, noise_seed: int = 0) -> pathlib.Path:
     """`noise` > 0 perturbs every weight by that fraction of its std: same seed + noise gives a
-    draft that agrees with the target often but not always (so tests see accepts and rejects)."""
+    draft that agrees with the target often but not always (so tests see accepts and rejects).
+    model_type "gemma": tied embeddings, GeGLU, (1 + w) norms with random w, `head_dim` as given."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                              Qwen2Config, Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     if model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif model_type == "gemma":
+        # Tied head: sharpening it would also blow up the embeddings, and with them every token's
+        # own logit (greedy would just repeat the prompt's last token). Instead: weights of std
+        # 1/sqrt(hidden), sublayer outputs x8 so they outweigh the scaled embeddings, a sharp final norm.
+        common["tie_word_embeddings"] = True
+        model = GemmaForCausalLM(GemmaConfig(hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                                             initializer_range=hidden ** -0.5, **common))
+        with torch.no_grad():  # norm weights start at 0 (a plain RMSNorm): make the (1 + w) matter
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.5)
+            model.model.norm.weight.add_(7.0)
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(8.0)
+                layer.mlp.down_proj.weight.mul_(8.0)
     else:
         model = LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **common))
     # Sharpen the output layer so greedy choices are well separated (no float near-ties).
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        if model_type != "gemma":
+            model.lm_head.weight.mul_(8.0)
         if noise:
             gen = torch.Generator().manual_seed(noise_seed)
             for param in model.parameters():

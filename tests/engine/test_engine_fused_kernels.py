@@ -16,6 +16,7 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 from verifypd.model.llama import apply_rope, rms_norm  # noqa: E402
 from verifypd.model.rms_norm import add_rms_norm  # noqa: E402
 from verifypd.model.rope_kv import rope_and_store_kv  # noqa: E402
+from verifypd.model.gelu_mul import gelu_mul  # noqa: E402
 from verifypd.model.silu_mul import silu_mul  # noqa: E402
 
 
@@ -40,6 +41,18 @@ def test_silu_mul():
     x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(DEVICE)  # crosses a 1024 block
     gate, up = x.chunk(2, dim=-1)
     assert rel(silu_mul(x), F.silu(gate) * up) < 1e-6
+
+
+def test_gelu_mul():
+    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(4)) * 3  # crosses a 1024 block
+    x[0, :6] = torch.tensor([-200.0, -30.0, -1e-3, 0.0, 30.0, 200.0])  # tails: exp overflow must stay finite
+    x = x.to(DEVICE)
+    gate, up = x.chunk(2, dim=-1)
+    got = gelu_mul(x)
+    assert torch.isfinite(got).all()
+    assert rel(got, F.gelu(gate, approximate="tanh") * up) < 1e-6
+    half = gelu_mul(x.half())
+    assert rel(half, (F.gelu(gate, approximate="tanh") * up).half()) < 1e-3
 
 
 def test_rope_and_store_kv_skips_negative_slots():

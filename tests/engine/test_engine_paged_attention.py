@@ -103,6 +103,18 @@ def test_kernel_half_precision(dtype):
     assert err < 1e-2, f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (2, 2)])
+def test_kernel_head_dim_256(heads, kv_heads):
+    """Gemma's head_dim (the kernel's smaller BLOCK_N and more warps), verify and prefill runs."""
+    gen = torch.Generator().manual_seed(7)
+    q, kc, vc, tables, pos, qs, max_q = make_case([(20, 5), (0, 37), (40, 1)], heads=heads, kv_heads=kv_heads,
+                                                  head_dim=256, block_size=16, dtype=torch.float32, gen=gen)
+    out = paged_attention(q, kc, vc, tables, pos, qs, max_q, 256 ** -0.5)
+    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 256 ** -0.5)
+    assert torch.isfinite(out).all()
+    assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-5
+
+
 def test_padded_grid_and_empty_sequences():
     """A CUDA graph's padded batch: max_query larger than any run, and sequences with no tokens."""
     gen = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""Llama-family forward pass over paged KV (Llama, Mistral, Qwen2 and friends).
+"""Llama-family forward pass over paged KV (Llama, Mistral, Qwen2, Gemma and friends).
 
 Two attention backends behind one forward:
   * "triton" (CUDA default): `paged_attention` reads K/V in place through the block table and
@@ -7,6 +7,10 @@ Two attention backends behind one forward:
   * "reference" (CPU default, and the oracle in tests): new K/V are scattered into the pool by
     slot, each context is gathered through its block table and attended with
     `scaled_dot_product_attention` on a padded batch.
+
+Gemma (v1) is the same forward with three shape flags: embeddings scaled by sqrt(hidden)
+(`embed_scale`), a GeGLU MLP (`mlp_activation="gelu_tanh"`) and RMSNorm by (1 + w), which the loader
+folds into the stored norm weights (`norm_offset`); head_dim may differ from hidden / heads.
 
 Shapes (T = new tokens in the batch, B = sequences, Q = longest query run, C = longest context
 padded to whole blocks):
@@ -38,6 +42,12 @@ class LlamaShape:
     max_context: int
     rope_scaling: dict | None = None  # llama3-style frequency scaling, or None
     qkv_bias: bool = False            # Qwen2
+    mlp_activation: str = "silu"      # act(gate) * up: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    embed_scale: bool = False         # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
+    norm_offset: float = 0.0          # Gemma: norms multiply by (offset + w); folded into the weights at
+                                      # load (loader.weights_from_state_dict), never read by the forward
+
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass
@@ -124,14 +134,22 @@ class PagedLlama:
         self.num_layers = num_layers or shape.num_layers
         if not (1 <= self.num_layers <= len(weights.layers)):
             raise ValueError(f"num_layers must be in [1, {len(weights.layers)}], got {self.num_layers}")
+        if shape.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {shape.mlp_activation!r}")
         device = weights.embed.device
         self.attention = attention_backend(attention, device)
         if self.attention == "triton":  # imported only here: CPU installs need no Triton
             from verifypd.model.paged_attention import paged_attention
             from verifypd.model.rms_norm import add_rms_norm
             from verifypd.model.rope_kv import rope_and_store_kv
-            from verifypd.model.silu_mul import silu_mul
-            self._kernels = (add_rms_norm, silu_mul, rope_and_store_kv, paged_attention)
+            if shape.mlp_activation == "gelu_tanh":
+                from verifypd.model.gelu_mul import gelu_mul as act_mul
+            else:
+                from verifypd.model.silu_mul import silu_mul as act_mul
+            self._kernels = (add_rms_norm, act_mul, rope_and_store_kv, paged_attention)
+        # Gemma (as transformers does): the factor is rounded to the hidden dtype before multiplying.
+        self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5, dtype=weights.embed.dtype, device=device)
+                            if shape.embed_scale else None)
         self.scale = shape.head_dim ** -0.5
         # cos/sin of every position, [max_context + slack, D]: looked up, not recomputed, per step.
         # (positions.float() * inv_freq in float32, as computed per step before: same values.)
@@ -148,13 +166,15 @@ class PagedLlama:
         w = self.weights
         norm = self._add_rms_norm
         h, delta = w.embed[batch.input_ids], None
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
         for i in range(self.num_layers):
             layer = w.layers[i]
             h, x = norm(h, delta, layer.input_norm)          # h += delta; x = norm(h)
             delta = F.linear(self._attention(x, layer, pool, i, batch, mask), layer.o)
             h, x = norm(h, delta, layer.post_norm)
-            delta = F.linear(self._silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            delta = F.linear(self._act_mul(F.linear(x, layer.gate_up)), layer.down)
         if logits_index is None:
             return None
         h, delta = h[logits_index], delta[logits_index]
@@ -192,10 +212,13 @@ class PagedLlama:
         h = h if delta is None else h + delta
         return h, rms_norm(h, weight, self.shape.rms_norm_eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of the fused gate/up projection: SwiGLU, or GeGLU (tanh GELU) for Gemma."""
         if self.attention == "triton":
             return self._kernels[1](gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.shape.mlp_activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
     def _reference_attention(self, q, k_cache, v_cache, batch: BatchLayout, mask) -> torch.Tensor:

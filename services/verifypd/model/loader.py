@@ -1,4 +1,4 @@
-"""Loading models: Llama-family checkpoints (local dir, Hugging Face cache name, GGUF file, the
+"""Loading models: Llama-family and Gemma checkpoints (local dir, Hugging Face cache name, GGUF file, the
 embedded SmolLM2) or random weights with a real model's shape (benchmarks).
 
 Config, tokenizer and chat template come from transformers; the weights are re-laid out for
@@ -14,15 +14,30 @@ import torch
 
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma")
 EMBEDDED_NAME = "smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Real model shapes for GPU benchmarks with random weights (ARCHITECTURE.md), vocab 32000.
+# transformers' hidden_act -> LlamaShape.mlp_activation. Gemma configs saying "gelu" mean the tanh
+# approximation (transformers rewrites it so).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+GEMMA = dict(mlp_activation="gelu_tanh", embed_scale=True, norm_offset=1.0, tied=True, rms_norm_eps=1e-6)
+QWEN2 = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1e6)
+
+# Real model shapes for GPU benchmarks with random weights (ARCHITECTURE.md). Any LlamaShape field may
+# be given; unset: vocab 32000, head_dim hidden / heads, Llama's eps and theta. `tied`: lm_head = embed.
 RANDOM_SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4),
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
     "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_layers=48, num_heads=64, num_kv_heads=8),
+    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                       vocab_size=151936, **QWEN2),
+    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                     vocab_size=152064, **QWEN2),
+    "gemma-2b": dict(hidden_size=2048, intermediate_size=16384, num_layers=18, num_heads=8, num_kv_heads=1,
+                     head_dim=256, vocab_size=256000, **GEMMA),
+    "gemma-7b": dict(hidden_size=3072, intermediate_size=24576, num_layers=28, num_heads=16, num_kv_heads=16,
+                     head_dim=256, vocab_size=256000, **GEMMA),
 }
 
 
@@ -80,7 +95,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context:
                              f"file, a name already in the Hugging Face cache, or {EMBEDDED_NAME!r} ({exc})") from exc
     if config.model_type not in SUPPORTED_TYPES:
         raise ModelLoadError(f"model {spec!r} has architecture {config.model_type!r}; verifypd supports "
-                             f"{', '.join(SUPPORTED_TYPES)} (Llama-family) only")
+                             f"{', '.join(SUPPORTED_TYPES)} only")
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     shape = shape_from_config(config, max_context)
@@ -99,6 +114,11 @@ def shape_from_config(config, max_context: int | None) -> LlamaShape:
         raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported (default, linear, llama3 are)")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    gemma = config.model_type == "gemma"
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"MLP activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
     ctx = config.max_position_embeddings if max_context is None else min(max_context, config.max_position_embeddings)
     return LlamaShape(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -106,12 +126,20 @@ def shape_from_config(config, max_context: int | None) -> LlamaShape:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps, rope_theta=float(theta), max_context=ctx,
         rope_scaling=rope if rope_type != "default" else None,
-        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2")
+        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+        mlp_activation=ACTIVATIONS[act], embed_scale=gemma, norm_offset=1.0 if gemma else 0.0)
 
 
 def weights_from_state_dict(sd: dict, shape: LlamaShape, device, dtype, tied: bool) -> LlamaWeights:
     def get(name: str) -> torch.Tensor:
         return sd[name].to(device=device, dtype=dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        # Gemma's RMSNorm multiplies by (1 + w), in float32, then casts. Folded here: 1 + w is added
+        # in float32 (as transformers does) and stored in the model dtype. Exact in float32; in half
+        # precision the folded weight is rounded once, and the product is taken after x is cast (the
+        # Llama order), a difference of the order of the dtype's rounding.
+        return (sd[name].float() + shape.norm_offset).to(device=device, dtype=dtype)
 
     layers = []
     for i in range(shape.num_layers):
@@ -124,19 +152,26 @@ def weights_from_state_dict(sd: dict, shape: LlamaShape, device, dtype, tied: bo
             o=get(p + "self_attn.o_proj.weight"),
             gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
             down=get(p + "mlp.down_proj.weight"),
-            input_norm=get(p + "input_layernorm.weight"), post_norm=get(p + "post_attention_layernorm.weight")))
+            input_norm=norm(p + "input_layernorm.weight"), post_norm=norm(p + "post_attention_layernorm.weight")))
     embed = get("model.embed_tokens.weight")
     head = embed if tied or "lm_head.weight" not in sd else get("lm_head.weight")
-    return LlamaWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"), lm_head=head)
+    return LlamaWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=head)
+
+
+def random_shape(name: str, max_context: int | None) -> tuple[LlamaShape, bool]:
+    """(shape, tied embeddings) of a `random:` model name."""
+    if name not in RANDOM_SHAPES:
+        raise ModelLoadError(f"unknown random shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
+    dims = dict(RANDOM_SHAPES[name])
+    tied = dims.pop("tied", False)
+    defaults = dict(vocab_size=32000, head_dim=dims["hidden_size"] // dims["num_heads"], rms_norm_eps=1e-5,
+                    rope_theta=10000.0)
+    return LlamaShape(**{**defaults, **dims}, max_context=max_context or 4096), tied
 
 
 def random_model(name: str, device, dtype, max_context: int | None, seed: int = 0) -> LoadedModel:
     """Random weights with a real model's shape (no tokenizer). Scaled so activations stay finite."""
-    if name not in RANDOM_SHAPES:
-        raise ModelLoadError(f"unknown random shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
-    dims = RANDOM_SHAPES[name]
-    shape = LlamaShape(vocab_size=32000, head_dim=dims["hidden_size"] // dims["num_heads"], rms_norm_eps=1e-5,
-                       rope_theta=10000.0, max_context=max_context or 4096, **dims)
+    shape, tied = random_shape(name, max_context)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*size) -> torch.Tensor:
@@ -145,9 +180,11 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
     H, I, D = shape.hidden_size, shape.intermediate_size, shape.head_dim
     qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * D
     ones = torch.ones(H, device=device, dtype=dtype)
-    layers = [LayerWeights(qkv=rand(qkv_rows, H), qkv_bias=None, o=rand(H, shape.num_heads * D),
-                           gate_up=rand(2 * I, H), down=rand(H, I), input_norm=ones, post_norm=ones)
+    layers = [LayerWeights(qkv=rand(qkv_rows, H), qkv_bias=rand(qkv_rows) if shape.qkv_bias else None,
+                           o=rand(H, shape.num_heads * D), gate_up=rand(2 * I, H), down=rand(H, I),
+                           input_norm=ones, post_norm=ones)
               for _ in range(shape.num_layers)]
     embed = rand(shape.vocab_size, H)
-    weights = LlamaWeights(embed=embed, layers=layers, final_norm=ones, lm_head=rand(shape.vocab_size, H))
+    head = embed if tied else rand(shape.vocab_size, H)
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=ones, lm_head=head)
     return LoadedModel(f"random:{name}", shape, weights, None, ())

@@ -113,6 +113,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        # head_dim 256 (Gemma): the [BLOCK_M, D] float32 accumulator alone is 128 registers a thread
+        # at 4 warps; 8 warps halve that. (Not yet timed on a GPU against 4 warps / smaller BLOCK_M.)
+        num_warps=4 if head_dim <= 128 else 8, num_stages=2,
     )
     return out
