@@ -13,7 +13,8 @@ from typing import Any
 
 from verifypd.metric_names import RES_CONFIG_NAME, RES_CONFIG_NAMESPACE, RES_POD_NAME
 
-from .spec import API_VERSION, COLOCATED, COLOCATED_LANE_PORTS, GRPC_PORT, HTTP_PORT, KIND, LANES, Spec
+from .spec import (API_VERSION, CALL_PORT, COLOCATED, COLOCATED_LANE_CALL_PORTS, COLOCATED_LANE_PORTS, GRPC_PORT,
+                   HTTP_PORT, KIND, LANES, Spec)
 
 MANAGED_BY = "verifypd-operator"
 CONFIG_LABEL = "verifypd.dev/config"
@@ -140,11 +141,15 @@ def _volumes(spec: Spec, extra: list[dict[str, Any]], config: str) -> tuple[list
 
 
 def _container(spec: Spec, cname: str, args: list[str], port: int, env: list[dict[str, Any]],
-               resources: dict[str, Any], mounts: list[dict[str, Any]], http: bool = False) -> dict[str, Any]:
+               resources: dict[str, Any], mounts: list[dict[str, Any]], http: bool = False,
+               call_port: int | None = None) -> dict[str, Any]:
+    """`port`: gRPC (first in `ports`: the probes use it); `call_port`: a lane's call channel."""
     # Servers bind 127.0.0.1 unless told otherwise; in a pod they must listen on the pod IP for the
     # Service and the kubelet's probes.
     env = [{"name": "VERIFYPD_HOST", "value": "0.0.0.0"}] + env
     ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+    if call_port is not None:
+        ports.append({"name": "calls", "containerPort": call_port, "protocol": "TCP"})
     if http:
         ports.append({"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"})
     return {"name": cname, "image": spec.image, "imagePullPolicy": spec.image_pull_policy,
@@ -193,10 +198,13 @@ def build_lane_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, 
                           replicas: int, otlp_endpoint: str) -> Manifest:
     config = owner["metadata"]["name"]
     b = spec.lanes[lane]
-    args = ["lane", lane, "--port", str(GRPC_PORT), *_model_args(spec), "--secret-file", LANE_SECRET_FILE]
+    # The call channel on a fixed port: the gateway dials <lane pod IP>:CALL_PORT (0 = any free
+    # port would be unreachable through the Service and the NetworkPolicy).
+    args = ["lane", lane, "--port", str(GRPC_PORT), "--call-port", str(CALL_PORT), *_model_args(spec),
+            "--secret-file", LANE_SECRET_FILE]
     vols, mounts = _volumes(spec, [], config)
     c = _container(spec, lane, args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}"),
-                   _resources(b.resources, b.gpu), mounts)
+                   _resources(b.resources, b.gpu), mounts, call_port=CALL_PORT)
     return _deployment(deployment_name(config, lane), namespace, lane, owner, replicas,
                        {"containers": [c], "volumes": vols})
 
@@ -229,19 +237,20 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
     b = spec.colocated
     containers = []
     for lane in LANES:
-        port = COLOCATED_LANE_PORTS[lane]
-        lane_cmd = ["verifypd", "lane", lane, "--port", str(port), *_model_args(spec),
-                    "--secret-file", LANE_SECRET_FILE]
+        port, call_port = COLOCATED_LANE_PORTS[lane], COLOCATED_LANE_CALL_PORTS[lane]
+        lane_cmd = ["verifypd", "lane", lane, "--port", str(port), "--call-port", str(call_port),
+                    *_model_args(spec), "--secret-file", LANE_SECRET_FILE]
         env = otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}")
         if dra:
             resources = _resources(b.resources, 0)
             resources["claims"] = [{"name": "gpu"}]
-            c = _container(spec, lane, lane_cmd[1:], port, env, resources, lane_mounts)
+            c = _container(spec, lane, lane_cmd[1:], port, env, resources, lane_mounts, call_port=call_port)
         elif lane == "verify":
             # Holds the device-plugin allocation; publishes which device it got.
             script = f'echo "$NVIDIA_VISIBLE_DEVICES" > {GPU_HANDOFF_FILE}.tmp && ' \
                      f'mv {GPU_HANDOFF_FILE}.tmp {GPU_HANDOFF_FILE} && exec "$@"'
-            c = _container(spec, lane, lane_cmd[1:], port, env, _resources(b.resources, b.gpu), lane_mounts)
+            c = _container(spec, lane, lane_cmd[1:], port, env, _resources(b.resources, b.gpu), lane_mounts,
+                           call_port=call_port)
             c.update(command=["sh", "-c", script, "verifypd"], args=lane_cmd)
         else:
             # No allocation of its own: the NVIDIA runtime exposes the node's GPUs through the
@@ -250,7 +259,8 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
                       f'export CUDA_VISIBLE_DEVICES="$(cat {GPU_HANDOFF_FILE})"; exec "$@"')
             env = env + [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
                          {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}]
-            c = _container(spec, lane, lane_cmd[1:], port, env, _resources(b.resources, 0), lane_mounts)
+            c = _container(spec, lane, lane_cmd[1:], port, env, _resources(b.resources, 0), lane_mounts,
+                           call_port=call_port)
             c.update(command=["sh", "-c", script, "verifypd"], args=lane_cmd)
         containers.append(c)
     addrs = [arg for lane in LANES for arg in (f"--{lane}-addr", f"localhost:{COLOCATED_LANE_PORTS[lane]}")]
@@ -265,9 +275,12 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
 
 
 def _service(name: str, namespace: str, component: str, owner: Mapping[str, Any], headless: bool,
-             http: bool = False) -> Manifest:
+             http: bool = False, calls: bool = False) -> Manifest:
     config = owner["metadata"]["name"]
     ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}]
+    if calls:  # a lane's call channel: plain TCP, verifypd's own framing
+        ports.append({"name": "calls", "port": CALL_PORT, "targetPort": "calls", "protocol": "TCP",
+                      "appProtocol": "tcp"})
     if http:
         ports.append({"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP",
                       "appProtocol": "http"})
@@ -282,14 +295,15 @@ def build_services(spec: Spec, owner: Mapping[str, Any], namespace: str) -> list
     """The public gateway Service `<name>`, the headless control Service, and (split) lane Services.
 
     Lane Services are headless so the router can resolve and pin individual lane pods: a
-    request's KV lives in one verify replica.
+    request's KV lives in one verify replica. They carry gRPC and the call channel (`calls`,
+    CALL_PORT), which the gateway dials on the same host as the lane's gRPC address.
     """
     config = owner["metadata"]["name"]
     gw = COLOCATED if spec.topology == COLOCATED else "gateway"
     out = [_service(config, namespace, gw, owner, headless=False, http=True),
            _service(gateway_pods_service_name(config), namespace, gw, owner, headless=True, http=True)]
     if spec.topology != COLOCATED:
-        out += [_service(lane_service_name(config, lane), namespace, lane, owner, headless=True)
+        out += [_service(lane_service_name(config, lane), namespace, lane, owner, headless=True, calls=True)
                 for lane in LANES]
     return out
 
@@ -319,10 +333,12 @@ def read_lane_secret(secret: Mapping[str, Any] | None) -> str | None:
 def build_network_policy(spec: Spec, owner: Mapping[str, Any], namespace: str) -> Manifest:
     """Only the gateway may talk to the lanes (issue 10).
 
-    split: lane pods accept ingress on the gRPC port only from this config's gateway pods and from
-    its other lane pods (KV copy: the prefill lane pushes KV to the verify/draft owners).
-    colocated: lanes listen on localhost ports inside the pod (not subject to NetworkPolicy);
-    from outside the pod only the gateway's gRPC and HTTP ports are open.
+    split: lane pods accept ingress on the gRPC port and the call-channel port (CALL_PORT, the
+    gateway's fast path for work calls) only from this config's gateway pods and from its other
+    lane pods (KV copy: the prefill lane pushes KV to the verify/draft owners).
+    colocated: the gateway reaches the lanes' gRPC and call-channel ports on localhost inside the
+    pod (COLOCATED_LANE_PORTS, COLOCATED_LANE_CALL_PORTS; not subject to NetworkPolicy); from
+    outside the pod only the gateway's gRPC and HTTP ports are open.
     The kubelet's probes come from the node, which NetworkPolicy always allows.
     """
     config = owner["metadata"]["name"]
@@ -336,7 +352,7 @@ def build_network_policy(spec: Spec, owner: Mapping[str, Any], namespace: str) -
                                           "values": list(components)}]}
         pods = comp(*LANES)
         ingress = [{"from": [{"podSelector": comp("gateway", *LANES)}],
-                    "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}]
+                    "ports": [{"protocol": "TCP", "port": GRPC_PORT}, {"protocol": "TCP", "port": CALL_PORT}]}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(network_policy_name(config), namespace, "lanes", owner),
             "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}}

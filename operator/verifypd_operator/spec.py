@@ -26,10 +26,17 @@ COLOCATED = "colocated"
 GATEWAY_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}}
 
 GRPC_PORT = 50051
+# The lanes' call channel (`verifypd lane --call-port`): a plain TCP port, the gateway's fast path
+# for work calls. The lane announces it in Describe and the gateway dials <lane host>:<call port>,
+# so in a pod it must be fixed (not 0 = any free port) and reachable, or the gateway falls back to
+# the slower gRPC path. Split lane pods: on the pod IP, behind the lane Services and NetworkPolicy.
+CALL_PORT = 50052
 # The gateway's OpenAI-compatible HTTP API, /health and /metrics (`verifypd serve --http-port`).
 HTTP_PORT = 8000
 # Lane ports inside a colocated pod (containers share the pod's network namespace).
 COLOCATED_LANE_PORTS = {"prefill": 50061, "draft": 50062, "verify": 50063}
+# The lanes' call-channel ports inside a colocated pod (the gateway dials them on localhost).
+COLOCATED_LANE_CALL_PORTS = {"prefill": 50071, "draft": 50072, "verify": 50073}
 
 
 @dataclasses.dataclass(frozen=True)
