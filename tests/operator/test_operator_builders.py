@@ -11,7 +11,7 @@ import base64
 
 from verifypd_operator.builders import (LANE_SECRET_FILE, PROMETHEUS_ANNOTATIONS, build_all, otel_env,
                                         read_lane_secret)
-from verifypd_operator.spec import parse_spec
+from verifypd_operator.spec import CALL_PORT, COLOCATED_LANE_CALL_PORTS, COLOCATED_LANE_PORTS, parse_spec
 
 VARIANTS = {
     "colocated": {},
@@ -129,9 +129,9 @@ def test_gateway_serves_http_on_its_service_with_health_readiness(owner, topolog
     assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gw["ports"]
     assert gw["args"][gw["args"].index("--http-port") + 1] == "8000"
     assert gw["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    for _, c in _containers(objs):  # lanes serve no HTTP
+    for _, c in _containers(objs):  # lanes serve no HTTP: gRPC (probed) and the call channel
         if c["name"] != "gateway":
-            assert [p["name"] for p in c["ports"]] == ["grpc"] and "grpc" in c["readinessProbe"]
+            assert [p["name"] for p in c["ports"]] == ["grpc", "calls"] and "grpc" in c["readinessProbe"]
     svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
     for name in ("demo", "demo-gateway-pods"):
         ports = {p["name"]: p for p in svcs[name]["spec"]["ports"]}
@@ -181,7 +181,7 @@ def test_read_lane_secret_absent_or_empty():
     assert read_lane_secret({"data": {"lane-secret": ""}}) is None
 
 
-def test_split_network_policy_admits_only_gateway_and_lanes_on_the_grpc_port(owner):
+def test_split_network_policy_admits_only_gateway_and_lanes_on_the_lane_ports(owner):
     objs = build_all(parse_spec({"topology": "split"}), owner, "ns1", {}, "x")
     [np] = [o for o in objs if o["kind"] == "NetworkPolicy"]
     assert np["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
@@ -198,7 +198,8 @@ def test_split_network_policy_admits_only_gateway_and_lanes_on_the_grpc_port(own
     assert {n for n, lab in pod_labels.items() if selects(spec["podSelector"], lab)} == \
         {"demo-prefill", "demo-draft", "demo-verify"}
     [rule] = spec["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": 50051}]
+    # gRPC and the call channel (the gateway's fast path), from the same peers
+    assert rule["ports"] == [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": 50052}]
     [peer] = rule["from"]
     assert set(peer) == {"podSelector"}  # same namespace only
     admitted = {n for n, lab in pod_labels.items() if selects(peer["podSelector"], lab)}
@@ -228,3 +229,55 @@ def test_every_container_command_parses_with_the_real_cli(owner, topology):
             assert (args.http_port, args.lane_secret_file) == (8000, LANE_SECRET_FILE)
         else:
             assert args.secret_file == LANE_SECRET_FILE and not args.allow_unauthenticated
+            assert args.call_port == (CALL_PORT if topology == "split" else COLOCATED_LANE_CALL_PORTS[args.lane])
+
+
+def _flag(args, flag):
+    return args[args.index(flag) + 1]
+
+
+def test_split_lanes_serve_the_call_channel_on_a_fixed_port_behind_their_service(owner):
+    """The gateway dials <lane host>:<call_port from Describe>: in a pod the port must be fixed,
+    declared, on the lane's headless Service and open in the NetworkPolicy."""
+    objs = build_all(parse_spec({"topology": "split"}), owner, "ns1", {}, "x")
+    deps = _deps(objs)
+    svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    [np] = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert {"protocol": "TCP", "port": CALL_PORT} in np["spec"]["ingress"][0]["ports"]
+    for lane in ("prefill", "draft", "verify"):
+        [c] = deps[f"demo-{lane}"]["spec"]["template"]["spec"]["containers"]
+        assert _flag(c["args"], "--call-port") == str(CALL_PORT) == "50052"
+        assert _flag(c["args"], "--port") == "50051"
+        assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                              {"name": "calls", "containerPort": 50052, "protocol": "TCP"}]
+        ports = {p["name"]: p for p in svcs[f"demo-{lane}"]["spec"]["ports"]}
+        assert ports["calls"] == {"name": "calls", "port": 50052, "targetPort": "calls", "protocol": "TCP",
+                                  "appProtocol": "tcp"}
+        assert ports["grpc"]["port"] == 50051
+    [gw] = deps["demo-gateway"]["spec"]["template"]["spec"]["containers"]
+    assert "--call-port" not in gw["args"] and "calls" not in {p["name"] for p in gw["ports"]}
+    for name in ("demo", "demo-gateway-pods"):  # gateway Services carry no call channel
+        assert "calls" not in {p["name"] for p in svcs[name]["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("variant", ["colocated", "colocated-dra"])
+def test_colocated_lanes_serve_the_call_channel_on_distinct_localhost_ports(owner, variant):
+    objs = build_all(parse_spec(VARIANTS[variant]), owner, "ns1", {}, "x")
+    pod = _deps(objs)["demo-colocated"]["spec"]["template"]["spec"]
+    seen = {}
+    for c in pod["containers"]:
+        if c["name"] == "gateway":
+            assert "--call-port" not in c["args"]
+            continue
+        seen[c["name"]] = int(_flag(c["args"], "--call-port"))
+        assert int(_flag(c["args"], "--port")) == COLOCATED_LANE_PORTS[c["name"]]
+        assert {"name": "calls", "containerPort": seen[c["name"]], "protocol": "TCP"} in c["ports"]
+        assert c["ports"][0]["name"] == "grpc"  # the probes' port stays first
+    assert seen == COLOCATED_LANE_CALL_PORTS == {"prefill": 50071, "draft": 50072, "verify": 50073}
+    # every port in the pod distinct (the containers share one network namespace)
+    all_ports = [p["containerPort"] for c in pod["containers"] for p in c["ports"]]
+    assert len(all_ports) == len(set(all_ports))
+    # pod-local: no lane Service, and the NetworkPolicy opens only the gateway ports
+    assert {o["metadata"]["name"] for o in objs if o["kind"] == "Service"} == {"demo", "demo-gateway-pods"}
+    [np] = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert sorted(p["port"] for p in np["spec"]["ingress"][0]["ports"]) == [8000, 50051]

@@ -154,7 +154,10 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         assert admin.get("Service", namespace, "smollm2-verify")["spec"]["clusterIP"] == "None"
         lanes = wait_for(lambda: (p := admin.get("NetworkPolicy", namespace, "smollm2-lanes"))
                          and p["spec"]["podSelector"].get("matchExpressions") and p, "split NetworkPolicy", ops)
-        assert lanes["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 50051}]
+        assert lanes["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 50051},
+                                                         {"protocol": "TCP", "port": 50052}]  # gRPC, calls
+        lane_ports = {p["name"]: p for p in admin.get("Service", namespace, "smollm2-verify")["spec"]["ports"]}
+        assert (lane_ports["calls"]["port"], lane_ports["calls"]["targetPort"]) == (50052, "calls"), lane_ports
         assert lanes["metadata"]["ownerReferences"][0]["uid"] == uid
         # Reconciled several times since: the token was kept, not rotated.
         assert admin.get("Secret", namespace, "smollm2-lane-secret")["data"]["lane-secret"] == token
