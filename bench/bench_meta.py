@@ -12,7 +12,8 @@ def git_revision() -> str:
     """VERIFYPD_GIT_REV wins: a copied tree's own git metadata can name another commit."""
     try:
         return os.environ.get("VERIFYPD_GIT_REV") or subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+            cwd=os.path.dirname(os.path.abspath(__file__))).strip()  # this tree's, from any working directory
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -24,13 +24,16 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# determinism.py, draft_acceptance.py and self_draft_acceptance.py import git_revision from here.
+from bench_meta import git_revision  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
 from verifypd.engine.router import EngineObserver  # noqa: E402
@@ -38,14 +41,6 @@ from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
-
-
-def git_revision() -> str:
-    """VERIFYPD_GIT_REV wins: a copied tree's own git metadata can name another commit."""
-    try:
-        return os.environ.get("VERIFYPD_GIT_REV") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def copy_bandwidth() -> float:
