@@ -278,9 +278,9 @@ class Router:
             drafts = self._take_drafts(ahead, ahead_results)
             for w in ahead:
                 tokens, probs = drafts[w.seq.request_id]
-                if len(tokens) and w.seq.status is SeqStatus.DECODING:
-                    w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, held_typical, ahead_s)
-                # else nothing proposed: the request plain-decodes in its next verify step
+                # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes
+                # in its next step, as a lock-step step verifies it with k = 0 right after the draft.
+                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, held_typical, ahead_s)
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
                        outputs: list[RequestOutput]) -> None:

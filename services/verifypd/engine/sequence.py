@@ -27,7 +27,8 @@ class HeldDraft:
     positions start_pos + 1 .. start_pos + len(tokens), made when the pending token was at start_pos.
     The draft lane wrote draft KV up to start_pos + len(tokens) - 1; `draft_computed` is only moved
     when they are verified (as in a lock-step step), so dropping them (preemption, schedule change)
-    needs no rollback. `tokens` and `probs` are opaque lane values (see DraftOutput)."""
+    needs no rollback. `tokens` and `probs` are opaque lane values (see DraftOutput); `tokens` may be
+    empty (a pool-less lane proposed nothing): the next step then verifies with k = 0."""
 
     start_pos: int
     tokens: Any
