@@ -164,6 +164,12 @@ def test_pdv_groups_alternate(tiny_models):
             assert d[3] != main and v[3] == main  # the draft call ran on the router's worker thread
             overlapped += d[4] < v[5] and v[4] < d[5]
     assert overlapped >= 1  # the two calls did run at the same time
+    # Both groups make progress: between its prefill and its last call, a request sits out a
+    # pipelined step only when it joins or is moved to the other group (once or twice).
+    for rid in {r for c in rec.calls for r, _ in c[2]}:
+        steps = sorted({c[0] for c in rec.calls if rid in {r for r, _ in c[2]}})
+        idle = [t for t in pipelined if steps[0] < t < steps[-1] and t not in steps]
+        assert len(idle) <= 2, f"{rid} sat out pipelined steps {idle}"
 
 
 def test_pd_is_lock_step(tiny_models):
