@@ -17,6 +17,8 @@ memory is `record_stream`ed there).
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import zlib
 from collections.abc import Sequence
 
@@ -38,9 +40,22 @@ def lane_stream(device: torch.device, priority: int) -> "torch.cuda.Stream | Non
     return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
 
 
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def interpreted(runner: ModelRunner) -> bool:
+    """Triton kernels under Triton's CPU interpreter (tests), whose launch state is global."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and getattr(runner.model, "attention", None) == "triton"
+
+
 @contextlib.contextmanager
-def on_stream(stream):
-    """Runs the block on `stream` after the work already queued on the current stream."""
+def on_stream(stream, serial: bool = False):
+    """Runs the block on `stream` after the work already queued on the current stream. `serial`
+    (the Triton interpreter): lane calls run one at a time."""
+    if serial:
+        with _INTERPRETER_LOCK:
+            yield
+        return
     if stream is None:
         yield
         return
@@ -84,6 +99,7 @@ class LocalDraftLane:
     def __init__(self, draft: ModelRunner, info: LaneInfo):
         self.runner, self.info = draft, info
         self.stream = lane_stream(draft.device, DRAFT_STREAM_PRIORITY)
+        self.serial = interpreted(draft)
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -94,7 +110,7 @@ class LocalDraftLane:
         if any(i.k < 1 for i in items):
             raise ValueError("draft items need k >= 1")
         runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
-        with on_stream(self.stream):
+        with on_stream(self.stream, self.serial):
             tokens, probs = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
             # No host sync: the tokens stay on the device for the verify lane (copies, since the
             # runner's buffers are reused by its next call).
@@ -119,6 +135,7 @@ class LocalVerifyLane:
         self.target, self.info = target, info
         self.simulated_acceptance = simulated_acceptance
         self.stream = lane_stream(target.device, VERIFY_STREAM_PRIORITY)
+        self.serial = interpreted(target)
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -126,7 +143,7 @@ class LocalVerifyLane:
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         if not items:
             return []
-        with on_stream(self.stream):
+        with on_stream(self.stream, self.serial):
             if self.stream is not None:
                 wait_for_drafts(items, self.stream)
             return self._verify(items)
