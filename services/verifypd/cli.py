@@ -43,6 +43,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per pool (default: from memory)")
 
 
+def add_schedule_flags(p: argparse.ArgumentParser) -> None:
+    from verifypd.engine.draft_length import SCHEDULES
+    p.add_argument("--schedule", choices=SCHEDULES, default="pdv",
+                   help="router policy (docs/engine.md 'Schedules'): baseline = one request per lane call; "
+                        "pd = prefill + lock-step draft/verify; pdv = prefill, draft and verify lanes with "
+                        "one group's draft overlapping the other's verify (default)")
+    p.add_argument("--no-pipeline", action="store_true", help="pdv: draft and verify lock-step (no overlap)")
+
+
+def schedule_changes(args) -> dict:
+    """RuntimeConfig fields of --schedule / --no-pipeline."""
+    return {"schedule": args.schedule, "pipeline": not args.no_pipeline}
+
+
 def draft_arg(args) -> str:
     """The draft to load for these arguments (see verifypd.lanes.drafts.resolve_draft)."""
     from verifypd.lanes.drafts import resolve_draft
@@ -71,7 +85,8 @@ def cmd_generate_offline(args) -> int:
     k = 0 if args.no_speculation else args.k
     if k is not None and k < 0:
         raise InvalidRequest(f"--k must be >= 0, got {k}")
-    config = RuntimeConfig() if k is None else RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False)
+    config = RuntimeConfig(**schedule_changes(args)) if k is None else \
+        RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False, **schedule_changes(args))
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
                             num_blocks=args.num_blocks, config=config)
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
@@ -114,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server", metavar="HOST:PORT", help="send the prompt to a running verifypd server")
     add_sampling_flags(gen)
     add_model_flags(gen)
+    add_schedule_flags(gen)
     try:  # the services layer registers serve / lane / remote generate when present
         from verifypd.server import cli as server_cli
         server_cli.register(sub)

@@ -171,9 +171,11 @@ class Engine:
             draft_runner = ModelRunner(m.draft_model, self.draft_pool, graphs=graphs, buckets=buckets)
             self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], **common))
         self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
-        self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, LaneInfo("prefill", pools, **common))
         self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
                                            simulated_acceptance=simulated_acceptance)
+        decode_streams = (getattr(self.draft_lane, "stream", None), self.verify_lane.stream)
+        self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, LaneInfo("prefill", pools, **common),
+                                             wait_for=decode_streams)
         self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode,
                              eos_token_ids=m.target.eos_token_ids, config=self.options.config,
                              max_running=self.options.max_running, observer=observer)

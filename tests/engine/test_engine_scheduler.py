@@ -53,7 +53,7 @@ def test_blocks_run_out_k_drops_to_zero_then_lowest_priority_is_preempted():
         c.seq.target_computed = c.seq.draft_computed = c.end
         c.seq.status = SeqStatus.DECODING
         c.seq.output_ids.append(5)  # first token from prefill: pending at position 7
-    config = RuntimeConfig(k_initial=4, adaptive=False)
+    config = RuntimeConfig(k_initial=4, adaptive=False, schedule="pd")  # lock-step
     plan = s.plan(config, StepCostModel())
     # a (higher priority) is planned first and takes the last free block for k = 4 (12 positions);
     # b would need a 3rd block for k = 4, none is left: it falls back to k = 0 (fits in 2 blocks).

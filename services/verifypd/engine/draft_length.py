@@ -23,6 +23,9 @@ class LanePriorities:
     prefill: int = 0
 
 
+SCHEDULES = ("baseline", "pd", "pdv")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     k_min: int = 0
@@ -31,6 +34,11 @@ class RuntimeConfig:
     adaptive: bool = True
     priorities: LanePriorities = field(default_factory=LanePriorities)
     prefill_token_budget: int = 512
+    # Router policy (docs/engine.md "Schedules"): "baseline" = one request per lane call, requests
+    # interleaved round-robin; "pd" = prefill + lock-step draft/verify of the whole decoding batch;
+    # "pdv" = three lanes, draft of one group overlapping verify of the other when `pipeline`.
+    schedule: str = "pdv"
+    pipeline: bool = True  # pdv only: off = pdv runs draft and verify lock-step (as pd)
     revision: int = 0
 
     def validate(self) -> None:
@@ -38,8 +46,14 @@ class RuntimeConfig:
             raise InvalidRequest(f"need 0 <= k_min <= k_max <= {MAX_K}; got k_min={self.k_min} k_max={self.k_max}")
         if not (self.k_min <= self.k_initial <= self.k_max):
             raise InvalidRequest(f"need k_min <= k_initial <= k_max; got {self.k_min} <= {self.k_initial} <= {self.k_max}")
+        if self.schedule not in SCHEDULES:
+            raise InvalidRequest(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.prefill_token_budget < 16:
             raise InvalidRequest(f"prefill_token_budget must be >= 16, got {self.prefill_token_budget}")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.schedule == "pdv" and self.pipeline
 
     def updated(self, **changes) -> "RuntimeConfig":
         new = replace(self, **changes, revision=self.revision + 1)

@@ -1,7 +1,10 @@
 """The router: owns every request's state and runs the speculative loop over the three lanes.
 
 Torch-free. One `step()` = plan (scheduler) -> lane calls in lane-priority order -> commit the
-lanes' results into sequence state -> stream outputs. Losslessness lives in the verify lane's
+lanes' results into sequence state -> stream outputs. The schedule (RuntimeConfig.schedule, see
+docs/engine.md "Schedules") is a policy over the same lanes: baseline and pd steps are lock-step
+(draft, then verify of the same requests); a pipelined pdv step runs the draft call of one group
+and the verify call of the other concurrently (the draft call on a worker thread). Losslessness lives in the verify lane's
 acceptance rule; the router's job is the bookkeeping that keeps KV positions and tokens aligned
 (see `verifypd.engine.sequence` for the layout invariant).
 """
@@ -10,13 +13,14 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
 from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, request_alpha
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
-from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
@@ -60,6 +64,13 @@ class Router:
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
+
+    def close(self) -> None:
+        """Stops the pipelining worker thread (if one was started); the router stays usable."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> str:
@@ -101,17 +112,19 @@ class Router:
         config = self.config  # one config per step; UpdateConfig takes effect on the next one
         plan = self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
+        # pd and pdv: decode is high priority, prefill after it (unless priorities say otherwise).
         prefill_first = config.priorities.prefill > config.priorities.verify
         try:
             if prefill_first:
                 outputs += self._run_prefill(plan.prefill)
-            outputs += self._run_decode(plan.decode)
+            self._run_decode(plan.decode, plan.draft_ahead, outputs)
             if not prefill_first:
                 outputs += self._run_prefill(plan.prefill)
-        except LaneError as exc:
+        except BaseException as exc:
             # Tokens committed before the failing call are already in the sequences: hand their
             # chunks to the caller with the error, or the client's stream would skip them.
-            exc.outputs = outputs
+            if isinstance(exc, LaneError):
+                exc.outputs = outputs
             raise
         self.observer.on_step(self)
         return outputs
@@ -165,47 +178,115 @@ class Router:
                 outputs += self._emit(seq, [res.first_token], applied_k=0)
         return outputs
 
-    def _run_decode(self, work: list[DecodeWork]) -> list[RequestOutput]:
-        if not work:
-            return []
-        drafting = [w for w in work if w.k > 0]
-        drafts: dict[str, tuple[object, object]] = {}
-        t_step = self._clock()
-        typical = True  # no long draft catch-up: the step's cost is worth learning from
-        if drafting:
-            items = []
-            for w in drafting:
-                seq, n = w.seq, w.seq.pending_pos
-                items.append(DraftItem(
-                    request_id=seq.request_id, input_tokens=seq.all_ids[seq.draft_computed:n + 1],
-                    start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
-                    draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed)))
-            t0 = self._clock()
-            for w, out in zip(drafting, self.draft_lane.draft(items)):
-                # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
-                # is read here; the verify lane consumes the values on the device.
-                drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
-                if out.resync_from is not None:  # a pool-less lane lost this request's history
-                    w.seq.draft_computed = min(w.seq.draft_computed, out.resync_from)
-                elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
-                    w.seq.draft_computed = w.seq.pending_pos + 1
-            self.observer.on_lane_step("draft", self._clock() - t0, len(items))
-            typical = max(len(i.input_tokens) for i in items) <= 2
+    def _draft_items(self, work: list[DecodeWork]) -> list[DraftItem]:
         items = []
         for w in work:
             seq, n = w.seq, w.seq.pending_pos
-            tokens, probs = drafts.get(seq.request_id, ((), None))
+            items.append(DraftItem(
+                request_id=seq.request_id, input_tokens=seq.all_ids[seq.draft_computed:n + 1],
+                start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
+                draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed)))
+        return items
+
+    def _call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
+        t0 = self._clock()
+        results = self.draft_lane.draft(items)
+        return results, self._clock() - t0
+
+    def _take_drafts(self, work: list[DecodeWork], results) -> dict[str, tuple[object, object]]:
+        """Draft outputs by request id, with the draft-position bookkeeping of pool-less lanes."""
+        drafts = {}
+        for w, out in zip(work, results):
+            # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
+            # is read here; the verify lane consumes the values on the device.
+            drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
+            if out.resync_from is not None:  # a pool-less lane lost this request's history
+                w.seq.draft_computed = min(w.seq.draft_computed, out.resync_from)
+            elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
+                w.seq.draft_computed = w.seq.pending_pos + 1
+        return drafts
+
+    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput]) -> None:
+        """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`.
+        Pipelined (`ahead` non-empty): draft `ahead` on the worker thread while verifying `work`
+        (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them."""
+        if not work and not ahead:
+            return
+        drafting = [w for w in work if w.k > 0 and not w.held]
+        drafts: dict[str, tuple[object, object]] = {}
+        t_step = self._clock()
+        typical = True  # no long draft catch-up: the step's cost is worth learning from
+        draft_s = 0.0
+        if drafting:
+            items = self._draft_items(drafting)
+            results, draft_s = self._call_draft(items)
+            drafts = self._take_drafts(drafting, results)
+            self.observer.on_lane_step("draft", draft_s, len(items))
+            typical = max(len(i.input_tokens) for i in items) <= 2
+        ahead_items = self._draft_items(ahead)
+        future = None
+        if ahead_items and work:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-draft")
+            future = self._pool.submit(self._call_draft, ahead_items)
+        items = []
+        for w in work:
+            seq, n = w.seq, w.seq.pending_pos
+            if w.held:
+                held = seq.held_draft
+                assert held is not None and held.start_pos == n and len(held.tokens) == w.k, "held drafts out of step"
+                tokens, probs = held.tokens, held.probs
+                typical = typical and held.typical
+            else:
+                tokens, probs = drafts.get(seq.request_id, ((), None))
             items.append(VerifyItem(
                 request_id=seq.request_id, pending_token=seq.all_ids[n], start_pos=n, draft_tokens=tokens,
                 draft_probs=probs, sampling=seq.spec.sampling,
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
-        t0 = self._clock()
-        results = self.verify_lane.verify(items)
+        results, verify_error, verify_s = None, None, 0.0
+        if items:
+            t0 = self._clock()
+            try:
+                results = self.verify_lane.verify(items)
+            except BaseException as exc:  # first let the concurrent draft call finish
+                verify_error = exc
+            verify_s = self._clock() - t0
+        ahead_results, draft_error = None, None
+        if ahead_items:
+            try:
+                ahead_results, ahead_s = future.result() if future is not None else self._call_draft(ahead_items)
+            except BaseException as exc:
+                draft_error = exc
+        if verify_error is not None:
+            raise verify_error
         now = self._clock()
-        self.observer.on_lane_step("verify", now - t0, len(items))
-        if typical:
-            self.costs.observe_step(len(items), max(len(i.draft_tokens) for i in items), now - t_step)
-        outputs = []
+        if items:
+            self.observer.on_lane_step("verify", verify_s, len(items))
+            k_max = max(len(i.draft_tokens) for i in items)
+            held = [w.seq.held_draft for w in work if w.held]
+            if not ahead_items and not held and typical:  # a lock-step step: its wall time
+                self.costs.observe_step(len(items), k_max, now - t_step)
+            elif held and typical and len(held) == len(items):
+                # Pipelined: the held drafts' own draft call plus this verify call (their overlap with
+                # the other group's work is not credited; see docs/engine.md "Schedules").
+                self.costs.observe_step(len(items), k_max, max(h.draft_s for h in held) + verify_s)
+            self._commit_verify(work, items, results, outputs)
+        for w in work:
+            w.seq.held_draft = None
+        if draft_error is not None:
+            raise draft_error
+        if ahead_items:
+            self.observer.on_lane_step("draft", ahead_s, len(ahead_items))
+            held_typical = max(len(i.input_tokens) for i in ahead_items) <= 2
+            drafts = self._take_drafts(ahead, ahead_results)
+            for w in ahead:
+                tokens, probs = drafts[w.seq.request_id]
+                # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes
+                # in its next step, as a lock-step step verifies it with k = 0 right after the draft.
+                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, held_typical, ahead_s)
+
+    def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
+                       outputs: list[RequestOutput]) -> None:
         for w, item, res in zip(work, items, results):
             seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)
             m = res.accepted
@@ -224,7 +305,6 @@ class Router:
             seq.last_k = k
             self.observer.on_verify(k, m)
             outputs += self._emit(seq, res.new_tokens, applied_k=k)
-        return outputs
 
     # -- committing tokens -------------------------------------------------------------------
     def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:

@@ -8,11 +8,18 @@ Torch-free. Policy:
   * then prefill chunks within the per-step token budget: requests already prefilling, then new
     ones by priority. A new request is admitted only if its chunk fits with a reserve of one block
     per running request left over, so admissions do not immediately force preemptions.
+
+The schedule (`RuntimeConfig.schedule`, docs/engine.md "Schedules") changes what one step holds:
+  * baseline: ONE request per step (round-robin over the running requests, admitting a waiting
+    one when a slot is free): its prefill chunk, or its draft + verify, each a one-item lane call;
+  * pd, and pdv without pipelining: the above, every decoding request draft + verify lock-step;
+  * pdv pipelined: decoding requests are in two groups; each step one group drafts (drafts held
+    until the next step) while the other verifies the drafts it made the step before.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, choose_batch_k
@@ -21,6 +28,10 @@ from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, ch
 # 32 steps, then after twice as many each time a probe confirms k = 0 (up to 1024), since a probe
 # costs a draft call that first catches up on every token decoded since the last one.
 PROBE_FIRST, PROBE_MAX = 32, 1024
+# pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
+# requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
+# compute-bound verify, where every drafted token costs its share of verify compute next step.
+VERIFY_QUEUE_SOFT = 32
 from verifypd.engine.sequence import Sequence, SeqStatus
 
 
@@ -36,6 +47,7 @@ class PrefillChunk:
 class DecodeWork:
     seq: Sequence
     k: int
+    held: bool = False  # verify the drafts held from the previous (pipelined) step; draft nothing now
 
 
 @dataclass
@@ -44,6 +56,10 @@ class StepPlan:
     decode: list[DecodeWork]
     preempted: list[Sequence]
     out_of_room: list[Sequence]  # alone in a full pool: the router ends them with LENGTH
+    # pdv pipelined steps: requests that draft now and verify next step (disjoint from `decode`,
+    # which then holds only requests verifying held drafts or plain-decoding with k = 0).
+    draft_ahead: list[DecodeWork] = field(default_factory=list)
+    pipelined: bool = False
 
     @property
     def empty(self) -> bool:
@@ -61,7 +77,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._steps_without_drafts = 0
         self._probe_interval = PROBE_FIRST
-        self._last_k: int | None = None
+        self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
+        self._phase = 0     # pdv: the group that drafts in the current pipelined step
+        self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -89,49 +107,161 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------------------
     def plan(self, config: RuntimeConfig, costs: StepCostModel) -> StepPlan:
+        if config.schedule == "baseline":
+            return self._plan_single(config, costs)
         preempted: list[Sequence] = []
         out_of_room: list[Sequence] = []
-        decode = self._plan_decode(config, costs, preempted, out_of_room)
+        ahead: list[DecodeWork] = []
+        pipelined = config.pipelined and self._num_decoding() >= 2  # a lone request overlaps nothing
+        if pipelined:
+            decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
+        else:
+            decode = self._plan_decode(config, costs, preempted, out_of_room)
         prefill = self._plan_prefill(config.prefill_token_budget)
-        return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room)
+        return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
+                        draft_ahead=ahead, pipelined=pipelined)
+
+    def _num_decoding(self) -> int:
+        return sum(s.status is SeqStatus.DECODING for s in self.running)
+
+    def _batch_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
+                 key: object) -> int:
+        """One k for `seqs` (see choose_batch_k), with the probe schedule while speculation is off."""
+        if not seqs:
+            return 0
+        prior = costs.acceptance.alpha
+        alphas = [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
+        probe = self._steps_without_drafts >= self._probe_interval
+        k_batch = choose_batch_k(config, alphas, costs, len(seqs), hi, probe=probe, current=self._last_k.get(key))
+        self._last_k[key] = k_batch
+        if probe and k_batch == 1:
+            self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
+        elif k_batch > 0:
+            self._probe_interval = PROBE_FIRST  # speculation chosen on its own merits
+        self._steps_without_drafts = self._steps_without_drafts + 1 if k_batch == 0 else 0
+        return k_batch
 
     def _plan_decode(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
-                     out_of_room: list[Sequence]) -> list[DecodeWork]:
-        decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
-        batch = len(decoding)
+                     out_of_room: list[Sequence], only: Sequence | None = None) -> list[DecodeWork]:
+        """Lock-step: every decoding request (or `only`) drafts and verifies in this step; a request
+        still holding pipelined drafts (the schedule changed, or the batch shrank to one) verifies them."""
+        decoding = [only] if only is not None else \
+            sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
+        fresh = [s for s in decoding if s.held_draft is None]
+        k_batch = self._batch_k(config, costs, fresh, config.k_max, "single" if only is not None else "batch")
         work: list[DecodeWork] = []
-        k_batch = 0
-        if decoding:
-            prior = costs.acceptance.alpha
-            alphas = [prior if s.alpha_estimate is None else s.alpha_estimate for s in decoding]
-            probe = self._steps_without_drafts >= self._probe_interval
-            k_batch = choose_batch_k(config, alphas, costs, batch, config.k_max, probe=probe, current=self._last_k)
-            self._last_k = k_batch
-            if probe and k_batch == 1:
-                self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
-            elif k_batch > 0:
-                self._probe_interval = PROBE_FIRST  # speculation chosen on its own merits
-            self._steps_without_drafts = self._steps_without_drafts + 1 if k_batch == 0 else 0
         for seq in decoding:
             if seq in preempted:
                 continue
-            n = seq.pending_pos
-            k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
-            k = max(0, min(k, self.max_context - 1 - n))  # verify writes positions n..n+k
-            while not self._reserve(seq, n, k):
-                if k > 0:
-                    k = 0
-                    continue
-                victim = self._pick_victim(exclude=seq)
-                if victim is None:  # alone and still no room: the pool cannot hold this request
-                    out_of_room.append(seq)
-                    break
-                self._preempt(victim)
-                preempted.append(victim)
-                work = [w for w in work if w.seq is not victim]
+            if seq.held_draft is not None:
+                k, held = len(seq.held_draft.tokens), True
             else:
-                work.append(DecodeWork(seq, k))
-        return work
+                k, held = self._cap(config, seq, k_batch), False
+            k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
+            if k is not None:
+                work.append(DecodeWork(seq, k, held=held and k > 0))
+        return [w for w in work if w.seq not in preempted]
+
+    def _plan_pipelined(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
+                        out_of_room: list[Sequence]) -> tuple[list[DecodeWork], list[DecodeWork]]:
+        """Group `phase` drafts (its drafts are held for the next step); the other group verifies the
+        drafts it made in the previous step. Roles swap every pipelined step, so each request
+        alternates draft step / verify step. A request whose k is 0 (speculation off, max_k = 0, one
+        token left) plain-decodes every step in the verify call, whichever its group."""
+        self._phase ^= 1
+        decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
+        self._assign_groups(decoding)
+        drafting = [s for s in decoding if s.group == self._phase and s.held_draft is None]
+        verifying = [s for s in decoding if not (s.group == self._phase and s.held_draft is None)]
+        verify: list[DecodeWork] = []
+        last_k = self._last_k.get(("group", 1 - self._phase))
+        for seq in verifying:  # first: their blocks for n + k + 1 were reserved when they drafted
+            if seq in preempted:
+                continue
+            if seq.held_draft is None and self._cap(config, seq, config.k_max if last_k is None else last_k) > 0:
+                # Just moved here (joined, rebalanced): it waits one step and drafts with its group
+                # next step. Plain-decoding it now would change its k sequence, and so a seeded
+                # sampled request's tokens, against a lock-step run.
+                continue
+            k = len(seq.held_draft.tokens) if seq.held_draft is not None else 0
+            k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=False)
+            if k is not None:
+                verify.append(DecodeWork(seq, k, held=k > 0))
+        queue = len(verify)
+        hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
+        k_group = self._batch_k(config, costs, drafting, hi, ("group", self._phase))
+        ahead: list[DecodeWork] = []
+        for seq in drafting:
+            if seq in preempted:
+                continue
+            k = self._reserve_or_preempt(seq, self._cap(config, seq, min(k_group, hi)), preempted, out_of_room)
+            if k is None:
+                continue
+            # k = 0 (speculation off, nothing left to draft, no room): plain decoding now, not idling
+            (ahead if k > 0 else verify).append(DecodeWork(seq, k))
+        return [w for w in verify if w.seq not in preempted], [w for w in ahead if w.seq not in preempted]
+
+    def _assign_groups(self, decoding: list[Sequence]) -> None:
+        """Newcomers join the smaller group (ties: the one drafting now); when requests leave, the
+        newest requests holding no drafts move until the sizes differ by at most one."""
+        sizes = [sum(s.group == g for s in decoding) for g in (0, 1)]
+        for seq in decoding:
+            if seq.group is None:
+                seq.group = self._phase if sizes[self._phase] <= sizes[1 - self._phase] else 1 - self._phase
+                sizes[seq.group] += 1
+        for seq in reversed(decoding):
+            big = 0 if sizes[0] > sizes[1] else 1
+            if sizes[big] - sizes[1 - big] <= 1:
+                break
+            if seq.group == big and seq.held_draft is None:
+                seq.group = 1 - big
+                sizes[big] -= 1
+                sizes[1 - big] += 1
+
+    def _cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
+        k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
+        return max(0, min(k, self.max_context - 1 - seq.pending_pos))  # verify writes positions n..n+k
+
+    def _reserve_or_preempt(self, seq: Sequence, k: int, preempted: list[Sequence],
+                            out_of_room: list[Sequence], can_drop_k: bool = True) -> int | None:
+        """Blocks for k + 1 target / k draft positions: k falls to 0 first, then the lowest-priority
+        newest other request is preempted. Returns the k reserved, None if `seq` is out of room."""
+        n = seq.pending_pos
+        while not self._reserve(seq, n, k):
+            if k > 0 and can_drop_k:
+                k = 0
+                continue
+            victim = self._pick_victim(exclude=seq)
+            if victim is None:  # alone and still no room: the pool cannot hold this request
+                out_of_room.append(seq)
+                return None
+            self._preempt(victim)
+            preempted.append(victim)
+        return k
+
+    def _plan_single(self, config: RuntimeConfig, costs: StepCostModel) -> StepPlan:
+        """baseline: one request this step, round-robin by arrival over the running requests plus
+        the head of the queue when a slot is free: its next prefill chunk, or its draft + verify."""
+        preempted: list[Sequence] = []
+        out_of_room: list[Sequence] = []
+        head = self._waiting[0][1] if self._waiting and len(self.running) < self.max_running else None
+        order = sorted(self.running + ([head] if head is not None else []), key=lambda s: s.arrival_order)
+        later = [s for s in order if s.arrival_order > self._rr_last]
+        for seq in later + [s for s in order if s not in later]:
+            if seq.status is SeqStatus.DECODING:
+                decode = self._plan_decode(config, costs, preempted, out_of_room, only=seq)
+                self._rr_last = seq.arrival_order
+                return StepPlan([], decode, preempted, out_of_room)
+            chunk = self._chunk(seq, config.prefill_token_budget, reserve=len(self.running) if seq is head else 0)
+            if chunk is None:
+                continue
+            if seq is head:
+                heapq.heappop(self._waiting)
+                seq.status = SeqStatus.PREFILLING
+                self.running.append(seq)
+            self._rr_last = seq.arrival_order
+            return StepPlan([chunk], [], preempted, out_of_room)
+        return StepPlan([], [], preempted, out_of_room)
 
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
         if not (self.target.can_grow(seq.target_blocks, n + k + 1)

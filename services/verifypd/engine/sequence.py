@@ -16,8 +16,25 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from verifypd.engine.types import FinishReason, RequestSpec, RequestStats
+
+
+@dataclass
+class HeldDraft:
+    """Drafts a pipelined (pdv) step made for a request and the next step verifies: proposals for
+    positions start_pos + 1 .. start_pos + len(tokens), made when the pending token was at start_pos.
+    The draft lane wrote draft KV up to start_pos + len(tokens) - 1; `draft_computed` is only moved
+    when they are verified (as in a lock-step step), so dropping them (preemption, schedule change)
+    needs no rollback. `tokens` and `probs` are opaque lane values (see DraftOutput); `tokens` may be
+    empty (a pool-less lane proposed nothing): the next step then verifies with k = 0."""
+
+    start_pos: int
+    tokens: Any
+    probs: Any
+    typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
+    draft_s: float  # seconds of the draft call that made them (half of a cost sample)
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +62,10 @@ class Sequence:
     alpha_estimate: float | None = None
     draft_rejections: int = 0
     last_k: int = 0
+    # pdv pipelining (see Scheduler._plan_pipelined): the group (0 / 1) this request decodes in,
+    # None until it first decodes; drafts held between the step that made them and the next one.
+    group: int | None = None
+    held_draft: HeldDraft | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -80,4 +101,6 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.target_computed = 0
         self.draft_computed = 0
+        self.group = None
+        self.held_draft = None
         self.stats.preemptions += 1

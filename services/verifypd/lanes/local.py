@@ -4,9 +4,21 @@ stay on the device and pass to the verify lane by reference). The only lane code
 Host syncs: one device-to-host copy per lane call (the tokens the router needs). Sampling,
 acceptance and the draft loop's feeding of tokens stay on the device; on CUDA the forwards are
 CUDA-graph replays (see `verifypd.model.graph_runner`).
+
+Streams (CUDA only; on CPU there are none): the draft and verify lanes each run on their own
+stream, draft at the higher priority, so a pipelined (pdv) step's draft call of one group and
+verify call of the other, issued from two threads, can overlap on the GPU. Prefill runs on the
+thread's current (default) stream. Ordering: the draft and verify streams wait for the current
+stream when a call starts, the prefill lane waits for both streams when it starts (the pools and
+the runners' static buffers are shared between prefill and the decode lanes), and drafts crossing
+from the draft stream to the verify stream carry an event the verify stream waits on (and their
+memory is `record_stream`ed there).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import zlib
 from collections.abc import Sequence
 
@@ -19,9 +31,44 @@ from verifypd.model import sampler
 from verifypd.model.runner import ModelRunner, TokenRun
 
 
+# CUDA stream priorities (lower = more urgent; CUDA clamps to the device's range). Prefill, the
+# low-priority lane, runs on the default stream (priority 0).
+DRAFT_STREAM_PRIORITY, VERIFY_STREAM_PRIORITY = -2, -1
+
+
+def lane_stream(device: torch.device, priority: int) -> "torch.cuda.Stream | None":
+    return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def interpreted(runner: ModelRunner) -> bool:
+    """Triton kernels under Triton's CPU interpreter (tests), whose launch state is global."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and getattr(runner.model, "attention", None) == "triton"
+
+
+@contextlib.contextmanager
+def on_stream(stream, serial: bool = False):
+    """Runs the block on `stream` after the work already queued on the current stream. `serial`
+    (the Triton interpreter): lane calls run one at a time."""
+    if serial:
+        with _INTERPRETER_LOCK:
+            yield
+        return
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
 class LocalPrefillLane:
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None, info: LaneInfo):
+    def __init__(self, target: ModelRunner, draft: ModelRunner | None, info: LaneInfo, wait_for=()):
+        """`wait_for`: the decode lanes' streams; prefill starts after their queued work."""
         self.target, self.draft, self.info = target, draft, info
+        self.wait_for = [st for st in wait_for if st is not None]
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -29,6 +76,8 @@ class LocalPrefillLane:
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
         if not items:
             return []
+        for stream in self.wait_for:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
         target_runs = [TokenRun(i.token_ids, i.start_pos, i.target_kv.block_ids) for i in items]
         logits = self.target.forward(target_runs, "last")
         if self.draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
@@ -49,6 +98,8 @@ class LocalPrefillLane:
 class LocalDraftLane:
     def __init__(self, draft: ModelRunner, info: LaneInfo):
         self.runner, self.info = draft, info
+        self.stream = lane_stream(draft.device, DRAFT_STREAM_PRIORITY)
+        self.serial = interpreted(draft)
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -59,12 +110,18 @@ class LocalDraftLane:
         if any(i.k < 1 for i in items):
             raise ValueError("draft items need k >= 1")
         runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
-        tokens, probs = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
-        # No host sync: the tokens stay on the device for the verify lane (copies, since the
-        # runner's buffers are reused by its next call).
-        batch = DraftBatch(tokens.clone())
-        if probs is not None:
-            probs = probs.clone()
+        with on_stream(self.stream, self.serial):
+            tokens, probs = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
+            # No host sync: the tokens stay on the device for the verify lane (copies, since the
+            # runner's buffers are reused by its next call).
+            tokens = tokens.clone()
+            if probs is not None:
+                probs = probs.clone()
+            ready = None
+            if self.stream is not None:  # the verify stream waits on this before reading them
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+        batch = DraftBatch(tokens, ready)
         return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k),
                             None if probs is None or i.sampling.greedy else probs[n, :i.k])
                 for n, i in enumerate(items)]
@@ -78,6 +135,8 @@ class LocalVerifyLane:
         models can stand in for a trained draft. Output is then NOT the target's distribution."""
         self.target, self.info = target, info
         self.simulated_acceptance = simulated_acceptance
+        self.stream = lane_stream(target.device, VERIFY_STREAM_PRIORITY)
+        self.serial = interpreted(target)
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -85,6 +144,12 @@ class LocalVerifyLane:
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         if not items:
             return []
+        with on_stream(self.stream, self.serial):
+            if self.stream is not None:
+                wait_for_drafts(items, self.stream)
+            return self._verify(items)
+
+    def _verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         ks = [len(i.draft_tokens) for i in items]
         on_device = device_drafts(items)
         # With drafts on the device, runs carry placeholders and the runner writes the real ids.
@@ -138,6 +203,23 @@ class LocalVerifyLane:
         return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
 
 
+def wait_for_drafts(items: list[VerifyItem], stream) -> None:
+    """Orders the drafts' producer (the draft stream) before `stream`, and keeps their memory from
+    being reused by the draft stream's allocator while `stream` may still read it."""
+    batches = {}
+    for item in items:
+        if isinstance(item.draft_tokens, DeviceDraftTokens):
+            batches[id(item.draft_tokens.batch)] = item.draft_tokens.batch
+        probs = item.draft_probs
+        if isinstance(probs, torch.Tensor) and probs.is_cuda:
+            probs.record_stream(stream)
+    for batch in batches.values():
+        if batch.ready is not None:
+            stream.wait_event(batch.ready)
+        if batch.tokens.is_cuda:
+            batch.tokens.record_stream(stream)
+
+
 def draft_probs_matrix(items: list[VerifyItem], K: int, V: int, drafts: torch.Tensor) -> torch.Tensor:
     """q [R, K, V]: each item's draft probabilities (rows past its k are zero); one-hot of the
     proposal for items without probabilities (greedy drafts). Views of one in-process draft call's
@@ -171,12 +253,15 @@ class DraftBatch:
     """The proposals of one in-process draft call, [B, K] on the device; copied to the host at most
     once, and only if someone iterates them (e.g. a gRPC verify lane)."""
 
-    def __init__(self, tokens: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, ready: "torch.cuda.Event | None" = None):
         self.tokens = tokens
+        self.ready = ready  # recorded on the draft stream after the tokens were written (CUDA)
         self._host: list[list[int]] | None = None
 
     def host(self) -> list[list[int]]:
         if self._host is None:
+            if self.ready is not None:
+                self.ready.synchronize()
             self._host = self.tokens.tolist()
         return self._host
 

@@ -23,7 +23,7 @@ DEFAULT_HOST = os.environ.get("VERIFYPD_HOST", "127.0.0.1")
 
 
 def register(sub) -> None:
-    from verifypd.cli import add_model_flags
+    from verifypd.cli import add_model_flags, add_schedule_flags
 
     sub.choices["generate"].set_defaults(handler=cmd_generate_remote)
     sub.choices["generate"].add_argument("--timeout", type=float, default=None,
@@ -67,6 +67,7 @@ def register(sub) -> None:
     serve.add_argument("--k-initial", type=int, default=None)
     serve.add_argument("--no-adaptive", action="store_true", help="every request uses k-initial")
     serve.add_argument("--prefill-token-budget", type=int, default=None)
+    add_schedule_flags(serve)
     serve.set_defaults(handler=cmd_serve)
 
     lane = sub.add_parser("lane", help="run one lane server (split topology)")
@@ -140,7 +141,7 @@ def warn_simulated(options) -> None:
 
 
 def engine_options(args):
-    from verifypd.cli import draft_arg
+    from verifypd.cli import draft_arg, schedule_changes
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.local_engine import EngineOptions
 
@@ -158,6 +159,7 @@ def engine_options(args):
                    if getattr(args, name) is not None}
         if args.no_adaptive:
             changes["adaptive"] = False
+        changes.update(schedule_changes(args))
         options.config = RuntimeConfig(**changes) if changes else RuntimeConfig()
         options.config.validate()
     return options
@@ -239,7 +241,8 @@ def cmd_serve(args) -> int:
     if supervisor is not None:
         supervisor.start()
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
-          f"(target {options.target}, draft {options.draft}{simulated_label(options)})", file=sys.stderr, flush=True)
+          f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
+          f"{simulated_label(options)})", file=sys.stderr, flush=True)
     http = None
     try:
         if args.http_port:

@@ -183,6 +183,9 @@ class EngineLoop:
                 self._try_recover()
             elif self.router.has_work():
                 self._step()
+        close = getattr(self.router, "close", None)  # the router's pipelining worker thread, if any
+        if close is not None:
+            close()
 
     def _execute(self, cmd) -> None:
         if cmd is None:

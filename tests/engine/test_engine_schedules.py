@@ -1,0 +1,234 @@
+"""Schedules (RuntimeConfig.schedule): baseline | pd | pdv are router policies over the same lanes.
+Each must stay lossless; baseline never batches across requests; pd is lock-step; pdv pipelined
+alternates two groups, one drafting while the other verifies the drafts it made the step before."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine_helpers import VOCAB, make_engine
+from verifypd.engine.draft_length import RuntimeConfig
+from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
+from verifypd.lanes.interface import LaneError
+
+SCHEDULES = [("baseline", True), ("pd", True), ("pdv", True), ("pdv", False)]
+
+
+def prompts(n: int = 7, seed: int = 3) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 24))) for _ in range(n)]
+
+
+def specs(sampling: bool = False) -> list[RequestSpec]:
+    out = []
+    for i, p in enumerate(prompts()):
+        s = SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i) if sampling else SamplingParams()
+        out.append(RequestSpec(p, max_tokens=[20, 7, 15, 26, 3, 18, 11][i], stop_at_eos=False,
+                               request_id=f"r{i}", max_k=[None, None, 2, None, None, 0, None][i], sampling=s))
+    return out
+
+
+class Recorder:
+    """Wraps a router's lanes: every call as (step, lane, [(request_id, k)], thread, start, end)."""
+
+    def __init__(self, router):
+        self.step = 0
+        self.calls: list[tuple] = []
+        self.plans: dict[int, bool] = {}
+        for lane, method in (("prefill", "prefill"), ("draft", "draft"), ("verify", "verify")):
+            obj = getattr(router, f"{lane}_lane")
+            setattr(router, f"{lane}_lane", _Proxy(obj, method, lane, self))
+        plan = router.scheduler.plan
+
+        def recording_plan(config, costs):
+            result = plan(config, costs)
+            self.plans[self.step] = result.pipelined
+            return result
+        router.scheduler.plan = recording_plan
+
+    def of(self, lane: str, step: int) -> list[tuple[str, int]]:
+        return [x for c in self.calls if c[0] == step and c[1] == lane for x in c[2]]
+
+
+class _Proxy:
+    def __init__(self, lane, method, name, rec):
+        self._lane, self._method, self._name, self._rec = lane, method, name, rec
+        self.fail_at: int | None = None  # raise LaneError on this step
+
+    def describe(self):
+        return self._lane.describe()
+
+    def __getattr__(self, attr):
+        if attr != self._method:
+            return getattr(self._lane, attr)
+
+        def call(items):
+            step, t0 = self._rec.step, time.monotonic()
+            if self.fail_at == step:
+                raise LaneError(f"{self._name} lane down")
+            out = getattr(self._lane, attr)(items)
+            ks = [getattr(i, "k", None) if self._name == "draft" else
+                  len(i.draft_tokens) if self._name == "verify" else None for i in items]
+            self._rec.calls.append((step, self._name, [(i.request_id, k) for i, k in zip(items, ks)],
+                                    threading.get_ident(), t0, time.monotonic()))
+            return out
+        return call
+
+
+def drive(engine, all_specs, schedule: str, pipeline: bool = True, cancel: str | None = None):
+    """Requests join two per step; `cancel` is aborted mid-way (e.g. while holding pdv drafts)."""
+    router = engine.router
+    router.config = router.config.updated(schedule=schedule, pipeline=pipeline)
+    rec = Recorder(router)
+    tokens: dict[str, list[int]] = {}
+    pending = list(all_specs)
+    while pending or router.has_work():
+        for _ in range(2):
+            if pending:
+                spec = pending.pop(0)
+                tokens[router.add_request(spec)] = []
+        rec.step += 1
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+        if cancel and rec.step == 9 and cancel in {s.request_id for s in router.sequences()}:
+            router.abort(cancel)
+    assert router.target_blocks.num_used == 0 and (router.draft_blocks is None or router.draft_blocks.num_used == 0)
+    router.close()
+    return tokens, rec
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_models):
+    engine = make_engine(*tiny_models, k=0)
+    done = engine.generate(specs())
+    return {rid: c.token_ids for rid, c in done.items()}
+
+
+@pytest.mark.parametrize("schedule, pipeline", SCHEDULES)
+def test_greedy_equals_plain_decoding(tiny_models, plain, schedule, pipeline):
+    engine = make_engine(*tiny_models, k=4)
+    tokens, rec = drive(engine, specs(), schedule, pipeline, cancel="r3")
+    assert {r: t for r, t in tokens.items() if r != "r3"} == {r: t for r, t in plain.items() if r != "r3"}
+    assert tokens["r3"] == plain["r3"][:len(tokens["r3"])] and len(tokens["r3"]) < 26  # cancelled mid-way
+    verified = [k for c in rec.calls if c[1] == "verify" for _, k in c[2]]
+    assert any(k > 0 for k in verified)
+    if schedule == "pdv" and pipeline:
+        assert any(rec.plans.values())  # the test did exercise pipelined steps
+
+
+def test_greedy_lossless_with_adaptive_k(tiny_models, plain):
+    engine = make_engine(*tiny_models, k=4, adaptive=True)
+    tokens, _ = drive(engine, specs(), "pdv")
+    assert tokens == plain
+    engine = make_engine(*tiny_models, k=4, adaptive=True)
+    tokens, _ = drive(engine, specs(), "baseline")
+    assert tokens == plain
+
+
+def test_baseline_never_batches_across_requests(tiny_models):
+    engine = make_engine(*tiny_models, k=3)
+    _, rec = drive(engine, specs(), "baseline")
+    assert rec.calls and all(len(c[2]) == 1 for c in rec.calls)
+    # One request per step (its prefill chunk or its draft + verify), never two.
+    for step in {c[0] for c in rec.calls}:
+        assert len({rid for c in rec.calls if c[0] == step for rid, _ in c[2]}) == 1
+    # Interleaved: requests run concurrently (round-robin), not one after another to completion.
+    order = [c[2][0][0] for c in rec.calls if c[1] == "verify"]
+    first_done = max(i for i, r in enumerate(order) if r == "r1")
+    assert len(set(order[:first_done])) >= 3
+
+
+def test_pdv_groups_alternate(tiny_models):
+    engine = make_engine(*tiny_models, k=3)
+    _, rec = drive(engine, specs(), "pdv")
+    pipelined = sorted(s for s, p in rec.plans.items() if p)
+    overlapped = 0
+    assert len(pipelined) >= 8
+    main = threading.get_ident()
+    for t in pipelined:
+        drafts, verifies = rec.of("draft", t), rec.of("verify", t)
+        d_ids, v_ids = {r for r, _ in drafts}, {r for r, _ in verifies}
+        assert not d_ids & v_ids, f"step {t}: a request drafts and verifies in one pipelined step"
+        for rid, k in drafts:
+            # ... and verifies exactly those drafts in the next step (its drafts were held)
+            assert (rid, k) in rec.of("verify", t + 1), f"{rid} drafted at step {t}, not verified at {t + 1}"
+            assert rid not in {r for r, _ in rec.of("draft", t + 1)}  # groups swap roles
+        if drafts and verifies:
+            d = [c for c in rec.calls if c[0] == t and c[1] == "draft"][0]
+            v = [c for c in rec.calls if c[0] == t and c[1] == "verify"][0]
+            assert d[3] != main and v[3] == main  # the draft call ran on the router's worker thread
+            overlapped += d[4] < v[5] and v[4] < d[5]
+    assert overlapped >= 1  # the two calls did run at the same time
+    # Both groups make progress: between its prefill and its last call, a request sits out a
+    # pipelined step only when it joins or is moved to the other group (once or twice).
+    for rid in {r for c in rec.calls for r, _ in c[2]}:
+        steps = sorted({c[0] for c in rec.calls if rid in {r for r, _ in c[2]}})
+        idle = [t for t in pipelined if steps[0] < t < steps[-1] and t not in steps]
+        assert len(idle) <= 2, f"{rid} sat out pipelined steps {idle}"
+
+
+def test_pd_is_lock_step(tiny_models):
+    engine = make_engine(*tiny_models, k=3)
+    _, rec = drive(engine, specs(), "pd")
+    steps = {c[0] for c in rec.calls if c[1] == "verify"}
+    assert not any(rec.plans.values())
+    for t in steps:
+        drafts = rec.of("draft", t)
+        assert {r for r, _ in drafts} == {r for r, k in rec.of("verify", t) if k > 0}
+        assert set(drafts) <= set(rec.of("verify", t))
+
+
+def test_seeded_sampling_identical_across_schedules(tiny_models):
+    outputs = {}
+    for schedule, pipeline in SCHEDULES:
+        engine = make_engine(*tiny_models, k=3)
+        outputs[schedule, pipeline], _ = drive(engine, specs(sampling=True), schedule, pipeline)
+    first = outputs["pd", True]
+    assert all(len(t) > 0 for t in first.values())
+    for key, toks in outputs.items():
+        assert toks == first, key
+
+
+def test_lane_error_in_a_pipelined_step_propagates_with_committed_outputs(tiny_models):
+    engine = make_engine(*tiny_models, k=3)
+    router = engine.router
+    rec = Recorder(router)
+    for s in specs()[:4]:
+        router.add_request(s)
+    while not any(rec.plans.values()):
+        rec.step += 1
+        router.step()
+    router.draft_lane.fail_at = rec.step + 2  # the draft call of a pipelined step fails
+    rec.step += 1
+    router.step()
+    rec.step += 1
+    with pytest.raises(LaneError) as info:
+        router.step()
+    # the concurrent verify call succeeded: its tokens are committed and handed over with the error
+    assert info.value.outputs and all(len(o.token_ids) >= 1 for o in info.value.outputs)
+    assert {o.request_id for o in info.value.outputs} == {r for r, _ in rec.of("verify", rec.step)}
+    router.close()
+
+
+def test_schedule_validation_and_cli():
+    with pytest.raises(InvalidRequest, match="schedule must be one of baseline, pd, pdv"):
+        RuntimeConfig(schedule="fast").validate()
+    assert RuntimeConfig().schedule == "pdv" and RuntimeConfig().pipelined
+    assert not RuntimeConfig(schedule="pd").pipelined and not RuntimeConfig(pipeline=False).pipelined
+    from verifypd.cli import build_parser, schedule_changes
+    args = build_parser().parse_args(["generate", "--offline", "--schedule", "baseline", "hi"])
+    assert schedule_changes(args) == {"schedule": "baseline", "pipeline": True}
+    args = build_parser().parse_args(["serve", "--schedule", "pd", "--no-pipeline"])
+    assert schedule_changes(args) == {"schedule": "pd", "pipeline": False}
+    from verifypd.server.cli import engine_options
+    args = build_parser().parse_args(["serve", "--schedule", "baseline"])
+    assert engine_options(args).config.schedule == "baseline"
+    for argv in (["generate", "--offline", "--schedule", "fast", "hi"], ["serve", "--schedule", "fast"]):
+        r = subprocess.run([sys.executable, "-m", "verifypd.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert "--schedule: invalid choice: 'fast'" in r.stderr and "baseline" in r.stderr
