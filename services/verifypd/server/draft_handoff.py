@@ -38,11 +38,17 @@ class DraftHandoffBuffer:
             host_boot_id=host_boot_id(), rows=self.tokens.shape[1], cols=self.tokens.shape[2],
             slot_events=[bytes(e.ipc_handle()) for e in self.events])
 
-    def write(self, slot: int, tokens: torch.Tensor) -> None:
-        """tokens [B, K] of one draft call (row n = item n) into `slot` (1-based), then its event."""
+    def write(self, slot: int, drafts: DraftBatch) -> None:
+        """The proposals of one draft call (row n = item n) into `slot` (1-based), then its event.
+        Runs on the current stream, after the draft stream's write of the proposals (`ready`)."""
+        tokens = drafts.tokens
+        stream = torch.cuda.current_stream(self.device)
+        if drafts.ready is not None:
+            stream.wait_event(drafts.ready)
         rows, cols = min(tokens.shape[0], self.tokens.shape[1]), min(tokens.shape[1], self.tokens.shape[2])
         self.tokens[slot - 1, :rows, :cols].copy_(tokens[:rows, :cols], non_blocking=True)
-        self.events[slot - 1].record()
+        tokens.record_stream(stream)  # allocated on the draft stream, read here
+        self.events[slot - 1].record(stream)
 
 
 class OpenedHandoff:

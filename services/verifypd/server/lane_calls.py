@@ -72,7 +72,7 @@ class CallChannelWork:
         if not slot:
             return cd.draft_reply(outputs, self._encode_probs, [i.sampling.top_k for i in items])
         # Proposals into the handoff slot, its event recorded: no host sync, counts only.
-        self.handoff.write(slot, outputs[0].draft_tokens.batch.tokens)
+        self.handoff.write(slot, outputs[0].draft_tokens.batch)
         return lanes_pb2.LaneReply(count_u32=u32(len(o.draft_tokens) for o in outputs))
 
     def _read_handoff(self, items, slot: int) -> None:
