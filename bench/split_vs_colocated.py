@@ -127,6 +127,8 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-transport", default="handle", choices=["handle", "copy", "auto"])
     p.add_argument("--reps", type=int, default=3, help="timed runs per topology and batch (after one warm-up)")
+    p.add_argument("--schedule", default="pd", choices=["pd", "pdv"],
+                   help="router schedule of both topologies (pdv: pipelined draft/verify groups)")
     p.add_argument("--label", default="", help="free text kept in the output (e.g. 'MPS on')")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -143,14 +145,14 @@ def main() -> int:
     from verifypd.server.lane_client import wire_pools
     from verifypd.server.launcher import LaneProcesses
 
-    config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False)
+    config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False, schedule=args.schedule)
     context = args.prompt_len + args.max_tokens + 64
     num_blocks = max(batches) * (-(-context // args.block_size)) + 16
     options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
                             num_blocks=num_blocks, block_size=args.block_size, max_context=context,
                             max_running=max(batches), config=config, graph_buckets=tuple(batches),
                             simulated_acceptance=alpha)
-    result: dict = {**metadata(), "label": args.label, "target": args.target, "draft": args.draft,
+    result: dict = {**metadata(), "label": args.label, "schedule": args.schedule, "target": args.target, "draft": args.draft,
                     "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "k": args.k,
                     "kv_transport": args.kv_transport, "rows": [],
                     "acceptance": (f"simulated acceptance alpha={alpha} (real compute, seeded Bernoulli accept)"
