@@ -131,7 +131,11 @@ def main() -> int:
                    help="router schedule of both topologies (pdv: pipelined draft/verify groups)")
     p.add_argument("--label", default="", help="free text kept in the output (e.g. 'MPS on')")
     p.add_argument("--out", default=None)
+    p.add_argument("--watchdog", type=float, default=0, help="dump every thread's stack and exit after S seconds")
     args = p.parse_args()
+    if args.watchdog:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if args.draft == "same":
         args.draft = args.target
     batches = [int(b) for b in args.batches.split(",")]

@@ -11,6 +11,7 @@ acceptance rule; the router's job is the bookkeeping that keeps KV positions and
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,11 @@ from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
+
+
+# Diagnostics only: VERIFYPD_SERIAL_PIPELINE=1 keeps pdv's groups and held drafts but makes the
+# draft call after the verify call instead of beside it (tells a concurrency fault from the rest).
+SERIAL_PIPELINE = os.environ.get("VERIFYPD_SERIAL_PIPELINE") == "1"
 
 
 class EngineObserver:
@@ -225,7 +231,7 @@ class Router:
             typical = max(len(i.input_tokens) for i in items) <= 2
         ahead_items = self._draft_items(ahead)
         future = None
-        if ahead_items and work:
+        if ahead_items and work and not SERIAL_PIPELINE:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-draft")
             future = self._pool.submit(self._call_draft, ahead_items)
