@@ -49,12 +49,15 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
                    help="router policy (docs/engine.md 'Schedules'): baseline = one request per lane call; "
                         "pd = prefill + lock-step draft/verify; pdv = prefill, draft and verify lanes with "
                         "one group's draft overlapping the other's verify (default)")
-    p.add_argument("--no-pipeline", action="store_true", help="pdv: draft and verify lock-step (no overlap)")
+    p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
+                   help="pdv: overlap one group's draft with the other's verify. auto (default): on when the "
+                        "lanes are separate processes (serve --topology split), off in one process, where the "
+                        "overlap is not yet safe on CUDA (docs/engine.md 'Schedules')")
 
 
-def schedule_changes(args) -> dict:
-    """RuntimeConfig fields of --schedule / --no-pipeline."""
-    return {"schedule": args.schedule, "pipeline": not args.no_pipeline}
+def schedule_changes(args, split: bool = False) -> dict:
+    """RuntimeConfig fields of --schedule / --pipeline; `split`: the lanes are separate processes."""
+    return {"schedule": args.schedule, "pipeline": args.pipeline == "on" or (args.pipeline == "auto" and split)}
 
 
 def draft_arg(args) -> str:

@@ -218,14 +218,19 @@ def test_lane_error_in_a_pipelined_step_propagates_with_committed_outputs(tiny_m
 def test_schedule_validation_and_cli():
     with pytest.raises(InvalidRequest, match="schedule must be one of baseline, pd, pdv"):
         RuntimeConfig(schedule="fast").validate()
-    assert RuntimeConfig().schedule == "pdv" and RuntimeConfig().pipelined
+    assert RuntimeConfig().schedule == "pdv" and not RuntimeConfig().pipelined  # overlap: opt-in (CLI: split)
+    assert RuntimeConfig(pipeline=True).pipelined
     assert not RuntimeConfig(schedule="pd").pipelined and not RuntimeConfig(pipeline=False).pipelined
     from verifypd.cli import build_parser, schedule_changes
-    args = build_parser().parse_args(["generate", "--offline", "--schedule", "baseline", "hi"])
-    assert schedule_changes(args) == {"schedule": "baseline", "pipeline": True}
-    args = build_parser().parse_args(["serve", "--schedule", "pd", "--no-pipeline"])
-    assert schedule_changes(args) == {"schedule": "pd", "pipeline": False}
     from verifypd.server.cli import engine_options
+    args = build_parser().parse_args(["generate", "--offline", "--schedule", "baseline", "hi"])
+    assert schedule_changes(args) == {"schedule": "baseline", "pipeline": False}  # auto, one process
+    args = build_parser().parse_args(["serve", "--schedule", "pdv", "--topology", "split"])
+    assert engine_options(args).config.pipelined  # auto: lane processes
+    args = build_parser().parse_args(["serve", "--pipeline", "off", "--topology", "split"])
+    assert not engine_options(args).config.pipelined
+    args = build_parser().parse_args(["serve", "--pipeline", "on"])
+    assert engine_options(args).config.pipelined
     args = build_parser().parse_args(["serve", "--schedule", "baseline"])
     assert engine_options(args).config.schedule == "baseline"
     for argv in (["generate", "--offline", "--schedule", "fast", "hi"], ["serve", "--schedule", "fast"]):

@@ -38,7 +38,7 @@ class RuntimeConfig:
     # interleaved round-robin; "pd" = prefill + lock-step draft/verify of the whole decoding batch;
     # "pdv" = three lanes, draft of one group overlapping verify of the other when `pipeline`.
     schedule: str = "pdv"
-    pipeline: bool = True  # pdv only: off = pdv runs draft and verify lock-step (as pd)
+    pipeline: bool = False  # pdv only: overlap groups (CLI: on across lane processes); off = lock-step
     revision: int = 0
 
     def validate(self) -> None:
