@@ -197,6 +197,7 @@ def test_seeded_sampling_identical_across_schedules(tiny_models):
 def test_lane_error_in_a_pipelined_step_propagates_with_committed_outputs(tiny_models):
     engine = make_engine(*tiny_models, k=3)
     router = engine.router
+    router.config = router.config.updated(pipeline=True)
     rec = Recorder(router)
     for s in specs()[:4]:
         router.add_request(s)
