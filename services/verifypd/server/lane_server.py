@@ -50,6 +50,7 @@ from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane")
 LANES = ("prefill", "draft", "verify")
+MAX_PEER_POOL_BLOCKS = 1 << 22
 
 
 class LaneServicer(CallChannelWork):
@@ -196,9 +197,12 @@ class LaneServicer(CallChannelWork):
     def _pool_spec(self, role: str) -> lv.PoolSpec:
         model = self.target_model if role == "target" else self.draft_model
         geometry = model_geometry(model, self.options)
+        # The bound on a peer's pool: --num-blocks, else a sanity cap. Not this lane's free memory: an
+        # imported pool allocates nothing here, and the owners have already taken theirs (a staging
+        # pool that does not fit fails to allocate, FAILED_PRECONDITION).
+        max_blocks = self.options.num_blocks if self.options.num_blocks is not None else MAX_PEER_POOL_BLOCKS
         return lv.PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,
-                           kv.dtype_name(self.dtype), self.dtype.itemsize,
-                           pool_blocks(self.options, geometry, self.device, self.dtype))
+                           kv.dtype_name(self.dtype), self.dtype.itemsize, max_blocks)
 
     def _limits(self) -> lv.LaneLimits:
         pools = {role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
