@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
 
 
 @triton.jit
