@@ -102,11 +102,15 @@ class LaneTimes(EngineObserver):
         self.calls.append((lane, seconds, batch))
 
 
-def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
+def random_prompts(count: int, length: int, seed: int) -> list[tuple[int, ...]]:
+    """`count` prompts of `length` random token ids in [100, 31000), reproducible by seed."""
     gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(100, 31000, (length,), generator=gen).tolist()) for _ in range(count)]
+
+
+def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
     router = engine.router
-    for i in range(batch):
-        prompt = tuple(torch.randint(100, 31000, (prompt_len,), generator=gen).tolist())
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, seed)):
         router.add_request(RequestSpec(prompt, max_tokens=gen_len, stop_at_eos=False, request_id=f"s{seed}-{i}"))
     times.calls.clear()
     torch.cuda.synchronize()
