@@ -130,3 +130,32 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
         for c in clients:
             c.close()
     assert outputs[True] == outputs[False] == expected
+
+
+def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lanes, prompts, expected):
+    """pdv with pipelining across the lane processes: one group's draft beside the other's verify,
+    and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
+    from verifypd.engine.router import Router
+    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.lane_client import wire_pools
+
+    options = engine_options(*tiny_models)
+    clients = connect_lanes(lanes.addrs, secret=lanes.secret)
+    wire_pools(*clients, kv_transport="handle")
+    router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(),
+                    config=options.config.updated(schedule="pdv", pipeline=True))
+    tokens, pending = {}, [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts]
+    order = []
+    while pending or router.has_work():
+        if pending:  # one request joins per step: prefill keeps meeting decode work
+            spec = pending.pop(0)
+            rid = router.add_request(spec)
+            tokens[rid] = []
+            order.append(rid)
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+    assert router._prefill_pool is not None and router._pool is not None  # both overlaps happened
+    router.close()
+    for c in clients:
+        c.close()
+    assert [tokens[r] for r in order] == expected

@@ -14,7 +14,8 @@ import itertools
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+import concurrent.futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager
@@ -71,12 +72,14 @@ class Router:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
+        self._prefill_pool: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
 
     def close(self) -> None:
         """Stops the pipelining worker thread (if one was started); the router stays usable."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        pools, self._pool, self._prefill_pool = (self._pool, self._prefill_pool), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> str:
@@ -120,12 +123,25 @@ class Router:
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         # pd and pdv: decode is high priority, prefill after it (unless priorities say otherwise).
         prefill_first = config.priorities.prefill > config.priorities.verify
+        # Pipelined pdv over lane processes: the prefill call (other requests, other blocks) goes out
+        # beside the decode calls instead of after them; its results are committed after decode's.
+        pending = None
+        if (plan.prefill and (plan.decode or plan.draft_ahead) and config.pipelined
+                and getattr(self.prefill_lane, "remote", False)):
+            if self._prefill_pool is None:
+                self._prefill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-prefill")
+            pending = self._prefill_pool.submit(self._call_prefill, self._prefill_items(plan.prefill))
         try:
-            if prefill_first:
+            if prefill_first and pending is None:
                 outputs += self._run_prefill(plan.prefill)
-            self._run_decode(plan.decode, plan.draft_ahead, outputs)
-            if not prefill_first:
-                outputs += self._run_prefill(plan.prefill)
+            try:
+                self._run_decode(plan.decode, plan.draft_ahead, outputs)
+            except BaseException:
+                if pending is not None:  # no call left in flight behind the error
+                    concurrent.futures.wait([pending])
+                raise
+            if pending is not None or not prefill_first:
+                outputs += self._run_prefill(plan.prefill, pending)
         except BaseException as exc:
             # Tokens committed before the failing call are already in the sequences: hand their
             # chunks to the caller with the error, or the client's stream would skip them.
@@ -157,20 +173,24 @@ class Router:
         self.refresh_gauges()
         return len(seqs)
 
-    def _run_prefill(self, chunks: list[PrefillChunk]) -> list[RequestOutput]:
-        if not chunks:
-            return []
-        items = []
-        for c in chunks:
-            ids = c.seq.all_ids[c.start:c.end]
-            items.append(PrefillItem(
-                request_id=c.seq.request_id, token_ids=ids, start_pos=c.start,
-                target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start, c.seq.target_computed),
-                draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed),
-                sample_first=c.sample_first, sampling=c.seq.spec.sampling))
+    def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
+        return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.all_ids[c.start:c.end], start_pos=c.start,
+                            target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start,
+                                                   c.seq.target_computed),
+                            draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed),
+                            sample_first=c.sample_first, sampling=c.seq.spec.sampling) for c in chunks]
+
+    def _call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
         t0 = self._clock()
         results = self.prefill_lane.prefill(items)
-        self.observer.on_lane_step("prefill", self._clock() - t0, len(items))
+        return results, self._clock() - t0
+
+    def _run_prefill(self, chunks: list[PrefillChunk], pending: Future | None = None) -> list[RequestOutput]:
+        """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
+        if not chunks:
+            return []
+        results, seconds = pending.result() if pending is not None else self._call_prefill(self._prefill_items(chunks))
+        self.observer.on_lane_step("prefill", seconds, len(chunks))
         outputs = []
         for c, res in zip(chunks, results):
             seq = c.seq

@@ -36,6 +36,7 @@ SERVICE_NAMES = {"prefill": "verifypd.v1.PrefillLane", "draft": "verifypd.v1.Dra
 
 class _GrpcLane:
     lane = ""
+    remote = True  # another process: the router may overlap calls to different lanes
     _stub_class = None
 
     _method = 0  # lanes_pb2.LaneMethod of this lane's work call
