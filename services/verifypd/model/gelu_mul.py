@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from verifypd.model.silu_mul import launch_gated
+
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
 
 
@@ -28,11 +30,4 @@ def _gelu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.conste
 
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    rows, double = gate_up.shape
-    width = double // 2
-    out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
-    if rows:
-        block = 1024
-        _gelu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                            BLOCK=block, num_warps=4)
-    return out
+    return launch_gated(_gelu_mul_kernel, gate_up)

@@ -20,12 +20,17 @@ def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def launch_gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    """Runs a gated-activation kernel of this shape (silu_mul, gelu_mul): [T, 2I] -> [T, I]."""
     rows, double = gate_up.shape
     width = double // 2
     out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                            BLOCK=block, num_warps=4)
+        kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
+                                                  BLOCK=block, num_warps=4)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return launch_gated(_silu_mul_kernel, gate_up)
