@@ -119,7 +119,8 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         ref = dep["metadata"]["ownerReferences"][0]
         assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "VerifyPDConfig", True)
         for svc in ("smollm2", "smollm2-gateway-pods"):
-            live_svc = admin.get("Service", namespace, svc)
+            # the Deployment is applied before the Services in one reconcile: wait, do not read once
+            live_svc = wait_for(lambda: admin.get("Service", namespace, svc), f"Service {svc}", ops)
             assert live_svc["metadata"]["ownerReferences"][0]["uid"] == uid
             assert {"name": "http", "port": 8000} in [{k: p[k] for k in ("name", "port")}
                                                        for p in live_svc["spec"]["ports"]], live_svc["spec"]
@@ -165,7 +166,7 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         assert gw["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
         merge_patch(admin, namespace, "smollm2", {"topology": "colocated"})
         wait_for(lambda: admin.get("Deployment", namespace, "smollm2-verify") is None, "lanes pruned", ops)
-        assert admin.get("Service", namespace, "smollm2-verify") is None
+        wait_for(lambda: admin.get("Service", namespace, "smollm2-verify") is None, "lane Service pruned", ops)
 
         _dra_failure_is_visible(envtest, admin, namespace, ops)
 
