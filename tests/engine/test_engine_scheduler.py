@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import (AcceptanceTracker, RuntimeConfig, StepCostModel, choose_batch_k, choose_k,
-                                          expected_tokens, request_alpha)
+                                          expected_tokens, pipelining_pays, request_alpha)
 from verifypd.engine.scheduler import Scheduler
 from verifypd.engine.sequence import Sequence, SeqStatus
 from verifypd.engine.types import RequestSpec, RequestStats
@@ -103,3 +103,67 @@ def test_batch_k_probes_and_acceptance_estimates():
     assert abs(tracker.alpha - 6 / 7) < 1e-12
     assert request_alpha(0, 0, None) is None and request_alpha(0, 0, 0.6) == 0.6
     assert abs(request_alpha(3, 1, 0.5, prior_weight=4) - 5 / 8) < 1e-12
+
+
+def test_pipelined_costs_are_their_own_and_optimistic_until_measured():
+    costs = StepCostModel()
+    for k in range(0, 5):
+        costs.observe_step(4, k, 6e-3 + 2e-3 * k)   # lock-step at a group of 4: verify 6 ms + 2 ms per draft
+        costs.observe_step(8, k, 7e-3 + 2.5e-3 * k)  # lock-step at the whole batch of 8
+    # Unmeasured: perfect overlap, half the lock-step cost of one group.
+    assert costs.pipelined_step_s(4, 3) == (6e-3 + 6e-3) / 2
+    costs.observe_pipelined(4, 3, 11e-3)
+    assert costs.pipelined_step_s(4, 3) == 11e-3 and costs.step_s(4, 3) == 12e-3  # the tables stay apart
+    # Each request is verified every other pipelined step: E(a, k) per two steps.
+    assert abs(costs.pipelined_goodput([0.7] * 4, 3, 8) - 4 * expected_tokens(0.7, 3) / 22e-3) < 1e-9
+    # k = 0 is no pipelining: the whole batch plain-decodes every step, as lock-step.
+    assert costs.pipelined_goodput([0.7] * 4, 0, 8) == costs.goodput([0.7] * 4, 0, 8)
+
+
+def test_pdv_pipelines_only_where_it_measures_faster():
+    config = RuntimeConfig(k_min=0, k_max=4, k_initial=3, adaptive=True, schedule="pdv", pipeline=True)
+    costs = StepCostModel()
+    for k in range(0, 5):
+        costs.observe_step(4, k, 6e-3 + 2e-3 * k)
+        costs.observe_step(8, k, 7e-3 + 2.5e-3 * k)
+    alphas = [0.7] * 8
+    assert pipelining_pays(config, alphas, costs, 8, None)  # unmeasured: optimistic, tried first
+    for k in range(1, 5):
+        costs.observe_pipelined(4, k, 12e-3 + 2e-3 * k)  # overlap measured to lose to lock-step
+    assert not pipelining_pays(config, alphas, costs, 8, None)
+    assert not pipelining_pays(config, alphas, costs, 8, True)
+    for k in range(1, 5):
+        for _ in range(costs.window):  # a full window: the median is the new cost
+            costs.observe_pipelined(4, k, 6e-3)  # draft hidden and the group's verify cheaper than lock-step's
+    assert pipelining_pays(config, alphas, costs, 8, False)
+    # Near break-even the last choice holds (10 % margin either way).
+    lock = max(costs.goodput(alphas, k, 8) for k in range(5))
+    pipe = max(costs.pipelined_goodput(alphas, k, 8) for k in range(1, 5))
+    for k in range(1, 5):
+        near = costs.pipelined_step_s(4, k) * pipe / (1.05 * lock)  # pipelined 5 % ahead of lock-step
+        for _ in range(costs.window):
+            costs.observe_pipelined(4, k, near)
+    assert pipelining_pays(config, alphas, costs, 8, True) and not pipelining_pays(config, alphas, costs, 8, False)
+    # Fixed k, or nothing known about acceptance: pipelining as configured.
+    assert pipelining_pays(RuntimeConfig(adaptive=False, schedule="pdv", pipeline=True), alphas, StepCostModel(), 8, False)
+    assert pipelining_pays(config, [None] * 8, costs, 8, False)
+
+    # The scheduler asks it each step: with overlap measured slow, a pdv step of 8 runs lock-step.
+    s = scheduler(blocks=400)
+    seqs = [seq(f"r{i}", 8, i) for i in range(8)]
+    for x in seqs:
+        x.status, x.target_computed, x.draft_computed, x.alpha_estimate = SeqStatus.DECODING, 8, 8, 0.7
+        x.output_ids.append(5)
+        s.running.append(x)
+    slow = StepCostModel()
+    for k in range(0, 5):
+        slow.observe_step(8, k, 7e-3 + 2.5e-3 * k)
+        slow.observe_pipelined(4, k, 30e-3)
+    assert not s.plan(config, slow).pipelined
+    fast = StepCostModel()
+    for k in range(0, 5):
+        fast.observe_step(8, k, 7e-3 + 2.5e-3 * k)
+        fast.observe_pipelined(4, k, 7e-3)
+    s._pipelining = None
+    plan = s.plan(config, fast)
+    assert plan.pipelined and plan.draft_ahead

@@ -164,6 +164,8 @@ def test_pdv_groups_alternate(tiny_models):
             assert d[3] != main and v[3] == main  # the draft call ran on the router's worker thread
             overlapped += d[4] < v[5] and v[4] < d[5]
     assert overlapped >= 1  # the two calls did run at the same time
+    # Pipelined steps are costed as such (their wall time), apart from lock-step steps.
+    assert engine.router.costs._pipe and all(k > 0 for _, k in engine.router.costs._pipe)
     # Both groups make progress: between its prefill and its last call, a request sits out a
     # pipelined step only when it joins or is moved to the other group (once or twice).
     for rid in {r for c in rec.calls for r, _ in c[2]}:

@@ -90,16 +90,27 @@ class StepCostModel:
         self.window = window
         self._step: dict[tuple[int, int], float] = {}
         self._samples: dict[tuple[int, int], deque] = {}
+        # pdv pipelined steps, by (padded group bucket, k): the wall time of one step in which one
+        # group verifies its held drafts (k each) while the other group drafts.
+        self._pipe: dict[tuple[int, int], float] = {}
+        self._pipe_samples: dict[tuple[int, int], deque] = {}
         self.default_verify_s = 3e-3
         self.default_draft_step_s = 0.3e-3
         self.acceptance = AcceptanceTracker()  # engine-wide prior for requests not yet observed
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
-        """Median of the last few steps: one slow step (a lazy compile, a GC pause) moves nothing."""
-        key = (batch_bucket(batch), k)
-        samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        """A lock-step step (draft + verify of `batch` requests). Median of the last few steps: one
+        slow step (a lazy compile, a GC pause) moves nothing."""
+        self._record(self._samples, self._step, (batch_bucket(batch), k), seconds)
+
+    def observe_pipelined(self, group: int, k: int, seconds: float) -> None:
+        """A pipelined pdv step whose verify call held `group` requests with k held drafts each."""
+        self._record(self._pipe_samples, self._pipe, (batch_bucket(group), k), seconds)
+
+    def _record(self, samples_by_key: dict, medians: dict, key: tuple[int, int], seconds: float) -> None:
+        samples = samples_by_key.setdefault(key, deque(maxlen=self.window))
         samples.append(seconds)
-        self._step[key] = sorted(samples)[len(samples) // 2]
+        medians[key] = sorted(samples)[len(samples) // 2]
 
     def step_s(self, batch: int, k: int) -> float:
         b = batch_bucket(batch)
@@ -112,6 +123,25 @@ class StepCostModel:
     def goodput(self, alphas: list[float], k: int, batch: int) -> float:
         """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
         return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
+
+    def pipelined_step_s(self, group: int, k: int) -> float:
+        """Seconds of a pipelined step whose groups hold `group` requests drafting k. Unmeasured, it
+        is estimated by perfect overlap, half of the lock-step cost of one group (a pipelined step
+        costs at least max(draft, verify) >= (draft + verify) / 2): optimistic, so pipelining is
+        tried, and the measurement then decides."""
+        exact = self._pipe.get((batch_bucket(group), k))
+        return exact if exact is not None else self.step_s(group, k) / 2
+
+    def pipelined_goodput(self, alphas: list[float], k: int, batch: int) -> float:
+        """Tokens per second of requests whose drafts are pipelined, `batch` decoding in all (two
+        groups of about batch / 2): in steady state each request is verified every other step, so it
+        gains E(a, k) per two pipelined steps. k = 0 is no pipelining at all: the whole batch
+        plain-decodes in every step, as in a lock-step step. Comparable with `goodput` over the
+        same requests (the same alphas), which is how pdv decides whether to pipeline."""
+        if k == 0:
+            return self.goodput(alphas, 0, batch)
+        group = -(-batch // 2)
+        return sum(expected_tokens(a, k) for a in alphas) / (2 * self.pipelined_step_s(group, k))
 
 
 class AcceptanceTracker:
@@ -163,20 +193,40 @@ SWITCH_MARGIN = 1.1  # turning speculation on or off must promise 10% more goodp
 
 
 def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
-                   hi: int, probe: bool = False, current: int | None = None) -> int:
+                   hi: int, probe: bool = False, current: int | None = None, pipelined: bool = False) -> int:
     """One k for the decoding batch: verify runs every request padded to max(k) + 1 tokens, so a
     shared k is what the GPU pays for. Maximises the batch's goodput; `probe` turns a 0 into 1 so
-    acceptance keeps being observed while speculation is off (the caller probes now and then)."""
+    acceptance keeps being observed while speculation is off (the caller probes now and then).
+    `pipelined`: `alphas` are one pdv group's and `batch` counts both groups; costs are those of
+    pipelined steps (`StepCostModel.pipelined_goodput`)."""
     hi = max(min(hi, config.k_max), 0)
     lo = min(config.k_min, hi)
     known = [a for a in alphas if a is not None]
     if not config.adaptive or not known:
         return max(lo, min(config.k_initial, hi))
-    best = max(range(lo, hi + 1), key=lambda k: costs.goodput(known, k, batch))
+    goodput = costs.pipelined_goodput if pipelined else costs.goodput
+    best = max(range(lo, hi + 1), key=lambda k: goodput(known, k, batch))
     # Hysteresis between drafting and not: each return to drafting first catches the draft up on
     # every token decoded meanwhile, so near break-even flipping back and forth costs more than
     # either choice. `current` is the batch's k of the previous step.
     if current is not None and lo <= current <= hi and (best == 0) != (current == 0):
-        if costs.goodput(known, best, batch) < SWITCH_MARGIN * costs.goodput(known, current, batch):
+        if goodput(known, best, batch) < SWITCH_MARGIN * goodput(known, current, batch):
             best = current
     return 1 if probe and best == 0 and hi >= 1 else best
+
+
+def pipelining_pays(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
+                    current: bool | None) -> bool:
+    """pdv: pipeline this step's `batch` decoding requests (two groups, draft of one beside the
+    verify of the other) or run them lock-step? The better best-k goodput of the two, from measured
+    step costs; an unmeasured pipelined cost is optimistic (see `pipelined_step_s`), so pipelining
+    is tried before it is judged. Switching needs SWITCH_MARGIN (`current`: last step's choice)."""
+    known = [a for a in alphas if a is not None]
+    if not config.adaptive or not known or config.k_max < 1:
+        return True
+    ks = range(min(config.k_min, config.k_max), config.k_max + 1)
+    lock = max(costs.goodput(known, k, batch) for k in ks)
+    pipe = max(costs.pipelined_goodput(known, k, batch) for k in ks if k > 0)
+    if current is None:
+        return pipe >= lock
+    return pipe * SWITCH_MARGIN >= lock if current else pipe > SWITCH_MARGIN * lock

@@ -250,6 +250,7 @@ class Router:
             self.observer.on_lane_step("draft", draft_s, len(items))
             typical = max(len(i.input_tokens) for i in items) <= 2
         ahead_items = self._draft_items(ahead)
+        ahead_typical = not ahead_items or max(len(i.input_tokens) for i in ahead_items) <= 2
         future = None
         if ahead_items and work and not SERIAL_PIPELINE:
             if self._pool is None:
@@ -292,10 +293,10 @@ class Router:
             held = [w.seq.held_draft for w in work if w.held]
             if not ahead_items and not held and typical:  # a lock-step step: its wall time
                 self.costs.observe_step(len(items), k_max, now - t_step)
-            elif held and typical and len(held) == len(items):
-                # Pipelined: the held drafts' own draft call plus this verify call (their overlap with
-                # the other group's work is not credited; see docs/engine.md "Schedules").
-                self.costs.observe_step(len(items), k_max, max(h.draft_s for h in held) + verify_s)
+            elif held and ahead_items and typical and ahead_typical and len(held) == len(items):
+                # Pipelined: this group's verify call and the other group's draft call ran side by
+                # side; the step's wall time is what pipelining costs (docs/engine.md "Schedules").
+                self.costs.observe_pipelined(len(items), k_max, now - t_step)
             self._commit_verify(work, items, results, outputs)
         for w in work:
             w.seq.held_draft = None
@@ -303,13 +304,12 @@ class Router:
             raise draft_error
         if ahead_items:
             self.observer.on_lane_step("draft", ahead_s, len(ahead_items))
-            held_typical = max(len(i.input_tokens) for i in ahead_items) <= 2
             drafts = self._take_drafts(ahead, ahead_results)
             for w in ahead:
                 tokens, probs = drafts[w.seq.request_id]
                 # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes
                 # in its next step, as a lock-step step verifies it with k = 0 right after the draft.
-                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, held_typical, ahead_s)
+                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical)
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
                        outputs: list[RequestOutput]) -> None:

@@ -22,7 +22,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, choose_batch_k
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, choose_batch_k, pipelining_pays
 
 # With speculation off, a decode step now and then drafts k = 1 to keep measuring acceptance: after
 # 32 steps, then after twice as many each time a probe confirms k = 0 (up to 1024), since a probe
@@ -79,6 +79,7 @@ class Scheduler:
         self._probe_interval = PROBE_FIRST
         self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
         self._phase = 0     # pdv: the group that drafts in the current pipelined step
+        self._pipelining: bool | None = None  # pdv: last step's choice (pipelined or lock-step)
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
 
     # -- queue -------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         out_of_room: list[Sequence] = []
         ahead: list[DecodeWork] = []
-        pipelined = config.pipelined and self._num_decoding() >= 2  # a lone request overlaps nothing
+        pipelined = config.pipelined and self._pipeline_now(config, costs)
         if pipelined:
             decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
         else:
@@ -121,18 +122,30 @@ class Scheduler:
         return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
                         draft_ahead=ahead, pipelined=pipelined)
 
-    def _num_decoding(self) -> int:
-        return sum(s.status is SeqStatus.DECODING for s in self.running)
+    def _pipeline_now(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
+        """pdv with pipelining allowed: pipeline this step only where it measures faster than
+        lock-step at this many decoding requests (`pipelining_pays`); a lone request overlaps nothing."""
+        decoding = [s for s in self.running if s.status is SeqStatus.DECODING]
+        if len(decoding) < 2:
+            return False
+        self._pipelining = pipelining_pays(config, self._alphas(costs, decoding), costs, len(decoding),
+                                           self._pipelining)
+        return self._pipelining
+
+    @staticmethod
+    def _alphas(costs: StepCostModel, seqs: list[Sequence]) -> list[float | None]:
+        prior = costs.acceptance.alpha
+        return [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
 
     def _batch_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
-                 key: object) -> int:
-        """One k for `seqs` (see choose_batch_k), with the probe schedule while speculation is off."""
+                 key: object, decoding: int | None = None) -> int:
+        """One k for `seqs` (see choose_batch_k), with the probe schedule while speculation is off.
+        `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
         if not seqs:
             return 0
-        prior = costs.acceptance.alpha
-        alphas = [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
         probe = self._steps_without_drafts >= self._probe_interval
-        k_batch = choose_batch_k(config, alphas, costs, len(seqs), hi, probe=probe, current=self._last_k.get(key))
+        k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, decoding or len(seqs), hi, probe=probe,
+                                 current=self._last_k.get(key), pipelined=decoding is not None)
         self._last_k[key] = k_batch
         if probe and k_batch == 1:
             self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
@@ -189,7 +202,7 @@ class Scheduler:
                 verify.append(DecodeWork(seq, k, held=k > 0))
         queue = len(verify)
         hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
-        k_group = self._batch_k(config, costs, drafting, hi, ("group", self._phase))
+        k_group = self._batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
         ahead: list[DecodeWork] = []
         for seq in drafting:
             if seq in preempted:

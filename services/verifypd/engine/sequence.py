@@ -34,7 +34,6 @@ class HeldDraft:
     tokens: Any
     probs: Any
     typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
-    draft_s: float  # seconds of the draft call that made them (half of a cost sample)
 
 
 class SeqStatus(enum.Enum):
