@@ -23,6 +23,9 @@ from verifypd.model.runner import PinnedStaging, TokenRun, build_layout
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
 SYNC_DEBUG = os.environ.get("VERIFYPD_SYNC_DEBUG") == "1"
+# Diagnostics only (bench/pipeline_race.py): VERIFYPD_SHARED_CAPTURE_STREAM=1 captures on torch's one
+# default capture stream, as before the fix below, to show the race it caused.
+SHARED_CAPTURE_STREAM = os.environ.get("VERIFYPD_SHARED_CAPTURE_STREAM") == "1"
 
 
 class GraphRunner:
@@ -48,6 +51,12 @@ class GraphRunner:
                                          model.weights.embed.dtype, probs=False)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle()
+        # Each runner captures on its own stream. PyTorch keys the cuBLAS workspace by (handle,
+        # stream) and a captured GEMM keeps the workspace address of its capture stream: graphs of
+        # two models captured on torch's shared default capture stream would use one workspace, and
+        # replayed at the same time (pdv: the draft lane's graph beside the verify lane's) corrupt
+        # each other's split-K GEMMs. One runner's graphs replay one at a time, so they may share.
+        self._capture_stream = None if SHARED_CAPTURE_STREAM else torch.cuda.Stream(device=dev)
         self.capture_seconds = 0.0
 
     # -- sizes -------------------------------------------------------------------------------
@@ -149,7 +158,7 @@ class GraphRunner:
             fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream):
             fn()
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - t0
