@@ -174,6 +174,33 @@ def test_pdv_groups_alternate(tiny_models):
         assert len(idle) <= 2, f"{rid} sat out pipelined steps {idle}"
 
 
+def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, plain, monkeypatch):
+    """pdv chooses pipelining step by step (measured costs); every switch must keep tokens exact, and a
+    verify call must never mix the proposals of two draft calls (the split topology hands one draft
+    call's proposals over in one device slot: a mixed call fails there)."""
+    import itertools
+
+    from verifypd.engine import scheduler as scheduler_module
+    from verifypd.lanes.local import DeviceDraftTokens
+
+    choices = itertools.cycle([True, True, False, True, False, False, True])
+    monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))
+    engine = make_engine(*tiny_models, k=3)
+    verify_lane = engine.router.verify_lane
+    sources: list[set] = []
+
+    def verify(items):
+        sources.append({id(i.draft_tokens.batch) for i in items if isinstance(i.draft_tokens, DeviceDraftTokens)})
+        return type(verify_lane).verify(verify_lane, items)
+    verify_lane.verify = verify
+    tokens, rec = drive(engine, specs(), "pdv")
+    assert tokens == plain
+    plans = list(rec.plans.values())
+    assert any(plans) and not all(plans)  # both kinds of step ran, interleaved
+    assert sources and all(len(s) <= 1 for s in sources), [len(s) for s in sources]
+    assert sum(len(s) == 1 for s in sources) >= 8  # device drafts were verified (the check had material)
+
+
 def test_pd_is_lock_step(tiny_models):
     engine = make_engine(*tiny_models, k=3)
     _, rec = drive(engine, specs(), "pd")

@@ -161,10 +161,16 @@ class Scheduler:
         decoding = [only] if only is not None else \
             sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
         fresh = [s for s in decoding if s.held_draft is None]
-        k_batch = self._batch_k(config, costs, fresh, config.k_max, "single" if only is not None else "batch")
+        # Requests still holding drafts of a pipelined step (pdv just chose lock-step, or the schedule
+        # changed) verify them alone this step; the others wait one step rather than draft now: one
+        # verify call verifies the proposals of one draft call (the split topology hands them over in
+        # one DraftHandoff slot per draft call, call_codec.encode_verify).
+        draining = len(fresh) < len(decoding)
+        k_batch = 0 if draining else self._batch_k(config, costs, fresh, config.k_max,
+                                                   "single" if only is not None else "batch")
         work: list[DecodeWork] = []
         for seq in decoding:
-            if seq in preempted:
+            if seq in preempted or (draining and seq.held_draft is None):
                 continue
             if seq.held_draft is not None:
                 k, held = len(seq.held_draft.tokens), True
