@@ -50,9 +50,10 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
                         "pd = prefill + lock-step draft/verify; pdv = prefill, draft and verify lanes with "
                         "one group's draft overlapping the other's verify (default)")
     p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
-                   help="pdv: overlap one group's draft with the other's verify. auto (default): on when the "
-                        "lanes are separate processes (serve --topology split), off in one process, where the "
-                        "overlap is not yet safe on CUDA (docs/engine.md 'Schedules')")
+                   help="pdv: overlap one group's draft with the other's verify, where it measures faster "
+                        "than lock-step. auto (default): on when the lanes are separate processes (serve "
+                        "--topology split), off in one process, where it measured slower at high concurrency "
+                        "on an H200 (docs/engine.md 'Schedules')")
 
 
 def schedule_changes(args, split: bool = False) -> dict:
