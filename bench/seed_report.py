@@ -67,7 +67,9 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
                  else f"{params.get('seconds_per_point')} s per point (requests in flight then finish)")
               + "; served over gRPC Generate, measured with the loadgen library.",
               "- GPU utilisation: NVML, sampled every 100 ms during each point "
-              + ("(null: NVML was not available)" if doc.get("nvml") not in (None, "ok") else "(mean / max %)."), ""]
+              + ("(null: NVML was not available)" if doc.get("nvml") not in (None, "ok") else "(mean / max %).")]
+    lines += [f"- note: {n}" for n in ([doc["git_revision_note"]] if doc.get("git_revision_note") else [])
+              + list(doc.get("notes") or [])] + [""]
     pairs = []
     for r in doc["rows"]:
         if r["pair"] not in pairs:
