@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from operator_helpers import CHART, EXAMPLE, ROOT
 from verifypd_operator.kube import Kube
 
 RELEASE, SYSTEM_NS = "e2e", "e2e-sys"
+APISERVER_CEL_RACE = re.compile(r"internal error: runtime error: index out of range \[\d+\] with length \d+ "
+                                r"evaluating rule")
 SA = "e2e-verifypd"
 TIMEOUT = 120.0  # generous: 2 loaded cores shared with other test runs; waits return as soon as true
 
@@ -50,6 +53,17 @@ class Operator:
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def tracebacks(self) -> list[str]:
+        """Log records carrying a traceback, except kube-apiserver 1.25.0's CEL data race.
+
+        That server (envtest's) evaluates CRD validation rules on concurrent writes with a racy
+        cel-go (kubernetes#114661, fixed in 1.25.6): a valid status patch now and then gets 422
+        "internal error: runtime error: index out of range [i] with length j evaluating rule". kopf
+        logs it and retries the handler after its error backoff, so nothing is lost; every other
+        traceback is the operator's own and fails the test."""
+        records = re.split(r"\n(?=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", self.text())
+        return [r for r in records if "Traceback" in r and not APISERVER_CEL_RACE.search(r)]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -173,7 +187,7 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         admin.request("DELETE", cr_path(namespace, "smollm2"))
         wait_for(lambda: admin.request("GET", cr_path(namespace, "smollm2")) is None, "CR deleted", ops)
         assert admin.owned("smollm2", namespace) == []
-        assert "Traceback" not in op.text(), op.text()[-4000:]
+        assert op.tracebacks() == [], op.text()[-4000:]
     finally:
         for o in ops:
             o.stop()
