@@ -167,3 +167,13 @@ def test_pdv_pipelines_only_where_it_measures_faster():
     s._pipelining = None
     plan = s.plan(config, fast)
     assert plan.pipelined and plan.draft_ahead
+
+
+def test_sequence_ids_slices_like_all_ids():
+    seq = Sequence(RequestSpec((5, 6, 7), max_tokens=10), "r", 0, RequestStats(prompt_tokens=3))
+    seq.output_ids += [8, 9]
+    full = seq.all_ids
+    assert full == [5, 6, 7, 8, 9]
+    for start in range(6):
+        for end in range(start, 6):
+            assert seq.ids(start, end) == full[start:end], (start, end)

@@ -201,6 +201,31 @@ def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, p
     assert sum(len(s) == 1 for s in sources) >= 8  # device drafts were verified (the check had material)
 
 
+@pytest.mark.parametrize("schedule", ["pd", "pdv"])
+def test_step_costs_are_whole_steps_without_prefill(tiny_models, schedule):
+    """Costs that decide k and pipelining are whole steps: the host work of committing tokens counts
+    (a pipelined step pays it per half batch), a prefill run before or after decode does not."""
+    engine = make_engine(*tiny_models, k=3)
+    router = engine.router
+    offset = [0.0]  # a clock that also advances by simulated host work
+    router._clock = lambda: time.monotonic() + offset[0]
+    commit, call_prefill = router._commit_verify, router._call_prefill
+
+    def slow_commit(*args):
+        offset[0] += 1.0
+        return commit(*args)
+
+    def slow_prefill(items):
+        offset[0] += 50.0
+        return call_prefill(items)
+    router._commit_verify, router._call_prefill = slow_commit, slow_prefill
+    drive(engine, specs(), schedule)
+    costs = router.costs
+    samples = list(costs._step.values()) + list(costs._pipe.values())
+    assert costs._step and (schedule == "pd" or costs._pipe)
+    assert all(1.0 <= s < 50.0 for s in samples), samples
+
+
 def test_pd_is_lock_step(tiny_models):
     engine = make_engine(*tiny_models, k=3)
     _, rec = drive(engine, specs(), "pd")

@@ -74,11 +74,14 @@ def batch_bucket(batch: int) -> int:
 
 
 class StepCostModel:
-    """Decode step costs measured online by the router: seconds of one speculative step (the draft
-    call plus the verify call) per (padded batch bucket, k); k = 0 is a plain verify step.
+    """Decode step costs measured online by the router: seconds of one whole speculative step
+    (planning, the draft call, the verify call, committing the tokens; a prefill run before or
+    after decode excluded) per (padded batch bucket, k); k = 0 is a plain verify step.
 
     Draft and verify are measured together because an in-process draft call returns before its GPU
     work is done (the tokens stay on the device for the verify call), so only their sum is real.
+    The host work around the calls is included because it is paid per step: a pipelined step
+    verifies half the batch, so it pays that work twice as often per token as a lock-step step.
     An unmeasured cost is estimated by the measured one of the largest smaller k at that bucket
     (cost does not fall as k grows, so this is a lower bound): optimism makes the policy try an
     unmeasured k once, and the measurement then corrects it. Defaults describe a memory-bound GPU

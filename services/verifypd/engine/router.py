@@ -119,6 +119,7 @@ class Router:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         config = self.config  # one config per step; UpdateConfig takes effect on the next one
+        t_step = self._clock()
         plan = self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         # pd and pdv: decode is high priority, prefill after it (unless priorities say otherwise).
@@ -131,17 +132,22 @@ class Router:
             if self._prefill_pool is None:
                 self._prefill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-prefill")
             pending = self._prefill_pool.submit(self._call_prefill, self._prefill_items(plan.prefill))
+        serial_prefill_s = 0.0  # prefill run before or after decode, not beside it
         try:
             if prefill_first and pending is None:
+                t0 = self._clock()
                 outputs += self._run_prefill(plan.prefill)
+                serial_prefill_s += self._clock() - t0
             try:
-                self._run_decode(plan.decode, plan.draft_ahead, outputs)
+                sample = self._run_decode(plan.decode, plan.draft_ahead, outputs)
             except BaseException:
                 if pending is not None:  # no call left in flight behind the error
                     concurrent.futures.wait([pending])
                 raise
             if pending is not None or not prefill_first:
+                t0 = self._clock()
                 outputs += self._run_prefill(plan.prefill, pending)
+                serial_prefill_s += 0.0 if pending is not None else self._clock() - t0
         except BaseException as exc:
             # Tokens committed before the failing call are already in the sequences: hand their
             # chunks to the caller with the error, or the client's stream would skip them.
@@ -149,7 +155,19 @@ class Router:
                 exc.outputs = outputs
             raise
         self.observer.on_step(self)
+        if sample is not None:
+            # Whole-step cost: planning, the lane calls, committing and the observer, without a
+            # prefill that ran before or after decode. Host work per step is what a pipelined step
+            # (half the batch verified) pays twice per token as often as a lock-step one.
+            self._record_cost(sample, self._clock() - t_step - serial_prefill_s)
         return outputs
+
+    def _record_cost(self, sample: tuple[bool, int, int], seconds: float) -> None:
+        pipelined, verified, k = sample
+        if pipelined:
+            self.costs.observe_pipelined(verified, k, seconds)
+        else:
+            self.costs.observe_step(verified, k, seconds)
 
     def reset_kv(self) -> int:
         """After a lane restart: re-reads the lanes' pools (new pool ids / generations), forgets all
@@ -174,7 +192,7 @@ class Router:
         return len(seqs)
 
     def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
-        return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.all_ids[c.start:c.end], start_pos=c.start,
+        return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.ids(c.start, c.end), start_pos=c.start,
                             target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start,
                                                    c.seq.target_computed),
                             draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed),
@@ -209,7 +227,7 @@ class Router:
         for w in work:
             seq, n = w.seq, w.seq.pending_pos
             items.append(DraftItem(
-                request_id=seq.request_id, input_tokens=seq.all_ids[seq.draft_computed:n + 1],
+                request_id=seq.request_id, input_tokens=seq.ids(seq.draft_computed, n + 1),
                 start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
                 draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed)))
         return items
@@ -232,15 +250,17 @@ class Router:
                 w.seq.draft_computed = w.seq.pending_pos + 1
         return drafts
 
-    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput]) -> None:
+    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork],
+                    outputs: list[RequestOutput]) -> tuple[bool, int, int] | None:
         """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`.
         Pipelined (`ahead` non-empty): draft `ahead` on the worker thread while verifying `work`
-        (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them."""
+        (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them.
+        Returns what the step's cost describes, (pipelined, requests verified, k), or None for a
+        step not worth learning from (see StepCostModel)."""
         if not work and not ahead:
-            return
+            return None
         drafting = [w for w in work if w.k > 0 and not w.held]
         drafts: dict[str, tuple[object, object]] = {}
-        t_step = self._clock()
         typical = True  # no long draft catch-up: the step's cost is worth learning from
         draft_s = 0.0
         if drafting:
@@ -267,7 +287,7 @@ class Router:
             else:
                 tokens, probs = drafts.get(seq.request_id, ((), None))
             items.append(VerifyItem(
-                request_id=seq.request_id, pending_token=seq.all_ids[n], start_pos=n, draft_tokens=tokens,
+                request_id=seq.request_id, pending_token=seq.ids(n, n + 1)[0], start_pos=n, draft_tokens=tokens,
                 draft_probs=probs, sampling=seq.spec.sampling,
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
         results, verify_error, verify_s = None, None, 0.0
@@ -286,17 +306,17 @@ class Router:
                 draft_error = exc
         if verify_error is not None:
             raise verify_error
-        now = self._clock()
+        sample = None
         if items:
             self.observer.on_lane_step("verify", verify_s, len(items))
             k_max = max(len(i.draft_tokens) for i in items)
             held = [w.seq.held_draft for w in work if w.held]
-            if not ahead_items and not held and typical:  # a lock-step step: its wall time
-                self.costs.observe_step(len(items), k_max, now - t_step)
+            if not ahead_items and not held and typical:  # a lock-step step
+                sample = (False, len(items), k_max)
             elif held and ahead_items and typical and ahead_typical and len(held) == len(items):
                 # Pipelined: this group's verify call and the other group's draft call ran side by
                 # side; the step's wall time is what pipelining costs (docs/engine.md "Schedules").
-                self.costs.observe_pipelined(len(items), k_max, now - t_step)
+                sample = (True, len(items), k_max)
             self._commit_verify(work, items, results, outputs)
         for w in work:
             w.seq.held_draft = None
@@ -310,6 +330,7 @@ class Router:
                 # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes
                 # in its next step, as a lock-step step verifies it with k = 0 right after the draft.
                 w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical)
+        return sample
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
                        outputs: list[RequestOutput]) -> None:

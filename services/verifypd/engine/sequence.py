@@ -70,6 +70,14 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return list(self.spec.prompt_ids) + self.output_ids
 
+    def ids(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] (0 <= start <= end) without building all_ids: a decode step reads one or
+        two tokens of a context that grows to thousands, per request, every step."""
+        p = len(self.spec.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return list(self.spec.prompt_ids[start:end]) + (self.output_ids[:end - p] if end > p else [])
+
     @property
     def num_tokens(self) -> int:
         return len(self.spec.prompt_ids) + len(self.output_ids)
