@@ -5,8 +5,9 @@ measured is bookkeeping that a GPU step pays on top of its lane calls. Runs on t
     python bench/router_host_overhead.py --batch 1,16,64,128 --out bench/results
 
 The lanes answer at once: prefill returns a token, draft proposes k tokens, verify accepts each
-draft with a seeded Bernoulli(alpha) (SIMULATED acceptance). What is not included: the lanes' own
-host work (tensor preparation, graph replay launch) and gRPC streaming to clients.
+draft with a seeded Bernoulli(alpha) (SIMULATED acceptance); text is decoded as for the GPU
+sweeps' random-weight models (ids as text). What is not included: the lanes' own host work (tensor
+preparation, graph replay launch) and gRPC streaming to clients.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from bench_meta import metadata  # noqa: E402
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
 from verifypd.engine.router import Router  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.tokenizer import TextCodec  # noqa: E402
 from verifypd.lanes.interface import (DraftOutput, LaneInfo, PoolInfo, PrefillOutput,  # noqa: E402
                                       VerifyOutput)
 
@@ -62,7 +64,8 @@ def measure(schedule: str, pipeline: bool, batch: int, k: int, alpha: float, ste
     context = 256 + steps * (k + 1) + 64
     lanes = InstantLanes(batch * (context // BLOCK + 2) + 16, alpha)
     config = RuntimeConfig(k_min=k, k_max=k, k_initial=k, adaptive=False, schedule=schedule, pipeline=pipeline)
-    router = Router(lanes, lanes, lanes, decode=lambda ids: "x" * len(ids), eos_token_ids=(2,), config=config,
+    # Random-weight models (the GPU sweeps) have no tokenizer: their text is the ids, space-separated.
+    router = Router(lanes, lanes, lanes, decode=TextCodec(None).decode, eos_token_ids=(2,), config=config,
                     max_running=batch)
     for i in range(batch):
         router.add_request(RequestSpec(tuple(range(3, 131)), max_tokens=context - 160, stop_at_eos=False,
