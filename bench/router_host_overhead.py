@@ -34,10 +34,11 @@ VOCAB, BLOCK = 32_000, 16
 
 
 class InstantLanes:
-    """All three lanes in one object; no model work. Verify accepts draft i with probability alpha."""
+    """All three lanes in one object; no model work. Verify accepts draft i with probability alpha.
+    `verify_s`: each verify call waits that long without holding the GIL, as a GPU sync does."""
 
-    def __init__(self, num_blocks: int, alpha: float, seed: int = 0):
-        self.alpha, self.rng = alpha, random.Random(seed)
+    def __init__(self, num_blocks: int, alpha: float, seed: int = 0, verify_s: float = 0.0):
+        self.alpha, self.rng, self.verify_s = alpha, random.Random(seed), verify_s
         self.pools = (PoolInfo("t", 1, "target", 1, num_blocks, BLOCK), PoolInfo("d", 1, "draft", 1, num_blocks, BLOCK))
 
     def describe(self) -> LaneInfo:
@@ -50,6 +51,8 @@ class InstantLanes:
         return [DraftOutput(i.request_id, [11] * i.k) for i in items]
 
     def verify(self, items):
+        if self.verify_s:
+            time.sleep(self.verify_s)
         out = []
         for i in items:
             k, m = len(i.draft_tokens), 0

@@ -1,0 +1,154 @@
+"""The serving path's host ceiling: the real gateway (gRPC Generate, engine thread, one handler
+thread per stream) and router over lanes that do no model work, driven by the loadgen library from
+another process. Tokens per second here is the most the host side can stream at that concurrency
+with a free GPU; the engine thread's time inside `router.step` against the router alone
+(bench/router_host_overhead.py) shows what the streams' threads cost it (GIL contention).
+
+    python bench/serving_host_ceiling.py --concurrency 1,16,64,128 --out bench/results
+
+SIMULATED acceptance (seeded Bernoulli, see router_host_overhead.InstantLanes); prompt 128 tokens,
+256 output tokens per request, closed loop. Measure on the machine whose CPU serves (the GPU host).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for sub in ("services", "loadgen", "bench"):
+    path = os.path.join(HERE, "..", sub)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from bench_meta import metadata  # noqa: E402
+from router_host_overhead import BLOCK, InstantLanes  # noqa: E402
+
+PROMPT, OUTPUT = 128, 256
+
+
+def serve(args) -> None:
+    """The server process: prints its address; stdin "go" starts the measured window, "stop" ends
+    it and prints the engine thread's step stats over it; then serves until SIGTERM."""
+    from verifypd.engine.draft_length import RuntimeConfig
+    from verifypd.engine.router import Router
+    from verifypd.server.gateway import Gateway, server_info
+    from verifypd.tokenizer import TextCodec
+
+    batch = args.serve_batch
+    lanes = InstantLanes(batch * ((PROMPT + OUTPUT) // BLOCK + 2) + 16, args.alpha, verify_s=args.verify_ms / 1e3)
+    config = RuntimeConfig(k_min=args.k, k_max=args.k, k_initial=args.k, adaptive=False, schedule=args.schedule,
+                           pipeline=args.schedule == "pdv")
+    router = Router(lanes, lanes, lanes, decode=TextCodec(None).decode, eos_token_ids=(), config=config,
+                    max_running=batch)
+    busy = [0.0, 0, 0]  # seconds inside router.step, steps, tokens
+    step = router.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        outputs = step()
+        busy[0] += time.perf_counter() - t0
+        busy[1] += 1
+        busy[2] += sum(len(o.token_ids) for o in outputs)
+        return outputs
+    router.step = timed_step
+    gateway = Gateway(router, TextCodec(None), server_info("instant", "instant", "colocated", 1 << 16),
+                      max_queue=batch).start()
+    print(gateway.address, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    sys.stdin.readline()  # "go"
+    busy[:] = [0.0, 0, 0]
+    t0 = time.perf_counter()
+    sys.stdin.readline()  # "stop"
+    wall, (step_s, steps, tokens) = time.perf_counter() - t0, busy
+    print(json.dumps({"wall_s": wall, "step_s": step_s, "steps": steps, "tokens": tokens}), flush=True)
+    stop.wait()
+    gateway.stop()
+
+
+async def drive(address: str, c: int, seconds: float, tell) -> dict:
+    import grpc
+
+    from verifypd.v1 import generate_pb2_grpc
+    from verifypd_loadgen import metrics
+    from verifypd_loadgen.runner import LoadPoint, Runner
+    from verifypd_loadgen.workload import Distribution, Workload
+
+    work = Workload(input_len=Distribution("fixed", (PROMPT,)), output_len=Distribution("fixed", (OUTPUT,)),
+                    vocab_range=(3, 30000), seed=0)
+    async with grpc.aio.insecure_channel(address) as channel:
+        runner = Runner(generate_pb2_grpc.GenerationStub(channel), timeout=120, drain_timeout=120)
+        await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), c, None, "warmup", 0)
+        tell("go")  # the server's window is the measured duration, without the drain after it
+        asyncio.get_running_loop().call_later(seconds, tell, "stop")
+        res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, seconds, f"c{c}", 0)
+    return metrics.summarize(res)
+
+
+def point(args, c: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--serve-batch", str(c), "--schedule", args.schedule,
+           "--k", str(args.k), "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        def tell(word: str) -> None:
+            proc.stdin.write(word + "\n")
+            proc.stdin.flush()
+        summary = asyncio.run(drive(address, c, args.seconds, tell))
+        server = json.loads(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        proc.kill()
+        proc.wait()
+    steps = max(server["steps"], 1)
+    return {"schedule": args.schedule, "concurrency": c, "k": args.k,
+            "client_output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 1),
+            "itl_p95_ms": summary["latency_ms"]["itl_token"]["p95"],
+            "server_tok_s": round(server["tokens"] / server["wall_s"], 1),
+            "steps_per_s": round(server["steps"] / server["wall_s"], 1),
+            "router_us_per_step": round(server["step_s"] / steps * 1e6, 1),  # incl. --verify-ms
+            "host_us_per_step": round((server["step_s"] / steps - args.verify_ms / 1e3) * 1e6, 1),
+            "tokens_per_step": round(server["tokens"] / steps, 1),
+            "engine_thread_busy": round(server["step_s"] / server["wall_s"], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,16,64,128")
+    ap.add_argument("--schedule", default="pd", choices=("pd", "pdv"))
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--alpha", type=float, default=0.7, help="SIMULATED per-token acceptance")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
+    ap.add_argument("--verify-ms", type=float, default=0.0,
+                    help="each verify call sleeps this long (GIL released), standing in for the GPU step")
+    ap.add_argument("--out", default=None, help="directory for serving_host_ceiling_<host>.json")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args)
+    rows = []
+    print(f"verify call: {args.verify_ms} ms of simulated GPU time", flush=True)
+    for c in (int(x) for x in args.concurrency.split(",")):
+        rows.append(point(args, c))
+        print(json.dumps(rows[-1]), flush=True)
+    result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work; verify call "
+              f"sleeps {args.verify_ms} ms", "verify_ms": args.verify_ms, "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        slug = "cpu" if result["device"].startswith("cpu") else result["device"].split()[-1].lower()
+        path = os.path.join(args.out, f"serving_host_ceiling_{args.schedule}_{args.verify_ms:g}ms_{slug}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

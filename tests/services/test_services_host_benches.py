@@ -1,0 +1,45 @@
+"""bench/router_host_overhead.py and bench/serving_host_ceiling.py on the CPU (their real use is on
+the GPU host's CPU): they run, write their results with the metadata every benchmark records, and
+measure what they say (the router batches the concurrent streams; a pipelined pdv step verifies
+about half of them)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from verifypd.server.launcher import child_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run(script: str, *argv: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv], capture_output=True, text=True,
+                          timeout=120, env=child_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_router_host_overhead(tmp_path):
+    run("router_host_overhead.py", "--batch", "1,16", "--steps", "20", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "router_host_overhead_cpu.json").read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys() and "SIMULATED" in result["label"]
+    rows = {(r["schedule"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {("pd", 1), ("pdv", 1), ("pd", 16), ("pdv", 16)}
+    for r in rows.values():
+        assert r["host_us_per_step"] > 0 and r["tokens"] >= r["steps"]
+    # pd verifies all 16 every step, pipelined pdv one group of 8: about half the tokens per step
+    assert 1.5 < rows["pd", 16]["tokens"] / rows["pdv", 16]["tokens"] < 2.5
+
+
+def test_serving_host_ceiling(tmp_path):
+    run("serving_host_ceiling.py", "--concurrency", "1,8", "--seconds", "1.5", "--verify-ms", "5",
+        "--out", str(tmp_path))
+    result = json.loads((tmp_path / "serving_host_ceiling_pd_5ms_cpu.json").read_text())
+    assert result["verify_ms"] == 5 and "SIMULATED" in result["label"]
+    one, eight = result["rows"]
+    assert one["concurrency"] == 1 and eight["concurrency"] == 8
+    for r in result["rows"]:
+        assert r["client_output_tok_s"] > 0 and r["steps_per_s"] < 1000 / 5  # each step waits 5 ms
+    assert eight["tokens_per_step"] > 3 * one["tokens_per_step"]  # the eight streams share steps
