@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -38,3 +39,16 @@ def metadata() -> dict:
     return {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": device_name()}
+
+
+def write_result(out_dir: str | None, name: str, result: dict) -> None:
+    """Writes `result` (with metadata()) as OUT_DIR/NAME_<device>.json, device "cpu" or the GPU's last
+    word (e.g. h200); no-op without a directory."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    device = result["device"]
+    path = os.path.join(out_dir, f"{name}_{'cpu' if device.startswith('cpu') else device.split()[-1].lower()}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)

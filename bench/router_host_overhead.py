@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 
-from bench_meta import metadata  # noqa: E402
+from bench_meta import metadata, write_result  # noqa: E402
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
 from verifypd.engine.router import Router  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
@@ -112,13 +112,7 @@ def main() -> None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work",
               "rows": rows}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        slug = "cpu" if result["device"].startswith("cpu") else result["device"].split()[-1].lower()
-        path = os.path.join(args.out, f"router_host_overhead_{slug}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", path)
+    write_result(args.out, "router_host_overhead", result)
 
 
 if __name__ == "__main__":

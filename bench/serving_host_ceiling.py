@@ -27,7 +27,7 @@ for sub in ("services", "loadgen", "bench"):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from bench_meta import metadata  # noqa: E402
+from bench_meta import metadata, write_result  # noqa: E402
 from router_host_overhead import BLOCK, InstantLanes  # noqa: E402
 
 PROMPT, OUTPUT = 128, 256
@@ -141,13 +141,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work; verify call "
               f"sleeps {args.verify_ms} ms", "verify_ms": args.verify_ms, "rows": rows}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        slug = "cpu" if result["device"].startswith("cpu") else result["device"].split()[-1].lower()
-        path = os.path.join(args.out, f"serving_host_ceiling_{args.schedule}_{args.verify_ms:g}ms_{slug}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", path)
+    write_result(args.out, f"serving_host_ceiling_{args.schedule}_{args.verify_ms:g}ms", result)
 
 
 if __name__ == "__main__":
