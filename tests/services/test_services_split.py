@@ -159,3 +159,41 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
     for c in clients:
         c.close()
     assert [tokens[r] for r in order] == expected
+
+
+def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, lanes, prompts, expected,
+                                                                   monkeypatch):
+    """Adaptive pdv chooses pipelined or lock-step step by step; across lane processes every switch
+    (held drafts verified alone first) keeps the offline tokens."""
+    import itertools
+
+    from verifypd.engine import scheduler as scheduler_module
+    from verifypd.engine.router import Router
+    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.lane_client import wire_pools
+
+    choices = itertools.cycle([True, True, False, True, False, False, True])
+    monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))
+    options = engine_options(*tiny_models)
+    clients = connect_lanes(lanes.addrs, secret=lanes.secret)
+    wire_pools(*clients, kv_transport="handle")
+    router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(),
+                    config=options.config.updated(schedule="pdv", pipeline=True, adaptive=True, k_min=0))
+    plans = []
+    plan = router.scheduler.plan
+
+    def recording_plan(config, costs):
+        result = plan(config, costs)
+        plans.append(result.pipelined)
+        return result
+    router.scheduler.plan = recording_plan
+    ids = [router.add_request(RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False)) for p in prompts]
+    tokens = {i: [] for i in ids}
+    while router.has_work():
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+    router.close()
+    for c in clients:
+        c.close()
+    assert any(plans) and not all(plans)  # both kinds of step ran
+    assert [tokens[i] for i in ids] == expected
