@@ -1,12 +1,20 @@
-"""Where a decode step's GPU time goes: torch.profiler over plain (k = 0) decode steps of the engine
-on random-weight model shapes, top kernels by CUDA time, plus host time per lane call.
+"""Where a decode step's time goes: torch.profiler over decode steps of the engine on random-weight
+model shapes (top kernels by CUDA time, and how much of the step's wall time the GPU was busy), then
+the host side: the router's own work against the time inside lane calls, and cProfile's top
+functions.
 
-    python bench/profile_step.py --shape llama-2-7b --batch 64
+    python bench/profile_step.py --shape llama-2-7b --batch 64                       # plain decoding
+    python bench/profile_step.py --shape llama-2-7b --draft random:tinyllama-1.1b --k 3 \\
+        --simulated-acceptance 0.7 --batch 128 --schedule pd                       # speculative, SIMULATED
+
+`--target` takes any model spec instead of a shape (e.g. a tiny checkpoint to try it on the CPU).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 import time
 
@@ -14,45 +22,88 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 
-from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
+from verifypd.engine.draft_length import SCHEDULES, RuntimeConfig  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions  # noqa: E402
 
 
+class LaneTimer:
+    """Wraps a lane method: wall time spent inside it (host preparation, launches and any sync)."""
+
+    def __init__(self, lane, method: str):
+        self.seconds, self._call = 0.0, getattr(lane, method)
+        setattr(lane, method, self)
+
+    def __call__(self, items):
+        t0 = time.perf_counter()
+        try:
+            return self._call(items)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="llama-2-7b")
+    ap.add_argument("--shape", default="llama-2-7b", help="random-weight target shape")
+    ap.add_argument("--target", default=None, help="a model spec instead of --shape")
+    ap.add_argument("--draft", default="self:1", help="draft spec; with --k 0 it only sizes the draft lane")
+    ap.add_argument("--k", type=int, default=0, help="draft tokens per step (fixed)")
+    ap.add_argument("--simulated-acceptance", type=float, default=None,
+                    help="SIMULATED per-token acceptance (random weights accept ~nothing)")
+    ap.add_argument("--schedule", default="pd", choices=SCHEDULES)
+    ap.add_argument("--pipeline", action="store_true", help="pdv: pipeline the two groups")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    opts = EngineOptions(target=f"random:{args.shape}", draft="self:1", device="cuda", dtype="bfloat16",
-                         num_blocks=args.batch * (args.context // 16 + 4) + 16, max_context=args.context + 64,
-                         graph_buckets=(args.batch,), config=RuntimeConfig(k_min=0, k_max=1, k_initial=0, adaptive=False))
+    cuda = args.device.startswith("cuda")
+    budget = args.context + (args.steps * 3 + 10) * (args.k + 1)  # positions the measured steps can reach
+    config = RuntimeConfig(k_min=args.k, k_max=max(args.k, 1), k_initial=args.k, adaptive=False,
+                           schedule=args.schedule, pipeline=args.pipeline)
+    opts = EngineOptions(target=args.target or f"random:{args.shape}", draft=args.draft, device=args.device,
+                         dtype="bfloat16" if cuda else "float32", num_blocks=args.batch * (budget // 16 + 4) + 16,
+                         max_context=budget + 64, graph_buckets=(args.batch,) if cuda else None, config=config,
+                         simulated_acceptance=args.simulated_acceptance)
     engine = Engine(opts)
     router = engine.router
+    vocab = router.vocab_size
     for i in range(args.batch):
-        router.add_request(RequestSpec(tuple(range(100, 100 + args.context)), max_tokens=10_000, stop_at_eos=False,
-                                       request_id=str(i)))
+        router.add_request(RequestSpec(tuple((100 + j) % vocab for j in range(args.context)),
+                                       max_tokens=budget - args.context, stop_at_eos=False, request_id=str(i)))
     while any(s.status.name != "DECODING" for s in router.sequences()):
         router.step()
     for _ in range(5):
         router.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    lanes = [LaneTimer(router.draft_lane, "draft"), LaneTimer(router.verify_lane, "verify")]
+    sync()
+    tokens, t0 = 0, time.perf_counter()
     for _ in range(args.steps):
-        router.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            router.step()
-        torch.cuda.synchronize()
-    print(f"# {args.shape} batch {args.batch} context {args.context}: {step_ms:.3f} ms per router step (unprofiled)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-    import cProfile
-    import pstats
-
+        tokens += sum(len(o.token_ids) for o in router.step())
+    sync()
+    wall = time.perf_counter() - t0
+    in_lanes = sum(t.seconds for t in lanes)
+    label = f"SIMULATED acceptance {args.simulated_acceptance}" if args.simulated_acceptance is not None else "real acceptance"
+    print(f"# {opts.target} draft {args.draft} k {args.k} {args.schedule} batch {args.batch} context {args.context} "
+          f"({label}): {wall / args.steps * 1e3:.3f} ms per step, {tokens / wall:.0f} tok/s (unprofiled)")
+    overlap = args.pipeline and args.schedule == "pdv"  # draft calls run beside verify calls
+    outside = ("router outside them: not separable (the calls overlap)" if overlap
+               else f"router outside them {(wall - in_lanes) / args.steps * 1e3:.3f} ms per step")
+    print(f"# host: inside lane calls {in_lanes / args.steps * 1e3:.3f} ms per step (draft "
+          f"{lanes[0].seconds / args.steps * 1e3:.3f}, verify {lanes[1].seconds / args.steps * 1e3:.3f}); {outside}")
+    if cuda:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                router.step()
+            sync()
+            profiled_wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"# GPU busy (sum of kernel times / wall, profiled): {busy_us / 1e6 / profiled_wall * 100:.0f} %")
+        print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     host = cProfile.Profile()
     host.enable()
     for _ in range(args.steps):
