@@ -54,6 +54,16 @@ def _reset_units(diff: Any) -> list[str]:
     return out
 
 
+def _live_replicas(kube: Kube, name: str, namespace: str, spec) -> dict[str, int]:
+    """spec.replicas of the unit Deployments that exist now (the autoscaler's latest scale)."""
+    out = {}
+    for unit in spec.units():
+        dep = kube.get("Deployment", namespace, deployment_name(name, unit))
+        if dep is not None and (dep.get("spec") or {}).get("replicas") is not None:
+            out[unit] = int(dep["spec"]["replicas"])
+    return out
+
+
 def lane_secret_token(kube: Kube, name: str, namespace: str) -> str:
     """The live lane Secret's token, or a new one when there is none yet (generated once, then kept:
     a new token on every reconcile would cut running gateways off their lanes)."""
@@ -111,7 +121,11 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
     @kopf.on.update(**res)
     def reconcile(body, spec, name, namespace, meta, status, diff, patch, logger, **_):
         spec_ = parse_spec(spec)
-        replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff))
+        try:
+            live = _live_replicas(ctx.kube, name, namespace, spec_)
+        except ApiError:
+            live = {}  # the apply below reports what is wrong with the API
+        replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff), live=live)
         now = ctx.clock()
         gen = meta.get("generation")
         try:

@@ -71,14 +71,17 @@ def knobs_from_status(d: Mapping[str, Any] | None) -> Knobs | None:
 
 
 def unit_replicas(spec: Spec, status: Mapping[str, Any] | None,
-                  reset: Sequence[str] = ()) -> dict[str, int]:
-    """The replicas the operator maintains: its last value, or the spec's (first time, or when the
-    user changed that unit's `replicas` field: `reset`), clamped into [min, max]."""
+                  reset: Sequence[str] = (), live: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The replicas the operator maintains, clamped into [min, max]: the spec's when the user changed
+    that unit's `replicas` field (`reset`), else the unit's Deployment's own (`live`: the autoscaler
+    scales the Deployment before it writes status, so a reconcile that started from an older status
+    must not undo that scale), else the last value in status, else the spec's (first time)."""
     have = ((status or {}).get("autoscaler") or {}).get("replicas") or {}
+    live = live or {}
     out = {}
     for u in spec.units():
         b = spec.bounds(u)
-        r = b.replicas if u in reset or u not in have else int(have[u])
+        r = b.replicas if u in reset else int(live[u]) if u in live else int(have[u]) if u in have else b.replicas
         out[u] = min(max(r, b.min), b.max)
     return out
 

@@ -62,3 +62,17 @@ def test_apply_all_names_the_object_and_cause(error, reason, text):
     with pytest.raises(ReconcileError) as e:
         apply_all(Ctx, "d", "ns", objs)
     assert e.value.reason == reason and "ResourceClaimTemplate d-gpu" in str(e.value) and text in str(e.value)
+
+
+def test_reconcile_keeps_the_autoscalers_live_scale():
+    """A reconcile that started from a status older than the autoscaler's last scale must not undo
+    it: a unit's live Deployment replicas win over status; a user's edit of `replicas` wins over both."""
+    from verifypd_operator.spec import parse_spec
+
+    spec = parse_spec({"topology": "split", "lanes": {"verify": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}}})
+    stale = {"autoscaler": {"replicas": {"prefill": 1, "draft": 1, "verify": 1}}}
+    assert st.unit_replicas(spec, stale, live={"verify": 2})["verify"] == 2
+    assert st.unit_replicas(spec, stale, reset=["verify"], live={"verify": 2})["verify"] == 1
+    assert st.unit_replicas(spec, stale, live={"verify": 9})["verify"] == 3  # clamped to maxReplicas
+    assert st.unit_replicas(spec, {"autoscaler": {"replicas": {"verify": 2}}})["verify"] == 2  # no Deployment yet
+    assert st.unit_replicas(spec, None)["verify"] == 1

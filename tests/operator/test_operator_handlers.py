@@ -111,9 +111,10 @@ async def _scenario(router: FakeRouter, control_port: int) -> None:
                               control_target=lambda name, ns: f"127.0.0.1:{control_port}")
         registry = kopf.OperatorRegistry()
         # Not faster: every tick patches status, and kmock's emulator, under concurrent patches on a
-        # loaded machine, can drop kopf's diff-base annotation (the reconcile then re-runs for the
-        # same diff and its stale status undoes the timer's). The real API server does not (see
-        # test_operator_envtest_operator.py); fewer ticks make the race rare here.
+        # loaded machine, can drop kopf's diff-base annotation (the reconcile then re-runs for an
+        # older diff). A reconcile keeps the live Deployment replicas (the timer's scale) unless the
+        # diff edits that unit's `replicas`, which an older diff can; the real API server does not
+        # drop annotations (see test_operator_envtest_operator.py); fewer ticks make it rare here.
         register(registry, ctx, tick_s=1.0)
 
         @kopf.on.login(registry=registry)
