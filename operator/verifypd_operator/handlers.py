@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -115,26 +116,34 @@ def apply_all(ctx: OperatorContext, name: str, namespace: str, objs: list[Mappin
 
 def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: float = 5.0) -> None:
     res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    # kopf runs an object's timer and its change handlers side by side (sync handlers in threads):
+    # per object, a reconcile's read-replicas-then-apply and the timer's scale exclude each other.
+    locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def scaling_lock(namespace: str, name: str) -> threading.Lock:
+        return locks.setdefault((namespace, name), threading.Lock())
 
     @kopf.on.resume(**res)
     @kopf.on.create(**res)
     @kopf.on.update(**res)
     def reconcile(body, spec, name, namespace, meta, status, diff, patch, logger, **_):
         spec_ = parse_spec(spec)
-        try:
-            live = _live_replicas(ctx.kube, name, namespace, spec_)
-        except ApiError:
-            live = {}  # the apply below reports what is wrong with the API
-        replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff), live=live)
         now = ctx.clock()
         gen = meta.get("generation")
         try:
-            try:
-                token = lane_secret_token(ctx.kube, name, namespace)
-            except ApiError as e:
-                raise ReconcileError(e.reason, f"cannot read Secret {lane_secret_name(name)}: {e}") from e
-            objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token)
-            pruned = apply_all(ctx, name, namespace, objs)
+            # The autoscaler's scale of a unit cannot land between reading its replicas and applying.
+            with scaling_lock(namespace, name):
+                try:
+                    live = _live_replicas(ctx.kube, name, namespace, spec_)
+                except ApiError:
+                    live = {}  # the apply below reports what is wrong with the API
+                replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff), live=live)
+                try:
+                    token = lane_secret_token(ctx.kube, name, namespace)
+                except ApiError as e:
+                    raise ReconcileError(e.reason, f"cannot read Secret {lane_secret_name(name)}: {e}") from e
+                objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token)
+                pruned = apply_all(ctx, name, namespace, objs)
         except ReconcileError as e:
             # Visible where users look (status, events); kopf applies this status patch although
             # the handler fails, and retries the handler after the delay.
@@ -169,6 +178,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         # "nothing left behind" not depend on GC timing (and covers orphaning deletes).
         gone = ctx.kube.prune(name, namespace, keep=())
         ctx.store.unregister(namespace, name)
+        locks.pop((namespace, name), None)
         logger.info("deleted %s/%s: %s", namespace, name, gone)
 
     @kopf.timer(**res, interval=tick_s, initial_delay=tick_s, idle=None)
@@ -184,9 +194,10 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         if last is None or now - last >= spec_.autoscaling.interval_s:
             observed = ctx.store.observe(namespace, name, now, spec_.autoscaling.window_s)
             decision = decide(spec_, observed, before)
-            for s in decision.scales:
-                ctx.kube.scale(namespace, deployment_name(name, s.unit), s.to_replicas)
-                replicas[s.unit] = s.to_replicas
+            with scaling_lock(namespace, name):
+                for s in decision.scales:
+                    ctx.kube.scale(namespace, deployment_name(name, s.unit), s.to_replicas)
+                    replicas[s.unit] = s.to_replicas
             knobs = decision.knobs or knobs
             patch.status["observed"] = st.observed_to_status(observed, spec_.autoscaling.window_s, now)
             auto = st.autoscaler_status(spec_, before, decision, observed, replicas, now)
