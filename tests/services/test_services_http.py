@@ -245,7 +245,9 @@ def test_queue_full_429_and_not_serving_503(chat_models):
             t.start()
         for t in threads:
             t.join(60)
-        assert codes.count(429) >= 1 and codes.count(200) >= 2 and set(codes) <= {200, 429}, codes
+        # Room for one running and one waiting; each request takes >= 1 s, the four arrive at once:
+        # one or two are taken (two unless the second comes before the engine admitted the first).
+        assert set(codes) <= {200, 429} and 1 <= codes.count(200) <= 2 and len(codes) == 4, codes
         with pytest.raises(openai.RateLimitError):  # what the official client makes of it
             s.gw.engine.max_queue = 0
             s.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2)
