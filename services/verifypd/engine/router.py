@@ -147,7 +147,8 @@ class Router:
             if pending is not None or not prefill_first:
                 t0 = self._clock()
                 outputs += self._run_prefill(plan.prefill, pending)
-                serial_prefill_s += 0.0 if pending is not None else self._clock() - t0
+                if pending is None:
+                    serial_prefill_s += self._clock() - t0
         except BaseException as exc:
             # Tokens committed before the failing call are already in the sequences: hand their
             # chunks to the caller with the error, or the client's stream would skip them.
