@@ -8,6 +8,11 @@ functions.
         --simulated-acceptance 0.7 --batch 128 --schedule pd                       # speculative, SIMULATED
 
 `--target` takes any model spec instead of a shape (e.g. a tiny checkpoint to try it on the CPU).
+
+`--closed-loop SECONDS` measures the engine alone (no gRPC) as the serving sweep loads it: `--batch`
+requests in flight, each finished one replaced at once by a new prompt of `--prompt` tokens that
+generates `--max-tokens`, so prefills keep arriving between decode steps; it prints output tok/s
+with the prefill launched beside the verify call and without (router.overlap_prefill).
 """
 from __future__ import annotations
 
@@ -56,7 +61,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--closed-loop", type=float, default=None, metavar="SECONDS",
+                    help="instead: closed-loop engine throughput, prefill beside verify on and off")
+    ap.add_argument("--prompt", type=int, default=128, help="--closed-loop: prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=128, help="--closed-loop: generated tokens per request")
     args = ap.parse_args()
+    if args.closed_loop is not None:
+        return closed_loop(args)
     cuda = args.device.startswith("cuda")
     budget = args.context + (args.steps * 3 + 10) * (args.k + 1)  # positions the measured steps can reach
     config = RuntimeConfig(k_min=args.k, k_max=max(args.k, 1), k_initial=args.k, adaptive=False,
@@ -111,6 +122,53 @@ def main() -> None:
     host.disable()
     print("# host time per function (cProfile, all steps):")
     pstats.Stats(host).sort_stats("tottime").print_stats(22)
+
+
+def closed_loop(args) -> None:
+    import json
+
+    cuda = args.device.startswith("cuda")
+    per_request = args.prompt + args.max_tokens + 8 * (args.k + 1)
+    config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=args.k > 0,
+                           schedule=args.schedule, pipeline=args.pipeline)
+    opts = EngineOptions(target=args.target or f"random:{args.shape}", draft=args.draft, device=args.device,
+                         dtype="bfloat16" if cuda else "float32",
+                         num_blocks=args.batch * (per_request // 16 + 2) + 16, max_context=per_request + 16,
+                         graph_buckets=tuple(1 << i for i in range(args.batch.bit_length())) + (args.batch,)
+                         if cuda else None, config=config, simulated_acceptance=args.simulated_acceptance)
+    engine = Engine(opts)
+    router, vocab, made = engine.router, engine.router.vocab_size, [0]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def submit() -> None:
+        n = made[0] = made[0] + 1
+        ids = tuple((100 + 7 * n + 13 * j) % (vocab - 100) + 50 for j in range(args.prompt))
+        router.add_request(RequestSpec(ids, max_tokens=args.max_tokens, stop_at_eos=False, request_id=str(n)))
+
+    def run(seconds: float) -> tuple[int, int, float]:
+        tokens, steps, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for out in router.step():
+                tokens += len(out.token_ids)
+                if out.finished:
+                    submit()
+            steps += 1
+        sync()
+        return tokens, steps, time.perf_counter() - t0
+
+    for _ in range(args.batch):
+        submit()
+    label = f"SIMULATED acceptance {args.simulated_acceptance}" if args.simulated_acceptance is not None else "real acceptance"
+    for overlap in (True, False, True):  # on twice: the first pass also warms up
+        router.overlap_prefill = overlap
+        run(min(args.closed_loop, 3.0))  # settle (requests of the previous setting drain through)
+        tokens, steps, wall = run(args.closed_loop)
+        print(json.dumps({"target": opts.target, "draft": args.draft, "k": args.k, "schedule": args.schedule,
+                          "acceptance": label, "batch": args.batch, "prompt": args.prompt,
+                          "max_tokens": args.max_tokens, "prefill_beside_verify": overlap,
+                          "output_tok_s": round(tokens / wall, 1), "steps_per_s": round(steps / wall, 1),
+                          "tokens_per_step": round(tokens / max(steps, 1), 2)}))
+    router.close()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Torch-free. One `step()` = plan (scheduler) -> lane calls in lane-priority order
 lanes' results into sequence state -> stream outputs. The schedule (RuntimeConfig.schedule, see
 docs/engine.md "Schedules") is a policy over the same lanes: baseline and pd steps are lock-step
 (draft, then verify of the same requests); a pipelined pdv step runs the draft call of one group
-and the verify call of the other concurrently (the draft call on a worker thread). Losslessness lives in the verify lane's
+and the verify call of the other concurrently (the draft call on a worker thread). With in-process
+CUDA lanes a lock-step step's prefill call is launched while the GPU runs its verify call, so the
+prefill's host work hides under decode's GPU work. Losslessness lives in the verify lane's
 acceptance rule; the router's job is the bookkeeping that keeps KV positions and tokens aligned
 (see `verifypd.engine.sequence` for the layout invariant).
 """
@@ -68,6 +70,9 @@ class Router:
         self._decode = decode
         self._eos = frozenset(eos_token_ids)
         self._clock = clock
+        # Prefill beside decode (docs/engine.md): with lanes whose calls start asynchronously, a
+        # step's prefill is launched while the GPU runs its verify call. Off only to measure it.
+        self.overlap_prefill = True
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -132,6 +137,10 @@ class Router:
             if self._prefill_pool is None:
                 self._prefill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-prefill")
             pending = self._prefill_pool.submit(self._call_prefill, self._prefill_items(plan.prefill))
+        beside = None  # in-process: the prefill call starts while the verify call runs on the GPU
+        if (plan.prefill and plan.decode and not plan.draft_ahead and pending is None and not prefill_first
+                and self.overlap_prefill and self._starts_async(self.verify_lane, self.prefill_lane)):
+            beside = []
         serial_prefill_s = 0.0  # prefill run before or after decode, not beside it
         try:
             if prefill_first and pending is None:
@@ -139,14 +148,16 @@ class Router:
                 outputs += self._run_prefill(plan.prefill)
                 serial_prefill_s += self._clock() - t0
             try:
-                sample = self._run_decode(plan.decode, plan.draft_ahead, outputs)
+                sample = self._run_decode(plan.decode, plan.draft_ahead, outputs,
+                                          None if beside is None else lambda: beside.append(
+                                              self._start_prefill(plan.prefill)))
             except BaseException:
                 if pending is not None:  # no call left in flight behind the error
                     concurrent.futures.wait([pending])
                 raise
             if pending is not None or not prefill_first:
                 t0 = self._clock()
-                outputs += self._run_prefill(plan.prefill, pending)
+                outputs += self._run_prefill(plan.prefill, pending or (beside[0] if beside else None))
                 if pending is None:
                     serial_prefill_s += self._clock() - t0
         except BaseException as exc:
@@ -199,12 +210,22 @@ class Router:
                             draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed),
                             sample_first=c.sample_first, sampling=c.seq.spec.sampling) for c in chunks]
 
+    @staticmethod
+    def _starts_async(*lanes) -> bool:
+        return all(getattr(lane, "starts_async", False) for lane in lanes)
+
+    def _start_prefill(self, chunks: list[PrefillChunk]) -> "_StartedPrefill":
+        t0 = self._clock()
+        started = self.prefill_lane.prefill_start(self._prefill_items(chunks))
+        return _StartedPrefill(started, self._clock() - t0, self._clock)
+
     def _call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
         t0 = self._clock()
         results = self.prefill_lane.prefill(items)
         return results, self._clock() - t0
 
-    def _run_prefill(self, chunks: list[PrefillChunk], pending: Future | None = None) -> list[RequestOutput]:
+    def _run_prefill(self, chunks: list[PrefillChunk], pending: "Future | _StartedPrefill | None" = None
+                     ) -> list[RequestOutput]:
         """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
         if not chunks:
             return []
@@ -251,9 +272,10 @@ class Router:
                 w.seq.draft_computed = w.seq.pending_pos + 1
         return drafts
 
-    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork],
-                    outputs: list[RequestOutput]) -> tuple[bool, int, int] | None:
-        """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`.
+    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
+                    beside: Callable[[], None] | None = None) -> tuple[bool, int, int] | None:
+        """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
+        `beside` (lock-step only) is called once the verify call is queued, before its results.
         Pipelined (`ahead` non-empty): draft `ahead` on the worker thread while verifying `work`
         (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them.
         Returns what the step's cost describes, (pipelined, requests verified, k), or None for a
@@ -295,7 +317,14 @@ class Router:
         if items:
             t0 = self._clock()
             try:
-                results = self.verify_lane.verify(items)
+                if beside is not None:
+                    started = self.verify_lane.verify_start(items)
+                    beside()
+                    # Verify already done: the step waited on the prefill's launch; not its cost.
+                    typical = typical and not started.ready()
+                    results = started.result()
+                else:
+                    results = self.verify_lane.verify(items)
             except BaseException as exc:  # first let the concurrent draft call finish
                 verify_error = exc
             verify_s = self._clock() - t0
@@ -409,6 +438,19 @@ class Router:
     @staticmethod
     def _handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
         return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
+
+
+class _StartedPrefill:
+    """A prefill call started beside a verify call; `result()` is (outputs, launch + wait seconds),
+    as a pipelined prefill's Future gives."""
+
+    def __init__(self, started, launch_s: float, clock: Callable[[], float]):
+        self._started, self._launch_s, self._clock = started, launch_s, clock
+
+    def result(self) -> tuple[list, float]:
+        t0 = self._clock()
+        results = self._started.result()
+        return results, self._launch_s + self._clock() - t0
 
 
 def check_fits(spec: RequestSpec, max_context: int, pools: Seq[BlockManager]) -> None:

@@ -129,3 +129,31 @@ class DraftLane(Protocol):
 class VerifyLane(Protocol):
     def describe(self) -> LaneInfo: ...
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]: ...
+
+
+class StartedCall(Protocol):
+    """A lane call whose device work is queued and whose results are not yet on the host
+    (in-process lanes on CUDA: see `LocalVerifyLane.verify_start`)."""
+
+    def ready(self) -> bool: ...        # the results can be had without waiting
+    def result(self) -> list: ...       # waits for them (once)
+
+
+class Finished:
+    """A StartedCall that completed while it was started (CPU work, an empty call)."""
+
+    def __init__(self, value: list):
+        self.value = value
+
+    def ready(self) -> bool:
+        return True
+
+    def result(self) -> list:
+        return self.value
+
+
+# In-process lanes may also offer `verify_start(items) -> StartedCall` and `prefill_start(items) ->
+# StartedCall`, with `starts_async = True` where the started work runs on without the host (CUDA).
+# The router then launches a step's prefill while the GPU still runs its verify call, so the
+# prefill's host work (eager launches) overlaps the decode's GPU work (docs/engine.md "Prefill
+# beside decode"). `verify(items)` is `verify_start(items).result()`.

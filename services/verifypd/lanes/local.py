@@ -1,9 +1,12 @@
 """In-process lanes over ModelRunners: the co-located transport (zero copy: draft probabilities
 stay on the device and pass to the verify lane by reference). The only lane code touching torch.
 
-Host syncs: one device-to-host copy per lane call (the tokens the router needs). Sampling,
-acceptance and the draft loop's feeding of tokens stay on the device; on CUDA the forwards are
-CUDA-graph replays (see `verifypd.model.graph_runner`).
+Host syncs: one device-to-host copy per lane call (the tokens the router needs), taken when the
+caller asks for the results (`verify_start` / `prefill_start` return before it, so the router can
+queue a prefill behind a running verify); small host lists reach the device through pinned memory
+(`sampler.small_tensor`), never through a copy that waits for the GPU. Sampling, acceptance and
+the draft loop's feeding of tokens stay on the device; on CUDA the forwards are CUDA-graph replays
+(see `verifypd.model.graph_runner`).
 
 Streams (CUDA only; on CPU there are none): the draft and verify lanes each run on their own
 stream, draft at the higher priority, so a pipelined (pdv) step's draft call of one group and
@@ -25,8 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneInfo, PrefillItem, PrefillOutput,
-                                      VerifyItem, VerifyOutput)
+from verifypd.lanes.interface import (DraftItem, DraftOutput, Finished, LaneInfo, PrefillItem, PrefillOutput,
+                                      StartedCall, VerifyItem, VerifyOutput)
 from verifypd.model import sampler
 from verifypd.model.runner import ModelRunner, TokenRun
 
@@ -73,9 +76,18 @@ class LocalPrefillLane:
     def describe(self) -> LaneInfo:
         return self.info
 
+    @property
+    def starts_async(self) -> bool:
+        return self.target.device.type == "cuda"
+
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
+        return self.prefill_start(items).result()
+
+    def prefill_start(self, items: list[PrefillItem]) -> StartedCall:
+        """Queues the prefill forwards (and the first-token sampling); the first tokens reach the
+        host in `.result()`."""
         if not items:
-            return []
+            return Finished([])
         for stream in self.wait_for:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         target_runs = [TokenRun(i.token_ids, i.start_pos, i.target_kv.block_ids) for i in items]
@@ -89,10 +101,14 @@ class LocalPrefillLane:
             samplings = [i.sampling for i in chosen]
             mode = sampler.choice_mode(samplings)
             params = sampler.params_tensor(samplings, logits.device) if mode != sampler.GREEDY else (None,) * 4
-            positions = torch.tensor([i.start_pos + len(i.token_ids) for i in chosen], device=logits.device)
+            positions = sampler.small_tensor([i.start_pos + len(i.token_ids) for i in chosen], logits.device)
             tokens, _ = sampler.choose(logits[rows], mode, *params, positions, sampler.STREAM_TARGET)
-            first = dict(zip(rows, tokens.tolist()))
-        return [PrefillOutput(i.request_id, first.get(n)) for n, i in enumerate(items)]
+
+            def outputs(host: list[int]) -> list[PrefillOutput]:
+                first = dict(zip(rows, host))
+                return [PrefillOutput(i.request_id, first.get(n)) for n, i in enumerate(items)]
+            return HostCopy(tokens, outputs)
+        return Finished([PrefillOutput(i.request_id, None) for i in items])
 
 
 class LocalDraftLane:
@@ -141,15 +157,24 @@ class LocalVerifyLane:
     def describe(self) -> LaneInfo:
         return self.info
 
+    @property
+    def starts_async(self) -> bool:
+        return self.stream is not None
+
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self.verify_start(items).result()
+
+    def verify_start(self, items: list[VerifyItem]) -> StartedCall:
+        """Queues the verify forward and the acceptance on the verify stream; the results reach the
+        host in `.result()` (the call's one host sync)."""
         if not items:
-            return []
+            return Finished([])
         with on_stream(self.stream, self.serial):
             if self.stream is not None:
                 wait_for_drafts(items, self.stream)
             return self._verify(items)
 
-    def _verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+    def _verify(self, items: list[VerifyItem]) -> StartedCall:
         ks = [len(i.draft_tokens) for i in items]
         on_device = device_drafts(items)
         # With drafts on the device, runs carry placeholders and the runner writes the real ids.
@@ -167,18 +192,19 @@ class LocalVerifyLane:
             drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
             logits = self.target.score(runs)
         if K == 0 and all(i.sampling.greedy for i in items):  # plain greedy decoding: nothing to accept
-            finals = logits[:, 0].argmax(-1).tolist()  # the one host sync
-            return [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, finals)]
-        k = torch.tensor(ks, device=device)
+            return HostCopy(logits[:, 0].argmax(-1),
+                            lambda finals: [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, finals)])
+        k = sampler.small_tensor(ks, device)
         if self.simulated_acceptance is not None:
             accepted, final = self._accept_simulated(items, logits.argmax(-1), k)
         elif all(i.sampling.greedy for i in items):
             accepted, final = sampler.accept_greedy(logits.argmax(-1), drafts, k)
         else:
             accepted, final = self._accept_sampled(items, logits, drafts, k)
-        # The one host sync of a draft + verify step: counts, target tokens and the drafts.
-        host = torch.cat((accepted[:, None], final[:, None], drafts), dim=1).tolist()
-        return [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]]) for i, row in zip(items, host)]
+        # What the host needs of a draft + verify step: counts, target tokens and the drafts.
+        return HostCopy(torch.cat((accepted[:, None], final[:, None], drafts), dim=1),
+                        lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
+                                      for i, row in zip(items, host)])
 
     def _accept_sampled(self, items, logits, drafts, k):
         R, K1, V = logits.shape
@@ -189,18 +215,42 @@ class LocalVerifyLane:
                                   top_k.repeat_interleave(K1), top_p.repeat_interleave(K1),
                                   truncate=mode == sampler.SAMPLE_TRUNCATED).view(R, K1, V)
         q = draft_probs_matrix(items, K1 - 1, V, drafts)
-        start = torch.tensor([i.start_pos for i in items], dtype=torch.long, device=logits.device)
+        start = sampler.small_tensor([i.start_pos for i in items], logits.device)
         return sampler.accept_sampled(p, q, drafts, k, seeds, start)
 
     def _accept_simulated(self, items, target_argmax, k):
         R, K1 = target_argmax.shape
         seeds = sampler.seed_tensor([zlib.crc32(i.request_id.encode()) for i in items], target_argmax.device)
-        start = torch.tensor([i.start_pos for i in items], dtype=torch.long, device=target_argmax.device)
+        start = sampler.small_tensor([i.start_pos for i in items], target_argmax.device)
         pos = start[:, None] + 1 + torch.arange(K1 - 1, device=target_argmax.device)[None, :]
         u = sampler.uniforms(seeds[:, None].expand_as(pos), pos, sampler.STREAM_ACCEPT)
         valid = torch.arange(K1 - 1, device=k.device)[None, :] < k[:, None]
         accepted = ((u < self.simulated_acceptance) & valid).long().cumprod(-1).sum(-1)
         return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
+
+
+class HostCopy:
+    """A device tensor on its way to the host: an asynchronous copy into pinned memory on the current
+    stream, then an event. `result()` waits for the event (releasing the GIL) and converts the
+    values; on the CPU the values are there already."""
+
+    def __init__(self, tensor: torch.Tensor, convert):
+        self._convert, self._event = convert, None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._convert(self._host.tolist())
 
 
 def wait_for_drafts(items: list[VerifyItem], stream) -> None:
@@ -242,10 +292,10 @@ def draft_probs_matrix(items: list[VerifyItem], K: int, V: int, drafts: torch.Te
         steps = base.shape[1]
         src = [(items[n].draft_probs.storage_offset() - base.storage_offset()) // (steps * V) for n in rows]
         width = min(steps, K)
-        picked = base[torch.tensor(src, device=q.device), :width]
-        keep = torch.arange(width, device=q.device)[None, :] < torch.tensor(
+        picked = base[sampler.small_tensor(src, q.device), :width]
+        keep = torch.arange(width, device=q.device)[None, :] < sampler.small_tensor(
             [len(items[n].draft_tokens) for n in rows], device=q.device)[:, None]
-        q[torch.tensor(rows, device=q.device), :width] = picked * keep[..., None]
+        q[sampler.small_tensor(rows, q.device), :width] = picked * keep[..., None]
     return q
 
 
@@ -274,8 +324,8 @@ class DraftBatch:
         out = torch.zeros(len(items), K, dtype=self.tokens.dtype, device=self.tokens.device)
         src = [(n, r) for n, r in enumerate(rows) if r >= 0]
         if src:
-            dst_idx = torch.tensor([n for n, _ in src], device=out.device)
-            src_idx = torch.tensor([r for _, r in src], device=out.device)
+            dst_idx = sampler.small_tensor([n for n, _ in src], out.device)
+            src_idx = sampler.small_tensor([r for _, r in src], out.device)
             out[dst_idx, :width] = self.tokens[src_idx, :width]
         return out
 

@@ -83,9 +83,9 @@ class DraftState:
         self.k[:n] = device_arrays[1]
         if not greedy:
             self.top_k[:n], self.seeds[:n] = device_arrays[2], device_arrays[3]
-            floats = torch.tensor([[s.temperature for s in samplings], [s.top_p for s in samplings]],
-                                  dtype=torch.float32)
-            self.temp[:n], self.top_p[:n] = floats.to(self.tok.device)
+            floats = sampler.small_tensor([[s.temperature for s in samplings], [s.top_p for s in samplings]],
+                                          self.tok.device, torch.float32)
+            self.temp[:n], self.top_p[:n] = floats
         self.tok[:n] = first_tokens
         self.out_tokens[:n, 0] = first_tokens
         if first_probs is not None:

@@ -158,6 +158,9 @@ class ModelRunner:
         self.device = pool.device
         self.block_size = pool.geometry.block_size
         self.staging = PinnedStaging(self.device)
+        # The eager (prefill) path has its own: a prefill launched while a verify call's transfer is
+        # in flight must not wait for it (see LocalPrefillLane.prefill_start).
+        self.eager_staging = PinnedStaging(self.device)
         if graphs is None:
             graphs = self.device.type == "cuda" and model.attention == "triton"
         self.graphs = None
@@ -176,7 +179,7 @@ class ModelRunner:
     def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None:
         """Ragged, eager (prefill). logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V])."""
         host = build_layout(runs, self.block_size)
-        batch = to_device(host, self.device, self.staging)
+        batch = to_device(host, self.device, self.eager_staging)
         index = None
         if logits_for == "last":
             index = batch.query_start[1:] - 1
@@ -220,7 +223,7 @@ class ModelRunner:
                    and self.graphs.draft_fits(len(runs), max(ks)))
         logits = self.last_logits(runs)[:len(runs)]
         params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
-        first, first_probs = sampler.choose(logits, mode, *params, torch.tensor(next_pos, device=self.device),
+        first, first_probs = sampler.choose(logits, mode, *params, sampler.small_tensor(next_pos, self.device),
                                             sampler.STREAM_DRAFT)
         steps = max(ks)
         if steps == 1:

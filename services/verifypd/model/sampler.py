@@ -37,17 +37,29 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     return ((x.double() + 0.5) / 4294967296.0).float()
 
 
+def small_tensor(values, device, dtype=torch.long) -> torch.Tensor:
+    """A small host list on `device` without a host sync. `torch.tensor(values, device=cuda)` copies
+    from pageable memory and so waits for all work queued on the current stream: inside a lane call
+    that stalls the host until the GPU catches up (and, with the prefill launched beside a verify
+    call, would serialize them). Pinned memory and an asynchronous copy queue it instead; the
+    caching host allocator keeps the pinned block until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def params_tensor(samplings, device) -> tuple[torch.Tensor, ...]:
     """(temperature, top_k, top_p, seeds) of a batch's SamplingParams, on `device`."""
-    temp = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device)
-    top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=device)
-    top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device)
+    temp = small_tensor([s.temperature for s in samplings], device, torch.float32)
+    top_k = small_tensor([s.top_k for s in samplings], device)
+    top_p = small_tensor([s.top_p for s in samplings], device, torch.float32)
     return temp, top_k, top_p, seed_tensor([s.seed for s in samplings], device)
 
 
 def seed_tensor(seeds: list[int], device) -> torch.Tensor:
     """uint64 seeds as int64 bit patterns."""
-    return torch.tensor([s - (1 << 64) if s >= (1 << 63) else s for s in seeds], dtype=torch.long, device=device)
+    return small_tensor([s - (1 << 64) if s >= (1 << 63) else s for s in seeds], device)
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

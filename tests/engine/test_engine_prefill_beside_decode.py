@@ -1,0 +1,100 @@
+"""Prefill beside decode: with lanes whose calls start asynchronously (in-process CUDA lanes), a
+lock-step step queues its verify call, launches the step's prefill call behind it, and only then
+waits for the verify results. Here the CPU lanes are made to report `starts_async` so the router
+takes that path: tokens must not change, the order of starts and results must be the overlapped
+one, and a step whose verify finished before the prefill launch ended must teach the cost model
+nothing (its wall time holds the prefill's launch)."""
+from __future__ import annotations
+
+import pytest
+
+from engine_helpers import DEVICE, make_engine
+from test_engine_schedules import plain, specs  # noqa: F401 (plain: a fixture)
+from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+
+
+class _Logged:
+    def __init__(self, started, log):
+        self._started, self._log = started, log
+
+    def ready(self):
+        return self._started.ready()
+
+    def result(self):
+        self._log.append("verify_result")
+        return self._started.result()
+
+
+def run(engine, overlap: bool):
+    """Requests join two per step; returns (tokens by request, event log, steps that sampled a cost
+    after launching a prefill beside their verify call)."""
+    router = engine.router
+    router.overlap_prefill = overlap
+    log: list[str] = []
+    verify_start, prefill_start = router.verify_lane.verify_start, router.prefill_lane.prefill_start
+
+    def logged_verify_start(items):
+        log.append("verify_start")
+        return _Logged(verify_start(items), log)
+
+    def logged_prefill_start(items):
+        log.append("prefill_start")
+        return prefill_start(items)
+    router.verify_lane.verify_start, router.prefill_lane.prefill_start = logged_verify_start, logged_prefill_start
+    observe, sampled = router.costs.observe_step, []
+
+    def observing(batch, k, seconds):
+        sampled.append(list(log))
+        observe(batch, k, seconds)
+    router.costs.observe_step = observing
+    tokens: dict[str, list[int]] = {}
+    pending = specs()
+    while pending or router.has_work():
+        for _ in range(2):
+            if pending:
+                tokens[router.add_request(pending.pop(0))] = []
+        log.append("step")
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+    router.close()
+    return tokens, log, sampled
+
+
+def overlapped_steps(log: list[str]) -> int:
+    steps = " ".join(log).split("step")
+    return sum("verify_start prefill_start verify_result" in s for s in steps)
+
+
+@pytest.fixture
+def async_lanes(monkeypatch):
+    monkeypatch.setattr(LocalVerifyLane, "starts_async", True)
+    monkeypatch.setattr(LocalPrefillLane, "starts_async", True)
+
+
+@pytest.mark.parametrize("schedule", ["pd", "pdv"])
+def test_prefill_beside_verify_is_lossless_and_overlapped(tiny_models, plain, async_lanes, schedule):
+    engine = make_engine(*tiny_models, k=4)
+    engine.router.config = engine.router.config.updated(schedule=schedule, pipeline=False)
+    tokens, log, sampled = run(engine, overlap=True)
+    assert tokens == plain
+    assert overlapped_steps(log) >= 3, log
+    # On the CPU a started call is done at once (ready() is True), so no overlapped step is a sample
+    # (on CUDA one is, when the verify call was still running after the prefill's launch).
+    for history in sampled if DEVICE == "cpu" else ():
+        last = " ".join(history).split("step")[-1]
+        assert "prefill_start" not in last, last
+
+
+def test_without_overlap_prefill_waits_for_verify(tiny_models, plain, async_lanes):
+    engine = make_engine(*tiny_models, k=4)
+    tokens, log, sampled = run(engine, overlap=False)
+    assert tokens == plain
+    assert overlapped_steps(log) == 0
+    assert sampled  # steps with a prefill after decode are still costed (without the prefill)
+
+
+def test_cpu_lanes_do_not_start_async(tiny_models, plain):
+    engine = make_engine(*tiny_models, k=4)
+    assert not engine.router.verify_lane.starts_async and not engine.router.prefill_lane.starts_async
+    tokens, log, _ = run(engine, overlap=True)
+    assert tokens == plain and overlapped_steps(log) == 0
