@@ -134,7 +134,7 @@ def closed_loop(args) -> None:
     opts = EngineOptions(target=args.target or f"random:{args.shape}", draft=args.draft, device=args.device,
                          dtype="bfloat16" if cuda else "float32",
                          num_blocks=args.batch * (per_request // 16 + 2) + 16, max_context=per_request + 16,
-                         graph_buckets=tuple(1 << i for i in range(args.batch.bit_length())) + (args.batch,)
+                         graph_buckets=tuple(sorted({1 << i for i in range(args.batch.bit_length())} | {args.batch}))
                          if cuda else None, config=config, simulated_acceptance=args.simulated_acceptance)
     engine = Engine(opts)
     router, vocab, made = engine.router, engine.router.vocab_size, [0]
