@@ -41,7 +41,13 @@ def merge(docs: list[dict]) -> dict:
               "servers": [s for d in docs for s in d.get("servers", [])], "skipped": [], "rows": []}
     rows = {}
     for d in docs:
+        # A mode served with its lanes in processes is its own series ("pdv-split"), beside the
+        # one-process rows of the same mode rather than over them.
+        split = {(sv.get("pair"), sv.get("mode")) for sv in d.get("servers", [])
+                 if (sv.get("server_info") or {}).get("topology") == "split"}
         for r in d.get("rows", []):
+            if (r["pair"], r["mode"]) in split:
+                r = dict(r, mode=r["mode"] + "-split")
             rows[(r["pair"], r["mode"], r["concurrency"])] = r
     merged["rows"] = list(rows.values())
     measured = {r["pair"] for r in merged["rows"]}
