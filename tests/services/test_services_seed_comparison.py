@@ -115,3 +115,26 @@ def test_targets_and_their_figures(pdv_c1, pdv_p95_c8, expect):
     no_pd = [r for r in rows if r["mode"] != "pd"]
     _, checks = h.render_report(dict(doc, rows=no_pd), {})
     assert [c["status"] for c in checks["tinyllama-1.1b->llama-2-7b"]][:2] == ["N/A", "N/A"]
+
+
+def test_split_rows_are_their_own_series_and_baseline_is_optional_above_8(tmp_path):
+    """A run whose pdv server used the split topology merges as mode "pdv-split" (beside, not over,
+    the one-process pdv rows) and gets its own target checks; where Baseline did not run (c > 8)
+    the order check still holds PDV against PD."""
+    h = load_harness()
+    one = {"device": "test", "device_slug": "t", "label": "simulated acceptance α=0.7", "parameters": {},
+           "servers": [{"pair": "tinyllama-1.1b->llama-2-7b", "mode": "pdv", "server_info": {"topology": "colocated"}}],
+           "rows": [row("k0", 1, 100, 50), row("pd", 1, 120, 50), row("pdv", 1, 140, 40),
+                    row("k0", 16, 400, 100), row("pd", 16, 420, 110), row("pdv", 16, 410, 100)]}
+    split = {"device": "test", "device_slug": "t", "label": "simulated acceptance α=0.7", "parameters": {},
+             "servers": [{"pair": "tinyllama-1.1b->llama-2-7b", "mode": "pdv", "server_info": {"topology": "split"}}],
+             "rows": [row("pdv", 1, 150, 45), row("pdv", 16, 500, 90)]}
+    merged = h.merge([one, split])
+    modes = sorted((r["mode"], r["concurrency"]) for r in merged["rows"])
+    assert ("pdv", 16) in modes and ("pdv-split", 16) in modes and len(modes) == 8
+    text, checks = h.render_report(merged, {})
+    statuses = {c["target"]: c["status"] for c in checks["tinyllama-1.1b->llama-2-7b"]}
+    assert statuses["PDV ≥ PD ≥ Baseline throughput at every concurrency ≥ 8"] == "MISS"  # 410 < 420 at c=16
+    split_order = [t for t in statuses if t.startswith("PDV split") and "≥ PD ≥ Baseline" in t]
+    assert split_order and statuses[split_order[0]] == "PASS"  # 500 >= 420; Baseline not run at 16
+    assert "PDV split" in text
