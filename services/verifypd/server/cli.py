@@ -56,10 +56,6 @@ def register(sub) -> None:
                        help=f"with --*-addr: file holding the lanes' shared secret (else env {LANE_SECRET_ENV})")
     serve.add_argument("--recovery-timeout", type=float, default=120.0,
                        help="seconds to wait for a failed lane to serve again before failing its requests")
-    serve.add_argument("--gil-switch-interval", type=float, default=None, metavar="SECONDS",
-                       help="Python's thread switch interval for this process (default: Python's 0.005). The "
-                            "engine thread shares the GIL with one gRPC thread per stream; a shorter interval "
-                            "gets it back sooner after each GPU wait (docs/engine.md 'On the GPU host')")
     serve.add_argument("--max-lane-restarts", type=int, default=5,
                        help="split: restarts of one lane within 60 s before it counts as a crash loop")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -198,11 +194,6 @@ def cmd_serve(args) -> int:
     if args.http_port < 0 or args.http_max_body_bytes < 1:
         print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
         return 2
-    if args.gil_switch_interval is not None:
-        if not 1e-6 <= args.gil_switch_interval <= 1.0:
-            print("verifypd: error: --gil-switch-interval must be in [1e-6, 1] seconds", file=sys.stderr)
-            return 2
-        sys.setswitchinterval(args.gil_switch_interval)
     readers, registry = [], None
     if args.http_port:  # /metrics: the same instruments as OTLP, through one more reader
         from verifypd.server.http_server import prometheus_reader
