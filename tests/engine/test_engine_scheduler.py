@@ -177,3 +177,65 @@ def test_sequence_ids_slices_like_all_ids():
     for start in range(6):
         for end in range(start, 6):
             assert seq.ids(start, end) == full[start:end], (start, end)
+
+
+def _decoding_batch(s: Scheduler, n: int) -> None:
+    """n requests already prefilled and decoding."""
+    for i in range(n):
+        x = seq(f"d{i}", 4, i)
+        s.add(x)
+    plan = s.plan(RuntimeConfig(prefill_token_budget=4 * n), StepCostModel())
+    for c in plan.prefill:
+        c.seq.target_computed = c.seq.draft_computed = c.end
+        c.seq.status = SeqStatus.DECODING
+        c.seq.output_ids.append(5)
+
+
+def test_prefill_coalesces_while_a_large_batch_decodes():
+    from verifypd.engine.scheduler import COALESCE_MIN_DECODING
+
+    config = RuntimeConfig(k_initial=0, adaptive=False, schedule="pd", prefill_token_budget=64,
+                           prefill_max_wait_s=0.02)
+    s = scheduler(blocks=400)
+    _decoding_batch(s, COALESCE_MIN_DECODING)
+    new = seq("new", 8, 100)
+    new.stats.arrival_time = 10.0
+    s.add(new)
+    assert s.plan(config, StepCostModel(), now=10.005).prefill == []          # waits to share a call
+    assert len(s.plan(config, StepCostModel(), now=10.005).decode) == COALESCE_MIN_DECODING  # decode goes on
+    assert [c.seq.request_id for c in s.plan(config, StepCostModel(), now=10.021).prefill] == ["new"]
+
+
+def test_prefill_does_not_wait_when_due_otherwise():
+    from verifypd.engine.scheduler import COALESCE_MIN_DECODING
+
+    config = RuntimeConfig(k_initial=0, adaptive=False, schedule="pd", prefill_token_budget=16,
+                           prefill_max_wait_s=0.02)
+    # a full token budget is waiting: no reason to wait
+    s = scheduler(blocks=400)
+    _decoding_batch(s, COALESCE_MIN_DECODING)
+    for i in range(2):
+        x = seq(f"w{i}", 8, 100 + i)
+        x.stats.arrival_time = 10.0
+        s.add(x)
+    assert len(s.plan(config, StepCostModel(), now=10.001).prefill) == 2
+    # a small decoding batch: the GPU has room, prefill at once
+    s = scheduler(blocks=400)
+    _decoding_batch(s, COALESCE_MIN_DECODING - 1)
+    x = seq("w", 8, 100)
+    x.stats.arrival_time = 10.0
+    s.add(x)
+    assert len(s.plan(config, StepCostModel(), now=10.001).prefill) == 1
+    # coalescing off, or no clock given
+    s = scheduler(blocks=400)
+    _decoding_batch(s, COALESCE_MIN_DECODING)
+    x = seq("w", 8, 100)
+    x.stats.arrival_time = 10.0
+    s.add(x)
+    assert len(s.plan(config, StepCostModel(), now=None).prefill) == 1
+    x2 = seq("w2", 8, 101)
+    x2.stats.arrival_time = 10.0
+    s.add(x2)
+    plan = s.plan(RuntimeConfig(k_initial=0, adaptive=False, schedule="pd", prefill_token_budget=64,
+                                prefill_max_wait_s=0.0), StepCostModel(), now=10.001)
+    assert "w2" in [c.seq.request_id for c in plan.prefill]
