@@ -45,8 +45,8 @@ class Recorder:
             setattr(router, f"{lane}_lane", _Proxy(obj, method, lane, self))
         plan = router.scheduler.plan
 
-        def recording_plan(config, costs, now=None):
-            result = plan(config, costs, now)
+        def recording_plan(config, costs):
+            result = plan(config, costs)
             self.plans[self.step] = result.pipelined
             return result
         router.scheduler.plan = recording_plan

@@ -182,8 +182,8 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
     plans = []
     plan = router.scheduler.plan
 
-    def recording_plan(config, costs, now=None):
-        result = plan(config, costs, now)
+    def recording_plan(config, costs):
+        result = plan(config, costs)
         plans.append(result.pipelined)
         return result
     router.scheduler.plan = recording_plan

@@ -34,10 +34,6 @@ class RuntimeConfig:
     adaptive: bool = True
     priorities: LanePriorities = field(default_factory=LanePriorities)
     prefill_token_budget: int = 512
-    # Prefill coalescing (scheduler.COALESCE_MIN_DECODING): while a large batch decodes, a new prompt
-    # waits up to this long to share its prefill call with others (a call's host cost is mostly
-    # fixed). 0 = prefill every step. Not in the Control proto: `serve --prefill-max-wait-ms`.
-    prefill_max_wait_s: float = 0.02
     # Router policy (docs/engine.md "Schedules"): "baseline" = one request per lane call, requests
     # interleaved round-robin; "pd" = prefill + lock-step draft/verify of the whole decoding batch;
     # "pdv" = three lanes, draft of one group overlapping verify of the other when `pipeline`.
@@ -52,8 +48,6 @@ class RuntimeConfig:
             raise InvalidRequest(f"need k_min <= k_initial <= k_max; got {self.k_min} <= {self.k_initial} <= {self.k_max}")
         if self.schedule not in SCHEDULES:
             raise InvalidRequest(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
-        if not 0.0 <= self.prefill_max_wait_s <= 10.0:
-            raise InvalidRequest(f"prefill_max_wait_s must be in [0, 10], got {self.prefill_max_wait_s}")
         if self.prefill_token_budget < 16:
             raise InvalidRequest(f"prefill_token_budget must be >= 16, got {self.prefill_token_budget}")
 

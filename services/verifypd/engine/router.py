@@ -125,7 +125,7 @@ class Router:
     def step(self) -> list[RequestOutput]:
         config = self.config  # one config per step; UpdateConfig takes effect on the next one
         t_step = self._clock()
-        plan = self.scheduler.plan(config, self.costs, t_step)
+        plan = self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         # pd and pdv: decode is high priority, prefill after it (unless priorities say otherwise).
         prefill_first = config.priorities.prefill > config.priorities.verify

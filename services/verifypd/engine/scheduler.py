@@ -32,11 +32,6 @@ PROBE_FIRST, PROBE_MAX = 32, 1024
 # requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
 # compute-bound verify, where every drafted token costs its share of verify compute next step.
 VERIFY_QUEUE_SOFT = 32
-# Prefill coalescing: a prefill call's host work (eager launches per layer) hardly depends on how
-# many prompts it holds, and in one process it competes with decode for the GIL; with at least
-# this many requests decoding, new prompts wait (up to RuntimeConfig.prefill_max_wait_s, or until
-# a full token budget is waiting) to share one call. Fewer decoding: the GPU has room, no waiting.
-COALESCE_MIN_DECODING = 16
 from verifypd.engine.sequence import Sequence, SeqStatus
 
 
@@ -112,8 +107,7 @@ class Scheduler:
         return self.running + [s for _, s in self._waiting]
 
     # -- planning ----------------------------------------------------------------------------
-    def plan(self, config: RuntimeConfig, costs: StepCostModel, now: float | None = None) -> StepPlan:
-        """`now`: the router's clock (arrival times are on it); None = never hold prompts back."""
+    def plan(self, config: RuntimeConfig, costs: StepCostModel) -> StepPlan:
         if config.schedule == "baseline":
             return self._plan_single(config, costs)
         preempted: list[Sequence] = []
@@ -124,8 +118,7 @@ class Scheduler:
             decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
         else:
             decode = self._plan_decode(config, costs, preempted, out_of_room)
-        due = self._prefill_due(config, now, len(decode) + len(ahead))
-        prefill = self._plan_prefill(config.prefill_token_budget) if due else []
+        prefill = self._plan_prefill(config.prefill_token_budget)
         return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
                         draft_ahead=ahead, pipelined=pipelined)
 
@@ -307,17 +300,6 @@ class Scheduler:
         self.running.remove(seq)
         seq.reset_for_recompute()
         self.add(seq)
-
-    def _prefill_due(self, config: RuntimeConfig, now: float | None, decoding: int) -> bool:
-        """Prefill this step, or let waiting prompts gather (see COALESCE_MIN_DECODING)?"""
-        if now is None or config.prefill_max_wait_s <= 0 or decoding < COALESCE_MIN_DECODING or not self._waiting:
-            return True
-        if any(s.status is SeqStatus.PREFILLING for s in self.running):
-            return True  # a chunked prompt already started keeps going
-        waiting = [s for _, s in self._waiting]
-        if sum(s.prefill_target - s.target_computed for s in waiting) >= config.prefill_token_budget:
-            return True
-        return now - min(s.stats.arrival_time for s in waiting) >= config.prefill_max_wait_s
 
     def _plan_prefill(self, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []

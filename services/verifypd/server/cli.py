@@ -67,9 +67,6 @@ def register(sub) -> None:
     serve.add_argument("--k-initial", type=int, default=None)
     serve.add_argument("--no-adaptive", action="store_true", help="every request uses k-initial")
     serve.add_argument("--prefill-token-budget", type=int, default=None)
-    serve.add_argument("--prefill-max-wait-ms", type=float, default=None,
-                       help="while 16+ requests decode, a new prompt waits up to this long to share its prefill "
-                            "call with others (default 20; 0 = prefill every step)")
     add_schedule_flags(serve)
     serve.set_defaults(handler=cmd_serve)
 
@@ -146,7 +143,6 @@ def warn_simulated(options) -> None:
 def engine_options(args):
     from verifypd.cli import draft_arg, schedule_changes
     from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.engine.types import InvalidRequest
     from verifypd.local_engine import EngineOptions
 
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
@@ -163,10 +159,6 @@ def engine_options(args):
                    if getattr(args, name) is not None}
         if args.no_adaptive:
             changes["adaptive"] = False
-        if getattr(args, "prefill_max_wait_ms", None) is not None:
-            if not 0.0 <= args.prefill_max_wait_ms <= 10000.0:
-                raise InvalidRequest(f"--prefill-max-wait-ms must be in [0, 10000], got {args.prefill_max_wait_ms:g}")
-            changes["prefill_max_wait_s"] = args.prefill_max_wait_ms / 1000.0
         changes.update(schedule_changes(args, split=getattr(args, "topology", "colocated") == "split"))
         options.config = RuntimeConfig(**changes) if changes else RuntimeConfig()
         options.config.validate()
