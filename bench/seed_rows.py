@@ -7,7 +7,7 @@ import re
 LOAD_MODEL = ("closed loop: N clients, each sending its next request as soon as the previous one ends "
               "(zero think time), so N requests are in flight")
 MODE_TITLES = {"k0": "k0 (no speculation)", "baseline": "Baseline", "pd": "PD", "pdv": "PDV",
-               "pdv-split": "PDV split (lane processes under MPS)"}
+               "pdv-split": "PDV split (lane processes under MPS)", "pd-split": "PD split (lane processes under MPS)"}
 
 
 def slug(text: str) -> str:
@@ -54,5 +54,5 @@ def ratio(a, b):
 
 
 def mode_order(modes) -> list[str]:
-    known = ["k0", "baseline", "pd", "pdv", "pdv-split"]
+    known = ["k0", "baseline", "pd", "pd-split", "pdv", "pdv-split"]
     return [m for m in known if m in modes] + sorted(m for m in modes if m not in known)
