@@ -100,3 +100,24 @@ def test_only_cuda_lanes_start_async(tiny_models, plain):
     assert engine.router.verify_lane.starts_async == cuda and engine.router.prefill_lane.starts_async == cuda
     tokens, log, _ = run(engine, overlap=True)
     assert tokens == plain and (overlapped_steps(log) > 0) == cuda
+
+
+def test_verify_lane_time_excludes_the_prefill_launch(tiny_models, async_lanes):
+    """The verify lane's reported time (telemetry the operator scales on) must not include a slow
+    prefill launched beside it; the prefill's own time does."""
+    import time
+
+    engine = make_engine(*tiny_models, k=4)
+    router = engine.router
+    start = router.prefill_lane.prefill_start
+
+    def slow_start(items):
+        time.sleep(0.2)
+        return start(items)
+    router.prefill_lane.prefill_start = slow_start
+    seen: dict[str, list[float]] = {"verify": [], "prefill": []}
+    router.observer.on_lane_step = lambda lane, seconds, batch: seen.setdefault(lane, []).append(seconds)
+    tokens, log, _ = run(engine, overlap=True)
+    assert overlapped_steps(log) >= 3
+    assert seen["verify"] and max(seen["verify"]) < 0.2, seen["verify"]
+    assert max(seen["prefill"]) >= 0.2

@@ -313,13 +313,15 @@ class Router:
                 request_id=seq.request_id, pending_token=seq.ids(n, n + 1)[0], start_pos=n, draft_tokens=tokens,
                 draft_probs=probs, sampling=seq.spec.sampling,
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
-        results, verify_error, verify_s = None, None, 0.0
+        results, verify_error, verify_s, beside_s = None, None, 0.0, 0.0
         if items:
             t0 = self._clock()
             try:
                 if beside is not None:
                     started = self.verify_lane.verify_start(items)
+                    t_beside = self._clock()
                     beside()
+                    beside_s = self._clock() - t_beside  # the prefill's launch: not the verify lane's time
                     # Verify already done: the step waited on the prefill's launch; not its cost.
                     typical = typical and not started.ready()
                     results = started.result()
@@ -327,7 +329,7 @@ class Router:
                     results = self.verify_lane.verify(items)
             except BaseException as exc:  # first let the concurrent draft call finish
                 verify_error = exc
-            verify_s = self._clock() - t0
+            verify_s = self._clock() - t0 - beside_s
         ahead_results, draft_error = None, None
         if ahead_items:
             try:
