@@ -31,6 +31,9 @@ from verifypd.engine.draft_length import SCHEDULES, RuntimeConfig  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_meta import metadata, write_result  # noqa: E402
+
 
 class LaneTimer:
     """Wraps a lane method: wall time spent inside it (host preparation, launches and any sync)."""
@@ -65,6 +68,7 @@ def main() -> None:
                     help="instead: closed-loop engine throughput, prefill beside verify on and off")
     ap.add_argument("--prompt", type=int, default=128, help="--closed-loop: prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=128, help="--closed-loop: generated tokens per request")
+    ap.add_argument("--out", default=None, help="--closed-loop: directory for closed_loop_engine_<device>.json")
     args = ap.parse_args()
     if args.closed_loop is not None:
         return closed_loop(args)
@@ -159,16 +163,20 @@ def closed_loop(args) -> None:
     for _ in range(args.batch):
         submit()
     label = f"SIMULATED acceptance {args.simulated_acceptance}" if args.simulated_acceptance is not None else "real acceptance"
+    rows = []
     for overlap in (True, False, True):  # on twice: the first pass also warms up
         router.overlap_prefill = overlap
         run(min(args.closed_loop, 3.0))  # settle (requests of the previous setting drain through)
         tokens, steps, wall = run(args.closed_loop)
-        print(json.dumps({"target": opts.target, "draft": args.draft, "k": args.k, "schedule": args.schedule,
-                          "acceptance": label, "batch": args.batch, "prompt": args.prompt,
-                          "max_tokens": args.max_tokens, "prefill_beside_verify": overlap,
-                          "output_tok_s": round(tokens / wall, 1), "steps_per_s": round(steps / wall, 1),
-                          "tokens_per_step": round(tokens / max(steps, 1), 2)}))
+        rows.append({"target": opts.target, "draft": args.draft, "k": args.k, "schedule": args.schedule,
+                     "acceptance": label, "batch": args.batch, "prompt": args.prompt,
+                     "max_tokens": args.max_tokens, "prefill_beside_verify": overlap,
+                     "output_tok_s": round(tokens / wall, 1), "steps_per_s": round(steps / wall, 1),
+                     "tokens_per_step": round(tokens / max(steps, 1), 2)})
+        print(json.dumps(rows[-1]))
     router.close()
+    write_result(args.out, "closed_loop_engine", {**metadata(), "label": "engine alone (no gRPC), closed loop; "
+                                                  "prefill beside the verify call on, off, on", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""bench/router_host_overhead.py and bench/serving_host_ceiling.py on the CPU (their real use is on
+"""bench/router_host_overhead.py, bench/serving_host_ceiling.py and profile_step.py --closed-loop on the CPU (their real use is on
 the GPU host's CPU): they run, write their results with the metadata every benchmark records, and
 measure what they say (the router batches the concurrent streams; a pipelined pdv step verifies
 about half of them)."""
@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.server.launcher import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -43,3 +44,16 @@ def test_serving_host_ceiling(tmp_path):
     for r in result["rows"]:
         assert r["client_output_tok_s"] > 0 and r["steps_per_s"] < 1000 / 5  # each step waits 5 ms
     assert eight["tokens_per_step"] > 3 * one["tokens_per_step"]  # the eight streams share steps
+
+
+def test_profile_step_closed_loop(tiny_models, tmp_path):
+    """The engine alone under a closed loop: three passes (prefill beside verify on, off, on), each
+    keeping every request slot busy, written with the metadata every benchmark records."""
+    target, draft = tiny_models
+    run("profile_step.py", "--target", target, "--draft", draft, "--k", "3", "--batch", "4", "--device", "cpu",
+        "--closed-loop", "0.5", "--prompt", "16", "--max-tokens", "16", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "closed_loop_engine_cpu.json").read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys()
+    assert [r["prefill_beside_verify"] for r in result["rows"]] == [True, False, True]
+    for r in result["rows"]:
+        assert r["output_tok_s"] > 0 and r["tokens_per_step"] > 1  # four requests decode in each step
