@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve hands them to its engine-core process
     from verifypd.model.loader import ModelLoadError
     try:
         if args.command == "generate" and args.offline:

@@ -146,8 +146,10 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
 
 class Engine:
     def __init__(self, options: EngineOptions | None = None, observer: EngineObserver | None = None,
-                 models: Models | None = None, *, simulated_acceptance: float | None = None):
-        """`simulated_acceptance` is for benchmarks only (see LocalVerifyLane); it overrides
+                 models: Models | None = None, *, simulated_acceptance: float | None = None,
+                 detokenize: bool = True):
+        """`detokenize=False`: outputs carry no text (a front end detokenizes, as the gateway does).
+        `simulated_acceptance` is for benchmarks only (see LocalVerifyLane); it overrides
         options.simulated_acceptance (set by `verifypd serve --simulated-acceptance`; no RPC sets it)."""
         self.options = options or EngineOptions()
         if simulated_acceptance is None:
@@ -176,7 +178,7 @@ class Engine:
         decode_streams = (getattr(self.draft_lane, "stream", None), self.verify_lane.stream)
         self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, LaneInfo("prefill", pools, **common),
                                              wait_for=decode_streams)
-        self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode,
+        self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode if detokenize else None,
                              eos_token_ids=m.target.eos_token_ids, config=self.options.config,
                              max_running=self.options.max_running, observer=observer)
 

@@ -1,5 +1,5 @@
 """Helpers of the HTTP API tests: a tiny target with a chat template, and a colocated gateway with
-its HTTP API on a free port (uvicorn in a thread, as `verifypd serve` runs it)."""
+its HTTP API on a free port (uvicorn on the gateway's event loop, as `verifypd serve` runs it)."""
 from __future__ import annotations
 
 import json
@@ -44,7 +44,7 @@ class HttpGateway:
         self.gw.start()
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
         self.api = HttpApi(self.gw, model_name=MODEL, metrics_registry=registry, **kwargs)
-        self.http = HttpServer(self.api.app, "127.0.0.1", 0, grace_s=1.0).start()
+        self.http = HttpServer(self.api.app, "127.0.0.1", 0, grace_s=1.0, loop=self.gw.loop).start()
         self.url = self.http.url
 
     def blocks_in_use(self) -> tuple[int, int]:

@@ -46,7 +46,7 @@ class EngineObserver:
 
 
 class Router:
-    def __init__(self, prefill: PrefillLane, draft: DraftLane, verify: VerifyLane, *, decode: Decode,
+    def __init__(self, prefill: PrefillLane, draft: DraftLane, verify: VerifyLane, *, decode: Decode | None,
                  eos_token_ids: Seq[int], config: RuntimeConfig | None = None, max_running: int = 256,
                  observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic):
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
@@ -96,7 +96,8 @@ class Router:
         stats = RequestStats(prompt_tokens=len(spec.prompt_ids), arrival_time=self._clock())
         seq = Sequence(spec=spec, request_id=request_id, arrival_order=next(self._arrivals), stats=stats)
         self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self._decode, spec.prompt_ids, spec.stop)
+        if self._decode is not None:  # None: the front end detokenizes and applies stop strings
+            self._detok[request_id] = IncrementalDetokenizer(self._decode, spec.prompt_ids, spec.stop)
         self.scheduler.add(seq)
         return request_id
 
@@ -410,8 +411,8 @@ class Router:
         seq.stats.token_times.extend([now] * len(tokens))
         if seq.stats.first_token_time is None:
             seq.stats.first_token_time = now
-        text_ids = [t for t in tokens if t not in self._eos]
-        text, stop_hit = self._detok[seq.request_id].add(text_ids)
+        detok = self._detok.get(seq.request_id)
+        text, stop_hit = detok.add([t for t in tokens if t not in self._eos]) if detok else ("", False)
         if stop_hit:
             finish = FinishReason.STOP
         if finish is not None:
@@ -420,13 +421,13 @@ class Router:
 
     def _finish(self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str,
                 applied_k: int = 0) -> RequestOutput:
-        if reason is not FinishReason.STOP:
-            text += self._detok[seq.request_id].flush()
+        detok = self._detok.pop(seq.request_id, None)
+        if detok is not None and reason is not FinishReason.STOP:
+            text += detok.flush()
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.request_id]
-        del self._detok[seq.request_id]
         for lane in self._releasing:
             lane.release((seq.request_id,))
         self.observer.on_request_finished(seq)

@@ -124,3 +124,36 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
 
 def bearer_interceptor(key: str) -> _Bearer:
     return _Bearer(key)
+
+
+class _AsyncCheck(grpc.aio.ServerInterceptor):
+    """`_Check` for the grpc.aio gateway: same rule, handlers that abort from the event loop."""
+
+    def __init__(self, check: _Check):
+        self._check = check
+
+    async def intercept_service(self, continuation, details):
+        c, method = self._check, details.method or ""
+        if method.startswith(OPEN_PREFIXES) or (c._only is not None and not method.startswith(c._only)):
+            return await continuation(details)
+        got = dict(details.invocation_metadata or ()).get(c._header, "")
+        got = got.encode() if isinstance(got, str) else got
+        if hmac.compare_digest(got, c._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, c._message)
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def async_api_key_interceptor(api_key: str) -> grpc.aio.ServerInterceptor:
+    return _AsyncCheck(api_key_interceptor(api_key))

@@ -165,7 +165,7 @@ def engine_options(args):
     return options
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -185,30 +185,18 @@ def _wait_for_signal(poll=None) -> None:
 
 
 def cmd_serve(args) -> int:
-    from verifypd.server.gateway import build_colocated, build_split
-    from verifypd.server.telemetry import Telemetry
+    """The gateway process: spawns the engine core (core_process.py) with the same arguments, loads
+    the tokenizer meanwhile, then serves gRPC and HTTP on one event loop until SIGTERM/SIGINT."""
+    from verifypd.server.core_process import CoreProcess
+    from verifypd.server.gateway import Gateway, load_codec
 
-    _setup_logging()
-    options = engine_options(args)
-    warn_simulated(options)
+    setup_logging()
+    options = engine_options(args)  # bad flags fail here, before anything starts
     if args.http_port < 0 or args.http_max_body_bytes < 1:
         print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
         return 2
-    readers, registry = [], None
-    if args.http_port:  # /metrics: the same instruments as OTLP, through one more reader
-        from verifypd.server.http_server import prometheus_reader
-        reader, registry = prometheus_reader()
-        readers.append(reader)
-    telemetry = Telemetry("verifypd-gateway", readers=readers)
-    common = dict(host=args.host, port=args.port, max_queue=args.max_queue,
-                  default_max_tokens=args.default_max_tokens, observer=telemetry, api_key=args.api_key)
-    split = dict(kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout,
-                 recovery_timeout_s=args.recovery_timeout)
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
-    supervisor = None
     if any(addrs.values()):
-        from verifypd.server.auth import load_secret
-
         missing = [lane for lane, a in addrs.items() if not a]
         if missing:
             print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
@@ -217,61 +205,45 @@ def cmd_serve(args) -> int:
             print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
                   file=sys.stderr)
             return 2
-        gateway = build_split(addrs, options, topology=args.topology, lane_secret=load_secret(args.lane_secret_file),
-                              **split, **common)
-    elif args.topology == "split":
-        from verifypd.server.launcher import LaneProcesses
-        from verifypd.server.supervisor import LaneSupervisor
-
-        options.shared_cpu_pools = True
-        procs = LaneProcesses(options, host="127.0.0.1")
-        try:
-            addrs = procs.start()
-            for lane, pid in procs.pids().items():
-                print(f"verifypd: {lane} lane pid={pid} addr={addrs[lane]}", file=sys.stderr, flush=True)
-            gateway = build_split(addrs, options, lane_secret=procs.secret, on_close=[procs.terminate],
-                                  **split, **common)
-            supervisor = LaneSupervisor(procs, gateway.engine.fail, max_restarts=args.max_lane_restarts)
-        except BaseException:
-            procs.terminate()
-            raise
-    else:
-        gateway = build_colocated(options, **common)
-    gateway.start()
-    if supervisor is not None:
-        supervisor.start()
+    core = CoreProcess(args.argv)
+    try:
+        gateway = Gateway(core.sock, load_codec(options.target), host=args.host, port=args.port,
+                          default_max_tokens=args.default_max_tokens, api_key=args.api_key, core_process=core)
+    except BaseException:
+        core.proc.kill()
+        raise
+    try:
+        gateway.start()
+    except Exception as exc:  # the core exited before it was ready (it printed why)
+        print(f"verifypd: error: the engine core did not start: {exc}", file=sys.stderr)
+        gateway.stop()
+        return 1
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
           f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
-          f"{simulated_label(options)})", file=sys.stderr, flush=True)
-    http = None
+          f"{simulated_label(options)}; engine core pid {core.pid})", file=sys.stderr, flush=True)
     try:
         if args.http_port:
             try:
-                http = _start_http(gateway, args, registry)
+                gateway.http = _start_http(gateway, args)
             except OSError as exc:
                 print(f"verifypd: error: {exc}", file=sys.stderr)
                 return 2
-        _wait_for_signal()
-        if supervisor is not None:
-            supervisor.stop()  # lanes exiting from here on are shutting down, not crashing
+        _wait_for_signal(poll=gateway.engine_exited.is_set)
+        if gateway.engine_exited.is_set():
+            print(f"verifypd: error: {gateway.client.failed}; exiting", file=sys.stderr)
+            return 1
         gateway.drain(args.drain_timeout)
     finally:
-        if http is not None:
-            http.stop()
-        if supervisor is not None:
-            supervisor.stop()
         gateway.stop()
-        telemetry.shutdown()
     return 0
 
 
-def _start_http(gateway, args, registry):
+def _start_http(gateway, args):
     from verifypd.server.http_api import HttpApi
     from verifypd.server.http_server import HttpServer
 
-    api = HttpApi(gateway, model_name=args.served_model_name, metrics_registry=registry,
-                  max_body_bytes=args.http_max_body_bytes)
-    http = HttpServer(api.app, args.host, args.http_port).start()
+    api = HttpApi(gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes)
+    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop).start()
     print(f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})",
           file=sys.stderr, flush=True)
     return http
@@ -282,7 +254,7 @@ def cmd_lane(args) -> int:
 
     from verifypd.server.auth import load_secret
 
-    _setup_logging()
+    setup_logging()
     try:
         secret = load_secret(args.secret_file)
     except (OSError, ValueError) as exc:

@@ -1,9 +1,10 @@
 """The engine thread: the one thread that touches the Router (which is not thread-safe).
 
-It loops `router.step()` while there is work. Between steps it runs commands posted to its inbox
-by gRPC handler threads (add a request, abort one, swap the runtime config, fail everything), so
-an abort or config change takes effect before the next step. Outputs go to per-request queues
-that the Generate handlers stream from.
+It runs in the engine-core process (engine_core.py; a thread of the gateway's process in tests) and
+loops `router.step()` while there is work. Between steps it runs commands posted to its inbox by
+the channel's reader thread (add a request, abort one, swap the runtime config, fail everything),
+so an abort or config change takes effect before the next step. Each step's outputs, for all
+requests at once, go to the `sink` in one call (one channel message per step).
 
 Lane failures (split topology). A `LaneError` from a step (a lane process died, timed out or
 refused a stale handle) does not fail the requests: the loop enters *recovery*. Chunks the step
@@ -16,8 +17,8 @@ engine fails for good (every in-flight request UNAVAILABLE, health NOT_SERVING) 
 lanes do not come back within `recovery_timeout_s`, when steps keep failing right after each
 recovery (`max_consecutive_failures`), or when the supervisor reports a crash loop (`fail`).
 
-Drain: after `drain()`, `submit` refuses new requests (UNAVAILABLE, retry elsewhere) while the
-ones in flight run to completion.
+Drain: with `draining` set, `submit` refuses new requests (UNAVAILABLE, retry elsewhere) while
+the ones in flight run to completion.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-import grpc
+from typing import Protocol
 
 from verifypd.engine.router import Router
 from verifypd.engine.types import FinishReason, RequestSpec
@@ -53,39 +54,19 @@ class Draining(Unavailable):
 RECOVER_POLL_S = 0.25
 
 
-@dataclass
-class Chunk:
-    """One streamed piece of a request, snapshotted on the engine thread."""
+class StepSink(Protocol):
+    """Where the engine thread puts results (engine_core.CoreServer: the channel). Must not block long."""
 
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    usage: dict
-    applied_k: int
-    ttft_s: float | None
-
-
-@dataclass
-class Failure:
-    code: grpc.StatusCode
-    message: str
-
-
-class RequestStream:
-    def __init__(self, request_id: str, sink=None):
-        self.request_id = request_id
-        # Chunk | Failure. Anything with put() (called on the engine thread, must not block or
-        # raise): the HTTP API passes one that wakes its asyncio loop.
-        self.queue = sink if sink is not None else queue.SimpleQueue()
+    def step(self, outputs: list) -> None: ...  # RequestOutputs of one router step, all requests
+    def fail(self, request_ids: list[str], code: str, message: str, fatal: bool) -> None: ...
 
 
 class EngineLoop:
-    def __init__(self, router: Router, *, max_queue: int = 256,
+    def __init__(self, router: Router, sink: StepSink, *, max_queue: int = 256,
                  on_failure: Callable[[str], None] | None = None, idle_wait_s: float = 0.2,
                  recover: Callable[[], None] | None = None, recovery_timeout_s: float = 120.0,
                  max_consecutive_failures: int = 3):
-        self.router = router
+        self.router, self.sink = router, sink
         self.max_queue = max_queue
         self.failed: str | None = None
         self.draining = False
@@ -102,7 +83,7 @@ class EngineLoop:
         self._on_failure = on_failure
         self._idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
+        self._live: set[str] = set()  # request ids added and not finished
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="verifypd-engine", daemon=True)
 
@@ -125,10 +106,10 @@ class EngineLoop:
     def call(self, fn: Callable[[Router], object], timeout_s: float = 60.0):
         return self.post(fn).result(timeout_s)
 
-    def submit(self, spec: RequestSpec, sink=None, *, wait: bool = True):
-        """Adds a request; raises InvalidRequest, Overloaded or Unavailable. `sink`: see RequestStream.
-        wait=False returns the Future of the RequestStream instead (the HTTP API awaits it)."""
-        def add(router: Router) -> RequestStream:
+    def submit(self, spec: RequestSpec) -> Future:
+        """Adds a request (spec.request_id set by the caller) before the next step; the Future
+        raises InvalidRequest, Overloaded or Unavailable."""
+        def add(router: Router) -> str:
             if self.failed:
                 raise Unavailable(self.failed)
             if self.draining:
@@ -136,21 +117,20 @@ class EngineLoop:
             if router.scheduler.num_waiting >= self.max_queue:
                 raise Overloaded(f"server queue is full ({router.scheduler.num_waiting} requests waiting); "
                                  f"retry later")
-            stream = RequestStream(router.add_request(spec), sink)
-            self._streams[stream.request_id] = stream
-            return stream
-        return self.call(add) if wait else self.post(add)
+            request_id = router.add_request(spec)
+            self._live.add(request_id)
+            return request_id
+        return self.post(add)
 
-    def cancel(self, stream: RequestStream) -> None:
+    def cancel(self, request_id: str) -> None:
         """Client cancel / deadline: frees the request's blocks before the next step. No-op if done."""
         def abort(router: Router) -> None:
-            # Identity check: the id may already belong to a new request with the same client id.
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
-                router.abort(stream.request_id)
+            if request_id in self._live:
+                self._live.discard(request_id)
+                router.abort(request_id)
         self.post(abort)
 
-    def fail(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+    def fail(self, message: str, code: str = "UNAVAILABLE") -> None:
         self.post(lambda router: self._fail_all(message, code))
 
     def lane_lost(self, message: str) -> None:
@@ -158,7 +138,7 @@ class EngineLoop:
         self.post(lambda router: self._lane_lost(message))
 
     def in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._live)
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -206,7 +186,7 @@ class EngineLoop:
             return
         except Exception as exc:  # a bug; the router's state can no longer be trusted
             log.exception("engine step failed")
-            self._fail_all(f"internal error in the engine: {exc}", grpc.StatusCode.INTERNAL)
+            self._fail_all(f"internal error in the engine: {exc}", "INTERNAL")
             return
         self.steps += 1
         self._deliver(outputs)
@@ -216,14 +196,14 @@ class EngineLoop:
             return
         if self._recover is None:
             log.error("lane failure: %s", message)
-            self._fail_all(message, grpc.StatusCode.UNAVAILABLE)
+            self._fail_all(message, "UNAVAILABLE")
         elif self._consecutive > self._max_consecutive:
             log.error("lane failure: %s; steps failed right after %d recoveries in a row: giving up",
                       message, self._consecutive - 1)
-            self._fail_all(f"lanes keep failing after recovery: {message}", grpc.StatusCode.UNAVAILABLE)
+            self._fail_all(f"lanes keep failing after recovery: {message}", "UNAVAILABLE")
         else:
             log.warning("lane failure: %s; recovering: %d requests wait and will be re-prefilled",
-                        message, len(self._streams))
+                        message, len(self._live))
             self.recovering = message
             self._recover_since = time.monotonic()
 
@@ -236,11 +216,11 @@ class EngineLoop:
             if waited > self._recovery_timeout_s:
                 log.error("lanes did not come back within %.0f s: %s", self._recovery_timeout_s, exc)
                 self._fail_all(f"lanes did not come back within {self._recovery_timeout_s:.0f} s: {exc}",
-                               grpc.StatusCode.UNAVAILABLE)
+                               "UNAVAILABLE")
             return
         except Exception as exc:
             log.exception("recovery failed")
-            self._fail_all(f"internal error while recovering the lanes: {exc}", grpc.StatusCode.INTERNAL)
+            self._fail_all(f"internal error while recovering the lanes: {exc}", "INTERNAL")
             return
         log.info("lanes recovered after %.1f s: %d requests re-queued for recompute",
                  time.monotonic() - self._recover_since, requeued)
@@ -250,21 +230,17 @@ class EngineLoop:
 
     def _deliver(self, outputs) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.queue.put(Chunk(out.token_ids, out.text, out.finished, out.finish_reason, out.stats.usage(),
-                                   out.applied_k, out.stats.ttft))
             if out.finished:
-                del self._streams[out.request_id]
+                self._live.discard(out.request_id)
+        if outputs:
+            self.sink.step(outputs)
 
-    def _fail_all(self, message: str, code: grpc.StatusCode) -> None:
+    def _fail_all(self, message: str, code: str) -> None:
         if self.failed is None:
             self.failed = message
             if self._on_failure:
                 self._on_failure(message)
-        for stream in self._streams.values():
-            stream.queue.put(Failure(code, message))
-        self._streams.clear()
+        ids, self._live = list(self._live), set()
+        self.sink.fail(ids, code, message, True)
         for seq in self.router.sequences():  # no lane calls: just returns their blocks
             self.router.abort(seq.request_id)

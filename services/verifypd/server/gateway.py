@@ -1,29 +1,32 @@
-"""The gateway: one gRPC server with Generation, Control, health and reflection, in front of the
-router (run by the engine thread, engine_loop.py).
+"""The gateway: the public face of a server. One asyncio event loop (its own thread) runs the
+grpc.aio server (Generation, Control, health, reflection), the OpenAI HTTP API (uvicorn on the
+same loop, http_server.py), tokenization, detokenization and stop strings; no thread per stream.
+The router runs in the engine core (engine_core.py), reached over the core channel:
 
-`build_colocated` puts models and lanes in this process; `build_split` connects to lane servers
-(spawned by the launcher or already running) and wires their KV pools once.
+    verifypd serve          the core is its own process (core_process.CoreProcess)
+    build_colocated/split   the core runs in threads of this process, over a socketpair all the
+                            same (tests, benches): `gateway.router` / `gateway.engine` reach it
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
+import socket
 import threading
 import time
-from concurrent import futures
 
 import grpc
 
-from verifypd import __version__
-from verifypd.engine.router import Router
 from verifypd.engine.types import InvalidRequest
 from verifypd.server import convert
-from verifypd.lanes.interface import LaneError
-from verifypd.server.auth import api_key_interceptor
-from verifypd.server.engine_loop import Draining, EngineLoop, Failure, Overloaded, Unavailable
-from verifypd.server.health import add_health_and_reflection
-from verifypd.server.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane, wire_pools
-from verifypd.v1 import control_pb2_grpc, generate_pb2, generate_pb2_grpc
+from verifypd.server.auth import async_api_key_interceptor
+from verifypd.server.core_channel import AsyncChannel, BlockingChannel
+from verifypd.server.core_process import build_colocated_core, build_split_core, server_info  # noqa: F401
+from verifypd.server.engine_client import EngineClient, Failure
+from verifypd.server.engine_core import CoreServer
+from verifypd.server.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.server.health import AsyncHealth
+from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
 
 log = logging.getLogger("verifypd.gateway")
 SERVICES = ["verifypd.v1.Generation", "verifypd.v1.Control"]
@@ -31,169 +34,194 @@ DRAIN_RETRY_MS = 1000
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: EngineLoop, codec, info: generate_pb2.ServerInfo, default_max_tokens: int):
-        self.engine, self.codec, self.info = engine, codec, info
-        self.default_max_tokens = default_max_tokens
+    def __init__(self, gateway: "Gateway"):
+        self.gw = gateway
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         t0 = time.monotonic()
+        gw = self.gw
         try:
-            spec = convert.request_spec_from_pb(request, self.codec, max_context=self.info.max_context,
-                                                default_max_tokens=self.default_max_tokens)
-            stream = self.engine.submit(spec)
+            spec = convert.request_spec_from_pb(request, gw.codec, max_context=gw.info.max_context,
+                                                default_max_tokens=gw.default_max_tokens)
+            stream = await gw.client.submit(spec)
         except InvalidRequest as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
             # gRPC's retry pushback: a client with a retry policy waits this long, then retries
             # (on another replica behind a load balancer; this one is going away).
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(DRAIN_RETRY_MS)),))
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (Unavailable, TimeoutError) as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
-        if not context.add_callback(lambda: self.engine.cancel(stream)):
-            self.engine.cancel(stream)  # already cancelled before we could listen
-            return
-        while True:
-            try:
-                item = stream.queue.get(timeout=0.25)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            if isinstance(item, Failure):
-                context.abort(item.code, item.message)
-            yield convert.response_to_pb(stream.request_id, item.token_ids, item.text, item.finish_reason,
-                                         item.usage, item.applied_k, time.monotonic() - t0)
-            if item.finished:
-                return
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Failure):
+                    finished = True
+                    await context.abort(item.code, item.message)
+                finished = item.finished
+                yield convert.response_to_pb(stream.request_id, item.token_ids, item.text, item.finish_reason,
+                                             item.usage, item.applied_k, time.monotonic() - t0)
+        finally:  # client cancel or deadline (the task is cancelled): free its KV before the next step
+            if not finished:
+                gw.client.cancel(stream)
 
-    def GetServerInfo(self, request, context):
-        return self.info
+    async def GetServerInfo(self, request, context):
+        return self.gw.info
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, engine: EngineLoop):
-        self.engine = engine
+    def __init__(self, gateway: "Gateway"):
+        self.gw = gateway
 
-    def GetConfig(self, request, context):
-        return convert.config_to_pb(self.engine.call(lambda router: router.config))
-
-    def UpdateConfig(self, request, context):
-        def apply(router: Router):
-            # Runs between steps: the step after this one plans with the new config.
-            new = router.config.updated(**convert.config_changes_from_pb(request.config, router.config))
-            router.config = new
-            self.engine.config_log.append((self.engine.steps, new.revision))
-            log.info("config revision %d applied (by %r: %s): %s", new.revision, request.requested_by,
-                     request.reason, new)
-            return new
+    async def GetConfig(self, request, context):
         try:
-            return convert.config_to_pb(self.engine.call(apply))
+            return await self.gw.client.get_config()
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def UpdateConfig(self, request, context):
+        # Applied by the core between steps: the step after this one plans with the new config.
+        try:
+            return await self.gw.client.update_config(request.config, request.requested_by, request.reason)
         except InvalidRequest as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 class Gateway:
-    def __init__(self, router: Router, codec, info: generate_pb2.ServerInfo, *, host: str = "127.0.0.1",
-                 port: int = 0, max_queue: int = 256, default_max_tokens: int = convert.DEFAULT_MAX_TOKENS,
-                 lanes=(), on_close=(), watch_interval_s: float = 1.0, kv_transport: str = "auto",
-                 recovery_timeout_s: float = 120.0, api_key: str | None = None):
-        self.router, self.info = router, info
-        self.codec, self.default_max_tokens = codec, default_max_tokens  # for the HTTP API (http_api.py)
-        self.lanes = list(lanes)              # gRPC lane clients to watch and re-wire (split)
-        self.kv_transport = kv_transport
-        self.engine = EngineLoop(router, max_queue=max_queue, on_failure=self._on_failure,
-                                 recover=self._rewire if self.lanes else None, recovery_timeout_s=recovery_timeout_s)
-        workers = min(1024, max_queue + router.scheduler.max_running + 16)
-        # Beyond `workers` concurrent RPCs gRPC itself answers RESOURCE_EXHAUSTED.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gw"),
-                                  maximum_concurrent_rpcs=workers,
-                                  interceptors=[api_key_interceptor(api_key)] if api_key else [])
-        generate_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, codec, info, default_max_tokens), self.server)
-        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self.engine), self.server)
-        self.health = add_health_and_reflection(self.server, SERVICES, serving=False)
+    """`core_sock`: the gateway's end of the core channel. `core`: an in-process CoreServer (tests);
+    `core_process`: a spawned one (serve). `start()` waits for the core's `ready`, then serves."""
+
+    def __init__(self, core_sock: socket.socket, codec, *, host: str = "127.0.0.1", port: int = 0,
+                 default_max_tokens: int = convert.DEFAULT_MAX_TOKENS, api_key: str | None = None,
+                 core: CoreServer | None = None, core_process=None, info=None):
+        self.codec, self.default_max_tokens = codec, default_max_tokens
+        self.core, self.core_process = core, core_process
+        self.info = info if info is not None else (core.info if core is not None else None)
+        self.engine_exited = threading.Event()  # set when the core went away (serve exits then)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        self._started = False
+        self.http = None  # an HttpServer on self.loop (serve): stopped first
+        try:
+            self._run(self._setup(core_sock, host, port, api_key))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro, timeout_s: float | None = None):
+        """Runs a coroutine on the gateway's loop from another thread and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _setup(self, core_sock, host: str, port: int, api_key: str | None) -> None:
+        self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_exit=self._on_core_exit)
+        self.server = grpc.aio.server(interceptors=[async_api_key_interceptor(api_key)] if api_key else [])
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self.server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
+        self.health = AsyncHealth(self.server, SERVICES, self.loop)
+        self.health.set(False)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
-        self._on_close = list(on_close)
-        self._watch_interval_s = watch_interval_s
-        self._stopped = threading.Event()
-        self._started = False
 
-    def start(self) -> "Gateway":
+    # -- the in-process core (tests, benches) --------------------------------------------------
+    @property
+    def router(self):
+        return self.core.router
+
+    @property
+    def engine(self):
+        """The in-process core's EngineLoop (tests read its state through `engine.call`)."""
+        return self.core.engine
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self, ready_timeout_s: float | None = None) -> "Gateway":
         if self._started:
             return self
         self._started = True
-        self.engine.start()
-        self.server.start()
+        if self.core is not None:
+            self.core.start(loop_in_thread=True)
+
+        async def serve() -> None:
+            await self.client.wait_ready(ready_timeout_s) if ready_timeout_s else await self.client.wait_ready()
+            self.info = self.info or self.client.info
+            await self.server.start()
+        self._run(serve())
         self.health.set(True)
-        if self.lanes:
-            threading.Thread(target=self._watch_lanes, name="lane-watchdog", daemon=True).start()
         return self
 
-    def _on_failure(self, message: str) -> None:
-        log.error("not serving any more: %s", message)
+    def _on_core_exit(self, message: str) -> None:
         self.health.set(False)
-
-    def _watch_lanes(self) -> None:
-        """A lane that dies while idle starts recovery too (a call to a dead lane fails by itself:
-        the RPC ends with UNAVAILABLE). Repeated reports during one recovery are no-ops."""
-        while not self._stopped.wait(self._watch_interval_s):
-            for lane in self.lanes:
-                if not lane.healthy(timeout_s=max(self._watch_interval_s, 1.0)) and not self._stopped.is_set():
-                    self.engine.lane_lost(f"{lane.lane} lane at {lane.addr} is not serving")
-                    break
-
-    def _rewire(self) -> None:
-        """Engine thread, during recovery: raises LaneError until every lane serves again; then
-        re-reads the owners' pools (new ids and generations after a restart) and has the prefill
-        lane import them. Old-generation handles are refused by the lanes from then on."""
-        for lane in self.lanes:
-            if not lane.healthy(timeout_s=1.0):
-                raise LaneError(f"{lane.lane} lane at {lane.addr} is not serving yet")
-        for lane in self.lanes:
-            lane.describe_pb(refresh=True)
-        self.wiring = wire_pools(*self.lanes, self.kv_transport)
-        log.info("lanes re-wired: %s", dict(self.wiring.mode_by_pool))
+        if not self._stopped.is_set():
+            self.engine_exited.set()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Graceful shutdown, phase by phase: NOT_SERVING and refuse new requests at once; let the
         requests in flight finish for up to `timeout_s`; then stop. True if none was cut short."""
         t0 = time.monotonic()
         self.health.set(False)
-        self.engine.draining = True
+        self.loop.call_soon_threadsafe(setattr, self.client, "draining", True)
         log.info("drain: started: health NOT_SERVING, new requests refused; %d in flight, waiting up to %.0f s",
-                 self.engine.in_flight(), timeout_s)
-        while self.engine.in_flight() and time.monotonic() - t0 < timeout_s:
+                 self.client.in_flight(), timeout_s)
+        while self.client.in_flight() and time.monotonic() - t0 < timeout_s:
             time.sleep(0.05)
-        left = self.engine.in_flight()
+        left = self.client.in_flight()
         if left:
             log.warning("drain: timeout after %.1f s: ending %d requests with UNAVAILABLE", time.monotonic() - t0, left)
-            self.engine.fail(f"server shut down before the request finished (drain timeout {timeout_s:.0f} s)")
+            message = f"server shut down before the request finished (drain timeout {timeout_s:.0f} s)"
+            self.loop.call_soon_threadsafe(self._fail_in_flight, message)
         else:
             log.info("drain: all in-flight requests finished in %.1f s", time.monotonic() - t0)
         self.stop(grace_s=2.0)
         log.info("drain: stopped")
         return not left
 
+    def _fail_in_flight(self, message: str) -> None:
+        for stream in list(self.client._streams.values()):
+            self.client.cancel(stream)
+            stream.queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, message))
+
     def wait(self) -> None:
-        self.server.wait_for_termination()
+        self._stopped.wait()
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
         self.health.set(False)
-        self.server.stop(grace_s).wait(grace_s + 1)
-        self.engine.stop()
-        for lane in self.lanes:
-            lane.close()
-        for fn in self._on_close:
-            fn()
+        if self.http is not None:
+            self.http.stop()
+        try:
+            self._run(self.server.stop(grace_s), timeout_s=grace_s + 5)
+        except Exception:  # a stop that did not finish in time: the process is going away anyway
+            log.exception("gRPC server stop")
+        self.loop.call_soon_threadsafe(self.client.stop)
+        if self.core is not None:
+            self.core.stop()
+        if self.core_process is not None:
+            self.core_process.terminate()
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_tasks() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            self._run(cancel_tasks(), timeout_s=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
 
     def __enter__(self) -> "Gateway":
         return self.start()
@@ -202,53 +230,40 @@ class Gateway:
         self.stop()
 
 
-def server_info(target: str, draft: str, topology: str, max_context: int) -> generate_pb2.ServerInfo:
-    return generate_pb2.ServerInfo(target_model=target, draft_model=draft, topology=topology,
-                                   max_context=max_context, version=__version__)
+def serve_router(router, codec, info, *, max_queue: int = 256, lanes=(), kv_transport: str = "auto",
+                 recovery_timeout_s: float = 120.0, on_close=(), metrics_registry=None, watch_interval_s: float = 1.0,
+                 **gateway_kwargs) -> Gateway:
+    """A gateway over a router whose core runs in threads of this process (one socketpair)."""
+    gateway_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    core = CoreServer(router, BlockingChannel(core_sock), info, max_queue=max_queue, lanes=lanes,
+                      kv_transport=kv_transport, recovery_timeout_s=recovery_timeout_s, on_close=on_close,
+                      metrics_registry=metrics_registry, watch_interval_s=watch_interval_s)
+    return Gateway(gateway_sock, codec, core=core, **gateway_kwargs)
 
 
-def build_colocated(options, *, observer=None, topology: str = "colocated", **gateway_kwargs) -> Gateway:
-    """Models, pools and lanes in this process (verifypd.local_engine.Engine)."""
-    from verifypd.local_engine import Engine
-
-    engine = Engine(options, observer=observer)
-    info = server_info(options.target, options.draft, topology, engine.router.max_context)
-    gateway = Gateway(engine.router, engine.codec, info, **gateway_kwargs)
+def build_colocated(options, *, observer=None, topology: str = "colocated", **kwargs) -> Gateway:
+    """Models, pools and lanes in this process (verifypd.local_engine.Engine), core in threads."""
+    router, info, engine = build_colocated_core(options, observer=observer, topology=topology)
+    gateway = serve_router(router, engine.codec, info, **kwargs)
     gateway.local_engine = engine
     return gateway
 
 
-def connect_lanes(addrs: dict[str, str], *, timeout_s: float = 60.0, ready_timeout_s: float = 120.0,
-                  secret: str | None = None):
-    lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s, secret), GrpcDraftLane(addrs["draft"], timeout_s, secret),
-             GrpcVerifyLane(addrs["verify"], timeout_s, secret))
-    for lane in lanes:
-        lane.wait_ready(ready_timeout_s)
-    return lanes
-
-
 def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None, codec=None,
                 lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
-                **gateway_kwargs) -> Gateway:
-    """Router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools once
-    (and again after a lane restart, see Gateway._rewire)."""
-    prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s, secret=lane_secret)
-    reply = wire_pools(prefill, draft, verify, kv_transport)
-    log.info("lanes wired: %s (import %.3f s)", dict(reply.mode_by_pool), reply.import_seconds)
-    if codec is None:
-        codec = load_codec(options.target)
-    verify_info = verify.describe_pb()
-    router = Router(prefill, draft, verify, decode=codec.decode, eos_token_ids=tuple(verify_info.eos_token_ids),
-                    config=options.config, max_running=options.max_running, observer=observer)
-    info = server_info(options.target, options.draft, topology, router.max_context)
-    gateway = Gateway(router, codec, info, lanes=(prefill, draft, verify), kv_transport=kv_transport,
-                      **gateway_kwargs)
-    gateway.wiring = reply
+                **kwargs) -> Gateway:
+    """Router over gRPC lane clients (core in threads of this process)."""
+    router, info, lanes, wiring = build_split_core(addrs, options, kv_transport=kv_transport, observer=observer,
+                                                   lane_timeout_s=lane_timeout_s, topology=topology,
+                                                   lane_secret=lane_secret)
+    gateway = serve_router(router, codec or load_codec(options.target), info, lanes=lanes,
+                           kv_transport=kv_transport, **kwargs)
+    gateway.wiring = wiring
     return gateway
 
 
 def load_codec(target: str):
-    """The target's tokenizer without its weights (the split gateway loads no model)."""
+    """The target's tokenizer without its weights (the gateway loads no model)."""
     import os
     import pathlib
 
@@ -270,4 +285,4 @@ def load_codec(target: str):
     try:
         return TextCodec(AutoTokenizer.from_pretrained(source, **kwargs))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {target!r}: {exc}") from exc
+        raise ModelLoadError(f"cannot load the tokenizer of {target!r}: {exc}") from None

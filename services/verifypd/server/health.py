@@ -29,3 +29,35 @@ def add_health_and_reflection(server: grpc.Server, services: list[str], serving:
     h = Health(servicer, services)
     h.set(serving)
     return h
+
+
+class AsyncHealth:
+    """Health of a grpc.aio server: `set` may be called from any thread; the servicer is updated
+    on the server's event loop."""
+
+    def __init__(self, server: grpc.aio.Server, services: list[str], loop):
+        from grpc_health.v1 import _async
+
+        self.servicer, self.loop = _async.HealthServicer(), loop
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        self.services = ["", *services]
+        self.serving = False
+
+    def set(self, serving: bool) -> None:
+        import asyncio
+
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def apply() -> None:
+            for name in self.services:
+                await self.servicer.set(name, status)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            self.loop.create_task(apply())
+        elif not self.loop.is_closed():
+            asyncio.run_coroutine_threadsafe(apply(), self.loop)

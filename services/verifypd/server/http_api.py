@@ -3,11 +3,11 @@
     POST /v1/chat/completions, POST /v1/completions   (JSON or server-sent events)
     GET  /v1/models, GET /health, GET /metrics          (Prometheus text)
 
-Same request path as gRPC `Generate`: body -> `GenerateRequest` (openai_convert) ->
-`convert.request_spec_from_pb` -> `EngineLoop.submit`. The engine thread puts each request's
-chunks into an `AsyncSink`, which hands them to this event loop (no thread per request).
+Same request path as gRPC `Generate`, on the same event loop as the grpc.aio server: body ->
+`GenerateRequest` (openai_convert) -> `convert.request_spec_from_pb` -> `EngineClient.submit`; the
+client's reader task puts each request's chunks into its stream's queue (no thread per request).
 A client that disconnects is noticed by a task waiting on ASGI `receive()`; the request is then
-aborted on the engine thread before its next step (its KV blocks are free), as for a gRPC cancel.
+aborted in the engine core before its next step (its KV blocks are free), as for a gRPC cancel.
 """
 from __future__ import annotations
 
@@ -24,25 +24,12 @@ from starlette.routing import Route
 from verifypd.engine.types import InvalidRequest
 from verifypd.server import convert
 from verifypd.server import openai_convert as oc
-from verifypd.server.engine_loop import Chunk, Failure, Overloaded, Unavailable
+from verifypd.server.engine_client import Chunk, Failure
+from verifypd.server.engine_loop import Overloaded, Unavailable
 
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-SUBMIT_TIMEOUT_S = 60.0
-_DISCONNECTED = object()  # put into a sink when the client went away
-
-
-class AsyncSink:
-    """A request's output queue: `put` runs on the engine thread, `get` on the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed (HTTP server stopped): nobody is listening
-            pass
+_DISCONNECTED = object()  # put into a stream's queue when the client went away
 
 
 def error_response(err: oc.ApiError) -> JSONResponse:
@@ -62,8 +49,8 @@ def _sse(obj) -> bytes:
 class Completion:
     """The ASGI response of one submitted request: streams SSE events or answers one JSON body."""
 
-    def __init__(self, api: "HttpApi", parsed: oc.ParsedRequest, stream, sink: AsyncSink):
-        self.api, self.parsed, self.stream, self.sink = api, parsed, stream, sink
+    def __init__(self, api: "HttpApi", parsed: oc.ParsedRequest, stream):
+        self.api, self.parsed, self.stream = api, parsed, stream
         self.id = parsed.pb.request_id
         self.created = oc.now()
         chat = parsed.kind == oc.CHAT
@@ -84,7 +71,7 @@ class Completion:
         async def watch_disconnect():
             while (await receive())["type"] != "http.disconnect":
                 pass
-            self.sink.queue.put_nowait(_DISCONNECTED)
+            self.stream.queue.put_nowait(_DISCONNECTED)
         watcher = asyncio.create_task(watch_disconnect())
         finished = False
         try:
@@ -97,12 +84,12 @@ class Completion:
         finally:
             watcher.cancel()
             if not finished:  # disconnect, server shutdown (task cancelled) or a send error: free the KV
-                self.api.engine.cancel(self.stream)
+                self.api.client.cancel(self.stream)
 
     async def _collect(self, scope, send) -> bool:
         texts, ids, last = [], [], None
         while last is None or not last.finished:
-            item = await self.sink.queue.get()
+            item = await self.stream.queue.get()
             if item is _DISCONNECTED:
                 return False
             if isinstance(item, Failure):
@@ -128,7 +115,7 @@ class Completion:
             await event(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **usage_null))
         while True:
-            item = await self.sink.queue.get()
+            item = await self.stream.queue.get()
             if item is _DISCONNECTED:
                 return False
             if isinstance(item, Failure):  # headers are sent: the error travels as an event
@@ -151,7 +138,7 @@ class HttpApi:
 
     def __init__(self, gateway, *, model_name: str | None = None, metrics_registry=None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.gateway, self.engine, self.info = gateway, gateway.engine, gateway.info
+        self.gateway, self.client, self.info = gateway, gateway.client, gateway.info
         self.model_name = model_name or gateway.info.target_model
         self.registry, self.max_body_bytes = metrics_registry, max_body_bytes
         self.fingerprint = f"verifypd-{gateway.info.version}"
@@ -209,17 +196,9 @@ class HttpApi:
             if parsed.model != self.model_name:
                 raise oc.ApiError(404, f"the model {parsed.model!r} does not exist; this server serves "
                                        f"{self.model_name!r}", "model", "model_not_found")
-            # Tokenization (chat template) may take a while: off the event loop.
-            spec = await asyncio.to_thread(
-                convert.request_spec_from_pb, parsed.pb, self.gateway.codec, max_context=self.info.max_context,
-                default_max_tokens=self.gateway.default_max_tokens)
-            sink = AsyncSink(asyncio.get_running_loop())
-            future = self.engine.submit(spec, sink, wait=False)
-            try:
-                stream = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), SUBMIT_TIMEOUT_S)
-            except BaseException:  # timed out or the client went away: abort it once it is added
-                future.add_done_callback(self._abort_when_added)
-                raise
+            spec = convert.request_spec_from_pb(parsed.pb, self.gateway.codec, max_context=self.info.max_context,
+                                                default_max_tokens=self.gateway.default_max_tokens)
+            stream = await self.client.submit(spec)
         except oc.ApiError as err:
             return error_response(err)
         except InvalidRequest as exc:
@@ -230,11 +209,7 @@ class HttpApi:
         except (Unavailable, TimeoutError) as exc:
             return error_response(oc.ApiError(503, f"server is not serving: {exc}", None, "not_serving",
                                               "server_error"))
-        return Completion(self, parsed, stream, sink)
-
-    def _abort_when_added(self, future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self.engine.cancel(future.result())
+        return Completion(self, parsed, stream)
 
     # -- info ----------------------------------------------------------------------------------
     async def models(self, request: Request):
@@ -246,8 +221,8 @@ class HttpApi:
                          "topology": info.topology, "max_context": info.max_context, "version": info.version}}]})
 
     def serving(self) -> tuple[bool, str]:
-        if self.engine.failed:
-            return False, self.engine.failed
+        if self.client.failed:
+            return False, self.client.failed
         if not self.gateway.health.serving:
             return False, "not serving (starting, draining or stopped)"
         return True, "serving"
@@ -258,8 +233,13 @@ class HttpApi:
                             status_code=200 if ok else 503)
 
     async def metrics(self, request: Request):
-        if self.registry is None:
-            return error_response(oc.ApiError(404, "metrics are not enabled on this server", None, "not_found"))
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        text = await asyncio.to_thread(generate_latest, self.registry)
+        if self.registry is not None:  # the instruments live in this process
+            text = generate_latest(self.registry)
+        else:  # they live in the engine-core process (verifypd serve)
+            try:
+                text = await self.client.call("metrics", timeout_s=10)
+            except (Unavailable, asyncio.TimeoutError) as exc:
+                return error_response(oc.ApiError(503, f"metrics unavailable: {exc}", None, "not_serving",
+                                                  "server_error"))
         return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -1,5 +1,5 @@
-"""Runs the HTTP API (http_api.py) with uvicorn in a thread of the gateway process, and the
-Prometheus side of the telemetry.
+"""Runs the HTTP API (http_api.py) with uvicorn on the gateway's event loop (beside the grpc.aio
+server: one loop, no thread per request), and the Prometheus side of the telemetry.
 
 `/metrics` shows the very instruments the OTLP exporter sends: `prometheus_reader()` is one more
 OpenTelemetry MetricReader on the same MeterProvider (opentelemetry-exporter-prometheus), which
@@ -28,9 +28,10 @@ def prometheus_reader():
 
 
 class HttpServer:
-    """uvicorn serving an ASGI app on host:port (0 = any free port) from a daemon thread."""
+    """uvicorn serving an ASGI app on host:port (0 = any free port) on `loop` (the gateway's), or
+    on a loop of its own in a daemon thread when none is given."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None):
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -51,7 +52,9 @@ class HttpServer:
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=grace_s, http="auto", loop="asyncio")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self._run, name="verifypd-http", daemon=True)
+        self.loop = loop
+        self.thread = threading.Thread(target=self._run, name="verifypd-http", daemon=True) if loop is None else None
+        self._future = None
         self._error: BaseException | None = None
 
     def _run(self) -> None:
@@ -61,11 +64,19 @@ class HttpServer:
             self._error = exc
             log.exception("HTTP server stopped")
 
+    def _alive(self) -> bool:
+        return self.thread.is_alive() if self.thread is not None else not self._future.done()
+
     def start(self, timeout_s: float = 10.0) -> "HttpServer":
-        self.thread.start()
+        if self.thread is not None:
+            self.thread.start()
+        else:
+            self._future = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self.sock]), self.loop)
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+            if not self._alive() or time.monotonic() > deadline:
+                if self._future is not None and self._future.done():
+                    self._error = self._future.exception()
                 raise RuntimeError(f"the HTTP server did not start: {self._error!r}")
             time.sleep(0.01)
         return self
@@ -74,6 +85,11 @@ class HttpServer:
         """Stops accepting; in-flight requests get `grace_s`, then their tasks are cancelled
         (which aborts their engine requests)."""
         self.server.should_exit = True
-        if self.thread.is_alive():
+        if self.thread is not None and self.thread.is_alive():
             self.thread.join(timeout_s)
+        if self._future is not None:
+            try:
+                self._future.result(timeout_s)
+            except Exception:  # stopped or failed: the socket goes either way
+                pass
         self.sock.close()
