@@ -145,7 +145,8 @@ def main() -> int:
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.engine.router import Router
     from verifypd.local_engine import Engine, EngineOptions
-    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.core_process import connect_lanes
+    from verifypd.server.gateway import load_codec
     from verifypd.server.lane_client import wire_pools
     from verifypd.server.launcher import LaneProcesses
 

@@ -106,7 +106,8 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
     """The router's fast path (call channel: compact columns, request intros, block-table deltas)
     and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
     from verifypd.engine.router import Router
-    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.core_process import connect_lanes
+    from verifypd.server.gateway import load_codec
     from verifypd.server.lane_client import wire_pools
 
     options = engine_options(*tiny_models)
@@ -136,7 +137,8 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
     """pdv with pipelining across the lane processes: one group's draft beside the other's verify,
     and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
     from verifypd.engine.router import Router
-    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.core_process import connect_lanes
+    from verifypd.server.gateway import load_codec
     from verifypd.server.lane_client import wire_pools
 
     options = engine_options(*tiny_models)
@@ -169,7 +171,8 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
 
     from verifypd.engine import scheduler as scheduler_module
     from verifypd.engine.router import Router
-    from verifypd.server.gateway import connect_lanes, load_codec
+    from verifypd.server.core_process import connect_lanes
+    from verifypd.server.gateway import load_codec
     from verifypd.server.lane_client import wire_pools
 
     choices = itertools.cycle([True, True, False, True, False, False, True])

@@ -8,8 +8,9 @@ with STOP at once and cancels the request in the core (the core may have run one
 those tokens are dropped, as vLLM's front end does).
 
 If the core process dies (the channel closes), every request in flight ends with UNAVAILABLE at
-once, nothing hangs, and `failed` says why; `on_exit` lets `verifypd serve` exit so that its
-supervisor (Kubernetes) restarts the pod.
+once, nothing hangs, and `failed` says why. `on_failure(message, exited)` is told when the engine
+fails for good (health goes NOT_SERVING) and whether its process is gone (`verifypd serve` then
+exits, so that its supervisor, Kubernetes, restarts the pod).
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ _REFUSALS = {"INVALID_ARGUMENT": InvalidRequest, "RESOURCE_EXHAUSTED": Overloade
 
 
 class EngineClient:
-    def __init__(self, channel: AsyncChannel, codec, *, on_exit: Callable[[str], None] | None = None):
-        self.channel, self.codec, self.on_exit = channel, codec, on_exit
+    def __init__(self, channel: AsyncChannel, codec, *, on_failure: Callable[[str, bool], None] | None = None):
+        self.channel, self.codec, self.on_failure = channel, codec, on_failure
         self.info: generate_pb2.ServerInfo | None = None
         self.eos: frozenset[int] = frozenset()
         self.failed: str | None = None
@@ -173,7 +174,7 @@ class EngineClient:
         except ChannelClosed as exc:
             self._lost(f"the engine-core process exited ({exc})")
         except asyncio.CancelledError:
-            self._lost("the gateway is stopping")
+            self._lost("the gateway is stopping", quiet=True)
             raise
         except Exception as exc:  # a malformed message: the core cannot be trusted any more
             log.exception("engine-core channel failed")
@@ -218,6 +219,8 @@ class EngineClient:
         code = getattr(grpc.StatusCode, msg["code"], grpc.StatusCode.UNKNOWN)
         if msg.get("fatal") and self.failed is None:
             self.failed = msg["message"]
+            if self.on_failure is not None:
+                self.on_failure(self.failed, False)
         for rid in msg["ids"]:
             stream = self._forget(rid)
             if stream is not None:
@@ -233,11 +236,12 @@ class EngineClient:
         else:
             future.set_result(msg["ok"])
 
-    def _lost(self, message: str) -> None:
+    def _lost(self, message: str, quiet: bool = False) -> None:
         """The core is gone: fail everything in flight (UNAVAILABLE), pending adds and calls too."""
         if self.failed is None:
             self.failed = message
-            log.error("not serving any more: %s", message)
+            if not quiet:
+                log.error("not serving any more: %s", message)
         for rid in list(self._streams):
             stream = self._forget(rid)
             if not stream.added.done():
@@ -249,5 +253,5 @@ class EngineClient:
                 future.set_exception(Unavailable(message))
         if not self._ready.done():
             self._ready.set_exception(Unavailable(message))
-        if self.on_exit is not None:
-            self.on_exit(message)
+        if self.on_failure is not None:
+            self.on_failure(message, True)

@@ -109,6 +109,7 @@ class Gateway:
         self._thread.start()
         self._stopped = threading.Event()
         self._started = False
+        self._wiring = None
         self.http = None  # an HttpServer on self.loop (serve): stopped first
         try:
             self._run(self._setup(core_sock, host, port, api_key))
@@ -121,7 +122,7 @@ class Gateway:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _setup(self, core_sock, host: str, port: int, api_key: str | None) -> None:
-        self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_exit=self._on_core_exit)
+        self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
         self.server = grpc.aio.server(interceptors=[async_api_key_interceptor(api_key)] if api_key else [])
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self.server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
@@ -136,6 +137,18 @@ class Gateway:
     @property
     def router(self):
         return self.core.router
+
+    @property
+    def lanes(self):
+        return self.core.lanes
+
+    @property
+    def wiring(self):
+        return getattr(self.core, "wiring", None) or self._wiring
+
+    @wiring.setter
+    def wiring(self, value) -> None:
+        self._wiring = value
 
     @property
     def engine(self):
@@ -158,9 +171,9 @@ class Gateway:
         self.health.set(True)
         return self
 
-    def _on_core_exit(self, message: str) -> None:
+    def _on_engine_failure(self, message: str, exited: bool) -> None:
         self.health.set(False)
-        if not self._stopped.is_set():
+        if exited and not self._stopped.is_set():
             self.engine_exited.set()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
