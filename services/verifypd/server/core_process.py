@@ -147,12 +147,14 @@ def _exit_with_parent() -> None:
 class CoreProcess:
     """A spawned engine-core process and the gateway's end of its channel."""
 
-    def __init__(self, serve_argv: list[str]):
+    def __init__(self, serve_argv: list[str], program: list[str] | None = None):
+        """`program`: what runs the core (default this module; benches pass their own), called as
+        PROGRAM --channel-fd N SERVE_ARGV..."""
         from verifypd.server.launcher import child_env
 
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "verifypd.server.core_process", "--channel-fd", str(child.fileno()),
-               *serve_argv]
+        program = program or [sys.executable, "-m", "verifypd.server.core_process"]
+        cmd = [*program, "--channel-fd", str(child.fileno()), *serve_argv]
         self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), env=child_env())
         child.close()
 

@@ -188,6 +188,7 @@ class CoreServer:
         used = {"target": router.target_blocks.num_used,
                 "draft": router.draft_blocks.num_used if router.draft_blocks else 0}
         return {"in_flight": self.engine.in_flight(), "steps": self.engine.steps, "blocks_in_use": used,
+                "step_seconds": self.engine.step_seconds, "tokens_out": self.engine.tokens_out,
                 "recoveries": self.engine.recoveries, "failed": self.engine.failed,
                 "config": asdict(router.config)["revision"]}
 

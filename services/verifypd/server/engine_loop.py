@@ -79,6 +79,8 @@ class EngineLoop:
         self._consecutive = 0               # step failures with no successful step in between
         self._steps_at_recovery = -1
         self.steps = 0                                # router steps completed
+        self.step_seconds = 0.0                       # wall time inside router.step (busy share)
+        self.tokens_out = 0                           # tokens delivered
         self.config_log: list[tuple[int, int]] = []   # (steps completed when applied, revision)
         self._on_failure = on_failure
         self._idle_wait_s = idle_wait_s
@@ -177,6 +179,7 @@ class EngineLoop:
             future.set_exception(exc)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.router.step()
         except LaneError as exc:
@@ -189,6 +192,8 @@ class EngineLoop:
             self._fail_all(f"internal error in the engine: {exc}", "INTERNAL")
             return
         self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        self.tokens_out += sum(len(o.token_ids) for o in outputs)
         self._deliver(outputs)
 
     def _lane_lost(self, message: str) -> None:
