@@ -51,8 +51,15 @@ def engine_flags(args, mode: str) -> list[str]:
     return flags
 
 
+def id_range(vocab: int) -> tuple[int, int]:
+    """Prompt token ids are drawn from [lo, hi): clear of special tokens at both ends."""
+    lo = min(100, vocab // 8)
+    return lo, vocab - lo
+
+
 def prompt_ids(n: int, length: int, vocab: int) -> list[int]:
-    return [(100 + 7 * n + 13 * j) % (vocab - 200) + 100 for j in range(length)]
+    lo, hi = id_range(vocab)
+    return [(7 * n + 13 * j) % (hi - lo) + lo for j in range(length)]
 
 
 # -- engine alone (subprocess: `--engine-alone MODE`) ------------------------------------------
@@ -134,7 +141,7 @@ async def drive(args, api: str, target: str, c: int) -> tuple[dict, float, float
     from verifypd_loadgen.workload import Distribution, Workload
 
     work = Workload(input_len=Distribution("fixed", (args.prompt,)), output_len=Distribution("fixed", (args.gen,)),
-                    vocab_range=(100, args.vocab - 100), ignore_eos=True, seed=c)
+                    vocab_range=id_range(args.vocab), ignore_eos=True, seed=c)
     total = args.warmup + args.seconds
 
     async def go(runner):
