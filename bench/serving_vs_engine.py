@@ -133,23 +133,32 @@ def cpu_seconds(pid: int | None) -> float:
     return sum(int(v) for v in fields[11:13]) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(args, api: str, target: str, c: int) -> tuple[dict, float, float]:
-    """Closed loop for warmup + seconds (+ drain); (summary, steady tok/s, window start)."""
-    from verifypd_loadgen import metrics
+async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
+    """Closed loop for warmup + seconds (+ drain); what the measured window saw: tokens, TTFTs and
+    inter-token gaps of the chunks received inside it (steady state, no ramp or drain)."""
     from verifypd_loadgen import openai_backend as ob
     from verifypd_loadgen.runner import LoadPoint, Runner
     from verifypd_loadgen.workload import Distribution, Workload
 
     work = Workload(input_len=Distribution("fixed", (args.prompt,)), output_len=Distribution("fixed", (args.gen,)),
-                    vocab_range=id_range(args.vocab), ignore_eos=True, seed=c)
+                    vocab_range=id_range(args.vocab), ignore_eos=True, seed=seed)
     total = args.warmup + args.seconds
 
-    async def go(runner):
+    async def go(runner) -> dict:
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total, f"c{c}", 0)
         lo, hi = t0 + args.warmup, t0 + total
-        tokens = sum(n for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens) if lo <= t < hi)
-        return metrics.summarize(res), tokens / args.seconds
+        inside = [(r, t, n) for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens) if lo <= t < hi]
+        gaps = [b - a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if lo <= b < hi]
+        ttfts = [r.chunk_times[0] - r.start for r in res.records if r.chunk_times and lo <= r.chunk_times[0] < hi]
+        errors: dict = {}
+        for r in res.records:
+            if r.error is not None and not r.cancelled:
+                errors[r.error] = errors.get(r.error, 0) + 1
+        return {"tokens": sum(n for _, _, n in inside), "all_tokens": sum(sum(r.chunk_tokens) for r in res.records), "ttft_s": ttfts, "gap_s": gaps, "errors": errors,
+                "client_cpu_s": time.process_time() - cpu0, "draft": sum(r.draft_tokens for r in res.records),
+                "accepted": sum(r.accepted_tokens for r in res.records)}
     if api == "grpc":
         import grpc
 
@@ -159,6 +168,32 @@ async def drive(args, api: str, target: str, c: int) -> tuple[dict, float, float
     async with ob.new_client() as client:
         backend = ob.OpenAIBackend(client, f"http://{target}/v1", args.target, "completions")
         return await go(Runner(backend, 300, 60, execute=ob.execute))
+
+
+def drive_clients(args, api: str, target: str, c: int) -> dict:
+    """`--client-procs` loadgen processes, c split among them (a Python client saturates first
+    over HTTP): their windows' samples merged."""
+    procs = max(1, min(args.client_procs, c))
+    shares = [c // procs + (i < c % procs) for i in range(procs)]
+    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *sys.argv[1:]],
+                                 stdout=subprocess.PIPE, text=True) for i, share in enumerate(shares)]
+    parts = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+    merged = {"tokens": 0, "all_tokens": 0, "ttft_s": [], "gap_s": [], "errors": {}, "client_cpu_s": 0.0, "draft": 0, "accepted": 0}
+    for part in parts:
+        for key in ("tokens", "all_tokens", "client_cpu_s", "draft", "accepted"):
+            merged[key] += part[key]
+        merged["ttft_s"] += part["ttft_s"]
+        merged["gap_s"] += part["gap_s"]
+        for name, n in part["errors"].items():
+            merged["errors"][name] = merged["errors"].get(name, 0) + n
+    return merged
+
+
+def percentile_ms(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1e3, 2)
 
 
 def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict]:
@@ -180,20 +215,24 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
             for c in args.concurrency:
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
                 with UtilSampler(nvml) as util:
-                    summary, tok_s = asyncio.run(drive(args, api, target, c))
+                    seen = drive_clients(args, api, target, c)
                 cpu1 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
-                streamed = max(summary["tokens"]["output_total"], 1)
+                tok_s = seen["tokens"] / args.seconds
+                streamed = max(seen["all_tokens"], 1)  # the CPU times cover the whole run, ramp and drain too
                 engine = engine_rows.get(c, {}).get("engine_tok_s")
-                lat = summary["latency_ms"]
                 rows.append({"mode": mode, "api": api, "concurrency": c, "served_tok_s": round(tok_s, 1),
                              "engine_tok_s": engine,
                              "served_over_engine": round(tok_s / engine, 3) if engine else None,
-                             "ttft_p50_ms": lat["ttft"]["p50"], "itl_p99_ms": lat["itl_token"]["p99"],
+                             "ttft_p50_ms": percentile_ms(seen["ttft_s"], 50),
+                             "itl_p99_ms": percentile_ms(seen["gap_s"], 99),
                              "gpu_busy_pct_served": util.result()["gpu_util_mean_pct"],
                              "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
                              "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
                              "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
-                             "errors": summary["errors"], "acceptance": summary["speculation"]["acceptance_rate"],
+                             "client_procs": max(1, min(args.client_procs, c)),
+                             "client_cpu_pct": round(seen["client_cpu_s"] / (args.warmup + args.seconds) * 100, 1),
+                             "errors": seen["errors"],
+                             "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
                              "acceptance_kind": "SIMULATED" if DRAFTS[mode.removesuffix("-split")][1] else None})
                 print("  " + json.dumps(rows[-1]), flush=True)
     finally:
@@ -219,13 +258,19 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--no-engine-alone", action="store_true")
     ap.add_argument("--echo", action="store_true", help="echo the servers' logs")
+    ap.add_argument("--client-procs", type=int, default=4, help="loadgen processes sharing each point's concurrency")
     ap.add_argument("--engine-alone", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.apis = args.apis.split(",")
     if args.engine_alone:
         return engine_alone(args)
+    if args.drive:  # one loadgen process of drive_clients
+        api, target, share, index = args.drive.split(",")
+        print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index)))))
+        return
     nvml, rows = Nvml(), []
     for mode in args.modes.split(","):
         engine_rows = {} if args.no_engine_alone else run_engine_alone(args, mode, nvml)
