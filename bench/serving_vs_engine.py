@@ -133,9 +133,10 @@ def cpu_seconds(pid: int | None) -> float:
     return sum(int(v) for v in fields[11:13]) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
-    """Closed loop for warmup + seconds (+ drain); what the measured window saw: tokens, TTFTs and
-    inter-token gaps of the chunks received inside it (steady state, no ramp or drain)."""
+async def drive(args, api: str, target: str, c: int, seed: int, start_at: float) -> dict:
+    """Closed loop for warmup + seconds (+ drain) from wall-clock `start_at` (every client process
+    of a point starts together, so their windows are one window); what the measured window saw:
+    tokens, TTFTs and inter-token gaps of the chunks received inside it (steady state)."""
     from verifypd_loadgen import openai_backend as ob
     from verifypd_loadgen.runner import LoadPoint, Runner
     from verifypd_loadgen.workload import Distribution, Workload
@@ -145,6 +146,7 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
     total = args.warmup + args.seconds
 
     async def go(runner) -> dict:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total, f"c{c}", 0)
@@ -175,7 +177,9 @@ def drive_clients(args, api: str, target: str, c: int) -> dict:
     over HTTP): their windows' samples merged."""
     procs = max(1, min(args.client_procs, c))
     shares = [c // procs + (i < c % procs) for i in range(procs)]
-    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *sys.argv[1:]],
+    start_at = time.time() + 5.0  # each process imports and connects first
+    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i},{start_at}",
+                                  *sys.argv[1:]],
                                  stdout=subprocess.PIPE, text=True) for i, share in enumerate(shares)]
     parts = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
     merged = {"tokens": 0, "all_tokens": 0, "ttft_s": [], "gap_s": [], "errors": {}, "client_cpu_s": 0.0, "draft": 0, "accepted": 0}
@@ -268,8 +272,9 @@ def main() -> None:
     if args.engine_alone:
         return engine_alone(args)
     if args.drive:  # one loadgen process of drive_clients
-        api, target, share, index = args.drive.split(",")
-        print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index)))))
+        api, target, share, index, start_at = args.drive.split(",")
+        print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index),
+                                           float(start_at)))))
         return
     nvml, rows = Nvml(), []
     for mode in args.modes.split(","):
