@@ -149,7 +149,9 @@ async def drive(args, api: str, target: str, c: int, seed: int, start_at: float)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         cpu0 = time.process_time()
-        res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total, f"c{c}", 0)
+        # Request ids unique across the point's client processes (gRPC refuses a duplicate in flight).
+        res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total,
+                               f"c{c}s{seed}", 0)
         lo, hi = t0 + args.warmup, t0 + total
         inside = [(r, t, n) for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens) if lo <= t < hi]
         gaps = [b - a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if lo <= b < hi]
@@ -166,7 +168,7 @@ async def drive(args, api: str, target: str, c: int, seed: int, start_at: float)
 
         from verifypd.v1 import generate_pb2_grpc
         async with grpc.aio.insecure_channel(target) as channel:
-            return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, 60))
+            return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, 60))  # ids: see --drive
     async with ob.new_client() as client:
         backend = ob.OpenAIBackend(client, f"http://{target}/v1", args.target, "completions")
         return await go(Runner(backend, 300, 60, execute=ob.execute))
@@ -216,7 +218,7 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                          if "engine core pid" in line), None)
         for api in args.apis:
             target = server.address if api == "grpc" else f"127.0.0.1:{http_port}"
-            for c in args.concurrency:
+            for c in (args.split_concurrency if mode.endswith("-split") else args.concurrency):
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
                 with UtilSampler(nvml) as util:
                     seen = drive_clients(args, api, target, c)
@@ -262,6 +264,7 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--no-engine-alone", action="store_true")
     ap.add_argument("--echo", action="store_true", help="echo the servers' logs")
+    ap.add_argument("--split-concurrency", default=None, help="-split modes: these points only (default: all)")
     ap.add_argument("--client-procs", type=int, default=4, help="loadgen processes sharing each point's concurrency")
     ap.add_argument("--engine-alone", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
@@ -269,6 +272,8 @@ def main() -> None:
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.apis = args.apis.split(",")
+    args.split_concurrency = ([int(c) for c in args.split_concurrency.split(",")] if args.split_concurrency
+                              else args.concurrency)
     if args.engine_alone:
         return engine_alone(args)
     if args.drive:  # one loadgen process of drive_clients
@@ -276,16 +281,22 @@ def main() -> None:
         print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index),
                                            float(start_at)))))
         return
-    nvml, rows = Nvml(), []
+    nvml, rows, engine_rows = Nvml(), [], {}
     for mode in args.modes.split(","):
-        engine_rows = {} if args.no_engine_alone else run_engine_alone(args, mode, nvml)
-        rows += run_served(args, mode, nvml, engine_rows)
+        base = mode.removesuffix("-split")  # a split mode's engine alone is its colocated mode's
+        if not args.no_engine_alone and base not in engine_rows:
+            engine_rows[base] = run_engine_alone(args, base, nvml)
+        rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+        save(args, nvml, rows)  # after every mode: a run cut short keeps what it measured
     print(f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
           f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11}")
     for r in rows:
         print(f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
               f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
               f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11}")
+
+
+def save(args, nvml, rows: list[dict]) -> None:
     write_result(args.out, "serving_vs_engine", {**metadata(), "gpu_util_note": nvml.error,
                                                 "label": "engine alone vs served (closed loop, steady state); "
                                                          "a07 rows: SIMULATED acceptance 0.7", "rows": rows})
