@@ -22,7 +22,7 @@ from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, request_alpha
+from verifypd.engine.draft_length import TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
@@ -292,9 +292,11 @@ class Router:
             results, draft_s = self._call_draft(items)
             drafts = self._take_drafts(drafting, results)
             self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = max(len(i.input_tokens) for i in items) <= 2
+            typical = max(len(i.input_tokens) for i in items) <= TYPICAL_DRAFT_INPUT
+            # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
+            typical = typical and sum(w.probe for w in work) in (0, len(work))
         ahead_items = self._draft_items(ahead)
-        ahead_typical = not ahead_items or max(len(i.input_tokens) for i in ahead_items) <= 2
+        ahead_typical = not ahead_items or max(len(i.input_tokens) for i in ahead_items) <= TYPICAL_DRAFT_INPUT
         future = None
         if ahead_items and work and not SERIAL_PIPELINE:
             if self._pool is None:
@@ -362,7 +364,7 @@ class Router:
                 tokens, probs = drafts[w.seq.request_id]
                 # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes
                 # in its next step, as a lock-step step verifies it with k = 0 right after the draft.
-                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical)
+                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical, requested_k=w.k)
         return sample
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
@@ -377,9 +379,13 @@ class Router:
             seq.stats.draft_tokens += k
             seq.stats.accepted_tokens += m
             seq.stats.verify_steps += 1
-            if k > 0:
-                seq.draft_rejections += m < k
-                self.costs.acceptance.observe(m, k)
+            # Acceptance is judged against the k asked for, not the tokens proposed: a pool-less lane
+            # (ngram) proposing fewer or none yields what a rejection there would, and E(a, k) must
+            # count that, or its acceptance looks high while most steps gain nothing.
+            requested = seq.held_draft.requested_k if seq.held_draft is not None else w.k
+            if requested > 0:
+                seq.draft_rejections += m < requested
+                self.costs.acceptance.observe(m, requested)
             seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections,
                                                self.costs.acceptance.alpha)
             seq.last_k = k

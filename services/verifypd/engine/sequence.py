@@ -34,6 +34,7 @@ class HeldDraft:
     tokens: Any
     probs: Any
     typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
+    requested_k: int = 0  # the k asked of the draft lane (a pool-less lane may propose fewer)
 
 
 class SeqStatus(enum.Enum):
