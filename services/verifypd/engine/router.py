@@ -273,6 +273,11 @@ class Router:
                 w.seq.draft_computed = w.seq.pending_pos + 1
         return drafts
 
+    def _typical_draft(self, items: list[DraftItem]) -> bool:
+        """A draft call worth costing: no long catch-up on tokens decoded without drafting (an eager
+        draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens."""
+        return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= TYPICAL_DRAFT_INPUT
+
     def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
                     beside: Callable[[], None] | None = None) -> tuple[bool, int, int] | None:
         """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
@@ -292,11 +297,11 @@ class Router:
             results, draft_s = self._call_draft(items)
             drafts = self._take_drafts(drafting, results)
             self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = max(len(i.input_tokens) for i in items) <= TYPICAL_DRAFT_INPUT
+            typical = self._typical_draft(items)
             # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
             typical = typical and sum(w.probe for w in work) in (0, len(work))
         ahead_items = self._draft_items(ahead)
-        ahead_typical = not ahead_items or max(len(i.input_tokens) for i in ahead_items) <= TYPICAL_DRAFT_INPUT
+        ahead_typical = not ahead_items or self._typical_draft(ahead_items)
         future = None
         if ahead_items and work and not SERIAL_PIPELINE:
             if self._pool is None:
