@@ -10,6 +10,7 @@ from costed_lanes import (CostedLanes, h200_like_draft_s, h200_like_verify_s, ng
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import (DRAFT_OFF_GAIN, DRAFT_ON_GAIN, PROBE_FIRST, PROBE_K, PROBE_MAX,
                                           ProbeSchedule, RuntimeConfig, StepCostModel, choose_batch_k)
+from verifypd.engine.router import Router
 from verifypd.engine.scheduler import Scheduler
 from verifypd.engine.sequence import Sequence, SeqStatus
 from verifypd.engine.types import RequestSpec, RequestStats
@@ -174,11 +175,22 @@ def test_a_probe_of_part_of_the_batch_is_not_a_cost_sample():
     probe_calls = [c for c in together.draft_calls if c.k == PROBE_K]
     assert probe_calls and all(c.batch == 16 for c in probe_calls)
     assert router.costs.measured(16, 1)
-    staggered = CostedLanes(0.1)  # four prompts of 128 tokens a step (the default budget of 512)
-    router, _, _ = run_rounds(staggered, ADAPTIVE, 16, ROUNDS)
-    probe_calls = [c for c in staggered.draft_calls if c.k == PROBE_K]
-    assert probe_calls and all(c.batch < 16 for c in probe_calls)
-    assert not router.costs.measured(16, 1)
+    # Eight requests decoding for a while (k = 0, a probe due but none of them fresh), then two
+    # arrive: the probe drafts for those two only, in a step that verifies all ten.
+    lanes = CostedLanes(0.1)
+    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=ADAPTIVE, clock=lanes.clock)
+    prompt = tuple(range(3, 3 + 128))
+    for i in range(8):
+        router.add_request(RequestSpec(prompt, max_tokens=200, stop_at_eos=False, request_id=f"old{i}"))
+    for _ in range(PROBE_FIRST + 20):
+        router.step()
+    assert router.scheduler.probes.due and not [c for c in lanes.draft_calls if c.k == PROBE_K]
+    for i in range(2):
+        router.add_request(RequestSpec(prompt, max_tokens=200, stop_at_eos=False, request_id=f"new{i}"))
+    for _ in range(3):
+        router.step()
+    assert [(c.batch, c.k, c.input_len) for c in lanes.draft_calls if c.k == PROBE_K] == [(2, 1, 1)]
+    assert router.scheduler.probes.probes == 1 and not router.costs.measured(10, 1)
 
 
 def test_acceptance_counts_proposals_against_the_k_asked():
