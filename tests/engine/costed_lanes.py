@@ -113,12 +113,15 @@ def run_rounds(lanes: CostedLanes, config: RuntimeConfig, batch: int, gen_lens: 
     return router, seconds, tokens
 
 
-def speedup_over_plain(alpha: float, batch: int, gen_lens: list[int], **lane_args) -> tuple[float, CostedLanes, Router]:
-    """Simulated tok/s of adaptive k (the engine's defaults) over k = 0, last round of each."""
+def speedup_over_plain(alpha: float, batch: int, gen_lens: list[int], pipeline: bool = False,
+                       **lane_args) -> tuple[float, CostedLanes, Router]:
+    """Simulated tok/s of adaptive k (the engine's defaults; `pipeline`: pdv pipelined where it
+    pays) over k = 0, last round of each."""
     plain = CostedLanes(alpha, **lane_args)
     _, plain_s, plain_tokens = run_rounds(plain, RuntimeConfig(k_initial=0, adaptive=False), batch, gen_lens)
     lanes = CostedLanes(alpha, **lane_args)
-    router, seconds, tokens = run_rounds(lanes, RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True),
-                                         batch, gen_lens)
+    router, seconds, tokens = run_rounds(lanes, RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True,
+                                                              pipeline=pipeline), batch, gen_lens)
+    router.close()  # the pdv draft thread, if one started (the router stays usable)
     assert tokens == plain_tokens
     return (tokens / seconds) / (plain_tokens / plain_s), lanes, router

@@ -70,36 +70,25 @@ class StepCostModel:
         return (batch_bucket(batch), k) in self._step
 
     def step_s(self, batch: int, k: int) -> float:
-        """Measured, or estimated from the k measured at this bucket: between two measured ks
-        linearly; beyond them along the measured slope (least squares, never falling with k), or,
-        with one point only, the prior that each drafted token adds DRAFT_COST_PRIOR of a plain
-        step. Not a lower bound: an unmeasured k that would only pay if drafting were free is not
-        tried (at acceptance 0.1 a k = 1 step must cost under 1.1 plain steps to pay)."""
+        """Measured, or estimated from the k measured at this bucket (`_estimate`); with nothing
+        measured there, the defaults."""
         b = batch_bucket(batch)
-        exact = self._step.get((b, k))
-        if exact is not None:
-            return exact
-        measured = {kk: v for (bb, kk), v in self._step.items() if bb == b}
-        if not measured:
-            return self.default_verify_s + k * self.default_draft_step_s
-        below, above = [kk for kk in measured if kk < k], [kk for kk in measured if kk > k]
-        if below and above:
-            lo, hi = max(below), min(above)
-            return measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo)
-        ref = max(below) if below else min(above)
-        return max(measured[ref] + (k - ref) * _slope(measured), 0.0)
+        estimate = _estimate(self._step, b, k)
+        return self.default_verify_s + k * self.default_draft_step_s if estimate is None else estimate
 
     def goodput(self, alphas: list[float], k: int, batch: int) -> float:
         """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
         return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
 
     def pipelined_step_s(self, group: int, k: int) -> float:
-        """Seconds of a pipelined step whose groups hold `group` requests drafting k. Unmeasured, it
-        is estimated by perfect overlap, half of the lock-step cost of one group (a pipelined step
-        costs at least max(draft, verify) >= (draft + verify) / 2): optimistic, so pipelining is
-        tried, and the measurement then decides."""
-        exact = self._pipe.get((batch_bucket(group), k))
-        return exact if exact is not None else self.step_s(group, k) / 2
+        """Seconds of a pipelined step whose groups hold `group` requests drafting k. With no
+        pipelined step measured at the group's bucket, it is estimated by perfect overlap, half of
+        the lock-step cost of one group (a pipelined step costs at least max(draft, verify) >=
+        (draft + verify) / 2): optimistic, so pipelining is tried, and the measurement then
+        decides; once one k is measured there, other ks are estimated from it (`_estimate`), or at
+        low acceptance every unmeasured k would be tried in turn."""
+        estimate = _estimate(self._pipe, batch_bucket(group), k)
+        return self.step_s(group, k) / 2 if estimate is None else estimate
 
     def pipelined_goodput(self, alphas: list[float], k: int, batch: int) -> float:
         """Tokens per second of requests whose drafts are pipelined, `batch` decoding in all (two
@@ -111,6 +100,27 @@ class StepCostModel:
             return self.goodput(alphas, 0, batch)
         group = -(-batch // 2)
         return sum(expected_tokens(a, k) for a in alphas) / (2 * self.pipelined_step_s(group, k))
+
+
+def _estimate(medians: dict[tuple[int, int], float], bucket: int, k: int) -> float | None:
+    """A step's cost at (bucket, k) from the ks measured at that bucket: exact; between two
+    measured ks linearly; beyond them along the measured slope (least squares, never falling with
+    k), or, with one point only, the prior that each drafted token adds DRAFT_COST_PRIOR of a plain
+    step. None when nothing is measured at the bucket. Not a lower bound: an unmeasured k that
+    would pay only if drafting were free is not tried (at acceptance 0.1 a k = 1 step must cost
+    under 1.1 plain steps to pay)."""
+    exact = medians.get((bucket, k))
+    if exact is not None:
+        return exact
+    measured = {kk: v for (bb, kk), v in medians.items() if bb == bucket}
+    if not measured:
+        return None
+    below, above = [kk for kk in measured if kk < k], [kk for kk in measured if kk > k]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo)
+    ref = max(below) if below else min(above)
+    return max(measured[ref] + (k - ref) * _slope(measured), 0.0)
 
 
 def _slope(measured: dict[int, float]) -> float:
