@@ -54,6 +54,7 @@ class CostedLanes:
     verify_s: Callable[[int, int], float] = h200_like_verify_s
     draft_s: Callable[[int, int, int], float] = h200_like_draft_s
     pooled: bool = True  # False: a pool-less draft lane (prompt lookup), no draft KV to catch up
+    propose_rate: float = 1.0  # how often a request gets proposals (prompt lookup: when an n-gram matches)
     num_blocks: int = 8192
     seed: int = 0
     now: float = 0.0
@@ -80,7 +81,8 @@ class CostedLanes:
         call = DraftCall(len(items), max(i.k for i in items), max(len(i.input_tokens) for i in items))
         self.draft_calls.append(call)
         self.now += self.draft_s(call.batch, call.k, call.input_len)
-        return [DraftOutput(i.request_id, [11] * i.k) for i in items]
+        return [DraftOutput(i.request_id, [11] * i.k if self.propose_rate >= 1 or self.rng.random() < self.propose_rate
+                            else []) for i in items]
 
     def verify(self, items):
         k = max(len(i.draft_tokens) for i in items)

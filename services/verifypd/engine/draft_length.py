@@ -72,6 +72,11 @@ def request_alpha(successes: int, failures: int, prior: float | None, prior_weig
     return (successes + prior_weight * prior) / (successes + failures + prior_weight)
 
 
+def request_rate(asked: int, proposed: int, prior: float, prior_weight: float = 4.0) -> float:
+    """A request's proposal rate: its own counts, shrunk toward the engine-wide rate."""
+    return (proposed + prior_weight * prior) / (asked + prior_weight)
+
+
 def choose_k(config: RuntimeConfig, alpha: float | None, request_max_k: int | None,
              costs: StepCostModel, batch: int, remaining_tokens: int) -> int:
     """k for one request deciding alone (see choose_batch_k for a batch)."""
@@ -95,14 +100,16 @@ DRAFT_ON_GAIN, DRAFT_OFF_GAIN = 1.10, 1.02
 
 
 def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
-                   hi: int, current: int | None = None, pipelined: bool = False) -> int:
+                   hi: int, current: int | None = None, pipelined: bool = False,
+                   rates: list[float] | None = None) -> int:
     """One k for the decoding batch: verify runs every request padded to max(k) + 1 tokens, so a
     shared k is what the GPU pays for. The drafting k maximises the batch's goodput
     Σ E(a_i, k) / step(batch, k); it is taken only if it beats plain decoding (k = 0) by
     DRAFT_ON_GAIN, or DRAFT_OFF_GAIN when `current` (the batch's k of the previous step) already
     drafts. Probes while k is 0 are the scheduler's (ProbeSchedule). `pipelined`: `alphas` are one
     pdv group's and `batch` counts both groups; costs are those of pipelined steps
-    (`StepCostModel.pipelined_goodput`)."""
+    (`StepCostModel.pipelined_goodput`). `rates`: per request, how often its draft lane proposes
+    anything when asked (None: always), see `StepCostModel.goodput`."""
     hi = max(min(hi, config.k_max), 0)
     lo = min(config.k_min, hi)
     known = [a for a in alphas if a is not None]
@@ -110,7 +117,12 @@ def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: Ste
         return max(lo, min(config.k_initial, hi))
     if hi == 0:
         return 0
-    goodput = costs.pipelined_goodput if pipelined else costs.goodput
+    if rates is not None:
+        rates = [p for a, p in zip(alphas, rates) if a is not None]
+    measure = costs.pipelined_goodput if pipelined else costs.goodput
+
+    def goodput(alphas_: list[float], k: int, batch_: int) -> float:
+        return measure(alphas_, k, batch_, rates)
     best = max(range(max(lo, 1), hi + 1), key=lambda k: goodput(known, k, batch))
     if lo > 0:  # k_min > 0: drafting is not the policy's choice
         return best

@@ -22,7 +22,8 @@ from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
-from verifypd.engine.draft_length import TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha
+from verifypd.engine.draft_length import (TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha,
+                                          request_rate)
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
@@ -384,13 +385,19 @@ class Router:
             seq.stats.draft_tokens += k
             seq.stats.accepted_tokens += m
             seq.stats.verify_steps += 1
-            # Acceptance is judged against the k asked for, not the tokens proposed: a pool-less lane
-            # (ngram) proposing fewer or none yields what a rejection there would, and E(a, k) must
-            # count that, or its acceptance looks high while most steps gain nothing.
-            requested = seq.held_draft.requested_k if seq.held_draft is not None else w.k
-            if requested > 0:
-                seq.draft_rejections += m < requested
-                self.costs.acceptance.observe(m, requested)
+            if k > 0:
+                seq.draft_rejections += m < k
+                self.costs.acceptance.observe(m, k)
+            # Asked for drafts, did the lane propose any? Prompt lookup proposes nothing without a
+            # match: such a step gains nothing, and the policy must count it (goodput's `rates`),
+            # or a draft accepted when it proposes looks better than it is.
+            asked = seq.held_draft.requested_k if seq.held_draft is not None else w.k
+            if asked > 0:
+                seq.drafts_asked += 1
+                seq.drafts_proposed += k > 0
+                self.costs.acceptance.observe_proposal(k > 0)
+                seq.proposal_rate = request_rate(seq.drafts_asked, seq.drafts_proposed,
+                                                 self.costs.acceptance.proposal_rate)
             seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections,
                                                self.costs.acceptance.alpha)
             seq.last_k = k

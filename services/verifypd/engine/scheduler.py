@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.probes = ProbeSchedule()
         self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
+        self._drafting: dict[object, int] = {}  # the same keys: the k the hysteresis compares with
         self._phase = 0     # pdv: the group that drafts in the current pipelined step
         self._pipelining: bool | None = None  # pdv: last step's choice (pipelined or lock-step)
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
@@ -141,9 +142,17 @@ class Scheduler:
         catch-up for. `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
         if not seqs:
             return 0, set()
-        k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, decoding or len(seqs), hi,
-                                 current=self._last_k.get(key), pipelined=decoding is not None)
-        self._last_k[key] = k_batch  # a probe is not the batch's k: hysteresis and pdv groups ignore it
+        rate = costs.acceptance.proposal_rate
+        rates = [rate if s.proposal_rate is None else s.proposal_rate for s in seqs]
+        batch, current = decoding or len(seqs), self._drafting.get(key)
+        plain_unmeasured = not costs.measured(batch, 0)
+        k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, batch, hi, current=current,
+                                 pipelined=decoding is not None, rates=rates)
+        self._last_k[key] = k_batch  # a probe is not the batch's k: pdv groups ignore it
+        # The hysteresis state ignores probes, and the one plain step that measures k = 0 at a new
+        # batch size (choose_batch_k): a drafting batch stays "drafting" through it.
+        if not (k_batch == 0 and plain_unmeasured and current):
+            self._drafting[key] = k_batch
         probed: set[str] = set()
         if k_batch == 0 and config.adaptive and hi >= PROBE_K and self.probes.due:
             probed = {s.request_id for s in seqs if self._cheap_probe(config, s)}

@@ -76,9 +76,17 @@ class StepCostModel:
         estimate = _estimate(self._step, b, k)
         return self.default_verify_s + k * self.default_draft_step_s if estimate is None else estimate
 
-    def goodput(self, alphas: list[float], k: int, batch: int) -> float:
-        """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
-        return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
+    def goodput(self, alphas: list[float], k: int, batch: int, rates: list[float] | None = None) -> float:
+        """Tokens per second of a batch whose requests are asked for k drafts. `rates`: how often
+        each request's draft lane proposes anything (None: always, a model draft). A request
+        without a proposal plain-decodes, and a step in which no request has one costs a plain
+        step, so with rates p_i: tokens Σ 1 + p_i (E(a_i, k) - 1) per step costing
+        step(B, 0) + P(any proposal) (step(B, k) - step(B, 0))."""
+        if rates is None:
+            return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
+        tokens = sum(1 + p * (expected_tokens(a, k) - 1) for a, p in zip(alphas, rates))
+        plain = self.step_s(batch, 0)
+        return tokens / (plain + _any_of(rates) * (self.step_s(batch, k) - plain))
 
     def pipelined_step_s(self, group: int, k: int) -> float:
         """Seconds of a pipelined step whose groups hold `group` requests drafting k. With no
@@ -90,16 +98,27 @@ class StepCostModel:
         estimate = _estimate(self._pipe, batch_bucket(group), k)
         return self.step_s(group, k) / 2 if estimate is None else estimate
 
-    def pipelined_goodput(self, alphas: list[float], k: int, batch: int) -> float:
+    def pipelined_goodput(self, alphas: list[float], k: int, batch: int, rates: list[float] | None = None) -> float:
         """Tokens per second of requests whose drafts are pipelined, `batch` decoding in all (two
         groups of about batch / 2): in steady state each request is verified every other step, so it
         gains E(a, k) per two pipelined steps. k = 0 is no pipelining at all: the whole batch
         plain-decodes in every step, as in a lock-step step. Comparable with `goodput` over the
-        same requests (the same alphas), which is how pdv decides whether to pipeline."""
+        same requests (the same alphas), which is how pdv decides whether to pipeline. `rates` as
+        in `goodput` (here the step is costed as if some request always had a proposal)."""
         if k == 0:
             return self.goodput(alphas, 0, batch)
         group = -(-batch // 2)
-        return sum(expected_tokens(a, k) for a in alphas) / (2 * self.pipelined_step_s(group, k))
+        rates = rates or [1.0] * len(alphas)
+        tokens = sum(1 + p * (expected_tokens(a, k) - 1) for a, p in zip(alphas, rates))
+        return tokens / (2 * self.pipelined_step_s(group, k))
+
+
+def _any_of(rates: list[float]) -> float:
+    """P(at least one request has a proposal), proposals independent."""
+    none = 1.0
+    for p in rates:
+        none *= 1.0 - p
+    return 1.0 - none
 
 
 def _estimate(medians: dict[tuple[int, int], float], bucket: int, k: int) -> float | None:
@@ -152,11 +171,25 @@ class AcceptanceTracker:
         self.successes = 0.0
         self.failures = 0.0
         self.observations = 0
+        self.asked = 0.0     # verify steps of requests asked for drafts (decayed) ...
+        self.proposed = 0.0  # ... and of those, steps with a proposal
 
     def observe(self, accepted: int, k: int) -> None:
+        """A verify of k > 0 proposed drafts that accepted `accepted`."""
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1 if accepted < k else 0)
         self.observations += 1
+
+    def observe_proposal(self, proposed: bool) -> None:
+        """A request was asked for drafts; did the draft lane propose any?"""
+        self.asked = self.decay * self.asked + 1
+        self.proposed = self.decay * self.proposed + proposed
+
+    @property
+    def proposal_rate(self) -> float:
+        """Fraction of asks answered with a proposal, from a prior of one ask answered (1 until a
+        lane is seen to propose nothing: a model draft always proposes)."""
+        return (self.proposed + 1) / (self.asked + 1)
 
     @property
     def alpha(self) -> float | None:
