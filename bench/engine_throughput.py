@@ -16,12 +16,13 @@ step itself is timed on its own (draft_steps).
 
     python bench/engine_throughput.py --out bench/results/engine_throughput_h100.json
 
-Adaptive k at low acceptance against plain decoding only (issue 22: must stay >= 0.98 x k = 0):
+Adaptive k at low acceptance against plain decoding (issue 22: must stay >= 0.98 x k = 0), with
+an alpha 0.7 adaptive row to show drafting still pays:
 
     python bench/engine_throughput.py --rows plain,simulated --alphas 0.7 --ks adaptive --fallback-alphas 0.1 \
         --batches 1,16,64 --gen-len 128 --out bench/results/engine_adaptive_fallback_h200.json
 
-(`--alphas ''` leaves out the alpha 0.7 adaptive row, kept to show drafting still pays.)
+(`--alphas ''` leaves the alpha 0.7 row out.)
 
 Rows also count the router's k decisions: how many drafted on their merits and how many were
 probes (k = 1 for requests whose draft needs no catch-up). `--device cpu` with local model
