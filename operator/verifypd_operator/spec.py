@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_TARGET  # the CLI's own defaults
+
 GROUP = "verifypd.dev"
 VERSION = "v1alpha1"
 PLURAL = "verifypdconfigs"
@@ -85,8 +87,8 @@ class Autoscaling:
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    target: str = "smollm2"
-    draft: str = "self:6"
+    target: str = DEFAULT_TARGET
+    draft: str = DEFAULT_DRAFT
     model_pvc: str | None = None  # PVC mounted read-only at /models (for local model dirs)
     image: str = "ghcr.io/verifypd/verifypd:0.1.0"
     image_pull_policy: str = "IfNotPresent"
