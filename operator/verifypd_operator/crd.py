@@ -147,6 +147,8 @@ def spec_schema() -> S:
                 "headroomPeriods": _int(3, 1, 100, "consecutive evaluations with headroom before relaxing"),
                 "headroomRatio": _num(0.7, "headroom = every p95 below this fraction of its SLO", 0.05, 0.99),
                 "minSamples": _int(20, 0, 1_000_000, "observations needed in the window to act"),
+                "staleAfterSeconds": _int(20, 1, 3600, "hold when the newest telemetry is older than this "
+                                                       "(pods export every 5 s)"),
             }},
             "metrics": {"type": "object", "default": {}, "properties": {
                 "prometheusScrape": {"type": "boolean", "default": False,
