@@ -119,10 +119,11 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
 class Server:
     """A `verifypd serve` subprocess whose stderr is collected (lane pids, recovery log lines)."""
 
-    def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True):
+    def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True,
+                 env: dict[str, str] | None = None):
         from verifypd.server.launcher import child_env
 
-        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stderr=subprocess.PIPE, text=True)
         self.ready_line, self.echo = ready_line, echo
         self.lines: list[str] = []
         self.ready = threading.Event()
