@@ -18,14 +18,17 @@ Acceptance is SIMULATED (`--simulated-acceptance`, default 0.7): outputs are not
 Loop latency: from the first export whose window breaches an SLO (a watcher polls the receiver)
 to UpdateConfig returning.
 
-GPU (lead):  python3 bench/control_loop.py --out bench/results
+GPU (lead; one device call per mode keeps each under 10 minutes, the runs fill one result file):
+  python3 bench/control_loop.py --modes fixed_k4 --priority-mix '' --out bench/results
+  python3 bench/control_loop.py --modes adaptive --priority-mix '' --out bench/results
+  python3 bench/control_loop.py --modes adaptive_operator --out bench/results
 CPU smoke:   python3 bench/control_loop.py --smoke --out /tmp/control-loop
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -218,13 +221,23 @@ def main(argv=None) -> int:
     server, address = start_server(args, work, otlp_port)
     rates = [float(r) for r in args.rates.split(",")]
     result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha} (--simulated-acceptance): outputs are not the "
-                       f"model's; {args.target} target, {args.draft} draft",
+                       f"model's; " + ("tiny random Llama target + noisy-copy draft (--smoke)" if args.smoke
+                                                  else f"{args.target} target, {args.draft} draft"),
               "slo": {"ttft_p95_ms": args.slo_ttft_ms, "itl_p95_ms": args.slo_itl_ms,
                       "goodput": "requests/s whose TTFT and mean ITL both meet the SLO (loadgen)"},
               "operator": {"interval_s": args.interval_s, "window_s": args.window_s, "breach_periods": 1,
                            "headroom_periods": 2, "min_samples": args.min_samples, "k_bounds": [1, 8]},
               "workload": {"arrival": "poisson", "duration_s": args.duration, "input_len": args.input_len,
                            "output_len": args.output_len}, "modes": {}}
+    device = "cpu" if result["device"].startswith("cpu") else result["device"].split()[-1].lower()
+    out_file = Path(args.out) / f"control_loop_{device}.json"
+    earlier = json.loads(out_file.read_text()) if out_file.exists() else {}
+    if all(earlier.get(k) == result[k] for k in ("label", "slo", "operator", "workload")):
+        # Runs of other --modes with the same setup (one per device call) fill one file.
+        result["modes"] = dict(earlier.get("modes", {}))
+        result["commands"] = dict(earlier.get("commands", {}))
+        if "priority_mix" in earlier:
+            result["priority_mix"] = earlier["priority_mix"]
     try:
         for mode in args.modes.split(","):
             rows = []
@@ -243,6 +256,7 @@ def main(argv=None) -> int:
                 print(f"{mode:18s} rate {rate:6.1f}/s goodput {row['goodput_rps'] or 0:6.2f}/s "
                       f"TTFT p95 {row['ttft_p95_ms'] or 0:7.1f} ms ITL p95 {row['itl_p95_ms'] or 0:6.1f} ms", flush=True)
             result["modes"][mode] = rows
+            result.setdefault("commands", {})[mode] = result["command"]
             write_result(args.out, "control_loop", result)  # partial results survive a timeout
         if args.priority_mix:
             push(control, address, mode_knobs(spec, "adaptive"))
@@ -250,11 +264,11 @@ def main(argv=None) -> int:
             result["priority_mix"] = {"mix": args.priority_mix, "rate": max(rates), "knobs": "adaptive",
                                       "by_priority": row["by_priority"]}
         write_result(args.out, "control_loop", result)
-        device = "cpu" if result["device"].startswith("cpu") else result["device"].split()[-1].lower()
-        plot(result, Path(args.out) / f"control_loop_{device}.png")
+        plot(result, out_file.with_suffix(".png"))
     finally:
         server.stop()
         receiver.stop(None)
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
@@ -262,16 +276,23 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    prio = result.get("priority_mix")
+    fig, axes = plt.subplots(1, 4 if prio else 3, figsize=(20 if prio else 15, 4))
     for mode, rows in result["modes"].items():
         xs = [r["rate"] for r in rows]
         for ax, key in zip(axes, ("goodput_rps", "ttft_p95_ms", "itl_p95_ms")):
             ax.plot(xs, [r[key] or 0 for r in rows], marker="o", label=mode)
-    for ax, title in zip(axes, ("goodput (req/s meeting SLO)", "TTFT p95 (ms)", "ITL p95 (ms)")):
-        ax.set_xlabel("offered rate (req/s)")
+    titles = ("goodput (req/s meeting both SLOs)", "TTFT p95 (ms)", "ITL p95 (ms, per-request mean)")
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("offered rate (req/s, Poisson)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend()
+    if prio:
+        classes = sorted(prio["by_priority"], key=int, reverse=True)
+        axes[3].bar([f"priority {p}" for p in classes],
+                    [prio["by_priority"][p]["ttft_ms"]["p95"] or 0 for p in classes])
+        axes[3].set_title(f"TTFT p95 (ms), mix {prio['mix']} at {prio['rate']:g} req/s")
     fig.suptitle(result["label"], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
