@@ -9,8 +9,10 @@ loaded 2-core machine):
   1. both routers are synced to the spec's knobs (they started with the CLI's);
   2. verifypd-loadgen traffic breaks the ITL SLO: kMax falls on both routers within a bounded
      time, both run the same knobs, status and events say why;
-  3. load stops: the services go idle and the knobs return to the spec;
-  4. one gateway restarts without the admin key: it refuses UpdateConfig and status shows it
+  3. the operator restarts under load (new process state: receiver, store, kopf): it carries on
+     from the CR's status (no reset to the spec), keeps the routers in sync and lowers kMax further;
+  4. load stops: the services go idle and the knobs return to the spec;
+  5. one gateway restarts without the admin key: it refuses UpdateConfig and status shows it
      (routerErrors, Degraded/ControlUnreachable) while the other stays in sync; restarted again
      with the key, it comes back with CLI defaults and is re-synced.
 """
@@ -152,15 +154,23 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
     admin.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{NAME}-admin-key"},
         "data": {"admin-key": base64.b64encode(ADMIN_KEY.encode()).decode()}})
-    store = MetricsStore()
-    receiver, otlp_port = serve(store, "127.0.0.1:0")
+    receiver, otlp_port = serve(MetricsStore(), "127.0.0.1:0")  # replaced by start_operator
     replicas = [Replica(tiny_models, namespace, otlp_port, pod, key_file).start() for pod in ("a", "b")]
     servers = lambda: [r.server for r in replicas]  # noqa: E731
-    ctx = OperatorContext(kube=admin, store=store, otlp_endpoint="http://unused:4317",
-                          control=ControlClient(timeout_s=5, resolver=lambda _: [r.address for r in replicas]))
+
+    def start_operator():
+        """What a (re)started operator process has: a new receiver on the same port, an empty store."""
+        nonlocal receiver
+        receiver.stop(None)
+        store = MetricsStore()
+        receiver, _ = serve(store, f"127.0.0.1:{otlp_port}")
+        ctx = OperatorContext(kube=admin, store=store, otlp_endpoint="http://unused:4317",
+                              control=ControlClient(timeout_s=5, resolver=lambda _: [r.address for r in replicas]))
+        return LiveOperator(crds, namespace, ctx)
+
     path = f"/apis/verifypd.dev/v1alpha1/namespaces/{namespace}/verifypdconfigs"
     admin.request("POST", path, CR)
-    operator = LiveOperator(crds, namespace, ctx)
+    operator = start_operator()
     loads: list[subprocess.Popen] = []
 
     def status() -> dict:
@@ -197,14 +207,26 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
         assert "Autoscale:lower-k" in reasons
         print(f"first kMax change on both routers {first_decision_s:.1f} s after load start")
 
-        # 3. Load stops: idle is headroom, kMax climbs back to the spec.
+        # 3. Operator restart under load: it resumes from status.applied and keeps lowering.
+        operator.stop()
+        k_before = status()["applied"]["kMax"]
+        operator = start_operator()
+
+        def lowered_without_reset() -> bool:
+            ks = [r.config().k_max for r in replicas]
+            assert max(ks) <= k_before, f"the restarted operator reset the knobs: kMax {ks} > {k_before}"
+            return max(ks) < k_before
+        wait_for(lowered_without_reset, "kMax lowered after the restart", procs=servers())
+        assert in_sync() or wait_for(in_sync, "routers in sync after the restart")
+
+        # 4. Load stops: idle is headroom, kMax climbs back to the spec.
         for p in loads:
             p.kill()
             p.wait(10)
         wait_for(lambda: in_sync(spec_knobs), "knobs back to the spec after the load", procs=servers())
         assert status()["lastDecision"]["action"] == "raise-k" and "idle" in status()["lastDecision"]["reason"]
 
-        # 4. Replica b restarts without the admin key: it refuses; status says so; a keeps the knobs.
+        # 5. Replica b restarts without the admin key: it refuses; status says so; a keeps the knobs.
         b = replicas[1]
         b.server.stop()
         b.start(admin_key=False).server.wait_ready()
