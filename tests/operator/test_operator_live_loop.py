@@ -11,7 +11,9 @@ loaded 2-core machine):
      time, both run the same knobs, status and events say why;
   3. the operator restarts under load (new process state: receiver, store, kopf): it carries on
      from the CR's status (no reset to the spec), keeps the routers in sync and lowers kMax further;
-  4. load stops: the services go idle and the knobs return to the spec;
+  4. load stops and, at the same moment, telemetry stops arriving (the receiver is down): no
+     decision on stale data (the knobs stay where they are, status says why); the receiver comes
+     back, the services are idle and the knobs return to the spec;
   5. one gateway restarts without the admin key: it refuses UpdateConfig and status shows it
      (routerErrors, Degraded/ControlUnreachable) while the other stays in sync; restarted again
      with the key, it comes back with CLI defaults and is re-synced.
@@ -154,13 +156,14 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
     admin.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{NAME}-admin-key"},
         "data": {"admin-key": base64.b64encode(ADMIN_KEY.encode()).decode()}})
-    receiver, otlp_port = serve(MetricsStore(), "127.0.0.1:0")  # replaced by start_operator
+    store = MetricsStore()
+    receiver, otlp_port = serve(store, "127.0.0.1:0")  # replaced by start_operator
     replicas = [Replica(tiny_models, namespace, otlp_port, pod, key_file).start() for pod in ("a", "b")]
     servers = lambda: [r.server for r in replicas]  # noqa: E731
 
     def start_operator():
         """What a (re)started operator process has: a new receiver on the same port, an empty store."""
-        nonlocal receiver
+        nonlocal receiver, store
         receiver.stop(None)
         store = MetricsStore()
         receiver, _ = serve(store, f"127.0.0.1:{otlp_port}")
@@ -219,10 +222,17 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
         wait_for(lowered_without_reset, "kMax lowered after the restart", procs=servers())
         assert in_sync() or wait_for(in_sync, "routers in sync after the restart")
 
-        # 4. Load stops: idle is headroom, kMax climbs back to the spec.
+        # 4. Load and telemetry stop together: stale data moves nothing; telemetry back: idle = headroom.
+        receiver.stop(None)
         for p in loads:
             p.kill()
             p.wait(10)
+        wait_for(lambda: "no fresh telemetry" in status().get("autoscaler", {}).get("lastReason", ""),
+                 "the stale hold in status")
+        held = [knobs(r.config()) for r in replicas]
+        time.sleep(3)  # three evaluations
+        assert [knobs(r.config()) for r in replicas] == held and held[0][1] < 8, "knobs moved on stale data"
+        receiver, _ = serve(store, f"127.0.0.1:{otlp_port}")
         wait_for(lambda: in_sync(spec_knobs), "knobs back to the spec after the load", procs=servers())
         assert status()["lastDecision"]["action"] == "raise-k" and "idle" in status()["lastDecision"]["reason"]
 
