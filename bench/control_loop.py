@@ -243,9 +243,11 @@ def main(argv=None) -> int:
             rows = []
             for rate in rates:
                 push(control, address, mode_knobs(spec, mode))
-                time.sleep(2 * args.interval_s)  # let the previous point's telemetry leave a fresh window
+                time.sleep(2 * args.interval_s)  # the previous point's stragglers finish
                 loop = None
                 if mode == "adaptive_operator":
+                    store.unregister(NAME, NAME)  # a fresh window: the previous point's telemetry is gone
+                    store.register(NAME, NAME)
                     loop = OperatorLoop(spec, store, control, address)
                     threading.Thread(target=loop.run, daemon=True).start()
                 row = run_point(args, address, rate, work / f"{mode}_{rate}.json")
