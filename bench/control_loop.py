@@ -43,7 +43,7 @@ for sub in ("services", "operator", "loadgen", "bench"):
         sys.path.insert(0, str(ROOT / sub))
 
 from bench_meta import metadata, write_result  # noqa: E402
-from seed_serving import free_port  # noqa: E402
+from seed_serving import ServeProcess, free_port  # noqa: E402
 
 NAME = "bench"
 ADMIN_KEY = "control-loop-bench-admin-key-0123456789"
@@ -150,20 +150,22 @@ def run_point(args, address: str, rate: float, out: Path, priority_mix: str | No
 
 
 def start_server(args, work: Path, otlp_port: int):
-    from verifypd.server.launcher import child_env
     key_file = work / "admin-key"
     key_file.write_text(ADMIN_KEY)
     port = free_port()
     cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0",
            "--target", args.target, "--draft", args.draft, "--simulated-acceptance", str(args.alpha),
            "--admin-key-file", str(key_file), "--k-min", "1", "--k-max", "8", *args.serve_arg]
-    env = {**child_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
            "OTEL_RESOURCE_ATTRIBUTES": f"verifypd.config.name={NAME},k8s.namespace.name={NAME},"
                                        f"k8s.pod.name={NAME}-0"}
-    sys.path.insert(0, str(ROOT / "tests" / "services"))
-    from services_helpers import Server  # the test helper: stderr collected, SIGTERM then SIGKILL
-    return Server(cmd, echo=False, env=env).wait_ready(args.start_timeout), f"127.0.0.1:{port}"
+    server = ServeProcess(cmd, env=env)
+    problem = server.wait_ready(args.start_timeout)
+    if problem:
+        server.stop()
+        raise SystemExit(f"verifypd serve did not start: {problem}\n" + "\n".join(server.tail()))
+    return server, f"127.0.0.1:{port}"
 
 
 def smoke_models(work: Path) -> tuple[str, str]:
