@@ -6,8 +6,11 @@
   generates one secret per run and hands it to the lanes it starts through the environment
   (never argv: /proc/PID/cmdline is world-readable). Lanes started by hand read it from
   `--secret-file` or `VERIFYPD_LANE_SECRET` (in Kubernetes: a Secret mounted as a file or env).
-* The gateway optionally requires `authorization: Bearer <key>` on Generation and Control
+* The gateway optionally requires `authorization: Bearer <key>` on Generation and GetConfig
   (`--api-key` / `VERIFYPD_API_KEY`).
+* Control is an admin API (issue 20): changing the runtime config needs the admin key
+  (`--admin-key-file` / `VERIFYPD_ADMIN_KEY`), whether or not Generate has an API key; without one
+  configured, nobody may change it. `gateway_access` is the rule, transport-agnostic.
 
 Health checking stays open on both: probes (kubelet, load balancers) carry no credentials, and
 health reveals nothing but SERVING / NOT_SERVING. Secrets are compared in constant time.
@@ -24,6 +27,7 @@ import grpc
 LANE_SECRET_ENV = "VERIFYPD_LANE_SECRET"
 LANE_SECRET_HEADER = "x-verifypd-lane-secret"
 API_KEY_ENV = "VERIFYPD_API_KEY"
+ADMIN_KEY_ENV = "VERIFYPD_ADMIN_KEY"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 MIN_SECRET_LEN = 16
 
@@ -62,14 +66,13 @@ def _deny(message: str):
 class _Check(grpc.ServerInterceptor):
     """Rejects calls whose metadata `header` does not hold `expected` (after `prefix`)."""
 
-    def __init__(self, header: str, expected: str, prefix: str, message: str, methods_prefixes=None):
+    def __init__(self, header: str, expected: str, prefix: str, message: str):
         self._header, self._prefix, self._message = header, prefix, message
         self._expected = (prefix + expected).encode()
-        self._only = methods_prefixes  # None: every method except health
 
     def intercept_service(self, continuation, details):
         method = details.method or ""
-        if method.startswith(OPEN_PREFIXES) or (self._only is not None and not method.startswith(self._only)):
+        if method.startswith(OPEN_PREFIXES):
             return continuation(details)
         got = dict(details.invocation_metadata or ()).get(self._header, "")
         got = got.encode() if isinstance(got, str) else got
@@ -92,12 +95,6 @@ class _Check(grpc.ServerInterceptor):
 def lane_interceptor(secret: str) -> grpc.ServerInterceptor:
     return _Check(LANE_SECRET_HEADER, secret, "",
                   "lane RPCs are internal: missing or wrong lane secret (only the gateway may call lanes)")
-
-
-def api_key_interceptor(api_key: str) -> grpc.ServerInterceptor:
-    return _Check("authorization", api_key, "Bearer ",
-                  "missing or wrong API key: send metadata `authorization: Bearer <key>`",
-                  methods_prefixes=("/verifypd.v1.Generation/", "/verifypd.v1.Control/"))
 
 
 class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
@@ -126,26 +123,82 @@ def bearer_interceptor(key: str) -> _Bearer:
     return _Bearer(key)
 
 
-class _AsyncCheck(grpc.aio.ServerInterceptor):
-    """`_Check` for the grpc.aio gateway: same rule, handlers that abort from the event loop."""
+# --- the gateway: Generate callers and the admin (Control) --------------------------------------
+GENERATION_PREFIX = "/verifypd.v1.Generation/"
+CONTROL_PREFIX = "/verifypd.v1.Control/"
+READ_CONFIG = "/verifypd.v1.Control/GetConfig"
+NO_ADMIN_KEY = (f"runtime config changes are disabled: this server was started without an admin key "
+                f"(verifypd serve --admin-key-file PATH, or env {ADMIN_KEY_ENV})")
+Denial = tuple[grpc.StatusCode, str]
 
-    def __init__(self, check: _Check):
-        self._check = check
+
+def _bearer(metadata) -> bytes | None:
+    """The token of `authorization: Bearer <token>` (None when missing or of another scheme)."""
+    value = dict(metadata or ()).get("authorization", "")
+    value = value.encode() if isinstance(value, str) else bytes(value)
+    return value[len(b"Bearer "):] if value.startswith(b"Bearer ") else None
+
+
+def _same(token: bytes | None, key: str | None) -> bool:
+    # Constant time; evaluated for both keys on every call, so timing does not tell which matched.
+    return bool(key) and hmac.compare_digest(token or b"", key.encode())
+
+
+def gateway_access(method: str, metadata, *, api_key: str | None, admin_key: str | None) -> Denial | None:
+    """Who may call `method` on the gateway; None = allowed, else (status code, message). Pure:
+    the transport's interceptor (sync or grpc.aio) only turns a denial into an abort.
+
+    * Control, except GetConfig (today: UpdateConfig): the admin key only (`authorization: Bearer
+      <admin key>`, the operator's client sends it). Without an admin key configured nobody may
+      change the runtime config (PERMISSION_DENIED); a caller with the API key is authenticated but
+      not allowed (PERMISSION_DENIED); any other caller UNAUTHENTICATED.
+    * Generation and Control/GetConfig: open when no API key is set, else the API key or the admin key.
+    * Everything else (health, reflection): open.
+    """
+    if not method.startswith((GENERATION_PREFIX, CONTROL_PREFIX)):
+        return None
+    token = _bearer(metadata)
+    is_admin, is_user = _same(token, admin_key), _same(token, api_key)
+    if method.startswith(CONTROL_PREFIX) and method != READ_CONFIG:
+        if not admin_key:
+            return grpc.StatusCode.PERMISSION_DENIED, NO_ADMIN_KEY
+        if is_admin:
+            return None
+        if is_user:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    "the API key may call Generate, not Control: changing the runtime config needs the admin key")
+        return (grpc.StatusCode.UNAUTHENTICATED, "Control is an admin API: missing or wrong admin key (send "
+                                                 "metadata `authorization: Bearer <admin key>`)")
+    if not api_key or is_user or is_admin:
+        return None
+    return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata `authorization: Bearer <key>`"
+
+
+def check_gateway_keys(api_key: str | None, admin_key: str | None) -> None:
+    """One key for both would make every Generate caller an admin."""
+    if api_key and admin_key and hmac.compare_digest(api_key.encode(), admin_key.encode()):
+        raise ValueError("the admin key must differ from the API key (else every Generate caller is an admin)")
+
+
+class _AsyncGatewayAccess(grpc.aio.ServerInterceptor):
+    """`gateway_access` on the grpc.aio gateway: a denied call gets a handler of the same kind that
+    aborts with the denial (so streaming methods fail cleanly too), before any servicer code runs."""
+
+    def __init__(self, api_key: str | None, admin_key: str | None):
+        check_gateway_keys(api_key, admin_key)
+        self._keys = dict(api_key=api_key, admin_key=admin_key)
 
     async def intercept_service(self, continuation, details):
-        c, method = self._check, details.method or ""
-        if method.startswith(OPEN_PREFIXES) or (c._only is not None and not method.startswith(c._only)):
-            return await continuation(details)
-        got = dict(details.invocation_metadata or ()).get(c._header, "")
-        got = got.encode() if isinstance(got, str) else got
-        if hmac.compare_digest(got, c._expected):
+        denial = gateway_access(details.method or "", details.invocation_metadata, **self._keys)
+        if denial is None:
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
             return None
+        code, message = denial
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, c._message)
+            await context.abort(code, message)
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(deny)
         if handler.request_streaming:
@@ -155,5 +208,5 @@ class _AsyncCheck(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
-def async_api_key_interceptor(api_key: str) -> grpc.aio.ServerInterceptor:
-    return _AsyncCheck(api_key_interceptor(api_key))
+def gateway_interceptor(api_key: str | None = None, admin_key: str | None = None) -> grpc.aio.ServerInterceptor:
+    return _AsyncGatewayAccess(api_key, admin_key)

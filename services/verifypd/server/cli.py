@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from verifypd.server.auth import API_KEY_ENV, LANE_SECRET_ENV
+from verifypd.server.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -61,7 +61,10 @@ def register(sub) -> None:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                       help=f"require `authorization: Bearer KEY` on Generate/Control (env {API_KEY_ENV})")
+                       help=f"require `authorization: Bearer KEY` on Generate and Control.GetConfig (env {API_KEY_ENV})")
+    serve.add_argument("--admin-key-file", default=None,
+                       help=f"file holding the admin key that Control.UpdateConfig requires (else env {ADMIN_KEY_ENV}); "
+                            "without one, runtime config changes are refused (docs/services.md 'Access')")
     serve.add_argument("--k-min", type=int, default=None)
     serve.add_argument("--k-max", type=int, default=None)
     serve.add_argument("--k-initial", type=int, default=None)
@@ -205,10 +208,16 @@ def cmd_serve(args) -> int:
             print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
                   file=sys.stderr)
             return 2
+    try:
+        admin_key = _admin_key(args)
+    except (OSError, ValueError) as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
     core = CoreProcess(args.argv)
     try:
         gateway = Gateway(core.sock, load_codec(options.target), host=args.host, port=args.port,
-                          default_max_tokens=args.default_max_tokens, api_key=args.api_key, core_process=core)
+                          default_max_tokens=args.default_max_tokens, api_key=args.api_key, admin_key=admin_key,
+                          core_process=core)
     except BaseException:
         core.proc.kill()
         raise
@@ -236,6 +245,20 @@ def cmd_serve(args) -> int:
     finally:
         gateway.stop()
     return 0
+
+
+def _admin_key(args) -> str | None:
+    """--admin-key-file / VERIFYPD_ADMIN_KEY (checked: long enough, not the API key); None: Control
+    stays read-only (UpdateConfig refused), which the start-up log says."""
+    from verifypd.server.auth import check_gateway_keys, load_secret
+
+    key = load_secret(args.admin_key_file, env=ADMIN_KEY_ENV, what="admin key")
+    check_gateway_keys(args.api_key, key)
+    if key is None:
+        logging.getLogger("verifypd").warning(
+            "no admin key (--admin-key-file or env %s): Control.UpdateConfig is refused, the runtime config "
+            "stays as started", ADMIN_KEY_ENV)
+    return key
 
 
 def _start_http(gateway, args):

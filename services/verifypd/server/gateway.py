@@ -19,7 +19,7 @@ import grpc
 
 from verifypd.engine.types import InvalidRequest
 from verifypd.server import convert
-from verifypd.server.auth import async_api_key_interceptor
+from verifypd.server.auth import gateway_interceptor
 from verifypd.server.core_channel import AsyncChannel, BlockingChannel
 from verifypd.server.core_process import build_colocated_core, build_split_core, server_info  # noqa: F401
 from verifypd.server.engine_client import EngineClient, Failure
@@ -99,7 +99,7 @@ class Gateway:
 
     def __init__(self, core_sock: socket.socket, codec, *, host: str = "127.0.0.1", port: int = 0,
                  default_max_tokens: int = convert.DEFAULT_MAX_TOKENS, api_key: str | None = None,
-                 core: CoreServer | None = None, core_process=None, info=None):
+                 admin_key: str | None = None, core: CoreServer | None = None, core_process=None, info=None):
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.core, self.core_process = core, core_process
         self.info = info if info is not None else (core.info if core is not None else None)
@@ -112,7 +112,7 @@ class Gateway:
         self._wiring = None
         self.http = None  # an HttpServer on self.loop (serve): stopped first
         try:
-            self._run(self._setup(core_sock, host, port, api_key))
+            self._run(self._setup(core_sock, host, port, api_key, admin_key))
         except BaseException:
             self._stop_loop()
             raise
@@ -121,9 +121,10 @@ class Gateway:
         """Runs a coroutine on the gateway's loop from another thread and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    async def _setup(self, core_sock, host: str, port: int, api_key: str | None) -> None:
+    async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None) -> None:
         self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
-        self.server = grpc.aio.server(interceptors=[async_api_key_interceptor(api_key)] if api_key else [])
+        # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
+        self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
         generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self.server)
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
         self.health = AsyncHealth(self.server, SERVICES, self.loop)
