@@ -265,7 +265,10 @@ def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerif
         pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward))
     prefill.kv_written_event = reply.kv_written_event
     for owner in (draft, verify):
-        owner.producer = prefill
+        # Only a lane that reads the prefill lane's KV waits for its writes: a pool-less draft lane
+        # (ngram, none) may run on the CPU, where there is no event to wait on (found on an H200:
+        # `serve --topology split --draft none` refused every draft call).
+        owner.producer = prefill if owner.describe_pb().pools else None
     _wire_handoff(draft, verify)
     return reply
 
