@@ -49,9 +49,9 @@ def core(args) -> None:
     """The engine-core process: the router over instant lanes behind the core channel."""
     import socket
 
-    from verifypd.server.core_channel import BlockingChannel
-    from verifypd.server.core_process import server_info
-    from verifypd.server.engine_core import CoreServer
+    from verifypd.core.channel import BlockingChannel
+    from verifypd.core.process import server_info
+    from verifypd.core.core_server import CoreServer
 
     channel = BlockingChannel(socket.socket(fileno=args.channel_fd))
     CoreServer(instant_router(args), channel, server_info("instant", "instant", "colocated", 1 << 16),
@@ -62,8 +62,8 @@ def serve(args) -> None:
     """The gateway process: prints its address; stdin "go" starts the measured window, "stop" ends
     it and prints the core's step stats and both processes' CPU time over it; then serves until SIGTERM."""
     from serving_vs_engine import cpu_seconds
-    from verifypd.server.core_process import CoreProcess
-    from verifypd.server.gateway import Gateway
+    from verifypd.core.process import CoreProcess
+    from verifypd.gateway.server import Gateway
     from verifypd.tokenizer import TextCodec
 
     argv = ["--serve-batch", str(args.serve_batch), "--schedule", args.schedule, "--k", str(args.k),

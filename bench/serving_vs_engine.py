@@ -68,7 +68,7 @@ def engine_alone(args) -> None:
     from verifypd.cli import build_parser
     from verifypd.engine.types import RequestSpec
     from verifypd.local_engine import Engine
-    from verifypd.server.cli import engine_options
+    from verifypd.launch.cli import engine_options
 
     serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
     engine = Engine(engine_options(serve_args))

@@ -32,10 +32,11 @@ class HttpGateway:
     def __init__(self, models, *, max_queue: int = 256, max_body_bytes: int | None = None, **options):
         from test_services_gateway import SlowLane
 
-        from verifypd.server.gateway import build_colocated
-        from verifypd.server.http_api import HttpApi
-        from verifypd.server.http_server import HttpServer, prometheus_reader
-        from verifypd.server.telemetry import Telemetry
+        from verifypd.gateway.server import build_colocated
+        from verifypd.gateway.http_api import HttpApi
+        from verifypd.core.telemetry import prometheus_reader
+        from verifypd.gateway.http_server import HttpServer
+        from verifypd.core.telemetry import Telemetry
 
         reader, registry = prometheus_reader()
         self.telemetry = Telemetry(readers=[reader])

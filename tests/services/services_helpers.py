@@ -77,7 +77,7 @@ class Client:
         """`bearer`: a key sent as `authorization: Bearer <key>` on every call (API or admin key)."""
         from grpc_health.v1 import health_pb2_grpc
 
-        from verifypd.server.auth import bearer_interceptor
+        from verifypd.auth import bearer_interceptor
         from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
 
         self.address = address
@@ -121,7 +121,7 @@ class Server:
 
     def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True,
                  env: dict[str, str] | None = None):
-        from verifypd.server.launcher import child_env
+        from verifypd.launch.launcher import child_env
 
         self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stderr=subprocess.PIPE, text=True)
         self.ready_line, self.echo = ready_line, echo

@@ -9,7 +9,7 @@ import pytest
 
 from services_helpers import Client, Server, free_port, greedy_request, serve_cmd
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
-from verifypd.server.auth import gateway_access
+from verifypd.auth import gateway_access
 from verifypd.v1 import control_pb2
 
 ADMIN_KEY, API_KEY = "admin-key-for-tests-0123456789", "api-key-for-tests-0123456789"

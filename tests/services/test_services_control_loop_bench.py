@@ -8,7 +8,7 @@ import pathlib
 import subprocess
 import sys
 
-from verifypd.server.launcher import child_env
+from verifypd.launch.launcher import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

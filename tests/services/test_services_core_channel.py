@@ -39,7 +39,7 @@ class CountingChannel:
 
 @pytest.fixture(scope="module")
 def gateway(tiny_models):
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     gw = build_colocated(engine_options(*tiny_models))
     gw.core.channel = CountingChannel(gw.core.channel)
@@ -162,7 +162,7 @@ def test_engine_core_process_crash_fails_requests_and_serve_exits(tiny_models):
 
 def test_health_not_serving_after_core_loss_in_process(tiny_models):
     """The in-process core stopped under the gateway: new requests get UNAVAILABLE, health NOT_SERVING."""
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     gw = build_colocated(engine_options(*tiny_models)).start()
     try:

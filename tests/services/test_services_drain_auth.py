@@ -21,7 +21,7 @@ API_KEY = "test-api-key-0123456789"
 
 def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
     from verifypd.cli import main
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     with build_colocated(engine_options(*tiny_models), api_key=API_KEY) as gw:
         client = Client(gw.address)

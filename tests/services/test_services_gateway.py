@@ -57,8 +57,8 @@ class Recorder:
 
 
 def start_gateway(tiny_models, *, readers=None, max_queue=256, **option_overrides):
-    from verifypd.server.gateway import build_colocated
-    from verifypd.server.telemetry import Telemetry
+    from verifypd.gateway.server import build_colocated
+    from verifypd.core.telemetry import Telemetry
 
     telemetry = Telemetry(readers=readers)
     gw = build_colocated(engine_options(*tiny_models, **option_overrides), observer=telemetry, max_queue=max_queue,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
-from verifypd.server.launcher import child_env
+from verifypd.launch.launcher import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ AUTH = (("x-verifypd-lane-secret", SECRET),)
 
 class Lanes:
     def __init__(self, options):
-        from verifypd.server.lane_server import LaneServicer, build_lane_server
+        from verifypd.lanerpc.lane_server import LaneServicer, build_lane_server
 
         self.servicers, self.servers, self.addrs, self.channels = {}, [], {}, {}
         for role in ("verify", "draft", "prefill"):

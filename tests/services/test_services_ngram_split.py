@@ -17,7 +17,7 @@ PROMPTS = [[5, 9, 11, 30, 5, 9, 11, 30, 5, 9], [40, 41, 42, 43, 44, 40, 41, 42],
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.server.launcher import LaneProcesses
+    from verifypd.launch.launcher import LaneProcesses
 
     procs = LaneProcesses(engine_options(tiny_models[0], DRAFT))
     procs.start(timeout_s=120)
@@ -26,7 +26,7 @@ def lanes(tiny_models):
 
 
 def split_gateway(tiny_models, lanes, kv_transport):
-    from verifypd.server.gateway import build_split
+    from verifypd.gateway.server import build_split
 
     return build_split(lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport,
                        lane_secret=lanes.secret).start()

@@ -1,6 +1,6 @@
-"""The engine core: the router and its lanes behind the core channel (core_channel.py).
+"""The engine core: the router and its lanes behind the core channel (core/channel.py).
 
-`verifypd serve` runs it as its own process (`python -m verifypd.server.engine_core`, spawned by
+`verifypd serve` runs it as its own process (`python -m verifypd.core.core_server`, spawned by
 the gateway with the channel's socket inherited), so the router's steps never share an
 interpreter lock with gRPC, HTTP, tokenization or detokenization. Its main thread does nothing
 but steps (`EngineLoop`); one reader thread turns channel messages into inbox commands; the split
@@ -18,10 +18,10 @@ from dataclasses import asdict
 
 from verifypd.engine.types import InvalidRequest, RequestOutput
 from verifypd.lanes.interface import LaneError
-from verifypd.server import convert
-from verifypd.server.core_channel import (BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire,
+from verifypd import convert
+from verifypd.core.channel import (BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire,
                                           unb64)
-from verifypd.server.engine_loop import Draining, EngineLoop, Overloaded, Unavailable
+from verifypd.core.engine_loop import Draining, EngineLoop, Overloaded, Unavailable
 from verifypd.v1 import control_pb2
 
 log = logging.getLogger("verifypd.core")
@@ -212,7 +212,7 @@ class CoreServer:
         """Engine thread, during recovery: raises LaneError until every lane serves again; then
         re-reads the owners' pools (new ids and generations after a restart) and has the prefill
         lane import them. Old-generation handles are refused by the lanes from then on."""
-        from verifypd.server.lane_client import wire_pools
+        from verifypd.lanerpc.lane_client import wire_pools
 
         for lane in self.lanes:
             if not lane.healthy(timeout_s=1.0):

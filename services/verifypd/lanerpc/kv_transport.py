@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from verifypd.model.kv_pool import LAYOUT, KvPool, PoolGeometry
-from verifypd.server import cuda_ipc
-from verifypd.server.lane_convert import ROLE_FROM_PB, ROLE_TO_PB
+from verifypd.lanerpc import cuda_ipc
+from verifypd.lanerpc.lane_convert import ROLE_FROM_PB, ROLE_TO_PB
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]

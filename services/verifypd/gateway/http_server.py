@@ -1,7 +1,7 @@
 """Runs the HTTP API (http_api.py) with uvicorn on the gateway's event loop (beside the grpc.aio
 server: one loop, no thread per request), and the Prometheus side of the telemetry.
 
-`/metrics` shows the very instruments the OTLP exporter sends: `prometheus_reader()` is one more
+`/metrics` shows the very instruments the OTLP exporter sends: `core.telemetry.prometheus_reader()` is one more
 OpenTelemetry MetricReader on the same MeterProvider (opentelemetry-exporter-prometheus), which
 translates names the standard way (`gen_ai.server.time_to_first_token` with unit s ->
 `gen_ai_server_time_to_first_token_seconds`). Each gateway gets its own CollectorRegistry, so
@@ -16,15 +16,6 @@ import threading
 import time
 
 log = logging.getLogger("verifypd.http")
-
-
-def prometheus_reader():
-    """(reader for Telemetry(readers=...), the registry /metrics renders)."""
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry
-
-    registry = CollectorRegistry(auto_describe=True)
-    return PrometheusMetricReader(registry=registry), registry
 
 
 class HttpServer:

@@ -1,6 +1,6 @@
 """The engine thread: the one thread that touches the Router (which is not thread-safe).
 
-It runs in the engine-core process (engine_core.py; a thread of the gateway's process in tests) and
+It runs in the engine-core process (core/core_server.py; a thread of the gateway's process in tests) and
 loops `router.step()` while there is work. Between steps it runs commands posted to its inbox by
 the channel's reader thread (add a request, abort one, swap the runtime config, fail everything),
 so an abort or config change takes effect before the next step. Each step's outputs, for all

@@ -122,3 +122,12 @@ class Telemetry(EngineObserver):
     def shutdown(self) -> None:
         if self.provider is not None:
             self.provider.shutdown()
+
+
+def prometheus_reader():
+    """(reader for Telemetry(readers=...), the registry /metrics renders)."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=True)
+    return PrometheusMetricReader(registry=registry), registry

@@ -15,9 +15,9 @@ import numpy as np
 from verifypd.engine.types import MAX_K, SamplingParams
 from verifypd.lanes.interface import (DraftItem, DraftOutput, KvHandle, PrefillItem, PrefillOutput, VerifyItem,
                                       VerifyOutput)
-from verifypd.server import lane_validate as lv
-from verifypd.server.call_codec import NONE_U32, HandoffTokens, u32
-from verifypd.server.lane_convert import sampling_from_pb
+from verifypd.lanerpc import lane_validate as lv
+from verifypd.lanerpc.call_codec import NONE_U32, HandoffTokens, u32
+from verifypd.lanerpc.lane_convert import sampling_from_pb
 from verifypd.v1 import lanes_pb2
 
 MAX_HELD = 1 << 16        # requests one connection may hold

@@ -37,15 +37,15 @@ from verifypd.local_engine import EngineOptions, capture_graphs, draft_spec
 from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
 from verifypd.model.llama import PagedLlama
 from verifypd.model.runner import ModelRunner
-from verifypd.server import kv_transport as kv
-from verifypd.server import call_decode as cd
-from verifypd.server import lane_convert as lc
-from verifypd.server import lane_validate as lv
-from verifypd.server.call_channel import CallServer
-from verifypd.server.lane_calls import CallChannelWork
-from verifypd.server.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks
-from verifypd.server.auth import lane_interceptor, lane_metadata
-from verifypd.server.health import add_health_and_reflection
+from verifypd.lanerpc import kv_transport as kv
+from verifypd.lanerpc import call_decode as cd
+from verifypd.lanerpc import lane_convert as lc
+from verifypd.lanerpc import lane_validate as lv
+from verifypd.lanerpc.call_channel import CallServer
+from verifypd.lanerpc.lane_calls import CallChannelWork
+from verifypd.lanerpc.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks
+from verifypd.auth import lane_interceptor, lane_metadata
+from verifypd.health import add_health_and_reflection
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane")
@@ -87,7 +87,7 @@ class LaneServicer(CallChannelWork):
             capture_graphs(None, runner, options.config.k_max)
             self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
             if self.device.type == "cuda":
-                from verifypd.server.draft_handoff import DraftHandoffBuffer
+                from verifypd.lanerpc.draft_handoff import DraftHandoffBuffer
                 self.handoff = DraftHandoffBuffer(self.device)
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
@@ -185,7 +185,7 @@ class LaneServicer(CallChannelWork):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft_handoff: this verify lane runs on the CPU")
         t0 = time.perf_counter()
         try:
-            from verifypd.server.draft_handoff import OpenedHandoff
+            from verifypd.lanerpc.draft_handoff import OpenedHandoff
             opened = OpenedHandoff(d, self.device)
         except (ValueError, RuntimeError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft_handoff: cannot open: {exc}")

@@ -19,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneError, LaneInfo, PrefillItem, PrefillOutput,
                                       VerifyItem, VerifyOutput)
-from verifypd.server import call_codec as cc
-from verifypd.server import lane_convert as lc
-from verifypd.server.call_channel import CallClient, ChannelClosed
-from verifypd.server.auth import lane_metadata
+from verifypd.lanerpc import call_codec as cc
+from verifypd.lanerpc import lane_convert as lc
+from verifypd.lanerpc.call_channel import CallClient, ChannelClosed
+from verifypd.auth import lane_metadata
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
@@ -232,7 +232,7 @@ class GrpcVerifyLane(_GrpcLane):
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
-            from verifypd.server.kv_transport import encode_probs
+            from verifypd.lanerpc.kv_transport import encode_probs
             return encode_probs(probs, top_k)
 
         return self._work(items, lambda mirror, items: cc.encode_verify(mirror, items, encode), cc.decode_verify,

@@ -16,8 +16,8 @@ import torch
 
 from verifypd.engine.types import MAX_K
 from verifypd.lanes.local import DraftBatch
-from verifypd.server import cuda_ipc
-from verifypd.server.kv_transport import host_boot_id
+from verifypd.lanerpc import cuda_ipc
+from verifypd.lanerpc.kv_transport import host_boot_id
 from verifypd.v1 import lanes_pb2
 
 SLOTS = 2

@@ -14,9 +14,9 @@ import grpc
 import torch
 
 from verifypd.lanes.local import DeviceDraftTokens
-from verifypd.server import call_decode as cd
-from verifypd.server import lane_validate as lv
-from verifypd.server.call_codec import HandoffTokens, u32
+from verifypd.lanerpc import call_decode as cd
+from verifypd.lanerpc import lane_validate as lv
+from verifypd.lanerpc.call_codec import HandoffTokens, u32
 from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.lane")

@@ -1,7 +1,7 @@
 """Building the engine core (router + lanes) and running it as its own process.
 
     spawn_core(serve_argv)  -> CoreProcess   the gateway's side: a socketpair, the child started
-                                             with `python -m verifypd.server.core_process`
+                                             with `python -m verifypd.core.process`
     core_main(argv)                          the child: parses the same `serve` arguments, builds
                                              the router (colocated, or split: lane processes it
                                              launches and supervises, or lanes at --*-addr), then
@@ -41,7 +41,7 @@ def build_colocated_core(options, *, observer=None, topology: str = "colocated")
 
 def connect_lanes(addrs: dict[str, str], *, timeout_s: float = 60.0, ready_timeout_s: float = 120.0,
                   secret: str | None = None):
-    from verifypd.server.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
+    from verifypd.lanerpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
 
     lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s, secret), GrpcDraftLane(addrs["draft"], timeout_s, secret),
              GrpcVerifyLane(addrs["verify"], timeout_s, secret))
@@ -56,7 +56,7 @@ def build_split_core(addrs: dict[str, str], options, *, kv_transport: str = "aut
     (or stages) the owners' pools once (and again after a lane restart, CoreServer._rewire).
     The router does not detokenize: the gateway does (decode=None)."""
     from verifypd.engine.router import Router
-    from verifypd.server.lane_client import wire_pools
+    from verifypd.lanerpc.lane_client import wire_pools
 
     prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s, secret=lane_secret)
     wiring = wire_pools(prefill, draft, verify, kv_transport)
@@ -70,28 +70,28 @@ def build_split_core(addrs: dict[str, str], options, *, kv_transport: str = "aut
 
 # -- the child process -------------------------------------------------------------------------
 def core_main(argv: list[str]) -> int:
-    """`python -m verifypd.server.core_process --channel-fd N SERVE_ARGS...`"""
-    from verifypd.cli import build_parser
-    from verifypd.server.cli import engine_options, setup_logging, warn_simulated
-    from verifypd.server.core_channel import BlockingChannel
-    from verifypd.server.engine_core import CoreServer
-    from verifypd.server.telemetry import Telemetry
+    """`python -m verifypd.core.process --channel-fd N SERVE_ARGS...`"""
+    from verifypd.launch.serve_args import engine_options, serve_parser, setup_logging, warn_simulated
+    from verifypd.core.channel import BlockingChannel
+    from verifypd.core.core_server import CoreServer
+    from verifypd.core.telemetry import Telemetry
 
     if len(argv) < 2 or argv[0] != "--channel-fd":
-        print("usage: python -m verifypd.server.core_process --channel-fd N serve ARGS...", file=sys.stderr)
+        print("usage: python -m verifypd.core.process --channel-fd N serve ARGS...", file=sys.stderr)
         return 2
     # The gateway decides when to stop (its drain): a terminal's Ctrl-C reaches the whole process
     # group, and the core must keep serving the requests the gateway is draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     channel = BlockingChannel(socket.socket(fileno=int(argv[1])))
-    args = build_parser().parse_args(argv[2:])
+    serve_argv = argv[2:]
+    args = serve_parser().parse_args(serve_argv[1:] if serve_argv[:1] == ["serve"] else serve_argv)
     setup_logging()
     options = engine_options(args)
     warn_simulated(options)
     readers, registry = [], None
     if args.http_port:  # /metrics on the gateway asks this process for its instruments' text
-        from verifypd.server.http_server import prometheus_reader
+        from verifypd.core.telemetry import prometheus_reader
         reader, registry = prometheus_reader()
         readers.append(reader)
     telemetry = Telemetry("verifypd-gateway", readers=readers)
@@ -99,13 +99,13 @@ def core_main(argv: list[str]) -> int:
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
     lanes, on_close, supervisor = (), [telemetry.shutdown], None
     if any(addrs.values()):
-        from verifypd.server.auth import load_secret
+        from verifypd.auth import load_secret
 
         router, info, lanes, _ = build_split_core(addrs, options, topology=args.topology, observer=telemetry,
                                                   lane_secret=load_secret(args.lane_secret_file), **split)
     elif args.topology == "split":
-        from verifypd.server.launcher import LaneProcesses
-        from verifypd.server.supervisor import LaneSupervisor
+        from verifypd.launch.launcher import LaneProcesses
+        from verifypd.launch.supervisor import LaneSupervisor
 
         options.shared_cpu_pools = True
         procs = LaneProcesses(options, host="127.0.0.1")
@@ -150,10 +150,10 @@ class CoreProcess:
     def __init__(self, serve_argv: list[str], program: list[str] | None = None):
         """`program`: what runs the core (default this module; benches pass their own), called as
         PROGRAM --channel-fd N SERVE_ARGV..."""
-        from verifypd.server.launcher import child_env
+        from verifypd.launch.launcher import child_env
 
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        program = program or [sys.executable, "-m", "verifypd.server.core_process"]
+        program = program or [sys.executable, "-m", "verifypd.core.process"]
         cmd = [*program, "--channel-fd", str(child.fileno()), *serve_argv]
         self.proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), env=child_env())
         child.close()

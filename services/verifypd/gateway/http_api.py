@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from verifypd.engine.types import InvalidRequest
-from verifypd.server import convert
-from verifypd.server import openai_convert as oc
-from verifypd.server.engine_client import Chunk, Failure
-from verifypd.server.engine_loop import Overloaded, Unavailable
+from verifypd import convert
+from verifypd.gateway import openai_convert as oc
+from verifypd.gateway.engine_client import Chunk, Failure
+from verifypd.core.engine_loop import Overloaded, Unavailable
 
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024

@@ -25,7 +25,7 @@ import time
 import threading
 
 import verifypd
-from verifypd.server.auth import LANE_SECRET_ENV, new_secret
+from verifypd.auth import LANE_SECRET_ENV, new_secret
 
 log = logging.getLogger("verifypd.launcher")
 LANES = ("prefill", "draft", "verify")

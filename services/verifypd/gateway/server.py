@@ -1,9 +1,9 @@
 """The gateway: the public face of a server. One asyncio event loop (its own thread) runs the
 grpc.aio server (Generation, Control, health, reflection), the OpenAI HTTP API (uvicorn on the
 same loop, http_server.py), tokenization, detokenization and stop strings; no thread per stream.
-The router runs in the engine core (engine_core.py), reached over the core channel:
+The router runs in the engine core (core/core_server.py), reached over the core channel:
 
-    verifypd serve          the core is its own process (core_process.CoreProcess)
+    verifypd serve          the core is its own process (core/process.py: CoreProcess)
     build_colocated/split   the core runs in threads of this process, over a socketpair all the
                             same (tests, benches): `gateway.router` / `gateway.engine` reach it
 """
@@ -18,14 +18,14 @@ import time
 import grpc
 
 from verifypd.engine.types import InvalidRequest
-from verifypd.server import convert
-from verifypd.server.auth import gateway_interceptor
-from verifypd.server.core_channel import AsyncChannel, BlockingChannel
-from verifypd.server.core_process import build_colocated_core, build_split_core, server_info  # noqa: F401
-from verifypd.server.engine_client import EngineClient, Failure
-from verifypd.server.engine_core import CoreServer
-from verifypd.server.engine_loop import Draining, Overloaded, Unavailable
-from verifypd.server.health import AsyncHealth
+from verifypd import convert
+from verifypd.auth import gateway_interceptor
+from verifypd.core.channel import AsyncChannel, BlockingChannel
+from verifypd.core.process import build_colocated_core, build_split_core, server_info  # noqa: F401
+from verifypd.gateway.engine_client import EngineClient, Failure
+from verifypd.core.core_server import CoreServer
+from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.health import AsyncHealth
 from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
 
 log = logging.getLogger("verifypd.gateway")

@@ -25,9 +25,9 @@ import grpc
 
 from verifypd.engine.detokenize import IncrementalDetokenizer
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestSpec
-from verifypd.server.core_channel import (USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire,
+from verifypd.core.channel import (USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire,
                                           spec_to_wire, unb64)
-from verifypd.server.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.v1 import control_pb2, generate_pb2
 
 log = logging.getLogger("verifypd.gateway")

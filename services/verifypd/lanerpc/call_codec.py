@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from verifypd.lanes.interface import (DraftItem, DraftOutput, KvHandle, PrefillItem, PrefillOutput, VerifyItem,
                                       VerifyOutput)
-from verifypd.server.lane_convert import sampling_to_pb
+from verifypd.lanerpc.lane_convert import sampling_to_pb
 from verifypd.v1 import lanes_pb2
 
 NONE_U32 = 0xFFFFFFFF  # "no value" in a uint32 column (no first token, no resync)
