@@ -93,6 +93,14 @@ def test_accept_raced_counts_a_prefix_and_emits_the_bonus():
     assert accepted.tolist() == [2, 1] and final.tolist() == [winners[0, 2].item(), winners[1, 1].item()]
 
 
+def test_race_in_chunks_equals_one_piece(monkeypatch):
+    probs = torch.softmax(torch.randn(10, 50), -1)
+    seeds, pos = torch.arange(10) - 3, torch.arange(10) * 2
+    whole = sampler.race(probs, seeds, pos)
+    monkeypatch.setattr(sampler, "RACE_CHUNK_ELEMENTS", 150)  # 3 rows per chunk: 4 chunks
+    assert torch.equal(sampler.race(probs, seeds, pos), whole)
+
+
 def test_race_randomness_is_per_seed_position_and_token_and_batch_independent():
     seeds = torch.tensor([1, 1, 2, -5])
     pos = torch.tensor([7, 8, 7, 7])

@@ -34,6 +34,7 @@ STREAM_ACCEPT = 1  # the simulated-acceptance benchmark's Bernoulli draws
 NO_TOKEN = -1  # a row whose distribution is NaN or empty
 _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9
+RACE_CHUNK_ELEMENTS = 1 << 25  # rows x vocab per chunk of `race` (256 MiB per int64 temporary)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -59,9 +60,14 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
 def race_log_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """log U[seed, position, v] for v < vocab: [N, vocab] float32, all < 0. Integer ops only, so
     bit-identical on CPU and GPU, no host sync (CUDA-graph safe). U has 24 random bits (exact in
-    float32, in (0, 1) strictly: log U is finite and negative, never 0)."""
-    vocab_ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    x = _mix32(_keys(seeds, positions)[:, None] ^ _mix32(vocab_ids * _GOLDEN32 + 0x632BE5AB))
+    float32, in (0, 1) strictly: log U is finite and negative, never 0).
+
+    Cost is per element of [N, vocab], so the fully mixed parts are per row (the (seed, position)
+    key) and per token (its own hash, [vocab]); each element only xors the two and takes one
+    multiply round, whose top 24 bits (the best mixed) make U."""
+    vocab_hash = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN32 + 0x632BE5AB)
+    x = _keys(seeds, positions)[:, None] ^ vocab_hash[None, :]
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     return torch.log(((x >> 8).float() + 0.5) * (1.0 / 16777216.0))
 
 
@@ -70,7 +76,17 @@ def race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> t
     chosen -> token ids [N]. argmax_v log U_v / p_v is argmin_v E_v / p_v with E_v = -log U_v ~ Exp(1):
     token v wins with probability p_v; p_v = 0 scores -inf and never wins. Rows whose distribution
     is broken (NaN/inf, or no mass) give NO_TOKEN, which no vocabulary holds: device-side, no host
-    sync; the router refuses NO_TOKEN as a lane fault."""
+    sync; the router refuses NO_TOKEN as a lane fault. Rows go in chunks of RACE_CHUNK_ELEMENTS
+    (the hash's int64 temporaries are [rows, V]: a 256-request verify of k = 8 over a 128k
+    vocabulary would otherwise hold several GB of them)."""
+    rows = max(1, RACE_CHUNK_ELEMENTS // probs.shape[-1])
+    if probs.shape[0] <= rows:
+        return _race(probs, seeds, positions)
+    return torch.cat([_race(probs[i:i + rows], seeds[i:i + rows], positions[i:i + rows])
+                      for i in range(0, probs.shape[0], rows)])
+
+
+def _race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     scores = race_log_uniforms(seeds, positions, probs.shape[-1]) / probs
     idx = scores.argmax(-1)
     total = probs.sum(-1)
