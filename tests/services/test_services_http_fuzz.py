@@ -46,6 +46,23 @@ def test_deeply_nested_json_is_a_400_naming_the_limit(server, opener, closer, de
     assert err["code"] == "json_too_deep" and "Traceback" not in r.text
 
 
+@pytest.mark.parametrize("path,body", [
+    (COMP, b'{"model": "tiny", "prompt": "w5 \\ud800"}'),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff w5"}]}'),
+    (COMP, b'{"model": "tiny", "prompt": "w5", "stop": ["\\uD800"]}'),
+    (COMP, b'{"model": "tiny", "prompt": "w5", "\\ud800": 1}'),
+])
+def test_lone_surrogates_are_a_400(server, path, body):
+    """Valid JSON, but text UTF-8 cannot carry (it failed in the protobuf conversion: a 500)."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = post(client, path, body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_text", r.text[:300]
+    # A valid surrogate pair (an emoji) is text like any other.
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = post(client, COMP, b'{"model": "tiny", "prompt": "w5 \\ud83d\\ude00", "max_tokens": 1}')
+    assert r.status_code == 200, r.text[:300]
+
+
 # -- generated bodies --------------------------------------------------------------------------
 PARAMS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
           "stream_options", "n", "user", "priority", "speculation", "ignore_eos", "messages", "prompt",
