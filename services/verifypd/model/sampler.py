@@ -67,8 +67,12 @@ def race_log_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     multiply round, whose top 24 bits (the best mixed) make U."""
     vocab_hash = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN32 + 0x632BE5AB)
     x = _keys(seeds, positions)[:, None] ^ vocab_hash[None, :]
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    return torch.log(((x >> 8).float() + 0.5) * (1.0 / 16777216.0))
+    # In place: each [N, vocab] temporary costs a pass over memory (and on the CPU, fresh pages).
+    x ^= x >> 16
+    x *= 0x45D9F3B          # < 2^32 * 2^27: no int64 overflow
+    x &= _MASK32
+    x >>= 8
+    return x.float().add_(0.5).mul_(1.0 / 16777216.0).log_()
 
 
 def race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,7 @@ def race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> t
 
 
 def _race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    scores = race_log_uniforms(seeds, positions, probs.shape[-1]) / probs
+    scores = race_log_uniforms(seeds, positions, probs.shape[-1]).div_(probs)
     idx = scores.argmax(-1)
     total = probs.sum(-1)
     return torch.where(torch.isfinite(total) & (total > 0), idx, torch.full_like(idx, NO_TOKEN))
