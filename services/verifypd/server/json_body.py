@@ -6,7 +6,7 @@ The body's size is bounded by the HTTP layer (413 past `max_body_bytes`); here t
   content parts / part); Python's decoder recurses per level and raises RecursionError ~1,000 deep,
   which must not surface as a 500. Deeper bodies get a 400 naming the limit.
 * text that protobuf can carry: strings with lone UTF-16 surrogates ("\\ud800" is valid JSON but not
-  encodable as UTF-8) get a 400 naming the parameter instead of failing in the wire conversion.
+  encodable as UTF-8) get a 400 quoting where, instead of failing in the wire conversion (a 500).
 """
 from __future__ import annotations
 
