@@ -329,7 +329,7 @@ def draft_step_times(engine: Engine, batches: list[int], floors: dict, context: 
         def call(k):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            runner.draft(runs, [k] * b, greedy)[0].tolist()
+            runner.draft(runs, [k] * b, greedy).tolist()
             return time.perf_counter() - t0
         t = {k: statistics.median([call(k) for _ in range(12)][2:]) for k in (1, 5)}
         step = (t[5] - t[1]) / 4

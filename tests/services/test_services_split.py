@@ -87,12 +87,15 @@ def test_copy_transport_gives_same_output(tiny_models, lanes, prompts, expected)
         assert owner_bytes_received(gw) - received_before == copied
 
 
-@pytest.mark.parametrize("top_k", [0, 7])  # dense and sparse DraftProbs on the wire
+@pytest.mark.parametrize("top_k", [0, 7])
 def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
+    """Seeded output is the same split and colocated, and equal to no draft at all (docs/engine.md,
+    "Seeds"): only draft tokens cross the wire."""
     prompt = [4, 8, 15, 16, 23, 42]
     sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=99)
-    expected = offline_outputs(engine_options(*tiny_models),
-                               [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)])
+    spec = RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)
+    expected = offline_outputs(engine_options(*tiny_models), [spec])
+    assert offline_outputs(engine_options(tiny_models[0], "none", k=0), [spec]) == expected
     with split_gateway(tiny_models, lanes, "auto") as gw:
         ids, msgs = Client(gw.address).generate(
             token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=20, stop_at_eos=False,

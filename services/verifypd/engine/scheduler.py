@@ -212,8 +212,9 @@ class Scheduler:
                 continue
             if seq.held_draft is None and self._cap(config, seq, config.k_max if last_k is None else last_k) > 0:
                 # Just moved here (joined, rebalanced): it waits one step and drafts with its group
-                # next step. Plain-decoding it now would change its k sequence, and so a seeded
-                # sampled request's tokens, against a lock-step run.
+                # next step, so its k sequence is a lock-step run's. (Seeded tokens no longer depend
+                # on k: coupled acceptance, verifypd.model.sampler. Plain-decoding it now instead
+                # would be correct too; a possible latency trade.)
                 continue
             k = len(seq.held_draft.tokens) if seq.held_draft is not None else 0
             k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=False)

@@ -183,10 +183,7 @@ class HttpApi:
                     raise too_big
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
             raise oc.ApiError(400, "client disconnected while sending the body") from None
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise oc.bad(None, f"the request body is not valid JSON: {exc}") from None
+        return oc.decode_body(body)
 
     async def _generate(self, request: Request, kind: str, id_prefix: str):
         parsed = None

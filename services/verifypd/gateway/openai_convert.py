@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from verifypd.engine.types import FinishReason
+from verifypd.server.json_body import JsonBodyError, parse_json_body
 from verifypd.v1 import generate_pb2
 
 CHAT, COMPLETION = "chat", "completion"
@@ -46,6 +47,14 @@ class ApiError(Exception):
 
 def bad(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, param, "invalid_value" if param else None)
+
+
+def decode_body(body: bytes | bytearray):
+    """An HTTP request body -> its JSON value, within the depth and text limits of `json_body`."""
+    try:
+        return parse_json_body(body)
+    except JsonBodyError as exc:
+        raise ApiError(400, str(exc), None, exc.code) from None
 
 
 @dataclass
