@@ -36,7 +36,7 @@ HOSTILE = [
 
 @pytest.fixture(scope="module")
 def gateway(tiny_models):
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     gw = build_colocated(engine_options(*tiny_models), max_queue=4096).start()
     yield gw

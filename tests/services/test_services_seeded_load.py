@@ -13,7 +13,7 @@ PROMPT, SEED, TEMPERATURE, MAX_TOKENS = [9, 8, 7, 9, 8, 7], 2026, 0.9, 40
 
 
 def test_seeded_request_under_concurrent_load_gives_one_output(tiny_models):
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     reference = offline_outputs(engine_options(tiny_models[0], "none", k=0), [RequestSpec(
         tuple(PROMPT), max_tokens=MAX_TOKENS, stop_at_eos=False,

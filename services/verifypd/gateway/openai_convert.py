@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from verifypd.engine.types import FinishReason
-from verifypd.server.json_body import JsonBodyError, parse_json_body
+from verifypd.gateway.json_body import JsonBodyError, parse_json_body
 from verifypd.v1 import generate_pb2
 
 CHAT, COMPLETION = "chat", "completion"
