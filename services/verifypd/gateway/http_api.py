@@ -137,8 +137,11 @@ class HttpApi:
     """Routes over a started `Gateway` (its engine loop, codec, info and health)."""
 
     def __init__(self, gateway, *, model_name: str | None = None, metrics_registry=None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None):
         self.gateway, self.client, self.info = gateway, gateway.client, gateway.info
+        # With --api-key the /v1 routes need `Authorization: Bearer KEY` (what OpenAI clients send),
+        # as gRPC Generate does; /health and /metrics stay open (probes and scrapers).
+        self._bearer = f"Bearer {api_key}".encode() if api_key else None
         self.model_name = model_name or gateway.info.target_model
         self.registry, self.max_body_bytes = metrics_registry, max_body_bytes
         self.fingerprint = f"verifypd-{gateway.info.version}"
@@ -149,6 +152,23 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal})
+        if self._bearer is not None:
+            self.app = self._require_key(self.app)
+
+    def _require_key(self, app):
+        import hmac
+
+        denied = oc.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", None,
+                             "invalid_api_key", "invalid_request_error")
+
+        async def guarded(scope, receive, send):
+            if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+                got = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(got, self._bearer):
+                    await error_response(denied)(scope, receive, send)
+                    return
+            await app(scope, receive, send)
+        return guarded
 
     # -- errors --------------------------------------------------------------------------------
     async def _not_found(self, request, exc):

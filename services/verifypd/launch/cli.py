@@ -127,7 +127,8 @@ def _start_http(gateway, args):
     from verifypd.gateway.http_api import HttpApi
     from verifypd.gateway.http_server import HttpServer
 
-    api = HttpApi(gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes)
+    api = HttpApi(gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes,
+                  api_key=args.api_key)
     http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop).start()
     print(f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})",
           file=sys.stderr, flush=True)
