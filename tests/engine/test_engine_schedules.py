@@ -282,6 +282,8 @@ def test_schedule_validation_and_cli():
     assert schedule_changes(args) == {"schedule": "baseline", "pipeline": False}  # auto, one process
     args = build_parser().parse_args(["serve", "--schedule", "pdv", "--topology", "split"])
     assert engine_options(args).config.pipelined  # auto: lane processes
+    args = build_parser().parse_args(["serve", "--topology", "split", "--draft", "none"])
+    assert not engine_options(args).config.pipelined  # auto: no draft call to overlap
     args = build_parser().parse_args(["serve", "--pipeline", "off", "--topology", "split"])
     assert not engine_options(args).config.pipelined
     args = build_parser().parse_args(["serve", "--pipeline", "on"])

@@ -156,7 +156,8 @@ def engine_options(args):
                    if getattr(args, name) is not None}
         if args.no_adaptive:
             changes["adaptive"] = False
-        changes.update(schedule_changes(args, split=getattr(args, "topology", "colocated") == "split"))
+        changes.update(schedule_changes(args, split=getattr(args, "topology", "colocated") == "split",
+                                        drafting=options.draft != "none"))
         options.config = RuntimeConfig(**changes) if changes else RuntimeConfig()
         options.config.validate()
     return options
