@@ -81,15 +81,18 @@ class _Check(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        # Same handler kind as the real one, so streaming methods fail cleanly too.
-        deny = _deny(self._message)
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        return handler_like(handler, _deny(self._message))
+
+
+def handler_like(handler, behavior):
+    """A method handler of the same kind as `handler` (so streaming methods fail cleanly too)."""
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behavior)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behavior)
+    return grpc.unary_unary_rpc_method_handler(behavior)
 
 
 def lane_interceptor(secret: str) -> grpc.ServerInterceptor:
@@ -199,13 +202,7 @@ class _AsyncGatewayAccess(grpc.aio.ServerInterceptor):
 
         async def deny(request, context):
             await context.abort(code, message)
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        return handler_like(handler, deny)
 
 
 def gateway_interceptor(api_key: str | None = None, admin_key: str | None = None) -> grpc.aio.ServerInterceptor:
