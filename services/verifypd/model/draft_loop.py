@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from verifypd.model import sampler
+from verifypd.model.layout import pack
 from verifypd.model.llama import BatchLayout, PagedLlama
 
 
@@ -67,8 +68,6 @@ class DraftState:
 
     def start(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int], staging) -> None:
         """Loads a call's rows (the first len(ks)); later rows become inactive padding."""
-        from verifypd.model.runner import pack  # runner imports this module
-
         n = len(ks)
         greedy = all(s.greedy for s in samplings)
         arrays = [np.asarray(next_pos, dtype=np.int64), np.asarray(ks, dtype=np.int64)]

@@ -17,8 +17,8 @@ import time
 import torch
 
 from verifypd.model.draft_loop import DraftState, draft_step
+from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.runner import PinnedStaging, TokenRun, build_layout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
