@@ -57,6 +57,7 @@ class Router:
         self.target_pool = _pool(verify_info.pools, "target")
         # None: a pool-less draft lane (prompt lookup, none): no draft blocks, no draft KV in prefill.
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)
+        self.feature_draft = draft_info.reads_features  # see LaneInfo.reads_features
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
@@ -252,8 +253,16 @@ class Router:
             items.append(DraftItem(
                 request_id=seq.request_id, input_tokens=seq.ids(seq.draft_computed, n + 1),
                 start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
-                draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed)))
+                draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed),
+                target_kv=self._handle(self.target_pool, seq.target_blocks, seq.target_computed,
+                                       seq.target_computed) if self.feature_draft else None))
         return items
+
+    def _typical_catch_up(self, items: list[DraftItem]) -> bool:
+        """No long draft catch-up in the call (its step is a cost sample worth keeping): <= 2 tokens,
+        or for a feature draft, which is re-fed every accepted token, <= k_max + 1."""
+        limit = self.config.k_max + 1 if self.feature_draft else 2
+        return max(len(i.input_tokens) for i in items) <= limit
 
     def _call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
         t0 = self._clock()
@@ -292,9 +301,9 @@ class Router:
             results, draft_s = self._call_draft(items)
             drafts = self._take_drafts(drafting, results)
             self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = max(len(i.input_tokens) for i in items) <= 2
+            typical = self._typical_catch_up(items)
         ahead_items = self._draft_items(ahead)
-        ahead_typical = not ahead_items or max(len(i.input_tokens) for i in ahead_items) <= 2
+        ahead_typical = not ahead_items or self._typical_catch_up(ahead_items)
         future = None
         if ahead_items and work and not SERIAL_PIPELINE:
             if self._pool is None:
@@ -373,7 +382,8 @@ class Router:
             assert 0 <= m <= k and len(res.new_tokens) == m + 1, "verify lane broke its contract"
             seq.target_computed = n + m + 1
             if k > 0:  # the draft lane wrote positions draft_computed .. n + k - 1
-                seq.draft_computed = min(n + k, n + m + 1)
+                # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
+                seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
             seq.stats.draft_tokens += k
             seq.stats.accepted_tokens += m
             seq.stats.verify_steps += 1

@@ -94,14 +94,26 @@ class DraftState:
 
 def draft_step(model: PagedLlama, pool: torch.Tensor, st: DraftState, block_size: int, mode: str) -> None:
     """One draft forward over all rows of `st`; advances the state in place (graph-capturable)."""
+    batch = step_batch(st, block_size)
+    logits = model.forward(pool, batch, st.rows, logits_out=st.logits)
+    advance(st, logits, mode, batch.positions + 1)
+
+
+def step_batch(st: DraftState, block_size: int) -> BatchLayout:
+    """One token per row: the fed tokens at their positions; inactive rows write nowhere and sit at
+    base - 1 (a position whose KV exists)."""
     active = st.step < st.k
     pos = torch.where(active, st.pos, st.base - 1)
     block = st.tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
     slots = torch.where(active, block * block_size + pos % block_size, -1)
-    batch = BatchLayout(input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables,
-                        query_start=st.query_start, max_query=1)
-    logits = model.forward(pool, batch, st.rows, logits_out=st.logits)
-    new, probs = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, pos + 1, sampler.STREAM_DRAFT)
+    return BatchLayout(input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables,
+                       query_start=st.query_start, max_query=1)
+
+
+def advance(st: DraftState, logits: torch.Tensor, mode: str, token_pos: torch.Tensor) -> None:
+    """Chooses each row's next token from `logits` (token_pos: the position it will have; keys the
+    sampler's random stream), records it and feeds it to the next step."""
+    new, probs = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, token_pos, sampler.STREAM_DRAFT)
     st.out_tokens.index_copy_(1, st.step, new[:, None])
     if probs is not None:
         st.out_probs.index_copy_(1, st.step, probs[:, None])
