@@ -19,14 +19,19 @@ from verifypd.model.llama import LayerWeights, apply_rope, rms_norm, rope_inv_fr
 
 
 class TrainableHead(nn.Module):
-    def __init__(self, config: EagleConfig, weights: EagleWeights, embed: torch.Tensor):
+    def __init__(self, config: EagleConfig, weights: EagleWeights, embed: torch.Tensor, train_lm_head: bool = True):
+        """train_lm_head=False: the lm_head (the target's, shared) stays frozen and is not saved."""
         super().__init__()
         self.config = config
         p = lambda t: nn.Parameter(t.detach().clone().float())  # noqa: E731 (fp32 master weights)
         L = weights.layer
         self.fc, self.qkv, self.o, self.gate_up, self.down = p(weights.fc), p(L.qkv), p(L.o), p(L.gate_up), p(L.down)
         self.input_norm, self.hidden_norm, self.post_norm = p(L.input_norm), p(weights.hidden_norm), p(L.post_norm)
-        self.final_norm, self.lm_head = p(weights.final_norm), p(weights.lm_head)
+        self.final_norm = p(weights.final_norm)
+        if train_lm_head:
+            self.lm_head = p(weights.lm_head)
+        else:
+            self.register_buffer("lm_head", weights.lm_head.detach().float(), persistent=False)
         self.register_buffer("embed", embed.detach().float(), persistent=False)  # the target's, frozen
         mapping = weights.draft_to_target
         self.register_buffer("draft_to_target", None if mapping is None else mapping.clone(), persistent=False)
