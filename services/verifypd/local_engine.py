@@ -185,8 +185,9 @@ class Engine:
             if self.draft_lane is None:
                 raise ModelLoadError(f"draft {m.draft_name!r} needs a draft model, and none was loaded")
         else:
-            draft_runner = (EagleRunner(m.draft_model, self.draft_pool, features) if eagle else
-                            ModelRunner(m.draft_model, self.draft_pool, graphs=graphs, buckets=buckets))
+            runner_class = EagleRunner if eagle else ModelRunner
+            extra = (features,) if eagle else ()
+            draft_runner = runner_class(m.draft_model, self.draft_pool, *extra, graphs=graphs, buckets=buckets)
             self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle,
                                                                     **common))
         self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)

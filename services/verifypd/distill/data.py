@@ -21,7 +21,8 @@ TOPICS = ["cooking", "history", "physics", "programming in Python", "travel", "m
           "space", "personal finance", "a job interview", "learning a language", "the weather", "cars",
           "databases", "poetry", "philosophy", "geography", "electricity", "computers", "art", "sleep"]
 SEEDS = ["Write one question a curious person might ask an assistant about {topic}. Reply with the question only.",
-         "Write a short instruction asking an assistant to do a task related to {topic}. Reply with the instruction only.",
+         "Write a short instruction asking an assistant to do a task related to {topic}. "
+         "Reply with the instruction only.",
          "Give one request about {topic} that someone could type into a chatbot. Only the request."]
 
 
@@ -63,7 +64,8 @@ def encode(codec, prompt) -> list[int]:
 def generate(engine, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,
              stop_at_eos: bool = True) -> list[list[int]]:
     specs = [RequestSpec(tuple(p), max_tokens=max_tokens, stop_at_eos=stop_at_eos, request_id=f"d{i}",
-                         sampling=SamplingParams(temperature=temperature, seed=seed + i)) for i, p in enumerate(prompts)]
+                         sampling=SamplingParams(temperature=temperature, seed=seed + i))
+             for i, p in enumerate(prompts)]
     done = engine.generate(specs)
     return [done[f"d{i}"].token_ids for i in range(len(prompts))]
 
@@ -72,8 +74,8 @@ def own_prompts(engine, codec, count: int, seed: int) -> list[list[int]]:
     """The target's own samples as prompts (see module doc)."""
     rng = random.Random(seed)
     if not codec.has_chat_template or codec.tokenizer is None:
-        bos = [codec.tokenizer.bos_token_id] if codec.tokenizer is not None and codec.tokenizer.bos_token_id is not None \
-            else [1]
+        bos_id = getattr(codec.tokenizer, "bos_token_id", None)
+        bos = [1 if bos_id is None else bos_id]
         starts = [bos + [rng.randrange(3, 64)] for _ in range(count)]
         texts = generate(engine, starts, 24, 1.0, seed, stop_at_eos=False)
         return [s + t for s, t in zip(starts, texts)]

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from verifypd.model import sampler
-from verifypd.model.draft_loop import DraftState, advance, step_batch
+from verifypd.model.draft_loop import DraftState
+from verifypd.model.eagle_chain import EagleGraphs, eagle_step
 from verifypd.model.eagle_head import EagleConfig, EagleWeights
 from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool
@@ -97,15 +98,22 @@ class EagleRunner:
     """The draft lane's runner for a feature draft (same calls as ModelRunner's draft side)."""
 
     reads_features = True
-    graphs = None  # eager for now (the chain step is graph-capturable: see docs/engine.md)
 
-    def __init__(self, model: EagleModel, pool: KvPool, features: FeaturePool):
+    def __init__(self, model: EagleModel, pool: KvPool, features: FeaturePool, graphs: bool | None = None,
+                 buckets: tuple[int, ...] | None = None):
+        """graphs: the chain step as CUDA graphs (None = on CUDA with the Triton backend)."""
         if pool.geometry.num_layers != 1:
             raise ValueError(f"an EAGLE head's pool has one layer, got {pool.geometry.num_layers}")
         self.model, self.pool, self.features = model, pool, features
         self.device = pool.device
         self.block_size = pool.geometry.block_size
         self.staging = PinnedStaging(self.device)
+        if graphs is None:
+            graphs = self.device.type == "cuda" and model.attention == "triton"
+        self.graphs = None
+        if graphs:
+            self.graphs = EagleGraphs(model, pool.tensor, self.block_size, self.staging,
+                                      **({"buckets": buckets} if buckets else {}))
 
     @property
     def vocab_size(self) -> int:
@@ -146,22 +154,16 @@ class EagleRunner:
         steps = max(ks)
         if steps == 1:
             return first[:, None], None if first_probs is None else first_probs[:, None]
+        state = hidden.view(len(runs), query, -1)[:, -1]                    # [B, H]: each run's last row
+        if self.graphs is not None and self.graphs.fits(len(runs), steps, tables.shape[1]):
+            return self.graphs.chain(samplings, first, first_probs, last_rows, ks, tables, state, mode)
         st = DraftState.allocate(len(runs), steps, self.vocab_size, tables, logits.dtype,
                                  probs=mode != sampler.GREEDY)
         st.start(samplings, first, first_probs, last_rows, ks, self.staging)
-        state = hidden.view(len(runs), query, -1)[:, -1].clone()            # [B, H]: each run's last row
+        state = state.clone()
         for _ in range(steps - 1):
             eagle_step(self.model, self.pool.tensor, st, state, self.block_size, mode)
         return st.out_tokens, st.out_probs
-
-
-def eagle_step(model: EagleModel, pool: torch.Tensor, st: DraftState, hidden: torch.Tensor, block_size: int,
-               mode: str) -> None:
-    """One chain step over all rows: feeds st.tok at row st.pos with `hidden` [R, H] (updated in place)."""
-    batch = step_batch(st, block_size)
-    out, logits = model.forward(pool, batch, st.rows, hidden=hidden, logits_out=st.logits)
-    hidden.copy_(out)
-    advance(st, logits, mode, batch.positions + 2)
 
 
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:
