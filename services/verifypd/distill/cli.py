@@ -48,6 +48,8 @@ def register(sub) -> None:
                                           "on these prompts, against ngram")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tokens", type=int, default=128)
+    p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the written head (checkpoints keep float32)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="the target's dtype (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,8 +80,12 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise ModelLoadError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     t0 = time.monotonic()
+    # The data engine's pools hold its running requests only (training needs the memory after it).
+    running = 256 if torch.cuda.is_available() and args.device != "cpu" else 32
     options = EngineOptions(target=args.target, draft="none", device=args.device, dtype=args.dtype,
-                            max_context=args.max_len + 64, config=RuntimeConfig(k_min=0, k_max=0, k_initial=0))
+                            max_context=args.max_len + 64, max_running=running,
+                            num_blocks=running * -(-(args.max_len + 64) // 16) + 64,
+                            config=RuntimeConfig(k_min=0, k_max=0, k_initial=0))
     models = load_models(options)
     engine = Engine(options, models=models)
     try:
@@ -88,7 +94,11 @@ def run(args) -> int:
                          heldout_fraction=args.heldout_fraction, max_len=args.max_len, seed=args.seed)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    del engine  # frees its KV pools; training has its own scratch pool
+    del engine  # frees its KV pools and graphs; training has its own scratch pool
+    import gc
+    gc.collect()
+    if models.device.type == "cuda":
+        torch.cuda.empty_cache()
     train_rows = [r for r in rows if not r["heldout"]] or rows
     heldout = [r for r in rows if r["heldout"]]
     log(f"data: {len(train_rows)} training and {len(heldout)} held-out sequences, "
@@ -111,7 +121,7 @@ def run(args) -> int:
     if checkpoint is not None:
         trainer.resume(checkpoint)
     finished = trainer.train(train_rows, heldout, progress_bar=not args.no_progress)
-    trainer.save(out)
+    trainer.save(out, getattr(torch, args.save_dtype))
     summary = {"target": args.target, "step": trainer.step, "finished": finished,
                "seconds_this_run": round(time.monotonic() - t0, 1), "history": trainer.history,
                "settings": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")}}

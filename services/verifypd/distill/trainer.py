@@ -77,8 +77,9 @@ class Trainer:
         self.history: list[dict] = []
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, path: pathlib.Path) -> None:
-        save_eagle_head(path, self.config, self.head.weights(), with_lm_head=self.train_lm_head)
+    def save(self, path: pathlib.Path, dtype: torch.dtype | None = None) -> None:
+        """The head in its published layout (checkpoints: fp32 master weights, dtype None)."""
+        save_eagle_head(path, self.config, self.head.weights(), with_lm_head=self.train_lm_head, dtype=dtype)
 
     def checkpoint(self) -> pathlib.Path:
         path = self.out / "checkpoints" / f"step-{self.step}"
@@ -134,6 +135,8 @@ class Trainer:
                     return False
             epoch += 1
         bar.close()
+        if self.step % self.s.checkpoint_every:  # a resumed run starts where this one ended
+            self.checkpoint()
         return True
 
     def train_step(self, group: list[dict]) -> tuple[float, list[float]]:
