@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -26,10 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_meta import git_revision  # noqa: E402
-from engine_throughput import LaneTimes, copy_bandwidth, run_engine  # noqa: E402
+from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
-from verifypd.engine.types import SamplingParams  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
 from verifypd.model.eagle_draft import EagleModel, FeatureRun  # noqa: E402
 from verifypd.model.eagle_head import random_eagle_head  # noqa: E402
@@ -55,14 +53,7 @@ def draft_step_times(engine: Engine, batches: list[int], bandwidth: float, conte
         runs = [FeatureRun([7], context, tuple(range(i * per_seq_draft, (i + 1) * per_seq_draft)),
                            target_block_ids=tuple(range(i * per_seq_target, (i + 1) * per_seq_target)))
                 for i in range(b)]
-        greedy = [SamplingParams()] * b
-
-        def call(k):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner.draft(runs, [k] * b, greedy)[0].tolist()
-            return time.perf_counter() - t0
-        t = {k: statistics.median([call(k) for _ in range(12)][2:]) for k in (1, 5)}
+        t = draft_call_seconds(runner, runs)
         step = (t[5] - t[1]) / 4
         rows.append({"batch": b, "draft_call_k1_s": round(t[1], 6), "draft_call_k5_s": round(t[5], 6),
                      "chain_step_s": round(step, 6), "head_bytes_floor_s": round(floor, 6),

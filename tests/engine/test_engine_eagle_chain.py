@@ -12,6 +12,7 @@ from verifypd.model.eagle_draft import EagleModel, EagleRunner, FeatureRun
 from verifypd.model.eagle_head import random_eagle_head
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.loader import load_model
+from verifypd.model.runner import TokenRun
 
 CPU = torch.device("cpu")
 
@@ -43,5 +44,3 @@ def test_paged_chain_equals_dense_unrolled_forward(tmp_path):
         dense[weights.draft_to_target] = logits[j][0, n - 1 + j]
         torch.testing.assert_close(probs[0, j], dense.softmax(-1), atol=1e-5, rtol=1e-4)
 
-
-from verifypd.model.runner import TokenRun  # noqa: E402

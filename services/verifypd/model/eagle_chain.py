@@ -13,7 +13,7 @@ import time
 import torch
 
 from verifypd.model.draft_loop import DraftState, advance, step_batch
-from verifypd.model.graph_runner import BUCKETS
+from verifypd.model.graph_runner import BUCKETS, capture_graph
 from verifypd.model.layout import PinnedStaging
 
 
@@ -69,15 +69,7 @@ class EagleGraphs:
         fn = lambda: eagle_step(self.model, self.pool, state, hidden, self.block_size, mode)  # noqa: E731
         self.state.k.zero_()       # warm-up and capture write no KV
         self.state.step.fill_(1)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream):
-            fn()
-        torch.cuda.synchronize()
+        graph = capture_graph(fn, self._mempool, self._capture_stream)
         self._graphs[(rows, mode)] = graph
         return graph
 

@@ -152,15 +152,7 @@ class GraphRunner:
         self.slots.fill_(-1)
         self.draft.k.zero_()
         self.draft.step.fill_(1)  # in range of out_tokens for the warm-up step
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream):
-            fn()
-        torch.cuda.synchronize()
+        graph = capture_graph(fn, self._mempool, self._capture_stream)
         self.capture_seconds += time.perf_counter() - t0
         return graph
 
@@ -176,6 +168,21 @@ class GraphRunner:
                     if self.fits(rows, query):
                         self._graph((kind, rows, query))
         return time.perf_counter() - t0
+
+
+def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
+    """Runs `fn` once on a side stream (lazy cuBLAS/Triton init stays out of the graph), then
+    captures it into a graph sharing `mempool`, on `stream` (None: torch's default capture stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return graph
 
 
 class _CheckedGraph:
