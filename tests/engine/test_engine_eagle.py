@@ -91,3 +91,21 @@ def test_bad_head_paths_name_the_flag(tiny_models, tmp_path):
     save_eagle_head(tmp_path / "wrong", config, weights)
     with pytest.raises(ModelLoadError, match="vocabulary"):
         make_engine(tiny_models[0], f"eagle:{tmp_path / 'wrong'}", k=2)
+
+
+def test_greedy_with_head_in_every_schedule(tiny_models, heads):
+    """Pipelined (pdv) steps draft one group beside the other's verify: features still line up."""
+    from test_engine_schedules import SCHEDULES, drive, specs
+
+    expected = {r: c.token_ids for r, c in make_engine(tiny_models[0], "none", k=0).generate(specs()).items()}
+    for schedule, pipeline in SCHEDULES:
+        tokens, _ = drive(make_engine(tiny_models[0], heads["small_vocab"], k=4), specs(), schedule, pipeline)
+        assert tokens == expected, (schedule, pipeline)
+
+
+def test_split_lanes_refuse_feature_drafts(heads):
+    from verifypd.local_engine import EngineOptions
+    from verifypd.server.lane_setup import load_lane_models
+
+    with pytest.raises(ModelLoadError, match="co-located only"):
+        load_lane_models(EngineOptions(target="random:tinyllama-1.1b", draft=heads["full"]), True, True)
