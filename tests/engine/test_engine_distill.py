@@ -52,7 +52,7 @@ def test_checkpoint_and_resume(trained, tmp_path, capsys):
     assert main(args) == 2                                      # checkpoints there: needs --resume
     assert "--resume" in capsys.readouterr().err
     assert main(args + ["--resume"]) == 0
-    assert "at step 1" in capsys.readouterr().err               # continued, not restarted
+    assert "step-1 at step 1" in capsys.readouterr().err        # continued, not restarted
     second = json.loads((out / "distill.json").read_text())
     assert second["finished"] and second["step"] == 5
 
