@@ -25,7 +25,7 @@ def test_paged_chain_equals_dense_unrolled_forward(tmp_path):
     n, K = len(prompt) - 1, 5
     # Serving: the target's forward writes features of positions 0 .. n - 1, then the head drafts.
     capture.runner.forward([TokenRun(prompt[:-1], 0, (0, 1))], None)
-    model = EagleModel(config, weights, target.weights.embed, attention="reference")
+    model = EagleModel(config, weights, target.weights.embed)  # VERIFYPD_ATTENTION picks the kernels
     pool = KvPool("draft", PoolGeometry(1, 8, 4, config.num_kv_heads, config.head_dim), torch.float32, CPU)
     runner = EagleRunner(model, pool, capture.features)
     sampling = SamplingParams(temperature=1.0, seed=11)
