@@ -8,6 +8,12 @@ bench/make_draft_prompts.py), the first --per-family of each family.
 
     python bench/draft_acceptance.py --drafts ngram,self:12,self:24 --per-family 4 --batch 4 \\
         --max-tokens 48 --out bench/results/draft_acceptance_cpu.json
+
+On a GPU (`--device cuda`: bf16, CUDA graphs), e.g. the prompt-lookup case of issue 22 (the
+adaptive policy must not lose to plain decoding where drafts are rarely accepted):
+
+    python bench/draft_acceptance.py --device cuda --drafts ngram --per-family 16 --batch 16 \\
+        --max-tokens 128 --out bench/results/draft_acceptance_ngram_h200.json
 """
 from __future__ import annotations
 
@@ -43,18 +49,16 @@ def load_prompts(per_family: int) -> dict[str, list[dict]]:
     return {f: rows[:per_family] for f, rows in families.items()}
 
 
-def make_engine(target, draft: str, k: int | None) -> Engine:
-    device = torch.device("cpu")
+def make_engine(target, draft: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
     models = Models(target, PagedLlama(target.shape, target.weights),
-                    load_draft_model(parse_draft(draft), target, device, torch.float32, 2048), draft, device,
-                    torch.float32)
+                    load_draft_model(parse_draft(draft), target, device, dtype, 2048), draft, device, dtype)
     if draft == "none":
         config = RuntimeConfig(k_min=0, k_max=0, k_initial=0, adaptive=False)
     elif k is not None:
         config = RuntimeConfig(k_min=0, k_max=k, k_initial=k, adaptive=False)
     else:
         config = RuntimeConfig()
-    return Engine(EngineOptions(num_blocks=256, device="cpu", config=config), models=models)
+    return Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
 
 
 def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
@@ -90,16 +94,19 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="fixed k (default: the adaptive policy, as served)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: CPU time measures work)")
     ap.add_argument("--batch", type=int, default=1, help="requests generated together (1: one at a time)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model("smollm2", torch.device("cpu"), torch.float32, 2048)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_model("smollm2", device, dtype, 2048)
     codec = TextCodec(target.tokenizer)
     rows = load_prompts(args.per_family)
     prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
                for f, rs in rows.items()}
     drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
-    engines = {d: make_engine(target, d, args.k) for d in drafts}
+    engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
     for engine in engines.values():  # first-call allocations outside the timings
         engine.generate([RequestSpec(prompts["chat"][0], max_tokens=4, request_id="warm")])
     results: dict[str, dict] = {d: {} for d in drafts}
@@ -124,9 +131,9 @@ def main() -> None:
                           "cpu_speedup_vs_no_speculation": r["tok_per_cpu_s"] / base[family]["tok_per_cpu_s"],
                           "same_output_as_no_speculation": same})
     result = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": "cpu",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "threads": args.threads, "cpu_count": os.cpu_count(),
-              "target": "smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized fp32)", "greedy": True, "batch": args.batch,
+              "target": f"smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized {str(dtype).removeprefix('torch.')})", "greedy": True, "batch": args.batch,
               "policy": f"fixed k={args.k}" if args.k is not None else "adaptive (RuntimeConfig defaults)",
               "max_tokens": args.max_tokens, "prompts_per_family": args.per_family,
               "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)), "rows": table}

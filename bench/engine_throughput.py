@@ -15,6 +15,18 @@ row is the whole draft + verify step and "draft ms" only the draft call's host t
 step itself is timed on its own (draft_steps).
 
     python bench/engine_throughput.py --out bench/results/engine_throughput_h100.json
+
+Adaptive k at low acceptance against plain decoding (issue 22: must stay >= 0.98 x k = 0), with
+an alpha 0.7 adaptive row to show drafting still pays:
+
+    python bench/engine_throughput.py --rows plain,simulated --alphas 0.7 --ks adaptive --fallback-alphas 0.1 \
+        --batches 1,16,64 --gen-len 128 --out bench/results/engine_adaptive_fallback_h200.json
+
+(`--alphas ''` leaves the alpha 0.7 row out.)
+
+Rows also count the router's k decisions: how many drafted on their merits and how many were
+probes (k = 1 for requests whose draft needs no catch-up). `--device cpu` with local model
+directories as --target/--draft is a smoke run (no floors, no draft-step timing).
 """
 from __future__ import annotations
 
@@ -102,18 +114,37 @@ class LaneTimes(EngineObserver):
         self.calls.append((lane, seconds, batch))
 
 
-def random_prompts(count: int, length: int, seed: int) -> list[tuple[int, ...]]:
-    """`count` prompts of `length` random token ids in [100, 31000), reproducible by seed."""
+def random_prompts(count: int, length: int, seed: int, vocab: int = 31000) -> list[tuple[int, ...]]:
+    """`count` prompts of `length` random token ids in [100, 31000) (a smaller vocabulary: its upper
+    half), reproducible by seed."""
     gen = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(100, 31000, (length,), generator=gen).tolist()) for _ in range(count)]
+    low, high = min(100, vocab // 2), min(31000, vocab)
+    return [tuple(torch.randint(low, high, (length,), generator=gen).tolist()) for _ in range(count)]
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def model_spec(name: str) -> str:
+    """A random-weight shape name, or a local model directory (tiny checkpoints for a CPU smoke run)."""
+    if os.path.isdir(name):
+        return name
+    if name not in RANDOM_SHAPES:
+        raise SystemExit(f"engine_throughput.py: error: {name!r} is neither a shape ({', '.join(sorted(RANDOM_SHAPES))}) "
+                         f"nor a model directory")
+    return f"random:{name}"
 
 
 def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
     router = engine.router
-    for i, prompt in enumerate(random_prompts(batch, prompt_len, seed)):
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, seed, router.vocab_size)):
         router.add_request(RequestSpec(prompt, max_tokens=gen_len, stop_at_eos=False, request_id=f"s{seed}-{i}"))
     times.calls.clear()
-    torch.cuda.synchronize()
+    probes = router.scheduler.probes  # the draft-length policy's decisions (draft_length.ProbeSchedule)
+    decisions0 = (probes.decisions, probes.drafting, probes.probes)
+    synchronize()
     t0 = time.perf_counter()
     produced = drafted = accepted = steps = 0
     ks = []
@@ -130,16 +161,25 @@ def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, ge
     def median(lane):
         xs = [s for name, s, b in times.calls if name == lane and b == batch]
         return statistics.median(xs) if xs else None
+    draft_calls = [s for name, s, b in times.calls if name == "draft"]
+    decisions, drafting, probed = (now - then for now, then in zip((probes.decisions, probes.drafting, probes.probes),
+                                                                   decisions0))
     return {"tokens": produced, "seconds": round(seconds, 4), "tok_per_s": round(produced / seconds, 1), "steps": steps,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
             "mean_k": round(sum(ks) / len(ks), 3) if ks else 0,
-            "verify_call_s": median("verify"), "draft_call_s": median("draft")}
+            "verify_call_s": median("verify"), "draft_call_s": median("draft"),
+            # every draft call, whatever its batch (a probe may draft for part of the batch)
+            "draft_calls": len(draft_calls), "draft_call_max_s": max(draft_calls) if draft_calls else None,
+            "k_decisions": decisions, "drafting_decisions": drafting, "probe_decisions": probed}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="llama-2-7b", choices=sorted(RANDOM_SHAPES))
-    ap.add_argument("--draft", default="tinyllama-1.1b", choices=sorted(RANDOM_SHAPES))
+    ap.add_argument("--target", default="llama-2-7b", help=f"a random-weight shape ({', '.join(sorted(RANDOM_SHAPES))}) "
+                    "or a local model directory")
+    ap.add_argument("--draft", default="tinyllama-1.1b", help="as --target")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a smoke run of the rows (no hardware floors, no draft-step timing)")
     ap.add_argument("--batches", default="1,4,16,64,128")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
@@ -154,37 +194,40 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     families = args.rows.split(",")
+    cuda = args.device == "cuda"
     results = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "weights": "random (bf16)", "prompt_len": args.prompt_len,
                "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft, "rows": []}
     if args.memory_test:
         return memory_test(args, results)
-    bandwidth = copy_bandwidth()
-    results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
-    base = dict(device="cuda", dtype="bfloat16", num_blocks=max_blocks, max_context=args.prompt_len + args.gen_len + 64,
-                graph_buckets=tuple(batches))
+    base = dict(device=args.device, dtype="bfloat16" if cuda else "float32", num_blocks=max_blocks,
+                max_context=args.prompt_len + args.gen_len + 64, graph_buckets=tuple(batches) if cuda else None)
     t0 = time.perf_counter()
-    target_models = load_models(EngineOptions(target=f"random:{args.target}", draft=f"random:{args.draft}", **base))
+    target_models = load_models(EngineOptions(target=model_spec(args.target), draft=model_spec(args.draft), **base))
     results["load_seconds"] = round(time.perf_counter() - t0, 1)
     tm, dm = target_models.target_model, target_models.draft_model
     floors = {}
-    for b in batches:
-        ctx = args.prompt_len + args.gen_len // 2
-        floors[b] = {"target_matmul_s": matmul_floor(tm, b), "draft_matmul_s": matmul_floor(dm, b),
-                     "target_bytes_s": (weight_bytes(tm) + kv_bytes(tm, b, ctx)) / bandwidth,
-                     "draft_bytes_s": (weight_bytes(dm) + kv_bytes(dm, b, ctx)) / bandwidth}
-    results["floors"] = {str(b): {k: round(v * 1e3, 3) for k, v in f.items()} for b, f in floors.items()}
-    results["floors_unit"] = "ms per step"
-    print(f"# {results['device']}  copy {results['copy_bandwidth_GBps']} GB/s  (rev {results['git_revision'][:10]})")
-    print("# floors (ms):", json.dumps(results["floors"]), flush=True)
+    if cuda:
+        bandwidth = copy_bandwidth()
+        results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+        for b in batches:
+            ctx = args.prompt_len + args.gen_len // 2
+            floors[b] = {"target_matmul_s": matmul_floor(tm, b), "draft_matmul_s": matmul_floor(dm, b),
+                         "target_bytes_s": (weight_bytes(tm) + kv_bytes(tm, b, ctx)) / bandwidth,
+                         "draft_bytes_s": (weight_bytes(dm) + kv_bytes(dm, b, ctx)) / bandwidth}
+        results["floors"] = {str(b): {k: round(v * 1e3, 3) for k, v in f.items()} for b, f in floors.items()}
+        results["floors_unit"] = "ms per step"
+        print(f"# {results['device']}  copy {results['copy_bandwidth_GBps']} GB/s  (rev {results['git_revision'][:10]})")
+        print("# floors (ms):", json.dumps(results["floors"]), flush=True)
 
     configs = []
     if "plain" in families:
         configs.append(("k=0 (plain decoding)", None, RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False), False))
     if "simulated" in families:
-        for alpha in [float(a) for a in args.alphas.split(",")]:
+        for alpha in [float(a) for a in args.alphas.split(",") if a]:
             for k in args.ks.split(","):
                 cfg = (RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True) if k == "adaptive"
                        else RuntimeConfig(k_min=0, k_max=max(int(k), 1), k_initial=int(k), adaptive=False))
@@ -205,17 +248,17 @@ def main() -> None:
         if self_draft:  # two target-sized pools: half the blocks each, batches up to 64
             opts["num_blocks"] = max_blocks // 2
         engine = Engine(EngineOptions(config=cfg, **opts), observer=times, models=models, simulated_acceptance=alpha)
-        if label.startswith("k=0"):
+        if label.startswith("k=0") and cuda:
             results["draft_steps"] = draft_step_times(engine, batches, floors)
         for b in batches:
             if self_draft and b > 64:
                 continue
             run_engine(engine, times, b, args.prompt_len, 16, seed=1000 + b)  # warm-up (lazy graphs, allocator)
             r = run_engine(engine, times, b, args.prompt_len, args.gen_len, seed=b)
-            f = floors[b]
+            f = floors.get(b)
             row = {"system": label, "simulated_acceptance": alpha, "batch": b, **r,
                    "graph_capture_s": round(engine.startup_capture_seconds, 2)}
-            if r["verify_call_s"] and cfg.k_initial == 0 and not cfg.adaptive:
+            if f and r["verify_call_s"] and cfg.k_initial == 0 and not cfg.adaptive:
                 row["decode_step_over_matmul_floor"] = round(r["verify_call_s"] / f["target_matmul_s"], 3)
                 row["decode_step_over_bytes_floor"] = round(r["verify_call_s"] / f["target_bytes_s"], 3)
             results["rows"].append(row)
@@ -223,7 +266,8 @@ def main() -> None:
             with open(args.out, "w") as fh:  # after every row: a run cut short keeps what it measured
                 json.dump(results, fh, indent=2)
         del engine
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith("k=0")}
     for row in results["rows"]:
         if row["batch"] in plain:
@@ -237,7 +281,7 @@ def memory_test(args, results: dict) -> None:
     """128 requests of 2,000 tokens at once (prompt 1000, 1000 generated) on the target shape, with the
     draft (SIMULATED acceptance 0.7, adaptive k): must finish with no out-of-memory error; the router
     queues and preempts when the pools run out."""
-    opts = EngineOptions(target=f"random:{args.target}", draft=f"random:{args.draft}", device="cuda",
+    opts = EngineOptions(target=model_spec(args.target), draft=model_spec(args.draft), device="cuda",
                          dtype="bfloat16", max_context=2048, config=RuntimeConfig(k_min=0, k_max=6, k_initial=3))
     times = LaneTimes()
     engine = Engine(opts, observer=times, simulated_acceptance=0.7)
@@ -297,19 +341,21 @@ def draft_call_seconds(runner, runs, ks=(1, 5)) -> dict[int, float]:
     def call(k):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.draft(runs, [k] * len(runs), greedy)[0].tolist()
+        runner.draft(runs, [k] * len(runs), greedy).tolist()
         return time.perf_counter() - t0
     return {k: statistics.median([call(k) for _ in range(12)][2:]) for k in ks}
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'system':48s} {'batch':>5s} {'tok/s':>9s} {'x k=0':>6s} {'acc':>5s} {'k':>5s} {'verify ms':>9s} {'draft ms':>8s}")
+    print(f"\n{'system':48s} {'batch':>5s} {'tok/s':>9s} {'x k=0':>6s} {'acc':>5s} {'k':>5s} {'verify ms':>9s} {'draft ms':>8s} "
+          f"{'drafting/probes/steps':>21s}")
     for r in results["rows"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         v = "-" if not r["verify_call_s"] else f"{r['verify_call_s'] * 1e3:.2f}"
         d = "-" if not r["draft_call_s"] else f"{r['draft_call_s'] * 1e3:.2f}"
+        decisions = f"{r['drafting_decisions']}/{r['probe_decisions']}/{r['k_decisions']}"
         print(f"{r['system']:48s} {r['batch']:5d} {r['tok_per_s']:9.1f} {r.get('speedup_vs_k0', 0):6.2f} {acc:>5s} "
-              f"{r['mean_k']:5.2f} {v:>9s} {d:>8s}")
+              f"{r['mean_k']:5.2f} {v:>9s} {d:>8s} {decisions:>21s}")
 
 
 if __name__ == "__main__":

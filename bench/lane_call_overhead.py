@@ -51,8 +51,8 @@ def stub_servicer():
 
     import torch
 
-    from verifypd.server.lane_server import LaneServicer
-    from verifypd.server.kv_transport import KvTransferServicer
+    from verifypd.lanerpc.lane_server import LaneServicer
+    from verifypd.lanerpc.kv_transport import KvTransferServicer
 
     s = LaneServicer.__new__(LaneServicer)  # the real edge, without loading a model
     s.role, s.secret, s.options = "verify", None, None
@@ -67,7 +67,7 @@ def stub_servicer():
 
 
 def serve() -> None:
-    from verifypd.server.lane_server import build_lane_server
+    from verifypd.lanerpc.lane_server import build_lane_server
 
     servicer = stub_servicer()
     server, port, _ = build_lane_server(servicer, "127.0.0.1", 0)
@@ -91,10 +91,10 @@ def median_ms(fn, n: int) -> float:
 
 
 def measure(port: int, batches: list[int], n: int) -> dict:
-    from verifypd.server import call_codec as cc
-    from verifypd.server import call_decode as cd
-    from verifypd.server import lane_validate as lv
-    from verifypd.server.lane_client import GrpcVerifyLane
+    from verifypd.lanerpc import call_codec as cc
+    from verifypd.lanerpc import call_decode as cd
+    from verifypd.lanerpc import lane_validate as lv
+    from verifypd.lanerpc.lane_client import GrpcVerifyLane
     from verifypd.v1 import lanes_pb2
 
     addr = f"127.0.0.1:{port}"
@@ -130,7 +130,7 @@ def measure(port: int, batches: list[int], n: int) -> dict:
         out[f"server_{b}_ms"] = median_ms(server_side, n)
         out[f"bytes_per_call_{b}"] = len(data) + len(reply_data)
         out[f"grpc_bytes_per_call_{b}"] = sum(len(m.SerializeToString()) for m in (
-            __import__("verifypd.server.lane_convert", fromlist=["x"]).verify_batch_to_pb(work), reply))
+            __import__("verifypd.lanerpc.lane_convert", fromlist=["x"]).verify_batch_to_pb(work), reply))
     out.update(device_sync(n))
     fast.close()
     unary.close()

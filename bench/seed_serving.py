@@ -124,15 +124,15 @@ class ServeProcess:
 
     READY = "verifypd: serving"
 
-    def __init__(self, cmd: list[str], echo: bool = False):
-        from verifypd.server.launcher import child_env
+    def __init__(self, cmd: list[str], echo: bool = False, env: dict[str, str] | None = None):
+        from verifypd.launch.launcher import child_env
 
         self.cmd = cmd
         self.lines: deque[str] = deque(maxlen=200)
         self.ready = threading.Event()
         self.address = None
         self.echo = echo
-        self.proc = subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()

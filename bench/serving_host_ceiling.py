@@ -1,8 +1,9 @@
-"""The serving path's host ceiling: the real gateway (gRPC Generate, engine thread, one handler
-thread per stream) and router over lanes that do no model work, driven by the loadgen library from
-another process. Tokens per second here is the most the host side can stream at that concurrency
-with a free GPU; the engine thread's time inside `router.step` against the router alone
-(bench/router_host_overhead.py) shows what the streams' threads cost it (GIL contention).
+"""The serving path's host ceiling: the real gateway process (grpc.aio Generate on one event loop,
+detokenization) and the real engine-core process (router over lanes that do no model work, behind
+the core channel), driven by the loadgen library from a third process. Tokens per second here is
+the most the host side can stream at that concurrency with a free GPU; the core's time inside
+`router.step` against the router alone (bench/router_host_overhead.py) shows what serving costs
+the engine, and the gateway's CPU seconds per streamed token what it costs the front end.
 
     python bench/serving_host_ceiling.py --concurrency 1,16,64,128 --out bench/results
 
@@ -33,42 +34,56 @@ from router_host_overhead import BLOCK, InstantLanes  # noqa: E402
 PROMPT, OUTPUT = 128, 256
 
 
-def serve(args) -> None:
-    """The server process: prints its address; stdin "go" starts the measured window, "stop" ends
-    it and prints the engine thread's step stats over it; then serves until SIGTERM."""
+def instant_router(args):
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.engine.router import Router
-    from verifypd.server.gateway import Gateway, server_info
-    from verifypd.tokenizer import TextCodec
 
     batch = args.serve_batch
     lanes = InstantLanes(batch * ((PROMPT + OUTPUT) // BLOCK + 2) + 16, args.alpha, verify_s=args.verify_ms / 1e3)
     config = RuntimeConfig(k_min=args.k, k_max=args.k, k_initial=args.k, adaptive=False, schedule=args.schedule,
                            pipeline=args.schedule == "pdv")
-    router = Router(lanes, lanes, lanes, decode=TextCodec(None).decode, eos_token_ids=(), config=config,
-                    max_running=batch)
-    busy = [0.0, 0, 0]  # seconds inside router.step, steps, tokens
-    step = router.step
+    return Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, max_running=batch)
 
-    def timed_step():
-        t0 = time.perf_counter()
-        outputs = step()
-        busy[0] += time.perf_counter() - t0
-        busy[1] += 1
-        busy[2] += sum(len(o.token_ids) for o in outputs)
-        return outputs
-    router.step = timed_step
-    gateway = Gateway(router, TextCodec(None), server_info("instant", "instant", "colocated", 1 << 16),
-                      max_queue=batch).start()
+
+def core(args) -> None:
+    """The engine-core process: the router over instant lanes behind the core channel."""
+    import socket
+
+    from verifypd.core.channel import BlockingChannel
+    from verifypd.core.process import server_info
+    from verifypd.core.core_server import CoreServer
+
+    channel = BlockingChannel(socket.socket(fileno=args.channel_fd))
+    CoreServer(instant_router(args), channel, server_info("instant", "instant", "colocated", 1 << 16),
+               max_queue=args.serve_batch).start(loop_in_thread=False)
+
+
+def serve(args) -> None:
+    """The gateway process: prints its address; stdin "go" starts the measured window, "stop" ends
+    it and prints the core's step stats and both processes' CPU time over it; then serves until SIGTERM."""
+    from serving_vs_engine import cpu_seconds
+    from verifypd.core.process import CoreProcess
+    from verifypd.gateway.server import Gateway
+    from verifypd.tokenizer import TextCodec
+
+    argv = ["--serve-batch", str(args.serve_batch), "--schedule", args.schedule, "--k", str(args.k),
+            "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms)]
+    proc = CoreProcess(argv, program=[sys.executable, os.path.abspath(__file__), "--core"])
+    gateway = Gateway(proc.sock, TextCodec(None), core_process=proc).start()
     print(gateway.address, flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def snapshot() -> tuple:
+        stats = gateway._run(gateway.client.call("stats"))
+        return stats["step_seconds"], stats["steps"], stats["tokens_out"], time.process_time(), cpu_seconds(proc.pid)
     sys.stdin.readline()  # "go"
-    busy[:] = [0.0, 0, 0]
-    t0 = time.perf_counter()
+    before, t0 = snapshot(), time.perf_counter()
     sys.stdin.readline()  # "stop"
-    wall, (step_s, steps, tokens) = time.perf_counter() - t0, busy
-    print(json.dumps({"wall_s": wall, "step_s": step_s, "steps": steps, "tokens": tokens}), flush=True)
+    after, wall = snapshot(), time.perf_counter() - t0
+    step_s, steps, tokens, gateway_cpu, core_cpu = (a - b for a, b in zip(after, before))
+    print(json.dumps({"wall_s": wall, "step_s": step_s, "steps": steps, "tokens": tokens,
+                      "gateway_cpu_s": gateway_cpu, "core_cpu_s": core_cpu}), flush=True)
     stop.wait()
     gateway.stop()
 
@@ -116,7 +131,9 @@ def point(args, c: int) -> dict:
             "router_us_per_step": round(server["step_s"] / steps * 1e6, 1),  # incl. --verify-ms
             "host_us_per_step": round((server["step_s"] / steps - args.verify_ms / 1e3) * 1e6, 1),
             "tokens_per_step": round(server["tokens"] / steps, 1),
-            "engine_thread_busy": round(server["step_s"] / server["wall_s"], 3)}
+            "engine_thread_busy": round(server["step_s"] / server["wall_s"], 3),
+            "gateway_cpu_us_per_token": round(server["gateway_cpu_s"] / max(server["tokens"], 1) * 1e6, 1),
+            "core_cpu_us_per_token": round(server["core_cpu_s"] / max(server["tokens"], 1) * 1e6, 1)}
 
 
 def main() -> None:
@@ -131,7 +148,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="directory for serving_host_ceiling_<host>.json")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--core", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--channel-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.core:
+        return core(args)
     if args.serve:
         return serve(args)
     rows = []

@@ -145,10 +145,10 @@ def main() -> int:
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.engine.router import Router
     from verifypd.local_engine import Engine, EngineOptions
-    from verifypd.server.core_process import connect_lanes
-    from verifypd.server.gateway import load_codec
-    from verifypd.server.lane_client import wire_pools
-    from verifypd.server.launcher import LaneProcesses
+    from verifypd.core.process import connect_lanes
+    from verifypd.gateway.server import load_codec
+    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.launch.launcher import LaneProcesses
 
     config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False, schedule=args.schedule)
     context = args.prompt_len + args.max_tokens + 64

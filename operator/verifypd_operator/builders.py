@@ -29,6 +29,12 @@ MODEL_DIR = "/models"
 LANE_SECRET_KEY = "lane-secret"
 LANE_SECRET_DIR = "/var/run/verifypd/lane-secret"
 LANE_SECRET_FILE = f"{LANE_SECRET_DIR}/{LANE_SECRET_KEY}"
+# Control's admin key (issue 20): a Secret per config, mounted into the gateway container only
+# (`verifypd serve --admin-key-file`); the operator's Control client reads it from the API and
+# presents it. Lanes never see it.
+ADMIN_KEY_KEY = "admin-key"
+ADMIN_KEY_DIR = "/var/run/verifypd/admin-key"
+ADMIN_KEY_FILE = f"{ADMIN_KEY_DIR}/{ADMIN_KEY_KEY}"
 PROMETHEUS_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                           "prometheus.io/path": "/metrics"}
 
@@ -72,6 +78,10 @@ def lane_service_name(name: str, lane: str) -> str:
 
 def lane_secret_name(name: str) -> str:
     return f"{name}-lane-secret"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin-key"
 
 
 def network_policy_name(name: str) -> str:
@@ -160,7 +170,13 @@ def _container(spec: Spec, cname: str, args: list[str], port: int, env: list[dic
 def _gateway_args(spec: Spec, topology: str, addrs: list[str]) -> list[str]:
     return ["serve", "--port", str(GRPC_PORT), "--http-port", str(HTTP_PORT), "--topology", topology,
             *_model_args(spec), *addrs, "--kv-transport", spec.kv_transport,
-            "--lane-secret-file", LANE_SECRET_FILE]
+            "--lane-secret-file", LANE_SECRET_FILE, "--admin-key-file", ADMIN_KEY_FILE]
+
+
+def _admin_key_volume(config: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, mount) of the admin key: for the gateway container alone."""
+    return ({"name": "admin-key", "secret": {"secretName": admin_secret_name(config)}},
+            {"name": "admin-key", "mountPath": ADMIN_KEY_DIR, "readOnly": True})
 
 
 def _deployment(name: str, namespace: str, component: str, owner: Mapping[str, Any], replicas: int,
@@ -186,10 +202,11 @@ def build_gateway_deployment(spec: Spec, owner: Mapping[str, Any], namespace: st
     config = owner["metadata"]["name"]
     addrs = [arg for lane in LANES for arg in
              (f"--{lane}-addr", f"{lane_service_name(config, lane)}.{namespace}.svc:{GRPC_PORT}")]
-    vols, mounts = _volumes(spec, [], config)
+    admin_vol, admin_mount = _admin_key_volume(config)
+    vols, mounts = _volumes(spec, [admin_vol], config)
     c = _container(spec, "gateway", _gateway_args(spec, "split", addrs), GRPC_PORT,
                    otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
-                   _resources(spec.gateway.resources, 0), mounts, http=True)
+                   _resources(spec.gateway.resources, 0), mounts + [admin_mount], http=True)
     return _deployment(deployment_name(config, "gateway"), namespace, "gateway", owner,
                        spec.gateway.replicas, {"containers": [c], "volumes": vols}, _scrape(spec))
 
@@ -232,7 +249,8 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
     config = owner["metadata"]["name"]
     dra = spec.gpu_sharing == "dra"
     handoff = [] if dra else [{"name": "gpu-handoff", "emptyDir": {"medium": "Memory"}}]
-    vols, mounts = _volumes(spec, handoff, config)
+    admin_vol, admin_mount = _admin_key_volume(config)
+    vols, mounts = _volumes(spec, handoff + [admin_vol], config)
     lane_mounts = mounts + ([] if dra else [{"name": "gpu-handoff", "mountPath": GPU_HANDOFF_DIR}])
     b = spec.colocated
     containers = []
@@ -266,7 +284,7 @@ def build_colocated_deployment(spec: Spec, owner: Mapping[str, Any], namespace: 
     addrs = [arg for lane in LANES for arg in (f"--{lane}-addr", f"localhost:{COLOCATED_LANE_PORTS[lane]}")]
     containers.insert(0, _container(spec, "gateway", _gateway_args(spec, "colocated", addrs), GRPC_PORT,
                                     otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
-                                    _resources(spec.gateway.resources, 0), mounts, http=True))
+                                    _resources(spec.gateway.resources, 0), mounts + [admin_mount], http=True))
     pod: dict[str, Any] = {"shareProcessNamespace": True, "containers": containers, "volumes": vols}
     if dra:
         pod["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": f"{config}-gpu"}]
@@ -312,22 +330,40 @@ def _scrape(spec: Spec) -> dict[str, str] | None:
     return PROMETHEUS_ANNOTATIONS if spec.prometheus_scrape else None
 
 
-def build_lane_secret(owner: Mapping[str, Any], namespace: str, token: str) -> Manifest:
-    """The lanes' shared secret. `token` is generated once by the caller and read back from the
-    live Secret on every later reconcile: rotating it would cut running gateways off their lanes."""
-    config = owner["metadata"]["name"]
+def _token_secret(owner: Mapping[str, Any], namespace: str, name: str, key: str, token: str) -> Manifest:
+    """A Secret holding one token under `key`, owned by the config (the component label is `key`)."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(lane_secret_name(config), namespace, "lane-secret", owner),
-            "data": {LANE_SECRET_KEY: base64.b64encode(token.encode()).decode()}}
+            "metadata": _meta(name, namespace, key, owner),
+            "data": {key: base64.b64encode(token.encode()).decode()}}
 
 
-def read_lane_secret(secret: Mapping[str, Any] | None) -> str | None:
-    """The token of a live lane Secret (as built by `build_lane_secret`); None when absent or empty."""
-    data = ((secret or {}).get("data") or {}).get(LANE_SECRET_KEY)
+def _read_token(secret: Mapping[str, Any] | None, key: str) -> str | None:
+    data = ((secret or {}).get("data") or {}).get(key)
     if not data:
         return None
     token = base64.b64decode(data).decode(errors="replace").strip()
     return token or None
+
+
+def build_lane_secret(owner: Mapping[str, Any], namespace: str, token: str) -> Manifest:
+    """The lanes' shared secret. `token` is generated once by the caller and read back from the
+    live Secret on every later reconcile: rotating it would cut running gateways off their lanes."""
+    return _token_secret(owner, namespace, lane_secret_name(owner["metadata"]["name"]), LANE_SECRET_KEY, token)
+
+
+def read_lane_secret(secret: Mapping[str, Any] | None) -> str | None:
+    """The token of a live lane Secret (as built by `build_lane_secret`); None when absent or empty."""
+    return _read_token(secret, LANE_SECRET_KEY)
+
+
+def build_admin_secret(owner: Mapping[str, Any], namespace: str, token: str) -> Manifest:
+    """Control's admin key, kept like the lane secret (a new one would lock the operator out of
+    running gateways until they restart)."""
+    return _token_secret(owner, namespace, admin_secret_name(owner["metadata"]["name"]), ADMIN_KEY_KEY, token)
+
+
+def read_admin_secret(secret: Mapping[str, Any] | None) -> str | None:
+    return _read_token(secret, ADMIN_KEY_KEY)
 
 
 def build_network_policy(spec: Spec, owner: Mapping[str, Any], namespace: str) -> Manifest:
@@ -359,12 +395,12 @@ def build_network_policy(spec: Spec, owner: Mapping[str, Any], namespace: str) -
 
 
 def build_all(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: Mapping[str, int],
-              otlp_endpoint: str, lane_secret: str | None = None) -> list[Manifest]:
+              otlp_endpoint: str, lane_secret: str | None = None, admin_key: str | None = None) -> list[Manifest]:
     """Everything one config owns. `replicas`: unit -> replicas (the autoscaler's current value).
 
-    `lane_secret`: the lanes' shared token; the reconcile passes it (read from the live Secret, or
-    new). None leaves the Secret out: only for callers that merely read the Deployments back (the
-    autoscale timer), never for one that prunes.
+    `lane_secret` / `admin_key`: the lanes' shared token and Control's admin key; the reconcile
+    passes both (read from the live Secrets, or new). None leaves that Secret out: only for callers
+    that merely read the Deployments back (the autoscale timer), never for one that prunes.
     """
     def r(unit: str) -> int:
         return replicas.get(unit, spec.bounds(unit).replicas)
@@ -380,4 +416,6 @@ def build_all(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: Ma
     objs.append(build_network_policy(spec, owner, namespace))
     if lane_secret is not None:
         objs.append(build_lane_secret(owner, namespace, lane_secret))
+    if admin_key is not None:
+        objs.append(build_admin_secret(owner, namespace, admin_key))
     return objs

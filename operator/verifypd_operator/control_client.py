@@ -4,6 +4,10 @@ A ClusterIP Service would send one RPC to one replica; the operator instead reso
 `<name>-gateway-pods` Service to all ready pod IPs and calls each, so every router runs with the
 same knobs. A router that restarted comes back with its CLI defaults: `sync` compares with
 `GetConfig` and pushes only where the config differs.
+
+Control is an admin API: every call carries `authorization: Bearer <admin key>`, the key of the
+config's admin Secret that the operator creates and mounts into the gateway pods
+(`builders.build_admin_secret`, `verifypd serve --admin-key-file`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 
 import grpc
 
@@ -69,34 +74,43 @@ class SyncResult:
         return len(self.pushed) + len(self.in_sync)
 
 
+def _auth(admin_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {admin_key}"),) if admin_key else ()
+
+
 class ControlClient:
-    def __init__(self, timeout_s: float = 5.0):
-        self.timeout_s = timeout_s
+    """`resolver`: `host:port` -> the replicas' `ip:port`s (the headless Service's DNS by default;
+    tests that run routers on local ports replace only this)."""
+
+    def __init__(self, timeout_s: float = 5.0, resolver: Callable[[str], list[str]] = resolve):
+        self.timeout_s, self.resolver = timeout_s, resolver
 
     def _stub(self, channel: grpc.Channel) -> control_pb2_grpc.ControlStub:
         return control_pb2_grpc.ControlStub(channel)
 
-    def get(self, target: str) -> control_pb2.RuntimeConfig:
+    def get(self, target: str, admin_key: str | None = None) -> control_pb2.RuntimeConfig:
         with grpc.insecure_channel(target) as ch:
-            return self._stub(ch).GetConfig(control_pb2.GetConfigRequest(), timeout=self.timeout_s)
+            return self._stub(ch).GetConfig(control_pb2.GetConfigRequest(), timeout=self.timeout_s,
+                                            metadata=_auth(admin_key))
 
-    def update(self, target: str, knobs: Knobs, requested_by: str, reason: str) -> control_pb2.RuntimeConfig:
+    def update(self, target: str, knobs: Knobs, requested_by: str, reason: str,
+               admin_key: str | None = None) -> control_pb2.RuntimeConfig:
         req = control_pb2.UpdateConfigRequest(config=knobs_to_pb(knobs), requested_by=requested_by,
                                               reason=reason)
         with grpc.insecure_channel(target) as ch:
-            return self._stub(ch).UpdateConfig(req, timeout=self.timeout_s)
+            return self._stub(ch).UpdateConfig(req, timeout=self.timeout_s, metadata=_auth(admin_key))
 
     def sync(self, host_port: str, knobs: Knobs, requested_by: str, reason: str,
-             force: bool = False) -> SyncResult:
+             force: bool = False, admin_key: str | None = None) -> SyncResult:
         """Push `knobs` to every replica behind `host_port` whose config differs (all if force)."""
         res = SyncResult()
-        for target in resolve(host_port):
+        for target in self.resolver(host_port):
             try:
-                if not force and pb_matches(cur := self.get(target), knobs):
+                if not force and pb_matches(cur := self.get(target, admin_key), knobs):
                     res.in_sync.append(target)
                     rev = cur.revision
                 else:
-                    rev = self.update(target, knobs, requested_by, reason).revision
+                    rev = self.update(target, knobs, requested_by, reason, admin_key).revision
                     res.pushed.append(target)
                 res.revision = max(rev, res.revision or 0)
             except grpc.RpcError as e:

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+
 from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 
 S = dict[str, Any]
@@ -92,8 +94,9 @@ def spec_schema() -> S:
         "type": "object", "default": {},
         "properties": {
             "model": {"type": "object", "default": {}, "properties": {
-                "target": _str("smollm2", "target model: embedded name, HF cache name, local dir or .gguf"),
-                "draft": _str("self:6", "draft model; self:N = the target's first N layers"),
+                "target": _str(DEFAULT_TARGET, "target model: embedded name, HF cache name, local dir or .gguf"),
+                "draft": _str(DEFAULT_DRAFT, "draft: ngram | ngram:MIN-MAX (prompt lookup, no weights) | "
+                                             "self:N (the target's first N layers) | none | a draft model"),
                 "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
             }},
             "image": {"type": "object", "default": {}, "properties": {
@@ -144,6 +147,8 @@ def spec_schema() -> S:
                 "headroomPeriods": _int(3, 1, 100, "consecutive evaluations with headroom before relaxing"),
                 "headroomRatio": _num(0.7, "headroom = every p95 below this fraction of its SLO", 0.05, 0.99),
                 "minSamples": _int(20, 0, 1_000_000, "observations needed in the window to act"),
+                "staleAfterSeconds": _int(20, 1, 3600, "hold when the newest telemetry is older than this "
+                                                       "(pods export every 5 s)"),
             }},
             "metrics": {"type": "object", "default": {}, "properties": {
                 "prometheusScrape": {"type": "boolean", "default": False,

@@ -4,7 +4,11 @@ Policy (docs/kubernetes.md carries the same text for users):
 
 0. Bounds first: a unit whose replicas lie outside [min, max] (the spec changed) is clamped at
    once, cooldowns notwithstanding.
-1. Hold when autoscaling is off or the window holds fewer than `minSamples` observations.
+1. Hold when autoscaling is off, when the newest telemetry is older than `staleAfterSeconds` (or
+   none ever arrived: no decision on stale data), or when the window holds fewer than
+   `minSamples` observations -- except when the services are *idle* (fresh telemetry, no request
+   finished in the window, every lane queue empty), which counts as headroom: with no load there
+   is nothing to protect, so the knobs return toward the spec.
 2. Hysteresis: a *breach* is a p95 above its SLO; *headroom* is every p95 below `headroomRatio`
    times its SLO; in between nothing changes. A breach must persist `breachPeriods` consecutive
    evaluations and headroom `headroomPeriods` before anything is done, and the count restarts
@@ -76,6 +80,12 @@ class Observed:
     samples: int = 0  # observations behind the p95s (the smaller of the two histograms' counts)
     queue_depth: Mapping[str, float] = dataclasses.field(default_factory=dict)
     acceptance_rate: float | None = None
+    age_s: float | None = 0.0  # since the newest data point of the config (None: nothing ever arrived)
+
+    @property
+    def idle(self) -> bool:
+        """No request finished in the window and the services report every lane queue empty."""
+        return self.samples == 0 and bool(self.queue_depth) and not any(self.queue_depth.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +144,21 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
             f"{s.unit} {s.from_replicas}->{s.to_replicas}" for s in clamps), clamps, **streaks)
     if not auto.enabled:
         return Decision("hold", "autoscaling disabled", **streaks)
-    if observed.samples < auto.min_samples or observed.ttft_p95_s is None or observed.itl_p95_s is None:
+    if observed.age_s is None or observed.age_s > auto.stale_after_s:
+        age = "none received" if observed.age_s is None else f"newest is {observed.age_s:.0f}s old"
+        return Decision("hold", f"no fresh telemetry ({age}; staleAfterSeconds {auto.stale_after_s})", **streaks)
+    if observed.idle:
+        ttft_r = itl_r = 0.0
+        latency = "idle: no request finished in the window, lane queues empty"
+    elif observed.samples < auto.min_samples or observed.ttft_p95_s is None or observed.itl_p95_s is None:
         return Decision("hold", f"insufficient data ({observed.samples} < {auto.min_samples} samples)",
                         **streaks)
-
-    ttft_r = observed.ttft_p95_s * 1000 / spec.slo.ttft_p95_ms
-    itl_r = observed.itl_p95_s * 1000 / spec.slo.itl_p95_ms
+    else:
+        ttft_r = observed.ttft_p95_s * 1000 / spec.slo.ttft_p95_ms
+        itl_r = observed.itl_p95_s * 1000 / spec.slo.itl_p95_ms
+        latency = (f"TTFT p95 {_ms(observed.ttft_p95_s)}/{spec.slo.ttft_p95_ms:.0f}ms, "
+                   f"ITL p95 {_ms(observed.itl_p95_s)}/{spec.slo.itl_p95_ms:.0f}ms")
     ttft_breach, itl_breach = ttft_r > 1.0, itl_r > 1.0
-    latency = (f"TTFT p95 {_ms(observed.ttft_p95_s)}/{spec.slo.ttft_p95_ms:.0f}ms, "
-               f"ITL p95 {_ms(observed.itl_p95_s)}/{spec.slo.itl_p95_ms:.0f}ms")
 
     if ttft_breach or itl_breach:
         breach, headroom = current.breach_streak + 1, 0

@@ -19,7 +19,8 @@ from typing import Any
 import kopf
 
 from . import status as st
-from .builders import build_all, deployment_name, gateway_pods_service_name, lane_secret_name, read_lane_secret
+from .builders import (admin_secret_name, build_all, deployment_name, gateway_pods_service_name, lane_secret_name,
+                       read_admin_secret, read_lane_secret)
 from .control_client import ControlClient
 from .decision import Decision, clamp_knobs, decide
 from .kube import ApiError, ApiNotServed, Kube
@@ -69,6 +70,13 @@ def lane_secret_token(kube: Kube, name: str, namespace: str) -> str:
     """The live lane Secret's token, or a new one when there is none yet (generated once, then kept:
     a new token on every reconcile would cut running gateways off their lanes)."""
     return read_lane_secret(kube.get("Secret", namespace, lane_secret_name(name))) or secrets.token_hex(32)
+
+
+def admin_key_token(kube: Kube, name: str, namespace: str, create: bool = True) -> str | None:
+    """Control's admin key from the live Secret; a new one when absent and `create` (the reconcile),
+    else None (the timer: the next reconcile creates it)."""
+    key = read_admin_secret(kube.get("Secret", namespace, admin_secret_name(name)))
+    return key or (secrets.token_hex(32) if create else None)
 
 
 def _readiness(ctx: OperatorContext, name: str, namespace: str, objs: list[Mapping[str, Any]]):
@@ -140,9 +148,12 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
                 replicas = st.unit_replicas(spec_, status, reset=_reset_units(diff), live=live)
                 try:
                     token = lane_secret_token(ctx.kube, name, namespace)
+                    admin_key = admin_key_token(ctx.kube, name, namespace)
                 except ApiError as e:
-                    raise ReconcileError(e.reason, f"cannot read Secret {lane_secret_name(name)}: {e}") from e
-                objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token)
+                    raise ReconcileError(e.reason, f"cannot read the Secrets {lane_secret_name(name)}, "
+                                                   f"{admin_secret_name(name)}: {e}") from e
+                objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token,
+                                 admin_key=admin_key)
                 pruned = apply_all(ctx, name, namespace, objs)
         except ReconcileError as e:
             # Visible where users look (status, events); kopf applies this status patch although
@@ -221,8 +232,13 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
 
         # Every tick: make every router run the applied knobs (a restarted one has CLI defaults).
         reason = decision.reason if decision is not None and decision.knobs else "sync runtime config"
+        try:
+            admin_key = admin_key_token(ctx.kube, name, namespace, create=False)
+        except ApiError as e:
+            logger.warning("cannot read Secret %s: %s", admin_secret_name(name), e)
+            admin_key = None  # the routers refuse the update; status shows the Control errors
         sync = ctx.control.sync(ctx.control_target(name, namespace), knobs, f"operator/{namespace}/{name}",
-                                reason, force=bool(decision is not None and decision.knobs))
+                                reason, force=bool(decision is not None and decision.knobs), admin_key=admin_key)
         applied = dict(patch.status.get("applied") or st.knobs_to_status(knobs))
         applied.update(routersInSync=sync.reached, routerErrors=len(sync.errors))
         if sync.revision is not None:

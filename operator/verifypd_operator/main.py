@@ -72,6 +72,17 @@ def register_login(registry: kopf.OperatorRegistry) -> None:
         return kopf.login_via_client(**kwargs)
 
 
+def apply_settings(settings: kopf.OperatorSettings, *, priority: int, standalone: bool) -> None:
+    """The operator's kopf settings (the entry point's; tests that run the handlers in-process too)."""
+    settings.peering.priority = priority
+    settings.peering.mandatory = not standalone
+    settings.posting.level = logging.WARNING  # our own events are explicit
+    settings.watching.server_timeout = 300
+    # Progress in annotations only: status stays ours (and schema-pruned).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="verifypd.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="verifypd.dev")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -101,13 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_):
-        settings.peering.priority = priority
-        settings.peering.mandatory = not standalone
-        settings.posting.level = logging.WARNING  # our own events are explicit
-        settings.watching.server_timeout = 300
-        # Progress in annotations only: status stays ours (and schema-pruned).
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="verifypd.dev")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="verifypd.dev")
+        apply_settings(settings, priority=priority, standalone=standalone)
 
     try:
         asyncio.run(kopf.operator(

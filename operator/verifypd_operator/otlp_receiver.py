@@ -237,12 +237,14 @@ class MetricsStore:
             drafted = self._counter(key, mn.DRAFT_TOKENS, now, window_s)
             accepted = self._counter(key, mn.ACCEPTED_TOKENS, now, window_s)
             rates = self._gauge_latest(key, mn.ACCEPTANCE_RATE, now, window_s)
+            # Exporter timestamps, like the windows: the newest point at or before `now`.
+            newest = max((p.t for dq in self._series.get(key, {}).values() for p in dq if p.t <= now), default=None)
         acceptance = accepted / drafted if drafted > 0 else (sum(rates) / len(rates) if rates else None)
         return Observed(
             ttft_p95_s=percentile(ttft, 0.95) if ttft else None,
             itl_p95_s=percentile(itl, 0.95) if itl else None,
             samples=min(ttft.count if ttft else 0, itl.count if itl else 0),
-            queue_depth=queues, acceptance_rate=acceptance)
+            queue_depth=queues, acceptance_rate=acceptance, age_s=None if newest is None else now - newest)
 
 
 class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_TARGET  # the CLI's own defaults
+
 GROUP = "verifypd.dev"
 VERSION = "v1alpha1"
 PLURAL = "verifypdconfigs"
@@ -81,12 +83,14 @@ class Autoscaling:
     headroom_periods: int = 3  # consecutive evaluations with headroom before relaxing
     headroom_ratio: float = 0.7  # "headroom" means every p95 below this fraction of its SLO
     min_samples: int = 20  # fewer observations in the window: hold
+    # Newest telemetry older than this: hold (pods export every 5 s, builders.otel_env).
+    stale_after_s: int = 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    target: str = "smollm2"
-    draft: str = "self:6"
+    target: str = DEFAULT_TARGET
+    draft: str = DEFAULT_DRAFT
     model_pvc: str | None = None  # PVC mounted read-only at /models (for local model dirs)
     image: str = "ghcr.io/verifypd/verifypd:0.1.0"
     image_pull_policy: str = "IfNotPresent"
@@ -181,6 +185,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
             headroom_periods=int(auto.get("headroomPeriods", d.autoscaling.headroom_periods)),
             headroom_ratio=float(auto.get("headroomRatio", d.autoscaling.headroom_ratio)),
             min_samples=int(auto.get("minSamples", d.autoscaling.min_samples)),
+            stale_after_s=int(auto.get("staleAfterSeconds", d.autoscaling.stale_after_s)),
         ),
         prometheus_scrape=bool(metrics.get("prometheusScrape", d.prometheus_scrape)),
     )

@@ -130,7 +130,7 @@ def autoscaler_status(spec: Spec, before: Current, d: Decision, observed: Observ
     return {"replicas": dict(replicas), "lastScale": last_scale, "lastConfigChange": last_cfg,
             "breachStreak": d.breach_streak, "headroomStreak": d.headroom_streak,
             "queueDepth": {lane: observed.queue_depth.get(lane, 0.0) for lane in LANES},
-            "lastEvaluation": rfc3339(now)}
+            "lastEvaluation": rfc3339(now), "lastReason": d.reason}  # why, also when holding
 
 
 def decision_to_status(d: Decision, now: float) -> dict[str, Any]:

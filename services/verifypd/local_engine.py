@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verifypd.defaults import DEFAULT_TARGET
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.router import EngineObserver, Router
 from verifypd.engine.types import RequestOutput, RequestSpec
@@ -23,8 +24,6 @@ from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, ModelLoadError, load_model
 from verifypd.model.runner import ModelRunner
 from verifypd.tokenizer import TextCodec
-
-DEFAULT_TARGET = "smollm2"
 
 
 @dataclass

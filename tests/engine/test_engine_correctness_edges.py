@@ -24,7 +24,7 @@ def test_sampler_never_emits_from_a_nan_distribution():
     probs = torch.full((3, VOCAB), 1.0 / VOCAB)
     probs[1, 3] = float("nan")
     probs[2] = 0.0
-    tokens = sampler.sample(probs, torch.tensor([0.5, 0.5, 0.5]))
+    tokens = sampler.race(probs, torch.tensor([1, 2, 3]), torch.tensor([4, 4, 4]))
     assert tokens[0] != sampler.NO_TOKEN and tokens[1:].tolist() == [sampler.NO_TOKEN] * 2
 
 

@@ -59,7 +59,8 @@ def test_greedy_with_head_and_adaptive_k_equals_plain(tiny_models, heads, plain)
 
 def test_sampling_with_head_follows_target(tiny_models, hf_target, heads):
     """The 2nd output token (the first a verify step makes) ~ the target's marginal, with the head's q
-    over its 64-token draft vocabulary (zero elsewhere), and clearly not ~ uniform over it."""
+    over its 64-token draft vocabulary (zero elsewhere), and clearly not ~ uniform over it. (The race
+    makes every seeded output equal --draft none's, below; this checks that output is the target's.)"""
     engine = make_engine(tiny_models[0], heads["small_vocab"], k=3, num_blocks=4096)
     prompt, temperature = (5, 17, 33), 1.5
     seconds = sample_second_tokens(engine, prompt, temperature, 2000, 5, 1000, hf_target.config.vocab_size)
@@ -67,6 +68,26 @@ def test_sampling_with_head_follows_target(tiny_models, hf_target, heads):
     uniform = np.zeros(hf_target.config.vocab_size)
     uniform[:64] = 1 / 64
     assert chi_square_pvalue(seconds, uniform) < 1e-6
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["k-fixed", "k-adaptive"])
+def test_seeded_output_with_head_equals_plain(tiny_models, heads, adaptive):
+    """A seed names one output (docs/engine.md "Seeds"): with the head drafting (its race winners for
+    the same seed and positions), alone and in a crowd, the tokens are --draft none's token for token;
+    and some of the head's sampled drafts are kept, some refused."""
+    from test_engine_seeded_output import crowd, run, subject_tokens, subjects
+
+    reference = {}
+    for spec in subjects():
+        tokens, _ = run(make_engine(tiny_models[0], "none", k=0), [spec])
+        reference[spec.request_id] = tokens[spec.request_id]
+    alone, stats = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), subjects())
+    assert subject_tokens(alone) == reference
+    busy, _ = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:])
+    assert subject_tokens(busy) == reference
+    drafted = sum(s.draft_tokens for s in stats.values())
+    accepted = sum(s.accepted_tokens for s in stats.values())
+    assert 0 < drafted and (adaptive or 0 < accepted < drafted), (accepted, drafted)
 
 
 def test_head_round_trips_through_the_published_layout(tiny_models, tmp_path):
@@ -105,7 +126,7 @@ def test_greedy_with_head_in_every_schedule(tiny_models, heads):
 
 def test_split_lanes_refuse_feature_drafts(heads):
     from verifypd.local_engine import EngineOptions
-    from verifypd.server.lane_setup import load_lane_models
+    from verifypd.lanerpc.lane_setup import load_lane_models
 
     with pytest.raises(ModelLoadError, match="co-located only"):
         load_lane_models(EngineOptions(target="random:tinyllama-1.1b", draft=heads["full"]), True, True)

@@ -8,6 +8,7 @@ from engine_helpers import write_tiny_llama
 from verifypd.distill.capture import TargetCapture
 from verifypd.distill.head_train import TrainableHead
 from verifypd.engine.types import SamplingParams
+from verifypd.model import sampler
 from verifypd.model.eagle_draft import EagleModel, EagleRunner, FeatureRun
 from verifypd.model.eagle_head import random_eagle_head
 from verifypd.model.kv_pool import KvPool, PoolGeometry
@@ -28,19 +29,19 @@ def test_paged_chain_equals_dense_unrolled_forward(tmp_path):
     model = EagleModel(config, weights, target.weights.embed)  # VERIFYPD_ATTENTION picks the kernels
     pool = KvPool("draft", PoolGeometry(1, 8, 4, config.num_kv_heads, config.head_dim), torch.float32, CPU)
     runner = EagleRunner(model, pool, capture.features)
-    sampling = SamplingParams(temperature=1.0, seed=11)
-    tokens, probs = runner.draft([FeatureRun(prompt, 0, (0, 1, 2, 3), target_block_ids=(0, 1))], [K], [sampling])
-    drafts = tokens[0].tolist()
-    # Dense: the sequence continued by the drafts; row t = features of position t + token t + 1.
-    seq = prompt + drafts
-    rows = len(seq) - 1
-    features = torch.zeros(1, rows, 3 * config.hidden_size)
-    features[0, :n] = capture.features.read(torch.arange(n))
     head = TrainableHead(config, weights, target.weights.embed)
-    with torch.no_grad():
-        logits = head(torch.tensor([seq[1:]]), features, steps=K)
-    for j in range(K):   # step j at row n - 1 + j drafted token n + 1 + j
-        dense = torch.full((target.shape.vocab_size,), float("-inf"))
-        dense[weights.draft_to_target] = logits[j][0, n - 1 + j]
-        torch.testing.assert_close(probs[0, j], dense.softmax(-1), atol=1e-5, rtol=1e-4)
-
+    for sampling in [SamplingParams()] + [SamplingParams(temperature=1.0, seed=s) for s in (11, 12, 2**64 - 1, 0)]:
+        drafts = runner.draft([FeatureRun(prompt, 0, (0, 1, 2, 3), target_block_ids=(0, 1))], [K], [sampling])[0].tolist()
+        # Dense: the sequence continued by the drafts; row t = features of position t + token t + 1.
+        seq = prompt + drafts
+        features = torch.zeros(1, len(seq) - 1, 3 * config.hidden_size)
+        features[0, :n] = capture.features.read(torch.arange(n))
+        with torch.no_grad():
+            logits = head(torch.tensor([seq[1:]]), features, steps=K)
+        for j in range(K):   # step j at row n - 1 + j drafted token n + 1 + j
+            dense = torch.full((target.shape.vocab_size,), float("-inf"))
+            dense[weights.draft_to_target] = logits[j][0, n - 1 + j]
+            # The paged chain chose the race winner of the dense distribution (seed, position n + 1 + j).
+            expected = dense.argmax() if sampling.greedy else sampler.race(
+                dense.softmax(-1)[None], sampler.seed_tensor([sampling.seed], "cpu"), torch.tensor([n + 1 + j]))[0]
+            assert drafts[j] == int(expected), (sampling, j)

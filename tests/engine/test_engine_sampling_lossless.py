@@ -1,4 +1,5 @@
-"""Speculative sampling must leave the target's distribution unchanged (lossless)."""
+"""Speculative sampling must leave the target's distribution unchanged (lossless). The scheme is
+coupled ("Gumbel") speculative sampling, `verifypd.model.sampler`."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,26 +23,97 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
-def test_accept_sampled_reproduces_target_distribution():
-    """Kernel level: first emitted token over many seeds ~ p, for q far from p."""
+def test_race_samples_the_distribution_and_never_a_zero_probability_token():
+    """The seeded choice alone (plain sampling): over many seeds it follows p exactly."""
+    torch.manual_seed(0)
+    V, R = 12, 40000
+    p_row = torch.softmax(torch.randn(V) * 1.5, -1)
+    p_row[3] = 0.0
+    p_row /= p_row.sum()
+    seeds = torch.arange(R, dtype=torch.long) * 7919 - 2**40  # negative bit patterns: seeds >= 2^63
+    tokens = sampler.race(p_row.expand(R, V), seeds, torch.full((R,), 5, dtype=torch.long))
+    counts = np.bincount(tokens.numpy(), minlength=V)
+    assert counts[3] == 0 and chi_square_pvalue(counts, p_row.numpy()) > 1e-3
+    # Power check: a slightly different distribution is clearly refused.
+    other = (p_row + 0.01) / (p_row + 0.01).sum()
+    assert chi_square_pvalue(counts, other.numpy()) < 1e-6
+
+
+def coupling_probability(p: np.ndarray, q: np.ndarray) -> float:
+    """P(the races of p and q over the same exponentials pick the same token): token v wins both iff
+    E_u > E_v max(p_u / p_v, q_u / q_v) for all u != v; integrating over E_v ~ Exp(1) gives
+    1 / (1 + sum_u!=v max(p_u / p_v, q_u / q_v))."""
+    total = 0.0
+    for v in range(len(p)):
+        ratios = np.maximum(p / p[v], q / q[v])
+        total += 1.0 / (1.0 + ratios.sum() - 1.0)
+    return total
+
+
+def test_coupled_acceptance_is_lossless_and_keeps_as_many_drafts_as_the_race_coupling_predicts():
+    """Kernel level: a sampled draft proposes its race winner for the same (seed, position); the
+    first emitted token follows p (not q), equals plain seeded sampling token for token, and the
+    draft is kept with the coupling's probability (far more often than an independent draft's)."""
     torch.manual_seed(0)
     V, K, R = 12, 3, 40000
-    p_row = torch.softmax(torch.randn(V) * 1.5, -1)
-    q_row = torch.softmax(torch.randn(V) * 1.5, -1)
+    p_row = torch.softmax(torch.randn(V, dtype=torch.float64) * 1.5, -1).float()
+    q_row = torch.softmax(torch.randn(V, dtype=torch.float64) * 1.5, -1).float()
     seeds = torch.arange(R, dtype=torch.long)
     start = torch.full((R,), 10, dtype=torch.long)
-    u = sampler.uniforms(seeds, start + 1, sampler.STREAM_DRAFT)
-    d0 = sampler.sample(q_row.expand(R, V), u)
+    d0 = sampler.race(q_row.expand(R, V), seeds, start + 1)
     drafts = torch.stack([d0] + [torch.zeros_like(d0)] * (K - 1), 1)
     p = p_row.expand(R, K + 1, V).contiguous()
-    q = q_row.expand(R, K, V).contiguous()
-    accepted, final = sampler.accept_sampled(p, q, drafts, torch.ones(R, dtype=torch.long), seeds, start)
+    accepted, final = sampler.accept_raced(p, drafts, torch.ones(R, dtype=torch.long), seeds, start)
     first = torch.where(accepted > 0, drafts[:, 0], final)
+    assert torch.equal(first, sampler.race(p_row.expand(R, V), seeds, start + 1))  # = no draft at all
     counts = np.bincount(first.numpy(), minlength=V)
     assert chi_square_pvalue(counts, p_row.numpy()) > 1e-3
-    # Power check: the same counts are clearly not q, so a broken accept rule would fail.
-    assert chi_square_pvalue(counts, q_row.numpy()) < 1e-6
-    assert 0 < accepted.float().mean() < 1
+    assert chi_square_pvalue(counts, q_row.numpy()) < 1e-6  # power: the counts are clearly not q
+    pn, qn = p_row.double().numpy(), q_row.double().numpy()
+    expected = coupling_probability(pn, qn)
+    tv = 0.5 * np.abs(pn - qn).sum()
+    assert expected >= (1 - tv) / (1 + tv) - 1e-12 and expected > (pn * qn).sum() + 0.1
+    rate = accepted.double().mean().item()
+    assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / R), (rate, expected)
+
+
+def test_accept_raced_counts_a_prefix_and_emits_the_bonus():
+    """k drafts all equal to the target's winners: all kept and the bonus is position k+1's winner;
+    a mismatch at i keeps i and emits the winner there; rows past k are ignored."""
+    V, K = 20, 3
+    p = torch.softmax(torch.randn(2, K + 1, V), -1)
+    seeds, start = torch.tensor([11, 12]), torch.tensor([4, 9])
+    pos = start[:, None] + 1 + torch.arange(K + 1)[None, :]
+    winners = sampler.race(p.reshape(-1, V), seeds.repeat_interleave(K + 1), pos.reshape(-1)).view(2, K + 1)
+    drafts = winners[:, :K].clone()
+    drafts[1, 1] = (winners[1, 1] + 1) % V
+    accepted, final = sampler.accept_raced(p, drafts, torch.tensor([3, 3]), seeds, start)
+    assert accepted.tolist() == [3, 1] and final.tolist() == [winners[0, 3].item(), winners[1, 1].item()]
+    accepted, final = sampler.accept_raced(p, drafts, torch.tensor([2, 1]), seeds, start)
+    assert accepted.tolist() == [2, 1] and final.tolist() == [winners[0, 2].item(), winners[1, 1].item()]
+
+
+def test_race_in_chunks_equals_one_piece(monkeypatch):
+    probs = torch.softmax(torch.randn(10, 50), -1)
+    seeds, pos = torch.arange(10) - 3, torch.arange(10) * 2
+    whole = sampler.race(probs, seeds, pos)
+    monkeypatch.setattr(sampler, "RACE_CHUNK_ELEMENTS", 150)  # 3 rows per chunk: 4 chunks
+    assert torch.equal(sampler.race(probs, seeds, pos), whole)
+
+
+def test_race_randomness_is_per_seed_position_and_token_and_batch_independent():
+    seeds = torch.tensor([1, 1, 2, -5])
+    pos = torch.tensor([7, 8, 7, 7])
+    u = sampler.race_log_uniforms(seeds, pos, 64).exp()
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert len({tuple(r) for r in u.tolist()}) == 4  # each (seed, position) its own row
+    for n in range(4):  # a row alone is the same row in the batch
+        assert torch.equal(sampler.race_log_uniforms(seeds[n:n + 1], pos[n:n + 1], 64)[0].exp(), u[n])
+    many = sampler.race_log_uniforms(torch.arange(200), torch.zeros(200, dtype=torch.long), 500).exp()
+    assert stats.kstest(many.flatten().numpy(), "uniform").pvalue > 1e-3
+    # Neighbouring tokens, positions and seeds are not correlated.
+    assert abs(np.corrcoef(many[:, :-1].flatten(), many[:, 1:].flatten())[0, 1]) < 0.02
+    assert abs(np.corrcoef(many[:-1].flatten(), many[1:].flatten())[0, 1]) < 0.02
 
 
 def test_uniforms_are_uniform_and_deterministic():

@@ -72,6 +72,8 @@ def test_choose_k_follows_goodput():
     costs = StepCostModel()
     config = RuntimeConfig(k_min=0, k_max=8, k_initial=3, adaptive=True)
     assert choose_k(config, None, None, costs, batch=1, remaining_tokens=100) == 3   # no estimate yet
+    assert choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100) == 0    # plain step measured first
+    costs.observe_step(1, 0, costs.default_verify_s)
     high = choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100)
     low = choose_k(config, 0.05, None, costs, batch=1, remaining_tokens=100)
     assert high >= 4 and low == 0
@@ -83,25 +85,28 @@ def test_choose_k_follows_goodput():
     assert choose_k(config, 0.7, None, costs, batch=1, remaining_tokens=100) > 0
     # Request override and remaining tokens cap k.
     costs = StepCostModel()
+    costs.observe_step(1, 0, costs.default_verify_s)
     assert choose_k(config, 0.95, 2, costs, batch=1, remaining_tokens=100) == 2
     assert choose_k(config, 0.95, None, costs, batch=1, remaining_tokens=3) == 2
     assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
 
 
-def test_batch_k_probes_and_acceptance_estimates():
+def test_batch_k_and_acceptance_estimates():
     config = RuntimeConfig(k_min=0, k_max=6, k_initial=4, adaptive=True)
     costs = StepCostModel()
     for k in range(0, 7):
         costs.observe_step(1, k, 5e-3 + 1e-3 * k)  # 5 ms verify whatever k, 1 ms per draft step
     assert choose_batch_k(config, [0.05], costs, 1, 6) == 0
-    assert choose_batch_k(config, [0.05], costs, 1, 6, probe=True) == 1
     assert choose_batch_k(config, [0.8, 0.8], costs, 1, 6) >= 3
-    # A verify of k = 4 accepting 2 is 2 successes and 1 failure: alpha 2/3, not 2/4.
-    tracker = AcceptanceTracker(decay=1.0)
+    # A verify of k = 4 accepting 2 is 2 successes and 1 failure: alpha 2/3, not 2/4 (plus the
+    # prior's half success and half failure).
+    tracker = AcceptanceTracker(decay=1.0, min_observations=2)
     tracker.observe(2, 4)
+    assert tracker.alpha is None            # too few outcomes to judge: the policy drafts k_initial
     tracker.observe(4, 4)                   # all accepted: no failure
-    assert abs(tracker.alpha - 6 / 7) < 1e-12
-    assert request_alpha(0, 0, None) is None and request_alpha(0, 0, 0.6) == 0.6
+    assert abs(tracker.alpha - 6.5 / 8) < 1e-12
+    assert request_alpha(0, 0, None) is None and request_alpha(3, 1, None) is None
+    assert request_alpha(0, 0, 0.6) == 0.6
     assert abs(request_alpha(3, 1, 0.5, prior_weight=4) - 5 / 8) < 1e-12
 
 

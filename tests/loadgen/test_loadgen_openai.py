@@ -57,7 +57,7 @@ class FakeOpenAI:
 
 @pytest.fixture
 def fake_openai():
-    from verifypd.server.http_server import HttpServer
+    from verifypd.gateway.http_server import HttpServer
 
     fake = FakeOpenAI()
     server = HttpServer(fake.app, "127.0.0.1", 0, grace_s=0.5).start()

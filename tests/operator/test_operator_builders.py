@@ -9,8 +9,8 @@ from operator_helpers import K8S_VERSION
 
 import base64
 
-from verifypd_operator.builders import (LANE_SECRET_FILE, PROMETHEUS_ANNOTATIONS, build_all, otel_env,
-                                        read_lane_secret)
+from verifypd_operator.builders import (ADMIN_KEY_FILE, LANE_SECRET_FILE, PROMETHEUS_ANNOTATIONS, build_all,
+                                        otel_env, read_admin_secret, read_lane_secret)
 from verifypd_operator.spec import CALL_PORT, COLOCATED_LANE_CALL_PORTS, COLOCATED_LANE_PORTS, parse_spec
 
 VARIANTS = {
@@ -175,6 +175,28 @@ def test_lane_secret_is_owned_and_mounted_into_every_lane_and_gateway(owner, top
             assert "--allow-unauthenticated" not in args
 
 
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+def test_admin_key_is_owned_and_mounted_into_the_gateway_only(owner, topology):
+    key = "fedcba9876543210" * 4
+    objs = build_all(parse_spec({"topology": topology}), owner, "ns1", {}, "x", lane_secret="s" * 64, admin_key=key)
+    [secret] = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == "demo-admin-key"]
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
+    assert read_admin_secret(secret) == key and read_lane_secret(secret) is None
+    gateways = 0
+    for dep in _deps(objs).values():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            mounts = {m["name"]: m for m in c["volumeMounts"]}
+            if c["name"] == "gateway":
+                gateways += 1
+                assert mounts["admin-key"]["mountPath"] + "/admin-key" == ADMIN_KEY_FILE
+                assert {"name": "admin-key", "secret": {"secretName": "demo-admin-key"}} in pod["volumes"]
+                assert c["args"][c["args"].index("--admin-key-file") + 1] == ADMIN_KEY_FILE
+            else:  # lanes never hold the admin key
+                assert "admin-key" not in mounts and "--admin-key-file" not in c["args"]
+    assert gateways == 1
+
+
 def test_read_lane_secret_absent_or_empty():
     assert read_lane_secret(None) is None
     assert read_lane_secret({"data": {}}) is None
@@ -226,7 +248,8 @@ def test_every_container_command_parses_with_the_real_cli(owner, topology):
         argv = c["args"][1:] if c["args"][0] == "verifypd" else c["args"]  # colocated lanes: sh -c ... "$@"
         args = parser.parse_args(argv)
         if args.command == "serve":
-            assert (args.http_port, args.lane_secret_file) == (8000, LANE_SECRET_FILE)
+            assert (args.http_port, args.lane_secret_file, args.admin_key_file) == (8000, LANE_SECRET_FILE,
+                                                                                   ADMIN_KEY_FILE)
         else:
             assert args.secret_file == LANE_SECRET_FILE and not args.allow_unauthenticated
             assert args.call_port == (CALL_PORT if topology == "split" else COLOCATED_LANE_CALL_PORTS[args.lane])

@@ -58,6 +58,16 @@ OK, ITL_HI, TTFT_HI, HEADROOM = (300, 40), (300, 80), (900, 40), (100, 10)
      obs(*HEADROOM, prefill=0.0, draft=3.0, verify=5.0), {"replicas": {"prefill": 2, "draft": 2, "verify": 2}},
      "scale-down", Scale("prefill", 2, 1)),
     ("headroom at min replicas: nothing to do", obs(*HEADROOM), {}, "hold", None),
+    ("idle (fresh, nothing finished, queues empty) counts as headroom",
+     Observed(samples=0, queue_depth={"prefill": 0.0, "draft": 0.0, "verify": 0.0}), {"knobs_k_max": 5},
+     "raise-k", ("k_max", 6)),
+    ("nothing finished but requests queued: not idle, too few samples",
+     Observed(samples=0, queue_depth={"prefill": 0.0, "draft": 3.0, "verify": 3.0}), {"knobs_k_max": 5}, "hold", None),
+    ("no queue signal at all: not idle", Observed(samples=0), {"knobs_k_max": 5}, "hold", None),
+    ("stale telemetry: no decision on it", dataclasses.replace(obs(*ITL_HI), age_s=21.0), {}, "hold", None),
+    ("no telemetry ever", dataclasses.replace(obs(*ITL_HI), age_s=None), {}, "hold", None),
+    ("telemetry just within staleAfterSeconds acts", dataclasses.replace(obs(*ITL_HI), age_s=20.0), {}, "lower-k",
+     ("k_max", 6)),
 ])
 def test_policy_branches(name, observed, current_kw, expect_action, expect):
     spec = mk_spec()

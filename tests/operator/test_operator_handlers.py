@@ -28,6 +28,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from verifypd import metric_names as mn
 from verifypd.v1 import control_pb2, control_pb2_grpc
+from verifypd_operator.builders import read_admin_secret
 from verifypd_operator.control_client import ControlClient
 from verifypd_operator.handlers import OperatorContext, register
 from verifypd_operator.kube import Kube, api_client_for
@@ -42,6 +43,7 @@ class FakeRouter(control_pb2_grpc.ControlServicer):
         self.config = control_pb2.RuntimeConfig(k_min=0, k_max=4, k_initial=2, adaptive=True,
                                                 prefill_token_budget=256, revision=1)
         self.updates: list[control_pb2.UpdateConfigRequest] = []
+        self.credentials: list[str] = []  # `authorization` of every UpdateConfig
 
     def GetConfig(self, request, context):  # noqa: N802
         with self.lock:
@@ -49,6 +51,7 @@ class FakeRouter(control_pb2_grpc.ControlServicer):
 
     def UpdateConfig(self, request, context):  # noqa: N802
         with self.lock:
+            self.credentials.append(dict(context.invocation_metadata()).get("authorization", ""))
             self.updates.append(request)
             self.config.MergeFrom(request.config)
             self.config.revision += 1
@@ -173,6 +176,10 @@ async def _create_and_update(kube: Kube, router: FakeRouter) -> None:
     # The timer syncs the router to the spec's knobs (router started with kMax 4, budget 256).
     await wait_for(lambda: router.config.k_max == 2 and router.config.prefill_token_budget == 512,
                    "runtime config pushed to the router")
+    # ... presenting the admin key of the Secret it created and mounted into the gateway.
+    admin = await asyncio.to_thread(kube.get, "Secret", "default", "demo-admin-key")
+    assert admin["metadata"]["ownerReferences"][0]["uid"] == "uid-demo-1"
+    assert router.credentials and set(router.credentials) == {f"Bearer {read_admin_secret(admin)}"}
     events = await wait_for(lambda: [e for e in (kube.request("GET", "/api/v1/namespaces/default/events")
                                                   or {}).get("items", []) if e.get("reason") == "Reconciled"],
                             "Reconciled event")

@@ -127,6 +127,16 @@ def test_cumulative_window_subtracts_baseline_and_handles_reset():
     assert h.counts == (3, 0)
 
 
+def test_observe_reports_the_age_of_the_newest_point_and_idle():
+    store = MetricsStore()
+    store.register("default", "demo")
+    assert store.observe("default", "demo", now=100, window_s=60).age_s is None  # nothing ever arrived
+    store.ingest(_request("demo", "demo-p", [(50, 0, [100, 0]), (90, 0, [100, 0])]))
+    seen = store.observe("default", "demo", now=100, window_s=60)
+    assert seen.age_s == 10 and seen.samples == 0  # exports keep coming, no new requests
+    assert store.observe("default", "demo", now=95, window_s=60).age_s == 5  # points after `now` do not count
+
+
 def test_delta_points_in_window_are_summed():
     store = MetricsStore()
     store.register("default", "demo")

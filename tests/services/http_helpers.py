@@ -29,13 +29,15 @@ def chat_models(tiny_models, tmp_path_factory) -> tuple[str, str]:
 class HttpGateway:
     """A started colocated gateway (gRPC) with the HTTP API; `slow` delays every verify call."""
 
-    def __init__(self, models, *, max_queue: int = 256, max_body_bytes: int | None = None, **options):
+    def __init__(self, models, *, max_queue: int = 256, max_body_bytes: int | None = None,
+                 api_key: str | None = None, **options):
         from test_services_gateway import SlowLane
 
-        from verifypd.server.gateway import build_colocated
-        from verifypd.server.http_api import HttpApi
-        from verifypd.server.http_server import HttpServer, prometheus_reader
-        from verifypd.server.telemetry import Telemetry
+        from verifypd.gateway.server import build_colocated
+        from verifypd.gateway.http_api import HttpApi
+        from verifypd.core.telemetry import prometheus_reader
+        from verifypd.gateway.http_server import HttpServer
+        from verifypd.core.telemetry import Telemetry
 
         reader, registry = prometheus_reader()
         self.telemetry = Telemetry(readers=[reader])
@@ -43,7 +45,7 @@ class HttpGateway:
         self.slow = self.gw.router.verify_lane = SlowLane(self.gw.router.verify_lane)
         self.gw.start()
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
-        self.api = HttpApi(self.gw, model_name=MODEL, metrics_registry=registry, **kwargs)
+        self.api = HttpApi(self.gw, model_name=MODEL, metrics_registry=registry, api_key=api_key, **kwargs)
         self.http = HttpServer(self.api.app, "127.0.0.1", 0, grace_s=1.0, loop=self.gw.loop).start()
         self.url = self.http.url
 

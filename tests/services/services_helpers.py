@@ -73,13 +73,17 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
 class Client:
     """Stubs of one server (Generation, Control, Health, Reflection) on one channel."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, bearer: str | None = None):
+        """`bearer`: a key sent as `authorization: Bearer <key>` on every call (API or admin key)."""
         from grpc_health.v1 import health_pb2_grpc
 
+        from verifypd.auth import bearer_interceptor
         from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
 
         self.address = address
         self.channel = grpc.insecure_channel(address)
+        if bearer:
+            self.channel = grpc.intercept_channel(self.channel, bearer_interceptor(bearer))
         self.gen = generate_pb2_grpc.GenerationStub(self.channel)
         self.control = control_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -115,10 +119,11 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
 class Server:
     """A `verifypd serve` subprocess whose stderr is collected (lane pids, recovery log lines)."""
 
-    def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True):
-        from verifypd.server.launcher import child_env
+    def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True,
+                 env: dict[str, str] | None = None):
+        from verifypd.launch.launcher import child_env
 
-        self.proc = subprocess.Popen(cmd, env=child_env(), stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stderr=subprocess.PIPE, text=True)
         self.ready_line, self.echo = ready_line, echo
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -143,3 +148,27 @@ class Server:
             if m:
                 pids[m.group(1)] = int(m.group(2))
         return pids
+
+    def wait_ready(self, timeout_s: float = 180) -> "Server":
+        if not self.ready.wait(timeout_s):
+            self.stop()
+            pytest.fail("verifypd serve did not start:\n" + "".join(self.lines[-30:]))
+        return self
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM (drain, then exit), SIGKILL when that takes too long."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def serve_cmd(tiny_models, port: int, *extra: str, topology: str = "colocated") -> list[str]:
+    """`verifypd serve` through the CLI with the tiny random models on CPU (no HTTP port)."""
+    return [sys.executable, "-m", "verifypd.cli", "serve", "--topology", topology, "--port", str(port),
+            "--target", tiny_models[0], "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "128",
+            "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--http-port", "0",
+            "--drain-timeout", "2", *extra]

@@ -1,4 +1,5 @@
-"""Graceful drain on SIGTERM (`verifypd serve` as a subprocess) and the gateway's optional API key."""
+"""Graceful drain on SIGTERM (`verifypd serve` as a subprocess) and the gateway's optional API key
+(the admin key of Control: test_services_control_access.py)."""
 from __future__ import annotations
 
 import signal
@@ -20,7 +21,7 @@ API_KEY = "test-api-key-0123456789"
 
 def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
     from verifypd.cli import main
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     with build_colocated(engine_options(*tiny_models), api_key=API_KEY) as gw:
         client = Client(gw.address)
@@ -30,8 +31,11 @@ def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
                                          timeout=30))
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in err.value.details()
             with pytest.raises(grpc.RpcError) as err:
-                client.control.UpdateConfig(control_pb2.UpdateConfigRequest(), metadata=metadata, timeout=30)
+                client.control.GetConfig(control_pb2.GetConfigRequest(), metadata=metadata, timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:  # no admin key configured: nobody may change it
+                client.control.UpdateConfig(control_pb2.UpdateConfigRequest(), metadata=metadata, timeout=30)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "admin key" in err.value.details()
         assert client.health_status() == health_pb2.HealthCheckResponse.SERVING  # probes carry no key
         good = (("authorization", f"Bearer {API_KEY}"),)
         msgs = list(client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6], 4)), metadata=good,

@@ -17,6 +17,9 @@ from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import control_pb2, generate_pb2
 
 
+ADMIN_KEY = "test-admin-key-0123456789"  # Control.UpdateConfig needs it (auth.gateway_access)
+
+
 class SlowLane:
     """Wraps a lane; `delay_s` makes every call slower so a request stays in flight (test knob)."""
 
@@ -54,11 +57,12 @@ class Recorder:
 
 
 def start_gateway(tiny_models, *, readers=None, max_queue=256, **option_overrides):
-    from verifypd.server.gateway import build_colocated
-    from verifypd.server.telemetry import Telemetry
+    from verifypd.gateway.server import build_colocated
+    from verifypd.core.telemetry import Telemetry
 
     telemetry = Telemetry(readers=readers)
-    gw = build_colocated(engine_options(*tiny_models, **option_overrides), observer=telemetry, max_queue=max_queue)
+    gw = build_colocated(engine_options(*tiny_models, **option_overrides), observer=telemetry, max_queue=max_queue,
+                         admin_key=ADMIN_KEY)
     router = gw.router
     router.verify_lane = SlowLane(router.verify_lane)   # before start: the engine thread owns it after
     router.observer = Recorder(router.observer)
@@ -185,6 +189,7 @@ def test_cancel_and_deadline_free_blocks(client, gateway, how):
 
 
 def test_update_config_takes_effect_on_next_step(client, gateway):
+    admin = Client(gateway.address, bearer=ADMIN_KEY)
     recorder = gateway.router.observer
     before = client.control.GetConfig(control_pb2.GetConfigRequest())
     assert (before.k_initial, before.adaptive) == (4, False)
@@ -192,7 +197,7 @@ def test_update_config_takes_effect_on_next_step(client, gateway):
     start = recorder.steps  # the gateway is idle: steps from here on are this request's
     call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([7, 8, 9], 120)))
     msgs = [next(call), next(call), next(call)]
-    applied = client.control.UpdateConfig(control_pb2.UpdateConfigRequest(
+    applied = admin.control.UpdateConfig(control_pb2.UpdateConfigRequest(
         config=control_pb2.RuntimeConfig(k_initial=1, priorities=control_pb2.LanePriorities(prefill=5)),
         requested_by="test", reason="k to 1"))
     assert (applied.k_initial, applied.k_max, applied.priorities.prefill, applied.priorities.draft) == (1, 8, 5, 2)
@@ -208,12 +213,13 @@ def test_update_config_takes_effect_on_next_step(client, gateway):
     assert client.control.GetConfig(control_pb2.GetConfigRequest()).k_initial == 1
     # Invalid: nothing changes.
     with pytest.raises(grpc.RpcError) as err:
-        client.control.UpdateConfig(control_pb2.UpdateConfigRequest(config=control_pb2.RuntimeConfig(k_min=9)))
+        admin.control.UpdateConfig(control_pb2.UpdateConfigRequest(config=control_pb2.RuntimeConfig(k_min=9)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "k_min" in err.value.details()
     after = client.control.GetConfig(control_pb2.GetConfigRequest())
     assert (after.k_min, after.revision) == (0, applied.revision)
-    client.control.UpdateConfig(control_pb2.UpdateConfigRequest(config=control_pb2.RuntimeConfig(
+    admin.control.UpdateConfig(control_pb2.UpdateConfigRequest(config=control_pb2.RuntimeConfig(
         k_initial=4, priorities=control_pb2.LanePriorities(prefill=0))))
+    admin.close()
 
 
 def test_overload_gives_resource_exhausted(tiny_models):

@@ -25,8 +25,8 @@ def test_gauges_drop_to_zero_after_cancel_and_when_idle(tiny_models):
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from verifypd import metric_names as mn
-    from verifypd.server.gateway import build_colocated
-    from verifypd.server.telemetry import Telemetry
+    from verifypd.gateway.server import build_colocated
+    from verifypd.core.telemetry import Telemetry
 
     reader = InMemoryMetricReader()
     with build_colocated(engine_options(*tiny_models), observer=Telemetry(readers=[reader])) as gw:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
-from verifypd.server.launcher import child_env
+from verifypd.launch.launcher import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -57,3 +57,26 @@ def test_profile_step_closed_loop(tiny_models, tmp_path):
     assert [r["prefill_beside_verify"] for r in result["rows"]] == [True, False, True]
     for r in result["rows"]:
         assert r["output_tok_s"] > 0 and r["tokens_per_step"] > 1  # four requests decode in each step
+
+
+def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):
+    """bench/engine_throughput.py's issue-22 command (plain decoding against SIMULATED acceptance 0.1
+    with adaptive k), as a CPU smoke run on tiny checkpoints: it runs, every row counts the k
+    decisions (drafting on merit, probes), and the adaptive rows carry their ratio to k = 0."""
+    target, draft = tiny_models
+    out = tmp_path / "engine_throughput_cpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_throughput.py"), "--device", "cpu",
+                           "--target", target, "--draft", draft, "--rows", "plain,simulated", "--alphas", "",
+                           "--fallback-alphas", "0.1", "--batches", "1,2", "--prompt-len", "16", "--gen-len", "16",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys() and result["device"] == "cpu"
+    rows = {(r["system"], r["batch"]) for r in result["rows"]}
+    fallback = "SIMULATED acceptance 0.1, k=adaptive"
+    assert rows == {(s, b) for s in ("k=0 (plain decoding)", fallback) for b in (1, 2)}
+    for r in result["rows"]:
+        assert r["tokens"] == 16 * r["batch"] and r["speedup_vs_k0"] > 0
+        assert r["k_decisions"] >= 15 and r["drafting_decisions"] + r["probe_decisions"] <= r["k_decisions"]
+        if r["system"].startswith("k=0"):
+            assert r["drafting_decisions"] == r["probe_decisions"] == r["draft_calls"] == 0

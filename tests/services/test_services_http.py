@@ -282,3 +282,19 @@ def test_no_delayed_ack_stall_per_request(server):
         times.append(time.perf_counter() - t0)
     conn.close()
     assert statistics.median(times) < 0.03, times
+
+
+def test_api_key_guards_the_v1_routes(chat_models):
+    """With --api-key, /v1 needs `Authorization: Bearer KEY` (as gRPC Generate does); probes stay open."""
+    s = HttpGateway(chat_models, api_key="k" * 20)
+    try:
+        body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 4}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "k" * 20}):
+            r = httpx.post(s.url + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 401
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="k" * 20, max_retries=0, timeout=60)
+        assert ok.completions.create(**body).usage.completion_tokens == 4
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+    finally:
+        s.stop()

@@ -10,7 +10,7 @@ from verifypd_loadgen.cli import main as loadgen_main
 
 
 def test_loadgen_drives_the_real_stack(tiny_models, tmp_path):
-    from verifypd.server.gateway import build_colocated
+    from verifypd.gateway.server import build_colocated
 
     gw = build_colocated(engine_options(*tiny_models)).start()
     try:

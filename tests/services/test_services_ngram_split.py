@@ -17,7 +17,7 @@ PROMPTS = [[5, 9, 11, 30, 5, 9, 11, 30, 5, 9], [40, 41, 42, 43, 44, 40, 41, 42],
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.server.launcher import LaneProcesses
+    from verifypd.launch.launcher import LaneProcesses
 
     procs = LaneProcesses(engine_options(tiny_models[0], DRAFT))
     procs.start(timeout_s=120)
@@ -26,7 +26,7 @@ def lanes(tiny_models):
 
 
 def split_gateway(tiny_models, lanes, kv_transport):
-    from verifypd.server.gateway import build_split
+    from verifypd.gateway.server import build_split
 
     return build_split(lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport,
                        lane_secret=lanes.secret).start()
@@ -37,8 +37,11 @@ def test_poolless_ngram_lane_split_equals_colocated(tiny_models, lanes, kv_trans
     specs = [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in PROMPTS]
     expected = offline_outputs(engine_options(tiny_models[0], DRAFT), specs)
     with split_gateway(tiny_models, lanes, kv_transport) as gw:
-        prefill, draft, _ = gw.lanes
+        prefill, draft, verify = gw.lanes
         assert draft.describe().pools == ()            # the draft lane owns no pool ...
+        # ... reads no KV the prefill lane writes, so never waits for its writes (on a GPU host a
+        # CPU draft lane refused the CUDA event, found with `serve --topology split --draft none`)
+        assert draft.producer is None and verify.producer is prefill
         assert set(gw.wiring.mode_by_pool) == {verify_pool_id(gw)}  # ... and prefill wires only the target's
         assert gw.router.draft_blocks is None
         sent: dict[str, list[int]] = {}  # request id -> input_tokens length of each Draft call

@@ -15,7 +15,7 @@ from verifypd.v1 import generate_pb2
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.server.launcher import LaneProcesses
+    from verifypd.launch.launcher import LaneProcesses
 
     procs = LaneProcesses(engine_options(*tiny_models))
     procs.start(timeout_s=120)
@@ -35,7 +35,7 @@ def expected(tiny_models, prompts):
 
 
 def split_gateway(tiny_models, lanes, kv_transport):
-    from verifypd.server.gateway import build_split
+    from verifypd.gateway.server import build_split
 
     return build_split(lanes.addrs, engine_options(*tiny_models), kv_transport=kv_transport,
                        lane_secret=lanes.secret).start()
@@ -87,12 +87,15 @@ def test_copy_transport_gives_same_output(tiny_models, lanes, prompts, expected)
         assert owner_bytes_received(gw) - received_before == copied
 
 
-@pytest.mark.parametrize("top_k", [0, 7])  # dense and sparse DraftProbs on the wire
+@pytest.mark.parametrize("top_k", [0, 7])
 def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
+    """Seeded output is the same split and colocated, and equal to no draft at all (docs/engine.md,
+    "Seeds"): only draft tokens cross the wire."""
     prompt = [4, 8, 15, 16, 23, 42]
     sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=99)
-    expected = offline_outputs(engine_options(*tiny_models),
-                               [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)])
+    spec = RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)
+    expected = offline_outputs(engine_options(*tiny_models), [spec])
+    assert offline_outputs(engine_options(tiny_models[0], "none", k=0), [spec]) == expected
     with split_gateway(tiny_models, lanes, "auto") as gw:
         ids, msgs = Client(gw.address).generate(
             token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=20, stop_at_eos=False,
@@ -106,9 +109,9 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
     """The router's fast path (call channel: compact columns, request intros, block-table deltas)
     and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
     from verifypd.engine.router import Router
-    from verifypd.server.core_process import connect_lanes
-    from verifypd.server.gateway import load_codec
-    from verifypd.server.lane_client import wire_pools
+    from verifypd.core.process import connect_lanes
+    from verifypd.gateway.server import load_codec
+    from verifypd.lanerpc.lane_client import wire_pools
 
     options = engine_options(*tiny_models)
     outputs = {}
@@ -137,9 +140,9 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
     """pdv with pipelining across the lane processes: one group's draft beside the other's verify,
     and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
     from verifypd.engine.router import Router
-    from verifypd.server.core_process import connect_lanes
-    from verifypd.server.gateway import load_codec
-    from verifypd.server.lane_client import wire_pools
+    from verifypd.core.process import connect_lanes
+    from verifypd.gateway.server import load_codec
+    from verifypd.lanerpc.lane_client import wire_pools
 
     options = engine_options(*tiny_models)
     clients = connect_lanes(lanes.addrs, secret=lanes.secret)
@@ -171,9 +174,9 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
 
     from verifypd.engine import scheduler as scheduler_module
     from verifypd.engine.router import Router
-    from verifypd.server.core_process import connect_lanes
-    from verifypd.server.gateway import load_codec
-    from verifypd.server.lane_client import wire_pools
+    from verifypd.core.process import connect_lanes
+    from verifypd.gateway.server import load_codec
+    from verifypd.lanerpc.lane_client import wire_pools
 
     choices = itertools.cycle([True, True, False, True, False, False, True])
     monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))

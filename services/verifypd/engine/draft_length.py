@@ -3,14 +3,17 @@
 Expected tokens per verify step with acceptance rate a and k drafts (Leviathan et al. 2023):
     E(a, k) = (1 - a^(k+1)) / (1 - a)          (k + 1 when a == 1)
 We pick k maximising goodput  E(a, k) / (k * t_draft + t_verify(k))  from step costs measured
-online, so k shrinks to 0 (plain decoding) when drafting cannot pay for itself, e.g. when the GPU
-is saturated and verify cost grows with the number of scored tokens.
+online, and draft at all only when that beats plain decoding's  1 / t_verify(0)  by a margin
+(DRAFT_ON_GAIN to start, DRAFT_OFF_GAIN to keep going), so k is 0 when drafting cannot pay for
+itself: low acceptance, or a saturated GPU whose verify cost grows with the tokens scored. With k
+at 0, rare cheap probes (ProbeSchedule, the scheduler picks whom) keep acceptance observed.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 
+from verifypd.engine.step_costs import (AcceptanceTracker, StepCostModel, batch_bucket,  # noqa: F401 (re-exported)
+                                        expected_tokens)
 from verifypd.engine.types import MAX_K, InvalidRequest
 
 
@@ -61,121 +64,17 @@ class RuntimeConfig:
         return new
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens produced per verify step: accepted drafts plus the one target token."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def batch_bucket(batch: int) -> int:
-    """Costs are tracked per padded batch size (powers of two, as the CUDA graphs are)."""
-    return 1 << max(0, batch - 1).bit_length()
-
-
-class StepCostModel:
-    """Decode step costs measured online by the router: seconds of one whole speculative step
-    (planning, the draft call, the verify call, committing the tokens; a prefill run before or
-    after decode excluded) per (padded batch bucket, k); k = 0 is a plain verify step.
-
-    Draft and verify are measured together because an in-process draft call returns before its GPU
-    work is done (the tokens stay on the device for the verify call), so only their sum is real.
-    The host work around the calls is included because it is paid per step: a pipelined step
-    verifies half the batch, so it pays that work twice as often per token as a lock-step step.
-    An unmeasured cost is estimated by the measured one of the largest smaller k at that bucket
-    (cost does not fall as k grows, so this is a lower bound): optimism makes the policy try an
-    unmeasured k once, and the measurement then corrects it. Defaults describe a memory-bound GPU
-    until anything is measured. Steps whose draft first caught up on many committed tokens (after
-    steps without drafting) are not typical and are not recorded by the router.
-    """
-
-    def __init__(self, window: int = 9):
-        self.window = window
-        self._step: dict[tuple[int, int], float] = {}
-        self._samples: dict[tuple[int, int], deque] = {}
-        # pdv pipelined steps, by (padded group bucket, k): the wall time of one step in which one
-        # group verifies its held drafts (k each) while the other group drafts.
-        self._pipe: dict[tuple[int, int], float] = {}
-        self._pipe_samples: dict[tuple[int, int], deque] = {}
-        self.default_verify_s = 3e-3
-        self.default_draft_step_s = 0.3e-3
-        self.acceptance = AcceptanceTracker()  # engine-wide prior for requests not yet observed
-
-    def observe_step(self, batch: int, k: int, seconds: float) -> None:
-        """A lock-step step (draft + verify of `batch` requests). Median of the last few steps: one
-        slow step (a lazy compile, a GC pause) moves nothing."""
-        self._record(self._samples, self._step, (batch_bucket(batch), k), seconds)
-
-    def observe_pipelined(self, group: int, k: int, seconds: float) -> None:
-        """A pipelined pdv step whose verify call held `group` requests with k held drafts each."""
-        self._record(self._pipe_samples, self._pipe, (batch_bucket(group), k), seconds)
-
-    def _record(self, samples_by_key: dict, medians: dict, key: tuple[int, int], seconds: float) -> None:
-        samples = samples_by_key.setdefault(key, deque(maxlen=self.window))
-        samples.append(seconds)
-        medians[key] = sorted(samples)[len(samples) // 2]
-
-    def step_s(self, batch: int, k: int) -> float:
-        b = batch_bucket(batch)
-        exact = self._step.get((b, k))
-        if exact is not None:
-            return exact
-        below = [(kk, v) for (bb, kk), v in self._step.items() if bb == b and kk < k]
-        return max(below)[1] if below else self.default_verify_s + k * self.default_draft_step_s
-
-    def goodput(self, alphas: list[float], k: int, batch: int) -> float:
-        """Tokens per second of a batch whose requests all draft k (verify scores k + 1 each)."""
-        return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
-
-    def pipelined_step_s(self, group: int, k: int) -> float:
-        """Seconds of a pipelined step whose groups hold `group` requests drafting k. Unmeasured, it
-        is estimated by perfect overlap, half of the lock-step cost of one group (a pipelined step
-        costs at least max(draft, verify) >= (draft + verify) / 2): optimistic, so pipelining is
-        tried, and the measurement then decides."""
-        exact = self._pipe.get((batch_bucket(group), k))
-        return exact if exact is not None else self.step_s(group, k) / 2
-
-    def pipelined_goodput(self, alphas: list[float], k: int, batch: int) -> float:
-        """Tokens per second of requests whose drafts are pipelined, `batch` decoding in all (two
-        groups of about batch / 2): in steady state each request is verified every other step, so it
-        gains E(a, k) per two pipelined steps. k = 0 is no pipelining at all: the whole batch
-        plain-decodes in every step, as in a lock-step step. Comparable with `goodput` over the
-        same requests (the same alphas), which is how pdv decides whether to pipeline."""
-        if k == 0:
-            return self.goodput(alphas, 0, batch)
-        group = -(-batch // 2)
-        return sum(expected_tokens(a, k) for a in alphas) / (2 * self.pipelined_step_s(group, k))
-
-
-class AcceptanceTracker:
-    """Per-token acceptance estimate, engine-wide, from verify outcomes.
-
-    Under the i.i.d. model behind E(a, k), a verify of k drafts that accepted m is m successes plus
-    one failure when m < k, so a = successes / (successes + failures) is the maximum-likelihood
-    estimate (accepted / drafted would be biased low: drafts after a rejection are never tried).
-    Counts decay so the estimate follows a changing workload."""
-
-    def __init__(self, decay: float = 0.99):
-        self.decay = decay
-        self.successes = 0.0
-        self.failures = 0.0
-
-    def observe(self, accepted: int, k: int) -> None:
-        self.successes = self.decay * self.successes + accepted
-        self.failures = self.decay * self.failures + (1 if accepted < k else 0)
-
-    @property
-    def alpha(self) -> float | None:
-        total = self.successes + self.failures
-        return None if total <= 0 else self.successes / total
-
-
 def request_alpha(successes: int, failures: int, prior: float | None, prior_weight: float = 4.0) -> float | None:
-    """A request's acceptance: its own counts, shrunk toward the engine-wide estimate."""
+    """A request's acceptance: its own counts, shrunk toward the engine-wide estimate (None while
+    the engine has no estimate yet: too few outcomes to judge, see AcceptanceTracker)."""
     if prior is None:
-        total = successes + failures
-        return None if total == 0 else successes / total
+        return None
     return (successes + prior_weight * prior) / (successes + failures + prior_weight)
+
+
+def request_rate(asked: int, proposed: int, prior: float, prior_weight: float = 4.0) -> float:
+    """A request's proposal rate: its own counts, shrunk toward the engine-wide rate."""
+    return (proposed + prior_weight * prior) / (asked + prior_weight)
 
 
 def choose_k(config: RuntimeConfig, alpha: float | None, request_max_k: int | None,
@@ -192,30 +91,90 @@ def cap_k(config: RuntimeConfig, k: int, request_max_k: int | None, remaining_to
     return max(min(config.k_min, hi), min(k, hi))
 
 
-SWITCH_MARGIN = 1.1  # turning speculation on or off must promise 10% more goodput (see choose_batch_k)
+SWITCH_MARGIN = 1.1  # pdv: switching between pipelined and lock-step must promise 10 % more goodput
+# Drafting on or off, with hysteresis: a batch not drafting starts only for a predicted 10 % more
+# goodput than plain decoding (the first drafting step also catches the draft up on every token
+# decoded meanwhile); a drafting batch stops as soon as the predicted gain falls under 2 %, so a
+# batch whose expected gain is negative never keeps drafting. The 8 % band keeps it from flapping.
+DRAFT_ON_GAIN, DRAFT_OFF_GAIN = 1.10, 1.02
 
 
 def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
-                   hi: int, probe: bool = False, current: int | None = None, pipelined: bool = False) -> int:
+                   hi: int, current: int | None = None, pipelined: bool = False,
+                   rates: list[float] | None = None) -> int:
     """One k for the decoding batch: verify runs every request padded to max(k) + 1 tokens, so a
-    shared k is what the GPU pays for. Maximises the batch's goodput; `probe` turns a 0 into 1 so
-    acceptance keeps being observed while speculation is off (the caller probes now and then).
-    `pipelined`: `alphas` are one pdv group's and `batch` counts both groups; costs are those of
-    pipelined steps (`StepCostModel.pipelined_goodput`)."""
+    shared k is what the GPU pays for. The drafting k maximises the batch's goodput
+    Σ E(a_i, k) / step(batch, k); it is taken only if it beats plain decoding (k = 0) by
+    DRAFT_ON_GAIN, or DRAFT_OFF_GAIN when `current` (the batch's k of the previous step) already
+    drafts. Probes while k is 0 are the scheduler's (ProbeSchedule). `pipelined`: `alphas` are one
+    pdv group's and `batch` counts both groups; costs are those of pipelined steps
+    (`StepCostModel.pipelined_goodput`). `rates`: per request, how often its draft lane proposes
+    anything when asked (None: always), see `StepCostModel.goodput`."""
     hi = max(min(hi, config.k_max), 0)
     lo = min(config.k_min, hi)
     known = [a for a in alphas if a is not None]
     if not config.adaptive or not known:
         return max(lo, min(config.k_initial, hi))
-    goodput = costs.pipelined_goodput if pipelined else costs.goodput
-    best = max(range(lo, hi + 1), key=lambda k: goodput(known, k, batch))
-    # Hysteresis between drafting and not: each return to drafting first catches the draft up on
-    # every token decoded meanwhile, so near break-even flipping back and forth costs more than
-    # either choice. `current` is the batch's k of the previous step.
-    if current is not None and lo <= current <= hi and (best == 0) != (current == 0):
-        if goodput(known, best, batch) < SWITCH_MARGIN * goodput(known, current, batch):
-            best = current
-    return 1 if probe and best == 0 and hi >= 1 else best
+    if hi == 0:
+        return 0
+    if rates is not None:
+        rates = [p for a, p in zip(alphas, rates) if a is not None]
+    measure = costs.pipelined_goodput if pipelined else costs.goodput
+
+    def goodput(alphas_: list[float], k: int, batch_: int) -> float:
+        return measure(alphas_, k, batch_, rates)
+    best = max(range(max(lo, 1), hi + 1), key=lambda k: goodput(known, k, batch))
+    if lo > 0:  # k_min > 0: drafting is not the policy's choice
+        return best
+    if not costs.measured(batch, 0):
+        # Plain decoding is what drafting is judged against: measure it once at this batch size
+        # (estimated from drafting steps alone it would hang on the prior DRAFT_COST_PRIOR).
+        return 0
+    needed = DRAFT_OFF_GAIN if current else DRAFT_ON_GAIN
+    return best if goodput(known, best, batch) >= needed * goodput(known, 0, batch) else 0
+
+
+# Probes: with k at 0 a batch drafts PROBE_K for some requests now and then, so acceptance keeps
+# being observed (it may rise: a request starts copying its prompt). The first after PROBE_FIRST
+# steps without drafting, then after twice as many each time (up to PROBE_MAX) while probes
+# confirm k = 0. A probe is a normal k = 1 step for the requests it drafts for: only requests
+# whose draft KV lags the pending token by at most PROBE_MAX_LAG are probed (draft input <= 2
+# tokens, the shape of every drafting step, CUDA-graphed), never one whose draft would first have
+# to catch up on the tokens decoded meanwhile: that draft call feeds 32 to 1,024 tokens per
+# request, past the graphs' 9-token query, so it runs eagerly (before this rule every probe did:
+# the likely cause of a median probe draft call of 17.7 ms against 1.4 ms for a k = 1 draft call
+# at batch 1, H200). With a model draft the probed requests are those in their first decode step,
+# right after prefill wrote their draft KV; a pool-less draft (ngram) has no KV to catch up.
+PROBE_K = 1
+PROBE_FIRST, PROBE_MAX = 32, 1024
+PROBE_MAX_LAG = 1
+TYPICAL_DRAFT_INPUT = PROBE_MAX_LAG + 1  # tokens a draft call takes in a step worth costing
+
+
+class ProbeSchedule:
+    """When the next probe is due (see PROBE_FIRST); also counts decisions for benchmarks."""
+
+    def __init__(self):
+        self.interval = PROBE_FIRST
+        self.steps_off = 0  # k decisions of 0 since the last drafting or probing one
+        self.decisions = self.drafting = self.probes = 0
+
+    @property
+    def due(self) -> bool:
+        return self.steps_off >= self.interval
+
+    def record(self, k: int, probed: bool) -> None:
+        self.decisions += 1
+        if probed:
+            self.probes += 1
+            self.interval = min(2 * self.interval, PROBE_MAX)
+            self.steps_off = 0
+        elif k > 0:
+            self.drafting += 1
+            self.interval = PROBE_FIRST  # speculation chosen on its own merits
+            self.steps_off = 0
+        else:
+            self.steps_off += 1
 
 
 def pipelining_pays(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,

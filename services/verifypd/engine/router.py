@@ -22,7 +22,8 @@ from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, request_alpha
+from verifypd.engine.draft_length import (TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha,
+                                          request_rate)
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
@@ -258,12 +259,6 @@ class Router:
                                        seq.target_computed) if self.feature_draft else None))
         return items
 
-    def _typical_catch_up(self, items: list[DraftItem]) -> bool:
-        """No long draft catch-up in the call (its step is a cost sample worth keeping): <= 2 tokens,
-        or for a feature draft, which is re-fed every accepted token, <= k_max + 1."""
-        limit = self.config.k_max + 1 if self.feature_draft else 2
-        return max(len(i.input_tokens) for i in items) <= limit
-
     def _call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
         t0 = self._clock()
         results = self.draft_lane.draft(items)
@@ -281,6 +276,13 @@ class Router:
             elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
                 w.seq.draft_computed = w.seq.pending_pos + 1
         return drafts
+
+    def _typical_draft(self, items: list[DraftItem]) -> bool:
+        """A draft call worth costing: no long catch-up on tokens decoded without drafting (an eager
+        draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens. A
+        feature draft is re-fed every accepted token of the last step: up to k_max + 1 is typical."""
+        limit = self.config.k_max + 1 if self.feature_draft else TYPICAL_DRAFT_INPUT
+        return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= limit
 
     def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
                     beside: Callable[[], None] | None = None) -> tuple[bool, int, int] | None:
@@ -301,9 +303,11 @@ class Router:
             results, draft_s = self._call_draft(items)
             drafts = self._take_drafts(drafting, results)
             self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = self._typical_catch_up(items)
+            typical = self._typical_draft(items)
+            # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
+            typical = typical and sum(w.probe for w in work) in (0, len(work))
         ahead_items = self._draft_items(ahead)
-        ahead_typical = not ahead_items or self._typical_catch_up(ahead_items)
+        ahead_typical = not ahead_items or self._typical_draft(ahead_items)
         future = None
         if ahead_items and work and not SERIAL_PIPELINE:
             if self._pool is None:
@@ -371,7 +375,7 @@ class Router:
                 tokens, probs = drafts[w.seq.request_id]
                 # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes
                 # in its next step, as a lock-step step verifies it with k = 0 right after the draft.
-                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical)
+                w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical, requested_k=w.k)
         return sample
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
@@ -390,6 +394,16 @@ class Router:
             if k > 0:
                 seq.draft_rejections += m < k
                 self.costs.acceptance.observe(m, k)
+            # Asked for drafts, did the lane propose any? Prompt lookup proposes nothing without a
+            # match: such a step gains nothing, and the policy must count it (goodput's `rates`),
+            # or a draft accepted when it proposes looks better than it is.
+            asked = seq.held_draft.requested_k if seq.held_draft is not None else w.k
+            if asked > 0:
+                seq.drafts_asked += 1
+                seq.drafts_proposed += k > 0
+                self.costs.acceptance.observe_proposal(k > 0)
+                seq.proposal_rate = request_rate(seq.drafts_asked, seq.drafts_proposed,
+                                                 self.costs.acceptance.proposal_rate)
             seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections,
                                                self.costs.acceptance.alpha)
             seq.last_k = k

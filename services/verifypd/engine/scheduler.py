@@ -22,12 +22,9 @@ import heapq
 from dataclasses import dataclass, field
 
 from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k, choose_batch_k, pipelining_pays
+from verifypd.engine.draft_length import (PROBE_K, PROBE_MAX_LAG, ProbeSchedule, RuntimeConfig, StepCostModel,
+                                          cap_k, choose_batch_k, pipelining_pays)
 
-# With speculation off, a decode step now and then drafts k = 1 to keep measuring acceptance: after
-# 32 steps, then after twice as many each time a probe confirms k = 0 (up to 1024), since a probe
-# costs a draft call that first catches up on every token decoded since the last one.
-PROBE_FIRST, PROBE_MAX = 32, 1024
 # pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
 # requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
 # compute-bound verify, where every drafted token costs its share of verify compute next step.
@@ -48,6 +45,7 @@ class DecodeWork:
     seq: Sequence
     k: int
     held: bool = False  # verify the drafts held from the previous (pipelined) step; draft nothing now
+    probe: bool = False  # drafts PROBE_K although the batch's k is 0 (see ProbeSchedule)
 
 
 @dataclass
@@ -75,9 +73,9 @@ class Scheduler:
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
         self.running: list[Sequence] = []
-        self._steps_without_drafts = 0
-        self._probe_interval = PROBE_FIRST
+        self.probes = ProbeSchedule()
         self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
+        self._drafting: dict[object, int] = {}  # the same keys: the k the hysteresis compares with
         self._phase = 0     # pdv: the group that drafts in the current pipelined step
         self._pipelining: bool | None = None  # pdv: last step's choice (pipelined or lock-step)
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
@@ -138,21 +136,35 @@ class Scheduler:
         return [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
 
     def _batch_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
-                 key: object, decoding: int | None = None) -> int:
-        """One k for `seqs` (see choose_batch_k), with the probe schedule while speculation is off.
-        `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
+                 key: object, decoding: int | None = None) -> tuple[int, set[str]]:
+        """One k for `seqs` (see choose_batch_k), and the request ids to probe with PROBE_K while that
+        k is 0 (see ProbeSchedule): when a probe is due, the requests among `seqs` a probe costs no
+        catch-up for. `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
         if not seqs:
-            return 0
-        probe = self._steps_without_drafts >= self._probe_interval
-        k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, decoding or len(seqs), hi, probe=probe,
-                                 current=self._last_k.get(key), pipelined=decoding is not None)
-        self._last_k[key] = k_batch
-        if probe and k_batch == 1:
-            self._probe_interval = min(2 * self._probe_interval, PROBE_MAX)
-        elif k_batch > 0:
-            self._probe_interval = PROBE_FIRST  # speculation chosen on its own merits
-        self._steps_without_drafts = self._steps_without_drafts + 1 if k_batch == 0 else 0
-        return k_batch
+            return 0, set()
+        rate = costs.acceptance.proposal_rate
+        rates = [rate if s.proposal_rate is None else s.proposal_rate for s in seqs]
+        batch, current = decoding or len(seqs), self._drafting.get(key)
+        plain_unmeasured = not costs.measured(batch, 0)
+        k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, batch, hi, current=current,
+                                 pipelined=decoding is not None, rates=rates)
+        self._last_k[key] = k_batch  # a probe is not the batch's k: pdv groups ignore it
+        # The hysteresis state ignores probes, and the one plain step that measures k = 0 at a new
+        # batch size (choose_batch_k): a drafting batch stays "drafting" through it.
+        if not (k_batch == 0 and plain_unmeasured and current):
+            self._drafting[key] = k_batch
+        probed: set[str] = set()
+        if k_batch == 0 and config.adaptive and hi >= PROBE_K and self.probes.due:
+            probed = {s.request_id for s in seqs if self._cheap_probe(config, s)}
+        self.probes.record(k_batch, bool(probed))
+        return k_batch, probed
+
+    def _cheap_probe(self, config: RuntimeConfig, seq: Sequence) -> bool:
+        """A probe of `seq` is a normal k = PROBE_K step: its draft input is at most PROBE_MAX_LAG + 1
+        tokens (a pool-less draft lane has no KV to catch up), and it can take PROBE_K drafts."""
+        lag = seq.pending_pos - seq.draft_computed
+        return ((isinstance(self.draft, _NoPool) or lag <= PROBE_MAX_LAG)
+                and self._cap(config, seq, PROBE_K) == PROBE_K)
 
     def _plan_decode(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
                      out_of_room: list[Sequence], only: Sequence | None = None) -> list[DecodeWork]:
@@ -166,19 +178,20 @@ class Scheduler:
         # verify call verifies the proposals of one draft call (the split topology hands them over in
         # one DraftHandoff slot per draft call, call_codec.encode_verify).
         draining = len(fresh) < len(decoding)
-        k_batch = 0 if draining else self._batch_k(config, costs, fresh, config.k_max,
-                                                   "single" if only is not None else "batch")
+        k_batch, probed = (0, set()) if draining else self._batch_k(config, costs, fresh, config.k_max,
+                                                                    "single" if only is not None else "batch")
         work: list[DecodeWork] = []
         for seq in decoding:
             if seq in preempted or (draining and seq.held_draft is None):
                 continue
+            probe = seq.request_id in probed
             if seq.held_draft is not None:
                 k, held = len(seq.held_draft.tokens), True
             else:
-                k, held = self._cap(config, seq, k_batch), False
+                k, held = self._cap(config, seq, PROBE_K if probe else k_batch), False
             k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
             if k is not None:
-                work.append(DecodeWork(seq, k, held=held and k > 0))
+                work.append(DecodeWork(seq, k, held=held and k > 0, probe=probe and k > 0))
         return [w for w in work if w.seq not in preempted]
 
     def _plan_pipelined(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
@@ -199,8 +212,9 @@ class Scheduler:
                 continue
             if seq.held_draft is None and self._cap(config, seq, config.k_max if last_k is None else last_k) > 0:
                 # Just moved here (joined, rebalanced): it waits one step and drafts with its group
-                # next step. Plain-decoding it now would change its k sequence, and so a seeded
-                # sampled request's tokens, against a lock-step run.
+                # next step, so its k sequence is a lock-step run's. (Seeded tokens no longer depend
+                # on k: coupled acceptance, verifypd.model.sampler. Plain-decoding it now instead
+                # would be correct too; a possible latency trade.)
                 continue
             k = len(seq.held_draft.tokens) if seq.held_draft is not None else 0
             k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=False)
@@ -208,16 +222,18 @@ class Scheduler:
                 verify.append(DecodeWork(seq, k, held=k > 0))
         queue = len(verify)
         hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
-        k_group = self._batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
+        k_group, probed = self._batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
         ahead: list[DecodeWork] = []
         for seq in drafting:
             if seq in preempted:
                 continue
-            k = self._reserve_or_preempt(seq, self._cap(config, seq, min(k_group, hi)), preempted, out_of_room)
+            probe = seq.request_id in probed
+            k = self._reserve_or_preempt(seq, self._cap(config, seq, PROBE_K if probe else min(k_group, hi)),
+                                         preempted, out_of_room)
             if k is None:
                 continue
             # k = 0 (speculation off, nothing left to draft, no room): plain decoding now, not idling
-            (ahead if k > 0 else verify).append(DecodeWork(seq, k))
+            (ahead if k > 0 else verify).append(DecodeWork(seq, k, probe=probe and k > 0))
         return [w for w in verify if w.seq not in preempted], [w for w in ahead if w.seq not in preempted]
 
     def _assign_groups(self, decoding: list[Sequence]) -> None:

@@ -34,6 +34,7 @@ class HeldDraft:
     tokens: Any
     probs: Any
     typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
+    requested_k: int = 0  # the k asked of the draft lane (a pool-less lane may propose fewer)
 
 
 class SeqStatus(enum.Enum):
@@ -60,6 +61,12 @@ class Sequence:
     # None until anything is observed. draft_rejections counts verify steps that rejected a draft.
     alpha_estimate: float | None = None
     draft_rejections: int = 0
+    # How often the draft lane proposes anything when asked (prompt lookup proposes nothing without
+    # an n-gram match; a model draft always does): steps asked, steps with a proposal, the estimate
+    # (draft_length.request_rate), None until the engine has one.
+    drafts_asked: int = 0
+    drafts_proposed: int = 0
+    proposal_rate: float | None = None
     last_k: int = 0
     # pdv pipelining (see Scheduler._plan_pipelined): the group (0 / 1) this request decodes in,
     # None until it first decodes; drafts held between the step that made them and the next one.

@@ -17,12 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from verifypd.defaults import DEFAULT_DRAFT  # shared with the operator's CRD (one place)
 from verifypd.lanes.interface import LaneInfo
 
-# Measured on the embedded model (bench/draft_acceptance.py, README "Draft acceptance"): its
-# self:N drafts agree with the target too rarely to pay; prompt lookup pays on copy-heavy tasks and
-# costs next to nothing elsewhere. So it is the default for the embedded model and for any other.
-DEFAULT_DRAFT = "ngram"
 DRAFT_HELP = ("draft: 'ngram' or 'ngram:MIN-MAX' (prompt lookup in the request's own context: no model, no GPU, "
               "no KV pool), 'self:N' (the target's first N layers), 'eagle:PATH' (an EAGLE-3 head drafting from the "
               "target's hidden states, e.g. one written by `verifypd distill`), 'none', or a draft model spec. "

@@ -15,7 +15,8 @@ thread's current (default) stream. Ordering: the draft and verify streams wait f
 stream when a call starts, the prefill lane waits for both streams when it starts (the pools and
 the runners' static buffers are shared between prefill and the decode lanes), and drafts crossing
 from the draft stream to the verify stream carry an event the verify stream waits on (and their
-memory is `record_stream`ed there).
+memory is `record_stream`ed there). Draft tokens are all that crosses: coupled acceptance needs no
+draft probabilities (`sampler.accept_raced`).
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class LocalPrefillLane:
             mode = sampler.choice_mode(samplings)
             params = sampler.params_tensor(samplings, logits.device) if mode != sampler.GREEDY else (None,) * 4
             positions = sampler.small_tensor([i.start_pos + len(i.token_ids) for i in chosen], logits.device)
-            tokens, _ = sampler.choose(logits[rows], mode, *params, positions, sampler.STREAM_TARGET)
+            tokens = sampler.choose(logits[rows], mode, *params, positions)
 
             def outputs(host: list[int]) -> list[PrefillOutput]:
                 first = dict(zip(rows, host))
@@ -132,20 +133,17 @@ class LocalDraftLane:
         else:
             runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
         with on_stream(self.stream, self.serial):
-            tokens, probs = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
-            # No host sync: the tokens stay on the device for the verify lane (copies, since the
+            tokens = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
+            # No host sync: the tokens stay on the device for the verify lane (a copy, since the
             # runner's buffers are reused by its next call).
             tokens = tokens.clone()
-            if probs is not None:
-                probs = probs.clone()
             ready = None
             if self.stream is not None:  # the verify stream waits on this before reading them
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
         batch = DraftBatch(tokens, ready)
-        return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k),
-                            None if probs is None or i.sampling.greedy else probs[n, :i.k])
-                for n, i in enumerate(items)]
+        # No draft probabilities: coupled acceptance (sampler.accept_raced) needs none.
+        return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k), None) for n, i in enumerate(items)]
 
 
 def feature_run(tokens, start_pos: int, draft_kv, target_kv) -> "FeatureRun":
@@ -220,6 +218,8 @@ class LocalVerifyLane:
                                       for i, row in zip(items, host)])
 
     def _accept_sampled(self, items, logits, drafts, k):
+        """Coupled acceptance (sampler module doc): items' draft probabilities, if any came (an
+        older draft lane over gRPC), are not needed and not read."""
         R, K1, V = logits.shape
         samplings = [i.sampling for i in items]
         temp, top_k, top_p, seeds = sampler.params_tensor(samplings, logits.device)
@@ -227,9 +227,8 @@ class LocalVerifyLane:
         p = sampler.probabilities(logits.reshape(R * K1, V).float(), temp.repeat_interleave(K1),
                                   top_k.repeat_interleave(K1), top_p.repeat_interleave(K1),
                                   truncate=mode == sampler.SAMPLE_TRUNCATED).view(R, K1, V)
-        q = draft_probs_matrix(items, K1 - 1, V, drafts)
         start = sampler.small_tensor([i.start_pos for i in items], logits.device)
-        return sampler.accept_sampled(p, q, drafts, k, seeds, start)
+        return sampler.accept_raced(p, drafts, k, seeds, start)
 
     def _accept_simulated(self, items, target_argmax, k):
         R, K1 = target_argmax.shape
@@ -273,43 +272,11 @@ def wait_for_drafts(items: list[VerifyItem], stream) -> None:
     for item in items:
         if isinstance(item.draft_tokens, DeviceDraftTokens):
             batches[id(item.draft_tokens.batch)] = item.draft_tokens.batch
-        probs = item.draft_probs
-        if isinstance(probs, torch.Tensor) and probs.is_cuda:
-            probs.record_stream(stream)
     for batch in batches.values():
         if batch.ready is not None:
             stream.wait_event(batch.ready)
         if batch.tokens.is_cuda:
             batch.tokens.record_stream(stream)
-
-
-def draft_probs_matrix(items: list[VerifyItem], K: int, V: int, drafts: torch.Tensor) -> torch.Tensor:
-    """q [R, K, V]: each item's draft probabilities (rows past its k are zero); one-hot of the
-    proposal for items without probabilities (greedy drafts). Views of one in-process draft call's
-    tensor are gathered with one index op; anything else (e.g. decoded from gRPC) row by row."""
-    q = torch.zeros(len(items), K, V, device=drafts.device)
-    shared: dict[int, list[int]] = {}
-    for n, item in enumerate(items):
-        kn = len(item.draft_tokens)
-        probs = item.draft_probs
-        if kn == 0:
-            continue
-        if probs is None:
-            q[n, torch.arange(kn), drafts[n, :kn]] = 1.0
-        elif probs._base is not None and probs._base.dim() == 3 and probs.device == q.device:
-            shared.setdefault(id(probs._base), []).append(n)
-        else:
-            q[n, :kn] = probs.to(q.device, torch.float32)
-    for rows in shared.values():
-        base = items[rows[0]].draft_probs._base           # [B, S, V] from LocalDraftLane
-        steps = base.shape[1]
-        src = [(items[n].draft_probs.storage_offset() - base.storage_offset()) // (steps * V) for n in rows]
-        width = min(steps, K)
-        picked = base[sampler.small_tensor(src, q.device), :width]
-        keep = torch.arange(width, device=q.device)[None, :] < sampler.small_tensor(
-            [len(items[n].draft_tokens) for n in rows], device=q.device)[:, None]
-        q[sampler.small_tensor(rows, q.device), :width] = picked * keep[..., None]
-    return q
 
 
 class DraftBatch:

@@ -4,10 +4,10 @@ It proposes the tokens that followed the most recent earlier occurrence of the r
 tokens in its own context (prompt + output), trying n = max_n down to min_n (longest match first).
 When nothing matches it proposes nothing and the request plain-decodes that step.
 
-Why it is lossless with sampling: the proposal is a deterministic function of the context, so its
-draft distribution q is the one-hot of the proposed token. `draft_probs` is None and the verify
-lane builds that one-hot itself (the same path greedy drafts take), so nothing crosses the wire
-and this lane never needs torch.
+Why it is lossless with sampling: the verify lane's coupled acceptance (`verifypd.model.sampler`)
+emits the target's own seeded choice at every position and keeps a proposal only when it equals
+that choice, whatever proposed it; no draft probabilities are needed (`draft_probs` is None), so
+only token ids cross the wire and this lane never needs torch.
 
 Context without resending it every step: the lane keeps a per-request token history that plays
 the role a draft model's KV pool plays for a model draft lane, under the same invariant (see

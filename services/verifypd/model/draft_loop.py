@@ -8,7 +8,9 @@ State per row (R rows, S >= k steps, V vocab):
     tok [R]      token fed this step            pos [R]   its position
     base [R]     position of the first draft    k [R]     drafts wanted (0 = padding row)
     step [1]     index of the token this step produces (1 .. k-1)
-    out_tokens [R, S], out_probs [R, S, V] (sampled modes only)
+    out_tokens [R, S]
+No draft probabilities are kept: coupled acceptance (`sampler.accept_raced`) needs none; a sampled
+draft token is the race winner of the draft's distribution for its position (`sampler.choose`).
 A row is active while step < k. Inactive rows (finished or padding) still compute, but write no
 KV (slot -1) and read only KV that exists (their position falls back to base - 1, the pending
 token's, which is in the pool).
@@ -38,21 +40,18 @@ class DraftState:
     seeds: torch.Tensor
     tables: torch.Tensor       # [R, W] block tables (shared with the first step's layout)
     out_tokens: torch.Tensor
-    out_probs: torch.Tensor | None
     logits: torch.Tensor       # [R, V] static output of the forward
     rows: torch.Tensor         # arange(R): logits index
     query_start: torch.Tensor  # arange(R + 1): one token per row
 
     @classmethod
-    def allocate(cls, rows: int, steps: int, vocab: int, tables: torch.Tensor, dtype: torch.dtype,
-                 probs: bool) -> "DraftState":
+    def allocate(cls, rows: int, steps: int, vocab: int, tables: torch.Tensor, dtype: torch.dtype) -> "DraftState":
         dev = tables.device
         zeros = lambda *shape, d=torch.long: torch.zeros(*shape, dtype=d, device=dev)  # noqa: E731
         return cls(tok=zeros(rows), pos=zeros(rows), base=torch.ones(rows, dtype=torch.long, device=dev),
                    k=zeros(rows), step=zeros(1), temp=zeros(rows, d=torch.float32), top_k=zeros(rows),
                    top_p=torch.ones(rows, device=dev), seeds=zeros(rows), tables=tables,
                    out_tokens=zeros(rows, steps),
-                   out_probs=zeros(rows, steps, vocab, d=torch.float32) if probs else None,
                    logits=torch.empty(rows, vocab, dtype=dtype, device=dev),
                    rows=torch.arange(rows, device=dev), query_start=torch.arange(rows + 1, device=dev))
 
@@ -66,7 +65,7 @@ class DraftState:
                 sliced[name] = value[:rows]
         return DraftState(**sliced)
 
-    def start(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int], staging) -> None:
+    def start(self, samplings, first_tokens, next_pos: list[int], ks: list[int], staging) -> None:
         """Loads a call's rows (the first len(ks)); later rows become inactive padding."""
         n = len(ks)
         greedy = all(s.greedy for s in samplings)
@@ -87,8 +86,6 @@ class DraftState:
             self.temp[:n], self.top_p[:n] = floats
         self.tok[:n] = first_tokens
         self.out_tokens[:n, 0] = first_tokens
-        if first_probs is not None:
-            self.out_probs[:n, 0] = first_probs
         self.step.fill_(1)
 
 
@@ -111,12 +108,11 @@ def step_batch(st: DraftState, block_size: int) -> BatchLayout:
 
 
 def advance(st: DraftState, logits: torch.Tensor, mode: str, token_pos: torch.Tensor) -> None:
-    """Chooses each row's next token from `logits` (token_pos: the position it will have; keys the
-    sampler's random stream), records it and feeds it to the next step."""
-    new, probs = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, token_pos, sampler.STREAM_DRAFT)
+    """Chooses each row's next token from `logits`, records it and feeds it to the next step.
+    token_pos: the position the chosen token will have; with the seed it keys the race, so a
+    sampled draft proposes the race winner of its own distribution (no q is kept)."""
+    new = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, token_pos)
     st.out_tokens.index_copy_(1, st.step, new[:, None])
-    if probs is not None:
-        st.out_probs.index_copy_(1, st.step, probs[:, None])
     st.tok.copy_(new)
     st.pos.add_(1)
     st.step.add_(1)

@@ -35,7 +35,7 @@ class EagleGraphs:
         rows, dev = self.buckets[-1], pool.device
         self.width = -(-(model.shape.max_context + 64) // block_size)
         self.tables = torch.zeros(rows, self.width, dtype=torch.long, device=dev)
-        self.state = DraftState.allocate(rows, max_steps, model.vocab_size, self.tables, model.embed.dtype, probs=False)
+        self.state = DraftState.allocate(rows, max_steps, model.vocab_size, self.tables, model.embed.dtype)
         self.hidden = torch.zeros(rows, model.shape.hidden_size, dtype=model.embed.dtype, device=dev)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle()
@@ -47,22 +47,18 @@ class EagleGraphs:
     def fits(self, batch: int, steps: int, width: int) -> bool:
         return self.bucket(batch) is not None and steps <= self.max_steps and width <= self.width
 
-    def chain(self, samplings, first, first_probs, last_rows: list[int], ks: list[int], tables: torch.Tensor,
-              hidden: torch.Tensor, mode: str):
-        """Steps 1 .. max(ks) - 1 from the catch-up's first drafts; (tokens [B, K], probs or None),
-        views of static buffers (valid until the next call)."""
+    def chain(self, samplings, first, last_rows: list[int], ks: list[int], tables: torch.Tensor,
+              hidden: torch.Tensor, mode: str) -> torch.Tensor:
+        """Steps 1 .. max(ks) - 1 from the catch-up's first drafts; tokens [B, K], a view of a static
+        buffer (valid until the next call)."""
         n, rows, steps = len(ks), self.bucket(len(ks)), max(ks)
-        if mode != "greedy" and self.state.out_probs is None:
-            self.state.out_probs = torch.zeros(*self.state.out_tokens.shape, self.model.vocab_size,
-                                               device=self.pool.device)
         graph = self._graphs.get((rows, mode)) or self._capture(rows, mode)
         self.tables[:n, :tables.shape[1]].copy_(tables)
         self.hidden[:n].copy_(hidden)
-        self.state.start(samplings, first, first_probs, last_rows, ks, self.staging)
+        self.state.start(samplings, first, last_rows, ks, self.staging)
         for _ in range(steps - 1):
             graph.replay()
-        probs = self.state.out_probs[:n, :steps] if mode != "greedy" else None
-        return self.state.out_tokens[:n, :steps], probs
+        return self.state.out_tokens[:n, :steps]
 
     def _capture(self, rows: int, mode: str) -> torch.cuda.CUDAGraph:
         state, hidden = self.state.head(rows), self.hidden[:rows]

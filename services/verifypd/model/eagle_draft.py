@@ -140,8 +140,9 @@ class EagleRunner:
         """The rows a prefill chunk completes (its features were just written by the target forward)."""
         self._rows_forward(runs, None, logits=False)
 
-    def draft(self, runs: list[FeatureRun], ks: list[int], samplings) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As ModelRunner.draft: (tokens [B, K], probs [B, K, V] float32 or None when all greedy)."""
+    def draft(self, runs: list[FeatureRun], ks: list[int], samplings) -> torch.Tensor:
+        """As ModelRunner.draft: tokens [B, K]. A sampled row's draft at position t is the seeded race
+        winner of the head's distribution there (`sampler.choose`), coupled with the target's."""
         if any(r.start_pos + len(r.token_ids) < 2 for r in runs):
             raise ValueError("a feature draft needs the pending token at position >= 1")
         mode = sampler.choice_mode(samplings)
@@ -149,21 +150,19 @@ class EagleRunner:
         _, tables, hidden, logits = self._rows_forward(runs, query, logits=True)
         last_rows = [r.start_pos + len(r.token_ids) - 1 for r in runs]   # row of the first draft's token
         params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
-        first, first_probs = sampler.choose(logits, mode, *params, sampler.small_tensor(last_rows, self.device) + 1,
-                                            sampler.STREAM_DRAFT)
+        first = sampler.choose(logits, mode, *params, sampler.small_tensor(last_rows, self.device) + 1)
         steps = max(ks)
         if steps == 1:
-            return first[:, None], None if first_probs is None else first_probs[:, None]
+            return first[:, None]
         state = hidden.view(len(runs), query, -1)[:, -1]                    # [B, H]: each run's last row
         if self.graphs is not None and self.graphs.fits(len(runs), steps, tables.shape[1]):
-            return self.graphs.chain(samplings, first, first_probs, last_rows, ks, tables, state, mode)
-        st = DraftState.allocate(len(runs), steps, self.vocab_size, tables, logits.dtype,
-                                 probs=mode != sampler.GREEDY)
-        st.start(samplings, first, first_probs, last_rows, ks, self.staging)
+            return self.graphs.chain(samplings, first, last_rows, ks, tables, state, mode)
+        st = DraftState.allocate(len(runs), steps, self.vocab_size, tables, logits.dtype)
+        st.start(samplings, first, last_rows, ks, self.staging)
         state = state.clone()
         for _ in range(steps - 1):
             eagle_step(self.model, self.pool.tensor, st, state, self.block_size, mode)
-        return st.out_tokens, st.out_probs
+        return st.out_tokens
 
 
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:

@@ -48,7 +48,7 @@ class GraphRunner:
         self.logits = torch.empty(tokens, model.shape.vocab_size, dtype=model.weights.embed.dtype, device=dev)
         self.arange = torch.arange(tokens + 1, device=dev)
         self.draft = DraftState.allocate(rows, max_draft_steps, model.shape.vocab_size, self.tables,
-                                         model.weights.embed.dtype, probs=False)
+                                         model.weights.embed.dtype)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle()
         # Each runner captures on its own stream. PyTorch keys the cuBLAS workspace by (handle,
@@ -107,19 +107,15 @@ class GraphRunner:
             self.model.forward(self.pool, batch, index, logits_out=self.logits[:rows])
 
     # -- the draft loop ----------------------------------------------------------------------
-    def draft_steps(self, samplings, first_tokens, first_probs, next_pos: list[int], ks: list[int], mode: str):
-        """Runs steps 1 .. max(ks)-1 of the draft loop; returns (tokens [B, K], probs [B, K, V] or None),
-        views of static buffers. The caller ran step 0 (`last_logits` + choose) just before."""
+    def draft_steps(self, samplings, first_tokens, next_pos: list[int], ks: list[int], mode: str) -> torch.Tensor:
+        """Runs steps 1 .. max(ks)-1 of the draft loop; returns tokens [B, K], a view of a static
+        buffer. The caller ran step 0 (`last_logits` + choose) just before."""
         rows, steps = self.bucket(len(ks)), max(ks)
-        if mode != "greedy" and self.draft.out_probs is None:
-            self.draft.out_probs = torch.zeros(*self.draft.out_tokens.shape, self.model.shape.vocab_size,
-                                               device=self.pool.device)
         graph = self._graph(("draft", rows, mode))
-        self.draft.start(samplings, first_tokens[:len(ks)], first_probs, next_pos, ks, self.staging)
+        self.draft.start(samplings, first_tokens[:len(ks)], next_pos, ks, self.staging)
         for _ in range(steps - 1):
             graph.replay()
-        probs = self.draft.out_probs[:len(ks), :steps] if mode != "greedy" else None
-        return self.draft.out_tokens[:len(ks), :steps], probs
+        return self.draft.out_tokens[:len(ks), :steps]
 
     def draft_fits(self, batch: int, steps: int) -> bool:
         return self.bucket(batch) is not None and steps <= self.max_draft_steps

@@ -76,10 +76,11 @@ class ModelRunner:
         index = torch.arange(1, len(runs) + 1, device=self.device) * query - 1
         return self.model.forward(self.pool.tensor, batch, index)
 
-    def draft(self, runs: list[TokenRun], ks: list[int], samplings) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(self, runs: list[TokenRun], ks: list[int], samplings) -> torch.Tensor:
         """The draft loop: run r feeds its tokens, then k_r tokens are proposed, each fed to the next
-        step on the device. Returns (tokens [B, K], probs [B, K, V] float32 or None when all greedy),
-        K = max(ks); entries past a row's k are meaningless."""
+        step on the device. Returns tokens [B, K], K = max(ks); entries past a row's k are meaningless.
+        A sampled row's token at position t is the seeded race winner of the draft's distribution
+        there (`sampler.choose`), coupled with the target's choice for t."""
         mode = sampler.choice_mode(samplings)
         next_pos = [r.start_pos + len(r.token_ids) for r in runs]
         # The graphed loop reads the block tables the graphed first step loaded: both or neither.
@@ -87,17 +88,15 @@ class ModelRunner:
                    and self.graphs.draft_fits(len(runs), max(ks)))
         logits = self.last_logits(runs)[:len(runs)]
         params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
-        first, first_probs = sampler.choose(logits, mode, *params, sampler.small_tensor(next_pos, self.device),
-                                            sampler.STREAM_DRAFT)
+        first = sampler.choose(logits, mode, *params, sampler.small_tensor(next_pos, self.device))
         steps = max(ks)
         if steps == 1:
-            return first[:, None], None if first_probs is None else first_probs[:, None]
+            return first[:, None]
         if graphed:
-            return self.graphs.draft_steps(samplings, first, first_probs, next_pos, ks, mode)
+            return self.graphs.draft_steps(samplings, first, next_pos, ks, mode)
         tables = self.layout(runs).block_tables
-        state = DraftState.allocate(len(runs), steps, self.vocab_size, tables, self.model.weights.embed.dtype,
-                                    probs=mode != sampler.GREEDY)
-        state.start(samplings, first, first_probs, next_pos, ks, self.staging)
+        state = DraftState.allocate(len(runs), steps, self.vocab_size, tables, self.model.weights.embed.dtype)
+        state.start(samplings, first, next_pos, ks, self.staging)
         for _ in range(steps - 1):
             draft_step(self.model, self.pool.tensor, state, self.block_size, mode)
-        return state.out_tokens, state.out_probs
+        return state.out_tokens

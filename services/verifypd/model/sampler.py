@@ -1,14 +1,28 @@
 """Token choice and lossless speculative acceptance, vectorized over a batch.
 
-Randomness is counter-based: every uniform is a hash of (request seed, token position, stream),
-so results do not depend on batch composition, lane placement or device, and a request with a
-fixed seed is reproducible. Streams: 0 draws the draft token, 1 the accept test, 2 the target's
-own token (first token, correction or bonus).
+A seed names one output. The token at output position t of a sampled request is
 
-Acceptance (Leviathan et al. 2023; Chen et al. 2023): draft token d_i ~ q_i is kept with
-probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is drawn from
-norm(max(p_i - q_i, 0)); if all k are kept a bonus token is drawn from p_k. Greedy requests are
-the special case p = one-hot(argmax), q = one-hot(draft), handled by a fast path.
+    token_t = argmax_v  log(U[seed, t, v]) / p_t(v)           (an exponential race: Gumbel-max)
+
+with p_t the target's processed distribution at t (temperature, top-k, top-p) and U uniforms in
+(0, 1) that are a counter-based hash of (seed, t, v): the same on every device, in every batch, in
+every process. Since the U of position t are independent of everything before t, token_t ~ p_t:
+plain sampling, with the randomness fixed by (seed, t).
+
+Speculation (coupled, or "Gumbel", speculative sampling): a draft proposes its own race winner
+with the *same* U and its distribution q_t, and the target keeps a draft token iff it equals
+token_t; at the first mismatch it emits token_t; if all k are kept it emits token_{t+k+1} as the
+bonus. That is exactly the greedy acceptance rule with argmax replaced by the race, so the output
+is token_t at every t: identical to decoding without a draft, whatever the draft, k, batch,
+schedule, preemption or topology. Lossless by construction (the emitted tokens are plain samples);
+the draft only changes how many positions one verify step settles. A draft token is kept with
+probability P(race winners of p and q agree) >= (1 - TV) / (1 + TV), TV = total variation(p, q)
+(the optimum for choices made without seeing each other's distribution; classical rejection
+sampling keeps 1 - TV but its output depends on q). For a deterministic draft (n-gram, greedy
+draft) q is one-hot and both rules keep the token with probability p(token). docs/engine.md, "Seeds".
+
+Greedy requests are the special case p = one-hot(argmax), handled by a fast path. `uniforms` (one
+per (seed, position, stream)) remains for the simulated-acceptance benchmark lane.
 """
 from __future__ import annotations
 
@@ -16,9 +30,11 @@ import torch
 
 from verifypd.engine.types import GREEDY_BELOW
 
-STREAM_DRAFT, STREAM_ACCEPT, STREAM_TARGET = 0, 1, 2
-NO_TOKEN = -1  # sample() of a row whose distribution is NaN or empty
+STREAM_ACCEPT = 1  # the simulated-acceptance benchmark's Bernoulli draws
+NO_TOKEN = -1  # a row whose distribution is NaN or empty
 _MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9
+RACE_CHUNK_ELEMENTS = 1 << 25  # rows x vocab per chunk of `race` (256 MiB per int64 temporary)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -29,12 +45,56 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (seed, position); int64 inputs (seeds as uint64 bit patterns)."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    return _mix32(_mix32(_mix32(lo) ^ hi) ^ positions)
+
+
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform floats in (0, 1), one per (seed, position); same on every device. Inputs int64."""
-    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
-    x = _mix32(_mix32(_mix32(lo) ^ hi) ^ positions) ^ (stream * 0x9E3779B9 & _MASK32)
-    x = _mix32(x)
+    x = _mix32(_keys(seeds, positions) ^ (stream * _GOLDEN32 & _MASK32))
     return ((x.double() + 0.5) / 4294967296.0).float()
+
+
+def race_log_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log U[seed, position, v] for v < vocab: [N, vocab] float32, all < 0. Integer ops only, so
+    bit-identical on CPU and GPU, no host sync (CUDA-graph safe). U has 24 random bits (exact in
+    float32, in (0, 1) strictly: log U is finite and negative, never 0).
+
+    Cost is per element of [N, vocab], so the fully mixed parts are per row (the (seed, position)
+    key) and per token (its own hash, [vocab]); each element only xors the two and takes one
+    multiply round, whose top 24 bits (the best mixed) make U."""
+    vocab_hash = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN32 + 0x632BE5AB)
+    x = _keys(seeds, positions)[:, None] ^ vocab_hash[None, :]
+    # In place: each [N, vocab] temporary costs a pass over memory (and on the CPU, fresh pages).
+    x ^= x >> 16
+    x *= 0x45D9F3B          # < 2^32 * 2^27: no int64 overflow
+    x &= _MASK32
+    x >>= 8
+    return x.float().add_(0.5).mul_(1.0 / 16777216.0).log_()
+
+
+def race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The seeded choice: probs [N, V], seeds [N] (int64 bit patterns), positions [N] of the tokens
+    chosen -> token ids [N]. argmax_v log U_v / p_v is argmin_v E_v / p_v with E_v = -log U_v ~ Exp(1):
+    token v wins with probability p_v; p_v = 0 scores -inf and never wins. Rows whose distribution
+    is broken (NaN/inf, or no mass) give NO_TOKEN, which no vocabulary holds: device-side, no host
+    sync; the router refuses NO_TOKEN as a lane fault. Rows go in chunks of RACE_CHUNK_ELEMENTS
+    (the hash's int64 temporaries are [rows, V]: a 256-request verify of k = 8 over a 128k
+    vocabulary would otherwise hold several GB of them)."""
+    rows = max(1, RACE_CHUNK_ELEMENTS // probs.shape[-1])
+    if probs.shape[0] <= rows:
+        return _race(probs, seeds, positions)
+    return torch.cat([_race(probs[i:i + rows], seeds[i:i + rows], positions[i:i + rows])
+                      for i in range(0, probs.shape[0], rows)])
+
+
+def _race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    scores = race_log_uniforms(seeds, positions, probs.shape[-1]).div_(probs)
+    idx = scores.argmax(-1)
+    total = probs.sum(-1)
+    return torch.where(torch.isfinite(total) & (total > 0), idx, torch.full_like(idx, NO_TOKEN))
 
 
 def small_tensor(values, device, dtype=torch.long) -> torch.Tensor:
@@ -89,18 +149,6 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.where(greedy[:, None], one_hot, probs)
 
 
-def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: probs [N, V], u [N] in (0, 1) -> token ids [N]."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-    idx = idx.clamp_(max=probs.shape[-1] - 1)
-    # Never a token from a broken distribution (NaN/inf, or no mass): such rows give NO_TOKEN,
-    # which no vocabulary holds, instead of a silent clamp to the last id. Device-side (no host
-    # sync, CUDA-graph safe); the router refuses NO_TOKEN as a lane fault.
-    total = cdf[:, -1]
-    return torch.where(torch.isfinite(total) & (total > 0), idx, torch.full_like(idx, NO_TOKEN))
-
-
 def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor):
     """target_argmax [R, K+1], drafts [R, K] (padded), k [R] -> (accepted [R], final token [R])."""
     K = drafts.shape[1]
@@ -111,38 +159,18 @@ def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor, k: torch.Te
     return accepted, final
 
 
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor,
-                   seeds: torch.Tensor, start_pos: torch.Tensor):
-    """Lossless rejection sampling.
+def accept_raced(p: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor, seeds: torch.Tensor,
+                 start_pos: torch.Tensor):
+    """Coupled speculative sampling (module doc): the greedy rule over the target's race winners.
 
-    p [R, K+1, V] target probs at the pending token and each draft; q [R, K, V] draft probs;
-    drafts [R, K]; k [R]; start_pos [R] = position of the pending token, so draft i sits at
-    start_pos + 1 + i. Returns (accepted [R], final token [R]).
+    p [R, K+1, V] target probs at the pending token and each draft; drafts [R, K]; k [R];
+    start_pos [R] = position of the pending token, so p[:, i] chooses position start_pos + 1 + i.
+    Returns (accepted [R], final token [R]). Needs no draft probabilities.
     """
-    R, K = drafts.shape
-    if K > 0:
-        pos = start_pos[:, None] + 1 + torch.arange(K, device=p.device)[None, :]
-        u = uniforms(seeds[:, None].expand(R, K), pos, STREAM_ACCEPT)
-        p_d = p[:, :K].gather(-1, drafts[..., None]).squeeze(-1)
-        q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
-        valid = torch.arange(K, device=p.device)[None, :] < k[:, None]
-        ok = (u * q_d < p_d) & valid
-        accepted = ok.long().cumprod(-1).sum(-1)
-    else:
-        accepted = torch.zeros(R, dtype=torch.long, device=p.device)
-    p_m = p[torch.arange(R, device=p.device), accepted]                  # [R, V]
-    rejected = accepted < k
-    if K > 0:
-        q_m = q[torch.arange(R, device=p.device), accepted.clamp(max=K - 1)]
-        residual = (p_m - q_m).clamp_(min=0)
-        mass = residual.sum(-1, keepdim=True)
-        # If p == q at that row the residual is empty; p itself is then the right distribution.
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_m)
-        dist = torch.where(rejected[:, None], residual, p_m)
-    else:
-        dist = p_m
-    u_final = uniforms(seeds, start_pos + 1 + accepted, STREAM_TARGET)
-    return accepted, sample(dist, u_final)
+    R, K1, V = p.shape
+    positions = start_pos[:, None] + 1 + torch.arange(K1, device=p.device)[None, :]
+    winners = race(p.reshape(R * K1, V), seeds.repeat_interleave(K1), positions.reshape(-1)).view(R, K1)
+    return accept_greedy(winners, drafts, k)
 
 
 # How a batch picks its tokens; host-side knowledge, so device code needs no sync to branch.
@@ -156,10 +184,11 @@ def choice_mode(samplings) -> str:
     return SAMPLE_TRUNCATED if truncates else SAMPLE
 
 
-def choose(logits: torch.Tensor, mode: str, temp, top_k, top_p, seeds, positions: torch.Tensor, stream: int):
-    """One token per row with no host sync: (tokens [N], probs [N, V] float32 or None if greedy).
-    `positions` are where the chosen tokens will sit (they key the counter-based uniforms)."""
+def choose(logits: torch.Tensor, mode: str, temp, top_k, top_p, seeds, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row with no host sync: tokens [N]. `positions` are where the chosen tokens will
+    sit: with the seeds they fix the race (module doc), so a draft and the target choosing for the
+    same position share their randomness."""
     if mode == GREEDY:
-        return logits.argmax(-1), None
+        return logits.argmax(-1)
     probs = probabilities(logits.float(), temp, top_k, top_p, truncate=mode == SAMPLE_TRUNCATED)
-    return sample(probs, uniforms(seeds, positions, stream)), probs
+    return race(probs, seeds, positions)

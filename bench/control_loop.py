@@ -1,0 +1,306 @@
+"""Does the operator's k rewriting help? (issue 20, item 4). One `verifypd serve` (through the CLI),
+an open-loop Poisson rate sweep (verifypd-loadgen) from light load to past saturation, goodput
+(requests/s meeting BOTH SLOs) and p95 latencies for three ways to pick k:
+
+  fixed_k4            UpdateConfig k_min = k_initial = k_max = 4, adaptive off
+  adaptive            the router's own draft-length controller, k in [1, 8]
+  adaptive_operator   the same, plus the operator's loop: the operator's OTLP receiver
+                      (verifypd_operator.otlp_receiver, in this process) takes the server's own
+                      exports; every --interval-s the operator's decision function
+                      (verifypd_operator.decision.decide, with the timer's status bookkeeping from
+                      verifypd_operator.status) runs and its knobs go out through the operator's
+                      ControlClient with the admin key. Everything the Kubernetes operator does,
+                      minus Kubernetes (no scaling: one replica, minReplicas = maxReplicas = 1).
+
+Every rate point starts from the same knobs (the mode's, pushed before the point) and a fresh
+operator state. Then a priority-mix run at the top rate (20 % priority 10, 80 % priority 0).
+Acceptance is SIMULATED (`--simulated-acceptance`, default 0.7): outputs are not the model's.
+Loop latency: from the first export whose window breaches an SLO (a watcher polls the receiver)
+to UpdateConfig returning.
+
+GPU (lead; one device call per mode keeps each under 10 minutes, the runs fill one result file):
+  python3 bench/control_loop.py --modes fixed_k4 --priority-mix '' --out bench/results
+  python3 bench/control_loop.py --modes adaptive --priority-mix '' --out bench/results
+  python3 bench/control_loop.py --modes adaptive_operator --out bench/results
+CPU smoke:   python3 bench/control_loop.py --smoke --out /tmp/control-loop
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+for sub in ("services", "operator", "loadgen", "bench"):
+    if str(ROOT / sub) not in sys.path:
+        sys.path.insert(0, str(ROOT / sub))
+
+from bench_meta import metadata, write_result  # noqa: E402
+from seed_serving import ServeProcess, free_port  # noqa: E402
+
+NAME = "bench"
+ADMIN_KEY = "control-loop-bench-admin-key-0123456789"
+MODES = ("fixed_k4", "adaptive", "adaptive_operator")
+
+
+def spec_for(args):
+    from verifypd_operator.spec import parse_spec
+    return parse_spec({
+        "topology": "colocated", "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+        "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8, "adaptive": True},
+        "slo": {"ttftP95Ms": args.slo_ttft_ms, "itlP95Ms": args.slo_itl_ms},
+        "autoscaling": {"intervalSeconds": args.interval_s, "windowSeconds": args.window_s, "breachPeriods": 1,
+                        "headroomPeriods": 2, "minSamples": args.min_samples, "configCooldownSeconds": args.interval_s,
+                        "staleAfterSeconds": max(5, 4 * args.interval_s)}})
+
+
+class OperatorLoop:
+    """The operator's timer, minus Kubernetes: observe -> decide -> UpdateConfig, status kept in a dict."""
+
+    def __init__(self, spec, store, control, target: str):
+        from verifypd_operator.decision import spec_knobs
+        from verifypd_operator.status import knobs_to_status
+        self.spec, self.store, self.control, self.target = spec, store, control, target
+        self.status = {"applied": knobs_to_status(spec_knobs(spec))}
+        self.decisions: list[dict] = []
+        self.breach_seen: float | None = None  # export time of the first breaching window not yet acted on
+        self.stop_flag = threading.Event()
+
+    def _watch_breach(self, now: float) -> None:
+        o = self.store.observe(NAME, NAME, now, self.spec.autoscaling.window_s)
+        slo = self.spec.slo
+        if (o.samples >= self.spec.autoscaling.min_samples and o.age_s is not None and self.breach_seen is None
+                and ((o.itl_p95_s or 0) * 1000 > slo.itl_p95_ms or (o.ttft_p95_s or 0) * 1000 > slo.ttft_p95_ms)):
+            self.breach_seen = now - o.age_s
+
+    def tick(self, now: float) -> None:
+        from verifypd_operator import status as st
+        from verifypd_operator.decision import decide
+        before = st.current_from_status(self.spec, self.status, now)
+        observed = self.store.observe(NAME, NAME, now, self.spec.autoscaling.window_s)
+        d = decide(self.spec, observed, before)
+        self.status["autoscaler"] = st.autoscaler_status(self.spec, before, d, observed, dict(before.replicas), now)
+        if d.knobs is None:
+            return
+        try:
+            self.control.update(self.target, d.knobs, f"operator/{NAME}", d.reason, admin_key=ADMIN_KEY)
+        except grpc.RpcError as e:  # like the operator: the next tick tries again
+            self.decisions.append({"t": time.time(), "action": d.action, "error": f"{e.code().name}: {e.details()}"})
+            return
+        applied = time.time()
+        self.status["applied"] = st.knobs_to_status(d.knobs)
+        latency = None if self.breach_seen is None or d.action != "lower-k" else applied - self.breach_seen
+        if d.action == "lower-k":
+            self.breach_seen = None
+        self.decisions.append({"t": applied, "action": d.action, "reason": d.reason, "k_max": d.knobs.k_max,
+                               "loop_latency_s": latency})
+
+    def run(self) -> None:
+        next_eval = time.time()
+        while not self.stop_flag.wait(0.25):
+            now = time.time()
+            self._watch_breach(now)
+            if now >= next_eval:
+                self.tick(now)
+                next_eval = now + self.spec.autoscaling.interval_s
+
+
+def push(control, target: str, knobs) -> None:
+    control.update(target, knobs, "bench", "reset before a rate point", admin_key=ADMIN_KEY)
+
+
+def mode_knobs(spec, mode: str):
+    import dataclasses
+    from verifypd_operator.decision import spec_knobs
+    base = spec_knobs(spec)
+    return dataclasses.replace(base, k_min=4, k_max=4, k_initial=4, adaptive=False) if mode == "fixed_k4" else base
+
+
+def run_point(args, address: str, rate: float, out: Path, priority_mix: str | None = None) -> dict:
+    from verifypd_loadgen.cli import main as loadgen
+    argv = ["--server", address, "--rate", str(rate), "--duration", str(args.duration), "--input-len",
+            args.input_len, "--output-len", args.output_len, "--slo-ttft-ms", str(args.slo_ttft_ms),
+            "--slo-itl-ms", str(args.slo_itl_ms), "--out", str(out), "--no-progress", "--seed", "1",
+            "--timeout", str(max(60.0, 4 * args.duration)), "--drain-timeout", str(args.duration)]
+    if args.vocab_size:
+        argv += ["--vocab-size", str(args.vocab_size)]
+    if priority_mix:
+        argv += ["--priority-mix", priority_mix]
+    if loadgen(argv) != 0:
+        raise RuntimeError(f"loadgen failed at rate {rate}")
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    lat = summary["latency_ms"]
+    return {"rate": rate, "goodput_rps": summary["goodput"]["requests_per_s"],
+            "goodput_fraction": summary["goodput"]["fraction"],
+            "throughput_rps": summary["throughput"]["requests_per_s"],
+            "output_tok_s": summary["throughput"]["output_tokens_per_s"],
+            # ITL as the SLO and the operator see it: each request's mean inter-token time (TPOT).
+            "ttft_p95_ms": lat["ttft"]["p95"], "itl_p95_ms": lat["tpot"]["p95"],
+            "itl_token_p95_ms": lat["itl_token"]["p95"],
+            "acceptance": summary["speculation"]["acceptance_rate"],
+            "applied_k": summary["speculation"]["applied_k"], "failed": summary["requests"]["failed"],
+            "by_priority": summary["by_priority"]}
+
+
+def start_server(args, work: Path, otlp_port: int):
+    key_file = work / "admin-key"
+    key_file.write_text(ADMIN_KEY)
+    port = free_port()
+    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0",
+           "--target", args.target, "--draft", args.draft, "--simulated-acceptance", str(args.alpha),
+           "--admin-key-file", str(key_file), "--k-min", "1", "--k-max", "8", *args.serve_arg]
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+           "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+           "OTEL_RESOURCE_ATTRIBUTES": f"verifypd.config.name={NAME},k8s.namespace.name={NAME},"
+                                       f"k8s.pod.name={NAME}-0"}
+    server = ServeProcess(cmd, env=env)
+    problem = server.wait_ready(args.start_timeout)
+    if problem:
+        server.stop()
+        raise SystemExit(f"verifypd serve did not start: {problem}\n" + "\n".join(server.tail()))
+    return server, f"127.0.0.1:{port}"
+
+
+def smoke_models(work: Path) -> tuple[str, str]:
+    """Tiny random Llama target + draft (the tests' writer), for a CPU run of the whole script."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("engine_helpers", ROOT / "tests" / "engine" / "engine_helpers.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    return helpers.write_target_and_draft(work)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="random:llama-2-7b")
+    ap.add_argument("--draft", default="random:tinyllama-1.1b")
+    ap.add_argument("--alpha", type=float, default=0.7, help="SIMULATED acceptance rate")
+    ap.add_argument("--rates", default="2,4,8,16,32", help="requests/s, comma-separated, light to past saturation")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate point")
+    ap.add_argument("--input-len", default="uniform:256,768")
+    ap.add_argument("--output-len", default="128")
+    ap.add_argument("--vocab-size", type=int, default=None)
+    ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    ap.add_argument("--slo-itl-ms", type=float, default=40.0)
+    ap.add_argument("--interval-s", type=int, default=2, help="the operator loop's evaluation period")
+    ap.add_argument("--window-s", type=int, default=10, help="the operator loop's metrics window")
+    ap.add_argument("--min-samples", type=int, default=10, help="the operator loop's minSamples")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--priority-mix", default="10:0.2,0:0.8", help="'' = skip the priority run")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `verifypd serve` argument")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, tiny sweep")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rates, args.duration, args.input_len, args.output_len, args.vocab_size = "4", 5.0, "8", "12", 96
+        args.interval_s, args.window_s, args.min_samples, args.start_timeout = 1, 5, 2, 180.0
+        args.slo_itl_ms = 0.5  # any decoding breaches it: the operator loop must act
+        args.serve_arg += ["--device", "cpu", "--num-blocks", "256", "--block-size", "4", "--max-context", "256"]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from verifypd_operator.control_client import ControlClient
+    from verifypd_operator.otlp_receiver import MetricsStore, serve
+
+    work = Path(tempfile.mkdtemp(prefix="control-loop-"))
+    if args.smoke:
+        args.target, args.draft = smoke_models(work)
+    spec = spec_for(args)
+    store = MetricsStore()
+    store.register(NAME, NAME)
+    receiver, otlp_port = serve(store, "127.0.0.1:0")
+    control = ControlClient(timeout_s=30)
+    server, address = start_server(args, work, otlp_port)
+    rates = [float(r) for r in args.rates.split(",")]
+    result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha} (--simulated-acceptance): outputs are not the "
+                       f"model's; " + ("tiny random Llama target + noisy-copy draft (--smoke)" if args.smoke
+                                                  else f"{args.target} target, {args.draft} draft"),
+              "slo": {"ttft_p95_ms": args.slo_ttft_ms, "itl_p95_ms": args.slo_itl_ms,
+                      "goodput": "requests/s whose TTFT and mean ITL both meet the SLO (loadgen)"},
+              "operator": {"interval_s": args.interval_s, "window_s": args.window_s, "breach_periods": 1,
+                           "headroom_periods": 2, "min_samples": args.min_samples, "k_bounds": [1, 8]},
+              "workload": {"arrival": "poisson", "duration_s": args.duration, "input_len": args.input_len,
+                           "output_len": args.output_len}, "modes": {}}
+    device = "cpu" if result["device"].startswith("cpu") else result["device"].split()[-1].lower()
+    out_file = Path(args.out) / f"control_loop_{device}.json"
+    earlier = json.loads(out_file.read_text()) if out_file.exists() else {}
+    if all(earlier.get(k) == result[k] for k in ("label", "slo", "operator", "workload")):
+        # Runs of other --modes with the same setup (one per device call) fill one file.
+        result["modes"] = dict(earlier.get("modes", {}))
+        result["commands"] = dict(earlier.get("commands", {}))
+        if "priority_mix" in earlier:
+            result["priority_mix"] = earlier["priority_mix"]
+    try:
+        for mode in args.modes.split(","):
+            rows = []
+            for rate in rates:
+                push(control, address, mode_knobs(spec, mode))
+                time.sleep(2 * args.interval_s)  # the previous point's stragglers finish
+                loop = None
+                if mode == "adaptive_operator":
+                    store.unregister(NAME, NAME)  # a fresh window: the previous point's telemetry is gone
+                    store.register(NAME, NAME)
+                    loop = OperatorLoop(spec, store, control, address)
+                    threading.Thread(target=loop.run, daemon=True).start()
+                row = run_point(args, address, rate, work / f"{mode}_{rate}.json")
+                if loop is not None:
+                    loop.stop_flag.set()
+                    row["decisions"] = loop.decisions
+                rows.append(row)
+                print(f"{mode:18s} rate {rate:6.1f}/s goodput {row['goodput_rps'] or 0:6.2f}/s "
+                      f"TTFT p95 {row['ttft_p95_ms'] or 0:7.1f} ms ITL p95 {row['itl_p95_ms'] or 0:6.1f} ms", flush=True)
+            result["modes"][mode] = rows
+            result.setdefault("commands", {})[mode] = result["command"]
+            write_result(args.out, "control_loop", result)  # partial results survive a timeout
+        if args.priority_mix:
+            push(control, address, mode_knobs(spec, "adaptive"))
+            row = run_point(args, address, max(rates), work / "priority.json", args.priority_mix)
+            result["priority_mix"] = {"mix": args.priority_mix, "rate": max(rates), "knobs": "adaptive",
+                                      "by_priority": row["by_priority"]}
+        write_result(args.out, "control_loop", result)
+        plot(result, out_file.with_suffix(".png"))
+    finally:
+        server.stop()
+        receiver.stop(None)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    prio = result.get("priority_mix")
+    fig, axes = plt.subplots(1, 4 if prio else 3, figsize=(20 if prio else 15, 4))
+    for mode, rows in result["modes"].items():
+        xs = [r["rate"] for r in rows]
+        for ax, key in zip(axes, ("goodput_rps", "ttft_p95_ms", "itl_p95_ms")):
+            ax.plot(xs, [r[key] or 0 for r in rows], marker="o", label=mode)
+    titles = ("goodput (req/s meeting both SLOs)", "TTFT p95 (ms)", "ITL p95 (ms, per-request mean)")
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel("offered rate (req/s, Poisson)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    if prio:
+        classes = sorted(prio["by_priority"], key=int, reverse=True)
+        axes[3].bar([f"priority {p}" for p in classes],
+                    [prio["by_priority"][p]["ttft_ms"]["p95"] or 0 for p in classes])
+        axes[3].set_title(f"TTFT p95 (ms), mix {prio['mix']} at {prio['rate']:g} req/s")
+    fig.suptitle(result["label"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""What a user receives against what the engine can do, in one run on one machine.
+
+For each mode (k0: `--draft none`; a07: TinyLlama-shape draft with SIMULATED acceptance 0.7,
+adaptive k; `-split` suffix: serve --topology split) and each concurrency c:
+  * engine alone: the in-process Engine (no gRPC, no gateway) in a subprocess, c requests in
+    flight, each finished one replaced at once (closed loop), steady-state tokens/s;
+  * served: `verifypd serve` with the same engine flags, driven closed loop by the loadgen library
+    over gRPC and over the OpenAI HTTP API (`/v1/completions`, token-id prompts), steady-state
+    tokens/s counted from the chunks received inside the measured window.
+Each row: concurrency, both tok/s, served_over_engine, TTFT p50, ITL p99, GPU busy share (NVML
+utilisation mean over the window, when pynvml is there), and the CPU seconds the gateway and the
+engine-core processes spent per streamed token (from /proc). Prompt 128 random token ids, 128
+generated, EOS ignored. Random bf16 weights: real compute; speculative rows' acceptance is SIMULATED.
+
+    python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
+    python bench/serving_vs_engine.py --device cpu --shape tiny ...   (smoke test on the CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for sub in ("services", "loadgen", "bench"):
+    if str(ROOT / sub) not in sys.path:
+        sys.path.insert(0, str(ROOT / sub))
+
+from bench_meta import metadata, write_result  # noqa: E402
+from seed_serving import Nvml, ServeProcess, UtilSampler, free_port  # noqa: E402
+
+DRAFTS = {"k0": ("none", None), "a07": ("random:tinyllama-1.1b", 0.7)}
+
+
+def engine_flags(args, mode: str) -> list[str]:
+    draft, alpha = DRAFTS[mode.removesuffix("-split")]
+    flags = ["--target", args.target, "--draft", args.draft or draft if alpha is not None else draft,
+             "--device", args.device, "--max-context", str(args.prompt + args.gen + 64),
+             "--max-running", str(max(256, max(args.concurrency)))]
+    if alpha is not None:
+        flags += ["--simulated-acceptance", str(alpha)]
+    if args.graph_buckets:
+        flags += ["--graph-buckets", args.graph_buckets]
+    if args.num_blocks:
+        flags += ["--num-blocks", str(args.num_blocks)]
+    return flags
+
+
+def id_range(vocab: int) -> tuple[int, int]:
+    """Prompt token ids are drawn from [lo, hi): clear of special tokens at both ends."""
+    lo = min(100, vocab // 8)
+    return lo, vocab - lo
+
+
+def prompt_ids(n: int, length: int, vocab: int) -> list[int]:
+    lo, hi = id_range(vocab)
+    return [(7 * n + 13 * j) % (hi - lo) + lo for j in range(length)]
+
+
+# -- engine alone (subprocess: `--engine-alone MODE`) ------------------------------------------
+def engine_alone(args) -> None:
+    """Prints one JSON line per concurrency: steady-state tok/s of the engine alone."""
+    from verifypd.cli import build_parser
+    from verifypd.engine.types import RequestSpec
+    from verifypd.local_engine import Engine
+    from verifypd.launch.cli import engine_options
+
+    serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
+    engine = Engine(engine_options(serve_args))
+    router, made = engine.router, [0]
+    sync = (lambda: __import__("torch").cuda.synchronize()) if args.device.startswith("cuda") else (lambda: None)
+
+    def submit() -> None:
+        made[0] += 1
+        router.add_request(RequestSpec(tuple(prompt_ids(made[0], args.prompt, router.vocab_size)),
+                                       max_tokens=args.gen, stop_at_eos=False, request_id=str(made[0])))
+
+    def run(seconds: float) -> tuple[int, float]:
+        tokens, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for out in router.step():
+                tokens += len(out.token_ids)
+                if out.finished:
+                    submit()
+        sync()
+        return tokens, time.perf_counter() - t0
+
+    for c in args.concurrency:
+        for seq in router.sequences():
+            router.abort(seq.request_id)
+        for _ in range(c):
+            submit()
+        run(args.warmup)
+        print("READY", flush=True)  # the parent samples the GPU over the next window
+        tokens, wall = run(args.seconds)
+        print(json.dumps({"concurrency": c, "engine_tok_s": round(tokens / wall, 1)}), flush=True)
+    router.close()
+
+
+def run_engine_alone(args, mode: str, nvml) -> dict[int, dict]:
+    cmd = [sys.executable, __file__, "--engine-alone", mode, *sys.argv[1:]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    rows: dict[int, dict] = {}
+    sampler = None
+    for line in proc.stdout:
+        if line.startswith("READY"):
+            sampler = UtilSampler(nvml).__enter__()
+        elif line.startswith("{"):
+            row = json.loads(line)
+            if sampler is not None:
+                sampler.__exit__()
+                row["engine_gpu_busy_pct"] = sampler.result()["gpu_util_mean_pct"]
+            rows[row["concurrency"]] = row
+            print(f"  engine alone {mode} c={row['concurrency']}: {row['engine_tok_s']} tok/s", flush=True)
+    proc.wait()
+    return rows
+
+
+# -- served ------------------------------------------------------------------------------------
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (and its waited-for children), from /proc."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in fields[11:13]) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(args, api: str, target: str, c: int, seed: int, start_at: float) -> dict:
+    """Closed loop for warmup + seconds (+ drain) from wall-clock `start_at` (every client process
+    of a point starts together, so their windows are one window); what the measured window saw:
+    tokens, TTFTs and inter-token gaps of the chunks received inside it (steady state)."""
+    from verifypd_loadgen import openai_backend as ob
+    from verifypd_loadgen.runner import LoadPoint, Runner
+    from verifypd_loadgen.workload import Distribution, Workload
+
+    work = Workload(input_len=Distribution("fixed", (args.prompt,)), output_len=Distribution("fixed", (args.gen,)),
+                    vocab_range=id_range(args.vocab), ignore_eos=True, seed=seed)
+    total = args.warmup + args.seconds
+
+    async def go(runner) -> dict:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.perf_counter()
+        cpu0 = time.process_time()
+        # Request ids unique across the point's client processes (gRPC refuses a duplicate in flight).
+        res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total,
+                               f"c{c}s{seed}", 0)
+        lo, hi = t0 + args.warmup, t0 + total
+        inside = [(r, t, n) for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens) if lo <= t < hi]
+        gaps = [b - a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if lo <= b < hi]
+        ttfts = [r.chunk_times[0] - r.start for r in res.records if r.chunk_times and lo <= r.chunk_times[0] < hi]
+        errors: dict = {}
+        for r in res.records:
+            if r.error is not None and not r.cancelled:
+                errors[r.error] = errors.get(r.error, 0) + 1
+        return {"tokens": sum(n for _, _, n in inside), "all_tokens": sum(sum(r.chunk_tokens) for r in res.records), "ttft_s": ttfts, "gap_s": gaps, "errors": errors,
+                "client_cpu_s": time.process_time() - cpu0, "draft": sum(r.draft_tokens for r in res.records),
+                "accepted": sum(r.accepted_tokens for r in res.records)}
+    if api == "grpc":
+        import grpc
+
+        from verifypd.v1 import generate_pb2_grpc
+        async with grpc.aio.insecure_channel(target) as channel:
+            return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, 60))  # ids: see --drive
+    async with ob.new_client() as client:
+        backend = ob.OpenAIBackend(client, f"http://{target}/v1", args.target, "completions")
+        return await go(Runner(backend, 300, 60, execute=ob.execute))
+
+
+def drive_clients(args, api: str, target: str, c: int) -> dict:
+    """`--client-procs` loadgen processes, c split among them (a Python client saturates first
+    over HTTP): their windows' samples merged."""
+    procs = max(1, min(args.client_procs, c))
+    shares = [c // procs + (i < c % procs) for i in range(procs)]
+    start_at = time.time() + 5.0  # each process imports and connects first
+    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i},{start_at}",
+                                  *sys.argv[1:]],
+                                 stdout=subprocess.PIPE, text=True) for i, share in enumerate(shares)]
+    parts = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+    merged = {"tokens": 0, "all_tokens": 0, "ttft_s": [], "gap_s": [], "errors": {}, "client_cpu_s": 0.0, "draft": 0, "accepted": 0}
+    for part in parts:
+        for key in ("tokens", "all_tokens", "client_cpu_s", "draft", "accepted"):
+            merged[key] += part[key]
+        merged["ttft_s"] += part["ttft_s"]
+        merged["gap_s"] += part["gap_s"]
+        for name, n in part["errors"].items():
+            merged["errors"][name] = merged["errors"].get(name, 0) + n
+    return merged
+
+
+def percentile_ms(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1e3, 2)
+
+
+def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict]:
+    port, http_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", str(http_port),
+           "--max-queue", "1024", "--drain-timeout", "5", *engine_flags(args, mode)]
+    if mode.endswith("-split"):
+        cmd += ["--topology", "split"]
+    server = ServeProcess(cmd, echo=args.echo)
+    rows = []
+    try:
+        why = server.wait_ready(args.ready_timeout)
+        if why:
+            raise SystemExit(f"serve {mode} did not start: {why}\n" + "\n".join(server.tail()))
+        core_pid = next((int(line.rsplit("engine core pid ", 1)[1].rstrip(")")) for line in server.lines
+                         if "engine core pid" in line), None)
+        for api in args.apis:
+            target = server.address if api == "grpc" else f"127.0.0.1:{http_port}"
+            for c in (args.split_concurrency if mode.endswith("-split") else args.concurrency):
+                cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
+                with UtilSampler(nvml) as util:
+                    seen = drive_clients(args, api, target, c)
+                cpu1 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
+                tok_s = seen["tokens"] / args.seconds
+                streamed = max(seen["all_tokens"], 1)  # the CPU times cover the whole run, ramp and drain too
+                engine = engine_rows.get(c, {}).get("engine_tok_s")
+                rows.append({"mode": mode, "api": api, "concurrency": c, "served_tok_s": round(tok_s, 1),
+                             "engine_tok_s": engine,
+                             "served_over_engine": round(tok_s / engine, 3) if engine else None,
+                             "ttft_p50_ms": percentile_ms(seen["ttft_s"], 50),
+                             "itl_p99_ms": percentile_ms(seen["gap_s"], 99),
+                             "gpu_busy_pct_served": util.result()["gpu_util_mean_pct"],
+                             "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
+                             "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
+                             "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
+                             "client_procs": max(1, min(args.client_procs, c)),
+                             "client_cpu_pct": round(seen["client_cpu_s"] / (args.warmup + args.seconds) * 100, 1),
+                             "errors": seen["errors"],
+                             "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
+                             "acceptance_kind": "SIMULATED" if DRAFTS[mode.removesuffix("-split")][1] else None})
+                print("  " + json.dumps(rows[-1]), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="k0,a07", help="k0, a07, k0-split, a07-split")
+    ap.add_argument("--apis", default="grpc,openai")
+    ap.add_argument("--concurrency", default="1,64,128")
+    ap.add_argument("--target", default="random:llama-2-7b")
+    ap.add_argument("--draft", default=None, help="replaces the a07 modes' draft (e.g. for a CPU smoke test)")
+    ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured window per point")
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--graph-buckets", default=None)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--no-engine-alone", action="store_true")
+    ap.add_argument("--echo", action="store_true", help="echo the servers' logs")
+    ap.add_argument("--split-concurrency", default=None, help="-split modes: these points only (default: all)")
+    ap.add_argument("--client-procs", type=int, default=4, help="loadgen processes sharing each point's concurrency")
+    ap.add_argument("--engine-alone", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.apis = args.apis.split(",")
+    args.split_concurrency = ([int(c) for c in args.split_concurrency.split(",")] if args.split_concurrency
+                              else args.concurrency)
+    if args.engine_alone:
+        return engine_alone(args)
+    if args.drive:  # one loadgen process of drive_clients
+        api, target, share, index, start_at = args.drive.split(",")
+        print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index),
+                                           float(start_at)))))
+        return
+    nvml, rows, engine_rows = Nvml(), [], {}
+    for mode in args.modes.split(","):
+        base = mode.removesuffix("-split")  # a split mode's engine alone is its colocated mode's
+        if not args.no_engine_alone and base not in engine_rows:
+            engine_rows[base] = run_engine_alone(args, base, nvml)
+        rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+        save(args, nvml, rows)  # after every mode: a run cut short keeps what it measured
+    print(f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
+          f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11}")
+    for r in rows:
+        print(f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
+              f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
+              f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11}")
+
+
+def save(args, nvml, rows: list[dict]) -> None:
+    write_result(args.out, "serving_vs_engine", {**metadata(), "gpu_util_note": nvml.error,
+                                                "label": "engine alone vs served (closed loop, steady state); "
+                                                         "a07 rows: SIMULATED acceptance 0.7", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

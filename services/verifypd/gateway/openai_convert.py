@@ -1,0 +1,261 @@
+"""OpenAI-compatible JSON <-> the public `GenerateRequest` and the engine's chunks. Torch-free.
+
+The HTTP API goes through the same path as gRPC: a JSON body is checked for *shape* here (types,
+unknown or unsupported parameters, n = 1) and turned into a `generate_pb2.GenerateRequest`; from
+there `convert.request_spec_from_pb` and the engine do every range check, exactly as for gRPC.
+Their messages name wire fields (`sampling.top_p`, `stop[1]`, `chat.messages[0].role`, ...);
+`openai_param` maps them back to the OpenAI parameter, so a 400 always names what the client sent.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from verifypd.engine.types import FinishReason
+from verifypd.gateway.json_body import JsonBodyError, parse_json_body
+from verifypd.v1 import generate_pb2
+
+CHAT, COMPLETION = "chat", "completion"
+U32, I32 = 2**32, 2**31
+
+# Accepted by both endpoints (ours: top_k, priority, speculation, ignore_eos).
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+           "user", "top_k", "priority", "speculation", "ignore_eos"}
+_ONLY = {CHAT: {"messages", "max_completion_tokens"}, COMPLETION: {"prompt"}}
+# OpenAI parameters we do not implement: accepted only at their neutral value (clients often send it).
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0),
+            "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+            "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,), "suffix": ("",),
+            "metadata": None, "store": (False,), "service_tier": None}  # None: any value, ignored
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop", None: None,
+           FinishReason.CANCELLED: "stop"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's `{"error": {message, type, param, code}}` with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value" if param else None)
+
+
+def decode_body(body: bytes | bytearray):
+    """An HTTP request body -> its JSON value, within the depth and text limits of `json_body`."""
+    try:
+        return parse_json_body(body)
+    except JsonBodyError as exc:
+        raise ApiError(400, str(exc), None, exc.code) from None
+
+
+@dataclass
+class ParsedRequest:
+    kind: str                       # CHAT | COMPLETION
+    model: str
+    pb: generate_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+    max_tokens_param: str           # which name the client used (for error messages)
+
+
+# -- typed getters: None/absent = unset; a wrong type is a 400 naming the parameter ------------
+def _get(body: dict, name: str, types: tuple, what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise bad(name, f"{name} must be {what}, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _int(body, name, lo: int, hi: int):
+    value = _get(body, name, (int,), "an integer")
+    if value is not None and not lo <= value < hi:
+        raise bad(name, f"{name} must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def _number(body, name):
+    value = _get(body, name, (int, float), "a number")
+    return None if value is None else float(value)
+
+
+def _text_of(content, where: str) -> str:
+    """Message content: a string, or a list of {"type": "text", "text": ...} parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"{where}[{i}]", f"{where}[{i}]: only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(where, f"{where} must be a string or a list of text parts")
+
+
+def _prompt(body: dict, kind: str, req: generate_pb2.GenerateRequest) -> None:
+    if kind == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
+            role = m.get("role")
+            if role not in _ROLES:
+                raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of system, developer, user, "
+                                                 f"assistant; got {role!r:.40}")
+            text = _text_of(m.get("content"), f"messages[{i}].content")
+            req.chat.messages.add(role=_ROLES[role], content=text)
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < U32 for t in prompt):
+            raise bad("prompt", "prompt token ids must be >= 0")
+        req.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("prompt", "prompt: one prompt per request (a batch of prompts is not supported)")
+    else:
+        raise bad("prompt", "prompt must be a string or a non-empty list of token ids")
+
+
+def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
+    """JSON body of /v1/chat/completions (CHAT) or /v1/completions (COMPLETION) -> GenerateRequest."""
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    for name in body:
+        if name in _COMMON or name in _ONLY[kind]:
+            continue
+        if name in _NEUTRAL:
+            allowed = _NEUTRAL[name]
+            if allowed is None or body[name] is None or body[name] in allowed:
+                continue
+            raise bad(name, f"{name} is not supported by this server (leave it unset)")
+        raise bad(name, f"unrecognized request argument supplied: {name}")
+    model = _get(body, "model", (str,), "a string")
+    if not model:
+        raise bad("model", "model is required (see GET /v1/models)")
+    n = _int(body, "n", 1, 2**31)
+    if n not in (None, 1):
+        raise bad("n", f"n must be 1 (one choice per request), got {n}")
+    req = generate_pb2.GenerateRequest(request_id=request_id)
+    _prompt(body, kind, req)
+    mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, mt_param, 1, U32)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    if temperature is not None:
+        req.sampling.temperature = temperature
+    if top_p is not None:
+        if top_p == 0:  # the wire's 0 means "unset" (= 1); OpenAI's 0 is a value the engine refuses
+            raise bad("top_p", "top_p must be in (0, 1], got 0")
+        req.sampling.top_p = top_p
+    for name, lo, hi in (("top_k", -I32, I32), ("priority", -I32, I32)):
+        value = _int(body, name, lo, hi)
+        if value is not None:
+            setattr(req.sampling if name == "top_k" else req, name, value)
+    seed = _int(body, "seed", 0, 2**64)
+    if seed is not None:
+        req.sampling.seed = seed
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad("stop", "stop must be a string or a list of strings")
+        req.stop.extend(stops)
+    ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean")
+    if ignore_eos is not None:
+        req.stop_at_eos = not ignore_eos
+    _speculation(body, req)
+    stream = bool(_get(body, "stream", (bool,), "a boolean"))
+    options = _get(body, "stream_options", (dict,), "an object")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed when stream is true")
+        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            raise bad("stream_options", f"stream_options: unknown field {sorted(unknown)[0]}")
+        include_usage = bool(_get(options, "include_usage", (bool,), "a boolean"))
+    _get(body, "user", (str,), "a string")
+    return ParsedRequest(kind, model, req, stream, include_usage, mt_param)
+
+
+def _speculation(body: dict, req: generate_pb2.GenerateRequest) -> None:
+    """`"speculation": {"max_k": K}` or `{"disable": true}`, like the gRPC SpeculationOverride."""
+    spec = _get(body, "speculation", (dict,), 'an object: {"max_k": K} or {"disable": true}')
+    if spec is None:
+        return
+    if set(spec) - {"max_k", "disable"} or len(spec) != 1:
+        raise bad("speculation", 'speculation must be {"max_k": K} or {"disable": true}')
+    if "disable" in spec:
+        req.speculation.disable = bool(_get(spec, "disable", (bool,), "a boolean"))
+    else:
+        value = spec["max_k"]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < U32:
+            raise bad("speculation.max_k", f"speculation.max_k must be an integer >= 0, got {value!r:.40}")
+        req.speculation.max_k = value
+
+
+# Wire field (at the start of an engine/convert message) -> OpenAI parameter.
+_FIELD_PARAMS = [("sampling.", ""), ("chat.messages", "messages"), ("text", "prompt"), ("token_ids", "prompt"),
+                 ("prompt token ids", "prompt"), ("prompt", "prompt"), ("max_tokens", "max_tokens"),
+                 ("speculation.max_k", "speculation.max_k"), ("k ", "speculation.max_k"), ("priority", "priority")]
+
+
+def openai_param(message: str, parsed: ParsedRequest) -> tuple[str | None, str]:
+    """The OpenAI parameter an InvalidRequest message is about, and the message in OpenAI's words."""
+    prompt = "messages" if parsed.kind == CHAT else "prompt"
+    if "chat template" in message or "no tokenizer" in message:
+        return prompt, message.replace("send the prompt as text or token_ids", "use /v1/completions")
+    m = re.match(r"stop\[(\d+)\]", message)
+    if m:
+        return f"stop[{m.group(1)}]", message
+    for field, param in _FIELD_PARAMS:
+        if message.startswith(field):
+            if field == "sampling.":
+                name = re.match(r"sampling\.(\w+)", message).group(1)
+                return name, message[len(field):]
+            if param == "messages":
+                rest = message[len("chat."):]
+                return re.match(r"[\w\[\]]+(\.\w+)?", rest).group(0), rest
+            if param == "prompt":
+                return prompt, message
+            if param == "max_tokens":
+                return parsed.max_tokens_param, message.replace("max_tokens", parsed.max_tokens_param, 1)
+            return param, message
+    return None, message
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return _FINISH[reason]
+
+
+def usage_json(usage: dict) -> dict:
+    """Engine usage -> OpenAI's, with speculation in completion_tokens_details (accepted / rejected
+    draft tokens) and our own counts under "verifypd"."""
+    drafted, accepted = usage["draft_tokens"], usage["accepted_tokens"]
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted, "reasoning_tokens": 0},
+            "verifypd": {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": usage["verify_steps"]}}
+
+
+def now() -> int:
+    return int(time.time())

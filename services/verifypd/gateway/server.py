@@ -1,0 +1,302 @@
+"""The gateway: the public face of a server. One asyncio event loop (its own thread) runs the
+grpc.aio server (Generation, Control, health, reflection), the OpenAI HTTP API (uvicorn on the
+same loop, http_server.py), tokenization, detokenization and stop strings; no thread per stream.
+The router runs in the engine core (core/core_server.py), reached over the core channel:
+
+    verifypd serve          the core is its own process (core/process.py: CoreProcess)
+    build_colocated/split   the core runs in threads of this process, over a socketpair all the
+                            same (tests, benches): `gateway.router` / `gateway.engine` reach it
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+import grpc
+
+from verifypd.engine.types import InvalidRequest
+from verifypd import convert
+from verifypd.auth import gateway_interceptor
+from verifypd.core.channel import AsyncChannel, BlockingChannel
+from verifypd.core.process import build_colocated_core, build_split_core, server_info  # noqa: F401
+from verifypd.gateway.engine_client import EngineClient, Failure
+from verifypd.core.core_server import CoreServer
+from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.health import AsyncHealth
+from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
+
+log = logging.getLogger("verifypd.gateway")
+SERVICES = ["verifypd.v1.Generation", "verifypd.v1.Control"]
+DRAIN_RETRY_MS = 1000
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, gateway: "Gateway"):
+        self.gw = gateway
+
+    async def Generate(self, request, context):
+        t0 = time.monotonic()
+        gw = self.gw
+        try:
+            spec = convert.request_spec_from_pb(request, gw.codec, max_context=gw.info.max_context,
+                                                default_max_tokens=gw.default_max_tokens)
+            stream = await gw.client.submit(spec)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Draining as exc:
+            # gRPC's retry pushback: a client with a retry policy waits this long, then retries
+            # (on another replica behind a load balancer; this one is going away).
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(DRAIN_RETRY_MS)),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (Unavailable, TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Failure):
+                    finished = True
+                    await context.abort(item.code, item.message)
+                finished = item.finished
+                yield convert.response_to_pb(stream.request_id, item.token_ids, item.text, item.finish_reason,
+                                             item.usage, item.applied_k, time.monotonic() - t0)
+        finally:  # client cancel or deadline (the task is cancelled): free its KV before the next step
+            if not finished:
+                gw.client.cancel(stream)
+
+    async def GetServerInfo(self, request, context):
+        return self.gw.info
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, gateway: "Gateway"):
+        self.gw = gateway
+
+    async def GetConfig(self, request, context):
+        try:
+            return await self.gw.client.get_config()
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def UpdateConfig(self, request, context):
+        # Applied by the core between steps: the step after this one plans with the new config.
+        try:
+            return await self.gw.client.update_config(request.config, request.requested_by, request.reason)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+class Gateway:
+    """`core_sock`: the gateway's end of the core channel. `core`: an in-process CoreServer (tests);
+    `core_process`: a spawned one (serve). `start()` waits for the core's `ready`, then serves."""
+
+    def __init__(self, core_sock: socket.socket, codec, *, host: str = "127.0.0.1", port: int = 0,
+                 default_max_tokens: int = convert.DEFAULT_MAX_TOKENS, api_key: str | None = None,
+                 admin_key: str | None = None, core: CoreServer | None = None, core_process=None, info=None):
+        self.codec, self.default_max_tokens = codec, default_max_tokens
+        self.core, self.core_process = core, core_process
+        self.info = info if info is not None else (core.info if core is not None else None)
+        self.engine_exited = threading.Event()  # set when the core went away (serve exits then)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        self._started = False
+        self._wiring = None
+        self.http = None  # an HttpServer on self.loop (serve): stopped first
+        try:
+            self._run(self._setup(core_sock, host, port, api_key, admin_key))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro, timeout_s: float | None = None):
+        """Runs a coroutine on the gateway's loop from another thread and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None) -> None:
+        self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
+        # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
+        self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self.server)
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
+        self.health = AsyncHealth(self.server, SERVICES, self.loop)
+        self.health.set(False)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    # -- the in-process core (tests, benches) --------------------------------------------------
+    @property
+    def router(self):
+        return self.core.router
+
+    @property
+    def lanes(self):
+        return self.core.lanes
+
+    @property
+    def wiring(self):
+        return getattr(self.core, "wiring", None) or self._wiring
+
+    @wiring.setter
+    def wiring(self, value) -> None:
+        self._wiring = value
+
+    @property
+    def engine(self):
+        """The in-process core's EngineLoop (tests read its state through `engine.call`)."""
+        return self.core.engine
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self, ready_timeout_s: float | None = None) -> "Gateway":
+        if self._started:
+            return self
+        self._started = True
+        if self.core is not None:
+            self.core.start(loop_in_thread=True)
+
+        async def serve() -> None:
+            await self.client.wait_ready(ready_timeout_s) if ready_timeout_s else await self.client.wait_ready()
+            self.info = self.info or self.client.info
+            await self.server.start()
+        self._run(serve())
+        self.health.set(True)
+        return self
+
+    def _on_engine_failure(self, message: str, exited: bool) -> None:
+        self.health.set(False)
+        if exited and not self._stopped.is_set():
+            self.engine_exited.set()
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Graceful shutdown, phase by phase: NOT_SERVING and refuse new requests at once; let the
+        requests in flight finish for up to `timeout_s`; then stop. True if none was cut short."""
+        t0 = time.monotonic()
+        self.health.set(False)
+        self.loop.call_soon_threadsafe(setattr, self.client, "draining", True)
+        log.info("drain: started: health NOT_SERVING, new requests refused; %d in flight, waiting up to %.0f s",
+                 self.client.in_flight(), timeout_s)
+        while self.client.in_flight() and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.05)
+        left = self.client.in_flight()
+        if left:
+            log.warning("drain: timeout after %.1f s: ending %d requests with UNAVAILABLE", time.monotonic() - t0, left)
+            message = f"server shut down before the request finished (drain timeout {timeout_s:.0f} s)"
+            self.loop.call_soon_threadsafe(self._fail_in_flight, message)
+        else:
+            log.info("drain: all in-flight requests finished in %.1f s", time.monotonic() - t0)
+        self.stop(grace_s=2.0)
+        log.info("drain: stopped")
+        return not left
+
+    def _fail_in_flight(self, message: str) -> None:
+        for stream in list(self.client._streams.values()):
+            self.client.cancel(stream)
+            stream.queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, message))
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.health.set(False)
+        if self.http is not None:
+            self.http.stop()
+        try:
+            self._run(self.server.stop(grace_s), timeout_s=grace_s + 5)
+        except Exception:  # a stop that did not finish in time: the process is going away anyway
+            log.exception("gRPC server stop")
+        self.loop.call_soon_threadsafe(self.client.stop)
+        if self.core is not None:
+            self.core.stop()
+        if self.core_process is not None:
+            self.core_process.terminate()
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_tasks() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            self._run(cancel_tasks(), timeout_s=5)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+    def __enter__(self) -> "Gateway":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_router(router, codec, info, *, max_queue: int = 256, lanes=(), kv_transport: str = "auto",
+                 recovery_timeout_s: float = 120.0, on_close=(), metrics_registry=None, watch_interval_s: float = 1.0,
+                 **gateway_kwargs) -> Gateway:
+    """A gateway over a router whose core runs in threads of this process (one socketpair)."""
+    gateway_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    core = CoreServer(router, BlockingChannel(core_sock), info, max_queue=max_queue, lanes=lanes,
+                      kv_transport=kv_transport, recovery_timeout_s=recovery_timeout_s, on_close=on_close,
+                      metrics_registry=metrics_registry, watch_interval_s=watch_interval_s)
+    return Gateway(gateway_sock, codec, core=core, **gateway_kwargs)
+
+
+def build_colocated(options, *, observer=None, topology: str = "colocated", **kwargs) -> Gateway:
+    """Models, pools and lanes in this process (verifypd.local_engine.Engine), core in threads."""
+    router, info, engine = build_colocated_core(options, observer=observer, topology=topology)
+    gateway = serve_router(router, engine.codec, info, **kwargs)
+    gateway.local_engine = engine
+    return gateway
+
+
+def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None, codec=None,
+                lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
+                **kwargs) -> Gateway:
+    """Router over gRPC lane clients (core in threads of this process)."""
+    router, info, lanes, wiring = build_split_core(addrs, options, kv_transport=kv_transport, observer=observer,
+                                                   lane_timeout_s=lane_timeout_s, topology=topology,
+                                                   lane_secret=lane_secret)
+    gateway = serve_router(router, codec or load_codec(options.target), info, lanes=lanes,
+                           kv_transport=kv_transport, **kwargs)
+    gateway.wiring = wiring
+    return gateway
+
+
+def load_codec(target: str):
+    """The target's tokenizer without its weights (the gateway loads no model)."""
+    import os
+    import pathlib
+
+    from verifypd.model.loader import EMBEDDED_NAME, ModelLoadError, embedded_model_path
+    from verifypd.tokenizer import TextCodec
+
+    if target.startswith("random:"):
+        return TextCodec(None)
+    from transformers import AutoTokenizer
+
+    kwargs: dict = {}
+    if target == EMBEDDED_NAME or target.endswith(".gguf"):
+        path = embedded_model_path() if target == EMBEDDED_NAME else pathlib.Path(target)
+        source, kwargs["gguf_file"] = str(path.parent), path.name
+    elif os.path.isdir(target):
+        source = target
+    else:
+        source, kwargs["local_files_only"] = target, True
+    try:
+        return TextCodec(AutoTokenizer.from_pretrained(source, **kwargs))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {target!r}: {exc}") from None

@@ -1,0 +1,292 @@
+"""The lane protocols over gRPC: `Router(GrpcPrefillLane(a), GrpcDraftLane(b), GrpcVerifyLane(c))`
+cannot tell these from the in-process lanes. Torch-free (the gateway process of `split` never
+touches tensors).
+
+Work calls go over the lane's call channel (call_channel.py: one persistent connection, compact
+columns, request state and block tables sent as deltas) when the lane announces one, else over
+unary gRPC. Every failure of a lane call (process gone, deadline, error status) becomes
+`LaneError`; the gateway then ends in-flight requests with UNAVAILABLE. `wire_bytes` counts the
+serialized bytes of every lane call (request + reply), so a test can prove that with handles no
+KV crossed the wire.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneError, LaneInfo, PrefillItem, PrefillOutput,
+                                      VerifyItem, VerifyOutput)
+from verifypd.lanerpc import call_codec as cc
+from verifypd.lanerpc import lane_convert as lc
+from verifypd.lanerpc.call_channel import CallClient, ChannelClosed
+from verifypd.auth import lane_metadata
+from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+
+log = logging.getLogger("verifypd.lane_client")
+# Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
+GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20),
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
+SERVICE_NAMES = {"prefill": "verifypd.v1.PrefillLane", "draft": "verifypd.v1.DraftLane",
+                 "verify": "verifypd.v1.VerifyLane"}
+
+
+class _GrpcLane:
+    lane = ""
+    remote = True  # another process: the router may overlap calls to different lanes
+    _stub_class = None
+
+    _method = 0  # lanes_pb2.LaneMethod of this lane's work call
+
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._secret = secret
+        self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
+        self._use_channel = call_channel  # False: work calls over unary gRPC (tools, comparisons)
+        self._client: CallClient | None = None
+        self._mirror = cc.ChannelMirror()
+        self._call_lock = threading.Lock()  # one call at a time on the connection
+        # Owners: the prefill lane whose KV writes this lane must wait for (wire_pools sets it),
+        # and how many of its writes this lane has been told about.
+        self.producer: GrpcPrefillLane | None = None
+        self._writes_seen = 0
+        self.channel = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+        self.stub = self._stub_class(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._info_pb: lanes_pb2.LaneInfo | None = None
+        self._lock = threading.Lock()
+        self.wire_bytes = 0   # serialized request + reply bytes of every lane call
+        self.calls = 0
+
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        try:
+            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise LaneError(f"{self.lane} lane at {self.addr}: {method} failed: "
+                            f"{exc.code().name}: {exc.details()}") from None
+        with self._lock:
+            self.wire_bytes += request.ByteSize() + reply.ByteSize()
+            self.calls += 1
+        return reply
+
+    # -- setup -------------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Blocks until the lane's health says SERVING (raises LaneError on timeout)."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {exc}") from None
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return status.status == health_pb2.HealthCheckResponse.SERVING
+
+    def describe_pb(self, refresh: bool = False) -> lanes_pb2.LaneInfo:
+        if self._info_pb is None or refresh:
+            self._info_pb = self._call("Describe", lanes_pb2.LaneInfoRequest())
+        return self._info_pb
+
+    def describe(self) -> LaneInfo:
+        return lc.lane_info_from_pb(self.describe_pb())
+
+    def import_pools(self, pools: list[lanes_pb2.PoolDescriptor], kv_transport: str) -> lanes_pb2.ImportPoolsReply:
+        return self._call("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
+
+    # -- work calls --------------------------------------------------------------------------
+    def _work(self, items, encode, decode, unary):
+        """One work call: over the call channel when the lane has one, else `unary()`."""
+        if not items:
+            return []
+        with self._call_lock:
+            client = self._connected_client()
+            if client is None:
+                return unary()
+            name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
+            try:
+                batch = encode(self._mirror, items)
+                producer = self.producer
+                if producer is not None and producer.kv_written_event and producer.writes != self._writes_seen:
+                    self._writes_seen = producer.writes  # read before the handle goes out: never misses one
+                    batch.wait_event = producer.kv_written_event
+                reply = client.call(lanes_pb2.LaneCall(method=self._method, batch=batch))
+            except (OSError, ChannelClosed) as exc:
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
+            if reply.status_code:
+                code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: {code}: {reply.error}")
+            try:
+                outputs = decode(items, reply)
+            except (IndexError, ValueError) as exc:
+                client.close()
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name}: malformed reply: {exc}") from None
+            with self._lock:
+                self.wire_bytes = self.wire_bytes - self._client_bytes + client.bytes
+                self._client_bytes = client.bytes
+                self.calls += 1
+            return outputs
+
+    _client_bytes = 0
+
+    def _connected_client(self) -> CallClient | None:
+        """The call channel's connection (a new one, with a fresh mirror, after any failure);
+        None when the lane announces no call channel."""
+        if not self._use_channel:
+            return None
+        if self._client is not None and self._client.connected:
+            return self._client
+        port = self.describe_pb(refresh=True).call_port  # a restarted lane may listen elsewhere
+        if not port:
+            return None
+        with self._lock:  # the old connection's bytes stay counted
+            self._client_bytes = 0
+        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s)
+        self._mirror = cc.ChannelMirror()
+        try:
+            self._client.connect()
+        except OSError as exc:
+            raise LaneError(f"{self.lane} lane at {self.addr}: call channel on port {port} unreachable: {exc}") from None
+        return self._client
+
+    def probe_channel(self) -> None:
+        """At wiring: connects the call channel, or turns it off for this client (with a warning)."""
+        with self._call_lock:
+            try:
+                self._connected_client()
+            except LaneError as exc:
+                log.warning("%s; work calls to this lane go over gRPC", exc)
+                self._use_channel = False
+
+    def release(self, request_ids) -> None:
+        """The router is done with these requests: the lane drops its copy with the next call."""
+        with self._call_lock:
+            self._mirror.release(request_ids)
+
+    def close(self) -> None:
+        with self._call_lock:
+            if self._client is not None:
+                self._client.close()
+        self.channel.close()
+
+
+class GrpcPrefillLane(_GrpcLane):
+    lane = "prefill"
+    _stub_class = lanes_pb2_grpc.PrefillLaneStub
+
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
+        super().__init__(addr, timeout_s, secret, call_channel)
+        self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
+        self.kv_written_event = b""  # ImportPoolsReply.kv_written_event (CUDA IPC, call channel only)
+        self.writes = 0  # prefill calls completed: owners wait on the event when this moved
+
+    _method = lanes_pb2.LANE_METHOD_PREFILL
+
+    def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
+        def decode(items, reply):
+            self.kv_bytes_copied += reply.kv_bytes_copied
+            self.writes += 1
+            return cc.decode_prefill(items, reply)
+
+        def unary():
+            result = self._call("Prefill", lc.prefill_batch_to_pb(items))
+            self.kv_bytes_copied += result.kv_bytes_copied
+            return lc.prefill_outputs_from_pb(result)
+        return self._work(items, cc.encode_prefill, decode, unary)
+
+
+class GrpcDraftLane(_GrpcLane):
+    lane = "draft"
+    _stub_class = lanes_pb2_grpc.DraftLaneStub
+
+    _method = lanes_pb2.LANE_METHOD_DRAFT
+
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
+        super().__init__(addr, timeout_s, secret, call_channel)
+        self.handoff: tuple[int, int] | None = None  # (rows, cols) once the verify lane opened our buffer
+        self._slot = 0
+
+    def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
+        slot = 0
+        if (self.handoff is not None and len(items) <= self.handoff[0] and max(i.k for i in items) <= self.handoff[1]
+                and all(i.sampling.greedy for i in items)):
+            self._slot = slot = 3 - self._slot if self._slot else 1  # alternate 1, 2, 1, ...
+        return self._work(items, lambda mirror, items: cc.encode_draft(mirror, items, slot),
+                          lambda items, reply: cc.decode_draft(items, reply, slot),
+                          lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))))
+
+
+class GrpcVerifyLane(_GrpcLane):
+    lane = "verify"
+    _stub_class = lanes_pb2_grpc.VerifyLaneStub
+
+    _method = lanes_pb2.LANE_METHOD_VERIFY
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
+            from verifypd.lanerpc.kv_transport import encode_probs
+            return encode_probs(probs, top_k)
+
+        return self._work(items, lambda mirror, items: cc.encode_verify(mirror, items, encode), cc.decode_verify,
+                          lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))))
+
+
+def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane,
+               kv_transport: str = "auto") -> lanes_pb2.ImportPoolsReply:
+    """The one-time pool exchange: tells the prefill lane about the owners' pools.
+
+    The owners' KvTransfer addresses are the addresses we reach them at (only the wiring side
+    knows them), used when a pool is copied rather than imported.
+    """
+    if kv_transport not in ("auto", "handle", "copy"):
+        raise ValueError(f"kv_transport must be auto, handle or copy; got {kv_transport!r}")
+    pools = []
+    for owner in (verify, draft):
+        for d in owner.describe_pb().pools:
+            d = lanes_pb2.PoolDescriptor.FromString(d.SerializeToString())
+            d.kv_transfer_addr = owner.addr
+            pools.append(d)
+    # The prefill lane may skip its device sync only if every call that can read its KV carries
+    # the event: true when the owners are called over their call channels. A channel that cannot
+    # be reached now (a port a firewall or Service does not expose) is not used at all: work
+    # calls to that lane go over gRPC, and nothing relies on device-side ordering.
+    for lane in (prefill, draft, verify):
+        lane.probe_channel()
+    forward = all(forward_ok(lane) for lane in (prefill, draft, verify))
+    reply = prefill._call("ImportPools", lanes_pb2.ImportPoolsRequest(
+        pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward))
+    prefill.kv_written_event = reply.kv_written_event
+    for owner in (draft, verify):
+        # Only a lane that reads the prefill lane's KV waits for its writes: a pool-less draft lane
+        # (ngram, none) may run on the CPU, where there is no event to wait on (found on an H200:
+        # `serve --topology split --draft none` refused every draft call).
+        owner.producer = prefill if owner.describe_pb().pools else None
+    _wire_handoff(draft, verify)
+    return reply
+
+
+def _wire_handoff(draft: "GrpcDraftLane", verify: "GrpcVerifyLane") -> None:
+    """Draft tokens on the device (DraftHandoff) when the verify lane can open the draft lane's
+    buffer: both on the call channel, on one GPU. Otherwise they keep travelling through us."""
+    draft.handoff = None
+    info = draft.describe_pb()
+    if not (info.HasField("draft_handoff") and forward_ok(draft) and forward_ok(verify)):
+        return
+    try:
+        verify._call("ImportPools", lanes_pb2.ImportPoolsRequest(draft_handoff=info.draft_handoff))
+    except LaneError:  # another device or host: the host path it is
+        return
+    draft.handoff = (info.draft_handoff.rows, info.draft_handoff.cols)
+
+
+def forward_ok(lane: _GrpcLane) -> bool:
+    """The lane's work calls go over its (reachable) call channel."""
+    return lane._use_channel and lane._client is not None and lane._client.connected

@@ -1,0 +1,260 @@
+"""`verifypd serve`, `verifypd lane` and `verifypd generate --server` (registered by verifypd.cli).
+
+    verifypd serve [--port 50051] [--topology colocated|split] [--target M] [--draft M]
+    verifypd lane prefill|draft|verify --port P [--target M] [--draft M]
+    verifypd generate --server HOST:PORT "PROMPT" [--json] [sampling flags]
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from verifypd.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
+from verifypd.launch.serve_args import (add_lane_arguments, add_serve_arguments, engine_options, setup_logging,
+                                        simulated_label, warn_simulated)
+
+
+def register(sub) -> None:
+    sub.choices["generate"].set_defaults(handler=cmd_generate_remote)
+    sub.choices["generate"].add_argument("--timeout", type=float, default=None,
+                                         help="with --server: deadline for the whole generation, seconds")
+    sub.choices["generate"].add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                                         help=f"with --server: the server's API key (env {API_KEY_ENV})")
+
+    serve = sub.add_parser("serve", help="run the gateway + router and the three lanes")
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=cmd_serve)
+
+    lane = sub.add_parser("lane", help="run one lane server (split topology)")
+    add_lane_arguments(lane)
+    lane.set_defaults(handler=cmd_lane)
+
+
+def _wait_for_signal(poll=None) -> None:
+    """Blocks until SIGTERM/SIGINT (or poll() returns True)."""
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        logging.getLogger("verifypd").info("received %s", signal.Signals(signum).name)
+        stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    while not stop.wait(0.5):
+        if poll is not None and poll():
+            return
+
+
+def cmd_serve(args) -> int:
+    """The gateway process: spawns the engine core (core/process.py) with the same arguments, loads
+    the tokenizer meanwhile, then serves gRPC and HTTP on one event loop until SIGTERM/SIGINT."""
+    from verifypd.core.process import CoreProcess
+    from verifypd.gateway.server import Gateway, load_codec
+
+    setup_logging()
+    options = engine_options(args)  # bad flags fail here, before anything starts
+    if args.http_port < 0 or args.http_max_body_bytes < 1:
+        print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
+        return 2
+    addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
+    if any(addrs.values()):
+        missing = [lane for lane, a in addrs.items() if not a]
+        if missing:
+            print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
+            return 2
+        if options.simulated_acceptance is not None:  # the verify lane decides acceptance, and it runs elsewhere
+            print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
+                  file=sys.stderr)
+            return 2
+    try:
+        admin_key = _admin_key(args)
+    except (OSError, ValueError) as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    core = CoreProcess(args.argv)
+    try:
+        gateway = Gateway(core.sock, load_codec(options.target), host=args.host, port=args.port,
+                          default_max_tokens=args.default_max_tokens, api_key=args.api_key, admin_key=admin_key,
+                          core_process=core)
+    except BaseException:
+        core.proc.kill()
+        raise
+    try:
+        gateway.start()
+    except Exception as exc:  # the core exited before it was ready (it printed why)
+        print(f"verifypd: error: the engine core did not start: {exc}", file=sys.stderr)
+        gateway.stop()
+        return 1
+    print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
+          f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
+          f"{simulated_label(options)}; engine core pid {core.pid})", file=sys.stderr, flush=True)
+    try:
+        if args.http_port:
+            try:
+                gateway.http = _start_http(gateway, args)
+            except OSError as exc:
+                print(f"verifypd: error: {exc}", file=sys.stderr)
+                return 2
+        _wait_for_signal(poll=gateway.engine_exited.is_set)
+        if gateway.engine_exited.is_set():
+            print(f"verifypd: error: {gateway.client.failed}; exiting", file=sys.stderr)
+            return 1
+        gateway.drain(args.drain_timeout)
+    finally:
+        gateway.stop()
+    return 0
+
+
+def _admin_key(args) -> str | None:
+    """--admin-key-file / VERIFYPD_ADMIN_KEY (checked: long enough, not the API key); None: Control
+    stays read-only (UpdateConfig refused), which the start-up log says."""
+    from verifypd.auth import check_gateway_keys, load_secret
+
+    key = load_secret(args.admin_key_file, env=ADMIN_KEY_ENV, what="admin key")
+    check_gateway_keys(args.api_key, key)
+    if key is None:
+        logging.getLogger("verifypd").warning(
+            "no admin key (--admin-key-file or env %s): Control.UpdateConfig is refused, the runtime config "
+            "stays as started", ADMIN_KEY_ENV)
+    return key
+
+
+def _start_http(gateway, args):
+    from verifypd.gateway.http_api import HttpApi
+    from verifypd.gateway.http_server import HttpServer
+
+    api = HttpApi(gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes,
+                  api_key=args.api_key)
+    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop).start()
+    print(f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})",
+          file=sys.stderr, flush=True)
+    return http
+
+
+def cmd_lane(args) -> int:
+    from verifypd.lanerpc.lane_server import LaneServicer, build_lane_server
+
+    from verifypd.auth import load_secret
+
+    setup_logging()
+    try:
+        secret = load_secret(args.secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    if secret is None and not args.allow_unauthenticated:
+        print(f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
+              f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).", file=sys.stderr)
+        return 2
+    try:
+        options = engine_options(args)
+    except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    if args.lane == "verify":
+        warn_simulated(options)
+    elif options.simulated_acceptance is not None:
+        print("verifypd: error: --simulated-acceptance applies to the verify lane only", file=sys.stderr)
+        return 2
+    servicer = LaneServicer(args.lane, options, secret=secret)
+    if not -1 <= args.call_port <= 65535:
+        print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
+        return 2
+    try:
+        server, port, health = build_lane_server(servicer, args.host, args.port,
+                                                 None if args.call_port == -1 else args.call_port)
+    except OSError as exc:
+        print(f"verifypd: error: cannot serve the {args.lane} lane: {exc}", file=sys.stderr)
+        servicer.close()
+        return 2
+    if args.port_file:  # written atomically: the launcher reads it as soon as it exists
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
+            f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
+        os.replace(tmp, args.port_file)
+    calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
+    print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})", file=sys.stderr,
+          flush=True)
+    parent = args.parent_pid
+    try:
+        _wait_for_signal(poll=(lambda: os.getppid() != parent) if parent else None)
+    finally:
+        health.set(False)
+        server.stop(1).wait(2)
+        servicer.close()
+    return 0
+
+
+def cmd_generate_remote(args) -> int:
+    import grpc
+
+    from verifypd.convert import FINISH_NAMES
+    from verifypd.v1 import generate_pb2, generate_pb2_grpc
+
+    channel = grpc.insecure_channel(args.server)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=5)
+    except grpc.FutureTimeoutError:
+        print(f"verifypd: error: cannot reach a verifypd server at {args.server} (is `verifypd serve` running?)",
+              file=sys.stderr)
+        return 2
+    if args.api_key:
+        from verifypd.auth import bearer_interceptor
+
+        channel = grpc.intercept_channel(channel, bearer_interceptor(args.api_key))
+    stub = generate_pb2_grpc.GenerationStub(channel)
+    req = generate_pb2.GenerateRequest(
+        sampling=generate_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                             seed=args.seed),
+        max_tokens=args.max_tokens, stop=args.stop)
+    if args.no_speculation:
+        req.speculation.disable = True
+    elif args.k is not None:
+        req.speculation.max_k = args.k
+    if args.raw:
+        req.text = args.prompt
+    else:
+        req.chat.messages.add(role="user", content=args.prompt)
+    t0 = time.monotonic()
+    ids, text, last, ttft = [], [], None, None
+    try:
+        info = stub.GetServerInfo(generate_pb2.ServerInfoRequest(), timeout=10)
+        for attempt in range(2):
+            try:
+                for msg in stub.Generate(req, timeout=args.timeout):
+                    if ttft is None and msg.token_ids:
+                        ttft = time.monotonic() - t0
+                    ids += msg.token_ids
+                    text.append(msg.text)
+                    if not args.json:
+                        print(msg.text, end="", flush=True)
+                    last = msg
+                break
+            except grpc.RpcError as exc:
+                # Like the offline CLI: chat template when the model has one, else plain text.
+                if attempt == 0 and last is None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT \
+                        and "chat template" in (exc.details() or ""):
+                    req.text = args.prompt
+                    continue
+                raise
+    except grpc.RpcError as exc:
+        print(f"\nverifypd: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    elapsed = time.monotonic() - t0
+    u = last.usage
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens, "verify_steps": u.verify_steps}
+    if args.json:
+        print(json.dumps({"request_id": last.request_id, "text": "".join(text), "token_ids": ids,
+                          "finish_reason": FINISH_NAMES[last.finish_reason], "usage": usage, "ttft_s": ttft,
+                          "target": info.target_model, "draft": info.draft_model, "device": f"server:{args.server}"}))
+        return 0
+    rate = u.completion_tokens / max(elapsed, 1e-9)
+    acc = f"acceptance {u.accepted_tokens / u.draft_tokens:.0%}" if u.draft_tokens else "no speculation"
+    ttft_ms = f"TTFT {ttft * 1000:.0f} ms, " if ttft is not None else ""
+    print(f"\n[{u.completion_tokens} tokens, {acc}, {ttft_ms}{rate:.1f} tok/s]", file=sys.stderr)
+    return 0

@@ -1,0 +1,162 @@
+"""Spawning the three lane processes of `verifypd serve --topology split`.
+
+Children are started with `sys.executable -m verifypd.cli lane ...` (spawn + exec: never a fork of
+a process that already initialized torch/CUDA). Each binds port 0 and writes the port it got to a
+file once it serves, so there is no port race; the lines after the port name the /dev/shm pool
+files the lane owns, so they can be removed even after a SIGKILL. Children exit when this process
+goes away: they watch their parent pid, and `terminate()` runs at exit.
+
+The lane secret (auth.py) reaches the children through their environment. `restart(lane)`
+starts a dead lane again on the same port (so the gateway's channel reconnects by itself); the
+supervisor (supervisor.py) decides when.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import threading
+
+import verifypd
+from verifypd.auth import LANE_SECRET_ENV, new_secret
+
+log = logging.getLogger("verifypd.launcher")
+LANES = ("prefill", "draft", "verify")
+
+
+def lane_command(lane: str, options, *, host: str, port: int = 0, port_file: str | None = None,
+                 parent_pid: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "verifypd.cli", "lane", lane, "--host", host, "--port", str(port),
+           "--target", options.target, "--draft", options.draft, "--device", options.device,
+           "--dtype", options.dtype, "--block-size", str(options.block_size)]
+    if options.max_context is not None:
+        cmd += ["--max-context", str(options.max_context)]
+    if options.num_blocks is not None:
+        cmd += ["--num-blocks", str(options.num_blocks)]
+    if options.graph_buckets:
+        cmd += ["--graph-buckets", ",".join(map(str, options.graph_buckets))]
+    if lane != "prefill":  # the owners capture graphs up to the router's longest draft
+        cmd += ["--k-max", str(options.config.k_max)]
+    if lane == "verify" and getattr(options, "simulated_acceptance", None) is not None:  # benchmark only
+        cmd += ["--simulated-acceptance", repr(float(options.simulated_acceptance))]
+    if port_file:
+        cmd += ["--port-file", port_file]
+    if parent_pid:
+        cmd += ["--parent-pid", str(parent_pid)]
+    return cmd
+
+
+def child_env() -> dict[str, str]:
+    """This process's env, with the directory holding the verifypd package on PYTHONPATH."""
+    env = dict(os.environ)
+    root = str(pathlib.Path(verifypd.__file__).resolve().parent.parent)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
+    return env
+
+
+def read_port_file(path: str) -> tuple[str, list[str]]:
+    """(port, shm pool paths) from a lane's port file."""
+    lines = pathlib.Path(path).read_text().split()
+    return lines[0], [ln for ln in lines[1:] if ln.startswith("/dev/shm/verifypd-")]
+
+
+class LaneProcesses:
+    def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None):
+        self.options, self.host = options, host
+        self.secret = secret or new_secret()  # one per `serve`; only our lanes and gateway know it
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addrs: dict[str, str] = {}
+        # The owners' /dev/shm pool files: a lane killed by SIGKILL cannot remove its own.
+        self.shm_paths: list[str] = []
+        self.stopping = False
+        self.lock = threading.RLock()  # restart vs terminate
+        self._dir = tempfile.mkdtemp(prefix="verifypd-lanes-")
+        self._files = {lane: os.path.join(self._dir, f"{lane}.port") for lane in LANES}
+        atexit.register(self.terminate)
+
+    def _env(self) -> dict[str, str]:
+        env = child_env()
+        env[LANE_SECRET_ENV] = self.secret
+        return env
+
+    def _spawn(self, lane: str, port: int = 0) -> None:
+        cmd = lane_command(lane, self.options, host=self.host, port=port, port_file=self._files[lane],
+                           parent_pid=os.getpid())
+        self.procs[lane] = subprocess.Popen(cmd, env=self._env(), stdin=subprocess.DEVNULL)
+        log.info("started %s lane, pid %d", lane, self.procs[lane].pid)
+
+    def _remove_pool_files(self, lane: str) -> None:
+        if os.path.exists(self._files[lane]):
+            for path in read_port_file(self._files[lane])[1]:
+                if os.path.exists(path):
+                    os.unlink(path)
+            os.unlink(self._files[lane])
+
+    def restart(self, lane: str) -> int:
+        """Starts a dead lane again on its port; removes the pool files it left. Returns its pid."""
+        with self.lock:
+            if self.stopping:
+                raise RuntimeError("lanes are stopping")
+            self._remove_pool_files(lane)
+            port = int(self.addrs[lane].rsplit(":", 1)[1])
+            self._spawn(lane, port)
+            return self.procs[lane].pid
+
+    def start(self, timeout_s: float = 300.0) -> dict[str, str]:
+        files = self._files
+        for lane in LANES:
+            self._spawn(lane)
+        deadline = time.monotonic() + timeout_s
+        while len(self.addrs) < len(LANES):
+            for lane in LANES:
+                if lane in self.addrs:
+                    continue
+                code = self.procs[lane].poll()
+                if code is not None:
+                    self.terminate()
+                    raise RuntimeError(f"{lane} lane exited with code {code} while starting (see its log above)")
+                if os.path.exists(files[lane]):
+                    port, _ = read_port_file(files[lane])
+                    self.addrs[lane] = f"{self.host}:{port}"
+            if time.monotonic() > deadline:
+                self.terminate()
+                raise TimeoutError(f"lanes did not start within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return dict(self.addrs)
+
+    def pids(self) -> dict[str, int]:
+        return {lane: p.pid for lane, p in self.procs.items()}
+
+    def terminate(self, timeout_s: float = 5.0) -> None:
+        with self.lock:
+            self.stopping = True
+            self._terminate(timeout_s)
+
+    def _terminate(self, timeout_s: float) -> None:
+        # The prefill lane maps the owners' pools: it goes first (producers outlive consumers).
+        for group in (("prefill",), ("draft", "verify")):
+            procs = [self.procs[lane] for lane in group if lane in self.procs]
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        for lane in LANES:
+            self._remove_pool_files(lane)
+        for path in self.shm_paths:
+            if os.path.exists(path):
+                os.unlink(path)
+        shutil.rmtree(self._dir, ignore_errors=True)

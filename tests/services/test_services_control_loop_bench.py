@@ -1,0 +1,31 @@
+"""bench/control_loop.py --smoke on the CPU (its real use is on the GPU, issue 20): one server, the
+three modes, the operator's loop acting on the server's own telemetry, the priority run, the
+result file with the benchmark metadata."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from verifypd.launch.launcher import child_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_control_loop_bench_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "control_loop.py"), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "control_loop_cpu.json").read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys() and "SIMULATED" in result["label"]
+    assert set(result["modes"]) == {"fixed_k4", "adaptive", "adaptive_operator"}
+    fixed, adaptive, loop = (result["modes"][m][0] for m in ("fixed_k4", "adaptive", "adaptive_operator"))
+    assert all(row["failed"] == 0 and row["throughput_rps"] > 0 for row in (fixed, adaptive, loop))
+    # k = 4, less only near the end of a request (no drafts past max_tokens) or on its prefill step (0).
+    ks = {int(k): n for k, n in fixed["applied_k"].items()}
+    assert max(ks) == 4 and ks[4] == max(n for k, n in ks.items() if k)
+    # The SLO is set so that any decoding breaches it: the loop lowered kMax, timing its reaction.
+    lowered = [d for d in loop["decisions"] if d["action"] == "lower-k"]
+    assert lowered and lowered[0]["k_max"] < 8 and lowered[0]["loop_latency_s"] is not None
+    assert result["priority_mix"]["by_priority"] and (tmp_path / "control_loop_cpu.png").exists()
