@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 import torch
 
