@@ -70,24 +70,44 @@ def test_sampling_with_head_follows_target(tiny_models, hf_target, heads):
     assert chi_square_pvalue(seconds, uniform) < 1e-6
 
 
+@pytest.fixture(scope="module")
+def seeded_plain(tiny_models):
+    """test_engine_seeded_output's subjects, each alone with no draft."""
+    from test_engine_seeded_output import run, subjects
+
+    return {spec.request_id: run(make_engine(tiny_models[0], "none", k=0), [spec])[0][spec.request_id]
+            for spec in subjects()}
+
+
 @pytest.mark.parametrize("adaptive", [False, True], ids=["k-fixed", "k-adaptive"])
-def test_seeded_output_with_head_equals_plain(tiny_models, heads, adaptive):
+def test_seeded_output_with_head_equals_plain(tiny_models, heads, seeded_plain, adaptive):
     """A seed names one output (docs/engine.md "Seeds"): with the head drafting (its race winners for
     the same seed and positions), alone and in a crowd, the tokens are --draft none's token for token;
     and some of the head's sampled drafts are kept, some refused."""
     from test_engine_seeded_output import crowd, run, subject_tokens, subjects
 
-    reference = {}
-    for spec in subjects():
-        tokens, _ = run(make_engine(tiny_models[0], "none", k=0), [spec])
-        reference[spec.request_id] = tokens[spec.request_id]
     alone, stats = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), subjects())
-    assert subject_tokens(alone) == reference
+    assert subject_tokens(alone) == seeded_plain
     busy, _ = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:])
-    assert subject_tokens(busy) == reference
+    assert subject_tokens(busy) == seeded_plain
     drafted = sum(s.draft_tokens for s in stats.values())
     accepted = sum(s.accepted_tokens for s in stats.values())
     assert 0 < drafted and (adaptive or 0 < accepted < drafted), (accepted, drafted)
+
+
+@pytest.mark.parametrize("schedule, pipeline, blocks", [("pdv", True, 128), ("pdv", False, 128), ("baseline", True, 24)])
+def test_seeded_output_with_head_in_every_schedule_and_after_preemption(tiny_models, heads, seeded_plain, schedule,
+                                                                         pipeline, blocks):
+    """Pipelined steps (drafts beside the other group's verify) and preemption by recompute (a
+    re-prefill rewrites features and head rows) leave the seeded output alone."""
+    from test_engine_seeded_output import crowd, run, subject_tokens, subjects
+
+    engine = make_engine(tiny_models[0], heads["full"], k=3, adaptive=True, num_blocks=blocks)
+    engine.router.config = engine.router.config.updated(schedule=schedule, pipeline=pipeline)
+    tokens, stats = run(engine, crowd(6, seed=5) + subjects())
+    assert subject_tokens(tokens) == seeded_plain
+    if blocks == 24:
+        assert sum(stats[rid].preemptions for rid in seeded_plain) > 0, "the pool was not small enough to preempt"
 
 
 def test_head_round_trips_through_the_published_layout(tiny_models, tmp_path):
