@@ -315,7 +315,6 @@ def draft_step_times(engine: Engine, batches: list[int], floors: dict, context: 
     """One draft step on its own: an in-process draft call returns before its GPU work ends, so
     lane timings cannot show it. Times ModelRunner.draft with k = 1 and k = 5 (synchronized) on
     fake runs at `context`; (t5 - t1) / 4 is one graphed loop step, t1 the first step + call set-up."""
-    from verifypd.engine.types import SamplingParams
     from verifypd.model.runner import TokenRun
 
     runner = engine.draft_lane.runner
@@ -325,18 +324,26 @@ def draft_step_times(engine: Engine, batches: list[int], floors: dict, context: 
         if b * per_seq > runner.pool.geometry.num_blocks:
             continue
         runs = [TokenRun([7], context, tuple(range(i * per_seq, (i + 1) * per_seq))) for i in range(b)]
-        greedy = [SamplingParams()] * b
-        def call(k):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner.draft(runs, [k] * b, greedy).tolist()
-            return time.perf_counter() - t0
-        t = {k: statistics.median([call(k) for _ in range(12)][2:]) for k in (1, 5)}
+        t = draft_call_seconds(runner, runs)
         step = (t[5] - t[1]) / 4
         rows.append({"batch": b, "draft_call_k1_s": round(t[1], 6), "draft_call_k5_s": round(t[5], 6),
                      "loop_step_s": round(step, 6), "loop_step_over_matmul_floor": round(step / floors[b]["draft_matmul_s"], 3)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def draft_call_seconds(runner, runs, ks=(1, 5)) -> dict[int, float]:
+    """Median seconds of one greedy draft call of these runs (synchronized), per k."""
+    from verifypd.engine.types import SamplingParams
+
+    greedy = [SamplingParams()] * len(runs)
+
+    def call(k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.draft(runs, [k] * len(runs), greedy).tolist()
+        return time.perf_counter() - t0
+    return {k: statistics.median([call(k) for _ in range(12)][2:]) for k in ks}
 
 
 def print_table(results: dict) -> None:

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     add_model_flags(gen)
     add_schedule_flags(gen)
+    from verifypd.distill import cli as distill_cli
+    distill_cli.register(sub)
     try:  # the services layer registers serve / lane / remote generate when present
         from verifypd.launch import cli as launch_cli
         launch_cli.register(sub)

@@ -16,6 +16,9 @@ from verifypd.engine.types import RequestOutput, RequestSpec
 from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpec, DraftSpecError, parse_draft, poolless_draft_lane
 from verifypd.lanes.interface import LaneInfo
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+from verifypd.model.eagle_draft import EagleModel, EagleRunner, attach_features
+from verifypd.model.eagle_head import load_eagle_head
+from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, ModelLoadError, load_model
@@ -47,7 +50,7 @@ class EngineOptions:
 class Models:
     target: LoadedModel
     target_model: PagedLlama
-    draft_model: PagedLlama | None   # None: a pool-less draft (ngram, none)
+    draft_model: PagedLlama | EagleModel | None   # None: a pool-less draft (ngram, none)
     draft_name: str
     device: torch.device
     dtype: torch.dtype
@@ -82,8 +85,14 @@ def self_draft_layers(draft: str, target_layers: int) -> int:
 
 
 def load_draft_model(spec: DraftSpec, target: LoadedModel | None, device, dtype,
-                     max_context: int | None) -> PagedLlama | None:
+                     max_context: int | None) -> PagedLlama | EagleModel | None:
     """The draft's weights, for kinds that have any (the loader entry of a model draft kind)."""
+    if spec.kind == "eagle":
+        if target is None:
+            raise ModelLoadError(f"--draft {spec.text} reads the target's hidden states: it runs beside the target "
+                                 "(co-located), not in a lane of its own")
+        config, weights = load_eagle_head(spec.model, target.shape, target.weights.lm_head, device, dtype)
+        return EagleModel(config, weights, target.weights.embed)
     if spec.kind == "self":
         return PagedLlama(target.shape, target.weights, num_layers=self_draft_layers(spec.text, target.shape.num_layers))
     if spec.kind == "model":
@@ -114,6 +123,9 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     if blocks is None:
         per_block = sum(geometry(m, 1).bytes_per_block(models.dtype)
                         for m in (models.target_model, models.draft_model) if m is not None)
+        if isinstance(models.draft_model, EagleModel):  # its feature pool lives beside the target's KV
+            per_block += options.block_size * FeaturePool.bytes_per_slot(
+                len(models.draft_model.config.aux_layer_ids), models.target_model.shape.hidden_size, models.dtype)
         if models.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(models.device)
             blocks = int(free * options.gpu_memory_fraction) // per_block
@@ -159,6 +171,9 @@ class Engine:
         self.target_pool, self.draft_pool = make_pools(m, self.options)
         graphs = None if self.options.cuda_graphs else False
         buckets = self.options.graph_buckets
+        eagle = isinstance(m.draft_model, EagleModel)
+        # Before the target's graphs are captured: they must write the features too.
+        features = attach_features(m.target_model, self.target_pool, m.draft_model.config) if eagle else None
         target_runner = ModelRunner(m.target_model, self.target_pool, graphs=graphs, buckets=buckets)
         common = dict(vocab_size=m.target.shape.vocab_size, max_context=m.target.shape.max_context,
                       target_model=m.target.name, draft_model=m.draft_name)
@@ -169,8 +184,11 @@ class Engine:
             if self.draft_lane is None:
                 raise ModelLoadError(f"draft {m.draft_name!r} needs a draft model, and none was loaded")
         else:
-            draft_runner = ModelRunner(m.draft_model, self.draft_pool, graphs=graphs, buckets=buckets)
-            self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], **common))
+            runner_class = EagleRunner if eagle else ModelRunner
+            extra = (features,) if eagle else ()
+            draft_runner = runner_class(m.draft_model, self.draft_pool, *extra, graphs=graphs, buckets=buckets)
+            self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle,
+                                                                    **common))
         self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
         self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
                                            simulated_acceptance=simulated_acceptance)

@@ -15,16 +15,17 @@ from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpecError, parse_draft, re
     ("none", "none", {}),
     ("self:12", "self", dict(layers=12)),
     ("./my-draft", "model", dict(model="./my-draft")),
+    ("eagle:heads/smollm2", "eagle", dict(model="heads/smollm2")),
 ])
 def test_draft_forms(text, kind, fields):
     spec = parse_draft(text)
     assert spec.kind == kind and all(getattr(spec, k) == v for k, v in fields.items())
-    assert spec.needs_model == (kind in ("self", "model"))
+    assert spec.needs_model == (kind in ("self", "eagle", "model"))
 
 
 @pytest.mark.parametrize("text, message", [
     ("ngram:3", "ngram:MIN-MAX"), ("ngram:4-2", "1 <= MIN <= MAX"), ("ngram:0-2", "1 <= MIN <= MAX"),
-    ("self:x", "integer N"), ("", "--draft is empty"),
+    ("self:x", "integer N"), ("", "--draft is empty"), ("eagle:", "eagle:PATH needs the head's directory"),
 ])
 def test_bad_draft_forms_name_the_flag(text, message):
     with pytest.raises(DraftSpecError, match=message):

@@ -58,6 +58,7 @@ class Router:
         self.target_pool = _pool(verify_info.pools, "target")
         # None: a pool-less draft lane (prompt lookup, none): no draft blocks, no draft KV in prefill.
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)
+        self.feature_draft = draft_info.reads_features  # see LaneInfo.reads_features
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
@@ -253,7 +254,9 @@ class Router:
             items.append(DraftItem(
                 request_id=seq.request_id, input_tokens=seq.ids(seq.draft_computed, n + 1),
                 start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
-                draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed)))
+                draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed),
+                target_kv=self._handle(self.target_pool, seq.target_blocks, seq.target_computed,
+                                       seq.target_computed) if self.feature_draft else None))
         return items
 
     def _call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
@@ -276,8 +279,10 @@ class Router:
 
     def _typical_draft(self, items: list[DraftItem]) -> bool:
         """A draft call worth costing: no long catch-up on tokens decoded without drafting (an eager
-        draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens."""
-        return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= TYPICAL_DRAFT_INPUT
+        draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens. A
+        feature draft is re-fed every accepted token of the last step: up to k_max + 1 is typical."""
+        limit = self.config.k_max + 1 if self.feature_draft else TYPICAL_DRAFT_INPUT
+        return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= limit
 
     def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
                     beside: Callable[[], None] | None = None) -> tuple[bool, int, int] | None:
@@ -381,7 +386,8 @@ class Router:
             assert 0 <= m <= k and len(res.new_tokens) == m + 1, "verify lane broke its contract"
             seq.target_computed = n + m + 1
             if k > 0:  # the draft lane wrote positions draft_computed .. n + k - 1
-                seq.draft_computed = min(n + k, n + m + 1)
+                # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
+                seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
             seq.stats.draft_tokens += k
             seq.stats.accepted_tokens += m
             seq.stats.verify_steps += 1

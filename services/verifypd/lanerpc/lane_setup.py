@@ -8,12 +8,14 @@ import torch
 from verifypd.local_engine import EngineOptions, draft_spec, load_draft_model, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
-from verifypd.model.loader import load_model
+from verifypd.model.loader import ModelLoadError, load_model
 
 
 def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
     """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids)."""
     spec = draft_spec(options.draft)
+    if spec.kind == "eagle":  # docs/engine.md "Feature drafts": split lanes would need a shared feature pool
+        raise ModelLoadError(f"--draft {spec.text} runs co-located only (`verifypd serve` without split lanes)")
     need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
     device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
     dtype = resolve_dtype(options.dtype, device)

@@ -3,6 +3,8 @@
     ngram | ngram:MIN-MAX   prompt lookup (verifypd.lanes.ngram): no model, no pool, no device
     none                    no draft at all (plain decoding; what --no-speculation loads)
     self:N                  the target's first N layers + final norm + head (a model draft lane)
+    eagle:PATH              an EAGLE-3-style head (HF layout) drafting from the target's hidden
+                            states (verifypd.model.eagle_draft; `verifypd distill` trains one)
     anything else           a draft model spec (local dir, .gguf, HF cache name), same tokenizer
 
 Adding a draft kind is one `DraftSpec.kind`, one parse rule here, and one builder: pool-less kinds
@@ -19,7 +21,8 @@ from verifypd.defaults import DEFAULT_DRAFT  # shared with the operator's CRD (o
 from verifypd.lanes.interface import LaneInfo
 
 DRAFT_HELP = ("draft: 'ngram' or 'ngram:MIN-MAX' (prompt lookup in the request's own context: no model, no GPU, "
-              "no KV pool), 'self:N' (the target's first N layers), 'none', or a draft model spec. "
+              "no KV pool), 'self:N' (the target's first N layers), 'eagle:PATH' (an EAGLE-3 head drafting from the "
+              "target's hidden states, e.g. one written by `verifypd distill`), 'none', or a draft model spec. "
               f"Default: {DEFAULT_DRAFT}, for the embedded model and any other target: measured on the embedded "
               "model, its self:N drafts are accepted too rarely to pay (README, 'Draft acceptance'), while "
               "prompt lookup speeds up copy-heavy prompts (rewrite, edit, extract) and costs ~nothing when "
@@ -32,17 +35,17 @@ class DraftSpecError(ValueError):
 
 @dataclass(frozen=True)
 class DraftSpec:
-    kind: str                       # "ngram" | "none" | "self" | "model"
+    kind: str                       # "ngram" | "none" | "self" | "eagle" | "model"
     text: str                       # as given (what LaneInfo.draft_model reports)
     min_n: int = 0                  # ngram
     max_n: int = 0                  # ngram
     layers: int = 0                 # self
-    model: str = ""                 # model
+    model: str = ""                 # model; eagle: the head's directory
 
     @property
     def needs_model(self) -> bool:
         """Whether the draft has weights (and therefore a model draft lane with its own KV pool)."""
-        return self.kind in ("self", "model")
+        return self.kind in ("self", "eagle", "model")
 
     def check_layers(self, target_layers: int) -> int:
         """N of a self:N draft, checked against the target's depth."""
@@ -60,7 +63,7 @@ def parse_draft(text: str) -> DraftSpec:
 
     text = (text or "").strip()
     if not text:
-        raise DraftSpecError("--draft is empty: give ngram, ngram:MIN-MAX, self:N, none or a model")
+        raise DraftSpecError("--draft is empty: give ngram, ngram:MIN-MAX, self:N, eagle:PATH, none or a model")
     if text == "none":
         return DraftSpec("none", text)
     if text.startswith("ngram"):
@@ -77,6 +80,11 @@ def parse_draft(text: str) -> DraftSpec:
         except ValueError:
             raise DraftSpecError(f"--draft self:N needs an integer N, got {text!r}") from None
         return DraftSpec("self", text, layers=layers)
+    if text.startswith("eagle:"):
+        path = text.removeprefix("eagle:").strip()
+        if not path:
+            raise DraftSpecError("--draft eagle:PATH needs the head's directory (config.json + model.safetensors)")
+        return DraftSpec("eagle", text, model=path)
     return DraftSpec("model", text, model=text)
 
 

@@ -51,6 +51,10 @@ class LaneInfo:
     max_context: int
     target_model: str = ""
     draft_model: str = ""
+    # A feature draft (eagle:): it reads the target's hidden states through DraftItem.target_kv, and
+    # its chain rows are speculative: after each verify the router re-feeds it from the token after
+    # the verified pending one (draft_computed = n + 1), so it rewrites them from the target's features.
+    reads_features: bool = False
 
 
 @dataclass
@@ -79,6 +83,7 @@ class DraftItem:
     draft_kv: KvHandle | None     # None: the draft lane owns no pool
     k: int                        # drafts to propose, >= 1 (a pool-less lane may propose fewer)
     sampling: SamplingParams
+    target_kv: KvHandle | None = None  # the target's blocks: where a feature draft reads features
 
 
 @dataclass

@@ -93,7 +93,9 @@ class LocalPrefillLane:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         target_runs = [TokenRun(i.token_ids, i.start_pos, i.target_kv.block_ids) for i in items]
         logits = self.target.forward(target_runs, "last")
-        if self.draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
+        if getattr(self.draft, "reads_features", False):  # a feature draft: the rows the target's features complete
+            self.draft.prefill([feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items])
+        elif self.draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
             self.draft.forward([TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items], None)
         rows = [n for n, i in enumerate(items) if i.sample_first]
         first: dict[int, int] = {}
@@ -126,7 +128,10 @@ class LocalDraftLane:
             return []
         if any(i.k < 1 for i in items):
             raise ValueError("draft items need k >= 1")
-        runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
+        if getattr(self.runner, "reads_features", False):
+            runs = [feature_run(i.input_tokens, i.start_pos, i.draft_kv, i.target_kv) for i in items]
+        else:
+            runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
         with on_stream(self.stream, self.serial):
             tokens = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
             # No host sync: the tokens stay on the device for the verify lane (a copy, since the
@@ -139,6 +144,14 @@ class LocalDraftLane:
         batch = DraftBatch(tokens, ready)
         # No draft probabilities: coupled acceptance (sampler.accept_raced) needs none.
         return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k), None) for n, i in enumerate(items)]
+
+
+def feature_run(tokens, start_pos: int, draft_kv, target_kv) -> "FeatureRun":
+    from verifypd.model.eagle_draft import FeatureRun
+
+    if target_kv is None:
+        raise ValueError("a feature draft's items need target_kv (the blocks holding the target's features)")
+    return FeatureRun(list(tokens), start_pos, draft_kv.block_ids, target_block_ids=target_kv.block_ids)
 
 
 class LocalVerifyLane:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from verifypd.model import sampler
+from verifypd.model.layout import pack
 from verifypd.model.llama import BatchLayout, PagedLlama
 
 
@@ -66,8 +67,6 @@ class DraftState:
 
     def start(self, samplings, first_tokens, next_pos: list[int], ks: list[int], staging) -> None:
         """Loads a call's rows (the first len(ks)); later rows become inactive padding."""
-        from verifypd.model.runner import pack  # runner imports this module
-
         n = len(ks)
         greedy = all(s.greedy for s in samplings)
         arrays = [np.asarray(next_pos, dtype=np.int64), np.asarray(ks, dtype=np.int64)]
@@ -92,14 +91,27 @@ class DraftState:
 
 def draft_step(model: PagedLlama, pool: torch.Tensor, st: DraftState, block_size: int, mode: str) -> None:
     """One draft forward over all rows of `st`; advances the state in place (graph-capturable)."""
+    batch = step_batch(st, block_size)
+    logits = model.forward(pool, batch, st.rows, logits_out=st.logits)
+    advance(st, logits, mode, batch.positions + 1)
+
+
+def step_batch(st: DraftState, block_size: int) -> BatchLayout:
+    """One token per row: the fed tokens at their positions; inactive rows write nowhere and sit at
+    base - 1 (a position whose KV exists)."""
     active = st.step < st.k
     pos = torch.where(active, st.pos, st.base - 1)
     block = st.tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
     slots = torch.where(active, block * block_size + pos % block_size, -1)
-    batch = BatchLayout(input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables,
-                        query_start=st.query_start, max_query=1)
-    logits = model.forward(pool, batch, st.rows, logits_out=st.logits)
-    new = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, pos + 1)
+    return BatchLayout(input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables,
+                       query_start=st.query_start, max_query=1)
+
+
+def advance(st: DraftState, logits: torch.Tensor, mode: str, token_pos: torch.Tensor) -> None:
+    """Chooses each row's next token from `logits`, records it and feeds it to the next step.
+    token_pos: the position the chosen token will have; with the seed it keys the race, so a
+    sampled draft proposes the race winner of its own distribution (no q is kept)."""
+    new = sampler.choose(logits, mode, st.temp, st.top_k, st.top_p, st.seeds, token_pos)
     st.out_tokens.index_copy_(1, st.step, new[:, None])
     st.tok.copy_(new)
     st.pos.add_(1)

@@ -17,8 +17,8 @@ import time
 import torch
 
 from verifypd.model.draft_loop import DraftState, draft_step
+from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.runner import PinnedStaging, TokenRun, build_layout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
@@ -148,15 +148,7 @@ class GraphRunner:
         self.slots.fill_(-1)
         self.draft.k.zero_()
         self.draft.step.fill_(1)  # in range of out_tokens for the warm-up step
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream):
-            fn()
-        torch.cuda.synchronize()
+        graph = capture_graph(fn, self._mempool, self._capture_stream)
         self.capture_seconds += time.perf_counter() - t0
         return graph
 
@@ -172,6 +164,21 @@ class GraphRunner:
                     if self.fits(rows, query):
                         self._graph((kind, rows, query))
         return time.perf_counter() - t0
+
+
+def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
+    """Runs `fn` once on a side stream (lazy cuBLAS/Triton init stays out of the graph), then
+    captures it into a graph sharing `mempool`, on `stream` (None: torch's default capture stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return graph
 
 
 class _CheckedGraph:

@@ -148,6 +148,7 @@ class PagedLlama:
                 from verifypd.model.silu_mul import silu_mul as act_mul
             self._kernels = (add_rms_norm, act_mul, rope_and_store_kv, paged_attention)
         # Gemma (as transformers does): the factor is rounded to the hidden dtype before multiplying.
+        self.features = None  # a FeaturePool (model.features) when a feature draft reads this model's states
         self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5, dtype=weights.embed.dtype, device=device)
                             if shape.embed_scale else None)
         self.scale = shape.head_dim ** -0.5
@@ -169,12 +170,17 @@ class PagedLlama:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
+        features = self.features
         for i in range(self.num_layers):
             layer = w.layers[i]
             h, x = norm(h, delta, layer.input_norm)          # h += delta; x = norm(h)
+            if features is not None and i in features.at:   # the residual stream entering layer i
+                features.write(i, h, batch.slots)
             delta = F.linear(self._attention(x, layer, pool, i, batch, mask), layer.o)
             h, x = norm(h, delta, layer.post_norm)
             delta = F.linear(self._act_mul(F.linear(x, layer.gate_up)), layer.down)
+        if features is not None and self.num_layers in features.at:  # the last layer's output
+            features.write(self.num_layers, h + delta, batch.slots)
         if logits_index is None:
             return None
         h, delta = h[logits_index], delta[logits_index]

@@ -1,0 +1,134 @@
+"""Cost of feature drafts (`--draft eagle:`) on the GPU: a random-weight EAGLE-3 head on a real target
+shape (issue 19's targets), one process, one run.
+
+  * draft step: EagleRunner.draft with k = 1 and k = 5 on fake runs at a fixed context, synchronized;
+    (t5 - t1) / 4 is one chain step (a CUDA-graph replay), t1 the catch-up + first choice + set-up;
+    against the head's bytes floor (its weights read once per step / measured copy bandwidth);
+  * end to end: tok/s of plain decoding (draft none, k = 0) and of the head with SIMULATED
+    acceptance (random weights accept nothing real; each draft kept with probability alpha,
+    seeded) and adaptive k, per batch, with the speed-up over plain.
+
+    python bench/eagle_draft_cost.py --out bench/results/eagle_draft_cost_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_meta import git_revision  # noqa: E402
+from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402
+
+from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
+from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.model.eagle_draft import EagleModel, FeatureRun  # noqa: E402
+from verifypd.model.eagle_head import random_eagle_head  # noqa: E402
+from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
+
+
+def head_bytes(model: EagleModel) -> int:
+    """Weights one chain step reads (fc runs only in the catch-up)."""
+    w = model.weights
+    tensors = [w.layer.qkv, w.layer.o, w.layer.gate_up, w.layer.down, w.lm_head]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def draft_step_times(engine: Engine, batches: list[int], bandwidth: float, context: int = 192) -> list[dict]:
+    runner = engine.draft_lane.runner
+    per_seq_draft = -(-(context + 8) // runner.block_size)
+    per_seq_target = -(-(context + 8) // engine.target_pool.geometry.block_size)
+    floor = head_bytes(runner.model) / bandwidth
+    rows = []
+    for b in batches:
+        if b * per_seq_draft > runner.pool.geometry.num_blocks or b * per_seq_target > engine.target_pool.geometry.num_blocks:
+            continue
+        runs = [FeatureRun([7], context, tuple(range(i * per_seq_draft, (i + 1) * per_seq_draft)),
+                           target_block_ids=tuple(range(i * per_seq_target, (i + 1) * per_seq_target)))
+                for i in range(b)]
+        t = draft_call_seconds(runner, runs)
+        step = (t[5] - t[1]) / 4
+        rows.append({"batch": b, "draft_call_k1_s": round(t[1], 6), "draft_call_k5_s": round(t[5], 6),
+                     "chain_step_s": round(step, 6), "head_bytes_floor_s": round(floor, 6),
+                     "chain_step_over_bytes_floor": round(step / floor, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="llama-2-7b", choices=sorted(RANDOM_SHAPES))
+    ap.add_argument("--draft-vocab", type=int, default=0, help="0 = the target's vocabulary (no map)")
+    ap.add_argument("--intermediate-size", type=int, default=None, help="head MLP width (default: the target's)")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--alphas", default="0.7,0.1", help="simulated acceptance rates (adaptive k)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--skip-engine", action="store_true", help="draft-step timings only")
+    ap.add_argument("--out", default="eagle_draft_cost.json")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of the script
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    results = {"bench": "eagle_draft_cost", "git_revision": git_revision(), "device": torch.cuda.get_device_name(),
+               "target_shape": args.target, "draft_vocab": args.draft_vocab or "target's",
+               "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
+    bandwidth = copy_bandwidth()
+    results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+    max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
+    base = dict(device=args.device, dtype="bfloat16", num_blocks=max_blocks, max_context=args.prompt_len + args.gen_len + 64,
+                graph_buckets=tuple(batches))
+    plain_models = load_models(EngineOptions(target=f"random:{args.target}", draft="none", **base))
+    target = plain_models.target
+    config, weights = random_eagle_head(target.shape, seed=0, draft_vocab=args.draft_vocab or None,
+                                        intermediate_size=args.intermediate_size, device=args.device,
+                                        dtype=torch.bfloat16)
+    head = EagleModel(config, weights, target.weights.embed)
+    results["head_weight_bytes_per_chain_step"] = head_bytes(head)
+    eagle_models = dataclasses.replace(plain_models, draft_model=head, draft_name="eagle:random")
+    adaptive = RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True)
+    engine = Engine(EngineOptions(config=adaptive, **base), models=eagle_models, simulated_acceptance=0.7)
+    results["draft_steps"] = draft_step_times(engine, batches, bandwidth,
+                                              context=min(192, args.prompt_len + args.gen_len // 2))
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    del engine
+    if args.skip_engine:
+        return
+    systems = [("k=0 (plain decoding, draft none)", None)] + [
+        (f"eagle head, SIMULATED acceptance {a}, k=adaptive", float(a)) for a in args.alphas.split(",")]
+    for label, alpha in systems:
+        plain_models.target_model.features = None  # the plain engine exports no features
+        times = LaneTimes()
+        if alpha is None:
+            engine = Engine(EngineOptions(config=RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False), **base),
+                            observer=times, models=plain_models)
+        else:
+            engine = Engine(EngineOptions(config=adaptive, **base), observer=times, models=eagle_models,
+                            simulated_acceptance=alpha)
+        for b in batches:
+            run_engine(engine, times, b, args.prompt_len, 16, seed=1000 + b)  # warm-up
+            r = run_engine(engine, times, b, args.prompt_len, args.gen_len, seed=b)
+            row = {"system": label, "simulated_acceptance": alpha, "batch": b, **r}
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=2)
+        del engine
+        torch.cuda.empty_cache()
+    plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["simulated_acceptance"] is None}
+    for row in results["rows"]:
+        row["speedup_vs_k0"] = round(row["tok_per_s"] / plain[row["batch"]], 3)
+        print(f"{row['system']:48s} batch {row['batch']:>3d}  {row['tok_per_s']:>9.1f} tok/s  "
+              f"x{row['speedup_vs_k0']:.2f}  mean k {row['mean_k']}")
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

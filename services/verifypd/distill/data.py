@@ -1,0 +1,110 @@
+"""Self-distillation data: the target writes it. Torch-free except through the engine.
+
+Sources: a prompts file (one text per line, or JSONL with "prompt" or "messages"), answered by the
+target; or, with none, the target's own samples: it first writes user requests (sampled, from a
+few seed instructions over a list of topics; chat models) or free text (models without a chat
+template), then answers them. Answers are greedy by default, which makes the held-out estimate of
+accepted length exact for temperature 0 (distill.head_train.accepted_length).
+
+Cached as DIR/data.jsonl ({"tokens", "prompt_len", "heldout"}), so a resumed run trains on the same data.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+
+from verifypd.engine.types import RequestSpec, SamplingParams
+
+TOPICS = ["cooking", "history", "physics", "programming in Python", "travel", "music", "health", "gardening",
+          "mathematics", "economics", "writing an email", "biology", "chemistry", "sports", "movies", "animals",
+          "space", "personal finance", "a job interview", "learning a language", "the weather", "cars",
+          "databases", "poetry", "philosophy", "geography", "electricity", "computers", "art", "sleep"]
+SEEDS = ["Write one question a curious person might ask an assistant about {topic}. Reply with the question only.",
+         "Write a short instruction asking an assistant to do a task related to {topic}. "
+         "Reply with the instruction only.",
+         "Give one request about {topic} that someone could type into a chatbot. Only the request."]
+
+
+def read_prompts(path: str) -> list[list[dict] | str]:
+    """Texts (str) or chat conversations (lists of messages)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompts: no such file {path}")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--prompts {path}:{n}: not JSON ({exc.msg})") from None
+            value = row.get("messages") or row.get("prompt")
+            if not value:
+                raise ValueError(f"--prompts {path}:{n}: a JSON line needs \"prompt\" or \"messages\"")
+            out.append(value)
+        else:
+            out.append(line)
+    if not out:
+        raise ValueError(f"--prompts {path}: no prompts in it")
+    return out
+
+
+def encode(codec, prompt) -> list[int]:
+    """Chat models get their template (a plain text becomes one user message)."""
+    if codec.has_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return codec.encode_chat(messages)
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    return codec.encode(text)
+
+
+def generate(engine, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,
+             stop_at_eos: bool = True) -> list[list[int]]:
+    specs = [RequestSpec(tuple(p), max_tokens=max_tokens, stop_at_eos=stop_at_eos, request_id=f"d{i}",
+                         sampling=SamplingParams(temperature=temperature, seed=seed + i))
+             for i, p in enumerate(prompts)]
+    done = engine.generate(specs)
+    return [done[f"d{i}"].token_ids for i in range(len(prompts))]
+
+
+def own_prompts(engine, codec, count: int, seed: int) -> list[list[int]]:
+    """The target's own samples as prompts (see module doc)."""
+    rng = random.Random(seed)
+    if not codec.has_chat_template or codec.tokenizer is None:
+        bos_id = getattr(codec.tokenizer, "bos_token_id", None)
+        bos = [1 if bos_id is None else bos_id]
+        starts = [bos + [rng.randrange(3, 64)] for _ in range(count)]
+        texts = generate(engine, starts, 24, 1.0, seed, stop_at_eos=False)
+        return [s + t for s, t in zip(starts, texts)]
+    asks = [encode(codec, rng.choice(SEEDS).format(topic=rng.choice(TOPICS))) for _ in range(count)]
+    requests = generate(engine, asks, 48, 1.0, seed)
+    prompts = []
+    for ids in requests:
+        text = codec.decode(ids).strip().split("\n")[0].strip()
+        if len(text) >= 8:
+            prompts.append(encode(codec, text))
+    return prompts
+
+
+def make_data(engine, codec, out: pathlib.Path, *, prompts_file: str | None, samples: int, gen_tokens: int,
+              temperature: float, heldout_fraction: float, max_len: int, seed: int) -> list[dict]:
+    cache = out / "data.jsonl"
+    if cache.is_file():
+        return [json.loads(line) for line in cache.read_text().splitlines() if line]
+    if prompts_file:
+        prompts = [encode(codec, p) for p in read_prompts(prompts_file)]
+    else:
+        prompts = own_prompts(engine, codec, samples, seed)
+    prompts = [p[-(max_len // 2):] for p in prompts]  # long prompts keep their end: room for the answer
+    answers = generate(engine, prompts, min(gen_tokens, max_len - max(map(len, prompts))), temperature, seed + 10 ** 6)
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    heldout = set(order[:max(1, round(heldout_fraction * len(order)))]) if heldout_fraction > 0 else set()
+    rows = [{"tokens": p + a, "prompt_len": len(p), "heldout": i in heldout}
+            for i, (p, a) in enumerate(zip(prompts, answers)) if len(p) + len(a) >= 3]
+    out.mkdir(parents=True, exist_ok=True)
+    cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
