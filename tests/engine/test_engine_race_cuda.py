@@ -22,9 +22,9 @@ def test_race_on_cuda_equals_the_cpu():
     probs, seeds, positions = inputs()
     cpu_u = sampler.race_log_uniforms(seeds, positions, probs.shape[1])
     gpu_u = sampler.race_log_uniforms(seeds.cuda(), positions.cuda(), probs.shape[1]).cpu()
-    # The 24-bit uniforms (k + 0.5) / 2^24 are bit-identical; log may differ by an ulp between the
-    # devices, so compare k (floor: round() of the midpoint flipped on an H100).
-    assert torch.equal(cpu_u.exp().mul(2**24).floor(), gpu_u.exp().mul(2**24).floor())
+    # The integer draws are the same on both devices; log (and exp, to look at them) may differ by
+    # an ulp, which at 2^24 scale moves a value by up to 1 (seen on an H100 and an H200).
+    assert (cpu_u.exp().mul(2**24) - gpu_u.exp().mul(2**24)).abs().max() <= 1.0
     assert torch.allclose(cpu_u, gpu_u, rtol=1e-6, atol=0)
     assert torch.equal(sampler.race(probs, seeds, positions),
                        sampler.race(probs.cuda(), seeds.cuda(), positions.cuda()).cpu())
