@@ -266,3 +266,18 @@ def test_costed_lane_tables_describe_the_issue_measurement():
     assert h200_like_draft_s(1, 1, 2) == pytest.approx(1.4e-3)
     assert 12e-3 < h200_like_draft_s(1, 1, 100) < 20e-3
     assert h200_like_verify_s(64, 1) > h200_like_verify_s(64, 0)
+
+
+def test_costs_below_the_measured_ks_stay_positive():
+    """Extrapolating a steep measured slope down to k = 0 must not reach 0 s (goodput divides by
+    it: the live control-loop test hit ZeroDivisionError when the operator lowered k_max)."""
+    from verifypd.engine.step_costs import StepCostModel
+
+    costs = StepCostModel()
+    for _ in range(3):
+        costs.observe_step(8, 4, 0.010)
+        costs.observe_step(8, 5, 0.030)  # 20 ms per drafted token: the line hits 0 s below k = 3.5
+        costs.observe_step(16, 2, 0.0)   # a clock that read 0
+    assert costs.step_s(8, 0) >= 0.005 and costs.step_s(8, 1) >= 0.005
+    assert costs.goodput([0.5] * 8, 0, 8) > 0 and costs.goodput([0.5] * 8, 1, 8, rates=[0.0] * 8) > 0
+    assert costs.goodput([0.5] * 16, 2, 16) > 0

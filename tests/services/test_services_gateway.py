@@ -236,8 +236,13 @@ def test_overload_gives_resource_exhausted(tiny_models):
             except grpc.RpcError as exc:
                 codes.append(exc.code())
                 assert "queue is full" in exc.details()
-        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1 and codes.count(grpc.StatusCode.OK) >= 2
+        # Four arrivals against one running slot and a one-request queue: at least one is refused;
+        # one or two are admitted (the second only if the first left the queue before it arrived:
+        # the asyncio gateway usually hands all four to the core before its next step).
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1 and codes.count(grpc.StatusCode.OK) >= 1
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        ids, _ = client.generate(**greedy_request([5], 4))  # the queue drained: served again
+        assert len(ids) == 4
     finally:
         client.close()
         gw.stop()

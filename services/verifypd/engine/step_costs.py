@@ -19,6 +19,9 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+MIN_STEP_S = 1e-6
+
+
 def batch_bucket(batch: int) -> int:
     """Costs are tracked per padded batch size (powers of two, as the CUDA graphs are)."""
     return 1 << max(0, batch - 1).bit_length()
@@ -62,7 +65,7 @@ class StepCostModel:
 
     def _record(self, samples_by_key: dict, medians: dict, key: tuple[int, int], seconds: float) -> None:
         samples = samples_by_key.setdefault(key, deque(maxlen=self.window))
-        samples.append(seconds)
+        samples.append(max(seconds, MIN_STEP_S))  # a coarse clock can read 0: costs stay positive
         medians[key] = sorted(samples)[len(samples) // 2]
 
     def measured(self, batch: int, k: int) -> bool:
@@ -139,7 +142,11 @@ def _estimate(medians: dict[tuple[int, int], float], bucket: int, k: int) -> flo
         lo, hi = max(below), min(above)
         return measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo)
     ref = max(below) if below else min(above)
-    return max(measured[ref] + (k - ref) * _slope(measured), 0.0)
+    # Below the measured ks the line can reach 0 or less (a steep slope from k = 4, 5 down to 0;
+    # seen as a ZeroDivisionError in goodput when the operator lowered k_max under load): a step
+    # with fewer drafts still runs the whole verify forward, so it never costs less than half the
+    # cheapest step measured at this bucket.
+    return max(measured[ref] + (k - ref) * _slope(measured), 0.5 * min(measured.values()))
 
 
 def _slope(measured: dict[int, float]) -> float:
