@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs verifypd, starts the local stack (gateway + router + prefill/draft/verify lanes) on the
+# Installs verifypd, starts the local stack (gateway process + engine core: router and prefill/draft/verify lanes) on the
 # embedded model (SmolLM2-135M-Instruct), answers one sample Generate, and stops the stack.
 #   bash scripts/quickstart.sh ["PROMPT"] [--topology split]
 set -euo pipefail
