@@ -129,6 +129,7 @@ class BlockingChannel:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._file.close()  # the file holds a reference: the socket closes only with it
         self.sock.close()
 
 

@@ -230,12 +230,18 @@ class Gateway:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            client = getattr(self, "client", None)
+            if client is not None:  # the channel's transport (and its socket) with it
+                client.channel.close()
+                await asyncio.sleep(0)  # let the transport's close callback run
         try:
             self._run(cancel_tasks(), timeout_s=5)
         except Exception:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
 
     def __enter__(self) -> "Gateway":
         return self.start()
