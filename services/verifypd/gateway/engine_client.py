@@ -31,7 +31,8 @@ from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.v1 import control_pb2, generate_pb2
 
 log = logging.getLogger("verifypd.gateway")
-READY_TIMEOUT_S = 3600.0  # a large model loads and captures graphs before the core is ready
+READY_TIMEOUT_S = 3600.0
+SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most  # a large model loads and captures graphs before the core is ready
 
 
 @dataclass
@@ -101,7 +102,10 @@ class EngineClient:
         self._streams[rid], self._by_client[client_id] = stream, stream
         try:
             self.channel.send({"t": "add", "id": rid, "spec": spec_to_wire(spec)})
-            await stream.added  # the core's answer: added, refused, or the channel closed
+            try:  # the core's answer: added, refused, or the channel closed
+                await asyncio.wait_for(asyncio.shield(stream.added), SUBMIT_TIMEOUT_S)
+            except asyncio.TimeoutError:  # alive but stuck (e.g. stopped): never hang a caller
+                raise Unavailable(f"the engine core did not take the request within {SUBMIT_TIMEOUT_S:.0f} s") from None
         except BaseException:
             # Refused or lost: already forgotten. Still known: the caller gave up while waiting, so
             # the core (which handles add before cancel) must drop it.
