@@ -149,6 +149,9 @@ class PagedLlama:
             self._kernels = (add_rms_norm, act_mul, rope_and_store_kv, paged_attention)
         # Gemma (as transformers does): the factor is rounded to the hidden dtype before multiplying.
         self.features = None  # a FeaturePool (model.features) when a feature draft reads this model's states
+        # A TpGroup (model.tensor_parallel) when this is one rank of a tensor-parallel model: the shape
+        # and weights are then the rank's shard, and the attention and MLP outputs are partial sums.
+        self.tp_group = None
         self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5, dtype=weights.embed.dtype, device=device)
                             if shape.embed_scale else None)
         self.scale = shape.head_dim ** -0.5
@@ -170,15 +173,19 @@ class PagedLlama:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
-        features = self.features
+        features, tp = self.features, self.tp_group
         for i in range(self.num_layers):
             layer = w.layers[i]
             h, x = norm(h, delta, layer.input_norm)          # h += delta; x = norm(h)
             if features is not None and i in features.at:   # the residual stream entering layer i
                 features.write(i, h, batch.slots)
             delta = F.linear(self._attention(x, layer, pool, i, batch, mask), layer.o)
+            if tp is not None:   # row-parallel o_proj: sum the ranks' partial outputs
+                tp.all_reduce(delta)
             h, x = norm(h, delta, layer.post_norm)
             delta = F.linear(self._act_mul(F.linear(x, layer.gate_up)), layer.down)
+            if tp is not None:   # row-parallel down_proj
+                tp.all_reduce(delta)
         if features is not None and self.num_layers in features.at:  # the last layer's output
             features.write(self.num_layers, h + delta, batch.slots)
         if logits_index is None:

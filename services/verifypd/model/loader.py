@@ -23,6 +23,7 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA = dict(mlp_activation="gelu_tanh", embed_scale=True, norm_offset=1.0, tied=True, rms_norm_eps=1e-6)
 QWEN2 = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1e6)
+LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0)
 
 # Real model shapes for GPU benchmarks with random weights (ARCHITECTURE.md). Any LlamaShape field may
 # be given; unset: vocab 32000, head_dim hidden / heads, Llama's eps and theta. `tied`: lm_head = embed.
@@ -30,6 +31,12 @@ RANDOM_SHAPES = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4),
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
     "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_layers=48, num_heads=64, num_kv_heads=8),
+    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
+    # Llama 3 (not 3.1: no llama3 rope scaling): the 128k vocabulary and rope theta 500000.
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                       **LLAMA3),
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                        **LLAMA3),
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
                        vocab_size=151936, **QWEN2),
     "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,

@@ -1,0 +1,115 @@
+"""Tensor parallelism for PagedLlama (Megatron-style), behind a tiny process-group abstraction.
+
+Each of `world` ranks holds one slice of every layer and runs the same forward on the same batch:
+
+    qkv      column-parallel: rank r keeps its heads' q rows and its kv heads' k and v rows
+    o        row-parallel:    the columns of its heads; partial sums -> all_reduce (1 per layer)
+    gate_up  column-parallel: its slice of gate rows and of up rows (still [gate; up] stacked)
+    down     row-parallel:    the matching columns; partial sums -> all_reduce (1 per layer)
+    embed, lm_head, norms: replicated (every rank ends with the full logits)
+
+A rank's model is an ordinary PagedLlama over `shard_shape` (its heads, its slice of the MLP) with
+`tp_group` set: the forward all-reduces the attention and MLP outputs and nothing else changes. Its KV
+pool holds only its kv heads (PoolGeometry with the rank shape's num_kv_heads), so block ids, slots
+and block tables are the same on every rank: the torch-free engine and the lanes never see ranks.
+World 1 is not sharded at all: PagedLlama.tp_group stays None and the forward is today's.
+
+Sharding rules: heads % world == 0, kv_heads % world == 0 (kv heads are split, not replicated, so a
+rank's q heads keep using the kv heads of their GQA group: head h uses kv head h // (heads / kv_heads),
+and rank r owns heads [r*heads/w, (r+1)*heads/w) and kv heads [r*kv/w, (r+1)*kv/w)), and
+intermediate_size % world == 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+
+
+class TpGroup(Protocol):
+    """What the forward needs of a process group."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over the ranks, in place."""
+
+
+class SingleRank:
+    """World 1: nothing to reduce (shard_model then builds the unsharded model and sets no group)."""
+
+    rank, world = 0, 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        pass
+
+
+class TorchDistributedGroup:
+    """A torch.distributed process group (gloo on CPU, NCCL on GPUs), already initialized."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self._dist, self._group = dist, group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._dist.all_reduce(tensor, group=self._group)
+
+
+def shard_shape(shape: LlamaShape, world: int) -> LlamaShape:
+    """The shape one rank's PagedLlama runs: its heads, its kv heads, its slice of the MLP."""
+    if world < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {world}")
+    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
+        if getattr(shape, field) % world:
+            raise ValueError(f"tensor parallel size {world} must divide {field} ({getattr(shape, field)}); "
+                             f"kv heads are split across ranks, not replicated")
+    return dataclasses.replace(shape, num_heads=shape.num_heads // world,
+                               num_kv_heads=shape.num_kv_heads // world,
+                               intermediate_size=shape.intermediate_size // world)
+
+
+def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: int) -> LlamaWeights:
+    """Rank `rank`'s slices of the full weights (views where contiguous, copies otherwise)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    local = shard_shape(shape, world)
+    D = shape.head_dim
+    q_rows, kv_rows = shape.num_heads * D, shape.num_kv_heads * D      # full q and k (= v) row counts
+    q_local, kv_local, i_local = local.num_heads * D, local.num_kv_heads * D, local.intermediate_size
+    # Row ranges of the fused qkv [(heads + 2 kv_heads) * D, H] that rank `rank` keeps, in q, k, v order.
+    qkv_ranges = [(rank * q_local, q_local), (q_rows + rank * kv_local, kv_local),
+                  (q_rows + kv_rows + rank * kv_local, kv_local)]
+    gate_up_ranges = [(rank * i_local, i_local), (shape.intermediate_size + rank * i_local, i_local)]
+
+    def rows(t: torch.Tensor, ranges) -> torch.Tensor:
+        return torch.cat([t.narrow(0, start, n) for start, n in ranges]).contiguous()
+
+    def cols(t: torch.Tensor, width: int) -> torch.Tensor:
+        return t.narrow(1, rank * width, width).contiguous()
+
+    layers = [LayerWeights(qkv=rows(lw.qkv, qkv_ranges),
+                           qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
+                           o=cols(lw.o, q_local), gate_up=rows(lw.gate_up, gate_up_ranges),
+                           down=cols(lw.down, i_local), input_norm=lw.input_norm, post_norm=lw.post_norm)
+              for lw in weights.layers]
+    return LlamaWeights(embed=weights.embed, layers=layers, final_norm=weights.final_norm, lm_head=weights.lm_head)
+
+
+def shard_model(shape: LlamaShape, weights: LlamaWeights, group: TpGroup, **model_options):
+    """Rank `group.rank`'s PagedLlama: sharded shape and weights, all-reducing over `group`.
+    World 1 returns the unsharded model with no group (the single-GPU forward, no extra ops)."""
+    from verifypd.model.llama import PagedLlama
+
+    if group.world == 1:
+        return PagedLlama(shape, weights, **model_options)
+    local = shard_shape(shape, group.world)
+    model = PagedLlama(local, shard_weights(shape, weights, group.rank, group.world), **model_options)
+    model.tp_group = group
+    return model
