@@ -198,3 +198,29 @@ def test_bad_tls_flags_exit_2(tiny_models, pki, tmp_path):
         assert run.returncode == 2, (extra, run.stderr)
         assert message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert ssl.CERT_REQUIRED == tls_mod.server_tls(*pki["server"], pki["ca"][0]).uvicorn_options()["ssl_cert_reqs"]
+
+
+def test_operator_control_client_over_mtls(served_mtls, pki):
+    from verifypd_operator.control_client import ControlClient
+
+    _, addr, _ = served_mtls
+    tls = tls_mod.client_tls(pki["ca"][0], *pki["client"], server_name="localhost")  # dialled by IP, checked by name
+    assert ControlClient(tls=tls).get(addr).k_max > 0
+    with pytest.raises(grpc.RpcError) as refused:
+        ControlClient(timeout_s=3).get(addr)  # plaintext
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_loadgen_both_backends_over_tls(served, pki, tmp_path, tiny_models):
+    import json
+
+    from verifypd_loadgen.cli import main as loadgen_main
+
+    _, addr, url = served
+    common = ["--requests", "2", "--concurrency", "2", "--input-len", "uniform:3,6", "--output-len", "4",
+              "--vocab-size", "96", "--no-progress", "--tls-ca-file", pki["ca"][0]]
+    for name, target in (("grpc", ["--server", addr]),
+                         ("openai", ["--backend", "openai", "--url", url + "/v1", "--model", tiny_models[0]])):  # the default model id
+        out = tmp_path / f"{name}.json"
+        assert loadgen_main([*target, *common, "--out", str(out)]) == 0, name
+        assert json.loads(out.read_text())["runs"][0]["summary"]["requests"]["completed"] == 2, name
