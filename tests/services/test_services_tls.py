@@ -190,7 +190,8 @@ def test_bad_tls_flags_exit_2(tiny_models, pki, tmp_path):
     (tmp_path / "junk.pem").write_text("not a certificate")
     cases = [(["--tls-cert-file", pki["server"][0]], "--tls-cert-file needs --tls-key-file"),
              (["--tls-key-file", pki["server"][1]], "--tls-key-file needs --tls-cert-file"),
-             (["--tls-cert-file", pki["server"][0], "--tls-key-file", pki["client"][1]], "does not hold the private key"),
+             (["--tls-cert-file", pki["server"][0], "--tls-key-file", pki["client"][1]],
+              "does not hold the private key"),
              (["--tls-cert-file", str(tmp_path / "missing.crt"), "--tls-key-file", pki["server"][1]], "cannot read"),
              (["--tls-cert-file", str(tmp_path / "junk.pem"), "--tls-key-file", pki["server"][1]], "not a PEM file")]
     for extra, message in cases:
@@ -219,8 +220,8 @@ def test_loadgen_both_backends_over_tls(served, pki, tmp_path, tiny_models):
     _, addr, url = served
     common = ["--requests", "2", "--concurrency", "2", "--input-len", "uniform:3,6", "--output-len", "4",
               "--vocab-size", "96", "--no-progress", "--tls-ca-file", pki["ca"][0]]
-    for name, target in (("grpc", ["--server", addr]),
-                         ("openai", ["--backend", "openai", "--url", url + "/v1", "--model", tiny_models[0]])):  # the default model id
+    openai = ["--backend", "openai", "--url", url + "/v1", "--model", tiny_models[0]]  # the default model id
+    for name, target in (("grpc", ["--server", addr]), ("openai", openai)):
         out = tmp_path / f"{name}.json"
         assert loadgen_main([*target, *common, "--out", str(out)]) == 0, name
         assert json.loads(out.read_text())["runs"][0]["summary"]["requests"]["completed"] == 2, name

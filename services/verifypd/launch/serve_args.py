@@ -52,7 +52,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help=f"file holding the admin key that Control.UpdateConfig requires (else env {ADMIN_KEY_ENV}); "
                             "without one, runtime config changes are refused (docs/services.md 'Access')")
     serve.add_argument("--tls-cert-file", default=None,
-                       help="PEM certificate (chain) of the gRPC and HTTP ports: both serve TLS only (with --tls-key-file)")
+                       help="PEM certificate (chain) of the gRPC and HTTP ports: both serve TLS only "
+                            "(with --tls-key-file)")
     serve.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     serve.add_argument("--tls-client-ca-file", default=None,
                        help="PEM CA: clients must present a certificate it signed (mutual TLS) on both ports")
