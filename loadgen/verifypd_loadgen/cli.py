@@ -73,6 +73,10 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", type=_arg(_url, "URL"),
                    help="--backend openai: base URL, e.g. http://127.0.0.1:8000/v1 (the only endpoint)")
     p.add_argument("--model", help="--backend openai: the model id to request")
+    p.add_argument("--tls-ca-file", help="PEM CA the server's certificate must chain to: gRPC over TLS, or the "
+                                         "CA for an https:// --url (default there: the system's CAs)")
+    p.add_argument("--tls-cert-file", help="with --tls-ca-file: client certificate (PEM) to present")
+    p.add_argument("--tls-key-file", help="the private key of --tls-cert-file")
     p.add_argument("--openai-api", choices=("auto", "chat", "completions"), default="auto",
                    help="--backend openai: auto = chat prompts to /chat/completions, others to "
                         "/completions; chat = text prompts too as a user message")
@@ -132,6 +136,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def build_plan(args, parser):
+    from verifypd.tls import TlsError, client_tls
     from verifypd_loadgen.session import Plan
 
     if args.backend == "grpc" and (args.server is None or args.url or args.model):
@@ -171,13 +176,19 @@ def build_plan(args, parser):
         loads = [LoadPoint("closed", concurrency=c) for c in (args.concurrency or [1])]
     if not loads:
         parser.error("empty load list")
+    try:
+        tls = client_tls(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    except TlsError as e:
+        parser.error(str(e))
+    if tls is not None and args.backend == "openai" and not args.url.startswith("https://"):
+        parser.error("--tls-ca-file with --backend openai needs an https:// --url")
     requests = args.requests if args.requests or args.duration else 100
     plan = Plan(server=args.server, loads=loads, workload=workload, requests=requests,
                 duration=args.duration, warmup=args.warmup, timeout=args.timeout,
                 drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
                 slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
                 backend=args.backend, url=args.url, model=args.model, openai_api=args.openai_api,
-                raw_records=args.raw_records)
+                raw_records=args.raw_records, tls=tls)
     config = {
         "server": args.server or args.url, "backend": args.backend, "url": args.url, "model": args.model,
         "openai_api": args.openai_api if args.backend == "openai" else None,

@@ -149,7 +149,9 @@ async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float)
                                      "version": ext.get("version")}, "OK")
 
 
-def new_client() -> httpx.AsyncClient:
+def new_client(tls=None) -> httpx.AsyncClient:
+    """`tls`: a verifypd.tls.ClientTls: https:// URLs are verified against its CA (and present its
+    client certificate); None: the system's CAs."""
     # No connection cap: loadgen's concurrency decides how many requests are in flight.
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), verify=tls.ssl_context() if tls else True,
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))

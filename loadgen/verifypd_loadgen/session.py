@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
+from verifypd.tls import grpc_channel
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 from verifypd_loadgen import metrics, report, schema
 from verifypd_loadgen.runner import LoadPoint, PointResult, Runner
@@ -40,6 +41,7 @@ class Plan:
     model: str | None = None        # openai: the model id to ask for
     openai_api: str = "auto"        # openai: auto | chat | completions
     raw_records: bool = False       # per-request records in the results JSON
+    tls: object | None = None       # a verifypd.tls.ClientTls (--tls-ca-file ...): both backends speak TLS
 
 
 async def probe(stub, server: str, timeout: float) -> dict:
@@ -75,12 +77,12 @@ async def execute_plan(plan: Plan, progress: report.LiveProgress
     if plan.backend == "openai":
         from verifypd_loadgen import openai_backend as ob
 
-        async with ob.new_client() as client:
+        async with ob.new_client(plan.tls) as client:
             info = await ob.probe(client, plan.url, plan.model, plan.connect_timeout)
             backend = ob.OpenAIBackend(client, plan.url, plan.model, plan.openai_api)
             runner = Runner(backend, plan.timeout, plan.drain_timeout, execute=ob.execute, **hooks)
             return (info, *await run_points(plan, runner, progress))
-    async with grpc.aio.insecure_channel(plan.server) as channel:
+    async with grpc_channel(plan.server, plan.tls, aio=True) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await probe(stub, plan.server, plan.connect_timeout)
         runner = Runner(stub, plan.timeout, plan.drain_timeout, **hooks)

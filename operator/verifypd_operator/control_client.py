@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from verifypd.tls import grpc_channel
 from verifypd.v1 import control_pb2, control_pb2_grpc
 
 from .decision import Knobs
@@ -80,16 +81,19 @@ def _auth(admin_key: str | None) -> tuple[tuple[str, str], ...]:
 
 class ControlClient:
     """`resolver`: `host:port` -> the replicas' `ip:port`s (the headless Service's DNS by default;
-    tests that run routers on local ports replace only this)."""
+    tests that run routers on local ports replace only this). `tls`: a verifypd.tls.ClientTls
+    (`client_tls(ca_file, cert_file, key_file, server_name=...)`) for gateways serving TLS; the
+    replicas are dialled by IP, so give `server_name` (a name in their certificate, e.g. the
+    Service's DNS name). None: plaintext."""
 
-    def __init__(self, timeout_s: float = 5.0, resolver: Callable[[str], list[str]] = resolve):
-        self.timeout_s, self.resolver = timeout_s, resolver
+    def __init__(self, timeout_s: float = 5.0, resolver: Callable[[str], list[str]] = resolve, tls=None):
+        self.timeout_s, self.resolver, self.tls = timeout_s, resolver, tls
 
     def _stub(self, channel: grpc.Channel) -> control_pb2_grpc.ControlStub:
         return control_pb2_grpc.ControlStub(channel)
 
     def get(self, target: str, admin_key: str | None = None) -> control_pb2.RuntimeConfig:
-        with grpc.insecure_channel(target) as ch:
+        with grpc_channel(target, self.tls) as ch:
             return self._stub(ch).GetConfig(control_pb2.GetConfigRequest(), timeout=self.timeout_s,
                                             metadata=_auth(admin_key))
 
@@ -97,7 +101,7 @@ class ControlClient:
                admin_key: str | None = None) -> control_pb2.RuntimeConfig:
         req = control_pb2.UpdateConfigRequest(config=knobs_to_pb(knobs), requested_by=requested_by,
                                               reason=reason)
-        with grpc.insecure_channel(target) as ch:
+        with grpc_channel(target, self.tls) as ch:
             return self._stub(ch).UpdateConfig(req, timeout=self.timeout_s, metadata=_auth(admin_key))
 
     def sync(self, host_port: str, knobs: Knobs, requested_by: str, reason: str,

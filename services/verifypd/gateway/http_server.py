@@ -20,9 +20,11 @@ log = logging.getLogger("verifypd.http")
 
 class HttpServer:
     """uvicorn serving an ASGI app on host:port (0 = any free port) on `loop` (the gateway's), or
-    on a loop of its own in a daemon thread when none is given."""
+    on a loop of its own in a daemon thread when none is given. `tls`: a verifypd.tls.ServerTls
+    (HTTPS only, with client certificates when it has a client CA) or None (plain HTTP)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None,
+                 tls=None):
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -38,10 +40,11 @@ class HttpServer:
             raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc.strerror or exc}") from None
         self.port = self.sock.getsockname()[1]
         self.address = f"{host}:{self.port}"
-        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+        self.url = f"{'https' if tls is not None else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
         # lifespan off: nothing to set up; h11 (pure Python) unless httptools is installed ("auto").
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace_s, http="auto", loop="asyncio")
+                                timeout_graceful_shutdown=grace_s, http="auto", loop="asyncio",
+                                **(tls.uvicorn_options() if tls is not None else {}))
         self.server = uvicorn.Server(config)
         self.loop = loop
         self.thread = threading.Thread(target=self._run, name="verifypd-http", daemon=True) if loop is None else None

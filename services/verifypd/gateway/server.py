@@ -99,7 +99,8 @@ class Gateway:
 
     def __init__(self, core_sock: socket.socket, codec, *, host: str = "127.0.0.1", port: int = 0,
                  default_max_tokens: int = convert.DEFAULT_MAX_TOKENS, api_key: str | None = None,
-                 admin_key: str | None = None, core: CoreServer | None = None, core_process=None, info=None):
+                 admin_key: str | None = None, core: CoreServer | None = None, core_process=None, info=None,
+                 tls=None):
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.core, self.core_process = core, core_process
         self.info = info if info is not None else (core.info if core is not None else None)
@@ -112,7 +113,7 @@ class Gateway:
         self._wiring = None
         self.http = None  # an HttpServer on self.loop (serve): stopped first
         try:
-            self._run(self._setup(core_sock, host, port, api_key, admin_key))
+            self._run(self._setup(core_sock, host, port, api_key, admin_key, tls))
         except BaseException:
             self._stop_loop()
             raise
@@ -121,7 +122,9 @@ class Gateway:
         """Runs a coroutine on the gateway's loop from another thread and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None) -> None:
+    async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None,
+                     tls) -> None:
+        """`tls`: a verifypd.tls.ServerTls (the port speaks only TLS) or None (plaintext)."""
         self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
         # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
         self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
@@ -129,7 +132,8 @@ class Gateway:
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
         self.health = AsyncHealth(self.server, SERVICES, self.loop)
         self.health.set(False)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = (self.server.add_secure_port(f"{host}:{port}", tls.grpc_credentials()) if tls is not None
+                     else self.server.add_insecure_port(f"{host}:{port}"))
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"

@@ -15,8 +15,8 @@ import threading
 import time
 
 from verifypd.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
-from verifypd.launch.serve_args import (add_lane_arguments, add_serve_arguments, engine_options, setup_logging,
-                                        simulated_label, warn_simulated)
+from verifypd.launch.serve_args import (add_client_tls_arguments, add_lane_arguments, add_serve_arguments,
+                                        engine_options, setup_logging, simulated_label, warn_simulated)
 
 
 def register(sub) -> None:
@@ -25,6 +25,7 @@ def register(sub) -> None:
                                          help="with --server: deadline for the whole generation, seconds")
     sub.choices["generate"].add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                                          help=f"with --server: the server's API key (env {API_KEY_ENV})")
+    add_client_tls_arguments(sub.choices["generate"], "--server")
 
     serve = sub.add_parser("serve", help="run the gateway + router and the three lanes")
     add_serve_arguments(serve)
@@ -54,6 +55,7 @@ def cmd_serve(args) -> int:
     the tokenizer meanwhile, then serves gRPC and HTTP on one event loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
     from verifypd.gateway.server import Gateway, load_codec
+    from verifypd.tls import server_tls
 
     setup_logging()
     options = engine_options(args)  # bad flags fail here, before anything starts
@@ -72,14 +74,15 @@ def cmd_serve(args) -> int:
             return 2
     try:
         admin_key = _admin_key(args)
-    except (OSError, ValueError) as exc:
+        tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+    except (OSError, ValueError) as exc:  # TlsError is a ValueError
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
     core = CoreProcess(args.argv)
     try:
         gateway = Gateway(core.sock, load_codec(options.target), host=args.host, port=args.port,
                           default_max_tokens=args.default_max_tokens, api_key=args.api_key, admin_key=admin_key,
-                          core_process=core)
+                          core_process=core, tls=tls)
     except BaseException:
         core.proc.kill()
         raise
@@ -89,13 +92,14 @@ def cmd_serve(args) -> int:
         print(f"verifypd: error: the engine core did not start: {exc}", file=sys.stderr)
         gateway.stop()
         return 1
-    print(f"verifypd: serving {gateway.info.topology} on {gateway.address} "
+    tls_label = f", {tls.label}" if tls is not None else ""
+    print(f"verifypd: serving {gateway.info.topology} on {gateway.address}{tls_label} "
           f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
           f"{simulated_label(options)}; engine core pid {core.pid})", file=sys.stderr, flush=True)
     try:
         if args.http_port:
             try:
-                gateway.http = _start_http(gateway, args)
+                gateway.http = _start_http(gateway, args, tls)
             except OSError as exc:
                 print(f"verifypd: error: {exc}", file=sys.stderr)
                 return 2
@@ -123,13 +127,13 @@ def _admin_key(args) -> str | None:
     return key
 
 
-def _start_http(gateway, args):
+def _start_http(gateway, args, tls):
     from verifypd.gateway.http_api import HttpApi
     from verifypd.gateway.http_server import HttpServer
 
     api = HttpApi(gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes,
                   api_key=args.api_key)
-    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop).start()
+    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop, tls=tls).start()
     print(f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})",
           file=sys.stderr, flush=True)
     return http
@@ -192,14 +196,21 @@ def cmd_lane(args) -> int:
 def cmd_generate_remote(args) -> int:
     import grpc
 
+    from verifypd import tls as tls_mod
     from verifypd.convert import FINISH_NAMES
     from verifypd.v1 import generate_pb2, generate_pb2_grpc
 
-    channel = grpc.insecure_channel(args.server)
+    try:
+        tls = tls_mod.client_tls(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+    except tls_mod.TlsError as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    channel = tls_mod.grpc_channel(args.server, tls)
     try:
         grpc.channel_ready_future(channel).result(timeout=5)
     except grpc.FutureTimeoutError:
-        print(f"verifypd: error: cannot reach a verifypd server at {args.server} (is `verifypd serve` running?)",
+        channel.close()
+        print(f"verifypd: error: cannot reach a verifypd server at {args.server}: {tls_mod.diagnose(args.server, tls)}",
               file=sys.stderr)
         return 2
     if args.api_key:

@@ -51,6 +51,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--admin-key-file", default=None,
                        help=f"file holding the admin key that Control.UpdateConfig requires (else env {ADMIN_KEY_ENV}); "
                             "without one, runtime config changes are refused (docs/services.md 'Access')")
+    serve.add_argument("--tls-cert-file", default=None,
+                       help="PEM certificate (chain) of the gRPC and HTTP ports: both serve TLS only "
+                            "(with --tls-key-file)")
+    serve.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    serve.add_argument("--tls-client-ca-file", default=None,
+                       help="PEM CA: clients must present a certificate it signed (mutual TLS) on both ports")
     serve.add_argument("--k-min", type=int, default=None)
     serve.add_argument("--k-max", type=int, default=None)
     serve.add_argument("--k-initial", type=int, default=None)
@@ -77,6 +83,13 @@ def add_lane_arguments(lane: argparse.ArgumentParser) -> None:
     add_engine_flags(lane, router=False)
 
 
+
+
+def add_client_tls_arguments(p: argparse.ArgumentParser, what: str = "the server") -> None:
+    """A client's TLS flags (`generate --server`; loadgen has the same names)."""
+    p.add_argument("--tls-ca-file", default=None, help=f"PEM CA that {what}'s certificate must chain to: speak TLS")
+    p.add_argument("--tls-cert-file", default=None, help="with --tls-ca-file: client certificate (PEM) to present")
+    p.add_argument("--tls-key-file", default=None, help="the private key of --tls-cert-file")
 
 
 def serve_parser() -> argparse.ArgumentParser:
