@@ -8,7 +8,7 @@ from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.graph_runner import GraphRunner
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
-from verifypd.model.llama import PagedLlama
+from verifypd.model.llama import BatchLayout, PagedLlama
 
 
 class ModelRunner:
