@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import time
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -85,3 +86,17 @@ def emulator():
             return await super()._handle(request)
 
     return Emulator()
+
+
+def wait_until(fn, what: str, timeout: float, *, interval: float = 0.2, alive=lambda: None, logs=lambda: ""):
+    """fn()'s first truthy value within `timeout` s; `alive()` asserts the processes under test
+    still run (checked every poll); `logs()` is added to the timeout's message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        alive()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{logs()}" if logs() else ""))
+        time.sleep(interval)

@@ -21,7 +21,7 @@ import kubernetes
 import pytest
 import yaml
 from envtest import helm
-from operator_helpers import CHART, EXAMPLE, ROOT
+from operator_helpers import CHART, EXAMPLE, ROOT, wait_until
 
 from verifypd_operator.kube import Kube
 
@@ -78,17 +78,11 @@ class Operator:
 
 
 def wait_for(fn, what: str, ops=(), timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
+    def alive() -> None:
         for op in ops:
             assert op.proc.poll() is None, f"operator exited ({op.proc.returncode}):\n{op.text()[-4000:]}"
-        if time.monotonic() > deadline:
-            logs = "\n".join(op.text()[-4000:] for op in ops)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.3)
+    return wait_until(fn, what, timeout, interval=0.3, alive=alive,
+                      logs=lambda: "\n".join(op.text()[-4000:] for op in ops))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import kopf
 import kubernetes
 import pytest
 from envtest import ADMIN_TOKEN
-from operator_helpers import ROOT
+from operator_helpers import ROOT, wait_until
 
 from verifypd.v1 import control_pb2
 from verifypd_operator.control_client import ControlClient
@@ -65,16 +65,10 @@ TIMEOUT = 90.0
 
 
 def wait_for(fn, what: str, timeout: float = TIMEOUT, procs=()):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
+    def alive() -> None:
         for p in procs:
             assert p.proc.poll() is None, f"a server exited:\n{''.join(p.lines[-20:])}"
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    return wait_until(fn, what, timeout, alive=alive)
 
 
 class LiveOperator:

@@ -10,7 +10,7 @@ threads of one process in tests) carrying length-prefixed JSON objects, each wit
                                     | metrics | stats; answered `reply`
       stop    {}                    finish: the core stops its loop and exits
     core -> gateway
-      ready   {info, eos, config}   once, when the router serves (config: base64 control_pb2.RuntimeConfig)
+      ready   {info, eos}           once, when the router serves (server info, EOS token ids)
       added   {id} / refused {id, code, message}
       step    {out: [[id, token_ids, finish, usage, applied_k, ttft], ...]}   ONE per engine step,
                                     every request that got tokens in it (finish: null or a FinishReason value;

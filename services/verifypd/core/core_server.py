@@ -1,6 +1,6 @@
 """The engine core: the router and its lanes behind the core channel (core/channel.py).
 
-`verifypd serve` runs it as its own process (`python -m verifypd.core.core_server`, spawned by
+`verifypd serve` runs it as its own process (`python -m verifypd.core.process`, spawned by
 the gateway with the channel's socket inherited), so the router's steps never share an
 interpreter lock with gRPC, HTTP, tokenization or detokenization. Its main thread does nothing
 but steps (`EngineLoop`); one reader thread turns channel messages into inbox commands; the split
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import asdict
 
 from verifypd.engine.types import InvalidRequest, RequestOutput
 from verifypd.lanes.interface import LaneError
 from verifypd import convert
 from verifypd.core.channel import (BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire,
                                           unb64)
-from verifypd.core.engine_loop import Draining, EngineLoop, Overloaded, Unavailable
+from verifypd.core.engine_loop import EngineLoop, Overloaded, Unavailable
 from verifypd.v1 import control_pb2
 
 log = logging.getLogger("verifypd.core")
@@ -33,8 +32,6 @@ def refusal(exc: BaseException) -> tuple[str, str]:
         return "INVALID_ARGUMENT", str(exc)
     if isinstance(exc, Overloaded):
         return "RESOURCE_EXHAUSTED", str(exc)
-    if isinstance(exc, Draining):
-        return "UNAVAILABLE", f"draining: {exc}"
     if isinstance(exc, Unavailable):
         return "UNAVAILABLE", f"server is not serving: {exc}"
     return "INTERNAL", f"internal error in the engine: {exc}"
@@ -56,6 +53,7 @@ class CoreServer:
         self._watch_interval_s = watch_interval_s
         self._stopped = threading.Event()
         self._closed = False
+        self.wiring = None  # split: the last ImportPools reply (re-wiring replaces it)
         self._reader = threading.Thread(target=self._read, name="core-channel", daemon=True)
 
     # -- StepSink (engine thread) --------------------------------------------------------------
@@ -78,8 +76,7 @@ class CoreServer:
         return {"t": "ready", "info": {"target_model": info.target_model, "draft_model": info.draft_model,
                                        "topology": info.topology, "max_context": info.max_context,
                                        "version": info.version},
-                "eos": sorted(self.router._eos), "config": b64(convert.config_to_pb(self.router.config)
-                                                               .SerializeToString())}
+                "eos": sorted(self.router.eos_token_ids)}
 
     def start(self, *, loop_in_thread: bool) -> None:
         """Announces readiness and starts reading commands; the loop runs in a thread or, with
@@ -91,7 +88,7 @@ class CoreServer:
         if loop_in_thread:
             self.engine.start()
         else:
-            self.engine._run()
+            self.engine.run()
             self._close()
 
     def stop(self) -> None:
@@ -185,12 +182,10 @@ class CoreServer:
         return self._config_b64(new)
 
     def _stats(self, router) -> dict:
-        used = {"target": router.target_blocks.num_used,
-                "draft": router.draft_blocks.num_used if router.draft_blocks else 0}
-        return {"in_flight": self.engine.in_flight(), "steps": self.engine.steps, "blocks_in_use": used,
-                "step_seconds": self.engine.step_seconds, "tokens_out": self.engine.tokens_out,
-                "recoveries": self.engine.recoveries, "failed": self.engine.failed,
-                "config": asdict(router.config)["revision"]}
+        """What benches read: steps, their busy time and tokens, requests and blocks in use."""
+        e = self.engine
+        return {"in_flight": e.in_flight(), "steps": e.steps, "step_seconds": e.step_seconds,
+                "tokens_out": e.tokens_out, "target_blocks_in_use": router.target_blocks.num_used}
 
     def _metrics_text(self) -> str:
         if self.metrics_registry is None:

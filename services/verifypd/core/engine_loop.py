@@ -17,8 +17,8 @@ engine fails for good (every in-flight request UNAVAILABLE, health NOT_SERVING) 
 lanes do not come back within `recovery_timeout_s`, when steps keep failing right after each
 recovery (`max_consecutive_failures`), or when the supervisor reports a crash loop (`fail`).
 
-Drain: with `draining` set, `submit` refuses new requests (UNAVAILABLE, retry elsewhere) while
-the ones in flight run to completion.
+Drain is the gateway's (gateway/server.py): it refuses new requests, waits for those in flight,
+then tells the core to stop.
 """
 from __future__ import annotations
 
@@ -27,13 +27,10 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Callable
-
-from typing import Protocol
+from typing import Callable, Protocol
 
 from verifypd.engine.router import Router
-from verifypd.engine.types import FinishReason, RequestSpec
+from verifypd.engine.types import RequestSpec
 from verifypd.lanes.interface import LaneError
 
 log = logging.getLogger("verifypd.engine")
@@ -69,7 +66,6 @@ class EngineLoop:
         self.router, self.sink = router, sink
         self.max_queue = max_queue
         self.failed: str | None = None
-        self.draining = False
         self.recovering: str | None = None  # the lane failure being recovered from
         self.recoveries = 0                 # completed recoveries
         self._recover = recover             # raises LaneError until the lanes serve and are wired
@@ -87,7 +83,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # request ids added and not finished
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="verifypd-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="verifypd-engine", daemon=True)
 
     # -- called from any thread ------------------------------------------------------------
     def start(self) -> None:
@@ -114,8 +110,6 @@ class EngineLoop:
         def add(router: Router) -> str:
             if self.failed:
                 raise Unavailable(self.failed)
-            if self.draining:
-                raise Draining("server is draining (shutting down); retry on another replica")
             if router.scheduler.num_waiting >= self.max_queue:
                 raise Overloaded(f"server queue is full ({router.scheduler.num_waiting} requests waiting); "
                                  f"retry later")
@@ -143,7 +137,8 @@ class EngineLoop:
         return len(self._live)
 
     # -- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop (on the engine thread, or the engine-core process's main thread) until stop()."""
         while not self._stop.is_set():
             busy = self.failed is None and self.recovering is None and self.router.has_work()
             wait = RECOVER_POLL_S if self.recovering is not None else self._idle_wait_s

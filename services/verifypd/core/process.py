@@ -97,12 +97,12 @@ def core_main(argv: list[str]) -> int:
     telemetry = Telemetry("verifypd-gateway", readers=readers)
     split = dict(kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout)
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
-    lanes, on_close, supervisor = (), [telemetry.shutdown], None
+    lanes, on_close, supervisor, wiring = (), [telemetry.shutdown], None, None
     if any(addrs.values()):
         from verifypd.auth import load_secret
 
-        router, info, lanes, _ = build_split_core(addrs, options, topology=args.topology, observer=telemetry,
-                                                  lane_secret=load_secret(args.lane_secret_file), **split)
+        router, info, lanes, wiring = build_split_core(addrs, options, topology=args.topology, observer=telemetry,
+                                                       lane_secret=load_secret(args.lane_secret_file), **split)
     elif args.topology == "split":
         from verifypd.launch.launcher import LaneProcesses
         from verifypd.launch.supervisor import LaneSupervisor
@@ -113,20 +113,23 @@ def core_main(argv: list[str]) -> int:
             addrs = procs.start()
             for lane, pid in procs.pids().items():
                 print(f"verifypd: {lane} lane pid={pid} addr={addrs[lane]}", file=sys.stderr, flush=True)
-            router, info, lanes, _ = build_split_core(addrs, options, observer=telemetry, lane_secret=procs.secret,
-                                                      **split)
+            router, info, lanes, wiring = build_split_core(addrs, options, observer=telemetry,
+                                                           lane_secret=procs.secret, **split)
         except BaseException:
             procs.terminate()
             raise
-        on_close.insert(0, procs.terminate)
+        # A crash loop fails the engine; on close the supervisor stops first, so lanes exiting
+        # from then on are shutting down, not crashing, and the launcher stops them.
+        supervisor = LaneSupervisor(procs, lambda message: core.engine.fail(message),
+                                    max_restarts=args.max_lane_restarts)
+        on_close[:0] = [supervisor.stop, procs.terminate]
     else:
         router, info, _engine = build_colocated_core(options, observer=telemetry)
     core = CoreServer(router, channel, info, max_queue=args.max_queue, lanes=lanes, kv_transport=args.kv_transport,
                       recovery_timeout_s=args.recovery_timeout, on_close=on_close, metrics_registry=registry)
-    if args.topology == "split" and not any(getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")):
-        supervisor = LaneSupervisor(procs, core.engine.fail, max_restarts=args.max_lane_restarts)
+    core.wiring = wiring
+    if supervisor is not None:
         supervisor.start()
-        on_close.insert(0, supervisor.stop)  # lanes exiting from here on are shutting down, not crashing
     _exit_with_parent()
     core.start(loop_in_thread=False)  # returns when the gateway says stop or goes away
     return 0

@@ -1,11 +1,16 @@
 """Paged-KV bookkeeping for one pool: which blocks are free, which a sequence holds. Torch-free.
 
+`check_fits` refuses up front a request that could never fit the context or the pools.
+
 Invariant (checked by `check()` in tests): every block id in [0, num_blocks) is either on the
 free list or owned by exactly one sequence table, never both.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+
+from verifypd.engine.types import InvalidRequest, RequestSpec
 
 
 class BlockManager:
@@ -71,3 +76,20 @@ class BlockManager:
             raise AssertionError(f"{self.name}: owned set {len(self._owned)} != held {len(held)}")
         if len(self._free) + len(self._owned) != self.num_blocks or set(self._free) & self._owned:
             raise AssertionError(f"{self.name}: free list and owned set overlap or leak")
+
+
+def check_fits(spec: RequestSpec, max_context: int, pools: Sequence[BlockManager]) -> None:
+    """Rejects up front what can never complete; everything else waits or is preempted for room,
+    never truncated (a request alone in a pool always fits, see the scheduler)."""
+    need = len(spec.prompt_ids) + spec.max_tokens
+    if need > max_context:
+        raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) = {need} "
+                             f"exceeds the model's context of {max_context} tokens; lower max_tokens to at most "
+                             f"{max_context - len(spec.prompt_ids)} or shorten the prompt")
+    for blocks in pools:
+        # The last token's KV is never written: prompt + max_tokens - 1 positions at most.
+        if blocks.blocks_for(need - 1) > blocks.num_blocks:
+            raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) can never "
+                                 f"fit the {blocks.name} KV pool ({blocks.num_blocks} blocks of {blocks.block_size} "
+                                 f"= {blocks.num_blocks * blocks.block_size} positions); lower max_tokens or "
+                                 f"shorten the prompt")

@@ -20,7 +20,7 @@ import concurrent.futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence as Seq
 
-from verifypd.engine.block_manager import BlockManager
+from verifypd.engine.block_manager import BlockManager, check_fits
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
 from verifypd.engine.draft_length import (TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha,
                                           request_rate)
@@ -117,6 +117,10 @@ class Router:
         hook = getattr(self.observer, "on_idle", None)
         if hook is not None:
             hook(self)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -478,23 +482,6 @@ class _StartedPrefill:
         t0 = self._clock()
         results = self._started.result()
         return results, self._launch_s + self._clock() - t0
-
-
-def check_fits(spec: RequestSpec, max_context: int, pools: Seq[BlockManager]) -> None:
-    """Rejects up front what can never complete; everything else waits or is preempted for room,
-    never truncated (a request alone in a pool always fits, see the scheduler)."""
-    need = len(spec.prompt_ids) + spec.max_tokens
-    if need > max_context:
-        raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) = {need} "
-                             f"exceeds the model's context of {max_context} tokens; lower max_tokens to at most "
-                             f"{max_context - len(spec.prompt_ids)} or shorten the prompt")
-    for blocks in pools:
-        # The last token's KV is never written: prompt + max_tokens - 1 positions at most.
-        if blocks.blocks_for(need - 1) > blocks.num_blocks:
-            raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) can never "
-                                 f"fit the {blocks.name} KV pool ({blocks.num_blocks} blocks of {blocks.block_size} "
-                                 f"= {blocks.num_blocks * blocks.block_size} positions); lower max_tokens or "
-                                 f"shorten the prompt")
 
 
 def _pool(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> PoolInfo | None:

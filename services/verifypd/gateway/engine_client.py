@@ -165,10 +165,7 @@ class EngineClient:
                 elif kind == "added":
                     self._resolve_add(msg["id"], None)
                 elif kind == "refused":
-                    code, message = msg["code"], msg["message"]
-                    exc = (Draining(message) if message.startswith("draining") else
-                           _REFUSALS.get(code, Unavailable)(message))
-                    self._resolve_add(msg["id"], exc)
+                    self._resolve_add(msg["id"], _REFUSALS.get(msg["code"], Unavailable)(msg["message"]))
                 elif kind == "fail":
                     self._on_fail(msg)
                 elif kind == "reply":
@@ -239,6 +236,12 @@ class EngineClient:
             future.set_exception(InvalidRequest(message) if code == "INVALID_ARGUMENT" else Unavailable(message))
         else:
             future.set_result(msg["ok"])
+
+    def end_all(self, message: str) -> None:
+        """Ends every request in flight with UNAVAILABLE and cancels it in the core (drain timeout)."""
+        for stream in list(self._streams.values()):
+            self.cancel(stream)
+            stream.queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, message))
 
     def _lost(self, message: str, quiet: bool = False) -> None:
         """The core is gone: fail everything in flight (UNAVAILABLE), pending adds and calls too."""

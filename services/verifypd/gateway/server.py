@@ -21,8 +21,8 @@ from verifypd.engine.types import InvalidRequest
 from verifypd import convert
 from verifypd.auth import gateway_interceptor
 from verifypd.core.channel import AsyncChannel, BlockingChannel
-from verifypd.core.process import build_colocated_core, build_split_core, server_info  # noqa: F401
-from verifypd.gateway.engine_client import EngineClient, Failure
+from verifypd.core.process import build_colocated_core, build_split_core
+from verifypd.gateway.engine_client import READY_TIMEOUT_S, EngineClient, Failure
 from verifypd.core.core_server import CoreServer
 from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.health import AsyncHealth
@@ -110,7 +110,6 @@ class Gateway:
         self._thread.start()
         self._stopped = threading.Event()
         self._started = False
-        self._wiring = None
         self.http = None  # an HttpServer on self.loop (serve): stopped first
         try:
             self._run(self._setup(core_sock, host, port, api_key, admin_key, tls))
@@ -149,11 +148,8 @@ class Gateway:
 
     @property
     def wiring(self):
-        return getattr(self.core, "wiring", None) or self._wiring
-
-    @wiring.setter
-    def wiring(self, value) -> None:
-        self._wiring = value
+        """Split: the prefill lane's last ImportPools reply (the in-process core's)."""
+        return self.core.wiring
 
     @property
     def engine(self):
@@ -169,7 +165,7 @@ class Gateway:
             self.core.start(loop_in_thread=True)
 
         async def serve() -> None:
-            await self.client.wait_ready(ready_timeout_s) if ready_timeout_s else await self.client.wait_ready()
+            await self.client.wait_ready(ready_timeout_s or READY_TIMEOUT_S)
             self.info = self.info or self.client.info
             await self.server.start()
         self._run(serve())
@@ -195,17 +191,12 @@ class Gateway:
         if left:
             log.warning("drain: timeout after %.1f s: ending %d requests with UNAVAILABLE", time.monotonic() - t0, left)
             message = f"server shut down before the request finished (drain timeout {timeout_s:.0f} s)"
-            self.loop.call_soon_threadsafe(self._fail_in_flight, message)
+            self.loop.call_soon_threadsafe(self.client.end_all, message)
         else:
             log.info("drain: all in-flight requests finished in %.1f s", time.monotonic() - t0)
         self.stop(grace_s=2.0)
         log.info("drain: stopped")
         return not left
-
-    def _fail_in_flight(self, message: str) -> None:
-        for stream in list(self.client._streams.values()):
-            self.client.cancel(stream)
-            stream.queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, message))
 
     def wait(self) -> None:
         self._stopped.wait()
@@ -282,7 +273,7 @@ def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", o
                                                    lane_secret=lane_secret)
     gateway = serve_router(router, codec or load_codec(options.target), info, lanes=lanes,
                            kv_transport=kv_transport, **kwargs)
-    gateway.wiring = wiring
+    gateway.core.wiring = wiring
     return gateway
 
 
