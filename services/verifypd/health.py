@@ -61,3 +61,60 @@ class AsyncHealth:
             self.loop.create_task(apply())
         elif not self.loop.is_closed():
             asyncio.run_coroutine_threadsafe(apply(), self.loop)
+
+
+class HealthPort:
+    """A plaintext HTTP port for the kubelet's probes when the server's own ports speak TLS (the
+    kubelet's gRPC probe cannot do TLS, and its HTTPS probe presents no client certificate).
+
+    It answers `GET <path>` for each path in `checks` (path -> () -> (ok, reason)) with 200 or
+    503 and a one-line JSON body, and nothing else (404): no request data, no keys, nothing but
+    the serving state that gRPC health already tells anyone. Bound on the server's --host (the
+    kubelet probes the pod IP); a daemon thread of its own."""
+
+    def __init__(self, host: str, port: int, checks: dict):
+        import http.server
+        import json
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the stdlib's name)
+                check = checks.get(self.path.split("?", 1)[0])
+                if check is None:
+                    ok, body = False, {"error": "not found"}
+                    code = 404
+                else:
+                    ok, reason = check()
+                    code, body = (200 if ok else 503), {"status": "serving" if ok else "not_serving",
+                                                        "reason": reason}
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # probes every few seconds: not worth a log line each
+                pass
+
+        server_class = http.server.ThreadingHTTPServer
+        if ":" in host:
+            import socket
+
+            server_class = type("HealthServer6", (http.server.ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+        try:
+            self.server = server_class((host.strip("[]"), port), Handler)
+        except OSError as exc:
+            raise OSError(f"cannot bind the health port {host}:{port}: {exc.strerror or exc}") from None
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, name="health-port", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serving_check(health) -> callable:
+    """A HealthPort check reading a Health / AsyncHealth's state."""
+    return lambda: (health.serving, "serving" if health.serving else "not serving")

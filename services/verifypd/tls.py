@@ -165,7 +165,11 @@ def diagnose(target: str, tls: ClientTls | None, timeout_s: float = 5.0) -> str:
     try:
         with ctx.wrap_socket(raw, server_hostname=tls.server_name or host) as conn:
             conn.settimeout(1.0)
-            conn.recv(1)  # a server that refuses our client certificate says so after the handshake
+            # A server that refuses our client certificate says so after the handshake (TLS 1.3),
+            # with an alert (SSLError below) or by closing the connection.
+            if conn.recv(1) == b"":
+                return (f"{target} closed the connection right after the TLS handshake: it did not accept "
+                        f"our client certificate (missing, expired or from another CA?)")
     except ssl.SSLCertVerificationError as exc:  # verify_message: e.g. 'certificate has expired'
         return f"TLS handshake with {target} failed: certificate verify failed: {exc.verify_message}"
     except ssl.SSLError as exc:  # e.g. the server's alert on a missing or foreign client certificate

@@ -40,25 +40,29 @@ def build_colocated_core(options, *, observer=None, topology: str = "colocated")
 
 
 def connect_lanes(addrs: dict[str, str], *, timeout_s: float = 60.0, ready_timeout_s: float = 120.0,
-                  secret: str | None = None):
+                  secret: str | None = None, tls=None):
+    """`tls`: a verifypd.lane_tls.LaneTls (mutual TLS to every lane) or None (plaintext)."""
     from verifypd.lanerpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
 
-    lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s, secret), GrpcDraftLane(addrs["draft"], timeout_s, secret),
-             GrpcVerifyLane(addrs["verify"], timeout_s, secret))
+    lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s, secret, tls=tls),
+             GrpcDraftLane(addrs["draft"], timeout_s, secret, tls=tls),
+             GrpcVerifyLane(addrs["verify"], timeout_s, secret, tls=tls))
     for lane in lanes:
         lane.wait_ready(ready_timeout_s)
     return lanes
 
 
 def build_split_core(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None,
-                     lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None):
+                     lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
+                     lane_tls=None, ready_timeout_s: float = 120.0):
     """(router, info, lanes, wiring): the router over gRPC lane clients; the prefill lane imports
     (or stages) the owners' pools once (and again after a lane restart, CoreServer._rewire).
     The router does not detokenize: the gateway does (decode=None)."""
     from verifypd.engine.router import Router
     from verifypd.lanerpc.lane_client import wire_pools
 
-    prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s, secret=lane_secret)
+    prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls,
+                                           ready_timeout_s=ready_timeout_s)
     wiring = wire_pools(prefill, draft, verify, kv_transport)
     log.info("lanes wired: %s (import %.3f s)", dict(wiring.mode_by_pool), wiring.import_seconds)
     verify_info = verify.describe_pb()
@@ -95,7 +99,10 @@ def core_main(argv: list[str]) -> int:
         reader, registry = prometheus_reader()
         readers.append(reader)
     telemetry = Telemetry("verifypd-gateway", readers=readers)
-    split = dict(kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout)
+    from verifypd.launch.serve_args import serve_lane_tls
+
+    lane_tls = serve_lane_tls(args)
+    split = dict(kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout, lane_tls=lane_tls)
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
     lanes, on_close, supervisor, wiring = (), [telemetry.shutdown], None, None
     if any(addrs.values()):
@@ -108,7 +115,7 @@ def core_main(argv: list[str]) -> int:
         from verifypd.launch.supervisor import LaneSupervisor
 
         options.shared_cpu_pools = True
-        procs = LaneProcesses(options, host="127.0.0.1")
+        procs = LaneProcesses(options, host="127.0.0.1", tls=lane_tls)
         try:
             addrs = procs.start()
             for lane, pid in procs.pids().items():
@@ -181,6 +188,7 @@ class CoreProcess:
 
 def main() -> int:
     from verifypd.engine.types import InvalidRequest
+    from verifypd.lanes.interface import LaneError
     from verifypd.model.loader import ModelLoadError
 
     try:
@@ -188,6 +196,9 @@ def main() -> int:
     except (InvalidRequest, ModelLoadError, OSError) as exc:
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
+    except LaneError as exc:  # e.g. a lane that refuses our certificate: one line, no traceback
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -266,11 +266,12 @@ def build_colocated(options, *, observer=None, topology: str = "colocated", **kw
 
 def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None, codec=None,
                 lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
-                **kwargs) -> Gateway:
-    """Router over gRPC lane clients (core in threads of this process)."""
+                lane_tls=None, **kwargs) -> Gateway:
+    """Router over gRPC lane clients (core in threads of this process). `lane_tls`: a
+    verifypd.lane_tls.LaneTls (mutual TLS to the lanes) or None."""
     router, info, lanes, wiring = build_split_core(addrs, options, kv_transport=kv_transport, observer=observer,
                                                    lane_timeout_s=lane_timeout_s, topology=topology,
-                                                   lane_secret=lane_secret)
+                                                   lane_secret=lane_secret, lane_tls=lane_tls)
     gateway = serve_router(router, codec or load_codec(options.target), info, lanes=lanes,
                            kv_transport=kv_transport, **kwargs)
     gateway.core.wiring = wiring

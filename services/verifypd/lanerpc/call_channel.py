@@ -9,6 +9,10 @@ ImportPools, health, KvTransfer, and unary work calls for tools).
     CallServer(handler, host, secret)   accepts connections; one thread per connection calls
                                         handler(call, state) -> LaneReply; closes after an error reply
     CallClient(host, port, secret)      call(LaneCall) -> LaneReply on the caller's thread
+
+With `tls` (a verifypd.lane_tls.LaneTls) both ends wrap the socket in mutual TLS right after
+connect/accept, before the secret handshake (lane_tls.py says why the ssl module); without it
+the socket is used as is.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 from typing import Callable
@@ -26,6 +31,7 @@ from verifypd.v1 import lanes_pb2
 log = logging.getLogger("verifypd.call_channel")
 MAX_FRAME = 512 << 20       # bytes, as the gRPC message limit
 NONCE_BYTES, MAC_BYTES = 16, 32
+HANDSHAKE_TIMEOUT_S = 10.0  # TLS and the secret proof must come this promptly after accept
 _LEN = struct.Struct("<I")
 
 
@@ -68,8 +74,8 @@ class CallServer:
     the lane's own lock (the caller's business); `new_state()` makes a connection's state."""
 
     def __init__(self, handler: Callable, new_state: Callable[[], object], host: str, port: int = 0,
-                 secret: str | None = None):
-        self.handler, self.new_state, self.secret = handler, new_state, secret
+                 secret: str | None = None, tls=None):
+        self.handler, self.new_state, self.secret, self.tls = handler, new_state, secret, tls
         self.listener = socket.create_server((host.strip("[]"), port), family=_family(host), reuse_port=False)
         self.port = self.listener.getsockname()[1]
         self._closed = False
@@ -100,9 +106,13 @@ class CallServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)  # the handshakes must come promptly; calls may then be far apart
+            if self.tls is not None:
+                conn = self._tls_accept(conn)  # None: refused, closed and logged
+                if conn is None:
+                    return
             nonce = os.urandom(NONCE_BYTES)
             conn.sendall(nonce)
-            conn.settimeout(10.0)  # the handshake must come promptly; calls may then be far apart
             f = conn.makefile("rb")
             answer = _read_exact(f, MAC_BYTES)
             if self.secret and not hmac.compare_digest(answer, proof(self.secret, nonce)):
@@ -122,17 +132,42 @@ class CallServer:
         except Exception:  # a malformed frame (DecodeError) or a fault: drop this connection only
             log.exception("call channel: connection dropped")
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            _close(conn)
+            if conn is not None:
+                with self._lock:
+                    self._conns.discard(conn)
+                _close(conn)
+
+    def _tls_accept(self, raw: socket.socket):
+        """The TLS server handshake; None (logged, one line naming the problem) when refused."""
+        peer = _peer(raw)
+        try:
+            conn = self.tls.wrap_server(raw)
+        except ssl.SSLCertVerificationError as exc:  # e.g. 'certificate has expired', 'unable to get local issuer'
+            log.warning("call channel: refused %s: client certificate verify failed: %s", peer, exc.verify_message)
+        except ssl.SSLError as exc:  # e.g. PEER_DID_NOT_RETURN_A_CERTIFICATE, a plaintext client (WRONG_VERSION_NUMBER)
+            log.warning("call channel: refused %s: TLS handshake failed: %s", peer, exc.reason or exc)
+        except (socket.timeout, TimeoutError):
+            log.warning("call channel: refused %s: no TLS handshake within %.0f s (a plaintext client?)", peer,
+                        HANDSHAKE_TIMEOUT_S)
+        except OSError:
+            pass
+        else:
+            with self._lock:  # the wrapped socket replaces the raw one (which it detached)
+                self._conns.discard(raw)
+                self._conns.add(conn)
+            return conn
+        with self._lock:
+            self._conns.discard(raw)
+        _close(raw)
+        return None
 
 
 class CallClient:
     """One connection to a lane's call channel, used by one thread at a time (the lane client's
     lock). Connects lazily; `on_connect` runs for every new connection (to reset mirrors)."""
 
-    def __init__(self, host: str, port: int, secret: str | None, timeout_s: float):
-        self.host, self.port, self.secret, self.timeout_s = host, port, secret, timeout_s
+    def __init__(self, host: str, port: int, secret: str | None, timeout_s: float, tls=None):
+        self.host, self.port, self.secret, self.timeout_s, self.tls = host, port, secret, timeout_s, tls
         self.sock: socket.socket | None = None
         self._file = None
         self._call_id = 0
@@ -146,6 +181,8 @@ class CallClient:
         sock = socket.create_connection((self.host.strip("[]"), self.port), timeout=self.timeout_s)
         try:
             _tune(sock)
+            if self.tls is not None:
+                sock = self.tls.wrap_client(sock, self.host)
             f = sock.makefile("rb")
             sock.sendall(proof(self.secret, _read_exact(f, NONCE_BYTES)))
         except BaseException:
@@ -179,6 +216,14 @@ class CallClient:
         if self.sock is not None:
             _close(self.sock)
         self.sock = self._file = None
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "a peer"
+    return f"{host}:{port}"
 
 
 def _family(host: str) -> socket.AddressFamily:

@@ -130,19 +130,34 @@ def touched_blocks(block_ids, start: int, end: int, block_size: int) -> list[int
 class KvPusher:
     """Prefill side of the copy transport: streams staged blocks to the pool's owner."""
 
-    def __init__(self, staging: KvPool, owner_addr: str, timeout_s: float = 60.0, metadata=()):
+    def __init__(self, staging: KvPool, owner_addr: str, timeout_s: float = 60.0, metadata=(), tls=None):
+        """`tls`: a verifypd.lane_tls.LaneTls: the push goes over mutual TLS (this lane presents
+        the config's certificate; the owner's must chain to its CA)."""
         if not owner_addr:
             raise ValueError(f"pool {staging.pool_id}: copy transport needs the owner's kv_transfer_addr")
         self.pool = staging
         self.owner_addr = owner_addr
-        self._channel = grpc.insecure_channel(owner_addr, options=GRPC_OPTIONS)
-        self._stub = lanes_pb2_grpc.KvTransferStub(self._channel)
+        self._tls, self._old_channels = tls, []
+        self._open_channel()
         self._timeout = timeout_s
         self._metadata = tuple(metadata)  # the lane secret: owners accept KV only from us
+
+    def _open_channel(self) -> None:
+        if self._tls is None:
+            self._channel = grpc.insecure_channel(self.owner_addr, options=GRPC_OPTIONS)
+        else:
+            self._tls_generation = self._tls.generation
+            self._channel = self._tls.grpc_channel(self.owner_addr, GRPC_OPTIONS)
+        self._stub = lanes_pb2_grpc.KvTransferStub(self._channel)
 
     def push(self, blocks: list[int]) -> int:
         if not blocks:
             return 0
+        if self._tls is not None:  # rotated certificate files: new connections present the new one
+            self._tls.current()
+            if self._tls.generation != self._tls_generation:
+                self._old_channels.append(self._channel)
+                self._open_channel()
         p = self.pool
         blocks = list(dict.fromkeys(blocks))
         # One device-to-host copy of all touched blocks: [n, layer, 2 * slot * head * dim bytes].

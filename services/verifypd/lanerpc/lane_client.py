@@ -41,8 +41,11 @@ class _GrpcLane:
 
     _method = 0  # lanes_pb2.LaneMethod of this lane's work call
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True,
+                 tls=None):
+        """`tls`: a verifypd.lane_tls.LaneTls (gRPC and the call channel over mutual TLS), or None."""
         self.addr = addr
+        self._tls = tls
         self.timeout_s = timeout_s
         self._secret = secret
         self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
@@ -54,15 +57,34 @@ class _GrpcLane:
         # and how many of its writes this lane has been told about.
         self.producer: GrpcPrefillLane | None = None
         self._writes_seen = 0
-        self.channel = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
-        self.stub = self._stub_class(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._old_channels: list[grpc.Channel] = []
+        self._open_channel()
         self._info_pb: lanes_pb2.LaneInfo | None = None
         self._lock = threading.Lock()
         self.wire_bytes = 0   # serialized request + reply bytes of every lane call
         self.calls = 0
 
+    def _open_channel(self) -> None:
+        if self._tls is None:
+            self.channel = grpc.insecure_channel(self.addr, options=GRPC_OPTIONS)
+        else:
+            self._tls_generation = self._tls.generation
+            self.channel = self._tls.grpc_channel(self.addr, GRPC_OPTIONS)
+        self.stub = self._stub_class(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _fresh_channel(self) -> None:
+        """With TLS: a new channel once the certificate files changed (rotation), so that new
+        connections present the new certificate. The old channel is closed with the client (a
+        call may still be running on it)."""
+        if self._tls is not None:
+            self._tls.current()
+            if self._tls.generation != self._tls_generation:
+                self._old_channels.append(self.channel)
+                self._open_channel()
+
     def _call(self, method: str, request, timeout_s: float | None = None):
+        self._fresh_channel()
         try:
             reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -75,16 +97,24 @@ class _GrpcLane:
 
     # -- setup -------------------------------------------------------------------------------
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Blocks until the lane's health says SERVING (raises LaneError on timeout)."""
+        """Blocks until the lane's health says SERVING (raises LaneError on timeout; with TLS, one
+        naming what the handshake said, e.g. an expired or foreign certificate)."""
+        self._fresh_channel()
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
             status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
-            raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {exc}") from None
+            if self._tls is not None:
+                why = self._tls.diagnose(self.addr)
+            else:
+                why = (f"{str(exc) or type(exc).__name__} (a lane that serves mutual TLS refuses plaintext: "
+                       f"give --lane-tls-cert-file, --lane-tls-key-file and --lane-tls-ca-file)")
+            raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {why}") from None
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
+        self._fresh_channel()
         try:
             status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError:
@@ -149,7 +179,7 @@ class _GrpcLane:
             return None
         with self._lock:  # the old connection's bytes stay counted
             self._client_bytes = 0
-        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s)
+        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s, self._tls)
         self._mirror = cc.ChannelMirror()
         try:
             self._client.connect()
@@ -175,15 +205,17 @@ class _GrpcLane:
         with self._call_lock:
             if self._client is not None:
                 self._client.close()
-        self.channel.close()
+        for channel in (*self._old_channels, self.channel):
+            channel.close()
 
 
 class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
     _stub_class = lanes_pb2_grpc.PrefillLaneStub
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
-        super().__init__(addr, timeout_s, secret, call_channel)
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True,
+                 tls=None):
+        super().__init__(addr, timeout_s, secret, call_channel, tls)
         self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
         self.kv_written_event = b""  # ImportPoolsReply.kv_written_event (CUDA IPC, call channel only)
         self.writes = 0  # prefill calls completed: owners wait on the event when this moved
@@ -209,8 +241,9 @@ class GrpcDraftLane(_GrpcLane):
 
     _method = lanes_pb2.LANE_METHOD_DRAFT
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True):
-        super().__init__(addr, timeout_s, secret, call_channel)
+    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True,
+                 tls=None):
+        super().__init__(addr, timeout_s, secret, call_channel, tls)
         self.handoff: tuple[int, int] | None = None  # (rows, cols) once the verify lane opened our buffer
         self._slot = 0
 

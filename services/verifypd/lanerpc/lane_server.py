@@ -56,10 +56,12 @@ MAX_PEER_POOL_BLOCKS = 1 << 22
 class LaneServicer(CallChannelWork):
     """Implements Describe / ImportPools and the lane's work RPC (Prefill, Draft or Verify)."""
 
-    def __init__(self, role: str, options: EngineOptions, secret: str | None = None):
+    def __init__(self, role: str, options: EngineOptions, secret: str | None = None, tls=None):
+        """`tls`: a verifypd.lane_tls.LaneTls: every port of this lane speaks mutual TLS only, and
+        its KV pushes present the same certificate. None: plaintext (the lane secret still applies)."""
         if role not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}; got {role!r}")
-        self.role, self.options, self.secret = role, options, secret
+        self.role, self.options, self.secret, self.tls = role, options, secret, tls
         self.generation = time.time_ns() // 1_000_000  # new for every start of this lane
         self.lock = threading.Lock()
         target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
@@ -161,7 +163,8 @@ class LaneServicer(CallChannelWork):
                     pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
                 else:
                     pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
-                    pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret))
+                    pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret),
+                                                 tls=self.tls)
             except (ValueError, OSError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
         runners = (self._runner(self.target_model, pools["target"]),
@@ -291,7 +294,7 @@ def build_lane_server(servicer: LaneServicer, host: str, port: int, call_port: i
     """A started gRPC server for the lane; returns (server, bound port, health servicer).
     With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
     channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
-    Describe announces its port."""
+    Describe announces its port. With `servicer.tls` both ports speak mutual TLS only."""
     interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS,
                          interceptors=interceptors)
@@ -304,10 +307,12 @@ def build_lane_server(servicer: LaneServicer, host: str, port: int, call_port: i
         lanes_pb2_grpc.add_KvTransferServicer_to_server(servicer.transfer, server)
         services.append("verifypd.v1.KvTransfer")
     health = add_health_and_reflection(server, services)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = (server.add_secure_port(f"{host}:{port}", servicer.tls.grpc_server_credentials()) if servicer.tls
+             else server.add_insecure_port(f"{host}:{port}"))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     if call_port is not None:
-        servicer.call_server = CallServer(servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret)
+        servicer.call_server = CallServer(servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret,
+                                          servicer.tls)
     return server, bound, health

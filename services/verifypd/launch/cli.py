@@ -16,7 +16,8 @@ import time
 
 from verifypd.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 from verifypd.launch.serve_args import (add_client_tls_arguments, add_lane_arguments, add_serve_arguments,
-                                        engine_options, setup_logging, simulated_label, warn_simulated)
+                                        engine_options, serve_lane_tls, setup_logging, simulated_label,
+                                        warn_simulated)
 
 
 def register(sub) -> None:
@@ -75,8 +76,17 @@ def cmd_serve(args) -> int:
     try:
         admin_key = _admin_key(args)
         tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        lane_tls = serve_lane_tls(args)  # checked here; the engine core loads the files itself
     except (OSError, ValueError) as exc:  # TlsError is a ValueError
         print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    if lane_tls is not None and args.topology != "split" and not any(addrs.values()):
+        print("verifypd: error: --lane-tls-* secure the lanes of --topology split or --*-addr; "
+              "colocated lanes run in this process", file=sys.stderr)
+        return 2
+    if not 0 <= args.health_port <= 65535:
+        print(f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}",
+              file=sys.stderr)
         return 2
     core = CoreProcess(args.argv)
     try:
@@ -100,6 +110,12 @@ def cmd_serve(args) -> int:
         if args.http_port:
             try:
                 gateway.http = _start_http(gateway, args, tls)
+            except OSError as exc:
+                print(f"verifypd: error: {exc}", file=sys.stderr)
+                return 2
+        if args.health_port:
+            try:
+                _start_health_port(gateway, args)
             except OSError as exc:
                 print(f"verifypd: error: {exc}", file=sys.stderr)
                 return 2
@@ -139,16 +155,35 @@ def _start_http(gateway, args, tls):
     return http
 
 
+def _start_health_port(gateway, args) -> None:
+    """Plaintext `GET /health` for probes: 200 while the gateway serves (as the HTTP API's /health)."""
+    from verifypd.health import HealthPort
+
+    def check():
+        if gateway.client.failed:
+            return False, gateway.client.failed
+        return (True, "serving") if gateway.health.serving else (False, "not serving (starting, draining or stopped)")
+    port = HealthPort(args.host, args.health_port, {"/health": check})
+    print(f"verifypd: health on http://{args.host}:{port.port}/health (plaintext, for probes)", file=sys.stderr,
+          flush=True)
+
+
 def cmd_lane(args) -> int:
     from verifypd.lanerpc.lane_server import LaneServicer, build_lane_server
 
     from verifypd.auth import load_secret
+    from verifypd.lane_tls import lane_tls
 
     setup_logging()
     try:
         secret = load_secret(args.secret_file)
-    except (OSError, ValueError) as exc:
+        tls = lane_tls(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, args.tls_server_name)
+    except (OSError, ValueError) as exc:  # TlsError is a ValueError
         print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    if not 0 <= args.health_port <= 65535:
+        print(f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}",
+              file=sys.stderr)
         return 2
     if secret is None and not args.allow_unauthenticated:
         print(f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
@@ -164,13 +199,18 @@ def cmd_lane(args) -> int:
     elif options.simulated_acceptance is not None:
         print("verifypd: error: --simulated-acceptance applies to the verify lane only", file=sys.stderr)
         return 2
-    servicer = LaneServicer(args.lane, options, secret=secret)
+    servicer = LaneServicer(args.lane, options, secret=secret, tls=tls)
     if not -1 <= args.call_port <= 65535:
         print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
         return 2
     try:
         server, port, health = build_lane_server(servicer, args.host, args.port,
                                                  None if args.call_port == -1 else args.call_port)
+        health_port = None
+        if args.health_port:
+            from verifypd.health import HealthPort, serving_check
+
+            health_port = HealthPort(args.host, args.health_port, {"/health": serving_check(health)})
     except OSError as exc:
         print(f"verifypd: error: cannot serve the {args.lane} lane: {exc}", file=sys.stderr)
         servicer.close()
@@ -181,6 +221,8 @@ def cmd_lane(args) -> int:
             f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
         os.replace(tmp, args.port_file)
     calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
+    calls += ", mutual TLS" if tls is not None else ""
+    calls += f", plaintext health on port {health_port.port}" if health_port is not None else ""
     print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})", file=sys.stderr,
           flush=True)
     parent = args.parent_pid

@@ -69,8 +69,9 @@ def read_port_file(path: str) -> tuple[str, list[str]]:
 
 
 class LaneProcesses:
-    def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None):
-        self.options, self.host = options, host
+    def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None, tls=None):
+        """`tls`: a verifypd.lane_tls.LaneTls whose files every lane gets (mutual TLS)."""
+        self.options, self.host, self.tls = options, host, tls
         self.secret = secret or new_secret()  # one per `serve`; only our lanes and gateway know it
         self.procs: dict[str, subprocess.Popen] = {}
         self.addrs: dict[str, str] = {}
@@ -90,6 +91,8 @@ class LaneProcesses:
     def _spawn(self, lane: str, port: int = 0) -> None:
         cmd = lane_command(lane, self.options, host=self.host, port=port, port_file=self._files[lane],
                            parent_pid=os.getpid())
+        if self.tls is not None:
+            cmd += self.tls.argv()
         self.procs[lane] = subprocess.Popen(cmd, env=self._env(), stdin=subprocess.DEVNULL)
         log.info("started %s lane, pid %d", lane, self.procs[lane].pid)
 

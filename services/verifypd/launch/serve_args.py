@@ -57,6 +57,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     serve.add_argument("--tls-client-ca-file", default=None,
                        help="PEM CA: clients must present a certificate it signed (mutual TLS) on both ports")
+    add_lane_tls_arguments(serve)
+    add_health_port_argument(serve)
     serve.add_argument("--k-min", type=int, default=None)
     serve.add_argument("--k-max", type=int, default=None)
     serve.add_argument("--k-initial", type=int, default=None)
@@ -79,8 +81,43 @@ def add_lane_arguments(lane: argparse.ArgumentParser) -> None:
                       help=f"file holding the secret every caller must present (else env {LANE_SECRET_ENV})")
     lane.add_argument("--allow-unauthenticated", action="store_true",
                       help="serve without a secret: anyone reaching the port can read and write KV (tests only)")
+    lane.add_argument("--tls-cert-file", default=None,
+                      help="PEM certificate this lane serves with and presents on its KV pushes (mutual TLS, "
+                           "with --tls-key-file and --tls-ca-file): its gRPC and call-channel ports speak TLS only")
+    lane.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    lane.add_argument("--tls-ca-file", default=None,
+                      help="PEM CA every caller's certificate (and every KV owner's) must chain to")
+    lane.add_argument("--tls-server-name", default=None,
+                      help="name checked in the owners' certificates on KV pushes (default: their host)")
+    add_health_port_argument(lane)
     add_model_flags(lane)
     add_engine_flags(lane, router=False)
+
+
+def add_lane_tls_arguments(serve: argparse.ArgumentParser) -> None:
+    """`serve`'s side of mutual TLS to the lanes (docs/services.md "TLS")."""
+    serve.add_argument("--lane-tls-cert-file", default=None,
+                       help="split: PEM certificate the engine core presents to the lanes (mutual TLS, with "
+                            "--lane-tls-key-file and --lane-tls-ca-file); lanes this serve starts get the same files")
+    serve.add_argument("--lane-tls-key-file", default=None, help="PEM private key of --lane-tls-cert-file")
+    serve.add_argument("--lane-tls-ca-file", default=None, help="PEM CA the lanes' certificates must chain to")
+    serve.add_argument("--lane-tls-server-name", default=None,
+                       help="name checked in the lanes' certificates (default: the host of each --*-addr)")
+
+
+def add_health_port_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--health-port", type=int, default=0,
+                   help="plaintext HTTP `GET /health` (200 serving, 503 not) on --host for probes that cannot "
+                        "speak TLS, e.g. the kubelet's (0 = off)")
+
+
+def serve_lane_tls(args):
+    """`serve`'s --lane-tls-* flags, checked (verifypd.tls.TlsError naming the flag); None when not given."""
+    from verifypd.lane_tls import lane_tls
+
+    return lane_tls(args.lane_tls_cert_file, args.lane_tls_key_file, args.lane_tls_ca_file,
+                    args.lane_tls_server_name,
+                    flags=("--lane-tls-cert-file", "--lane-tls-key-file", "--lane-tls-ca-file"))
 
 
 
