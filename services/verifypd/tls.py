@@ -7,13 +7,64 @@ one-line message naming the flag, which the CLIs print and exit 2 on, before any
 """
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import ssl
+import threading
+import time
 from dataclasses import dataclass
+
+log = logging.getLogger("verifypd.tls")
 
 
 class TlsError(ValueError):
     """A TLS flag is missing, or its file is unreadable or not what it should be."""
+
+
+RELOAD_CHECK_S = 5.0  # how often (at most) servers look at their certificate files' stat
+
+
+class FileStamp:
+    """Notices that files changed (inode, size, mtime: a Kubernetes Secret volume swaps them
+    atomically), checked at most every `check_s`. `reload(load)` calls `load()` after a change and
+    returns its result, or None when nothing changed or `load` raised TlsError (logged, retried
+    at the next check: a certificate written before its key does not load yet)."""
+
+    def __init__(self, paths, check_s: float | None = None):
+        self.paths = [p for p in paths if p]
+        self.check_s = RELOAD_CHECK_S if check_s is None else check_s
+        self.stamp = self._stat()
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    def _stat(self) -> tuple:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def reload(self, load):
+        now = time.monotonic()
+        if now - self._checked < self.check_s:
+            return None
+        with self._lock:
+            self._checked = now
+            stamp = self._stat()
+            if stamp == self.stamp:
+                return None
+            try:
+                result = load()
+            except (TlsError, ssl.SSLError, OSError) as exc:
+                log.warning("TLS files changed but do not load (kept the previous ones): %s", exc)
+                return None
+            self.stamp = stamp
+            log.info("TLS certificate reloaded from %s", self.paths[0])
+            return result
 
 
 def _read(path: str, flag: str) -> bytes:
@@ -60,10 +111,30 @@ class ServerTls:
     client_ca: bytes | None
 
     def grpc_credentials(self):
+        """Re-read when the files change (a rotated certificate): checked before new handshakes,
+        at most every RELOAD_CHECK_S; open connections keep theirs."""
         import grpc
 
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.client_ca,
-                                           require_client_auth=self.client_ca is not None)
+        def config(tls: "ServerTls"):
+            return grpc.ssl_server_certificate_configuration([(tls.key, tls.cert)], root_certificates=tls.client_ca)
+        watch = FileStamp((self.cert_file, self.key_file, self.client_ca_file))
+
+        def fetch():
+            fresh = watch.reload(lambda: server_tls(self.cert_file, self.key_file, self.client_ca_file))
+            return config(fresh) if fresh is not None else None
+        return grpc.dynamic_ssl_server_credentials(config(self), fetch,
+                                                   require_client_authentication=self.client_ca is not None)
+
+    def reload_into(self, ctx: ssl.SSLContext, watch: "FileStamp") -> bool:
+        """Loads changed files into a live SSLContext (uvicorn's; call on its event loop, which
+        alone uses it). True when reloaded."""
+        def load():
+            server_tls(self.cert_file, self.key_file, self.client_ca_file)  # checked first: a half-written pair is kept out
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+            if self.client_ca_file:
+                ctx.load_verify_locations(cafile=self.client_ca_file)
+            return True
+        return bool(watch.reload(load))
 
     def uvicorn_options(self) -> dict:
         """uvicorn.Config keywords: HTTPS with the same files, client certificates required

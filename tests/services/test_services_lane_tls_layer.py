@@ -232,3 +232,48 @@ def test_plaintext_is_untouched_when_tls_is_off():
     finally:
         client.close()
         server.close()
+
+
+def test_gateway_public_ports_reload_a_rotated_certificate(pki, tmp_path, monkeypatch):
+    """`serve --tls-cert-file`: the gRPC port (dynamic credentials) and the HTTPS port (uvicorn's
+    live SSLContext) serve a replaced certificate on new connections, without a restart."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from verifypd.gateway.http_server import HttpServer
+
+    monkeypatch.setattr(tls_mod, "RELOAD_CHECK_S", 0.05)
+    crt, key = str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")
+    shutil.copy(pki["leaf"][0], crt), shutil.copy(pki["leaf"][1], key)
+    served = tls_mod.server_tls(crt, key)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_health_and_reflection(server, [])
+    addr = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', served.grpc_credentials())}"
+    server.start()
+    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
+    http = HttpServer(app, "127.0.0.1", 0, tls=served).start()
+
+    def answers(ca):
+        client = tls_mod.client_tls(pki[ca][0])
+        try:
+            with tls_mod.grpc_channel(addr, client) as ch:
+                _health(ch)
+            with httpx.Client(verify=client.ssl_context()) as c:
+                c.get(f"https://localhost:{http.port}/")
+            return True
+        except (grpc.RpcError, httpx.ConnectError):
+            return False
+    try:
+        assert answers("ca") and not answers("other_ca")
+        for src, dst in ((pki["foreign"][0], crt), (pki["foreign"][1], key)):
+            shutil.copy(src, dst + ".new")
+            os.replace(dst + ".new", dst)
+        deadline = time.monotonic() + 5
+        while not answers("other_ca") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert answers("other_ca") and not answers("ca")
+    finally:
+        http.stop()
+        server.stop(0)

@@ -46,17 +46,23 @@ class HttpServer:
                                 timeout_graceful_shutdown=grace_s, http="auto", loop="asyncio",
                                 **(tls.uvicorn_options() if tls is not None else {}))
         self.server = uvicorn.Server(config)
+        self.tls = tls
         self.loop = loop
         self.thread = threading.Thread(target=self._run, name="verifypd-http", daemon=True) if loop is None else None
         self._future = None
+        self.server_loop = None  # the thread's own loop, when no `loop` is given
         self._error: BaseException | None = None
 
     def _run(self) -> None:
         try:
-            asyncio.run(self.server.serve(sockets=[self.sock]))
+            asyncio.run(self._serve_here())
         except BaseException as exc:  # reported by start()/logged; the gRPC side keeps running
             self._error = exc
             log.exception("HTTP server stopped")
+
+    async def _serve_here(self) -> None:
+        self.server_loop = asyncio.get_running_loop()
+        await self.server.serve(sockets=[self.sock])
 
     def _alive(self) -> bool:
         return self.thread.is_alive() if self.thread is not None else not self._future.done()
@@ -73,7 +79,24 @@ class HttpServer:
                     self._error = self._future.exception()
                 raise RuntimeError(f"the HTTP server did not start: {self._error!r}")
             time.sleep(0.01)
+        if self.tls is not None:
+            self._watch_certificate()
         return self
+
+    def _watch_certificate(self) -> None:
+        """A rotated certificate (files replaced) serves the next handshakes; open connections
+        keep theirs. Runs on the server's loop, the only user of its SSLContext."""
+        from verifypd.tls import RELOAD_CHECK_S, FileStamp
+
+        watch = FileStamp((self.tls.cert_file, self.tls.key_file, self.tls.client_ca_file), check_s=0.0)
+        loop = self.loop or self.server_loop
+
+        def check() -> None:
+            if self.server.should_exit:
+                return
+            self.tls.reload_into(self.server.config.ssl, watch)
+            loop.call_later(RELOAD_CHECK_S, check)
+        loop.call_soon_threadsafe(loop.call_later, RELOAD_CHECK_S, check)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stops accepting; in-flight requests get `grace_s`, then their tasks are cancelled
