@@ -167,7 +167,11 @@ class KvPusher:
         chunks = (lanes_pb2.KvBlockChunk(pool_id=p.pool_id, generation=p.generation, block_id=b, layer=layer,
                                          data=raw[n, layer].tobytes())
                   for n, b in enumerate(blocks) for layer in range(p.geometry.num_layers))
-        return self._stub.WriteBlocks(chunks, timeout=self._timeout, metadata=self._metadata).bytes_written
+        try:
+            return self._stub.WriteBlocks(chunks, timeout=self._timeout, metadata=self._metadata).bytes_written
+        except grpc.RpcError as exc:  # one line for the caller (e.g. an owner refusing our certificate)
+            raise RuntimeError(f"KV push to the owner at {self.owner_addr} failed: {exc.code().name}: "
+                               f"{exc.details()}") from None
 
 
 class KvTransferServicer(lanes_pb2_grpc.KvTransferServicer):
