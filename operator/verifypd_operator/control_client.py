@@ -92,29 +92,30 @@ class ControlClient:
     def _stub(self, channel: grpc.Channel) -> control_pb2_grpc.ControlStub:
         return control_pb2_grpc.ControlStub(channel)
 
-    def get(self, target: str, admin_key: str | None = None) -> control_pb2.RuntimeConfig:
-        with grpc_channel(target, self.tls) as ch:
+    def get(self, target: str, admin_key: str | None = None, tls=None) -> control_pb2.RuntimeConfig:
+        with grpc_channel(target, tls or self.tls) as ch:
             return self._stub(ch).GetConfig(control_pb2.GetConfigRequest(), timeout=self.timeout_s,
                                             metadata=_auth(admin_key))
 
     def update(self, target: str, knobs: Knobs, requested_by: str, reason: str,
-               admin_key: str | None = None) -> control_pb2.RuntimeConfig:
+               admin_key: str | None = None, tls=None) -> control_pb2.RuntimeConfig:
         req = control_pb2.UpdateConfigRequest(config=knobs_to_pb(knobs), requested_by=requested_by,
                                               reason=reason)
-        with grpc_channel(target, self.tls) as ch:
+        with grpc_channel(target, tls or self.tls) as ch:
             return self._stub(ch).UpdateConfig(req, timeout=self.timeout_s, metadata=_auth(admin_key))
 
     def sync(self, host_port: str, knobs: Knobs, requested_by: str, reason: str,
-             force: bool = False, admin_key: str | None = None) -> SyncResult:
-        """Push `knobs` to every replica behind `host_port` whose config differs (all if force)."""
+             force: bool = False, admin_key: str | None = None, tls=None) -> SyncResult:
+        """Push `knobs` to every replica behind `host_port` whose config differs (all if force).
+        `tls`: this config's ClientTls (its gateways serve TLS), else the client's own."""
         res = SyncResult()
         for target in self.resolver(host_port):
             try:
-                if not force and pb_matches(cur := self.get(target, admin_key), knobs):
+                if not force and pb_matches(cur := self.get(target, admin_key, tls), knobs):
                     res.in_sync.append(target)
                     rev = cur.revision
                 else:
-                    rev = self.update(target, knobs, requested_by, reason, admin_key).revision
+                    rev = self.update(target, knobs, requested_by, reason, admin_key, tls).revision
                     res.pushed.append(target)
                 res.revision = max(rev, res.revision or 0)
             except grpc.RpcError as e:

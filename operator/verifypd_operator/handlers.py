@@ -26,6 +26,8 @@ from .decision import Decision, clamp_knobs, decide
 from .kube import ApiError, ApiNotServed, Kube
 from .otlp_receiver import MetricsStore
 from .spec import COLOCATED, GROUP, GRPC_PORT, PLURAL, VERSION, parse_spec
+from .tls_issuer import TlsSettings, control_tls, tls_objects
+from .tls_manifests import tls_secret_name, with_tls
 
 
 def default_control_target(name: str, namespace: str) -> str:
@@ -40,6 +42,7 @@ class OperatorContext:
     otlp_endpoint: str
     control_target: Callable[[str, str], str] = default_control_target
     clock: Callable[[], float] = time.time
+    tls: TlsSettings | None = None  # None: plaintext pods (tls_manifests.py)
 
 
 def _reset_units(diff: Any) -> list[str]:
@@ -122,6 +125,36 @@ def apply_all(ctx: OperatorContext, name: str, namespace: str, objs: list[Mappin
         raise ReconcileError(e.reason, f"cannot prune: {e}") from e
 
 
+def _tls_first(ctx: OperatorContext, body, name: str, namespace: str, objs: list, now: float, logger) -> list:
+    """The reconcile's objects with TLS: the certificate objects first (pods wait for their Secret),
+    then the Deployments with the Secret mounted and the TLS flags (tls_manifests.with_tls)."""
+    try:
+        tls_objs, why = tls_objects(ctx.kube, ctx.tls, body, namespace, now)
+    except ApiError as e:
+        raise ReconcileError(e.reason, f"cannot read the TLS Secrets of {name}: {e}") from e
+    if why:
+        logger.info("TLS for %s/%s: %s", namespace, name, why)
+    return tls_objs + with_tls(objs, name)
+
+
+def _renew_tls(ctx: OperatorContext, body, name: str, namespace: str, now: float, logger):
+    """Every tick (operator mode): re-issues the certificate when less than a third of its life is
+    left, applying only the Secrets (the pods reload the files; nothing restarts). Returns the
+    Control client's TLS for this config (None until its Secret exists)."""
+    try:
+        if ctx.tls.mode == "operator":
+            tls_objs, why = tls_objects(ctx.kube, ctx.tls, body, namespace, now)
+            if why and ctx.kube.get("Secret", namespace, tls_secret_name(name)) is not None:  # the reconcile creates
+                for obj in tls_objs:
+                    ctx.kube.apply(obj)
+                kopf.event(body, type="Normal", reason="CertificateRenewed", message=why)
+                logger.info("TLS for %s/%s: %s", namespace, name, why)
+        return control_tls(ctx.kube, name, namespace)
+    except ApiError as e:
+        logger.warning("TLS for %s/%s: %s", namespace, name, e)
+        return None
+
+
 def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: float = 5.0) -> None:
     res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
     # kopf runs an object's timer and its change handlers side by side (sync handlers in threads):
@@ -154,6 +187,8 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
                                                    f"{admin_secret_name(name)}: {e}") from e
                 objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token,
                                  admin_key=admin_key)
+                if ctx.tls is not None:
+                    objs = _tls_first(ctx, body, name, namespace, objs, now, logger)
                 pruned = apply_all(ctx, name, namespace, objs)
         except ReconcileError as e:
             # Visible where users look (status, events); kopf applies this status patch although
@@ -237,8 +272,13 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         except ApiError as e:
             logger.warning("cannot read Secret %s: %s", admin_secret_name(name), e)
             admin_key = None  # the routers refuse the update; status shows the Control errors
+        control_tls = None
+        if ctx.tls is not None:
+            with scaling_lock(namespace, name):
+                control_tls = _renew_tls(ctx, body, name, namespace, now, logger)
         sync = ctx.control.sync(ctx.control_target(name, namespace), knobs, f"operator/{namespace}/{name}",
-                                reason, force=bool(decision is not None and decision.knobs), admin_key=admin_key)
+                                reason, force=bool(decision is not None and decision.knobs), admin_key=admin_key,
+                                tls=control_tls)
         applied = dict(patch.status.get("applied") or st.knobs_to_status(knobs))
         applied.update(routersInSync=sync.reached, routerErrors=len(sync.errors))
         if sync.revision is not None:

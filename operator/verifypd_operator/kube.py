@@ -28,6 +28,12 @@ KINDS = {
     "Secret": ("/api/v1", "secrets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
 }
+# TLS with cert-manager (tls_manifests.py): owned, listed and pruned only when the operator runs
+# in that mode (`Kube.kinds`), so clusters without cert-manager see no requests for them.
+CERT_MANAGER_KINDS = {
+    "Certificate": ("/apis/cert-manager.io/v1", "certificates"),
+    "Issuer": ("/apis/cert-manager.io/v1", "issuers"),
+}
 
 
 class ApiError(Exception):
@@ -73,8 +79,9 @@ def api_client_for(server: str) -> kubernetes.client.ApiClient:
 
 
 class Kube:
-    def __init__(self, api: kubernetes.client.ApiClient):
+    def __init__(self, api: kubernetes.client.ApiClient, kinds: Iterable[str] = tuple(KINDS)):
         self.api = api
+        self.kinds = tuple(kinds)  # what `owned` lists and `prune` may delete
 
     def request(self, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
                 content_type: str = "application/json") -> dict[str, Any] | None:
@@ -97,7 +104,7 @@ class Kube:
 
     @staticmethod
     def _collection(kind: str, namespace: str) -> str:
-        prefix, plural = KINDS[kind]
+        prefix, plural = KINDS[kind] if kind in KINDS else CERT_MANAGER_KINDS[kind]
         return f"{prefix}/namespaces/{namespace}/{plural}"
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -124,10 +131,10 @@ class Kube:
         return self.request("DELETE", f"{self._collection(kind, namespace)}/{name}",
                             {"propagationPolicy": "Background"}) is not None
 
-    def owned(self, config: str, namespace: str, kinds: Iterable[str] = tuple(KINDS)) -> list[dict[str, Any]]:
+    def owned(self, config: str, namespace: str, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """Objects labelled as this config's (filtered client-side too: the label is the contract)."""
         out = []
-        for kind in kinds:
+        for kind in self.kinds if kinds is None else kinds:
             try:
                 lst = self.request("GET", self._collection(kind, namespace),
                                    query={"labelSelector": f"{CONFIG_LABEL}={config}"})

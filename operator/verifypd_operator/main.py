@@ -13,8 +13,9 @@ import kopf
 
 from .control_client import ControlClient
 from .handlers import OperatorContext, register
-from .kube import ApiError, Kube, api_client_from_env
+from .kube import CERT_MANAGER_KINDS, ApiError, Kube, api_client_from_env
 from .otlp_receiver import MetricsStore, serve
+from .tls_issuer import resolve as resolve_tls
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,6 +36,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tick", type=float, default=float(env("VERIFYPD_TICK_SECONDS", "5")),
                    help="timer period; each config is evaluated every spec.autoscaling.intervalSeconds")
     p.add_argument("--log-level", default=env("VERIFYPD_LOG_LEVEL", "INFO"))
+    p.add_argument("--tls", choices=["off", "operator", "cert-manager", "auto"], default=env("VERIFYPD_TLS", "off"),
+                   help="TLS for every config's pods (docs/kubernetes.md 'TLS'): off; operator (a CA and a certificate "
+                        "per config in Secrets it owns and renews); cert-manager (Certificate objects); auto "
+                        "(cert-manager when its API is served, else operator)")
+    p.add_argument("--tls-cert-days", type=int, default=int(env("VERIFYPD_TLS_CERT_DAYS", "30")),
+                   help="validity of a config's certificate; renewed when a third is left")
+    p.add_argument("--tls-issuer", default=env("VERIFYPD_TLS_ISSUER", "") or None,
+                   help="cert-manager: Issuer/NAME or ClusterIssuer/NAME to sign the certificates (default: a "
+                        "self-signed CA per config)")
     return p.parse_args(argv)
 
 
@@ -91,7 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     log = logging.getLogger(__name__)
     log.info("OTLP receiver on :%d", port)
     kube = Kube(api_client_from_env())
-    ctx = OperatorContext(kube=kube, store=store, control=ControlClient(), otlp_endpoint=args.otlp_endpoint)
+    try:
+        tls = resolve_tls(kube, args.tls, args.tls_cert_days, args.tls_issuer)
+    except ValueError as exc:
+        log.error("%s", exc)
+        server.stop(grace=0)
+        sys.exit(2)
+    if tls is not None and tls.mode == "cert-manager":
+        kube.kinds += tuple(CERT_MANAGER_KINDS)
+    ctx = OperatorContext(kube=kube, store=store, control=ControlClient(), otlp_endpoint=args.otlp_endpoint,
+                          tls=tls)
     standalone = args.standalone or not args.peering_name
     if not standalone:
         problems = peering_problems(kube, args.peering_name, args.namespace)

@@ -62,4 +62,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create]
+{{- if has .Values.tls.mode (list "cert-manager" "auto") }}
+# TLS through cert-manager: a config's Certificates and Issuers (docs/kubernetes.md "TLS").
+- apiGroups: [cert-manager.io]
+  resources: [certificates, issuers]
+  verbs: [get, list, create, patch, delete]
+{{- end }}
 {{- end -}}
