@@ -134,3 +134,14 @@ def test_a_lane_with_half_its_tls_flags_exits_2(tiny_models, pki):
            tiny_models[0], "--device", "cpu", "--tls-cert-file", pki["leaf"][0], "--tls-ca-file", pki["ca"][0]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "missing --tls-key-file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_with_an_expired_lane_certificate_exits_1_naming_it(tiny_models, pki):
+    """The lanes `serve` starts get the same (expired) files: the engine core's check names the
+    problem in one line, no traceback, and `serve` exits 1."""
+    cmd = serve_cmd(tiny_models, free_port(), "--lane-tls-cert-file", pki["expired"][0], "--lane-tls-key-file",
+                    pki["expired"][1], "--lane-tls-ca-file", pki["ca"][0], topology="split")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "our certificate --lane-tls-cert-file" in proc.stderr and "certificate has expired" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
