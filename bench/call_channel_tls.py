@@ -2,7 +2,8 @@
 server and client (verifypd.lanerpc.call_channel) plaintext and over mTLS (verifypd.lane_tls),
 interleaved in rounds so load on a shared machine hits both alike. Certificates are made on the fly.
 
-    PYTHONPATH=services:tests/services python bench/call_channel_tls.py [--calls 3000] [--rounds 5] [--out bench/results]
+    cd bench && PYTHONPATH=../services:../tests/services python call_channel_tls.py [--calls 3000] [--rounds 5] \
+        [--out results]
 """
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ class HealthPort:
         if ":" in host:
             import socket
 
-            server_class = type("HealthServer6", (http.server.ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+            server_class = type("HealthServer6", (http.server.ThreadingHTTPServer,),
+                                {"address_family": socket.AF_INET6})
         try:
             self.server = server_class((host.strip("[]"), port), Handler)
         except OSError as exc:

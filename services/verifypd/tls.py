@@ -129,7 +129,8 @@ class ServerTls:
         """Loads changed files into a live SSLContext (uvicorn's; call on its event loop, which
         alone uses it). True when reloaded."""
         def load():
-            server_tls(self.cert_file, self.key_file, self.client_ca_file)  # checked first: a half-written pair is kept out
+            # Checked first: a half-written pair never reaches the live context.
+            server_tls(self.cert_file, self.key_file, self.client_ca_file)
             ctx.load_cert_chain(self.cert_file, self.key_file)
             if self.client_ca_file:
                 ctx.load_verify_locations(cafile=self.client_ca_file)

@@ -61,7 +61,8 @@ def _pods_use_tls(admin, ns, uid, ops):
     for unit in ("gateway", "prefill", "draft", "verify"):
         dep = wait_for(lambda: admin.get("Deployment", ns, f"llm-{unit}"), f"{unit} Deployment", ops)
         pod = dep["spec"]["template"]["spec"]
-        assert {"name": "tls", "secret": {"secretName": "llm-tls", "defaultMode": 420}} in pod["volumes"], pod["volumes"]
+        tls_volume = {"name": "tls", "secret": {"secretName": "llm-tls", "defaultMode": 420}}
+        assert tls_volume in pod["volumes"], pod["volumes"]
         c = pod["containers"][0]
         assert {"name": "tls", "mountPath": "/var/run/verifypd/tls", "readOnly": True} in c["volumeMounts"]
         want = (["--lane-tls-ca-file", CA_FILE] if unit == "gateway" else ["--tls-ca-file", CA_FILE])

@@ -90,7 +90,9 @@ def test_call_channel_refuses_bad_client_certificates_naming_the_problem(pki, ch
                                                                          case, client_says, server_says):
     if case == "missing":  # trusts the server, presents nothing
         ctx = ssl.create_default_context(cafile=pki["ca"][0])
-        tls = type("NoCert", (), {"wrap_client": lambda self, sock, host: ctx.wrap_socket(sock, server_hostname=host)})()
+        def wrap_client(self, sock, host):
+            return ctx.wrap_socket(sock, server_hostname=host)
+        tls = type("NoCert", (), {"wrap_client": wrap_client})()
     else:
         tls = None if case == "plaintext" else tls_of(pki, case)
     said, logged = _refused(channel_server, tls, caplog, monkeypatch)
