@@ -145,3 +145,18 @@ def test_serve_with_an_expired_lane_certificate_exits_1_naming_it(tiny_models, p
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "our certificate --lane-tls-cert-file" in proc.stderr and "certificate has expired" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_lane_serves_plaintext_health_beside_its_mtls_ports(pki):
+    """`verifypd lane --health-port`: the kubelet's probe target while the lane's own ports speak
+    mutual TLS only (a pool-less prompt-lookup draft lane: no model to load)."""
+    health_port = free_port()
+    cmd = [sys.executable, "-m", "verifypd.cli", "lane", "draft", "--draft", "ngram", "--device", "cpu",
+           "--allow-unauthenticated", "--tls-cert-file", pki["leaf"][0], "--tls-key-file", pki["leaf"][1],
+           "--tls-ca-file", pki["ca"][0], "--health-port", str(health_port)]
+    lane = Server(cmd, ready_line="lane serving on", echo=False).wait_ready(120)
+    try:
+        assert lane.count("mutual TLS") == 1 and lane.count(f"plaintext health on port {health_port}") == 1
+        assert _health(f"http://127.0.0.1:{health_port}/health") == (200, {"status": "serving", "reason": "serving"})
+    finally:
+        lane.stop()
