@@ -95,7 +95,8 @@ class OperatorLoop:
         try:
             self.control.update(self.target, d.knobs, f"operator/{NAME}", d.reason, admin_key=ADMIN_KEY)
         except grpc.RpcError as e:  # like the operator: the next tick tries again
-            self.decisions.append({"t": time.time(), "action": d.action, "error": f"{e.code().name}: {e.details()}"})
+            self.decisions.append({"t": time.time(), "action": d.action, "k_max": d.knobs.k_max, "loop_latency_s": None,
+                                   "error": f"{e.code().name}: {e.details()}"})
             return
         applied = time.time()
         self.status["applied"] = st.knobs_to_status(d.knobs)
@@ -145,7 +146,8 @@ def run_point(args, address: str, rate: float, out: Path, priority_mix: str | No
     argv = ["--server", address, "--rate", str(rate), "--duration", str(duration), "--input-len",
             args.input_len, "--output-len", args.output_len, "--slo-ttft-ms", str(args.slo_ttft_ms),
             "--slo-itl-ms", str(args.slo_itl_ms), "--out", str(out), "--no-progress", "--seed", str(seed),
-            "--timeout", str(max(60.0, 4 * duration)), "--drain-timeout", str(args.drain_s or duration)]
+            "--timeout", str(max(60.0, 4 * duration, duration + (args.drain_s or duration) + 30)),
+            "--drain-timeout", str(args.drain_s or duration)]  # a request's deadline outlasts the drain
     if args.vocab_size:
         argv += ["--vocab-size", str(args.vocab_size)]
     if priority_mix:
