@@ -14,15 +14,21 @@ Policy (docs/kubernetes.md carries the same text for users):
    evaluations and headroom `headroomPeriods` before anything is done, and the count restarts
    after every action, so one noisy window never moves anything.
 3. ITL breach only: when the draft queue is the one growing (and longer than verify's), add a
-   draft replica. Otherwise (verify queue growing, or no queue signal) lower `kMax` first (by a
-   quarter, at least 1, never below the spec's `kMin`): fewer wasted draft tokens shorten every
-   verify step. Only when kMax is already at the floor, add a verify replica.
+   draft replica. Otherwise, if a prefill boost (4) is in force, undo one step of it first: the
+   larger prefill budget is what lengthened every step (measured, docs/kubernetes.md "Does the
+   operator's k rewriting help?"). With the router's adaptive k on, k is left to the router: it
+   already picks the k that maximises each request's tokens per second, i.e. minimises ITL, so a
+   lower kMax could only raise ITL -- add a verify replica. With a fixed k (adaptive off), lower
+   `kMax` first (by a quarter, at least 1, never below the spec's `kMin`): fewer wasted draft
+   tokens shorten every verify step; only at the floor add a verify replica.
 4. TTFT breach only: lower the prefill priority penalty (raise prefill priority by one, up to
-   verify's) and raise the prefill token budget (x1.5, up to `prefillTokenBudgetMax`); when both
-   are exhausted, add a prefill replica.
+   verify's) and raise the prefill token budget (x1.5, up to `prefillTokenBudgetMax`) -- only
+   while ITL has headroom (below `headroomRatio` x its SLO), since a larger prefill budget spends
+   ITL; otherwise, or when both are exhausted, add a prefill replica.
 5. Both breached: trading one latency for the other cannot help; add capacity (verify and
-   prefill replicas; one pod in the colocated topology). Falls back to lowering kMax when the
-   units are at max or cooling down.
+   prefill replicas; one pod in the colocated topology). When the units are at max or cooling
+   down: undo a prefill boost (reclaim ITL), else lower kMax with a fixed k; with adaptive k,
+   hold at limits.
 6. Headroom: undo in reverse order: raise kMax back by one toward the spec, then restore prefill
    priority and budget toward the spec, then remove one replica from the unit with the shortest
    queue per replica (above its min, after the scale-down cooldown).
@@ -202,12 +208,31 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
         return prev is not None and q.get(lane, 0.0) > prev
 
     acted = dict(breach_streak=0, headroom_streak=0)  # every action restarts the confirmation count
+    base = spec_knobs(spec)
+    boosted = knobs.prio_prefill > base.prio_prefill or knobs.prefill_token_budget > base.prefill_token_budget
+
+    def restore_prefill() -> Knobs | None:
+        """One step of a prefill boost undone (None: no boost in force, or cooling down)."""
+        if not config_ok or not boosted:
+            return None
+        return dataclasses.replace(knobs, prio_prefill=max(base.prio_prefill, knobs.prio_prefill - 1),
+                                   prefill_token_budget=max(base.prefill_token_budget,
+                                                            int(knobs.prefill_token_budget / 1.5)))
+
+    def restored(why: str, new: Knobs) -> Decision:
+        return Decision("prefill-restore", f"{why}: prefill priority {knobs.prio_prefill}->{new.prio_prefill}, "
+                        f"budget {knobs.prefill_token_budget}->{new.prefill_token_budget}", knobs=new, **acted)
+
     if ttft_breach and itl_breach:
         ups = {s.unit: s for s in (scale_up("verify"), scale_up("prefill")) if s is not None}
         if ups:
             return Decision("scale-up", f"TTFT and ITL breached ({latency}): add capacity",
                             tuple(ups.values()), **acted)
-        new = lower_k()
+        new = restore_prefill()
+        if new:
+            return restored(f"TTFT and ITL breached ({latency}), units at max or cooling down, the prefill "
+                            f"boost costs ITL", new)
+        new = None if knobs.adaptive else lower_k()  # adaptive: the router's k already minimises ITL
         if new:
             return Decision("lower-k", f"TTFT and ITL breached ({latency}), units at max or cooling "
                             f"down: kMax {knobs.k_max}->{new.k_max}", knobs=new, **acted)
@@ -219,20 +244,24 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
             if up:
                 return Decision("scale-up", f"ITL breached ({latency}) and draft queue growing "
                                 f"({q.get('draft', 0):.0f}): add a draft replica", (up,), **acted)
-        new = lower_k()
-        why = "verify queue growing" if growing("verify") else "no queue growth"
+        new = restore_prefill()
         if new:
-            return Decision("lower-k", f"ITL breached ({latency}), {why}: kMax {knobs.k_max}->{new.k_max}",
+            return restored(f"ITL breached ({latency}) with a prefill boost in force", new)
+        why = "verify queue growing" if growing("verify") else "no queue growth"
+        new = None if knobs.adaptive else lower_k()
+        if new:
+            return Decision("lower-k", f"ITL breached ({latency}), {why}, fixed k: kMax {knobs.k_max}->{new.k_max}",
                             knobs=new, **acted)
-        if knobs.k_max <= spec.speculation.k_min:
+        if knobs.adaptive or knobs.k_max <= spec.speculation.k_min:
             up = scale_up("verify")
             if up:
-                return Decision("scale-up", f"ITL breached ({latency}) with kMax at floor "
-                                f"{knobs.k_max}: add a verify replica", (up,), **acted)
+                k_note = "k is the router's (adaptive)" if knobs.adaptive else f"kMax at floor {knobs.k_max}"
+                return Decision("scale-up", f"ITL breached ({latency}), {k_note}: add a verify replica",
+                                (up,), **acted)
         return Decision("hold", f"ITL breached ({latency}) but at limits or cooling down", at_limits=True, **waiting)
 
     if ttft_breach:
-        if config_ok:
+        if config_ok and itl_r < auto.headroom_ratio:  # a larger prefill budget spends ITL headroom
             prio = min(knobs.prio_prefill + 1, knobs.prio_verify)
             budget = min(int(knobs.prefill_token_budget * 1.5), spec.prefill_token_budget_max)
             if (prio, budget) != (knobs.prio_prefill, knobs.prefill_token_budget):
@@ -246,19 +275,13 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
         return Decision("hold", f"TTFT breached ({latency}) but at limits or cooling down", at_limits=True, **waiting)
 
     # Headroom, confirmed: relax in the reverse order of tightening.
-    base = spec_knobs(spec)
     if config_ok and knobs.k_max < base.k_max:
         k_max = knobs.k_max + 1
         new = dataclasses.replace(knobs, k_max=k_max, k_initial=min(base.k_initial, k_max))
         return Decision("raise-k", f"headroom ({latency}): kMax {knobs.k_max}->{k_max}", knobs=new, **acted)
-    if config_ok and (knobs.prio_prefill > base.prio_prefill
-                      or knobs.prefill_token_budget > base.prefill_token_budget):
-        new = dataclasses.replace(knobs, prio_prefill=max(base.prio_prefill, knobs.prio_prefill - 1),
-                                  prefill_token_budget=max(base.prefill_token_budget,
-                                                           int(knobs.prefill_token_budget / 1.5)))
-        return Decision("prefill-restore", f"headroom ({latency}): prefill priority "
-                        f"{knobs.prio_prefill}->{new.prio_prefill}, budget "
-                        f"{knobs.prefill_token_budget}->{new.prefill_token_budget}", knobs=new, **acted)
+    new = restore_prefill()
+    if new:
+        return restored(f"headroom ({latency})", new)
     candidates = [u for u in spec.units() if replicas(u) > spec.bounds(u).min
                   and since_scale(u) >= auto.scale_down_cooldown_s]
     if candidates:

@@ -13,11 +13,11 @@ from verifypd_operator.spec import parse_spec
 SLO = {"ttftP95Ms": 500, "itlP95Ms": 50}
 
 
-def mk_spec(topology="split", **auto):
+def mk_spec(topology="split", adaptive=True, **auto):
     a = {"breachPeriods": 1, "headroomPeriods": 1, "scaleUpCooldownSeconds": 60,
          "scaleDownCooldownSeconds": 300, "configCooldownSeconds": 30, "minSamples": 10, **auto}
     return parse_spec({"topology": topology, "slo": SLO, "autoscaling": a,
-                       "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8},
+                       "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8, "adaptive": adaptive},
                        "lanes": {lane: {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}
                                  for lane in ("prefill", "draft", "verify")},
                        "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}})
@@ -33,21 +33,29 @@ def cur(spec, now=10_000.0, replicas=None, **kw):
     return Current(now=now, replicas=reps, knobs=knobs, **kw)
 
 
-OK, ITL_HI, TTFT_HI, HEADROOM = (300, 40), (300, 80), (900, 40), (100, 10)
+OK, ITL_HI, TTFT_HI, HEADROOM = (300, 40), (300, 80), (900, 20), (100, 10)
 
 
 @pytest.mark.parametrize("name, observed, current_kw, expect_action, expect", [
     ("within SLO holds", obs(*OK), {}, "hold", None),
     ("too few samples holds", obs(*ITL_HI, samples=3), {}, "hold", None),
-    ("ITL breach, verify queue growing: lower kMax before scaling",
-     obs(*ITL_HI, verify=9.0), {"prev_queue_depth": {"verify": 4.0}}, "lower-k", ("k_max", 6)),
-    ("ITL breach, kMax at floor: add verify replica",
-     obs(*ITL_HI, verify=9.0), {"prev_queue_depth": {"verify": 4.0}, "knobs_k_max": 1}, "scale-up",
+    ("ITL breach, fixed k, verify queue growing: lower kMax before scaling",
+     obs(*ITL_HI, verify=9.0), {"prev_queue_depth": {"verify": 4.0}, "fixed_k": True}, "lower-k", ("k_max", 6)),
+    ("ITL breach, fixed k, kMax at floor: add verify replica",
+     obs(*ITL_HI, verify=9.0), {"prev_queue_depth": {"verify": 4.0}, "knobs_k_max": 1, "fixed_k": True}, "scale-up",
      Scale("verify", 1, 2)),
+    ("ITL breach, adaptive k: k is the router's, add a verify replica (kMax untouched)",
+     obs(*ITL_HI, verify=9.0), {"prev_queue_depth": {"verify": 4.0}}, "scale-up", Scale("verify", 1, 2)),
+    ("ITL breach with a prefill boost in force: undo it first",
+     obs(*ITL_HI), {"knobs_prefill": (1, 1152)}, "prefill-restore", ("prefill_token_budget", 768)),
+    ("ITL breach, fixed k, prefill boost in force: undo it before lowering k",
+     obs(*ITL_HI), {"knobs_prefill": (1, 768), "fixed_k": True}, "prefill-restore", ("prio_prefill", 0)),
     ("ITL breach, draft queue growing and longest: add draft replica",
      obs(*ITL_HI, draft=12.0, verify=2.0), {"prev_queue_depth": {"draft": 5.0}}, "scale-up", Scale("draft", 1, 2)),
     ("TTFT breach: lower prefill penalty first",
      obs(*TTFT_HI), {}, "prefill-boost", ("prio_prefill", 1)),
+    ("TTFT breach, ITL without headroom: no prefill boost (it spends ITL), add a prefill replica",
+     obs(900, 40), {}, "scale-up", Scale("prefill", 1, 2)),
     ("TTFT breach, penalty and budget exhausted: add prefill replica",
      obs(*TTFT_HI), {"knobs_prefill": (1, 4096)}, "scale-up", Scale("prefill", 1, 2)),
     ("both breached: add capacity", obs(900, 80), {}, "scale-up", Scale("verify", 1, 2)),
@@ -66,8 +74,8 @@ OK, ITL_HI, TTFT_HI, HEADROOM = (300, 40), (300, 80), (900, 40), (100, 10)
     ("no queue signal at all: not idle", Observed(samples=0), {"knobs_k_max": 5}, "hold", None),
     ("stale telemetry: no decision on it", dataclasses.replace(obs(*ITL_HI), age_s=21.0), {}, "hold", None),
     ("no telemetry ever", dataclasses.replace(obs(*ITL_HI), age_s=None), {}, "hold", None),
-    ("telemetry just within staleAfterSeconds acts", dataclasses.replace(obs(*ITL_HI), age_s=20.0), {}, "lower-k",
-     ("k_max", 6)),
+    ("telemetry just within staleAfterSeconds acts", dataclasses.replace(obs(*ITL_HI), age_s=20.0), {}, "scale-up",
+     Scale("verify", 1, 2)),
 ])
 def test_policy_branches(name, observed, current_kw, expect_action, expect):
     spec = mk_spec()
@@ -75,6 +83,8 @@ def test_policy_branches(name, observed, current_kw, expect_action, expect):
     knobs = spec_knobs(spec)
     if "knobs_k_max" in kw:
         knobs = dataclasses.replace(knobs, k_max=kw.pop("knobs_k_max"), k_initial=1)
+    if kw.pop("fixed_k", False):
+        knobs = dataclasses.replace(knobs, adaptive=False)
     if "knobs_prefill" in kw:
         prio, budget = kw.pop("knobs_prefill")
         knobs = dataclasses.replace(knobs, prio_prefill=prio, prefill_token_budget=budget)
@@ -97,7 +107,7 @@ def test_both_breached_colocated_scales_the_pod_once():
 
 
 def test_lower_k_keeps_k_initial_within_bounds_and_floor():
-    spec = mk_spec()
+    spec = mk_spec(adaptive=False)
     knobs = spec_knobs(spec)
     seen = []
     for _ in range(10):
@@ -129,7 +139,7 @@ def test_scale_down_cooldown(since, allowed):
 
 
 def test_config_cooldown_blocks_k_change_then_scales_only_at_floor():
-    spec = mk_spec()
+    spec = mk_spec(adaptive=False)
     d = decide(spec, obs(*ITL_HI), cur(spec, last_config_change=10_000.0 - 5))
     assert d.action == "hold" and d.knobs is None  # kMax not at floor: wait rather than scale
 
@@ -153,7 +163,7 @@ def test_hysteresis_requires_consecutive_breaches():
         d = decide(spec, obs(*ITL_HI), c)
         actions.append(d.action)
         c = dataclasses.replace(c, breach_streak=d.breach_streak, headroom_streak=d.headroom_streak)
-    assert actions == ["hold", "hold", "lower-k"]
+    assert actions == ["hold", "hold", "scale-up"]
     assert c.breach_streak == 0  # the count restarts after acting
 
 
@@ -172,6 +182,41 @@ def test_no_flapping_on_noisy_input():
         c = dataclasses.replace(c, breach_streak=d.breach_streak, headroom_streak=d.headroom_streak)
     # Alternating breach/no-breach never confirms a breach (2 in a row needed), nor headroom.
     assert changes == []
+
+
+@pytest.mark.parametrize("adaptive, knobs_kw, expect_action, expect_knobs", [
+    # The measured case (docs/kubernetes.md, issue 20): a prefill boost in force, both breached, the
+    # pod at max. Undo the boost, the one knob that measurably cost ITL.
+    (True, {"prio_prefill": 1, "prefill_token_budget": 3888}, "prefill-restore", (8, 0, 2592)),
+    # No boost left, adaptive k: the router's k already minimises ITL; lowering kMax would raise it.
+    (True, {}, "hold", None),
+    # No boost left, fixed k: fewer drafts shorten each step.
+    (False, {}, "lower-k", (6, 0, 512)),
+])
+def test_both_breached_at_max_replicas(adaptive, knobs_kw, expect_action, expect_knobs):
+    spec = mk_spec(topology="colocated", adaptive=adaptive)
+    knobs = dataclasses.replace(spec_knobs(spec), **knobs_kw)
+    d = decide(spec, obs(900, 80), cur(spec, knobs=knobs, replicas={"colocated": 3}))
+    assert d.action == expect_action and not d.scales, d
+    if expect_knobs is None:
+        assert d.knobs is None and d.at_limits
+    else:
+        assert (d.knobs.k_max, d.knobs.prio_prefill, d.knobs.prefill_token_budget) == expect_knobs
+
+
+def test_adaptive_k_is_never_lowered_under_itl_breach():
+    """Whatever the ITL breach and the queues, with the router's adaptive k on the policy never
+    touches kMax (it scales, undoes a prefill boost, or holds at limits)."""
+    spec = mk_spec()
+    rng = random.Random(3)
+    for _ in range(300):
+        reps = {u: rng.randint(1, 3) for u in spec.units()}
+        knobs = dataclasses.replace(spec_knobs(spec), prio_prefill=rng.choice([0, 1]),
+                                    prefill_token_budget=rng.choice([512, 768, 4096]))
+        o = obs(rng.choice([300, 900]), rng.uniform(51, 200), verify=rng.uniform(0, 9), draft=rng.uniform(0, 9))
+        d = decide(spec, o, cur(spec, knobs=knobs, replicas=reps, prev_queue_depth={"verify": 4.0, "draft": 4.0},
+                                last_scale={u: 10_000.0 - rng.choice([5, 500]) for u in spec.units()}))
+        assert d.knobs is None or d.knobs.k_max == knobs.k_max, d
 
 
 def test_disabled_autoscaling_holds():

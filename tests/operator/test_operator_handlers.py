@@ -3,7 +3,8 @@ real in-test gRPC Control server standing in for the router.
 
 One scenario, in order: create -> owned Deployments/Services with owner refs, status, events;
 spec change (colocated -> split) -> patched/pruned; metrics breach the ITL SLO -> the timer lowers
-kMax through UpdateConfig, then scales the verify Deployment; delete -> nothing left behind.
+kMax through UpdateConfig (the spec's k is fixed: with the router's adaptive k the policy leaves k
+alone), then scales the verify Deployment; delete -> nothing left behind.
 Waits poll for a state with a generous deadline; nothing asserts on timing. On a loaded 2-core
 machine kmock (in Python, on the test's event loop) serves only a few requests per second, so one
 reconcile can take seconds: deadlines are minutes, and a wait returns as soon as its state holds.
@@ -136,7 +137,7 @@ async def _scenario(router: FakeRouter, control_port: int) -> None:
               "metadata": {"name": "demo", "namespace": "default", "uid": "uid-demo-1", "generation": 1,
                            "resourceVersion": "1"},
               "spec": {"topology": "colocated", "slo": {"ttftP95Ms": 500, "itlP95Ms": 50},
-                       "speculation": {"kMin": 1, "kInitial": 2, "kMax": 2},
+                       "speculation": {"kMin": 1, "kInitial": 2, "kMax": 2, "adaptive": False},
                        "lanes": {"verify": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}},
                        # Evaluate rarely until metrics exist; the scenario then lowers it.
                        "autoscaling": {"intervalSeconds": 3600, "breachPeriods": 1, "minSamples": 10,

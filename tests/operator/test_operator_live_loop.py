@@ -7,7 +7,7 @@ replaced is the headless-Service lookup: the Control client's resolver returns t
 Scenario, in order (waits poll and return as soon as their state holds; bounds are generous for a
 loaded 2-core machine):
   1. both routers are synced to the spec's knobs (they started with the CLI's);
-  2. verifypd-loadgen traffic breaks the ITL SLO: kMax falls on both routers within a bounded
+  2. verifypd-loadgen traffic breaks the ITL SLO: kMax (a fixed k) falls on both routers within a bounded
      time, both run the same knobs, status and events say why;
   3. the operator restarts under load (new process state: receiver, store, kopf): it carries on
      from the CR's status (no reset to the spec), keeps the routers in sync and lowers kMax further;
@@ -50,7 +50,9 @@ from services_helpers import tiny_models  # noqa: E402,F401 (a fixture)
 NAME, ADMIN_KEY = "loop", "live-loop-admin-key-0123456789abcdef"
 CR = {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "metadata": {"name": NAME},
       "spec": {"topology": "colocated", "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
-               "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8, "adaptive": True},
+               # Fixed k: with the router's adaptive k on, the policy leaves k to the router (it scales
+               # instead; maxReplicas 1 here), so the k path under test is the fixed-k one.
+               "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8, "adaptive": False},
                "prefillTokenBudget": 384,  # the CLI starts with 512: a synced router shows 384
                # Any decoding breaks an ITL p95 of 0.5 ms; TTFT is never the constraint here.
                "slo": {"ttftP95Ms": 600000, "itlP95Ms": 0.5},
@@ -180,8 +182,8 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
     try:
         for r in replicas:
             r.server.wait_ready()
-        # 1. Synced to the spec (kMin 1, budget 384; the CLI started them at 0 and 512).
-        spec_knobs = (1, 8, 4, True, 384, 2, 1, 0)
+        # 1. Synced to the spec (kMin 1, fixed k, budget 384; the CLI started them at 0, adaptive, 512).
+        spec_knobs = (1, 8, 4, False, 384, 2, 1, 0)  # fixed k (see CR)
         wait_for(lambda: in_sync(spec_knobs), "both routers synced to the spec", procs=servers())
         secret = admin.get("Secret", namespace, f"{NAME}-admin-key")
         assert secret["metadata"]["ownerReferences"][0]["name"] == NAME  # adopted and owned
