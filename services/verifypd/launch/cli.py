@@ -72,6 +72,10 @@ def cmd_serve(args) -> int:
             print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
                   file=sys.stderr)
             return 2
+    if options.tensor_parallel > 1 and (args.topology == "split" or any(addrs.values())):
+        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel} runs co-located only (split lane "
+              "servers do not shard the target yet: docs/engine.md 'Tensor parallelism')", file=sys.stderr)
+        return 2
     try:
         admin_key = _admin_key(args)
         tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
@@ -91,7 +95,8 @@ def cmd_serve(args) -> int:
     except Exception as exc:  # the core exited before it was ready (it printed why)
         print(f"verifypd: error: the engine core did not start: {exc}", file=sys.stderr)
         gateway.stop()
-        return 1
+        # 2: the core refused its arguments (a flag that does not fit the model, e.g. --tensor-parallel)
+        return 2 if core.wait(5) == 2 else 1
     tls_label = f", {tls.label}" if tls is not None else ""
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address}{tls_label} "
           f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
@@ -158,6 +163,10 @@ def cmd_lane(args) -> int:
         options = engine_options(args)
     except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range
         print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
+    if options.tensor_parallel > 1:
+        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel}: split lane servers do not shard the "
+              "target yet; run `verifypd serve` co-located (docs/engine.md 'Tensor parallelism')", file=sys.stderr)
         return 2
     if args.lane == "verify":
         warn_simulated(options)

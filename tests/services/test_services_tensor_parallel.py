@@ -1,0 +1,152 @@
+"""`--tensor-parallel` end to end on the CPU (issue 21): `verifypd serve --device cpu --tensor-parallel 2`
+(rank 0 in the engine core, one follower process, gloo) serves the tiny random Llama with a draft
+model, and its greedy output equals the single-process engine's token for token (a crowd of
+requests at once: ragged prefills, batched verify calls with device drafts broadcast to the
+follower, prefill beside decode). A follower killed mid-stream ends the requests with UNAVAILABLE
+and `serve` exits non-zero instead of hanging; flags that do not fit exit 2 naming the flag."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from services_helpers import (Client, Server, engine_options, free_port, greedy_request, offline_outputs,
+                              random_prompts, serve_cmd)
+from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.v1 import generate_pb2
+
+FOLLOWER_LINE = re.compile(r"tensor-parallel rank 1 of 2: pid (\d+)")
+
+
+def follower_pid(server: Server) -> int:
+    return int(next(FOLLOWER_LINE.search(ln).group(1) for ln in server.lines if FOLLOWER_LINE.search(ln)))
+
+
+def test_tp2_serve_equals_single_process_greedy(tiny_models):
+    prompts = random_prompts(10, seed=21, max_len=24)
+    max_tokens = 20
+    expected = offline_outputs(engine_options(*tiny_models, num_blocks=128),
+                               [RequestSpec(prompt_ids=tuple(p), max_tokens=max_tokens, stop_at_eos=False,
+                                            sampling=SamplingParams()) for p in prompts])
+    port = free_port()
+    server = Server(serve_cmd(tiny_models, port, "--tensor-parallel", "2"), echo=False).wait_ready()
+    try:
+        assert any("tensor-parallel rank 1 of 2 ready" in ln for ln in server.lines) or \
+            FOLLOWER_LINE.search("".join(server.lines)), "".join(server.lines[-20:])
+        client = Client(f"127.0.0.1:{port}")
+        got: dict[int, list[int]] = {}
+
+        def run(n: int) -> None:
+            got[n] = client.generate(**greedy_request(prompts[n], max_tokens=max_tokens), timeout=120)[0]
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert [got.get(n) for n in range(len(prompts))] == expected
+        assert os.kill(follower_pid(server), 0) is None   # the follower served them (alive, not replaced)
+        client.close()
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, "".join(server.lines[-20:])
+
+
+def test_follower_crash_fails_requests_and_serve_exits(tiny_models):
+    port = free_port()
+    server = Server(serve_cmd(tiny_models, port, "--tensor-parallel", "2"), echo=False).wait_ready()
+    try:
+        pid = follower_pid(server)
+        client = Client(f"127.0.0.1:{port}")
+        outcomes: list = []
+        started = threading.Event()
+
+        def stream(prompt) -> None:
+            try:
+                for _ in client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(prompt, max_tokens=230)),
+                                             timeout=120):
+                    started.set()
+                outcomes.append(("finished", ""))
+            except grpc.RpcError as exc:
+                outcomes.append((exc.code(), exc.details()))
+        readers = [threading.Thread(target=stream, args=(p,)) for p in random_prompts(6, seed=7, max_len=8)]
+        for r in readers:
+            r.start()
+        assert started.wait(60)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for r in readers:
+            r.join(60)
+        assert not any(r.is_alive() for r in readers), "a request hung after a tensor-parallel rank died"
+        assert time.monotonic() - t0 < 30
+        assert outcomes and all(code == grpc.StatusCode.UNAVAILABLE for code, _ in outcomes), outcomes
+        assert server.proc.wait(30) == 1, "serve must exit non-zero when a rank of its target is gone"
+        assert any(f"tensor-parallel rank 1 (pid {pid}) exited" in ln for ln in server.lines), server.lines[-20:]
+        client.close()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    from verifypd.launch.launcher import child_env
+
+    return subprocess.run([sys.executable, "-m", "verifypd.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=child_env())
+
+
+def test_bad_tensor_parallel_sizes_exit_2(tiny_models):
+    target, draft = tiny_models   # 4 heads, 2 kv heads, intermediate 128
+    common = ["generate", "--offline", "--raw", "hi", "--target", target, "--draft", draft, "--max-tokens", "2"]
+    for extra, message in (
+            (["--device", "cpu", "--tensor-parallel", "4"], "--tensor-parallel 4: tensor parallel size 4 must divide "
+                                                            "num_kv_heads (2)"),
+            (["--device", "cpu", "--tensor-parallel", "0"], "--tensor-parallel: must be >= 1"),
+            (["--device", "cuda", "--tensor-parallel", "2"] if not _cuda_count() else
+             ["--device", "cuda", "--tensor-parallel", str(_cuda_count() + 1)], "--tensor-parallel"),
+            (["--device", "cpu", "--tensor-parallel", "2", "--draft", "self:1"], "--tensor-parallel 2 splits")):
+        done = _cli(*common, *extra)
+        assert done.returncode == 2 and message in done.stderr, (extra, done.returncode, done.stderr[-600:])
+        assert "Traceback" not in done.stderr
+    port = free_port()
+    done = _cli(*serve_cmd(tiny_models, port, "--tensor-parallel", "4")[3:])
+    assert done.returncode == 2 and "--tensor-parallel 4: tensor parallel size 4 must divide" in done.stderr, \
+        done.stderr[-800:]
+    done = _cli(*serve_cmd(tiny_models, port, "--tensor-parallel", "2", topology="split")[3:])
+    assert done.returncode == 2 and "--tensor-parallel 2 runs co-located only" in done.stderr, done.stderr[-800:]
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def test_call_codec_round_trip_and_bad_headers():
+    from verifypd.model import tp_calls
+    from verifypd.model.layout import TokenRun
+
+    runs = [TokenRun([5, 6, 7], 0, (3, 4)), TokenRun([9], 41, (0, 1, 2, 8))]
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(tp_calls.encode(tp_calls.Call(tp_calls.SCORE, runs, draft_k=4, seq=7)))
+        call = tp_calls.receive(b, TokenRun)
+        assert (call.kind, call.runs, call.draft_k, call.seq, call.logits_for) == (tp_calls.SCORE, runs, 4, 7, None)
+        a.sendall(tp_calls.encode(tp_calls.Call(tp_calls.FORWARD, runs[:1], "last")))
+        assert tp_calls.receive(b, TokenRun).logits_for == "last"
+        a.sendall(tp_calls.HEADER.pack(42, 0, 0, 0, 0, 0, 1, 0))
+        with pytest.raises(ValueError, match="malformed"):
+            tp_calls.receive(b, TokenRun)
+        a.sendall(tp_calls.HEADER.pack(tp_calls.FORWARD, 0, 1, 2, 1, 0, 1, 0) + bytes(8 * 3 + 8 * 3))
+        with pytest.raises(ValueError, match="do not add up"):   # lens say 0 tokens, header says 2
+            tp_calls.receive(b, TokenRun)
+        a.close()
+        assert tp_calls.receive(b, TokenRun) is None   # EOF: rank 0 is gone
