@@ -168,19 +168,17 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
         else:  # enough for max_running short requests without taking the host's memory
             blocks = min(4096, max(256, (1 << 30) // per_block))
     if models.ranks is not None:  # block ids are shared by the ranks: every pool gets the smallest budget
-        from verifypd.model.tp_ranks import agree_blocks
-        blocks = agree_blocks(models.ranks.group, blocks, models.device)
-    pools = []
-    for role, model in (("target", models.target_model), ("draft", models.draft_model)):
-        if model is None:  # pool-less draft
-            pools.append(None)
-            continue
+        blocks = models.ranks.agreed_blocks(blocks)
+
+    def pool(role: str, model) -> KvPool:
         g = geometry(model, blocks)
         if options.shared_cpu_pools and models.device.type == "cpu":
-            pools.append(KvPool.create_shared_cpu(role, g, models.dtype))
-        else:
-            pools.append(KvPool(role, g, models.dtype, models.device))
-    return pools[0], pools[1]
+            return KvPool.create_shared_cpu(role, g, models.dtype)
+        return KvPool(role, g, models.dtype, models.device)
+
+    target = pool("target", models.target_model) if models.ranks is None else \
+        models.ranks.target_pool(lambda: pool("target", models.target_model))   # one per rank set
+    return target, (pool("draft", models.draft_model) if models.draft_model is not None else None)
 
 
 def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max: int) -> float:

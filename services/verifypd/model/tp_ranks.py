@@ -102,6 +102,7 @@ class LeaderRanks:
         self.lock = threading.Lock()
         self.stopping = False
         self._seq = 0
+        self._blocks, self._pool, self._runner = None, None, None
         self._dir = tempfile.mkdtemp(prefix="verifypd-tp-")
         init_file = os.path.join(self._dir, "rendezvous")
         self.procs: list[subprocess.Popen] = []
@@ -148,14 +149,31 @@ class LeaderRanks:
         self._seq += 1
         call.seq = self._seq
         data = tp_calls.encode(call)
-        for rank, sock in enumerate(self.socks, start=1):
+        for rank, (sock, proc) in enumerate(zip(self.socks, self.procs), start=1):
             try:
                 sock.sendall(data)
             except OSError as exc:
-                self.fatal(f"tensor-parallel rank {rank}: control socket failed ({exc})")
+                self.fatal(f"tensor-parallel rank {rank} (pid {proc.pid}) is gone: its control socket failed ({exc})")
+
+    # The followers build exactly one pool and one runner, so rank 0 does too: a second Engine over
+    # the same Models (benches run one per configuration) reuses them instead of starting
+    # collectives (block agreement, graph captures) that no follower would join.
+    def agreed_blocks(self, blocks: int) -> int:
+        if self._blocks is None:
+            self._blocks = agree_blocks(self.group, blocks, self.device)
+        return self._blocks
+
+    def target_pool(self, make):
+        if self._pool is None:
+            self._pool = make()
+        return self._pool
 
     def runner(self, model, pool, graphs=None, buckets=None) -> "LeaderRunner":
-        return LeaderRunner(self, model, pool, graphs=graphs, buckets=buckets)
+        if self._runner is None:
+            self._runner = LeaderRunner(self, model, pool, graphs=graphs, buckets=buckets)
+        elif self._runner.model is not model or self._runner.pool is not pool:
+            raise RuntimeError("a tensor-parallel rank set serves one target model over one pool")
+        return self._runner
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Orderly stop: followers get STOP (or EOF) and exit; killed if they do not."""
