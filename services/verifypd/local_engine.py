@@ -135,15 +135,16 @@ def load_tensor_parallel(options: EngineOptions, spec: DraftSpec, device, dtype)
                              f"--tensor-parallel {world} splits across ranks: use a draft model, ngram or none")
     target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)  # checks divisibility
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
-    ranks = tp_ranks.LeaderRanks(world, device, follower_options(options, dtype))
+    ranks = tp_ranks.LeaderRanks(world, device, follower_options(options, dtype, pool="private"))
     target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
     target_model.tp_group = ranks.group
     return Models(target, target_model, draft_model, options.draft, device, dtype, ranks=ranks)
 
 
-def follower_options(options: EngineOptions, dtype: torch.dtype) -> dict:
-    """What a follower rank needs to build the same target runner (tp_follower's --options)."""
-    return dict(target=options.target, dtype=str(dtype).removeprefix("torch."), max_context=options.max_context,
+def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, generation: int = 1) -> dict:
+    """What a follower rank needs to build the same target runner (tp_follower's --options; `pool`:
+    private | shared | import, see there)."""
+    return dict(pool=pool, generation=generation, target=options.target, dtype=str(dtype).removeprefix("torch."), max_context=options.max_context,
                 block_size=options.block_size, num_blocks=options.num_blocks,
                 gpu_memory_fraction=options.gpu_memory_fraction, cuda_graphs=options.cuda_graphs,
                 graph_buckets=list(options.graph_buckets) if options.graph_buckets else None,
@@ -228,6 +229,8 @@ class Engine:
             self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle,
                                                                     **common))
         self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
+        if m.ranks is not None:
+            m.ranks.wait_ready()   # the followers captured theirs too (a failed one ends this process)
         self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
                                            simulated_acceptance=simulated_acceptance)
         decode_streams = (getattr(self.draft_lane, "stream", None), self.verify_lane.stream)

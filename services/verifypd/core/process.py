@@ -183,11 +183,16 @@ def main() -> int:
     from verifypd.engine.types import InvalidRequest
     from verifypd.model.loader import ModelLoadError
 
+    from verifypd.launch.launcher import LaneStartError
+
     try:
         return core_main(sys.argv[1:])
     except (InvalidRequest, ModelLoadError, OSError) as exc:
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
+    except LaneStartError as exc:  # split: a lane refused its arguments (2) or failed (1)
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2 if exc.code == 2 else 1
 
 
 if __name__ == "__main__":

@@ -72,9 +72,9 @@ def cmd_serve(args) -> int:
             print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
                   file=sys.stderr)
             return 2
-    if options.tensor_parallel > 1 and (args.topology == "split" or any(addrs.values())):
-        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel} runs co-located only (split lane "
-              "servers do not shard the target yet: docs/engine.md 'Tensor parallelism')", file=sys.stderr)
+    if options.tensor_parallel > 1 and any(addrs.values()):  # the lanes were started with their own flags
+        print(f"verifypd: error: with --*-addr, give --tensor-parallel {options.tensor_parallel} to `verifypd lane "
+              "verify` and `verifypd lane prefill`, not to serve", file=sys.stderr)
         return 2
     try:
         admin_key = _admin_key(args)
@@ -164,9 +164,9 @@ def cmd_lane(args) -> int:
     except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
-    if options.tensor_parallel > 1:
-        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel}: split lane servers do not shard the "
-              "target yet; run `verifypd serve` co-located (docs/engine.md 'Tensor parallelism')", file=sys.stderr)
+    if options.tensor_parallel > 1 and args.lane == "draft":
+        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel}: the draft lane is not sharded (only "
+              "the verify and prefill lanes run the target)", file=sys.stderr)
         return 2
     if args.lane == "verify":
         warn_simulated(options)
@@ -187,7 +187,8 @@ def cmd_lane(args) -> int:
     if args.port_file:  # written atomically: the launcher reads it as soon as it exists
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
-            f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
+            shards = [d.shm_path for d in servicer.rank_shards if d.shm_path]   # --tensor-parallel: the other ranks'
+            f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path], *shards]))
         os.replace(tmp, args.port_file)
     calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
     print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})", file=sys.stderr,

@@ -22,6 +22,11 @@ in a collective that can never complete, so rank 0's watchdog logs it and ends t
 with exit status 1 (`os._exit`: no thread can unblock NCCL). The gateway then ends the requests in
 flight with UNAVAILABLE and `serve` exits 1; the offline CLI exits 1. A follower exits when rank 0
 goes away (EOF on its socket, or its parent pid changes) and on any error of its own.
+
+Pools: a follower builds its own (private, or shared for an importer: /dev/shm on the CPU, CUDA IPC
+on GPUs) when rank 0 owns one (the co-located engine, the verify lane), and reports a shared one's
+descriptor back (rank 0 lists them in its pool's `rank_shards`); a follower of an importing lane
+(the prefill lane) opens the pool rank 0 hands it with IMPORT (tp_follower.py).
 """
 from __future__ import annotations
 
@@ -102,7 +107,7 @@ class LeaderRanks:
         self.lock = threading.Lock()
         self.stopping = False
         self._seq = 0
-        self._blocks, self._pool, self._runner = None, None, None
+        self._blocks, self._pool, self._runner, self._ready = None, None, None, None
         self._dir = tempfile.mkdtemp(prefix="verifypd-tp-")
         init_file = os.path.join(self._dir, "rendezvous")
         self.procs: list[subprocess.Popen] = []
@@ -144,6 +149,18 @@ class LeaderRanks:
         print(f"verifypd: error: {message}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
+    def forward_failed(self, exc: BaseException) -> None:
+        """A forward raised on rank 0 (a collective whose peer is gone, or anything else): the ranks
+        are out of step for good, so this is fatal too. Names the lost rank when one has exited."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:   # a peer's exit is what usually breaks a collective
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None:
+                    self.fatal(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
+            time.sleep(0.05)
+        self.fatal(f"a tensor-parallel forward failed on rank 0 ({type(exc).__name__}: {exc})")
+
     def send(self, call: tp_calls.Call) -> None:
         """Writes one call to every follower (the caller holds `lock`)."""
         self._seq += 1
@@ -169,11 +186,50 @@ class LeaderRanks:
         return self._pool
 
     def runner(self, model, pool, graphs=None, buckets=None) -> "LeaderRunner":
-        if self._runner is None:
+        """The runner over `pool` (the same one again for the same pool; a new one after
+        `import_pool` handed the followers another pool)."""
+        if self._runner is None or self._runner.model is not model or self._runner.pool is not pool:
             self._runner = LeaderRunner(self, model, pool, graphs=graphs, buckets=buckets)
-        elif self._runner.model is not model or self._runner.pool is not pool:
-            raise RuntimeError("a tensor-parallel rank set serves one target model over one pool")
         return self._runner
+
+    def wait_ready(self) -> list[bytes]:
+        """Each follower's start-up answer, in rank order, once it is ready: its pool's serialized
+        PoolDescriptor (a lane owning a shared pool) or b"". Call after this rank's own start-up
+        collectives (block agreement, graph capture), which the followers take part in first."""
+        with self.lock:
+            if self._ready is None:
+                self._ready = []
+                for rank in range(1, self.world):
+                    try:
+                        self._ready.append(self._reply(rank))
+                    except RuntimeError as exc:
+                        self.fatal(f"tensor-parallel rank {rank} (pid {self.procs[rank - 1].pid}) failed to start: {exc}")
+            return self._ready
+
+    def import_pool(self, descriptors: list[bytes]) -> None:
+        """Has follower r open `descriptors[r - 1]` (a serialized PoolDescriptor) and build its runner
+        over it; raises RuntimeError with the first follower's error."""
+        with self.lock:
+            for sock, payload in zip(self.socks, descriptors):
+                self._seq += 1
+                try:
+                    sock.sendall(tp_calls.encode(tp_calls.Call(tp_calls.IMPORT, [], seq=self._seq, payload=payload)))
+                except OSError as exc:
+                    self.fatal(f"tensor-parallel follower: control socket failed ({exc})")
+            errors = []
+            for rank in range(1, self.world):
+                try:
+                    self._reply(rank)
+                except RuntimeError as exc:
+                    errors.append(f"rank {rank}: {exc}")
+            if errors:
+                raise RuntimeError("; ".join(errors))
+
+    def _reply(self, rank: int) -> bytes:
+        try:
+            return tp_calls.receive_reply(self.socks[rank - 1])
+        except (EOFError, OSError, ValueError) as exc:
+            self.fatal(f"tensor-parallel rank {rank} (pid {self.procs[rank - 1].pid}) is gone: {exc}")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Orderly stop: followers get STOP (or EOF) and exit; killed if they do not."""
@@ -204,49 +260,35 @@ class LeaderRunner(ModelRunner):
         super().__init__(model, pool, graphs=graphs, buckets=buckets)
         self.ranks = ranks
 
+    # Each call: under the lock, send, then issue the forward; any exception once the call was sent
+    # is fatal (LeaderRanks.forward_failed): the followers have run or are running all of it.
     def forward(self, runs, logits_for):
         with self.ranks.lock:
             self.ranks.send(tp_calls.Call(tp_calls.FORWARD, runs, logits_for))
-            return super().forward(runs, logits_for)
+            try:
+                return super().forward(runs, logits_for)
+            except Exception as exc:
+                self.ranks.forward_failed(exc)
 
     def score(self, runs, device_ids=None):
         with self.ranks.lock:
             k = 0 if device_ids is None else int(device_ids.shape[1])
             self.ranks.send(tp_calls.Call(tp_calls.SCORE, runs, draft_k=k))
-            if device_ids is not None:   # drafts that never visited the host: the followers need them too
-                device_ids = device_ids.to(torch.int64).contiguous()
-                self.ranks.group.broadcast(device_ids, 0)
-            return super().score(runs, device_ids)
+            try:
+                if device_ids is not None:   # drafts that never visited the host: the followers need them too
+                    device_ids = device_ids.to(torch.int64).contiguous()
+                    self.ranks.group.broadcast(device_ids, 0)
+                return super().score(runs, device_ids)
+            except Exception as exc:
+                self.ranks.forward_failed(exc)
 
     def last_logits(self, runs):
         with self.ranks.lock:
             self.ranks.send(tp_calls.Call(tp_calls.LAST_LOGITS, runs))
-            return super().last_logits(runs)
+            try:
+                return super().last_logits(runs)
+            except Exception as exc:
+                self.ranks.forward_failed(exc)
 
     def draft(self, runs, ks, samplings):
         raise RuntimeError("a tensor-parallel target does not draft (self-drafts are refused at load)")
-
-
-def serve_calls(runner: ModelRunner, group, sock: socket.socket) -> int:
-    """A follower's loop: runs rank 0's calls until STOP or EOF; returns the exit status."""
-    from verifypd.model.layout import TokenRun
-
-    expected = 1
-    while True:
-        call = tp_calls.receive(sock, TokenRun)
-        if call is None or call.kind == tp_calls.STOP:
-            return 0
-        if call.seq != expected:
-            log.error("tensor-parallel call %d arrived, expected %d: out of step with rank 0", call.seq, expected)
-            return 1
-        expected += 1
-        if call.kind == tp_calls.FORWARD:
-            runner.forward(call.runs, call.logits_for)
-        elif call.kind == tp_calls.SCORE:
-            ids = None
-            if call.draft_k:
-                ids = torch.empty(len(call.runs), call.draft_k, dtype=torch.int64, device=runner.device)
-                group.broadcast(ids, 0)
-            runner.score(call.runs, ids)
-        else:
-            runner.last_logits(call.runs)
