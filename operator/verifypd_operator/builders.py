@@ -219,7 +219,7 @@ def build_lane_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, 
     # port would be unreachable through the Service and the NetworkPolicy).
     args = ["lane", lane, "--port", str(GRPC_PORT), "--call-port", str(CALL_PORT), *_model_args(spec),
             "--secret-file", LANE_SECRET_FILE]
-    if b.tensor_parallel > 1:  # refused by the CRD until lane servers shard the target (crd.py)
+    if b.tensor_parallel > 1:  # refused by the CRD until sharded KV can be copied between pods (crd.py)
         args += ["--tensor-parallel", str(b.tensor_parallel)]
     vols, mounts = _volumes(spec, [], config)
     c = _container(spec, lane, args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}"),

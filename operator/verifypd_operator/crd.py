@@ -92,12 +92,14 @@ def with_tensor_parallel(replicas: S, what: str) -> S:
     return replicas
 
 
-# Split lane servers do not shard the target yet (docs/engine.md "Tensor parallelism"): refused here,
-# when the CR is written, rather than by lane pods exiting 2.
+# Split lane pods copy prefill KV between pods (kvTransport copy), and sharded KV is only ever imported
+# rank by rank on one host (docs/engine.md "Tensor parallelism"): refused here, when the CR is written,
+# rather than by a prefill lane refusing ImportPools at run time.
 SPLIT_TENSOR_PARALLEL_RULE = {
     "rule": "self.topology == 'colocated' || (self.lanes.verify.tensorParallel == 1 && "
             "self.lanes.prefill.tensorParallel == 1)",
-    "message": "tensorParallel > 1 runs with topology colocated only (split lane servers do not shard the target yet)"}
+    "message": "tensorParallel > 1 runs with topology colocated only (split lane pods copy KV between pods, "
+               "which a sharded target does not support yet)"}
 
 
 def spec_schema() -> S:
