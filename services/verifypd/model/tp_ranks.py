@@ -236,13 +236,19 @@ class LeaderRanks:
         if self.stopping:
             return
         self.stopping = True
-        with self.lock:
+        # Not forever: a thread stuck inside a forward holds the lock (its followers are then killed).
+        locked = self.lock.acquire(timeout=5.0)
+        try:
             for sock in self.socks:
-                try:
-                    sock.sendall(tp_calls.encode(tp_calls.Call(tp_calls.STOP, [])))
-                except OSError:
-                    pass
+                if locked:
+                    try:
+                        sock.sendall(tp_calls.encode(tp_calls.Call(tp_calls.STOP, [])))
+                    except OSError:
+                        pass
                 sock.close()
+        finally:
+            if locked:
+                self.lock.release()
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
