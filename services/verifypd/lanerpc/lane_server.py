@@ -159,6 +159,12 @@ class LaneServicer(CallChannelWork):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"pool {d.pool_id} has {len(d.rank_shards)} rank shards; this prefill lane runs "
                           f"--tensor-parallel {world} (the verify lane must run the same)")
+        for n, shard in enumerate(d.rank_shards):  # checked as the rank-0 pool is, before a follower maps it
+            try:
+                lv.check_pool_descriptor(f"pools[target].rank_shards[{n}]", shard, "target",
+                                         self._pool_spec("target"), LAYOUT, SHM_DIR)
+            except lv.LaneInvalid as exc:
+                context.abort(exc.code, str(exc))
         try:
             self.ranks.import_pool([s.SerializeToString() for s in d.rank_shards])
         except RuntimeError as exc:
