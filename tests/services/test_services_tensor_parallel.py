@@ -157,3 +157,77 @@ def test_call_codec_round_trip_and_bad_headers():
             tp_calls.receive(b, TokenRun)
         a.close()
         assert tp_calls.receive(b, TokenRun) is None   # EOF: rank 0 is gone
+
+
+def _lane_followers(server: Server) -> dict[str, list[int]]:
+    """Live follower pids by the lane they serve (their --options say: verify owns "shared" pools,
+    prefill "import"s them)."""
+    out: dict[str, list[int]] = {"verify": [], "prefill": []}
+    for ln in list(server.lines):
+        m = FOLLOWER_LINE.search(ln)
+        if not m:
+            continue
+        try:
+            with open(f"/proc/{m.group(1)}/cmdline", "rb") as f:
+                cmd = f.read().decode()
+        except OSError:
+            continue   # exited
+        out["verify" if '"pool": "shared"' in cmd else "prefill"].append(int(m.group(1)))
+    return out
+
+
+def test_split_tp2_recovers_from_lost_ranks(tiny_models):
+    """The verify lane (rank 0) SIGKILLed, then a prefill lane's follower: each lane process exits and
+    is restarted with new followers, the prefill ranks re-import the new verify ranks' pools, and
+    every request still completes with the fault-free tokens."""
+    prompts = random_prompts(16, seed=12, max_len=16)
+    max_tokens = 20
+    expected = offline_outputs(engine_options(*tiny_models, num_blocks=128),
+                               [RequestSpec(prompt_ids=tuple(p), max_tokens=max_tokens, stop_at_eos=False,
+                                            sampling=SamplingParams()) for p in prompts])
+    port = free_port()
+    server = Server(serve_cmd(tiny_models, port, "--tensor-parallel", "2", "--max-running", "4",
+                              "--recovery-timeout", "120", topology="split"), echo=False).wait_ready()
+    results: dict[int, tuple] = {}
+    todo = list(enumerate(prompts))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        client = Client(f"127.0.0.1:{port}")
+        while True:
+            with lock:
+                if not todo:
+                    break
+                n, prompt = todo.pop(0)
+            try:
+                results[n] = ("ok", client.generate(**greedy_request(prompt, max_tokens=max_tokens), timeout=300)[0])
+            except grpc.RpcError as exc:
+                results[n] = (exc.code(), exc.details())
+        client.close()
+    workers = [threading.Thread(target=worker) for _ in range(4)]
+    try:
+        first_prefill_follower = _lane_followers(server)["prefill"]
+        assert len(first_prefill_follower) == 1, server.lines[-20:]
+        for t in workers:
+            t.start()
+        assert _wait(lambda: len(results) >= 3, 120), "no progress"
+        os.kill(server.lane_pids()["verify"], signal.SIGKILL)
+        assert _wait(lambda: sum("lanes recovered after" in ln for ln in server.lines) == 1, 180), server.lines[-20:]
+        assert _wait(lambda: len(results) >= 8, 180), "no progress after the verify lane's restart"
+        os.kill(first_prefill_follower[0], signal.SIGKILL)
+        assert _wait(lambda: sum("lanes recovered after" in ln for ln in server.lines) == 2, 180), server.lines[-20:]
+        for t in workers:
+            t.join(300)
+        assert [results.get(n) for n in range(len(prompts))] == [("ok", e) for e in expected]
+        assert sum("lane restarted, pid" in ln for ln in server.lines) == 2
+    finally:
+        server.stop()
+
+
+def _wait(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return bool(predicate())
