@@ -231,3 +231,54 @@ def _wait(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return bool(predicate())
+
+
+def _start_lane(tiny_models, lane: str, tmp_path) -> tuple[subprocess.Popen, str]:
+    from verifypd.launch.launcher import child_env
+
+    port_file = tmp_path / f"{lane}.port"
+    cmd = [sys.executable, "-m", "verifypd.cli", "lane", lane, "--port", "0", "--port-file", str(port_file),
+           "--call-port", "-1", "--allow-unauthenticated", "--target", tiny_models[0], "--draft", tiny_models[1],
+           "--device", "cpu", "--num-blocks", "32", "--block-size", "4", "--max-context", "256",
+           "--parent-pid", str(os.getpid())] + (["--tensor-parallel", "2"] if lane != "draft" else [])
+    proc = subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert _wait(lambda: port_file.exists() or proc.poll() is not None, 180) and proc.poll() is None, lane
+    return proc, f"127.0.0.1:{port_file.read_text().split()[0]}"
+
+
+def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
+    """ImportPools on a sharded prefill lane: the verify lane's rank shards are validated like its
+    pool (a forged shm path is INVALID_ARGUMENT naming the field), their count must match the ranks,
+    and copying sharded KV is refused; the untouched descriptors wire."""
+    from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+
+    lanes = [_start_lane(tiny_models, lane, tmp_path) for lane in ("verify", "prefill", "draft")]
+    try:
+        verify, prefill, draft = (grpc.insecure_channel(addr) for _, addr in lanes)
+        target = lanes_pb2_grpc.VerifyLaneStub(verify).Describe(lanes_pb2.LaneInfoRequest(), timeout=30).pools[0]
+        draft_pool = lanes_pb2_grpc.DraftLaneStub(draft).Describe(lanes_pb2.LaneInfoRequest(), timeout=30).pools[0]
+        assert len(target.rank_shards) == 1 and target.rank_shards[0].num_kv_heads == target.num_kv_heads == 1
+        target.kv_transfer_addr, draft_pool.kv_transfer_addr = lanes[0][1], lanes[2][1]   # as wire_pools does
+        stub = lanes_pb2_grpc.PrefillLaneStub(prefill)
+
+        def import_pools(d, transport="auto"):
+            return stub.ImportPools(lanes_pb2.ImportPoolsRequest(pools=[d, draft_pool], kv_transport=transport),
+                                    timeout=60)
+        forged = lanes_pb2.PoolDescriptor.FromString(target.SerializeToString())
+        forged.rank_shards[0].shm_path = "/etc/passwd"
+        none = lanes_pb2.PoolDescriptor.FromString(target.SerializeToString())
+        del none.rank_shards[:]
+        for d, transport, code, words in (
+                (forged, "auto", grpc.StatusCode.INVALID_ARGUMENT, "pools[target].rank_shards[0].shm_path"),
+                (none, "auto", grpc.StatusCode.FAILED_PRECONDITION, "has 0 rank shards"),
+                (target, "copy", grpc.StatusCode.FAILED_PRECONDITION, "copying sharded KV is not supported")):
+            with pytest.raises(grpc.RpcError) as err:
+                import_pools(d, transport)
+            assert err.value.code() == code and words in err.value.details(), err.value.details()
+        assert import_pools(target).mode_by_pool[target.pool_id] == "imported"
+        for channel in (verify, prefill, draft):
+            channel.close()
+    finally:
+        for proc, _ in lanes:
+            proc.terminate()
+            proc.wait(30)
