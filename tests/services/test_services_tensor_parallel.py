@@ -264,8 +264,12 @@ def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
         def import_pools(d, transport="auto"):
             return stub.ImportPools(lanes_pb2.ImportPoolsRequest(pools=[d, draft_pool], kv_transport=transport),
                                     timeout=60)
+        # A file of the test's own: were the check missing, the follower would map it (torch.from_file
+        # grows it to the pool's size and writes into it), so never point this at a real file.
+        bait = tmp_path / "not-a-pool"
+        bait.write_bytes(b"keep me")
         forged = lanes_pb2.PoolDescriptor.FromString(target.SerializeToString())
-        forged.rank_shards[0].shm_path = "/etc/passwd"
+        forged.rank_shards[0].shm_path = str(bait)
         none = lanes_pb2.PoolDescriptor.FromString(target.SerializeToString())
         del none.rank_shards[:]
         for d, transport, code, words in (
@@ -275,6 +279,7 @@ def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 import_pools(d, transport)
             assert err.value.code() == code and words in err.value.details(), err.value.details()
+        assert bait.read_bytes() == b"keep me"   # refused before any rank opened it
         assert import_pools(target).mode_by_pool[target.pool_id] == "imported"
         for channel in (verify, prefill, draft):
             channel.close()
