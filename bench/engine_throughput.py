@@ -188,23 +188,32 @@ def main() -> None:
     ap.add_argument("--fallback-alphas", default="0.1",
                     help="simulated acceptance rates run with adaptive k only (must fall back to plain decoding)")
     ap.add_argument("--rows", default="plain,simulated,self", help="which row families to run")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="the target over N GPUs (cuda:0..N-1; this process is rank 0, the draft stays on cuda:0); "
+                         "floors are then rank 0's shard's; the self rows are left out")
     ap.add_argument("--memory-test", action="store_true",
                     help="only: 128 concurrent requests of 1000 + 1000 tokens, KV pools sized from free memory")
     ap.add_argument("--out", default="engine_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     families = args.rows.split(",")
+    if args.tensor_parallel > 1:  # a self-draft would run the target's weights, which the ranks split
+        families = [f for f in families if f != "self"]
     cuda = args.device == "cuda"
     results = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "device": torch.cuda.get_device_name() if cuda else "cpu",
                "torch": torch.__version__, "weights": "random (bf16)", "prompt_len": args.prompt_len,
-               "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft, "rows": []}
+               "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft,
+               "tensor_parallel": args.tensor_parallel,
+               "devices": [torch.cuda.get_device_name(i) for i in range(args.tensor_parallel)] if cuda else ["cpu"],
+               "rows": []}
     if args.memory_test:
         return memory_test(args, results)
     max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
     base = dict(device=args.device, dtype="bfloat16" if cuda else "float32", num_blocks=max_blocks,
-                max_context=args.prompt_len + args.gen_len + 64, graph_buckets=tuple(batches) if cuda else None)
+                max_context=args.prompt_len + args.gen_len + 64, graph_buckets=tuple(batches) if cuda else None,
+                tensor_parallel=args.tensor_parallel)
     t0 = time.perf_counter()
     target_models = load_models(EngineOptions(target=model_spec(args.target), draft=model_spec(args.draft), **base))
     results["load_seconds"] = round(time.perf_counter() - t0, 1)

@@ -13,6 +13,9 @@
     torchrun --nproc-per-node 2 bench/tp_check.py --graphs --time-shape llama-2-7b --out bench/results
     torchrun --nproc-per-node 1 bench/tp_check.py --graphs --time-shape llama-2-7b --out bench/results
     torchrun --nproc-per-node 2 bench/tp_check.py --device cpu          # gloo + reference attention (CI smoke)
+
+bench/tensor_parallel_targets.py runs it at world 1 and 2 and the engine part of issue 21's targets
+in one command. Not run on GPUs yet (no two-GPU machine was lent while it was written).
 """
 from __future__ import annotations
 

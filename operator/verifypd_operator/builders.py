@@ -219,6 +219,8 @@ def build_lane_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, 
     # port would be unreachable through the Service and the NetworkPolicy).
     args = ["lane", lane, "--port", str(GRPC_PORT), "--call-port", str(CALL_PORT), *_model_args(spec),
             "--secret-file", LANE_SECRET_FILE]
+    if b.tensor_parallel > 1:  # refused by the CRD until sharded KV can be copied between pods (crd.py)
+        args += ["--tensor-parallel", str(b.tensor_parallel)]
     vols, mounts = _volumes(spec, [], config)
     c = _container(spec, lane, args, GRPC_PORT, otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}"),
                    _resources(b.resources, b.gpu), mounts, call_port=CALL_PORT)
@@ -405,7 +407,12 @@ def build_all(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: Ma
     def r(unit: str) -> int:
         return replicas.get(unit, spec.bounds(unit).replicas)
 
-    if spec.topology == COLOCATED:
+    if spec.topology == COLOCATED and spec.colocated.tensor_parallel > 1:
+        from .tensor_parallel_pods import build_tensor_parallel_deployment
+        objs = [build_tensor_parallel_deployment(spec, owner, namespace, r(COLOCATED), otlp_endpoint)]
+        if spec.gpu_sharing == "dra":
+            objs.append(build_resource_claim_template(spec, owner, namespace))
+    elif spec.topology == COLOCATED:
         objs = [build_colocated_deployment(spec, owner, namespace, r(COLOCATED), otlp_endpoint)]
         if spec.gpu_sharing == "dra":
             objs.append(build_resource_claim_template(spec, owner, namespace))

@@ -81,8 +81,31 @@ def _replicas(desc: str, gpu: int = 1) -> S:
     }
 
 
+def with_tensor_parallel(replicas: S, what: str) -> S:
+    """Adds `tensorParallel` (the target's ranks, one GPU each: `--tensor-parallel`) to a pod group
+    that runs the target; the pod must request at least that many GPUs."""
+    replicas["properties"]["tensorParallel"] = _int(
+        1, 1, 8, f"shard the target over this many GPUs of one pod ({what}; `--tensor-parallel`); must "
+                 "divide the target's heads, kv heads and intermediate size (the engine checks at load)")
+    replicas["x-kubernetes-validations"].append(
+        {"rule": "self.gpu >= self.tensorParallel", "message": "gpu must be at least tensorParallel (one GPU per rank)"})
+    return replicas
+
+
+# Split lane pods copy prefill KV between pods (kvTransport copy), and sharded KV is only ever imported
+# rank by rank on one host (docs/engine.md "Tensor parallelism"): refused here, when the CR is written,
+# rather than by a prefill lane refusing ImportPools at run time.
+SPLIT_TENSOR_PARALLEL_RULE = {
+    "rule": "self.topology == 'colocated' || (self.lanes.verify.tensorParallel == 1 && "
+            "self.lanes.prefill.tensorParallel == 1)",
+    "message": "tensorParallel > 1 runs with topology colocated only (split lane pods copy KV between pods, "
+               "which a sharded target does not support yet)"}
+
+
 def spec_schema() -> S:
-    colocated = _replicas("topology=colocated: pods each holding gateway + all three lanes on one GPU")
+    colocated = with_tensor_parallel(
+        _replicas("topology=colocated: pods each holding gateway + all three lanes on one GPU (with "
+                  "tensorParallel > 1: one container serving the target over that many GPUs)"), "colocated pods")
     colocated["properties"].update(
         gpuSharing=_str("devicePlugin", "how the lane containers share the pod's GPU", ["devicePlugin", "dra"]),
         draDeviceClass=_str("gpu.nvidia.com", "DeviceClass for gpuSharing=dra"),
@@ -110,7 +133,9 @@ def spec_schema() -> S:
             "gateway": gateway,
             "colocated": colocated,
             "lanes": {"type": "object", "default": {}, "properties": {
-                lane: _replicas(f"{lane} lane Deployment (topology=split)") for lane in ("prefill", "draft", "verify")}},
+                lane: _replicas(f"{lane} lane Deployment (topology=split)") if lane == "draft" else
+                with_tensor_parallel(_replicas(f"{lane} lane Deployment (topology=split)"), f"the {lane} lane")
+                for lane in ("prefill", "draft", "verify")}},
             "speculation": {
                 "type": "object", "default": {},
                 "properties": {
@@ -161,6 +186,7 @@ def spec_schema() -> S:
              "message": "prefillTokenBudget must not exceed prefillTokenBudgetMax"},
             {"rule": "self.priorities.prefill <= self.priorities.verify",
              "message": "prefill priority must not exceed verify's (the autoscaler raises it at most to verify's)"},
+            SPLIT_TENSOR_PARALLEL_RULE,
         ],
     }
 

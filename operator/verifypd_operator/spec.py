@@ -48,6 +48,7 @@ class Replicas:
     max: int = 4
     gpu: int = 1
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tensor_parallel: int = 1  # the target's ranks (colocated, verify, prefill): `--tensor-parallel`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ def _replicas(d: Mapping[str, Any] | None, *, gpu: int = 1,
         max=int(d.get("maxReplicas", 4)),
         gpu=int(d.get("gpu", gpu)),
         resources=dict(d["resources"] if "resources" in d else resources or {}),
+        tensor_parallel=int(d.get("tensorParallel", 1)),
     )
 
 

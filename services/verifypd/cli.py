@@ -39,7 +39,7 @@ def cmd_generate_offline(args) -> int:
     config = RuntimeConfig(**schedule_changes(args)) if k is None else \
         RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False, **schedule_changes(args))
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
-                            num_blocks=args.num_blocks, config=config)
+                            num_blocks=args.num_blocks, config=config, tensor_parallel=args.tensor_parallel)
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
     if args.max_tokens <= 0:
         raise InvalidRequest(f"--max-tokens must be >= 1, got {args.max_tokens}")

@@ -32,6 +32,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per pool (default: from memory)")
+    p.add_argument("--tensor-parallel", type=tensor_parallel_size, default=1, metavar="N",
+                   help="shard the target over N processes, one GPU each (cuda:I..cuda:I+N-1 from --device "
+                        "cuda:I; gloo on --device cpu); N must divide its heads, kv heads and intermediate size")
+
+
+def tensor_parallel_size(text: str) -> int:
+    """--tensor-parallel: an integer >= 1 (argparse reports the error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_schedule_flags(p: argparse.ArgumentParser) -> None:

@@ -44,6 +44,9 @@ class EngineOptions:
     # BENCHMARK ONLY (`--simulated-acceptance`): real draft and verify compute, but each draft token is
     # kept with this probability (seeded Bernoulli, see LocalVerifyLane): output is NOT the target's.
     simulated_acceptance: float | None = None
+    # The target over this many ranks, one process (and GPU) each: this process is rank 0
+    # (model/tp_ranks.py); 1 = today's single-process target.
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -54,6 +57,9 @@ class Models:
     draft_name: str
     device: torch.device
     dtype: torch.dtype
+    # --tensor-parallel > 1: the follower ranks (tp_ranks.LeaderRanks); target.weights and
+    # target_model then hold rank 0's shard (target.shape stays the full model's).
+    ranks: object | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,10 +114,41 @@ def load_models(options: EngineOptions) -> Models:
     spec = draft_spec(options.draft)  # a bad --draft fails before the target is loaded
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    if options.tensor_parallel != 1:
+        return load_tensor_parallel(options, spec, device, dtype)
     target = load_model(options.target, device, dtype, options.max_context)
     target_model = PagedLlama(target.shape, target.weights)
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
     return Models(target, target_model, draft_model, options.draft, device, dtype)
+
+
+def load_tensor_parallel(options: EngineOptions, spec: DraftSpec, device, dtype) -> Models:
+    """Rank 0 of a target sharded over `options.tensor_parallel` processes (model/tp_ranks.py): its
+    shard, the started followers, and the draft (whole, on rank 0's device)."""
+    from verifypd.model import tp_ranks
+    from verifypd.model.tensor_parallel import load_target_shard, shard_shape
+
+    world = options.tensor_parallel
+    tp_ranks.check_devices(device, world)
+    if spec.kind in ("self", "eagle"):
+        raise ModelLoadError(f"--draft {spec.text} runs on the target's own weights or hidden states, which "
+                             f"--tensor-parallel {world} splits across ranks: use a draft model, ngram or none")
+    target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)  # checks divisibility
+    draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
+    ranks = tp_ranks.LeaderRanks(world, device, follower_options(options, dtype, pool="private"))
+    target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
+    target_model.tp_group = ranks.group
+    return Models(target, target_model, draft_model, options.draft, device, dtype, ranks=ranks)
+
+
+def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, generation: int = 1) -> dict:
+    """What a follower rank needs to build the same target runner (tp_follower's --options; `pool`:
+    private | shared | import, see there)."""
+    return dict(pool=pool, generation=generation, target=options.target, dtype=str(dtype).removeprefix("torch."), max_context=options.max_context,
+                block_size=options.block_size, num_blocks=options.num_blocks,
+                gpu_memory_fraction=options.gpu_memory_fraction, cuda_graphs=options.cuda_graphs,
+                graph_buckets=list(options.graph_buckets) if options.graph_buckets else None,
+                k_max=options.config.k_max)
 
 
 def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool | None]:
@@ -131,17 +168,18 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
             blocks = int(free * options.gpu_memory_fraction) // per_block
         else:  # enough for max_running short requests without taking the host's memory
             blocks = min(4096, max(256, (1 << 30) // per_block))
-    pools = []
-    for role, model in (("target", models.target_model), ("draft", models.draft_model)):
-        if model is None:  # pool-less draft
-            pools.append(None)
-            continue
+    if models.ranks is not None:  # block ids are shared by the ranks: every pool gets the smallest budget
+        blocks = models.ranks.agreed_blocks(blocks)
+
+    def pool(role: str, model) -> KvPool:
         g = geometry(model, blocks)
         if options.shared_cpu_pools and models.device.type == "cpu":
-            pools.append(KvPool.create_shared_cpu(role, g, models.dtype))
-        else:
-            pools.append(KvPool(role, g, models.dtype, models.device))
-    return pools[0], pools[1]
+            return KvPool.create_shared_cpu(role, g, models.dtype)
+        return KvPool(role, g, models.dtype, models.device)
+
+    target = pool("target", models.target_model) if models.ranks is None else \
+        models.ranks.target_pool(lambda: pool("target", models.target_model))   # one per rank set
+    return target, (pool("draft", models.draft_model) if models.draft_model is not None else None)
 
 
 def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max: int) -> float:
@@ -174,7 +212,8 @@ class Engine:
         eagle = isinstance(m.draft_model, EagleModel)
         # Before the target's graphs are captured: they must write the features too.
         features = attach_features(m.target_model, self.target_pool, m.draft_model.config) if eagle else None
-        target_runner = ModelRunner(m.target_model, self.target_pool, graphs=graphs, buckets=buckets)
+        make_runner = m.ranks.runner if m.ranks is not None else ModelRunner  # rank 0 sends each forward to the others
+        target_runner = make_runner(m.target_model, self.target_pool, graphs=graphs, buckets=buckets)
         common = dict(vocab_size=m.target.shape.vocab_size, max_context=m.target.shape.max_context,
                       target_model=m.target.name, draft_model=m.draft_name)
         pools = (self.target_pool.info(),) + ((self.draft_pool.info(),) if self.draft_pool else ())
@@ -190,6 +229,8 @@ class Engine:
             self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle,
                                                                     **common))
         self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
+        if m.ranks is not None:
+            m.ranks.wait_ready()   # the followers captured theirs too (a failed one ends this process)
         self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
                                            simulated_acceptance=simulated_acceptance)
         decode_streams = (getattr(self.draft_lane, "stream", None), self.verify_lane.stream)

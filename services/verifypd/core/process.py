@@ -189,6 +189,7 @@ class CoreProcess:
 def main() -> int:
     from verifypd.engine.types import InvalidRequest
     from verifypd.lanes.interface import LaneError
+    from verifypd.launch.launcher import LaneStartError
     from verifypd.model.loader import ModelLoadError
 
     try:
@@ -196,6 +197,9 @@ def main() -> int:
     except (InvalidRequest, ModelLoadError, OSError) as exc:
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
+    except LaneStartError as exc:  # split: a lane refused its arguments (2) or failed (1)
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2 if exc.code == 2 else 1
     except LaneError as exc:  # e.g. a lane that refuses our certificate: one line, no traceback
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 1

@@ -43,7 +43,7 @@ from verifypd.lanerpc import lane_convert as lc
 from verifypd.lanerpc import lane_validate as lv
 from verifypd.lanerpc.call_channel import CallServer
 from verifypd.lanerpc.lane_calls import CallChannelWork
-from verifypd.lanerpc.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks
+from verifypd.lanerpc.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks, start_lane_ranks
 from verifypd.auth import lane_interceptor, lane_metadata
 from verifypd.health import add_health_and_reflection
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
@@ -73,11 +73,18 @@ class LaneServicer(CallChannelWork):
         self.eos_token_ids = target.eos_token_ids if target else ()
         self.owned: dict[str, KvPool] = {}
         self.lane = None
+        # --tensor-parallel N (verify, prefill): this process is rank 0 of the target (model/tp_ranks.py).
+        self.ranks, self.rank_shards = None, []
+        if options.tensor_parallel != 1 and self.target_model is not None:
+            self.ranks = start_lane_ranks(role, options, self.target_model, self.device, self.dtype, self.generation)
         if role == "verify":
-            pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation)
+            pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation,
+                              ranks=self.ranks)
             self.owned[pool.pool_id] = pool
             runner = self._runner(self.target_model, pool)
             capture_graphs(runner, None, options.config.k_max)  # at start-up, not inside the first calls
+            if self.ranks is not None:  # the other ranks' pools, for the prefill lane's ranks to open
+                self.rank_shards = [lanes_pb2.PoolDescriptor.FromString(b) for b in self.ranks.wait_ready()]
             self.lane = LocalVerifyLane(runner, self._info((pool.info(),)),
                                         simulated_acceptance=options.simulated_acceptance)
         elif role == "draft" and self.draft_model is None:
@@ -91,6 +98,8 @@ class LaneServicer(CallChannelWork):
             if self.device.type == "cuda":
                 from verifypd.lanerpc.draft_handoff import DraftHandoffBuffer
                 self.handoff = DraftHandoffBuffer(self.device)
+        elif self.ranks is not None:  # prefill: its followers have loaded their shards
+            self.ranks.wait_ready()
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
@@ -103,8 +112,9 @@ class LaneServicer(CallChannelWork):
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
 
     def _runner(self, model: PagedLlama, pool: KvPool) -> ModelRunner:
-        return ModelRunner(model, pool, graphs=None if self.options.cuda_graphs else False,
-                           buckets=self.options.graph_buckets)
+        make = self.ranks.runner if self.ranks is not None and model is self.target_model else ModelRunner
+        return make(model, pool, graphs=None if self.options.cuda_graphs else False,
+                    buckets=self.options.graph_buckets)
 
     def _info(self, pools) -> LaneInfo:
         return LaneInfo(self.role, tuple(pools), self.vocab_size, self.max_context,
@@ -121,16 +131,46 @@ class LaneServicer(CallChannelWork):
             torch.cuda.synchronize(self.device)
         for pool in self.owned.values():
             pool.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     # -- RPCs ------------------------------------------------------------------------------
     def Describe(self, request, context) -> lanes_pb2.LaneInfo:
         return lanes_pb2.LaneInfo(
             lane=self.role, target_model=self.options.target, draft_model=self.options.draft,
-            pools=[kv.describe_pool(p) for p in self.owned.values()], vocab_size=self.vocab_size,
+            pools=[self._describe(p) for p in self.owned.values()], vocab_size=self.vocab_size,
             max_context=self.max_context, eos_token_ids=self.eos_token_ids,
             kv_bytes_received=self.transfer.bytes_received,
             call_port=self.call_server.port if self.call_server is not None else 0,
             draft_handoff=self.handoff.describe() if self.handoff is not None else None)
+
+    def _describe(self, pool: KvPool) -> lanes_pb2.PoolDescriptor:
+        d = kv.describe_pool(pool)
+        if pool.role == "target":
+            d.rank_shards.extend(self.rank_shards)
+        return d
+
+    def _import_rank_shards(self, d: lanes_pb2.PoolDescriptor, mode: str, context) -> None:
+        """A sharded prefill lane: follower r opens the verify lane's rank r pool (handle only)."""
+        world = self.options.tensor_parallel
+        if mode != "imported":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"--tensor-parallel {world}: the prefill lane's ranks must import the target pool "
+                          "(same host and devices); copying sharded KV is not supported")
+        if len(d.rank_shards) != world - 1:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"pool {d.pool_id} has {len(d.rank_shards)} rank shards; this prefill lane runs "
+                          f"--tensor-parallel {world} (the verify lane must run the same)")
+        for n, shard in enumerate(d.rank_shards):  # checked as the rank-0 pool is, before a follower maps it
+            try:
+                lv.check_pool_descriptor(f"pools[target].rank_shards[{n}]", shard, "target",
+                                         self._pool_spec("target"), LAYOUT, SHM_DIR)
+            except lv.LaneInvalid as exc:
+                context.abort(exc.code, str(exc))
+        try:
+            self.ranks.import_pool([s.SerializeToString() for s in d.rank_shards])
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the rank shards of {d.pool_id}: {exc}")
 
     def ImportPools(self, request, context) -> lanes_pb2.ImportPoolsReply:
         if self.role == "verify" and request.HasField("draft_handoff") and not request.pools:
@@ -167,10 +207,16 @@ class LaneServicer(CallChannelWork):
                                                  tls=self.tls)
             except (ValueError, OSError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
+        if self.ranks is not None:
+            target_d = next(d for d, role in zip(request.pools, roles) if role == "target")
+            self._import_rank_shards(target_d, modes[target_d.pool_id], context)
         runners = (self._runner(self.target_model, pools["target"]),
                    self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None)
         event = None
-        if request.forward_kv_written_event and self.device.type == "cuda" and "imported" in modes.values():
+        # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
+        # waits for them), not by an event on rank 0's device.
+        if request.forward_kv_written_event and self.device.type == "cuda" and "imported" in modes.values() \
+                and self.ranks is None:
             event = torch.cuda.Event(interprocess=True)
         with self.lock:
             self.lane = LocalPrefillLane(*runners, self._info(()))

@@ -73,6 +73,10 @@ def cmd_serve(args) -> int:
             print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
                   file=sys.stderr)
             return 2
+    if options.tensor_parallel > 1 and any(addrs.values()):  # the lanes were started with their own flags
+        print(f"verifypd: error: with --*-addr, give --tensor-parallel {options.tensor_parallel} to `verifypd lane "
+              "verify` and `verifypd lane prefill`, not to serve", file=sys.stderr)
+        return 2
     try:
         admin_key = _admin_key(args)
         tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
@@ -101,7 +105,8 @@ def cmd_serve(args) -> int:
     except Exception as exc:  # the core exited before it was ready (it printed why)
         print(f"verifypd: error: the engine core did not start: {exc}", file=sys.stderr)
         gateway.stop()
-        return 1
+        # 2: the core refused its arguments (a flag that does not fit the model, e.g. --tensor-parallel)
+        return 2 if core.wait(5) == 2 else 1
     tls_label = f", {tls.label}" if tls is not None else ""
     print(f"verifypd: serving {gateway.info.topology} on {gateway.address}{tls_label} "
           f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
@@ -194,6 +199,10 @@ def cmd_lane(args) -> int:
     except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
+    if options.tensor_parallel > 1 and args.lane == "draft":
+        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel}: the draft lane is not sharded (only "
+              "the verify and prefill lanes run the target)", file=sys.stderr)
+        return 2
     if args.lane == "verify":
         warn_simulated(options)
     elif options.simulated_acceptance is not None:
@@ -218,7 +227,8 @@ def cmd_lane(args) -> int:
     if args.port_file:  # written atomically: the launcher reads it as soon as it exists
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
-            f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path]]))
+            shards = [d.shm_path for d in servicer.rank_shards if d.shm_path]   # --tensor-parallel: the other ranks'
+            f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path], *shards]))
         os.replace(tmp, args.port_file)
     calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
     calls += ", mutual TLS" if tls is not None else ""

@@ -42,6 +42,8 @@ def lane_command(lane: str, options, *, host: str, port: int = 0, port_file: str
         cmd += ["--num-blocks", str(options.num_blocks)]
     if options.graph_buckets:
         cmd += ["--graph-buckets", ",".join(map(str, options.graph_buckets))]
+    if lane != "draft" and getattr(options, "tensor_parallel", 1) > 1:  # the lanes that run the target
+        cmd += ["--tensor-parallel", str(options.tensor_parallel)]
     if lane != "prefill":  # the owners capture graphs up to the router's longest draft
         cmd += ["--k-max", str(options.config.k_max)]
     if lane == "verify" and getattr(options, "simulated_acceptance", None) is not None:  # benchmark only
@@ -66,6 +68,14 @@ def read_port_file(path: str) -> tuple[str, list[str]]:
     """(port, shm pool paths) from a lane's port file."""
     lines = pathlib.Path(path).read_text().split()
     return lines[0], [ln for ln in lines[1:] if ln.startswith("/dev/shm/verifypd-")]
+
+
+class LaneStartError(RuntimeError):
+    """A lane exited while starting; `code` 2: it refused its arguments (serve exits 2 too)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 class LaneProcesses:
@@ -125,7 +135,8 @@ class LaneProcesses:
                 code = self.procs[lane].poll()
                 if code is not None:
                     self.terminate()
-                    raise RuntimeError(f"{lane} lane exited with code {code} while starting (see its log above)")
+                    raise LaneStartError(f"{lane} lane exited with code {code} while starting (see its log above)",
+                                         code)
                 if os.path.exists(files[lane]):
                     port, _ = read_port_file(files[lane])
                     self.addrs[lane] = f"{self.host}:{port}"

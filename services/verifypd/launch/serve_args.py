@@ -194,7 +194,7 @@ def engine_options(args):
 
     options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
                             num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context,
-                            graph_buckets=args.graph_buckets,
+                            graph_buckets=args.graph_buckets, tensor_parallel=args.tensor_parallel,
                             simulated_acceptance=getattr(args, "simulated_acceptance", None))
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
         options.config = RuntimeConfig(k_min=0, k_initial=min(RuntimeConfig().k_initial, max(args.k_max, 0)),

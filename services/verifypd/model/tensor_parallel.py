@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.loader import LoadedModel, ModelLoadError, load_model, random_shape
 
 
 class TpGroup(Protocol):
@@ -60,6 +61,13 @@ class TorchDistributedGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._dist.all_reduce(tensor, group=self._group)
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> None:
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self._group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Rank `src`'s tensor into every rank's (same shape and dtype), in place."""
+        self._dist.broadcast(tensor, src=src, group=self._group)   # src: a global rank (one group today)
 
 
 def shard_shape(shape: LlamaShape, world: int) -> LlamaShape:
@@ -113,3 +121,63 @@ def shard_model(shape: LlamaShape, weights: LlamaWeights, group: TpGroup, **mode
     model = PagedLlama(local, shard_weights(shape, weights, group.rank, group.world), **model_options)
     model.tp_group = group
     return model
+
+
+def check_tensor_parallel(shape: LlamaShape, world: int) -> LlamaShape:
+    """shard_shape with the CLI's error: `--tensor-parallel N` that does not divide a field exits 2."""
+    try:
+        return shard_shape(shape, world)
+    except ValueError as exc:
+        raise ModelLoadError(f"--tensor-parallel {world}: {exc}") from None
+
+
+def load_target_shard(spec: str, rank: int, world: int, device: torch.device, dtype: torch.dtype,
+                      max_context: int | None) -> LoadedModel:
+    """Rank `rank`'s target: the full shape (vocabulary, context, tokenizer, eos ids as the unsharded
+    model), weights = this rank's shard on `device`. Raises ModelLoadError (exit 2) when `world` does
+    not divide heads, kv heads or the intermediate size.
+
+    A checkpoint is read whole into host memory (float32 by transformers), sharded there, and only
+    the shard reaches the device (every rank reads it: a 70B checkpoint needs host memory to match;
+    reading only the rank's slices of safetensors files is the next step). A `random:` shape makes
+    its shard directly on the device: layer weights seeded per rank, the replicated embeddings,
+    head and norms with one seed, so every rank holds the same replicated tensors (its output is
+    meaningless either way; such shapes are for timing)."""
+    if spec.startswith("random:"):
+        shape, tied = random_shape(spec.removeprefix("random:"), max_context)
+        check_tensor_parallel(shape, world)
+        return LoadedModel(spec, shape, random_shard_weights(shape, tied, rank, world, device, dtype), None, ())
+    full = load_model(spec, torch.device("cpu"), dtype, max_context)
+    check_tensor_parallel(full.shape, world)
+    shard = shard_weights(full.shape, full.weights, rank, world)
+
+    def move(t):
+        return None if t is None else t.to(device)
+    layers = [LayerWeights(*(move(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)))
+              for lw in shard.layers]
+    embed = move(shard.embed)
+    head = embed if shard.lm_head is shard.embed else move(shard.lm_head)
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=move(shard.final_norm), lm_head=head)
+    return LoadedModel(full.name, full.shape, weights, full.tokenizer, full.eos_token_ids)
+
+
+def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, device, dtype) -> LlamaWeights:
+    """Random weights of one rank's shard, made on `device` (scaled as loader.random_model)."""
+    local = shard_shape(shape, world)
+    shared = torch.Generator(device=device).manual_seed(0)
+    own = torch.Generator(device=device).manual_seed(1 + rank)
+
+    def rand(gen, rows: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(rows, fan_in, generator=gen, device=device, dtype=torch.float32) * fan_in ** -0.5).to(dtype)
+
+    H, D = shape.hidden_size, shape.head_dim
+    qkv_rows = (local.num_heads + 2 * local.num_kv_heads) * D
+    ones = torch.ones(H, device=device, dtype=dtype)
+    layers = [LayerWeights(qkv=rand(own, qkv_rows, H),
+                           qkv_bias=rand(own, 1, qkv_rows)[0] if shape.qkv_bias else None,
+                           o=rand(own, H, local.num_heads * D), gate_up=rand(own, 2 * local.intermediate_size, H),
+                           down=rand(own, H, local.intermediate_size), input_norm=ones, post_norm=ones)
+              for _ in range(shape.num_layers)]
+    embed = rand(shared, shape.vocab_size, H)
+    head = embed if tied else rand(shared, shape.vocab_size, H)
+    return LlamaWeights(embed=embed, layers=layers, final_norm=ones, lm_head=head)
