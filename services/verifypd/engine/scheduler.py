@@ -38,6 +38,10 @@ class PrefillChunk:
     start: int
     end: int  # exclusive
     sample_first: bool  # last chunk of a fresh prompt: sample the first output token
+    # Also write this chunk's draft KV (docs/engine.md "Draft prefill only when drafting"): False
+    # while the request is not expected to draft; its draft KV then lags and its first draft call
+    # catches up. Always True without lazy_draft_prefill (and meaningless with a pool-less draft).
+    with_draft: bool = True
 
 
 @dataclass
@@ -66,7 +70,11 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager | None, max_context: int,
-                 max_running: int = 256):
+                 max_running: int = 256, lazy_draft_prefill: bool = False):
+        """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
+        draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
+        writes draft KV only while drafting is expected (`drafts_soon`)."""
+        self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
         self.max_context = max_context
@@ -117,8 +125,28 @@ class Scheduler:
         else:
             decode = self._plan_decode(config, costs, preempted, out_of_room)
         prefill = self._plan_prefill(config.prefill_token_budget)
+        if self.lazy_draft_prefill and prefill:
+            soon = self.drafts_soon(config, costs)
+            for chunk in prefill:  # draft KV stays contiguous: a chunk after a skipped one skips too
+                seq = chunk.seq
+                chunk.with_draft = soon and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
         return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
                         draft_ahead=ahead, pipelined=pipelined)
+
+    def drafts_soon(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
+        """Whether a request prefilled now is expected to draft before long, so its prefill should
+        write draft KV too: drafting is fixed on (k_initial, or k_min > 0), or the policy has no
+        acceptance estimate yet (it drafts k_initial), or a batch or group is drafting now, or a
+        probe is due (probes draft only for requests whose draft KV is up to date: those just
+        prefilled). Otherwise the draft's prefill is work for a draft nobody may call: a batch that
+        stopped drafting at acceptance 0.1 paid it for every new prompt."""
+        if config.k_max == 0:
+            return False
+        if not config.adaptive or config.k_min > 0:
+            return max(config.k_min, config.k_initial) > 0
+        if costs.acceptance.alpha is None:
+            return config.k_initial > 0
+        return any(k > 0 for k in self._drafting.values()) or self.probes.due
 
     def _pipeline_now(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
         """pdv with pipelining allowed: pipeline this step only where it measures faster than
