@@ -37,6 +37,10 @@ class RuntimeConfig:
     adaptive: bool = True
     priorities: LanePriorities = field(default_factory=LanePriorities)
     prefill_token_budget: int = 512
+    # Prompt tokens per step while no request is decoding (a burst of arrivals into an idle engine):
+    # no one's next token waits on that prefill, so it takes max(this, prefill_token_budget); one
+    # large prefill runs its GEMMs better than 16 chunks of 512 (docs/engine.md). 0: no raise.
+    idle_prefill_token_budget: int = 8192
     # Router policy (docs/engine.md "Schedules"): "baseline" = one request per lane call, requests
     # interleaved round-robin; "pd" = prefill + lock-step draft/verify of the whole decoding batch;
     # "pdv" = three lanes, draft of one group overlapping verify of the other when `pipeline`.
@@ -53,6 +57,8 @@ class RuntimeConfig:
             raise InvalidRequest(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.prefill_token_budget < 16:
             raise InvalidRequest(f"prefill_token_budget must be >= 16, got {self.prefill_token_budget}")
+        if self.idle_prefill_token_budget < 0:
+            raise InvalidRequest(f"idle_prefill_token_budget must be >= 0, got {self.idle_prefill_token_budget}")
 
     @property
     def pipelined(self) -> bool:

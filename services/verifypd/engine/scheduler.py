@@ -124,7 +124,10 @@ class Scheduler:
             decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
         else:
             decode = self._plan_decode(config, costs, preempted, out_of_room)
-        prefill = self._plan_prefill(config.prefill_token_budget)
+        budget = config.prefill_token_budget
+        if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
+            budget = max(budget, config.idle_prefill_token_budget)
+        prefill = self._plan_prefill(budget)
         if self.lazy_draft_prefill and prefill:
             soon = self.drafts_soon(config, costs)
             for chunk in prefill:  # draft KV stays contiguous: a chunk after a skipped one skips too
