@@ -77,6 +77,7 @@ class Scheduler:
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
+        self.poolless_draft = draft_blocks is None
         self.max_context = max_context
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
@@ -330,6 +331,9 @@ class Scheduler:
         return StepPlan([], [], preempted, out_of_room)
 
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
+        if (len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
+                and (self.poolless_draft or len(seq.draft_blocks) * self.draft.block_size >= n + k)):
+            return True
         if not (self.target.can_grow(seq.target_blocks, n + k + 1)
                 and self.draft.can_grow(seq.draft_blocks, n + k)):
             return False
