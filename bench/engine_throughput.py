@@ -24,6 +24,16 @@ an alpha 0.7 adaptive row to show drafting still pays:
 
 (`--alphas ''` leaves the alpha 0.7 row out.)
 
+The peer of the k = 0 row, the same weights as a torch.compile'd static-batch decoder
+(bench/static_decoder.py; every row then carries over_compiled_decoder):
+
+    python bench/engine_throughput.py --rows plain,simulated,compiled --alphas 0.7 --ks adaptive \
+        --fallback-alphas 0.1 --batches 1,16,64 --gen-len 128
+
+Each row splits its wall time into steps that ran a prefill call and decode-only steps (median of
+those, the slowest steps): where a gap to k = 0 or to the peer sits. `--draft none` runs plain rows
+without a draft; `--prefill-budget` sets RuntimeConfig.prefill_token_budget.
+
 Rows also count the router's k decisions: how many drafted on their merits and how many were
 probes (k = 1 for requests whose draft needs no catch-up). `--device cpu` with local model
 directories as --target/--draft is a smoke run (no floors, no draft-step timing).

@@ -5,9 +5,10 @@ length, all B prompts are prefilled in ONE forward (eager, SDPA with a causal ma
 decodes all B sequences together, for exactly G steps; no scheduler, no paging, no early finish.
 KV lives in a contiguous static cache per layer, [B, kv_heads, S, D] with S = prompt + G; a decode
 step attends over the whole cache with a position mask (the static shape torch.compile needs),
-as gpt-fast does. The decode step (32 layers + head + greedy argmax, the token fed back on the
-device) is compiled with torch.compile (Inductor: fused norms/RoPE/SiLU, cuBLAS GEMMs) and replayed
-from one CUDA graph per step.
+as gpt-fast does. Each decoder layer of the decode step is compiled with torch.compile (Inductor:
+fused norms/RoPE/SiLU/KV write, cuBLAS GEMMs; one compilation, called for every layer with its
+tensors); the step (layers + head + greedy argmax, the token fed back on the device) is replayed
+from one CUDA graph.
 
 Same weights and shapes as the engine (the PagedLlama's own tensors, no copy), same RoPE tables;
 greedy. `bench/engine_throughput.py --rows compiled` runs it beside the engine's rows: tok/s counts
