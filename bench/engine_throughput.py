@@ -24,6 +24,16 @@ an alpha 0.7 adaptive row to show drafting still pays:
 
 (`--alphas ''` leaves the alpha 0.7 row out.)
 
+The peer of the k = 0 row, the same weights as a torch.compile'd static-batch decoder
+(bench/static_decoder.py; every row then carries over_compiled_decoder):
+
+    python bench/engine_throughput.py --rows plain,simulated,compiled --alphas 0.7 --ks adaptive \
+        --fallback-alphas 0.1 --batches 1,16,64 --gen-len 128
+
+Each row splits its wall time into steps that ran a prefill call and decode-only steps (median of
+those, the slowest steps): where a gap to k = 0 or to the peer sits. `--draft none` runs plain rows
+without a draft; `--prefill-budget` sets RuntimeConfig.prefill_token_budget.
+
 Rows also count the router's k decisions: how many drafted on their merits and how many were
 probes (k = 1 for requests whose draft needs no catch-up). `--device cpu` with local model
 directories as --target/--draft is a smoke run (no floors, no draft-step timing).
@@ -129,7 +139,7 @@ def synchronize() -> None:
 
 def model_spec(name: str) -> str:
     """A random-weight shape name, or a local model directory (tiny checkpoints for a CPU smoke run)."""
-    if os.path.isdir(name):
+    if os.path.isdir(name) or name == "none":  # none: no draft (plain rows only)
         return name
     if name not in RANDOM_SHAPES:
         raise SystemExit(f"engine_throughput.py: error: {name!r} is neither a shape ({', '.join(sorted(RANDOM_SHAPES))}) "
@@ -148,14 +158,18 @@ def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, ge
     t0 = time.perf_counter()
     produced = drafted = accepted = steps = 0
     ks = []
+    step_s, prefill_step = [], []  # each step's wall time, and whether it ran a prefill call
     while router.has_work():
         steps += 1
+        calls0, t_step = len(times.calls), time.perf_counter()
         for out in router.step():
             produced += len(out.token_ids)
             ks.append(out.applied_k)
             if out.finished:
                 drafted += out.stats.draft_tokens
                 accepted += out.stats.accepted_tokens
+        step_s.append(time.perf_counter() - t_step)
+        prefill_step.append(any(name == "prefill" for name, _, _ in times.calls[calls0:]))
     seconds = time.perf_counter() - t0
 
     def median(lane):
@@ -170,7 +184,19 @@ def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, ge
             "verify_call_s": median("verify"), "draft_call_s": median("draft"),
             # every draft call, whatever its batch (a probe may draft for part of the batch)
             "draft_calls": len(draft_calls), "draft_call_max_s": max(draft_calls) if draft_calls else None,
-            "k_decisions": decisions, "drafting_decisions": drafting, "probe_decisions": probed}
+            "k_decisions": decisions, "drafting_decisions": drafting, "probe_decisions": probed,
+            **step_split(step_s, prefill_step)}
+
+
+def step_split(step_s: list[float], prefill_step: list[bool]) -> dict:
+    """Where a row's wall time went: steps that ran a prefill call (prompts entering, chunked by the
+    prefill token budget) against decode-only steps, and the slowest steps."""
+    with_prefill = [s for s, p in zip(step_s, prefill_step) if p]
+    decode_only = [s for s, p in zip(step_s, prefill_step) if not p]
+    return {"prefill_steps": len(with_prefill), "prefill_steps_s": round(sum(with_prefill), 4),
+            "decode_only_steps": len(decode_only), "decode_only_steps_s": round(sum(decode_only), 4),
+            "decode_only_step_median_s": round(statistics.median(decode_only), 6) if decode_only else None,
+            "slowest_steps_s": [round(s, 4) for s in sorted(step_s)[-3:]]}
 
 
 def main() -> None:
@@ -187,18 +213,22 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4,5,6,adaptive")
     ap.add_argument("--fallback-alphas", default="0.1",
                     help="simulated acceptance rates run with adaptive k only (must fall back to plain decoding)")
-    ap.add_argument("--rows", default="plain,simulated,self", help="which row families to run")
+    ap.add_argument("--rows", default="plain,simulated,self",
+                    help="which row families to run (plain, simulated, self; compiled: the torch.compile'd "
+                         "static-batch decoder of bench/static_decoder.py, the peer of k = 0, CUDA only)")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="the target over N GPUs (cuda:0..N-1; this process is rank 0, the draft stays on cuda:0); "
                          "floors are then rank 0's shard's; the self rows are left out")
     ap.add_argument("--memory-test", action="store_true",
                     help="only: 128 concurrent requests of 1000 + 1000 tokens, KV pools sized from free memory")
+    ap.add_argument("--prefill-budget", type=int, default=RuntimeConfig().prefill_token_budget,
+                    help="prompt tokens prefilled per engine step (RuntimeConfig.prefill_token_budget)")
     ap.add_argument("--out", default="engine_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     families = args.rows.split(",")
-    if args.tensor_parallel > 1:  # a self-draft would run the target's weights, which the ranks split
-        families = [f for f in families if f != "self"]
+    if args.tensor_parallel > 1:  # a self-draft or the compiled peer would run rank 0's shard alone
+        families = [f for f in families if f not in ("self", "compiled")]
     cuda = args.device == "cuda"
     results = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -207,7 +237,7 @@ def main() -> None:
                "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft,
                "tensor_parallel": args.tensor_parallel,
                "devices": [torch.cuda.get_device_name(i) for i in range(args.tensor_parallel)] if cuda else ["cpu"],
-               "rows": []}
+               "prefill_token_budget": args.prefill_budget, "rows": []}
     if args.memory_test:
         return memory_test(args, results)
     max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
@@ -224,9 +254,11 @@ def main() -> None:
         results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
         for b in batches:
             ctx = args.prompt_len + args.gen_len // 2
-            floors[b] = {"target_matmul_s": matmul_floor(tm, b), "draft_matmul_s": matmul_floor(dm, b),
-                         "target_bytes_s": (weight_bytes(tm) + kv_bytes(tm, b, ctx)) / bandwidth,
-                         "draft_bytes_s": (weight_bytes(dm) + kv_bytes(dm, b, ctx)) / bandwidth}
+            floors[b] = {"target_matmul_s": matmul_floor(tm, b),
+                         "target_bytes_s": (weight_bytes(tm) + kv_bytes(tm, b, ctx)) / bandwidth}
+            if dm is not None:  # --draft none: no draft
+                floors[b].update(draft_matmul_s=matmul_floor(dm, b),
+                                 draft_bytes_s=(weight_bytes(dm) + kv_bytes(dm, b, ctx)) / bandwidth)
         results["floors"] = {str(b): {k: round(v * 1e3, 3) for k, v in f.items()} for b, f in floors.items()}
         results["floors_unit"] = "ms per step"
         print(f"# {results['device']}  copy {results['copy_bandwidth_GBps']} GB/s  (rev {results['git_revision'][:10]})")
@@ -234,16 +266,19 @@ def main() -> None:
 
     configs = []
     if "plain" in families:
-        configs.append(("k=0 (plain decoding)", None, RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False), False))
+        configs.append(("k=0 (plain decoding)", None, RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False,
+                                                                   prefill_token_budget=args.prefill_budget), False))
     if "simulated" in families:
         for alpha in [float(a) for a in args.alphas.split(",") if a]:
             for k in args.ks.split(","):
                 cfg = (RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True) if k == "adaptive"
                        else RuntimeConfig(k_min=0, k_max=max(int(k), 1), k_initial=int(k), adaptive=False))
+                cfg = dataclasses.replace(cfg, prefill_token_budget=args.prefill_budget)
                 configs.append((f"SIMULATED acceptance {alpha}, k={k}", alpha, cfg, False))
         for alpha in [float(a) for a in args.fallback_alphas.split(",") if a]:
             configs.append((f"SIMULATED acceptance {alpha}, k=adaptive", alpha,
-                            RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True), False))
+                            RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True,
+                                          prefill_token_budget=args.prefill_budget), False))
     if "self" in families:
         configs.append(("draft = target (real acceptance), k=4", None,
                         RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=False), True))
@@ -257,7 +292,7 @@ def main() -> None:
         if self_draft:  # two target-sized pools: half the blocks each, batches up to 64
             opts["num_blocks"] = max_blocks // 2
         engine = Engine(EngineOptions(config=cfg, **opts), observer=times, models=models, simulated_acceptance=alpha)
-        if label.startswith("k=0") and cuda:
+        if label.startswith("k=0") and cuda and dm is not None:
             results["draft_steps"] = draft_step_times(engine, batches, floors)
         for b in batches:
             if self_draft and b > 64:
@@ -277,13 +312,62 @@ def main() -> None:
         del engine
         if cuda:
             torch.cuda.empty_cache()
+    if "compiled" in families and cuda:
+        for b in batches:
+            row = compiled_row(tm, b, args.prompt_len, args.gen_len, floors.get(b))
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=2)
     plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith("k=0")}
+    peer = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith(COMPILED)}
     for row in results["rows"]:
         if row["batch"] in plain:
             row["speedup_vs_k0"] = round(row["tok_per_s"] / plain[row["batch"]], 3)
+        if row["batch"] in peer:
+            row["over_compiled_decoder"] = round(row["tok_per_s"] / peer[row["batch"]], 3)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
     print_table(results)
+
+
+COMPILED = "compiled static-batch decoder (peer)"
+
+
+def compiled_row(model, batch: int, prompt_len: int, gen_len: int, floor: dict | None) -> dict:
+    """The peer (bench/static_decoder.py): the same weights as a torch.compile'd static-batch decoder,
+    all prompts prefilled in one forward, then gen_len - 1 graphed decode steps of the whole batch.
+    Timed as the engine rows are (prefill included, exactly gen_len tokens per request), on the
+    same random prompts; its decode step alone is timed from graph replays."""
+    from static_decoder import StaticDecoder
+
+    dec = StaticDecoder(model, batch, prompt_len + gen_len)
+    dec.capture()
+    prompts = torch.tensor(random_prompts(batch, prompt_len, batch, model.shape.vocab_size), device="cuda")
+    dec.generate(prompts, 16)  # warm-up (the eager prefill's kernels, allocator)
+    synchronize()
+    t0 = time.perf_counter()
+    tokens = dec.generate(prompts, gen_len)
+    synchronize()
+    seconds = time.perf_counter() - t0
+    dec.prefill(prompts)  # decode steps alone, at the positions the timed run decoded
+    step = _median_replay(dec.graph, reps=min(40, gen_len - 1))
+    t1 = time.perf_counter()
+    dec.prefill(prompts)
+    synchronize()
+    row = {"system": COMPILED, "simulated_acceptance": None, "batch": batch, "tokens": tokens.numel(),
+           "seconds": round(seconds, 4), "tok_per_s": round(tokens.numel() / seconds, 1), "steps": gen_len,
+           "acceptance_rate": None, "mean_k": 0, "verify_call_s": step, "draft_call_s": None,
+           "k_decisions": 0, "drafting_decisions": 0, "probe_decisions": 0,
+           "prefill_s": round(time.perf_counter() - t1, 4), "compile_and_capture_s": round(dec.compile_seconds, 1),
+           "note": "torch.compile (per layer, Inductor) + one CUDA graph per decode step; contiguous static KV "
+                   "cache attended over its whole length with a position mask; one prefill forward of all prompts"}
+    if floor:
+        row["decode_step_over_matmul_floor"] = round(step / floor["target_matmul_s"], 3)
+        row["decode_step_over_bytes_floor"] = round(step / floor["target_bytes_s"], 3)
+    del dec
+    torch.cuda.empty_cache()
+    return row
 
 
 def memory_test(args, results: dict) -> None:
@@ -357,14 +441,14 @@ def draft_call_seconds(runner, runs, ks=(1, 5)) -> dict[int, float]:
 
 def print_table(results: dict) -> None:
     print(f"\n{'system':48s} {'batch':>5s} {'tok/s':>9s} {'x k=0':>6s} {'acc':>5s} {'k':>5s} {'verify ms':>9s} {'draft ms':>8s} "
-          f"{'drafting/probes/steps':>21s}")
+          f"{'drafting/probes/steps':>21s} {'x peer':>6s}")
     for r in results["rows"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         v = "-" if not r["verify_call_s"] else f"{r['verify_call_s'] * 1e3:.2f}"
         d = "-" if not r["draft_call_s"] else f"{r['draft_call_s'] * 1e3:.2f}"
         decisions = f"{r['drafting_decisions']}/{r['probe_decisions']}/{r['k_decisions']}"
         print(f"{r['system']:48s} {r['batch']:5d} {r['tok_per_s']:9.1f} {r.get('speedup_vs_k0', 0):6.2f} {acc:>5s} "
-              f"{r['mean_k']:5.2f} {v:>9s} {d:>8s} {decisions:>21s}")
+              f"{r['mean_k']:5.2f} {v:>9s} {d:>8s} {decisions:>21s} {r.get('over_compiled_decoder', 0):6.2f}")
 
 
 if __name__ == "__main__":

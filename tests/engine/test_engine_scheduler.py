@@ -22,7 +22,7 @@ def test_prefill_is_chunked_by_token_budget():
     s = scheduler()
     long = seq("long", 100, 0)
     s.add(long)
-    config = RuntimeConfig(prefill_token_budget=32)
+    config = RuntimeConfig(prefill_token_budget=32, idle_prefill_token_budget=0)
     spans = []
     while long.status is not SeqStatus.DECODING:
         plan = s.plan(config, StepCostModel())
@@ -34,12 +34,35 @@ def test_prefill_is_chunked_by_token_budget():
     assert spans == [(0, 32, False), (32, 64, False), (64, 96, False), (96, 100, True)]
 
 
+def test_idle_engine_prefills_a_burst_in_one_step_then_chunks_beside_decoding():
+    """Nothing decoding: the step's prefill takes up to idle_prefill_token_budget (one large prefill,
+    nobody's next token waits on it); once requests decode, prefill_token_budget holds again."""
+    s = scheduler(blocks=400)
+    burst = [seq(f"b{i}", 100, i) for i in range(3)]
+    for x in burst:
+        s.add(x)
+    config = RuntimeConfig(prefill_token_budget=32, idle_prefill_token_budget=256)
+    plan = s.plan(config, StepCostModel())
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("b0", 0, 100), ("b1", 0, 100),
+                                                                           ("b2", 0, 56)]
+    for c in plan.prefill:  # what the router does
+        c.seq.target_computed = c.seq.draft_computed = c.end
+        if c.end == c.seq.prefill_target:
+            c.seq.status = SeqStatus.DECODING
+            c.seq.output_ids.append(5)
+    late = seq("late", 100, 9)
+    s.add(late)
+    plan = s.plan(config, StepCostModel())
+    assert {w.seq.request_id for w in plan.decode} == {"b0", "b1"}
+    assert sum(c.end - c.start for c in plan.prefill) == 32  # b2's next chunk, within the budget
+
+
 def test_higher_priority_is_admitted_first():
     s = scheduler()
     s.add(seq("low", 8, 0, priority=-5))
     s.add(seq("normal", 8, 1))
     s.add(seq("high", 8, 2, priority=50))
-    plan = s.plan(RuntimeConfig(prefill_token_budget=16), StepCostModel())
+    plan = s.plan(RuntimeConfig(prefill_token_budget=16, idle_prefill_token_budget=0), StepCostModel())
     assert [c.seq.request_id for c in plan.prefill] == ["high", "normal"]  # budget fits two
 
 

@@ -37,6 +37,10 @@ class RuntimeConfig:
     adaptive: bool = True
     priorities: LanePriorities = field(default_factory=LanePriorities)
     prefill_token_budget: int = 512
+    # Prompt tokens per step while no request is decoding (a burst of arrivals into an idle engine):
+    # no one's next token waits on that prefill, so it takes max(this, prefill_token_budget); one
+    # large prefill runs its GEMMs better than 16 chunks of 512 (docs/engine.md). 0: no raise.
+    idle_prefill_token_budget: int = 8192
     # Router policy (docs/engine.md "Schedules"): "baseline" = one request per lane call, requests
     # interleaved round-robin; "pd" = prefill + lock-step draft/verify of the whole decoding batch;
     # "pdv" = three lanes, draft of one group overlapping verify of the other when `pipeline`.
@@ -53,6 +57,8 @@ class RuntimeConfig:
             raise InvalidRequest(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.prefill_token_budget < 16:
             raise InvalidRequest(f"prefill_token_budget must be >= 16, got {self.prefill_token_budget}")
+        if self.idle_prefill_token_budget < 0:
+            raise InvalidRequest(f"idle_prefill_token_budget must be >= 0, got {self.idle_prefill_token_budget}")
 
     @property
     def pipelined(self) -> bool:
@@ -119,11 +125,11 @@ def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: Ste
         return 0
     if rates is not None:
         rates = [p for a, p in zip(alphas, rates) if a is not None]
-    measure = costs.pipelined_goodput if pipelined else costs.goodput
-
-    def goodput(alphas_: list[float], k: int, batch_: int) -> float:
-        return measure(alphas_, k, batch_, rates)
-    best = max(range(max(lo, 1), hi + 1), key=lambda k: goodput(known, k, batch))
+    if pipelined:
+        goodput = [costs.pipelined_goodput(known, k, batch, rates) for k in range(hi + 1)]
+    else:  # every k at once (host time: this runs every step, see StepCostModel.goodputs)
+        goodput = costs.goodputs(known, hi, batch, rates)
+    best = max(range(max(lo, 1), hi + 1), key=goodput.__getitem__)
     if lo > 0:  # k_min > 0: drafting is not the policy's choice
         return best
     if not costs.measured(batch, 0):
@@ -131,7 +137,7 @@ def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: Ste
         # (estimated from drafting steps alone it would hang on the prior DRAFT_COST_PRIOR).
         return 0
     needed = DRAFT_OFF_GAIN if current else DRAFT_ON_GAIN
-    return best if goodput(known, best, batch) >= needed * goodput(known, 0, batch) else 0
+    return best if goodput[best] >= needed * goodput[0] else 0
 
 
 # Probes: with k at 0 a batch drafts PROBE_K for some requests now and then, so acceptance keeps
@@ -187,7 +193,8 @@ def pipelining_pays(config: RuntimeConfig, alphas: list[float | None], costs: St
     if not config.adaptive or not known or config.k_max < 1:
         return True
     ks = range(min(config.k_min, config.k_max), config.k_max + 1)
-    lock = max(costs.goodput(known, k, batch) for k in ks)
+    lock_by_k = costs.goodputs(known, config.k_max, batch)
+    lock = max(lock_by_k[k] for k in ks)
     pipe = max(costs.pipelined_goodput(known, k, batch) for k in ks if k > 0)
     if current is None:
         return pipe >= lock

@@ -16,8 +16,7 @@ import itertools
 import os
 import time
 import uuid
-import concurrent.futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
 from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager, check_fits
@@ -64,7 +63,8 @@ class Router:
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
         self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
                              if self.draft_pool else None)
-        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running)
+        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running,
+                                   lazy_draft_prefill=self._lazy_draft_prefill())
         self.config = config or RuntimeConfig()
         self.config.validate()
         self.costs = StepCostModel()
@@ -160,7 +160,7 @@ class Router:
                                               self._start_prefill(plan.prefill)))
             except BaseException:
                 if pending is not None:  # no call left in flight behind the error
-                    concurrent.futures.wait([pending])
+                    wait_for_futures([pending])
                 raise
             if pending is not None or not prefill_first:
                 t0 = self._clock()
@@ -200,7 +200,7 @@ class Router:
         self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
                              if self.draft_pool else None)
         self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context,
-                                   self.scheduler.max_running)
+                                   self.scheduler.max_running, lazy_draft_prefill=self._lazy_draft_prefill())
         for seq in seqs:  # the old block tables point into pools that are gone: drop, don't free
             seq.target_blocks.clear()
             seq.draft_blocks.clear()
@@ -210,11 +210,16 @@ class Router:
         self.refresh_gauges()
         return len(seqs)
 
+    def _lazy_draft_prefill(self) -> bool:
+        """Prefill may skip a model draft's KV while nobody drafts (Scheduler.drafts_soon): in-process lanes."""
+        return (self.draft_pool is not None and not self.feature_draft
+                and getattr(self.prefill_lane, "per_item_draft_kv", False))  # the lane RPC sends all or none
+
     def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
         return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.ids(c.start, c.end), start_pos=c.start,
                             target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start,
                                                    c.seq.target_computed),
-                            draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed),
+                            draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
                             sample_first=c.sample_first, sampling=c.seq.spec.sampling) for c in chunks]
 
     @staticmethod
@@ -242,7 +247,9 @@ class Router:
         for c, res in zip(chunks, results):
             seq = c.seq
             seq.target_computed = c.end
-            if self.draft_pool is not None:  # a pool-less lane gets the prompt with its first draft call
+            # A pool-less lane gets the prompt with its first draft call, and so does a model draft
+            # whose KV this chunk skipped (draft_computed lags; the draft call catches up).
+            if self.draft_pool is not None and c.with_draft:
                 seq.draft_computed = c.end
             if c.end == seq.prefill_target:
                 seq.status = SeqStatus.DECODING

@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import (PROBE_K, PROBE_MAX_LAG, ProbeSchedule, RuntimeConfig, StepCostModel,
-                                          cap_k, choose_batch_k, pipelining_pays)
+                                          batch_bucket, cap_k, choose_batch_k, pipelining_pays)
 
 # pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
 # requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
 # compute-bound verify, where every drafted token costs its share of verify compute next step.
 VERIFY_QUEUE_SOFT = 32
+# A batch whose k is 0 re-evaluates the draft-length policy at least every this many steps (at
+# once when acceptance, the batch or the config changes; see Scheduler._batch_k).
+RECHECK_OFF_EVERY = 16
 from verifypd.engine.sequence import Sequence, SeqStatus
 
 
@@ -38,6 +41,10 @@ class PrefillChunk:
     start: int
     end: int  # exclusive
     sample_first: bool  # last chunk of a fresh prompt: sample the first output token
+    # Also write this chunk's draft KV (docs/engine.md "Draft prefill only when drafting"): False
+    # while the request is not expected to draft; its draft KV then lags and its first draft call
+    # catches up. Always True without lazy_draft_prefill (and meaningless with a pool-less draft).
+    with_draft: bool = True
 
 
 @dataclass
@@ -66,9 +73,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager | None, max_context: int,
-                 max_running: int = 256):
+                 max_running: int = 256, lazy_draft_prefill: bool = False):
+        """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
+        draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
+        writes draft KV only while drafting is expected (`drafts_soon`)."""
+        self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
+        self.poolless_draft = draft_blocks is None
         self.max_context = max_context
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
@@ -76,6 +88,7 @@ class Scheduler:
         self.probes = ProbeSchedule()
         self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
         self._drafting: dict[object, int] = {}  # the same keys: the k the hysteresis compares with
+        self._off: dict[object, tuple | None] = {}  # the same keys: (signature, steps) of a k = 0 decision
         self._phase = 0     # pdv: the group that drafts in the current pipelined step
         self._pipelining: bool | None = None  # pdv: last step's choice (pipelined or lock-step)
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
@@ -116,9 +129,32 @@ class Scheduler:
             decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
         else:
             decode = self._plan_decode(config, costs, preempted, out_of_room)
-        prefill = self._plan_prefill(config.prefill_token_budget)
+        budget = config.prefill_token_budget
+        if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
+            budget = max(budget, config.idle_prefill_token_budget)
+        prefill = self._plan_prefill(budget)
+        if self.lazy_draft_prefill and prefill:
+            soon = self.drafts_soon(config, costs)
+            for chunk in prefill:  # draft KV stays contiguous: a chunk after a skipped one skips too
+                seq = chunk.seq
+                chunk.with_draft = soon and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
         return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
                         draft_ahead=ahead, pipelined=pipelined)
+
+    def drafts_soon(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
+        """Whether a request prefilled now is expected to draft before long, so its prefill should
+        write draft KV too: drafting is fixed on (k_initial, or k_min > 0), or the policy has no
+        acceptance estimate yet (it drafts k_initial), or a batch or group is drafting now, or a
+        probe is due (probes draft only for requests whose draft KV is up to date: those just
+        prefilled). Otherwise the draft's prefill is work for a draft nobody may call: a batch that
+        stopped drafting at acceptance 0.1 paid it for every new prompt."""
+        if config.k_max == 0:
+            return False
+        if not config.adaptive or config.k_min > 0:
+            return max(config.k_min, config.k_initial) > 0
+        if costs.acceptance.alpha is None:
+            return config.k_initial > 0
+        return any(k > 0 for k in self._drafting.values()) or self.probes.due
 
     def _pipeline_now(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
         """pdv with pipelining allowed: pipeline this step only where it measures faster than
@@ -142,12 +178,24 @@ class Scheduler:
         catch-up for. `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
         if not seqs:
             return 0, set()
-        rate = costs.acceptance.proposal_rate
-        rates = [rate if s.proposal_rate is None else s.proposal_rate for s in seqs]
         batch, current = decoding or len(seqs), self._drafting.get(key)
         plain_unmeasured = not costs.measured(batch, 0)
-        k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, batch, hi, current=current,
-                                 pipelined=decoding is not None, rates=rates)
+        # Off, the decision moves only with acceptance (probe outcomes), the batch or the config, and
+        # slowly with the measured costs: recheck those at once, the costs every RECHECK_OFF_EVERY
+        # steps. Evaluating it cost ~0.2 ms of host time a step at batch 64 while the GPU waited.
+        signature = (batch_bucket(batch), len(seqs), hi, config, costs.acceptance.observations,
+                     costs.acceptance.asked, decoding is None)
+        off = self._off.get(key)
+        if off is not None and off[0] == signature and off[1] < RECHECK_OFF_EVERY and not plain_unmeasured:
+            k_batch = 0
+            self._off[key] = (signature, off[1] + 1)
+        else:
+            rate = costs.acceptance.proposal_rate
+            rates = [rate if s.proposal_rate is None else s.proposal_rate for s in seqs]
+            k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, batch, hi, current=current,
+                                     pipelined=decoding is not None, rates=rates)
+            decided = config.adaptive and config.k_min == 0 and costs.acceptance.alpha is not None
+            self._off[key] = (signature, 0) if k_batch == 0 and decided and not plain_unmeasured else None
         self._last_k[key] = k_batch  # a probe is not the batch's k: pdv groups ignore it
         # The hysteresis state ignores probes, and the one plain step that measures k = 0 at a new
         # batch size (choose_batch_k): a drafting batch stays "drafting" through it.
@@ -299,6 +347,9 @@ class Scheduler:
         return StepPlan([], [], preempted, out_of_room)
 
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
+        if (len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
+                and (self.poolless_draft or len(seq.draft_blocks) * self.draft.block_size >= n + k)):
+            return True
         if not (self.target.can_grow(seq.target_blocks, n + k + 1)
                 and self.draft.can_grow(seq.draft_blocks, n + k)):
             return False

@@ -85,11 +85,16 @@ class StepCostModel:
         without a proposal plain-decodes, and a step in which no request has one costs a plain
         step, so with rates p_i: tokens Σ 1 + p_i (E(a_i, k) - 1) per step costing
         step(B, 0) + P(any proposal) (step(B, k) - step(B, 0))."""
-        if rates is None:
-            return sum(expected_tokens(a, k) for a in alphas) / self.step_s(batch, k)
-        tokens = sum(1 + p * (expected_tokens(a, k) - 1) for a, p in zip(alphas, rates))
+        return self.goodputs(alphas, k, batch, rates)[k]
+
+    def goodputs(self, alphas: list[float], hi: int, batch: int, rates: list[float] | None = None) -> list[float]:
+        """`goodput` for every k in 0..hi at once: the draft-length policy asks for all of them every
+        step, and summing E(a_i, k) per request and k took ~0.5 ms of host time per step at batch 64
+        (the GPU idles meanwhile). With power sums it is one pass over the requests."""
+        tokens = expected_token_sums(alphas, hi, rates)
+        any_proposal = 1.0 if rates is None else _any_of(rates)
         plain = self.step_s(batch, 0)
-        return tokens / (plain + _any_of(rates) * (self.step_s(batch, k) - plain))
+        return [tokens[k] / (plain + any_proposal * (self.step_s(batch, k) - plain)) for k in range(hi + 1)]
 
     def pipelined_step_s(self, group: int, k: int) -> float:
         """Seconds of a pipelined step whose groups hold `group` requests drafting k. With no
@@ -114,6 +119,22 @@ class StepCostModel:
         rates = rates or [1.0] * len(alphas)
         tokens = sum(1 + p * (expected_tokens(a, k) - 1) for a, p in zip(alphas, rates))
         return tokens / (2 * self.pipelined_step_s(group, k))
+
+
+def expected_token_sums(alphas: list[float], hi: int, rates: list[float] | None = None) -> list[float]:
+    """[Σ_i 1 + p_i (E(a_i, k) - 1) for k in 0..hi] (p_i = rates[i], 1 without rates), by power
+    sums: E(a, k) - 1 = a + a^2 + ... + a^k, so the k-th entry is B + Σ_{j<=k} Σ_i p_i a_i^j."""
+    power_sums = [0.0] * (hi + 1)
+    for i, a in enumerate(alphas):
+        x = 1.0 if rates is None else rates[i]
+        for j in range(1, hi + 1):
+            x *= a
+            power_sums[j] += x
+    total, sums = float(len(alphas)), []
+    for j in range(hi + 1):
+        total += power_sums[j]
+        sums.append(total)
+    return sums
 
 
 def _any_of(rates: list[float]) -> float:

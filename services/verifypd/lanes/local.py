@@ -69,6 +69,10 @@ def on_stream(stream, serial: bool = False):
 
 
 class LocalPrefillLane:
+    # Items may come without draft KV one by one (the router's lazy draft prefill): only those with
+    # a draft_kv get a draft forward.
+    per_item_draft_kv = True
+
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, info: LaneInfo, wait_for=()):
         """`wait_for`: the decode lanes' streams; prefill starts after their queued work."""
         self.target, self.draft, self.info = target, draft, info
@@ -96,7 +100,9 @@ class LocalPrefillLane:
         if getattr(self.draft, "reads_features", False):  # a feature draft: the rows the target's features complete
             self.draft.prefill([feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items])
         elif self.draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
-            self.draft.forward([TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items], None)
+            runs = [TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items if i.draft_kv is not None]
+            if runs:  # items without draft KV: the router skipped it while nobody drafts
+                self.draft.forward(runs, None)
         rows = [n for n, i in enumerate(items) if i.sample_first]
         first: dict[int, int] = {}
         if rows:
