@@ -108,7 +108,7 @@ def core_main(argv: list[str]) -> int:
         from verifypd.launch.supervisor import LaneSupervisor
 
         options.shared_cpu_pools = True
-        procs = LaneProcesses(options, host="127.0.0.1")
+        procs = LaneProcesses(options, host="127.0.0.1", mps=args.mps)
         try:
             addrs = procs.start()
             for lane, pid in procs.pids().items():
