@@ -157,3 +157,26 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
             c.close()
     finally:
         procs.terminate()
+
+
+def test_a_draft_lane_that_proposes_nothing_is_not_called():
+    """`--draft none` over lane processes: the draft lane's answer (no proposals) is known, so a
+    k = 0 split server does not pay a draft round trip before every verify call."""
+    from verifypd.lanerpc.lane_client import GrpcDraftLane
+    from verifypd.lanes.interface import DraftItem
+
+    lane = GrpcDraftLane.__new__(GrpcDraftLane)
+    lane._info_pb = lanes_pb2.LaneInfo(lane="draft", draft_model="none")
+    lane.calls = 0
+
+    def no_wire(*_):
+        raise AssertionError("the draft lane was called")
+    lane._start = lane._work = no_wire
+    items = [DraftItem("a", [3], 4, None, 2, GREEDY), DraftItem("b", [5, 6], 7, None, 1, GREEDY)]
+    outs = lane.draft(items)
+    assert [(o.request_id, list(o.draft_tokens), o.draft_probs, o.resync_from) for o in outs] == \
+        [("a", [], None, None), ("b", [], None, None)]
+    lane._info_pb = lanes_pb2.LaneInfo(lane="draft", draft_model="ngram")  # a draft that may propose: called
+    lane.handoff = None
+    with pytest.raises(AssertionError, match="was called"):
+        lane.draft(items)

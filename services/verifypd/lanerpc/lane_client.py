@@ -278,6 +278,10 @@ class GrpcDraftLane(_GrpcLane):
         self._slot = 0
 
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
+        if self.describe_pb().draft_model == "none":
+            # `--draft none` proposes nothing (lanes/ngram.NoDraftLane): its answer is known without
+            # a round trip, which a k = 0 split server would otherwise pay before every verify call.
+            return [DraftOutput(i.request_id, [], None) for i in items]
         slot = 0
         if (self.handoff is not None and len(items) <= self.handoff[0] and max(i.k for i in items) <= self.handoff[1]
                 and all(i.sampling.greedy for i in items)):
