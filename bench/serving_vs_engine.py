@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -278,7 +279,9 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
             for c in (args.split_concurrency if "-split" in mode else args.concurrency):
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
                 calls0 = lane_calls(http_port)
-                spy = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid})
+                lane_pids = {f"{m.group(1)}_lane": int(m.group(2)) for m in
+                             (re.search(r"verifypd: (\w+) lane pid=(\d+)", line) for line in server.lines) if m}
+                spy = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid, **lane_pids})
                 with UtilSampler(nvml) as util:
                     seen = drive_clients(args, api, target, c)
                 for p in spy:
@@ -352,11 +355,20 @@ def main() -> None:
         base = base_mode(mode)  # a split mode's engine alone is its colocated mode's
         if not args.no_engine_alone and base not in engine_rows:
             engine_rows[base] = run_engine_alone(args, base, nvml)
-        rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+        try:
+            rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+        except SystemExit as exc:  # a mode that does not start: say so, measure the others
+            print(f"mode {mode} failed: {exc}", flush=True)
+            rows.append({"mode": mode, "error": str(exc)[-2000:]})
+            save(args, nvml, rows)
+            continue
         save(args, nvml, rows)  # after every mode: a run cut short keeps what it measured
     print(f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
           f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11} {'steps/s':>8} {'eng st/s':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:10} failed")
+            continue
         print(f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
               f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
               f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11} "

@@ -167,7 +167,7 @@ def test_a_draft_lane_that_proposes_nothing_is_not_called():
 
     lane = GrpcDraftLane.__new__(GrpcDraftLane)
     lane._info_pb = lanes_pb2.LaneInfo(lane="draft", draft_model="none")
-    lane.calls = 0
+    lane.calls, lane.handoff = 0, None
 
     def no_wire(*_):
         raise AssertionError("the draft lane was called")
@@ -177,6 +177,5 @@ def test_a_draft_lane_that_proposes_nothing_is_not_called():
     assert [(o.request_id, list(o.draft_tokens), o.draft_probs, o.resync_from) for o in outs] == \
         [("a", [], None, None), ("b", [], None, None)]
     lane._info_pb = lanes_pb2.LaneInfo(lane="draft", draft_model="ngram")  # a draft that may propose: called
-    lane.handoff = None
     with pytest.raises(AssertionError, match="was called"):
         lane.draft(items)
