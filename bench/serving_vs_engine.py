@@ -308,6 +308,8 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                              "acceptance_kind": "SIMULATED" if DRAFTS[base_mode(mode)][1] else None,
                              "steps_per_s": lanes.pop("steps_per_s", None), "lane_calls": lanes})
                 print("  " + json.dumps(rows[-1]), flush=True)
+                if seen["errors"]:  # say why, from the server's own log
+                    print("\n".join("  [serve] " + line for line in server.tail(30)), flush=True)
     finally:
         server.stop()
     return rows
