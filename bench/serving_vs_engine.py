@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,12 +184,11 @@ async def drive(args, api: str, target: str, c: int, seed: int, start_at: float)
         return await go(Runner(backend, 300, 60, execute=ob.execute))
 
 
-def drive_clients(args, api: str, target: str, c: int) -> dict:
+def drive_clients(args, api: str, target: str, c: int, start_at: float) -> dict:
     """`--client-procs` loadgen processes, c split among them (a Python client saturates first
-    over HTTP): their windows' samples merged."""
+    over HTTP), all starting at wall-clock `start_at`: their windows' samples merged."""
     procs = max(1, min(args.client_procs, c))
     shares = [c // procs + (i < c % procs) for i in range(procs)]
-    start_at = time.time() + 5.0  # each process imports and connects first
     children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i},{start_at}",
                                   *sys.argv[1:]],
                                  stdout=subprocess.PIPE, text=True) for i, share in enumerate(shares)]
@@ -211,8 +211,12 @@ def percentile_ms(values: list[float], p: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1e3, 2)
 
 
-def lane_calls(http_port: int) -> dict[str, tuple[float, float]]:
-    """The router's own lane-call timers, read from the served /metrics: lane -> (calls, seconds)."""
+HISTOGRAMS = {"verifypd_lane_step_duration_seconds": "verifypd_lane", "gen_ai_server_time_to_first_token_seconds": None}
+
+
+def scrape(http_port: int) -> dict[str, tuple[float, float]]:
+    """From the served /metrics (the core's own timers): histogram -> (count, sum), the lane-call
+    histogram per lane (its key the lane name), the core-side TTFT under "ttft"."""
     import urllib.request
 
     try:
@@ -221,24 +225,55 @@ def lane_calls(http_port: int) -> dict[str, tuple[float, float]]:
         return {}
     out: dict[str, list[float]] = {}
     for line in text.splitlines():
-        for suffix, at in (("_count{", 0), ("_sum{", 1)):
-            if line.startswith("verifypd_lane_step_duration_seconds" + suffix):
-                lane = line.split('verifypd_lane="', 1)[1].split('"', 1)[0]
-                out.setdefault(lane, [0.0, 0.0])[at] = float(line.rsplit(" ", 1)[1])
-    return {lane: (v[0], v[1]) for lane, v in out.items()}
+        for name, label in HISTOGRAMS.items():
+            for suffix, at in (("_count", 0), ("_sum", 1)):
+                if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                    key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else "ttft"
+                    out.setdefault(key, [0.0, 0.0])[at] = float(line.rsplit(" ", 1)[1])
+    return {key: (v[0], v[1]) for key, v in out.items()}
 
 
-def lane_call_rates(before: dict, after: dict, wall_s: float) -> dict:
-    """Per lane over the point (start offset, warm-up, window, drain): calls per second and mean
-    milliseconds per call; `steps_per_s` = verify calls per second (one per decode step)."""
+def window_rates(before: dict, after: dict, wall_s: float) -> dict:
+    """Over the measured window, per lane: calls per second and mean milliseconds per call;
+    `steps_per_s` = verify calls per second (one per decode step); `core_ttft_mean_ms`: the core's
+    time to first token (arrival in the core to first token) of requests finished in the window."""
     rates = {}
-    for lane, (n1, s1) in after.items():
-        n0, s0 = before.get(lane, (0.0, 0.0))
+    for key, (n1, s1) in after.items():
+        n0, s0 = before.get(key, (0.0, 0.0))
         if n1 > n0:
-            rates[lane] = {"calls_per_s": round((n1 - n0) / wall_s, 1), "mean_ms": round((s1 - s0) / (n1 - n0) * 1e3, 3)}
+            rates[key] = {"calls_per_s": round((n1 - n0) / wall_s, 1), "mean_ms": round((s1 - s0) / (n1 - n0) * 1e3, 3)}
     if "verify" in rates:
         rates["steps_per_s"] = rates["verify"]["calls_per_s"]
+    ttft = rates.pop("ttft", None)
+    rates["core_ttft_mean_ms"] = ttft["mean_ms"] if ttft else None
     return rates
+
+
+class Window:
+    """Reads the core's timers and samples the GPU over exactly the measured window: from
+    `start_at + warmup` to `start_at + warmup + seconds` (wall clock), as the clients count tokens."""
+
+    def __init__(self, args, http_port: int, nvml, start_at: float):
+        self.args, self.http_port, self.nvml = args, http_port, nvml
+        self.t_open, self.t_close = start_at + args.warmup, start_at + args.warmup + args.seconds
+        self.before = self.after = {}
+        self.util = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        time.sleep(max(0.0, self.t_open - time.time()))
+        self.before = scrape(self.http_port)
+        self.util = UtilSampler(self.nvml).__enter__()
+        time.sleep(max(0.0, self.t_close - time.time()))
+        self.util.__exit__()
+        self.after = scrape(self.http_port)
+
+    def result(self) -> tuple[dict, float | None]:
+        """(window_rates, GPU busy % mean over the window)."""
+        self.thread.join(30)
+        busy = self.util.result()["gpu_util_mean_pct"] if self.util is not None else None
+        return window_rates(self.before, self.after, self.args.seconds), busy
 
 
 def start_py_spy(args, mode: str, api: str, c: int, pids: dict) -> list:
@@ -250,6 +285,7 @@ def start_py_spy(args, mode: str, api: str, c: int, pids: dict) -> list:
     for name, pid in pids.items():
         if pid is None:
             continue
+        Path(args.out or ".").mkdir(parents=True, exist_ok=True)
         out = Path(args.out or ".") / f"pyspy_{mode}_{api}_c{c}_{name}.txt"
         # drive_clients starts its clients 5 s from now; the window opens after the warm-up
         cmd = ["sh", "-c", f"sleep {5.0 + args.warmup}; exec {args.py_spy} record --pid {pid} --duration "
@@ -278,16 +314,16 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
             target = server.address if api == "grpc" else f"127.0.0.1:{http_port}"
             for c in (args.split_concurrency if "-split" in mode else args.concurrency):
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
-                calls0 = lane_calls(http_port)
+                start_at = time.time() + 5.0  # each client process imports and connects first
+                window = Window(args, http_port, nvml, start_at)
                 lane_pids = {f"{m.group(1)}_lane": int(m.group(2)) for m in
                              (re.search(r"verifypd: (\w+) lane pid=(\d+)", line) for line in server.lines) if m}
                 spy = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid, **lane_pids})
-                with UtilSampler(nvml) as util:
-                    seen = drive_clients(args, api, target, c)
+                seen = drive_clients(args, api, target, c, start_at)
                 for p in spy:
                     p.wait()
                 cpu1 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
-                lanes = lane_call_rates(calls0, lane_calls(http_port), args.warmup + args.seconds + 5.0)
+                lanes, busy = window.result()
                 tok_s = seen["tokens"] / args.seconds
                 streamed = max(seen["all_tokens"], 1)  # the CPU times cover the whole run, ramp and drain too
                 engine = engine_rows.get(c, {}).get("engine_tok_s")
@@ -296,7 +332,7 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                              "served_over_engine": round(tok_s / engine, 3) if engine else None,
                              "ttft_p50_ms": percentile_ms(seen["ttft_s"], 50),
                              "itl_p99_ms": percentile_ms(seen["gap_s"], 99),
-                             "gpu_busy_pct_served": util.result()["gpu_util_mean_pct"],
+                             "gpu_busy_pct_served": busy,
                              "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
                              "engine_steps_per_s": engine_rows.get(c, {}).get("engine_steps_per_s"),
                              "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
@@ -306,7 +342,8 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                              "errors": seen["errors"],
                              "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
                              "acceptance_kind": "SIMULATED" if DRAFTS[base_mode(mode)][1] else None,
-                             "steps_per_s": lanes.pop("steps_per_s", None), "lane_calls": lanes})
+                             "steps_per_s": lanes.pop("steps_per_s", None),
+                             "core_ttft_mean_ms": lanes.pop("core_ttft_mean_ms", None), "lane_calls": lanes})
                 print("  " + json.dumps(rows[-1]), flush=True)
                 if seen["errors"]:  # say why, from the server's own log
                     print("\n".join("  [serve] " + line for line in server.tail(30)), flush=True)
