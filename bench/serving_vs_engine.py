@@ -9,8 +9,12 @@ adaptive k; `-split` suffix: serve --topology split) and each concurrency c:
     tokens/s counted from the chunks received inside the measured window.
 Each row: concurrency, both tok/s, served_over_engine, TTFT p50, ITL p99, GPU busy share (NVML
 utilisation mean over the window, when pynvml is there), and the CPU seconds the gateway and the
-engine-core processes spent per streamed token (from /proc). Prompt 128 random token ids, 128
-generated, EOS ignored. Random bf16 weights: real compute; speculative rows' acceptance is SIMULATED.
+engine-core processes spent per streamed token (from /proc); from the core's own timers on /metrics,
+read at the window's edges: steps/s (verify calls), calls/s and mean ms per lane call, the core-side
+TTFT mean. `--py-spy BIN --py-spy-at MODE:API:C` samples the gateway, the core and the split lanes
+over that point's window. Prompt 128 random token ids, 128 generated, EOS ignored. Random bf16
+weights: real compute; speculative rows' acceptance is SIMULATED. Modes: k0, a07, `-split`
+(serve --topology split), `-split-mps` (with --mps on).
 
     python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
     python bench/serving_vs_engine.py --device cpu --shape tiny ...   (smoke test on the CPU)
