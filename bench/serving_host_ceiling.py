@@ -70,7 +70,15 @@ def serve(args) -> None:
             "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms)]
     proc = CoreProcess(argv, program=[sys.executable, os.path.abspath(__file__), "--core"])
     gateway = Gateway(proc.sock, TextCodec(None), core_process=proc).start()
-    print(gateway.address, flush=True)
+    if args.api == "openai":  # the OpenAI HTTP API on the gateway's loop, as `verifypd serve` runs it
+        from verifypd.gateway.http_api import HttpApi
+        from verifypd.gateway.http_server import HttpServer
+
+        gateway.http = HttpServer(HttpApi(gateway, model_name="instant").app, "127.0.0.1", 0, loop=gateway.loop).start()
+        print(gateway.http.url.removeprefix("http://"), os.getpid(),
+              flush=True)
+    else:
+        print(gateway.address, os.getpid(), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 
@@ -88,42 +96,60 @@ def serve(args) -> None:
     gateway.stop()
 
 
-async def drive(address: str, c: int, seconds: float, tell) -> dict:
+async def drive(address: str, c: int, seconds: float, tell, api: str = "grpc") -> dict:
     import grpc
 
     from verifypd.v1 import generate_pb2_grpc
     from verifypd_loadgen import metrics
+    from verifypd_loadgen import openai_backend as ob
     from verifypd_loadgen.runner import LoadPoint, Runner
     from verifypd_loadgen.workload import Distribution, Workload
 
     work = Workload(input_len=Distribution("fixed", (PROMPT,)), output_len=Distribution("fixed", (OUTPUT,)),
-                    vocab_range=(3, 30000), seed=0)
-    async with grpc.aio.insecure_channel(address) as channel:
-        runner = Runner(generate_pb2_grpc.GenerationStub(channel), timeout=120, drain_timeout=120)
+                    vocab_range=(3, 30000), seed=0, ignore_eos=True)
+
+    async def go(runner) -> dict:
         await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), c, None, "warmup", 0)
         tell("go")  # the server's window is the measured duration, without the drain after it
         asyncio.get_running_loop().call_later(seconds, tell, "stop")
         res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, seconds, f"c{c}", 0)
-    return metrics.summarize(res)
+        return metrics.summarize(res)
+    if api == "openai":
+        async with ob.new_client() as client:
+            backend = ob.OpenAIBackend(client, f"http://{address}/v1", "instant", "completions")
+            return await go(Runner(backend, 120, 120, execute=ob.execute))
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await go(Runner(generate_pb2_grpc.GenerationStub(channel), timeout=120, drain_timeout=120))
 
 
 def point(args, c: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--serve-batch", str(c), "--schedule", args.schedule,
-           "--k", str(args.k), "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms)]
+           "--k", str(args.k), "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms), "--api", args.api]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    spy = None
     try:
-        address = proc.stdout.readline().strip()
+        address, gateway_pid = proc.stdout.readline().split()
+
         def tell(word: str) -> None:
+            nonlocal spy
             proc.stdin.write(word + "\n")
             proc.stdin.flush()
-        summary = asyncio.run(drive(address, c, args.seconds, tell))
+            if word == "go" and args.py_spy:  # samples the gateway over the measured window
+                spy = subprocess.Popen([args.py_spy, "record", "--pid", gateway_pid, "--duration",
+                                        str(max(1, int(args.seconds))), "--rate", "250", "--nonblocking",
+                                        "--format", "raw", "--output",
+                                        os.path.join(args.out or ".", f"pyspy_gateway_{args.api}_c{c}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        summary = asyncio.run(drive(address, c, args.seconds, tell, args.api))
+        if spy is not None:
+            spy.wait()
         server = json.loads(proc.stdout.readline())
         proc.send_signal(signal.SIGTERM)
     finally:
         proc.kill()
         proc.wait()
     steps = max(server["steps"], 1)
-    return {"schedule": args.schedule, "concurrency": c, "k": args.k,
+    return {"api": args.api, "schedule": args.schedule, "concurrency": c, "k": args.k,
             "client_output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 1),
             "itl_p95_ms": summary["latency_ms"]["itl_token"]["p95"],
             "server_tok_s": round(server["tokens"] / server["wall_s"], 1),
@@ -145,6 +171,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
     ap.add_argument("--verify-ms", type=float, default=0.0,
                     help="each verify call sleeps this long (GIL released), standing in for the GPU step")
+    ap.add_argument("--api", default="grpc", choices=("grpc", "openai"),
+                    help="drive gRPC Generate or the OpenAI HTTP API (/v1/completions, streamed)")
+    ap.add_argument("--py-spy", default=None, help="py-spy binary: sample the gateway over each window (--out)")
     ap.add_argument("--out", default=None, help="directory for serving_host_ceiling_<host>.json")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -162,7 +191,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work; verify call "
               f"sleeps {args.verify_ms} ms", "verify_ms": args.verify_ms, "rows": rows}
-    write_result(args.out, f"serving_host_ceiling_{args.schedule}_{args.verify_ms:g}ms", result)
+    api = "" if args.api == "grpc" else f"_{args.api}"
+    write_result(args.out, f"serving_host_ceiling{api}_{args.schedule}_{args.verify_ms:g}ms", result)
 
 
 if __name__ == "__main__":

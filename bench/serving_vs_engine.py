@@ -9,8 +9,12 @@ adaptive k; `-split` suffix: serve --topology split) and each concurrency c:
     tokens/s counted from the chunks received inside the measured window.
 Each row: concurrency, both tok/s, served_over_engine, TTFT p50, ITL p99, GPU busy share (NVML
 utilisation mean over the window, when pynvml is there), and the CPU seconds the gateway and the
-engine-core processes spent per streamed token (from /proc). Prompt 128 random token ids, 128
-generated, EOS ignored. Random bf16 weights: real compute; speculative rows' acceptance is SIMULATED.
+engine-core processes spent per streamed token (from /proc); from the core's own timers on /metrics,
+read at the window's edges: steps/s (verify calls), calls/s and mean ms per lane call, the core-side
+TTFT mean. `--py-spy BIN --py-spy-at MODE:API:C` samples the gateway, the core and the split lanes
+over that point's window. Prompt 128 random token ids, 128 generated, EOS ignored. Random bf16
+weights: real compute; speculative rows' acceptance is SIMULATED. Modes: k0, a07, `-split`
+(serve --topology split), `-split-mps` (with --mps on).
 
     python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
     python bench/serving_vs_engine.py --device cpu --shape tiny ...   (smoke test on the CPU)
@@ -21,8 +25,10 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,8 +43,13 @@ from seed_serving import Nvml, ServeProcess, UtilSampler, free_port  # noqa: E40
 DRAFTS = {"k0": ("none", None), "a07": ("random:tinyllama-1.1b", 0.7)}
 
 
+def base_mode(mode: str) -> str:
+    """k0, a07 from k0-split, a07-split-mps, ... (`-split`: serve --topology split; `-mps`: with --mps on)."""
+    return mode.split("-")[0]
+
+
 def engine_flags(args, mode: str) -> list[str]:
-    draft, alpha = DRAFTS[mode.removesuffix("-split")]
+    draft, alpha = DRAFTS[base_mode(mode)]
     flags = ["--target", args.target, "--draft", args.draft or draft if alpha is not None else draft,
              "--device", args.device, "--max-context", str(args.prompt + args.gen + 64),
              "--max-running", str(max(256, max(args.concurrency)))]
@@ -72,7 +83,7 @@ def engine_alone(args) -> None:
 
     serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
     engine = Engine(engine_options(serve_args))
-    router, made = engine.router, [0]
+    router, made, steps = engine.router, [0], [0]
     sync = (lambda: __import__("torch").cuda.synchronize()) if args.device.startswith("cuda") else (lambda: None)
 
     def submit() -> None:
@@ -82,7 +93,9 @@ def engine_alone(args) -> None:
 
     def run(seconds: float) -> tuple[int, float]:
         tokens, t0 = 0, time.perf_counter()
+        steps[0] = 0
         while time.perf_counter() - t0 < seconds:
+            steps[0] += 1
             for out in router.step():
                 tokens += len(out.token_ids)
                 if out.finished:
@@ -98,7 +111,8 @@ def engine_alone(args) -> None:
         run(args.warmup)
         print("READY", flush=True)  # the parent samples the GPU over the next window
         tokens, wall = run(args.seconds)
-        print(json.dumps({"concurrency": c, "engine_tok_s": round(tokens / wall, 1)}), flush=True)
+        print(json.dumps({"concurrency": c, "engine_tok_s": round(tokens / wall, 1),
+                          "engine_steps_per_s": round(steps[0] / wall, 1)}), flush=True)
     router.close()
 
 
@@ -174,12 +188,11 @@ async def drive(args, api: str, target: str, c: int, seed: int, start_at: float)
         return await go(Runner(backend, 300, 60, execute=ob.execute))
 
 
-def drive_clients(args, api: str, target: str, c: int) -> dict:
+def drive_clients(args, api: str, target: str, c: int, start_at: float) -> dict:
     """`--client-procs` loadgen processes, c split among them (a Python client saturates first
-    over HTTP): their windows' samples merged."""
+    over HTTP), all starting at wall-clock `start_at`: their windows' samples merged."""
     procs = max(1, min(args.client_procs, c))
     shares = [c // procs + (i < c % procs) for i in range(procs)]
-    start_at = time.time() + 5.0  # each process imports and connects first
     children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i},{start_at}",
                                   *sys.argv[1:]],
                                  stdout=subprocess.PIPE, text=True) for i, share in enumerate(shares)]
@@ -202,12 +215,97 @@ def percentile_ms(values: list[float], p: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] * 1e3, 2)
 
 
+HISTOGRAMS = {"verifypd_lane_step_duration_seconds": "verifypd_lane", "gen_ai_server_time_to_first_token_seconds": None}
+
+
+def scrape(http_port: int) -> dict[str, tuple[float, float]]:
+    """From the served /metrics (the core's own timers): histogram -> (count, sum), the lane-call
+    histogram per lane (its key the lane name), the core-side TTFT under "ttft"."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for name, label in HISTOGRAMS.items():
+            for suffix, at in (("_count", 0), ("_sum", 1)):
+                if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                    key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else "ttft"
+                    out.setdefault(key, [0.0, 0.0])[at] = float(line.rsplit(" ", 1)[1])
+    return {key: (v[0], v[1]) for key, v in out.items()}
+
+
+def window_rates(before: dict, after: dict, wall_s: float) -> dict:
+    """Over the measured window, per lane: calls per second and mean milliseconds per call;
+    `steps_per_s` = verify calls per second (one per decode step); `core_ttft_mean_ms`: the core's
+    time to first token (arrival in the core to first token) of requests finished in the window."""
+    rates = {}
+    for key, (n1, s1) in after.items():
+        n0, s0 = before.get(key, (0.0, 0.0))
+        if n1 > n0:
+            rates[key] = {"calls_per_s": round((n1 - n0) / wall_s, 1), "mean_ms": round((s1 - s0) / (n1 - n0) * 1e3, 3)}
+    if "verify" in rates:
+        rates["steps_per_s"] = rates["verify"]["calls_per_s"]
+    ttft = rates.pop("ttft", None)
+    rates["core_ttft_mean_ms"] = ttft["mean_ms"] if ttft else None
+    return rates
+
+
+class Window:
+    """Reads the core's timers and samples the GPU over exactly the measured window: from
+    `start_at + warmup` to `start_at + warmup + seconds` (wall clock), as the clients count tokens."""
+
+    def __init__(self, args, http_port: int, nvml, start_at: float):
+        self.args, self.http_port, self.nvml = args, http_port, nvml
+        self.t_open, self.t_close = start_at + args.warmup, start_at + args.warmup + args.seconds
+        self.before = self.after = {}
+        self.util = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        time.sleep(max(0.0, self.t_open - time.time()))
+        self.before = scrape(self.http_port)
+        self.util = UtilSampler(self.nvml).__enter__()
+        time.sleep(max(0.0, self.t_close - time.time()))
+        self.util.__exit__()
+        self.after = scrape(self.http_port)
+
+    def result(self) -> tuple[dict, float | None]:
+        """(window_rates, GPU busy % mean over the window)."""
+        self.thread.join(30)
+        busy = self.util.result()["gpu_util_mean_pct"] if self.util is not None else None
+        return window_rates(self.before, self.after, self.args.seconds), busy
+
+
+def start_py_spy(args, mode: str, api: str, c: int, pids: dict) -> list:
+    """`--py-spy BIN --py-spy-at MODE:API:C`: samples the gateway and the engine core over the
+    measured window of that point (collapsed stacks, --nonblocking: the process is not paused)."""
+    if not args.py_spy or f"{mode}:{api}:{c}" not in args.py_spy_at.split(","):
+        return []
+    procs = []
+    for name, pid in pids.items():
+        if pid is None:
+            continue
+        Path(args.out or ".").mkdir(parents=True, exist_ok=True)
+        out = Path(args.out or ".") / f"pyspy_{mode}_{api}_c{c}_{name}.txt"
+        # drive_clients starts its clients 5 s from now; the window opens after the warm-up
+        cmd = ["sh", "-c", f"sleep {5.0 + args.warmup}; exec {args.py_spy} record --pid {pid} --duration "
+                           f"{int(args.seconds)} --rate 250 --nonblocking --threads --format raw --output {out}"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
 def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict]:
     port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", str(http_port),
            "--max-queue", "1024", "--drain-timeout", "5", *engine_flags(args, mode)]
-    if mode.endswith("-split"):
+    if "-split" in mode:
         cmd += ["--topology", "split"]
+    if mode.endswith("-mps"):
+        cmd += ["--mps", "on"]
     server = ServeProcess(cmd, echo=args.echo)
     rows = []
     try:
@@ -218,11 +316,18 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                          if "engine core pid" in line), None)
         for api in args.apis:
             target = server.address if api == "grpc" else f"127.0.0.1:{http_port}"
-            for c in (args.split_concurrency if mode.endswith("-split") else args.concurrency):
+            for c in (args.split_concurrency if "-split" in mode else args.concurrency):
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
-                with UtilSampler(nvml) as util:
-                    seen = drive_clients(args, api, target, c)
+                start_at = time.time() + 5.0  # each client process imports and connects first
+                window = Window(args, http_port, nvml, start_at)
+                lane_pids = {f"{m.group(1)}_lane": int(m.group(2)) for m in
+                             (re.search(r"verifypd: (\w+) lane pid=(\d+)", line) for line in server.lines) if m}
+                spy = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid, **lane_pids})
+                seen = drive_clients(args, api, target, c, start_at)
+                for p in spy:
+                    p.wait()
                 cpu1 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
+                lanes, busy = window.result()
                 tok_s = seen["tokens"] / args.seconds
                 streamed = max(seen["all_tokens"], 1)  # the CPU times cover the whole run, ramp and drain too
                 engine = engine_rows.get(c, {}).get("engine_tok_s")
@@ -231,16 +336,21 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                              "served_over_engine": round(tok_s / engine, 3) if engine else None,
                              "ttft_p50_ms": percentile_ms(seen["ttft_s"], 50),
                              "itl_p99_ms": percentile_ms(seen["gap_s"], 99),
-                             "gpu_busy_pct_served": util.result()["gpu_util_mean_pct"],
+                             "gpu_busy_pct_served": busy,
                              "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
+                             "engine_steps_per_s": engine_rows.get(c, {}).get("engine_steps_per_s"),
                              "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
                              "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
                              "client_procs": max(1, min(args.client_procs, c)),
                              "client_cpu_pct": round(seen["client_cpu_s"] / (args.warmup + args.seconds) * 100, 1),
                              "errors": seen["errors"],
                              "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
-                             "acceptance_kind": "SIMULATED" if DRAFTS[mode.removesuffix("-split")][1] else None})
+                             "acceptance_kind": "SIMULATED" if DRAFTS[base_mode(mode)][1] else None,
+                             "steps_per_s": lanes.pop("steps_per_s", None),
+                             "core_ttft_mean_ms": lanes.pop("core_ttft_mean_ms", None), "lane_calls": lanes})
                 print("  " + json.dumps(rows[-1]), flush=True)
+                if seen["errors"]:  # say why, from the server's own log
+                    print("\n".join("  [serve] " + line for line in server.tail(30)), flush=True)
     finally:
         server.stop()
     return rows
@@ -248,7 +358,7 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="k0,a07", help="k0, a07, k0-split, a07-split")
+    ap.add_argument("--modes", default="k0,a07", help="k0, a07, k0-split, a07-split, k0-split-mps (serve --mps on)")
     ap.add_argument("--apis", default="grpc,openai")
     ap.add_argument("--concurrency", default="1,64,128")
     ap.add_argument("--target", default="random:llama-2-7b")
@@ -268,6 +378,8 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=4, help="loadgen processes sharing each point's concurrency")
     ap.add_argument("--engine-alone", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--py-spy", default=None, help="py-spy binary: sample the served processes at --py-spy-at")
+    ap.add_argument("--py-spy-at", default="", help="MODE:API:C[,...] points to sample (e.g. a07:openai:128)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -283,17 +395,27 @@ def main() -> None:
         return
     nvml, rows, engine_rows = Nvml(), [], {}
     for mode in args.modes.split(","):
-        base = mode.removesuffix("-split")  # a split mode's engine alone is its colocated mode's
+        base = base_mode(mode)  # a split mode's engine alone is its colocated mode's
         if not args.no_engine_alone and base not in engine_rows:
             engine_rows[base] = run_engine_alone(args, base, nvml)
-        rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+        try:
+            rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+        except SystemExit as exc:  # a mode that does not start: say so, measure the others
+            print(f"mode {mode} failed: {exc}", flush=True)
+            rows.append({"mode": mode, "error": str(exc)[-2000:]})
+            save(args, nvml, rows)
+            continue
         save(args, nvml, rows)  # after every mode: a run cut short keeps what it measured
     print(f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
-          f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11}")
+          f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11} {'steps/s':>8} {'eng st/s':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:10} failed")
+            continue
         print(f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
               f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
-              f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11}")
+              f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11} "
+              f"{r['steps_per_s'] or '-':>8} {r['engine_steps_per_s'] or '-':>8}")
 
 
 def save(args, nvml, rows: list[dict]) -> None:

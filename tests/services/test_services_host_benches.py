@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.launch.launcher import child_env
 
@@ -34,10 +36,13 @@ def test_router_host_overhead(tmp_path):
     assert 1.5 < rows["pd", 16]["tokens"] / rows["pdv", 16]["tokens"] < 2.5
 
 
-def test_serving_host_ceiling(tmp_path):
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_serving_host_ceiling(tmp_path, api):
     run("serving_host_ceiling.py", "--concurrency", "1,8", "--seconds", "1.5", "--verify-ms", "5",
-        "--out", str(tmp_path))
-    result = json.loads((tmp_path / "serving_host_ceiling_pd_5ms_cpu.json").read_text())
+        "--api", api, "--out", str(tmp_path))
+    name = "serving_host_ceiling_pd_5ms_cpu.json" if api == "grpc" else "serving_host_ceiling_openai_pd_5ms_cpu.json"
+    result = json.loads((tmp_path / name).read_text())
+    assert all(r["api"] == api for r in result["rows"])
     assert result["verify_ms"] == 5 and "SIMULATED" in result["label"]
     one, eight = result["rows"]
     assert one["concurrency"] == 1 and eight["concurrency"] == 8

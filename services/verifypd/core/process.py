@@ -115,7 +115,7 @@ def core_main(argv: list[str]) -> int:
         from verifypd.launch.supervisor import LaneSupervisor
 
         options.shared_cpu_pools = True
-        procs = LaneProcesses(options, host="127.0.0.1", tls=lane_tls)
+        procs = LaneProcesses(options, host="127.0.0.1", tls=lane_tls, mps=args.mps)
         try:
             addrs = procs.start()
             for lane, pid in procs.pids().items():

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import ssl
 import struct
@@ -192,6 +193,11 @@ class CallClient:
 
     def call(self, call: lanes_pb2.LaneCall) -> lanes_pb2.LaneReply:
         """One round trip. Raises OSError / ChannelClosed (and closes) when the connection fails."""
+        return self.receive(self.send(call))
+
+    def send(self, call: lanes_pb2.LaneCall) -> int:
+        """Writes one call and returns its call id; its reply is `receive(id)`. A started call lets
+        the caller do other work (send a call to another lane) while this lane computes."""
         if self.sock is None:
             self.connect()
         self._call_id += 1
@@ -199,18 +205,36 @@ class CallClient:
         payload = call.SerializeToString()
         try:
             write_frame(self.sock, payload)
+        except BaseException:
+            self.close()
+            raise
+        self.bytes += len(payload) + 4
+        return call.call_id
+
+    def receive(self, call_id: int) -> lanes_pb2.LaneReply:
+        """Reads the reply to `call_id` (the one call in flight). Raises as `call`."""
+        if self.sock is None:
+            raise ChannelClosed("connection closed while the call was in flight")
+        try:
             data = read_frame(self._file)
         except BaseException:
             self.close()
             raise
         reply = lanes_pb2.LaneReply.FromString(data)
-        self.bytes += len(payload) + len(data) + 8
-        if reply.call_id != call.call_id:
+        self.bytes += len(data) + 4
+        if reply.call_id != call_id:
             self.close()
-            raise ChannelClosed(f"reply {reply.call_id} to call {call.call_id}")
+            raise ChannelClosed(f"reply {reply.call_id} to call {call_id}")
         if reply.status_code:
             self.close()  # the lane dropped its side
         return reply
+
+    def reply_waiting(self) -> bool:
+        """Bytes of a reply have arrived (no wait)."""
+        if self.sock is None:
+            return True
+        # Nothing is buffered ahead in self._file: one reply per call, read whole.
+        return bool(select.select([self.sock], [], [], 0)[0])
 
     def close(self) -> None:
         if self.sock is not None:

@@ -17,8 +17,8 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from verifypd.lanes.interface import (DraftItem, DraftOutput, LaneError, LaneInfo, PrefillItem, PrefillOutput,
-                                      VerifyItem, VerifyOutput)
+from verifypd.lanes.interface import (DraftItem, DraftOutput, Finished, LaneError, LaneInfo, PrefillItem,
+                                      PrefillOutput, StartedCall, VerifyItem, VerifyOutput)
 from verifypd.lanerpc import call_codec as cc
 from verifypd.lanerpc import lane_convert as lc
 from verifypd.lanerpc.call_channel import CallClient, ChannelClosed
@@ -133,14 +133,27 @@ class _GrpcLane:
         return self._call("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
 
     # -- work calls --------------------------------------------------------------------------
+    @property
+    def starts_async(self) -> bool:
+        """Work calls over the call channel can be started: the router sends a step's prefill call
+        while the verify lane computes (lanes/interface.py, "prefill beside decode")."""
+        return self._use_channel
+
     def _work(self, items, encode, decode, unary):
         """One work call: over the call channel when the lane has one, else `unary()`."""
+        return self._start(items, encode, decode, unary).result()
+
+    def _start(self, items, encode, decode, unary) -> StartedCall:
+        """Writes one work call and returns without its reply (`.result()` reads and decodes it).
+        A call started and never waited for is settled (its reply read, its decode run) before
+        the next call on this connection, so the stream of replies stays in step."""
         if not items:
-            return []
+            return Finished([])
         with self._call_lock:
+            self._settle()
             client = self._connected_client()
             if client is None:
-                return unary()
+                return Finished(unary())
             name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
             try:
                 batch = encode(self._mirror, items)
@@ -148,22 +161,19 @@ class _GrpcLane:
                 if producer is not None and producer.kv_written_event and producer.writes != self._writes_seen:
                     self._writes_seen = producer.writes  # read before the handle goes out: never misses one
                     batch.wait_event = producer.kv_written_event
-                reply = client.call(lanes_pb2.LaneCall(method=self._method, batch=batch))
+                call_id = client.send(lanes_pb2.LaneCall(method=self._method, batch=batch))
             except (OSError, ChannelClosed) as exc:
                 raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
-            if reply.status_code:
-                code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
-                raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: {code}: {reply.error}")
-            try:
-                outputs = decode(items, reply)
-            except (IndexError, ValueError) as exc:
-                client.close()
-                raise LaneError(f"{self.lane} lane at {self.addr}: {name}: malformed reply: {exc}") from None
-            with self._lock:
-                self.wire_bytes = self.wire_bytes - self._client_bytes + client.bytes
-                self._client_bytes = client.bytes
-                self.calls += 1
-            return outputs
+            self._pending = _StartedLaneCall(self, client, call_id, items, decode, name)
+            return self._pending
+
+    _pending: "_StartedLaneCall | None" = None
+
+    def _settle(self) -> None:
+        """Under _call_lock: reads the reply of a started call nobody waited for (an error path)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.complete()
 
     _client_bytes = 0
 
@@ -209,6 +219,56 @@ class _GrpcLane:
             channel.close()
 
 
+class _StartedLaneCall:
+    """A work call written to a lane's call channel, its reply not read yet (a StartedCall)."""
+
+    def __init__(self, lane: _GrpcLane, client: CallClient, call_id: int, items, decode, name: str):
+        self.lane, self.client, self.call_id = lane, client, call_id
+        self.items, self.decode, self.name = items, decode, name
+        self.done = False
+        self.value: list | None = None
+        self.error: LaneError | None = None
+
+    def ready(self) -> bool:
+        return self.done or self.client.reply_waiting()
+
+    def result(self) -> list:
+        if not self.done:
+            with self.lane._call_lock:
+                if self.lane._pending is self:
+                    self.lane._pending = None
+                self.complete()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def complete(self) -> None:
+        """Reads and decodes the reply (once); a failure is kept for `result()` to raise."""
+        if self.done:
+            return
+        self.done = True
+        lane, client, where = self.lane, self.client, f"{self.lane.lane} lane at {self.lane.addr}: {self.name}"
+        try:
+            reply = client.receive(self.call_id)
+        except (OSError, ChannelClosed) as exc:
+            self.error = LaneError(f"{where} failed: UNAVAILABLE: {exc}")
+            return
+        if reply.status_code:
+            code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
+            self.error = LaneError(f"{where} failed: {code}: {reply.error}")
+            return
+        try:
+            self.value = self.decode(self.items, reply)
+        except (IndexError, ValueError) as exc:
+            client.close()
+            self.error = LaneError(f"{where}: malformed reply: {exc}")
+            return
+        with lane._lock:
+            lane.wire_bytes = lane.wire_bytes - lane._client_bytes + client.bytes
+            lane._client_bytes = client.bytes
+            lane.calls += 1
+
+
 class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
     _stub_class = lanes_pb2_grpc.PrefillLaneStub
@@ -223,16 +283,19 @@ class GrpcPrefillLane(_GrpcLane):
     _method = lanes_pb2.LANE_METHOD_PREFILL
 
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
+        return self.prefill_start(items).result()
+
+    def prefill_start(self, items: list[PrefillItem]) -> StartedCall:
         def decode(items, reply):
             self.kv_bytes_copied += reply.kv_bytes_copied
-            self.writes += 1
+            self.writes += 1  # also for a call settled on an error path: owners then wait
             return cc.decode_prefill(items, reply)
 
         def unary():
             result = self._call("Prefill", lc.prefill_batch_to_pb(items))
             self.kv_bytes_copied += result.kv_bytes_copied
             return lc.prefill_outputs_from_pb(result)
-        return self._work(items, cc.encode_prefill, decode, unary)
+        return self._start(items, cc.encode_prefill, decode, unary)
 
 
 class GrpcDraftLane(_GrpcLane):
@@ -248,6 +311,10 @@ class GrpcDraftLane(_GrpcLane):
         self._slot = 0
 
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
+        if self.describe_pb().draft_model == "none":
+            # `--draft none` proposes nothing (lanes/ngram.NoDraftLane): its answer is known without
+            # a round trip, which a k = 0 split server would otherwise pay before every verify call.
+            return [DraftOutput(i.request_id, [], None) for i in items]
         slot = 0
         if (self.handoff is not None and len(items) <= self.handoff[0] and max(i.k for i in items) <= self.handoff[1]
                 and all(i.sampling.greedy for i in items)):
@@ -264,12 +331,15 @@ class GrpcVerifyLane(_GrpcLane):
     _method = lanes_pb2.LANE_METHOD_VERIFY
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self.verify_start(items).result()
+
+    def verify_start(self, items: list[VerifyItem]) -> StartedCall:
         def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
             from verifypd.lanerpc.kv_transport import encode_probs
             return encode_probs(probs, top_k)
 
-        return self._work(items, lambda mirror, items: cc.encode_verify(mirror, items, encode), cc.decode_verify,
-                          lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))))
+        return self._start(items, lambda mirror, items: cc.encode_verify(mirror, items, encode), cc.decode_verify,
+                           lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))))
 
 
 def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane,

@@ -64,6 +64,10 @@ def cmd_serve(args) -> int:
         print("verifypd: error: --http-port must be >= 0 and --http-max-body-bytes >= 1", file=sys.stderr)
         return 2
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
+    if args.mps == "on" and (args.topology != "split" or any(addrs.values()) or not options.device.startswith("cuda")):
+        print("verifypd: error: --mps on is for the lanes `serve --topology split` starts on CUDA "
+              "(lanes started by hand: scripts/mps.sh)", file=sys.stderr)
+        return 2
     if any(addrs.values()):
         missing = [lane for lane, a in addrs.items() if not a]
         if missing:

@@ -26,6 +26,7 @@ import threading
 
 import verifypd
 from verifypd.auth import LANE_SECRET_ENV, new_secret
+from verifypd.launch.mps import MpsDaemon, start_for_lanes
 
 log = logging.getLogger("verifypd.launcher")
 LANES = ("prefill", "draft", "verify")
@@ -79,9 +80,11 @@ class LaneStartError(RuntimeError):
 
 
 class LaneProcesses:
-    def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None, tls=None):
+    def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None, tls=None, mps: str = "off"):
         """`tls`: a verifypd.lane_tls.LaneTls whose files every lane gets (mutual TLS)."""
         self.options, self.host, self.tls = options, host, tls
+        self.mps_mode = mps  # --mps: a private MPS daemon for the lanes (mps.py); started by start()
+        self.mps: MpsDaemon | None = None
         self.secret = secret or new_secret()  # one per `serve`; only our lanes and gateway know it
         self.procs: dict[str, subprocess.Popen] = {}
         self.addrs: dict[str, str] = {}
@@ -96,6 +99,8 @@ class LaneProcesses:
     def _env(self) -> dict[str, str]:
         env = child_env()
         env[LANE_SECRET_ENV] = self.secret
+        if self.mps is not None:
+            env.update(self.mps.env())
         return env
 
     def _spawn(self, lane: str, port: int = 0) -> None:
@@ -125,6 +130,7 @@ class LaneProcesses:
 
     def start(self, timeout_s: float = 300.0) -> dict[str, str]:
         files = self._files
+        self.mps = start_for_lanes(self.mps_mode, self.options.device, self._dir)
         for lane in LANES:
             self._spawn(lane)
         deadline = time.monotonic() + timeout_s
@@ -173,4 +179,6 @@ class LaneProcesses:
         for path in self.shm_paths:
             if os.path.exists(path):
                 os.unlink(path)
+        if self.mps is not None:  # after its clients (the lanes) are gone
+            self.mps.stop()
         shutil.rmtree(self._dir, ignore_errors=True)

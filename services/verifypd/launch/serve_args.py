@@ -32,6 +32,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     add_engine_flags(serve)
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="when a request sends max_tokens 0")
+    serve.add_argument("--mps", choices=["auto", "on", "off"], default="off",
+                       help="split on CUDA: run the lanes it starts under a private CUDA MPS daemon, so their "
+                            "kernels share the GPU instead of time-slicing (auto: where MPS can run; "
+                            "docs/services.md 'MPS')")
     serve.add_argument("--kv-transport", choices=["auto", "handle", "copy"], default="auto",
                        help="split: import co-located pools (handle) or copy KV bytes over gRPC (copy)")
     for lane in ("prefill", "draft", "verify"):
