@@ -91,3 +91,40 @@ def test_engine_acceptance_equals_dense_replay(trained):
         n += m + 1
     assert steps == predicted
     assert sum(m for _, m in steps) >= len(steps) // 4, steps   # the head is often right: the check has power
+
+
+def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
+    """Without --prompts a chat target writes its own requests: half questions, half a task on a text
+    it wrote (so copy-heavy answers are trained too); the text is inside the task's prompt."""
+    from types import SimpleNamespace
+
+    from verifypd.distill.data import TEXT_SEEDS, own_prompts
+
+    class Codec:  # one character per token
+        has_chat_template, tokenizer = True, object()
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def encode_chat(self, messages):
+            return self.encode("<user>" + messages[-1]["content"])
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, specs):
+            self.calls.append(specs[0].max_tokens)
+            return {s.request_id: SimpleNamespace(token_ids=Codec().encode(f"Text number {s.request_id} here, long enough for a text."))
+                    for s in specs}
+
+    engine = Engine()
+    prompts = [Codec().decode(p) for p in own_prompts(engine, Codec(), 10, seed=0)]
+    assert engine.calls == [48, 160]                            # requests, then texts
+    tasks = {t for _, _, ts in TEXT_SEEDS for t in ts}
+    worked = [p for p in prompts if p.removeprefix("<user>").split("\n\n")[0] in tasks]
+    assert len(worked) == 5 and len(prompts) == 10
+    assert all("Text number d" in p.split("\n\n", 1)[1] for p in worked)
