@@ -6,7 +6,8 @@
 #
 #   call 1  carry [.relay-a]              bash bench/eagle_gpu.sh relay-a   (skipped if the GGUF is there)
 #   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s)
-#   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost | measure HEAD_DIR
+#   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end)
+#   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost
 #
 # `train` (one call, ~9 min): `verifypd distill` for the embedded model (data, training to a time
 # budget, the held-out engine evaluation against ngram on bench/prompts/draft_acceptance.jsonl at
@@ -47,9 +48,17 @@ DISTILL=(--target "$GGUF" --out "$HEAD" --samples 5000 --gen-tokens 256 --max-le
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
 
 end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
+  # E2E_K: a fixed k for every draft (default: the served adaptive policy)
   python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" --drafts "ngram,eagle:$1" \
-    --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 \
-    --out "$OUT/draft_acceptance_eagle_${DEVICE}.json" 2>&1 | grep -v '^{' | tail -30
+    --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
+    --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
+}
+
+join_gguf() {
+  if ! have_gguf "$PWD/.relay-b/SHA256SUMS"; then
+    mkdir -p "$(dirname "$GGUF")"; cat /root/relay/part00 .relay-b/part01 > "$GGUF"
+    (cd /root/relay && sha256sum -c "$OLDPWD/.relay-b/SHA256SUMS")
+  fi
 }
 
 case "${1:-}" in
@@ -57,10 +66,7 @@ case "${1:-}" in
     if [ "$(stat -c %s "$GGUF" 2>/dev/null)" = 98362432 ]; then echo "GGUF already there (train checks its sum)"; exit 0; fi
     mkdir -p /root/relay && cp .relay-a/part00 /root/relay/ && ls -la /root/relay ;;
   train)
-    if ! have_gguf "$PWD/.relay-b/SHA256SUMS"; then
-      mkdir -p "$(dirname "$GGUF")"; cat /root/relay/part00 .relay-b/part01 > "$GGUF"
-      (cd /root/relay && sha256sum -c "$OLDPWD/.relay-b/SHA256SUMS")
-    fi
+    join_gguf
     wheels
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     mkdir -p "$(dirname "$HEAD")"
@@ -76,8 +82,11 @@ case "${1:-}" in
     python3 -m verifypd.cli distill "${DISTILL[@]}" --resume --max-minutes "$TRAIN_MINUTES" --fit-steps "${EVAL[@]}" \
       2>&1 | tee -a "$HEAD.log" | grep -v "it/s\]" | tail -40
     cp "$HEAD.log" "$HEAD/distill.log"; collect ;;
-  measure)
-    wheels; end_to_end "${2:?measure HEAD_DIR}" ;;
+  measure)  # carry .relay-b right after relay-a (or find the GGUF on the warm machine)
+    join_gguf; wheels
+    python3 bench/eagle_acceptance.py --target "$GGUF" --head "${2:?measure HEAD_DIR}" --device "$DEVICE" \
+      --out "$OUT/eagle_acceptance_${DEVICE}.json" 2>&1 | grep '^|'
+    end_to_end "$2" ;;
   lossless)
     wheels
     VERIFYPD_TEST_DEVICE=cuda python3 -m pytest -q -x tests/engine/test_engine_eagle.py \
