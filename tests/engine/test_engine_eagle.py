@@ -145,6 +145,20 @@ def test_draft_vocabulary_over_the_targets_rows_loads_those_rows(tiny_models, tm
         load_eagle_head(str(tmp_path), target.shape, target.weights.lm_head, CPU, torch.float32)
 
 
+def test_head_trained_on_short_sequences_drafts_past_its_training_length(tiny_models, tmp_path):
+    """distill writes max_position_embeddings = its training length; served requests run longer (the
+    head follows the target's context: its rope tables must cover every target position)."""
+    target = load_model(tiny_models[0], CPU, torch.float32)
+    config, weights = random_eagle_head(target.shape, seed=4, std=0.3)
+    config.max_context = 8
+    save_eagle_head(tmp_path, config, weights)
+    prompt = tuple(int(t) for t in torch.randint(3, 90, (100,), generator=torch.Generator().manual_seed(1)))
+    spec = lambda: [RequestSpec(prompt, max_tokens=12, stop_at_eos=False)]  # noqa: E731
+    expected = [c.token_ids for c in make_engine(tiny_models[0], "none", k=0, num_blocks=256).generate(spec()).values()]
+    engine = make_engine(tiny_models[0], f"eagle:{tmp_path}", k=3, num_blocks=256)
+    assert [c.token_ids for c in engine.generate(spec()).values()] == expected
+
+
 def test_bad_head_paths_name_the_flag(tiny_models, tmp_path):
     with pytest.raises(ModelLoadError, match="eagle:.*config.json"):
         make_engine(tiny_models[0], f"eagle:{tmp_path}", k=2)

@@ -94,7 +94,9 @@ class EagleConfig:
                    draft_vocab_size=raw.get("draft_vocab_size") or raw.get("vocab_size", target.vocab_size),
                    target_hidden_size=raw.get("target_hidden_size") or hidden, aux_layer_ids=ids,
                    rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=raw.get("rope_theta", 10000.0),
-                   max_context=min(raw.get("max_position_embeddings", target.max_context), target.max_context),
+                   # The head runs at the target's positions: its rope tables follow the target's
+                   # context, whatever length it was trained on (max_position_embeddings).
+                   max_context=target.max_context,
                    rope_scaling=raw.get("rope_scaling"))
 
 
