@@ -128,3 +128,33 @@ def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
     worked = [p for p in prompts if p.removeprefix("<user>").split("\n\n")[0] in tasks]
     assert len(worked) == 5 and len(prompts) == 10
     assert all("Text number d" in p.split("\n\n", 1)[1] for p in worked)
+
+
+def test_fit_steps_ends_the_schedule_inside_max_minutes():
+    """At step 20, 20 steps took 2 s (0.1 s each) and 10 s of the 60 are gone: 500 more steps fit,
+    minus the held-out evaluations' share; --steps is lowered to that, never raised."""
+    import time
+    from types import SimpleNamespace
+
+    from verifypd.distill.trainer import Trainer, TrainSettings
+
+    def fitted(steps, heldout):
+        now = time.monotonic()
+        trainer = SimpleNamespace(step=20, log=lambda m: None,
+                                  s=TrainSettings(steps=steps, max_minutes=1.0, eval_every=100, batch_tokens=64))
+        Trainer._fit_steps(trainer, (0, now - 2.0), now - 10.0, heldout)
+        return trainer.s.steps
+
+    assert 515 <= fitted(3000, []) <= 520
+    rows = [{"tokens": list(range(32)), "prompt_len": 4}] * 8           # 4 batches of 64 tokens per evaluation
+    # 6 evaluations x 4 batches x half a step = 12 steps' time
+    assert 505 <= fitted(3000, rows) <= 509
+    assert fitted(300, []) == 300
+
+
+def test_distill_flag_pairs_are_checked(tmp_path, capsys):
+    base = ["distill", "--target", "random:tinyllama-1.1b", "--out", str(tmp_path / "h")]
+    assert main(base + ["--fit-steps"]) == 2
+    assert "--max-minutes" in capsys.readouterr().err
+    assert main(base + ["--frozen-lm-head"]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err

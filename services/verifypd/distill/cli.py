@@ -90,6 +90,8 @@ def run(args) -> int:
     if args.frozen_lm_head and not args.draft_vocab:
         raise ModelLoadError("--frozen-lm-head needs --draft-vocab N (without it the head already uses the "
                              "target's whole lm_head, frozen)")
+    if args.fit_steps and args.max_minutes is None:
+        raise ModelLoadError("--fit-steps needs --max-minutes M (the time the steps must fit in)")
     if torch.cuda.is_available() and args.device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = True  # the head's fp32 master weights: TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
@@ -134,7 +136,8 @@ def run(args) -> int:
                 "of the held-out answers' tokens")
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, warmup=args.warmup,
                              chain_steps=args.chain_steps, checkpoint_every=args.checkpoint_every,
-                             eval_every=args.eval_every, max_minutes=args.max_minutes, fit_steps=args.fit_steps, seed=args.seed)
+                             eval_every=args.eval_every, max_minutes=args.max_minutes, fit_steps=args.fit_steps,
+                             seed=args.seed)
     trainer = Trainer(target, config, weights, out, settings,
                       train_lm_head=bool(args.draft_vocab) and not args.frozen_lm_head,
                       device=models.device, log=log)

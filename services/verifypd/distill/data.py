@@ -42,6 +42,7 @@ TEXT_SEEDS = [
       "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text."]),
 ]
 
+
 def read_prompts(path: str) -> list[list[dict] | str]:
     """Texts (str) or chat conversations (lists of messages)."""
     p = pathlib.Path(path)

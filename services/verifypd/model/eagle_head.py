@@ -160,8 +160,7 @@ def load_eagle_head(path: str, target: LlamaShape, target_lm_head: torch.Tensor,
         lm_head = target_lm_head[mapping].to(dtype)
     else:  # the target's head: the draft vocabulary is the target's
         lm_head = target_lm_head
-    if (lm_head.shape[0] != target.vocab_size or mapping is not None) and (
-            mapping is None or mapping.numel() != lm_head.shape[0]):
+    if lm_head.shape[0] != (target.vocab_size if mapping is None else mapping.numel()):
         raise ModelLoadError(f"--draft eagle:{path}: a {lm_head.shape[0]}-token draft vocabulary needs a "
                              f"d2t map of as many entries")
     config.draft_vocab_size = lm_head.shape[0]
