@@ -89,18 +89,21 @@ def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_toke
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafts", default="ngram,self:12,self:24")
+    ap.add_argument("--target", default="smollm2", help="the embedded model's spec, or a path to its GGUF")
     ap.add_argument("--per-family", type=int, default=4, help="prompts per family (the first N of the JSONL)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=None, help="fixed k (default: the adaptive policy, as served)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: CPU time measures work)")
     ap.add_argument("--batch", type=int, default=1, help="requests generated together (1: one at a time)")
+    ap.add_argument("--batches", default=None,
+                    help="comma list of batch sizes measured in one run and one JSON (overrides --batch), e.g. 1,16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_model("smollm2", device, dtype, 2048)
+    target = load_model(args.target, device, dtype, 2048)
     codec = TextCodec(target.tokenizer)
     rows = load_prompts(args.per_family)
     prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
@@ -109,46 +112,96 @@ def main() -> None:
     engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
     for engine in engines.values():  # first-call allocations outside the timings
         engine.generate([RequestSpec(prompts["chat"][0], max_tokens=4, request_id="warm")])
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
+    if any(b < 1 for b in batches):
+        ap.error("--batches: each batch size must be >= 1")
+    table = []
+    for batch in batches:
+        table += measure(engines, drafts, prompts, args.max_tokens, batch)
+    result = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "threads": args.threads, "cpu_count": os.cpu_count(),
+              "target": f"{args.target} (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized {str(dtype).removeprefix('torch.')})", "greedy": True,
+              "batch": batches[0] if len(batches) == 1 else batches,
+              "policy": f"fixed k={args.k}" if args.k is not None else "adaptive (RuntimeConfig defaults)",
+              "max_tokens": args.max_tokens, "prompts_per_family": args.per_family,
+              "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)), "rows": table,
+              "totals": totals(table)}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown(table))
+    print(markdown_totals(result["totals"]))
+
+
+def measure(engines: dict, drafts: list[str], prompts: dict, max_tokens: int, batch: int) -> list[dict]:
     results: dict[str, dict] = {d: {} for d in drafts}
     for n, (family, ids) in enumerate(prompts.items()):
         # Drafts of one family run back to back, in an order rotated per family, so that load from
         # other work on the machine spreads over all of them rather than biasing one.
         for draft in drafts[n % len(drafts):] + drafts[:n % len(drafts)]:
-            results[draft][family] = r = run_family(engines[draft], family, ids, args.max_tokens, args.batch)
-            print(json.dumps({"draft": draft, "family": family, **{k: v for k, v in r.items() if k != "outputs"}}),
-                  flush=True)
+            results[draft][family] = r = run_family(engines[draft], family, ids, max_tokens, batch)
+            print(json.dumps({"draft": draft, "family": family, "batch": batch,
+                              **{k: v for k, v in r.items() if k != "outputs"}}), flush=True)
     table = []
     base = results["none"]
     for draft, fams in results.items():
         for family, r in fams.items():
             # Speculation is lossless: every draft must give plain decoding's exact tokens.
             same = r["outputs"] == base[family]["outputs"]
-            table.append({"draft": draft, "family": family, "prompts": len(prompts[family]),
+            table.append({"draft": draft, "family": family, "batch": batch, "prompts": len(prompts[family]),
                           "drafted": r["drafted"], "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
                           "accepted_per_step": r["accepted_per_step"],
                           "tok_per_s": r["tok_per_s"], "speedup_vs_no_speculation": r["tok_per_s"] / base[family]["tok_per_s"],
                           "tok_per_cpu_s": r["tok_per_cpu_s"],
                           "cpu_speedup_vs_no_speculation": r["tok_per_cpu_s"] / base[family]["tok_per_cpu_s"],
-                          "same_output_as_no_speculation": same})
-    result = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "threads": args.threads, "cpu_count": os.cpu_count(),
-              "target": f"smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized {str(dtype).removeprefix('torch.')})", "greedy": True, "batch": args.batch,
-              "policy": f"fixed k={args.k}" if args.k is not None else "adaptive (RuntimeConfig defaults)",
-              "max_tokens": args.max_tokens, "prompts_per_family": args.per_family,
-              "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)), "rows": table}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(markdown(table))
+                          "same_output_as_no_speculation": same,
+                          "tokens": r["tokens"], "verify_steps": r["verify_steps"], "seconds": r["seconds"],
+                          "cpu_seconds": r["cpu_seconds"]})
+    return table
+
+
+def totals(table: list[dict]) -> list[dict]:
+    """All families together, per (draft, batch): tokens per verify step (accepted + 1; plain
+    decoding's steps count 1 token each) and wall / CPU time speed-up over plain decoding."""
+    sums: dict[tuple, dict] = {}
+    for r in table:
+        t = sums.setdefault((r["draft"], r["batch"]), dict(accepted=0, verify_steps=0, tokens=0, seconds=0.0,
+                                                          cpu_seconds=0.0, same=True))
+        for key in ("accepted", "verify_steps", "tokens", "seconds", "cpu_seconds"):
+            t[key] += r[key]
+        t["same"] &= r["same_output_as_no_speculation"]
+    out = []
+    for (draft, batch), t in sums.items():
+        base = sums[("none", batch)]
+        out.append({"draft": draft, "batch": batch, "tokens": t["tokens"],
+                    "tokens_per_verify_step": (t["accepted"] + t["verify_steps"]) / t["verify_steps"]
+                    if t["verify_steps"] else None,
+                    "tok_per_s": t["tokens"] / t["seconds"],
+                    "speedup_vs_no_speculation": (t["tokens"] / t["seconds"]) / (base["tokens"] / base["seconds"]),
+                    "cpu_speedup_vs_no_speculation": (t["tokens"] / t["cpu_seconds"])
+                    / (base["tokens"] / base["cpu_seconds"]),
+                    "same_output_as_no_speculation": t["same"]})
+    return out
+
+
+def markdown_totals(rows: list[dict]) -> str:
+    lines = ["| draft | batch | tokens / verify step | tok/s (wall) | vs no-spec | CPU-time vs no-spec | same tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tps = "–" if r["tokens_per_verify_step"] is None else f"{r['tokens_per_verify_step']:.2f}"
+        lines.append(f"| {r['draft']} | {r['batch']} | {tps} | {r['tok_per_s']:.1f} | "
+                     f"{r['speedup_vs_no_speculation']:.2f}x | {r['cpu_speedup_vs_no_speculation']:.2f}x | "
+                     f"{'yes' if r['same_output_as_no_speculation'] else 'NO'} |")
+    return "\n".join(lines)
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| draft | family | acceptance (accepted/drafted) | accepted / step | tok/s (wall) | vs no-spec "
+    lines = ["| draft | batch | family | acceptance (accepted/drafted) | accepted / step | tok/s (wall) | vs no-spec "
              "| tok per CPU-s | vs no-spec | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%} ({r['accepted']}/{r['drafted']})"
-        lines.append(f"| {r['draft']} | {r['family']} | {acc} | {r['accepted_per_step']:.2f} | {r['tok_per_s']:.1f} | "
+        lines.append(f"| {r['draft']} | {r['batch']} | {r['family']} | {acc} | {r['accepted_per_step']:.2f} | {r['tok_per_s']:.1f} | "
                      f"{r['speedup_vs_no_speculation']:.2f}x | {r['tok_per_cpu_s']:.1f} | "
                      f"{r['cpu_speedup_vs_no_speculation']:.2f}x | {'yes' if r['same_output_as_no_speculation'] else 'NO'} |")
     return "\n".join(lines)

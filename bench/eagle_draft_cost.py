@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 
 import torch
@@ -61,6 +62,39 @@ def draft_step_times(engine: Engine, batches: list[int], bandwidth: float, conte
     return rows
 
 
+def profile_draft_calls(engine: Engine, out_dir: str, context: int = 192, calls: int = 10) -> dict:
+    """torch.profiler over `calls` greedy draft calls at batch 1 with k = 1 and k = 5: CUDA kernels
+    and their summed GPU time per call, host wall per call; (k5 - k1) / 4 is one chain step. Writes
+    the kernel tables to OUT_DIR/eagle_profile_k{1,5}.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from verifypd.engine.types import SamplingParams
+
+    runner = engine.draft_lane.runner
+    blocks = -(-(context + 8) // runner.block_size)
+    target_blocks = -(-(context + 8) // engine.target_pool.geometry.block_size)
+    runs = [FeatureRun([7], context, tuple(range(blocks)), target_block_ids=tuple(range(target_blocks)))]
+    greedy = [SamplingParams()]
+    summary = {}
+    for k in (1, 5):
+        for _ in range(3):  # warm (graph capture, allocations)
+            runner.draft(runs, [k], greedy).tolist()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                runner.draft(runs, [k], greedy).tolist()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        pathlib.Path(out_dir, f"eagle_profile_k{k}.txt").write_text(table + "\n")
+        summary[k] = {"kernels_per_call": len(kernels) / calls,
+                      "kernel_time_per_call_s": sum(e.time_range.elapsed_us() for e in kernels) / calls / 1e6}
+    step = {key: (summary[5][key] - summary[1][key]) / 4 for key in summary[1]}
+    result = {"k1_call": summary[1], "k5_call": summary[5], "chain_step": step}
+    print(json.dumps({"profile_batch_1": result}), flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="llama-2-7b", choices=sorted(RANDOM_SHAPES))
@@ -71,6 +105,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--skip-engine", action="store_true", help="draft-step timings only")
+    ap.add_argument("--profile", metavar="DIR", help="also profile the draft calls at batch 1 (kernel tables into DIR)")
     ap.add_argument("--out", default="eagle_draft_cost.json")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of the script
     args = ap.parse_args()
@@ -95,6 +130,12 @@ def main() -> None:
     engine = Engine(EngineOptions(config=adaptive, **base), models=eagle_models, simulated_acceptance=0.7)
     results["draft_steps"] = draft_step_times(engine, batches, bandwidth,
                                               context=min(192, args.prompt_len + args.gen_len // 2))
+    if args.profile:
+        try:
+            results["profile_batch_1"] = profile_draft_calls(engine, args.profile,
+                                                             context=min(192, args.prompt_len + args.gen_len // 2))
+        except Exception as exc:  # the timings above still count
+            print(f"profile failed: {exc!r}", flush=True)
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
     del engine

@@ -1,65 +1,100 @@
 #!/usr/bin/env bash
-# Issue 19's GPU runs, one device call per step (run from the repo root on the device machine; $OUT is
-# the folder that comes back). Prepare here once:
+# Issue 19's GPU runs on the device machine (run from the repo root there; $OUT is the folder that
+# comes back). Prepare here once:
 #   bash ../shared/gpu-relay/split-embedded-model.sh      # .relay-a/ .relay-b/ (the embedded GGUF, two halves)
 #   .whl/gguf-*.whl                                        # as in the device README (pure Python)
 #
-#   call 1  carry [.relay-a]               bash bench/eagle_gpu.sh relay-a
-#   call 2  carry [.relay-b, .whl]         bash bench/eagle_gpu.sh distill     (right after call 1: ~30 s)
-#   call 3  carry [.whl]                   bash bench/eagle_gpu.sh resume      (right after call 2)
-#   any     carry [.whl]                   bash bench/eagle_gpu.sh lossless | cost
+#   call 1  carry [.relay-a]              bash bench/eagle_gpu.sh relay-a   (skipped if the GGUF is there)
+#   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s)
+#   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end)
+#   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost
 #
-# distill/resume keep their state in /root/distill on the warm machine and copy the head, its logs
-# and distill.json/eval.json to $OUT/smollm2-eagle after each call; `resume` also evaluates the head
-# against ngram on bench/prompts/draft_acceptance.jsonl (held out: training uses the target's own
-# sampled requests), temperature 0, k = 4.
+# `train` (one call, ~9 min): `verifypd distill` for the embedded model (data, training to a time
+# budget, the held-out engine evaluation against ngram on bench/prompts/draft_acceptance.jsonl at
+# temperature 0, k = 4), then end to end against --no-speculation at batch 1 and 16 (one JSON).
+# The head, its logs and the JSONs land in $OUT (small files only; data and checkpoints stay in
+# /root/distill on the warm machine, where `resume` continues them).
 set -euo pipefail
-export PYTHONPATH="$PWD/services${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/services${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"
-GGUF=/root/relay/SmolLM2-135M-Instruct.Q4_1.gguf
-HEAD=/root/distill/smollm2-eagle
+GGUF="${EAGLE_GGUF:-/root/relay/SmolLM2-135M-Instruct.Q4_1.gguf}"
+HEAD="${EAGLE_HEAD:-/root/distill/smollm2-eagle}"
+DEVICE="${EAGLE_DEVICE:-cuda}"
+TRAIN_MINUTES="${EAGLE_TRAIN_MINUTES:-5.5}"   # data + training; the eval and the e2e bench come after
+START=$SECONDS
 
 wheels() {
+  [ -d .whl ] || return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 }
+
+have_gguf() { [ -f "$GGUF" ] && (cd "$(dirname "$GGUF")" && sha256sum -c --status "$1"); }
 
 collect() {  # the head, its logs and reports: small files only (checkpoints and data stay on the machine)
   mkdir -p "$OUT/smollm2-eagle"
   for f in config.json model.safetensors distill.json eval.json distill.log; do
     [ -f "$HEAD/$f" ] && cp "$HEAD/$f" "$OUT/smollm2-eagle/"
   done
-  ls -la "$OUT/smollm2-eagle"; du -b "$HEAD/model.safetensors" || true
+  ls -la "$OUT/smollm2-eagle"
 }
 
-# Training settings of the embedded model's head: own lm_head-free head (the target's lm_head is
-# shared, frozen, not written) with a 1024-wide MLP, so the file stays under 10 MB in bf16.
-DISTILL=(--target "$GGUF" --out "$HEAD" --samples 8000 --gen-tokens 256 --max-len 512 --steps 3000
-         --batch-tokens 16384 --lr 5e-4 --warmup 100 --chain-steps 4 --intermediate-size 1024
-         --checkpoint-every 250 --eval-every 500 --no-progress --device cuda)
+# The embedded model's head: a 1024-wide MLP and an 8192-token draft vocabulary over the target's
+# own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
+DISTILL=(--target "$GGUF" --out "$HEAD" --samples 5000 --gen-tokens 256 --max-len 512 --steps 3000
+         --batch-tokens 16384 --lr 8e-4 --warmup 50 --chain-steps 4 --intermediate-size 1024
+         --draft-vocab 8192 --frozen-lm-head --checkpoint-every 250 --eval-every 500 --no-progress
+         --device "$DEVICE")
+EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
+
+end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
+  # E2E_K: a fixed k for every draft (default: the served adaptive policy)
+  python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" --drafts "ngram,eagle:$1" \
+    --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
+    --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
+}
+
+join_gguf() {
+  if ! have_gguf "$PWD/.relay-b/SHA256SUMS"; then
+    mkdir -p "$(dirname "$GGUF")"; cat /root/relay/part00 .relay-b/part01 > "$GGUF"
+    (cd /root/relay && sha256sum -c "$OLDPWD/.relay-b/SHA256SUMS")
+  fi
+}
 
 case "${1:-}" in
   relay-a)
+    if [ "$(stat -c %s "$GGUF" 2>/dev/null)" = 98362432 ]; then echo "GGUF already there (train checks its sum)"; exit 0; fi
     mkdir -p /root/relay && cp .relay-a/part00 /root/relay/ && ls -la /root/relay ;;
-  distill)
-    cat /root/relay/part00 .relay-b/part01 > "$GGUF"
-    (cd /root/relay && sha256sum -c "$OLDPWD/.relay-b/SHA256SUMS")
+  train)
+    join_gguf
     wheels
-    nvidia-smi --query-gpu=name,memory.total --format=csv
-    python3 -m verifypd.cli distill "${DISTILL[@]}" --max-minutes 5 2>&1 | tee -a "$HEAD.log" | tail -40
-    cp "$HEAD.log" "$HEAD/distill.log"; collect ;;
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    mkdir -p "$(dirname "$HEAD")"
+    python3 -m verifypd.cli distill "${DISTILL[@]}" --max-minutes "$TRAIN_MINUTES" --fit-steps \
+      "${EVAL[@]}" 2>&1 | tee "$HEAD.log" | grep -v "it/s\]" | tail -45 || true
+    cp "$HEAD.log" "$HEAD/distill.log" || true
+    collect
+    echo "distill + eval: $((SECONDS - START)) s"
+    if [ $((SECONDS - START)) -lt "${E2E_IF_BEFORE:-470}" ]; then end_to_end "$HEAD"; else echo "no time left for the e2e bench"; fi
+    echo "call: $((SECONDS - START)) s" ;;
   resume)
     wheels
-    python3 -m verifypd.cli distill "${DISTILL[@]}" --resume --max-minutes 7 \
-      --eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128 2>&1 | tee -a "$HEAD.log" | tail -40
+    python3 -m verifypd.cli distill "${DISTILL[@]}" --resume --max-minutes "$TRAIN_MINUTES" --fit-steps "${EVAL[@]}" \
+      2>&1 | tee -a "$HEAD.log" | grep -v "it/s\]" | tail -40
     cp "$HEAD.log" "$HEAD/distill.log"; collect ;;
+  measure)  # carry .relay-b right after relay-a (or find the GGUF on the warm machine)
+    join_gguf; wheels
+    python3 bench/eagle_acceptance.py --target "$GGUF" --head "${2:?measure HEAD_DIR}" --device "$DEVICE" \
+      --out "$OUT/eagle_acceptance_${DEVICE}.json" 2>&1 | grep '^|'
+    end_to_end "$2" ;;
   lossless)
     wheels
     VERIFYPD_TEST_DEVICE=cuda python3 -m pytest -q -x tests/engine/test_engine_eagle.py \
-      tests/engine/test_engine_eagle_chain.py tests/engine/test_engine_distill.py 2>&1 | tail -15 ;;
+      tests/engine/test_engine_eagle_chain.py tests/engine/test_engine_distill.py tests/engine/test_engine_greedy_lossless.py \
+      2>&1 | tee "$OUT/eagle_tests_cuda.txt" | tail -15 ;;
   cost)
     wheels
     python3 bench/eagle_draft_cost.py --out "$OUT/eagle_draft_cost.json" 2>&1 | tail -30 ;;
   *)
-    echo "usage: bash bench/eagle_gpu.sh relay-a|distill|resume|lossless|cost" >&2; exit 2 ;;
+    echo "usage: bash bench/eagle_gpu.sh relay-a|train|resume|measure HEAD|lossless|cost" >&2; exit 2 ;;
 esac

@@ -91,3 +91,70 @@ def test_engine_acceptance_equals_dense_replay(trained):
         n += m + 1
     assert steps == predicted
     assert sum(m for _, m in steps) >= len(steps) // 4, steps   # the head is often right: the check has power
+
+
+def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
+    """Without --prompts a chat target writes its own requests: half questions, half a task on a text
+    it wrote (so copy-heavy answers are trained too); the text is inside the task's prompt."""
+    from types import SimpleNamespace
+
+    from verifypd.distill.data import TEXT_SEEDS, own_prompts
+
+    class Codec:  # one character per token
+        has_chat_template, tokenizer = True, object()
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def encode_chat(self, messages):
+            return self.encode("<user>" + messages[-1]["content"])
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, specs):
+            self.calls.append(specs[0].max_tokens)
+            return {s.request_id: SimpleNamespace(token_ids=Codec().encode(f"Text number {s.request_id} here, long enough for a text."))
+                    for s in specs}
+
+    engine = Engine()
+    prompts = [Codec().decode(p) for p in own_prompts(engine, Codec(), 10, seed=0)]
+    assert engine.calls == [48, 160]                            # requests, then texts
+    tasks = {t for _, _, ts in TEXT_SEEDS for t in ts}
+    worked = [p for p in prompts if p.removeprefix("<user>").split("\n\n")[0] in tasks]
+    assert len(worked) == 5 and len(prompts) == 10
+    assert all("Text number d" in p.split("\n\n", 1)[1] for p in worked)
+
+
+def test_fit_steps_ends_the_schedule_inside_max_minutes():
+    """At step 20, 20 steps took 2 s (0.1 s each) and 10 s of the 60 are gone: 500 more steps fit,
+    minus the held-out evaluations' share; --steps is lowered to that, never raised."""
+    import time
+    from types import SimpleNamespace
+
+    from verifypd.distill.trainer import Trainer, TrainSettings
+
+    def fitted(steps, heldout):
+        now = time.monotonic()
+        trainer = SimpleNamespace(step=20, log=lambda m: None,
+                                  s=TrainSettings(steps=steps, max_minutes=1.0, eval_every=100, batch_tokens=64))
+        Trainer._fit_steps(trainer, (0, now - 2.0), now - 10.0, heldout)
+        return trainer.s.steps
+
+    assert 515 <= fitted(3000, []) <= 520
+    rows = [{"tokens": list(range(32)), "prompt_len": 4}] * 8           # 4 batches of 64 tokens per evaluation
+    # 6 evaluations x 4 batches x half a step = 12 steps' time
+    assert 505 <= fitted(3000, rows) <= 509
+    assert fitted(300, []) == 300
+
+
+def test_distill_flag_pairs_are_checked(tmp_path, capsys):
+    base = ["distill", "--target", "random:tinyllama-1.1b", "--out", str(tmp_path / "h")]
+    assert main(base + ["--fit-steps"]) == 2
+    assert "--max-minutes" in capsys.readouterr().err
+    assert main(base + ["--frozen-lm-head"]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err

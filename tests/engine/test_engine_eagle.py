@@ -28,7 +28,8 @@ def heads(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
     return {"full": write_head(tiny_models, root / "full"),
             "small_vocab": write_head(tiny_models, root / "small", draft_vocab=64),
-            "target_lm_head": write_head(tiny_models, root / "shared", with_lm_head=False)}
+            "target_lm_head": write_head(tiny_models, root / "shared", with_lm_head=False),
+            "target_rows": write_head(tiny_models, root / "rows", draft_vocab=64, with_lm_head=False)}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def plain(tiny_models):
     return prompts, [c.token_ids for c in done.values()]
 
 
-@pytest.mark.parametrize("head", ["full", "small_vocab", "target_lm_head"])
+@pytest.mark.parametrize("head", ["full", "small_vocab", "target_lm_head", "target_rows"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_head_equals_plain(tiny_models, heads, plain, head, k):
     prompts, expected = plain
@@ -121,6 +122,41 @@ def test_head_round_trips_through_the_published_layout(tiny_models, tmp_path):
     assert torch.equal(loaded.layer.qkv, weights.layer.qkv) and torch.equal(loaded.layer.gate_up, weights.layer.gate_up)
     raw = (tmp_path / "config.json").read_text()
     assert "LlamaForCausalLMEagle3" in raw and "eagle_aux_hidden_state_layer_ids" in raw
+
+
+def test_draft_vocabulary_over_the_targets_rows_loads_those_rows(tiny_models, tmp_path):
+    """A head written without lm_head.weight but with a d2t map (distill --frozen-lm-head) drafts over
+    the target's own lm_head rows of its draft vocabulary; a d2t of the wrong length is refused."""
+    from safetensors.torch import load_file, save_file
+
+    target = load_model(tiny_models[0], CPU, torch.float32)
+    config, weights = random_eagle_head(target.shape, seed=2, draft_vocab=40)
+    weights.draft_to_target = torch.randperm(target.shape.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
+    save_eagle_head(tmp_path, config, weights, with_lm_head=False)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    loaded_config, loaded = load_eagle_head(str(tmp_path), target.shape, target.weights.lm_head, CPU, torch.float32)
+    assert loaded_config.draft_vocab_size == 40
+    assert torch.equal(loaded.draft_to_target, weights.draft_to_target)
+    assert torch.equal(loaded.lm_head, target.weights.lm_head[weights.draft_to_target])
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    sd["lm_head.weight"] = torch.zeros(39, target.shape.hidden_size)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="d2t map"):
+        load_eagle_head(str(tmp_path), target.shape, target.weights.lm_head, CPU, torch.float32)
+
+
+def test_head_trained_on_short_sequences_drafts_past_its_training_length(tiny_models, tmp_path):
+    """distill writes max_position_embeddings = its training length; served requests run longer (the
+    head follows the target's context: its rope tables must cover every target position)."""
+    target = load_model(tiny_models[0], CPU, torch.float32)
+    config, weights = random_eagle_head(target.shape, seed=4, std=0.3)
+    config.max_context = 8
+    save_eagle_head(tmp_path, config, weights)
+    prompt = tuple(int(t) for t in torch.randint(3, 90, (100,), generator=torch.Generator().manual_seed(1)))
+    spec = lambda: [RequestSpec(prompt, max_tokens=12, stop_at_eos=False)]  # noqa: E731
+    expected = [c.token_ids for c in make_engine(tiny_models[0], "none", k=0, num_blocks=256).generate(spec()).values()]
+    engine = make_engine(tiny_models[0], f"eagle:{tmp_path}", k=3, num_blocks=256)
+    assert [c.token_ids for c in engine.generate(spec()).values()] == expected
 
 
 def test_bad_head_paths_name_the_flag(tiny_models, tmp_path):

@@ -39,10 +39,18 @@ def register(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="draft vocabulary: the N most frequent tokens of the data, own lm_head; "
                         "0 = the target's lm_head (frozen, not written)")
+    p.add_argument("--frozen-lm-head", action="store_true",
+                   help="with --draft-vocab: the draft vocabulary's lm_head rows are the target's own, frozen and "
+                        "not written (the file holds the d2t map only; `--draft eagle:` takes the rows from the target)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop after this long with a checkpoint")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training once this run has lasted this long (data generation included), "
+                        "with a checkpoint")
+    p.add_argument("--fit-steps", action="store_true",
+                   help="with --max-minutes: after 20 steps, lower --steps to what fits, so that the learning-rate "
+                        "schedule ends on time rather than being cut off")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--eval-prompts", help="after training: the engine's tokens per verify step at temperature 0 "
                                           "on these prompts, against ngram")
@@ -79,6 +87,14 @@ def run(args) -> int:
     for name in ("steps", "batch_tokens", "chain_steps", "max_len", "gen_tokens", "samples"):
         if getattr(args, name) < 1:
             raise ModelLoadError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.frozen_lm_head and not args.draft_vocab:
+        raise ModelLoadError("--frozen-lm-head needs --draft-vocab N (without it the head already uses the "
+                             "target's whole lm_head, frozen)")
+    if args.fit_steps and args.max_minutes is None:
+        raise ModelLoadError("--fit-steps needs --max-minutes M (the time the steps must fit in)")
+    if torch.cuda.is_available() and args.device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the head's fp32 master weights: TF32 matmuls
+        torch.backends.cudnn.allow_tf32 = True
     t0 = time.monotonic()
     # The data engine's pools hold its running requests only (training needs the memory after it).
     running = 256 if torch.cuda.is_available() and args.device != "cpu" else 32
@@ -113,16 +129,23 @@ def run(args) -> int:
         ids = torch.tensor(keep, device=models.device)
         config.draft_vocab_size = len(keep)
         weights.lm_head, weights.draft_to_target = target.weights.lm_head[ids].float(), ids
+        kept = set(keep)
+        answers = [t for r in heldout for t in r["tokens"][r["prompt_len"]:]]
+        if answers:
+            log(f"draft vocabulary: {len(keep)} tokens cover {sum(t in kept for t in answers) / len(answers):.1%} "
+                "of the held-out answers' tokens")
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, warmup=args.warmup,
                              chain_steps=args.chain_steps, checkpoint_every=args.checkpoint_every,
-                             eval_every=args.eval_every, max_minutes=args.max_minutes, seed=args.seed)
-    trainer = Trainer(target, config, weights, out, settings, train_lm_head=bool(args.draft_vocab),
+                             eval_every=args.eval_every, max_minutes=args.max_minutes, fit_steps=args.fit_steps,
+                             seed=args.seed)
+    trainer = Trainer(target, config, weights, out, settings,
+                      train_lm_head=bool(args.draft_vocab) and not args.frozen_lm_head,
                       device=models.device, log=log)
     if checkpoint is not None:
         trainer.resume(checkpoint)
-    finished = trainer.train(train_rows, heldout, progress_bar=not args.no_progress)
+    finished = trainer.train(train_rows, heldout, progress_bar=not args.no_progress, started=t0)
     trainer.save(out, getattr(torch, args.save_dtype))
-    summary = {"target": args.target, "step": trainer.step, "finished": finished,
+    summary = {"target": args.target, "step": trainer.step, "steps": settings.steps, "finished": finished,
                "seconds_this_run": round(time.monotonic() - t0, 1), "history": trainer.history,
                "settings": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")}}
     if heldout:
@@ -132,11 +155,14 @@ def run(args) -> int:
         summary["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(models.device) / 2 ** 30, 2)
     (out / "distill.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"head written to {out} (--draft eagle:{out}); step {trainer.step} of {args.steps}")
-    if finished and args.eval_prompts:
+    if args.eval_prompts:  # also a head stopped by --max-minutes: it is what was written
+        if not finished:
+            log(f"evaluating the head as written at step {trainer.step} (training not finished)")
         from verifypd.distill.evaluate import compare_drafts
 
         results = compare_drafts(args.target, [f"eagle:{out}", "ngram"], args.eval_prompts, k=args.eval_k,
                                  max_tokens=args.eval_tokens, device=args.device, dtype=args.dtype)
+        results["head_step"], results["finished"] = trainer.step, finished
         (out / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
         for r in results["drafts"]:
             log(f"eval {r['draft']}: {r['tokens_per_verify_step']:.2f} tokens per verify step (k = {args.eval_k})")

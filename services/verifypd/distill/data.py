@@ -2,7 +2,8 @@
 
 Sources: a prompts file (one text per line, or JSONL with "prompt" or "messages"), answered by the
 target; or, with none, the target's own samples: it first writes user requests (sampled, from a
-few seed instructions over a list of topics; chat models) or free text (models without a chat
+few seed instructions over a list of topics, and, for half of them, a text it wrote with a task
+to do on it: rewrite, edit code, extract; chat models) or free text (models without a chat
 template), then answers them. Answers are greedy by default, which makes the held-out estimate of
 accepted length exact for temperature 0 (distill.head_train.accepted_length).
 
@@ -24,6 +25,22 @@ SEEDS = ["Write one question a curious person might ask an assistant about {topi
          "Write a short instruction asking an assistant to do a task related to {topic}. "
          "Reply with the instruction only.",
          "Give one request about {topic} that someone could type into a chatbot. Only the request."]
+
+# Work-on-a-text requests: the target writes a text (prose, code, a note with facts), and the prompt
+# asks for something done to it, so the head also learns the copy-heavy answers (rewrites, edits,
+# extractions) that plain questions never show. Our own wording, unrelated to any evaluation set.
+TEXT_SEEDS = [
+    ("Write a short paragraph about {topic}. Reply with the paragraph only.", "{}",
+     ["Make the following text easier to read.", "Shorten the following text.",
+      "Correct the following text and give it back in full.", "Rewrite this text for a child."]),
+    ("Write a short Python function related to {topic}. Reply with the code only.", "```python\n{}\n```",
+     ["Add comments to this code and give back the whole code.",
+      "Improve the variable names in this code and return it in full.",
+      "Add error handling to this code and return the whole code."]),
+    ("Write a short note about {topic} that mentions people, dates and amounts. Reply with the note only.", "{}",
+     ["Pull out all people, places, dates and numbers from this text.",
+      "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text."]),
+]
 
 
 def read_prompts(path: str) -> list[list[dict] | str]:
@@ -79,13 +96,21 @@ def own_prompts(engine, codec, count: int, seed: int) -> list[list[int]]:
         starts = [bos + [rng.randrange(3, 64)] for _ in range(count)]
         texts = generate(engine, starts, 24, 1.0, seed, stop_at_eos=False)
         return [s + t for s, t in zip(starts, texts)]
-    asks = [encode(codec, rng.choice(SEEDS).format(topic=rng.choice(TOPICS))) for _ in range(count)]
+    questions = count - count // 2
+    asks = [encode(codec, rng.choice(SEEDS).format(topic=rng.choice(TOPICS))) for _ in range(questions)]
     requests = generate(engine, asks, 48, 1.0, seed)
     prompts = []
     for ids in requests:
         text = codec.decode(ids).strip().split("\n")[0].strip()
         if len(text) >= 8:
             prompts.append(encode(codec, text))
+    kinds = [rng.choice(TEXT_SEEDS) for _ in range(count // 2)]
+    texts = generate(engine, [encode(codec, ask.format(topic=rng.choice(TOPICS))) for ask, _, _ in kinds], 160,
+                     0.8, seed + 1)
+    for (_, wrap, tasks), ids in zip(kinds, texts):
+        text = codec.decode(ids).strip().removeprefix("```python").removesuffix("```").strip()
+        if len(text) >= 40:
+            prompts.append(encode(codec, f"{rng.choice(tasks)}\n\n{wrap.format(text)}"))
     return prompts
 
 

@@ -31,7 +31,8 @@ class TrainSettings:
     chain_steps: int = 4          # unrolled chain steps (the k the head learns to draft)
     checkpoint_every: int = 200
     eval_every: int = 500
-    max_minutes: float | None = None
+    max_minutes: float | None = None   # of the whole run (data generation included), from `started`
+    fit_steps: bool = False           # with max_minutes: lower `steps` so the schedule ends in time
     seed: int = 0
     keep_checkpoints: int = 2
 
@@ -106,14 +107,17 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     # -- training ----------------------------------------------------------------------------
-    def train(self, train_rows: list[dict], heldout_rows: list[dict], progress_bar: bool = True) -> bool:
-        """Trains up to settings.steps (or max_minutes); returns True when all steps are done."""
+    def train(self, train_rows: list[dict], heldout_rows: list[dict], progress_bar: bool = True,
+              started: float | None = None) -> bool:
+        """Trains up to settings.steps (or max_minutes after `started`, a time.monotonic() value; default
+        now); returns True when all steps are done."""
         from tqdm import tqdm
 
         longest = max(len(r["tokens"]) for r in train_rows + heldout_rows)
         self.capture = TargetCapture(self.target, self.config.aux_layer_ids, self.device,
                                      max(self.s.batch_tokens, longest))
-        t0 = time.monotonic()
+        t0 = time.monotonic() if started is None else started
+        fit_at, fit_from = self.step + 20, (self.step, time.monotonic())
         bar = tqdm(total=self.s.steps, initial=self.step, disable=not progress_bar, desc="distill", unit="step")
         epoch = self.step  # any deterministic function of where we are
         while self.step < self.s.steps:
@@ -123,6 +127,8 @@ class Trainer:
                 loss, agree = self.train_step(group)
                 self.step += 1
                 bar.update(1)
+                if self.s.fit_steps and self.s.max_minutes is not None and self.step == fit_at:
+                    self._fit_steps(fit_from, t0, heldout_rows)
                 bar.set_postfix(loss=f"{loss:.3f}", top1=f"{agree[0]:.2f}")
                 if self.step % self.s.checkpoint_every == 0:
                     self.checkpoint()
@@ -138,6 +144,20 @@ class Trainer:
         if self.step % self.s.checkpoint_every:  # a resumed run starts where this one ended
             self.checkpoint()
         return True
+
+    def _fit_steps(self, since: tuple[int, float], t0: float, heldout_rows: list[dict]) -> None:
+        """Lowers settings.steps to what the time left allows at the rate of the steps since `since`,
+        held-out evaluations (every eval_every steps and a final one) counted at half a step per batch."""
+        step0, when = since
+        per_step = (time.monotonic() - when) / max(self.step - step0, 1)
+        left = 60 * self.s.max_minutes - (time.monotonic() - t0)
+        evals = int(left / per_step) // self.s.eval_every + 1 if heldout_rows else 0
+        eval_seconds = evals * len(batches(heldout_rows, self.s.batch_tokens, 0, 0)) * per_step / 2
+        fit = self.step + int((left - eval_seconds) / per_step)
+        if fit < self.s.steps:
+            self.log(f"{per_step * 1000:.0f} ms per step: {fit} steps fit in --max-minutes {self.s.max_minutes} "
+                     f"(of --steps {self.s.steps}); the schedule now ends there")
+            self.s.steps = max(fit, self.step + 1)
 
     def train_step(self, group: list[dict]) -> tuple[float, list[float]]:
         for g in self.optimizer.param_groups:

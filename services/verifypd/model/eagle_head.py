@@ -12,7 +12,9 @@ On disk (what `save_eagle_head` writes and `load_eagle_head` reads; the layout S
 SpecForge use): `config.json` with architectures ["LlamaForCausalLMEagle3"], and `model.safetensors`
 with fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
 midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight, norm.weight,
-[lm_head.weight, d2t, t2d]. A "model." prefix on names is accepted.
+[lm_head.weight, d2t, t2d]. A "model." prefix on names is accepted. Without lm_head.weight but with
+d2t, the draft vocabulary's rows are the target's own lm_head rows (what `verifypd distill
+--draft-vocab N --frozen-lm-head` writes: a smaller file, and drafting computes N logits, not V).
 """
 from __future__ import annotations
 
@@ -92,7 +94,9 @@ class EagleConfig:
                    draft_vocab_size=raw.get("draft_vocab_size") or raw.get("vocab_size", target.vocab_size),
                    target_hidden_size=raw.get("target_hidden_size") or hidden, aux_layer_ids=ids,
                    rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=raw.get("rope_theta", 10000.0),
-                   max_context=min(raw.get("max_position_embeddings", target.max_context), target.max_context),
+                   # The head runs at the target's positions: its rope tables follow the target's
+                   # context, whatever length it was trained on (max_position_embeddings).
+                   max_context=target.max_context,
                    rope_scaling=raw.get("rope_scaling"))
 
 
@@ -144,19 +148,21 @@ def load_eagle_head(path: str, target: LlamaShape, target_lm_head: torch.Tensor,
         gate_up=torch.cat([get(f"{m}mlp.gate_proj.weight"), get(f"{m}mlp.up_proj.weight")]),
         down=get(f"{m}mlp.down_proj.weight"), input_norm=get(f"{m}input_layernorm.weight"),
         post_norm=get(f"{m}post_attention_layernorm.weight"))
-    if "lm_head.weight" in sd:
-        lm_head = get("lm_head.weight")
-    else:  # the target's head: the draft vocabulary is the target's
-        lm_head, config.draft_vocab_size = target_lm_head, target.vocab_size
     mapping = None
-    if lm_head.shape[0] != target.vocab_size or "d2t" in sd:
-        offsets = sd.get("d2t")
-        if offsets is None or offsets.numel() != lm_head.shape[0]:
-            raise ModelLoadError(f"--draft eagle:{path}: a {lm_head.shape[0]}-token draft vocabulary needs a "
-                                 f"d2t map of as many entries")
+    if "d2t" in sd:
+        offsets = sd["d2t"]
         mapping = (offsets.long() + torch.arange(offsets.numel())).to(device)
         if int(mapping.min()) < 0 or int(mapping.max()) >= target.vocab_size:
             raise ModelLoadError(f"--draft eagle:{path}: d2t maps outside the target vocabulary")
+    if "lm_head.weight" in sd:
+        lm_head = get("lm_head.weight")
+    elif mapping is not None:  # a draft vocabulary over the target's own (frozen) lm_head rows
+        lm_head = target_lm_head[mapping].to(dtype)
+    else:  # the target's head: the draft vocabulary is the target's
+        lm_head = target_lm_head
+    if lm_head.shape[0] != (target.vocab_size if mapping is None else mapping.numel()):
+        raise ModelLoadError(f"--draft eagle:{path}: a {lm_head.shape[0]}-token draft vocabulary needs a "
+                             f"d2t map of as many entries")
     config.draft_vocab_size = lm_head.shape[0]
     return config, EagleWeights(fc=get("fc.weight"), layer=layer, hidden_norm=get(f"{m}hidden_norm.weight"),
                                 final_norm=get("norm.weight"), lm_head=lm_head, draft_to_target=mapping)

@@ -1,0 +1,68 @@
+"""The trained head's real acceptance, one command: the engine at temperature 0 with a fixed k on the
+held-out prompts (bench/prompts/draft_acceptance.jsonl: chat, rewrite, edit_code, extract; none of
+them in the head's training data, which the target wrote itself), against ngram on the same
+prompts: mean tokens per verify step (accepted drafts + 1), per family and overall.
+
+    python bench/eagle_acceptance.py --device cuda --out bench/results/eagle_acceptance_h200.json
+    python bench/eagle_acceptance.py --device cpu --per-family 4 --max-tokens 64    # a short CPU run
+
+--head defaults to the committed head of the embedded model (bench/results/smollm2_eagle_h200).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_meta import metadata  # noqa: E402
+
+from verifypd.distill.evaluate import compare_drafts  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2", help="the embedded model, or a path to its GGUF")
+    ap.add_argument("--head", default=str(HERE / "results" / "smollm2_eagle_h200"))
+    ap.add_argument("--prompts", default=str(HERE / "prompts" / "draft_acceptance.jsonl"))
+    ap.add_argument("--per-family", type=int, default=0, help="the first N prompts of each family (0: all)")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.k < 1 or args.max_tokens < 1 or args.per_family < 0:
+        ap.error("--k and --max-tokens must be >= 1, --per-family >= 0")
+    prompts = args.prompts
+    if args.per_family:
+        seen: dict[str, int] = {}
+        lines = []
+        for line in pathlib.Path(args.prompts).read_text().splitlines():
+            family = json.loads(line).get("family", "all")
+            seen[family] = seen.get(family, 0) + 1
+            if seen[family] <= args.per_family:
+                lines.append(line)
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
+        tmp.write("\n".join(lines) + "\n")
+        tmp.close()
+        prompts = tmp.name
+    results = compare_drafts(args.target, [f"eagle:{args.head}", "ngram"], prompts, k=args.k,
+                             max_tokens=args.max_tokens, device=args.device)
+    results = {**metadata(), "head": args.head, "per_family": args.per_family or "all", **results}
+    print("| draft | " + " | ".join(sorted(results["drafts"][0]["families"])) + " |")
+    for r in results["drafts"]:
+        fams = r["families"]
+        print(f"| {r['draft']} | " + " | ".join(f"{fams[f]['tokens_per_verify_step']:.2f}" for f in sorted(fams)) + " |")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
