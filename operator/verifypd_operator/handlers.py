@@ -198,7 +198,12 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
             kopf.event(body, type="Warning", reason=e.reason, message=str(e)[:1000])
             raise kopf.TemporaryError(str(e), delay=15) from e
         ctx.store.register(namespace, name)
-        knobs = clamp_knobs(st.knobs_from_status((status or {}).get("applied")), spec_)
+        # The applied knobs are the timer's to change; a reconcile writes them only when there are
+        # none yet or the spec's bounds moved them. Its `status` may predate the timer's last patch
+        # (kopf runs the two side by side), and writing that copy back undid the timer's decision
+        # on every spec event (seen: kMax lowered 2 -> 1 again and again, never reaching the scale).
+        held = st.knobs_from_status((status or {}).get("applied"))
+        knobs = clamp_knobs(held, spec_)
         ready, rolling, msg = _readiness(ctx, name, namespace, objs)
         conds = (status or {}).get("conditions")
         conds = st.set_condition(conds, "Ready", ready, "Available" if ready else "Unavailable", msg, now, gen)
@@ -210,7 +215,8 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         old_units = ((status or {}).get("autoscaler") or {}).get("replicas") or {}
         patch.status["observedGeneration"] = gen
         patch.status["conditions"] = conds
-        patch.status["applied"] = st.knobs_to_status(knobs)
+        if held is None or knobs != held:
+            patch.status["applied"] = st.knobs_to_status(knobs)
         patch.status["replicas"] = st.lane_replicas(spec_, replicas)
         patch.status["replicasText"] = st.replicas_text(spec_, replicas)
         # Merge-patch semantics: units that no longer exist must be nulled explicitly.
