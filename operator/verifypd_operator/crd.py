@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET
 
 from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 
@@ -139,9 +139,10 @@ def spec_schema() -> S:
             "speculation": {
                 "type": "object", "default": {},
                 "properties": {
-                    "kInitial": _int(4, 0, 16, "draft length before acceptance is known"),
-                    "kMin": _int(1, 0, 16, "floor of the adaptive k and of the autoscaler's kMax"),
-                    "kMax": _int(8, 0, 16, "ceiling; the autoscaler lowers it under ITL pressure"),
+                    "kInitial": _int(DEFAULT_K_INITIAL, 0, 16, "draft length before acceptance is known"),
+                    "kMin": _int(DEFAULT_K_MIN, 0, 16, "floor of the adaptive k and of the autoscaler's kMax"),
+                    "kMax": _int(DEFAULT_K_MAX, 0, 16,
+                                 "ceiling; with adaptive: false the autoscaler lowers it under ITL pressure"),
                     "adaptive": {"type": "boolean", "default": True},
                 },
                 "x-kubernetes-validations": [

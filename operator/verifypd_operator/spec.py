@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_TARGET  # the CLI's own defaults
+from verifypd.defaults import (  # the CLI's own defaults
+    DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET)
 
 GROUP = "verifypd.dev"
 VERSION = "v1alpha1"
@@ -53,9 +54,9 @@ class Replicas:
 
 @dataclasses.dataclass(frozen=True)
 class Speculation:
-    k_initial: int = 4
-    k_min: int = 1
-    k_max: int = 8
+    k_initial: int = DEFAULT_K_INITIAL
+    k_min: int = DEFAULT_K_MIN
+    k_max: int = DEFAULT_K_MAX
     adaptive: bool = True
 
 

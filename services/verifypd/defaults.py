@@ -18,3 +18,10 @@ DEFAULT_TARGET = "smollm2"
 # and is not the default: the same tokens per verify step as ngram at k = 4 (1.69 vs 1.71) and a
 # draft call dearer than a target step (0.65 x --no-speculation on the H200, 0.95 x on the CPU).
 DEFAULT_DRAFT = "ngram"
+
+# Draft-length bounds (the router's `RuntimeConfig`, the CRD's `spec.speculation`). kMin is 0: the
+# adaptive policy must be free to stop drafting for a batch whose expected gain is negative (at
+# saturation, or for prompts the draft cannot guess); a floor of 1 forces a draft token every step.
+DEFAULT_K_MIN = 0
+DEFAULT_K_MAX = 8
+DEFAULT_K_INITIAL = 4

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from verifypd.tls import TlsError, _load_ca, _load_chain, _read
+from verifypd.tls import TlsError, _load_ca, _load_chain, _read, files_stamp
 
 log = logging.getLogger("verifypd.lane_tls")
 RELOAD_CHECK_S = 5.0  # how often (at most) the files' stat is checked for a change
@@ -68,14 +68,7 @@ class LaneTls:
 
     # -- files -------------------------------------------------------------------------------
     def _stat(self) -> tuple:
-        out = []
-        for path in (self.cert_file, self.key_file, self.ca_file):
-            try:
-                st = os.stat(path)
-                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return files_stamp((self.cert_file, self.key_file, self.ca_file))
 
     def _load(self) -> _Material:
         cert_flag, key_flag, ca_flag = self.flags

@@ -25,6 +25,19 @@ class TlsError(ValueError):
 RELOAD_CHECK_S = 5.0  # how often (at most) servers look at their certificate files' stat
 
 
+def files_stamp(paths) -> tuple:
+    """(inode, size, mtime) of each file, None where it cannot be read: changes when a file is
+    rewritten or its mount swapped to a new version (Kubernetes Secret volumes rename a directory)."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 class FileStamp:
     """Notices that files changed (inode, size, mtime: a Kubernetes Secret volume swaps them
     atomically), checked at most every `check_s`. `reload(load)` calls `load()` after a change and
@@ -39,14 +52,7 @@ class FileStamp:
         self._lock = threading.Lock()
 
     def _stat(self) -> tuple:
-        out = []
-        for path in self.paths:
-            try:
-                st = os.stat(path)
-                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return files_stamp(self.paths)
 
     def reload(self, load):
         now = time.monotonic()

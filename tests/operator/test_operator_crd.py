@@ -140,5 +140,5 @@ def test_object_defaults_are_spelled_out():
     """The server validates a default's CEL rules without nested defaulting: `{}` would fail."""
     spec = _schema()["properties"]["spec"]
     assert spec["default"] == apply_defaults(spec, {})
-    assert spec["default"]["speculation"] == {"kInitial": 4, "kMin": 1, "kMax": 8, "adaptive": True}
+    assert spec["default"]["speculation"] == {"kInitial": 4, "kMin": 0, "kMax": 8, "adaptive": True}
     assert cel_errors(spec, spec["default"]) == []

@@ -55,3 +55,18 @@ def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
     given = [{"target": a[a.index("--target") + 1], "draft": a[a.index("--draft") + 1]}
              for a in (c["args"] for c in containers) if "--draft" in a]
     assert given and all(g == cli for g in given)
+
+
+def test_crd_speculation_defaults_are_the_routers():
+    """A VerifyPDConfig without `speculation` gets the router's own draft-length bounds: kMin 0 lets
+    the adaptive policy stop drafting where it does not pay (a floor of 1 forces a draft token every
+    step), and the CRD, the spec parser and `RuntimeConfig` read one place (verifypd/defaults.py)."""
+    from verifypd.engine.draft_length import RuntimeConfig
+    router = RuntimeConfig()
+    want = {"kMin": router.k_min, "kMax": router.k_max, "kInitial": router.k_initial}
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    props = spec["properties"]["speculation"]["properties"]
+    assert {k: props[k]["default"] for k in want} == want
+    parsed = parse_spec({}).speculation
+    assert {"kMin": parsed.k_min, "kMax": parsed.k_max, "kInitial": parsed.k_initial} == want

@@ -4,8 +4,6 @@ server certificate are refused; with --tls-client-ca-file a missing or foreign c
 is refused; bad flags exit 2 with one line. Two serve processes (server-auth, mutual TLS)."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import ssl
 import subprocess
 import sys
@@ -14,6 +12,7 @@ import grpc
 import httpx
 import pytest
 
+from pki_helpers import make_cert, write_pem
 from services_helpers import Server, free_port, serve_cmd
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
 
@@ -23,53 +22,17 @@ from verifypd.v1 import generate_pb2, generate_pb2_grpc
 PROMPT = "w5 w6 w7"
 
 
-def _pem(tmp, name, key, cert):
-    from cryptography.hazmat.primitives import serialization
-
-    (tmp / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                        serialization.PrivateFormat.PKCS8,
-                                                        serialization.NoEncryption()))
-    (tmp / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return str(tmp / f"{name}.crt"), str(tmp / f"{name}.key")
-
-
-def _cert(name, issuer=None, *, ca=False, server=False, days=(-1, 30)):
-    """(key, cert): self-signed when `issuer` (key, cert) is None."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    sign_key, issuer_name = (key, subject) if issuer is None else (issuer[0], issuer[1].subject)
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
-         .serial_number(x509.random_serial_number())
-         .not_valid_before(now + datetime.timedelta(days=days[0]))
-         .not_valid_after(now + datetime.timedelta(days=days[1]))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if server:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                            critical=False)
-    if not ca:
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return key, b.sign(sign_key, hashes.SHA256())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """Files: ca, server, client (by ca); expired (server cert, by ca); other_ca, foreign_server,
     foreign_client (by other_ca). Each name -> (crt path, key path)."""
     tmp = tmp_path_factory.mktemp("pki")
-    ca, other = _cert("test ca", ca=True), _cert("other ca", ca=True)
+    ca, other = make_cert("test ca", ca=True), make_cert("other ca", ca=True)
     made = {"ca": ca, "other_ca": other,
-            "server": _cert("server", ca, server=True), "client": _cert("client", ca),
-            "expired": _cert("server", ca, server=True, days=(-30, -1)),
-            "foreign_server": _cert("server", other, server=True), "foreign_client": _cert("client", other)}
-    return {name: _pem(tmp, name, *pair) for name, pair in made.items()}
+            "server": make_cert("server", ca), "client": make_cert("client", ca),
+            "expired": make_cert("server", ca, days=(-30, -1)),
+            "foreign_server": make_cert("server", other), "foreign_client": make_cert("client", other)}
+    return {name: write_pem(tmp, name, *pair) for name, pair in made.items()}
 
 
 def _serve(tiny_models, pki, *extra):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from verifypd.defaults import DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN
 from verifypd.engine.step_costs import (AcceptanceTracker, StepCostModel, batch_bucket,  # noqa: F401 (re-exported)
                                         expected_tokens)
 from verifypd.engine.types import MAX_K, InvalidRequest
@@ -31,9 +32,9 @@ SCHEDULES = ("baseline", "pd", "pdv")
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    k_min: int = 0
-    k_max: int = 8
-    k_initial: int = 4
+    k_min: int = DEFAULT_K_MIN
+    k_max: int = DEFAULT_K_MAX
+    k_initial: int = DEFAULT_K_INITIAL
     adaptive: bool = True
     priorities: LanePriorities = field(default_factory=LanePriorities)
     prefill_token_budget: int = 512
