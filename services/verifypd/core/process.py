@@ -102,6 +102,12 @@ def core_main(argv: list[str]) -> int:
     from verifypd.launch.serve_args import serve_lane_tls
 
     lane_tls = serve_lane_tls(args)
+    if lane_tls is not None:  # fail at once on our own expired / foreign certificate, not after lane timeouts
+        from verifypd.lanes.interface import LaneError
+
+        own = lane_tls.self_check()
+        if own:
+            raise LaneError(own)
     split = dict(kv_transport=args.kv_transport, lane_timeout_s=args.lane_timeout, lane_tls=lane_tls)
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
     lanes, on_close, supervisor, wiring = (), [telemetry.shutdown], None, None
