@@ -205,3 +205,37 @@ def lane_tls(cert_file: str | None, key_file: str | None, ca_file: str | None, s
     if missing:
         raise TlsError(f"mutual TLS between gateway and lanes needs {', '.join(flags)}; missing {', '.join(missing)}")
     return LaneTls(cert_file, key_file, ca_file, server_name, flags)
+
+
+class LaneChannel:
+    """A gRPC channel to a lane (or a pool's owner) that follows certificate rotation. With TLS, a
+    new channel is opened once the files changed, so that new connections present the new
+    certificate; the old ones stay open until close(), since a call may still run on them."""
+
+    def __init__(self, addr: str, tls: "LaneTls | None", options):
+        self.addr, self._tls, self._options, self._old = addr, tls, options, []
+        self._open()
+
+    def _open(self) -> None:
+        import grpc
+
+        if self._tls is None:
+            self.channel = grpc.insecure_channel(self.addr, options=self._options)
+        else:
+            self._generation = self._tls.generation
+            self.channel = self._tls.grpc_channel(self.addr, self._options)
+
+    def refresh(self) -> bool:
+        """True when a new channel replaced the old one (stubs on it must be rebuilt)."""
+        if self._tls is None:
+            return False
+        self._tls.current()
+        if self._tls.generation == self._generation:
+            return False
+        self._old.append(self.channel)
+        self._open()
+        return True
+
+    def close(self) -> None:
+        for channel in (*self._old, self.channel):
+            channel.close()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from verifypd.model.kv_pool import LAYOUT, KvPool, PoolGeometry
+from verifypd.lane_tls import LaneChannel
 from verifypd.lanerpc import cuda_ipc
 from verifypd.lanerpc.lane_convert import ROLE_FROM_PB, ROLE_TO_PB
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
@@ -137,27 +138,16 @@ class KvPusher:
             raise ValueError(f"pool {staging.pool_id}: copy transport needs the owner's kv_transfer_addr")
         self.pool = staging
         self.owner_addr = owner_addr
-        self._tls, self._old_channels = tls, []
-        self._open_channel()
+        self._lane_channel = LaneChannel(owner_addr, tls, GRPC_OPTIONS)
+        self._stub = lanes_pb2_grpc.KvTransferStub(self._lane_channel.channel)
         self._timeout = timeout_s
         self._metadata = tuple(metadata)  # the lane secret: owners accept KV only from us
-
-    def _open_channel(self) -> None:
-        if self._tls is None:
-            self._channel = grpc.insecure_channel(self.owner_addr, options=GRPC_OPTIONS)
-        else:
-            self._tls_generation = self._tls.generation
-            self._channel = self._tls.grpc_channel(self.owner_addr, GRPC_OPTIONS)
-        self._stub = lanes_pb2_grpc.KvTransferStub(self._channel)
 
     def push(self, blocks: list[int]) -> int:
         if not blocks:
             return 0
-        if self._tls is not None:  # rotated certificate files: new connections present the new one
-            self._tls.current()
-            if self._tls.generation != self._tls_generation:
-                self._old_channels.append(self._channel)
-                self._open_channel()
+        if self._lane_channel.refresh():  # rotated certificate files: new connections present the new one
+            self._stub = lanes_pb2_grpc.KvTransferStub(self._lane_channel.channel)
         p = self.pool
         blocks = list(dict.fromkeys(blocks))
         # One device-to-host copy of all touched blocks: [n, layer, 2 * slot * head * dim bytes].

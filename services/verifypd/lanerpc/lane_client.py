@@ -23,6 +23,7 @@ from verifypd.lanerpc import call_codec as cc
 from verifypd.lanerpc import lane_convert as lc
 from verifypd.lanerpc.call_channel import CallClient, ChannelClosed
 from verifypd.auth import lane_metadata
+from verifypd.lane_tls import LaneChannel
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
@@ -57,31 +58,22 @@ class _GrpcLane:
         # and how many of its writes this lane has been told about.
         self.producer: GrpcPrefillLane | None = None
         self._writes_seen = 0
-        self._old_channels: list[grpc.Channel] = []
-        self._open_channel()
+        self._lane_channel = LaneChannel(addr, tls, GRPC_OPTIONS)
+        self._bind_stubs()
         self._info_pb: lanes_pb2.LaneInfo | None = None
         self._lock = threading.Lock()
         self.wire_bytes = 0   # serialized request + reply bytes of every lane call
         self.calls = 0
 
-    def _open_channel(self) -> None:
-        if self._tls is None:
-            self.channel = grpc.insecure_channel(self.addr, options=GRPC_OPTIONS)
-        else:
-            self._tls_generation = self._tls.generation
-            self.channel = self._tls.grpc_channel(self.addr, GRPC_OPTIONS)
+    def _bind_stubs(self) -> None:
+        self.channel = self._lane_channel.channel
         self.stub = self._stub_class(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _fresh_channel(self) -> None:
-        """With TLS: a new channel once the certificate files changed (rotation), so that new
-        connections present the new certificate. The old channel is closed with the client (a
-        call may still be running on it)."""
-        if self._tls is not None:
-            self._tls.current()
-            if self._tls.generation != self._tls_generation:
-                self._old_channels.append(self.channel)
-                self._open_channel()
+        """With TLS: a new channel once the certificate files changed (rotation); see LaneChannel."""
+        if self._lane_channel.refresh():
+            self._bind_stubs()
 
     def _call(self, method: str, request, timeout_s: float | None = None):
         self._fresh_channel()
@@ -215,8 +207,7 @@ class _GrpcLane:
         with self._call_lock:
             if self._client is not None:
                 self._client.close()
-        for channel in (*self._old_channels, self.channel):
-            channel.close()
+        self._lane_channel.close()
 
 
 class _StartedLaneCall:
