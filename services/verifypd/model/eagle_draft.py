@@ -12,7 +12,7 @@ A draft call for a request with pending token x_n at n:
     row instead of target features, and gives draft j + 1. These rows are speculative: after the
     verify the router re-feeds from x_{n+1} (LaneInfo.reads_features), so they are rewritten from
     the target's features of the accepted positions (rollback by overwrite).
-Host syncs: none (the chain is `draft_loop`'s state machine with a hidden-state buffer).
+Host syncs: none. The call's device work is model.eagle_chain's (on CUDA two graph replays).
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from verifypd.model import sampler
-from verifypd.model.draft_loop import DraftState
-from verifypd.model.eagle_chain import EagleGraphs, eagle_step
+from verifypd.model.eagle_chain import EagleGraphs, catch_up, chain, device_inputs, host_inputs
 from verifypd.model.eagle_head import EagleConfig, EagleWeights
 from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool
@@ -43,35 +42,65 @@ class EagleModel:
                                                          final_norm=weights.final_norm, lm_head=weights.lm_head),
                                 attention=attention)
         self.attention = self.shell.attention
+        mapping = weights.draft_to_target
+        # Greedy picks the argmax of the draft logits (mapped to target ids) when the map keeps the
+        # target's order: the first maximum is then the same token as over the -inf-filled target
+        # vocabulary, without filling and scattering V logits per step.
+        self.greedy_in_draft_vocab = mapping is None or bool((mapping[1:] > mapping[:-1]).all())
 
-    @torch.inference_mode()
-    def forward(self, pool: torch.Tensor, batch: BatchLayout, logits_index: torch.Tensor | None, *,
-                features: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows from target `features` [T, 3Ht] or the head's own `hidden` [T, H]; writes their KV.
-        Returns (pre-norm output [T, H]: the next chain step's hidden, logits [len(index), V] over
-        the target vocabulary, -inf outside the draft vocabulary)."""
+    def head_input(self, ids: torch.Tensor, g: torch.Tensor, step: tuple | None = None) -> torch.Tensor:
+        """[T, 2H]: concat(input_norm(embed[ids]), hidden_norm(g)); a chain step (`step`, see
+        eagle_kernels.head_input) also writes its rows' positions and slots. One launch on Triton."""
+        w, eps = self.weights, self.shape.rms_norm_eps
+        if self.attention == "triton":
+            from verifypd.model.eagle_kernels import head_input
+            return head_input(ids, self.embed, g, w.layer.input_norm, w.hidden_norm, eps, step)
+        if step is not None:   # the kernel's rule in torch
+            j, base, ks, tables, block_size, positions, slots = step
+            active = j < ks
+            pos = torch.where(active, base + (j - 1), base - 1)
+            block = tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
+            positions.copy_(pos)
+            slots.copy_(torch.where(active, block * block_size + pos % block_size, -1))
+        _, e = self.shell._add_rms_norm(self.embed[ids], None, w.layer.input_norm)
+        _, x = self.shell._add_rms_norm(g, None, w.hidden_norm)
+        return torch.cat((e, x), dim=-1)
+
+    def layer(self, pool: torch.Tensor, batch: BatchLayout, g: torch.Tensor, x_in: torch.Tensor):
+        """(h, x): h = g + attn + mlp, the pre-norm output (g itself, updated in place, on Triton),
+        x = final_norm(h). Writes the rows' KV."""
         w, shell = self.weights, self.shell
-        norm = shell._add_rms_norm
-        g = F.linear(features, w.fc) if features is not None else hidden.clone()   # clone: norms may update in place
-        _, e = norm(self.embed[batch.input_ids], None, w.layer.input_norm)
-        _, x = norm(g, None, w.hidden_norm)
         mask = shell._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
-        attn = F.linear(shell._attention(torch.cat((e, x), dim=-1), w.layer, pool, 0, batch, mask), w.layer.o)
-        h, x = norm(g, attn, w.layer.post_norm)                                     # h = g + attn
+        attn = F.linear(shell._attention(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
+        h, x = shell._add_rms_norm(g, attn, w.layer.post_norm)                     # h = g + attn
         mlp = F.linear(shell._act_mul(F.linear(x, w.layer.gate_up)), w.layer.down)
-        h, x = norm(h, mlp, w.final_norm)                                           # h = g + attn + mlp
-        if logits_index is None:
-            return h, None
-        draft_logits = F.linear(x[logits_index], w.lm_head)
-        if w.draft_to_target is None:
-            if logits_out is None:
-                return h, draft_logits
-            return h, logits_out.copy_(draft_logits)
-        if logits_out is None:
-            logits_out = draft_logits.new_empty(draft_logits.shape[0], self.vocab_size)
-        logits_out.fill_(float("-inf"))
-        return h, logits_out.index_copy_(1, w.draft_to_target, draft_logits)
+        return shell._add_rms_norm(h, mlp, w.final_norm)                           # h = g + attn + mlp
+
+    def rows(self, pool: torch.Tensor, batch: BatchLayout, features: torch.Tensor):
+        """Rows from the target's features [T, 3Ht]: (pre-norm output [T, H], final-normed [T, H])."""
+        g = F.linear(features, self.weights.fc)
+        return self.layer(pool, batch, g, self.head_input(batch.input_ids, g))
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] over the target vocabulary, -inf outside the draft vocabulary."""
+        mapping = self.weights.draft_to_target
+        if mapping is None:
+            return draft_logits
+        out = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
+        return out.index_copy_(1, mapping, draft_logits)
+
+    def choose(self, x: torch.Tensor, mode: str, params, positions: torch.Tensor | None, out: torch.Tensor) -> None:
+        """The next draft of each row from final-normed x [N, H] into out [N] (target ids);
+        params = (temp, top_k, top_p, seeds), positions = where the chosen tokens sit (sampled)."""
+        w = self.weights
+        draft_logits = F.linear(x, w.lm_head)
+        if mode == sampler.GREEDY and self.greedy_in_draft_vocab:
+            if w.draft_to_target is None:
+                torch.argmax(draft_logits, -1, out=out)
+            else:
+                torch.index_select(w.draft_to_target, 0, draft_logits.argmax(-1), out=out)
+            return
+        out.copy_(sampler.choose(self.target_logits(draft_logits), mode, *params, positions))
 
 
 @dataclass
@@ -99,9 +128,10 @@ class EagleRunner:
 
     reads_features = True
 
-    def __init__(self, model: EagleModel, pool: KvPool, features: FeaturePool, graphs: bool | None = None,
+    def __init__(self, model: EagleModel, pool: KvPool, features: FeaturePool, graphs: bool | str | None = None,
                  buckets: tuple[int, ...] | None = None):
-        """graphs: the chain step as CUDA graphs (None = on CUDA with the Triton backend)."""
+        """graphs: the draft call as CUDA graphs (None = on CUDA with the Triton backend); "eager":
+        the graphs' static buffers with their functions run directly (tests, on any device)."""
         if pool.geometry.num_layers != 1:
             raise ValueError(f"an EAGLE head's pool has one layer, got {pool.geometry.num_layers}")
         self.model, self.pool, self.features = model, pool, features
@@ -112,57 +142,52 @@ class EagleRunner:
             graphs = self.device.type == "cuda" and model.attention == "triton"
         self.graphs = None
         if graphs:
-            self.graphs = EagleGraphs(model, pool.tensor, self.block_size, self.staging,
+            self.graphs = EagleGraphs(model, pool.tensor, features, self.block_size, self.staging,
+                                      replay="eager" if graphs == "eager" else "cuda",
                                       **({"buckets": buckets} if buckets else {}))
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def _rows_forward(self, runs: list[FeatureRun], query: int | None, logits: bool):
-        """Forward of the runs' rows (ragged when query is None, else padded right-aligned): returns
-        (kept run indices, the batch's draft block tables, hidden [T, H], logits of each kept run's
-        last row or None)."""
+    @torch.inference_mode()
+    def prefill(self, runs: list[FeatureRun]) -> None:
+        """The rows a prefill chunk completes (its features were just written by the target forward):
+        a ragged forward, no logits."""
         keep, draft_runs, target_runs = head_rows(runs)
         if not keep:
-            return keep, None, None, None
-        layout = build_layout(draft_runs, self.block_size, query=query, align="right")
-        feature_slots = build_layout(target_runs, self.block_size, query=query, align="right").slots
+            return
+        layout = build_layout(draft_runs, self.block_size)
+        feature_slots = build_layout(target_runs, self.block_size).slots
         ids, positions, slots, starts, tables, fslots = pack(
             [layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables, feature_slots],
             self.device, self.staging)
         batch = BatchLayout(ids, positions, slots, tables.view(layout.tables.shape), starts, layout.max_query)
-        index = starts[1:len(keep) + 1] - 1 if logits else None
-        hidden, out = self.model.forward(self.pool.tensor, batch, index, features=self.features.read(fslots))
-        return keep, batch.block_tables, hidden, out
-
-    def prefill(self, runs: list[FeatureRun]) -> None:
-        """The rows a prefill chunk completes (its features were just written by the target forward)."""
-        self._rows_forward(runs, None, logits=False)
+        self.model.rows(self.pool.tensor, batch, self.features.read(fslots))
 
     def draft(self, runs: list[FeatureRun], ks: list[int], samplings) -> torch.Tensor:
         """As ModelRunner.draft: tokens [B, K]. A sampled row's draft at position t is the seeded race
-        winner of the head's distribution there (`sampler.choose`), coupled with the target's."""
+        winner of the head's distribution there (`sampler.choose`), coupled with the target's.
+        Graphed (two replays) when the call fits the graphs' sizes, else the same functions eagerly."""
         if any(r.start_pos + len(r.token_ids) < 2 for r in runs):
             raise ValueError("a feature draft needs the pending token at position >= 1")
         mode = sampler.choice_mode(samplings)
-        query = max(len(r.token_ids) for r in runs)
-        _, tables, hidden, logits = self._rows_forward(runs, query, logits=True)
-        last_rows = [r.start_pos + len(r.token_ids) - 1 for r in runs]   # row of the first draft's token
-        params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
-        first = sampler.choose(logits, mode, *params, sampler.small_tensor(last_rows, self.device) + 1)
-        steps = max(ks)
-        if steps == 1:
-            return first[:, None]
-        state = hidden.view(len(runs), query, -1)[:, -1]                    # [B, H]: each run's last row
-        if self.graphs is not None and self.graphs.fits(len(runs), steps, tables.shape[1]):
-            return self.graphs.chain(samplings, first, last_rows, ks, tables, state, mode)
-        st = DraftState.allocate(len(runs), steps, self.vocab_size, tables, logits.dtype)
-        st.start(samplings, first, last_rows, ks, self.staging)
-        state = state.clone()
-        for _ in range(steps - 1):
-            eagle_step(self.model, self.pool.tensor, st, state, self.block_size, mode)
-        return st.out_tokens
+        _, draft_runs, target_runs = head_rows(runs)        # every run has a row (position >= 1)
+        query, steps = max(len(r.token_ids) for r in draft_runs), max(ks)
+        width = max(len(r.block_ids) for r in draft_runs)
+        if self.graphs is not None and self.graphs.fits(len(runs), query, steps, width):
+            return self.graphs.draft(draft_runs, target_runs, ks, samplings, mode, query)
+        n = len(runs)
+        arrays = host_inputs(draft_runs, target_runs, ks, samplings, block_size=self.block_size,
+                             scratch_row=self.features.num_slots, query=query, rows=n)
+        inp = device_inputs(arrays, query, self.device, self.staging)
+        out_steps = torch.empty(steps, n, dtype=torch.long, device=self.device)
+        hidden = torch.empty(n, self.model.shape.hidden_size, dtype=self.model.embed.dtype, device=self.device)
+        arange = torch.arange(n + 1, device=self.device)
+        catch_up(self.model, self.pool.tensor, self.features, inp, mode, out_steps, hidden, arange)
+        chain(self.model, self.pool.tensor, inp, mode, out_steps, hidden, torch.empty_like(inp.ks),
+              torch.empty_like(inp.ks), arange, self.block_size, steps)
+        return out_steps.t().contiguous()
 
 
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:

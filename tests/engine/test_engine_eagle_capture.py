@@ -1,0 +1,104 @@
+"""A feature draft call through its static buffers (the CUDA graphs' path: catch-up graph + chain
+graph, padded to batch buckets) proposes exactly what the eager path proposes, call after call with
+changing batch sizes, catch-up lengths, k and sampling; and the fused head-input kernel (Triton)
+drafts what the torch reference drafts. On the CPU the graphs' functions run directly over the
+static buffers (EagleRunner graphs="eager"); with VERIFYPD_TEST_DEVICE=cuda they are captured."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from engine_helpers import DEVICE
+from verifypd.engine.types import SamplingParams
+from verifypd.model.eagle_draft import EagleModel, EagleRunner, FeatureRun
+from verifypd.model.eagle_head import random_eagle_head
+from verifypd.model.features import FeaturePool
+from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.llama import LlamaShape
+
+BLOCK, BLOCKS_PER_RUN, NUM_BLOCKS = 4, 16, 256
+SHAPE = LlamaShape(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                   head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_context=256)
+needs_triton = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+
+
+def make_head(attention: str, draft_vocab):
+    device = torch.device(DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    embed = torch.randn(SHAPE.vocab_size, SHAPE.hidden_size, generator=gen).to(device)
+    config, weights = random_eagle_head(SHAPE, seed=2, draft_vocab=draft_vocab, std=0.3, device=device)
+    features = FeaturePool(NUM_BLOCKS * BLOCK, config.aux_layer_ids, SHAPE.hidden_size, torch.float32, device)
+    features.tensor.copy_(torch.randn(features.tensor.shape, generator=gen))
+    return EagleModel(config, weights, embed, attention=attention), features
+
+
+def make_runner(model, features, graphs, seed=9):
+    pool = KvPool("draft", PoolGeometry(1, NUM_BLOCKS, BLOCK, SHAPE.num_kv_heads, SHAPE.head_dim), torch.float32,
+                  torch.device(DEVICE))
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(seed)))  # same "old" KV
+    return EagleRunner(model, pool, features, graphs=graphs, buckets=(1, 2, 4, 8))
+
+
+def calls(seed=0):
+    """(runs, ks, samplings) of successive draft calls: batch 3, 1, 5, 2, 8; catch-ups of 1..5
+    tokens (some from position 0), k 1..6, greedy, sampled and truncated rows."""
+    rng = random.Random(seed)
+    out = []
+    for batch, sampled in ((3, False), (1, False), (5, True), (2, False), (8, True), (3, False)):
+        runs, ks, samplings = [], [], []
+        for i in range(batch):
+            length = rng.randint(1, 5)
+            start = rng.choice([0, rng.randint(1, 30)]) if length > 1 else rng.randint(1, 30)
+            blocks = tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN))
+            target_blocks = tuple(b + 8 * BLOCKS_PER_RUN for b in blocks)[::-1]   # another block order
+            runs.append(FeatureRun([rng.randrange(3, SHAPE.vocab_size) for _ in range(length)], start, blocks,
+                                   target_block_ids=target_blocks))
+            ks.append(rng.randint(1, 6))
+            if sampled and i % 3 == 1:
+                samplings.append(SamplingParams(temperature=0.9, seed=rng.randrange(1 << 64)))
+            elif sampled and i % 3 == 2:
+                samplings.append(SamplingParams(temperature=1.2, top_k=7, seed=rng.randrange(1 << 64)))
+            else:
+                samplings.append(SamplingParams())
+        out.append((runs, ks, samplings))
+    out.append(([FeatureRun([11, 12], 20, tuple(range(16)), target_block_ids=tuple(range(16, 32)))], [1],
+                [SamplingParams()]))
+    return out
+
+
+def proposals(runner, call_list):
+    result = []
+    for runs, ks, samplings in call_list:
+        tokens = runner.draft(runs, ks, samplings).tolist()
+        result.append([row[:k] for row, k in zip(tokens, ks)])
+    return result
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+@pytest.mark.parametrize("attention", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_captured_draft_calls_propose_what_the_eager_path_proposes(attention, draft_vocab):
+    if attention == "reference" and DEVICE == "cuda":
+        pytest.skip("the reference attention syncs the host: it is never captured")
+    model, features = make_head(attention, draft_vocab)
+    eager = make_runner(model, features, graphs=False)
+    graphed = make_runner(model, features, graphs="eager" if DEVICE == "cpu" else True)
+    assert graphed.graphs is not None and eager.graphs is None
+    call_list = calls()
+    expected = proposals(eager, call_list)
+    got = proposals(graphed, call_list)
+    assert got == expected
+    torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor)     # and the same KV written
+
+
+@needs_triton
+def test_fused_head_input_drafts_what_the_reference_drafts():
+    if DEVICE == "cuda":
+        pytest.skip("compared on the CPU (interpreter); on the GPU the graphs test above covers the kernel")
+    call_list = [c for c in calls(seed=3) if all(s.greedy for s in c[2])]
+    reference = proposals(make_runner(*make_head("reference", 40), graphs=False), call_list)
+    fused = proposals(make_runner(*make_head("triton", 40), graphs=False), call_list)
+    assert fused == reference
