@@ -57,9 +57,36 @@ def draft_step_times(engine: Engine, batches: list[int], bandwidth: float, conte
         step = (t[5] - t[1]) / 4
         rows.append({"batch": b, "draft_call_k1_s": round(t[1], 6), "draft_call_k5_s": round(t[5], 6),
                      "chain_step_s": round(step, 6), "head_bytes_floor_s": round(floor, 6),
-                     "chain_step_over_bytes_floor": round(step / floor, 3)})
+                     "chain_step_over_bytes_floor": round(step / floor, 3), **graph_replay_times(runner, b)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def graph_replay_times(runner, batch: int, replays: int = 50) -> dict:
+    """Device time of the call's graphs alone (CUDA events around back-to-back replays, after a
+    k = 5 call loaded their inputs): the catch-up + first draft at Q = 1, and one chain step as
+    (chain of 5 drafts - chain of 2) / 3."""
+    graphs = runner.graphs
+    if graphs is None:
+        return {}
+    rows = graphs.bucket(batch)
+    keys = {"catch_up": ("catch_up", rows, 1, "greedy"), 2: ("chain", rows, 2, "greedy"),
+            5: ("chain", rows, 5, "greedy")}
+    if any(key not in graphs._graphs for key in keys.values()):
+        return {}
+    seconds = {}
+    for name, key in keys.items():
+        graph = graphs._graphs[key]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        seconds[name] = start.elapsed_time(end) / 1e3 / replays
+    return {"catch_up_graph_s": round(seconds["catch_up"], 7),
+            "chain_step_graph_s": round((seconds[5] - seconds[2]) / 3, 7)}
 
 
 def profile_draft_calls(engine: Engine, out_dir: str, context: int = 192, calls: int = 10) -> dict:

@@ -188,7 +188,9 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
     seconds = 0.0
     if target is not None and target.graphs is not None:
         seconds += target.graphs.warm_up(("all",), max_query=min(k_max + 1, target.graphs.max_query))
-    if draft is not None and draft.graphs is not None:  # None: pool-less draft
+    if getattr(draft, "reads_features", False) and draft.graphs is not None:  # a feature draft's call graphs
+        seconds += draft.graphs.warm_up(max_query=k_max + 1, max_steps=k_max)
+    elif draft is not None and draft.graphs is not None:  # None: pool-less draft
         seconds += draft.graphs.warm_up(("last", "draft"))  # "last" up to 9 tokens: short catch-ups
     return seconds
 

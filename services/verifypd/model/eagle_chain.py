@@ -150,6 +150,7 @@ class EagleGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
             self._capture_stream = torch.cuda.Stream(device=dev)
         self.capture_seconds = 0.0
+        self.calls = 0   # draft calls served through the graphs (tests and benches read it)
 
     # -- sizes -----------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
@@ -181,6 +182,7 @@ class EagleGraphs:
         arrays = host_inputs(draft_runs, target_runs, ks, samplings, block_size=self.block_size,
                              scratch_row=self.features.num_slots, query=query, rows=rows, width=self.width)
         self._load(arrays, rows)
+        self.calls += 1
         first.replay()
         if rest is None:
             return self.out_steps[0, :n, None]
