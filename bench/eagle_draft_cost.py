@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_meta import git_revision  # noqa: E402
+from bench_meta import metadata  # noqa: E402
 from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of the script
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    results = {"bench": "eagle_draft_cost", "git_revision": git_revision(), "device": torch.cuda.get_device_name(),
+    results = {"bench": "eagle_draft_cost", **metadata(),
                "target_shape": args.target, "draft_vocab": args.draft_vocab or "target's",
                "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
     bandwidth = copy_bandwidth()

@@ -62,8 +62,9 @@ def host_inputs(draft_runs: list[TokenRun], target_runs: list[TokenRun], ks: lis
     """The call's arrays (int64 numpy) by CallInputs field: head rows as head_rows gives them."""
     layout = build_layout(draft_runs, block_size, query=query, align="right", rows=rows, width=width)
     feature_slots = build_layout(target_runs, block_size, query=query, align="right", rows=rows).slots
-    n, pad = len(ks), rows - len(ks)
-    last = [r.start_pos + len(r.token_ids) for r in draft_runs]   # head row n - 1 + 1: x_n's position
+    pad = rows - len(ks)
+    assert pad >= 0
+    last = [r.start_pos + len(r.token_ids) for r in draft_runs]   # one past the last head row (n - 1): x_n's position
     out = {"ids": layout.ids, "positions": layout.positions, "slots": layout.slots,
            "feature_rows": np.where(feature_slots >= 0, feature_slots, scratch_row), "tables": layout.tables,
            "last": np.asarray(last + [1] * pad, dtype=np.int64), "ks": np.asarray(ks + [0] * pad, dtype=np.int64)}
@@ -76,7 +77,6 @@ def host_inputs(draft_runs: list[TokenRun], target_runs: list[TokenRun], ks: lis
                seeds=np.concatenate((seeds, np.zeros(pad, dtype=np.int64))),
                temp_bits=np.asarray([s.temperature for s in samplings] + [0.0] * pad, dtype=np.float64).view(np.int64),
                top_p_bits=np.asarray([s.top_p for s in samplings] + [1.0] * pad, dtype=np.float64).view(np.int64))
-    assert n <= rows
     return out
 
 
