@@ -9,12 +9,23 @@ adaptive k; `-split` suffix: serve --topology split) and each concurrency c:
     tokens/s counted from the chunks received inside the measured window.
 Each row: concurrency, both tok/s, served_over_engine, TTFT p50, ITL p99, GPU busy share (NVML
 utilisation mean over the window, when pynvml is there), and the CPU seconds the gateway and the
-engine-core processes spent per streamed token (from /proc); from the core's own timers on /metrics,
+engine-core processes spent per streamed token (from /proc: `*_cpu_us_per_token` over the whole
+point, ramp and drain included, against every token streamed; `*_window` over the measured window
+against the tokens counted in it); from the core's own timers on /metrics,
 read at the window's edges: steps/s (verify calls), calls/s and mean ms per lane call, the core-side
 TTFT mean. `--py-spy BIN --py-spy-at MODE:API:C` samples the gateway, the core and the split lanes
 over that point's window. Prompt 128 random token ids, 128 generated, EOS ignored. Random bf16
 weights: real compute; speculative rows' acceptance is SIMULATED. Modes: k0, a07, `-split`
 (serve --topology split), `-split-mps` (with --mps on).
+
+Arrivals. The engine alone starts its c requests together, so with a fixed output length they
+finish together and are re-prefilled together in a step where nothing decodes (the router's idle
+prefill budget: one large prefill, no staggered tail): lockstep. Served clients' requests arrive
+one by one over the channel and soon spread out, so served steps carry small prefills beside
+decode. `--stagger-modes k0` also measures the engine alone with its first requests ending at
+staggered lengths (finishes spread as in the served steady state): `served_over_engine_staggered`
+compares the serving path with the engine under the same arrival pattern. The client processes
+connect first and start together; requests still in flight after the window are cancelled.
 
     python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
     python bench/serving_vs_engine.py --device cpu --shape tiny ...   (smoke test on the CPU)
@@ -41,6 +52,7 @@ from bench_meta import metadata, write_result  # noqa: E402
 from seed_serving import Nvml, ServeProcess, UtilSampler, free_port  # noqa: E402
 
 DRAFTS = {"k0": ("none", None), "a07": ("random:tinyllama-1.1b", 0.7)}
+DRAIN_S = 0.5  # after the window, requests still in flight are cancelled (their tokens were not counted)
 
 
 def base_mode(mode: str) -> str:
@@ -86,10 +98,10 @@ def engine_alone(args) -> None:
     router, made, steps = engine.router, [0], [0]
     sync = (lambda: __import__("torch").cuda.synchronize()) if args.device.startswith("cuda") else (lambda: None)
 
-    def submit() -> None:
+    def submit(max_tokens: int | None = None) -> None:
         made[0] += 1
         router.add_request(RequestSpec(tuple(prompt_ids(made[0], args.prompt, router.vocab_size)),
-                                       max_tokens=args.gen, stop_at_eos=False, request_id=str(made[0])))
+                                       max_tokens=max_tokens or args.gen, stop_at_eos=False, request_id=str(made[0])))
 
     def run(seconds: float) -> tuple[int, float]:
         tokens, t0 = 0, time.perf_counter()
@@ -103,16 +115,27 @@ def engine_alone(args) -> None:
         sync()
         return tokens, time.perf_counter() - t0
 
-    for c in args.concurrency:
+    def measure(c: int, staggered: bool) -> tuple[float, float]:
         for seq in router.sequences():
             router.abort(seq.request_id)
-        for _ in range(c):
-            submit()
+        for n in range(c):
+            # Staggered: the first requests end 1, 1 + gen/c, ... tokens in, so finishes (and the
+            # replacements' prefills) spread over the steps as a served closed loop's do; lockstep:
+            # all c start together, finish together, and are re-prefilled in one idle-engine step.
+            submit(1 + n * args.gen // c if staggered else args.gen)
         run(args.warmup)
         print("READY", flush=True)  # the parent samples the GPU over the next window
         tokens, wall = run(args.seconds)
-        print(json.dumps({"concurrency": c, "engine_tok_s": round(tokens / wall, 1),
-                          "engine_steps_per_s": round(steps[0] / wall, 1)}), flush=True)
+        return tokens / wall, steps[0] / wall
+
+    stagger = base_mode(args.engine_alone) in args.stagger_modes
+    for c in args.concurrency:
+        tok_s, steps_s = measure(c, staggered=False)
+        row = {"concurrency": c, "engine_tok_s": round(tok_s, 1), "engine_steps_per_s": round(steps_s, 1)}
+        if stagger and c > 1:
+            tok_s, steps_s = measure(c, staggered=True)
+            row.update(engine_staggered_tok_s=round(tok_s, 1), engine_staggered_steps_per_s=round(steps_s, 1))
+        print(json.dumps(row), flush=True)
     router.close()
 
 
@@ -121,14 +144,23 @@ def run_engine_alone(args, mode: str, nvml) -> dict[int, dict]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     rows: dict[int, dict] = {}
     sampler = None
+    busy: list = []
     for line in proc.stdout:
         if line.startswith("READY"):
+            if sampler is not None:  # the lockstep window of a concurrency that is also staggered
+                sampler.__exit__()
+                busy.append(sampler.result()["gpu_util_mean_pct"])
             sampler = UtilSampler(nvml).__enter__()
         elif line.startswith("{"):
             row = json.loads(line)
             if sampler is not None:
                 sampler.__exit__()
-                row["engine_gpu_busy_pct"] = sampler.result()["gpu_util_mean_pct"]
+                busy.append(sampler.result()["gpu_util_mean_pct"])
+                sampler = None
+            row["engine_gpu_busy_pct"] = busy[0] if busy else None
+            if len(busy) > 1:
+                row["engine_staggered_gpu_busy_pct"] = busy[1]
+            busy = []
             rows[row["concurrency"]] = row
             print(f"  engine alone {mode} c={row['concurrency']}: {row['engine_tok_s']} tok/s", flush=True)
     proc.wait()
@@ -147,10 +179,17 @@ def cpu_seconds(pid: int | None) -> float:
     return sum(int(v) for v in fields[11:13]) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(args, api: str, target: str, c: int, seed: int, start_at: float) -> dict:
-    """Closed loop for warmup + seconds (+ drain) from wall-clock `start_at` (every client process
-    of a point starts together, so their windows are one window); what the measured window saw:
-    tokens, TTFTs and inter-token gaps of the chunks received inside it (steady state)."""
+def wait_for_start() -> float:
+    """A client process of drive_clients: says READY (imported, connected), reads the wall-clock start."""
+    print("READY", flush=True)
+    return float(sys.stdin.readline())
+
+
+async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
+    """Closed loop for warmup + seconds (then requests still in flight are cancelled) from the
+    wall-clock start the parent sends (every client process of a point starts together, so their
+    windows are one window); what the measured window saw: tokens, TTFTs and inter-token gaps of
+    the chunks received inside it (steady state)."""
     from verifypd_loadgen import openai_backend as ob
     from verifypd_loadgen.runner import LoadPoint, Runner
     from verifypd_loadgen.workload import Distribution, Workload
@@ -160,6 +199,7 @@ async def drive(args, api: str, target: str, c: int, seed: int, start_at: float)
     total = args.warmup + args.seconds
 
     async def go(runner) -> dict:
+        start_at = await asyncio.get_running_loop().run_in_executor(None, wait_for_start)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         cpu0 = time.process_time()
@@ -182,20 +222,30 @@ async def drive(args, api: str, target: str, c: int, seed: int, start_at: float)
 
         from verifypd.v1 import generate_pb2_grpc
         async with grpc.aio.insecure_channel(target) as channel:
-            return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, 60))  # ids: see --drive
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, DRAIN_S))  # ids: see --drive
     async with ob.new_client() as client:
         backend = ob.OpenAIBackend(client, f"http://{target}/v1", args.target, "completions")
-        return await go(Runner(backend, 300, 60, execute=ob.execute))
+        return await go(Runner(backend, 300, DRAIN_S, execute=ob.execute))
 
 
-def drive_clients(args, api: str, target: str, c: int, start_at: float) -> dict:
+def drive_clients(args, api: str, target: str, c: int, on_start) -> dict:
     """`--client-procs` loadgen processes, c split among them (a Python client saturates first
-    over HTTP), all starting at wall-clock `start_at`: their windows' samples merged."""
+    over HTTP); once every one is READY (imported, connected) they start together at a wall-clock
+    time, told to `on_start(start_at)` first (the server-side window): their samples merged."""
     procs = max(1, min(args.client_procs, c))
     shares = [c // procs + (i < c % procs) for i in range(procs)]
-    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i},{start_at}",
-                                  *sys.argv[1:]],
-                                 stdout=subprocess.PIPE, text=True) for i, share in enumerate(shares)]
+    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *sys.argv[1:]],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for i, share in enumerate(shares)]
+    for child in children:
+        if child.stdout.readline().strip() != "READY":
+            raise SystemExit(f"a {api} client process did not start (exit {child.wait()})")
+    start_at = time.time() + 0.5
+    on_start(start_at)
+    for child in children:
+        child.stdin.write(f"{start_at}\n")
+        child.stdin.flush()
     parts = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
     merged = {"tokens": 0, "all_tokens": 0, "ttft_s": [], "gap_s": [], "errors": {}, "client_cpu_s": 0.0, "draft": 0, "accepted": 0}
     for part in parts:
@@ -257,20 +307,23 @@ class Window:
     """Reads the core's timers and samples the GPU over exactly the measured window: from
     `start_at + warmup` to `start_at + warmup + seconds` (wall clock), as the clients count tokens."""
 
-    def __init__(self, args, http_port: int, nvml, start_at: float):
-        self.args, self.http_port, self.nvml = args, http_port, nvml
+    def __init__(self, args, http_port: int, nvml, start_at: float, pids: tuple = ()):
+        self.args, self.http_port, self.nvml, self.pids = args, http_port, nvml, pids
         self.t_open, self.t_close = start_at + args.warmup, start_at + args.warmup + args.seconds
         self.before = self.after = {}
         self.util = None
+        self.cpu = [0.0] * len(pids)  # CPU seconds of each of `pids` over the window
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         time.sleep(max(0.0, self.t_open - time.time()))
         self.before = scrape(self.http_port)
+        cpu0 = [cpu_seconds(pid) for pid in self.pids]
         self.util = UtilSampler(self.nvml).__enter__()
         time.sleep(max(0.0, self.t_close - time.time()))
         self.util.__exit__()
+        self.cpu = [cpu_seconds(pid) - c for pid, c in zip(self.pids, cpu0)]
         self.after = scrape(self.http_port)
 
     def result(self) -> tuple[dict, float | None]:
@@ -280,7 +333,7 @@ class Window:
         return window_rates(self.before, self.after, self.args.seconds), busy
 
 
-def start_py_spy(args, mode: str, api: str, c: int, pids: dict) -> list:
+def start_py_spy(args, mode: str, api: str, c: int, pids: dict, start_at: float) -> list:
     """`--py-spy BIN --py-spy-at MODE:API:C`: samples the gateway and the engine core over the
     measured window of that point (collapsed stacks, --nonblocking: the process is not paused)."""
     if not args.py_spy or f"{mode}:{api}:{c}" not in args.py_spy_at.split(","):
@@ -291,14 +344,24 @@ def start_py_spy(args, mode: str, api: str, c: int, pids: dict) -> list:
             continue
         Path(args.out or ".").mkdir(parents=True, exist_ok=True)
         out = Path(args.out or ".") / f"pyspy_{mode}_{api}_c{c}_{name}.txt"
-        # drive_clients starts its clients 5 s from now; the window opens after the warm-up
-        cmd = ["sh", "-c", f"sleep {5.0 + args.warmup}; exec {args.py_spy} record --pid {pid} --duration "
+        # the window opens after the warm-up
+        cmd = ["sh", "-c", f"sleep {max(0.0, start_at + args.warmup - time.time()):.2f}; exec {args.py_spy} record --pid {pid} --duration "
                            f"{int(args.seconds)} --rate 250 --nonblocking --threads --format raw --output {out}"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs
 
 
-def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict]:
+def staggered_columns(engine: dict, served_tok_s: float) -> dict:
+    """The engine alone with staggered arrivals (`--stagger-modes`), when measured at this point."""
+    staggered = engine.get("engine_staggered_tok_s")
+    if not staggered:
+        return {}
+    return {"engine_staggered_tok_s": staggered, "served_over_engine_staggered": round(served_tok_s / staggered, 3),
+            "engine_staggered_steps_per_s": engine.get("engine_staggered_steps_per_s"),
+            "gpu_busy_pct_engine_staggered": engine.get("engine_staggered_gpu_busy_pct")}
+
+
+def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambda rows: None) -> list[dict]:
     port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", str(http_port),
            "--max-queue", "1024", "--drain-timeout", "5", *engine_flags(args, mode)]
@@ -318,16 +381,21 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
             target = server.address if api == "grpc" else f"127.0.0.1:{http_port}"
             for c in (args.split_concurrency if "-split" in mode else args.concurrency):
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
-                start_at = time.time() + 5.0  # each client process imports and connects first
-                window = Window(args, http_port, nvml, start_at)
                 lane_pids = {f"{m.group(1)}_lane": int(m.group(2)) for m in
                              (re.search(r"verifypd: (\w+) lane pid=(\d+)", line) for line in server.lines) if m}
-                spy = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid, **lane_pids})
-                seen = drive_clients(args, api, target, c, start_at)
-                for p in spy:
+                started: dict = {}
+
+                def on_start(start_at: float) -> None:  # the clients are connected and start then
+                    started["window"] = Window(args, http_port, nvml, start_at, (server.proc.pid, core_pid))
+                    started["spy"] = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid,
+                                                                       **lane_pids}, start_at)
+                seen = drive_clients(args, api, target, c, on_start)
+                for p in started["spy"]:
                     p.wait()
                 cpu1 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
+                window = started["window"]
                 lanes, busy = window.result()
+                window_tokens = max(seen["tokens"], 1)
                 tok_s = seen["tokens"] / args.seconds
                 streamed = max(seen["all_tokens"], 1)  # the CPU times cover the whole run, ramp and drain too
                 engine = engine_rows.get(c, {}).get("engine_tok_s")
@@ -339,8 +407,12 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                              "gpu_busy_pct_served": busy,
                              "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
                              "engine_steps_per_s": engine_rows.get(c, {}).get("engine_steps_per_s"),
+                             **staggered_columns(engine_rows.get(c, {}), tok_s),
                              "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
                              "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
+                             # over the measured window only (no connect, ramp or drain):
+                             "gateway_cpu_us_per_token_window": round(window.cpu[0] / window_tokens * 1e6, 1),
+                             "core_cpu_us_per_token_window": round(window.cpu[1] / window_tokens * 1e6, 1),
                              "client_procs": max(1, min(args.client_procs, c)),
                              "client_cpu_pct": round(seen["client_cpu_s"] / (args.warmup + args.seconds) * 100, 1),
                              "errors": seen["errors"],
@@ -349,6 +421,7 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict]) -> list[dict
                              "steps_per_s": lanes.pop("steps_per_s", None),
                              "core_ttft_mean_ms": lanes.pop("core_ttft_mean_ms", None), "lane_calls": lanes})
                 print("  " + json.dumps(rows[-1]), flush=True)
+                on_row(rows)  # saved at once: a run cut short keeps every point it measured
                 if seen["errors"]:  # say why, from the server's own log
                     print("\n".join("  [serve] " + line for line in server.tail(30)), flush=True)
     finally:
@@ -376,6 +449,9 @@ def main() -> None:
     ap.add_argument("--echo", action="store_true", help="echo the servers' logs")
     ap.add_argument("--split-concurrency", default=None, help="-split modes: these points only (default: all)")
     ap.add_argument("--client-procs", type=int, default=4, help="loadgen processes sharing each point's concurrency")
+    ap.add_argument("--stagger-modes", default="",
+                    help="base modes (k0,a07) whose engine alone is also measured with staggered arrivals at c > 1 "
+                         "(engine_staggered_tok_s, served_over_engine_staggered)")
     ap.add_argument("--engine-alone", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--py-spy", default=None, help="py-spy binary: sample the served processes at --py-spy-at")
@@ -384,14 +460,14 @@ def main() -> None:
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.apis = args.apis.split(",")
+    args.stagger_modes = [m for m in args.stagger_modes.split(",") if m]
     args.split_concurrency = ([int(c) for c in args.split_concurrency.split(",")] if args.split_concurrency
                               else args.concurrency)
     if args.engine_alone:
         return engine_alone(args)
     if args.drive:  # one loadgen process of drive_clients
-        api, target, share, index, start_at = args.drive.split(",")
-        print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index),
-                                           float(start_at)))))
+        api, target, share, index = args.drive.split(",")
+        print(json.dumps(asyncio.run(drive(args, api, target, int(share), int(share) * 1000 + int(index)))))
         return
     nvml, rows, engine_rows = Nvml(), [], {}
     for mode in args.modes.split(","):
@@ -399,7 +475,9 @@ def main() -> None:
         if not args.no_engine_alone and base not in engine_rows:
             engine_rows[base] = run_engine_alone(args, base, nvml)
         try:
-            rows += run_served(args, mode, nvml, engine_rows.get(base, {}))
+            done = list(rows)
+            rows += run_served(args, mode, nvml, engine_rows.get(base, {}),
+                               on_row=lambda mode_rows: save(args, nvml, done + mode_rows))
         except SystemExit as exc:  # a mode that does not start: say so, measure the others
             print(f"mode {mode} failed: {exc}", flush=True)
             rows.append({"mode": mode, "error": str(exc)[-2000:]})

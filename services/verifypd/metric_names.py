@@ -17,7 +17,7 @@ LANE_STEP_DURATION = "verifypd.lane.step.duration"  # histogram, s; attribute ve
 DRAFT_TOKENS = "verifypd.speculation.draft_tokens"  # counter, {token}
 ACCEPTED_TOKENS = "verifypd.speculation.accepted_tokens"  # counter, {token}
 ACCEPTANCE_RATE = "verifypd.speculation.acceptance_rate"  # gauge, ratio over the last window
-APPLIED_K = "verifypd.speculation.applied_k"  # histogram, {token}: k used per verify item
+APPLIED_K = "verifypd.speculation.applied_k"  # histogram, {token}: each distinct k a verify step used
 KV_BLOCKS_IN_USE = "verifypd.kv.blocks_in_use"  # gauge, {block}; attribute verifypd.pool
 
 # Attribute keys.

@@ -35,31 +35,78 @@ READY_TIMEOUT_S = 3600.0
 SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most  # a large model loads and captures graphs before the core is ready
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
-    """One streamed piece of a request."""
+    """One streamed piece of a request: the tokens of one engine step, or of several in a row
+    (`merge_chunks`). `usage`: the five cumulative counts in USAGE_KEYS order (`usage_dict`)."""
 
     token_ids: list[int]
     text: str
     finished: bool
     finish_reason: FinishReason | None
-    usage: dict
-    applied_k: int
+    usage: list[int]
+    applied_k: int  # the draft length of the last step whose tokens this chunk carries
     ttft_s: float | None
 
+    def usage_dict(self) -> dict[str, int]:
+        return dict(zip(USAGE_KEYS, self.usage))
 
-@dataclass
+
+@dataclass(slots=True)
 class Failure:
     code: grpc.StatusCode
     message: str
 
 
+def merge_chunks(items: list) -> list:
+    """Runs of consecutive Chunks merged into one each (tokens and text in order; finish, usage
+    and k of the run's last; TTFT of its first); anything else (Failure, a front end's marker)
+    stays where it was. A consumer that fell behind the engine by several steps sends one message
+    for them instead of one per step: the gateway's cost per token falls as its load rises."""
+    out: list = []
+    for item in items:
+        last = out[-1] if out else None
+        if isinstance(item, Chunk) and isinstance(last, Chunk) and not last.finished:
+            out[-1] = Chunk(last.token_ids + item.token_ids, last.text + item.text, item.finished,
+                            item.finish_reason, item.usage, item.applied_k,
+                            last.ttft_s if last.ttft_s is not None else item.ttft_s)
+        else:
+            out.append(item)
+    return out
+
+
+class StreamBox:
+    """A request's pending items for its one consumer task (the gRPC handler or the HTTP response):
+    `put` from the reader task never blocks; `take` waits for at least one item and returns all of
+    them, consecutive chunks merged. Lighter than an asyncio.Queue: no getter deque, one future
+    only while the consumer waits."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return merge_chunks(items) if len(items) > 1 else items
+
+
 class RequestStream:
-    """A request in flight: `queue` yields Chunk | Failure (and whatever else a front end puts in)."""
+    """A request in flight: `box` yields Chunk | Failure (and whatever else a front end puts in)."""
 
     def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
         self.request_id, self.rid, self.detok = request_id, rid, detok  # client id, channel id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.box = StreamBox()
         self.added: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
@@ -213,8 +260,7 @@ class EngineClient:
             elif reason is not None:
                 text += stream.detok.flush()
                 self._forget(rid)
-            stream.queue.put_nowait(Chunk(ids, text, reason is not None, reason, dict(zip(USAGE_KEYS, usage)),
-                                          applied_k, ttft))
+            stream.box.put(Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft))
 
     def _on_fail(self, msg: dict) -> None:
         code = getattr(grpc.StatusCode, msg["code"], grpc.StatusCode.UNKNOWN)
@@ -225,7 +271,7 @@ class EngineClient:
         for rid in msg["ids"]:
             stream = self._forget(rid)
             if stream is not None:
-                stream.queue.put_nowait(Failure(code, msg["message"]))
+                stream.box.put(Failure(code, msg["message"]))
 
     def _on_reply(self, msg: dict) -> None:
         future = self._calls.get(msg["cid"])
@@ -241,7 +287,7 @@ class EngineClient:
         """Ends every request in flight with UNAVAILABLE and cancels it in the core (drain timeout)."""
         for stream in list(self._streams.values()):
             self.cancel(stream)
-            stream.queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, message))
+            stream.box.put(Failure(grpc.StatusCode.UNAVAILABLE, message))
 
     def _lost(self, message: str, quiet: bool = False) -> None:
         """The core is gone: fail everything in flight (UNAVAILABLE), pending adds and calls too."""
@@ -254,7 +300,7 @@ class EngineClient:
             if not stream.added.done():
                 stream.added.set_exception(Unavailable(message))
             else:
-                stream.queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, message))
+                stream.box.put(Failure(grpc.StatusCode.UNAVAILABLE, message))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(Unavailable(message))

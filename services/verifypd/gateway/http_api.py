@@ -94,7 +94,7 @@ class Completion:
         async def watch_disconnect():
             while (await receive())["type"] != "http.disconnect":
                 pass
-            self.stream.queue.put_nowait(_DISCONNECTED)
+            self.stream.box.put(_DISCONNECTED)
         watcher = asyncio.create_task(watch_disconnect())
         finished = False
         try:
@@ -112,17 +112,17 @@ class Completion:
     async def _collect(self, scope, send) -> bool:
         texts, ids, last = [], [], None
         while last is None or not last.finished:
-            item = await self.stream.queue.get()
-            if item is _DISCONNECTED:
-                return False
-            if isinstance(item, Failure):
-                await error_response(_failure_error(item))(scope, None, send)
-                return True
-            texts.append(item.text)
-            ids += item.token_ids
-            last = item
+            for item in await self.stream.box.take():
+                if item is _DISCONNECTED:
+                    return False
+                if isinstance(item, Failure):
+                    await error_response(_failure_error(item))(scope, None, send)
+                    return True
+                texts.append(item.text)
+                ids += item.token_ids
+                last = item
         body = self._envelope([self._choice("".join(texts), oc.finish_reason(last.finish_reason), False)],
-                              usage=oc.usage_json(last.usage), verifypd={"token_ids": ids})
+                              usage=oc.usage_json(last.usage_dict()), verifypd={"token_ids": ids})
         await JSONResponse(body)(scope, None, send)
         return True
 
@@ -138,21 +138,25 @@ class Completion:
             await event(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **usage_null))
         chunks = ChunkEvents(self._envelope_head(), self.parsed.kind == oc.CHAT, self.parsed.include_usage)
-        while True:
-            item = await self.stream.queue.get()
-            if item is _DISCONNECTED:
-                return False
-            if isinstance(item, Failure):  # headers are sent: the error travels as an event
-                await event(_failure_error(item).body())
-                break
-            assert isinstance(item, Chunk)
-            reason = oc.finish_reason(item.finish_reason) if item.finished else None
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": chunks.event(item.text, reason, item.token_ids, item.applied_k)})
-            if item.finished:
-                if self.parsed.include_usage:
-                    await event(self._envelope([], usage=oc.usage_json(item.usage)))
-                break
+        done = False
+        while not done:
+            # Everything since the last event: one event for several steps when behind.
+            for item in await self.stream.box.take():
+                if item is _DISCONNECTED:
+                    return False
+                if isinstance(item, Failure):  # headers are sent: the error travels as an event
+                    await event(_failure_error(item).body())
+                    done = True
+                    break
+                assert isinstance(item, Chunk)
+                reason = oc.finish_reason(item.finish_reason) if item.finished else None
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": chunks.event(item.text, reason, item.token_ids, item.applied_k)})
+                if item.finished:
+                    if self.parsed.include_usage:
+                        await event(self._envelope([], usage=oc.usage_json(item.usage_dict())))
+                    done = True
+                    break
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         return True
 

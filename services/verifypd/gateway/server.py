@@ -23,17 +23,18 @@ from verifypd.auth import gateway_interceptor
 from verifypd.core.channel import AsyncChannel, BlockingChannel
 from verifypd.core.process import build_colocated_core, build_split_core
 from verifypd.gateway.engine_client import READY_TIMEOUT_S, EngineClient, Failure
+from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
 from verifypd.core.core_server import CoreServer
 from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.health import AsyncHealth
-from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
+from verifypd.v1 import control_pb2_grpc
 
 log = logging.getLogger("verifypd.gateway")
 SERVICES = ["verifypd.v1.Generation", "verifypd.v1.Control"]
 DRAIN_RETRY_MS = 1000
 
 
-class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+class GenerationServicer:
     def __init__(self, gateway: "Gateway"):
         self.gw = gateway
 
@@ -56,15 +57,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except (Unavailable, TimeoutError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
         finished = False
+        encoder = ResponseEncoder(stream.request_id)
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, Failure):
-                    finished = True
-                    await context.abort(item.code, item.message)
-                finished = item.finished
-                yield convert.response_to_pb(stream.request_id, item.token_ids, item.text, item.finish_reason,
-                                             item.usage, item.applied_k, time.monotonic() - t0)
+                # Everything since the last message: one message for several steps when behind.
+                for item in await stream.box.take():
+                    if isinstance(item, Failure):
+                        finished = True
+                        await context.abort(item.code, item.message)
+                    finished = item.finished
+                    yield encoder.encode(item.token_ids, item.text, item.finish_reason, item.usage,
+                                         item.applied_k, time.monotonic() - t0)
         finally:  # client cancel or deadline (the task is cancelled): free its KV before the next step
             if not finished:
                 gw.client.cancel(stream)
@@ -127,7 +130,7 @@ class Gateway:
         self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
         # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
         self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
-        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self.server)
+        add_generation_service(GenerationServicer(self), self.server)  # Generate yields wire bytes
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
         self.health = AsyncHealth(self.server, SERVICES, self.loop)
         self.health.set(False)
