@@ -47,6 +47,9 @@ class RuntimeConfig:
     # "pdv" = three lanes, draft of one group overlapping verify of the other when `pipeline`.
     schedule: str = "pdv"
     pipeline: bool = False  # pdv only: overlap groups (CLI: on across lane processes); off = lock-step
+    # Overlapped plain decoding (engine.overlap, docs/engine.md "Overlapped scheduling"): launch the
+    # next k = 0 step before the current one's tokens reach the host. In-process lanes only.
+    overlap: bool = False
     revision: int = 0
 
     def validate(self) -> None:
