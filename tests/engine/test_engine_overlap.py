@@ -104,8 +104,8 @@ def test_overlap_same_chunks_with_eos_length_and_stop_strings(tiny_models):
     assert got == want and got_chunks == want_chunks
     reasons = {v[2] for v in got.values()}
     assert {FinishReason.EOS, FinishReason.LENGTH} <= reasons and (not words or FinishReason.STOP in reasons)
-    assert router._overlap.steps > 10, "the overlapped path never ran"
-    assert router._overlap.dropped > 0, "no request finished after the fact (a row dropped at commit)"
+    assert router.overlap.steps > 10, "the overlapped path never ran"
+    assert router.overlap.dropped > 0, "no request finished after the fact (a row dropped at commit)"
     check_blocks_returned(router)
 
 
@@ -114,7 +114,7 @@ def test_overlap_greedy_matches_transformers(tiny_models, hf_target):
              for i, p in enumerate(prompts(8, 11))]
     got, _, router = drive(fresh(tiny_models), specs, overlap=True)
     assert matches_transformers(hf_target, specs, got) >= 2
-    assert router._overlap.steps > 5
+    assert router.overlap.steps > 5
 
 
 def test_overlap_cancels_between_steps_same_chunks(tiny_models):
@@ -126,7 +126,7 @@ def test_overlap_cancels_between_steps_same_chunks(tiny_models):
     got, got_chunks, router = drive(fresh(tiny_models), specs, overlap=True, **plan)
     assert got == want and got_chunks == want_chunks
     assert sum(v[2] is FinishReason.CANCELLED for v in got.values()) >= 4
-    assert router._overlap.steps > 5 and router._overlap.dropped > 0
+    assert router.overlap.steps > 5 and router.overlap.dropped > 0
     check_blocks_returned(router)
 
 
@@ -146,7 +146,7 @@ def test_overlap_arrivals_and_cancels_between_steps(tiny_models):
         else:
             assert (tokens, text, finish) == want[rid], rid
     assert sum(v[2] is FinishReason.CANCELLED for v in got.values()) >= 4
-    assert router._overlap.steps > 5
+    assert router.overlap.steps > 5
     check_blocks_returned(router)
 
 
@@ -160,7 +160,7 @@ def test_cancelled_requests_blocks_wait_for_the_step_in_flight(tiny_models):
         router.add_request(dataclasses.replace(spec, max_tokens=40, stop_at_eos=False, sampling=SamplingParams()))
     for _ in range(4):
         router.step()
-    inflight = router._overlap.inflight
+    inflight = router.overlap.inflight
     assert inflight is not None and "q1" in inflight.members
     free_before = router.target_blocks.num_free
     held = len(next(s for s in router.sequences() if s.request_id == "q1").target_blocks)
@@ -168,7 +168,7 @@ def test_cancelled_requests_blocks_wait_for_the_step_in_flight(tiny_models):
     assert router.target_blocks.num_free == free_before, "blocks freed under a step still in flight"
     router.step()  # commits that step (launching the next one first)
     assert router.target_blocks.num_free >= free_before + held - len(router.sequences())
-    assert "q1" not in router._overlap.inflight.members
+    assert "q1" not in router.overlap.inflight.members
     while router.has_work():
         router.step()
     check_blocks_returned(router)
@@ -180,7 +180,7 @@ def test_overlap_under_block_pressure_preempts_like_the_plain_path(tiny_models):
     want, want_chunks, plain_router = drive(fresh(tiny_models, num_blocks=40), specs, overlap=False)
     got, got_chunks, router = drive(fresh(tiny_models, num_blocks=40), specs, overlap=True)
     assert got == want and got_chunks == want_chunks
-    assert router._overlap.steps > 5
+    assert router.overlap.steps > 5
     check_blocks_returned(router)
 
 
@@ -206,7 +206,7 @@ def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
     got, got_chunks, router = drive(fresh(tiny_models), specs, overlap=True, configs=configs)
     assert got == want
     assert matches_transformers(hf_target, specs, got) >= 2
-    assert router._overlap.steps > 5
+    assert router.overlap.steps > 5
     assert router.scheduler.probes.drafting > 3, "no speculative steps between the chains"
     check_blocks_returned(router)
 

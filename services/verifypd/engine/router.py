@@ -81,7 +81,7 @@ class Router:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
-        self._overlap = Overlap(self)  # plain-decoding steps launched ahead (RuntimeConfig.overlap)
+        self.overlap = Overlap(self)  # plain-decoding steps launched ahead (RuntimeConfig.overlap, engine.overlap)
         self._prefill_pool: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
 
     def close(self) -> None:
@@ -126,7 +126,7 @@ class Router:
         return self._eos
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._overlap.inflight is not None
+        return self.scheduler.has_work() or self.overlap.inflight is not None
 
     def sequences(self) -> list[Sequence]:
         return list(self._seqs.values())
@@ -135,8 +135,8 @@ class Router:
     def step(self) -> list[RequestOutput]:
         config = self.config  # one config per step; UpdateConfig takes effect on the next one
         t_step = self._clock()
-        if self._overlap.inflight is not None:  # launch the next plain step, commit the one in flight
-            outputs, waited, rows = self._overlap.advance(config)
+        if self.overlap.inflight is not None:  # launch the next plain step, commit the one in flight
+            outputs, waited, rows = self.overlap.advance(config)
             self.observer.on_lane_step("verify", waited, rows)
             self.observer.on_step(self)
             self._record_cost((False, rows, 0), self._clock() - t_step)
@@ -201,7 +201,7 @@ class Router:
         """After a lane restart: re-reads the lanes' pools (new pool ids / generations), forgets all
         KV and re-queues every request for recompute (the preemption path). Tokens already emitted
         are kept, so a request continues where its stream stopped. Returns the requests re-queued."""
-        self._overlap.drop()
+        self.overlap.drop()
         verify_info, draft_info = self.verify_lane.describe(), self.draft_lane.describe()
         self.target_pool = _pool(verify_info.pools, "target")
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)  # None: pool-less draft lane
@@ -360,9 +360,9 @@ class Router:
                     # Verify already done: the step waited on the prefill's launch; not its cost.
                     typical = typical and not started.ready()
                     results = started.result()
-                elif self._overlap.eligible(self.config, work, bool(ahead_items)):
+                elif self.overlap.eligible(self.config, work, bool(ahead_items)):
                     started = self.verify_lane.verify_start(items)
-                    self._overlap.start(self.config, work, items, started)  # the next step, queued behind
+                    self.overlap.start(self.config, work, items, started)  # the next step, queued behind
                     results = started.result()
                 else:
                     results = self.verify_lane.verify(items)
@@ -473,7 +473,7 @@ class Router:
         detok = self._detok.pop(seq.request_id, None)
         if detok is not None and reason is not FinishReason.STOP:
             text += detok.flush()
-        self._overlap.on_finish(seq)  # a row in a step still in flight: its blocks wait for that step
+        self.overlap.on_finish(seq)  # a row in a step still in flight: its blocks wait for that step
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
