@@ -61,9 +61,9 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
                         "on an H200 (docs/engine.md 'Schedules')")
 
 
-    p.add_argument("--overlap", choices=("on", "off"), default="off",
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="overlapped plain decoding: launch the next k = 0 step while the current one runs "
-                        "on the GPU (in-process lanes only; docs/engine.md 'Overlapped scheduling')")
+                        "on the GPU (default on; in-process lanes only; docs/engine.md 'Overlapped scheduling')")
 
 
 def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:

@@ -362,7 +362,9 @@ class Router:
                     results = started.result()
                 elif self.overlap.eligible(self.config, work, bool(ahead_items)):
                     started = self.verify_lane.verify_start(items)
+                    t_follow = self._clock()
                     self.overlap.start(self.config, work, items, started)  # the next step, queued behind
+                    beside_s = self._clock() - t_follow  # its launch: not this verify call's time
                     results = started.result()
                 else:
                     results = self.verify_lane.verify(items)
