@@ -237,7 +237,9 @@ class LocalVerifyLane:
         return HostCopy(torch.cat((accepted[:, None], final[:, None], drafts), dim=1),
                         lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
                                       for i, row in zip(items, host)],
-                        next_tokens=final.to(torch.long) if K == 0 else None)
+                        # clamped: a NO_TOKEN row (a NaN distribution) must not index the next step's
+                        # embedding on the device; the router refuses it when this step's tokens arrive
+                        next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None)
 
     def _accept_sampled(self, items, logits, drafts, k):
         """Coupled acceptance (sampler module doc): items' draft probabilities, if any came (an
