@@ -32,7 +32,10 @@ The peer of the k = 0 row, the same weights as a torch.compile'd static-batch de
 
 Each row splits its wall time into steps that ran a prefill call and decode-only steps (median of
 those, the slowest steps): where a gap to k = 0 or to the peer sits. `--draft none` runs plain rows
-without a draft; `--prefill-budget` sets RuntimeConfig.prefill_token_budget.
+without a draft; `--prefill-budget` sets RuntimeConfig.prefill_token_budget; `--overlap on` sets
+RuntimeConfig.overlap (overlapped plain decoding, docs/engine.md "Overlapped scheduling") for every
+row, `--overlap both` runs the plain rows without and with it; rows count the steps launched ahead
+(`overlap_steps`).
 
 Rows also count the router's k decisions: how many drafted on their merits and how many were
 probes (k = 1 for requests whose draft needs no catch-up). `--device cpu` with local model
@@ -223,6 +226,9 @@ def main() -> None:
                     help="only: 128 concurrent requests of 1000 + 1000 tokens, KV pools sized from free memory")
     ap.add_argument("--prefill-budget", type=int, default=RuntimeConfig().prefill_token_budget,
                     help="prompt tokens prefilled per engine step (RuntimeConfig.prefill_token_budget)")
+    ap.add_argument("--overlap", choices=("on", "off", "both"), default="off",
+                    help="RuntimeConfig.overlap for every engine row (overlapped plain decoding); both: the "
+                         "plain rows twice, without and with it (the other rows without)")
     ap.add_argument("--out", default="engine_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -237,7 +243,7 @@ def main() -> None:
                "gen_len": args.gen_len, "target_shape": args.target, "draft_shape": args.draft,
                "tensor_parallel": args.tensor_parallel,
                "devices": [torch.cuda.get_device_name(i) for i in range(args.tensor_parallel)] if cuda else ["cpu"],
-               "prefill_token_budget": args.prefill_budget, "rows": []}
+               "prefill_token_budget": args.prefill_budget, "overlap": args.overlap, "rows": []}
     if args.memory_test:
         return memory_test(args, results)
     max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
@@ -265,9 +271,11 @@ def main() -> None:
         print("# floors (ms):", json.dumps(results["floors"]), flush=True)
 
     configs = []
-    if "plain" in families:
-        configs.append(("k=0 (plain decoding)", None, RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False,
-                                                                   prefill_token_budget=args.prefill_budget), False))
+    if "plain" in families:  # --overlap both: the plain rows without, then with overlapped steps
+        for overlap in {"off": [False], "on": [True], "both": [False, True]}[args.overlap]:
+            configs.append((PLAIN + (OVERLAPPED if overlap else ""), None,
+                            RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False, overlap=overlap,
+                                          prefill_token_budget=args.prefill_budget), False))
     if "simulated" in families:
         for alpha in [float(a) for a in args.alphas.split(",") if a]:
             for k in args.ks.split(","):
@@ -283,6 +291,8 @@ def main() -> None:
         configs.append(("draft = target (real acceptance), k=4", None,
                         RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=False), True))
     for label, alpha, cfg, self_draft in configs:
+        if not label.startswith(PLAIN):
+            cfg = dataclasses.replace(cfg, overlap=args.overlap == "on")
         models = target_models
         if self_draft:  # the target's own weights as draft (no second copy), with its own KV pool
             models = dataclasses.replace(target_models, draft_model=PagedLlama(tm.shape, tm.weights),
@@ -292,17 +302,19 @@ def main() -> None:
         if self_draft:  # two target-sized pools: half the blocks each, batches up to 64
             opts["num_blocks"] = max_blocks // 2
         engine = Engine(EngineOptions(config=cfg, **opts), observer=times, models=models, simulated_acceptance=alpha)
-        if label.startswith("k=0") and cuda and dm is not None:
+        if label == PLAIN and cuda and dm is not None:
             results["draft_steps"] = draft_step_times(engine, batches, floors)
         for b in batches:
             if self_draft and b > 64:
                 continue
             run_engine(engine, times, b, args.prompt_len, 16, seed=1000 + b)  # warm-up (lazy graphs, allocator)
+            ahead0 = engine.router.overlap.steps
             r = run_engine(engine, times, b, args.prompt_len, args.gen_len, seed=b)
+            r["overlap_steps"] = engine.router.overlap.steps - ahead0
             f = floors.get(b)
             row = {"system": label, "simulated_acceptance": alpha, "batch": b, **r,
                    "graph_capture_s": round(engine.startup_capture_seconds, 2)}
-            if f and r["verify_call_s"] and cfg.k_initial == 0 and not cfg.adaptive:
+            if f and r["verify_call_s"] and cfg.k_initial == 0 and not cfg.adaptive and not cfg.overlap:
                 row["decode_step_over_matmul_floor"] = round(r["verify_call_s"] / f["target_matmul_s"], 3)
                 row["decode_step_over_bytes_floor"] = round(r["verify_call_s"] / f["target_bytes_s"], 3)
             results["rows"].append(row)
@@ -319,7 +331,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             with open(args.out, "w") as fh:
                 json.dump(results, fh, indent=2)
-    plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith("k=0")}
+    plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"] == PLAIN}
+    plain = plain or {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith(PLAIN)}
     peer = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["system"].startswith(COMPILED)}
     for row in results["rows"]:
         if row["batch"] in plain:
@@ -332,6 +345,7 @@ def main() -> None:
 
 
 COMPILED = "compiled static-batch decoder (peer)"
+PLAIN, OVERLAPPED = "k=0 (plain decoding)", ", overlapped"
 
 
 def compiled_row(model, batch: int, prompt_len: int, gen_len: int, floor: dict | None) -> dict:

@@ -61,13 +61,19 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
                         "on an H200 (docs/engine.md 'Schedules')")
 
 
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="overlapped plain decoding: launch the next k = 0 step while the current one runs "
+                        "on the GPU (default on; in-process lanes only; docs/engine.md 'Overlapped scheduling')")
+
+
 def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:
     """RuntimeConfig fields of --schedule / --pipeline; `split`: the lanes are separate processes;
     `drafting`: a draft is loaded. Without one there is no draft call to overlap, and two groups
     only halve each verify call's batch (measured on an H200: split serving with --draft none at
     0.53 x colocated with the pipeline on), so auto is off then."""
     auto = split and drafting
-    return {"schedule": args.schedule, "pipeline": args.pipeline == "on" or (args.pipeline == "auto" and auto)}
+    return {"schedule": args.schedule, "pipeline": args.pipeline == "on" or (args.pipeline == "auto" and auto),
+            "overlap": args.overlap == "on"}
 
 
 def draft_arg(args) -> str:

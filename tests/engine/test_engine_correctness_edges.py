@@ -30,12 +30,21 @@ def test_sampler_never_emits_from_a_nan_distribution():
 
 def test_router_refuses_a_token_outside_the_vocabulary(tiny_models):
     """A lane fault (a NaN distribution) reaches no client as a token."""
-    engine = make_engine(*tiny_models, k=0)
-    real = engine.router.verify_lane.verify
-    engine.router.verify_lane.verify = lambda items: [
-        type(o)(o.request_id, o.accepted, [sampler.NO_TOKEN]) for o in real(items)]
-    with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        engine.generate([RequestSpec((5, 6), max_tokens=4, stop_at_eos=False)])
+    for overlap in (False, True):  # plain steps call verify_start when overlapped (engine.overlap)
+        engine = make_engine(*tiny_models, k=0)
+        engine.router.config = engine.router.config.updated(overlap=overlap)
+        lane = engine.router.verify_lane
+        real = lane.verify_start
+
+        def faulty(items, real=real, **kw):
+            started = real(items, **kw)
+            started.result = lambda: [type(o)(o.request_id, o.accepted, [sampler.NO_TOKEN])
+                                      for o in type(started).result(started)]
+            return started
+        lane.verify_start = faulty
+        lane.verify = lambda items, faulty=faulty: faulty(items).result()
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            engine.generate([RequestSpec((5, 6), max_tokens=4, stop_at_eos=False)])
 
 
 def test_denormal_temperature_request_gives_the_greedy_output(tiny_models):

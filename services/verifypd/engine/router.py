@@ -23,8 +23,10 @@ from verifypd.engine.block_manager import BlockManager, check_fits
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
 from verifypd.engine.draft_length import (TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha,
                                           request_rate)
+from verifypd.engine.overlap import Overlap
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
+from verifypd.engine.router_calls import StartedPrefill, pool_of as _pool
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
@@ -79,6 +81,7 @@ class Router:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
+        self.overlap = Overlap(self)  # plain-decoding steps launched ahead (RuntimeConfig.overlap, engine.overlap)
         self._prefill_pool: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
 
     def close(self) -> None:
@@ -123,7 +126,7 @@ class Router:
         return self._eos
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.overlap.inflight is not None
 
     def sequences(self) -> list[Sequence]:
         return list(self._seqs.values())
@@ -132,6 +135,12 @@ class Router:
     def step(self) -> list[RequestOutput]:
         config = self.config  # one config per step; UpdateConfig takes effect on the next one
         t_step = self._clock()
+        if self.overlap.inflight is not None:  # launch the next plain step, commit the one in flight
+            outputs, waited, rows = self.overlap.advance(config)
+            self.observer.on_lane_step("verify", waited, rows)
+            self.observer.on_step(self)
+            self._record_cost((False, rows, 0), self._clock() - t_step)
+            return outputs
         plan = self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         # pd and pdv: decode is high priority, prefill after it (unless priorities say otherwise).
@@ -192,6 +201,7 @@ class Router:
         """After a lane restart: re-reads the lanes' pools (new pool ids / generations), forgets all
         KV and re-queues every request for recompute (the preemption path). Tokens already emitted
         are kept, so a request continues where its stream stopped. Returns the requests re-queued."""
+        self.overlap.drop()
         verify_info, draft_info = self.verify_lane.describe(), self.draft_lane.describe()
         self.target_pool = _pool(verify_info.pools, "target")
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)  # None: pool-less draft lane
@@ -226,17 +236,17 @@ class Router:
     def _starts_async(*lanes) -> bool:
         return all(getattr(lane, "starts_async", False) for lane in lanes)
 
-    def _start_prefill(self, chunks: list[PrefillChunk]) -> "_StartedPrefill":
+    def _start_prefill(self, chunks: list[PrefillChunk]) -> StartedPrefill:
         t0 = self._clock()
         started = self.prefill_lane.prefill_start(self._prefill_items(chunks))
-        return _StartedPrefill(started, self._clock() - t0, self._clock)
+        return StartedPrefill(started, self._clock() - t0, self._clock)
 
     def _call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
         t0 = self._clock()
         results = self.prefill_lane.prefill(items)
         return results, self._clock() - t0
 
-    def _run_prefill(self, chunks: list[PrefillChunk], pending: "Future | _StartedPrefill | None" = None
+    def _run_prefill(self, chunks: list[PrefillChunk], pending: "Future | StartedPrefill | None" = None
                      ) -> list[RequestOutput]:
         """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
         if not chunks:
@@ -350,6 +360,12 @@ class Router:
                     # Verify already done: the step waited on the prefill's launch; not its cost.
                     typical = typical and not started.ready()
                     results = started.result()
+                elif self.overlap.eligible(self.config, work, bool(ahead_items)):
+                    started = self.verify_lane.verify_start(items)
+                    t_follow = self._clock()
+                    self.overlap.start(self.config, work, items, started)  # the next step, queued behind
+                    beside_s = self._clock() - t_follow  # its launch: not this verify call's time
+                    results = started.result()
                 else:
                     results = self.verify_lane.verify(items)
             except BaseException as exc:  # first let the concurrent draft call finish
@@ -459,6 +475,7 @@ class Router:
         detok = self._detok.pop(seq.request_id, None)
         if detok is not None and reason is not FinishReason.STOP:
             text += detok.flush()
+        self.overlap.on_finish(seq)  # a row in a step still in flight: its blocks wait for that step
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -476,25 +493,3 @@ class Router:
     @staticmethod
     def _handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
         return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
-
-
-class _StartedPrefill:
-    """A prefill call started beside a verify call; `result()` is (outputs, launch + wait seconds),
-    as a pipelined prefill's Future gives."""
-
-    def __init__(self, started, launch_s: float, clock: Callable[[], float]):
-        self._started, self._launch_s, self._clock = started, launch_s, clock
-
-    def result(self) -> tuple[list, float]:
-        t0 = self._clock()
-        results = self._started.result()
-        return results, self._launch_s + self._clock() - t0
-
-
-def _pool(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> PoolInfo | None:
-    for pool in pools:
-        if pool.role == role:
-            return pool
-    if not required:
-        return None
-    raise ValueError(f"lane announced no {role} pool")

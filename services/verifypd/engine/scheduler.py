@@ -183,8 +183,7 @@ class Scheduler:
         # Off, the decision moves only with acceptance (probe outcomes), the batch or the config, and
         # slowly with the measured costs: recheck those at once, the costs every RECHECK_OFF_EVERY
         # steps. Evaluating it cost ~0.2 ms of host time a step at batch 64 while the GPU waited.
-        signature = (batch_bucket(batch), len(seqs), hi, config, costs.acceptance.observations,
-                     costs.acceptance.asked, decoding is None)
+        signature = _off_signature(config, costs, seqs, hi, decoding)
         off = self._off.get(key)
         if off is not None and off[0] == signature and off[1] < RECHECK_OFF_EVERY and not plain_unmeasured:
             k_batch = 0
@@ -206,6 +205,47 @@ class Scheduler:
             probed = {s.request_id for s in seqs if self._cheap_probe(config, s)}
         self.probes.record(k_batch, bool(probed))
         return k_batch, probed
+
+    # -- overlapped plain decoding (engine.overlap) ------------------------------------------
+    def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
+        """The k = 0 step after the one in flight, planned before that one's tokens are committed:
+        `seqs` (decoding, each with one token in flight) get the blocks of one more position, and the
+        k decision is recorded as `plan` would record it. Only where that step is certain to be what
+        `plan` would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
+        Otherwise nothing changes and False is returned."""
+        if not seqs or not self._plain_certain(config, costs, seqs):
+            return False
+        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
+        if need > self.target.num_free or not self.poolless_draft and \
+                sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) > self.draft.num_free:
+            return False
+        k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
+        if probed or any(self._cap(config, s, k_batch) for s in seqs):  # _plain_certain rules this out
+            return False
+        for seq in seqs:  # positions n + 1 (the token in flight is n's), as _reserve(seq, n + 1, 0)
+            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
+            assert reserved, "blocks counted free were not"
+        return True
+
+    def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
+        """`_plan_decode` would give every one of `seqs` k = 0 and probe none, whatever the
+        acceptance the step in flight teaches (a k = 0 step teaches none)."""
+        if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
+            return False
+        if config.k_max == 0 or all(s.spec.max_k == 0 for s in seqs):
+            return True
+        if config.adaptive and self.probes.due:
+            return False
+        if not config.adaptive or costs.acceptance.alpha is None:  # choose_batch_k: k_initial
+            return config.k_initial == 0
+        off = self._off.get("batch")  # decided off, and _batch_k would take that decision as is
+        return (off is not None and off[0] == _off_signature(config, costs, seqs, config.k_max, None)
+                and off[1] < RECHECK_OFF_EVERY and costs.measured(len(seqs), 0))
+
+    def release_tables(self, target: list[int], draft: list[int]) -> None:
+        """Returns blocks held back from a finished request (engine.overlap) once nothing queued writes them."""
+        self.target.free(target)
+        self.draft.free(draft)
 
     def _cheap_probe(self, config: RuntimeConfig, seq: Sequence) -> bool:
         """A probe of `seq` is a normal k = PROBE_K step: its draft input is at most PROBE_MAX_LAG + 1
@@ -400,6 +440,13 @@ class Scheduler:
         self.draft.grow(seq.draft_blocks, end)
         last = end == seq.prefill_target
         return PrefillChunk(seq, start, end, sample_first=last and seq.samples_after_prefill)
+
+
+def _off_signature(config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
+                   decoding: int | None) -> tuple:
+    """What a k = 0 decision depends on besides the measured costs (see Scheduler._batch_k)."""
+    return (batch_bucket(decoding or len(seqs)), len(seqs), hi, config, costs.acceptance.observations,
+            costs.acceptance.asked, decoding is None)
 
 
 class _NoPool:

@@ -110,6 +110,16 @@ class VerifyItem:
     draft_probs: Any = None
 
 
+@dataclass(frozen=True)
+class TokenFeed:
+    """Pending tokens that are still on the device (overlapped plain decoding, engine.overlap): item
+    i's pending token is row `rows[i]` of `source`, the `next_tokens` of this lane's previous started
+    call, not its `pending_token` (a placeholder). Only lanes with `feeds_tokens` take one."""
+
+    source: Any                   # opaque to the router: StartedCall.next_tokens
+    rows: tuple[int, ...]
+
+
 @dataclass
 class VerifyOutput:
     request_id: str
@@ -162,3 +172,8 @@ class Finished:
 # The router then launches a step's prefill while the GPU still runs its verify call, so the
 # prefill's host work (eager launches) overlaps the decode's GPU work (docs/engine.md "Prefill
 # beside decode"). `verify(items)` is `verify_start(items).result()`.
+#
+# Overlapped plain decoding (engine.overlap): a verify lane with `feeds_tokens = True` takes
+# `verify_start(items, feed=TokenFeed)`, and the StartedCall of a call whose items all have k = 0
+# carries `next_tokens`: each row's chosen token left on the device (None otherwise), so the next
+# step can be launched before this one's results reach the host.

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from verifypd.lanes.interface import (DraftItem, DraftOutput, Finished, LaneInfo, PrefillItem, PrefillOutput,
-                                      StartedCall, VerifyItem, VerifyOutput)
+                                      StartedCall, TokenFeed, VerifyItem, VerifyOutput)
 from verifypd.model import sampler
 from verifypd.model.runner import ModelRunner, TokenRun
 
@@ -178,39 +178,54 @@ class LocalVerifyLane:
     def starts_async(self) -> bool:
         return self.stream is not None
 
+    @property
+    def feeds_tokens(self) -> bool:
+        """Takes `verify_start(items, feed=...)` (overlapped plain decoding, engine.overlap)."""
+        return getattr(self.target, "feeds_first_ids", False)
+
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         return self.verify_start(items).result()
 
-    def verify_start(self, items: list[VerifyItem]) -> StartedCall:
+    def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
         """Queues the verify forward and the acceptance on the verify stream; the results reach the
-        host in `.result()` (the call's one host sync)."""
+        host in `.result()` (the call's one host sync). `feed`: the items' pending tokens are rows
+        of a previous call's `next_tokens`, read on the device (stream-ordered after that call)."""
         if not items:
             return Finished([])
         with on_stream(self.stream, self.serial):
             if self.stream is not None:
                 wait_for_drafts(items, self.stream)
-            return self._verify(items)
+            return self._verify(items, feed)
 
-    def _verify(self, items: list[VerifyItem]) -> StartedCall:
+    def _verify(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
         ks = [len(i.draft_tokens) for i in items]
+        first_ids = None
+        if feed is not None:
+            source, rows = feed.source, list(feed.rows)
+            if len(rows) != len(items):
+                raise ValueError(f"a token feed needs one row per item: {len(rows)} rows, {len(items)} items")
+            first_ids = source if rows == list(range(source.shape[0])) else \
+                source[sampler.small_tensor(rows, source.device)]
         on_device = device_drafts(items)
         # With drafts on the device, runs carry placeholders and the runner writes the real ids.
         runs = [TokenRun([i.pending_token] + ([0] * k if on_device else list(i.draft_tokens)), i.start_pos,
                          i.target_kv.block_ids) for i, k in zip(items, ks)]
         R, K = len(items), max(ks)
         device = self.target.device
+        fed = {} if first_ids is None else {"first_ids": first_ids}
         if on_device is not None:
             drafts = on_device.gather(items, K)                               # [R, K] on the device
-            logits = self.target.score(runs, drafts)                          # [R, K+1, V], padded
+            logits = self.target.score(runs, drafts, **fed)                   # [R, K+1, V], padded
         else:
             drafts_np = np.zeros((R, K), dtype=np.int64)
             for n, item in enumerate(items):
                 drafts_np[n, :ks[n]] = list(item.draft_tokens)
             drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
-            logits = self.target.score(runs)
+            logits = self.target.score(runs, **fed)
         if K == 0 and all(i.sampling.greedy for i in items):  # plain greedy decoding: nothing to accept
-            return HostCopy(logits[:, 0].argmax(-1),
-                            lambda finals: [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, finals)])
+            finals = logits[:, 0].argmax(-1)
+            return HostCopy(finals, lambda host: [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, host)],
+                            next_tokens=finals)
         k = sampler.small_tensor(ks, device)
         if self.simulated_acceptance is not None:
             accepted, final = self._accept_simulated(items, logits.argmax(-1), k)
@@ -221,7 +236,10 @@ class LocalVerifyLane:
         # What the host needs of a draft + verify step: counts, target tokens and the drafts.
         return HostCopy(torch.cat((accepted[:, None], final[:, None], drafts), dim=1),
                         lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
-                                      for i, row in zip(items, host)])
+                                      for i, row in zip(items, host)],
+                        # clamped: a NO_TOKEN row (a NaN distribution) must not index the next step's
+                        # embedding on the device; the router refuses it when this step's tokens arrive
+                        next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None)
 
     def _accept_sampled(self, items, logits, drafts, k):
         """Coupled acceptance (sampler module doc): items' draft probabilities, if any came (an
@@ -250,10 +268,11 @@ class LocalVerifyLane:
 class HostCopy:
     """A device tensor on its way to the host: an asynchronous copy into pinned memory on the current
     stream, then an event. `result()` waits for the event (releasing the GIL) and converts the
-    values; on the CPU the values are there already."""
+    values; on the CPU the values are there already. `next_tokens`: a verify call of k = 0 items
+    leaves each row's chosen token here, on the device, for the next step to read (engine.overlap)."""
 
-    def __init__(self, tensor: torch.Tensor, convert):
-        self._convert, self._event = convert, None
+    def __init__(self, tensor: torch.Tensor, convert, next_tokens: torch.Tensor | None = None):
+        self._convert, self._event, self.next_tokens = convert, None, next_tokens
         if tensor.is_cuda:
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)

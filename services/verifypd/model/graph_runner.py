@@ -68,12 +68,15 @@ class GraphRunner:
         return rows is not None and query <= self.max_query and rows * query <= self.max_graph_tokens
 
     # -- forwards ----------------------------------------------------------------------------
-    def score(self, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def score(self, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None = None,
+              first_ids: torch.Tensor | None = None) -> torch.Tensor:
         rows = self.bucket(len(runs))
         graph = self._graph(("all", rows, query))
         self._load(runs, query, "left", rows)
         if device_ids is not None and query > 1:  # see ModelRunner.score
             self.ids[:rows * query].view(rows, query)[:len(runs), 1:] = device_ids
+        if first_ids is not None:  # stream-ordered after the load's copy and the producing step
+            self.ids[:rows * query].view(rows, query)[:len(runs), 0] = first_ids
         graph.replay()
         return self.logits[:rows * query].view(rows, query, -1)[:len(runs)]
 

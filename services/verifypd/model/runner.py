@@ -51,18 +51,27 @@ class ModelRunner:
             index = torch.arange(host.ids.size, device=self.device)
         return self.model.forward(self.pool.tensor, batch, index)
 
-    def score(self, runs: list[TokenRun], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    # score() takes `first_ids` (overlapped plain decoding feeds pending tokens on the device); a
+    # runner whose score() forwards elsewhere (tensor parallel) says False until it passes them on.
+    feeds_first_ids = True
+
+    def score(self, runs: list[TokenRun], device_ids: torch.Tensor | None = None,
+              first_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of every token of every run, padded: [B, Q, V] with Q = the longest run; rows past
         a run's end repeat its last position (their logits are not meaningful). `device_ids` [B, K]
         replace token ids 1..K of each run on the device (drafts that never visited the host; the
-        runs hold placeholders there; K = Q - 1, entries past a run's end land on padding)."""
+        runs hold placeholders there; K = Q - 1, entries past a run's end land on padding).
+        `first_ids` [B] replace token 0 of each run on the device (a pending token still on the
+        device: the previous step's output, engine.overlap)."""
         query = max(len(r.token_ids) for r in runs)
         if self.graphs is not None and self.graphs.fits(len(runs), query):
-            return self.graphs.score(runs, query, device_ids)
+            return self.graphs.score(runs, query, device_ids, first_ids)
         host = build_layout(runs, self.block_size, query=query, align="left")
         batch = to_device(host, self.device, self.staging)
         if device_ids is not None and query > 1:
             batch.input_ids.view(len(runs), query)[:, 1:] = device_ids
+        if first_ids is not None:
+            batch.input_ids.view(len(runs), query)[:, 0] = first_ids
         logits = self.model.forward(self.pool.tensor, batch, torch.arange(host.ids.size, device=self.device))
         return logits.view(len(runs), query, -1)
 

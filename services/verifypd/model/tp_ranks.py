@@ -276,6 +276,8 @@ class LeaderRunner(ModelRunner):
             except Exception as exc:
                 self.ranks.forward_failed(exc)
 
+    feeds_first_ids = False  # the followers would need the fed tokens too (not sent yet)
+
     def score(self, runs, device_ids=None):
         with self.ranks.lock:
             k = 0 if device_ids is None else int(device_ids.shape[1])
