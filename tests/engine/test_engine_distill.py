@@ -11,7 +11,7 @@ import torch
 from engine_helpers import make_engine, write_tiny_llama
 from verifypd.cli import main
 from verifypd.distill.capture import TargetCapture
-from verifypd.distill.head_train import TrainableHead
+from verifypd.distill.head_train import TrainableHead, accepted_length
 from verifypd.engine.router import EngineObserver
 from verifypd.engine.types import RequestSpec
 from verifypd.model.eagle_head import load_eagle_head
@@ -91,6 +91,30 @@ def test_engine_acceptance_equals_dense_replay(trained):
         n += m + 1
     assert steps == predicted
     assert sum(m for _, m in steps) >= len(steps) // 4, steps   # the head is often right: the check has power
+    # distill's held-out figure on this very sequence is the engine's: (accepted drafts, verify steps)
+    head = TrainableHead(config, weights, target.weights.embed)
+    assert accepted_length(head, logits, batch.labels, batch.greedy) == (sum(m for _, m in steps), len(steps))
+
+
+def test_heldout_acceptance_walks_like_the_engine():
+    """Rows 0-7 drafted right at every chain step, rows 8-12 wrong (k = 2): the engine's walk accepts
+    2, 2, 2 (anchors 0, 3, 6) then 0, 0, 0 (9, 10, 11; the pending token at row 12 is the last):
+    6 drafts in 6 steps. The mean over all 12 anchors (15 / 12) would say 2.25 tokens per step."""
+    from types import SimpleNamespace
+
+    T, V = 13, 5
+    target = torch.arange(T) % V                                         # the target's token per row
+    labels = torch.nn.functional.one_hot(target, V).float()[None] * 10   # [1, T, V]
+    right = torch.nn.functional.one_hot(target, V).float()
+    wrong = torch.nn.functional.one_hot((target + 1) % V, V).float()
+    rows = torch.arange(T)[:, None] < 8
+    logits = [torch.where(rows, right, wrong)[None]] * 2
+    valid = torch.ones(1, T, dtype=torch.bool)
+    head = SimpleNamespace(draft_to_target=None)
+    assert accepted_length(head, logits, labels, valid) == (6.0, 6)
+    late = valid.clone()
+    late[0, :3] = False                                    # the answer starts at row 3: anchors 3, 6, 9 ..
+    assert accepted_length(head, logits, labels, late) == (4.0, 5)
 
 
 def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
