@@ -29,6 +29,10 @@ class TrainSettings:
     lr: float = 5e-4
     warmup: int = 100
     chain_steps: int = 4          # unrolled chain steps (the k the head learns to draft)
+    # Rows the loss counts: "answers" (rows whose next token the target generated: what the engine
+    # drafts; as the EAGLE/SpecForge loss masks keep assistant turns only) or "all" (prompts too).
+    # The prompt rows' features reach the head either way, as attention keys.
+    loss_rows: str = "answers"
     checkpoint_every: int = 200
     eval_every: int = 500
     max_minutes: float | None = None   # of the whole run (data generation included), from `started`
@@ -164,7 +168,7 @@ class Trainer:
             g["lr"] = learning_rate(self.s, self.step)
         b = self.capture([r["tokens"] for r in group], [r["prompt_len"] for r in group])
         logits = self.head(b.tokens, b.features.float(), self.s.chain_steps)
-        loss, agree = distill_loss(self.head, logits, b.labels, b.valid)
+        loss, agree = distill_loss(self.head, logits, b.labels, b.greedy if self.s.loss_rows == "answers" else b.valid)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
