@@ -36,7 +36,7 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--chain-steps", type=int, default=4, help="chain steps unrolled in training (the k it learns)")
-    p.add_argument("--loss-rows", default="answers", choices=("answers", "all"),
+    p.add_argument("--loss-rows", default="all", choices=("all", "answers"),
                    help="rows the loss counts: the answers' (what the engine drafts) or all, prompts included")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="draft vocabulary: the N most frequent tokens of the data, own lm_head; "

@@ -32,21 +32,14 @@ SEEDS = ["Write one question a curious person might ask an assistant about {topi
 TEXT_SEEDS = [
     ("Write a short paragraph about {topic}. Reply with the paragraph only.", "{}",
      ["Make the following text easier to read.", "Shorten the following text.",
-      "Correct the following text and give it back in full.", "Rewrite this text for a child.",
-      "Say the same thing as this text in a more formal tone.", "Give the main point of this text in one sentence.",
-      "Rewrite this text as a list of short points.", "Paraphrase the following text."]),
+      "Correct the following text and give it back in full.", "Rewrite this text for a child."]),
     ("Write a short Python function related to {topic}. Reply with the code only.", "```python\n{}\n```",
      ["Add comments to this code and give back the whole code.",
       "Improve the variable names in this code and return it in full.",
-      "Add error handling to this code and return the whole code.",
-      "Add a docstring to every function in this code and return all of it.",
-      "Make this code shorter without changing what it does, and show the full result.",
-      "Annotate the arguments and return values of this code with their types; give back all of it."]),
+      "Add error handling to this code and return the whole code."]),
     ("Write a short note about {topic} that mentions people, dates and amounts. Reply with the note only.", "{}",
      ["Pull out all people, places, dates and numbers from this text.",
-      "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text.",
-      "Write down each number in this text and say what it is.", "Put the details of this text in a table.",
-      "Which names and times does this text mention? Give them as a list."]),
+      "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text."]),
 ]
 
 

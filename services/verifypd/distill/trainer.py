@@ -29,10 +29,11 @@ class TrainSettings:
     lr: float = 5e-4
     warmup: int = 100
     chain_steps: int = 4          # unrolled chain steps (the k the head learns to draft)
-    # Rows the loss counts: "answers" (rows whose next token the target generated: what the engine
-    # drafts; as the EAGLE/SpecForge loss masks keep assistant turns only) or "all" (prompts too).
-    # The prompt rows' features reach the head either way, as attention keys.
-    loss_rows: str = "answers"
+    # Rows the loss counts: "all" (prompts too) or "answers" (rows whose next token the target
+    # generated: what the engine drafts; as the EAGLE/SpecForge loss masks keep assistant turns).
+    # The prompt rows' features reach the head either way, as attention keys. One H200 run with
+    # "answers" (and the whole vocabulary) measured no better: bench/results/smollm2_eagle_h200_fullvocab.
+    loss_rows: str = "all"
     checkpoint_every: int = 200
     eval_every: int = 500
     max_minutes: float | None = None   # of the whole run (data generation included), from `started`
