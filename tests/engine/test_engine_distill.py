@@ -184,11 +184,12 @@ def test_distill_flag_pairs_are_checked(tmp_path, capsys):
     assert "--draft-vocab" in capsys.readouterr().err
 
 
-def test_loss_rows_answers_leaves_the_prompt_rows_out():
-    """--loss-rows answers: the loss does not move when the prompt rows' labels change; with
-    --loss-rows all it does (the prompt rows count)."""
+def test_loss_rows_answers_leaves_the_prompt_rows_out(monkeypatch):
+    """--loss-rows answers: the loss counts the rows whose next token the target generated (the
+    batch's greedy rows), not the prompt's; --loss-rows all counts every real row."""
     from types import SimpleNamespace
 
+    from verifypd.distill import trainer as trainer_module
     from verifypd.distill.capture import Batch
     from verifypd.distill.trainer import Trainer, TrainSettings
     from verifypd.model.eagle_head import random_eagle_head
@@ -196,20 +197,24 @@ def test_loss_rows_answers_leaves_the_prompt_rows_out():
 
     shape = LlamaShape(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=4, num_heads=2,
                        num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_context=64)
+    torch.manual_seed(0)
     config, weights = random_eagle_head(shape, seed=0)
     head = TrainableHead(config, weights, torch.randn(32, 16))
     B, T = 1, 12
     greedy = torch.zeros(B, T, dtype=torch.bool)
     greedy[:, 5:] = True                                                 # rows 0-4: the prompt's
-    tokens, features, labels = torch.randint(0, 32, (B, T)), torch.randn(B, T, 48), torch.randn(B, T, 32)
-    other = labels.clone()
-    other[:, :5] = torch.randn(B, 5, 32) * 5
+    valid = torch.ones(B, T, dtype=torch.bool)
+    batch = Batch(torch.randint(0, 32, (B, T)), torch.randn(B, T, 48), torch.randn(B, T, 32), valid, greedy)
+    counted = []
+    real_loss = trainer_module.distill_loss
 
-    def loss(rows, lab):
-        batch = Batch(tokens, features, lab, torch.ones(B, T, dtype=torch.bool), greedy)
+    def spy(head, logits, labels, rows):
+        counted.append(rows.clone())
+        return real_loss(head, logits, labels, rows)
+
+    monkeypatch.setattr(trainer_module, "distill_loss", spy)
+    for rows in ("answers", "all"):
         trainer = SimpleNamespace(s=TrainSettings(chain_steps=2, loss_rows=rows), step=0, head=head,
                                   capture=lambda *_: batch, optimizer=torch.optim.SGD(head.parameters(), lr=0.0))
-        return Trainer.train_step(trainer, [{"tokens": [0] * (T + 1), "prompt_len": 6}])[0]
-
-    assert loss("answers", labels) == pytest.approx(loss("answers", other), rel=1e-6)
-    assert abs(loss("all", labels) - loss("all", other)) > 1e-3
+        Trainer.train_step(trainer, [{"tokens": [0] * (T + 1), "prompt_len": 6}])
+    assert torch.equal(counted[0], greedy) and torch.equal(counted[1], valid)
