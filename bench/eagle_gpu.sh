@@ -5,13 +5,15 @@
 #   .whl/gguf-*.whl                                        # as in the device README (pure Python)
 #
 #   call 1  carry [.relay-a]              bash bench/eagle_gpu.sh relay-a   (skipped if the GGUF is there)
-#   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s)
+#   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s;
+#                                         EAGLE_TRAIN_MINUTES=5 E2E_IF_BEFORE=0: ~6 min, no e2e)
 #   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end)
 #   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost
 #
 # `train` (one call, ~9 min): `verifypd distill` for the embedded model (data, training to a time
-# budget, the held-out engine evaluation against ngram on bench/prompts/draft_acceptance.jsonl at
-# temperature 0, k = 4), then end to end against --no-speculation at batch 1 and 16 (one JSON).
+# budget), the engine's acceptance against ngram on bench/prompts/draft_acceptance.jsonl at
+# temperature 0, k = 4 (bench/eagle_acceptance.py, also the head's eval.json), then end to end
+# against --no-speculation at batch 1 and 16 (one JSON) if time is left.
 # The head, its logs and the JSONs land in $OUT (small files only; data and checkpoints stay in
 # /root/distill on the warm machine, where `resume` continues them).
 set -euo pipefail
@@ -41,10 +43,12 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 
 # The embedded model's head: a 1024-wide MLP and an 8192-token draft vocabulary over the target's
 # own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
+# (The committed head's recipe. A second run with the whole vocabulary and the loss on answer rows
+# only measured 1.63 against this one's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
 DISTILL=(--target "$GGUF" --out "$HEAD" --samples 5000 --gen-tokens 256 --max-len 512 --steps 3000
          --batch-tokens 16384 --lr 8e-4 --warmup 50 --chain-steps 4 --intermediate-size 1024
-         --draft-vocab 8192 --frozen-lm-head --checkpoint-every 250 --eval-every 500 --no-progress
-         --device "$DEVICE")
+         --draft-vocab 8192 --frozen-lm-head --loss-rows all --checkpoint-every 250 --eval-every 500 --no-progress
+         --device "$DEVICE" ${DISTILL_EXTRA:-})
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
 
 end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
@@ -52,6 +56,11 @@ end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 a
   python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" --drafts "ngram,eagle:$1" \
     --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
     --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
+}
+
+acceptance() {  # the engine's tokens per verify step, head against ngram (bench/eagle_acceptance.py)
+  python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" --device "$DEVICE" \
+    --out "$OUT/eagle_acceptance_${DEVICE}.json" 2>&1 | grep '^|'
 }
 
 join_gguf() {
@@ -71,10 +80,12 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     mkdir -p "$(dirname "$HEAD")"
     python3 -m verifypd.cli distill "${DISTILL[@]}" --max-minutes "$TRAIN_MINUTES" --fit-steps \
-      "${EVAL[@]}" 2>&1 | tee "$HEAD.log" | grep -v "it/s\]" | tail -45 || true
+      2>&1 | tee "$HEAD.log" | grep -v "it/s\]" | tail -45 || true
     cp "$HEAD.log" "$HEAD/distill.log" || true
+    echo "distill: $((SECONDS - START)) s"
+    acceptance "$HEAD" && cp "$OUT/eagle_acceptance_${DEVICE}.json" "$HEAD/eval.json"
     collect
-    echo "distill + eval: $((SECONDS - START)) s"
+    echo "distill + acceptance: $((SECONDS - START)) s"
     if [ $((SECONDS - START)) -lt "${E2E_IF_BEFORE:-470}" ]; then end_to_end "$HEAD"; else echo "no time left for the e2e bench"; fi
     echo "call: $((SECONDS - START)) s" ;;
   resume)
@@ -84,8 +95,7 @@ case "${1:-}" in
     cp "$HEAD.log" "$HEAD/distill.log"; collect ;;
   measure)  # carry .relay-b right after relay-a (or find the GGUF on the warm machine)
     join_gguf; wheels
-    python3 bench/eagle_acceptance.py --target "$GGUF" --head "${2:?measure HEAD_DIR}" --device "$DEVICE" \
-      --out "$OUT/eagle_acceptance_${DEVICE}.json" 2>&1 | grep '^|'
+    acceptance "${2:?measure HEAD_DIR}"
     end_to_end "$2" ;;
   lossless)
     wheels

@@ -11,7 +11,7 @@ import torch
 from engine_helpers import make_engine, write_tiny_llama
 from verifypd.cli import main
 from verifypd.distill.capture import TargetCapture
-from verifypd.distill.head_train import TrainableHead
+from verifypd.distill.head_train import TrainableHead, accepted_length
 from verifypd.engine.router import EngineObserver
 from verifypd.engine.types import RequestSpec
 from verifypd.model.eagle_head import load_eagle_head
@@ -91,6 +91,30 @@ def test_engine_acceptance_equals_dense_replay(trained):
         n += m + 1
     assert steps == predicted
     assert sum(m for _, m in steps) >= len(steps) // 4, steps   # the head is often right: the check has power
+    # distill's held-out figure on this very sequence is the engine's: (accepted drafts, verify steps)
+    head = TrainableHead(config, weights, target.weights.embed)
+    assert accepted_length(head, logits, batch.labels, batch.greedy) == (sum(m for _, m in steps), len(steps))
+
+
+def test_heldout_acceptance_walks_like_the_engine():
+    """Rows 0-7 drafted right at every chain step, rows 8-12 wrong (k = 2): the engine's walk accepts
+    2, 2, 2 (anchors 0, 3, 6) then 0, 0, 0 (9, 10, 11; the pending token at row 12 is the last):
+    6 drafts in 6 steps. The mean over all 12 anchors (15 / 12) would say 2.25 tokens per step."""
+    from types import SimpleNamespace
+
+    T, V = 13, 5
+    target = torch.arange(T) % V                                         # the target's token per row
+    labels = torch.nn.functional.one_hot(target, V).float()[None] * 10   # [1, T, V]
+    right = torch.nn.functional.one_hot(target, V).float()
+    wrong = torch.nn.functional.one_hot((target + 1) % V, V).float()
+    rows = torch.arange(T)[:, None] < 8
+    logits = [torch.where(rows, right, wrong)[None]] * 2
+    valid = torch.ones(1, T, dtype=torch.bool)
+    head = SimpleNamespace(draft_to_target=None)
+    assert accepted_length(head, logits, labels, valid) == (6.0, 6)
+    late = valid.clone()
+    late[0, :3] = False                                    # the answer starts at row 3: anchors 3, 6, 9 ..
+    assert accepted_length(head, logits, labels, late) == (4.0, 5)
 
 
 def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
@@ -158,3 +182,39 @@ def test_distill_flag_pairs_are_checked(tmp_path, capsys):
     assert "--max-minutes" in capsys.readouterr().err
     assert main(base + ["--frozen-lm-head"]) == 2
     assert "--draft-vocab" in capsys.readouterr().err
+
+
+def test_loss_rows_answers_leaves_the_prompt_rows_out(monkeypatch):
+    """--loss-rows answers: the loss counts the rows whose next token the target generated (the
+    batch's greedy rows), not the prompt's; --loss-rows all counts every real row."""
+    from types import SimpleNamespace
+
+    from verifypd.distill import trainer as trainer_module
+    from verifypd.distill.capture import Batch
+    from verifypd.distill.trainer import Trainer, TrainSettings
+    from verifypd.model.eagle_head import random_eagle_head
+    from verifypd.model.llama import LlamaShape
+
+    shape = LlamaShape(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=4, num_heads=2,
+                       num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_context=64)
+    torch.manual_seed(0)
+    config, weights = random_eagle_head(shape, seed=0)
+    head = TrainableHead(config, weights, torch.randn(32, 16))
+    B, T = 1, 12
+    greedy = torch.zeros(B, T, dtype=torch.bool)
+    greedy[:, 5:] = True                                                 # rows 0-4: the prompt's
+    valid = torch.ones(B, T, dtype=torch.bool)
+    batch = Batch(torch.randint(0, 32, (B, T)), torch.randn(B, T, 48), torch.randn(B, T, 32), valid, greedy)
+    counted = []
+    real_loss = trainer_module.distill_loss
+
+    def spy(head, logits, labels, rows):
+        counted.append(rows.clone())
+        return real_loss(head, logits, labels, rows)
+
+    monkeypatch.setattr(trainer_module, "distill_loss", spy)
+    for rows in ("answers", "all"):
+        trainer = SimpleNamespace(s=TrainSettings(chain_steps=2, loss_rows=rows), step=0, head=head,
+                                  capture=lambda *_: batch, optimizer=torch.optim.SGD(head.parameters(), lr=0.0))
+        Trainer.train_step(trainer, [{"tokens": [0] * (T + 1), "prompt_len": 6}])
+    assert torch.equal(counted[0], greedy) and torch.equal(counted[1], valid)

@@ -36,6 +36,8 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--chain-steps", type=int, default=4, help="chain steps unrolled in training (the k it learns)")
+    p.add_argument("--loss-rows", default="all", choices=("all", "answers"),
+                   help="rows the loss counts: the answers' (what the engine drafts) or all, prompts included")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="draft vocabulary: the N most frequent tokens of the data, own lm_head; "
                         "0 = the target's lm_head (frozen, not written)")
@@ -135,7 +137,8 @@ def run(args) -> int:
             log(f"draft vocabulary: {len(keep)} tokens cover {sum(t in kept for t in answers) / len(answers):.1%} "
                 "of the held-out answers' tokens")
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, warmup=args.warmup,
-                             chain_steps=args.chain_steps, checkpoint_every=args.checkpoint_every,
+                             chain_steps=args.chain_steps, loss_rows=args.loss_rows,
+                             checkpoint_every=args.checkpoint_every,
                              eval_every=args.eval_every, max_minutes=args.max_minutes, fit_steps=args.fit_steps,
                              seed=args.seed)
     trainer = Trainer(target, config, weights, out, settings,
