@@ -32,9 +32,10 @@ The peer of the k = 0 row, the same weights as a torch.compile'd static-batch de
 
 Each row splits its wall time into steps that ran a prefill call and decode-only steps (median of
 those, the slowest steps): where a gap to k = 0 or to the peer sits. `--draft none` runs plain rows
-without a draft; `--prefill-budget` sets RuntimeConfig.prefill_token_budget; `--overlap on` sets
-RuntimeConfig.overlap (overlapped plain decoding, docs/engine.md "Overlapped scheduling") for every
-row, `--overlap both` runs the plain rows without and with it; rows count the steps launched ahead
+without a draft; `--prefill-budget` sets RuntimeConfig.prefill_token_budget; `--overlap on` (the default, as
+in `serve`) sets RuntimeConfig.overlap (overlapped plain decoding, docs/engine.md "Overlapped
+scheduling") for every row, `--overlap off` clears it, `--overlap both` runs the plain rows without
+and with it and the others with it; rows count the steps launched ahead
 (`overlap_steps`).
 
 Rows also count the router's k decisions: how many drafted on their merits and how many were
@@ -226,9 +227,9 @@ def main() -> None:
                     help="only: 128 concurrent requests of 1000 + 1000 tokens, KV pools sized from free memory")
     ap.add_argument("--prefill-budget", type=int, default=RuntimeConfig().prefill_token_budget,
                     help="prompt tokens prefilled per engine step (RuntimeConfig.prefill_token_budget)")
-    ap.add_argument("--overlap", choices=("on", "off", "both"), default="off",
+    ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
                     help="RuntimeConfig.overlap for every engine row (overlapped plain decoding); both: the "
-                         "plain rows twice, without and with it (the other rows without)")
+                         "plain rows twice, without and with it (the other rows with it, the serving default)")
     ap.add_argument("--out", default="engine_throughput.json")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -292,7 +293,7 @@ def main() -> None:
                         RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=False), True))
     for label, alpha, cfg, self_draft in configs:
         if not label.startswith(PLAIN):
-            cfg = dataclasses.replace(cfg, overlap=args.overlap == "on")
+            cfg = dataclasses.replace(cfg, overlap=args.overlap in ("on", "both"))
         models = target_models
         if self_draft:  # the target's own weights as draft (no second copy), with its own KV pool
             models = dataclasses.replace(target_models, draft_model=PagedLlama(tm.shape, tm.weights),
