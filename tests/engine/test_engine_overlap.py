@@ -217,3 +217,43 @@ def test_overlap_flag_reaches_the_config(overlap):
     from verifypd.launch.cli import engine_options
     args = build_parser().parse_args(["serve"] + (["--overlap", "on" if overlap else "off"]))
     assert engine_options(args).config.overlap is overlap
+
+
+def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_models):
+    """Adaptive k that turned drafting off (SIMULATED acceptance 0) chains its plain steps. A probe
+    falls due after PROBE_FIRST steps off, but only a request whose draft KV is at most PROBE_MAX_LAG
+    behind can be probed; here none is, so a probe can never run, and the chain must not wait for one
+    (it did: 24 of 127 steps chained at batch 1 on the H200, against 126 with k fixed at 0)."""
+    engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
+    specs = [RequestSpec(p, max_tokens=110, stop_at_eos=False, request_id=f"a{i}")
+             for i, p in enumerate(prompts(3, 44))]
+    _, _, router = drive(engine, specs, overlap=True)
+    probes = router.scheduler.probes
+    assert probes.due and probes.probes == 0, "the scenario needs a probe due that no request can take"
+    off = probes.decisions - probes.drafting
+    assert off > 70 and router.overlap.steps >= 0.8 * off, (router.overlap.steps, off)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plain_step_cost_leaves_out_host_work_that_overlap_hides(tiny_models, overlap):
+    """Adaptive k compares drafting with plain decoding by their measured step costs. With overlap a
+    plain step's host work (commit, stream, plan) runs while the GPU works on the next step, so a
+    regular plain step must be costed without it, or the policy drafts where plain decoding is faster
+    (SIMULATED α 0.7 at batch 64 on the H200: 0.91 × overlapped plain). Here the host work is a slow
+    observer (0.3 s a step): it counts in the plain step's cost without overlap, not with it."""
+    import time
+
+    engine = fresh(tiny_models)
+    router = engine.router
+    router.config = dataclasses.replace(router.config, overlap=overlap)
+    seen = []
+    router.costs.observe_step = lambda batch, k, seconds: seen.append((batch, k, seconds))
+    on_step = router.observer.on_step
+    router.observer.on_step = lambda r: (time.sleep(0.3), on_step(r))
+    router.add_request(RequestSpec(prompts(1, 3)[0], max_tokens=2, stop_at_eos=False, request_id="c0"))
+    while router.has_work():
+        router.step()
+    router.close()
+    plain = [s for b, k, s in seen if k == 0]
+    assert plain, seen
+    assert all(s < 0.3 for s in plain) if overlap else all(s >= 0.3 for s in plain), seen

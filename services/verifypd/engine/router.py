@@ -187,7 +187,10 @@ class Router:
             # Whole-step cost: planning, the lane calls, committing and the observer, without a
             # prefill that ran before or after decode. Host work per step is what a pipelined step
             # (half the batch verified) pays twice per token as often as a lock-step one.
-            self._record_cost(sample, self._clock() - t_step - serial_prefill_s)
+            seconds = self._clock() - t_step - serial_prefill_s
+            if sample[2] == 0 and not sample[0] and not plan.prefill and config.overlap and self.overlap.supported():
+                seconds = min(seconds, self._verify_s)  # chained, its host work hides behind the GPU's
+            self._record_cost(sample, seconds)
         return outputs
 
     def _record_cost(self, sample: tuple[bool, int, int], seconds: float) -> None:
@@ -371,6 +374,7 @@ class Router:
             except BaseException as exc:  # first let the concurrent draft call finish
                 verify_error = exc
             verify_s = self._clock() - t0 - beside_s
+        self._verify_s = verify_s
         ahead_results, draft_error = None, None
         if ahead_items:
             try:

@@ -234,7 +234,11 @@ class Scheduler:
             return False
         if config.k_max == 0 or all(s.spec.max_k == 0 for s in seqs):
             return True
-        if config.adaptive and self.probes.due:
+        # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
+        # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
+        # wait for a probe none can take (plan_follow checks `_batch_k`'s probes again anyway).
+        if config.adaptive and self.probes.due and config.k_max >= PROBE_K and \
+                any(self._cheap_probe(config, s) for s in seqs):
             return False
         if not config.adaptive or costs.acceptance.alpha is None:  # choose_batch_k: k_initial
             return config.k_initial == 0
