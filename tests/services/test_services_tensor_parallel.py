@@ -102,33 +102,54 @@ def test_follower_crash_fails_requests_and_serve_exits(tiny_models):
             server.proc.kill()
 
 
-def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def _cli_in_process(capsys, monkeypatch, *args: str) -> tuple[int, str]:
+    """`verifypd ...` run through verifypd.cli.main in this process: (exit code, stderr). The same
+    code as `python -m verifypd.cli` (its __main__ is sys.exit(main())) without a new interpreter
+    loading torch and transformers (~5 s each on a 2-core CI machine); an exception escaping main
+    (what would be a traceback) fails the test."""
+    from verifypd import cli
+
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")   # main() sets it; undone at teardown
+    capsys.readouterr()
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as exc:   # argparse's errors
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def test_bad_tensor_parallel_sizes_exit_2(tiny_models, capsys, monkeypatch):
     from verifypd.launch.launcher import child_env
 
-    return subprocess.run([sys.executable, "-m", "verifypd.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=child_env())
-
-
-def test_bad_tensor_parallel_sizes_exit_2(tiny_models):
     target, draft = tiny_models   # 4 heads, 2 kv heads, intermediate 128
-    common = ["generate", "--offline", "--raw", "hi", "--target", target, "--draft", draft, "--max-tokens", "2"]
-    for extra, message in (
-            (["--device", "cpu", "--tensor-parallel", "4"], "--tensor-parallel 4: tensor parallel size 4 must divide "
-                                                            "num_kv_heads (2)"),
-            (["--device", "cpu", "--tensor-parallel", "0"], "--tensor-parallel: must be >= 1"),
-            (["--device", "cuda", "--tensor-parallel", "2"] if not _cuda_count() else
-             ["--device", "cuda", "--tensor-parallel", str(_cuda_count() + 1)], "--tensor-parallel"),
-            (["--device", "cpu", "--tensor-parallel", "2", "--draft", "self:1"], "--tensor-parallel 2 splits")):
-        done = _cli(*common, *extra)
-        assert done.returncode == 2 and message in done.stderr, (extra, done.returncode, done.stderr[-600:])
-        assert "Traceback" not in done.stderr
-    port = free_port()
-    done = _cli(*serve_cmd(tiny_models, port, "--tensor-parallel", "4")[3:])
-    assert done.returncode == 2 and "--tensor-parallel 4: tensor parallel size 4 must divide" in done.stderr, \
-        done.stderr[-800:]
-    done = _cli(*serve_cmd(tiny_models, port, "--tensor-parallel", "4", topology="split")[3:])
-    assert done.returncode == 2 and "--tensor-parallel 4: tensor parallel size 4 must divide" in done.stderr, \
-        done.stderr[-800:]
+    # `serve` refuses through its engine-core process (exit 2 passed up): real processes, both
+    # topologies at once (each is mostly interpreter start-up and model loading).
+    serves = {topology: subprocess.Popen(serve_cmd(tiny_models, free_port(), "--tensor-parallel", "4",
+                                                   topology=topology),
+                                         env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+              for topology in ("colocated", "split")}
+    try:
+        common = ["generate", "--offline", "--raw", "hi", "--target", target, "--draft", draft, "--max-tokens", "2"]
+        for extra, message in (
+                (["--device", "cpu", "--tensor-parallel", "4"], "--tensor-parallel 4: tensor parallel size 4 must "
+                                                                "divide num_kv_heads (2)"),
+                (["--device", "cpu", "--tensor-parallel", "0"], "--tensor-parallel: must be >= 1"),
+                (["--device", "cuda", "--tensor-parallel", "2"] if not _cuda_count() else
+                 ["--device", "cuda", "--tensor-parallel", str(_cuda_count() + 1)], "--tensor-parallel"),
+                (["--device", "cpu", "--tensor-parallel", "2", "--draft", "self:1"], "--tensor-parallel 2 splits")):
+            rc, err = _cli_in_process(capsys, monkeypatch, *common, *extra)
+            assert rc == 2 and message in err, (extra, rc, err[-600:])
+            assert "Traceback" not in err
+        for topology, proc in serves.items():
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 2 and "--tensor-parallel 4: tensor parallel size 4 must divide" in err, \
+                (topology, proc.returncode, err[-800:])
+            assert "Traceback" not in err, (topology, err[-800:])
+    finally:
+        for proc in serves.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def _cuda_count() -> int:
@@ -233,17 +254,28 @@ def _wait(predicate, timeout_s: float) -> bool:
     return bool(predicate())
 
 
-def _start_lane(tiny_models, lane: str, tmp_path) -> tuple[subprocess.Popen, str]:
+def _start_lanes(tiny_models, names, tmp_path) -> list[tuple[subprocess.Popen, str]]:
+    """`verifypd lane NAME` processes, started together (each loads its models meanwhile); returns
+    (process, address) per lane once every one has written its port file."""
     from verifypd.launch.launcher import child_env
 
-    port_file = tmp_path / f"{lane}.port"
-    cmd = [sys.executable, "-m", "verifypd.cli", "lane", lane, "--port", "0", "--port-file", str(port_file),
-           "--call-port", "-1", "--allow-unauthenticated", "--target", tiny_models[0], "--draft", tiny_models[1],
-           "--device", "cpu", "--num-blocks", "32", "--block-size", "4", "--max-context", "256",
-           "--parent-pid", str(os.getpid())] + (["--tensor-parallel", "2"] if lane != "draft" else [])
-    proc = subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert _wait(lambda: port_file.exists() or proc.poll() is not None, 180) and proc.poll() is None, lane
-    return proc, f"127.0.0.1:{port_file.read_text().split()[0]}"
+    started = []
+    for lane in names:
+        port_file = tmp_path / f"{lane}.port"
+        cmd = [sys.executable, "-m", "verifypd.cli", "lane", lane, "--port", "0", "--port-file", str(port_file),
+               "--call-port", "-1", "--allow-unauthenticated", "--target", tiny_models[0], "--draft",
+               tiny_models[1], "--device", "cpu", "--num-blocks", "32", "--block-size", "4", "--max-context", "256",
+               "--parent-pid", str(os.getpid())] + (["--tensor-parallel", "2"] if lane != "draft" else [])
+        started.append((subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL), port_file))
+    try:
+        for (proc, port_file), lane in zip(started, names):
+            assert _wait(lambda: port_file.exists() or proc.poll() is not None, 180) and proc.poll() is None, lane
+    except BaseException:
+        for proc, _ in started:
+            proc.kill()
+        raise
+    return [(proc, f"127.0.0.1:{port_file.read_text().split()[0]}") for proc, port_file in started]
 
 
 def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
@@ -252,7 +284,7 @@ def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
     and copying sharded KV is refused; the untouched descriptors wire."""
     from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
-    lanes = [_start_lane(tiny_models, lane, tmp_path) for lane in ("verify", "prefill", "draft")]
+    lanes = _start_lanes(tiny_models, ("verify", "prefill", "draft"), tmp_path)
     try:
         verify, prefill, draft = (grpc.insecure_channel(addr) for _, addr in lanes)
         target = lanes_pb2_grpc.VerifyLaneStub(verify).Describe(lanes_pb2.LaneInfoRequest(), timeout=30).pools[0]
