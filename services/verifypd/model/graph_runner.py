@@ -178,7 +178,12 @@ def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+    # thread_local: a graph captured on first use in one lane thread (in-process pipelined pdv runs
+    # the draft and verify calls in two threads) must not fail the other thread's pinned-memory
+    # allocation or event query ("operation not permitted when stream is capturing", seen on the
+    # H200 in test_seeded_output_with_head_in_every_schedule_and_after_preemption[pdv-True-128]).
+    # The other thread's work goes to its own streams, never to the capture stream.
+    with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
         fn()
     torch.cuda.synchronize()
     return graph
