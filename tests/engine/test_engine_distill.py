@@ -36,8 +36,10 @@ def test_distill_reports_heldout_acceptance(trained):
     _, out = trained
     summary = json.loads((out / "distill.json").read_text())
     assert summary["finished"] and summary["step"] == 60
-    # A random head accepts next to nothing; the trained one clearly more.
-    assert summary["heldout"]["tokens_per_verify_step"] > 1.5, summary["heldout"]
+    # A random head accepts next to nothing (1.0 tokens per step); the trained one clearly more. The
+    # figure walks the answers as the engine does (9130383), which reads lower than the old mean over
+    # every anchor did: 1.47 here, where the old estimate passed 1.5.
+    assert summary["heldout"]["tokens_per_verify_step"] > 1.3, summary["heldout"]
     assert [h["step"] for h in summary["history"]] == [30, 60]
 
 

@@ -205,8 +205,11 @@ def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, p
 def test_step_costs_are_whole_steps_without_prefill(tiny_models, schedule):
     """Costs that decide k and pipelining are whole steps: the host work of committing tokens counts
     (a pipelined step pays it per half batch), a prefill run before or after decode does not."""
+    # Overlap off: with it a regular plain step is costed by its verify call (the host work a chain
+    # hides; tests/engine/test_engine_overlap.py), and this test is about whole steps.
     engine = make_engine(*tiny_models, k=3)
     router = engine.router
+    router.config = router.config.updated(overlap=False)
     offset = [0.0]  # a clock that also advances by simulated host work
     router._clock = lambda: time.monotonic() + offset[0]
     commit, call_prefill = router._commit_verify, router._call_prefill

@@ -31,10 +31,12 @@ class SlowLane:
 
     def __getattr__(self, name):
         method = getattr(self.lane, name)
+        if not callable(method):  # flags such as `feeds_tokens` pass through as they are
+            return method
 
-        def call(items):
+        def call(*args, **kwargs):
             time.sleep(self.delay_s)
-            return method(items)
+            return method(*args, **kwargs)
         return call
 
 

@@ -79,7 +79,8 @@ def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):
     assert {"command", "git_revision", "date", "device"} <= result.keys() and result["device"] == "cpu"
     rows = {(r["system"], r["batch"]) for r in result["rows"]}
     fallback = "SIMULATED acceptance 0.1, k=adaptive"
-    assert rows == {(s, b) for s in ("k=0 (plain decoding)", fallback) for b in (1, 2)}
+    # --overlap defaults to on (serve's default): the plain rows are the overlapped ones
+    assert rows == {(s, b) for s in ("k=0 (plain decoding), overlapped", fallback) for b in (1, 2)}
     for r in result["rows"]:
         assert r["tokens"] == 16 * r["batch"] and r["speedup_vs_k0"] > 0
         assert r["k_decisions"] >= 15 and r["drafting_decisions"] + r["probe_decisions"] <= r["k_decisions"]
