@@ -91,6 +91,7 @@ async def wait_for(fn, what, timeout=120.0):
 
 
 @pytest.mark.timeout(480)
+@pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
 def test_operator_end_to_end_against_kmock(caplog):
     caplog.set_level(logging.INFO)
     router = FakeRouter()

@@ -143,6 +143,7 @@ def loadgen(address: str, seed: int) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
 def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
     admin = Kube(kubernetes.config.new_client_from_config(config_file=str(crds.kubeconfig)))
     key_file = tmp_path / "admin-key"

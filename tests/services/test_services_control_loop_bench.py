@@ -3,6 +3,8 @@ three modes, the operator's loop acting on the server's own telemetry, the prior
 result file with the benchmark metadata."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import pathlib
 import subprocess
@@ -13,6 +15,7 @@ from verifypd.launch.launcher import child_env
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
 def test_control_loop_bench_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "control_loop.py"), "--smoke", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
