@@ -61,7 +61,7 @@ def core(args) -> None:
 def serve(args) -> None:
     """The gateway process: prints its address; stdin "go" starts the measured window, "stop" ends
     it and prints the core's step stats and both processes' CPU time over it; then serves until SIGTERM."""
-    from serving_vs_engine import cpu_seconds
+    from serving_window import cpu_seconds
     from verifypd.core.process import CoreProcess
     from verifypd.gateway.server import Gateway
     from verifypd.tokenizer import TextCodec
