@@ -152,6 +152,7 @@ def point(args, c: int) -> dict:
     return {"api": args.api, "schedule": args.schedule, "concurrency": c, "k": args.k,
             "client_output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 1),
             "itl_p95_ms": summary["latency_ms"]["itl_token"]["p95"],
+            "ttft_p50_ms": summary["latency_ms"]["ttft"]["p50"],  # a step's wait + one step is the floor
             "server_tok_s": round(server["tokens"] / server["wall_s"], 1),
             "steps_per_s": round(server["steps"] / server["wall_s"], 1),
             "router_us_per_step": round(server["step_s"] / steps * 1e6, 1),  # incl. --verify-ms
