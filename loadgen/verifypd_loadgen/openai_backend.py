@@ -100,12 +100,17 @@ async def execute(backend: OpenAIBackend, spec: RequestSpec, rec: RequestRecord,
                 if resp.status_code != 200:
                     rec.error, rec.error_detail = f"HTTP_{resp.status_code}", _error_text(await resp.aread())
                     return
+                done = False
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    # After [DONE] the body is read to its end, not left: httpx closes a connection
+                    # whose response was not read to the end, and every next request would then pay
+                    # a new TCP connection (as OpenAI's own client does, the stream is consumed).
+                    if done or not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        break
+                        done = True
+                        continue
                     obj = json.loads(data)
                     if "error" in obj:
                         rec.error, rec.error_detail = STREAM_ERROR, str(obj["error"].get("message", obj["error"]))

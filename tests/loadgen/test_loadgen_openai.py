@@ -18,7 +18,7 @@ class FakeOpenAI:
     get 429, "broken" an error event mid-stream. Keeps every request body it got."""
 
     def __init__(self, itl_s: float = 0.002):
-        self.itl_s, self.bodies = itl_s, []
+        self.itl_s, self.bodies, self.peers = itl_s, [], []
         self.app = Starlette(routes=[Route("/v1/models", self.models), Route("/v1/completions", self.gen,
                                      methods=["POST"]), Route("/v1/chat/completions", self.gen, methods=["POST"])])
 
@@ -28,6 +28,7 @@ class FakeOpenAI:
     async def gen(self, request):
         body = await request.json()
         self.bodies.append((request.url.path, body))
+        self.peers.append(tuple(request.client))  # (host, port): one per TCP connection
         chat = request.url.path.endswith("chat/completions")
         prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))
         if "overload" in prompt:
@@ -94,6 +95,18 @@ def test_synthetic_completions_timing_and_records(fake_openai, loadgen, tmp_path
     assert path == "/v1/completions" and body["model"] == MODEL and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
     assert isinstance(body["prompt"], list) and len(body["prompt"]) == 5 and body["max_tokens"] == 5
+
+
+def test_sequential_requests_reuse_one_connection(fake_openai, loadgen, tmp_path):
+    """A closed loop must not pay a new TCP connection per request: the stream is read to its end
+    after [DONE], so the client keeps the connection (leaving the body unread made httpx close it,
+    and each request of a served benchmark paid a connect and the server's accept)."""
+    rc, _, err = loadgen("--backend", "openai", "--url", fake_openai.url, "--model", MODEL, "--requests", 5,
+                         "--concurrency", "1", "--input-len", 3, "--output-len", 3, "--vocab-size", 96,
+                         "--out", tmp_path / "r.json")
+    assert rc == 0, err
+    assert len(fake_openai.bodies) == 5
+    assert len(set(fake_openai.peers)) == 1, fake_openai.peers
 
 
 def test_chat_prompts_errors_and_compare(fake_openai, loadgen, tmp_path):
