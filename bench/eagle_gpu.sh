@@ -51,9 +51,11 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 
 # The embedded model's head: a 1024-wide MLP and an 8192-token draft vocabulary over the target's
 # own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
-# (The committed head's recipe. A second run with the whole vocabulary and the loss on answer rows
-# only measured 1.63 against this one's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
-# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP: the data and the schedule (the committed head: the defaults).
+# (The recipe of every head kept. A second run with the whole vocabulary and the loss on answer rows
+# only measured 1.63 against the first head's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
+# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP: the data and the schedule. Defaults: the first, 5-minute
+# head's (one `train` call). The committed head: EAGLE_SAMPLES=12000 EAGLE_STEPS=5000 EAGLE_WARMUP=100
+# over `train-part` + `resume` (bench/results/smollm2_eagle_h200/COMMAND.md; 2.39 tokens per verify step).
 DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-5000}" --gen-tokens 256 --max-len 512
          --steps "${EAGLE_STEPS:-3000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-50}"
          --chain-steps 4 --intermediate-size 1024
