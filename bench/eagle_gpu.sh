@@ -8,6 +8,14 @@
 #   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s;
 #                                         EAGLE_TRAIN_MINUTES=5 E2E_IF_BEFORE=0: ~6 min, no e2e)
 #   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end)
+#
+# A run longer than one call (the full-length distill, bench/results/smollm2_eagle_h200/COMMAND.md):
+#   call 2  carry [.relay-b, .whl]        EAGLE_SAMPLES=.. EAGLE_STEPS=.. bash bench/eagle_gpu.sh train-part
+#                                         (data + training to EAGLE_TRAIN_MINUTES, a checkpoint; no --fit-steps:
+#                                         the schedule spans the calls)
+#   call 3  carry [.whl] (right after)    same variables   bash bench/eagle_gpu.sh resume
+#                                         (on to the end; --fit-steps lowers the schedule's end to fit this
+#                                         call's EAGLE_TRAIN_MINUTES; then the engine's acceptance)
 #   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost
 #
 # `train` (one call, ~9 min): `verifypd distill` for the embedded model (data, training to a time
@@ -18,7 +26,7 @@
 # /root/distill on the warm machine, where `resume` continues them).
 set -euo pipefail
 export PYTHONPATH="$PWD/services${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/out}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 GGUF="${EAGLE_GGUF:-/root/relay/SmolLM2-135M-Instruct.Q4_1.gguf}"
 HEAD="${EAGLE_HEAD:-/root/distill/smollm2-eagle}"
 DEVICE="${EAGLE_DEVICE:-cuda}"
@@ -35,7 +43,7 @@ have_gguf() { [ -f "$GGUF" ] && (cd "$(dirname "$GGUF")" && sha256sum -c --statu
 
 collect() {  # the head, its logs and reports: small files only (checkpoints and data stay on the machine)
   mkdir -p "$OUT/smollm2-eagle"
-  for f in config.json model.safetensors distill.json eval.json distill.log; do
+  for f in config.json model.safetensors distill.json distill_part1.json eval.json distill.log; do
     [ -f "$HEAD/$f" ] && cp "$HEAD/$f" "$OUT/smollm2-eagle/"
   done
   ls -la "$OUT/smollm2-eagle"
@@ -43,10 +51,14 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 
 # The embedded model's head: a 1024-wide MLP and an 8192-token draft vocabulary over the target's
 # own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
-# (The committed head's recipe. A second run with the whole vocabulary and the loss on answer rows
-# only measured 1.63 against this one's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
-DISTILL=(--target "$GGUF" --out "$HEAD" --samples 5000 --gen-tokens 256 --max-len 512 --steps 3000
-         --batch-tokens 16384 --lr 8e-4 --warmup 50 --chain-steps 4 --intermediate-size 1024
+# (The recipe of every head kept. A second run with the whole vocabulary and the loss on answer rows
+# only measured 1.63 against the first head's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
+# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP: the data and the schedule. Defaults: the first, 5-minute
+# head's (one `train` call). The committed head: EAGLE_SAMPLES=12000 EAGLE_STEPS=5000 EAGLE_WARMUP=100
+# over `train-part` + `resume` (bench/results/smollm2_eagle_h200/COMMAND.md; 2.39 tokens per verify step).
+DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-5000}" --gen-tokens 256 --max-len 512
+         --steps "${EAGLE_STEPS:-3000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-50}"
+         --chain-steps 4 --intermediate-size 1024
          --draft-vocab 8192 --frozen-lm-head --loss-rows all --checkpoint-every 250 --eval-every 500 --no-progress
          --device "$DEVICE" ${DISTILL_EXTRA:-})
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
@@ -60,8 +72,8 @@ end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 a
 
 acceptance() {  # the engine's tokens per verify step, head against ngram (bench/eagle_acceptance.py)
   python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" --device "$DEVICE" \
-    --out "$OUT/eagle_acceptance_${DEVICE}.json" 2>&1 | grep '^|'
-}
+    --out "$OUT/eagle_acceptance_${DEVICE}.json" ${ACCEPT_EXTRA:-} 2>&1 | grep '^|'
+}  # ACCEPT_EXTRA: e.g. "--per-family 1 --max-tokens 8" for a short check of this script on the CPU
 
 join_gguf() {
   if ! have_gguf "$PWD/.relay-b/SHA256SUMS"; then
@@ -77,7 +89,7 @@ case "${1:-}" in
   train)
     join_gguf
     wheels
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
     mkdir -p "$(dirname "$HEAD")"
     python3 -m verifypd.cli distill "${DISTILL[@]}" --max-minutes "$TRAIN_MINUTES" --fit-steps \
       2>&1 | tee "$HEAD.log" | grep -v "it/s\]" | tail -45 || true
@@ -88,11 +100,28 @@ case "${1:-}" in
     echo "distill + acceptance: $((SECONDS - START)) s"
     if [ $((SECONDS - START)) -lt "${E2E_IF_BEFORE:-470}" ]; then end_to_end "$HEAD"; else echo "no time left for the e2e bench"; fi
     echo "call: $((SECONDS - START)) s" ;;
-  resume)
+  train-part)  # the first call of a longer run: stops at EAGLE_TRAIN_MINUTES with a checkpoint
+    join_gguf
     wheels
-    python3 -m verifypd.cli distill "${DISTILL[@]}" --resume --max-minutes "$TRAIN_MINUTES" --fit-steps "${EVAL[@]}" \
-      2>&1 | tee -a "$HEAD.log" | grep -v "it/s\]" | tail -40
-    cp "$HEAD.log" "$HEAD/distill.log"; collect ;;
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    mkdir -p "$(dirname "$HEAD")"
+    python3 -m verifypd.cli distill "${DISTILL[@]}" --max-minutes "$TRAIN_MINUTES" \
+      2>&1 | tee "$HEAD.log" | grep -v "it/s\]" | tail -30 || true
+    cp "$HEAD.log" "$HEAD/distill.log" || true
+    [ -f "$HEAD/distill.json" ] && cp "$HEAD/distill.json" "$HEAD/distill_part1.json"
+    collect
+    echo "call: $((SECONDS - START)) s" ;;
+  resume)  # on to the schedule's end (lowered to fit EAGLE_TRAIN_MINUTES), then the engine's acceptance
+    wheels
+    python3 -m verifypd.cli distill "${DISTILL[@]}" --resume --max-minutes "$TRAIN_MINUTES" --fit-steps \
+      2>&1 | tee -a "$HEAD.log" | grep -v "it/s\]" | tail -30 || true
+    cp "$HEAD.log" "$HEAD/distill.log"
+    echo "distill: $((SECONDS - START)) s"
+    acceptance "$HEAD" && cp "$OUT/eagle_acceptance_${DEVICE}.json" "$HEAD/eval.json"
+    collect
+    echo "call: $((SECONDS - START)) s" ;;
+  collect)
+    [ -f "$HEAD.log" ] && cp "$HEAD.log" "$HEAD/distill.log"; collect ;;
   measure)  # carry .relay-b right after relay-a (or find the GGUF on the warm machine)
     join_gguf; wheels
     acceptance "${2:?measure HEAD_DIR}"
@@ -106,5 +135,5 @@ case "${1:-}" in
     wheels
     python3 bench/eagle_draft_cost.py --out "$OUT/eagle_draft_cost.json" 2>&1 | tail -30 ;;
   *)
-    echo "usage: bash bench/eagle_gpu.sh relay-a|train|resume|measure HEAD|lossless|cost" >&2; exit 2 ;;
+    echo "usage: bash bench/eagle_gpu.sh relay-a|train|train-part|resume|collect|measure HEAD|lossless|cost" >&2; exit 2 ;;
 esac

@@ -59,6 +59,37 @@ def test_checkpoint_and_resume(trained, tmp_path, capsys):
     assert second["finished"] and second["step"] == 5
 
 
+def test_resumed_run_trains_what_an_uninterrupted_run_trains(trained, tmp_path):
+    """Stopped twice (after one step each time, --max-minutes 0) and resumed: the same weights, bit for
+    bit, as one uninterrupted run: the optimizer state, the learning-rate schedule (the checkpoint's end,
+    not the resumed command's --steps) and the place in the data (mid-epoch, over epoch ends) carry on."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    target, trained_out = trained
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    for out in (whole, parts):  # the fixture's data (same settings and seed): no generation here
+        out.mkdir()
+        shutil.copy(trained_out / "data.jsonl", out / "data.jsonl")
+    base = ["distill", "--target", target, "--checkpoint-every", "100", *SMALL]
+    assert main(base + ["--out", str(whole), "--steps", "10"]) == 0
+    assert main(base + ["--out", str(parts), "--steps", "10", "--max-minutes", "0"]) == 0
+    assert main(base + ["--out", str(parts), "--steps", "10", "--max-minutes", "0", "--resume"]) == 0
+    assert json.loads((parts / "distill.json").read_text())["step"] == 2
+    assert main(base + ["--out", str(parts), "--steps", "30", "--resume"]) == 0   # --steps: not the schedule
+    summary = json.loads((parts / "distill.json").read_text())
+    assert summary["finished"] and summary["step"] == summary["steps"] == 10
+    rows = [json.loads(line) for line in (parts / "data.jsonl").read_text().splitlines()]
+    from verifypd.distill.trainer import batches
+    assert len(batches([r for r in rows if not r["heldout"]], 1024, 0, 0)) < 10   # the run crosses epochs
+    a = load_file(str(whole / "checkpoints" / "step-10" / "model.safetensors"))
+    b = load_file(str(parts / "checkpoints" / "step-10" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_engine_acceptance_equals_dense_replay(trained):
     target_path, out = trained
     steps: list[tuple[int, int]] = []

@@ -53,7 +53,9 @@ def register(sub) -> None:
     p.add_argument("--fit-steps", action="store_true",
                    help="with --max-minutes: after 20 steps, lower --steps to what fits, so that the learning-rate "
                         "schedule ends on time rather than being cut off")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out: its optimizer, its learning-rate "
+                        "schedule (--steps is not used; --fit-steps may lower the end to fit this run) and its place "
+                        "in the data, exactly where an uninterrupted run would be")
     p.add_argument("--eval-prompts", help="after training: the engine's tokens per verify step at temperature 0 "
                                           "on these prompts, against ngram")
     p.add_argument("--eval-k", type=int, default=4)
@@ -157,7 +159,7 @@ def run(args) -> int:
     if torch.cuda.is_available() and models.device.type == "cuda":
         summary["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(models.device) / 2 ** 30, 2)
     (out / "distill.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(f"head written to {out} (--draft eagle:{out}); step {trainer.step} of {args.steps}")
+    log(f"head written to {out} (--draft eagle:{out}); step {trainer.step} of {settings.steps}")
     if args.eval_prompts:  # also a head stopped by --max-minutes: it is what was written
         if not finished:
             log(f"evaluating the head as written at step {trainer.step} (training not finished)")

@@ -59,6 +59,17 @@ def batches(rows: list[dict], batch_tokens: int, seed: int, epoch: int) -> list[
     return out
 
 
+def data_position(rows: list[dict], batch_tokens: int, seed: int, step: int) -> tuple[int, int]:
+    """(epoch, batch index in it) of training step `step`: where an uninterrupted run would be, so a
+    resumed run takes the batches it would have taken (epochs hold different batch counts)."""
+    epoch = 0
+    while True:
+        count = len(batches(rows, batch_tokens, seed, epoch))
+        if step < count:
+            return epoch, step
+        step, epoch = step - count, epoch + 1
+
+
 def learning_rate(settings: TrainSettings, step: int) -> float:
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
@@ -93,7 +104,8 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.save(tmp)
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / "progress.json").write_text(json.dumps({"step": self.step, "history": self.history}) + "\n")
+        progress = {"step": self.step, "schedule_steps": self.s.steps, "history": self.history}
+        (tmp / "progress.json").write_text(json.dumps(progress) + "\n")
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # a checkpoint is complete or absent
         for old in sorted((self.out / "checkpoints").glob("step-*"),
@@ -109,6 +121,13 @@ class Trainer:
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
         progress = json.loads((path / "progress.json").read_text())
         self.step, self.history = progress["step"], progress["history"]
+        # The learning-rate schedule is the checkpoint's: its end (--steps, or what --fit-steps lowered it
+        # to) stays where it was, whatever --steps says now; --fit-steps in this run may lower it again.
+        schedule = progress.get("schedule_steps", self.s.steps)
+        if schedule != self.s.steps:
+            self.log(f"resumed run: the schedule ends at step {schedule}, as the checkpoint's did "
+                     f"(--steps {self.s.steps} is not used on resume)")
+        self.s.steps = schedule
         self.log(f"resumed from {path} at step {self.step}")
 
     # -- training ----------------------------------------------------------------------------
@@ -124,9 +143,9 @@ class Trainer:
         t0 = time.monotonic() if started is None else started
         fit_at, fit_from = self.step + 20, (self.step, time.monotonic())
         bar = tqdm(total=self.s.steps, initial=self.step, disable=not progress_bar, desc="distill", unit="step")
-        epoch = self.step  # any deterministic function of where we are
+        epoch, skip = data_position(train_rows, self.s.batch_tokens, self.s.seed, self.step)
         while self.step < self.s.steps:
-            for group in batches(train_rows, self.s.batch_tokens, self.s.seed, epoch):
+            for group in batches(train_rows, self.s.batch_tokens, self.s.seed, epoch)[skip:]:
                 if self.step >= self.s.steps:
                     break
                 loss, agree = self.train_step(group)
@@ -144,7 +163,7 @@ class Trainer:
                     self.checkpoint()
                     self.log(f"stopped at step {self.step} after {self.s.max_minutes} min: run again with --resume")
                     return False
-            epoch += 1
+            epoch, skip = epoch + 1, 0
         bar.close()
         if self.step % self.s.checkpoint_every:  # a resumed run starts where this one ended
             self.checkpoint()
