@@ -66,7 +66,7 @@ class Router:
         self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
                              if self.draft_pool else None)
         self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running,
-                                   lazy_draft_prefill=self._lazy_draft_prefill())
+                                   lazy_draft_prefill=self._lazy_draft_prefill(), never_drafts=self._never_drafts())
         self.config = config or RuntimeConfig()
         self.config.validate()
         self.costs = StepCostModel()
@@ -210,8 +210,8 @@ class Router:
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
         self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
                              if self.draft_pool else None)
-        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context,
-                                   self.scheduler.max_running, lazy_draft_prefill=self._lazy_draft_prefill())
+        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, self.scheduler.max_running,
+                                   lazy_draft_prefill=self._lazy_draft_prefill(), never_drafts=self._never_drafts())
         for seq in seqs:  # the old block tables point into pools that are gone: drop, don't free
             seq.target_blocks.clear()
             seq.draft_blocks.clear()
@@ -225,6 +225,10 @@ class Router:
         """Prefill may skip a model draft's KV while nobody drafts (Scheduler.drafts_soon): in-process lanes."""
         return (self.draft_pool is not None and not self.feature_draft
                 and getattr(self.prefill_lane, "per_item_draft_kv", False))  # the lane RPC sends all or none
+
+    def _never_drafts(self) -> bool:
+        """`--draft none` (lanes/ngram.NoDraftLane) proposes nothing: k is 0, whatever the policy says."""
+        return self.draft_lane.describe().draft_model == "none"
 
     def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
         return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.ids(c.start, c.end), start_pos=c.start,

@@ -74,10 +74,14 @@ class StepPlan:
 
 class Scheduler(FollowPlanning):
     def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager | None, max_context: int,
-                 max_running: int = 256, lazy_draft_prefill: bool = False):
+                 max_running: int = 256, lazy_draft_prefill: bool = False, never_drafts: bool = False):
         """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
         draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
-        writes draft KV only while drafting is expected (`drafts_soon`)."""
+        writes draft KV only while drafting is expected (`drafts_soon`). `never_drafts`: the draft
+        lane proposes nothing (`--draft none`), so every k is 0: the policy, which never sees an
+        acceptance there, would otherwise keep asking for k_initial drafts, and each such step
+        (a draft call answering nothing, then a k = 0 verify) could not be chained (engine.overlap)."""
+        self.never_drafts = never_drafts
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
@@ -181,7 +185,10 @@ class Scheduler(FollowPlanning):
         """One k for `seqs` (see choose_batch_k), and the request ids to probe with PROBE_K while that
         k is 0 (see ProbeSchedule): when a probe is due, the requests among `seqs` a probe costs no
         catch-up for. `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
-        if not seqs:
+        if not seqs or self.never_drafts:
+            if seqs:
+                self._last_k[key] = self._drafting[key] = 0
+                self.probes.record(0, False)
             return 0, set()
         batch, current = decoding or len(seqs), self._drafting.get(key)
         plain_unmeasured = not costs.measured(batch, 0)
@@ -217,7 +224,7 @@ class Scheduler(FollowPlanning):
         acceptance the step in flight teaches (a k = 0 step teaches none)."""
         if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
             return False
-        if config.k_max == 0 or all(s.spec.max_k == 0 for s in seqs):
+        if config.k_max == 0 or self.never_drafts or all(s.spec.max_k == 0 for s in seqs):
             return True
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
         # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
