@@ -13,13 +13,9 @@ request's recompute, which samples no first token for the next step to read.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 from verifypd.engine.draft_length import RuntimeConfig, StepCostModel
 from verifypd.engine.sequence import Sequence, SeqStatus
-
-if TYPE_CHECKING:
-    from verifypd.engine.scheduler import PrefillChunk
 
 
 class FollowPlanning:
@@ -55,15 +51,15 @@ class FollowPlanning:
         head = self._waiting[0][1]
         return not head.samples_after_prefill or head.prefill_target - head.target_computed > config.prefill_token_budget
 
-    def admit_follow(self, config: RuntimeConfig, costs: StepCostModel) -> list["PrefillChunk"]:
+    def admit_follow(self, config: RuntimeConfig, costs: StepCostModel) -> list:
         """Admits waiting requests into the chained step (called after `plan_follow` reserved its
         decode blocks, as `plan` reserves decode before prefill): by priority while each whole
         prompt fits the remaining budget and the pool (with a reserve of one block per running
         request), below max_running. A request that would only get part of the remaining budget
-        stays queued (the head of the queue next step, with the whole budget). Returns the chunks
-        (each a whole prompt that samples the first token)."""
+        stays queued (the head of the queue next step, with the whole budget). Returns the
+        scheduler's PrefillChunks (each a whole prompt that samples the first token)."""
         budget = config.prefill_token_budget
-        chunks: list[PrefillChunk] = []
+        chunks = []
         while self._waiting and len(self.running) < self.max_running:
             seq = self._waiting[0][1]
             need = seq.prefill_target - seq.target_computed
