@@ -183,9 +183,7 @@ class Overlap:
             self.inflight = None
             self._settle(prev)
             raise
-        t0 = router._clock()
-        results, prefilled = self._settle(prev)
-        waited = router._clock() - t0
+        results, prefilled, waited = self._settle(prev)
         live = [(w, item, res) for w, item, res in zip(prev.work, prev.items, results)
                 if w.seq.request_id not in prev.dead]
         self.dropped += len(prev.items) - len(live)
@@ -201,11 +199,14 @@ class Overlap:
                 outputs += router._commit_prefill(*(list(x) for x in zip(*kept)))
         return outputs, waited, len(prev.items)
 
-    def _settle(self, prev: InFlight) -> tuple[list, tuple[list, float] | None]:
+    def _settle(self, prev: InFlight) -> tuple[list, tuple[list, float] | None, float]:
         """Waits for `prev`'s results (verify, then its prefill's), then returns the blocks held back
-        for it (even on an error: its forwards are over or never ran)."""
+        for it (even on an error: its forwards are over or never ran). Returns (verify results,
+        (prefill results, seconds) or None, seconds waited for the verify results)."""
+        t0 = self.router._clock()
         try:
             results = prev.started.result()
+            waited = self.router._clock() - t0
         finally:
             try:
                 prefilled = prev.prefill_started.result() if prev.prefill_started is not None else None
@@ -213,7 +214,7 @@ class Overlap:
                 for target, draft in prev.held:
                     self.router.scheduler.release_tables(target, draft)
                 prev.held.clear()
-        return results, prefilled
+        return results, prefilled, waited
 
     def on_finish(self, seq: Sequence) -> None:
         """Before `seq`'s blocks are freed (finished, cancelled): if a step in flight holds a row of
