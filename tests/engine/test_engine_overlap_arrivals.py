@@ -227,3 +227,19 @@ def test_chained_steps_reach_telemetry(tiny_models):
               for sm in rm.scope_metrics for m in sm.metrics if m.name == mn.CHAINED_STEPS for p in m.data.data_points}
     assert router.overlap.admitting >= 5
     assert points == {"true": router.overlap.admitting, "false": router.overlap.steps - router.overlap.admitting}
+
+
+def test_draft_none_plain_decodes_and_chains(tiny_models):
+    """`--draft none` proposes nothing, so the adaptive policy never observes an acceptance and
+    asked k_initial drafts every step (a draft call answering nothing, then a k = 0 verify): no step
+    ever chained (bench/serving_vs_engine.py's k0 rows). The scheduler knows k is 0 there."""
+    engine = make_engine(tiny_models[0], "none", k=4, adaptive=True)
+    calls = []
+    draft = engine.router.draft_lane.draft
+    engine.router.draft_lane.draft = lambda items: (calls.append(len(items)), draft(items))[1]
+    specs = make_specs(8, seed=6)
+    want, _, _ = drive(fresh(tiny_models), specs, overlap=False, arrive=staggered(8))
+    got, _, router = drive(engine, specs, overlap=True, arrive=staggered(8))
+    assert got == want
+    assert not calls, "a draft lane that proposes nothing was called"
+    assert router.overlap.steps > 10 and router.overlap.admitting >= 4, (router.overlap.steps, router.overlap.breaks)
