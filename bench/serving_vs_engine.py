@@ -13,7 +13,8 @@ engine-core processes spent per streamed token (from /proc: `*_cpu_us_per_token`
 point, ramp and drain included, against every token streamed; `*_window` over the measured window
 against the tokens counted in it); from the core's own timers on /metrics,
 read at the window's edges: steps/s (verify calls), calls/s and mean ms per lane call, the core-side
-TTFT mean. `--py-spy BIN --py-spy-at MODE:API:C` samples the gateway, the core and the split lanes
+TTFT mean, the share of verify steps launched ahead (`chained_share`, engine.overlap) and of those
+carrying a prefill of admitted requests (`chained_prefill_share`). `--py-spy BIN --py-spy-at MODE:API:C` samples the gateway, the core and the split lanes
 over that point's window. Prompt 128 random token ids, 128 generated, EOS ignored. Random bf16
 weights: real compute; speculative rows' acceptance is SIMULATED. Modes: k0, a07, `-split`
 (serve --topology split), `-split-mps` (with --mps on).
@@ -95,7 +96,7 @@ def engine_alone(args) -> None:
 
     serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
     engine = Engine(engine_options(serve_args))
-    router, made, steps = engine.router, [0], [0]
+    router, made, steps, chained = engine.router, [0], [0], [None]
     sync = (lambda: __import__("torch").cuda.synchronize()) if args.device.startswith("cuda") else (lambda: None)
 
     def submit(max_tokens: int | None = None) -> None:
@@ -125,13 +126,16 @@ def engine_alone(args) -> None:
             submit(1 + n * args.gen // c if staggered else args.gen)
         run(args.warmup)
         print("READY", flush=True)  # the parent samples the GPU over the next window
+        ahead = router.overlap.steps
         tokens, wall = run(args.seconds)
+        chained[0] = round((router.overlap.steps - ahead) / max(steps[0], 1), 3)  # launched ahead per step()
         return tokens / wall, steps[0] / wall
 
     stagger = base_mode(args.engine_alone) in args.stagger_modes
     for c in args.concurrency:
         tok_s, steps_s = measure(c, staggered=False)
-        row = {"concurrency": c, "engine_tok_s": round(tok_s, 1), "engine_steps_per_s": round(steps_s, 1)}
+        row = {"concurrency": c, "engine_tok_s": round(tok_s, 1), "engine_steps_per_s": round(steps_s, 1),
+               "engine_chained_share": chained[0]}
         if stagger and c > 1:
             tok_s, steps_s = measure(c, staggered=True)
             row.update(engine_staggered_tok_s=round(tok_s, 1), engine_staggered_steps_per_s=round(steps_s, 1))
@@ -321,6 +325,7 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambd
                              "gpu_busy_pct_served": busy,
                              "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
                              "engine_steps_per_s": engine_rows.get(c, {}).get("engine_steps_per_s"),
+                             "engine_chained_share": engine_rows.get(c, {}).get("engine_chained_share"),
                              **staggered_columns(engine_rows.get(c, {}), tok_s),
                              "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
                              "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
@@ -333,6 +338,8 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambd
                              "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
                              "acceptance_kind": "SIMULATED" if DRAFTS[base_mode(mode)][1] else None,
                              "steps_per_s": lanes.pop("steps_per_s", None),
+                             "chained_share": lanes.pop("chained_share", None),
+                             "chained_prefill_share": lanes.pop("chained_prefill_share", None),
                              "core_ttft_mean_ms": lanes.pop("core_ttft_mean_ms", None), "lane_calls": lanes})
                 print("  " + json.dumps(rows[-1]), flush=True)
                 on_row(rows)  # saved at once: a run cut short keeps every point it measured
@@ -399,7 +406,7 @@ def main() -> None:
             continue
         save(args, nvml, rows)  # after every mode: a run cut short keeps what it measured
     print(f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
-          f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11} {'steps/s':>8} {'eng st/s':>8}")
+          f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11} {'steps/s':>8} {'eng st/s':>8} {'chained':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:10} failed")
@@ -407,7 +414,7 @@ def main() -> None:
         print(f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
               f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
               f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11} "
-              f"{r['steps_per_s'] or '-':>8} {r['engine_steps_per_s'] or '-':>8}")
+              f"{r['steps_per_s'] or '-':>8} {r['engine_steps_per_s'] or '-':>8} {r.get('chained_share') or '-':>7}")
 
 
 def save(args, nvml, rows: list[dict]) -> None:

@@ -29,6 +29,8 @@ def percentile_ms(values: list[float], p: float) -> float | None:
 
 
 HISTOGRAMS = {"verifypd_lane_step_duration_seconds": "verifypd_lane", "gen_ai_server_time_to_first_token_seconds": None}
+# Steps launched ahead (engine.overlap), by whether they carried a prefill: "chained_prefill_<true|false>".
+CHAINED = "verifypd_engine_chained_steps_total"
 
 
 def scrape(http_port: int) -> dict[str, tuple[float, float]]:
@@ -42,6 +44,10 @@ def scrape(http_port: int) -> dict[str, tuple[float, float]]:
         return {}
     out: dict[str, list[float]] = {}
     for line in text.splitlines():
+        if line.startswith(CHAINED + "{"):
+            key = "chained_prefill_" + line.split('verifypd_step_prefill="', 1)[1].split('"', 1)[0]
+            out[key] = [float(line.rsplit(" ", 1)[1]), 0.0]
+            continue
         for name, label in HISTOGRAMS.items():
             for suffix, at in (("_count", 0), ("_sum", 1)):
                 if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
@@ -53,9 +59,15 @@ def scrape(http_port: int) -> dict[str, tuple[float, float]]:
 def window_rates(before: dict, after: dict, wall_s: float) -> dict:
     """Over the measured window, per lane: calls per second and mean milliseconds per call;
     `steps_per_s` = verify calls per second (one per decode step); `core_ttft_mean_ms`: the core's
-    time to first token (arrival in the core to first token) of requests finished in the window."""
+    time to first token (arrival in the core to first token) of requests finished in the window;
+    `chained_share`: of the verify calls, those launched ahead (engine.overlap), and
+    `chained_prefill_share` those that also carried a prefill of admitted requests."""
     rates = {}
+    chained = {key: after[key][0] - before.get(key, (0.0, 0.0))[0] for key in after if key.startswith("chained_")}
+    verify_calls = after.get("verify", (0.0, 0.0))[0] - before.get("verify", (0.0, 0.0))[0]
     for key, (n1, s1) in after.items():
+        if key.startswith("chained_"):
+            continue
         n0, s0 = before.get(key, (0.0, 0.0))
         if n1 > n0:
             rates[key] = {"calls_per_s": round((n1 - n0) / wall_s, 1), "mean_ms": round((s1 - s0) / (n1 - n0) * 1e3, 3)}
@@ -63,6 +75,9 @@ def window_rates(before: dict, after: dict, wall_s: float) -> dict:
         rates["steps_per_s"] = rates["verify"]["calls_per_s"]
     ttft = rates.pop("ttft", None)
     rates["core_ttft_mean_ms"] = ttft["mean_ms"] if ttft else None
+    if verify_calls > 0:
+        rates["chained_share"] = round(sum(chained.values()) / verify_calls, 3)
+        rates["chained_prefill_share"] = round(chained.get("chained_prefill_true", 0.0) / verify_calls, 3)
     return rates
 
 

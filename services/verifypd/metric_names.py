@@ -19,11 +19,16 @@ ACCEPTED_TOKENS = "verifypd.speculation.accepted_tokens"  # counter, {token}
 ACCEPTANCE_RATE = "verifypd.speculation.acceptance_rate"  # gauge, ratio over the last window
 APPLIED_K = "verifypd.speculation.applied_k"  # histogram, {token}: each distinct k a verify step used
 KV_BLOCKS_IN_USE = "verifypd.kv.blocks_in_use"  # gauge, {block}; attribute verifypd.pool
+# Verify steps launched before the previous step's results reached the host (engine.overlap), by
+# whether they carried a prefill of admitted requests; ÷ the verify lane's call count = the share
+# of chained steps. Prometheus: verifypd_engine_chained_steps_total{verifypd_step_prefill=...}.
+CHAINED_STEPS = "verifypd.engine.chained_steps"  # counter, {step}; attribute verifypd.step.prefill
 
 # Attribute keys.
 ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"
 ATTR_POOL = "verifypd.pool"  # "target" | "draft"
 ATTR_TOKEN_TYPE = "gen_ai.token.type"  # "input" | "output"
+ATTR_STEP_PREFILL = "verifypd.step.prefill"  # "true" | "false"
 
 # Resource attributes the operator sets (through OTEL_RESOURCE_ATTRIBUTES) on every pod it runs;
 # the receiver counts only metrics whose resource names a config it manages.

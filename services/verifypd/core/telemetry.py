@@ -63,6 +63,10 @@ class Telemetry(EngineObserver):
                                                     description="Draft tokens accepted")
         self.applied_k = meter.create_histogram(mn.APPLIED_K, unit="{token}",
                                                 description="k used in a verify step (one per step and distinct k)")
+        self.chained_steps = meter.create_counter(mn.CHAINED_STEPS, unit="{step}",
+                                                  description="Verify steps launched before the previous "
+                                                              "step's results were on the host")
+        self._chained_seen = (0, 0)  # router.overlap's (steps, admitting) already counted
         meter.create_observable_gauge(mn.LANE_QUEUE_DEPTH, [self._observe_queues], unit="{request}",
                                       description="Requests waiting for or running in each lane")
         meter.create_observable_gauge(mn.KV_BLOCKS_IN_USE, [self._observe_blocks], unit="{block}",
@@ -114,6 +118,17 @@ class Telemetry(EngineObserver):
 
     def on_step(self, router) -> None:
         self._flush_verify()
+        overlap = getattr(router, "overlap", None)
+        if overlap is not None:  # counted when launched; the engine's own counters, as deltas
+            steps, admitting = overlap.steps, overlap.admitting
+            seen_steps, seen_admitting = self._chained_seen if self._chained_seen[0] <= steps else (0, 0)
+            if steps > seen_steps:
+                with_prefill = admitting - seen_admitting
+                if with_prefill:
+                    self.chained_steps.add(with_prefill, {mn.ATTR_STEP_PREFILL: "true"})
+                if steps - seen_steps - with_prefill:
+                    self.chained_steps.add(steps - seen_steps - with_prefill, {mn.ATTR_STEP_PREFILL: "false"})
+                self._chained_seen = (steps, admitting)
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
         self._queues = {"prefill": router.scheduler.num_waiting + len(running) - decoding,

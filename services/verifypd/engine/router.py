@@ -26,7 +26,7 @@ from verifypd.engine.draft_length import (TYPICAL_DRAFT_INPUT, RuntimeConfig, St
 from verifypd.engine.overlap import Overlap
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
-from verifypd.engine.router_calls import StartedPrefill, pool_of as _pool
+from verifypd.engine.router_calls import BesidePrefill, StartedPrefill, pool_of as _pool, take_drafts
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
@@ -66,7 +66,7 @@ class Router:
         self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
                              if self.draft_pool else None)
         self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running,
-                                   lazy_draft_prefill=self._lazy_draft_prefill())
+                                   lazy_draft_prefill=self._lazy_draft_prefill(), never_drafts=self._never_drafts())
         self.config = config or RuntimeConfig()
         self.config.validate()
         self.costs = StepCostModel()
@@ -156,7 +156,7 @@ class Router:
         beside = None  # in-process: the prefill call starts while the verify call runs on the GPU
         if (plan.prefill and plan.decode and not plan.draft_ahead and pending is None and not prefill_first
                 and self.overlap_prefill and self._starts_async(self.verify_lane, self.prefill_lane)):
-            beside = []
+            beside = BesidePrefill(plan.prefill)
         serial_prefill_s = 0.0  # prefill run before or after decode, not beside it
         try:
             if prefill_first and pending is None:
@@ -164,16 +164,14 @@ class Router:
                 outputs += self._run_prefill(plan.prefill)
                 serial_prefill_s += self._clock() - t0
             try:
-                sample = self._run_decode(plan.decode, plan.draft_ahead, outputs,
-                                          None if beside is None else lambda: beside.append(
-                                              self._start_prefill(plan.prefill)))
+                sample = self._run_decode(plan.decode, plan.draft_ahead, outputs, beside)
             except BaseException:
                 if pending is not None:  # no call left in flight behind the error
                     wait_for_futures([pending])
                 raise
             if pending is not None or not prefill_first:
                 t0 = self._clock()
-                outputs += self._run_prefill(plan.prefill, pending or (beside[0] if beside else None))
+                outputs += self._run_prefill(plan.prefill, pending or (beside.started if beside else None))
                 if pending is None:
                     serial_prefill_s += self._clock() - t0
         except BaseException as exc:
@@ -212,8 +210,8 @@ class Router:
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
         self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
                              if self.draft_pool else None)
-        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context,
-                                   self.scheduler.max_running, lazy_draft_prefill=self._lazy_draft_prefill())
+        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, self.scheduler.max_running,
+                                   lazy_draft_prefill=self._lazy_draft_prefill(), never_drafts=self._never_drafts())
         for seq in seqs:  # the old block tables point into pools that are gone: drop, don't free
             seq.target_blocks.clear()
             seq.draft_blocks.clear()
@@ -227,6 +225,10 @@ class Router:
         """Prefill may skip a model draft's KV while nobody drafts (Scheduler.drafts_soon): in-process lanes."""
         return (self.draft_pool is not None and not self.feature_draft
                 and getattr(self.prefill_lane, "per_item_draft_kv", False))  # the lane RPC sends all or none
+
+    def _never_drafts(self) -> bool:
+        """`--draft none` (lanes/ngram.NoDraftLane) proposes nothing: k is 0, whatever the policy says."""
+        return self.draft_lane.describe().draft_model == "none"
 
     def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
         return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.ids(c.start, c.end), start_pos=c.start,
@@ -256,6 +258,9 @@ class Router:
             return []
         results, seconds = pending.result() if pending is not None else self._call_prefill(self._prefill_items(chunks))
         self.observer.on_lane_step("prefill", seconds, len(chunks))
+        return self._commit_prefill(chunks, results)
+
+    def _commit_prefill(self, chunks: list[PrefillChunk], results) -> list[RequestOutput]:
         outputs = []
         for c, res in zip(chunks, results):
             seq = c.seq
@@ -288,19 +293,6 @@ class Router:
         results = self.draft_lane.draft(items)
         return results, self._clock() - t0
 
-    def _take_drafts(self, work: list[DecodeWork], results) -> dict[str, tuple[object, object]]:
-        """Draft outputs by request id, with the draft-position bookkeeping of pool-less lanes."""
-        drafts = {}
-        for w, out in zip(work, results):
-            # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
-            # is read here; the verify lane consumes the values on the device.
-            drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
-            if out.resync_from is not None:  # a pool-less lane lost this request's history
-                w.seq.draft_computed = min(w.seq.draft_computed, out.resync_from)
-            elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
-                w.seq.draft_computed = w.seq.pending_pos + 1
-        return drafts
-
     def _typical_draft(self, items: list[DraftItem]) -> bool:
         """A draft call worth costing: no long catch-up on tokens decoded without drafting (an eager
         draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens. A
@@ -309,9 +301,10 @@ class Router:
         return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= limit
 
     def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
-                    beside: Callable[[], None] | None = None) -> tuple[bool, int, int] | None:
+                    beside: BesidePrefill | None = None) -> tuple[bool, int, int] | None:
         """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
-        `beside` (lock-step only) is called once the verify call is queued, before its results.
+        `beside` (lock-step only): its prefill is started once the verify call is queued, before its
+        results (and with it a chain may start: the prefilled requests then join the next step).
         Pipelined (`ahead` non-empty): draft `ahead` on the worker thread while verifying `work`
         (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them.
         Returns what the step's cost describes, (pipelined, requests verified, k), or None for a
@@ -325,7 +318,7 @@ class Router:
         if drafting:
             items = self._draft_items(drafting)
             results, draft_s = self._call_draft(items)
-            drafts = self._take_drafts(drafting, results)
+            drafts = take_drafts(drafting, results)
             self.observer.on_lane_step("draft", draft_s, len(items))
             typical = self._typical_draft(items)
             # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
@@ -358,7 +351,9 @@ class Router:
                 if beside is not None:
                     started = self.verify_lane.verify_start(items)
                     t_beside = self._clock()
-                    beside()
+                    beside.started = self._start_prefill(beside.chunks)
+                    if self.overlap.eligible(self.config, work, bool(ahead_items)):
+                        self.overlap.start(self.config, work, items, started, beside)
                     beside_s = self._clock() - t_beside  # the prefill's launch: not the verify lane's time
                     # Verify already done: the step waited on the prefill's launch; not its cost.
                     typical = typical and not started.ready()
@@ -401,7 +396,7 @@ class Router:
             raise draft_error
         if ahead_items:
             self.observer.on_lane_step("draft", ahead_s, len(ahead_items))
-            drafts = self._take_drafts(ahead, ahead_results)
+            drafts = take_drafts(ahead, ahead_results)
             for w in ahead:
                 tokens, probs = drafts[w.seq.request_id]
                 # Held even when empty (a pool-less lane proposed nothing): the request then plain-decodes

@@ -6,12 +6,25 @@ from typing import Callable
 from verifypd.lanes.interface import PoolInfo
 
 
+class BesidePrefill:
+    """A regular step's prefill chunks, started beside its verify call (Router._run_decode sets
+    `started`, a StartedPrefill); a chain started there takes the prefilled requests along."""
+
+    def __init__(self, chunks: list):
+        self.chunks, self.started = chunks, None
+
+
 class StartedPrefill:
     """A prefill call started beside a verify call; `result()` is (outputs, launch + wait seconds),
     as a pipelined prefill's Future gives."""
 
     def __init__(self, started, launch_s: float, clock: Callable[[], float]):
         self._started, self._launch_s, self._clock = started, launch_s, clock
+
+    @property
+    def next_tokens(self):
+        """The prefill's first tokens left on the device, where its lane leaves them (engine.overlap)."""
+        return getattr(self._started, "next_tokens", None)
 
     def result(self) -> tuple[list, float]:
         t0 = self._clock()
@@ -27,3 +40,18 @@ def pool_of(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> Po
     if not required:
         return None
     raise ValueError(f"lane announced no {role} pool")
+
+
+def take_drafts(work: list, results) -> dict[str, tuple[object, object]]:
+    """Draft outputs by request id (of `work`, DecodeWork items), with the draft-position
+    bookkeeping of pool-less lanes."""
+    drafts = {}
+    for w, out in zip(work, results):
+        # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
+        # is read here; the verify lane consumes the values on the device.
+        drafts[out.request_id] = (out.draft_tokens, out.draft_probs)
+        if out.resync_from is not None:  # a pool-less lane lost this request's history
+            w.seq.draft_computed = min(w.seq.draft_computed, out.resync_from)
+        elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
+            w.seq.draft_computed = w.seq.pending_pos + 1
+    return drafts

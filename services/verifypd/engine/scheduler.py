@@ -22,6 +22,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from verifypd.engine.block_manager import BlockManager
+from verifypd.engine.scheduler_follow import FollowPlanning
 from verifypd.engine.draft_length import (PROBE_K, PROBE_MAX_LAG, ProbeSchedule, RuntimeConfig, StepCostModel,
                                           batch_bucket, cap_k, choose_batch_k, pipelining_pays)
 
@@ -71,12 +72,16 @@ class StepPlan:
         return not self.prefill and not self.decode
 
 
-class Scheduler:
+class Scheduler(FollowPlanning):
     def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager | None, max_context: int,
-                 max_running: int = 256, lazy_draft_prefill: bool = False):
+                 max_running: int = 256, lazy_draft_prefill: bool = False, never_drafts: bool = False):
         """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
         draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
-        writes draft KV only while drafting is expected (`drafts_soon`)."""
+        writes draft KV only while drafting is expected (`drafts_soon`). `never_drafts`: the draft
+        lane proposes nothing (`--draft none`), so every k is 0: the policy, which never sees an
+        acceptance there, would otherwise keep asking for k_initial drafts, and each such step
+        (a draft call answering nothing, then a k = 0 verify) could not be chained (engine.overlap)."""
+        self.never_drafts = never_drafts
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
@@ -133,13 +138,17 @@ class Scheduler:
         if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
             budget = max(budget, config.idle_prefill_token_budget)
         prefill = self._plan_prefill(budget)
-        if self.lazy_draft_prefill and prefill:
-            soon = self.drafts_soon(config, costs)
-            for chunk in prefill:  # draft KV stays contiguous: a chunk after a skipped one skips too
-                seq = chunk.seq
-                chunk.with_draft = soon and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
+        self._mark_draft_kv(config, costs, prefill)
         return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
                         draft_ahead=ahead, pipelined=pipelined)
+
+    def _mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
+        """Lazy draft prefill: a chunk writes draft KV only while drafting is expected soon."""
+        if self.lazy_draft_prefill and chunks:
+            soon = self.drafts_soon(config, costs)
+            for chunk in chunks:  # draft KV stays contiguous: a chunk after a skipped one skips too
+                seq = chunk.seq
+                chunk.with_draft = soon and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
 
     def drafts_soon(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
         """Whether a request prefilled now is expected to draft before long, so its prefill should
@@ -176,7 +185,10 @@ class Scheduler:
         """One k for `seqs` (see choose_batch_k), and the request ids to probe with PROBE_K while that
         k is 0 (see ProbeSchedule): when a probe is due, the requests among `seqs` a probe costs no
         catch-up for. `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
-        if not seqs:
+        if not seqs or self.never_drafts:
+            if seqs:
+                self._last_k[key] = self._drafting[key] = 0
+                self.probes.record(0, False)
             return 0, set()
         batch, current = decoding or len(seqs), self._drafting.get(key)
         plain_unmeasured = not costs.measured(batch, 0)
@@ -206,33 +218,13 @@ class Scheduler:
         self.probes.record(k_batch, bool(probed))
         return k_batch, probed
 
-    # -- overlapped plain decoding (engine.overlap) ------------------------------------------
-    def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
-        """The k = 0 step after the one in flight, planned before that one's tokens are committed:
-        `seqs` (decoding, each with one token in flight) get the blocks of one more position, and the
-        k decision is recorded as `plan` would record it. Only where that step is certain to be what
-        `plan` would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
-        Otherwise nothing changes and False is returned."""
-        if not seqs or not self._plain_certain(config, costs, seqs):
-            return False
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        if need > self.target.num_free or not self.poolless_draft and \
-                sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) > self.draft.num_free:
-            return False
-        k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
-        if probed or any(self._cap(config, s, k_batch) for s in seqs):  # _plain_certain rules this out
-            return False
-        for seq in seqs:  # positions n + 1 (the token in flight is n's), as _reserve(seq, n + 1, 0)
-            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
-            assert reserved, "blocks counted free were not"
-        return True
-
+    # -- overlapped scheduling (engine.overlap; plan_follow, admit_follow: FollowPlanning) ---
     def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
         """`_plan_decode` would give every one of `seqs` k = 0 and probe none, whatever the
         acceptance the step in flight teaches (a k = 0 step teaches none)."""
         if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
             return False
-        if config.k_max == 0 or all(s.spec.max_k == 0 for s in seqs):
+        if config.k_max == 0 or self.never_drafts or all(s.spec.max_k == 0 for s in seqs):
             return True
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
         # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
@@ -245,11 +237,6 @@ class Scheduler:
         off = self._off.get("batch")  # decided off, and _batch_k would take that decision as is
         return (off is not None and off[0] == _off_signature(config, costs, seqs, config.k_max, None)
                 and off[1] < RECHECK_OFF_EVERY and costs.measured(len(seqs), 0))
-
-    def release_tables(self, target: list[int], draft: list[int]) -> None:
-        """Returns blocks held back from a finished request (engine.overlap) once nothing queued writes them."""
-        self.target.free(target)
-        self.draft.free(draft)
 
     def _cheap_probe(self, config: RuntimeConfig, seq: Sequence) -> bool:
         """A probe of `seq` is a normal k = PROBE_K step: its draft input is at most PROBE_MAX_LAG + 1

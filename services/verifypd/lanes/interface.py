@@ -112,11 +112,14 @@ class VerifyItem:
 
 @dataclass(frozen=True)
 class TokenFeed:
-    """Pending tokens that are still on the device (overlapped plain decoding, engine.overlap): item
-    i's pending token is row `rows[i]` of `source`, the `next_tokens` of this lane's previous started
-    call, not its `pending_token` (a placeholder). Only lanes with `feeds_tokens` take one."""
+    """Pending tokens that are still on the device (overlapped scheduling, engine.overlap): item i's
+    pending token is row `rows[i]` of the concatenation of `sources`, not its `pending_token` (a
+    placeholder). The sources are device token vectors this lane's earlier started calls left: the
+    previous verify call's `next_tokens`, then the first tokens of a prefill call started beside it
+    (`PrefillLane.prefill_start(...).next_tokens`: a request prefilled there decodes in the very
+    next step). Only lanes with `feeds_tokens` take one."""
 
-    source: Any                   # opaque to the router: StartedCall.next_tokens
+    sources: tuple[Any, ...]      # opaque to the router: StartedCall.next_tokens of earlier calls
     rows: tuple[int, ...]
 
 
@@ -176,4 +179,5 @@ class Finished:
 # Overlapped plain decoding (engine.overlap): a verify lane with `feeds_tokens = True` takes
 # `verify_start(items, feed=TokenFeed)`, and the StartedCall of a call whose items all have k = 0
 # carries `next_tokens`: each row's chosen token left on the device (None otherwise), so the next
-# step can be launched before this one's results reach the host.
+# step can be launched before this one's results reach the host. A prefill lane's started call
+# carries `next_tokens` too where its items all sample a first token: those tokens, in item order.

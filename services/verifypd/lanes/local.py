@@ -116,7 +116,11 @@ class LocalPrefillLane:
             def outputs(host: list[int]) -> list[PrefillOutput]:
                 first = dict(zip(rows, host))
                 return [PrefillOutput(i.request_id, first.get(n)) for n, i in enumerate(items)]
-            return HostCopy(tokens, outputs)
+            # Every item samples: its first tokens stay on the device for a verify call to read
+            # (engine.overlap: the request decodes in the next step, launched before these reach
+            # the host). Clamped as a verify call's next_tokens are (NO_TOKEN: refused at commit).
+            feed = tokens.to(torch.long).clamp(min=0) if len(rows) == len(items) else None
+            return HostCopy(tokens, outputs, next_tokens=feed)
         return Finished([PrefillOutput(i.request_id, None) for i in items])
 
 
@@ -201,9 +205,13 @@ class LocalVerifyLane:
         ks = [len(i.draft_tokens) for i in items]
         first_ids = None
         if feed is not None:
-            source, rows = feed.source, list(feed.rows)
+            rows = list(feed.rows)
             if len(rows) != len(items):
                 raise ValueError(f"a token feed needs one row per item: {len(rows)} rows, {len(items)} items")
+            if self.stream is not None:  # a prefill's tokens come from another stream: keep their memory
+                for source in feed.sources:  # from reuse there until this stream has read them
+                    source.record_stream(self.stream)
+            source = feed.sources[0] if len(feed.sources) == 1 else torch.cat(feed.sources)
             first_ids = source if rows == list(range(source.shape[0])) else \
                 source[sampler.small_tensor(rows, source.device)]
         on_device = device_drafts(items)

@@ -1,0 +1,82 @@
+"""The scheduler's side of overlapped scheduling (engine.overlap): planning the step after the one in
+flight before that one's tokens reach the host. Torch-free; a mixin of `Scheduler`
+(verifypd.engine.scheduler), whose state and helpers (`_batch_k`, `_cap`, `_reserve`, `_chunk`,
+the waiting heap) it uses, so that the chained step is planned by the same rules as `plan`.
+
+A chained step is certain to be what `plan` would make: its decoding requests plain-decode
+(`plan_follow`), and the waiting requests it admits are the ones `plan` would admit now, by
+priority, within the prefill token budget, below max_running, with a block reserve of one per
+running request (`admit_follow`). Two kinds of admission need the regular step instead
+(`follow_blocked`): a prompt longer than the budget (chunked over several steps) and a preempted
+request's recompute, which samples no first token for the next step to read.
+"""
+from __future__ import annotations
+
+import heapq
+
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel
+from verifypd.engine.sequence import Sequence, SeqStatus
+
+
+class FollowPlanning:
+    def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
+        """The k = 0 step after the one in flight, planned before that one's tokens are committed:
+        `seqs` (each with one token in flight: a decoding request's next token, or the first token of
+        a request whose prefill is in flight) get the blocks of one more position, and the k decision
+        is recorded as `plan` would record it. Only where that step is certain to be what `plan`
+        would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
+        Otherwise nothing changes and False is returned."""
+        if not seqs or not self._plain_certain(config, costs, seqs):
+            return False
+        # The token in flight sits at pending_pos + 1 and is verified there: its KV needs
+        # pending_pos + 2 target positions; a draft holds one fewer.
+        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
+        if need > self.target.num_free or not self.poolless_draft and \
+                sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) > self.draft.num_free:
+            return False
+        k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
+        if probed or any(self._cap(config, s, k_batch) for s in seqs):  # _plain_certain rules this out
+            return False
+        for seq in seqs:  # positions n + 1 (the token in flight is n's), as _reserve(seq, n + 1, 0)
+            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
+            assert reserved, "blocks counted free were not"
+        return True
+
+    def follow_blocked(self, config: RuntimeConfig) -> bool:
+        """`plan` would start the head of the queue now, but not as one whole-prompt chunk that
+        samples its first token (a prompt longer than the prefill budget, a recompute after
+        preemption): a chained step cannot take it, the chain must end for the regular step."""
+        if not self._waiting or len(self.running) >= self.max_running:
+            return False
+        head = self._waiting[0][1]
+        return not head.samples_after_prefill or head.prefill_target - head.target_computed > config.prefill_token_budget
+
+    def admit_follow(self, config: RuntimeConfig, costs: StepCostModel) -> list:
+        """Admits waiting requests into the chained step (called after `plan_follow` reserved its
+        decode blocks, as `plan` reserves decode before prefill): by priority while each whole
+        prompt fits the remaining budget and the pool (with a reserve of one block per running
+        request), below max_running. A request that would only get part of the remaining budget
+        stays queued (the head of the queue next step, with the whole budget). Returns the
+        scheduler's PrefillChunks (each a whole prompt that samples the first token)."""
+        budget = config.prefill_token_budget
+        chunks = []
+        while self._waiting and len(self.running) < self.max_running:
+            seq = self._waiting[0][1]
+            need = seq.prefill_target - seq.target_computed
+            if not seq.samples_after_prefill or need > budget:
+                break
+            chunk = self._chunk(seq, budget, reserve=len(self.running))
+            if chunk is None:
+                break  # no room: it waits, as in _plan_prefill
+            heapq.heappop(self._waiting)
+            seq.status = SeqStatus.PREFILLING
+            self.running.append(seq)
+            chunks.append(chunk)
+            budget -= need
+        self._mark_draft_kv(config, costs, chunks)
+        return chunks
+
+    def release_tables(self, target: list[int], draft: list[int]) -> None:
+        """Returns blocks held back from a finished request (engine.overlap) once nothing queued writes them."""
+        self.target.free(target)
+        self.draft.free(draft)
