@@ -38,9 +38,13 @@ def same_streams(want, want_chunks, got, got_chunks):
     assert per_request(got_chunks) == per_request(want_chunks)
 
 
-def test_arrivals_join_the_chain_with_eos_length_stop_and_seeded_sampling(tiny_models):
+@pytest.mark.parametrize("path", ["ahead", "beside"])
+def test_arrivals_join_the_chain_with_eos_length_stop_and_seeded_sampling(tiny_models, path, request):
     """Requests arrive one every other step while a chain runs; greedy and seeded-sampled ones,
-    ending by EOS, max_tokens and stop strings. Every arrival is admitted by a chained step."""
+    ending by EOS, max_tokens and stop strings. Every arrival is admitted by a chained step, and
+    decodes in it (ahead: prefill first) or in the step after it (beside)."""
+    if path == "beside":
+        request.getfixturevalue("beside")
     arrive = staggered(14)
     base, _, _ = drive(fresh(tiny_models), make_specs(14, seed=3), overlap=False, arrive=arrive)
     counts: dict[int, int] = {}
@@ -85,7 +89,47 @@ def test_a_request_ending_at_its_first_token_while_joining(tiny_models):
     check_blocks_returned(router)
 
 
-def test_cancel_while_its_prefill_is_in_flight(tiny_models):
+@pytest.fixture
+def beside(monkeypatch):
+    """Admitted requests take the path for configs whose k depends on the batch: their prefill
+    beside the chained step, joining the step after it (Scheduler.join_now says no)."""
+    from verifypd.engine.scheduler import Scheduler
+    monkeypatch.setattr(Scheduler, "join_now", lambda self, config, chunks: False)
+
+
+def test_an_arrival_decodes_in_the_step_launched_with_its_prefill(tiny_models):
+    """k is 0 whatever the batch: the admitted request's prefill goes first, the chained step launched
+    right after it decodes the request too (first token fed from the prefill on the device), and
+    the first token is committed in the same `step()` call, with the step before. A cancel then
+    drops its row in the step in flight and holds its blocks until that step's results are in."""
+    engine = fresh(tiny_models)
+    router = engine.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    specs = [dataclasses.replace(s, max_tokens=30, stop_at_eos=False) for s in make_specs(4, seed=2)]
+    for spec in specs[:3]:
+        router.add_request(spec)
+    for _ in range(4):
+        router.step()
+    assert router.overlap.inflight is not None
+    router.add_request(specs[3])
+    outputs = router.step()
+    inflight = router.overlap.inflight
+    assert inflight is not None and "q3" in inflight.members, "the arrival does not decode in the new step"
+    assert [o.token_ids for o in outputs if o.request_id == "q3"] and not inflight.admitted, \
+        "the first token did not come in the call that launched its prefill"
+    free_before = router.target_blocks.num_free
+    out = router.abort("q3")
+    assert out.finished and out.finish_reason is FinishReason.CANCELLED
+    assert router.target_blocks.num_free == free_before, "blocks freed under a step still in flight"
+    outputs = router.step()
+    assert all(o.request_id != "q3" for o in outputs), "a cancelled request's row was committed"
+    assert "q3" not in router.overlap.inflight.members and router.overlap.dropped == 1
+    while router.has_work():
+        router.step()
+    check_blocks_returned(router)
+
+
+def test_cancel_while_its_prefill_is_in_flight(tiny_models, beside):
     """A request cancelled while the chained step that admitted it (and its prefill) is in flight:
     its chunk is dropped at commit, its blocks wait for that step; the others are unchanged."""
     engine = fresh(tiny_models)
@@ -113,9 +157,13 @@ def test_cancel_while_its_prefill_is_in_flight(tiny_models):
     check_blocks_returned(router)
 
 
-def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models):
-    """Cancels land one and two steps after an arrival (its prefill in flight; its first decode
-    step in flight) and on long-running requests, with greedy and seeded requests."""
+@pytest.mark.parametrize("path", ["ahead", "beside"])
+def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models, path, request):
+    """Cancels land one and two steps after an arrival (beside: its prefill in flight, then its
+    first decode step; ahead: its first and second decode steps) and on long-running requests,
+    with greedy and seeded requests."""
+    if path == "beside":
+        request.getfixturevalue("beside")
     specs = make_specs(12, seed=8)
     arrive = staggered(12, first=4, every=3)
     cancel = {s + 1: [f"q{i[0]}"] for s, i in arrive.items() if i[0] % 3 == 0}

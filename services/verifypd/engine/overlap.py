@@ -61,6 +61,10 @@ class InFlight:
     started: Any                  # the lane's StartedCall; `.next_tokens` feeds the step after it
     prefill: list[PrefillChunk] = field(default_factory=list)  # whole prompts, each samples its first token
     prefill_started: Any = None   # router_calls.StartedPrefill of `prefill`; `.next_tokens`: first tokens
+    # Admitted requests prefilled just before this step's verify call, which decodes them (their first
+    # token fed from the prefill on the device): (chunks, StartedPrefill), committed with the step
+    # before this one, in the same Router.step() call (Overlap.advance), so no TTFT is lost.
+    ahead: tuple[list[PrefillChunk], Any] | None = None
     dead: set[str] = field(default_factory=set)  # request ids finished meanwhile: rows dropped at commit
     # (target, draft) block tables of dead requests, returned once the results are on the host
     held: list[tuple[list[int], list[int]]] = field(default_factory=list)
@@ -146,6 +150,24 @@ class Overlap:
         if not sched.plan_follow(config, router.costs, seqs):
             return self._broken("plan")
         chunks = sched.admit_follow(config, router.costs) if sched.num_waiting else []
+        sources = [next_tokens, first_tokens] if joining else [next_tokens]
+        ahead = None
+        if chunks and sched.join_now(config, chunks):
+            # Prefill first, then the verify call that decodes the admitted requests too: their first
+            # token (at the prompt's end) is row j of the prefill's, fed on the device; the verify
+            # stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with `prev`.
+            ahead = (chunks, router._start_prefill(chunks))
+            first_now = ahead[1].next_tokens
+            if first_now is None:
+                self._wait_quietly(ahead[1])
+                raise RuntimeError("a prefill lane that samples every item left no first tokens on the device")
+            offset = len(prev.items) + (len(prev.prefill) if joining else 0)  # rows of the sources before it
+            for j, c in enumerate(chunks):
+                if not self._finishes(c.seq):
+                    rows.append(offset + j)
+                    seqs.append(c.seq)
+            sources.append(first_now)
+            chunks = []
         pool = router.target_pool
         items = []
         for seq in seqs:
@@ -153,9 +175,15 @@ class Overlap:
             items.append(VerifyItem(request_id=seq.request_id, pending_token=0, start_pos=n, draft_tokens=(),
                                     sampling=seq.spec.sampling,
                                     target_kv=KvHandle(pool.pool_id, pool.generation, tuple(seq.target_blocks), n, n)))
-        sources = (next_tokens, first_tokens) if joining else (next_tokens,)
-        started = router.verify_lane.verify_start(items, feed=TokenFeed(sources, tuple(rows)))
+        try:
+            started = router.verify_lane.verify_start(items, feed=TokenFeed(tuple(sources), tuple(rows)))
+        except BaseException:
+            if ahead is not None:
+                self._wait_quietly(ahead[1])
+            raise
         prefill_started = None
+        if ahead is not None:
+            self.admitting += 1
         if chunks:
             try:  # beside the verify call, as Router.step's `beside`
                 prefill_started = router._start_prefill(chunks)
@@ -165,7 +193,7 @@ class Overlap:
             self.admitting += 1
         self.steps += 1
         self.joined += sum(row >= len(prev.items) for row in rows)
-        return InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started)
+        return InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started, ahead=ahead)
 
     def _finishes(self, seq: Sequence) -> bool:
         """The token in flight surely ends `seq` (Router._emit's length checks)."""
@@ -183,6 +211,25 @@ class Overlap:
             self.inflight = None
             self._settle(prev)
             raise
+        ahead, next_step = None, self.inflight
+        if next_step is not None and next_step.ahead is not None:
+            ahead, next_step.ahead = next_step.ahead, None
+        try:
+            outputs, waited = self._commit(prev)
+        except BaseException:
+            if ahead is not None:  # no call left in flight behind the error
+                self._wait_quietly(ahead[1])
+            raise
+        if ahead is not None:  # first tokens of the requests the new step decodes already
+            chunks, started = ahead
+            results, seconds = started.result()
+            router.observer.on_lane_step("prefill", seconds, len(chunks))
+            outputs += router._commit_prefill(chunks, results)
+        return outputs, waited, len(prev.items)
+
+    def _commit(self, prev: InFlight) -> tuple[list[RequestOutput], float]:
+        """Waits for `prev` and commits its live rows, then its prefill's live chunks (first tokens)."""
+        router = self.router
         results, prefilled, waited = self._settle(prev)
         live = [(w, item, res) for w, item, res in zip(prev.work, prev.items, results)
                 if w.seq.request_id not in prev.dead]
@@ -197,7 +244,7 @@ class Overlap:
             kept = [(c, res) for c, res in zip(prev.prefill, results) if c.seq.request_id not in prev.dead]
             if kept:
                 outputs += router._commit_prefill(*(list(x) for x in zip(*kept)))
-        return outputs, waited, len(prev.items)
+        return outputs, waited
 
     def _settle(self, prev: InFlight) -> tuple[list, tuple[list, float] | None, float]:
         """Waits for `prev`'s results (verify, then its prefill's), then returns the blocks held back
@@ -233,8 +280,9 @@ class Overlap:
         prev, self.inflight = self.inflight, None
         if prev is not None:
             self._wait_quietly(prev.started)
-            if prev.prefill_started is not None:
-                self._wait_quietly(prev.prefill_started)
+            for started in (prev.prefill_started, prev.ahead[1] if prev.ahead else None):
+                if started is not None:
+                    self._wait_quietly(started)
 
     @staticmethod
     def _wait_quietly(started) -> None:

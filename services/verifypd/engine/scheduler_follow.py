@@ -42,6 +42,27 @@ class FollowPlanning:
             assert reserved, "blocks counted free were not"
         return True
 
+    def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
+        """Can the requests just admitted (`admit_follow`'s chunks) decode in the chained step
+        launched with their prefill (engine.overlap: prefill first, their first token fed from it)?
+        Only where k is 0 whatever the batch (plan_follow decided k for the batch without them), and
+        the blocks of their first decode position are free; then those are reserved. Otherwise
+        nothing changes and False is returned (they join the step after, their prefill beside)."""
+        seqs = [c.seq for c in chunks]
+        if not seqs or not all(c.sample_first for c in chunks):
+            return False
+        if not (config.k_max == 0 or self.never_drafts or not config.adaptive and config.k_initial == 0
+                or all(s.spec.max_k == 0 for s in self.running)):
+            return False
+        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
+        if need > self.target.num_free or not self.poolless_draft and \
+                sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) > self.draft.num_free:
+            return False
+        for seq in seqs:  # the first token sits at pending_pos + 1 (the prompt's end), as plan_follow
+            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
+            assert reserved, "blocks counted free were not"
+        return True
+
     def follow_blocked(self, config: RuntimeConfig) -> bool:
         """`plan` would start the head of the queue now, but not as one whole-prompt chunk that
         samples its first token (a prompt longer than the prefill budget, a recompute after
