@@ -61,9 +61,11 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
                         "on an H200 (docs/engine.md 'Schedules')")
 
 
-    p.add_argument("--overlap", choices=("on", "off"), default="on",
+    p.add_argument("--overlap", choices=("on", "off", "ahead"), default="on",
                    help="overlapped plain decoding: launch the next k = 0 step while the current one runs "
-                        "on the GPU (default on; in-process lanes only; docs/engine.md 'Overlapped scheduling')")
+                        "on the GPU (default on; in-process lanes only; docs/engine.md 'Overlapped scheduling'). "
+                        "ahead: on, and a request admitted into a chained step is prefilled ahead of it and "
+                        "decodes in it (its first token one step sooner; not yet measured served on a GPU)")
 
 
 def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:
@@ -73,7 +75,7 @@ def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:
     0.53 x colocated with the pipeline on), so auto is off then."""
     auto = split and drafting
     return {"schedule": args.schedule, "pipeline": args.pipeline == "on" or (args.pipeline == "auto" and auto),
-            "overlap": args.overlap == "on"}
+            "overlap": args.overlap != "off", "admit_ahead": args.overlap == "ahead"}
 
 
 def draft_arg(args) -> str:

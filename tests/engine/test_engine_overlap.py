@@ -211,12 +211,13 @@ def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
     check_blocks_returned(router)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_overlap_flag_reaches_the_config(overlap):
+@pytest.mark.parametrize("flag,overlap,ahead", [("off", False, False), ("on", True, False), ("ahead", True, True)])
+def test_overlap_flag_reaches_the_config(flag, overlap, ahead):
     from verifypd.cli import build_parser
     from verifypd.launch.cli import engine_options
-    args = build_parser().parse_args(["serve"] + (["--overlap", "on" if overlap else "off"]))
-    assert engine_options(args).config.overlap is overlap
+    config = engine_options(build_parser().parse_args(["serve", "--overlap", flag])).config
+    assert (config.overlap, config.admit_ahead) == (overlap, ahead)
+    assert engine_options(build_parser().parse_args(["serve"])).config.admit_ahead is False
 
 
 def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_models):

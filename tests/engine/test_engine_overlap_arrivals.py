@@ -39,12 +39,11 @@ def same_streams(want, want_chunks, got, got_chunks):
 
 
 @pytest.mark.parametrize("path", ["ahead", "beside"])
-def test_arrivals_join_the_chain_with_eos_length_stop_and_seeded_sampling(tiny_models, path, request):
+def test_arrivals_join_the_chain_with_eos_length_stop_and_seeded_sampling(tiny_models, path):
     """Requests arrive one every other step while a chain runs; greedy and seeded-sampled ones,
     ending by EOS, max_tokens and stop strings. Every arrival is admitted by a chained step, and
     decodes in it (ahead: prefill first) or in the step after it (beside)."""
-    if path == "beside":
-        request.getfixturevalue("beside")
+    engine = (lambda: ahead(fresh(tiny_models))) if path == "ahead" else (lambda: fresh(tiny_models))
     arrive = staggered(14)
     base, _, _ = drive(fresh(tiny_models), make_specs(14, seed=3), overlap=False, arrive=arrive)
     counts: dict[int, int] = {}
@@ -55,7 +54,7 @@ def test_arrivals_join_the_chain_with_eos_length_stop_and_seeded_sampling(tiny_m
     words = {i: [base[f"q{i}"][1].split()[2]] for i in (5, 8, 10) if len(base[f"q{i}"][1].split()) > 3}
     specs = make_specs(14, seed=3, stop=words)
     want, want_chunks, _ = drive(fresh(tiny_models), specs, overlap=False, eos=(eos,), arrive=arrive)
-    got, got_chunks, router = drive(fresh(tiny_models), specs, overlap=True, eos=(eos,), arrive=arrive)
+    got, got_chunks, router = drive(engine(), specs, overlap=True, eos=(eos,), arrive=arrive)
     same_streams(want, want_chunks, got, got_chunks)
     reasons = {v[2] for v in got.values()}
     assert {FinishReason.EOS, FinishReason.LENGTH} <= reasons and (not words or FinishReason.STOP in reasons)
@@ -67,7 +66,8 @@ def test_arrivals_join_the_chain_with_eos_length_stop_and_seeded_sampling(tiny_m
     check_blocks_returned(router)
 
 
-def test_a_request_ending_at_its_first_token_while_joining(tiny_models):
+@pytest.mark.parametrize("path", ["ahead", "beside"])
+def test_a_request_ending_at_its_first_token_while_joining(tiny_models, path):
     """Arrivals that end at their first token: max_tokens 1 (left out of the next step: it surely
     ends) and an EOS first token (its row in the next step is dropped at commit)."""
     specs = make_specs(10, seed=7)
@@ -76,7 +76,7 @@ def test_a_request_ending_at_its_first_token_while_joining(tiny_models):
     specs = [dataclasses.replace(s, max_tokens=1) if i in (4, 8) else s for i, s in enumerate(specs)]
     arrive = staggered(10)
     want, want_chunks, _ = drive(fresh(tiny_models), specs, overlap=False, eos=(eos,), arrive=arrive)
-    engine = fresh(tiny_models)
+    engine = ahead(fresh(tiny_models)) if path == "ahead" else fresh(tiny_models)
     verified: set[str] = set()
     verify_start = engine.router.verify_lane.verify_start
     engine.router.verify_lane.verify_start = lambda items, **kw: (verified.update(i.request_id for i in items),
@@ -89,12 +89,12 @@ def test_a_request_ending_at_its_first_token_while_joining(tiny_models):
     check_blocks_returned(router)
 
 
-@pytest.fixture
-def beside(monkeypatch):
-    """Admitted requests take the path for configs whose k depends on the batch: their prefill
-    beside the chained step, joining the step after it (Scheduler.join_now says no)."""
-    from verifypd.engine.scheduler import Scheduler
-    monkeypatch.setattr(Scheduler, "join_now", lambda self, config, chunks: False)
+def ahead(engine):
+    """RuntimeConfig.admit_ahead (`--overlap ahead`): a request admitted into a chained step is
+    prefilled ahead of it and decodes in it. Without it (the default) its prefill runs beside the
+    step and it joins the step after."""
+    engine.router.config = engine.router.config.updated(admit_ahead=True)
+    return engine
 
 
 def test_an_arrival_decodes_in_the_step_launched_with_its_prefill(tiny_models):
@@ -102,7 +102,7 @@ def test_an_arrival_decodes_in_the_step_launched_with_its_prefill(tiny_models):
     right after it decodes the request too (first token fed from the prefill on the device), and
     the first token is committed in the same `step()` call, with the step before. A cancel then
     drops its row in the step in flight and holds its blocks until that step's results are in."""
-    engine = fresh(tiny_models)
+    engine = ahead(fresh(tiny_models))
     router = engine.router
     router.config = dataclasses.replace(router.config, overlap=True)
     specs = [dataclasses.replace(s, max_tokens=30, stop_at_eos=False) for s in make_specs(4, seed=2)]
@@ -129,7 +129,7 @@ def test_an_arrival_decodes_in_the_step_launched_with_its_prefill(tiny_models):
     check_blocks_returned(router)
 
 
-def test_cancel_while_its_prefill_is_in_flight(tiny_models, beside):
+def test_cancel_while_its_prefill_is_in_flight(tiny_models):
     """A request cancelled while the chained step that admitted it (and its prefill) is in flight:
     its chunk is dropped at commit, its blocks wait for that step; the others are unchanged."""
     engine = fresh(tiny_models)
@@ -158,12 +158,11 @@ def test_cancel_while_its_prefill_is_in_flight(tiny_models, beside):
 
 
 @pytest.mark.parametrize("path", ["ahead", "beside"])
-def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models, path, request):
+def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models, path):
     """Cancels land one and two steps after an arrival (beside: its prefill in flight, then its
     first decode step; ahead: its first and second decode steps) and on long-running requests,
     with greedy and seeded requests."""
-    if path == "beside":
-        request.getfixturevalue("beside")
+    engine = (lambda: ahead(fresh(tiny_models))) if path == "ahead" else (lambda: fresh(tiny_models))
     specs = make_specs(12, seed=8)
     arrive = staggered(12, first=4, every=3)
     cancel = {s + 1: [f"q{i[0]}"] for s, i in arrive.items() if i[0] % 3 == 0}
@@ -171,7 +170,7 @@ def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models, path,
     cancel.setdefault(6, []).append("q1")
     plan = dict(arrive=arrive, cancel=cancel)
     want, want_chunks, _ = drive(fresh(tiny_models), specs, overlap=False, **plan)
-    got, got_chunks, router = drive(fresh(tiny_models), specs, overlap=True, **plan)
+    got, got_chunks, router = drive(engine(), specs, overlap=True, **plan)
     assert got.keys() == want.keys()
     full = per_request(drive(fresh(tiny_models), specs, overlap=False, arrive=arrive)[1])
     streams, want_streams = per_request(got_chunks), per_request(want_chunks)
@@ -239,6 +238,27 @@ def test_a_regular_step_with_a_prefill_beside_starts_a_chain(tiny_models, monkey
     same_streams(want, want_chunks, got, got_chunks)
     assert any(b is not None for b in starts), "no chain was started by a step with a prefill beside"
     assert router.overlap.joined >= 1
+
+
+def test_a_chain_started_beside_a_prefill_admits_the_requests_still_waiting(tiny_models, monkeypatch):
+    """A regular step prefills what its budget allows beside its verify call and starts a chain; the
+    chained step launched there admits requests still waiting (its prefill first, as `advance`
+    does): every admitted request's first token is committed, by that regular step or the next call."""
+    monkeypatch.setattr(LocalVerifyLane, "starts_async", True)
+    monkeypatch.setattr(LocalPrefillLane, "starts_async", True)
+    specs = [dataclasses.replace(s, prompt_ids=(tuple(s.prompt_ids) * 8)[:8]) for s in make_specs(9, seed=12)]
+    budget = 2 * len(specs[0].prompt_ids)  # two whole prompts per step: the others wait
+    arrive = {1: [3, 4, 5, 6, 7], 6: [8]}
+
+    def engine():
+        e = ahead(fresh(tiny_models))
+        e.router.config = e.router.config.updated(prefill_token_budget=budget)
+        return e
+    want, want_chunks, _ = drive(engine(), specs, overlap=False, arrive=arrive)
+    got, got_chunks, router = drive(engine(), specs, overlap=True, arrive=arrive)
+    same_streams(want, want_chunks, got, got_chunks)
+    assert router.overlap.joined >= 3, (router.overlap.joined, router.overlap.breaks)
+    check_blocks_returned(router)
 
 
 @pytest.mark.parametrize("off", ["overlap", "prefill_first"])

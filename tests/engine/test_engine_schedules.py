@@ -282,7 +282,8 @@ def test_schedule_validation_and_cli():
     from verifypd.cli import build_parser, schedule_changes
     from verifypd.launch.cli import engine_options
     args = build_parser().parse_args(["generate", "--offline", "--schedule", "baseline", "hi"])
-    assert schedule_changes(args) == {"schedule": "baseline", "pipeline": False, "overlap": True}  # auto, one process
+    assert schedule_changes(args) == {"schedule": "baseline", "pipeline": False, "overlap": True,
+                                           "admit_ahead": False}  # auto, one process
     args = build_parser().parse_args(["serve", "--schedule", "pdv", "--topology", "split"])
     assert engine_options(args).config.pipelined  # auto: lane processes
     args = build_parser().parse_args(["serve", "--topology", "split", "--draft", "none"])

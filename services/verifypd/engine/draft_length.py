@@ -51,6 +51,11 @@ class RuntimeConfig:
     # next k = 0 step before the current one's tokens reach the host. In-process lanes only (others
     # ignore it). On: 1.15-1.30 x the steps without it on an H200 (bench/results/engine_throughput_h200_overlap.json).
     overlap: bool = True
+    # With `overlap`: a request admitted into a chained step is prefilled ahead of that step's verify
+    # call and decodes in it (first token one step call sooner), where k is 0 whatever the batch
+    # (Scheduler.join_now); off: its prefill runs beside the step and it joins the next one. Off by
+    # default until measured served on a GPU (docs/engine.md "Overlapped scheduling").
+    admit_ahead: bool = False
     revision: int = 0
 
     def validate(self) -> None:

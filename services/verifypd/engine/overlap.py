@@ -100,7 +100,9 @@ class Overlap:
         """Called by the regular step right after launching `items` (and `beside`, its prefill started
         beside them: router_calls.BesidePrefill), before waiting on them; the router commits them."""
         prefill = (beside.chunks, beside.started) if beside is not None else ([], None)
-        self.inflight = self._follow(config, InFlight(work, items, started, *prefill))
+        # Its arrivals join beside (not ahead): the regular step commits its own calls, not a
+        # prefill launched ahead of the step it starts (only `advance` commits those).
+        self.inflight = self._follow(config, InFlight(work, items, started, *prefill), ahead_ok=False)
 
     def _broken(self, reason: str) -> None:
         self.breaks[reason] = self.breaks.get(reason, 0) + 1
@@ -112,7 +114,7 @@ class Overlap:
         return (self.router.overlap_prefill and config.priorities.prefill <= config.priorities.verify
                 and hasattr(lane, "prefill_start") and not getattr(lane, "remote", False))
 
-    def _follow(self, config: RuntimeConfig, prev: InFlight) -> InFlight | None:
+    def _follow(self, config: RuntimeConfig, prev: InFlight, ahead_ok: bool = True) -> InFlight | None:
         """Launches the k = 0 step after `prev` (and the prefill of requests it admits) if it is
         certain to be the scheduler's next plan."""
         router, sched = self.router, self.router.scheduler
@@ -152,7 +154,7 @@ class Overlap:
         chunks = sched.admit_follow(config, router.costs) if sched.num_waiting else []
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
-        if chunks and sched.join_now(config, chunks):
+        if chunks and ahead_ok and sched.join_now(config, chunks):
             # Prefill first, then the verify call that decodes the admitted requests too: their first
             # token (at the prompt's end) is row j of the prefill's, fed on the device; the verify
             # stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with `prev`.

@@ -45,11 +45,11 @@ class FollowPlanning:
     def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
         """Can the requests just admitted (`admit_follow`'s chunks) decode in the chained step
         launched with their prefill (engine.overlap: prefill first, their first token fed from it)?
-        Only where k is 0 whatever the batch (plan_follow decided k for the batch without them), and
+        Only with `config.admit_ahead`, where k is 0 whatever the batch (plan_follow decided k for the batch without them), and
         the blocks of their first decode position are free; then those are reserved. Otherwise
         nothing changes and False is returned (they join the step after, their prefill beside)."""
         seqs = [c.seq for c in chunks]
-        if not seqs or not all(c.sample_first for c in chunks):
+        if not config.admit_ahead or not seqs or not all(c.sample_first for c in chunks):
             return False
         if not (config.k_max == 0 or self.never_drafts or not config.adaptive and config.k_initial == 0
                 or all(s.spec.max_k == 0 for s in self.running)):
