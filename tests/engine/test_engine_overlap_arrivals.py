@@ -97,64 +97,60 @@ def ahead(engine):
     return engine
 
 
+def arrive_in_a_chain(engine):
+    """Three requests chain for four steps, then q3 arrives while a step is in flight. Returns the router."""
+    router = engine.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    specs = [dataclasses.replace(s, max_tokens=30, stop_at_eos=False) for s in make_specs(4, seed=2)]
+    for spec in specs[:3]:
+        router.add_request(spec)
+    for _ in range(4):
+        router.step()
+    assert router.overlap.inflight is not None
+    router.add_request(specs[3])
+    return engine.router
+
+
+def cancel_q3_then_finish(router) -> int:
+    """Cancels q3 while a step (or prefill) holding it is in flight: its blocks stay out of the pool
+    and nothing of it is committed by the next step; then runs to the end. Returns the rows dropped
+    by then."""
+    free_before = router.target_blocks.num_free
+    out = router.abort("q3")
+    assert out.finished and out.finish_reason is FinishReason.CANCELLED
+    assert router.target_blocks.num_free == free_before, "blocks freed under a call still in flight"
+    outputs = router.step()
+    assert all(o.request_id != "q3" for o in outputs), "a cancelled request's token was streamed"
+    assert "q3" not in router.overlap.inflight.members
+    dropped = router.overlap.dropped
+    while router.has_work():
+        router.step()
+    check_blocks_returned(router)
+    return dropped
+
+
 def test_an_arrival_decodes_in_the_step_launched_with_its_prefill(tiny_models):
     """k is 0 whatever the batch: the admitted request's prefill goes first, the chained step launched
     right after it decodes the request too (first token fed from the prefill on the device), and
     the first token is committed in the same `step()` call, with the step before. A cancel then
     drops its row in the step in flight and holds its blocks until that step's results are in."""
-    engine = ahead(fresh(tiny_models))
-    router = engine.router
-    router.config = dataclasses.replace(router.config, overlap=True)
-    specs = [dataclasses.replace(s, max_tokens=30, stop_at_eos=False) for s in make_specs(4, seed=2)]
-    for spec in specs[:3]:
-        router.add_request(spec)
-    for _ in range(4):
-        router.step()
-    assert router.overlap.inflight is not None
-    router.add_request(specs[3])
+    router = arrive_in_a_chain(ahead(fresh(tiny_models)))
     outputs = router.step()
     inflight = router.overlap.inflight
     assert inflight is not None and "q3" in inflight.members, "the arrival does not decode in the new step"
     assert [o.token_ids for o in outputs if o.request_id == "q3"] and not inflight.admitted, \
         "the first token did not come in the call that launched its prefill"
-    free_before = router.target_blocks.num_free
-    out = router.abort("q3")
-    assert out.finished and out.finish_reason is FinishReason.CANCELLED
-    assert router.target_blocks.num_free == free_before, "blocks freed under a step still in flight"
-    outputs = router.step()
-    assert all(o.request_id != "q3" for o in outputs), "a cancelled request's row was committed"
-    assert "q3" not in router.overlap.inflight.members and router.overlap.dropped == 1
-    while router.has_work():
-        router.step()
-    check_blocks_returned(router)
+    assert cancel_q3_then_finish(router) == 1  # its row in the step in flight, dropped
 
 
 def test_cancel_while_its_prefill_is_in_flight(tiny_models):
     """A request cancelled while the chained step that admitted it (and its prefill) is in flight:
     its chunk is dropped at commit, its blocks wait for that step; the others are unchanged."""
-    engine = fresh(tiny_models)
-    router = engine.router
-    router.config = dataclasses.replace(router.config, overlap=True)
-    specs = [dataclasses.replace(s, max_tokens=30, stop_at_eos=False) for s in make_specs(4, seed=2)]
-    for spec in specs[:3]:
-        router.add_request(spec)
-    for _ in range(4):
-        router.step()
-    assert router.overlap.inflight is not None
-    router.add_request(specs[3])
+    router = arrive_in_a_chain(fresh(tiny_models))
     router.step()  # launches the step after the one in flight, with q3's prefill beside it
     inflight = router.overlap.inflight
     assert inflight is not None and "q3" in inflight.admitted, "the arrival was not taken into the chain"
-    free_before = router.target_blocks.num_free
-    out = router.abort("q3")
-    assert out.finished and out.finish_reason is FinishReason.CANCELLED
-    assert router.target_blocks.num_free == free_before, "blocks freed under a prefill still in flight"
-    outputs = router.step()
-    assert all(o.request_id != "q3" for o in outputs), "a cancelled request's first token was streamed"
-    assert "q3" not in router.overlap.inflight.members
-    while router.has_work():
-        router.step()
-    check_blocks_returned(router)
+    cancel_q3_then_finish(router)
 
 
 @pytest.mark.parametrize("path", ["ahead", "beside"])
