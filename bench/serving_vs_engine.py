@@ -68,6 +68,8 @@ def engine_flags(args, mode: str) -> list[str]:
              "--max-running", str(max(256, max(args.concurrency)))]
     if alpha is not None:
         flags += ["--simulated-acceptance", str(alpha)]
+    if args.overlap != "on":
+        flags += ["--overlap", args.overlap]
     if args.graph_buckets:
         flags += ["--graph-buckets", args.graph_buckets]
     if args.num_blocks:
@@ -363,6 +365,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=15.0, help="measured window per point")
     ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--overlap", choices=("on", "off", "ahead"), default="on",
+                    help="serve --overlap for the engine alone and the served rows (docs/engine.md 'Overlapped scheduling')")
     ap.add_argument("--graph-buckets", default=None)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--ready-timeout", type=float, default=600.0)
