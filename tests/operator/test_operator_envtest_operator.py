@@ -248,8 +248,11 @@ def test_peering_two_replicas_one_active(envtest, release, admin, namespace, tmp
         envtest.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         wait_for(lambda: admin.get("Deployment", namespace, "smollm2-colocated"), "reconciled by a peer", ops)
         # Only this config counts: configs left by earlier tests are resumed by both replicas in
-        # the moment before they see each other (kopf peering settles after startup).
-        active = [o for o in ops if f"reconciled {namespace}/smollm2" in o.text()]
+        # the moment before they see each other (kopf peering settles after startup). The log line
+        # comes after the children are written (it once lagged the Deployment on a loaded CPU).
+        done = f"reconciled {namespace}/smollm2"
+        wait_for(lambda: any(done in o.text() for o in ops), "the reconcile logged", ops)
+        active = [o for o in ops if done in o.text()]
         assert len(active) == 1, [o.text()[-2000:] for o in ops]
         admin.request("DELETE", cr_path(namespace, "smollm2"))
         wait_for(lambda: admin.request("GET", cr_path(namespace, "smollm2")) is None, "CR deleted", ops)
