@@ -29,7 +29,7 @@ compares the serving path with the engine under the same arrival pattern. The cl
 connect first and start together; requests still in flight after the window are cancelled.
 
     python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
-    python bench/serving_vs_engine.py --device cpu --shape tiny ...   (smoke test on the CPU)
+    python bench/serving_vs_engine.py --device cpu --target TINY_MODEL_DIR --vocab 90 --modes k0 --concurrency 4 --prompt 16 --gen 16   (CPU smoke test)
 """
 from __future__ import annotations
 
