@@ -155,20 +155,8 @@ class Overlap:
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
         if chunks and ahead_ok and sched.join_now(config, chunks):
-            # Prefill first, then the verify call that decodes the admitted requests too: their first
-            # token (at the prompt's end) is row j of the prefill's, fed on the device; the verify
-            # stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with `prev`.
-            ahead = (chunks, router._start_prefill(chunks))
-            first_now = ahead[1].next_tokens
-            if first_now is None:
-                self._wait_quietly(ahead[1])
-                raise RuntimeError("a prefill lane that samples every item left no first tokens on the device")
             offset = len(prev.items) + (len(prev.prefill) if joining else 0)  # rows of the sources before it
-            for j, c in enumerate(chunks):
-                if not self._finishes(c.seq):
-                    rows.append(offset + j)
-                    seqs.append(c.seq)
-            sources.append(first_now)
+            ahead = self._prefill_ahead(chunks, offset, rows, seqs, sources)
             chunks = []
         pool = router.target_pool
         items = []
@@ -196,6 +184,23 @@ class Overlap:
         self.steps += 1
         self.joined += sum(row >= len(prev.items) for row in rows)
         return InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started, ahead=ahead)
+
+    def _prefill_ahead(self, chunks: list[PrefillChunk], offset: int, rows: list[int], seqs: list[Sequence],
+                       sources: list) -> tuple[list[PrefillChunk], Any]:
+        """Starts the admitted requests' prefill ahead of the verify call that decodes them too (adds
+        their rows, from `offset` on, and the prefill's first tokens as the feed's next source): the
+        verify stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with the step
+        before (`InFlight.ahead`, Overlap.advance)."""
+        started = self.router._start_prefill(chunks)
+        if started.next_tokens is None:
+            self._wait_quietly(started)
+            raise RuntimeError("a prefill lane that samples every item left no first tokens on the device")
+        for j, c in enumerate(chunks):
+            if not self._finishes(c.seq):
+                rows.append(offset + j)
+                seqs.append(c.seq)
+        sources.append(started.next_tokens)
+        return chunks, started
 
     def _finishes(self, seq: Sequence) -> bool:
         """The token in flight surely ends `seq` (Router._emit's length checks)."""

@@ -26,21 +26,26 @@ class FollowPlanning:
         is recorded as `plan` would record it. Only where that step is certain to be what `plan`
         would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
         Otherwise nothing changes and False is returned."""
-        if not seqs or not self._plain_certain(config, costs, seqs):
-            return False
-        # The token in flight sits at pending_pos + 1 and is verified there: its KV needs
-        # pending_pos + 2 target positions; a draft holds one fewer.
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        if need > self.target.num_free or not self.poolless_draft and \
-                sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) > self.draft.num_free:
+        if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
         if probed or any(self._cap(config, s, k_batch) for s in seqs):  # _plain_certain rules this out
             return False
-        for seq in seqs:  # positions n + 1 (the token in flight is n's), as _reserve(seq, n + 1, 0)
+        self._reserve_next_position(seqs)
+        return True
+
+    def _next_position_fits(self, seqs: list[Sequence]) -> bool:
+        """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
+        needs pending_pos + 2 target positions (a draft holds one fewer). Are those blocks free?"""
+        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
+        return need <= self.target.num_free and (self.poolless_draft or sum(
+            self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= self.draft.num_free)
+
+    def _reserve_next_position(self, seqs: list[Sequence]) -> None:
+        """Reserves what `_next_position_fits` counted free (as _reserve(seq, n + 1, 0))."""
+        for seq in seqs:
             reserved = self._reserve(seq, seq.pending_pos + 1, 0)
             assert reserved, "blocks counted free were not"
-        return True
 
     def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
         """Can the requests just admitted (`admit_follow`'s chunks) decode in the chained step
@@ -54,13 +59,9 @@ class FollowPlanning:
         if not (config.k_max == 0 or self.never_drafts or not config.adaptive and config.k_initial == 0
                 or all(s.spec.max_k == 0 for s in self.running)):
             return False
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        if need > self.target.num_free or not self.poolless_draft and \
-                sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) > self.draft.num_free:
+        if not self._next_position_fits(seqs):  # the first token sits at pending_pos + 1: the prompt's end
             return False
-        for seq in seqs:  # the first token sits at pending_pos + 1 (the prompt's end), as plan_follow
-            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
-            assert reserved, "blocks counted free were not"
+        self._reserve_next_position(seqs)
         return True
 
     def follow_blocked(self, config: RuntimeConfig) -> bool:

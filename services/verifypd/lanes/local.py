@@ -209,8 +209,8 @@ class LocalVerifyLane:
             if len(rows) != len(items):
                 raise ValueError(f"a token feed needs one row per item: {len(rows)} rows, {len(items)} items")
             if self.stream is not None:  # a prefill's tokens come from another stream: keep their memory
-                for source in feed.sources:  # from reuse there until this stream has read them
-                    source.record_stream(self.stream)
+                for source in feed.sources[1:]:  # from reuse there until this stream has read them (the
+                    source.record_stream(self.stream)  # first source is this stream's own last call's)
             source = feed.sources[0] if len(feed.sources) == 1 else torch.cat(feed.sources)
             first_ids = source if rows == list(range(source.shape[0])) else \
                 source[sampler.small_tensor(rows, source.device)]
