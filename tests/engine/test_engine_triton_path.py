@@ -4,6 +4,7 @@ padded batch layouts that CUDA graphs replay are checked entry by entry."""
 from __future__ import annotations
 
 import os
+import random
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from engine_helpers import DEVICE, make_engine
 from test_engine_greedy_lossless import random_prompts
 from verifypd.engine.types import RequestSpec
+from verifypd.model import layout as layout_module
 from verifypd.model.runner import TokenRun, build_layout
 
 needs_triton = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -35,7 +37,15 @@ def test_triton_backend_equals_reference(tiny_models, monkeypatch, k):
     assert _outputs(engine, prompts) == expected
 
 
-def test_padded_layout_left_and_right_aligned():
+@pytest.fixture(params=["python", "numpy"])
+def padded_path(request, monkeypatch):
+    """Both builders of padded layouts: small ones element by element, larger ones with numpy."""
+    if request.param == "numpy":
+        monkeypatch.setattr(layout_module, "SMALL_PADDED", -1)
+    return request.param
+
+
+def test_padded_layout_left_and_right_aligned(padded_path):
     runs = [TokenRun([7, 8, 9], 5, (3, 1)), TokenRun([4], 2, (6,))]
     left = build_layout(runs, 4, query=3, align="left", rows=4, width=3)
     # Run 0: positions 5, 6, 7 -> block 1 (slot 4..7 of block id 1); run 1: one token then padding.
@@ -51,7 +61,33 @@ def test_padded_layout_left_and_right_aligned():
     assert right.slots.reshape(2, 3).tolist() == [[5, 6, 7], [-1, -1, 26]]
 
 
-def test_ragged_layout_and_capacity_errors():
+def test_small_padded_layouts_equal_the_numpy_builder(monkeypatch):
+    """Random padded layouts (decode / verify / draft sizes) built element by element == numpy's."""
+    rng = random.Random(7)
+    cases = 0
+    while cases < 400:
+        query, block_size = rng.randint(1, 9), rng.choice([1, 4, 16])
+        runs = []
+        for _ in range(rng.randint(1, 6)):
+            n, start = rng.randint(1, query), rng.randint(0, 40)
+            blocks = -(-(start + n) // block_size) + rng.randint(0, 2)
+            runs.append(TokenRun([rng.randint(1, 99) for _ in range(n)], start, tuple(rng.sample(range(200), blocks))))
+        rows = len(runs) + rng.randint(0, 3)
+        if rows * query > layout_module.SMALL_PADDED:
+            continue
+        kwargs = dict(query=query, align=rng.choice(["left", "right"]), rows=rows, width=rng.choice([None, 60]))
+        small = build_layout(runs, block_size, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(layout_module, "SMALL_PADDED", -1)
+            reference = build_layout(runs, block_size, **kwargs)
+        for field in ("ids", "positions", "slots", "tables", "query_start"):
+            a, b = getattr(small, field), getattr(reference, field)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (field, runs, kwargs)
+        assert (small.max_query, small.real) == (reference.max_query, reference.real)
+        cases += 1
+
+
+def test_ragged_layout_and_capacity_errors(padded_path):
     runs = [TokenRun([1, 2], 0, (0,)), TokenRun([3, 4, 5], 4, (2, 5))]
     ragged = build_layout(runs, 4)
     assert ragged.ids.tolist() == [1, 2, 3, 4, 5]
