@@ -187,7 +187,8 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
     A lane process passes only the runner it serves."""
     seconds = 0.0
     if target is not None and target.graphs is not None:
-        seconds += target.graphs.warm_up(("all",), max_query=min(k_max + 1, target.graphs.max_query))
+        kinds = ("all", "accept") if k_max > 0 else ("all",)   # "accept": greedy verify calls with drafts
+        seconds += target.graphs.warm_up(kinds, max_query=min(k_max + 1, target.graphs.max_query))
     if getattr(draft, "reads_features", False) and draft.graphs is not None:  # a feature draft's call graphs
         seconds += draft.graphs.warm_up(max_query=k_max + 1, max_steps=k_max)
     elif draft is not None and draft.graphs is not None:  # None: pool-less draft

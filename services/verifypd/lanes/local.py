@@ -221,6 +221,11 @@ class LocalVerifyLane:
         R, K = len(items), max(ks)
         device = self.target.device
         fed = {} if first_ids is None else {"first_ids": first_ids}
+        if (K > 0 and self.simulated_acceptance is None and all(i.sampling.greedy for i in items)
+                and getattr(self.target, "verifies_greedy", False)):  # forward + acceptance: one replay
+            verdict = self.target.verify_greedy(runs, ks, on_device.gather(items, K) if on_device else None, **fed)
+            return HostCopy(verdict, lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
+                                                   for i, row in zip(items, host)])
         if on_device is not None:
             drafts = on_device.gather(items, K)                               # [R, K] on the device
             logits = self.target.score(runs, drafts, **fed)                   # [R, K+1, V], padded

@@ -2,6 +2,9 @@
 
 Graphs (all sharing one memory pool and one set of static input buffers):
   * ("all", B, Q): forward of B sequences x Q tokens, logits of every token (verify, plain decode);
+  * ("accept", B, Q): the same forward, then greedy acceptance of the Q - 1 drafts that follow
+    each pending token (`verdict`: accepted, final token, drafts), so a greedy verify call with
+    k > 0 is one replay instead of a replay and ~15 eager launches;
   * ("last", B, Q): the same, logits of each sequence's last token (the draft's first step);
   * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times.
 B is a padded batch bucket (1, 2, 4, ..., 256), Q a tokens-per-sequence count. Static inputs are
@@ -16,6 +19,7 @@ import time
 
 import torch
 
+from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
@@ -39,11 +43,15 @@ class GraphRunner:
         self.width = -(-(model.shape.max_context + 64) // block_size)  # block-table columns
         tokens = rows * max_query
         # Static inputs are views of one buffer, so a call's inputs arrive in one copy:
-        # [ids | positions | slots | tables], each region at a fixed offset (prefixes are used).
+        # [ids | positions | slots | ks | tables], each region at a fixed offset (prefixes are used).
         self.staging = staging
-        self._meta = torch.zeros(3 * tokens + rows * self.width, dtype=torch.long, device=dev)
+        self._tables_at = 3 * tokens + rows
+        self._meta = torch.zeros(self._tables_at + rows * self.width, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots = (self._meta[i * tokens:(i + 1) * tokens] for i in range(3))
-        self.tables = self._meta[3 * tokens:].view(rows, self.width)
+        self.ks = self._meta[3 * tokens:self._tables_at]            # [rows] drafts per row ("accept")
+        self.tables = self._meta[self._tables_at:].view(rows, self.width)
+        # ("accept") row r: [accepted, final token, its Q - 1 drafts]; sampler.accept_greedy's rule
+        self.verdict = torch.zeros(rows, max_query + 1, dtype=torch.long, device=dev)
         self.slots.fill_(-1)
         self.logits = torch.empty(tokens, model.shape.vocab_size, dtype=model.weights.embed.dtype, device=dev)
         self.arange = torch.arange(tokens + 1, device=dev)
@@ -80,6 +88,21 @@ class GraphRunner:
         graph.replay()
         return self.logits[:rows * query].view(rows, query, -1)[:len(runs)]
 
+    def verify_greedy(self, runs: list[TokenRun], query: int, ks: list[int], device_ids: torch.Tensor | None = None,
+                      first_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """score() + greedy acceptance in one replay: [B, Q + 1] (accepted, final, drafts), a view of
+        a static buffer (copy it before the next replay). Drafts are token ids 1 .. Q - 1 of each
+        run (or `device_ids`); row r accepts at most ks[r] of them."""
+        rows = self.bucket(len(runs))
+        graph = self._graph(("accept", rows, query))
+        self._load(runs, query, "left", rows, ks)
+        if device_ids is not None and query > 1:
+            self.ids[:rows * query].view(rows, query)[:len(runs), 1:] = device_ids
+        if first_ids is not None:
+            self.ids[:rows * query].view(rows, query)[:len(runs), 0] = first_ids
+        graph.replay()
+        return self.verdict[:len(runs), :query + 1]
+
     def last_logits(self, runs: list[TokenRun], query: int) -> torch.Tensor:
         rows = self.bucket(len(runs))
         graph = self._graph(("last", rows, query))
@@ -87,15 +110,17 @@ class GraphRunner:
         graph.replay()
         return self.logits[:len(runs)]
 
-    def _load(self, runs: list[TokenRun], query: int, align: str, rows: int) -> None:
+    def _load(self, runs: list[TokenRun], query: int, align: str, rows: int, ks: list[int] | None = None) -> None:
         host = build_layout(runs, self.block_size, query=query, align=align, rows=rows, width=self.width)
         n, tokens = rows * query, self.ids.numel()
-        span = 3 * tokens + rows * self.width
+        span = self._tables_at + rows * self.width
         host_buf = self.staging.take(span)
         view = host_buf.numpy()
         for i, part in enumerate((host.ids, host.positions, host.slots)):
             view[i * tokens:i * tokens + n] = part
-        view[3 * tokens:span] = host.tables.ravel()
+        if ks is not None:  # padding rows accept nothing
+            view[3 * tokens:3 * tokens + rows] = ks + [0] * (rows - len(ks))
+        view[self._tables_at:span] = host.tables.ravel()
         self._meta[:span].copy_(host_buf, non_blocking=True)
         self.staging.sent()
 
@@ -103,8 +128,12 @@ class GraphRunner:
         n = rows * query
         batch = BatchLayout(self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows],
                             self.arange[:rows + 1] * query, query)
-        if mode == "all":
+        if mode in ("all", "accept"):
             self.model.forward(self.pool, batch, self.arange[:n], logits_out=self.logits[:n])
+            if mode == "accept":
+                drafts = self.ids[:n].view(rows, query)[:, 1:]
+                write_verdict(self.logits[:n].view(rows, query, -1).argmax(-1), drafts, self.ks[:rows],
+                              self.verdict[:rows, :query + 1])
         else:
             index = self.arange[1:rows + 1] * query - 1
             self.model.forward(self.pool, batch, index, logits_out=self.logits[:rows])
@@ -163,10 +192,19 @@ class GraphRunner:
                 if kind == "draft":
                     self._graph(("draft", rows, "greedy"))
                     continue
-                for query in range(1, (max_query or self.max_query) + 1):
+                for query in range(1 if kind != "accept" else 2, (max_query or self.max_query) + 1):
                     if self.fits(rows, query):
                         self._graph((kind, rows, query))
         return time.perf_counter() - t0
+
+
+def write_verdict(target_argmax: torch.Tensor, drafts: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> None:
+    """Greedy acceptance into out [R, K + 2]: accepted, final token, the K drafts (what the verify
+    lane sends to the host). target_argmax [R, K + 1], drafts [R, K], ks [R]."""
+    accepted, final = sampler.accept_greedy(target_argmax, drafts, ks)
+    out[:, 0] = accepted
+    out[:, 1] = final
+    out[:, 2:] = drafts
 
 
 def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:

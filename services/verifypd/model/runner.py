@@ -5,7 +5,7 @@ import torch
 
 from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
-from verifypd.model.graph_runner import GraphRunner
+from verifypd.model.graph_runner import GraphRunner, write_verdict
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
@@ -74,6 +74,24 @@ class ModelRunner:
             batch.input_ids.view(len(runs), query)[:, 0] = first_ids
         logits = self.model.forward(self.pool.tensor, batch, torch.arange(host.ids.size, device=self.device))
         return logits.view(len(runs), query, -1)
+
+    # verify_greedy(): score + greedy acceptance in one call (one graph replay on CUDA).
+    verifies_greedy = True
+
+    def verify_greedy(self, runs: list[TokenRun], ks: list[int], device_ids: torch.Tensor | None = None,
+                      first_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy verify of runs [pending token, drafts ...] (drafts in the runs, or `device_ids` [B, K]
+        as in score()): [B, K + 2] = accepted, final token, the K drafts (sampler.accept_greedy)."""
+        query = max(len(r.token_ids) for r in runs)
+        if self.graphs is not None and self.graphs.fits(len(runs), query):
+            return self.graphs.verify_greedy(runs, query, ks, device_ids, first_ids)
+        logits = self.score(runs, device_ids, first_ids)
+        if device_ids is None:
+            device_ids = sampler.small_tensor([r.token_ids[1:] + [0] * (query - len(r.token_ids)) for r in runs],
+                                              self.device).view(len(runs), query - 1)
+        out = torch.empty(len(runs), query + 1, dtype=torch.long, device=self.device)
+        write_verdict(logits.argmax(-1), device_ids, sampler.small_tensor(ks, self.device), out)
+        return out
 
     def last_logits(self, runs: list[TokenRun]) -> torch.Tensor:
         """Logits of each run's last token [B, V] through the padded (graph-able) layout."""

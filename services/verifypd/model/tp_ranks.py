@@ -277,6 +277,7 @@ class LeaderRunner(ModelRunner):
                 self.ranks.forward_failed(exc)
 
     feeds_first_ids = False  # the followers would need the fed tokens too (not sent yet)
+    verifies_greedy = False  # its followers run score(); the acceptance stays in the verify lane
 
     def score(self, runs, device_ids=None):
         with self.ranks.lock:
