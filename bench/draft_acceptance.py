@@ -110,8 +110,9 @@ def main() -> None:
                for f, rs in rows.items()}
     drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
     engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
-    for engine in engines.values():  # first-call allocations outside the timings
-        engine.generate([RequestSpec(prompts["chat"][0], max_tokens=4, request_id="warm")])
+    for engine in engines.values():  # first-call allocations and kernel compiles outside the timings:
+        for family, ids in prompts.items():  # a prompt of each family (lengths differ), a few drafting steps
+            engine.generate([RequestSpec(ids[0], max_tokens=16, request_id=f"warm-{family}")])
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if any(b < 1 for b in batches):
         ap.error("--batches: each batch size must be >= 1")
