@@ -14,6 +14,7 @@ Sizes outside the buckets run eagerly through the same code.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -221,8 +222,20 @@ def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
     # allocation or event query ("operation not permitted when stream is capturing", seen on the
     # H200 in test_seeded_output_with_head_in_every_schedule_and_after_preemption[pdv-True-128]).
     # The other thread's work goes to its own streams, never to the capture stream.
-    with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
-        fn()
+    # No garbage collection during the capture (gc.disable is process-wide): a collection triggered by
+    # the capture's own allocations could destroy a dead engine's CUDA graph or free its pinned
+    # buffers, calls not permitted in the capturing thread, and the capture fails ("operation failed
+    # due to a previous error during capture" after "operation not permitted when stream is capturing
+    # (function reset)": seen on the H200 in test_greedy_with_head_in_every_schedule, which builds
+    # engines one after another). Dead objects are collected after it, outside any capture.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
+            fn()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize()
     return graph
 
