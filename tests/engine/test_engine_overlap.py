@@ -235,6 +235,27 @@ def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_model
     assert off > 70 and router.overlap.steps >= 0.8 * off, (router.overlap.steps, off)
 
 
+def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models):
+    """Drafting off (SIMULATED acceptance 0), requests finishing one after another: a finish changes
+    the batch the off decision was made for, and the chained step decides again for the smaller
+    batch instead of ending the chain for a regular step (which it did at every finish: ngram at
+    batch 16 ran at 0.91 x plain decoding on the H200, hardly drafting)."""
+    from verifypd.engine.step_costs import batch_bucket
+
+    engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
+    specs = [RequestSpec(p, max_tokens=60 + 8 * i, stop_at_eos=False, request_id=f"s{i}")
+             for i, p in enumerate(prompts(6, 44))]
+    _, _, router = drive(engine, specs, overlap=True)
+    probes = router.scheduler.probes
+    off = probes.decisions - probes.drafting
+    assert off > 60, (off, probes.decisions)
+    # Six requests finish at six different steps (the batch shrinks 5 times while drafting is off),
+    # through 4 batch buckets (8, 4, 2, 1): a chain may end where the plain cost of a new bucket is
+    # unmeasured, and for a probe, not at every finish (13 "plan" breaks before, 5 after).
+    buckets = len({batch_bucket(n) for n in range(1, 7)})
+    assert router.overlap.breaks.get("plan", 0) <= buckets + 1 + probes.probes, router.overlap.breaks
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_plain_step_cost_leaves_out_host_work_that_overlap_hides(tiny_models, overlap):
     """Adaptive k compares drafting with plain decoding by their measured step costs. With overlap a
