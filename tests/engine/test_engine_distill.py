@@ -150,11 +150,13 @@ def test_heldout_acceptance_walks_like_the_engine():
     assert accepted_length(head, logits, labels, late) == (4.0, 5)
 
 
-def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
-    """Without --prompts a chat target writes its own requests: half questions, half a task on a text
-    it wrote (so copy-heavy answers are trained too); the text is inside the task's prompt."""
+def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_targets_texts():
+    """Without --prompts a chat target gets half chat requests (3/5 straight from our templates, 2/5
+    written by the target at temperature 0.8) and half a task on a text it wrote (so copy-heavy
+    answers are trained too; the text is inside the task's prompt); the same seed, the same prompts."""
     from types import SimpleNamespace
 
+    from verifypd.distill.chat_requests import template_requests
     from verifypd.distill.data import TEXT_SEEDS, own_prompts
 
     class Codec:  # one character per token
@@ -174,17 +176,22 @@ def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
             self.calls = []
 
         def generate(self, specs):
-            self.calls.append(specs[0].max_tokens)
+            self.calls.append((len(specs), specs[0].max_tokens, specs[0].sampling.temperature))
             return {s.request_id: SimpleNamespace(token_ids=Codec().encode(f"Text number {s.request_id} here, long enough for a text."))
                     for s in specs}
 
     engine = Engine()
-    prompts = [Codec().decode(p) for p in own_prompts(engine, Codec(), 10, seed=0)]
-    assert engine.calls == [48, 160]                            # requests, then texts
+    prompts = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(engine, Codec(), 100, seed=0)]
+    assert engine.calls == [(20, 48, 0.8), (50, 160, 0.8)]       # written requests, then texts
+    assert len(prompts) == 100
+    assert prompts[:30] == [text for _, text in template_requests(30, seed=0)]
+    assert all(p.startswith("Text number d") for p in prompts[30:50])   # the target's requests
     tasks = {t for _, _, ts in TEXT_SEEDS for t in ts}
-    worked = [p for p in prompts if p.removeprefix("<user>").split("\n\n")[0] in tasks]
-    assert len(worked) == 5 and len(prompts) == 10
-    assert all("Text number d" in p.split("\n\n", 1)[1] for p in worked)
+    worked = prompts[50:]
+    assert all(p.split("\n\n")[0] in tasks and "Text number d" in p.split("\n\n", 1)[1] for p in worked)
+    assert len({p.split("\n\n")[0] for p in worked}) > 5               # several task wordings
+    again = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(Engine(), Codec(), 100, seed=0)]
+    assert again == prompts
 
 
 def test_fit_steps_ends_the_schedule_inside_max_minutes():

@@ -1,11 +1,13 @@
 """Self-distillation data: the target writes it. Torch-free except through the engine.
 
 Sources: a prompts file (one text per line, or JSONL with "prompt" or "messages"), answered by the
-target; or, with none, the target's own samples: it first writes user requests (sampled, from a
-few seed instructions over a list of topics, and, for half of them, a text it wrote with a task
-to do on it: rewrite, edit code, extract; chat models) or free text (models without a chat
-template), then answers them. Answers are greedy by default, which makes the held-out estimate of
-accepted length exact for temperature 0 (distill.head_train.accepted_length).
+target; or, with none, the target's own samples (chat models): half of them chat requests, of
+which 3/5 come straight from our templates of many request kinds over many subjects and 2/5 are
+written by the target (sampled at 0.8, asked for one request of a kind about a topic:
+distill.chat_requests), and half a task to do on a text the target wrote itself (rewrite, edit
+code, extract); models without a chat template get free text. Then the target answers them.
+Answers are greedy by default, which makes the held-out estimate of accepted length exact for
+temperature 0 (distill.head_train.accepted_length).
 
 Cached as DIR/data.jsonl ({"tokens", "prompt_len", "heldout"}), so a resumed run trains on the same data.
 """
@@ -15,16 +17,11 @@ import json
 import pathlib
 import random
 
+from verifypd.distill.chat_requests import WRITER_TOPICS, template_requests, writer_asks
 from verifypd.engine.types import RequestSpec, SamplingParams
 
-TOPICS = ["cooking", "history", "physics", "programming in Python", "travel", "music", "health", "gardening",
-          "mathematics", "economics", "writing an email", "biology", "chemistry", "sports", "movies", "animals",
-          "space", "personal finance", "a job interview", "learning a language", "the weather", "cars",
-          "databases", "poetry", "philosophy", "geography", "electricity", "computers", "art", "sleep"]
-SEEDS = ["Write one question a curious person might ask an assistant about {topic}. Reply with the question only.",
-         "Write a short instruction asking an assistant to do a task related to {topic}. "
-         "Reply with the instruction only.",
-         "Give one request about {topic} that someone could type into a chatbot. Only the request."]
+WRITTEN_SHARE = 0.4   # of the chat requests: written by the target (the rest from our templates)
+WRITER_TEMPERATURE = 0.8
 
 # Work-on-a-text requests: the target writes a text (prose, code, a note with facts), and the prompt
 # asks for something done to it, so the head also learns the copy-heavy answers (rewrites, edits,
@@ -39,7 +36,11 @@ TEXT_SEEDS = [
       "Add error handling to this code and return the whole code."]),
     ("Write a short note about {topic} that mentions people, dates and amounts. Reply with the note only.", "{}",
      ["Pull out all people, places, dates and numbers from this text.",
-      "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text."]),
+      "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text.",
+      "Which dates and amounts appear in this note? Answer as a table."]),
+    ("Write a short email about {topic}. Reply with the email only.", "{}",
+     ["Make this email more polite and give it back in full.", "Fix the spelling and grammar of this email.",
+      "Make this email shorter but keep every fact in it."]),
 ]
 
 
@@ -97,16 +98,17 @@ def own_prompts(engine, codec, count: int, seed: int) -> list[list[int]]:
         texts = generate(engine, starts, 24, 1.0, seed, stop_at_eos=False)
         return [s + t for s, t in zip(starts, texts)]
     questions = count - count // 2
-    asks = [encode(codec, rng.choice(SEEDS).format(topic=rng.choice(TOPICS))) for _ in range(questions)]
-    requests = generate(engine, asks, 48, 1.0, seed)
-    prompts = []
+    written = round(WRITTEN_SHARE * questions)
+    prompts = [encode(codec, text) for _, text in template_requests(questions - written, seed)]
+    asks = [encode(codec, ask) for ask in writer_asks(written, seed)]
+    requests = generate(engine, asks, 48, WRITER_TEMPERATURE, seed) if asks else []
     for ids in requests:
-        text = codec.decode(ids).strip().split("\n")[0].strip()
+        text = codec.decode(ids).strip().split("\n")[0].strip().strip('"').strip()
         if len(text) >= 8:
             prompts.append(encode(codec, text))
     kinds = [rng.choice(TEXT_SEEDS) for _ in range(count // 2)]
-    texts = generate(engine, [encode(codec, ask.format(topic=rng.choice(TOPICS))) for ask, _, _ in kinds], 160,
-                     0.8, seed + 1)
+    asks = [encode(codec, ask.format(topic=rng.choice(WRITER_TOPICS))) for ask, _, _ in kinds]
+    texts = generate(engine, asks, 160, 0.8, seed + 1) if asks else []
     for (_, wrap, tasks), ids in zip(kinds, texts):
         text = codec.decode(ids).strip().removeprefix("```python").removesuffix("```").strip()
         if len(text) >= 40:
