@@ -151,7 +151,7 @@ def test_heldout_acceptance_walks_like_the_engine():
 
 
 def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_targets_texts():
-    """Without --prompts a chat target gets half chat requests (3/5 straight from our templates, 2/5
+    """Without --prompts a chat target gets half chat requests (3/4 straight from our templates, 1/4
     written by the target at temperature 0.8) and half a task on a text it wrote (so copy-heavy
     answers are trained too; the text is inside the task's prompt); the same seed, the same prompts."""
     from types import SimpleNamespace
@@ -182,10 +182,10 @@ def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_tar
 
     engine = Engine()
     prompts = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(engine, Codec(), 100, seed=0)]
-    assert engine.calls == [(20, 48, 0.8), (50, 160, 0.8)]       # written requests, then texts
+    assert engine.calls == [(12, 48, 0.8), (50, 160, 0.8)]       # written requests, then texts
     assert len(prompts) == 100
-    assert prompts[:30] == [text for _, text in template_requests(30, seed=0)]
-    assert all(p.startswith("Text number d") for p in prompts[30:50])   # the target's requests
+    assert prompts[:38] == [text for _, text in template_requests(38, seed=0)]
+    assert all(p.startswith("Text number d") for p in prompts[38:50])   # the target's requests
     tasks = {t for _, _, ts in TEXT_SEEDS for t in ts}
     worked = prompts[50:]
     assert all(p.split("\n\n")[0] in tasks and "Text number d" in p.split("\n\n", 1)[1] for p in worked)

@@ -2,7 +2,7 @@
 
 Sources: a prompts file (one text per line, or JSONL with "prompt" or "messages"), answered by the
 target; or, with none, the target's own samples (chat models): half of them chat requests, of
-which 3/5 come straight from our templates of many request kinds over many subjects and 2/5 are
+which 3/4 come straight from our templates of many request kinds over many subjects and 1/4 are
 written by the target (sampled at 0.8, asked for one request of a kind about a topic:
 distill.chat_requests), and half a task to do on a text the target wrote itself (rewrite, edit
 code, extract); models without a chat template get free text. Then the target answers them.
@@ -20,7 +20,8 @@ import random
 from verifypd.distill.chat_requests import WRITER_TOPICS, template_requests, writer_asks
 from verifypd.engine.types import RequestSpec, SamplingParams
 
-WRITTEN_SHARE = 0.4   # of the chat requests: written by the target (the rest from our templates)
+WRITTEN_SHARE = 4    # 1 in WRITTEN_SHARE chat requests is written by the target (the rest: our templates;
+                     # the 135M target's own requests are noisy: off-topic, meta, half sentences)
 WRITER_TEMPERATURE = 0.8
 
 # Work-on-a-text requests: the target writes a text (prose, code, a note with facts), and the prompt
@@ -98,7 +99,7 @@ def own_prompts(engine, codec, count: int, seed: int) -> list[list[int]]:
         texts = generate(engine, starts, 24, 1.0, seed, stop_at_eos=False)
         return [s + t for s, t in zip(starts, texts)]
     questions = count - count // 2
-    written = round(WRITTEN_SHARE * questions)
+    written = questions // WRITTEN_SHARE
     prompts = [encode(codec, text) for _, text in template_requests(questions - written, seed)]
     asks = [encode(codec, ask) for ask in writer_asks(written, seed)]
     requests = generate(engine, asks, 48, WRITER_TEMPERATURE, seed) if asks else []
