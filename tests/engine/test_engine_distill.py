@@ -157,7 +157,7 @@ def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_tar
     from types import SimpleNamespace
 
     from verifypd.distill.chat_requests import template_requests
-    from verifypd.distill.data import TEXT_SEEDS, own_prompts
+    from verifypd.distill.data import SEED_TEXT_SEEDS, TEXT_SEEDS, own_prompts
 
     class Codec:  # one character per token
         has_chat_template, tokenizer = True, object()
@@ -192,6 +192,12 @@ def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_tar
     assert len({p.split("\n\n")[0] for p in worked}) > 5               # several task wordings
     again = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(Engine(), Codec(), 100, seed=0)]
     assert again == prompts
+    # --own-requests seeds (the committed head's data): every question written by the target at 1.0, 3 text kinds
+    engine = Engine()
+    seeded = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(engine, Codec(), 100, 0, "seeds")]
+    assert engine.calls == [(50, 48, 1.0), (50, 160, 0.8)] and len(seeded) == 100
+    assert all(p.startswith("Text number d") for p in seeded[:50])
+    assert {p.split("\n\n")[0] for p in seeded[50:]} <= {t for _, _, ts in SEED_TEXT_SEEDS for t in ts}
 
 
 def test_fit_steps_ends_the_schedule_inside_max_minutes():
