@@ -55,15 +55,16 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 # own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
 # (The recipe of every head kept. A second run with the whole vocabulary and the loss on answer rows
 # only measured 1.63 against the first head's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
-# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS: the data and the schedule. Defaults:
-# the third recipe's (issue 19, 19r: the own-sample chat requests of 16 kinds, distill/chat_requests.py,
-# and 8 chain steps, the most the engine's adaptive policy drafts), over `train-part` + `resume`
-# (bench/results/smollm2_eagle_h200*/COMMAND.md says which head each recipe made). The second head
-# (d52173e): EAGLE_SAMPLES=12000 EAGLE_STEPS=5000 EAGLE_CHAIN_STEPS=4 on the older generator; the first,
-# 5-minute head: EAGLE_SAMPLES=5000 EAGLE_STEPS=3000 EAGLE_WARMUP=50 EAGLE_CHAIN_STEPS=4, one `train` call.
-DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-12000}" --gen-tokens 256 --max-len 512
-         --steps "${EAGLE_STEPS:-4000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-100}"
-         --chain-steps "${EAGLE_CHAIN_STEPS:-8}" --intermediate-size 1024
+# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS / EAGLE_REQUESTS: the data and the schedule.
+# Defaults: the committed head's recipe (bench/results/smollm2_eagle_h200/COMMAND.md, 2.39 tokens per verify
+# step; `--own-requests seeds` is d52173e's generator bit for bit), over `train-part` + `resume`.
+# The third recipe (19r, bench/results/smollm2_eagle_h200_19r/COMMAND.md: own chat requests of 16 kinds and
+# 8 chain steps; 2.22, not kept): EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8 EAGLE_STEPS=3200.
+# The first, 5-minute head: EAGLE_SAMPLES=5000 EAGLE_STEPS=3000 EAGLE_WARMUP=50 in one `train` call.
+DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-12000}" --own-requests "${EAGLE_REQUESTS:-seeds}"
+         --gen-tokens 256 --max-len 512
+         --steps "${EAGLE_STEPS:-5000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-100}"
+         --chain-steps "${EAGLE_CHAIN_STEPS:-4}" --intermediate-size 1024
          --draft-vocab 8192 --frozen-lm-head --loss-rows all --checkpoint-every 250 --eval-every 500 --no-progress
          --device "$DEVICE" ${DISTILL_EXTRA:-})
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
