@@ -57,7 +57,9 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 # only measured 1.63 against the first head's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
 # EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS / EAGLE_REQUESTS: the data and the schedule.
 # Defaults: the committed head's recipe (bench/results/smollm2_eagle_h200/COMMAND.md, 2.39 tokens per verify
-# step; `--own-requests seeds` is d52173e's generator bit for bit), over `train-part` + `resume`.
+# step; `--own-requests seeds` makes d52173e's prompts bit for bit; the held-out split now also holds out
+# every copy of a held-out prompt, which changes it only where the target wrote the same request twice),
+# over `train-part` + `resume`.
 # The third recipe (19r, bench/results/smollm2_eagle_h200_19r/COMMAND.md: own chat requests of 16 kinds and
 # 8 chain steps; 2.22, not kept): EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8 EAGLE_STEPS=3200.
 # The first, 5-minute head: EAGLE_SAMPLES=5000 EAGLE_STEPS=3000 EAGLE_WARMUP=50 in one `train` call.

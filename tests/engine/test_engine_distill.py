@@ -200,6 +200,33 @@ def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_tar
     assert {p.split("\n\n")[0] for p in seeded[50:]} <= {t for _, _, ts in SEED_TEXT_SEEDS for t in ts}
 
 
+def test_a_held_out_prompt_is_held_out_in_every_copy(tmp_path):
+    """Own template requests repeat; a prompt in the held-out split must not also train (with its
+    greedy answer, the same sequence), or the held-out estimate measures training data."""
+    from types import SimpleNamespace
+
+    from verifypd.distill.data import make_data
+
+    class Codec:
+        has_chat_template = False
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    class Engine:
+        def generate(self, specs):
+            return {s.request_id: SimpleNamespace(token_ids=[7, 8, 9]) for s in specs}
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"request {i % 10}\n" for i in range(100)))    # 10 prompts, 10 copies each
+    rows = make_data(Engine(), Codec(), tmp_path / "out", prompts_file=str(prompts), samples=1, gen_tokens=3,
+                     temperature=0.0, heldout_fraction=0.05, max_len=64, seed=0)
+    held = {tuple(r["tokens"]) for r in rows if r["heldout"]}
+    trained = {tuple(r["tokens"]) for r in rows if not r["heldout"]}
+    assert held and trained and not held & trained
+    assert len(rows) == 100 and sum(r["heldout"] for r in rows) % 10 == 0
+
+
 def test_fit_steps_ends_the_schedule_inside_max_minutes():
     """At step 20, 20 steps took 2 s (0.1 s each) and 10 s of the 60 are gone: 500 more steps fit,
     minus the held-out evaluations' share; --steps is lowered to that, never raised."""

@@ -150,6 +150,10 @@ def make_data(engine, codec, out: pathlib.Path, *, prompts_file: str | None, sam
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     heldout = set(order[:max(1, round(heldout_fraction * len(order)))]) if heldout_fraction > 0 else set()
+    # A held-out prompt is held out in every copy: a repeated request (template requests repeat) would
+    # otherwise train on the very sequence the held-out estimate then measures. No copies: no change.
+    held_prompts = {tuple(prompts[i]) for i in heldout}
+    heldout |= {i for i, p in enumerate(prompts) if tuple(p) in held_prompts}
     rows = [{"tokens": p + a, "prompt_len": len(p), "heldout": i in heldout}
             for i, (p, a) in enumerate(zip(prompts, answers)) if len(p) + len(a) >= 3]
     out.mkdir(parents=True, exist_ok=True)
