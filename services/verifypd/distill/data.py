@@ -4,8 +4,10 @@ Sources: a prompts file (one text per line, or JSONL with "prompt" or "messages"
 target; or, with none, the target's own samples (chat models): half of them chat requests, of
 which 3/4 come straight from our templates of many request kinds over many subjects and 1/4 are
 written by the target (sampled at 0.8, asked for one request of a kind about a topic:
-distill.chat_requests), and half a task to do on a text the target wrote itself (rewrite, edit
-code, extract); models without a chat template get free text. Then the target answers them.
+distill.chat_requests; `--own-requests kinds`, the default), and half a task to do on a text the
+target wrote itself (rewrite, edit code, extract, fix an email); `--own-requests seeds` is the older
+generator (all requests written by the target from 3 seed instructions; the committed embedded head's
+data). Models without a chat template get free text. Then the target answers them.
 Answers are greedy by default, which makes the held-out estimate of accepted length exact for
 temperature 0 (distill.head_train.accepted_length).
 
@@ -20,7 +22,7 @@ import random
 from verifypd.distill.chat_requests import WRITER_TOPICS, template_requests, writer_asks
 from verifypd.engine.types import RequestSpec, SamplingParams
 
-WRITTEN_SHARE = 4    # 1 in WRITTEN_SHARE chat requests is written by the target (the rest: our templates;
+WRITTEN_ONE_IN = 4   # 1 in 4 chat requests is written by the target (the rest: our templates;
                      # the 135M target's own requests are noisy: off-topic, meta, half sentences)
 WRITER_TEMPERATURE = 0.8
 
@@ -116,7 +118,7 @@ def own_prompts(engine, codec, count: int, seed: int, requests: str = "kinds") -
                              for _ in range(questions)]
         temperature, text_seeds, topics = 1.0, SEED_TEXT_SEEDS, SEED_TOPICS
     else:
-        written = questions // WRITTEN_SHARE
+        written = questions // WRITTEN_ONE_IN
         prompts = [encode(codec, text) for _, text in template_requests(questions - written, seed)]
         asks = [encode(codec, ask) for ask in writer_asks(written, seed)]
         temperature, text_seeds, topics = WRITER_TEMPERATURE, TEXT_SEEDS, WRITER_TOPICS
