@@ -6,7 +6,8 @@ prompts: mean tokens per verify step (accepted drafts + 1), per family and overa
     python bench/eagle_acceptance.py --device cuda --out bench/results/eagle_acceptance_h200.json
     python bench/eagle_acceptance.py --device cpu --per-family 4 --max-tokens 64    # a short CPU run
 
---head defaults to the committed head of the embedded model (bench/results/smollm2_eagle_h200).
+--head defaults to the committed head of the embedded model (bench/results/smollm2_eagle_h200);
+repeat --head to measure several heads in the same run.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2", help="the embedded model, or a path to its GGUF")
-    ap.add_argument("--head", default=str(HERE / "results" / "smollm2_eagle_h200"))
+    ap.add_argument("--head", action="append", default=None,
+                    help="a head directory; repeat to measure several in one run (default: the committed "
+                         "head, bench/results/smollm2_eagle_h200)")
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "draft_acceptance.jsonl"))
     ap.add_argument("--per-family", type=int, default=0, help="the first N prompts of each family (0: all)")
     ap.add_argument("--k", type=int, default=4)
@@ -53,9 +56,11 @@ def main() -> None:
         tmp.write("\n".join(lines) + "\n")
         tmp.close()
         prompts = tmp.name
-    results = compare_drafts(args.target, [f"eagle:{args.head}", "ngram"], prompts, k=args.k,
+    heads = args.head or [str(HERE / "results" / "smollm2_eagle_h200")]
+    results = compare_drafts(args.target, [f"eagle:{h}" for h in heads] + ["ngram"], prompts, k=args.k,
                              max_tokens=args.max_tokens, device=args.device)
-    results = {**metadata(), "head": args.head, "per_family": args.per_family or "all", **results}
+    results = {**metadata(), "head": heads[0] if len(heads) == 1 else heads, "per_family": args.per_family or "all",
+               **results}
     print("| draft | " + " | ".join(sorted(results["drafts"][0]["families"])) + " |")
     for r in results["drafts"]:
         fams = r["families"]

@@ -15,7 +15,9 @@
 #                                         the schedule spans the calls)
 #   call 3  carry [.whl] (right after)    same variables   bash bench/eagle_gpu.sh resume
 #                                         (on to the end; --fit-steps lowers the schedule's end to fit this
-#                                         call's EAGLE_TRAIN_MINUTES; then the engine's acceptance)
+#                                         call's EAGLE_TRAIN_MINUTES; then the engine's acceptance, and with
+#                                         E2E_IF_BEFORE=N the end-to-end bench if the call is under N s;
+#                                         COMPARE_HEAD=DIR measures a second head beside it in both)
 #   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost
 #
 # `train` (one call, ~9 min): `verifypd distill` for the embedded model (data, training to a time
@@ -53,26 +55,33 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 # own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
 # (The recipe of every head kept. A second run with the whole vocabulary and the loss on answer rows
 # only measured 1.63 against the first head's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
-# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP: the data and the schedule. Defaults: the first, 5-minute
-# head's (one `train` call). The committed head: EAGLE_SAMPLES=12000 EAGLE_STEPS=5000 EAGLE_WARMUP=100
-# over `train-part` + `resume` (bench/results/smollm2_eagle_h200/COMMAND.md; 2.39 tokens per verify step).
-DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-5000}" --gen-tokens 256 --max-len 512
-         --steps "${EAGLE_STEPS:-3000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-50}"
-         --chain-steps 4 --intermediate-size 1024
+# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS / EAGLE_REQUESTS: the data and the schedule.
+# Defaults: the committed head's recipe (bench/results/smollm2_eagle_h200/COMMAND.md, 2.39 tokens per verify
+# step; `--own-requests seeds` makes d52173e's prompts bit for bit; the held-out split now also holds out
+# every copy of a held-out prompt, which changes it only where the target wrote the same request twice),
+# over `train-part` + `resume`.
+# The third recipe (19r, bench/results/smollm2_eagle_h200_19r/COMMAND.md: own chat requests of 16 kinds and
+# 8 chain steps; 2.22, not kept): EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8 EAGLE_STEPS=3200.
+# The first, 5-minute head: EAGLE_SAMPLES=5000 EAGLE_STEPS=3000 EAGLE_WARMUP=50 in one `train` call.
+DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-12000}" --own-requests "${EAGLE_REQUESTS:-seeds}"
+         --gen-tokens 256 --max-len 512
+         --steps "${EAGLE_STEPS:-5000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-100}"
+         --chain-steps "${EAGLE_CHAIN_STEPS:-4}" --intermediate-size 1024
          --draft-vocab 8192 --frozen-lm-head --loss-rows all --checkpoint-every 250 --eval-every 500 --no-progress
          --device "$DEVICE" ${DISTILL_EXTRA:-})
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
 
 end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
   # E2E_K: a fixed k for every draft (default: the served adaptive policy)
-  python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" --drafts "ngram,eagle:$1" \
+  python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" --drafts "ngram,eagle:$1${COMPARE_HEAD:+,eagle:$COMPARE_HEAD}" \
     --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
     --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
 }
 
 acceptance() {  # the engine's tokens per verify step, head against ngram (bench/eagle_acceptance.py)
-  python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" --device "$DEVICE" \
-    --out "$OUT/eagle_acceptance_${DEVICE}.json" ${ACCEPT_EXTRA:-} 2>&1 | grep '^|'
+  # COMPARE_HEAD: a second head measured in the same run (e.g. bench/results/smollm2_eagle_h200, the committed one)
+  python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" ${COMPARE_HEAD:+--head "$COMPARE_HEAD"} \
+    --device "$DEVICE" --out "$OUT/eagle_acceptance_${DEVICE}.json" ${ACCEPT_EXTRA:-} 2>&1 | grep '^|'
 }  # ACCEPT_EXTRA: e.g. "--per-family 1 --max-tokens 8" for a short check of this script on the CPU
 
 join_gguf() {
@@ -119,6 +128,9 @@ case "${1:-}" in
     echo "distill: $((SECONDS - START)) s"
     acceptance "$HEAD" && cp "$OUT/eagle_acceptance_${DEVICE}.json" "$HEAD/eval.json"
     collect
+    echo "distill + acceptance: $((SECONDS - START)) s"
+    # E2E_IF_BEFORE=N: the end-to-end bench too, if the call has run less than N s by now
+    if [ $((SECONDS - START)) -lt "${E2E_IF_BEFORE:-0}" ]; then end_to_end "$HEAD"; else echo "no e2e bench"; fi
     echo "call: $((SECONDS - START)) s" ;;
   collect)
     [ -f "$HEAD.log" ] && cp "$HEAD.log" "$HEAD/distill.log"; collect ;;

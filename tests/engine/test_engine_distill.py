@@ -150,12 +150,14 @@ def test_heldout_acceptance_walks_like_the_engine():
     assert accepted_length(head, logits, labels, late) == (4.0, 5)
 
 
-def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
-    """Without --prompts a chat target writes its own requests: half questions, half a task on a text
-    it wrote (so copy-heavy answers are trained too); the text is inside the task's prompt."""
+def test_own_prompts_mix_template_requests_written_requests_and_tasks_on_the_targets_texts():
+    """Without --prompts a chat target gets half chat requests (3/4 straight from our templates, 1/4
+    written by the target at temperature 0.8) and half a task on a text it wrote (so copy-heavy
+    answers are trained too; the text is inside the task's prompt); the same seed, the same prompts."""
     from types import SimpleNamespace
 
-    from verifypd.distill.data import TEXT_SEEDS, own_prompts
+    from verifypd.distill.chat_requests import template_requests
+    from verifypd.distill.data import SEED_TEXT_SEEDS, TEXT_SEEDS, own_prompts
 
     class Codec:  # one character per token
         has_chat_template, tokenizer = True, object()
@@ -174,17 +176,55 @@ def test_own_prompts_mix_questions_and_tasks_on_the_targets_texts():
             self.calls = []
 
         def generate(self, specs):
-            self.calls.append(specs[0].max_tokens)
+            self.calls.append((len(specs), specs[0].max_tokens, specs[0].sampling.temperature))
             return {s.request_id: SimpleNamespace(token_ids=Codec().encode(f"Text number {s.request_id} here, long enough for a text."))
                     for s in specs}
 
     engine = Engine()
-    prompts = [Codec().decode(p) for p in own_prompts(engine, Codec(), 10, seed=0)]
-    assert engine.calls == [48, 160]                            # requests, then texts
+    prompts = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(engine, Codec(), 100, seed=0)]
+    assert engine.calls == [(12, 48, 0.8), (50, 160, 0.8)]       # written requests, then texts
+    assert len(prompts) == 100
+    assert prompts[:38] == [text for _, text in template_requests(38, seed=0)]
+    assert all(p.startswith("Text number d") for p in prompts[38:50])   # the target's requests
     tasks = {t for _, _, ts in TEXT_SEEDS for t in ts}
-    worked = [p for p in prompts if p.removeprefix("<user>").split("\n\n")[0] in tasks]
-    assert len(worked) == 5 and len(prompts) == 10
-    assert all("Text number d" in p.split("\n\n", 1)[1] for p in worked)
+    worked = prompts[50:]
+    assert all(p.split("\n\n")[0] in tasks and "Text number d" in p.split("\n\n", 1)[1] for p in worked)
+    assert len({p.split("\n\n")[0] for p in worked}) > 5               # several task wordings
+    again = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(Engine(), Codec(), 100, seed=0)]
+    assert again == prompts
+    # --own-requests seeds (the committed head's data): every question written by the target at 1.0, 3 text kinds
+    engine = Engine()
+    seeded = [Codec().decode(p).removeprefix("<user>") for p in own_prompts(engine, Codec(), 100, 0, "seeds")]
+    assert engine.calls == [(50, 48, 1.0), (50, 160, 0.8)] and len(seeded) == 100
+    assert all(p.startswith("Text number d") for p in seeded[:50])
+    assert {p.split("\n\n")[0] for p in seeded[50:]} <= {t for _, _, ts in SEED_TEXT_SEEDS for t in ts}
+
+
+def test_a_held_out_prompt_is_held_out_in_every_copy(tmp_path):
+    """Own template requests repeat; a prompt in the held-out split must not also train (with its
+    greedy answer, the same sequence), or the held-out estimate measures training data."""
+    from types import SimpleNamespace
+
+    from verifypd.distill.data import make_data
+
+    class Codec:
+        has_chat_template = False
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    class Engine:
+        def generate(self, specs):
+            return {s.request_id: SimpleNamespace(token_ids=[7, 8, 9]) for s in specs}
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"request {i % 10}\n" for i in range(100)))    # 10 prompts, 10 copies each
+    rows = make_data(Engine(), Codec(), tmp_path / "out", prompts_file=str(prompts), samples=1, gen_tokens=3,
+                     temperature=0.0, heldout_fraction=0.05, max_len=64, seed=0)
+    held = {tuple(r["tokens"]) for r in rows if r["heldout"]}
+    trained = {tuple(r["tokens"]) for r in rows if not r["heldout"]}
+    assert held and trained and not held & trained
+    assert len(rows) == 100 and sum(r["heldout"] for r in rows) % 10 == 0
 
 
 def test_fit_steps_ends_the_schedule_inside_max_minutes():
