@@ -224,8 +224,7 @@ class LocalVerifyLane:
         if (K > 0 and self.simulated_acceptance is None and all(i.sampling.greedy for i in items)
                 and getattr(self.target, "verifies_greedy", False)):  # forward + acceptance: one replay
             verdict = self.target.verify_greedy(runs, ks, on_device.gather(items, K) if on_device else None, **fed)
-            return HostCopy(verdict, lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
-                                                   for i, row in zip(items, host)])
+            return HostCopy(verdict, verdict_outputs(items))
         if on_device is not None:
             drafts = on_device.gather(items, K)                               # [R, K] on the device
             logits = self.target.score(runs, drafts, **fed)                   # [R, K+1, V], padded
@@ -248,8 +247,7 @@ class LocalVerifyLane:
             accepted, final = self._accept_sampled(items, logits, drafts, k)
         # What the host needs of a draft + verify step: counts, target tokens and the drafts.
         return HostCopy(torch.cat((accepted[:, None], final[:, None], drafts), dim=1),
-                        lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
-                                      for i, row in zip(items, host)],
+                        verdict_outputs(items),
                         # clamped: a NO_TOKEN row (a NaN distribution) must not index the next step's
                         # embedding on the device; the router refuses it when this step's tokens arrive
                         next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None)
@@ -276,6 +274,12 @@ class LocalVerifyLane:
         valid = torch.arange(K1 - 1, device=k.device)[None, :] < k[:, None]
         accepted = ((u < self.simulated_acceptance) & valid).long().cumprod(-1).sum(-1)
         return accepted, target_argmax.gather(1, accepted[:, None]).squeeze(1)
+
+
+def verdict_outputs(items: list[VerifyItem]):
+    """Host rows [accepted, final token, drafts ...] (one per item) -> the items' VerifyOutputs."""
+    return lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
+                         for i, row in zip(items, host)]
 
 
 class HostCopy:

@@ -79,14 +79,7 @@ class GraphRunner:
     # -- forwards ----------------------------------------------------------------------------
     def score(self, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None = None,
               first_ids: torch.Tensor | None = None) -> torch.Tensor:
-        rows = self.bucket(len(runs))
-        graph = self._graph(("all", rows, query))
-        self._load(runs, query, "left", rows)
-        if device_ids is not None and query > 1:  # see ModelRunner.score
-            self.ids[:rows * query].view(rows, query)[:len(runs), 1:] = device_ids
-        if first_ids is not None:  # stream-ordered after the load's copy and the producing step
-            self.ids[:rows * query].view(rows, query)[:len(runs), 0] = first_ids
-        graph.replay()
+        rows = self._replay_left("all", runs, query, device_ids, first_ids)
         return self.logits[:rows * query].view(rows, query, -1)[:len(runs)]
 
     def verify_greedy(self, runs: list[TokenRun], query: int, ks: list[int], device_ids: torch.Tensor | None = None,
@@ -94,15 +87,21 @@ class GraphRunner:
         """score() + greedy acceptance in one replay: [B, Q + 1] (accepted, final, drafts), a view of
         a static buffer (copy it before the next replay). Drafts are token ids 1 .. Q - 1 of each
         run (or `device_ids`); row r accepts at most ks[r] of them."""
+        self._replay_left("accept", runs, query, device_ids, first_ids, ks)
+        return self.verdict[:len(runs), :query + 1]
+
+    def _replay_left(self, kind: str, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None,
+                     first_ids: torch.Tensor | None, ks: list[int] | None = None) -> int:
+        """Loads left-aligned runs, writes the device-side ids, replays (kind, rows, query); -> rows."""
         rows = self.bucket(len(runs))
-        graph = self._graph(("accept", rows, query))
+        graph = self._graph((kind, rows, query))
         self._load(runs, query, "left", rows, ks)
-        if device_ids is not None and query > 1:
+        if device_ids is not None and query > 1:  # see ModelRunner.score
             self.ids[:rows * query].view(rows, query)[:len(runs), 1:] = device_ids
-        if first_ids is not None:
+        if first_ids is not None:  # stream-ordered after the load's copy and the producing step
             self.ids[:rows * query].view(rows, query)[:len(runs), 0] = first_ids
         graph.replay()
-        return self.verdict[:len(runs), :query + 1]
+        return rows
 
     def last_logits(self, runs: list[TokenRun], query: int) -> torch.Tensor:
         rows = self.bucket(len(runs))
