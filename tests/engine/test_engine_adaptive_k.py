@@ -169,6 +169,7 @@ def decoding(rid: str, order: int, lag: int) -> Sequence:
     seq.status, seq.target_computed = SeqStatus.DECODING, seq.pending_pos
     seq.draft_computed = seq.pending_pos - lag
     seq.alpha_estimate = 0.05
+    seq.opened = True  # past its first decode step (no opening probe)
     return seq
 
 
@@ -334,3 +335,54 @@ def test_policy_off_is_rechecked_rarely_not_every_step(monkeypatch):
     # the batch changed for (requests finishing at different steps, new rounds).
     assert len(calls) <= probes.decisions / scheduler_module.RECHECK_OFF_EVERY + 60, (len(calls), probes.decisions)
     assert len(calls) < probes.decisions / 2
+
+
+class PerFamilyAcceptance(CostedLanes):
+    """SIMULATED acceptance by request: `alphas` maps a request-id prefix to its acceptance."""
+
+    def __init__(self, alphas: dict[str, float], **kwargs):
+        super().__init__(0.0, **kwargs)
+        self.alphas = alphas
+
+    def verify(self, items):
+        out = []
+        for item in items:
+            self.alpha = next(a for prefix, a in self.alphas.items() if item.request_id.startswith(prefix))
+            out += super().verify([item])
+            self.now -= self.verify_s(1, len(item.draft_tokens))  # one verify call for the batch, below
+        self.now += self.verify_s(len(items), max(len(i.draft_tokens) for i in items))
+        return out
+
+
+def family_seconds(config: RuntimeConfig, families: list[str], alphas: dict[str, float], per_family: int = 8,
+                   **lane_args) -> dict[str, float]:
+    """Families of requests run one after another, one request at a time (bench/draft_acceptance.py
+    at batch 1): simulated seconds per family."""
+    lanes = PerFamilyAcceptance(alphas, **lane_args)
+    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock,
+                    max_running=1)
+    seconds = {}
+    for family in families:
+        t0 = lanes.now
+        for i in range(per_family):
+            router.add_request(RequestSpec(tuple(range(3, 3 + 128)), max_tokens=128, stop_at_eos=False,
+                                           request_id=f"{family}-{i}"))
+        while router.has_work():
+            router.step()
+        seconds[family] = lanes.now - t0
+    return seconds
+
+
+@pytest.mark.parametrize("lane_args", [{}, {"pooled": False, "draft_s": ngram_like_draft_s}], ids=["model", "ngram"])
+def test_a_request_that_drafts_well_drafts_after_requests_that_did_not(lane_args):
+    """Requests that draft well (SIMULATED acceptance 0.8) after a run of requests that draft badly
+    (0.1), one at a time: the engine-wide acceptance the first ones left is low, and without an
+    opening probe each new request started at k = 0 from it and was rarely probed (periodic probes,
+    k = 1, backing off): the good family ran at plain speed. Each request's first step now drafts
+    k_initial (Scheduler._opening_probes), so the good family gains, and the bad one still costs
+    nothing."""
+    alphas = {"bad": 0.1, "good": 0.8}
+    plain = family_seconds(RuntimeConfig(k_initial=0, adaptive=False), ["bad", "good"], alphas, **lane_args)
+    adaptive = family_seconds(ADAPTIVE, ["bad", "good"], alphas, **lane_args)
+    assert plain["bad"] / adaptive["bad"] >= 0.97, (plain, adaptive)
+    assert plain["good"] / adaptive["good"] >= 1.3, (plain, adaptive)

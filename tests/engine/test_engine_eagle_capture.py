@@ -99,6 +99,27 @@ def test_captured_draft_calls_propose_what_the_eager_path_proposes(attention, dr
     torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor)     # and the same KV written
 
 
+def test_catch_ups_longer_than_the_graphs_query_go_through_the_graphs():
+    """A request that plain-decoded for a while catches up on more tokens than the graphs' query
+    (9): its older rows are written by a ragged forward first and the rest is a graphed call, with
+    the proposals and the KV of the eager path (which ran such calls before)."""
+    model, features = make_head("reference", 40)
+    eager = make_runner(model, features, graphs=False)
+    graphed = make_runner(model, features, graphs="eager" if DEVICE == "cpu" else True)
+    rng = random.Random(4)
+    call_list = []
+    for lengths in ((12,), (30, 3, 9), (10, 41)):
+        runs = [FeatureRun([rng.randrange(3, SHAPE.vocab_size) for _ in range(n)], start,
+                           tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN)),
+                           target_block_ids=tuple(range((i + 8) * BLOCKS_PER_RUN, (i + 9) * BLOCKS_PER_RUN)))
+                for i, (n, start) in enumerate(zip(lengths, (0, 5, 17)))]
+        call_list.append((runs, [4] * len(runs), [SamplingParams()] * len(runs)))
+    calls_before = graphed.graphs.calls
+    assert proposals(graphed, call_list) == proposals(eager, call_list)
+    assert graphed.graphs.calls == calls_before + len(call_list)   # every call went through the graphs
+    torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor)
+
+
 @needs_triton
 def test_fused_head_input_drafts_what_the_reference_drafts():
     if DEVICE == "cuda":

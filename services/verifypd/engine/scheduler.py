@@ -181,15 +181,16 @@ class Scheduler(FollowPlanning):
         return [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
 
     def _batch_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
-                 key: object, decoding: int | None = None) -> tuple[int, set[str]]:
-        """One k for `seqs` (see choose_batch_k), and the request ids to probe with PROBE_K while that
-        k is 0 (see ProbeSchedule): when a probe is due, the requests among `seqs` a probe costs no
-        catch-up for. `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
+                 key: object, decoding: int | None = None) -> tuple[int, dict[str, int]]:
+        """One k for `seqs` (see choose_batch_k), and while that k is 0 the requests to probe, by
+        request id with the k each drafts: opening probes (`_opening_probes`) and, when one is due
+        (ProbeSchedule), PROBE_K for the requests among `seqs` a probe costs no catch-up for.
+        `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
         if not seqs or self.never_drafts:
             if seqs:
                 self._last_k[key] = self._drafting[key] = 0
                 self.probes.record(0, False)
-            return 0, set()
+            return 0, {}
         batch, current = decoding or len(seqs), self._drafting.get(key)
         plain_unmeasured = not costs.measured(batch, 0)
         # Off, the decision moves only with acceptance (probe outcomes), the batch or the config, and
@@ -212,11 +213,33 @@ class Scheduler(FollowPlanning):
         # batch size (choose_batch_k): a drafting batch stays "drafting" through it.
         if not (k_batch == 0 and plain_unmeasured and current):
             self._drafting[key] = k_batch
-        probed: set[str] = set()
-        if k_batch == 0 and config.adaptive and hi >= PROBE_K and self.probes.due:
-            probed = {s.request_id for s in seqs if self._cheap_probe(config, s)}
-        self.probes.record(k_batch, bool(probed))
+        probed: dict[str, int] = {}
+        periodic = False
+        if k_batch == 0 and config.adaptive:
+            if not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
+                probed = self._opening_probes(config, seqs, hi)
+            if hi >= PROBE_K and self.probes.due:
+                due = {s.request_id: PROBE_K for s in seqs if s.request_id not in probed and self._cheap_probe(config, s)}
+                periodic = bool(due)
+                probed.update(due)
+        self.probes.record(k_batch, periodic)
+        if not plain_unmeasured:
+            for seq in seqs:  # a request's first decision is its only opening probe (its lag only grows)
+                seq.opened = True
         return k_batch, probed
+
+    def _opening_probes(self, config: RuntimeConfig, seqs: list[Sequence], hi: int) -> dict[str, int]:
+        """While the batch does not draft, each request in its first decode step drafts k_initial
+        anyway, where that costs no catch-up (`_cheap_probe`): its own acceptance is then known
+        from its start instead of being the engine-wide estimate, which other requests made (one
+        kind of request switching drafting off kept the next kind from ever drafting, and the
+        periodic probes, k = 1 and backing off to one per PROBE_MAX steps, rarely corrected it).
+        Once per request; a probe of part of the batch is not a cost sample (router)."""
+        k_open = min(config.k_initial, hi)
+        if k_open <= 0:
+            return {}
+        return {s.request_id: self._cap(config, s, k_open) for s in seqs
+                if not s.opened and self._cheap_probe(config, s)}
 
     # -- overlapped scheduling (engine.overlap; plan_follow, admit_follow: FollowPlanning) ---
     def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
@@ -229,6 +252,9 @@ class Scheduler(FollowPlanning):
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
         # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
         # wait for a probe none can take (plan_follow checks `_batch_k`'s probes again anyway).
+        if config.adaptive and any(self._cheap_probe(config, s) for s in seqs if not s.opened) and \
+                min(config.k_initial, config.k_max) > 0:
+            return False  # an opening probe (_opening_probes)
         if config.adaptive and self.probes.due and config.k_max >= PROBE_K and \
                 any(self._cheap_probe(config, s) for s in seqs):
             return False
@@ -260,7 +286,7 @@ class Scheduler(FollowPlanning):
         # verify call verifies the proposals of one draft call (the split topology hands them over in
         # one DraftHandoff slot per draft call, call_codec.encode_verify).
         draining = len(fresh) < len(decoding)
-        k_batch, probed = (0, set()) if draining else self._batch_k(config, costs, fresh, config.k_max,
+        k_batch, probed = (0, {}) if draining else self._batch_k(config, costs, fresh, config.k_max,
                                                                     "single" if only is not None else "batch")
         work: list[DecodeWork] = []
         for seq in decoding:
@@ -270,7 +296,7 @@ class Scheduler(FollowPlanning):
             if seq.held_draft is not None:
                 k, held = len(seq.held_draft.tokens), True
             else:
-                k, held = self._cap(config, seq, PROBE_K if probe else k_batch), False
+                k, held = self._cap(config, seq, probed.get(seq.request_id, k_batch)), False
             k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
             if k is not None:
                 work.append(DecodeWork(seq, k, held=held and k > 0, probe=probe and k > 0))
@@ -310,7 +336,7 @@ class Scheduler(FollowPlanning):
             if seq in preempted:
                 continue
             probe = seq.request_id in probed
-            k = self._reserve_or_preempt(seq, self._cap(config, seq, PROBE_K if probe else min(k_group, hi)),
+            k = self._reserve_or_preempt(seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))),
                                          preempted, out_of_room)
             if k is None:
                 continue

@@ -168,10 +168,14 @@ class EagleRunner:
     def draft(self, runs: list[FeatureRun], ks: list[int], samplings) -> torch.Tensor:
         """As ModelRunner.draft: tokens [B, K]. A sampled row's draft at position t is the seeded race
         winner of the head's distribution there (`sampler.choose`), coupled with the target's.
-        Graphed (two replays) when the call fits the graphs' sizes, else the same functions eagerly."""
+        Graphed (two replays) when the call fits the graphs' sizes (a catch-up longer than their
+        query first has its older rows written: `_catch_up_beyond_graphs`), else the same functions
+        eagerly."""
         if any(r.start_pos + len(r.token_ids) < 2 for r in runs):
             raise ValueError("a feature draft needs the pending token at position >= 1")
         mode = sampler.choice_mode(samplings)
+        if self.graphs is not None:
+            runs = self._catch_up_beyond_graphs(runs)
         _, draft_runs, target_runs = head_rows(runs)        # every run has a row (position >= 1)
         query, steps = max(len(r.token_ids) for r in draft_runs), max(ks)
         width = max(len(r.block_ids) for r in draft_runs)
@@ -188,6 +192,24 @@ class EagleRunner:
         chain(self.model, self.pool.tensor, inp, mode, out_steps, hidden, torch.empty_like(inp.ks),
               torch.empty_like(inp.ks), arange, self.block_size, steps)
         return out_steps.t().contiguous()
+
+
+    def _catch_up_beyond_graphs(self, runs: list[FeatureRun]) -> list[FeatureRun]:
+        """A run longer than the graphs' catch-up query (a request that plain-decoded for a while,
+        then drafts again) has its older tokens' rows written first by one ragged forward, as a
+        prefill chunk's are, and only its last max_query tokens go to the graphed call. The eager
+        call it replaces (catch-up and chain, ~60 launches from Python) took 3.5-8.9 ms on an H200
+        at batch 1-8 against ~0.2 ms for a graphed one. Same rows, same KV: a row reads only the
+        KV of the rows before it, which the forward has written by then (same stream)."""
+        tail = self.graphs.max_query
+        if all(len(r.token_ids) <= tail for r in runs):
+            return runs
+        older = [FeatureRun(r.token_ids[:-tail], r.start_pos, r.block_ids, r.target_block_ids)
+                 for r in runs if len(r.token_ids) > tail]
+        self.prefill(older)
+        return [r if len(r.token_ids) <= tail else
+                FeatureRun(r.token_ids[-tail:], r.start_pos + len(r.token_ids) - tail, r.block_ids, r.target_block_ids)
+                for r in runs]
 
 
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:
