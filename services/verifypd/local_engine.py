@@ -182,10 +182,15 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     return target, (pool("draft", models.draft_model) if models.draft_model is not None else None)
 
 
-def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max: int) -> float:
+def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max: int, prefill: bool = True) -> float:
     """Captures the CUDA graphs the lanes use at start-up (others on first use); returns seconds.
-    A lane process passes only the runner it serves."""
+    A lane process passes only the runner it serves. `prefill`: also the one-sequence prefill graphs
+    (ModelRunner.capture_prefill_graphs), not for tensor-parallel ranks (their prefill forwards pair
+    collectives with the other ranks' eager ones)."""
     seconds = 0.0
+    for runner in (target, draft):
+        if prefill and runner is not None and type(runner) is ModelRunner:   # not LeaderRunner, EagleRunner
+            seconds += runner.capture_prefill_graphs()
     if target is not None and target.graphs is not None:
         kinds = ("all", "accept") if k_max > 0 else ("all",)   # "accept": greedy verify calls with drafts
         seconds += target.graphs.warm_up(kinds, max_query=min(k_max + 1, target.graphs.max_query))

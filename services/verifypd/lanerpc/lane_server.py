@@ -82,7 +82,8 @@ class LaneServicer(CallChannelWork):
                               ranks=self.ranks)
             self.owned[pool.pool_id] = pool
             runner = self._runner(self.target_model, pool)
-            capture_graphs(runner, None, options.config.k_max)  # at start-up, not inside the first calls
+            # At start-up, not inside the first calls; no prefill graphs: this lane prefills nothing.
+            capture_graphs(runner, None, options.config.k_max, prefill=False)
             if self.ranks is not None:  # the other ranks' pools, for the prefill lane's ranks to open
                 self.rank_shards = [lanes_pb2.PoolDescriptor.FromString(b) for b in self.ranks.wait_ready()]
             self.lane = LocalVerifyLane(runner, self._info((pool.info(),)),
@@ -93,7 +94,7 @@ class LaneServicer(CallChannelWork):
             pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
             runner = self._runner(self.draft_model, pool)
-            capture_graphs(None, runner, options.config.k_max)
+            capture_graphs(None, runner, options.config.k_max, prefill=False)
             self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
             if self.device.type == "cuda":
                 from verifypd.lanerpc.draft_handoff import DraftHandoffBuffer

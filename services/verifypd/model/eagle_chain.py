@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from verifypd.model import sampler
-from verifypd.model.graph_runner import BUCKETS, capture_graph
+from verifypd.model.graph_runner import BUCKETS, EagerReplay, capture_graph
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout
 
@@ -226,7 +226,7 @@ class EagleGraphs:
     def _capture(self, key: tuple):
         fn = self._function(key)
         if self.replay != "cuda":
-            return _EagerReplay(fn)
+            return EagerReplay(fn)
         t0 = time.perf_counter()
         self._make_inert()
         graph = capture_graph(fn, self._mempool, self._capture_stream)
@@ -254,14 +254,6 @@ class EagleGraphs:
             for steps in range(2, min(max_steps or self.max_steps, self.max_steps) + 1):
                 self._graph(("chain", rows, steps, sampler.GREEDY))
         return time.perf_counter() - t0
-
-
-class _EagerReplay:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self) -> None:
-        self.fn()
 
 
 def device_inputs(arrays: dict, query: int, device: torch.device, staging: PinnedStaging | None) -> CallInputs:

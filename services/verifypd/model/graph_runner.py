@@ -6,7 +6,9 @@ Graphs (all sharing one memory pool and one set of static input buffers):
     each pending token (`verdict`: accepted, final token, drafts), so a greedy verify call with
     k > 0 is one replay instead of a replay and ~15 eager launches;
   * ("last", B, Q): the same, logits of each sequence's last token (the draft's first step);
-  * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times.
+  * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times;
+  * in a runner of its own (ModelRunner.capture_prefill_graphs), ("last", 1, Q) for prefill chunks of
+    one sequence padded to Q = 16 .. 512 tokens.
 B is a padded batch bucket (1, 2, 4, ..., 256), Q a tokens-per-sequence count. Static inputs are
 filled before each replay with one host-to-device copy; outputs are views of static buffers,
 valid until the next replay of this runner (callers consume them within the lane call).
@@ -36,7 +38,12 @@ SHARED_CAPTURE_STREAM = os.environ.get("VERIFYPD_SHARED_CAPTURE_STREAM") == "1"
 class GraphRunner:
     def __init__(self, model: PagedLlama, pool: torch.Tensor, block_size: int, staging: PinnedStaging, *,
                  buckets=BUCKETS,
-                 max_query: int = 9, max_draft_steps: int = 8, max_graph_tokens: int = 2048):
+                 max_query: int = 9, max_draft_steps: int = 8, max_graph_tokens: int = 2048,
+                 last_only: bool = False, replay: str = "cuda"):
+        """last_only: only "last" graphs (one-sequence prefill, ModelRunner.capture_prefill_graphs):
+        logits for one row per sequence, not per token. replay="eager": the captured functions run
+        directly over the same static buffers (tests of the buffers' plumbing on the CPU)."""
+        self.replay = replay
         self.model, self.pool, self.block_size = model, pool, block_size
         self.buckets = tuple(sorted(buckets))
         self.max_query, self.max_draft_steps, self.max_graph_tokens = max_query, max_draft_steps, max_graph_tokens
@@ -54,18 +61,19 @@ class GraphRunner:
         # ("accept") row r: [accepted, final token, its Q - 1 drafts]; sampler.accept_greedy's rule
         self.verdict = torch.zeros(rows, max_query + 1, dtype=torch.long, device=dev)
         self.slots.fill_(-1)
-        self.logits = torch.empty(tokens, model.shape.vocab_size, dtype=model.weights.embed.dtype, device=dev)
+        self.logits = torch.empty(rows if last_only else tokens, model.shape.vocab_size,
+                                  dtype=model.weights.embed.dtype, device=dev)
         self.arange = torch.arange(tokens + 1, device=dev)
         self.draft = DraftState.allocate(rows, max_draft_steps, model.shape.vocab_size, self.tables,
                                          model.weights.embed.dtype)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._mempool = torch.cuda.graph_pool_handle()
+        self._mempool = torch.cuda.graph_pool_handle() if replay == "cuda" else None
         # Each runner captures on its own stream. PyTorch keys the cuBLAS workspace by (handle,
         # stream) and a captured GEMM keeps the workspace address of its capture stream: graphs of
         # two models captured on torch's shared default capture stream would use one workspace, and
         # replayed at the same time (pdv: the draft lane's graph beside the verify lane's) corrupt
         # each other's split-K GEMMs. One runner's graphs replay one at a time, so they may share.
-        self._capture_stream = None if SHARED_CAPTURE_STREAM else torch.cuda.Stream(device=dev)
+        self._capture_stream = None if SHARED_CAPTURE_STREAM or replay != "cuda" else torch.cuda.Stream(device=dev)
         self.capture_seconds = 0.0
 
     # -- sizes -------------------------------------------------------------------------------
@@ -180,6 +188,8 @@ class GraphRunner:
         self.slots.fill_(-1)
         self.draft.k.zero_()
         self.draft.step.fill_(1)  # in range of out_tokens for the warm-up step
+        if self.replay != "cuda":
+            return EagerReplay(fn)
         graph = capture_graph(fn, self._mempool, self._capture_stream)
         self.capture_seconds += time.perf_counter() - t0
         return graph
@@ -237,6 +247,16 @@ def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
             gc.enable()
     torch.cuda.synchronize()
     return graph
+
+
+class EagerReplay:
+    """Stands in for a graph where nothing is captured: replay() runs the function."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
 
 
 class _CheckedGraph:

@@ -11,10 +11,21 @@ from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_devi
 from verifypd.model.llama import BatchLayout, PagedLlama
 
 
+# One sequence's prefill chunk of up to 256 tokens runs as a CUDA graph padded to the next of these:
+# eagerly, a forward's ~12 launches a layer cost ~10 ms of host time on SmolLM2-135M (30 layers,
+# H200; its GPU work is ~1 ms), paid by every arriving request before its first token. Padding adds
+# at most a third of the chunk's GPU work above 64 tokens; a Llama-2-7B chunk of 256 tokens needs
+# ~5 ms of GPU against ~8 ms of eager host time (32 layers), so up to 256 the graph should not lose
+# on large models either (longer chunks are compute-bound: eager). Several sequences in one call (a
+# burst) stay eager, their host time shared.
+PREFILL_GRAPH_QUERIES = (16, 32, 64, 96, 128, 192, 256)
+
+
 class ModelRunner:
-    def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | None = None,
+    def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | str | None = None,
                  buckets: tuple[int, ...] | None = None):
-        """graphs: capture CUDA graphs for padded batches (None = on CUDA with the Triton backend);
+        """graphs: capture CUDA graphs for padded batches (None = on CUDA with the Triton backend;
+        "eager": their static buffers with the functions run directly, tests on any device);
         buckets: their padded batch sizes (None = the GraphRunner's default)."""
         if model.num_layers != pool.geometry.num_layers:
             raise ValueError(f"pool has {pool.geometry.num_layers} layers, model uses {model.num_layers}")
@@ -31,7 +42,26 @@ class ModelRunner:
         self.graphs = None
         if graphs:
             self.graphs = GraphRunner(model, pool.tensor, self.block_size, self.staging,
+                                      replay="eager" if graphs == "eager" else "cuda",
                                       **({"buckets": buckets} if buckets else {}))
+        self.prefill_graphs: GraphRunner | None = None   # capture_prefill_graphs
+        self.prefill_queries: tuple[int, ...] = ()
+
+    def capture_prefill_graphs(self, queries: tuple[int, ...] = PREFILL_GRAPH_QUERIES) -> float:
+        """Captures ("last", 1, Q) graphs for one-sequence prefill chunks (`forward`), in a GraphRunner
+        of their own: its static inputs, pool and capture stream are not the verify graphs', since
+        a prefill call is launched on the prefill lane's stream while a verify graph may still run
+        (the eager path has its own staging for the same reason). Returns seconds."""
+        if self.graphs is None or not queries:
+            return 0.0
+        self.prefill_queries = tuple(sorted(queries))
+        top = self.prefill_queries[-1]
+        self.prefill_graphs = GraphRunner(self.model, self.pool.tensor, self.block_size, self.eager_staging,
+                                          buckets=(1,), max_query=top, max_draft_steps=1, max_graph_tokens=top,
+                                          last_only=True, replay=self.graphs.replay)
+        for query in reversed(self.prefill_queries):  # largest first: the others reuse its pool memory
+            self.prefill_graphs._graph(("last", 1, query))
+        return self.prefill_graphs.capture_seconds
 
     @property
     def vocab_size(self) -> int:
@@ -41,7 +71,14 @@ class ModelRunner:
         return to_device(build_layout(runs, self.block_size), self.device, self.staging)
 
     def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None:
-        """Ragged, eager (prefill). logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V])."""
+        """Prefill. logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V]). One sequence of up
+        to max(prefill_queries) tokens replays a prefill graph (right-aligned, padded: see
+        PREFILL_GRAPH_QUERIES; "last" logits, a view valid until the next prefill call), anything
+        else runs eagerly, ragged."""
+        if self.prefill_graphs is not None and len(runs) == 1 and logits_for != "all":
+            query = next((q for q in self.prefill_queries if q >= len(runs[0].token_ids)), None)
+            if query is not None:
+                return self.prefill_graphs.last_logits(runs, query)
         host = build_layout(runs, self.block_size)
         batch = to_device(host, self.device, self.eager_staging)
         index = None

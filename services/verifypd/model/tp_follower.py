@@ -87,7 +87,7 @@ class Follower:
         self.pool.generation = o.get("generation", 1)
         buckets = tuple(o["graph_buckets"]) if o.get("graph_buckets") else None
         self.runner = ModelRunner(self.model, self.pool, graphs=None if o["cuda_graphs"] else False, buckets=buckets)
-        capture_graphs(self.runner, None, o["k_max"])
+        capture_graphs(self.runner, None, o["k_max"], prefill=False)
         log.info("tensor-parallel rank %d ready on %s (%d blocks)", self.rank, self.device, blocks)
         if o["pool"] != "shared":
             return b""
