@@ -189,7 +189,7 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
     collectives with the other ranks' eager ones)."""
     seconds = 0.0
     for runner in (target, draft):
-        if prefill and runner is not None and type(runner) is ModelRunner:   # not LeaderRunner, EagleRunner
+        if prefill and runner is not None and type(runner) in (ModelRunner, EagleRunner):   # not LeaderRunner
             seconds += runner.capture_prefill_graphs()
     if target is not None and target.graphs is not None:
         kinds = ("all", "accept") if k_max > 0 else ("all",)   # "accept": greedy verify calls with drafts

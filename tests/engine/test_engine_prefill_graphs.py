@@ -59,3 +59,30 @@ def test_prefill_chunks_through_the_graphs_equal_the_eager_forward(tiny_models):
             assert got.shape == expected.shape
     assert replays == [16, 64, 64, 16]
     torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor, rtol=1e-4, atol=1e-4)  # the same KV
+
+
+def test_a_feature_drafts_prefill_rows_through_its_graphs_equal_the_ragged_forward():
+    """The head's rows of a prefill chunk (EagleRunner.prefill): one sequence through its prefill
+    graphs writes the KV the ragged forward writes; several sequences go the ragged way."""
+    from test_engine_eagle_capture import BLOCKS_PER_RUN, SHAPE, make_head
+    from test_engine_eagle_capture import make_runner as make_eagle_runner
+    from verifypd.model.eagle_draft import FeatureRun
+
+    model, features = make_head("triton" if DEVICE == "cuda" else "reference", 40)
+    graphed = make_eagle_runner(model, features, graphs="eager" if DEVICE == "cpu" else True)
+    graphed.capture_prefill_graphs(QUERIES)
+    ragged = make_eagle_runner(model, features, graphs=False)
+    replays = []
+    draft = graphed.prefill_graphs.draft
+    graphed.prefill_graphs.draft = lambda *args: replays.append(args[-1]) or draft(*args)
+    rng = random.Random(8)
+    tokens = lambda n: [rng.randrange(3, SHAPE.vocab_size) for _ in range(n)]  # noqa: E731
+    run = lambda ids, start, i: FeatureRun(ids, start, tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN)),  # noqa: E731
+                                           target_block_ids=tuple(range((i + 8) * BLOCKS_PER_RUN, (i + 9) * BLOCKS_PER_RUN)))
+    prompt = tokens(50)
+    for runs in ([run(tokens(6), 0, 0)], [run(prompt[:30], 0, 1)], [run(prompt[30:], 30, 1)],
+                 [run(tokens(9), 0, 2), run(tokens(4), 7, 3)]):
+        graphed.prefill(runs)
+        ragged.prefill(runs)
+    assert replays == [16, 64, 64]      # rows: 5, 29 (x_0 has none), 20; the pair went ragged
+    torch.testing.assert_close(graphed.pool.tensor, ragged.pool.tensor)

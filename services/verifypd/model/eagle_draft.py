@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verifypd.engine.types import SamplingParams
 from verifypd.model import sampler
 from verifypd.model.eagle_chain import EagleGraphs, catch_up, chain, device_inputs, host_inputs
 from verifypd.model.eagle_head import EagleConfig, EagleWeights
@@ -28,6 +29,9 @@ from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout, LlamaWeights, PagedLlama
+from verifypd.model.runner import PREFILL_GRAPH_QUERIES
+
+GREEDY_PARAMS = SamplingParams()
 
 
 class EagleModel:
@@ -145,15 +149,43 @@ class EagleRunner:
             self.graphs = EagleGraphs(model, pool.tensor, features, self.block_size, self.staging,
                                       replay="eager" if graphs == "eager" else "cuda",
                                       **({"buckets": buckets} if buckets else {}))
+        self.prefill_graphs: EagleGraphs | None = None   # capture_prefill_graphs
+        self.prefill_queries: tuple[int, ...] = ()
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
+    def capture_prefill_graphs(self, queries: tuple[int, ...] = PREFILL_GRAPH_QUERIES) -> float:
+        """One sequence's prefill rows as graphs, as ModelRunner.capture_prefill_graphs does for the
+        target (same query buckets; an EagleGraphs of their own: the prefill lane's stream, not the
+        draft lane's). Its catch-up graphs also choose a first draft, unused here. Returns seconds."""
+        if self.graphs is None or not queries:
+            return 0.0
+        self.prefill_queries = tuple(sorted(queries))
+        top = self.prefill_queries[-1]
+        self.prefill_graphs = EagleGraphs(self.model, self.pool.tensor, self.features, self.block_size,
+                                          PinnedStaging(self.device), buckets=(1,), max_query=top, max_steps=1,
+                                          max_graph_tokens=top, replay=self.graphs.replay)
+        for query in reversed(self.prefill_queries):
+            self.prefill_graphs._graph(("catch_up", 1, query, sampler.GREEDY))
+        return self.prefill_graphs.capture_seconds
+
     @torch.inference_mode()
     def prefill(self, runs: list[FeatureRun]) -> None:
         """The rows a prefill chunk completes (its features were just written by the target forward):
-        a ragged forward, no logits."""
+        one sequence of up to max(prefill_queries) rows through the prefill graphs, else `rows`."""
+        keep, draft_runs, target_runs = head_rows(runs)
+        if len(keep) == 1 and len(runs) == 1 and self.prefill_graphs is not None:
+            query = next((q for q in self.prefill_queries if q >= len(draft_runs[0].token_ids)), None)
+            if query is not None:
+                self.prefill_graphs.draft(draft_runs, target_runs, [1], [GREEDY_PARAMS], sampler.GREEDY, query)
+                return
+        self.rows(runs)
+
+    @torch.inference_mode()
+    def rows(self, runs: list[FeatureRun]) -> None:
+        """The head's rows of `runs` from the target's features: a ragged forward, no logits."""
         keep, draft_runs, target_runs = head_rows(runs)
         if not keep:
             return
@@ -206,7 +238,7 @@ class EagleRunner:
             return runs
         older = [FeatureRun(r.token_ids[:-tail], r.start_pos, r.block_ids, r.target_block_ids)
                  for r in runs if len(r.token_ids) > tail]
-        self.prefill(older)
+        self.rows(older)   # not the prefill graphs: those belong to the prefill lane's stream
         return [r if len(r.token_ids) <= tail else
                 FeatureRun(r.token_ids[-tail:], r.start_pos + len(r.token_ids) - tail, r.block_ids, r.target_block_ids)
                 for r in runs]
