@@ -111,7 +111,12 @@ class LocalPrefillLane:
             mode = sampler.choice_mode(samplings)
             params = sampler.params_tensor(samplings, logits.device) if mode != sampler.GREEDY else (None,) * 4
             positions = sampler.small_tensor([i.start_pos + len(i.token_ids) for i in chosen], logits.device)
-            tokens = sampler.choose(logits[rows], mode, *params, positions)
+            # Not logits[rows]: a Python list as an index is copied to the device from pageable memory,
+            # which waits for the stream's queued work, this whole prefill (~1 ms of the embedded
+            # model's GPU time at batch 1, H200: prefill_start took ~1.2 ms with a 0.13 ms forward).
+            picked = logits if len(rows) == len(items) else \
+                logits.index_select(0, sampler.small_tensor(rows, logits.device))
+            tokens = sampler.choose(picked, mode, *params, positions)
 
             def outputs(host: list[int]) -> list[PrefillOutput]:
                 first = dict(zip(rows, host))
