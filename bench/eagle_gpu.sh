@@ -63,11 +63,21 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
 # The third recipe (19r, bench/results/smollm2_eagle_h200_19r/COMMAND.md: own chat requests of 16 kinds and
 # 8 chain steps; 2.22, not kept): EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8 EAGLE_STEPS=3200.
 # The first, 5-minute head: EAGLE_SAMPLES=5000 EAGLE_STEPS=3000 EAGLE_WARMUP=50 in one `train` call.
+# EAGLE_DRAFT_VOCAB: the draft vocabulary's size over the target's frozen lm_head rows (default 8192, the
+# committed head's); 0 = the target's whole vocabulary (its lm_head, frozen, not written; no d2t map). The CPU
+# analysis bench/results/smollm2_eagle_limits_19v: 8.6 % of the held-out answers' tokens (rewrite 14.7 %) lie
+# outside the committed 8,192, and 23 % of its rejections are such tokens.
+DRAFT_VOCAB="${EAGLE_DRAFT_VOCAB:-8192}"
+case "$DRAFT_VOCAB" in
+  0) VOCAB_ARGS=() ;;
+  *[!0-9]*|'') echo "EAGLE_DRAFT_VOCAB must be a whole number (0 = the whole vocabulary), got '$DRAFT_VOCAB'" >&2; exit 2 ;;
+  *) VOCAB_ARGS=(--draft-vocab "$DRAFT_VOCAB" --frozen-lm-head) ;;
+esac
 DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-12000}" --own-requests "${EAGLE_REQUESTS:-seeds}"
          --gen-tokens 256 --max-len 512
          --steps "${EAGLE_STEPS:-5000}" --batch-tokens 16384 --lr 8e-4 --warmup "${EAGLE_WARMUP:-100}"
          --chain-steps "${EAGLE_CHAIN_STEPS:-4}" --intermediate-size 1024
-         --draft-vocab 8192 --frozen-lm-head --loss-rows all --checkpoint-every 250 --eval-every 500 --no-progress
+         ${VOCAB_ARGS[@]+"${VOCAB_ARGS[@]}"} --loss-rows all --checkpoint-every 250 --eval-every 500 --no-progress
          --device "$DEVICE" ${DISTILL_EXTRA:-})
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
 
@@ -146,6 +156,8 @@ case "${1:-}" in
   cost)
     wheels
     python3 bench/eagle_draft_cost.py --out "$OUT/eagle_draft_cost.json" 2>&1 | tail -30 ;;
+  print-distill)  # the `verifypd distill` arguments the training calls would use (check a recipe before a GPU call)
+    printf '%s\n' "${DISTILL[@]}" ;;
   *)
-    echo "usage: bash bench/eagle_gpu.sh relay-a|train|train-part|resume|collect|measure HEAD|lossless|cost" >&2; exit 2 ;;
+    echo "usage: bash bench/eagle_gpu.sh relay-a|train|train-part|resume|collect|measure HEAD|lossless|cost|print-distill" >&2; exit 2 ;;
 esac

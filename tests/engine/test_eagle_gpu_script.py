@@ -1,0 +1,47 @@
+"""bench/eagle_gpu.sh builds the `verifypd distill` command of the GPU training calls: EAGLE_DRAFT_VOCAB
+picks the draft vocabulary (default: the committed head's 8,192 over frozen target rows; 0: the whole
+vocabulary, which `verifypd distill` takes without --draft-vocab and refuses --frozen-lm-head for)."""
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def distill_args(tmp_path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "bench/eagle_gpu.sh", "print-distill"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path), **env}, timeout=30)
+
+
+def test_default_recipe_is_the_committed_heads_vocabulary(tmp_path):
+    done = distill_args(tmp_path)
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.split("\n")
+    assert args[args.index("--draft-vocab") + 1] == "8192"
+    assert "--frozen-lm-head" in args
+
+
+@pytest.mark.parametrize("size", ["16384", "32768"])
+def test_larger_draft_vocabulary(tmp_path, size):
+    args = distill_args(tmp_path, EAGLE_DRAFT_VOCAB=size).stdout.split("\n")
+    assert args[args.index("--draft-vocab") + 1] == size
+    assert args.count("--draft-vocab") == 1 and "--frozen-lm-head" in args
+
+
+def test_zero_is_the_whole_vocabulary_without_a_map(tmp_path):
+    done = distill_args(tmp_path, EAGLE_DRAFT_VOCAB="0")
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.split("\n")
+    assert "--draft-vocab" not in args and "--frozen-lm-head" not in args
+    assert "--intermediate-size" in args and "--chain-steps" in args   # the rest of the recipe is there
+
+
+@pytest.mark.parametrize("bad", ["8k", "-1", ""])
+def test_bad_draft_vocab_exits_2_naming_the_variable(tmp_path, bad):
+    done = distill_args(tmp_path, EAGLE_DRAFT_VOCAB=bad)
+    if bad == "":   # empty = unset: the default
+        assert done.returncode == 0 and "8192" in done.stdout
+        return
+    assert done.returncode == 2 and "EAGLE_DRAFT_VOCAB" in done.stderr
