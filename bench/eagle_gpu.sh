@@ -51,23 +51,24 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
   ls -la "$OUT/smollm2-eagle"
 }
 
-# The embedded model's head: a 1024-wide MLP and an 8192-token draft vocabulary over the target's
-# own frozen lm_head rows (not written): ~8.4 MB in bf16, and a chain step computes 8192 logits.
-# (The recipe of every head kept. A second run with the whole vocabulary and the loss on answer rows
-# only measured 1.63 against the first head's 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
-# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS / EAGLE_REQUESTS: the data and the schedule.
-# Defaults: the committed head's recipe (bench/results/smollm2_eagle_h200/COMMAND.md, 2.39 tokens per verify
-# step; `--own-requests seeds` makes d52173e's prompts bit for bit; the held-out split now also holds out
-# every copy of a held-out prompt, which changes it only where the target wrote the same request twice),
-# over `train-part` + `resume`.
+# The embedded model's head (session 29, bench/results/smollm2_eagle_h200/COMMAND.md, 2.498 tokens per verify
+# step): a 1024-wide MLP over the target's whole vocabulary (its own lm_head, frozen, not written: no map),
+# ~8.4 MB in bf16, trained over `train-part` (EAGLE_TRAIN_MINUTES=8.8) + `resume` (6.5: --fit-steps ends
+# the schedule at the step that fits, 3,561 there).
+# EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS / EAGLE_REQUESTS / EAGLE_DRAFT_VOCAB: the
+# data, the schedule, the vocabulary. Defaults: the committed head's recipe (`--own-requests seeds` makes
+# d52173e's prompts bit for bit; the held-out split also holds out every copy of a held-out prompt).
+# EAGLE_DRAFT_VOCAB=N (N > 0): the N most frequent tokens of the training data over the target's frozen
+# lm_head rows (a d2t map); 0 (default) = the whole vocabulary. The previous head, 8,192 tokens
+# (bench/results/smollm2_eagle_h200_8k, 2.39): EAGLE_DRAFT_VOCAB=8192 with EAGLE_STEPS=5000 over 8.6 + 4.5
+# minutes; 23 % of its rejections were tokens outside its vocabulary (CPU analysis,
+# bench/results/smollm2_eagle_limits_19v). (An older whole-vocabulary run that also changed the loss rows
+# and the data measured 1.63 against 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
 # The third recipe (19r, bench/results/smollm2_eagle_h200_19r/COMMAND.md: own chat requests of 16 kinds and
-# 8 chain steps; 2.22, not kept): EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8 EAGLE_STEPS=3200.
-# The first, 5-minute head: EAGLE_SAMPLES=5000 EAGLE_STEPS=3000 EAGLE_WARMUP=50 in one `train` call.
-# EAGLE_DRAFT_VOCAB: the draft vocabulary's size over the target's frozen lm_head rows (default 8192, the
-# committed head's); 0 = the target's whole vocabulary (its lm_head, frozen, not written; no d2t map). The CPU
-# analysis bench/results/smollm2_eagle_limits_19v: 8.6 % of the held-out answers' tokens (rewrite 14.7 %) lie
-# outside the committed 8,192, and 23 % of its rejections are such tokens.
-DRAFT_VOCAB="${EAGLE_DRAFT_VOCAB:-8192}"
+# 8 chain steps, 8,192 tokens; 2.22, not kept): EAGLE_DRAFT_VOCAB=8192 EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8
+# EAGLE_STEPS=3200. The first, 5-minute head: EAGLE_DRAFT_VOCAB=8192 EAGLE_SAMPLES=5000 EAGLE_STEPS=3000
+# EAGLE_WARMUP=50 in one `train` call.
+DRAFT_VOCAB="${EAGLE_DRAFT_VOCAB:-0}"
 case "$DRAFT_VOCAB" in
   0) VOCAB_ARGS=() ;;
   *[!0-9]*|'') echo "EAGLE_DRAFT_VOCAB must be a whole number (0 = the whole vocabulary), got '$DRAFT_VOCAB'" >&2; exit 2 ;;

@@ -1,6 +1,7 @@
 """bench/eagle_gpu.sh builds the `verifypd distill` command of the GPU training calls: EAGLE_DRAFT_VOCAB
-picks the draft vocabulary (default: the committed head's 8,192 over frozen target rows; 0: the whole
-vocabulary, which `verifypd distill` takes without --draft-vocab and refuses --frozen-lm-head for)."""
+picks the draft vocabulary (N: N tokens over the target's frozen lm_head rows; 0, the default and the
+committed head's: the whole vocabulary, which `verifypd distill` takes without --draft-vocab and refuses
+--frozen-lm-head for)."""
 import os
 import pathlib
 import subprocess
@@ -16,11 +17,12 @@ def distill_args(tmp_path, **env) -> subprocess.CompletedProcess:
 
 
 def test_default_recipe_is_the_committed_heads_vocabulary(tmp_path):
+    """The committed head (session 29) drafts over the target's whole vocabulary: no map."""
     done = distill_args(tmp_path)
     assert done.returncode == 0, done.stderr
     args = done.stdout.split("\n")
-    assert args[args.index("--draft-vocab") + 1] == "8192"
-    assert "--frozen-lm-head" in args
+    assert "--draft-vocab" not in args and "--frozen-lm-head" not in args
+    assert args[args.index("--samples") + 1] == "12000"
 
 
 @pytest.mark.parametrize("size", ["16384", "32768"])
@@ -42,6 +44,6 @@ def test_zero_is_the_whole_vocabulary_without_a_map(tmp_path):
 def test_bad_draft_vocab_exits_2_naming_the_variable(tmp_path, bad):
     done = distill_args(tmp_path, EAGLE_DRAFT_VOCAB=bad)
     if bad == "":   # empty = unset: the default
-        assert done.returncode == 0 and "8192" in done.stdout
+        assert done.returncode == 0 and "--draft-vocab" not in done.stdout
         return
     assert done.returncode == 2 and "EAGLE_DRAFT_VOCAB" in done.stderr
