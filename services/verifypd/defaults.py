@@ -16,10 +16,10 @@ DEFAULT_TARGET = "smollm2"
 # embedded model and for any other target. The embedded model's trained EAGLE head
 # (bench/results/smollm2_eagle_h200, README "The embedded model's head") was measured against it
 # and is not the default: it drafts better (2.50 tokens per verify step at k = 4 against ngram's
-# 1.71), but its steps cost more, and end to end on the H200 it does not beat ngram (session 29,
-# same call: 1.31 vs 1.45 x --no-speculation at batch 1, 0.93 vs 0.88 x at 16; the previous head
-# and ngram took turns ahead over three calls, 1.38-1.46 vs 1.35-1.44 x), nor on the CPU (the
-# previous head 1.27 vs 1.27 x).
+# 1.71), but its steps cost more, and end to end on the H200 it ties ngram (session 29, three runs:
+# 1.31 / 1.41 / 1.39 vs 1.45 / 1.39 / 1.36 x --no-speculation at batch 1; ahead at 16, where both
+# lose to plain decoding: 0.89-0.94 vs 0.82-0.91 x), and the previous head tied it on the CPU
+# (1.27 vs 1.27 x).
 DEFAULT_DRAFT = "ngram"
 
 # Draft-length bounds (the router's `RuntimeConfig`, the CRD's `spec.speculation`). kMin is 0: the
