@@ -25,7 +25,7 @@ from verifypd.model.eagle_head import load_eagle_head
 K = 4
 ap = argparse.ArgumentParser()
 ap.add_argument("--answers", required=True)
-ap.add_argument("--head", default="bench/results/smollm2_eagle_h200")
+ap.add_argument("--head", default="bench/results/smollm2_eagle_h200_8k")  # the head analysed (weights: its WEIGHTS.md)
 ap.add_argument("--vocab", action="append", default=[], help="extra draft vocabularies to bound: NAME=FILE (JSON list of ids)")
 ap.add_argument("--out", required=True)
 ap.add_argument("--limit", type=int, default=0)

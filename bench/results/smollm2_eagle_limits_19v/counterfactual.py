@@ -18,7 +18,7 @@ from safetensors import safe_open
 K = 4
 ap = argparse.ArgumentParser()
 ap.add_argument("--dump", required=True)
-ap.add_argument("--head", default="bench/results/smollm2_eagle_h200")
+ap.add_argument("--head", default="bench/results/smollm2_eagle_h200_8k")  # the head analysed (weights: its WEIGHTS.md)
 ap.add_argument("--vocab", action="append", default=[], help="NAME=FILE (JSON list of target ids)")
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
@@ -74,14 +74,19 @@ rate = {key: a / n for key, (a, n) in hits.items()}
 results = defaultdict(dict)
 
 
-def run(name, accept_for):
-    tot = defaultdict(lambda: [0.0, 0.0])
+def totals(accept_for):
+    """{family and "all": [accepted, verify steps]} of walking every row with accept_for(row)."""
+    tot = defaultdict(lambda: [0, 0])
     for row in rows:
         a, s = walk(row, accept_for(row))
         for key in (row["family"], "all"):
             tot[key][0] += a
             tot[key][1] += s
-    for key, (a, s) in tot.items():
+    return tot
+
+
+def run(name, accept_for):
+    for key, (a, s) in totals(accept_for).items():
         results[key][name] = round((a + s) / s, 3)
 
 
@@ -104,13 +109,7 @@ for vname, V in vocabs.items():
                         return head_ok(r, p, j)
                     return inside(t) and rng.random() < rate.get((r["family"], j, t in prompt), 0.0)
                 return accept
-            tot = defaultdict(lambda: [0, 0])
-            for row in rows:
-                a, s = walk(row, est(row))
-                for key in (row["family"], "all"):
-                    tot[key][0] += a
-                    tot[key][1] += s
-            for key, (a, s) in tot.items():
+            for key, (a, s) in totals(est).items():
                 draws[key].append((a + s) / s)
         for key, v in draws.items():
             results[key][f"est:{vname}"] = round(sum(v) / len(v), 3)
