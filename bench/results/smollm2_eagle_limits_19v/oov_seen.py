@@ -3,7 +3,7 @@ own-sample data (a different prompt set)? Usage: oov_seen.py OWN.jsonl [OWN2.jso
 import json, sys
 import torch
 from safetensors import safe_open
-d2t = safe_open("bench/results/smollm2_eagle_h200/model.safetensors", "pt").get_tensor("d2t")
+d2t = safe_open("bench/results/smollm2_eagle_h200_8k/model.safetensors", "pt").get_tensor("d2t")
 head = set((d2t + torch.arange(len(d2t))).tolist())
 own = set()
 n = 0

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 own = [json.loads(l) for l in open(sys.argv[1])]
 outdir = sys.argv[2]
-d2t = safe_open("bench/results/smollm2_eagle_h200/model.safetensors", "pt").get_tensor("d2t")
+d2t = safe_open("bench/results/smollm2_eagle_h200_8k/model.safetensors", "pt").get_tensor("d2t")
 head = set((d2t + torch.arange(len(d2t))).tolist())
 stream = [t for r in own for t in r["prompt_ids"] + r["answer_ids"]]
 counts = Counter(stream)
