@@ -29,7 +29,7 @@ from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout, LlamaWeights, PagedLlama
-from verifypd.model.runner import PREFILL_GRAPH_QUERIES
+from verifypd.model.runner import PREFILL_GRAPH_QUERIES, prefill_query
 
 GREEDY_PARAMS = SamplingParams()
 
@@ -177,17 +177,16 @@ class EagleRunner:
         one sequence of up to max(prefill_queries) rows through the prefill graphs, else `rows`."""
         keep, draft_runs, target_runs = head_rows(runs)
         if len(keep) == 1 and len(runs) == 1 and self.prefill_graphs is not None:
-            query = next((q for q in self.prefill_queries if q >= len(draft_runs[0].token_ids)), None)
+            query = prefill_query(self.prefill_queries, len(draft_runs[0].token_ids))
             if query is not None:
                 self.prefill_graphs.draft(draft_runs, target_runs, [1], [GREEDY_PARAMS], sampler.GREEDY, query)
                 return
-        self.rows(runs)
+        self._ragged_rows(draft_runs, target_runs)
 
     @torch.inference_mode()
-    def rows(self, runs: list[FeatureRun]) -> None:
-        """The head's rows of `runs` from the target's features: a ragged forward, no logits."""
-        keep, draft_runs, target_runs = head_rows(runs)
-        if not keep:
+    def _ragged_rows(self, draft_runs: list[TokenRun], target_runs: list[TokenRun]) -> None:
+        """Head rows (as head_rows gives them) from the target's features: a ragged forward, no logits."""
+        if not draft_runs:
             return
         layout = build_layout(draft_runs, self.block_size)
         feature_slots = build_layout(target_runs, self.block_size).slots
@@ -225,7 +224,6 @@ class EagleRunner:
               torch.empty_like(inp.ks), arange, self.block_size, steps)
         return out_steps.t().contiguous()
 
-
     def _catch_up_beyond_graphs(self, runs: list[FeatureRun]) -> list[FeatureRun]:
         """A run longer than the graphs' catch-up query (a request that plain-decoded for a while,
         then drafts again) has its older tokens' rows written first by one ragged forward, as a
@@ -238,7 +236,7 @@ class EagleRunner:
             return runs
         older = [FeatureRun(r.token_ids[:-tail], r.start_pos, r.block_ids, r.target_block_ids)
                  for r in runs if len(r.token_ids) > tail]
-        self.rows(older)   # not the prefill graphs: those belong to the prefill lane's stream
+        self._ragged_rows(*head_rows(older)[1:])   # not the prefill graphs: the prefill lane's stream
         return [r if len(r.token_ids) <= tail else
                 FeatureRun(r.token_ids[-tail:], r.start_pos + len(r.token_ids) - tail, r.block_ids, r.target_block_ids)
                 for r in runs]

@@ -8,7 +8,7 @@ Graphs (all sharing one memory pool and one set of static input buffers):
   * ("last", B, Q): the same, logits of each sequence's last token (the draft's first step);
   * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times;
   * in a runner of its own (ModelRunner.capture_prefill_graphs), ("last", 1, Q) for prefill chunks of
-    one sequence padded to Q = 16 .. 512 tokens.
+    one sequence padded to Q = 16 .. 256 tokens (model.runner.PREFILL_GRAPH_QUERIES).
 B is a padded batch bucket (1, 2, 4, ..., 256), Q a tokens-per-sequence count. Static inputs are
 filled before each replay with one host-to-device copy; outputs are views of static buffers,
 valid until the next replay of this runner (callers consume them within the lane call).

@@ -21,6 +21,11 @@ from verifypd.model.llama import BatchLayout, PagedLlama
 PREFILL_GRAPH_QUERIES = (16, 32, 64, 96, 128, 192, 256)
 
 
+def prefill_query(queries: tuple[int, ...], tokens: int) -> int | None:
+    """The smallest of the (sorted) prefill graphs' queries that holds `tokens`; None: none does."""
+    return next((q for q in queries if q >= tokens), None)
+
+
 class ModelRunner:
     def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | str | None = None,
                  buckets: tuple[int, ...] | None = None):
@@ -76,7 +81,7 @@ class ModelRunner:
         PREFILL_GRAPH_QUERIES; "last" logits, a view valid until the next prefill call), anything
         else runs eagerly, ragged."""
         if self.prefill_graphs is not None and len(runs) == 1 and logits_for != "all":
-            query = next((q for q in self.prefill_queries if q >= len(runs[0].token_ids)), None)
+            query = prefill_query(self.prefill_queries, len(runs[0].token_ids))
             if query is not None:
                 return self.prefill_graphs.last_logits(runs, query)
         host = build_layout(runs, self.block_size)
