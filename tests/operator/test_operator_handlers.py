@@ -59,8 +59,8 @@ class FakeRouter(control_pb2_grpc.ControlServicer):
             return self.config
 
 
-def itl_breach(now: float, start: float) -> metrics_service_pb2.ExportMetricsServiceRequest:
-    """A cumulative export: 50 requests, TTFT fine (~0.1 s), ITL ~0.3 s (SLO 0.05 s)."""
+def itl_breach(now: float, start: float, n: int = 50) -> metrics_service_pb2.ExportMetricsServiceRequest:
+    """A cumulative export: `n` requests since `start`, TTFT fine (~0.1 s), ITL ~0.3 s (SLO 0.05 s)."""
     def kv(k, v):
         return common_pb2.KeyValue(key=k, value=common_pb2.AnyValue(string_value=v))
 
@@ -74,19 +74,21 @@ def itl_breach(now: float, start: float) -> metrics_service_pb2.ExportMetricsSer
         resource={"attributes": [kv(mn.RES_CONFIG_NAME, "demo"), kv(mn.RES_CONFIG_NAMESPACE, "default"),
                                  kv(mn.RES_POD_NAME, "demo-gateway-7d9f-abcde")]},
         scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[
-            hist(mn.TIME_TO_FIRST_TOKEN, [0, 50, 0, 0]), hist(mn.TIME_PER_OUTPUT_TOKEN, [0, 0, 50, 0])])])
+            hist(mn.TIME_TO_FIRST_TOKEN, [0, n, 0, 0]), hist(mn.TIME_PER_OUTPUT_TOKEN, [0, 0, n, 0])])])
     return metrics_service_pb2.ExportMetricsServiceRequest(resource_metrics=[rm])
 
 
-async def wait_for(fn, what, timeout=120.0):
+async def wait_for(fn, what, timeout=120.0, why=None):
+    """Polls `fn` until it returns something true; on timeout `why()` (if given) says what was seen."""
     deadline = time.monotonic() + timeout
     while True:
         value = await asyncio.to_thread(fn)
         if value:
             return value
         if time.monotonic() > deadline:
-            logging.getLogger(__name__).error("timed out waiting for %s", what)
-            raise AssertionError(f"timed out waiting for {what}")
+            seen = f"; seen: {await asyncio.to_thread(why)}" if why is not None else ""
+            logging.getLogger(__name__).error("timed out waiting for %s%s", what, seen)
+            raise AssertionError(f"timed out waiting for {what}{seen}")
         await asyncio.sleep(0.1)
 
 
@@ -201,8 +203,26 @@ async def _create_and_update(kube: Kube, router: FakeRouter) -> None:
 
 async def _autoscale(kube: Kube, store: MetricsStore, router: FakeRouter) -> None:
     n_updates = len(router.updates)
-    now = time.time()
-    assert store.ingest(itl_breach(now, now - 30)) == (2, 0)
+    start = time.time() - 30
+    assert store.ingest(itl_breach(time.time(), start)) == (2, 0)
+    # A gateway exports every few seconds. One export goes stale after staleAfterSeconds (20 s),
+    # and on a loaded machine the two decisions below can take longer than that to come.
+    exporter = asyncio.create_task(_export_breach(store, start))
+    try:
+        await _lower_k_then_scale(kube, router, n_updates)
+    finally:
+        exporter.cancel()
+
+
+async def _export_breach(store: MetricsStore, start: float) -> None:
+    n = 50
+    while True:
+        await asyncio.sleep(2.0)
+        n += 10
+        store.ingest(itl_breach(time.time(), start, n))
+
+
+async def _lower_k_then_scale(kube: Kube, router: FakeRouter, n_updates: int) -> None:
     await asyncio.to_thread(kube.request, "PATCH", f"{CR_PATH}/demo",
                             {"spec": {"autoscaling": {"intervalSeconds": 1}}}, None,
                             "application/merge-patch+json")
@@ -212,7 +232,9 @@ async def _autoscale(kube: Kube, store: MetricsStore, router: FakeRouter) -> Non
     assert (await asyncio.to_thread(kube.get, "Deployment", "default", "demo-verify"))["spec"]["replicas"] == 1
     # Next: kMax at its floor, still breached -> add a verify replica (a scale patch).
     await wait_for(lambda: kube.get("Deployment", "default", "demo-verify")["spec"]["replicas"] == 2,
-                   "verify scaled to 2", timeout=180)
+                   "verify scaled to 2", timeout=180,
+                   why=lambda: {k: v for k, v in (_cr(kube).get("status") or {}).items()
+                                if k in ("lastDecision", "autoscaler", "observed")})
     st = await wait_for(lambda: (_cr(kube).get("status") or {}).get("lastDecision", {}).get("action") == "scale-up"
                         and _cr(kube)["status"], "scale decision in status")
     assert st["lastDecision"]["scales"] == [{"unit": "verify", "from": 1, "to": 2}]
