@@ -8,7 +8,8 @@ prompts: mean tokens per verify step (accepted drafts + 1), per family and overa
 
 --head defaults to the committed head of the embedded model (bench/results/smollm2_eagle_h200; 2.498 on
 the H200, bench/results/eagle_acceptance_h200_s29.json);
-repeat --head to measure several heads in the same run.
+repeat --head to measure several heads in the same run; --draft adds other drafts (e.g. the head mixed
+with prompt lookup, eagle+ngram:DIR), --no-ngram leaves the ngram baseline out.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--head", action="append", default=None,
                     help="a head directory; repeat to measure several in one run (default: the committed "
                          "head, bench/results/smollm2_eagle_h200)")
+    ap.add_argument("--draft", action="append", default=[],
+                    help="another draft to measure beside the heads, e.g. eagle+ngram:DIR (repeatable)")
+    ap.add_argument("--no-ngram", action="store_true", help="leave ngram out (on the CPU it decodes ~plainly: slow)")
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "draft_acceptance.jsonl"))
     ap.add_argument("--per-family", type=int, default=0, help="the first N prompts of each family (0: all)")
     ap.add_argument("--k", type=int, default=4)
@@ -58,7 +62,8 @@ def main() -> None:
         tmp.close()
         prompts = tmp.name
     heads = args.head or [str(HERE / "results" / "smollm2_eagle_h200")]
-    results = compare_drafts(args.target, [f"eagle:{h}" for h in heads] + ["ngram"], prompts, k=args.k,
+    drafts = [f"eagle:{h}" for h in heads] + args.draft + ([] if args.no_ngram else ["ngram"])
+    results = compare_drafts(args.target, drafts, prompts, k=args.k,
                              max_tokens=args.max_tokens, device=args.device)
     results = {**metadata(), "head": heads[0] if len(heads) == 1 else heads, "per_family": args.per_family or "all",
                **results}

@@ -11,6 +11,7 @@ import torch
 
 from verifypd.defaults import DEFAULT_TARGET
 from verifypd.engine.draft_length import RuntimeConfig
+from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.router import EngineObserver, Router
 from verifypd.engine.types import RequestOutput, RequestSpec
 from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpec, DraftSpecError, parse_draft, poolless_draft_lane
@@ -246,7 +247,8 @@ class Engine:
                                              wait_for=decode_streams)
         self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode if detokenize else None,
                              eos_token_ids=m.target.eos_token_ids, config=self.options.config,
-                             max_running=self.options.max_running, observer=observer)
+                             max_running=self.options.max_running, observer=observer,
+                             lookup=LookupMix() if eagle and draft_spec(m.draft_name).lookup else None)
 
     def generate(self, specs: list[RequestSpec]) -> dict[str, "Completion"]:
         """Runs requests to completion (offline); returns completions by request id."""

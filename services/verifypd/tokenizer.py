@@ -13,6 +13,7 @@ from verifypd.engine.types import InvalidRequest
 class TextCodec:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
+        self._backend_decode = _backend_decode(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
@@ -37,6 +38,21 @@ class TextCodec:
         return list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=True)
         if self.tokenizer is None:
             return "".join(f" {i}" for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _backend_decode(tokenizer):
+    """The Rust tokenizer's own decode where transformers' wrapper adds nothing to it (a fast
+    tokenizer without clean_up_tokenization_spaces: the wrapper then returns the backend's text
+    as is). The router's detokenizer decodes twice per generated token, on the step's critical
+    path: SmolLM2's tokenizer takes 4.5 us a call through the wrapper, 1.0 us direct (CPU here)."""
+    if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else backend.decode

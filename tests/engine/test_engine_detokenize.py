@@ -101,3 +101,23 @@ def test_text_before_an_unfinished_character_is_not_held_back(tokenizer):
     assert detok.flush() == ""  # generation ended inside the character: what was complete was sent
     detok = IncrementalDetokenizer(decode, [])
     assert detok.add(ids[:cut - 1])[0] + detok.add(ids[cut - 1:])[0] == decode(ids)
+
+
+def test_codec_decodes_through_the_backend_as_the_wrapper_does(tokenizer):
+    """TextCodec skips transformers' decode wrapper (the detokenizer's two calls per token) only where
+    that gives the wrapper's text: random windows with special tokens and split multi-byte characters."""
+    from verifypd.tokenizer import TextCodec
+
+    codec = TextCodec(tokenizer)
+    assert codec._backend_decode is not None  # the embedded (byte-level BPE) tokenizer takes the fast path
+    rng = random.Random(3)
+    windows = [ids[i:i + rng.randint(1, 7)] for ids in _streams(tokenizer, 12, 3) for i in range(0, len(ids), 3)]
+    windows += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 7))] for _ in range(300)]
+    windows += [[tokenizer.eos_token_id], [tokenizer.eos_token_id, 30, 40]]
+    for w in windows:
+        assert codec.decode(w) == tokenizer.decode(w, skip_special_tokens=True), w
+    tokenizer.clean_up_tokenization_spaces = True  # the wrapper would post-process: no fast path
+    try:
+        assert TextCodec(tokenizer)._backend_decode is None
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False

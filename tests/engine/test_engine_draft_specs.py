@@ -15,7 +15,8 @@ from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpecError, parse_draft, re
     ("none", "none", {}),
     ("self:12", "self", dict(layers=12)),
     ("./my-draft", "model", dict(model="./my-draft")),
-    ("eagle:heads/smollm2", "eagle", dict(model="heads/smollm2")),
+    ("eagle:heads/smollm2", "eagle", dict(model="heads/smollm2", lookup=False)),
+    ("eagle+ngram:heads/smollm2", "eagle", dict(model="heads/smollm2", lookup=True)),
 ])
 def test_draft_forms(text, kind, fields):
     spec = parse_draft(text)
@@ -26,6 +27,7 @@ def test_draft_forms(text, kind, fields):
 @pytest.mark.parametrize("text, message", [
     ("ngram:3", "ngram:MIN-MAX"), ("ngram:4-2", "1 <= MIN <= MAX"), ("ngram:0-2", "1 <= MIN <= MAX"),
     ("self:x", "integer N"), ("", "--draft is empty"), ("eagle:", "eagle:PATH needs the head's directory"),
+    ("eagle+ngram: ", "eagle\\+ngram:PATH needs the head's directory"),
 ])
 def test_bad_draft_forms_name_the_flag(text, message):
     with pytest.raises(DraftSpecError, match=message):

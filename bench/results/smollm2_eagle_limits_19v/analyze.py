@@ -41,6 +41,8 @@ target = models.target
 config, weights = load_eagle_head(args.head, target.shape, target.weights.lm_head, models.device, torch.float32)
 head = TrainableHead(config, weights, target.weights.embed, train_lm_head=False)
 d2t = weights.draft_to_target
+if d2t is None:  # a whole-vocabulary head (no map, session 29's): draft id = target id
+    d2t = torch.arange(target.shape.vocab_size)
 vocabs = {"head": set(d2t.tolist())}
 for spec in args.vocab:
     name, path = spec.split("=", 1)

@@ -21,12 +21,13 @@ from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager, check_fits
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
-from verifypd.engine.draft_length import (TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel, request_alpha,
-                                          request_rate)
+from verifypd.engine.draft_length import TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel
+from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.overlap import Overlap
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
-from verifypd.engine.router_calls import BesidePrefill, StartedPrefill, pool_of as _pool, take_drafts
+from verifypd.engine.router_calls import (BesidePrefill, StartedPrefill, pool_of as _pool, record_verdict,
+                                         take_drafts)
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
@@ -50,7 +51,8 @@ class EngineObserver:
 class Router:
     def __init__(self, prefill: PrefillLane, draft: DraftLane, verify: VerifyLane, *, decode: Decode | None,
                  eos_token_ids: Seq[int], config: RuntimeConfig | None = None, max_running: int = 256,
-                 observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic):
+                 observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic,
+                 lookup: LookupMix | None = None):
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
         # Lanes that keep per-request state for the router (the call channel's request keys and
         # block tables) are told when a request is done.
@@ -60,6 +62,7 @@ class Router:
         # None: a pool-less draft lane (prompt lookup, none): no draft blocks, no draft KV in prefill.
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)
         self.feature_draft = draft_info.reads_features  # see LaneInfo.reads_features
+        self.lookup = lookup  # a feature draft mixed with prompt lookup (engine.lookup_mix)
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
@@ -313,14 +316,20 @@ class Router:
             return None
         drafting = [w for w in work if w.k > 0 and not w.held]
         drafts: dict[str, tuple[object, object]] = {}
+        # A step mixing lookup's proposals with fewer (or no) head rows costs less than a head step.
         typical = True  # no long draft catch-up: the step's cost is worth learning from
         draft_s = 0.0
+        if self.lookup is not None and drafting:
+            drafts = {rid: (tokens, None) for rid, tokens in self.lookup.take(drafting).items()}
+            for w in drafting:
+                w.lookup = w.seq.request_id in drafts
+            drafting, typical = [w for w in drafting if not w.lookup], not drafts
         if drafting:
             items = self._draft_items(drafting)
             results, draft_s = self._call_draft(items)
-            drafts = take_drafts(drafting, results)
+            drafts.update(take_drafts(drafting, results))
             self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = self._typical_draft(items)
+            typical = typical and self._typical_draft(items)
             # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
             typical = typical and sum(w.probe for w in work) in (0, len(work))
         ahead_items = self._draft_items(ahead)
@@ -411,28 +420,11 @@ class Router:
             m = res.accepted
             assert 0 <= m <= k and len(res.new_tokens) == m + 1, "verify lane broke its contract"
             seq.target_computed = n + m + 1
-            if k > 0:  # the draft lane wrote positions draft_computed .. n + k - 1
+            if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
                 # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
-            seq.stats.draft_tokens += k
-            seq.stats.accepted_tokens += m
-            seq.stats.verify_steps += 1
-            if k > 0:
-                seq.draft_rejections += m < k
-                self.costs.acceptance.observe(m, k)
-            # Asked for drafts, did the lane propose any? Prompt lookup proposes nothing without a
-            # match: such a step gains nothing, and the policy must count it (goodput's `rates`),
-            # or a draft accepted when it proposes looks better than it is.
-            asked = seq.held_draft.requested_k if seq.held_draft is not None else w.k
-            if asked > 0:
-                seq.drafts_asked += 1
-                seq.drafts_proposed += k > 0
-                self.costs.acceptance.observe_proposal(k > 0)
-                seq.proposal_rate = request_rate(seq.drafts_asked, seq.drafts_proposed,
-                                                 self.costs.acceptance.proposal_rate)
-            seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections,
-                                               self.costs.acceptance.alpha)
-            seq.last_k = k
+            record_verdict(seq, self.costs.acceptance, k, m,
+                           asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k)
             self.observer.on_verify(k, m)
             outputs += self._emit(seq, res.new_tokens, applied_k=k)
 
@@ -440,21 +432,19 @@ class Router:
     def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         finish = None
-        tokens = []
-        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
-        if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
-            raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        for tok in new_tokens:
-            tokens.append(tok)
-            if seq.spec.stop_at_eos and tok in self._eos:
-                finish = FinishReason.EOS
-                break
-            if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
-                finish = FinishReason.LENGTH
-                break
-            if seq.num_tokens + len(tokens) >= self.max_context:
-                finish = FinishReason.LENGTH
-                break
+        if new_tokens and (min(new_tokens) < 0 or max(new_tokens) >= self.vocab_size):
+            # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
+            bad = next(t for t in new_tokens if not 0 <= t < self.vocab_size)
+            raise RuntimeError(f"a lane returned token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        # The first EOS ends the chunk (it is kept), else the token that reaches max_tokens or the
+        # context; computed once per chunk, not per token (this runs for every request every step).
+        room = min(seq.spec.max_tokens - len(seq.output_ids), self.max_context - seq.num_tokens)
+        tokens = list(new_tokens[:max(room, 1)])
+        if seq.spec.stop_at_eos and not self._eos.isdisjoint(tokens):
+            tokens = tokens[:next(i for i, t in enumerate(tokens) if t in self._eos) + 1]
+            finish = FinishReason.EOS
+        elif tokens and len(tokens) >= room:
+            finish = FinishReason.LENGTH
         now = self._clock()
         seq.output_ids.extend(tokens)
         seq.stats.completion_tokens = len(seq.output_ids)
@@ -475,6 +465,8 @@ class Router:
         if detok is not None and reason is not FinishReason.STOP:
             text += detok.flush()
         self.overlap.on_finish(seq)  # a row in a step still in flight: its blocks wait for that step
+        if self.lookup is not None:
+            self.lookup.forget(seq.request_id)
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -1,8 +1,9 @@
-"""Small pieces of the router's lane calls (split out of router.py to keep it under 500 lines). Torch-free."""
+"""Small pieces of the router's lane calls and commits (split out of router.py to keep it under 500 lines). Torch-free."""
 from __future__ import annotations
 
 from typing import Callable
 
+from verifypd.engine.draft_length import request_alpha, request_rate
 from verifypd.lanes.interface import PoolInfo
 
 
@@ -55,3 +56,25 @@ def take_drafts(work: list, results) -> dict[str, tuple[object, object]]:
         elif len(out.draft_tokens) == 0:  # it took the inputs (up to the pending token), proposed none
             w.seq.draft_computed = w.seq.pending_pos + 1
     return drafts
+
+
+def record_verdict(seq, acceptance, k: int, accepted: int, asked: int) -> None:
+    """One verify step's outcome in the request's stats and the draft policy's estimates (`acceptance`:
+    the engine-wide AcceptanceTracker); `asked`: the k the request was asked to draft, `k` the drafts
+    it verified."""
+    seq.stats.draft_tokens += k
+    seq.stats.accepted_tokens += accepted
+    seq.stats.verify_steps += 1
+    if k > 0:
+        seq.draft_rejections += accepted < k
+        acceptance.observe(accepted, k)
+    # Asked for drafts, did the lane propose any? Prompt lookup proposes nothing without a match:
+    # such a step gains nothing, and the policy must count it (goodput's `rates`), or a draft
+    # accepted when it proposes looks better than it is.
+    if asked > 0:
+        seq.drafts_asked += 1
+        seq.drafts_proposed += k > 0
+        acceptance.observe_proposal(k > 0)
+        seq.proposal_rate = request_rate(seq.drafts_asked, seq.drafts_proposed, acceptance.proposal_rate)
+    seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections, acceptance.alpha)
+    seq.last_k = k

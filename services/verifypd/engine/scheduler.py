@@ -54,6 +54,7 @@ class DecodeWork:
     k: int
     held: bool = False  # verify the drafts held from the previous (pipelined) step; draft nothing now
     probe: bool = False  # drafts PROBE_K although the batch's k is 0 (see ProbeSchedule)
+    lookup: bool = False  # its drafts this step are prompt lookup's, not the head's (engine.lookup_mix)
 
 
 @dataclass

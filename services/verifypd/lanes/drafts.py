@@ -5,6 +5,8 @@
     self:N                  the target's first N layers + final norm + head (a model draft lane)
     eagle:PATH              an EAGLE-3-style head (HF layout) drafting from the target's hidden
                             states (verifypd.model.eagle_draft; `verifypd distill` trains one)
+    eagle+ngram:PATH        the head, and prompt lookup's proposal instead wherever the request's
+                            context repeats its last 3+ tokens (verifypd.engine.lookup_mix)
     anything else           a draft model spec (local dir, .gguf, HF cache name), same tokenizer
 
 Adding a draft kind is one `DraftSpec.kind`, one parse rule here, and one builder: pool-less kinds
@@ -22,7 +24,8 @@ from verifypd.lanes.interface import LaneInfo
 
 DRAFT_HELP = ("draft: 'ngram' or 'ngram:MIN-MAX' (prompt lookup in the request's own context: no model, no GPU, "
               "no KV pool), 'self:N' (the target's first N layers), 'eagle:PATH' (an EAGLE-3 head drafting from the "
-              "target's hidden states, e.g. one written by `verifypd distill`), 'none', or a draft model spec. "
+              "target's hidden states, e.g. one written by `verifypd distill`), 'eagle+ngram:PATH' (that head, and prompt "
+              "lookup's proposal where the context repeats its last 3+ tokens), 'none', or a draft model spec. "
               f"Default: {DEFAULT_DRAFT}, for the embedded model and any other target: measured on the embedded "
               "model, its self:N drafts are accepted too rarely to pay (README, 'Draft acceptance'), while "
               "prompt lookup speeds up copy-heavy prompts (rewrite, edit, extract) and costs ~nothing when "
@@ -41,6 +44,7 @@ class DraftSpec:
     max_n: int = 0                  # ngram
     layers: int = 0                 # self
     model: str = ""                 # model; eagle: the head's directory
+    lookup: bool = False            # eagle+ngram: prompt lookup where the context repeats (engine.lookup_mix)
 
     @property
     def needs_model(self) -> bool:
@@ -63,7 +67,8 @@ def parse_draft(text: str) -> DraftSpec:
 
     text = (text or "").strip()
     if not text:
-        raise DraftSpecError("--draft is empty: give ngram, ngram:MIN-MAX, self:N, eagle:PATH, none or a model")
+        raise DraftSpecError("--draft is empty: give ngram, ngram:MIN-MAX, self:N, eagle:PATH, eagle+ngram:PATH, none "
+                             "or a model")
     if text == "none":
         return DraftSpec("none", text)
     if text.startswith("ngram"):
@@ -80,11 +85,12 @@ def parse_draft(text: str) -> DraftSpec:
         except ValueError:
             raise DraftSpecError(f"--draft self:N needs an integer N, got {text!r}") from None
         return DraftSpec("self", text, layers=layers)
-    if text.startswith("eagle:"):
-        path = text.removeprefix("eagle:").strip()
-        if not path:
-            raise DraftSpecError("--draft eagle:PATH needs the head's directory (config.json + model.safetensors)")
-        return DraftSpec("eagle", text, model=path)
+    for prefix in ("eagle:", "eagle+ngram:"):
+        if text.startswith(prefix):
+            path = text.removeprefix(prefix).strip()
+            if not path:
+                raise DraftSpecError(f"--draft {prefix}PATH needs the head's directory (config.json + model.safetensors)")
+            return DraftSpec("eagle", text, model=path, lookup=prefix == "eagle+ngram:")
     return DraftSpec("model", text, model=text)
 
 

@@ -343,8 +343,11 @@ class DraftBatch:
         return self._host
 
     def gather(self, items: list[VerifyItem], K: int) -> torch.Tensor:
-        """[len(items), K] drafts of the verify items, in their order (zeros where k = 0)."""
-        rows = [i.draft_tokens.row if len(i.draft_tokens) else -1 for i in items]
+        """[len(items), K] drafts of the verify items, in their order (zeros where k = 0). Items whose
+        drafts are host lists (prompt lookup's, engine.lookup_mix) are written in by one small copy,
+        without waiting for this batch's values."""
+        rows = [i.draft_tokens.row if isinstance(i.draft_tokens, DeviceDraftTokens) and len(i.draft_tokens) else -1
+                for i in items]
         width = min(K, self.tokens.shape[1])
         if rows == list(range(len(items))) and self.tokens.shape[0] >= len(items):
             return self.tokens[:len(items), :K] if width == K else _pad(self.tokens[:len(items), :width], K)
@@ -354,6 +357,11 @@ class DraftBatch:
             dst_idx = sampler.small_tensor([n for n, _ in src], out.device)
             src_idx = sampler.small_tensor([r for _, r in src], out.device)
             out[dst_idx, :width] = self.tokens[src_idx, :width]
+        hosted = [(n, list(i.draft_tokens)) for n, i in enumerate(items) if rows[n] < 0 and len(i.draft_tokens)]
+        if hosted:  # small_tensor: pinned, queued (a pageable copy would wait for the draft call's work)
+            values = sampler.small_tensor([t for _, tokens in hosted for t in tokens + [0] * (K - len(tokens))],
+                                          out.device, out.dtype)
+            out[sampler.small_tensor([n for n, _ in hosted], out.device)] = values.view(len(hosted), K)
         return out
 
 
@@ -381,13 +389,12 @@ class DeviceDraftTokens(Sequence):
 
 
 def device_drafts(items: list[VerifyItem]) -> DraftBatch | None:
-    """The one DraftBatch all drafting items come from, or None (host lists, mixed sources)."""
+    """The one DraftBatch the device-backed drafts come from (others may be host lists: DraftBatch.gather
+    writes those in), or None (no device drafts, or several batches)."""
     batch = None
     for item in items:
-        if not len(item.draft_tokens):
+        if not isinstance(item.draft_tokens, DeviceDraftTokens) or not len(item.draft_tokens):
             continue
-        if not isinstance(item.draft_tokens, DeviceDraftTokens):
-            return None
         if batch is None:
             batch = item.draft_tokens.batch
         elif item.draft_tokens.batch is not batch:

@@ -32,19 +32,19 @@ DEFAULT_CAPACITY_TOKENS = 1 << 20
 
 
 def propose(context: list[int], k: int, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N) -> list[int]:
-    """Up to k tokens continuing `context` by prompt lookup (stateless reference of `_History.propose`).
+    """Up to k tokens continuing `context` by prompt lookup (stateless reference of `TokenHistory.propose`).
 
     For n = max_n .. min_n: find the most recent earlier start i (i + n < len(context)) with
     context[i:i+n] == context[-n:]; propose context[i+n], context[i+n+1], ... The copy may run past
     the end of the context into the proposal itself (an overlapping copy, as in LZ77), so a
     periodic tail like "a b a b" keeps proposing "a b a b ..." up to k tokens.
     """
-    history = _History(min_n, max_n)
+    history = TokenHistory(min_n, max_n)
     history.extend(context)
     return history.propose(k)
 
 
-class _History:
+class TokenHistory:
     """One request's tokens plus, for each n, the start positions of every n-gram (increasing)."""
 
     def __init__(self, min_n: int, max_n: int):
@@ -106,7 +106,7 @@ class NgramDraftLane:
             raise ValueError("the n-gram draft lane owns no KV pool; announce pools=()")
         self.info, self.min_n, self.max_n = info, min_n, max_n
         self.capacity_tokens = capacity_tokens
-        self._histories: OrderedDict[str, _History] = OrderedDict()  # least recently used first
+        self._histories: OrderedDict[str, TokenHistory] = OrderedDict()  # least recently used first
         self._tokens = 0
 
     def describe(self) -> LaneInfo:
@@ -122,7 +122,7 @@ class NgramDraftLane:
         if history is None:
             if item.start_pos > 0:  # we never saw (or evicted) its beginning: ask for all of it
                 return DraftOutput(item.request_id, [], None, resync_from=0)
-            history = _History(self.min_n, self.max_n)
+            history = TokenHistory(self.min_n, self.max_n)
         elif len(history) < item.start_pos:
             self._histories[item.request_id] = history
             return DraftOutput(item.request_id, [], None, resync_from=len(history))

@@ -1,0 +1,109 @@
+"""`--draft eagle+ngram:PATH` (engine.lookup_mix): the head mixed with prompt lookup. Lossless greedy and
+seeded; lookup's proposals are taken where the context repeats, and a request the head skipped is caught
+up from where the head left it; the verify lane writes host-list drafts beside the head's device rows."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_helpers import make_engine
+from test_engine_eagle import write_head
+from verifypd.engine.lookup_mix import LookupMix
+from verifypd.engine.scheduler import DecodeWork
+from verifypd.engine.sequence import Sequence
+from verifypd.engine.types import RequestSpec, RequestStats, SamplingParams
+from verifypd.lanes.interface import KvHandle, VerifyItem
+from verifypd.lanes.local import DeviceDraftTokens, DraftBatch
+
+
+def repeating_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that quote themselves (as rewrites and extractions do), so lookup finds matches."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(3, 90) for _ in range(rng.randrange(8, 14))]
+        out.append(base + [rng.randrange(3, 90) for _ in range(3)] + base[:6] + base)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_models, tmp_path_factory):
+    return "eagle+ngram:" + write_head(tiny_models, tmp_path_factory.mktemp("mix") / "head").removeprefix("eagle:")
+
+
+def _head_calls(engine) -> list:
+    """Wraps the draft lane: every item the head is asked to draft."""
+    calls, draft = [], engine.draft_lane.draft
+
+    def counting(items):
+        calls.extend(items)
+        return draft(items)
+    engine.draft_lane.draft = counting
+    return calls
+
+
+@pytest.mark.parametrize("k, adaptive", [(1, False), (4, False), (3, True)])
+def test_greedy_with_head_and_lookup_equals_plain(tiny_models, mixed, k, adaptive):
+    prompts = repeating_prompts(6, seed=k)
+    specs = lambda: [RequestSpec(p, max_tokens=24, stop_at_eos=False) for p in prompts]  # noqa: E731
+    plain = make_engine(tiny_models[0], "none", k=0).generate(specs())
+    engine = make_engine(tiny_models[0], mixed, k=k, adaptive=adaptive)
+    calls = _head_calls(engine)
+    done = engine.generate(specs())
+    assert [c.token_ids for c in done.values()] == [c.token_ids for c in plain.values()]
+    assert engine.router.lookup.proposed > 0 and calls, "both lookup and the head drafted"
+    # The head is fed each request's positions without a gap: a step lookup drafted left the head's
+    # draft_computed alone (a skipped position would leave a hole in its KV and features).
+    by_request: dict[str, list] = {}
+    for item in calls:
+        by_request.setdefault(item.request_id, []).append(item)
+    for items in by_request.values():
+        for prev, nxt in zip(items, items[1:]):
+            assert nxt.start_pos == prev.start_pos + len(prev.input_tokens), (prev.start_pos, nxt.start_pos)
+
+
+def test_seeded_output_with_head_and_lookup_equals_plain(tiny_models, mixed):
+    prompts = repeating_prompts(5, seed=9)
+    specs = lambda: [RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"r{i}",  # noqa: E731
+                                 sampling=SamplingParams(temperature=0.3, seed=100 + i)) for i, p in enumerate(prompts)]
+    plain = make_engine(tiny_models[0], "none", k=0).generate(specs())
+    engine = make_engine(tiny_models[0], mixed, k=4)
+    done = engine.generate(specs())
+    assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+    assert engine.router.lookup.proposed > 0
+    assert sum(c.usage["accepted_tokens"] for c in done.values()) > 0
+
+
+def _work(request_id: str, tokens: list[int], k: int = 3) -> DecodeWork:
+    seq = Sequence(RequestSpec(tokens[:2], max_tokens=100, request_id=request_id), request_id, 0, RequestStats())
+    seq.output_ids = list(tokens[2:])
+    return DecodeWork(seq, k)
+
+
+def test_lookup_proposes_only_where_the_context_repeats_its_last_three_tokens():
+    mix = LookupMix()
+    fresh = _work("a", [5, 6, 7, 8, 9, 10])
+    two = _work("b", [5, 6, 7, 8, 6, 7])             # only 2 tokens repeat: the head drafts
+    three = _work("c", [5, 6, 7, 8, 5, 6, 7], k=4)    # 3 repeat: copy what followed, overlapping
+    assert mix.take([fresh, two, three]) == {"c": [8, 5, 6, 7]}
+    three.seq.output_ids.append(8)                    # the history follows the sequence's tokens
+    assert mix.take([three]) == {"c": [5, 6, 7, 8]}
+    # A bounded cache: evicted histories are rebuilt from the sequence and propose the same.
+    small = LookupMix(capacity_tokens=8)
+    assert small.take([fresh, three]) == {"c": [5, 6, 7, 8]}
+    assert small.take([fresh]) == {} and small.take([three]) == {"c": [5, 6, 7, 8]}
+    mix.forget("c")
+    assert "c" not in mix._histories
+
+
+def test_verify_gathers_host_drafts_beside_device_rows():
+    batch = DraftBatch(torch.tensor([[11, 12, 13], [21, 22, 23]]))
+    kv = KvHandle("t", 1, (0,), 1, 1)
+    item = lambda drafts: VerifyItem("r", 1, 0, drafts, kv, SamplingParams())  # noqa: E731
+    items = [item(DeviceDraftTokens(batch, 1, 3)), item([7, 8]), item([]), item(DeviceDraftTokens(batch, 0, 2))]
+    from verifypd.lanes.local import device_drafts
+
+    assert device_drafts(items) is batch
+    assert batch.gather(items, 3).tolist() == [[21, 22, 23], [7, 8, 0], [0, 0, 0], [11, 12, 13]]
