@@ -316,14 +316,15 @@ class Router:
             return None
         drafting = [w for w in work if w.k > 0 and not w.held]
         drafts: dict[str, tuple[object, object]] = {}
-        # A step mixing lookup's proposals with fewer (or no) head rows costs less than a head step.
         typical = True  # no long draft catch-up: the step's cost is worth learning from
         draft_s = 0.0
         if self.lookup is not None and drafting:
+            # Steps mixing lookup's proposals with the head's (or lookup's alone, no draft call) are
+            # cost samples too: the policy's k then weighs what this mix costs as it runs.
             drafts = {rid: (tokens, None) for rid, tokens in self.lookup.take(drafting).items()}
             for w in drafting:
                 w.lookup = w.seq.request_id in drafts
-            drafting, typical = [w for w in drafting if not w.lookup], not drafts
+            drafting = [w for w in drafting if not w.lookup]
         if drafting:
             items = self._draft_items(drafting)
             results, draft_s = self._call_draft(items)
@@ -432,19 +433,21 @@ class Router:
     def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         finish = None
-        if new_tokens and (min(new_tokens) < 0 or max(new_tokens) >= self.vocab_size):
-            # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
-            bad = next(t for t in new_tokens if not 0 <= t < self.vocab_size)
-            raise RuntimeError(f"a lane returned token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        # The first EOS ends the chunk (it is kept), else the token that reaches max_tokens or the
-        # context; computed once per chunk, not per token (this runs for every request every step).
-        room = min(seq.spec.max_tokens - len(seq.output_ids), self.max_context - seq.num_tokens)
-        tokens = list(new_tokens[:max(room, 1)])
-        if seq.spec.stop_at_eos and not self._eos.isdisjoint(tokens):
-            tokens = tokens[:next(i for i, t in enumerate(tokens) if t in self._eos) + 1]
-            finish = FinishReason.EOS
-        elif tokens and len(tokens) >= room:
-            finish = FinishReason.LENGTH
+        tokens = []
+        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
+        if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
+            raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        for tok in new_tokens:
+            tokens.append(tok)
+            if seq.spec.stop_at_eos and tok in self._eos:
+                finish = FinishReason.EOS
+                break
+            if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
+                finish = FinishReason.LENGTH
+                break
+            if seq.num_tokens + len(tokens) >= self.max_context:
+                finish = FinishReason.LENGTH
+                break
         now = self._clock()
         seq.output_ids.extend(tokens)
         seq.stats.completion_tokens = len(seq.output_ids)
