@@ -119,7 +119,9 @@ def spec_schema() -> S:
             "model": {"type": "object", "default": {}, "properties": {
                 "target": _str(DEFAULT_TARGET, "target model: embedded name, HF cache name, local dir or .gguf"),
                 "draft": _str(DEFAULT_DRAFT, "draft: ngram | ngram:MIN-MAX (prompt lookup, no weights) | "
-                                             "self:N (the target's first N layers) | none | a draft model"),
+                                             "self:N (the target's first N layers) | eagle:PATH (a feature "
+                                             "head; colocated) | eagle+ngram:PATH (that head mixed with prompt "
+                                             "lookup) | none | a draft model"),
                 "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
             }},
             "image": {"type": "object", "default": {}, "properties": {
