@@ -22,10 +22,8 @@ tokens if they draft again.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from verifypd.engine.scheduler import DecodeWork
-from verifypd.lanes.ngram import DEFAULT_CAPACITY_TOKENS, TokenHistory
+from verifypd.lanes.ngram import DEFAULT_CAPACITY_TOKENS, HistoryCache, TokenHistory
 
 # The shortest repeated suffix trusted over the head. The walk above: 2 -> 2.63, 3 -> 2.65, 4 -> 2.64,
 # 6 -> 2.61; longest match looked for 4 (8 changes it by < 0.005).
@@ -36,9 +34,8 @@ LOOKUP_MAX_MATCH = 4
 class LookupMix:
     def __init__(self, min_match: int = LOOKUP_MIN_MATCH, max_match: int = LOOKUP_MAX_MATCH,
                  capacity_tokens: int = DEFAULT_CAPACITY_TOKENS):
-        self.min_match, self.max_match, self.capacity_tokens = min_match, max_match, capacity_tokens
-        self._histories: OrderedDict[str, TokenHistory] = OrderedDict()  # least recently drafted first
-        self._tokens = 0
+        self.min_match, self.max_match = min_match, max_match
+        self._histories = HistoryCache(capacity_tokens)
         self.proposed = 0  # steps of a request that took lookup's proposal (telemetry, tests)
 
     def take(self, work: list[DecodeWork]) -> dict[str, list[int]]:
@@ -47,27 +44,14 @@ class LookupMix:
         proposals = {}
         for w in work:
             seq, rid = w.seq, w.seq.request_id
-            history = self._histories.pop(rid, None) or TokenHistory(self.min_match, self.max_match)
-            self._tokens -= len(history)
+            history = self._histories.take(rid) or TokenHistory(self.min_match, self.max_match)
             history.extend(seq.ids(len(history), seq.num_tokens))  # through the pending token
-            self._histories[rid] = history
-            self._tokens += len(history)
+            self._histories.put(rid, history)
             proposal = history.propose(w.k)
             if proposal:
                 proposals[rid] = proposal
         self.proposed += len(proposals)
-        self._evict(keep=work[-1].seq.request_id if work else None)
         return proposals
 
     def forget(self, request_id: str) -> None:
-        history = self._histories.pop(request_id, None)
-        if history is not None:
-            self._tokens -= len(history)
-
-    def _evict(self, keep: str | None) -> None:
-        while self._tokens > self.capacity_tokens and len(self._histories) > 1:
-            rid, history = next(iter(self._histories.items()))
-            if rid == keep:
-                break
-            del self._histories[rid]
-            self._tokens -= len(history)
+        self._histories.take(request_id)

@@ -95,6 +95,42 @@ class TokenHistory:
         return []
 
 
+class HistoryCache:
+    """Requests' TokenHistory objects, bounded in tokens (all requests together): the least recently
+    used go first (the one just put stays). `take` removes a history; `put` returns it."""
+
+    def __init__(self, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS):
+        self.capacity_tokens = capacity_tokens
+        self._histories: OrderedDict[str, TokenHistory] = OrderedDict()  # least recently used first
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._histories)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._histories
+
+    def clear(self) -> None:
+        self._histories.clear()
+        self.tokens = 0
+
+    def take(self, request_id: str) -> TokenHistory | None:
+        history = self._histories.pop(request_id, None)
+        if history is not None:
+            self.tokens -= len(history)
+        return history
+
+    def put(self, request_id: str, history: TokenHistory) -> None:
+        self._histories[request_id] = history
+        self.tokens += len(history)
+        while self.tokens > self.capacity_tokens and len(self._histories) > 1:
+            rid, oldest = next(iter(self._histories.items()))
+            if rid == request_id:
+                break
+            del self._histories[rid]
+            self.tokens -= len(oldest)
+
+
 class NgramDraftLane:
     """The prompt-lookup draft lane (in-process; the split draft lane server wraps the same class)."""
 
@@ -105,9 +141,7 @@ class NgramDraftLane:
         if info.pools:
             raise ValueError("the n-gram draft lane owns no KV pool; announce pools=()")
         self.info, self.min_n, self.max_n = info, min_n, max_n
-        self.capacity_tokens = capacity_tokens
-        self._histories: OrderedDict[str, TokenHistory] = OrderedDict()  # least recently used first
-        self._tokens = 0
+        self._histories = HistoryCache(capacity_tokens)
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -118,37 +152,24 @@ class NgramDraftLane:
     def _draft_one(self, item: DraftItem) -> DraftOutput:
         if item.k < 1:
             raise ValueError(f"draft items need k >= 1; request {item.request_id} has k={item.k}")
-        history = self._histories.pop(item.request_id, None)
+        history = self._histories.take(item.request_id)
         if history is None:
             if item.start_pos > 0:  # we never saw (or evicted) its beginning: ask for all of it
                 return DraftOutput(item.request_id, [], None, resync_from=0)
             history = TokenHistory(self.min_n, self.max_n)
         elif len(history) < item.start_pos:
-            self._histories[item.request_id] = history
+            self._histories.put(item.request_id, history)
             return DraftOutput(item.request_id, [], None, resync_from=len(history))
-        self._tokens -= len(history)
         history.truncate(item.start_pos)
         history.extend(item.input_tokens)
         proposal = history.propose(item.k)
         history.extend(proposal)  # positions n+1.., like draft KV; the next call truncates rejects
-        self._histories[item.request_id] = history
-        self._tokens += len(history)
-        self._evict(keep=item.request_id)
+        self._histories.put(item.request_id, history)
         return DraftOutput(item.request_id, proposal, None)
-
-    def _evict(self, keep: str) -> None:
-        while self._tokens > self.capacity_tokens and len(self._histories) > 1:
-            rid, history = next(iter(self._histories.items()))
-            if rid == keep:
-                break
-            del self._histories[rid]
-            self._tokens -= len(history)
 
     def forget(self, request_id: str) -> None:
         """Drops a finished request's history now (optional: eviction reclaims it anyway)."""
-        history = self._histories.pop(request_id, None)
-        if history is not None:
-            self._tokens -= len(history)
+        self._histories.take(request_id)
 
     @property
     def cached_requests(self) -> int:
