@@ -7,7 +7,8 @@
 #   call 1  carry [.relay-a]              bash bench/eagle_gpu.sh relay-a   (skipped if the GGUF is there)
 #   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s;
 #                                         EAGLE_TRAIN_MINUTES=5 E2E_IF_BEFORE=0: ~6 min, no e2e)
-#   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end)
+#   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end;
+#                                         MIX=1: the head mixed with prompt lookup, eagle+ngram:HEAD_DIR, beside it)
 #
 # A run longer than one call (the full-length distill, bench/results/smollm2_eagle_h200/COMMAND.md):
 #   call 2  carry [.relay-b, .whl]        EAGLE_SAMPLES=.. EAGLE_STEPS=.. bash bench/eagle_gpu.sh train-part
@@ -84,14 +85,15 @@ EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-toke
 
 end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
   # E2E_K: a fixed k for every draft (default: the served adaptive policy)
-  python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" --drafts "ngram,eagle:$1${COMPARE_HEAD:+,eagle:$COMPARE_HEAD}" \
+  python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" \
+    --drafts "ngram,eagle:$1${COMPARE_HEAD:+,eagle:$COMPARE_HEAD}${MIX:+,eagle+ngram:$1}" \
     --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
     --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
 }
 
 acceptance() {  # the engine's tokens per verify step, head against ngram (bench/eagle_acceptance.py)
   # COMPARE_HEAD: a second head measured in the same run (e.g. bench/results/smollm2_eagle_h200, the committed one)
-  python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" ${COMPARE_HEAD:+--head "$COMPARE_HEAD"} \
+  python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" ${COMPARE_HEAD:+--head "$COMPARE_HEAD"} ${MIX:+--draft eagle+ngram:$1} \
     --device "$DEVICE" --out "$OUT/eagle_acceptance_${DEVICE}.json" ${ACCEPT_EXTRA:-} 2>&1 | grep '^|'
 }  # ACCEPT_EXTRA: e.g. "--per-family 1 --max-tokens 8" for a short check of this script on the CPU
 

@@ -23,6 +23,9 @@ KV_BLOCKS_IN_USE = "verifypd.kv.blocks_in_use"  # gauge, {block}; attribute veri
 # whether they carried a prefill of admitted requests; ÷ the verify lane's call count = the share
 # of chained steps. Prometheus: verifypd_engine_chained_steps_total{verifypd_step_prefill=...}.
 CHAINED_STEPS = "verifypd.engine.chained_steps"  # counter, {step}; attribute verifypd.step.prefill
+# `--draft eagle+ngram:`: requests' verify steps whose drafts were prompt lookup's, not the head's
+# (engine.lookup_mix); ÷ verify steps that drafted = the share lookup took.
+LOOKUP_PROPOSALS = "verifypd.speculation.lookup_proposals"  # counter, {step}
 
 # Attribute keys.
 ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"

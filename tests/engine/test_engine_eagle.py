@@ -184,5 +184,6 @@ def test_split_lanes_refuse_feature_drafts(heads):
     from verifypd.local_engine import EngineOptions
     from verifypd.lanerpc.lane_setup import load_lane_models
 
-    with pytest.raises(ModelLoadError, match="co-located only"):
-        load_lane_models(EngineOptions(target="random:tinyllama-1.1b", draft=heads["full"]), True, True)
+    for draft in (heads["full"], heads["full"].replace("eagle:", "eagle+ngram:", 1)):
+        with pytest.raises(ModelLoadError, match="co-located only"):
+            load_lane_models(EngineOptions(target="random:tinyllama-1.1b", draft=draft), True, True)

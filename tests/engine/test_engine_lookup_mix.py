@@ -107,3 +107,19 @@ def test_verify_gathers_host_drafts_beside_device_rows():
 
     assert device_drafts(items) is batch
     assert batch.gather(items, 3).tolist() == [[21, 22, 23], [7, 8, 0], [0, 0, 0], [11, 12, 13]]
+
+
+def test_lookup_proposals_reach_telemetry(tiny_models, mixed):
+    """verifypd.speculation.lookup_proposals counts the requests' steps lookup drafted."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from verifypd import metric_names as mn
+    from verifypd.core.telemetry import Telemetry
+
+    reader = InMemoryMetricReader()
+    engine = make_engine(tiny_models[0], mixed, k=3)
+    engine.router.observer = Telemetry(readers=[reader])
+    engine.generate([RequestSpec(p, max_tokens=24, stop_at_eos=False) for p in repeating_prompts(4, seed=2)])
+    points = [p.value for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics if m.name == mn.LOOKUP_PROPOSALS for p in m.data.data_points]
+    assert engine.router.lookup.proposed > 0 and points == [engine.router.lookup.proposed]

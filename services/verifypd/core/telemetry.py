@@ -67,6 +67,10 @@ class Telemetry(EngineObserver):
                                                   description="Verify steps launched before the previous "
                                                               "step's results were on the host")
         self._chained_seen = (0, 0)  # router.overlap's (steps, admitting) already counted
+        self.lookup_proposals = meter.create_counter(mn.LOOKUP_PROPOSALS, unit="{step}",
+                                                     description="Requests' steps drafted by prompt lookup "
+                                                                 "instead of the head (--draft eagle+ngram:)")
+        self._lookup_seen = 0  # router.lookup.proposed already counted
         meter.create_observable_gauge(mn.LANE_QUEUE_DEPTH, [self._observe_queues], unit="{request}",
                                       description="Requests waiting for or running in each lane")
         meter.create_observable_gauge(mn.KV_BLOCKS_IN_USE, [self._observe_blocks], unit="{block}",
@@ -129,6 +133,10 @@ class Telemetry(EngineObserver):
                 if steps - seen_steps - with_prefill:
                     self.chained_steps.add(steps - seen_steps - with_prefill, {mn.ATTR_STEP_PREFILL: "false"})
                 self._chained_seen = (steps, admitting)
+        lookup = getattr(router, "lookup", None)
+        if lookup is not None and lookup.proposed > self._lookup_seen:
+            self.lookup_proposals.add(lookup.proposed - self._lookup_seen)
+            self._lookup_seen = lookup.proposed
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
         self._queues = {"prefill": router.scheduler.num_waiting + len(running) - decoding,

@@ -16,6 +16,9 @@ takes lookup makes no draft call.
 Lossless as every draft is: the verify lane keeps a proposal only where it equals the target's own
 (seeded) choice; lookup's proposals have no draft probabilities, as with `--draft ngram`.
 
+Lock-step steps only: with pdv pipelining (`RuntimeConfig.pipeline`, off by default in process), the
+drafts made a step ahead beside the other group's verify are the head's alone.
+
 The index (each request's n-grams for n in [min, max]) is a cache over Sequence tokens, bounded like
 the ngram lane's: the least recently drafted requests are dropped first and rebuilt from their
 tokens if they draft again.
