@@ -134,8 +134,10 @@ class Telemetry(EngineObserver):
                     self.chained_steps.add(steps - seen_steps - with_prefill, {mn.ATTR_STEP_PREFILL: "false"})
                 self._chained_seen = (steps, admitting)
         lookup = getattr(router, "lookup", None)
-        if lookup is not None and lookup.proposed > self._lookup_seen:
-            self.lookup_proposals.add(lookup.proposed - self._lookup_seen)
+        if lookup is not None:  # the engine's own count, as deltas (a new router counts from 0)
+            seen = self._lookup_seen if self._lookup_seen <= lookup.proposed else 0
+            if lookup.proposed > seen:
+                self.lookup_proposals.add(lookup.proposed - seen)
             self._lookup_seen = lookup.proposed
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
