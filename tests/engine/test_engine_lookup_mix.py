@@ -123,3 +123,25 @@ def test_lookup_proposals_reach_telemetry(tiny_models, mixed):
     points = [p.value for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
               for m in sm.metrics if m.name == mn.LOOKUP_PROPOSALS for p in m.data.data_points]
     assert engine.router.lookup.proposed > 0 and points == [engine.router.lookup.proposed]
+
+
+@pytest.mark.parametrize("schedule, pipeline, blocks", [("pdv", True, 128), ("baseline", True, 24), ("pdv", False, 24)])
+def test_seeded_output_with_lookup_in_every_schedule_and_after_preemption(tiny_models, mixed, schedule, pipeline,
+                                                                          blocks):
+    """The mix beside other requests, in the schedules (pipelined pdv, where the drafts made a step
+    ahead are the head's; baseline, one request a step) and under a pool small enough to preempt
+    (a recompute re-prefills the head's rows; the lookup index is kept, it holds tokens only): each
+    request's seeded tokens are --draft none's."""
+    from test_engine_seeded_output import crowd, run
+
+    specs = crowd(6, seed=5) + [RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"m{i}",
+                                            sampling=SamplingParams(temperature=0.3, seed=40 + i))
+                                for i, p in enumerate(repeating_prompts(4, seed=11))]
+    expected, _ = run(make_engine(tiny_models[0], "none", k=0), specs)
+    engine = make_engine(tiny_models[0], mixed, k=3, num_blocks=blocks)  # k fixed: every step drafts
+    engine.router.config = engine.router.config.updated(schedule=schedule, pipeline=pipeline)
+    tokens, stats = run(engine, specs)
+    assert tokens == expected
+    assert engine.router.lookup.proposed > 0
+    if blocks == 24:
+        assert sum(s.preemptions for s in stats.values()) > 0, "the pool was not small enough to preempt"
