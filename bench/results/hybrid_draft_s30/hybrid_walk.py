@@ -13,23 +13,9 @@ import argparse
 import json
 from collections import defaultdict
 
+from verifypd.lanes.ngram import propose  # the engine's prompt lookup (longest match first, overlapping copy)
+
 K = 4
-
-
-def lookup(context: list[int], k: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
-    """(n, proposal): the longest suffix n in [min_n, max_n] that occurred earlier (most recent
-    occurrence), continued by copying k tokens (overlapping copy, as verifypd.lanes.ngram.propose)."""
-    size = len(context)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = context[size - n:]
-        for i in range(size - n - 1, -1, -1):
-            if context[i:i + n] == suffix:
-                src, out = i + n, []
-                for j in range(k):
-                    pos = src + j
-                    out.append(context[pos] if pos < size else out[pos - size])
-                return n, out
-    return 0, []
 
 
 def walk(row, choose):
@@ -57,10 +43,11 @@ def main():
     rows = [json.loads(line) for line in open(args.dump)]
     cache = {}
 
-    def ngram(row, p):
-        key = (id(row), p)
+    def lookup(row, p, min_n, max_n=args.max_n):
+        """Prompt lookup's K tokens at anchor p: the longest repeated suffix of at least min_n tokens."""
+        key = (id(row), p, min_n, max_n)
         if key not in cache:
-            cache[key] = lookup(row["seq"][:p + 2], K, args.min_n, args.max_n)
+            cache[key] = propose(row["seq"][:p + 2], K, min_n, max_n)
         return cache[key]
 
     def head(row, p):
@@ -80,14 +67,13 @@ def main():
         return {f: round(1 + a / s, 3) for f, (a, s) in sorted(tot.items())}
 
     results = {"head": run(head),
-               "ngram:2-4 (the default draft)": run(lambda r, p: matches(r, p, lookup(r["seq"][:p + 2], K, 2, 4)[1])),
-               f"ngram:{args.min_n}-{args.max_n}": run(lambda r, p: matches(r, p, ngram(r, p)[1]))}
-    for L in range(args.min_n, args.max_n + 1):
-        results[f"hybrid:L>={L}"] = run(lambda r, p, L=L: matches(r, p, ngram(r, p)[1]) if ngram(r, p)[0] >= L
+               "ngram:2-4 (the default draft)": run(lambda r, p: matches(r, p, lookup(r, p, 2, 4))),
+               f"ngram:{args.min_n}-{args.max_n}": run(lambda r, p: matches(r, p, lookup(r, p, args.min_n)))}
+    for L in range(args.min_n, args.max_n + 1):  # lookup where its match is >= L tokens, else the head
+        results[f"hybrid:L>={L}"] = run(lambda r, p, L=L: matches(r, p, lookup(r, p, L)) if lookup(r, p, L)
                                         else head(r, p))
-
     def oracle(r, p):   # the better of the two at every step: an upper bound no rule reaches
-        h, g = head(r, p), matches(r, p, ngram(r, p)[1])
+        h, g = head(r, p), matches(r, p, lookup(r, p, args.min_n))
         count = lambda x: next((i for i, ok in enumerate(x) if not ok), len(x))  # noqa: E731
         return h if count(h) >= count(g) else g
     results["oracle(best of both per step)"] = run(oracle)
