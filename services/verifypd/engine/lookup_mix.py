@@ -47,7 +47,9 @@ class LookupMix:
         proposals = {}
         for w in work:
             seq, rid = w.seq, w.seq.request_id
-            history = self._histories.take(rid) or TokenHistory(self.min_match, self.max_match)
+            history = self._histories.take(rid)
+            if history is None:  # (not `or`: an empty history is falsy, it has a length)
+                history = TokenHistory(self.min_match, self.max_match)
             history.extend(seq.ids(len(history), seq.num_tokens))  # through the pending token
             self._histories.put(rid, history)
             proposal = history.propose(w.k)
