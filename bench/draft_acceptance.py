@@ -49,11 +49,7 @@ def load_prompts(per_family: int) -> dict[str, list[dict]]:
     return {f: rows[:per_family] for f, rows in families.items()}
 
 
-NO_PREDRAFT = "#no-predraft"  # a draft name's suffix: the same draft with engine.predraft off (--compare-predraft)
-
-
-def make_engine(target, name: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
-    draft = name.removesuffix(NO_PREDRAFT)
+def make_engine(target, draft: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
     models = Models(target, PagedLlama(target.shape, target.weights),
                     load_draft_model(parse_draft(draft), target, device, dtype, 2048), draft, device, dtype)
     if draft == "none":
@@ -62,9 +58,7 @@ def make_engine(target, name: str, k: int | None, device: torch.device, dtype: t
         config = RuntimeConfig(k_min=0, k_max=k, k_initial=k, adaptive=False)
     else:
         config = RuntimeConfig()
-    engine = Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
-    engine.router.predraft.enabled = not name.endswith(NO_PREDRAFT)
-    return engine
+    return Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
 
 
 def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
@@ -105,9 +99,6 @@ def main() -> None:
                     help="comma list of batch sizes measured in one run and one JSON (overrides --batch), e.g. 1,16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
-    ap.add_argument("--compare-predraft", action="store_true",
-                    help=f"also each feature draft with its next drafts made in the next step, not a step ahead "
-                         f"(engine.predraft off; named DRAFT{NO_PREDRAFT})")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -118,8 +109,6 @@ def main() -> None:
     prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
                for f, rs in rows.items()}
     drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
-    if args.compare_predraft:
-        drafts += [d + NO_PREDRAFT for d in drafts if d.startswith(("eagle:", "eagle+ngram:"))]
     engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
     for engine in engines.values():  # first-call allocations and kernel compiles outside the timings:
         for family, ids in prompts.items():  # a prompt of each family (lengths differ), a few drafting steps

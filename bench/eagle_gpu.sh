@@ -84,11 +84,10 @@ DISTILL=(--target "$GGUF" --out "$HEAD" --samples "${EAGLE_SAMPLES:-12000}" --ow
 EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-tokens 128)
 
 end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
-  # E2E_K: a fixed k for every draft (default: the served adaptive policy); E2E_EXTRA: more arguments
-  # (e.g. --compare-predraft: each head also with its drafts made in the next step, engine.predraft off)
+  # E2E_K: a fixed k for every draft (default: the served adaptive policy)
   python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" \
     --drafts "ngram,eagle:$1${COMPARE_HEAD:+,eagle:$COMPARE_HEAD}${MIX:+,eagle+ngram:$1}" \
-    --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} ${E2E_EXTRA:-} \
+    --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
     --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
 }
 

@@ -26,9 +26,8 @@ from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.overlap import Overlap
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
-from verifypd.engine.predraft import Predraft
-from verifypd.engine.router_calls import (BesidePrefill, StartedPrefill, append_tokens, pool_of as _pool,
-                                         record_verdict, take_drafts)
+from verifypd.engine.router_calls import (BesidePrefill, StartedPrefill, pool_of as _pool, record_verdict,
+                                         take_drafts)
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
@@ -86,7 +85,6 @@ class Router:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
         self.overlap = Overlap(self)  # plain-decoding steps launched ahead (RuntimeConfig.overlap, engine.overlap)
-        self.predraft = Predraft(self)  # speculative steps' drafts launched a step ahead (engine.predraft)
         self._prefill_pool: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
 
     def close(self) -> None:
@@ -348,7 +346,7 @@ class Router:
             if w.held:
                 held = seq.held_draft
                 assert held is not None and held.start_pos == n and len(held.tokens) == w.k, "held drafts out of step"
-                tokens, probs, w.lookup = held.tokens, held.probs, held.lookup
+                tokens, probs = held.tokens, held.probs
                 typical = typical and held.typical
             else:
                 tokens, probs = drafts.get(seq.request_id, ((), None))
@@ -394,14 +392,16 @@ class Router:
         if items:
             self.observer.on_lane_step("verify", verify_s, len(items))
             k_max = max(len(i.draft_tokens) for i in items)
-            held = [w.seq.held_draft for w in work if w.held and not w.seq.held_draft.predrafted]
-            if not ahead_items and not held and typical:  # a lock-step step (its drafts made now or a step ahead)
+            held = [w.seq.held_draft for w in work if w.held]
+            if not ahead_items and not held and typical:  # a lock-step step
                 sample = (False, len(items), k_max)
             elif held and ahead_items and typical and ahead_typical and len(held) == len(items):
                 # Pipelined: this group's verify call and the other group's draft call ran side by
                 # side; the step's wall time is what pipelining costs (docs/engine.md "Schedules").
                 sample = (True, len(items), k_max)
             self._commit_verify(work, items, results, outputs)
+        for w in work:
+            w.seq.held_draft = None
         if draft_error is not None:
             raise draft_error
         if ahead_items:
@@ -416,10 +416,6 @@ class Router:
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
                        outputs: list[RequestOutput]) -> None:
-        """Commits a verify call: positions and verdicts, tokens appended; then, before the slower
-        streaming (detokenizing, stop strings), the next step's drafts are launched (engine.predraft)
-        so the GPU drafts while the host streams and plans."""
-        appended = []
         for w, item, res in zip(work, items, results):
             seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)
             m = res.accepted
@@ -430,30 +426,34 @@ class Router:
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
             record_verdict(seq, self.costs.acceptance, k, m,
                            asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k)
-            seq.held_draft = None
             self.observer.on_verify(k, m)
-            appended.append((seq, *append_tokens(seq, res.new_tokens, self._eos, self.vocab_size,
-                                                  self.max_context, self._clock()), k))
-        error = None
-        if self.predraft.eligible(self.config, items):
-            try:
-                self.predraft.launch(self.config, [seq for seq, _, finish, _ in appended if finish is None])
-            except BaseException as exc:  # stream the tokens committed first (Router.step attaches them)
-                error = exc
-        for seq, tokens, finish, k in appended:
-            outputs += self._stream(seq, tokens, finish, k)
-        if error is not None:
-            raise error
+            outputs += self._emit(seq, res.new_tokens, applied_k=k)
 
     # -- committing tokens -------------------------------------------------------------------
     def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
-        tokens, finish = append_tokens(seq, new_tokens, self._eos, self.vocab_size, self.max_context, self._clock())
-        return self._stream(seq, tokens, finish, applied_k)
-
-    def _stream(self, seq: Sequence, tokens: list[int], finish: FinishReason | None,
-                applied_k: int) -> list[RequestOutput]:
-        """The chunk of tokens just appended (append_tokens): detokenized, stop strings applied."""
+        finish = None
+        tokens = []
+        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
+        if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
+            raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        for tok in new_tokens:
+            tokens.append(tok)
+            if seq.spec.stop_at_eos and tok in self._eos:
+                finish = FinishReason.EOS
+                break
+            if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
+                finish = FinishReason.LENGTH
+                break
+            if seq.num_tokens + len(tokens) >= self.max_context:
+                finish = FinishReason.LENGTH
+                break
+        now = self._clock()
+        seq.output_ids.extend(tokens)
+        seq.stats.completion_tokens = len(seq.output_ids)
+        seq.stats.token_times.extend([now] * len(tokens))
+        if seq.stats.first_token_time is None:
+            seq.stats.first_token_time = now
         detok = self._detok.get(seq.request_id)
         text, stop_hit = detok.add([t for t in tokens if t not in self._eos]) if detok else ("", False)
         if stop_hit:

@@ -1,6 +1,5 @@
-"""The scheduler's side of overlapped scheduling (engine.overlap: planning the step after the one in
-flight before that one's tokens reach the host) and of drafts made a step ahead (engine.predraft:
-`plan_predraft`, planning the next speculative step while this one's tokens are streamed). Torch-free; a mixin of `Scheduler`
+"""The scheduler's side of overlapped scheduling (engine.overlap): planning the step after the one in
+flight before that one's tokens reach the host. Torch-free; a mixin of `Scheduler`
 (verifypd.engine.scheduler), whose state and helpers (`_batch_k`, `_cap`, `_reserve`, `_chunk`,
 the waiting heap) it uses, so that the chained step is planned by the same rules as `plan`.
 
@@ -20,39 +19,6 @@ from verifypd.engine.sequence import Sequence, SeqStatus
 
 
 class FollowPlanning:
-    # plan_predraft's k decision when it drafted nothing: (request ids, k, probes), taken by the next
-    # `_plan_decode` of the same requests instead of deciding again (one decision per step).
-    _decided: tuple[frozenset, int, dict] | None = None
-
-    def plan_predraft(self, config: RuntimeConfig, costs: StepCostModel,
-                      seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """The next lock-step step's drafting work for `seqs`, (request, k) pairs (their tokens just appended), planned
-        while the step before is committed (engine.predraft): the batch's k as `_plan_decode` would
-        decide it now, capped per request, blocks reserved without preemption (a request that does not
-        fit is left out: it joins the next step at k = 0). A decision of k = 0 (or with probes) drafts
-        nothing now and is kept for that `_plan_decode`."""
-        self._decided = None
-        if not seqs:
-            return []
-        k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
-        if k_batch == 0 or probed:
-            self._decided = (frozenset(s.request_id for s in seqs), k_batch, probed)
-            return []
-        work = []
-        for seq in seqs:
-            k = self._cap(config, seq, k_batch)
-            if k > 0 and self._reserve(seq, seq.pending_pos, k):
-                work.append((seq, k))
-        return work
-
-    def _decided_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence],
-                   key: str) -> tuple[int, dict]:
-        """`_batch_k` for `_plan_decode`, or the decision plan_predraft already took for these requests."""
-        decided, self._decided = self._decided, None
-        if decided is not None and key == "batch" and decided[0] == frozenset(s.request_id for s in seqs):
-            return decided[1], decided[2]
-        return self._batch_k(config, costs, seqs, config.k_max, key)
-
     def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
         """The k = 0 step after the one in flight, planned before that one's tokens are committed:
         `seqs` (each with one token in flight: a decoding request's next token, or the first token of

@@ -23,8 +23,7 @@ from verifypd.engine.types import FinishReason, RequestSpec, RequestStats
 
 @dataclass
 class HeldDraft:
-    """Drafts a step made for a request and the next step verifies (a pipelined pdv step's other
-    group, or a lock-step step's own requests, engine.predraft): proposals for
+    """Drafts a pipelined (pdv) step made for a request and the next step verifies: proposals for
     positions start_pos + 1 .. start_pos + len(tokens), made when the pending token was at start_pos.
     The draft lane wrote draft KV up to start_pos + len(tokens) - 1; `draft_computed` is only moved
     when they are verified (as in a lock-step step), so dropping them (preemption, schedule change)
@@ -36,9 +35,6 @@ class HeldDraft:
     probs: Any
     typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
     requested_k: int = 0  # the k asked of the draft lane (a pool-less lane may propose fewer)
-    # Made by a lock-step step for the next one (engine.predraft), not by a pipelined group.
-    predrafted: bool = False
-    lookup: bool = False  # prompt lookup's proposal (engine.lookup_mix), not the draft lane's
 
 
 class SeqStatus(enum.Enum):
