@@ -85,6 +85,9 @@ class Overlap:
         self.joined = 0     # requests that decoded in the step right after their prefill, fed on the device
         self.dropped = 0    # rows launched for requests that finished meanwhile (wasted work)
         self.breaks: dict[str, int] = {}  # why a chain ended: running, waiting, plan, off
+        # Host seconds the last `advance` spent launching and committing prefills of arrivals: not
+        # part of the plain step's cost the router records (the draft-length policy compares with it).
+        self.prefill_s = 0.0
 
     def supported(self) -> bool:
         return getattr(self.router.verify_lane, "feeds_tokens", False)
@@ -177,6 +180,7 @@ class Overlap:
         if chunks:
             try:  # beside the verify call, as Router.step's `beside`
                 prefill_started = router._start_prefill(chunks)
+                self.prefill_s += prefill_started.launch_s
             except BaseException:
                 self._wait_quietly(started)
                 raise
@@ -212,6 +216,7 @@ class Overlap:
         commit its live rows (then its prefill's live chunks: first tokens). Returns (outputs,
         seconds waited for the results, rows verified)."""
         router, prev = self.router, self.inflight
+        self.prefill_s = 0.0
         try:
             self.inflight = self._follow(config, prev)
         except BaseException:
@@ -229,9 +234,11 @@ class Overlap:
             raise
         if ahead is not None:  # first tokens of the requests the new step decodes already
             chunks, started = ahead
+            t0 = router._clock()
             results, seconds = started.result()
             router.observer.on_lane_step("prefill", seconds, len(chunks))
             outputs += router._commit_prefill(chunks, results)
+            self.prefill_s += started.launch_s + router._clock() - t0
         return outputs, waited, len(prev.items)
 
     def _commit(self, prev: InFlight) -> tuple[list[RequestOutput], float]:
@@ -246,11 +253,13 @@ class Overlap:
             work, items, res = (list(x) for x in zip(*live))
             router._commit_verify(work, items, res, outputs)
         if prefilled is not None:
+            t0 = router._clock()
             results, seconds = prefilled
             router.observer.on_lane_step("prefill", seconds, len(prev.prefill))
             kept = [(c, res) for c, res in zip(prev.prefill, results) if c.seq.request_id not in prev.dead]
             if kept:
                 outputs += router._commit_prefill(*(list(x) for x in zip(*kept)))
+            self.prefill_s += router._clock() - t0
         return outputs, waited
 
     def _settle(self, prev: InFlight) -> tuple[list, tuple[list, float] | None, float]:
@@ -263,7 +272,9 @@ class Overlap:
             waited = self.router._clock() - t0
         finally:
             try:
+                t0 = self.router._clock()
                 prefilled = prev.prefill_started.result() if prev.prefill_started is not None else None
+                self.prefill_s += self.router._clock() - t0
             finally:
                 for target, draft in prev.held:
                     self.router.scheduler.release_tables(target, draft)

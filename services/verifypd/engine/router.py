@@ -142,7 +142,7 @@ class Router:
             outputs, waited, rows = self.overlap.advance(config)
             self.observer.on_lane_step("verify", waited, rows)
             self.observer.on_step(self)
-            self._record_cost((False, rows, 0), self._clock() - t_step)
+            self._record_cost((False, rows, 0), self._clock() - t_step - self.overlap.prefill_s)
             return outputs
         plan = self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
@@ -187,9 +187,13 @@ class Router:
         if sample is not None:
             # Whole-step cost: planning, the lane calls, committing and the observer, without a
             # prefill that ran before or after decode. Host work per step is what a pipelined step
-            # (half the batch verified) pays twice per token as often as a lock-step one.
-            seconds = self._clock() - t_step - serial_prefill_s
-            if sample[2] == 0 and not sample[0] and not plan.prefill and config.overlap and self.overlap.supported():
+            # (half the batch verified) pays twice per token as often as a lock-step one. Nor the
+            # launch of a prefill beside the verify call: 16 prompts' launch (~0.9 ms, H200) once
+            # made a plain step at 16 requests cost 1.8 ms instead of ~1.0, and speculation that
+            # ran at 0.7 x plain decoding looked like a gain (session 31).
+            seconds = self._clock() - t_step - serial_prefill_s - self._beside_s
+            if (sample[2] == 0 and not sample[0] and (not plan.prefill or beside is not None) and config.overlap
+                    and self.overlap.supported()):
                 seconds = min(seconds, self._verify_s)  # chained, its host work hides behind the GPU's
             self._record_cost(sample, seconds)
         return outputs
@@ -379,7 +383,7 @@ class Router:
             except BaseException as exc:  # first let the concurrent draft call finish
                 verify_error = exc
             verify_s = self._clock() - t0 - beside_s
-        self._verify_s = verify_s
+        self._verify_s, self._beside_s = verify_s, beside_s
         ahead_results, draft_error = None, None
         if ahead_items:
             try:

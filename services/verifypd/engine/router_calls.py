@@ -23,6 +23,11 @@ class StartedPrefill:
         self._started, self._launch_s, self._clock = started, launch_s, clock
 
     @property
+    def launch_s(self) -> float:
+        """Seconds the host spent launching the call."""
+        return self._launch_s
+
+    @property
     def next_tokens(self):
         """The prefill's first tokens left on the device, where its lane leaves them (engine.overlap)."""
         return getattr(self._started, "next_tokens", None)
