@@ -91,3 +91,11 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
                                 do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def observe_plain(costs, batch: int, seconds: float) -> None:
+    """Plain decoding measured at `batch` (StepCostModel.measured wants PLAIN_SAMPLES steps of it)."""
+    from verifypd.engine.step_costs import PLAIN_SAMPLES
+
+    for _ in range(PLAIN_SAMPLES):
+        costs.observe_step(batch, 0, seconds)

@@ -7,12 +7,14 @@ import pytest
 
 from costed_lanes import (CostedLanes, h200_like_draft_s, h200_like_verify_s, ngram_like_draft_s, run_rounds,
                           speedup_over_plain)
+from engine_helpers import observe_plain
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import (DRAFT_OFF_GAIN, DRAFT_ON_GAIN, PROBE_FIRST, PROBE_K, PROBE_MAX,
                                           ProbeSchedule, RuntimeConfig, StepCostModel, choose_batch_k)
 from verifypd.engine.router import Router
 from verifypd.engine.scheduler import Scheduler
 from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.step_costs import PLAIN_SAMPLES
 from verifypd.engine.types import RequestSpec, RequestStats
 
 ROUNDS = [16, 128, 128]  # as bench/engine_throughput.py: a short warm-up round, then measured rounds
@@ -76,12 +78,12 @@ def test_drafting_batch_stops_as_soon_as_gain_is_negative_and_starts_only_with_m
     kept it drafting); a batch not drafting starts only at >= DRAFT_ON_GAIN."""
     config = RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=True)
     costs = StepCostModel()
-    costs.observe_step(16, 0, 10e-3)
+    observe_plain(costs, 16, 10e-3)
     alphas = [0.5] * 16  # E(0.5, 1) = 1.5 tokens a step
 
     def with_k1_gain(gain: float) -> StepCostModel:
         c = StepCostModel()
-        c.observe_step(16, 0, 10e-3)
+        observe_plain(c, 16, 10e-3)
         for k in range(1, 5):  # k = 1 the best drafting k: the others cost much more
             c.observe_step(16, k, 10e-3 * 1.5 / gain * (1 if k == 1 else 2 * k))
         return c
@@ -99,15 +101,21 @@ def test_drafting_batch_stops_as_soon_as_gain_is_negative_and_starts_only_with_m
 
 def test_plain_decoding_is_measured_before_drafting_is_judged():
     """Unmeasured, k = 0 would be estimated from drafting steps with the prior cost of a drafted
-    token, flattering drafting when the real draft costs more: one plain step is taken first."""
+    token, flattering drafting when the real draft costs more: plain steps are taken first, as many
+    as PLAIN_SAMPLES (the first after a prefill also waits for its GPU work), and judged by median."""
     config = RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=True)
     costs = StepCostModel()
     costs.observe_step(16, 2, 12e-3)
     assert choose_batch_k(config, [0.3] * 16, costs, 16, 4, current=2) == 0
-    costs.observe_step(16, 0, 6e-3)  # drafting doubles the step: E(0.3, 2) = 1.39 does not pay
+    costs.observe_step(16, 0, 30e-3)  # the first plain step, slowed by the batch's prefill: not yet the cost
+    for _ in range(PLAIN_SAMPLES - 1):
+        assert not costs.measured(16, 0)
+        assert choose_batch_k(config, [0.3] * 16, costs, 16, 4, current=2) == 0  # still measuring
+        costs.observe_step(16, 0, 6e-3)  # drafting doubles the step: E(0.3, 2) = 1.39 does not pay
+    assert costs.measured(16, 0) and costs.step_s(16, 0) == pytest.approx(6e-3)
     assert choose_batch_k(config, [0.3] * 16, costs, 16, 4, current=2) == 0
-    costs.observe_step(16, 0, 11e-3)
-    costs.observe_step(16, 0, 11e-3)  # median of three: 11 ms, drafting now pays
+    for _ in range(4):
+        costs.observe_step(16, 0, 11e-3)  # median of seven: 11 ms, drafting now pays
     assert choose_batch_k(config, [0.3] * 16, costs, 16, 4, current=2) > 0
 
 
@@ -125,7 +133,7 @@ def test_measuring_plain_decoding_does_not_switch_a_drafting_batch_off():
         costs.observe_step(2, k, 30e-3)
     s._drafting["batch"] = 1  # the batch was drafting (at another batch size)
     assert [w.k for w in s.plan(config, costs).decode] == [0, 0]  # plain decoding measured first
-    costs.observe_step(2, 0, 10e-3)
+    observe_plain(costs, 2, 10e-3)
     assert [w.k for w in s.plan(config, costs).decode] == [1, 1]
 
 
@@ -236,7 +244,7 @@ def test_steps_without_a_proposal_count_against_drafting():
     assert tracker.observations == 0 and tracker.proposal_rate < 0.1
 
     costs = StepCostModel()
-    costs.observe_step(16, 0, 10e-3)
+    observe_plain(costs, 16, 10e-3)
     costs.observe_step(16, 4, 16e-3)
     config = RuntimeConfig(k_min=0, k_max=4, k_initial=4, adaptive=True)
     # Accepted whenever proposed (alpha 0.9), but proposing for one request in ten: the batch of 16
@@ -245,7 +253,7 @@ def test_steps_without_a_proposal_count_against_drafting():
     assert choose_batch_k(config, [0.9] * 16, costs, 16, 4, current=4) > 0  # (as if always proposing)
     assert choose_batch_k(config, [0.9] * 16, costs, 16, 4, current=4, rates=[0.9] * 16) > 0
     # Alone, a request pays the k = 4 verify only when it has a proposal: drafting pays at any rate.
-    costs.observe_step(1, 0, 5e-3)
+    observe_plain(costs, 1, 5e-3)
     costs.observe_step(1, 4, 6.5e-3)
     assert choose_batch_k(config, [0.9], costs, 1, 4, current=4, rates=[0.1]) > 0
 

@@ -53,7 +53,9 @@ def test_greedy_with_head_and_lookup_equals_plain(tiny_models, mixed, k, adaptiv
     calls = _head_calls(engine)
     done = engine.generate(specs())
     assert [c.token_ids for c in done.values()] == [c.token_ids for c in plain.values()]
-    assert engine.router.lookup.proposed > 0 and calls, "both lookup and the head drafted"
+    # Adaptive: whether to draft is the policy's call (on the CPU plain decoding of the tiny model is
+    # cheap against a draft; it drafted here only while one slow first plain step was its measure).
+    assert adaptive or engine.router.lookup.proposed > 0 and calls, "both lookup and the head drafted"
     # The head is fed each request's positions without a gap: a step lookup drafted left the head's
     # draft_computed alone (a skipped position would leave a hole in its KV and features).
     by_request: dict[str, list] = {}

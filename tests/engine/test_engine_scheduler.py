@@ -1,6 +1,7 @@
 """Scheduler policy, torch-free: chunked prefill budget, priorities, k fallback before preemption."""
 from __future__ import annotations
 
+from engine_helpers import observe_plain
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.draft_length import (AcceptanceTracker, RuntimeConfig, StepCostModel, choose_batch_k, choose_k,
                                           expected_tokens, pipelining_pays, request_alpha)
@@ -96,7 +97,7 @@ def test_choose_k_follows_goodput():
     config = RuntimeConfig(k_min=0, k_max=8, k_initial=3, adaptive=True)
     assert choose_k(config, None, None, costs, batch=1, remaining_tokens=100) == 3   # no estimate yet
     assert choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100) == 0    # plain step measured first
-    costs.observe_step(1, 0, costs.default_verify_s)
+    observe_plain(costs, 1, costs.default_verify_s)
     high = choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100)
     low = choose_k(config, 0.05, None, costs, batch=1, remaining_tokens=100)
     assert high >= 4 and low == 0
@@ -108,7 +109,7 @@ def test_choose_k_follows_goodput():
     assert choose_k(config, 0.7, None, costs, batch=1, remaining_tokens=100) > 0
     # Request override and remaining tokens cap k.
     costs = StepCostModel()
-    costs.observe_step(1, 0, costs.default_verify_s)
+    observe_plain(costs, 1, costs.default_verify_s)
     assert choose_k(config, 0.95, 2, costs, batch=1, remaining_tokens=100) == 2
     assert choose_k(config, 0.95, None, costs, batch=1, remaining_tokens=3) == 2
     assert expected_tokens(1.0, 4) == 5 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
@@ -119,6 +120,7 @@ def test_batch_k_and_acceptance_estimates():
     costs = StepCostModel()
     for k in range(0, 7):
         costs.observe_step(1, k, 5e-3 + 1e-3 * k)  # 5 ms verify whatever k, 1 ms per draft step
+    observe_plain(costs, 1, 5e-3)
     assert choose_batch_k(config, [0.05], costs, 1, 6) == 0
     assert choose_batch_k(config, [0.8, 0.8], costs, 1, 6) >= 3
     # A verify of k = 4 accepting 2 is 2 successes and 1 failure: alpha 2/3, not 2/4 (plus the
@@ -138,6 +140,8 @@ def test_pipelined_costs_are_their_own_and_optimistic_until_measured():
     for k in range(0, 5):
         costs.observe_step(4, k, 6e-3 + 2e-3 * k)   # lock-step at a group of 4: verify 6 ms + 2 ms per draft
         costs.observe_step(8, k, 7e-3 + 2.5e-3 * k)  # lock-step at the whole batch of 8
+    observe_plain(costs, 8, 7e-3)
+    observe_plain(costs, 4, 6e-3)
     # Unmeasured: perfect overlap, half the lock-step cost of one group.
     assert costs.pipelined_step_s(4, 3) == (6e-3 + 6e-3) / 2
     costs.observe_pipelined(4, 3, 11e-3)
@@ -154,6 +158,8 @@ def test_pdv_pipelines_only_where_it_measures_faster():
     for k in range(0, 5):
         costs.observe_step(4, k, 6e-3 + 2e-3 * k)
         costs.observe_step(8, k, 7e-3 + 2.5e-3 * k)
+    observe_plain(costs, 8, 7e-3)
+    observe_plain(costs, 4, 6e-3)
     alphas = [0.7] * 8
     assert pipelining_pays(config, alphas, costs, 8, None)  # unmeasured: optimistic, tried first
     for k in range(1, 5):
@@ -187,11 +193,13 @@ def test_pdv_pipelines_only_where_it_measures_faster():
     for k in range(0, 5):
         slow.observe_step(8, k, 7e-3 + 2.5e-3 * k)
         slow.observe_pipelined(4, k, 30e-3)
+    observe_plain(slow, 8, 7e-3)
     assert not s.plan(config, slow).pipelined
     fast = StepCostModel()
     for k in range(0, 5):
         fast.observe_step(8, k, 7e-3 + 2.5e-3 * k)
         fast.observe_pipelined(4, k, 7e-3)
+    observe_plain(fast, 8, 7e-3)
     s._pipelining = None
     plan = s.plan(config, fast)
     assert plan.pipelined and plan.draft_ahead

@@ -261,6 +261,8 @@ class Scheduler(FollowPlanning):
             return False
         if not config.adaptive or costs.acceptance.alpha is None:  # choose_batch_k: k_initial
             return config.k_initial == 0
+        if not costs.measured(len(seqs), 0):  # plain decoding measured first (PLAIN_SAMPLES steps): k 0
+            return True
         # Decided off: plan_follow's _batch_k takes that decision again for this batch as plan
         # would, from the same acceptance (a k = 0 step in flight teaches none), also where plan
         # would re-decide (the batch changed, the periodic recheck of the costs is due); the chain
