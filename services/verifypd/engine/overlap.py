@@ -272,9 +272,11 @@ class Overlap:
             waited = self.router._clock() - t0
         finally:
             try:
-                t0 = self.router._clock()
-                prefilled = prev.prefill_started.result() if prev.prefill_started is not None else None
-                self.prefill_s += self.router._clock() - t0
+                prefilled = None
+                if prev.prefill_started is not None:  # (no clock reads in the chain's usual step)
+                    t0 = self.router._clock()
+                    prefilled = prev.prefill_started.result()
+                    self.prefill_s += self.router._clock() - t0
             finally:
                 for target, draft in prev.held:
                     self.router.scheduler.release_tables(target, draft)
