@@ -49,7 +49,11 @@ def load_prompts(per_family: int) -> dict[str, list[dict]]:
     return {f: rows[:per_family] for f, rows in families.items()}
 
 
-def make_engine(target, draft: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
+NO_DRAFT_AFTER = "#no-draft-after"  # a draft name's suffix: engine.draft_after off (--compare-draft-after)
+
+
+def make_engine(target, name: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
+    draft = name.removesuffix(NO_DRAFT_AFTER)
     models = Models(target, PagedLlama(target.shape, target.weights),
                     load_draft_model(parse_draft(draft), target, device, dtype, 2048), draft, device, dtype)
     if draft == "none":
@@ -58,7 +62,9 @@ def make_engine(target, draft: str, k: int | None, device: torch.device, dtype: 
         config = RuntimeConfig(k_min=0, k_max=k, k_initial=k, adaptive=False)
     else:
         config = RuntimeConfig()
-    return Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
+    engine = Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
+    engine.router.draft_after.enabled = not name.endswith(NO_DRAFT_AFTER)
+    return engine
 
 
 def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
@@ -99,6 +105,9 @@ def main() -> None:
                     help="comma list of batch sizes measured in one run and one JSON (overrides --batch), e.g. 1,16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
+    ap.add_argument("--compare-draft-after", action="store_true",
+                    help=f"also each feature draft with its drafts made in their own step, not right after the "
+                         f"verify call before (engine.draft_after off; named DRAFT{NO_DRAFT_AFTER})")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -109,6 +118,8 @@ def main() -> None:
     prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
                for f, rs in rows.items()}
     drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
+    if args.compare_draft_after:
+        drafts += [d + NO_DRAFT_AFTER for d in drafts if d.startswith(("eagle:", "eagle+ngram:"))]
     engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
     for engine in engines.values():  # first-call allocations and kernel compiles outside the timings:
         for family, ids in prompts.items():  # a prompt of each family (lengths differ), a few drafting steps

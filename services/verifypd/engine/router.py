@@ -21,13 +21,14 @@ from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager, check_fits
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
+from verifypd.engine.draft_after import DraftAfter, held_after
 from verifypd.engine.draft_length import TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel
 from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.overlap import Overlap
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
-from verifypd.engine.router_calls import (BesidePrefill, StartedPrefill, pool_of as _pool, record_verdict,
-                                         take_drafts)
+from verifypd.engine.router_calls import (BesidePrefill, StartedPrefill, append_tokens, pool_of as _pool,
+                                         record_verdict, take_drafts)
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
 from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
                                       PrefillLane, VerifyItem, VerifyLane)
@@ -85,6 +86,7 @@ class Router:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
         self.overlap = Overlap(self)  # plain-decoding steps launched ahead (RuntimeConfig.overlap, engine.overlap)
+        self.draft_after = DraftAfter(self)  # speculative steps' next drafts launched before the verdict
         self._prefill_pool: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
 
     def close(self) -> None:
@@ -322,11 +324,12 @@ class Router:
         drafts: dict[str, tuple[object, object]] = {}
         typical = True  # no long draft catch-up: the step's cost is worth learning from
         draft_s = 0.0
-        if self.lookup is not None and drafting:
+        looking = drafting + [w for w in work if w.held and held_after(w.seq)]  # (engine.draft_after)
+        if self.lookup is not None and looking:
             # Steps mixing lookup's proposals with the head's (or lookup's alone, no draft call) are
             # cost samples too: the policy's k then weighs what this mix costs as it runs.
-            drafts = {rid: (tokens, None) for rid, tokens in self.lookup.take(drafting).items()}
-            for w in drafting:
+            drafts = {rid: (tokens, None) for rid, tokens in self.lookup.take(looking).items()}
+            for w in looking:
                 w.lookup = w.seq.request_id in drafts
             drafting = [w for w in drafting if not w.lookup]
         if drafting:
@@ -350,7 +353,7 @@ class Router:
             if w.held:
                 held = seq.held_draft
                 assert held is not None and held.start_pos == n and len(held.tokens) == w.k, "held drafts out of step"
-                tokens, probs = held.tokens, held.probs
+                tokens, probs = drafts[seq.request_id] if w.lookup else (held.tokens, held.probs)
                 typical = typical and held.typical
             else:
                 tokens, probs = drafts.get(seq.request_id, ((), None))
@@ -358,12 +361,20 @@ class Router:
                 request_id=seq.request_id, pending_token=seq.ids(n, n + 1)[0], start_pos=n, draft_tokens=tokens,
                 draft_probs=probs, sampling=seq.spec.sampling,
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
-        results, verify_error, verify_s, beside_s = None, None, 0.0, 0.0
+        results, verify_error, verify_s, beside_s, launched, after_s = None, None, 0.0, 0.0, None, 0.0
         if items:
             t0 = self._clock()
+            after = not ahead_items and self.draft_after.eligible(self.config, items)
             try:
-                if beside is not None:
+                if beside is not None or after:
                     started = self.verify_lane.verify_start(items)
+                    if after:  # the next step's drafts, fitted to this call's verdict on the device
+                        t_after = self._clock()
+                        launched = self.draft_after.launch(self.config, work, items, started)
+                        after_s = self._clock() - t_after
+                        if launched is not None:
+                            self.observer.on_lane_step("draft", after_s, len(launched.work))
+                if beside is not None:
                     t_beside = self._clock()
                     beside.started = self._start_prefill(beside.chunks)
                     if self.overlap.eligible(self.config, work, bool(ahead_items)):
@@ -371,6 +382,8 @@ class Router:
                     beside_s = self._clock() - t_beside  # the prefill's launch: not the verify lane's time
                     # Verify already done: the step waited on the prefill's launch; not its cost.
                     typical = typical and not started.ready()
+                    results = started.result()
+                elif after:
                     results = started.result()
                 elif self.overlap.eligible(self.config, work, bool(ahead_items)):
                     started = self.verify_lane.verify_start(items)
@@ -382,7 +395,7 @@ class Router:
                     results = self.verify_lane.verify(items)
             except BaseException as exc:  # first let the concurrent draft call finish
                 verify_error = exc
-            verify_s = self._clock() - t0 - beside_s
+            verify_s = self._clock() - t0 - beside_s - after_s
         self._verify_s, self._beside_s = verify_s, beside_s
         ahead_results, draft_error = None, None
         if ahead_items:
@@ -396,7 +409,7 @@ class Router:
         if items:
             self.observer.on_lane_step("verify", verify_s, len(items))
             k_max = max(len(i.draft_tokens) for i in items)
-            held = [w.seq.held_draft for w in work if w.held]
+            held = [w.seq.held_draft for w in work if w.held and not held_after(w.seq)]
             if not ahead_items and not held and typical:  # a lock-step step
                 sample = (False, len(items), k_max)
             elif held and ahead_items and typical and ahead_typical and len(held) == len(items):
@@ -406,6 +419,7 @@ class Router:
             self._commit_verify(work, items, results, outputs)
         for w in work:
             w.seq.held_draft = None
+        self.draft_after.hold(launched)
         if draft_error is not None:
             raise draft_error
         if ahead_items:
@@ -436,28 +450,7 @@ class Router:
     # -- committing tokens -------------------------------------------------------------------
     def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
-        finish = None
-        tokens = []
-        bad = [t for t in new_tokens if not 0 <= t < self.vocab_size]
-        if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
-            raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        for tok in new_tokens:
-            tokens.append(tok)
-            if seq.spec.stop_at_eos and tok in self._eos:
-                finish = FinishReason.EOS
-                break
-            if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
-                finish = FinishReason.LENGTH
-                break
-            if seq.num_tokens + len(tokens) >= self.max_context:
-                finish = FinishReason.LENGTH
-                break
-        now = self._clock()
-        seq.output_ids.extend(tokens)
-        seq.stats.completion_tokens = len(seq.output_ids)
-        seq.stats.token_times.extend([now] * len(tokens))
-        if seq.stats.first_token_time is None:
-            seq.stats.first_token_time = now
+        tokens, finish = append_tokens(seq, new_tokens, self._eos, self.vocab_size, self.max_context, self._clock())
         detok = self._detok.get(seq.request_id)
         text, stop_hit = detok.add([t for t in tokens if t not in self._eos]) if detok else ("", False)
         if stop_hit:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from verifypd.engine.draft_length import request_alpha, request_rate
+from verifypd.engine.types import FinishReason
 from verifypd.lanes.interface import PoolInfo
 
 
@@ -83,3 +84,30 @@ def record_verdict(seq, acceptance, k: int, accepted: int, asked: int) -> None:
         seq.proposal_rate = request_rate(seq.drafts_asked, seq.drafts_proposed, acceptance.proposal_rate)
     seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections, acceptance.alpha)
     seq.last_k = k
+
+
+def append_tokens(seq, new_tokens: list[int], eos: frozenset[int], vocab_size: int, max_context: int,
+                  now: float) -> tuple[list[int], FinishReason | None]:
+    """Appends a step's tokens to `seq` up to the first that ends it (EOS, max_tokens, the context);
+    returns (the tokens appended, the finish reason or None). Stop strings are the detokenizer's."""
+    bad = [t for t in new_tokens if not 0 <= t < vocab_size]
+    if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
+        raise RuntimeError(f"a lane returned token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    finish, tokens = None, []
+    for tok in new_tokens:
+        tokens.append(tok)
+        if seq.spec.stop_at_eos and tok in eos:
+            finish = FinishReason.EOS
+            break
+        if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
+            finish = FinishReason.LENGTH
+            break
+        if seq.num_tokens + len(tokens) >= max_context:
+            finish = FinishReason.LENGTH
+            break
+    seq.output_ids.extend(tokens)
+    seq.stats.completion_tokens = len(seq.output_ids)
+    seq.stats.token_times.extend([now] * len(tokens))
+    if seq.stats.first_token_time is None:
+        seq.stats.first_token_time = now
+    return tokens, finish

@@ -135,6 +135,7 @@ class Scheduler(FollowPlanning):
             decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
         else:
             decode = self._plan_decode(config, costs, preempted, out_of_room)
+        self._decided = None  # plan_after's decision serves the plan right after it only
         budget = config.prefill_token_budget
         if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
             budget = max(budget, config.idle_prefill_token_budget)
@@ -289,11 +290,13 @@ class Scheduler(FollowPlanning):
         # verify call verifies the proposals of one draft call (the split topology hands them over in
         # one DraftHandoff slot per draft call, call_codec.encode_verify).
         draining = len(fresh) < len(decoding)
-        k_batch, probed = (0, {}) if draining else self._batch_k(config, costs, fresh, config.k_max,
-                                                                    "single" if only is not None else "batch")
+        # Drafts made right after the last verify call (engine.draft_after): the others join at k = 0.
+        joining = draining and all(s.held_draft.predrafted for s in decoding if s.held_draft is not None)
+        k_batch, probed = (0, {}) if draining else self._decided_k(config, costs, fresh,
+                                                                      "single" if only is not None else "batch")
         work: list[DecodeWork] = []
         for seq in decoding:
-            if seq in preempted or (draining and seq.held_draft is None):
+            if seq in preempted or (draining and seq.held_draft is None and not joining):
                 continue
             probe = seq.request_id in probed
             if seq.held_draft is not None:

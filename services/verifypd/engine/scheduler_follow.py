@@ -14,11 +14,49 @@ from __future__ import annotations
 
 import heapq
 
-from verifypd.engine.draft_length import RuntimeConfig, StepCostModel
+from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k
 from verifypd.engine.sequence import Sequence, SeqStatus
 
 
 class FollowPlanning:
+    # plan_after's k decision when it drafted nothing: (request ids, k, probes), taken by the next
+    # `_plan_decode` of the same requests instead of deciding again (one decision per step).
+    _decided: tuple[frozenset, int, dict] | None = None
+
+    def plan_after(self, config: RuntimeConfig, costs: StepCostModel,
+                   rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """The next step's drafting work, (request, k) pairs, for `rows` (request, k of its verify call
+        in flight), planned before that call's verdict (engine.draft_after): the batch's k as
+        `_plan_decode` would decide it now, capped per request for the longest outcome (every draft
+        accepted), draft blocks reserved for it without preemption (a request that does not fit is
+        left out: it joins the next step at k = 0). A decision of k = 0 (or with probes) drafts
+        nothing now and is kept for the next `_plan_decode`."""
+        self._decided = None
+        seqs = [seq for seq, _ in rows]
+        if not seqs:
+            return []
+        k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
+        if k_batch == 0 or probed:
+            self._decided = (frozenset(s.request_id for s in seqs), k_batch, probed)
+            return []
+        work = []
+        for seq, k_now in rows:
+            pending = seq.pending_pos + k_now + 1  # the next pending position if all k_now are accepted
+            k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1),
+                    self.max_context - 1 - pending)
+            # the head writes rows up to pending + k - 1 (the chain's last step feeds at that position)
+            if k > 0 and (self.poolless_draft or self.draft.grow(seq.draft_blocks, pending + k)):
+                work.append((seq, k))
+        return work
+
+    def _decided_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence],
+                   key: str) -> tuple[int, dict]:
+        """`_batch_k` for `_plan_decode`, or the decision plan_after already took for these requests."""
+        decided, self._decided = self._decided, None
+        if decided is not None and key == "batch" and decided[0] == frozenset(s.request_id for s in seqs):
+            return decided[1], decided[2]
+        return self._batch_k(config, costs, seqs, config.k_max, key)
+
     def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
         """The k = 0 step after the one in flight, planned before that one's tokens are committed:
         `seqs` (each with one token in flight: a decoding request's next token, or the first token of

@@ -35,6 +35,9 @@ class HeldDraft:
     probs: Any
     typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
     requested_k: int = 0  # the k asked of the draft lane (a pool-less lane may propose fewer)
+    # Made right after the verify call before this step, from its verdict on the device
+    # (engine.draft_after), not by a pipelined group: the next plan's other requests join at k = 0.
+    predrafted: bool = False
 
 
 class SeqStatus(enum.Enum):

@@ -134,28 +134,53 @@ class LocalDraftLane:
         self.runner, self.info = draft, info
         self.stream = lane_stream(draft.device, DRAFT_STREAM_PRIORITY)
         self.serial = interpreted(draft)
+        self._after_stream = None  # the stream draft_after last ran on (a verify lane's)
 
     def describe(self) -> LaneInfo:
         return self.info
+
+    @property
+    def drafts_after_verdict(self) -> bool:
+        """Takes `draft_after` (a feature draft: engine.draft_after)."""
+        return getattr(self.runner, "reads_features", False)
 
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
         if not items:
             return []
         if any(i.k < 1 for i in items):
             raise ValueError("draft items need k >= 1")
+        if self._after_stream is not None:  # a draft_after call may still write the head's KV there
+            self.stream.wait_stream(self._after_stream)
+        return self._draft(items, self.stream)
+
+    def draft_after(self, items: list[DraftItem], started, verify_rows: list[int], verify_ks: list[int]
+                    ) -> list[DraftOutput]:
+        """Drafts launched right after a verify call (`started`, its StartedCall), before its verdict
+        reaches the host (engine.draft_after): item i's input ends in verify row verify_rows[i]'s
+        verify_ks[i] + 1 tokens as placeholders, fitted to the verdict on the device. Runs on the
+        verify call's stream, so both the verdict it reads and the next verify call are ordered with it."""
+        if not items:
+            return []
+        stream = getattr(started, "stream", None)
+        if self.stream is not None:
+            self._after_stream = stream
+        return self._draft(items, stream, (started.verdict, verify_rows, verify_ks))
+
+    def _draft(self, items: list[DraftItem], stream, after: tuple | None = None) -> list[DraftOutput]:
         if getattr(self.runner, "reads_features", False):
             runs = [feature_run(i.input_tokens, i.start_pos, i.draft_kv, i.target_kv) for i in items]
         else:
             runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
-        with on_stream(self.stream, self.serial):
-            tokens = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items])
+        with on_stream(stream, self.serial):
+            extra = {} if after is None else {"after": after}
+            tokens = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items], **extra)
             # No host sync: the tokens stay on the device for the verify lane (a copy, since the
             # runner's buffers are reused by its next call).
             tokens = tokens.clone()
             ready = None
-            if self.stream is not None:  # the verify stream waits on this before reading them
+            if stream is not None:  # the verify stream waits on this before reading them
                 ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready.record(stream)
         batch = DraftBatch(tokens, ready)
         # No draft probabilities: coupled acceptance (sampler.accept_raced) needs none.
         return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k), None) for n, i in enumerate(items)]
@@ -229,7 +254,7 @@ class LocalVerifyLane:
         if (K > 0 and self.simulated_acceptance is None and all(i.sampling.greedy for i in items)
                 and getattr(self.target, "verifies_greedy", False)):  # forward + acceptance: one replay
             verdict = self.target.verify_greedy(runs, ks, on_device.gather(items, K) if on_device else None, **fed)
-            return HostCopy(verdict, verdict_outputs(items))
+            return HostCopy(verdict, verdict_outputs(items), verdict=verdict)
         if on_device is not None:
             drafts = on_device.gather(items, K)                               # [R, K] on the device
             logits = self.target.score(runs, drafts, **fed)                   # [R, K+1, V], padded
@@ -251,8 +276,8 @@ class LocalVerifyLane:
         else:
             accepted, final = self._accept_sampled(items, logits, drafts, k)
         # What the host needs of a draft + verify step: counts, target tokens and the drafts.
-        return HostCopy(torch.cat((accepted[:, None], final[:, None], drafts), dim=1),
-                        verdict_outputs(items),
+        verdict = torch.cat((accepted[:, None], final[:, None], drafts), dim=1)
+        return HostCopy(verdict, verdict_outputs(items), verdict=verdict if K > 0 else None,
                         # clamped: a NO_TOKEN row (a NaN distribution) must not index the next step's
                         # embedding on the device; the router refuses it when this step's tokens arrive
                         next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None)
@@ -291,10 +316,14 @@ class HostCopy:
     """A device tensor on its way to the host: an asynchronous copy into pinned memory on the current
     stream, then an event. `result()` waits for the event (releasing the GIL) and converts the
     values; on the CPU the values are there already. `next_tokens`: a verify call of k = 0 items
-    leaves each row's chosen token here, on the device, for the next step to read (engine.overlap)."""
+    leaves each row's chosen token here, on the device, for the next step to read (engine.overlap).
+    `verdict`: a speculative verify call's [R, K + 2] rows (accepted, final token, drafts) on the
+    device, read by drafts launched before they reach the host (engine.draft_after) on `stream`."""
 
-    def __init__(self, tensor: torch.Tensor, convert, next_tokens: torch.Tensor | None = None):
-        self._convert, self._event, self.next_tokens = convert, None, next_tokens
+    def __init__(self, tensor: torch.Tensor, convert, next_tokens: torch.Tensor | None = None,
+                 verdict: torch.Tensor | None = None):
+        self._convert, self._event, self.next_tokens, self.verdict = convert, None, next_tokens, verdict
+        self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
         if tensor.is_cuda:
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)

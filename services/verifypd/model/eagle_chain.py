@@ -28,6 +28,7 @@ from verifypd.model import sampler
 from verifypd.model.graph_runner import BUCKETS, EagerReplay, capture_graph
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout
+from verifypd.model.verdict_shift import shift_to_verdict
 
 
 @dataclass
@@ -48,18 +49,23 @@ class CallInputs:
     temp: torch.Tensor          # [R] float32, filled from the bits by the catch-up
     top_p: torch.Tensor         # [R]
     query: int
+    vrows: torch.Tensor | None = None  # [R] a call fitted to a verdict (model.verdict_shift): its verify rows
+    vks: torch.Tensor | None = None    # [R] and their k (-1 / 0: not fitted)
 
     def params(self):
         return self.temp, self.top_k, self.top_p, self.seeds
 
 
-ROW_FIELDS = ("last", "ks", "top_k", "seeds", "temp_bits", "top_p_bits")
+ROW_FIELDS = ("last", "ks", "top_k", "seeds", "temp_bits", "top_p_bits", "vrows", "vks")
 TOKEN_FIELDS = ("ids", "positions", "slots", "feature_rows")
 
 
 def host_inputs(draft_runs: list[TokenRun], target_runs: list[TokenRun], ks: list[int], samplings, *,
-                block_size: int, scratch_row: int, query: int, rows: int, width: int | None = None) -> dict:
-    """The call's arrays (int64 numpy) by CallInputs field: head rows as head_rows gives them."""
+                block_size: int, scratch_row: int, query: int, rows: int, width: int | None = None,
+                after: tuple[list[int], list[int]] | None = None) -> dict:
+    """The call's arrays (int64 numpy) by CallInputs field: head rows as head_rows gives them.
+    `after` (verify rows, their k): the rows are laid out for the longest outcome of that verify call
+    and fitted to its verdict on the device (model.verdict_shift)."""
     layout = build_layout(draft_runs, block_size, query=query, align="right", rows=rows, width=width)
     feature_slots = build_layout(target_runs, block_size, query=query, align="right", rows=rows).slots
     pad = rows - len(ks)
@@ -68,6 +74,9 @@ def host_inputs(draft_runs: list[TokenRun], target_runs: list[TokenRun], ks: lis
     out = {"ids": layout.ids, "positions": layout.positions, "slots": layout.slots,
            "feature_rows": np.where(feature_slots >= 0, feature_slots, scratch_row), "tables": layout.tables,
            "last": np.asarray(last + [1] * pad, dtype=np.int64), "ks": np.asarray(ks + [0] * pad, dtype=np.int64)}
+    vrows, vks = after if after is not None else ([-1] * len(ks), [0] * len(ks))
+    out.update(vrows=np.asarray(list(vrows) + [-1] * pad, dtype=np.int64),
+               vks=np.asarray(list(vks) + [0] * pad, dtype=np.int64))
     if all(s.greedy for s in samplings):
         zeros = np.zeros(rows, dtype=np.int64)
         out.update(top_k=zeros, seeds=zeros, temp_bits=zeros, top_p_bits=zeros)
@@ -171,8 +180,10 @@ class EagleGraphs:
                           **views)
 
     # -- a call ----------------------------------------------------------------------------
-    def draft(self, draft_runs, target_runs, ks: list[int], samplings, mode: str, query: int) -> torch.Tensor:
-        """Tokens [B, K] (K = max(ks)), a view of a static buffer valid until the next call."""
+    def draft(self, draft_runs, target_runs, ks: list[int], samplings, mode: str, query: int,
+              after: tuple | None = None) -> torch.Tensor:
+        """Tokens [B, K] (K = max(ks)), a view of a static buffer valid until the next call. `after`
+        (verdict, verify rows, their k): fitted to that verdict before the replays (model.verdict_shift)."""
         n, steps = len(ks), max(ks)
         rows = self.bucket(n)
         # Every graph this call needs exists before its inputs are loaded (a capture runs its
@@ -180,8 +191,11 @@ class EagleGraphs:
         first = self._graph(("catch_up", rows, query, mode))
         rest = self._graph(("chain", rows, steps, mode)) if steps > 1 else None
         arrays = host_inputs(draft_runs, target_runs, ks, samplings, block_size=self.block_size,
-                             scratch_row=self.features.num_slots, query=query, rows=rows, width=self.width)
+                             scratch_row=self.features.num_slots, query=query, rows=rows, width=self.width,
+                             after=after[1:] if after is not None else None)
         self._load(arrays, rows)
+        if after is not None:
+            shift_to_verdict(self.inputs(rows, query), after[0], self.features.num_slots, self.replay == "cuda")
         self.calls += 1
         first.replay()
         if rest is None:

@@ -30,6 +30,7 @@ from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout, LlamaWeights, PagedLlama
 from verifypd.model.runner import PREFILL_GRAPH_QUERIES, prefill_query
+from verifypd.model.verdict_shift import shift_to_verdict
 
 GREEDY_PARAMS = SamplingParams()
 
@@ -196,12 +197,14 @@ class EagleRunner:
         batch = BatchLayout(ids, positions, slots, tables.view(layout.tables.shape), starts, layout.max_query)
         self.model.rows(self.pool.tensor, batch, self.features.read(fslots))
 
-    def draft(self, runs: list[FeatureRun], ks: list[int], samplings) -> torch.Tensor:
+    def draft(self, runs: list[FeatureRun], ks: list[int], samplings, after: tuple | None = None) -> torch.Tensor:
         """As ModelRunner.draft: tokens [B, K]. A sampled row's draft at position t is the seeded race
         winner of the head's distribution there (`sampler.choose`), coupled with the target's.
         Graphed (two replays) when the call fits the graphs' sizes (a catch-up longer than their
         query first has its older rows written: `_catch_up_beyond_graphs`), else the same functions
-        eagerly."""
+        eagerly. `after` (verdict, verify rows, their k): each run ends in the k + 1 tokens of a verify
+        call not yet known on the host (placeholders), fitted to its verdict on the device first
+        (model.verdict_shift; engine.draft_after)."""
         if any(r.start_pos + len(r.token_ids) < 2 for r in runs):
             raise ValueError("a feature draft needs the pending token at position >= 1")
         mode = sampler.choice_mode(samplings)
@@ -211,11 +214,14 @@ class EagleRunner:
         query, steps = max(len(r.token_ids) for r in draft_runs), max(ks)
         width = max(len(r.block_ids) for r in draft_runs)
         if self.graphs is not None and self.graphs.fits(len(runs), query, steps, width):
-            return self.graphs.draft(draft_runs, target_runs, ks, samplings, mode, query)
+            return self.graphs.draft(draft_runs, target_runs, ks, samplings, mode, query, after)
         n = len(runs)
         arrays = host_inputs(draft_runs, target_runs, ks, samplings, block_size=self.block_size,
-                             scratch_row=self.features.num_slots, query=query, rows=n)
+                             scratch_row=self.features.num_slots, query=query, rows=n,
+                             after=after[1:] if after is not None else None)
         inp = device_inputs(arrays, query, self.device, self.staging)
+        if after is not None:
+            shift_to_verdict(inp, after[0], self.features.num_slots, self.model.attention == "triton")
         out_steps = torch.empty(steps, n, dtype=torch.long, device=self.device)
         hidden = torch.empty(n, self.model.shape.hidden_size, dtype=self.model.embed.dtype, device=self.device)
         arange = torch.arange(n + 1, device=self.device)

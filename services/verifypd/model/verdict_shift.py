@@ -1,0 +1,95 @@
+"""A feature draft's catch-up fitted on the device to the verdict of the verify call before it
+(engine.draft_after): the draft call is launched before the host knows how many drafts were accepted.
+
+The host lays each row out for the longest outcome, every one of the verify call's k drafts accepted:
+its fed tokens x_s .. x_n (known), then the verify call's k + 1 tokens y_0 .. y_k (placeholders), right-
+aligned in Q cells as model.eagle_chain's CallInputs are, with `last` = n + k + 1. With a drafts
+accepted the row's real input is x_s .. x_n, y_0 .. y_a (y_i = draft i + 1 for i < a, y_a = the
+target's own token: the verdict's `final`), so every cell moves k - a places to the right: cells that
+fall off the right end are dropped, cells that come in on the left are padding (slot -1, the features'
+scratch row, token 0, the row's first position: they write nowhere), and `last` becomes n + a + 1. The
+device part's tokens are written from the verdict as they move.
+
+    verdict [Rv, W] int   the verify call's rows: accepted a, final token, its K = W - 2 drafts
+    vrows [R] long        the verdict row of each draft row; -1: not fitted (padding rows)
+    vks [R] long          k of that verify row (its device part is k + 1 cells); 0 where vrows is -1
+    ids, positions, slots, feature_rows [R * Q] long, last [R] long: CallInputs, rewritten in place
+
+One Triton launch (a program per row) on CUDA; `shift_reference` is the same rule in torch (CPU, tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shift_kernel(ids_ptr, pos_ptr, slots_ptr, feat_ptr, last_ptr, vrows_ptr, vks_ptr, verdict_ptr,
+                  stride_v, query, scratch_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    v = tl.load(vrows_ptr + row)
+    if v >= 0:
+        k = tl.load(vks_ptr + row)
+        accepted = tl.load(verdict_ptr + v * stride_v).to(tl.int64)
+        final = tl.load(verdict_ptr + v * stride_v + 1).to(tl.int64)
+        shift = k - accepted
+        cells = tl.arange(0, BLOCK)
+        src = cells - shift
+        has = (cells < query) & (src >= 0)
+        base = row * query
+        old_id = tl.load(ids_ptr + base + src, mask=has, other=0)
+        old_pos = tl.load(pos_ptr + base + src, mask=has, other=0)
+        old_slot = tl.load(slots_ptr + base + src, mask=has, other=-1)
+        old_feat = tl.load(feat_ptr + base + src, mask=has, other=scratch_row)
+        first_pos = tl.load(pos_ptr + base)
+        i = src - (query - 1 - k)                       # index of the cell's token among y_0 .. y_k
+        device_part = has & (i >= 0)
+        drafted = tl.load(verdict_ptr + v * stride_v + 2 + i, mask=device_part & (i < accepted), other=0)
+        new_id = tl.where(device_part, tl.where(i < accepted, drafted.to(tl.int64), final), old_id)
+        new_pos = tl.where(has, old_pos, first_pos)
+        new_slot = tl.where(has, old_slot, -1)
+        new_feat = tl.where(has, old_feat, scratch_row)
+        tl.debug_barrier()  # every cell of the row is read before any is written (in place)
+        ok = cells < query
+        tl.store(ids_ptr + base + cells, new_id, mask=ok)
+        tl.store(pos_ptr + base + cells, new_pos, mask=ok)
+        tl.store(slots_ptr + base + cells, new_slot, mask=ok)
+        tl.store(feat_ptr + base + cells, new_feat, mask=ok)
+        tl.store(last_ptr + row, tl.load(last_ptr + row) - shift)
+
+
+def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: bool) -> None:
+    """Fits the catch-up inputs `inp` (eagle_chain.CallInputs, with vrows / vks filled) to `verdict`."""
+    rows = inp.last.shape[0]
+    if not use_triton:
+        shift_reference(inp, verdict, scratch_row)
+        return
+    _shift_kernel[(rows,)](inp.ids, inp.positions, inp.slots, inp.feature_rows, inp.last, inp.vrows, inp.vks,
+                           verdict, verdict.stride(0), inp.query, scratch_row,
+                           BLOCK=triton.next_power_of_2(max(inp.query, 2)), num_warps=1)
+
+
+def shift_reference(inp, verdict: torch.Tensor, scratch_row: int) -> None:
+    rows, query = inp.last.shape[0], inp.query
+    active = inp.vrows >= 0
+    rows_v = verdict[inp.vrows.clamp(min=0)].long()                       # [R, W]
+    accepted, final = rows_v[:, 0], rows_v[:, 1]
+    shift = torch.where(active, inp.vks - accepted, torch.zeros_like(accepted))
+    cells = torch.arange(query, device=inp.last.device)[None, :]
+    src = cells - shift[:, None]
+    has = src >= 0
+    src_c = src.clamp(min=0)
+    view = lambda t: t.view(rows, query)  # noqa: E731
+    old_id, old_pos = view(inp.ids).gather(1, src_c), view(inp.positions).gather(1, src_c)
+    old_slot, old_feat = view(inp.slots).gather(1, src_c), view(inp.feature_rows).gather(1, src_c)
+    i = src - (query - 1 - inp.vks[:, None])
+    device_part = has & (i >= 0) & active[:, None]
+    drafted = rows_v[:, 2:].gather(1, i.clamp(0, max(rows_v.shape[1] - 3, 0))) if rows_v.shape[1] > 2 \
+        else torch.zeros_like(i)
+    y = torch.where(i < accepted[:, None], drafted, final[:, None])
+    view(inp.ids).copy_(torch.where(device_part, y, torch.where(has, old_id, torch.zeros_like(old_id))))
+    view(inp.positions).copy_(torch.where(has, old_pos, view(inp.positions)[:, :1].expand_as(old_pos)))
+    view(inp.slots).copy_(torch.where(has, old_slot, torch.full_like(old_slot, -1)))
+    view(inp.feature_rows).copy_(torch.where(has, old_feat, torch.full_like(old_feat, scratch_row)))
+    inp.last.sub_(shift)
