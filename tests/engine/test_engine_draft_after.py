@@ -71,18 +71,19 @@ def _inputs(rows: int, query: int, seed: int):
     return inp, verdict
 
 
-def _clone(inp: CallInputs) -> CallInputs:
-    return CallInputs(**{f: (v.clone() if isinstance(v, torch.Tensor) else v) for f, v in vars(inp).items()})
+def _clone(inp: CallInputs, device: str = "cpu") -> CallInputs:
+    return CallInputs(**{f: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v)
+                         for f, v in vars(inp).items()})
 
 
 @pytest.mark.parametrize("rows, query, seed", [(1, 2, 0), (4, 5, 1), (8, 9, 2), (3, 9, 3)])
 def test_shift_kernel_equals_reference_and_the_rule(rows, query, seed):
     inp, verdict = _inputs(rows, query, seed)
-    expected, got = _clone(inp), _clone(inp)
+    expected, got = _clone(inp), _clone(inp, DEVICE)
     shift_reference(expected, verdict, scratch_row=999)
-    shift_to_verdict(got, verdict, scratch_row=999, use_triton=True)   # the Triton interpreter on the CPU
+    shift_to_verdict(got, verdict.to(DEVICE), scratch_row=999, use_triton=True)  # on the CPU: the interpreter
     for field in ("ids", "positions", "slots", "feature_rows", "last"):
-        assert torch.equal(getattr(got, field), getattr(expected, field)), field
+        assert torch.equal(getattr(got, field).cpu(), getattr(expected, field)), field
     # The rule itself, row by row (the reference could be wrong the same way as the kernel).
     for r in range(rows):
         old = [getattr(inp, f).view(rows, query)[r].tolist() for f in ("ids", "positions", "slots", "feature_rows")]
