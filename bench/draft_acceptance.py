@@ -49,11 +49,13 @@ def load_prompts(per_family: int) -> dict[str, list[dict]]:
     return {f: rows[:per_family] for f, rows in families.items()}
 
 
-NO_DRAFT_AFTER = "#no-draft-after"  # a draft name's suffix: engine.draft_after off (--compare-draft-after)
+# Suffixes of a draft's name (--compare-draft-after): the same draft with engine.spec_ahead off, and with
+# engine.draft_after off too (its drafts made in their own step; spec_ahead needs draft_after).
+NO_AHEAD, NO_DRAFT_AFTER = "#no-ahead", "#no-draft-after"
 
 
 def make_engine(target, name: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
-    draft = name.removesuffix(NO_DRAFT_AFTER)
+    draft = name.removesuffix(NO_DRAFT_AFTER).removesuffix(NO_AHEAD)
     models = Models(target, PagedLlama(target.shape, target.weights),
                     load_draft_model(parse_draft(draft), target, device, dtype, 2048), draft, device, dtype)
     if draft == "none":
@@ -64,6 +66,7 @@ def make_engine(target, name: str, k: int | None, device: torch.device, dtype: t
         config = RuntimeConfig()
     engine = Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
     engine.router.draft_after.enabled = not name.endswith(NO_DRAFT_AFTER)
+    engine.router.ahead.enabled = not name.endswith((NO_DRAFT_AFTER, NO_AHEAD))
     return engine
 
 
@@ -106,8 +109,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
     ap.add_argument("--compare-draft-after", action="store_true",
-                    help=f"also each feature draft with its drafts made in their own step, not right after the "
-                         f"verify call before (engine.draft_after off; named DRAFT{NO_DRAFT_AFTER})")
+                    help=f"also each feature draft without steps launched before the previous one streams "
+                         f"(engine.spec_ahead off; named DRAFT{NO_AHEAD}) and with its drafts made in their own "
+                         f"step too (engine.draft_after off; DRAFT{NO_DRAFT_AFTER})")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -119,7 +123,8 @@ def main() -> None:
                for f, rs in rows.items()}
     drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
     if args.compare_draft_after:
-        drafts += [d + NO_DRAFT_AFTER for d in drafts if d.startswith(("eagle:", "eagle+ngram:"))]
+        drafts += [d + suffix for suffix in (NO_AHEAD, NO_DRAFT_AFTER) for d in drafts
+                   if d.startswith(("eagle:", "eagle+ngram:"))]
     engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
     for engine in engines.values():  # first-call allocations and kernel compiles outside the timings:
         for family, ids in prompts.items():  # a prompt of each family (lengths differ), a few drafting steps

@@ -253,3 +253,69 @@ def test_head_mixed_with_lookup(tiny_models, head, k):
     done = engine.generate(specs())
     assert [c.token_ids for c in done.values()] == [c.token_ids for c in plain.values()]
     assert engine.router.draft_after.held > 0 and engine.router.lookup.proposed > 0
+
+
+# -- speculative steps launched before the step before them streams (engine.spec_ahead) -------------
+
+@pytest.mark.parametrize("k, adaptive", [(3, False), (4, True)])
+def test_steps_launched_ahead_give_the_same_tokens_and_proposals(tiny_models, head, k, adaptive):
+    prompts = _prompts(6, seed=30 + k)
+    plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
+    on, off = (make_engine(tiny_models[0], head, k=k, adaptive=adaptive) for _ in range(2))
+    off.router.ahead.enabled = False
+    seen = [_proposals(e) for e in (on, off)]
+    for e in (on, off):
+        e.verify_lane.simulated_acceptance = None
+        done = e.generate(_specs(prompts))
+        assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+    assert on.router.ahead.steps > 0 and off.router.ahead.steps == 0
+    assert seen[0] == seen[1]   # same plans, same drafts: only launched earlier
+
+
+def test_steps_launched_ahead_with_partial_acceptance_match_the_regular_order(tiny_models, head):
+    """The seeded coin keeps drafts whatever they are (benchmark mode): any difference in a plan, a k or
+    a draft between the two orders would change the tokens."""
+    prompts = _prompts(6, seed=41)
+    on, off = (make_engine(tiny_models[0], head, k=4) for _ in range(2))
+    off.router.ahead.enabled = False
+    seen = [_proposals(e) for e in (on, off)]
+    outs = []
+    for e in (on, off):
+        e.verify_lane.simulated_acceptance = 0.6
+        outs.append({r: c.token_ids for r, c in e.generate(_specs(prompts)).items()})
+    assert outs[0] == outs[1] and seen[0] == seen[1] and on.router.ahead.steps > 5
+
+
+def test_stop_strings_and_cancel_with_a_step_in_flight(tiny_models, head):
+    """A request with a stop string streams before the next step is planned (it ends there, or not);
+    one cancelled while a step holding its row is in flight is dropped at commit; the others decode as
+    plain decoding does."""
+    prompts = _prompts(6, seed=7)
+    plain_engine = make_engine(tiny_models[0], "none", k=0)
+    plain = plain_engine.generate(_specs(prompts))
+    text = plain_engine.codec.decode(plain["r2"].token_ids[4:6])
+    specs = _specs(prompts)
+    specs[2] = RequestSpec(prompts[2], max_tokens=specs[2].max_tokens, stop_at_eos=False, request_id="r2",
+                           stop=(text,))
+    expected = make_engine(tiny_models[0], "none", k=0).generate([specs[2]])["r2"]
+    engine = make_engine(tiny_models[0], head, k=3)
+    router = engine.router
+    for s in specs:
+        router.add_request(s)
+    tokens: dict[str, list[int]] = {}
+    cancelled = None
+    while router.has_work():
+        for out in router.step():
+            assert out.request_id != cancelled, "a chunk of a cancelled request"
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        if cancelled is None and router.ahead.inflight is not None and len(router.ahead.inflight.work) > 3:
+            cancelled = router.ahead.inflight.work[-1].seq.request_id
+            assert router.abort(cancelled) is not None
+    assert cancelled is not None and router.ahead.steps > 0
+    for rid in tokens:
+        if rid == "r2":
+            assert tokens[rid] == expected.token_ids
+        elif rid != cancelled:
+            assert tokens[rid] == plain[rid].token_ids, rid
+    assert router.target_blocks.num_free == router.target_blocks.num_blocks
+    assert router.draft_blocks.num_free == router.draft_blocks.num_blocks

@@ -16,7 +16,7 @@ import itertools
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for_futures
+from concurrent.futures import ThreadPoolExecutor, wait as wait_for_futures
 from typing import Callable, Sequence as Seq
 
 from verifypd.engine.block_manager import BlockManager, check_fits
@@ -25,13 +25,15 @@ from verifypd.engine.draft_after import DraftAfter, held_after
 from verifypd.engine.draft_length import TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel
 from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.overlap import Overlap
-from verifypd.engine.scheduler import DecodeWork, PrefillChunk, Scheduler
+from verifypd.engine.router_prefill import PrefillCalls
+from verifypd.engine.spec_ahead import SpecAhead
+from verifypd.engine.scheduler import DecodeWork, Scheduler
 from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
-from verifypd.engine.router_calls import (BesidePrefill, StartedPrefill, append_tokens, pool_of as _pool,
-                                         record_verdict, take_drafts)
+from verifypd.engine.router_calls import (BesidePrefill, append_tokens, pool_of as _pool, record_verdict,
+                                         take_drafts)
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
-from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillItem,
-                                      PrefillLane, VerifyItem, VerifyLane)
+from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillLane,
+                                      VerifyItem, VerifyLane)
 
 
 # Diagnostics only: VERIFYPD_SERIAL_PIPELINE=1 keeps pdv's groups and held drafts but makes the
@@ -49,7 +51,7 @@ class EngineObserver:
     def on_idle(self, router: "Router") -> None: ...  # state changed without a step (abort, idle, reset)
 
 
-class Router:
+class Router(PrefillCalls):
     def __init__(self, prefill: PrefillLane, draft: DraftLane, verify: VerifyLane, *, decode: Decode | None,
                  eos_token_ids: Seq[int], config: RuntimeConfig | None = None, max_running: int = 256,
                  observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic,
@@ -87,6 +89,7 @@ class Router:
         self._pool: ThreadPoolExecutor | None = None  # pdv: runs the draft call beside the verify call
         self.overlap = Overlap(self)  # plain-decoding steps launched ahead (RuntimeConfig.overlap, engine.overlap)
         self.draft_after = DraftAfter(self)  # speculative steps' next drafts launched before the verdict
+        self.ahead = SpecAhead(self)  # speculative steps launched before the step before them streams
         self._prefill_pool: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
 
     def close(self) -> None:
@@ -131,7 +134,7 @@ class Router:
         return self._eos
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.overlap.inflight is not None
+        return self.scheduler.has_work() or self.overlap.inflight is not None or self.ahead.inflight is not None
 
     def sequences(self) -> list[Sequence]:
         return list(self._seqs.values())
@@ -146,7 +149,13 @@ class Router:
             self.observer.on_step(self)
             self._record_cost((False, rows, 0), self._clock() - t_step - self.overlap.prefill_s)
             return outputs
-        plan = self.scheduler.plan(config, self.costs)
+        if self.ahead.inflight is not None:  # commit the speculative step launched ahead (and launch the next)
+            outputs, sample = self.ahead.advance()
+            self.observer.on_step(self)
+            if sample is not None:
+                self._record_cost(sample, self._clock() - t_step)
+            return outputs
+        plan = self.ahead.take_plan() or self.scheduler.plan(config, self.costs)
         outputs = [self._finish(seq, FinishReason.LENGTH, [], "") for seq in plan.out_of_room]
         # pd and pdv: decode is high priority, prefill after it (unless priorities say otherwise).
         prefill_first = config.priorities.prefill > config.priorities.verify
@@ -212,6 +221,7 @@ class Router:
         KV and re-queues every request for recompute (the preemption path). Tokens already emitted
         are kept, so a request continues where its stream stopped. Returns the requests re-queued."""
         self.overlap.drop()
+        self.ahead.drop()
         verify_info, draft_info = self.verify_lane.describe(), self.draft_lane.describe()
         self.target_pool = _pool(verify_info.pools, "target")
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)  # None: pool-less draft lane
@@ -239,51 +249,9 @@ class Router:
         """`--draft none` (lanes/ngram.NoDraftLane) proposes nothing: k is 0, whatever the policy says."""
         return self.draft_lane.describe().draft_model == "none"
 
-    def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
-        return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.ids(c.start, c.end), start_pos=c.start,
-                            target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start,
-                                                   c.seq.target_computed),
-                            draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
-                            sample_first=c.sample_first, sampling=c.seq.spec.sampling) for c in chunks]
-
     @staticmethod
     def _starts_async(*lanes) -> bool:
         return all(getattr(lane, "starts_async", False) for lane in lanes)
-
-    def _start_prefill(self, chunks: list[PrefillChunk]) -> StartedPrefill:
-        t0 = self._clock()
-        started = self.prefill_lane.prefill_start(self._prefill_items(chunks))
-        return StartedPrefill(started, self._clock() - t0, self._clock)
-
-    def _call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
-        t0 = self._clock()
-        results = self.prefill_lane.prefill(items)
-        return results, self._clock() - t0
-
-    def _run_prefill(self, chunks: list[PrefillChunk], pending: "Future | StartedPrefill | None" = None
-                     ) -> list[RequestOutput]:
-        """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
-        if not chunks:
-            return []
-        results, seconds = pending.result() if pending is not None else self._call_prefill(self._prefill_items(chunks))
-        self.observer.on_lane_step("prefill", seconds, len(chunks))
-        return self._commit_prefill(chunks, results)
-
-    def _commit_prefill(self, chunks: list[PrefillChunk], results) -> list[RequestOutput]:
-        outputs = []
-        for c, res in zip(chunks, results):
-            seq = c.seq
-            seq.target_computed = c.end
-            # A pool-less lane gets the prompt with its first draft call, and so does a model draft
-            # whose KV this chunk skipped (draft_computed lags; the draft call catches up).
-            if self.draft_pool is not None and c.with_draft:
-                seq.draft_computed = c.end
-            if c.end == seq.prefill_target:
-                seq.status = SeqStatus.DECODING
-            if c.sample_first:
-                assert res.first_token is not None, "prefill lane returned no first token"
-                outputs += self._emit(seq, [res.first_token], applied_k=0)
-        return outputs
 
     def _draft_items(self, work: list[DecodeWork]) -> list[DraftItem]:
         items = []
@@ -309,21 +277,13 @@ class Router:
         limit = self.config.k_max + 1 if self.feature_draft else TYPICAL_DRAFT_INPUT
         return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= limit
 
-    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
-                    beside: BesidePrefill | None = None) -> tuple[bool, int, int] | None:
-        """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
-        `beside` (lock-step only): its prefill is started once the verify call is queued, before its
-        results (and with it a chain may start: the prefilled requests then join the next step).
-        Pipelined (`ahead` non-empty): draft `ahead` on the worker thread while verifying `work`
-        (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them.
-        Returns what the step's cost describes, (pipelined, requests verified, k), or None for a
-        step not worth learning from (see StepCostModel)."""
-        if not work and not ahead:
-            return None
+    def _proposals(self, work: list[DecodeWork]) -> tuple[dict[str, tuple[object, object]], bool]:
+        """This step's proposals of `work`'s requests that draft now (k > 0, no held drafts, or held
+        ones made after the last verify call that prompt lookup replaces), by request id; and whether
+        the step is a typical cost sample (no long draft catch-up, no probe of part of the batch)."""
         drafting = [w for w in work if w.k > 0 and not w.held]
         drafts: dict[str, tuple[object, object]] = {}
-        typical = True  # no long draft catch-up: the step's cost is worth learning from
-        draft_s = 0.0
+        typical = True
         looking = drafting + [w for w in work if w.held and held_after(w.seq)]  # (engine.draft_after)
         if self.lookup is not None and looking:
             # Steps mixing lookup's proposals with the head's (or lookup's alone, no draft call) are
@@ -337,16 +297,12 @@ class Router:
             results, draft_s = self._call_draft(items)
             drafts.update(take_drafts(drafting, results))
             self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = typical and self._typical_draft(items)
+            typical = self._typical_draft(items)
             # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
             typical = typical and sum(w.probe for w in work) in (0, len(work))
-        ahead_items = self._draft_items(ahead)
-        ahead_typical = not ahead_items or self._typical_draft(ahead_items)
-        future = None
-        if ahead_items and work and not SERIAL_PIPELINE:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-draft")
-            future = self._pool.submit(self._call_draft, ahead_items)
+        return drafts, typical
+
+    def _verify_items(self, work: list[DecodeWork], drafts: dict, typical: bool) -> tuple[list[VerifyItem], bool]:
         items = []
         for w in work:
             seq, n = w.seq, w.seq.pending_pos
@@ -361,6 +317,28 @@ class Router:
                 request_id=seq.request_id, pending_token=seq.ids(n, n + 1)[0], start_pos=n, draft_tokens=tokens,
                 draft_probs=probs, sampling=seq.spec.sampling,
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
+        return items, typical
+
+    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
+                    beside: BesidePrefill | None = None) -> tuple[bool, int, int] | None:
+        """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
+        `beside` (lock-step only): its prefill is started once the verify call is queued, before its
+        results (and with it a chain may start: the prefilled requests then join the next step).
+        Pipelined (`ahead` non-empty): draft `ahead` on the worker thread while verifying `work`
+        (held drafts or k = 0) here; `ahead`'s drafts are held until the next step verifies them.
+        Returns what the step's cost describes, (pipelined, requests verified, k), or None for a
+        step not worth learning from (see StepCostModel)."""
+        if not work and not ahead:
+            return None
+        drafts, typical = self._proposals(work)
+        ahead_items = self._draft_items(ahead)
+        ahead_typical = not ahead_items or self._typical_draft(ahead_items)
+        future = None
+        if ahead_items and work and not SERIAL_PIPELINE:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-draft")
+            future = self._pool.submit(self._call_draft, ahead_items)
+        items, typical = self._verify_items(work, drafts, typical)
         results, verify_error, verify_s, beside_s, launched, after_s = None, None, 0.0, 0.0, None, 0.0
         if items:
             t0 = self._clock()
@@ -416,10 +394,10 @@ class Router:
                 # Pipelined: this group's verify call and the other group's draft call ran side by
                 # side; the step's wall time is what pipelining costs (docs/engine.md "Schedules").
                 sample = (True, len(items), k_max)
-            self._commit_verify(work, items, results, outputs)
-        for w in work:
-            w.seq.held_draft = None
-        self.draft_after.hold(launched)
+            self._commit_verify(work, items, results, outputs, launched)
+        else:
+            for w in work:
+                w.seq.held_draft = None
         if draft_error is not None:
             raise draft_error
         if ahead_items:
@@ -433,7 +411,11 @@ class Router:
         return sample
 
     def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
-                       outputs: list[RequestOutput]) -> None:
+                       outputs: list[RequestOutput], launched=None) -> None:
+        """Commits a verify call: positions, verdicts, tokens; holds the drafts launched after it
+        (`launched`, engine.draft_after); streams the requests it ends (or may end, on a stop string),
+        then may launch the next step (engine.spec_ahead), then streams the others."""
+        appended = []
         for w, item, res in zip(work, items, results):
             seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)
             m = res.accepted
@@ -444,13 +426,32 @@ class Router:
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
             record_verdict(seq, self.costs.acceptance, k, m,
                            asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k)
+            seq.held_draft = None
             self.observer.on_verify(k, m)
-            outputs += self._emit(seq, res.new_tokens, applied_k=k)
+            tokens, finish = append_tokens(seq, res.new_tokens, self._eos, self.vocab_size, self.max_context,
+                                           self._clock())
+            appended.append((seq, tokens, finish, k))
+        self.draft_after.hold(launched)
+        later = []
+        for seq, tokens, finish, k in appended:
+            if finish is not None or seq.spec.stop:
+                outputs += self._stream(seq, tokens, finish, k)
+            else:
+                later.append((seq, tokens, finish, k))
+        if launched is not None:
+            self.ahead.launch(self.config)
+        for seq, tokens, finish, k in later:
+            outputs += self._stream(seq, tokens, finish, k)
 
     # -- committing tokens -------------------------------------------------------------------
     def _emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         tokens, finish = append_tokens(seq, new_tokens, self._eos, self.vocab_size, self.max_context, self._clock())
+        return self._stream(seq, tokens, finish, applied_k)
+
+    def _stream(self, seq: Sequence, tokens: list[int], finish: FinishReason | None,
+                applied_k: int) -> list[RequestOutput]:
+        """The chunk of tokens just appended (append_tokens): detokenized, stop strings applied."""
         detok = self._detok.get(seq.request_id)
         text, stop_hit = detok.add([t for t in tokens if t not in self._eos]) if detok else ("", False)
         if stop_hit:

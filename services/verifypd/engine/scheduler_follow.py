@@ -49,6 +49,16 @@ class FollowPlanning:
                 work.append((seq, k))
         return work
 
+    def fits_ahead(self, seqs: list[Sequence]) -> bool:
+        """Would `_plan_decode` reserve the next step of `seqs` (each at the k of the drafts it holds, or
+        0) without preempting anyone? (engine.spec_ahead plans ahead only then.)"""
+        ks = [len(s.held_draft.tokens) if s.held_draft is not None else 0 for s in seqs]
+        target = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + k + 1) for s, k in zip(seqs, ks))
+        if target > self.target.num_free:
+            return False
+        return self.poolless_draft or sum(
+            self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks)) <= self.draft.num_free
+
     def _decided_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence],
                    key: str) -> tuple[int, dict]:
         """`_batch_k` for `_plan_decode`, or the decision plan_after already took for these requests."""
