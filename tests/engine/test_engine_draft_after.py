@@ -319,3 +319,15 @@ def test_stop_strings_and_cancel_with_a_step_in_flight(tiny_models, head):
             assert tokens[rid] == plain[rid].token_ids, rid
     assert router.target_blocks.num_free == router.target_blocks.num_blocks
     assert router.draft_blocks.num_free == router.draft_blocks.num_blocks
+
+
+def test_a_plan_that_cannot_go_ahead_is_the_next_steps(tiny_models, head, monkeypatch):
+    """With the block check forced open, a plan made ahead preempts (a pool too small for everyone):
+    it is kept for the next step, which runs it; tokens stay plain decoding's."""
+    prompts = _prompts(6, seed=4)
+    plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
+    engine = make_engine(tiny_models[0], head, k=4, num_blocks=24)
+    monkeypatch.setattr(type(engine.router.scheduler), "fits_ahead", lambda self, seqs: True)
+    done = engine.generate(_specs(prompts))
+    assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+    assert engine.router.ahead.kept > 0 and engine.router.ahead.steps > 0

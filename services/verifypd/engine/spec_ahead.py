@@ -53,6 +53,7 @@ class SpecAhead:
         self.inflight: InFlightStep | None = None
         self.next_plan: StepPlan | None = None  # a plan made here that was not a step to launch ahead
         self.steps = 0   # steps launched ahead (tests, benchmarks)
+        self.kept = 0    # plans made here and kept for the next step instead (not a step to launch ahead)
 
     def eligible(self, config: RuntimeConfig) -> bool:
         router, sched = self.router, self.router.scheduler
@@ -73,6 +74,7 @@ class SpecAhead:
         if (plan.prefill or plan.preempted or plan.out_of_room or plan.draft_ahead or not work
                 or any(w.k > 0 and not w.held for w in work)):
             self.next_plan = plan
+            self.kept += 1
             return
         drafts, typical = router._proposals(work)   # prompt lookup's in place of held drafts, if mixed
         items, typical = router._verify_items(work, drafts, typical)
@@ -88,9 +90,9 @@ class SpecAhead:
         plan, self.next_plan = self.next_plan, None
         if plan is None:
             return None
-        live = self.router.sequences()
+        live = self.router._seqs
         seqs = [w.seq for w in plan.decode + plan.draft_ahead] + [c.seq for c in plan.prefill]
-        return plan if all(s in live for s in seqs) else None   # else plan again (cancelled meanwhile)
+        return plan if all(live.get(s.request_id) is s for s in seqs) else None  # else plan again (cancelled)
 
     def advance(self) -> tuple[list[RequestOutput], tuple[bool, int, int] | None]:
         """A `Router.step()` with a step in flight: waits for its verdict and commits it (which may
