@@ -34,13 +34,19 @@ def mixed(tiny_models, tmp_path_factory):
 
 
 def _head_calls(engine) -> list:
-    """Wraps the draft lane: every item the head is asked to draft."""
-    calls, draft = [], engine.draft_lane.draft
+    """Wraps the draft lane: every item the head is asked to draft, as (item, made after a verify call?)
+    (engine.draft_after: its input ends in the verify call's k + 1 tokens, fitted on the device)."""
+    calls, lane = [], engine.draft_lane
+    draft, after = lane.draft, lane.draft_after
 
     def counting(items):
-        calls.extend(items)
+        calls.extend((i, False) for i in items)
         return draft(items)
-    engine.draft_lane.draft = counting
+
+    def counting_after(items, *args):
+        calls.extend((i, True) for i in items)
+        return after(items, *args)
+    lane.draft, lane.draft_after = counting, counting_after
     return calls
 
 
@@ -59,11 +65,12 @@ def test_greedy_with_head_and_lookup_equals_plain(tiny_models, mixed, k, adaptiv
     # The head is fed each request's positions without a gap: a step lookup drafted left the head's
     # draft_computed alone (a skipped position would leave a hole in its KV and features).
     by_request: dict[str, list] = {}
-    for item in calls:
-        by_request.setdefault(item.request_id, []).append(item)
+    for item, after in calls:
+        by_request.setdefault(item.request_id, []).append((item, after))
     for items in by_request.values():
-        for prev, nxt in zip(items, items[1:]):
-            assert nxt.start_pos == prev.start_pos + len(prev.input_tokens), (prev.start_pos, nxt.start_pos)
+        for (prev, after), (nxt, _) in zip(items, items[1:]):
+            end = prev.start_pos + len(prev.input_tokens)  # after a verify call: its longest outcome
+            assert prev.start_pos < nxt.start_pos <= end if after else nxt.start_pos == end, (prev.start_pos, nxt.start_pos)
 
 
 def test_seeded_output_with_head_and_lookup_equals_plain(tiny_models, mixed):
