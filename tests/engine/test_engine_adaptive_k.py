@@ -119,6 +119,17 @@ def test_plain_decoding_is_measured_before_drafting_is_judged():
     assert choose_batch_k(config, [0.3] * 16, costs, 16, 4, current=2) > 0
 
 
+def test_one_slow_step_of_two_is_not_the_cost():
+    """Of two samples the lower is the cost (one slow step, a GC pause say, moves nothing: the upper
+    median of two made single 4-5 ms steps the cost of k = 4 at batch 16, session 32); of three the middle."""
+    costs = StepCostModel()
+    costs.observe_step(16, 4, 1.8e-3)
+    costs.observe_step(16, 4, 5.2e-3)
+    assert costs.step_s(16, 4) == pytest.approx(1.8e-3)
+    costs.observe_step(16, 4, 2.0e-3)
+    assert costs.step_s(16, 4) == pytest.approx(2.0e-3)
+
+
 def test_measuring_plain_decoding_does_not_switch_a_drafting_batch_off():
     """The one plain step that measures k = 0 at a new batch size is not a decision to stop: after
     it, a batch that was drafting keeps drafting at a gain between DRAFT_OFF_GAIN and DRAFT_ON_GAIN."""
