@@ -108,6 +108,10 @@ def main() -> None:
                     help="comma list of batch sizes measured in one run and one JSON (overrides --batch), e.g. 1,16")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
+    ap.add_argument("--warm-batches", action="store_true",
+                    help="before timing, also run each measured batch size once over each family's first prompts "
+                         "(32 tokens): the adaptive policy has measured its step costs there, as a server that has "
+                         "run a while has (default: only one request per family, 16 tokens)")
     ap.add_argument("--compare-draft-after", action="store_true",
                     help=f"also each feature draft without steps launched before the previous one streams "
                          f"(engine.spec_ahead off; named DRAFT{NO_AHEAD}) and with its drafts made in their own "
@@ -132,6 +136,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if any(b < 1 for b in batches):
         ap.error("--batches: each batch size must be >= 1")
+    if args.warm_batches:
+        for engine in engines.values():
+            for batch in batches:
+                for family, ids in prompts.items():
+                    engine.generate([RequestSpec(p, max_tokens=32, request_id=f"warm-{family}-{batch}-{i}")
+                                     for i, p in enumerate(ids[:batch])])
     table = []
     for batch in batches:
         table += measure(engines, drafts, prompts, args.max_tokens, batch)
@@ -142,6 +152,7 @@ def main() -> None:
               "batch": batches[0] if len(batches) == 1 else batches,
               "policy": f"fixed k={args.k}" if args.k is not None else "adaptive (RuntimeConfig defaults)",
               "max_tokens": args.max_tokens, "prompts_per_family": args.per_family,
+              "warm_batches": args.warm_batches,
               "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)), "rows": table,
               "totals": totals(table)}
     with open(args.out, "w") as f:
