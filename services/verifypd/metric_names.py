@@ -26,6 +26,11 @@ CHAINED_STEPS = "verifypd.engine.chained_steps"  # counter, {step}; attribute ve
 # `--draft eagle+ngram:`: requests' verify steps whose drafts were prompt lookup's, not the head's
 # (engine.lookup_mix); ÷ verify steps that drafted = the share lookup took.
 LOOKUP_PROPOSALS = "verifypd.speculation.lookup_proposals"  # counter, {step}
+# Feature drafts (engine.draft_after): requests whose next drafts were launched right after their verify
+# call, fitted to its verdict on the device; ÷ verify steps that drafted = the share made so.
+DRAFTS_AFTER_VERIFY = "verifypd.speculation.drafts_after_verify"  # counter, {request}
+# Speculative steps launched before the previous step's tokens were streamed (engine.spec_ahead).
+STEPS_AHEAD = "verifypd.engine.speculative_steps_ahead"  # counter, {step}
 
 # Attribute keys.
 ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"

@@ -86,6 +86,21 @@ def make_engine(target: str, draft: str, *, k: int = 4, adaptive: bool = False, 
                                 dtype="float32", config=config, **options))
 
 
+def eager_and_graphed(target: str, head: str, k: int = 3):
+    """Two engines drafting with `head`: one through the eager path, one through the graphs' path (on the
+    CPU the graphs' functions over their static buffers; on CUDA the engine's captured graphs).
+    Returns (eager, graphed, graphed's draft runner)."""
+    from verifypd.model.eagle_chain import EagleGraphs
+
+    eager, graphed = (make_engine(target, head, k=k) for _ in range(2))
+    eager.draft_lane.runner.graphs = None
+    runner = graphed.draft_lane.runner
+    if DEVICE == "cpu":
+        runner.graphs = EagleGraphs(runner.model, runner.pool.tensor, runner.features, runner.block_size,
+                                    runner.staging, buckets=(1, 2, 4, 8), replay="eager")
+    return eager, graphed, runner
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,

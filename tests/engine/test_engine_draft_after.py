@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine_helpers import DEVICE, make_engine
+from engine_helpers import DEVICE, eager_and_graphed, make_engine
 from test_engine_eagle import write_head
 from test_engine_lookup_mix import repeating_prompts
 from verifypd.engine.types import RequestSpec, SamplingParams
@@ -177,15 +177,8 @@ def test_most_drafts_are_made_after_the_verify_before(tiny_models, head):
 def test_graphed_call_path_fits_the_verdict_as_the_eager_path(tiny_models, head):
     """EagleGraphs.draft with `after` (on the CPU its functions over the static buffers) proposes what
     the eager path proposes."""
-    from verifypd.model.eagle_chain import EagleGraphs
-
     prompts = _prompts(5, seed=9)
-    eager, graphed = (make_engine(tiny_models[0], head, k=3) for _ in range(2))
-    eager.draft_lane.runner.graphs = None
-    runner = graphed.draft_lane.runner
-    if DEVICE == "cpu":
-        runner.graphs = EagleGraphs(runner.model, runner.pool.tensor, runner.features, runner.block_size,
-                                    runner.staging, buckets=(1, 2, 4, 8), replay="eager")
+    eager, graphed, runner = eager_and_graphed(tiny_models[0], head)
     seen = [_proposals(e) for e in (eager, graphed)]
     outs = [{r: c.token_ids for r, c in e.generate(_specs(prompts)).items()} for e in (eager, graphed)]
     assert outs[0] == outs[1]
@@ -331,3 +324,24 @@ def test_a_plan_that_cannot_go_ahead_is_the_next_steps(tiny_models, head, monkey
     done = engine.generate(_specs(prompts))
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
     assert engine.router.ahead.kept > 0 and engine.router.ahead.steps > 0
+
+
+def test_drafts_after_verify_and_steps_ahead_reach_telemetry(tiny_models, head):
+    """verifypd.speculation.drafts_after_verify and verifypd.engine.speculative_steps_ahead count what the
+    engine did (its own counters, as deltas)."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from verifypd import metric_names as mn
+    from verifypd.core.telemetry import Telemetry
+
+    reader = InMemoryMetricReader()
+    engine = make_engine(tiny_models[0], head, k=3)
+    engine.router.observer = Telemetry(readers=[reader])
+    engine.generate(_specs(_prompts(4, seed=12)))
+    wanted = (mn.DRAFTS_AFTER_VERIFY, mn.STEPS_AHEAD)
+    points = {m.name: [p.value for p in m.data.data_points] for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics if m.name in wanted}
+    router = engine.router
+    assert router.draft_after.requests > 0 and router.ahead.steps > 0
+    assert points[mn.DRAFTS_AFTER_VERIFY] == [router.draft_after.requests]
+    assert points[mn.STEPS_AHEAD] == [router.ahead.steps]

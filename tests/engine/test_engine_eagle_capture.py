@@ -135,23 +135,17 @@ def test_engine_through_the_graphed_call_path_drafts_as_the_eager_path(tiny_mode
     finish) through the graphs' path: greedy output == plain decoding, and every request's accepted
     draft count == the eager path's (same proposals; k fixed, so nothing depends on timing). On the
     CPU the graphs' functions run over the static buffers; on CUDA the engine captured them."""
-    from engine_helpers import make_engine
+    from engine_helpers import eager_and_graphed, make_engine
     from test_engine_eagle import write_head
     from test_engine_greedy_lossless import random_prompts
     from verifypd.engine.types import RequestSpec
-    from verifypd.model.eagle_chain import EagleGraphs
 
     prompts = random_prompts(6, seed=8)
     head = write_head(tiny_models, tmp_path / "head", draft_vocab=64)
     specs = lambda: [RequestSpec(p, max_tokens=16, stop_at_eos=False) for p in prompts]  # noqa: E731
     plain = make_engine(tiny_models[0], "none", k=0)
     expected = [c.token_ids for c in plain.generate(specs()).values()]
-    eager, graphed = (make_engine(tiny_models[0], head, k=3) for _ in range(2))
-    eager.draft_lane.runner.graphs = None
-    runner = graphed.draft_lane.runner
-    if DEVICE == "cpu":
-        runner.graphs = EagleGraphs(runner.model, runner.pool.tensor, runner.features, runner.block_size,
-                                    runner.staging, buckets=(1, 2, 4, 8), replay="eager")
+    eager, graphed, runner = eager_and_graphed(tiny_models[0], head)
     usage = []
     for engine in (eager, graphed):
         done = engine.generate(specs())

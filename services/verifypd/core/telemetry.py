@@ -71,6 +71,13 @@ class Telemetry(EngineObserver):
                                                      description="Requests' steps drafted by prompt lookup "
                                                                  "instead of the head (--draft eagle+ngram:)")
         self._lookup_seen = 0  # router.lookup.proposed already counted
+        self.drafts_after_verify = meter.create_counter(
+            mn.DRAFTS_AFTER_VERIFY, unit="{request}",
+            description="Requests' drafts launched right after their verify call, fitted to its verdict on the device")
+        self.steps_ahead = meter.create_counter(
+            mn.STEPS_AHEAD, unit="{step}",
+            description="Speculative steps launched before the previous step's tokens were streamed")
+        self._seen: dict[str, int] = {}  # the engine's own counts already added, by counter name
         meter.create_observable_gauge(mn.LANE_QUEUE_DEPTH, [self._observe_queues], unit="{request}",
                                       description="Requests waiting for or running in each lane")
         meter.create_observable_gauge(mn.KV_BLOCKS_IN_USE, [self._observe_blocks], unit="{block}",
@@ -120,6 +127,14 @@ class Telemetry(EngineObserver):
         if times:
             self.duration.record(times[-1] - stats.arrival_time)
 
+    def _add_delta(self, counter, name: str, total: int) -> None:
+        """Adds what an engine counter grew by since the last step (a new router counts from 0)."""
+        seen = self._seen.get(name, 0)
+        seen = seen if seen <= total else 0
+        if total > seen:
+            counter.add(total - seen)
+        self._seen[name] = total
+
     def on_step(self, router) -> None:
         self._flush_verify()
         overlap = getattr(router, "overlap", None)
@@ -139,6 +154,11 @@ class Telemetry(EngineObserver):
             if lookup.proposed > seen:
                 self.lookup_proposals.add(lookup.proposed - seen)
             self._lookup_seen = lookup.proposed
+        after, ahead = getattr(router, "draft_after", None), getattr(router, "ahead", None)
+        if after is not None:
+            self._add_delta(self.drafts_after_verify, mn.DRAFTS_AFTER_VERIFY, after.requests)
+        if ahead is not None:
+            self._add_delta(self.steps_ahead, mn.STEPS_AHEAD, ahead.steps)
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
         self._queues = {"prefill": router.scheduler.num_waiting + len(running) - decoding,
