@@ -70,7 +70,6 @@ class Telemetry(EngineObserver):
         self.lookup_proposals = meter.create_counter(mn.LOOKUP_PROPOSALS, unit="{step}",
                                                      description="Requests' steps drafted by prompt lookup "
                                                                  "instead of the head (--draft eagle+ngram:)")
-        self._lookup_seen = 0  # router.lookup.proposed already counted
         self.drafts_after_verify = meter.create_counter(
             mn.DRAFTS_AFTER_VERIFY, unit="{request}",
             description="Requests' drafts launched right after their verify call, fitted to its verdict on the device")
@@ -149,11 +148,8 @@ class Telemetry(EngineObserver):
                     self.chained_steps.add(steps - seen_steps - with_prefill, {mn.ATTR_STEP_PREFILL: "false"})
                 self._chained_seen = (steps, admitting)
         lookup = getattr(router, "lookup", None)
-        if lookup is not None:  # the engine's own count, as deltas (a new router counts from 0)
-            seen = self._lookup_seen if self._lookup_seen <= lookup.proposed else 0
-            if lookup.proposed > seen:
-                self.lookup_proposals.add(lookup.proposed - seen)
-            self._lookup_seen = lookup.proposed
+        if lookup is not None:  # the engine's own counts, as deltas
+            self._add_delta(self.lookup_proposals, mn.LOOKUP_PROPOSALS, lookup.proposed)
         after, ahead = getattr(router, "draft_after", None), getattr(router, "ahead", None)
         if after is not None:
             self._add_delta(self.drafts_after_verify, mn.DRAFTS_AFTER_VERIFY, after.requests)

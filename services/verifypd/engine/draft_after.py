@@ -111,7 +111,7 @@ class DraftAfter:
             return
         for w in launched.work:
             seq = w.seq
-            if seq.status is not SeqStatus.DECODING or seq.request_id not in self.router._seqs:
+            if seq.status is not SeqStatus.DECODING:
                 continue  # finished (or cancelled) meanwhile: the drafts are dropped
             tokens, probs = launched.drafts[seq.request_id]
             seq.held_draft = HeldDraft(seq.pending_pos, tokens, probs, launched.typical, requested_k=w.k,

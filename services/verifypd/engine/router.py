@@ -319,6 +319,16 @@ class Router(PrefillCalls):
                 target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
         return items, typical
 
+    def _launch_after(self, work: list[DecodeWork], items: list[VerifyItem], started):
+        """Right after the verify call of `items` (`started`): the next step's drafts (engine.draft_after).
+        Returns (draft_after.Launched or None, host seconds spent)."""
+        t0 = self._clock()
+        launched = self.draft_after.launch(self.config, work, items, started)
+        seconds = self._clock() - t0
+        if launched is not None:
+            self.observer.on_lane_step("draft", seconds, len(launched.work))
+        return launched, seconds
+
     def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
                     beside: BesidePrefill | None = None) -> tuple[bool, int, int] | None:
         """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
@@ -347,11 +357,7 @@ class Router(PrefillCalls):
                 if beside is not None or after:
                     started = self.verify_lane.verify_start(items)
                     if after:  # the next step's drafts, fitted to this call's verdict on the device
-                        t_after = self._clock()
-                        launched = self.draft_after.launch(self.config, work, items, started)
-                        after_s = self._clock() - t_after
-                        if launched is not None:
-                            self.observer.on_lane_step("draft", after_s, len(launched.work))
+                        launched, after_s = self._launch_after(work, items, started)
                 if beside is not None:
                     t_beside = self._clock()
                     beside.started = self._start_prefill(beside.chunks)
@@ -395,9 +401,6 @@ class Router(PrefillCalls):
                 # side; the step's wall time is what pipelining costs (docs/engine.md "Schedules").
                 sample = (True, len(items), k_max)
             self._commit_verify(work, items, results, outputs, launched)
-        else:
-            for w in work:
-                w.seq.held_draft = None
         if draft_error is not None:
             raise draft_error
         if ahead_items:
@@ -431,14 +434,15 @@ class Router(PrefillCalls):
             tokens, finish = append_tokens(seq, res.new_tokens, self._eos, self.vocab_size, self.max_context,
                                            self._clock())
             appended.append((seq, tokens, finish, k))
-        self.draft_after.hold(launched)
-        later = []
-        for seq, tokens, finish, k in appended:
-            if finish is not None or seq.spec.stop:
-                outputs += self._stream(seq, tokens, finish, k)
-            else:
-                later.append((seq, tokens, finish, k))
+        later = appended
         if launched is not None:
+            self.draft_after.hold(launched)
+            later = []
+            for seq, tokens, finish, k in appended:
+                if finish is not None or seq.spec.stop:
+                    outputs += self._stream(seq, tokens, finish, k)
+                else:
+                    later.append((seq, tokens, finish, k))
             self.ahead.launch(self.config)
         for seq, tokens, finish, k in later:
             outputs += self._stream(seq, tokens, finish, k)

@@ -79,9 +79,7 @@ class SpecAhead:
         drafts, typical = router._proposals(work)   # prompt lookup's in place of held drafts, if mixed
         items, typical = router._verify_items(work, drafts, typical)
         started = router.verify_lane.verify_start(items)
-        launched = None
-        if router.draft_after.eligible(config, items):
-            launched = router.draft_after.launch(config, work, items, started)
+        launched = router._launch_after(work, items, started)[0] if router.draft_after.eligible(config, items) else None
         self.inflight = InFlightStep(work, items, started, launched, typical)
         self.steps += 1
 

@@ -323,7 +323,8 @@ class HostCopy:
     def __init__(self, tensor: torch.Tensor, convert, next_tokens: torch.Tensor | None = None,
                  verdict: torch.Tensor | None = None):
         self._convert, self._event, self.next_tokens, self.verdict = convert, None, next_tokens, verdict
-        self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+        # (the stream is looked up only where a verdict is kept: current_stream costs host time every step)
+        self.stream = torch.cuda.current_stream(tensor.device) if verdict is not None and tensor.is_cuda else None
         if tensor.is_cuda:
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
