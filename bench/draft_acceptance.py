@@ -52,10 +52,12 @@ def load_prompts(per_family: int) -> dict[str, list[dict]]:
 # Suffixes of a draft's name (--compare-draft-after): the same draft with engine.spec_ahead off, and with
 # engine.draft_after off too (its drafts made in their own step; spec_ahead needs draft_after).
 NO_AHEAD, NO_DRAFT_AFTER = "#no-ahead", "#no-draft-after"
+# ... and with engine.spec_ahead's verify calls launched only once the verdict before them is on the host
+NO_FIT = "#no-fit"
 
 
 def make_engine(target, name: str, k: int | None, device: torch.device, dtype: torch.dtype) -> Engine:
-    draft = name.removesuffix(NO_DRAFT_AFTER).removesuffix(NO_AHEAD)
+    draft = name.removesuffix(NO_DRAFT_AFTER).removesuffix(NO_AHEAD).removesuffix(NO_FIT)
     models = Models(target, PagedLlama(target.shape, target.weights),
                     load_draft_model(parse_draft(draft), target, device, dtype, 2048), draft, device, dtype)
     if draft == "none":
@@ -67,10 +69,21 @@ def make_engine(target, name: str, k: int | None, device: torch.device, dtype: t
     engine = Engine(EngineOptions(num_blocks=256, device=device.type, config=config), models=models)
     engine.router.draft_after.enabled = not name.endswith(NO_DRAFT_AFTER)
     engine.router.ahead.enabled = not name.endswith((NO_DRAFT_AFTER, NO_AHEAD))
+    engine.router.ahead.fit = not name.endswith(NO_FIT)
     return engine
 
 
-def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
+def run_family(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int,
+               repeats: int = 1) -> dict:
+    """`repeats` > 1: the family is generated that many times; the run of median wall time is reported
+    (`seconds_all`: every run's), and its tokens must be every run's (else `outputs` is None: a mismatch)."""
+    runs = [_run_family_once(engine, family, ids, max_tokens, batch) for _ in range(repeats)]
+    chosen = sorted(runs, key=lambda r: r["seconds"])[(repeats - 1) // 2]
+    same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
+    return {**chosen, "seconds_all": [round(r["seconds"], 5) for r in runs], "outputs": chosen["outputs"] if same else None}
+
+
+def _run_family_once(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
     totals = dict(drafted=0, accepted=0, verify_steps=0, tokens=0, seconds=0.0, cpu_seconds=0.0)
     outputs = []
     for start in range(0, len(ids), batch):
@@ -113,9 +126,13 @@ def main() -> None:
                          "(32 tokens): the adaptive policy has measured its step costs there, as a server that has "
                          "run a while has (default: only one request per family, 16 tokens)")
     ap.add_argument("--compare-draft-after", action="store_true",
-                    help=f"also each feature draft without steps launched before the previous one streams "
-                         f"(engine.spec_ahead off; named DRAFT{NO_AHEAD}) and with its drafts made in their own "
+                    help=f"also each feature draft with verify calls launched only once the verdict before "
+                         f"them is on the host (DRAFT{NO_FIT}), without steps launched before the previous one "
+                         f"streams (engine.spec_ahead off; DRAFT{NO_AHEAD}) and with its drafts made in their own "
                          f"step too (engine.draft_after off; DRAFT{NO_DRAFT_AFTER})")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="generate each family this many times per draft and batch; report the run of median "
+                         "wall time (a 16-prompt batch of the embedded model runs ~0.1 s: one run is noisy)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -127,7 +144,7 @@ def main() -> None:
                for f, rs in rows.items()}
     drafts = ["none"] + [d for d in args.drafts.split(",") if d and d != "none"]
     if args.compare_draft_after:
-        drafts += [d + suffix for suffix in (NO_AHEAD, NO_DRAFT_AFTER) for d in drafts
+        drafts += [d + suffix for suffix in (NO_FIT, NO_AHEAD, NO_DRAFT_AFTER) for d in drafts
                    if d.startswith(("eagle:", "eagle+ngram:"))]
     engines = {d: make_engine(target, d, args.k, device, dtype) for d in drafts}
     for engine in engines.values():  # first-call allocations and kernel compiles outside the timings:
@@ -136,6 +153,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if any(b < 1 for b in batches):
         ap.error("--batches: each batch size must be >= 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if args.warm_batches:
         for engine in engines.values():
             for batch in batches:
@@ -144,7 +163,7 @@ def main() -> None:
                                      for i, p in enumerate(ids[:batch])])
     table = []
     for batch in batches:
-        table += measure(engines, drafts, prompts, args.max_tokens, batch)
+        table += measure(engines, drafts, prompts, args.max_tokens, batch, args.repeats)
     result = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "threads": args.threads, "cpu_count": os.cpu_count(),
@@ -152,7 +171,7 @@ def main() -> None:
               "batch": batches[0] if len(batches) == 1 else batches,
               "policy": f"fixed k={args.k}" if args.k is not None else "adaptive (RuntimeConfig defaults)",
               "max_tokens": args.max_tokens, "prompts_per_family": args.per_family,
-              "warm_batches": args.warm_batches,
+              "warm_batches": args.warm_batches, "repeats": args.repeats,
               "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)), "rows": table,
               "totals": totals(table)}
     with open(args.out, "w") as f:
@@ -161,13 +180,14 @@ def main() -> None:
     print(markdown_totals(result["totals"]))
 
 
-def measure(engines: dict, drafts: list[str], prompts: dict, max_tokens: int, batch: int) -> list[dict]:
+def measure(engines: dict, drafts: list[str], prompts: dict, max_tokens: int, batch: int,
+            repeats: int = 1) -> list[dict]:
     results: dict[str, dict] = {d: {} for d in drafts}
     for n, (family, ids) in enumerate(prompts.items()):
         # Drafts of one family run back to back, in an order rotated per family, so that load from
         # other work on the machine spreads over all of them rather than biasing one.
         for draft in drafts[n % len(drafts):] + drafts[:n % len(drafts)]:
-            results[draft][family] = r = run_family(engines[draft], family, ids, max_tokens, batch)
+            results[draft][family] = r = run_family(engines[draft], family, ids, max_tokens, batch, repeats)
             print(json.dumps({"draft": draft, "family": family, "batch": batch,
                               **{k: v for k, v in r.items() if k != "outputs"}}), flush=True)
     table = []
@@ -175,7 +195,7 @@ def measure(engines: dict, drafts: list[str], prompts: dict, max_tokens: int, ba
     for draft, fams in results.items():
         for family, r in fams.items():
             # Speculation is lossless: every draft must give plain decoding's exact tokens.
-            same = r["outputs"] == base[family]["outputs"]
+            same = r["outputs"] is not None and r["outputs"] == base[family]["outputs"]
             table.append({"draft": draft, "family": family, "batch": batch, "prompts": len(prompts[family]),
                           "drafted": r["drafted"], "accepted": r["accepted"], "acceptance_rate": r["acceptance_rate"],
                           "accepted_per_step": r["accepted_per_step"],
@@ -184,7 +204,7 @@ def measure(engines: dict, drafts: list[str], prompts: dict, max_tokens: int, ba
                           "cpu_speedup_vs_no_speculation": r["tok_per_cpu_s"] / base[family]["tok_per_cpu_s"],
                           "same_output_as_no_speculation": same,
                           "tokens": r["tokens"], "verify_steps": r["verify_steps"], "seconds": r["seconds"],
-                          "cpu_seconds": r["cpu_seconds"]})
+                          "cpu_seconds": r["cpu_seconds"], "seconds_all": r["seconds_all"]})
     return table
 
 

@@ -35,18 +35,19 @@ def _specs(prompts, **kw) -> list[RequestSpec]:
 
 
 def _proposals(engine) -> dict[tuple[str, int], list[int]]:
-    """Wraps the verify lane: each verify item's drafts (host values), by (request, pending position)."""
+    """Wraps the router's commit of verify calls: each verified item's drafts (host values), by
+    (request, pending position). (At commit: a verify call launched before the verdict before it is
+    laid out for that verdict's longest outcome and gets its real positions only once it is known.)"""
     seen: dict[tuple[str, int], list[int]] = {}
-    lane = engine.verify_lane
-    start = lane.verify_start
+    router = engine.router
+    commit = router._commit_verify
 
-    def recording(items, *args, **kw):
+    def recording(work, items, *args, **kw):
         for i in items:
             if len(i.draft_tokens):
                 seen[(i.request_id, i.start_pos)] = list(i.draft_tokens)
-        return start(items, *args, **kw)
-    lane.verify_start = recording
-    lane.verify = lambda items: recording(items).result()
+        return commit(work, items, *args, **kw)
+    router._commit_verify = recording
     return seen
 
 

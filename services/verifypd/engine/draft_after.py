@@ -50,6 +50,9 @@ class Launched:
     work: list[DecodeWork]
     drafts: dict[str, tuple[object, object]]
     typical: bool
+    # The verify call of these drafts, launched right after them and fitted to the verdict on the
+    # device (engine.spec_ahead.Fitted), or None: the next step plans and launches it once committed.
+    verify: object = None
 
 
 class DraftAfter:
@@ -76,8 +79,11 @@ class DraftAfter:
             return None
         router = self.router
         rows = {w.seq.request_id: n for n, w in enumerate(work)}
-        plan = router.scheduler.plan_after(config, router.costs,
-                                           [(w.seq, len(i.draft_tokens)) for w, i in zip(work, items)])
+        # (a verify call launched before the verdict before it, engine.spec_ahead, may hold rows of
+        # requests that ended since: they draft no more)
+        plan = router.scheduler.plan_after(config, router.costs, [(w.seq, len(i.draft_tokens))
+                                                                  for w, i in zip(work, items)
+                                                                  if w.seq.status is SeqStatus.DECODING])
         if not plan:
             return None
         after = [DecodeWork(seq, k) for seq, k in plan]

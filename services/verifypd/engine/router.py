@@ -327,6 +327,7 @@ class Router(PrefillCalls):
         seconds = self._clock() - t0
         if launched is not None:
             self.observer.on_lane_step("draft", seconds, len(launched.work))
+            self.ahead.fit_next(self.config, launched, work, items, started)  # their verify call, fitted
         return launched, seconds
 
     def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
@@ -443,7 +444,7 @@ class Router(PrefillCalls):
                     outputs += self._stream(seq, tokens, finish, k)
                 else:
                     later.append((seq, tokens, finish, k))
-            self.ahead.launch(self.config)
+            self.ahead.launch(self.config, launched)
         for seq, tokens, finish, k in later:
             outputs += self._stream(seq, tokens, finish, k)
 

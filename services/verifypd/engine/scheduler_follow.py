@@ -59,6 +59,17 @@ class FollowPlanning:
         return self.poolless_draft or sum(
             self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks)) <= self.draft.num_free
 
+    def reserve_target(self, rows: list[tuple[Sequence, int]]) -> bool:
+        """Target blocks for `rows` (request, positions it may write), all or none, without preemption:
+        a verify call launched before the verdict of the one before it may write its longest outcome's
+        positions (engine.spec_ahead). False (nothing reserved) if they are not free."""
+        need = sum(self.target.extra_blocks_needed(s.target_blocks, n) for s, n in rows)
+        if need > self.target.num_free:
+            return False
+        for seq, n in rows:
+            self.target.grow(seq.target_blocks, n)
+        return True
+
     def _decided_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence],
                    key: str) -> tuple[int, dict]:
         """`_batch_k` for `_plan_decode`, or the decision plan_after already took for these requests."""

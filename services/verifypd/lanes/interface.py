@@ -123,6 +123,18 @@ class TokenFeed:
     rows: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class VerdictFit:
+    """Items laid out for the longest outcome of an earlier verify call still in flight (engine.spec_ahead):
+    item i's pending token (a placeholder) sits at its start_pos only if row `rows[i]` of that call
+    accepted all of its `ks[i]` drafts; the lane moves each row to the verdict on the device (its real
+    pending token is the verdict's final token). Only lanes with `fits_verdict` take one, greedy only."""
+
+    started: Any                  # opaque to the router: the earlier call's StartedCall
+    rows: tuple[int, ...]
+    ks: tuple[int, ...]
+
+
 @dataclass
 class VerifyOutput:
     request_id: str

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from verifypd.lanes.interface import (DraftItem, DraftOutput, Finished, LaneInfo, PrefillItem, PrefillOutput,
-                                      StartedCall, TokenFeed, VerifyItem, VerifyOutput)
+                                      StartedCall, TokenFeed, VerdictFit, VerifyItem, VerifyOutput)
 from verifypd.model import sampler
 from verifypd.model.runner import ModelRunner, TokenRun
 
@@ -217,21 +217,31 @@ class LocalVerifyLane:
         """Takes `verify_start(items, feed=...)` (overlapped plain decoding, engine.overlap)."""
         return getattr(self.target, "feeds_first_ids", False)
 
+    @property
+    def fits_verdict(self) -> bool:
+        """Takes `verify_start(items, fit=...)` of greedy items (engine.spec_ahead, model.verify_fit)."""
+        return (self.simulated_acceptance is None and getattr(self.target, "fits_verdict", False)
+                and getattr(self.target, "verifies_greedy", False))
+
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         return self.verify_start(items).result()
 
-    def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
+    def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None,
+                     fit: VerdictFit | None = None) -> StartedCall:
         """Queues the verify forward and the acceptance on the verify stream; the results reach the
         host in `.result()` (the call's one host sync). `feed`: the items' pending tokens are rows
-        of a previous call's `next_tokens`, read on the device (stream-ordered after that call)."""
+        of a previous call's `next_tokens`, read on the device (stream-ordered after that call).
+        `fit`: the items are laid out for the longest outcome of an earlier call of this lane, fitted
+        to its verdict on the device (stream-ordered after it)."""
         if not items:
             return Finished([])
         with on_stream(self.stream, self.serial):
             if self.stream is not None:
                 wait_for_drafts(items, self.stream)
-            return self._verify(items, feed)
+            return self._verify(items, feed, fit)
 
-    def _verify(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
+    def _verify(self, items: list[VerifyItem], feed: TokenFeed | None = None,
+                fit: VerdictFit | None = None) -> StartedCall:
         ks = [len(i.draft_tokens) for i in items]
         first_ids = None
         if feed is not None:
@@ -253,8 +263,12 @@ class LocalVerifyLane:
         fed = {} if first_ids is None else {"first_ids": first_ids}
         if (K > 0 and self.simulated_acceptance is None and all(i.sampling.greedy for i in items)
                 and getattr(self.target, "verifies_greedy", False)):  # forward + acceptance: one replay
+            if fit is not None:
+                fed["fit"] = (fit.started.verdict, fit.rows, fit.ks)
             verdict = self.target.verify_greedy(runs, ks, on_device.gather(items, K) if on_device else None, **fed)
             return HostCopy(verdict, verdict_outputs(items), verdict=verdict)
+        if fit is not None:
+            raise ValueError("a verify call fitted to an earlier verdict must be greedy, with drafts (fits_verdict)")
         if on_device is not None:
             drafts = on_device.gather(items, K)                               # [R, K] on the device
             logits = self.target.score(runs, drafts, **fed)                   # [R, K+1, V], padded
@@ -330,8 +344,8 @@ class HostCopy:
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tensor
+        else:  # a snapshot, as the copy is on CUDA: a graph's static buffer is rewritten by the next
+            self._host = tensor.clone()  # call, which may be launched before this one's result() (spec_ahead)
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()

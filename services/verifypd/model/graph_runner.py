@@ -26,6 +26,7 @@ from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
+from verifypd.model.verify_fit import fit_layout
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
@@ -86,21 +87,22 @@ class GraphRunner:
 
     # -- forwards ----------------------------------------------------------------------------
     def score(self, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None = None,
-              first_ids: torch.Tensor | None = None) -> torch.Tensor:
-        rows = self._replay_left("all", runs, query, device_ids, first_ids)
+              first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
+        rows = self._replay_left("all", runs, query, device_ids, first_ids, fit=fit)
         return self.logits[:rows * query].view(rows, query, -1)[:len(runs)]
 
     def verify_greedy(self, runs: list[TokenRun], query: int, ks: list[int], device_ids: torch.Tensor | None = None,
-                      first_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
         """score() + greedy acceptance in one replay: [B, Q + 1] (accepted, final, drafts), a view of
         a static buffer (copy it before the next replay). Drafts are token ids 1 .. Q - 1 of each
         run (or `device_ids`); row r accepts at most ks[r] of them."""
-        self._replay_left("accept", runs, query, device_ids, first_ids, ks)
+        self._replay_left("accept", runs, query, device_ids, first_ids, ks, fit)
         return self.verdict[:len(runs), :query + 1]
 
     def _replay_left(self, kind: str, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None,
-                     first_ids: torch.Tensor | None, ks: list[int] | None = None) -> int:
-        """Loads left-aligned runs, writes the device-side ids, replays (kind, rows, query); -> rows."""
+                     first_ids: torch.Tensor | None, ks: list[int] | None = None, fit: tuple | None = None) -> int:
+        """Loads left-aligned runs, writes the device-side ids, fits the rows to the verdict of the
+        call before (`fit`, model.verify_fit), replays (kind, rows, query); -> rows."""
         rows = self.bucket(len(runs))
         graph = self._graph((kind, rows, query))
         self._load(runs, query, "left", rows, ks)
@@ -108,6 +110,10 @@ class GraphRunner:
             self.ids[:rows * query].view(rows, query)[:len(runs), 1:] = device_ids
         if first_ids is not None:  # stream-ordered after the load's copy and the producing step
             self.ids[:rows * query].view(rows, query)[:len(runs), 0] = first_ids
+        if fit is not None:  # stream-ordered after the load's copy and the call whose verdict it reads
+            n = rows * query
+            fit_layout(fit, self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows], rows, query,
+                       self.block_size)
         graph.replay()
         return rows
 

@@ -9,6 +9,7 @@ from verifypd.model.graph_runner import GraphRunner, write_verdict
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
+from verifypd.model.verify_fit import fit_layout
 
 
 # One sequence's prefill chunk of up to 256 tokens runs as a CUDA graph padded to the next of these:
@@ -98,36 +99,44 @@ class ModelRunner:
     feeds_first_ids = True
 
     def score(self, runs: list[TokenRun], device_ids: torch.Tensor | None = None,
-              first_ids: torch.Tensor | None = None) -> torch.Tensor:
+              first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
         """Logits of every token of every run, padded: [B, Q, V] with Q = the longest run; rows past
         a run's end repeat its last position (their logits are not meaningful). `device_ids` [B, K]
         replace token ids 1..K of each run on the device (drafts that never visited the host; the
         runs hold placeholders there; K = Q - 1, entries past a run's end land on padding).
         `first_ids` [B] replace token 0 of each run on the device (a pending token still on the
-        device: the previous step's output, engine.overlap)."""
+        device: the previous step's output, engine.overlap). `fit`: the runs are laid out for the
+        longest outcome of a verify call still in flight; fitted to its verdict on the device
+        (model.verify_fit: (verdict, verdict rows, their ks))."""
         query = max(len(r.token_ids) for r in runs)
         if self.graphs is not None and self.graphs.fits(len(runs), query):
-            return self.graphs.score(runs, query, device_ids, first_ids)
+            return self.graphs.score(runs, query, device_ids, first_ids, fit)
         host = build_layout(runs, self.block_size, query=query, align="left")
         batch = to_device(host, self.device, self.staging)
         if device_ids is not None and query > 1:
             batch.input_ids.view(len(runs), query)[:, 1:] = device_ids
         if first_ids is not None:
             batch.input_ids.view(len(runs), query)[:, 0] = first_ids
+        if fit is not None:
+            fit_layout(fit, batch.input_ids, batch.positions, batch.slots, batch.block_tables, len(runs), query,
+                       self.block_size)
         logits = self.model.forward(self.pool.tensor, batch, torch.arange(host.ids.size, device=self.device))
         return logits.view(len(runs), query, -1)
 
     # verify_greedy(): score + greedy acceptance in one call (one graph replay on CUDA).
     verifies_greedy = True
+    # score() / verify_greedy() take `fit` (engine.spec_ahead: a verify call laid out for the longest
+    # outcome of the one before it, fitted to its verdict on the device, model.verify_fit).
+    fits_verdict = True
 
     def verify_greedy(self, runs: list[TokenRun], ks: list[int], device_ids: torch.Tensor | None = None,
-                      first_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
         """Greedy verify of runs [pending token, drafts ...] (drafts in the runs, or `device_ids` [B, K]
         as in score()): [B, K + 2] = accepted, final token, the K drafts (sampler.accept_greedy)."""
         query = max(len(r.token_ids) for r in runs)
         if self.graphs is not None and self.graphs.fits(len(runs), query):
-            return self.graphs.verify_greedy(runs, query, ks, device_ids, first_ids)
-        logits = self.score(runs, device_ids, first_ids)
+            return self.graphs.verify_greedy(runs, query, ks, device_ids, first_ids, fit)
+        logits = self.score(runs, device_ids, first_ids, fit)
         if device_ids is None:
             device_ids = sampler.small_tensor([r.token_ids[1:] + [0] * (query - len(r.token_ids)) for r in runs],
                                               self.device).view(len(runs), query - 1)

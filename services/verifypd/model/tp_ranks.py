@@ -278,6 +278,7 @@ class LeaderRunner(ModelRunner):
 
     feeds_first_ids = False  # the followers would need the fed tokens too (not sent yet)
     verifies_greedy = False  # its followers run score(); the acceptance stays in the verify lane
+    fits_verdict = False     # its followers would need the verdict too (engine.spec_ahead)
 
     def score(self, runs, device_ids=None):
         with self.ranks.lock:
