@@ -31,6 +31,9 @@ LOOKUP_PROPOSALS = "verifypd.speculation.lookup_proposals"  # counter, {step}
 DRAFTS_AFTER_VERIFY = "verifypd.speculation.drafts_after_verify"  # counter, {request}
 # Speculative steps launched before the previous step's tokens were streamed (engine.spec_ahead).
 STEPS_AHEAD = "verifypd.engine.speculative_steps_ahead"  # counter, {step}
+# Of those, steps whose verify call was launched before the verdict of the one before it reached the host,
+# laid out for its longest outcome and fitted on the device (engine.spec_ahead.fit_next).
+VERIFY_FITTED = "verifypd.engine.verify_calls_fitted"  # counter, {step}
 
 # Attribute keys.
 ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"

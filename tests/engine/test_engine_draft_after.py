@@ -337,8 +337,8 @@ def test_a_plan_that_cannot_go_ahead_is_the_next_steps(tiny_models, head, monkey
 
 
 def test_drafts_after_verify_and_steps_ahead_reach_telemetry(tiny_models, head):
-    """verifypd.speculation.drafts_after_verify and verifypd.engine.speculative_steps_ahead count what the
-    engine did (its own counters, as deltas)."""
+    """verifypd.speculation.drafts_after_verify, verifypd.engine.speculative_steps_ahead and
+    verifypd.engine.verify_calls_fitted count what the engine did (its own counters, as deltas)."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from verifypd import metric_names as mn
@@ -348,10 +348,11 @@ def test_drafts_after_verify_and_steps_ahead_reach_telemetry(tiny_models, head):
     engine = make_engine(tiny_models[0], head, k=3)
     engine.router.observer = Telemetry(readers=[reader])
     engine.generate(_specs(_prompts(4, seed=12)))
-    wanted = (mn.DRAFTS_AFTER_VERIFY, mn.STEPS_AHEAD)
+    wanted = (mn.DRAFTS_AFTER_VERIFY, mn.STEPS_AHEAD, mn.VERIFY_FITTED)
     points = {m.name: [p.value for p in m.data.data_points] for rm in reader.get_metrics_data().resource_metrics
               for sm in rm.scope_metrics for m in sm.metrics if m.name in wanted}
     router = engine.router
     assert router.draft_after.requests > 0 and router.ahead.steps > 0
     assert points[mn.DRAFTS_AFTER_VERIFY] == [router.draft_after.requests]
     assert points[mn.STEPS_AHEAD] == [router.ahead.steps]
+    assert router.ahead.fitted > 0 and points[mn.VERIFY_FITTED] == [router.ahead.fitted]

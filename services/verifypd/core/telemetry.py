@@ -76,6 +76,9 @@ class Telemetry(EngineObserver):
         self.steps_ahead = meter.create_counter(
             mn.STEPS_AHEAD, unit="{step}",
             description="Speculative steps launched before the previous step's tokens were streamed")
+        self.verify_fitted = meter.create_counter(
+            mn.VERIFY_FITTED, unit="{step}",
+            description="Speculative steps whose verify call was launched before the verdict before it, fitted on the device")
         self._seen: dict[str, int] = {}  # the engine's own counts already added, by counter name
         meter.create_observable_gauge(mn.LANE_QUEUE_DEPTH, [self._observe_queues], unit="{request}",
                                       description="Requests waiting for or running in each lane")
@@ -155,6 +158,7 @@ class Telemetry(EngineObserver):
             self._add_delta(self.drafts_after_verify, mn.DRAFTS_AFTER_VERIFY, after.requests)
         if ahead is not None:
             self._add_delta(self.steps_ahead, mn.STEPS_AHEAD, ahead.steps)
+            self._add_delta(self.verify_fitted, mn.VERIFY_FITTED, ahead.fitted)
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
         self._queues = {"prefill": router.scheduler.num_waiting + len(running) - decoding,
