@@ -1,0 +1,117 @@
+"""Whether a decode step waits on the GPU or on the host: each `Router.step()`'s wall time split into the
+time the host spent blocked on verify results (the one host sync of a step, `HostCopy.result`) and the
+rest (host work: planning, layouts, launches, commit, streaming), per draft, family and batch size,
+through `bench/draft_acceptance.py`'s engines (the embedded model, its prompts).
+
+    python bench/host_wait.py --target GGUF --drafts eagle:DIR,eagle:DIR#no-fit,none --out host_wait.json
+
+A step whose wait is near 0 is host-bound: the GPU had its work queued and idled while the host caught
+up. Each (draft, family, batch) runs --repeats times; all runs are reported. Draft names take
+draft_acceptance's suffixes (#no-fit, #no-ahead, #no-draft-after). Batch 1 runs the family's first
+--solo prompts one at a time. Session 33's figures: bench/results/trace_s33/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import draft_acceptance as da  # noqa: E402
+from bench_meta import metadata  # noqa: E402
+from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.lanes import local  # noqa: E402
+from verifypd.model.loader import load_model  # noqa: E402
+from verifypd.tokenizer import TextCodec  # noqa: E402
+
+
+class WaitClock:
+    """Wraps HostCopy.result: seconds the host spent blocked on verify results, and how many waits."""
+
+    def __init__(self):
+        self.seconds, self.waits = 0.0, 0
+        original = local.HostCopy.result
+        clock = self
+
+        def timed(copy):
+            t0 = time.perf_counter()
+            if copy._event is not None:
+                copy._event.synchronize()
+            clock.seconds += time.perf_counter() - t0
+            clock.waits += 1
+            return original(copy)
+        local.HostCopy.result = timed
+
+
+def run(engine, specs_of, batch: int, wait: WaitClock) -> dict:
+    router, steps = engine.router, [0]
+    step = router.step
+
+    def counting():
+        steps[0] += 1
+        return step()
+    router.step = counting
+    wait.seconds, wait.waits = 0.0, 0
+    ahead0, fitted0 = router.ahead.steps, router.ahead.fitted
+    t0 = time.perf_counter()
+    done = {}
+    for specs in specs_of(batch):
+        done.update(engine.generate(specs))
+    seconds = time.perf_counter() - t0
+    router.step = step
+    return {"seconds": round(seconds, 5), "router_steps": steps[0], "wait_s": round(wait.seconds, 5),
+            "host_s": round(seconds - wait.seconds, 5),
+            "tokens": sum(c.usage["completion_tokens"] for c in done.values()),
+            "verify_steps": sum(c.usage["verify_steps"] for c in done.values()),
+            "accepted": sum(c.usage["accepted_tokens"] for c in done.values()),
+            "steps_ahead": router.ahead.steps - ahead0, "verify_calls_fitted": router.ahead.fitted - fitted0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="the embedded model's GGUF")
+    ap.add_argument("--drafts", default="none")
+    ap.add_argument("--families", default="extract,chat", help="families of bench/prompts/draft_acceptance.jsonl")
+    ap.add_argument("--batches", default="16,1")
+    ap.add_argument("--solo", type=int, default=4, help="prompts of a family run one at a time at batch 1")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="host_wait.json")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = load_model(args.target, device, dtype, 2048)
+    codec = TextCodec(target.tokenizer)
+    prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
+               for f, rs in da.load_prompts(16).items()}
+    families = args.families.split(",")
+    unknown = [f for f in families if f not in prompts]
+    if unknown:
+        ap.error(f"--families: no family {unknown[0]!r} (have {', '.join(prompts)})")
+    wait, results = WaitClock(), {}
+    for name in args.drafts.split(","):
+        engine = da.make_engine(target, name, None, device, dtype)
+        for ids in prompts.values():  # first calls and every batch size measured once, outside the timings
+            engine.generate([RequestSpec(ids[0], max_tokens=16)])
+            engine.generate([RequestSpec(p, max_tokens=32) for p in ids])
+        for family in families:
+            for batch in (int(b) for b in args.batches.split(",")):
+                def specs_of(b, ids=prompts[family]):
+                    if b == 1:
+                        return [[RequestSpec(p, max_tokens=args.max_tokens)] for p in ids[:args.solo]]
+                    return [[RequestSpec(p, max_tokens=args.max_tokens) for p in ids[i:i + b]]
+                            for i in range(0, len(ids), b)]
+                runs = [run(engine, specs_of, batch, wait) for _ in range(args.repeats)]
+                results[f"{name}|{family}|b{batch}"] = runs
+                print(name, family, batch, json.dumps(runs[len(runs) // 2]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({**metadata(), "max_tokens": args.max_tokens, "solo_prompts": args.solo, "results": results},
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
