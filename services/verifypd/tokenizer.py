@@ -45,14 +45,29 @@ class TextCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+# Every pattern transformers' clean_up_tokenization rewrites (" ." -> ".", " n't" -> "n't", ...).
+CLEANUP_PROBE = "a . b , c ? d ! e 's f n't g 'm h 've i 're j do not"
+
+
 def _backend_decode(tokenizer):
     """The Rust tokenizer's own decode where transformers' wrapper adds nothing to it (a fast
-    tokenizer without clean_up_tokenization_spaces: the wrapper then returns the backend's text
-    as is). The router's detokenizer decodes twice per generated token, on the step's critical
-    path: SmolLM2's tokenizer takes 4.5 us a call through the wrapper, 1.0 us direct (CPU here)."""
+    tokenizer whose wrapper does not clean up spaces: it then returns the backend's text as is).
+    The router's detokenizer decodes twice per generated token, on the step's critical path:
+    SmolLM2's tokenizer takes 4.5 us a call through the wrapper, 1.0 us direct (CPU here).
+    clean_up_tokenization_spaces may be set and still not applied: transformers 5 ignores it for
+    BPE tokenizers (it warns at load; the embedded model's GGUF sets it, on the GPU machine's
+    transformers too). Then the wrapper's text of a probe holding every pattern the clean-up
+    rewrites equals the backend's, which decides."""
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
         return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return None if backend is None else backend.decode
+    if backend is None:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        try:
+            ids = list(tokenizer(CLEANUP_PROBE, add_special_tokens=False)["input_ids"])
+            if tokenizer.decode(ids, skip_special_tokens=True) != backend.decode(ids, skip_special_tokens=True):
+                return None
+        except Exception:  # a tokenizer that cannot say: keep the wrapper
+            return None
+    return backend.decode

@@ -116,8 +116,35 @@ def test_codec_decodes_through_the_backend_as_the_wrapper_does(tokenizer):
     windows += [[tokenizer.eos_token_id], [tokenizer.eos_token_id, 30, 40]]
     for w in windows:
         assert codec.decode(w) == tokenizer.decode(w, skip_special_tokens=True), w
-    tokenizer.clean_up_tokenization_spaces = True  # the wrapper would post-process: no fast path
+    tokenizer.clean_up_tokenization_spaces = True  # set but not applied to a BPE tokenizer (transformers 5)
     try:
-        assert TextCodec(tokenizer)._backend_decode is None
+        codec = TextCodec(tokenizer)
+        assert codec._backend_decode is not None
+        for w in windows:
+            assert codec.decode(w) == tokenizer.decode(w, skip_special_tokens=True), w
     finally:
         tokenizer.clean_up_tokenization_spaces = False
+
+
+class _CleaningWrapper:
+    """A fast tokenizer whose wrapper does clean up spaces (as transformers does for WordPiece)."""
+
+    def __init__(self, inner):
+        self.inner, self.is_fast, self.clean_up_tokenization_spaces = inner, True, True
+        self.backend_tokenizer = inner.backend_tokenizer
+
+    def __call__(self, text, **kw):
+        return self.inner(text, **kw)
+
+    def decode(self, ids, **kw):
+        return self.inner.decode(ids, **kw).replace(" .", ".").replace(" n't", "n't")
+
+
+def test_codec_keeps_the_wrapper_where_it_cleans_up_spaces(tokenizer):
+    from verifypd.tokenizer import TextCodec
+
+    codec = TextCodec(_CleaningWrapper(tokenizer))
+    assert codec._backend_decode is None
+    ids = tokenizer("it is n't here .", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "it is n't here ."
+    assert codec.decode(ids) == "it isn't here."  # the wrapper's text, not the backend's
