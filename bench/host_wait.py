@@ -6,7 +6,10 @@ through `bench/draft_acceptance.py`'s engines (the embedded model, its prompts).
     python bench/host_wait.py --target GGUF --drafts eagle:DIR,eagle:DIR#no-fit,none --out host_wait.json
 
 A step whose wait is near 0 is host-bound: the GPU had its work queued and idled while the host caught
-up. Each (draft, family, batch) runs --repeats times; all runs are reported. Draft names take
+up. Each run also counts its steps by kind (`step_kinds`: regular, chained plain steps launched ahead by
+engine.overlap, speculative steps launched ahead by engine.spec_ahead), why plain chains ended
+(`chain_breaks`: each end costs a regular step, not overlapped) and the scheduler's k decisions
+(`k_decisions`: all, drafting, periodic probes). Each (draft, family, batch) runs --repeats times; all runs are reported. Draft names take
 draft_acceptance's suffixes (#no-fit, #no-ahead, #no-draft-after). Batch 1 runs the family's first
 --solo prompts one at a time. Session 33's figures: bench/results/trace_s33/.
 """
@@ -48,22 +51,30 @@ class WaitClock:
 
 
 def run(engine, specs_of, batch: int, wait: WaitClock) -> dict:
-    router, steps = engine.router, [0]
+    router, kinds = engine.router, {"regular": 0, "chained": 0, "ahead": 0}
     step = router.step
 
-    def counting():
-        steps[0] += 1
+    def counting():  # what kind of step Router.step() is about to take (its first branch)
+        kind = ("chained" if router.overlap.inflight is not None
+                else "ahead" if router.ahead.inflight is not None else "regular")
+        kinds[kind] += 1
         return step()
     router.step = counting
     wait.seconds, wait.waits = 0.0, 0
     ahead0, fitted0 = router.ahead.steps, router.ahead.fitted
+    breaks0, probes = dict(router.overlap.breaks), router.scheduler.probes
+    decisions0 = (probes.decisions, probes.drafting, probes.probes)
     t0 = time.perf_counter()
     done = {}
     for specs in specs_of(batch):
         done.update(engine.generate(specs))
     seconds = time.perf_counter() - t0
     router.step = step
-    return {"seconds": round(seconds, 5), "router_steps": steps[0], "wait_s": round(wait.seconds, 5),
+    breaks = {why: n - breaks0.get(why, 0) for why, n in router.overlap.breaks.items() if n > breaks0.get(why, 0)}
+    decisions = [now - before for now, before in zip((probes.decisions, probes.drafting, probes.probes), decisions0)]
+    return {"seconds": round(seconds, 5), "router_steps": sum(kinds.values()), "step_kinds": kinds,
+            "chain_breaks": breaks, "k_decisions": dict(zip(("all", "drafting", "probes"), decisions)),
+            "wait_s": round(wait.seconds, 5),
             "host_s": round(seconds - wait.seconds, 5),
             "tokens": sum(c.usage["completion_tokens"] for c in done.values()),
             "verify_steps": sum(c.usage["verify_steps"] for c in done.values()),
