@@ -50,7 +50,43 @@ class WaitClock:
         local.HostCopy.result = timed
 
 
-def run(engine, specs_of, batch: int, wait: WaitClock) -> dict:
+class CallClocks:
+    """`--time-calls`: host seconds and counts of the calls a step's host time may hide a wait in, or
+    spend launch overhead on: every CUDA event sync (HostCopy.result's among them), graph replays
+    (cudaGraphLaunch), pinned staging takes (a take waits for the staging's previous copy, which is
+    stream-ordered behind the GPU work queued before it) and Triton kernel launches."""
+
+    def __init__(self):
+        import triton
+        from verifypd.model import layout
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        for name, owner, attr in (("event_sync", torch.cuda.Event, "synchronize"),
+                                  ("graph_replay", torch.cuda.CUDAGraph, "replay"),
+                                  ("staging_take", layout.PinnedStaging, "take"),
+                                  ("triton_launch", triton.runtime.jit.JITFunction, "run")):
+            self._wrap(name, owner, attr)
+
+    def _wrap(self, name: str, owner, attr: str) -> None:
+        original, clocks = getattr(owner, attr), self
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clocks.seconds[name] = clocks.seconds.get(name, 0.0) + time.perf_counter() - t0
+                clocks.calls[name] = clocks.calls.get(name, 0) + 1
+        setattr(owner, attr, timed)
+
+    def reset(self) -> None:
+        self.seconds, self.calls = {}, {}
+
+    def report(self) -> dict:
+        return {name: {"s": round(s, 5), "calls": self.calls[name]} for name, s in self.seconds.items()}
+
+
+def run(engine, specs_of, batch: int, wait: WaitClock, clocks: CallClocks | None = None) -> dict:
     router, kinds = engine.router, {"regular": 0, "chained": 0, "ahead": 0}
     step = router.step
 
@@ -61,6 +97,8 @@ def run(engine, specs_of, batch: int, wait: WaitClock) -> dict:
         return step()
     router.step = counting
     wait.seconds, wait.waits = 0.0, 0
+    if clocks is not None:
+        clocks.reset()
     ahead0, fitted0 = router.ahead.steps, router.ahead.fitted
     breaks0, probes = dict(router.overlap.breaks), router.scheduler.probes
     decisions0 = (probes.decisions, probes.drafting, probes.probes)
@@ -79,7 +117,8 @@ def run(engine, specs_of, batch: int, wait: WaitClock) -> dict:
             "tokens": sum(c.usage["completion_tokens"] for c in done.values()),
             "verify_steps": sum(c.usage["verify_steps"] for c in done.values()),
             "accepted": sum(c.usage["accepted_tokens"] for c in done.values()),
-            "steps_ahead": router.ahead.steps - ahead0, "verify_calls_fitted": router.ahead.fitted - fitted0}
+            "steps_ahead": router.ahead.steps - ahead0, "verify_calls_fitted": router.ahead.fitted - fitted0,
+            **({"calls": clocks.report()} if clocks is not None else {})}
 
 
 def main() -> None:
@@ -92,6 +131,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="host_wait.json")
+    ap.add_argument("--time-calls", action="store_true",
+                    help="also time event syncs, graph replays, staging takes and Triton launches (CallClocks)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -104,6 +145,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--families: no family {unknown[0]!r} (have {', '.join(prompts)})")
     wait, results = WaitClock(), {}
+    clocks = CallClocks() if args.time_calls else None
     for name in args.drafts.split(","):
         engine = da.make_engine(target, name, None, device, dtype)
         for ids in prompts.values():  # first calls and every batch size measured once, outside the timings
@@ -116,7 +158,7 @@ def main() -> None:
                         return [[RequestSpec(p, max_tokens=args.max_tokens)] for p in ids[:args.solo]]
                     return [[RequestSpec(p, max_tokens=args.max_tokens) for p in ids[i:i + b]]
                             for i in range(0, len(ids), b)]
-                runs = [run(engine, specs_of, batch, wait) for _ in range(args.repeats)]
+                runs = [run(engine, specs_of, batch, wait, clocks) for _ in range(args.repeats)]
                 results[f"{name}|{family}|b{batch}"] = runs
                 print(name, family, batch, json.dumps(runs[len(runs) // 2]), flush=True)
     with open(args.out, "w") as f:
