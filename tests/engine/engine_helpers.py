@@ -101,6 +101,30 @@ def eager_and_graphed(target: str, head: str, k: int = 3):
     return eager, graphed, runner
 
 
+def run_and_cancel_once(router, specs, pick) -> tuple[dict[str, list[int]], str | None]:
+    """Steps `router` over `specs` until it has no work; after a step, the first time `pick(router)` names
+    a request id, that request is cancelled. Returns (tokens streamed by request id, the cancelled id)."""
+    tokens = {router.add_request(s): [] for s in specs}
+    cancelled = None
+    while router.has_work():
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+        if cancelled is None:
+            cancelled = pick(router)
+            if cancelled is not None:
+                assert router.abort(cancelled) is not None
+    return tokens, cancelled
+
+
+def assert_others_plain_and_blocks_free(router, tokens: dict[str, list[int]], cancelled: str, plain) -> None:
+    """Every request but the cancelled one streamed plain decoding's tokens; every block is back."""
+    for rid, streamed in tokens.items():
+        if rid != cancelled:
+            assert streamed == plain[rid].token_ids, rid
+    assert not router.scheduler.running and router.target_blocks.num_free == router.target_blocks.num_blocks
+    assert router.draft_blocks.num_free == router.draft_blocks.num_blocks
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,

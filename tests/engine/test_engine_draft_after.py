@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from engine_helpers import DEVICE, eager_and_graphed, make_engine
+from engine_helpers import (DEVICE, assert_others_plain_and_blocks_free, eager_and_graphed, make_engine,
+                            run_and_cancel_once)
 from test_engine_eagle import write_head
 from test_engine_lookup_mix import repeating_prompts
 from verifypd.engine.types import RequestSpec, SamplingParams
@@ -200,24 +201,14 @@ def test_seeded_output_equals_plain(tiny_models, head):
 def test_cancel_and_preemption_while_holding_drafts(tiny_models, head):
     prompts = _prompts(6, seed=4)
     plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
-    engine = make_engine(tiny_models[0], head, k=4, num_blocks=40)
-    router = engine.router
-    ids = [router.add_request(s) for s in _specs(prompts)]
-    tokens = {i: [] for i in ids}
-    cancelled = None
-    while router.has_work():
-        for out in router.step():
-            tokens[out.request_id] += out.token_ids
+    router = make_engine(tiny_models[0], head, k=4, num_blocks=40).router
+
+    def holding(router):  # the last request holding drafts made after a verify call, if any
         held = [s for s in router.sequences() if s.held_draft is not None and s.held_draft.predrafted]
-        if cancelled is None and held:
-            cancelled = held[-1].request_id
-            assert router.abort(cancelled) is not None
+        return held[-1].request_id if held else None
+    tokens, cancelled = run_and_cancel_once(router, _specs(prompts), holding)
     assert cancelled is not None
-    for rid in ids:
-        if rid != cancelled:
-            assert tokens[rid] == plain[rid].token_ids, rid
-    assert not router.scheduler.running and router.target_blocks.num_free == router.target_blocks.num_blocks
-    assert router.draft_blocks.num_free == router.draft_blocks.num_blocks
+    assert_others_plain_and_blocks_free(router, tokens, cancelled, plain)
 
 
 def test_arrivals_join_requests_holding_drafts(tiny_models, head):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import DEVICE, make_engine
+from engine_helpers import DEVICE, assert_others_plain_and_blocks_free, make_engine, run_and_cancel_once
 from test_engine_draft_after import _prompts, _proposals, _specs
 from test_engine_eagle import write_head
 from verifypd.engine.types import SamplingParams
@@ -118,24 +118,14 @@ def test_graphed_static_buffers_fit_as_eager(tiny_models, head):
 def test_cancel_while_a_fitted_call_is_in_flight(tiny_models, head):
     prompts = _prompts(6, seed=5)
     plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
-    engine = _engine(tiny_models, head, k=4, num_blocks=60)
-    router = engine.router
-    ids = [router.add_request(s) for s in _specs(prompts)]
-    tokens = {i: [] for i in ids}
-    cancelled = None
-    while router.has_work():
-        for out in router.step():
-            tokens[out.request_id] += out.token_ids
+    router = _engine(tiny_models, head, k=4, num_blocks=60).router
+
+    def in_fitted_call(router):  # a request of the fitted call in flight: its row is in two calls
         fitted = router.ahead.pending
-        if cancelled is None and fitted is not None:
-            cancelled = fitted.work[0].seq.request_id   # its row is in two calls in flight
-            assert router.abort(cancelled) is not None
+        return fitted.work[0].seq.request_id if fitted is not None else None
+    tokens, cancelled = run_and_cancel_once(router, _specs(prompts), in_fitted_call)
     assert cancelled is not None and router.ahead.fitted > 0
-    for rid in ids:
-        if rid != cancelled:
-            assert tokens[rid] == plain[rid].token_ids, rid
-    assert not router.scheduler.running and router.target_blocks.num_free == router.target_blocks.num_blocks
-    assert router.draft_blocks.num_free == router.draft_blocks.num_blocks
+    assert_others_plain_and_blocks_free(router, tokens, cancelled, plain)
 
 
 def test_sampled_requests_are_not_fitted(tiny_models, head):
