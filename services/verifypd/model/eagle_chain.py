@@ -29,6 +29,7 @@ from verifypd.model.graph_runner import BUCKETS, EagerReplay, capture_graph
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout
 from verifypd.model.verdict_shift import shift_to_verdict
+from verifypd.model.verify_fit import variant_queries
 
 
 @dataclass
@@ -267,7 +268,24 @@ class EagleGraphs:
                     self._graph(("catch_up", rows, query, sampler.GREEDY))
             for steps in range(2, min(max_steps or self.max_steps, self.max_steps) + 1):
                 self._graph(("chain", rows, steps, sampler.GREEDY))
+        if "draft" in kinds and self.replay == "cuda":
+            self.compile_shift_variants(min(max_query or self.max_query, self.max_query))
         return time.perf_counter() - t0
+
+    def compile_shift_variants(self, max_query: int) -> list[int]:
+        """Launches the shift kernel (model.verdict_shift, drafts made after a verify call) once per Triton
+        variant a call can take, before any call: its row fields marked unfitted (vrows -1: nothing is
+        written; every call loads its own). As GraphRunner.compile_fit_variants, so no call compiles one
+        mid-step. The row fields sit at fixed offsets, so BLOCK (per query) is the only variant; the
+        verdict's row stride, 10, is of the class of every verify call's (K + 2 <= 10: neither 1 nor a
+        multiple of 16). Returns the queries launched."""
+        verdict = torch.zeros(1, 10, dtype=torch.long, device=self._meta.device)
+        queries = variant_queries(max_query)
+        for query in queries:
+            inp = self.inputs(1, query)
+            inp.vrows.fill_(-1)
+            shift_to_verdict(inp, verdict, self.features.num_slots, use_triton=True)
+        return queries
 
 
 def device_inputs(arrays: dict, query: int, device: torch.device, staging: PinnedStaging | None) -> CallInputs:

@@ -26,7 +26,7 @@ from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.verify_fit import fit_layout
+from verifypd.model.verify_fit import fit_layout, variant_queries
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
@@ -211,7 +211,26 @@ class GraphRunner:
                 for query in range(1 if kind != "accept" else 2, (max_query or self.max_query) + 1):
                     if self.fits(rows, query):
                         self._graph((kind, rows, query))
+        if "accept" in kinds and self.replay == "cuda":
+            self.compile_fit_variants(max_query or self.max_query)
         return time.perf_counter() - t0
+
+    def compile_fit_variants(self, max_query: int) -> list[tuple[int, int]]:
+        """Launches the fit kernel (model.verify_fit) once per Triton variant a fitted verify call can
+        take, every row padding (nothing is written). Triton compiles a variant the first time a launch
+        meets it: inside a timed batch-16 run that was one ~0.16 s launch (H200, session 34), and in a
+        server a stall of every request once per variant. Variants: BLOCK (per query), and the row
+        count's parity (fit_layout's ks view starts rows * 8 bytes into its tensor: 16-byte aligned
+        or not). Returns the (rows, query) launched."""
+        launched = []
+        for rows in sorted({self.bucket(1), self.bucket(2)} - {None}):
+            for query in variant_queries(max_query):
+                if rows * query <= self.ids.numel():
+                    n = rows * query
+                    fit_layout((self.verdict, [], []), self.ids[:n], self.positions[:n], self.slots[:n],
+                               self.tables[:rows], rows, query, self.block_size)
+                    launched.append((rows, query))
+        return launched
 
 
 def write_verdict(target_argmax: torch.Tensor, drafts: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> None:

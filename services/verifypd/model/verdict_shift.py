@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from verifypd.model.verify_fit import kernel_block
+
 
 @triton.jit
 def _shift_kernel(ids_ptr, pos_ptr, slots_ptr, feat_ptr, last_ptr, vrows_ptr, vks_ptr, verdict_ptr,
@@ -66,8 +68,8 @@ def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: b
         shift_reference(inp, verdict, scratch_row)
         return
     _shift_kernel[(rows,)](inp.ids, inp.positions, inp.slots, inp.feature_rows, inp.last, inp.vrows, inp.vks,
-                           verdict, verdict.stride(0), inp.query, scratch_row,
-                           BLOCK=triton.next_power_of_2(max(inp.query, 2)), num_warps=1)
+                           verdict, verdict.stride(0), inp.query, scratch_row, BLOCK=kernel_block(inp.query),
+                           num_warps=1)
 
 
 def shift_reference(inp, verdict: torch.Tensor, scratch_row: int) -> None:

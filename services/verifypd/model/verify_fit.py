@@ -45,6 +45,17 @@ def _fit_kernel(ids_ptr, pos_ptr, slots_ptr, tables_ptr, vrows_ptr, vks_ptr, ver
         tl.store(ids_ptr + base, final)
 
 
+def kernel_block(query: int) -> int:
+    """BLOCK of a fit or shift launch over rows of `query` cells: one compiled Triton variant per value."""
+    return triton.next_power_of_2(max(query, 2))
+
+
+def variant_queries(max_query: int) -> list[int]:
+    """A query for each BLOCK that calls of up to `max_query` cells take (each BLOCK's largest)."""
+    return sorted({max(q for q in range(1, max_query + 1) if kernel_block(q) == kernel_block(query))
+                   for query in range(1, max_query + 1)})
+
+
 def fit_to_verdict(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                    vrows: torch.Tensor, vks: torch.Tensor, verdict: torch.Tensor, query: int, block_size: int) -> None:
     """Fits the layout (R = len(vrows) rows of `query` cells) to `verdict`, in place."""
@@ -52,8 +63,7 @@ def fit_to_verdict(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
         fit_reference(ids, positions, slots, tables, vrows, vks, verdict, query, block_size)
         return
     _fit_kernel[(vrows.shape[0],)](ids, positions, slots, tables, vrows, vks, verdict, verdict.stride(0),
-                                   tables.stride(0), query, block_size,
-                                   BLOCK=triton.next_power_of_2(max(query, 2)), num_warps=1)
+                                   tables.stride(0), query, block_size, BLOCK=kernel_block(query), num_warps=1)
 
 
 def fit_reference(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
