@@ -9,9 +9,9 @@ A step whose wait is near 0 is host-bound: the GPU had its work queued and idled
 up. Each run also counts its steps by kind (`step_kinds`: regular, chained plain steps launched ahead by
 engine.overlap, speculative steps launched ahead by engine.spec_ahead), why plain chains ended
 (`chain_breaks`: each end costs a regular step, not overlapped) and the scheduler's k decisions
-(`k_decisions`: all, drafting, periodic probes). Each (draft, family, batch) runs --repeats times; all runs are reported. Draft names take
-draft_acceptance's suffixes (#no-fit, #no-ahead, #no-draft-after). Batch 1 runs the family's first
---solo prompts one at a time. Session 33's figures: bench/results/trace_s33/.
+(`k_decisions`: all, drafting, periodic probes). Each (draft, family, batch) runs --repeats times; all runs
+are reported. Draft names take draft_acceptance's suffixes (#no-fit, #no-ahead, #no-draft-after). Batch 1
+runs the family's first --solo prompts one at a time. Figures: bench/results/trace_s33/, trace_s34/.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The fit and shift kernels (model.verify_fit, model.verdict_shift) are launched outside the CUDA graphs,
 so Triton compiles each of their variants the first time a call meets it (~0.16 s mid-step on an H200).
 Start-up launches each variant once (GraphRunner.compile_fit_variants, EagleGraphs.compile_shift_variants):
-these tests check that the launches cover every variant a call can take and write nothing."""
+these tests check that the launches cover every variant a call can take (BLOCK, and the integer class
+Triton specializes the query by) and write nothing."""
 from __future__ import annotations
 
 import pytest
@@ -11,14 +12,16 @@ from engine_helpers import make_engine
 from test_engine_eagle import write_head
 from verifypd.model.eagle_chain import EagleGraphs
 from verifypd.model.graph_runner import GraphRunner
-from verifypd.model.verify_fit import kernel_block, variant_queries
+from verifypd.model.verify_fit import kernel_block, kernel_variant, variant_queries
 
 
-@pytest.mark.parametrize("max_query", range(1, 17))
-def test_variant_queries_take_every_block_once(max_query):
-    blocks = [kernel_block(q) for q in variant_queries(max_query)]
-    assert sorted(blocks) == sorted({kernel_block(q) for q in range(1, max_query + 1)})
+@pytest.mark.parametrize("max_query", [1, 2, 3, 5, 8, 9, 15, 16, 17, 33])
+def test_variant_queries_take_every_variant_once(max_query):
+    variants = [kernel_variant(q) for q in variant_queries(max_query)]
+    assert sorted(variants) == sorted({kernel_variant(q) for q in range(1, max_query + 1)})
     assert all(1 <= q <= max_query for q in variant_queries(max_query))
+    if max_query >= 16:  # 16 takes BLOCK 16 as 9-15 do, but is an integer of another class
+        assert (16, "16k") in variants and (16, "n") in variants
 
 
 @pytest.fixture(scope="module")

@@ -276,9 +276,9 @@ class EagleGraphs:
         """Launches the shift kernel (model.verdict_shift, drafts made after a verify call) once per Triton
         variant a call can take, before any call: its row fields marked unfitted (vrows -1: nothing is
         written; every call loads its own). As GraphRunner.compile_fit_variants, so no call compiles one
-        mid-step. The row fields sit at fixed offsets, so BLOCK (per query) is the only variant; the
-        verdict's row stride, 10, is of the class of every verify call's (K + 2 <= 10: neither 1 nor a
-        multiple of 16). Returns the queries launched."""
+        mid-step. The row fields sit at fixed offsets, so the query's variant (verify_fit.kernel_variant)
+        is the only one; the verdict's row stride, 10, is of the class of every verify call's (K + 2 <= 10:
+        neither 1 nor a multiple of 16). Returns the queries launched."""
         verdict = torch.zeros(1, 10, dtype=torch.long, device=self._meta.device)
         queries = variant_queries(max_query)
         for query in queries:

@@ -219,9 +219,9 @@ class GraphRunner:
         """Launches the fit kernel (model.verify_fit) once per Triton variant a fitted verify call can
         take, every row padding (nothing is written). Triton compiles a variant the first time a launch
         meets it: inside a timed batch-16 run that was one ~0.16 s launch (H200, session 34), and in a
-        server a stall of every request once per variant. Variants: BLOCK (per query), and the row
-        count's parity (fit_layout's ks view starts rows * 8 bytes into its tensor: 16-byte aligned
-        or not). Returns the (rows, query) launched."""
+        server a stall of every request once per variant. Variants: the query's (verify_fit.kernel_variant),
+        and the row count's parity (fit_layout's ks view starts rows * 8 bytes into its tensor: 16-byte
+        aligned or not). Returns the (rows, query) launched."""
         launched = []
         for rows in sorted({self.bucket(1), self.bucket(2)} - {None}):
             for query in variant_queries(max_query):

@@ -50,10 +50,16 @@ def kernel_block(query: int) -> int:
     return triton.next_power_of_2(max(query, 2))
 
 
+def kernel_variant(query: int) -> tuple[int, str]:
+    """What of a query picks the compiled variant: its BLOCK, and the class Triton specializes an integer
+    argument by (1, a multiple of 16, any other)."""
+    return kernel_block(query), "1" if query == 1 else "16k" if query % 16 == 0 else "n"
+
+
 def variant_queries(max_query: int) -> list[int]:
-    """A query for each BLOCK that calls of up to `max_query` cells take (each BLOCK's largest)."""
-    return sorted({max(q for q in range(1, max_query + 1) if kernel_block(q) == kernel_block(query))
-                   for query in range(1, max_query + 1)})
+    """A query of each variant that calls of up to `max_query` cells take (each variant's largest)."""
+    largest = {kernel_variant(q): q for q in range(1, max_query + 1)}
+    return sorted(largest.values())
 
 
 def fit_to_verdict(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
