@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernel runs on CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 
-from verifypd.model.paged_attention import paged_attention  # noqa: E402
+from verifypd.model.kernels.paged_attention import paged_attention  # noqa: E402
 
 
 def reference(q, k_cache, v_cache, tables, positions, query_start, scale):

@@ -13,7 +13,8 @@ from test_engine_draft_after import _prompts, _proposals, _specs
 from test_engine_eagle import write_head
 from verifypd.engine.types import SamplingParams
 from verifypd.model.graph_runner import GraphRunner
-from verifypd.model.verify_fit import _fit_kernel, fit_reference, fit_to_verdict  # noqa: F401 (kernel: interpreted)
+from verifypd.model.kernels.fit import fit_kernel
+from verifypd.model.verify_fit import fit_reference, fit_to_verdict
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_fit_kernel_equals_reference_and_the_rule(rows, query, block_size, seed)
     if got[0].is_cuda:
         fit_to_verdict(*got, *dev, query, block_size)
     else:  # the kernel itself, under the Triton interpreter (conftest sets TRITON_INTERPRET=1)
-        _fit_kernel[(rows,)](*got, *dev, verdict.stride(0), tables.stride(0), query, block_size, BLOCK=16)
+        fit_kernel[(rows,)](*got, *dev, verdict.stride(0), tables.stride(0), query, block_size, BLOCK=16)
     for name, a, b in zip(("ids", "positions", "slots"), got, expected):
         assert torch.equal(a.cpu(), b), name
     # The rule, row by row (the reference could be wrong the same way as the kernel).

@@ -58,7 +58,7 @@ class EagleModel:
         eagle_kernels.head_input) also writes its rows' positions and slots. One launch on Triton."""
         w, eps = self.weights, self.shape.rms_norm_eps
         if self.attention == "triton":
-            from verifypd.model.eagle_kernels import head_input
+            from verifypd.model.kernels.eagle_head_input import head_input
             return head_input(ids, self.embed, g, w.layer.input_norm, w.hidden_norm, eps, step)
         if step is not None:   # the kernel's rule in torch
             j, base, ks, tables, block_size, positions, slots = step

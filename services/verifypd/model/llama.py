@@ -139,13 +139,13 @@ class PagedLlama:
         device = weights.embed.device
         self.attention = attention_backend(attention, device)
         if self.attention == "triton":  # imported only here: CPU installs need no Triton
-            from verifypd.model.paged_attention import paged_attention
-            from verifypd.model.rms_norm import add_rms_norm
-            from verifypd.model.rope_kv import rope_and_store_kv
+            from verifypd.model.kernels.paged_attention import paged_attention
+            from verifypd.model.kernels.rms_norm import add_rms_norm
+            from verifypd.model.kernels.rope_kv import rope_and_store_kv
             if shape.mlp_activation == "gelu_tanh":
-                from verifypd.model.gelu_mul import gelu_mul as act_mul
+                from verifypd.model.kernels.gelu_mul import gelu_mul as act_mul
             else:
-                from verifypd.model.silu_mul import silu_mul as act_mul
+                from verifypd.model.kernels.silu_mul import silu_mul as act_mul
             self._kernels = (add_rms_norm, act_mul, rope_and_store_kv, paged_attention)
         # Gemma (as transformers does): the factor is rounded to the hidden dtype before multiplying.
         self.features = None  # a FeaturePool (model.features) when a feature draft reads this model's states

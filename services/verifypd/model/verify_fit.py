@@ -19,35 +19,13 @@ One Triton launch (a program per row) on CUDA; `fit_reference` is the same rule 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from verifypd.model.sampler import small_tensor
 
 
-@triton.jit
-def _fit_kernel(ids_ptr, pos_ptr, slots_ptr, tables_ptr, vrows_ptr, vks_ptr, verdict_ptr, stride_v, stride_t,
-                query, block_size, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    v = tl.load(vrows_ptr + row)
-    if v >= 0:
-        shift = tl.load(vks_ptr + row) - tl.load(verdict_ptr + v * stride_v).to(tl.int64)
-        final = tl.load(verdict_ptr + v * stride_v + 1).to(tl.int64)
-        cells = tl.arange(0, BLOCK)
-        ok = cells < query
-        base = row * query
-        pos = tl.load(pos_ptr + base + cells, mask=ok, other=0) - shift
-        slot = tl.load(slots_ptr + base + cells, mask=ok, other=-1)
-        writes = ok & (slot >= 0)
-        block = tl.load(tables_ptr + row * stride_t + pos // block_size, mask=writes, other=0)
-        tl.store(pos_ptr + base + cells, pos, mask=ok)
-        tl.store(slots_ptr + base + cells, tl.where(writes, block * block_size + pos % block_size, -1), mask=ok)
-        tl.store(ids_ptr + base, final)
-
-
 def kernel_block(query: int) -> int:
     """BLOCK of a fit or shift launch over rows of `query` cells: one compiled Triton variant per value."""
-    return triton.next_power_of_2(max(query, 2))
+    return 1 << (max(query, 2) - 1).bit_length()  # the next power of two, as triton.next_power_of_2
 
 
 def kernel_variant(query: int) -> tuple[int, str]:
@@ -68,8 +46,10 @@ def fit_to_verdict(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tens
     if not ids.is_cuda:
         fit_reference(ids, positions, slots, tables, vrows, vks, verdict, query, block_size)
         return
-    _fit_kernel[(vrows.shape[0],)](ids, positions, slots, tables, vrows, vks, verdict, verdict.stride(0),
-                                   tables.stride(0), query, block_size, BLOCK=kernel_block(query), num_warps=1)
+    from verifypd.model.kernels.fit import fit_kernel  # the Triton path only: CPU installs have no Triton
+
+    fit_kernel[(vrows.shape[0],)](ids, positions, slots, tables, vrows, vks, verdict, verdict.stride(0),
+                                  tables.stride(0), query, block_size, BLOCK=kernel_block(query), num_warps=1)
 
 
 def fit_reference(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,

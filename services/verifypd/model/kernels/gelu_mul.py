@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from verifypd.model.silu_mul import launch_gated
+from verifypd.model.kernels.silu_mul import launch_gated
 
 SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # jit globals must be constexpr
 
