@@ -1,4 +1,5 @@
 """What every benchmark result records: the command, git revision, date and device."""
+
 from __future__ import annotations
 
 import datetime
@@ -12,9 +13,15 @@ import sys
 def git_revision() -> str:
     """VERIFYPD_GIT_REV wins: a copied tree's own git metadata can name another commit."""
     try:
-        return os.environ.get("VERIFYPD_GIT_REV") or subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-            cwd=os.path.dirname(os.path.abspath(__file__))).strip()  # this tree's, from any working directory
+        return (
+            os.environ.get("VERIFYPD_GIT_REV")
+            or subprocess.check_output(
+                ["git", "rev-parse", "HEAD"],
+                text=True,
+                stderr=subprocess.DEVNULL,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).strip()
+        )  # this tree's, from any working directory
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -22,6 +29,7 @@ def git_revision() -> str:
 def device_name() -> str:
     try:
         import torch
+
         if torch.cuda.is_available():
             return torch.cuda.get_device_name()
     except ImportError:
@@ -36,9 +44,12 @@ def device_name() -> str:
 
 
 def metadata() -> dict:
-    return {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": device_name()}
+    return {
+        "command": " ".join(["python"] + sys.argv),
+        "git_revision": git_revision(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device_name(),
+    }
 
 
 def write_result(out_dir: str | None, name: str, result: dict) -> None:

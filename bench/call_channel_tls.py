@@ -5,6 +5,7 @@ interleaved in rounds so load on a shared machine hits both alike. Certificates 
     cd bench && PYTHONPATH=../services:../tests/services python call_channel_tls.py [--calls 3000] [--rounds 5] \
         [--out results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,15 +57,29 @@ def main() -> None:
         for _ in range(args.rounds):
             plain.append(median_us(None, payload))
             mtls.append(median_us(LaneTls(*pki["leaf"], pki["ca"][0]), payload))
-        row = {"payload_bytes": payload, "plaintext_median_us": round(statistics.median(plain), 1),
-               "mtls_median_us": round(statistics.median(mtls), 1),
-               "added_us": round(statistics.median(mtls) - statistics.median(plain), 1),
-               "plaintext_rounds_us": [round(v, 1) for v in plain], "mtls_rounds_us": [round(v, 1) for v in mtls]}
+        row = {
+            "payload_bytes": payload,
+            "plaintext_median_us": round(statistics.median(plain), 1),
+            "mtls_median_us": round(statistics.median(mtls), 1),
+            "added_us": round(statistics.median(mtls) - statistics.median(plain), 1),
+            "plaintext_rounds_us": [round(v, 1) for v in plain],
+            "mtls_rounds_us": [round(v, 1) for v in mtls],
+        }
         rows.append(row)
-        print(f"payload {payload:>6} B: plaintext {row['plaintext_median_us']:.0f} us, mTLS {row['mtls_median_us']:.0f}"
-              f" us per round trip (+{row['added_us']:.0f} us)")
-    write_result(args.out, "call_channel_tls", {**metadata(), "calls_per_round": args.calls, "rows": rows,
-                                                "note": "loopback echo, no model; medians of per-round medians"})
+        print(
+            f"payload {payload:>6} B: plaintext {row['plaintext_median_us']:.0f} us, mTLS {row['mtls_median_us']:.0f}"
+            f" us per round trip (+{row['added_us']:.0f} us)"
+        )
+    write_result(
+        args.out,
+        "call_channel_tls",
+        {
+            **metadata(),
+            "calls_per_round": args.calls,
+            "rows": rows,
+            "note": "loopback echo, no model; medians of per-round medians",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ GPU (one device call, about 6-7 minutes on an H200):
   python3 bench/control_loop.py --out bench/results
 CPU smoke:   python3 bench/control_loop.py --smoke --out /tmp/control-loop
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,13 +56,24 @@ BREACH_ACTIONS = ("lower-k", "prefill-boost", "scale-up")
 
 def spec_for(args):
     from verifypd_operator.spec import parse_spec
-    return parse_spec({
-        "topology": "colocated", "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
-        "speculation": {"kMin": args.k_min, "kInitial": 4, "kMax": args.k_max, "adaptive": True},
-        "slo": {"ttftP95Ms": args.slo_ttft_ms, "itlP95Ms": args.slo_itl_ms},
-        "autoscaling": {"intervalSeconds": args.interval_s, "windowSeconds": args.window_s, "breachPeriods": 1,
-                        "headroomPeriods": 2, "minSamples": args.min_samples, "configCooldownSeconds": args.interval_s,
-                        "staleAfterSeconds": max(5, 4 * args.interval_s)}})
+
+    return parse_spec(
+        {
+            "topology": "colocated",
+            "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+            "speculation": {"kMin": args.k_min, "kInitial": 4, "kMax": args.k_max, "adaptive": True},
+            "slo": {"ttftP95Ms": args.slo_ttft_ms, "itlP95Ms": args.slo_itl_ms},
+            "autoscaling": {
+                "intervalSeconds": args.interval_s,
+                "windowSeconds": args.window_s,
+                "breachPeriods": 1,
+                "headroomPeriods": 2,
+                "minSamples": args.min_samples,
+                "configCooldownSeconds": args.interval_s,
+                "staleAfterSeconds": max(5, 4 * args.interval_s),
+            },
+        }
+    )
 
 
 class OperatorLoop:
@@ -70,6 +82,7 @@ class OperatorLoop:
     def __init__(self, spec, store, control, target: str):
         from verifypd_operator.decision import spec_knobs
         from verifypd_operator.status import knobs_to_status
+
         self.spec, self.store, self.control, self.target = spec, store, control, target
         self.status = {"applied": knobs_to_status(spec_knobs(spec))}
         self.decisions: list[dict] = []
@@ -79,13 +92,18 @@ class OperatorLoop:
     def _watch_breach(self, now: float) -> None:
         o = self.store.observe(NAME, NAME, now, self.spec.autoscaling.window_s)
         slo = self.spec.slo
-        if (o.samples >= self.spec.autoscaling.min_samples and o.age_s is not None and self.breach_seen is None
-                and ((o.itl_p95_s or 0) * 1000 > slo.itl_p95_ms or (o.ttft_p95_s or 0) * 1000 > slo.ttft_p95_ms)):
+        if (
+            o.samples >= self.spec.autoscaling.min_samples
+            and o.age_s is not None
+            and self.breach_seen is None
+            and ((o.itl_p95_s or 0) * 1000 > slo.itl_p95_ms or (o.ttft_p95_s or 0) * 1000 > slo.ttft_p95_ms)
+        ):
             self.breach_seen = now - o.age_s
 
     def tick(self, now: float) -> None:
         from verifypd_operator import status as st
         from verifypd_operator.decision import decide
+
         before = st.current_from_status(self.spec, self.status, now)
         observed = self.store.observe(NAME, NAME, now, self.spec.autoscaling.window_s)
         d = decide(self.spec, observed, before)
@@ -95,8 +113,15 @@ class OperatorLoop:
         try:
             self.control.update(self.target, d.knobs, f"operator/{NAME}", d.reason, admin_key=ADMIN_KEY)
         except grpc.RpcError as e:  # like the operator: the next tick tries again
-            self.decisions.append({"t": time.time(), "action": d.action, "k_max": d.knobs.k_max, "loop_latency_s": None,
-                                   "error": f"{e.code().name}: {e.details()}"})
+            self.decisions.append(
+                {
+                    "t": time.time(),
+                    "action": d.action,
+                    "k_max": d.knobs.k_max,
+                    "loop_latency_s": None,
+                    "error": f"{e.code().name}: {e.details()}",
+                }
+            )
             return
         applied = time.time()
         self.status["applied"] = st.knobs_to_status(d.knobs)
@@ -105,9 +130,17 @@ class OperatorLoop:
         latency = applied - self.breach_seen if answers_breach and self.breach_seen is not None else None
         if answers_breach:
             self.breach_seen = None
-        self.decisions.append({"t": applied, "action": d.action, "reason": d.reason, "k_max": d.knobs.k_max,
-                               "prefill_priority": d.knobs.prio_prefill,
-                               "prefill_token_budget": d.knobs.prefill_token_budget, "loop_latency_s": latency})
+        self.decisions.append(
+            {
+                "t": applied,
+                "action": d.action,
+                "reason": d.reason,
+                "k_max": d.knobs.k_max,
+                "prefill_priority": d.knobs.prio_prefill,
+                "prefill_token_budget": d.knobs.prefill_token_budget,
+                "loop_latency_s": latency,
+            }
+        )
 
     def run(self) -> None:
         next_eval = time.time()
@@ -134,20 +167,50 @@ def push(control, target: str, knobs) -> None:
 
 def mode_knobs(spec, mode: str):
     import dataclasses
+
     from verifypd_operator.decision import spec_knobs
+
     base = spec_knobs(spec)
     return dataclasses.replace(base, k_min=4, k_max=4, k_initial=4, adaptive=False) if mode == "fixed_k4" else base
 
 
-def run_point(args, address: str, rate: float, out: Path, priority_mix: str | None = None,
-              duration: float | None = None, seed: int = 1) -> dict:
+def run_point(
+    args,
+    address: str,
+    rate: float,
+    out: Path,
+    priority_mix: str | None = None,
+    duration: float | None = None,
+    seed: int = 1,
+) -> dict:
     from verifypd_loadgen.cli import main as loadgen
+
     duration = duration or args.duration
-    argv = ["--server", address, "--rate", str(rate), "--duration", str(duration), "--input-len",
-            args.input_len, "--output-len", args.output_len, "--slo-ttft-ms", str(args.slo_ttft_ms),
-            "--slo-itl-ms", str(args.slo_itl_ms), "--out", str(out), "--no-progress", "--seed", str(seed),
-            "--timeout", str(max(60.0, 4 * duration, duration + (args.drain_s or duration) + 30)),
-            "--drain-timeout", str(args.drain_s or duration)]  # a request's deadline outlasts the drain
+    argv = [
+        "--server",
+        address,
+        "--rate",
+        str(rate),
+        "--duration",
+        str(duration),
+        "--input-len",
+        args.input_len,
+        "--output-len",
+        args.output_len,
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-itl-ms",
+        str(args.slo_itl_ms),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--seed",
+        str(seed),
+        "--timeout",
+        str(max(60.0, 4 * duration, duration + (args.drain_s or duration) + 30)),
+        "--drain-timeout",
+        str(args.drain_s or duration),
+    ]  # a request's deadline outlasts the drain
     if args.vocab_size:
         argv += ["--vocab-size", str(args.vocab_size)]
     if priority_mix:
@@ -156,30 +219,57 @@ def run_point(args, address: str, rate: float, out: Path, priority_mix: str | No
         raise RuntimeError(f"loadgen failed at rate {rate}")
     summary = json.loads(out.read_text())["runs"][0]["summary"]
     lat = summary["latency_ms"]
-    return {"rate": rate, "goodput_rps": summary["goodput"]["requests_per_s"],
-            "goodput_fraction": summary["goodput"]["fraction"],
-            "throughput_rps": summary["throughput"]["requests_per_s"],
-            "output_tok_s": summary["throughput"]["output_tokens_per_s"],
-            # ITL as the SLO and the operator see it: each request's mean inter-token time (TPOT).
-            "ttft_p95_ms": lat["ttft"]["p95"], "itl_p95_ms": lat["tpot"]["p95"],
-            "itl_token_p95_ms": lat["itl_token"]["p95"],
-            "acceptance": summary["speculation"]["acceptance_rate"],
-            "applied_k": summary["speculation"]["applied_k"], "failed": summary["requests"]["failed"],
-            "cancelled": summary["requests"]["cancelled"], "errors": summary["errors"],
-            "by_priority": summary["by_priority"]}
+    return {
+        "rate": rate,
+        "goodput_rps": summary["goodput"]["requests_per_s"],
+        "goodput_fraction": summary["goodput"]["fraction"],
+        "throughput_rps": summary["throughput"]["requests_per_s"],
+        "output_tok_s": summary["throughput"]["output_tokens_per_s"],
+        # ITL as the SLO and the operator see it: each request's mean inter-token time (TPOT).
+        "ttft_p95_ms": lat["ttft"]["p95"],
+        "itl_p95_ms": lat["tpot"]["p95"],
+        "itl_token_p95_ms": lat["itl_token"]["p95"],
+        "acceptance": summary["speculation"]["acceptance_rate"],
+        "applied_k": summary["speculation"]["applied_k"],
+        "failed": summary["requests"]["failed"],
+        "cancelled": summary["requests"]["cancelled"],
+        "errors": summary["errors"],
+        "by_priority": summary["by_priority"],
+    }
 
 
 def start_server(args, work: Path, otlp_port: int):
     key_file = work / "admin-key"
     key_file.write_text(ADMIN_KEY)
     port = free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0",
-           "--target", args.target, "--draft", args.draft, "--simulated-acceptance", str(args.alpha),
-           "--admin-key-file", str(key_file), "--k-min", str(args.k_min), "--k-max", str(args.k_max), *args.serve_arg]
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
-           "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-           "OTEL_RESOURCE_ATTRIBUTES": f"verifypd.config.name={NAME},k8s.namespace.name={NAME},"
-                                       f"k8s.pod.name={NAME}-0"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        "0",
+        "--target",
+        args.target,
+        "--draft",
+        args.draft,
+        "--simulated-acceptance",
+        str(args.alpha),
+        "--admin-key-file",
+        str(key_file),
+        "--k-min",
+        str(args.k_min),
+        "--k-max",
+        str(args.k_max),
+        *args.serve_arg,
+    ]
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+        "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+        "OTEL_RESOURCE_ATTRIBUTES": f"verifypd.config.name={NAME},k8s.namespace.name={NAME},k8s.pod.name={NAME}-0",
+    }
     server = ServeProcess(cmd, env=env)
     problem = server.wait_ready(args.start_timeout)
     if problem:
@@ -191,6 +281,7 @@ def start_server(args, work: Path, otlp_port: int):
 def smoke_models(work: Path) -> tuple[str, str]:
     """Tiny random Llama target + draft (the tests' writer), for a CPU run of the whole script."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("engine_helpers", ROOT / "tests" / "engine" / "engine_helpers.py")
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)
@@ -198,19 +289,28 @@ def smoke_models(work: Path) -> tuple[str, str]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", default="random:llama-2-7b")
     ap.add_argument("--draft", default="random:tinyllama-1.1b")
     ap.add_argument("--alpha", type=float, default=0.7, help="SIMULATED acceptance rate")
     ap.add_argument("--rates", default="4,12,20,28,40,56", help="requests/s, comma-separated, light to past saturation")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate point")
-    ap.add_argument("--drain-s", type=float, default=None, help="seconds a point waits for its stragglers "
-                    "after the arrivals end before cancelling them (default: --duration)")
+    ap.add_argument(
+        "--drain-s",
+        type=float,
+        default=None,
+        help="seconds a point waits for its stragglers "
+        "after the arrivals end before cancelling them (default: --duration)",
+    )
     ap.add_argument("--warmup-s", type=float, default=6.0, help="unrecorded warm-up point at the middle rate (0: none)")
     ap.add_argument("--settle-s", type=float, default=1.0, help="pause between points")
     ap.add_argument("--k-min", type=int, default=0, help="k bounds of the adaptive modes (the router's defaults)")
     ap.add_argument("--k-max", type=int, default=8)
-    ap.add_argument("--priority-rate", type=float, default=None, help="offered rate of the priority run (default: top rate)")
+    ap.add_argument(
+        "--priority-rate", type=float, default=None, help="offered rate of the priority run (default: top rate)"
+    )
     ap.add_argument("--input-len", default="uniform:256,768")
     ap.add_argument("--output-len", default="128")
     ap.add_argument("--vocab-size", type=int, default=None)
@@ -284,22 +384,42 @@ def check_targets(result: dict) -> dict:
         g = {m: by_rate[m][rate]["goodput_rps"] or 0.0 for m in MODES}
         past = rate > capacity
         best_other = max(g["fixed_k4"], g["adaptive"])
-        per_rate.append({"rate": rate, "past_saturation": past, **{f"goodput_{m}": g[m] for m in MODES},
-                         "c_over_best_of_a_b": g["adaptive_operator"] / best_other if best_other else None,
-                         "c_over_a": g["adaptive_operator"] / g["fixed_k4"] if g["fixed_k4"] else None})
+        per_rate.append(
+            {
+                "rate": rate,
+                "past_saturation": past,
+                **{f"goodput_{m}": g[m] for m in MODES},
+                "c_over_best_of_a_b": g["adaptive_operator"] / best_other if best_other else None,
+                "c_over_a": g["adaptive_operator"] / g["fixed_k4"] if g["fixed_k4"] else None,
+            }
+        )
         if past:
             saturated.append(rate)
-    latencies = [d["loop_latency_s"] for r in modes["adaptive_operator"] for d in r.get("decisions", [])
-                 if d.get("loop_latency_s") is not None]
+    latencies = [
+        d["loop_latency_s"]
+        for r in modes["adaptive_operator"]
+        for d in r.get("decisions", [])
+        if d.get("loop_latency_s") is not None
+    ]
     interval = result["operator"]["interval_s"]
-    out |= {"per_rate": per_rate,
-           "c_ge_best_of_a_b_every_rate": all(x["goodput_adaptive_operator"] >= max(x["goodput_fixed_k4"], x["goodput_adaptive"])
-                                            for x in per_rate),
-           "c_ge_1.15a_past_saturation": (all(x["goodput_adaptive_operator"] >= 1.15 * x["goodput_fixed_k4"]
-                                              for x in per_rate if x["past_saturation"]) if saturated else None),
-           "past_saturation_rates": saturated, "fixed_k4_capacity_rps": capacity,
-           "loop_latency_s": sorted(latencies), "loop_latency_target_s": 2 * interval,
-           "loop_latency_met": bool(latencies) and max(latencies) <= 2 * interval}
+    out |= {
+        "per_rate": per_rate,
+        "c_ge_best_of_a_b_every_rate": all(
+            x["goodput_adaptive_operator"] >= max(x["goodput_fixed_k4"], x["goodput_adaptive"]) for x in per_rate
+        ),
+        "c_ge_1.15a_past_saturation": (
+            all(
+                x["goodput_adaptive_operator"] >= 1.15 * x["goodput_fixed_k4"] for x in per_rate if x["past_saturation"]
+            )
+            if saturated
+            else None
+        ),
+        "past_saturation_rates": saturated,
+        "fixed_k4_capacity_rps": capacity,
+        "loop_latency_s": sorted(latencies),
+        "loop_latency_target_s": 2 * interval,
+        "loop_latency_met": bool(latencies) and max(latencies) <= 2 * interval,
+    }
     return out
 
 
@@ -309,15 +429,20 @@ def priority_target(prio: dict | None) -> dict:
         return {}
     bp = prio["by_priority"]
     hi, lo = (bp[str(p)]["ttft_ms"]["p95"] for p in (max(map(int, bp)), min(map(int, bp))))
-    return {"priority_ttft_p95_ratio_high_over_low": hi / lo if hi and lo else None,
-            "priority_target_met": bool(hi and lo and hi <= 0.5 * lo)}
+    return {
+        "priority_ttft_p95_ratio_high_over_low": hi / lo if hi and lo else None,
+        "priority_target_met": bool(hi and lo and hi <= 0.5 * lo),
+    }
 
 
 def recheck(path: Path) -> int:
     """--recheck FILE: the targets and the plot again from a result file's rows (no server)."""
     result = json.loads(path.read_text())
     result["targets"] = check_targets(result)
-    result["targets_rechecked"] = {"git_revision": metadata()["git_revision"], "why": "check_targets changed after the run"}
+    result["targets_rechecked"] = {
+        "git_revision": metadata()["git_revision"],
+        "why": "check_targets changed after the run",
+    }
     path.write_text(json.dumps(result, indent=1))
     plot(result, path.with_suffix(".png"))
     print(json.dumps(result["targets"]))
@@ -343,21 +468,45 @@ def main(argv=None) -> int:
     server, address = start_server(args, work, otlp_port)
     rates = [float(r) for r in args.rates.split(",")]
     modes = args.modes.split(",")
-    result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha} (--simulated-acceptance): outputs are not the "
-                       f"model's; " + ("tiny random Llama target + noisy-copy draft (--smoke)" if args.smoke
-                                                  else f"{args.target} target, {args.draft} draft (random weights)"),
-              "slo": {"ttft_p95_ms": args.slo_ttft_ms, "itl_p95_ms": args.slo_itl_ms,
-                      "goodput": "requests/s whose TTFT and mean ITL both meet the SLO, over the point's wall "
-                                 "time from first send to last finish (loadgen)"},
-              "operator": {"interval_s": args.interval_s, "window_s": args.window_s, "breach_periods": 1,
-                           "headroom_periods": 2, "min_samples": args.min_samples, "k_bounds": [args.k_min, args.k_max],
-                           "otel_export_interval_s": 1.0},
-              "workload": {"arrival": "poisson", "duration_s": args.duration, "input_len": args.input_len,
-                           "output_len": args.output_len, "warmup_s": args.warmup_s,
-                           "order": "rate by rate, light to heavy; every mode at each rate, order rotated per rate; "
-                                    "one server for all points; knobs reset (UpdateConfig) before every point"},
-              "modes": {m: [] for m in modes}}
-    out_file = Path(args.out) / f"control_loop_{'cpu' if result['device'].startswith('cpu') else result['device'].split()[-1].lower()}.json"
+    result = {
+        **metadata(),
+        "label": f"SIMULATED acceptance alpha={args.alpha} (--simulated-acceptance): outputs are not the "
+        f"model's; "
+        + (
+            "tiny random Llama target + noisy-copy draft (--smoke)"
+            if args.smoke
+            else f"{args.target} target, {args.draft} draft (random weights)"
+        ),
+        "slo": {
+            "ttft_p95_ms": args.slo_ttft_ms,
+            "itl_p95_ms": args.slo_itl_ms,
+            "goodput": "requests/s whose TTFT and mean ITL both meet the SLO, over the point's wall "
+            "time from first send to last finish (loadgen)",
+        },
+        "operator": {
+            "interval_s": args.interval_s,
+            "window_s": args.window_s,
+            "breach_periods": 1,
+            "headroom_periods": 2,
+            "min_samples": args.min_samples,
+            "k_bounds": [args.k_min, args.k_max],
+            "otel_export_interval_s": 1.0,
+        },
+        "workload": {
+            "arrival": "poisson",
+            "duration_s": args.duration,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "warmup_s": args.warmup_s,
+            "order": "rate by rate, light to heavy; every mode at each rate, order rotated per rate; "
+            "one server for all points; knobs reset (UpdateConfig) before every point",
+        },
+        "modes": {m: [] for m in modes},
+    }
+    out_file = (
+        Path(args.out)
+        / f"control_loop_{'cpu' if result['device'].startswith('cpu') else result['device'].split()[-1].lower()}.json"
+    )
     try:
         result["server_start_s"] = round(time.time() - t_start, 1)
         if args.warmup_s:
@@ -370,9 +519,12 @@ def main(argv=None) -> int:
             row = run_mode_point(args, spec, store, control, address, rate, mode, work / f"{mode}_{rate}.json")
             result["modes"][mode].append(row)
             result["modes"][mode].sort(key=lambda r: r["rate"])
-            print(f"{mode:18s} rate {rate:6.1f}/s goodput {row['goodput_rps'] or 0:6.2f}/s "
-                  f"TTFT p95 {row['ttft_p95_ms'] or 0:7.1f} ms ITL p95 {row['itl_p95_ms'] or 0:6.1f} ms "
-                  f"done {row['throughput_rps']:6.2f}/s k {row['applied_k']} t+{time.time() - t_start:.0f}s", flush=True)
+            print(
+                f"{mode:18s} rate {rate:6.1f}/s goodput {row['goodput_rps'] or 0:6.2f}/s "
+                f"TTFT p95 {row['ttft_p95_ms'] or 0:7.1f} ms ITL p95 {row['itl_p95_ms'] or 0:6.1f} ms "
+                f"done {row['throughput_rps']:6.2f}/s k {row['applied_k']} t+{time.time() - t_start:.0f}s",
+                flush=True,
+            )
             write_result(args.out, "control_loop", result)  # partial results survive a timeout
         if args.priority_mix:
             time.sleep(args.settle_s)
@@ -380,10 +532,17 @@ def main(argv=None) -> int:
             prio_rate = args.priority_rate or max(rates)
             # Seed 2: its first requests already mix both classes (seed 1's first 20 are all priority 0).
             row = run_point(args, address, prio_rate, work / "priority.json", args.priority_mix, seed=2)
-            result["priority_mix"] = {"mix": args.priority_mix, "rate": prio_rate, "knobs": "adaptive (b)", "seed": 2,
-                                      "failed": row["failed"], "cancelled": row["cancelled"],
-                                      "goodput_rps": row["goodput_rps"], "throughput_rps": row["throughput_rps"],
-                                      "by_priority": row["by_priority"]}
+            result["priority_mix"] = {
+                "mix": args.priority_mix,
+                "rate": prio_rate,
+                "knobs": "adaptive (b)",
+                "seed": 2,
+                "failed": row["failed"],
+                "cancelled": row["cancelled"],
+                "goodput_rps": row["goodput_rps"],
+                "throughput_rps": row["throughput_rps"],
+                "by_priority": row["by_priority"],
+            }
         result["targets"] = check_targets(result)
         result["wall_s"] = round(time.time() - t_start, 1)
         write_result(args.out, "control_loop", result)
@@ -398,8 +557,10 @@ def main(argv=None) -> int:
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     prio = result.get("priority_mix")
     fig, axes = plt.subplots(1, 4 if prio else 3, figsize=(20 if prio else 15, 4))
     for mode, rows in result["modes"].items():
@@ -416,8 +577,9 @@ def plot(result: dict, path: Path) -> None:
     axes[0].legend()
     if prio:
         classes = sorted(prio["by_priority"], key=int, reverse=True)
-        axes[3].bar([f"priority {p}" for p in classes],
-                    [prio["by_priority"][p]["ttft_ms"]["p95"] or 0 for p in classes])
+        axes[3].bar(
+            [f"priority {p}" for p in classes], [prio["by_priority"][p]["ttft_ms"]["p95"] or 0 for p in classes]
+        )
         axes[3].set_title(f"TTFT p95 (ms), mix {prio['mix']} at {prio['rate']:g} req/s")
     fig.suptitle(result["label"], fontsize=8)
     fig.tight_layout()

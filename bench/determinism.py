@@ -4,6 +4,7 @@ Counts requests whose tokens differ from run 1, for bf16 and fp32, k = 0 and k =
 random TinyLlama-shape weights, which have many near-tied logits so any numeric wobble shows).
 With --deterministic, torch.use_deterministic_algorithms(True) is on (CUBLAS_WORKSPACE_CONFIG set).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E4
 
 
 def run(engine, prompts, tag):
-    done = engine.generate([RequestSpec(p, max_tokens=64, stop_at_eos=False, request_id=f"{tag}-{i}")
-                            for i, p in enumerate(prompts)])
+    done = engine.generate(
+        [RequestSpec(p, max_tokens=64, stop_at_eos=False, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
+    )
     return [done[f"{tag}-{i}"].token_ids for i in range(len(prompts))]
 
 
@@ -37,8 +39,9 @@ def main() -> None:
     prompts = random_prompts(16, 64, seed=5)
     rows = []
     for dtype in ("bfloat16", "float32"):
-        options = EngineOptions(target="random:tinyllama-1.1b", draft="self:22", device="cuda", dtype=dtype,
-                                num_blocks=512, max_context=256)
+        options = EngineOptions(
+            target="random:tinyllama-1.1b", draft="self:22", device="cuda", dtype=dtype, num_blocks=512, max_context=256
+        )
         models = load_models(options)
         for k in (0, 4):
             options.config = RuntimeConfig(k_min=0, k_max=max(k, 1), k_initial=k, adaptive=False)
@@ -47,15 +50,29 @@ def main() -> None:
             fresh = Engine(options, models=models)
             outs.append(run(fresh, prompts, "fresh"))
             mism = [sum(a != b for a, b in zip(outs[0], o)) for o in outs[1:]]
-            rows.append({"dtype": dtype, "k": k, "mismatched_requests_vs_run1": mism,
-                         "note": "runs 2,3 same engine; run 4 fresh engine, same weights"})
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "k": k,
+                    "mismatched_requests_vs_run1": mism,
+                    "note": "runs 2,3 same engine; run 4 fresh engine, same weights",
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             del engine, fresh
         del models
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump({"git_revision": git_revision(), "device": torch.cuda.get_device_name(),
-                   "deterministic_algorithms": args.deterministic, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "git_revision": git_revision(),
+                "device": torch.cuda.get_device_name(),
+                "deterministic_algorithms": args.deterministic,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

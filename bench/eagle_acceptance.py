@@ -11,6 +11,7 @@ the H200, bench/results/eagle_acceptance_h200_s29.json);
 repeat --head to measure several heads in the same run; --draft adds other drafts (e.g. the head mixed
 with prompt lookup, eagle+ngram:DIR), --no-ngram leaves the ngram baseline out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,19 @@ HERE = pathlib.Path(__file__).resolve().parent
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2", help="the embedded model, or a path to its GGUF")
-    ap.add_argument("--head", action="append", default=None,
-                    help="a head directory; repeat to measure several in one run (default: the committed "
-                         "head, bench/results/smollm2_eagle_h200)")
-    ap.add_argument("--draft", action="append", default=[],
-                    help="another draft to measure beside the heads, e.g. eagle+ngram:DIR (repeatable)")
+    ap.add_argument(
+        "--head",
+        action="append",
+        default=None,
+        help="a head directory; repeat to measure several in one run (default: the committed "
+        "head, bench/results/smollm2_eagle_h200)",
+    )
+    ap.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        help="another draft to measure beside the heads, e.g. eagle+ngram:DIR (repeatable)",
+    )
     ap.add_argument("--no-ngram", action="store_true", help="leave ngram out (on the CPU it decodes ~plainly: slow)")
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "draft_acceptance.jsonl"))
     ap.add_argument("--per-family", type=int, default=0, help="the first N prompts of each family (0: all)")
@@ -63,14 +72,19 @@ def main() -> None:
         prompts = tmp.name
     heads = args.head or [str(HERE / "results" / "smollm2_eagle_h200")]
     drafts = [f"eagle:{h}" for h in heads] + args.draft + ([] if args.no_ngram else ["ngram"])
-    results = compare_drafts(args.target, drafts, prompts, k=args.k,
-                             max_tokens=args.max_tokens, device=args.device)
-    results = {**metadata(), "head": heads[0] if len(heads) == 1 else heads, "per_family": args.per_family or "all",
-               **results}
+    results = compare_drafts(args.target, drafts, prompts, k=args.k, max_tokens=args.max_tokens, device=args.device)
+    results = {
+        **metadata(),
+        "head": heads[0] if len(heads) == 1 else heads,
+        "per_family": args.per_family or "all",
+        **results,
+    }
     print("| draft | " + " | ".join(sorted(results["drafts"][0]["families"])) + " |")
     for r in results["drafts"]:
         fams = r["families"]
-        print(f"| {r['draft']} | " + " | ".join(f"{fams[f]['tokens_per_verify_step']:.2f}" for f in sorted(fams)) + " |")
+        print(
+            f"| {r['draft']} | " + " | ".join(f"{fams[f]['tokens_per_verify_step']:.2f}" for f in sorted(fams)) + " |"
+        )
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -10,6 +10,7 @@ shape (issue 19's targets), one process, one run.
 
     python bench/eagle_draft_cost.py --out bench/results/eagle_draft_cost_h100.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,33 @@ def draft_step_times(engine: Engine, batches: list[int], bandwidth: float, conte
     floor = head_bytes(runner.model) / bandwidth
     rows = []
     for b in batches:
-        if b * per_seq_draft > runner.pool.geometry.num_blocks or b * per_seq_target > engine.target_pool.geometry.num_blocks:
+        if (
+            b * per_seq_draft > runner.pool.geometry.num_blocks
+            or b * per_seq_target > engine.target_pool.geometry.num_blocks
+        ):
             continue
-        runs = [FeatureRun([7], context, tuple(range(i * per_seq_draft, (i + 1) * per_seq_draft)),
-                           target_block_ids=tuple(range(i * per_seq_target, (i + 1) * per_seq_target)))
-                for i in range(b)]
+        runs = [
+            FeatureRun(
+                [7],
+                context,
+                tuple(range(i * per_seq_draft, (i + 1) * per_seq_draft)),
+                target_block_ids=tuple(range(i * per_seq_target, (i + 1) * per_seq_target)),
+            )
+            for i in range(b)
+        ]
         t = draft_call_seconds(runner, runs)
         step = (t[5] - t[1]) / 4
-        rows.append({"batch": b, "draft_call_k1_s": round(t[1], 6), "draft_call_k5_s": round(t[5], 6),
-                     "chain_step_s": round(step, 6), "head_bytes_floor_s": round(floor, 6),
-                     "chain_step_over_bytes_floor": round(step / floor, 3), **graph_replay_times(runner, b)})
+        rows.append(
+            {
+                "batch": b,
+                "draft_call_k1_s": round(t[1], 6),
+                "draft_call_k5_s": round(t[5], 6),
+                "chain_step_s": round(step, 6),
+                "head_bytes_floor_s": round(floor, 6),
+                "chain_step_over_bytes_floor": round(step / floor, 3),
+                **graph_replay_times(runner, b),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -70,8 +88,11 @@ def graph_replay_times(runner, batch: int, replays: int = 50) -> dict:
     if graphs is None:
         return {}
     rows = graphs.bucket(batch)
-    keys = {"catch_up": ("catch_up", rows, 1, "greedy"), 2: ("chain", rows, 2, "greedy"),
-            5: ("chain", rows, 5, "greedy")}
+    keys = {
+        "catch_up": ("catch_up", rows, 1, "greedy"),
+        2: ("chain", rows, 2, "greedy"),
+        5: ("chain", rows, 5, "greedy"),
+    }
     if any(key not in graphs._graphs for key in keys.values()):
         return {}
     seconds = {}
@@ -85,8 +106,10 @@ def graph_replay_times(runner, batch: int, replays: int = 50) -> dict:
         end.record()
         end.synchronize()
         seconds[name] = start.elapsed_time(end) / 1e3 / replays
-    return {"catch_up_graph_s": round(seconds["catch_up"], 7),
-            "chain_step_graph_s": round((seconds[5] - seconds[2]) / 3, 7)}
+    return {
+        "catch_up_graph_s": round(seconds["catch_up"], 7),
+        "chain_step_graph_s": round((seconds[5] - seconds[2]) / 3, 7),
+    }
 
 
 def profile_draft_calls(engine: Engine, out_dir: str, context: int = 192, calls: int = 10) -> dict:
@@ -114,8 +137,10 @@ def profile_draft_calls(engine: Engine, out_dir: str, context: int = 192, calls:
         kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         pathlib.Path(out_dir, f"eagle_profile_k{k}.txt").write_text(table + "\n")
-        summary[k] = {"kernels_per_call": len(kernels) / calls,
-                      "kernel_time_per_call_s": sum(e.time_range.elapsed_us() for e in kernels) / calls / 1e6}
+        summary[k] = {
+            "kernels_per_call": len(kernels) / calls,
+            "kernel_time_per_call_s": sum(e.time_range.elapsed_us() for e in kernels) / calls / 1e6,
+        }
     step = {key: (summary[5][key] - summary[1][key]) / 4 for key in summary[1]}
     result = {"k1_call": summary[1], "k5_call": summary[5], "chain_step": step}
     print(json.dumps({"profile_batch_1": result}), flush=True)
@@ -137,30 +162,48 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of the script
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    results = {"bench": "eagle_draft_cost", **metadata(),
-               "target_shape": args.target, "draft_vocab": args.draft_vocab or "target's",
-               "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": []}
+    results = {
+        "bench": "eagle_draft_cost",
+        **metadata(),
+        "target_shape": args.target,
+        "draft_vocab": args.draft_vocab or "target's",
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "rows": [],
+    }
     bandwidth = copy_bandwidth()
     results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     max_blocks = max(batches) * (-(-(args.prompt_len + args.gen_len + 16) // 16) + 1) + 64
-    base = dict(device=args.device, dtype="bfloat16", num_blocks=max_blocks, max_context=args.prompt_len + args.gen_len + 64,
-                graph_buckets=tuple(batches))
+    base = dict(
+        device=args.device,
+        dtype="bfloat16",
+        num_blocks=max_blocks,
+        max_context=args.prompt_len + args.gen_len + 64,
+        graph_buckets=tuple(batches),
+    )
     plain_models = load_models(EngineOptions(target=f"random:{args.target}", draft="none", **base))
     target = plain_models.target
-    config, weights = random_eagle_head(target.shape, seed=0, draft_vocab=args.draft_vocab or None,
-                                        intermediate_size=args.intermediate_size, device=args.device,
-                                        dtype=torch.bfloat16)
+    config, weights = random_eagle_head(
+        target.shape,
+        seed=0,
+        draft_vocab=args.draft_vocab or None,
+        intermediate_size=args.intermediate_size,
+        device=args.device,
+        dtype=torch.bfloat16,
+    )
     head = EagleModel(config, weights, target.weights.embed)
     results["head_weight_bytes_per_chain_step"] = head_bytes(head)
     eagle_models = dataclasses.replace(plain_models, draft_model=head, draft_name="eagle:random")
     adaptive = RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True)
     engine = Engine(EngineOptions(config=adaptive, **base), models=eagle_models, simulated_acceptance=0.7)
-    results["draft_steps"] = draft_step_times(engine, batches, bandwidth,
-                                              context=min(192, args.prompt_len + args.gen_len // 2))
+    results["draft_steps"] = draft_step_times(
+        engine, batches, bandwidth, context=min(192, args.prompt_len + args.gen_len // 2)
+    )
     if args.profile:
         try:
-            results["profile_batch_1"] = profile_draft_calls(engine, args.profile,
-                                                             context=min(192, args.prompt_len + args.gen_len // 2))
+            results["profile_batch_1"] = profile_draft_calls(
+                engine, args.profile, context=min(192, args.prompt_len + args.gen_len // 2)
+            )
         except Exception as exc:  # the timings above still count
             print(f"profile failed: {exc!r}", flush=True)
     with open(args.out, "w") as fh:
@@ -169,16 +212,21 @@ def main() -> None:
     if args.skip_engine:
         return
     systems = [("k=0 (plain decoding, draft none)", None)] + [
-        (f"eagle head, SIMULATED acceptance {a}, k=adaptive", float(a)) for a in args.alphas.split(",")]
+        (f"eagle head, SIMULATED acceptance {a}, k=adaptive", float(a)) for a in args.alphas.split(",")
+    ]
     for label, alpha in systems:
         plain_models.target_model.features = None  # the plain engine exports no features
         times = LaneTimes()
         if alpha is None:
-            engine = Engine(EngineOptions(config=RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False), **base),
-                            observer=times, models=plain_models)
+            engine = Engine(
+                EngineOptions(config=RuntimeConfig(k_min=0, k_max=8, k_initial=0, adaptive=False), **base),
+                observer=times,
+                models=plain_models,
+            )
         else:
-            engine = Engine(EngineOptions(config=adaptive, **base), observer=times, models=eagle_models,
-                            simulated_acceptance=alpha)
+            engine = Engine(
+                EngineOptions(config=adaptive, **base), observer=times, models=eagle_models, simulated_acceptance=alpha
+            )
         for b in batches:
             run_engine(engine, times, b, args.prompt_len, 16, seed=1000 + b)  # warm-up
             r = run_engine(engine, times, b, args.prompt_len, args.gen_len, seed=b)
@@ -192,8 +240,10 @@ def main() -> None:
     plain = {r["batch"]: r["tok_per_s"] for r in results["rows"] if r["simulated_acceptance"] is None}
     for row in results["rows"]:
         row["speedup_vs_k0"] = round(row["tok_per_s"] / plain[row["batch"]], 3)
-        print(f"{row['system']:48s} batch {row['batch']:>3d}  {row['tok_per_s']:>9.1f} tok/s  "
-              f"x{row['speedup_vs_k0']:.2f}  mean k {row['mean_k']}")
+        print(
+            f"{row['system']:48s} batch {row['batch']:>3d}  {row['tok_per_s']:>9.1f} tok/s  "
+            f"x{row['speedup_vs_k0']:.2f}  mean k {row['mean_k']}"
+        )
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
 

@@ -6,6 +6,7 @@ still run. Each graph is `--nodes` small kernels in one stream (the embedded mod
 
     python bench/graph_launch.py --nodes 30,300 --out graph_launch.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def capture(nodes: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
             x.mul_(1.0001)
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(nodes):
-                x.mul_(1.0001)   # one small kernel a node
+                x.mul_(1.0001)  # one small kernel a node
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graph
@@ -66,11 +67,17 @@ def main() -> None:
             a.replay()
         torch.cuda.synchronize()
         gpu_ms = (time.perf_counter() - t0) / 20 * 1e3
-        cases = {"idle": host_us(a.replay), "other_in_flight": host_us(b.replay, a.replay),
-                 "same_in_flight": host_us(a.replay, a.replay)}
-        row = {"nodes": nodes, "graph_ms": round(gpu_ms, 3),
-               **{f"{k}_us_median": round(statistics.median(v), 1) for k, v in cases.items()},
-               **{f"{k}_us_max": round(max(v), 1) for k, v in cases.items()}}
+        cases = {
+            "idle": host_us(a.replay),
+            "other_in_flight": host_us(b.replay, a.replay),
+            "same_in_flight": host_us(a.replay, a.replay),
+        }
+        row = {
+            "nodes": nodes,
+            "graph_ms": round(gpu_ms, 3),
+            **{f"{k}_us_median": round(statistics.median(v), 1) for k, v in cases.items()},
+            **{f"{k}_us_max": round(max(v), 1) for k, v in cases.items()},
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

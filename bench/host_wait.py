@@ -13,6 +13,7 @@ engine.overlap, speculative steps launched ahead by engine.spec_ahead), why plai
 are reported. Draft names take draft_acceptance's suffixes (#no-fit, #no-ahead, #no-draft-after). Batch 1
 runs the family's first --solo prompts one at a time. Figures: bench/results/trace_s33/, trace_s34/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_acceptance as da  # noqa: E402
 from bench_meta import metadata  # noqa: E402
+
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.lanes import local  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
@@ -47,6 +49,7 @@ class WaitClock:
             clock.seconds += time.perf_counter() - t0
             clock.waits += 1
             return original(copy)
+
         local.HostCopy.result = timed
 
 
@@ -58,13 +61,17 @@ class CallClocks:
 
     def __init__(self):
         import triton
+
         from verifypd.model import layout
+
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
-        for name, owner, attr in (("event_sync", torch.cuda.Event, "synchronize"),
-                                  ("graph_replay", torch.cuda.CUDAGraph, "replay"),
-                                  ("staging_take", layout.PinnedStaging, "take"),
-                                  ("triton_launch", triton.runtime.jit.JITFunction, "run")):
+        for name, owner, attr in (
+            ("event_sync", torch.cuda.Event, "synchronize"),
+            ("graph_replay", torch.cuda.CUDAGraph, "replay"),
+            ("staging_take", layout.PinnedStaging, "take"),
+            ("triton_launch", triton.runtime.jit.JITFunction, "run"),
+        ):
             self._wrap(name, owner, attr)
 
     def _wrap(self, name: str, owner, attr: str) -> None:
@@ -77,6 +84,7 @@ class CallClocks:
             finally:
                 clocks.seconds[name] = clocks.seconds.get(name, 0.0) + time.perf_counter() - t0
                 clocks.calls[name] = clocks.calls.get(name, 0) + 1
+
         setattr(owner, attr, timed)
 
     def reset(self) -> None:
@@ -91,10 +99,16 @@ def run(engine, specs_of, batch: int, wait: WaitClock, clocks: CallClocks | None
     step = router.step
 
     def counting():  # what kind of step Router.step() is about to take (its first branch)
-        kind = ("chained" if router.overlap.inflight is not None
-                else "ahead" if router.ahead.inflight is not None else "regular")
+        kind = (
+            "chained"
+            if router.overlap.inflight is not None
+            else "ahead"
+            if router.ahead.inflight is not None
+            else "regular"
+        )
         kinds[kind] += 1
         return step()
+
     router.step = counting
     wait.seconds, wait.waits = 0.0, 0
     if clocks is not None:
@@ -110,15 +124,21 @@ def run(engine, specs_of, batch: int, wait: WaitClock, clocks: CallClocks | None
     router.step = step
     breaks = {why: n - breaks0.get(why, 0) for why, n in router.overlap.breaks.items() if n > breaks0.get(why, 0)}
     decisions = [now - before for now, before in zip((probes.decisions, probes.drafting, probes.probes), decisions0)]
-    return {"seconds": round(seconds, 5), "router_steps": sum(kinds.values()), "step_kinds": kinds,
-            "chain_breaks": breaks, "k_decisions": dict(zip(("all", "drafting", "probes"), decisions)),
-            "wait_s": round(wait.seconds, 5),
-            "host_s": round(seconds - wait.seconds, 5),
-            "tokens": sum(c.usage["completion_tokens"] for c in done.values()),
-            "verify_steps": sum(c.usage["verify_steps"] for c in done.values()),
-            "accepted": sum(c.usage["accepted_tokens"] for c in done.values()),
-            "steps_ahead": router.ahead.steps - ahead0, "verify_calls_fitted": router.ahead.fitted - fitted0,
-            **({"calls": clocks.report()} if clocks is not None else {})}
+    return {
+        "seconds": round(seconds, 5),
+        "router_steps": sum(kinds.values()),
+        "step_kinds": kinds,
+        "chain_breaks": breaks,
+        "k_decisions": dict(zip(("all", "drafting", "probes"), decisions)),
+        "wait_s": round(wait.seconds, 5),
+        "host_s": round(seconds - wait.seconds, 5),
+        "tokens": sum(c.usage["completion_tokens"] for c in done.values()),
+        "verify_steps": sum(c.usage["verify_steps"] for c in done.values()),
+        "accepted": sum(c.usage["accepted_tokens"] for c in done.values()),
+        "steps_ahead": router.ahead.steps - ahead0,
+        "verify_calls_fitted": router.ahead.fitted - fitted0,
+        **({"calls": clocks.report()} if clocks is not None else {}),
+    }
 
 
 def main() -> None:
@@ -131,15 +151,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="host_wait.json")
-    ap.add_argument("--time-calls", action="store_true",
-                    help="also time event syncs, graph replays, staging takes and Triton launches (CallClocks)")
+    ap.add_argument(
+        "--time-calls",
+        action="store_true",
+        help="also time event syncs, graph replays, staging takes and Triton launches (CallClocks)",
+    )
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(args.target, device, dtype, 2048)
     codec = TextCodec(target.tokenizer)
-    prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
-               for f, rs in da.load_prompts(16).items()}
+    prompts = {
+        f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
+        for f, rs in da.load_prompts(16).items()
+    }
     families = args.families.split(",")
     unknown = [f for f in families if f not in prompts]
     if unknown:
@@ -153,17 +178,22 @@ def main() -> None:
             engine.generate([RequestSpec(p, max_tokens=32) for p in ids])
         for family in families:
             for batch in (int(b) for b in args.batches.split(",")):
+
                 def specs_of(b, ids=prompts[family]):
                     if b == 1:
-                        return [[RequestSpec(p, max_tokens=args.max_tokens)] for p in ids[:args.solo]]
-                    return [[RequestSpec(p, max_tokens=args.max_tokens) for p in ids[i:i + b]]
-                            for i in range(0, len(ids), b)]
+                        return [[RequestSpec(p, max_tokens=args.max_tokens)] for p in ids[: args.solo]]
+                    return [
+                        [RequestSpec(p, max_tokens=args.max_tokens) for p in ids[i : i + b]]
+                        for i in range(0, len(ids), b)
+                    ]
+
                 runs = [run(engine, specs_of, batch, wait, clocks) for _ in range(args.repeats)]
                 results[f"{name}|{family}|b{batch}"] = runs
                 print(name, family, batch, json.dumps(runs[len(runs) // 2]), flush=True)
     with open(args.out, "w") as f:
-        json.dump({**metadata(), "max_tokens": args.max_tokens, "solo_prompts": args.solo, "results": results},
-                  f, indent=1)
+        json.dump(
+            {**metadata(), "max_tokens": args.max_tokens, "solo_prompts": args.solo, "results": results}, f, indent=1
+        )
 
 
 if __name__ == "__main__":

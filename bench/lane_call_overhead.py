@@ -14,6 +14,7 @@ transports). The parent calls it as the router does and reports medians in ms:
   * device sync (CUDA only): an idle torch.cuda.synchronize and an event record + wait
 The transport share is round trip minus both sides' work.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,8 @@ def stub_servicer():
 
     import torch
 
-    from verifypd.lanerpc.lane_server import LaneServicer
     from verifypd.lanerpc.kv_transport import KvTransferServicer
+    from verifypd.lanerpc.lane_server import LaneServicer
 
     s = LaneServicer.__new__(LaneServicer)  # the real edge, without loading a model
     s.role, s.secret, s.options = "verify", None, None
@@ -76,9 +77,17 @@ def serve() -> None:
 
 
 def items(batch: int, step: int) -> list[VerifyItem]:
-    return [VerifyItem(f"request-{i:08d}", 5, 100 + step, [1, 2, 3, 4][:K], KvHandle(
-        POOL.pool_id, POOL.generation, tuple(range(i * BLOCKS, (i + 1) * BLOCKS)), 100 + step, 100 + step),
-        SamplingParams()) for i in range(batch)]
+    return [
+        VerifyItem(
+            f"request-{i:08d}",
+            5,
+            100 + step,
+            [1, 2, 3, 4][:K],
+            KvHandle(POOL.pool_id, POOL.generation, tuple(range(i * BLOCKS, (i + 1) * BLOCKS)), 100 + step, 100 + step),
+            SamplingParams(),
+        )
+        for i in range(batch)
+    ]
 
 
 def median_ms(fn, n: int) -> float:
@@ -87,7 +96,7 @@ def median_ms(fn, n: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[n // 10:]) * 1e3
+    return statistics.median(times[n // 10 :]) * 1e3
 
 
 def measure(port: int, batches: list[int], n: int) -> dict:
@@ -119,18 +128,21 @@ def measure(port: int, batches: list[int], n: int) -> dict:
         reply = cd.verify_reply([VerifyOutput(i.request_id, 0, [i.pending_token]) for i in work])
         reply_data = reply.SerializeToString()
         out[f"encode_{b}_ms"] = median_ms(
-            lambda: lanes_pb2.LaneCall(method=3, batch=cc.encode_verify(mirror, work, None)).SerializeToString(), n)
-        out[f"decode_{b}_ms"] = median_ms(
-            lambda: cc.decode_verify(work, lanes_pb2.LaneReply.FromString(reply_data)), n)
+            lambda: lanes_pb2.LaneCall(method=3, batch=cc.encode_verify(mirror, work, None)).SerializeToString(), n
+        )
+        out[f"decode_{b}_ms"] = median_ms(lambda: cc.decode_verify(work, lanes_pb2.LaneReply.FromString(reply_data)), n)
 
         def server_side():
             c = lanes_pb2.LaneCall.FromString(data)
             got = cd.decode(c.method, c.batch, state, limits)
             cd.verify_reply([VerifyOutput(i.request_id, 0, [i.pending_token]) for i in got]).SerializeToString()
+
         out[f"server_{b}_ms"] = median_ms(server_side, n)
         out[f"bytes_per_call_{b}"] = len(data) + len(reply_data)
-        out[f"grpc_bytes_per_call_{b}"] = sum(len(m.SerializeToString()) for m in (
-            __import__("verifypd.lanerpc.lane_convert", fromlist=["x"]).verify_batch_to_pb(work), reply))
+        out[f"grpc_bytes_per_call_{b}"] = sum(
+            len(m.SerializeToString())
+            for m in (__import__("verifypd.lanerpc.lane_convert", fromlist=["x"]).verify_batch_to_pb(work), reply)
+        )
     out.update(device_sync(n))
     fast.close()
     unary.close()
@@ -150,8 +162,11 @@ def device_sync(n: int) -> dict:
     def record_wait():
         event.record()
         torch.cuda.current_stream().wait_event(event)
-    return {"cuda_synchronize_idle_ms": median_ms(torch.cuda.synchronize, n),
-            "cuda_ipc_event_record_wait_ms": median_ms(record_wait, n)}
+
+    return {
+        "cuda_synchronize_idle_ms": median_ms(torch.cuda.synchronize, n),
+        "cuda_ipc_event_record_wait_ms": median_ms(record_wait, n),
+    }
 
 
 def main() -> None:
@@ -165,13 +180,21 @@ def main() -> None:
         return serve()
     from bench_meta import metadata  # command, device, git revision, date
 
-    child = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     try:
         port = int(child.stdout.readline())
-        result = {**metadata(), "what": "one verify lane call, stub lane in a child process, no model work; "
-                                        "medians in ms", "target_ms": 0.3,
-                  **measure(port, [int(b) for b in args.batches.split(",")], args.calls)}
+        result = {
+            **metadata(),
+            "what": "one verify lane call, stub lane in a child process, no model work; medians in ms",
+            "target_ms": 0.3,
+            **measure(port, [int(b) for b in args.batches.split(",")], args.calls),
+        }
     finally:
         child.stdin.close()
         child.wait(10)

@@ -6,21 +6,37 @@ Each line: {"family": ..., "id": ..., "prompt": ...}. The copy-heavy families (r
 extract) give the model a text to work on; chat gives it none. Texts are combined with several
 instructions, so each family has a few dozen prompts.
 """
+
 from __future__ import annotations
 
 import json
 import pathlib
 
 CHAT = [
-    "What is the capital of France?", "Write a short poem about the sea.", "Explain photosynthesis in one paragraph.",
-    "List three uses of Python.", "How do I boil an egg?", "Why is the sky blue?", "Give me a tip for learning to cook.",
-    "What is the difference between a virus and a bacterium?", "Suggest a name for a small bakery.",
-    "How many legs does a spider have?", "What does a compiler do?", "Tell me a fun fact about octopuses.",
-    "How can I sleep better?", "What is gravity?", "Describe a sunset in two sentences.",
-    "What are the primary colors?", "How do plants drink water?", "Why do we have seasons?",
-    "What is a good way to start running?", "Explain what a database is to a child.",
-    "What is the largest planet in the solar system?", "Write a haiku about autumn.",
-    "How do bees make honey?", "What should I pack for a weekend hike?",
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain photosynthesis in one paragraph.",
+    "List three uses of Python.",
+    "How do I boil an egg?",
+    "Why is the sky blue?",
+    "Give me a tip for learning to cook.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a small bakery.",
+    "How many legs does a spider have?",
+    "What does a compiler do?",
+    "Tell me a fun fact about octopuses.",
+    "How can I sleep better?",
+    "What is gravity?",
+    "Describe a sunset in two sentences.",
+    "What are the primary colors?",
+    "How do plants drink water?",
+    "Why do we have seasons?",
+    "What is a good way to start running?",
+    "Explain what a database is to a child.",
+    "What is the largest planet in the solar system?",
+    "Write a haiku about autumn.",
+    "How do bees make honey?",
+    "What should I pack for a weekend hike?",
 ]
 
 PARAGRAPHS = [
@@ -47,9 +63,11 @@ PARAGRAPHS = [
     "Passengers were offered free coffee and a voucher for a future trip. The railway company apologised and said "
     "the signal has now been repaired.",
 ]
-REWRITE = ["Rewrite the following paragraph in simpler words:\n\n{}",
-           "Summarise the following paragraph in two sentences:\n\n{}",
-           "Fix any grammar mistakes and return the paragraph:\n\n{}"]
+REWRITE = [
+    "Rewrite the following paragraph in simpler words:\n\n{}",
+    "Summarise the following paragraph in two sentences:\n\n{}",
+    "Fix any grammar mistakes and return the paragraph:\n\n{}",
+]
 
 SNIPPETS = [
     "def average(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
@@ -64,9 +82,11 @@ SNIPPETS = [
     "def count_words(text):\n    counts = {}\n    for word in text.split():\n        if word in counts:\n"
     "            counts[word] += 1\n        else:\n            counts[word] = 1\n    return counts\n",
 ]
-EDIT = ["Add type hints to this Python code and return the whole code:\n\n```python\n{}```",
-        "Rename the function in this Python code to use a clearer name and return the whole code:\n\n```python\n{}```",
-        "Add a docstring to this Python code and return the whole code:\n\n```python\n{}```"]
+EDIT = [
+    "Add type hints to this Python code and return the whole code:\n\n```python\n{}```",
+    "Rename the function in this Python code to use a clearer name and return the whole code:\n\n```python\n{}```",
+    "Add a docstring to this Python code and return the whole code:\n\n```python\n{}```",
+]
 
 RECORDS = [
     "Order 4471 was placed by John Smith on 3 March 2024. He bought two blue chairs for 120 euros each and asked "
@@ -86,19 +106,30 @@ RECORDS = [
     "Recipe: Lemon cake. Serves 8. Preparation time 20 minutes, baking time 45 minutes at 180 degrees. Ingredients: "
     "flour, sugar, butter, three eggs and two lemons.",
 ]
-EXTRACT = ["Extract the names, dates and amounts from this text as JSON:\n\n{}",
-           "List every number in this text with what it refers to:\n\n{}",
-           "Extract the key fields of this text as a bulleted list of 'field: value' lines:\n\n{}"]
+EXTRACT = [
+    "Extract the names, dates and amounts from this text as JSON:\n\n{}",
+    "List every number in this text with what it refers to:\n\n{}",
+    "Extract the key fields of this text as a bulleted list of 'field: value' lines:\n\n{}",
+]
 
 
 def prompts() -> list[dict]:
     rows = [{"family": "chat", "id": f"chat-{i}", "prompt": p} for i, p in enumerate(CHAT)]
-    for family, texts, templates in (("rewrite", PARAGRAPHS, REWRITE), ("edit_code", SNIPPETS, EDIT),
-                                     ("extract", RECORDS, EXTRACT)):
+    for family, texts, templates in (
+        ("rewrite", PARAGRAPHS, REWRITE),
+        ("edit_code", SNIPPETS, EDIT),
+        ("extract", RECORDS, EXTRACT),
+    ):
         # Interleave instructions so that the first few prompts of a family cover all of them.
         for t in range(len(texts)):
             for j, template in enumerate(templates):
-                rows.append({"family": family, "id": f"{family}-{t}-{j}", "prompt": template.format(texts[(t + j) % len(texts)])})
+                rows.append(
+                    {
+                        "family": family,
+                        "id": f"{family}-{t}-{j}",
+                        "prompt": template.format(texts[(t + j) % len(texts)]),
+                    }
+                )
     return rows
 
 

@@ -10,6 +10,7 @@ graphs use one cuBLAS workspace); `--both` runs that too, in a subprocess, for c
 
     python bench/pipeline_race.py --out bench/results/pipeline_race_h200.json --both
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,16 +35,25 @@ def run(args) -> dict:
     from verifypd.engine.types import RequestSpec
     from verifypd.local_engine import Engine, EngineOptions
 
-    config = RuntimeConfig(k_min=0, k_max=args.k, k_initial=args.k, adaptive=False, schedule="pdv",
-                           pipeline=True)
-    engine = Engine(EngineOptions(target=args.target, draft=args.draft, dtype=args.dtype, config=config,
-                                  max_context=512, graph_buckets=(1, 2, 4, 8, 16, 32, 64)))
+    config = RuntimeConfig(k_min=0, k_max=args.k, k_initial=args.k, adaptive=False, schedule="pdv", pipeline=True)
+    engine = Engine(
+        EngineOptions(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype,
+            config=config,
+            max_context=512,
+            graph_buckets=(1, 2, 4, 8, 16, 32, 64),
+        )
+    )
     rng = random.Random(0)
     prompts = [tuple(rng.randrange(100, 31000) for _ in range(args.prompt_tokens)) for _ in range(args.requests)]
     outputs, seconds = [], []
     for rep in range(args.repeats):
-        specs = [RequestSpec(p, max_tokens=args.max_tokens, stop_at_eos=False, request_id=f"rep{rep}-{i}")
-                 for i, p in enumerate(prompts)]
+        specs = [
+            RequestSpec(p, max_tokens=args.max_tokens, stop_at_eos=False, request_id=f"rep{rep}-{i}")
+            for i, p in enumerate(prompts)
+        ]
         t0 = time.perf_counter()
         done = engine.generate(specs)
         seconds.append(round(time.perf_counter() - t0, 3))
@@ -51,10 +61,15 @@ def run(args) -> dict:
     first = outputs[0]
     differing = [rep for rep, out in enumerate(outputs) if out != first]
     requests_differing = sum(any(out[i] != first[i] for out in outputs) for i in range(len(first)))
-    return {"shared_capture_stream": os.environ.get("VERIFYPD_SHARED_CAPTURE_STREAM") == "1",
-            "repeats": args.repeats, "repeats_differing_from_first": differing,
-            "requests_differing_in_any_repeat": requests_differing, "requests": args.requests,
-            "seconds_per_repeat": seconds, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    return {
+        "shared_capture_stream": os.environ.get("VERIFYPD_SHARED_CAPTURE_STREAM") == "1",
+        "repeats": args.repeats,
+        "repeats_differing_from_first": differing,
+        "requests_differing_in_any_repeat": requests_differing,
+        "requests": args.requests,
+        "seconds_per_repeat": seconds,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
 
 
 def main() -> int:
@@ -76,15 +91,36 @@ def main() -> int:
         return 0
     from bench_meta import git_revision
 
-    child = [sys.executable, __file__, "--child", "--target", args.target, "--draft", args.draft,
-             "--dtype", args.dtype, "--k", str(args.k), "--requests", str(args.requests),
-             "--prompt-tokens", str(args.prompt_tokens), "--max-tokens", str(args.max_tokens),
-             "--repeats", str(args.repeats)]
-    results = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "what": "identical greedy workloads through in-process pipelined pdv (fixed k, random weights); "
-                       "a repetition that differs from the first is a concurrency fault", "runs": []}
-    for shared in ([False, True] if args.both else [False]):
+    child = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--target",
+        args.target,
+        "--draft",
+        args.draft,
+        "--dtype",
+        args.dtype,
+        "--k",
+        str(args.k),
+        "--requests",
+        str(args.requests),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--repeats",
+        str(args.repeats),
+    ]
+    results = {
+        "command": " ".join(["python"] + sys.argv),
+        "git_revision": git_revision(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "what": "identical greedy workloads through in-process pipelined pdv (fixed k, random weights); "
+        "a repetition that differs from the first is a concurrency fault",
+        "runs": [],
+    }
+    for shared in [False, True] if args.both else [False]:
         env = dict(os.environ, VERIFYPD_SHARED_CAPTURE_STREAM="1" if shared else "0")
         proc = subprocess.run(child, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

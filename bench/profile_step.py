@@ -14,6 +14,7 @@ requests in flight, each finished one replaced at once by a new prompt of `--pro
 generates `--max-tokens`, so prefills keep arriving between decode steps; it prints output tok/s
 with the prefill launched beside the verify call and without (router.overlap_prefill).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,16 +57,25 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="a model spec instead of --shape")
     ap.add_argument("--draft", default="self:1", help="draft spec; with --k 0 it only sizes the draft lane")
     ap.add_argument("--k", type=int, default=0, help="draft tokens per step (fixed)")
-    ap.add_argument("--simulated-acceptance", type=float, default=None,
-                    help="SIMULATED per-token acceptance (random weights accept ~nothing)")
+    ap.add_argument(
+        "--simulated-acceptance",
+        type=float,
+        default=None,
+        help="SIMULATED per-token acceptance (random weights accept ~nothing)",
+    )
     ap.add_argument("--schedule", default="pd", choices=SCHEDULES)
     ap.add_argument("--pipeline", action="store_true", help="pdv: pipeline the two groups")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--closed-loop", type=float, default=None, metavar="SECONDS",
-                    help="instead: closed-loop engine throughput, prefill beside verify on and off")
+    ap.add_argument(
+        "--closed-loop",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="instead: closed-loop engine throughput, prefill beside verify on and off",
+    )
     ap.add_argument("--prompt", type=int, default=128, help="--closed-loop: prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=128, help="--closed-loop: generated tokens per request")
     ap.add_argument("--out", default=None, help="--closed-loop: directory for closed_loop_engine_<device>.json")
@@ -74,18 +84,37 @@ def main() -> None:
         return closed_loop(args)
     cuda = args.device.startswith("cuda")
     budget = args.context + (args.steps * 3 + 10) * (args.k + 1)  # positions the measured steps can reach
-    config = RuntimeConfig(k_min=args.k, k_max=max(args.k, 1), k_initial=args.k, adaptive=False,
-                           schedule=args.schedule, pipeline=args.pipeline)
-    opts = EngineOptions(target=args.target or f"random:{args.shape}", draft=args.draft, device=args.device,
-                         dtype="bfloat16" if cuda else "float32", num_blocks=args.batch * (budget // 16 + 4) + 16,
-                         max_context=budget + 64, graph_buckets=(args.batch,) if cuda else None, config=config,
-                         simulated_acceptance=args.simulated_acceptance)
+    config = RuntimeConfig(
+        k_min=args.k,
+        k_max=max(args.k, 1),
+        k_initial=args.k,
+        adaptive=False,
+        schedule=args.schedule,
+        pipeline=args.pipeline,
+    )
+    opts = EngineOptions(
+        target=args.target or f"random:{args.shape}",
+        draft=args.draft,
+        device=args.device,
+        dtype="bfloat16" if cuda else "float32",
+        num_blocks=args.batch * (budget // 16 + 4) + 16,
+        max_context=budget + 64,
+        graph_buckets=(args.batch,) if cuda else None,
+        config=config,
+        simulated_acceptance=args.simulated_acceptance,
+    )
     engine = Engine(opts)
     router = engine.router
     vocab = router.vocab_size
     for i in range(args.batch):
-        router.add_request(RequestSpec(tuple((100 + j) % vocab for j in range(args.context)),
-                                       max_tokens=budget - args.context, stop_at_eos=False, request_id=str(i)))
+        router.add_request(
+            RequestSpec(
+                tuple((100 + j) % vocab for j in range(args.context)),
+                max_tokens=budget - args.context,
+                stop_at_eos=False,
+                request_id=str(i),
+            )
+        )
     while any(s.status.name != "DECODING" for s in router.sequences()):
         router.step()
     for _ in range(5):
@@ -99,14 +128,25 @@ def main() -> None:
     sync()
     wall = time.perf_counter() - t0
     in_lanes = sum(t.seconds for t in lanes)
-    label = f"SIMULATED acceptance {args.simulated_acceptance}" if args.simulated_acceptance is not None else "real acceptance"
-    print(f"# {opts.target} draft {args.draft} k {args.k} {args.schedule} batch {args.batch} context {args.context} "
-          f"({label}): {wall / args.steps * 1e3:.3f} ms per step, {tokens / wall:.0f} tok/s (unprofiled)")
+    label = (
+        f"SIMULATED acceptance {args.simulated_acceptance}"
+        if args.simulated_acceptance is not None
+        else "real acceptance"
+    )
+    print(
+        f"# {opts.target} draft {args.draft} k {args.k} {args.schedule} batch {args.batch} context {args.context} "
+        f"({label}): {wall / args.steps * 1e3:.3f} ms per step, {tokens / wall:.0f} tok/s (unprofiled)"
+    )
     overlap = args.pipeline and args.schedule == "pdv"  # draft calls run beside verify calls
-    outside = ("router outside them: not separable (the calls overlap)" if overlap
-               else f"router outside them {(wall - in_lanes) / args.steps * 1e3:.3f} ms per step")
-    print(f"# host: inside lane calls {in_lanes / args.steps * 1e3:.3f} ms per step (draft "
-          f"{lanes[0].seconds / args.steps * 1e3:.3f}, verify {lanes[1].seconds / args.steps * 1e3:.3f}); {outside}")
+    outside = (
+        "router outside them: not separable (the calls overlap)"
+        if overlap
+        else f"router outside them {(wall - in_lanes) / args.steps * 1e3:.3f} ms per step"
+    )
+    print(
+        f"# host: inside lane calls {in_lanes / args.steps * 1e3:.3f} ms per step (draft "
+        f"{lanes[0].seconds / args.steps * 1e3:.3f}, verify {lanes[1].seconds / args.steps * 1e3:.3f}); {outside}"
+    )
     if cuda:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
@@ -133,13 +173,25 @@ def closed_loop(args) -> None:
 
     cuda = args.device.startswith("cuda")
     per_request = args.prompt + args.max_tokens + 8 * (args.k + 1)
-    config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=args.k > 0,
-                           schedule=args.schedule, pipeline=args.pipeline)
-    opts = EngineOptions(target=args.target or f"random:{args.shape}", draft=args.draft, device=args.device,
-                         dtype="bfloat16" if cuda else "float32",
-                         num_blocks=args.batch * (per_request // 16 + 2) + 16, max_context=per_request + 16,
-                         graph_buckets=tuple(sorted({1 << i for i in range(args.batch.bit_length())} | {args.batch}))
-                         if cuda else None, config=config, simulated_acceptance=args.simulated_acceptance)
+    config = RuntimeConfig(
+        k_min=0,
+        k_max=max(args.k, 1),
+        k_initial=args.k,
+        adaptive=args.k > 0,
+        schedule=args.schedule,
+        pipeline=args.pipeline,
+    )
+    opts = EngineOptions(
+        target=args.target or f"random:{args.shape}",
+        draft=args.draft,
+        device=args.device,
+        dtype="bfloat16" if cuda else "float32",
+        num_blocks=args.batch * (per_request // 16 + 2) + 16,
+        max_context=per_request + 16,
+        graph_buckets=tuple(sorted({1 << i for i in range(args.batch.bit_length())} | {args.batch})) if cuda else None,
+        config=config,
+        simulated_acceptance=args.simulated_acceptance,
+    )
     engine = Engine(opts)
     router, vocab, made = engine.router, engine.router.vocab_size, [0]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -162,21 +214,43 @@ def closed_loop(args) -> None:
 
     for _ in range(args.batch):
         submit()
-    label = f"SIMULATED acceptance {args.simulated_acceptance}" if args.simulated_acceptance is not None else "real acceptance"
+    label = (
+        f"SIMULATED acceptance {args.simulated_acceptance}"
+        if args.simulated_acceptance is not None
+        else "real acceptance"
+    )
     rows = []
     for overlap in (True, False, True):  # on twice: the first pass also warms up
         router.overlap_prefill = overlap
         run(min(args.closed_loop, 3.0))  # settle (requests of the previous setting drain through)
         tokens, steps, wall = run(args.closed_loop)
-        rows.append({"target": opts.target, "draft": args.draft, "k": args.k, "schedule": args.schedule,
-                     "acceptance": label, "batch": args.batch, "prompt": args.prompt,
-                     "max_tokens": args.max_tokens, "prefill_beside_verify": overlap,
-                     "output_tok_s": round(tokens / wall, 1), "steps_per_s": round(steps / wall, 1),
-                     "tokens_per_step": round(tokens / max(steps, 1), 2)})
+        rows.append(
+            {
+                "target": opts.target,
+                "draft": args.draft,
+                "k": args.k,
+                "schedule": args.schedule,
+                "acceptance": label,
+                "batch": args.batch,
+                "prompt": args.prompt,
+                "max_tokens": args.max_tokens,
+                "prefill_beside_verify": overlap,
+                "output_tok_s": round(tokens / wall, 1),
+                "steps_per_s": round(steps / wall, 1),
+                "tokens_per_step": round(tokens / max(steps, 1), 2),
+            }
+        )
         print(json.dumps(rows[-1]))
     router.close()
-    write_result(args.out, "closed_loop_engine", {**metadata(), "label": "engine alone (no gRPC), closed loop; "
-                                                  "prefill beside the verify call on, off, on", "rows": rows})
+    write_result(
+        args.out,
+        "closed_loop_engine",
+        {
+            **metadata(),
+            "label": "engine alone (no gRPC), closed loop; prefill beside the verify call on, off, on",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ draft with a seeded Bernoulli(alpha) (SIMULATED acceptance); text is decoded as 
 sweeps' random-weight models (ids as text). What is not included: the lanes' own host work (tensor
 preparation, graph replay launch) and gRPC streaming to clients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,12 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 
 from bench_meta import metadata, write_result  # noqa: E402
+
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
 from verifypd.engine.router import Router  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.lanes.interface import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput  # noqa: E402
 from verifypd.tokenizer import TextCodec  # noqa: E402
-from verifypd.lanes.interface import (DraftOutput, LaneInfo, PoolInfo, PrefillOutput,  # noqa: E402
-                                      VerifyOutput)
 
 VOCAB, BLOCK = 32_000, 16
 
@@ -62,17 +63,20 @@ class InstantLanes:
         return out
 
 
-def measure(schedule: str, pipeline: bool, batch: int, k: int, alpha: float, steps: int,
-            profile: cProfile.Profile | None = None) -> dict:
+def measure(
+    schedule: str, pipeline: bool, batch: int, k: int, alpha: float, steps: int, profile: cProfile.Profile | None = None
+) -> dict:
     context = 256 + steps * (k + 1) + 64
     lanes = InstantLanes(batch * (context // BLOCK + 2) + 16, alpha)
     config = RuntimeConfig(k_min=k, k_max=k, k_initial=k, adaptive=False, schedule=schedule, pipeline=pipeline)
     # Random-weight models (the GPU sweeps) have no tokenizer: their text is the ids, space-separated.
-    router = Router(lanes, lanes, lanes, decode=TextCodec(None).decode, eos_token_ids=(2,), config=config,
-                    max_running=batch)
+    router = Router(
+        lanes, lanes, lanes, decode=TextCodec(None).decode, eos_token_ids=(2,), config=config, max_running=batch
+    )
     for i in range(batch):
-        router.add_request(RequestSpec(tuple(range(3, 131)), max_tokens=context - 160, stop_at_eos=False,
-                                       request_id=f"r{i}"))
+        router.add_request(
+            RequestSpec(tuple(range(3, 131)), max_tokens=context - 160, stop_at_eos=False, request_id=f"r{i}")
+        )
     while any(s.status.name != "DECODING" for s in router.sequences()):
         router.step()
     for _ in range(10):  # warm: pdv groups formed, worker thread started
@@ -87,9 +91,16 @@ def measure(schedule: str, pipeline: bool, batch: int, k: int, alpha: float, ste
     if profile is not None:
         profile.disable()
     router.close()
-    return {"schedule": schedule, "pipelined": pipeline and schedule == "pdv", "batch": batch, "k": k,
-            "steps": steps, "tokens": tokens, "host_us_per_step": round(seconds / steps * 1e6, 1),
-            "host_us_per_token": round(seconds / tokens * 1e6, 2)}
+    return {
+        "schedule": schedule,
+        "pipelined": pipeline and schedule == "pdv",
+        "batch": batch,
+        "k": k,
+        "steps": steps,
+        "tokens": tokens,
+        "host_us_per_step": round(seconds / steps * 1e6, 1),
+        "host_us_per_token": round(seconds / tokens * 1e6, 2),
+    }
 
 
 def main() -> None:
@@ -110,8 +121,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work",
-              "rows": rows}
+    result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work", "rows": rows}
     write_result(args.out, "router_host_overhead", result)
 
 

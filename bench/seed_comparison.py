@@ -27,6 +27,7 @@ One pair per GPU call (a call is limited to 10 minutes), then merge:
 Writes DIR/seed_comparison_<device>[_<tag>].json and .md (tables per pair, ratios vs k0 and vs pd, the
 study's own figures beside ours, marked as theirs, and the PASS/MISS targets) and PNG plots.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,15 @@ for sub in ("services", "loadgen", "bench"):
         sys.path.insert(0, str(ROOT / sub))
 
 from bench_meta import git_revision  # noqa: E402
-from seed_report import merge, output_paths, write_json, write_report  # noqa: E402
+
 # render_report stays importable from here: the tests render reports through this module.
-from seed_report import render_report  # noqa: E402,F401
+from seed_report import (  # noqa: E402
+    merge,
+    output_paths,
+    render_report,  # noqa: E402,F401
+    write_json,
+    write_report,
+)
 from seed_rows import LOAD_MODEL  # noqa: E402
 from seed_serving import RANDOM_NAMES, Nvml, ServeProcess, device_info, drive, free_port, serve_command  # noqa: E402
 
@@ -75,22 +82,40 @@ def pair_name(pair: tuple[str, str]) -> str:
 
 # ----------------------------------------------------------------------------------------------- sweep
 
+
 def run_sweep(args) -> dict:
     nvml = Nvml()
     device, device_slug, mem_gb = device_info(nvml)
-    results = {"command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv]), "device": device,
-               "device_slug": device_slug, "gpu_memory_GB": None if mem_gb is None else round(mem_gb, 1),
-               "git_revision": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "nvml": "ok" if nvml.handle is not None else nvml.error,
-               "weights": "random (shapes of the named models); no tokenizer: random token-id prompts",
-               "label": f"simulated acceptance α={args.alpha:g}",
-               "parameters": {"alpha": args.alpha, "modes": args.modes, "concurrency": args.concurrency,
-                              "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                              "seconds_per_point": None if args.requests_per_point else args.seconds_per_point,
-                              "requests_per_point": args.requests_per_point, "warmup_requests": args.warmup_requests,
-                              "sampling": "greedy, EOS ignored", "load": LOAD_MODEL, "schedule_flag": args.schedule_flag,
-                              "serve_args": args.serve_args, "k0_args": args.k0_args, "mode_args": args.mode_args},
-               "servers": [], "skipped": [], "rows": []}
+    results = {
+        "command": " ".join(["python"] + [shlex.quote(a) for a in sys.argv]),
+        "device": device,
+        "device_slug": device_slug,
+        "gpu_memory_GB": None if mem_gb is None else round(mem_gb, 1),
+        "git_revision": git_revision(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "nvml": "ok" if nvml.handle is not None else nvml.error,
+        "weights": "random (shapes of the named models); no tokenizer: random token-id prompts",
+        "label": f"simulated acceptance α={args.alpha:g}",
+        "parameters": {
+            "alpha": args.alpha,
+            "modes": args.modes,
+            "concurrency": args.concurrency,
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "seconds_per_point": None if args.requests_per_point else args.seconds_per_point,
+            "requests_per_point": args.requests_per_point,
+            "warmup_requests": args.warmup_requests,
+            "sampling": "greedy, EOS ignored",
+            "load": LOAD_MODEL,
+            "schedule_flag": args.schedule_flag,
+            "serve_args": args.serve_args,
+            "k0_args": args.k0_args,
+            "mode_args": args.mode_args,
+        },
+        "servers": [],
+        "skipped": [],
+        "rows": [],
+    }
     if nvml.handle is None:
         print(f"# {nvml.error}", file=sys.stderr)
     out = output_paths(args.out, device_slug, args.tag)
@@ -100,23 +125,31 @@ def run_sweep(args) -> dict:
     for pair in args.pairs:
         need = MIN_GPU_GB.get(pair[1])
         if need and (mem_gb is None or mem_gb < need):
-            note = (f"skipped: target {pair[1]} needs a GPU with >= {need} GB (an H200); this device "
-                    f"({device}) has {'unknown' if mem_gb is None else f'{mem_gb:.0f} GB'}")
+            note = (
+                f"skipped: target {pair[1]} needs a GPU with >= {need} GB (an H200); this device "
+                f"({device}) has {'unknown' if mem_gb is None else f'{mem_gb:.0f} GB'}"
+            )
             results["skipped"].append({"pair": pair_name(pair), "note": note})
             print(f"# {pair_name(pair)}: {note}", flush=True)
             save()
             continue
         for mode in args.modes:
-            base = {"pair": pair_name(pair), "draft": pair[0], "target": pair[1], "mode": mode,
-                    "simulated_acceptance": None if mode == "k0" else args.alpha,
-                    "label": "no speculation (k=0)" if mode == "k0" else f"simulated acceptance α={args.alpha:g}"}
+            base = {
+                "pair": pair_name(pair),
+                "draft": pair[0],
+                "target": pair[1],
+                "mode": mode,
+                "simulated_acceptance": None if mode == "k0" else args.alpha,
+                "label": "no speculation (k=0)" if mode == "k0" else f"simulated acceptance α={args.alpha:g}",
+            }
             cmd = serve_command(args, pair, mode, free_port())
             entry = {"pair": pair_name(pair), "mode": mode, "command": " ".join(shlex.quote(c) for c in cmd)}
             if out_of_time():
                 entry.update(status="error", error=f"not started: --time-budget {args.time_budget:g} s spent")
                 results["servers"].append(entry)
-                results["rows"] += [dict(base, concurrency=c, status="error", error=entry["error"])
-                                    for c in args.concurrency]
+                results["rows"] += [
+                    dict(base, concurrency=c, status="error", error=entry["error"]) for c in args.concurrency
+                ]
                 save()
                 continue
             print(f"# {pair_name(pair)} {mode}: starting {entry['command']}", flush=True)
@@ -129,21 +162,33 @@ def run_sweep(args) -> dict:
                     entry.update(status="error", error=reason, log_tail=server.tail())
                     print(f"# {pair_name(pair)} {mode}: {reason}\n  " + "\n  ".join(server.tail(12)), flush=True)
                     for c in args.concurrency:
-                        results["rows"].append(dict(base, concurrency=c, status="error",
-                                                    error=f"server failed to start: {reason}"))
+                        results["rows"].append(
+                            dict(base, concurrency=c, status="error", error=f"server failed to start: {reason}")
+                        )
                     continue
 
                 def on_row(row):
                     results["rows"].append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "summary"}), flush=True)
                     save()
-                entry["server_info"] = asyncio.run(drive(args, server.address, base, nvml, on_row,
-                                                         alive=lambda: server.proc.poll() is None,
-                                                         out_of_time=out_of_time))
+
+                entry["server_info"] = asyncio.run(
+                    drive(
+                        args,
+                        server.address,
+                        base,
+                        nvml,
+                        on_row,
+                        alive=lambda: server.proc.poll() is None,
+                        out_of_time=out_of_time,
+                    )
+                )
                 entry["status"] = "ok" if server.proc.poll() is None else "error"
                 if entry["status"] == "error":
-                    entry.update(error=f"server exited with code {server.proc.returncode} during the sweep",
-                                 log_tail=server.tail())
+                    entry.update(
+                        error=f"server exited with code {server.proc.returncode} during the sweep",
+                        log_tail=server.tail(),
+                    )
             except Exception as exc:  # noqa: BLE001
                 entry.update(status="error", error=f"{type(exc).__name__}: {exc}", log_tail=server.tail())
                 done = {r["concurrency"] for r in results["rows"] if r["pair"] == base["pair"] and r["mode"] == mode}
@@ -161,6 +206,7 @@ def run_sweep(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- main
+
 
 def int_list(text: str) -> list[int]:
     try:
@@ -183,38 +229,63 @@ def mode_args(items: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--pairs", type=parse_pairs, default=parse_pairs(DEFAULT_PAIRS),
-                    help=f"DRAFT->TARGET,... (random shapes {', '.join(RANDOM_NAMES)} or model paths); default {DEFAULT_PAIRS}")
-    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"k0 and `serve --schedule` values (default {DEFAULT_MODES})")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    ap.add_argument(
+        "--pairs",
+        type=parse_pairs,
+        default=parse_pairs(DEFAULT_PAIRS),
+        help=f"DRAFT->TARGET,... (random shapes {', '.join(RANDOM_NAMES)} or model paths); default {DEFAULT_PAIRS}",
+    )
+    ap.add_argument(
+        "--modes", default=DEFAULT_MODES, help=f"k0 and `serve --schedule` values (default {DEFAULT_MODES})"
+    )
     ap.add_argument("--concurrency", type=int_list, default=int_list(DEFAULT_CONCURRENCY))
     ap.add_argument("--alpha", type=float, default=0.7, help="simulated acceptance of the speculative modes")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     per = ap.add_mutually_exclusive_group()
-    per.add_argument("--seconds-per-point", type=float, default=6.0,
-                     help="each point sends for this long, then lets in-flight requests finish (default 6)")
+    per.add_argument(
+        "--seconds-per-point",
+        type=float,
+        default=6.0,
+        help="each point sends for this long, then lets in-flight requests finish (default 6)",
+    )
     per.add_argument("--requests-per-point", type=int, default=None, help="instead: this many requests (at least c)")
-    ap.add_argument("--warmup-requests", type=int, default=32,
-                    help="per server, before the first point: requests of up to 32 tokens (0 = none)")
+    ap.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=32,
+        help="per server, before the first point: requests of up to 32 tokens (0 = none)",
+    )
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to start")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds: start no server and no point after this (they are recorded as not run), so a "
-                         "run under a hard time limit still ends with its JSON and report written")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: start no server and no point after this (they are recorded as not run), so a "
+        "run under a hard time limit still ends with its JSON and report written",
+    )
     ap.add_argument("--device", default="auto", help="serve --device (default auto)")
     ap.add_argument("--vocab-range", default="100:31000", help="LO:HI of the random prompt token ids")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--serve-args", default="", help="extra `verifypd serve` arguments for every server")
     ap.add_argument("--k0-args", default="--draft none", help="serve arguments of mode k0 (default: --draft none)")
     ap.add_argument("--mode-args", action="append", metavar="MODE=ARGS", help="extra serve arguments of one mode")
-    ap.add_argument("--no-schedule-flag", dest="schedule_flag", action="store_false",
-                    help="do not pass --schedule MODE (for servers without the flag: every mode runs serve's default)")
+    ap.add_argument(
+        "--no-schedule-flag",
+        dest="schedule_flag",
+        action="store_false",
+        help="do not pass --schedule MODE (for servers without the flag: every mode runs serve's default)",
+    )
     ap.add_argument("--echo-server-logs", action="store_true")
     ap.add_argument("--tag", default=None, help="file-name suffix (e.g. one per pair, merged with --report-only)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="output directory")
-    ap.add_argument("--report-only", nargs="+", metavar="JSON", help="merge these runs' JSON into one report; run nothing")
+    ap.add_argument(
+        "--report-only", nargs="+", metavar="JSON", help="merge these runs' JSON into one report; run nothing"
+    )
     args = ap.parse_args(argv)
     if args.report_only:
         docs = [json.loads(Path(p).read_text()) for p in args.report_only]

@@ -1,5 +1,6 @@
 """PNG plots of the seed-comparison sweep (bench/seed_comparison.py), per pair: throughput, P95 latency
 and a mode-vs-mode throughput heatmap."""
+
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ def make_plots(doc: dict, base: Path) -> tuple[dict[str, list[str]], str | None]
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         from verifypd_loadgen import plots as lg_plots
     except ImportError as exc:
         return {}, f"no plots: {exc}"
@@ -31,8 +33,11 @@ def make_plots(doc: dict, base: Path) -> tuple[dict[str, list[str]], str | None]
         paths = []
         series = []
         for m in modes:
-            runs = [{"load": {"mode": "closed", "concurrency": c, "rate": None}, "summary": r["summary"]}
-                    for c, r in sorted(by_mode[m].items()) if r.get("status") == "ok" and "summary" in r]
+            runs = [
+                {"load": {"mode": "closed", "concurrency": c, "rate": None}, "summary": r["summary"]}
+                for c, r in sorted(by_mode[m].items())
+                if r.get("status") == "ok" and "summary" in r
+            ]
             if runs:
                 series.append((MODE_TITLES.get(m, m), {"runs": runs}))
         if series:
@@ -54,16 +59,33 @@ def make_plots(doc: dict, base: Path) -> tuple[dict[str, list[str]], str | None]
             fig.savefig(f"{stem}_p95.png", dpi=110)
             paths.append(f"{stem}_p95.png")
         plt.close(fig)
-        combos = [(a, b) for a, b in (("pdv", "pd"), ("pdv", "baseline"), ("pd", "baseline"), ("pdv", "k0"),
-                                      ("pd", "k0"), ("baseline", "k0")) if a in by_mode and b in by_mode]
+        combos = [
+            (a, b)
+            for a, b in (
+                ("pdv", "pd"),
+                ("pdv", "baseline"),
+                ("pd", "baseline"),
+                ("pdv", "k0"),
+                ("pd", "k0"),
+                ("baseline", "k0"),
+            )
+            if a in by_mode and b in by_mode
+        ]
         cs = concurrencies(by_mode)
         if combos and cs:
-            grid = [[(ratio(value(by_mode, a, c, "output_tok_s"), value(by_mode, b, c, "output_tok_s")) or math.nan) - 1
-                     for c in cs] for a, b in combos]
+            grid = [
+                [
+                    (ratio(value(by_mode, a, c, "output_tok_s"), value(by_mode, b, c, "output_tok_s")) or math.nan) - 1
+                    for c in cs
+                ]
+                for a, b in combos
+            ]
             fig, ax = plt.subplots(figsize=(3.5 + 0.75 * len(cs), 1.6 + 0.5 * len(combos)))
             im = ax.imshow([[v * 100 for v in row] for row in grid], cmap="RdYlGn", vmin=-50, vmax=50, aspect="auto")
             ax.set_xticks(range(len(cs)), [str(c) for c in cs])
-            ax.set_yticks(range(len(combos)), [f"{MODE_TITLES.get(a, a)} vs {MODE_TITLES.get(b, b)}" for a, b in combos])
+            ax.set_yticks(
+                range(len(combos)), [f"{MODE_TITLES.get(a, a)} vs {MODE_TITLES.get(b, b)}" for a, b in combos]
+            )
             for i, row in enumerate(grid):
                 for j, v in enumerate(row):
                     ax.text(j, i, "–" if math.isnan(v) else f"{100 * v:+.0f}%", ha="center", va="center", fontsize=7)

@@ -1,6 +1,7 @@
 """The seed-comparison sweep's results (bench/seed_comparison.py): JSON output, merging partial runs (one
 per pair) and the markdown report (tables per pair, ratios vs k0 and vs PD, the study's own figures
 beside ours, marked as theirs, and the PASS/MISS targets) with its plots."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from seed_plots import make_plots  # noqa: E402
-from seed_rows import (LOAD_MODEL, MODE_TITLES, concurrencies, fmt, mode_order, ratio, slug,  # noqa: E402
-                       table_by, value)
+from seed_rows import LOAD_MODEL, MODE_TITLES, concurrencies, fmt, mode_order, ratio, slug, table_by, value  # noqa: E402
 from seed_targets import THEIRS, check_targets, theirs_section  # noqa: E402
 
 
@@ -33,18 +33,27 @@ def write_json(results: dict, path: Path) -> None:
 def merge(docs: list[dict]) -> dict:
     """One document from several partial runs (one per pair): rows, servers and skips concatenated;
     later files win for a repeated (pair, mode, concurrency)."""
-    merged = {"sources": [{k: d.get(k) for k in ("command", "device", "git_revision", "date", "sweep_seconds")}
-                          for d in docs],
-              "device": " + ".join(sorted({d.get("device", "?") for d in docs})),
-              "device_slug": "_".join(sorted({d.get("device_slug", "x") for d in docs})),
-              "label": docs[0].get("label"), "parameters": docs[0].get("parameters"),
-              "servers": [s for d in docs for s in d.get("servers", [])], "skipped": [], "rows": []}
+    merged = {
+        "sources": [
+            {k: d.get(k) for k in ("command", "device", "git_revision", "date", "sweep_seconds")} for d in docs
+        ],
+        "device": " + ".join(sorted({d.get("device", "?") for d in docs})),
+        "device_slug": "_".join(sorted({d.get("device_slug", "x") for d in docs})),
+        "label": docs[0].get("label"),
+        "parameters": docs[0].get("parameters"),
+        "servers": [s for d in docs for s in d.get("servers", [])],
+        "skipped": [],
+        "rows": [],
+    }
     rows = {}
     for d in docs:
         # A mode served with its lanes in processes is its own series ("pdv-split"), beside the
         # one-process rows of the same mode rather than over them.
-        split = {(sv.get("pair"), sv.get("mode")) for sv in d.get("servers", [])
-                 if (sv.get("server_info") or {}).get("topology") == "split"}
+        split = {
+            (sv.get("pair"), sv.get("mode"))
+            for sv in d.get("servers", [])
+            if (sv.get("server_info") or {}).get("topology") == "split"
+        }
         for r in d.get("rows", []):
             if (r["pair"], r["mode"]) in split:
                 r = dict(r, mode=r["mode"] + "-split")
@@ -60,22 +69,36 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
     params = doc.get("parameters") or {}
     label = doc.get("label") or "simulated acceptance"
     lines = [f"# Seed-study comparison sweep — {doc.get('device')} — {label}", ""]
-    lines += [f"**Every speculative row uses {label} (SIMULATED)**: random weights of the named shapes; real draft "
-              f"and verify compute, each draft token kept with probability α (seeded Bernoulli), so acceptance "
-              f"is the benchmark's choice, not the models'. k0 rows are plain decoding (no draft).", ""]
-    srcs = doc.get("sources") or [{k: doc.get(k) for k in ("command", "device", "git_revision", "date", "sweep_seconds")}]
+    lines += [
+        f"**Every speculative row uses {label} (SIMULATED)**: random weights of the named shapes; real draft "
+        f"and verify compute, each draft token kept with probability α (seeded Bernoulli), so acceptance "
+        f"is the benchmark's choice, not the models'. k0 rows are plain decoding (no draft).",
+        "",
+    ]
+    srcs = doc.get("sources") or [
+        {k: doc.get(k) for k in ("command", "device", "git_revision", "date", "sweep_seconds")}
+    ]
     for s in srcs:
-        lines.append(f"- run: `{s.get('command')}` — {s.get('device')}, git {str(s.get('git_revision'))[:12]}, "
-                     f"{s.get('date')}, {s.get('sweep_seconds')} s")
-    lines += [f"- load: {params.get('load', LOAD_MODEL)}; prompt {params.get('prompt_tokens')} random token ids, "
-              f"{params.get('max_tokens')} generated tokens per request ({params.get('sampling', 'greedy')}); "
-              + (f"{params.get('requests_per_point')} requests per point" if params.get("requests_per_point")
-                 else f"{params.get('seconds_per_point')} s per point (requests in flight then finish)")
-              + "; served over gRPC Generate, measured with the loadgen library.",
-              "- GPU utilisation: NVML, sampled every 100 ms during each point "
-              + ("(null: NVML was not available)" if doc.get("nvml") not in (None, "ok") else "(mean / max %).")]
-    lines += [f"- note: {n}" for n in ([doc["git_revision_note"]] if doc.get("git_revision_note") else [])
-              + list(doc.get("notes") or [])] + [""]
+        lines.append(
+            f"- run: `{s.get('command')}` — {s.get('device')}, git {str(s.get('git_revision'))[:12]}, "
+            f"{s.get('date')}, {s.get('sweep_seconds')} s"
+        )
+    lines += [
+        f"- load: {params.get('load', LOAD_MODEL)}; prompt {params.get('prompt_tokens')} random token ids, "
+        f"{params.get('max_tokens')} generated tokens per request ({params.get('sampling', 'greedy')}); "
+        + (
+            f"{params.get('requests_per_point')} requests per point"
+            if params.get("requests_per_point")
+            else f"{params.get('seconds_per_point')} s per point (requests in flight then finish)"
+        )
+        + "; served over gRPC Generate, measured with the loadgen library.",
+        "- GPU utilisation: NVML, sampled every 100 ms during each point "
+        + ("(null: NVML was not available)" if doc.get("nvml") not in (None, "ok") else "(mean / max %)."),
+    ]
+    lines += [
+        f"- note: {n}"
+        for n in ([doc["git_revision_note"]] if doc.get("git_revision_note") else []) + list(doc.get("notes") or [])
+    ] + [""]
     pairs = []
     for r in doc["rows"]:
         if r["pair"] not in pairs:
@@ -108,9 +131,12 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
         grid("Throughput ÷ k0", None, 2, lambda m, c: ratio(tput(m, c), tput("k0", c)))
         grid("Throughput ÷ PD", None, 2, lambda m, c: ratio(tput(m, c), tput("pd", c)))
         grid("P95 latency ÷ PD", None, 2, lambda m, c: ratio(p95(m, c), p95("pd", c)))
-        lines += ["**Per point**", "",
-                  "| mode | c | tok/s | E2E mean / P95 / P99 ms | TTFT P95 ms | ITL P95 ms | acceptance | mean k | GPU util % (mean/max) | ok/failed | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "**Per point**",
+            "",
+            "| mode | c | tok/s | E2E mean / P95 / P99 ms | TTFT P95 ms | ITL P95 ms | acceptance | mean k | GPU util % (mean/max) | ok/failed | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for m in modes:
             for c in cs:
                 r = by_mode[m].get(c)
@@ -125,7 +151,8 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
                     f"{fmt(r['e2e_p99_ms'], 0)} | {fmt(r['ttft_p95_ms'], 0)} | {fmt(r['itl_p95_ms'], 2)} | "
                     f"{'–' if acc is None else f'{acc:.3f}'} | {fmt(r.get('mean_applied_k'), 2)} | "
                     f"{fmt(r.get('gpu_util_mean_pct'))} / {fmt(r.get('gpu_util_max_pct'), 0)} | "
-                    f"{r.get('requests_completed')}/{r.get('requests_failed')} | {r.get('label', '')} |")
+                    f"{r.get('requests_completed')}/{r.get('requests_failed')} | {r.get('label', '')} |"
+                )
         lines.append("")
         if pair == THEIRS["pair"]:
             lines += theirs_section(by_mode, modes)

@@ -1,13 +1,22 @@
 """Names and lookups that the seed-comparison sweep (bench/seed_comparison.py) and its report share:
 the load model, mode titles, file-name slugs, and rows by (mode, concurrency) with their values and ratios."""
+
 from __future__ import annotations
 
 import re
 
-LOAD_MODEL = ("closed loop: N clients, each sending its next request as soon as the previous one ends "
-              "(zero think time), so N requests are in flight")
-MODE_TITLES = {"k0": "k0 (no speculation)", "baseline": "Baseline", "pd": "PD", "pdv": "PDV",
-               "pdv-split": "PDV split (lane processes under MPS)", "pd-split": "PD split (lane processes under MPS)"}
+LOAD_MODEL = (
+    "closed loop: N clients, each sending its next request as soon as the previous one ends "
+    "(zero think time), so N requests are in flight"
+)
+MODE_TITLES = {
+    "k0": "k0 (no speculation)",
+    "baseline": "Baseline",
+    "pd": "PD",
+    "pdv": "PDV",
+    "pdv-split": "PDV split (lane processes under MPS)",
+    "pd-split": "PD split (lane processes under MPS)",
+}
 
 
 def slug(text: str) -> str:

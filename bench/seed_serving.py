@@ -1,6 +1,7 @@
 """One server of the seed-comparison sweep (bench/seed_comparison.py) under load: `verifypd serve` as a
 subprocess, its concurrency points driven over gRPC with the loadgen library, and GPU utilisation
 sampled over NVML during each point."""
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ def free_port() -> int:
 
 
 # ----------------------------------------------------------------------------------------------- GPU
+
 
 class Nvml:
     """GPU name, memory and a utilisation sampler over NVML (nvidia-ml-py); `error` says why not."""
@@ -98,8 +100,11 @@ class UtilSampler:
     def result(self) -> dict:
         if not self.samples:
             return {"gpu_util_mean_pct": None, "gpu_util_max_pct": None, "gpu_util_samples": 0}
-        return {"gpu_util_mean_pct": round(sum(self.samples) / len(self.samples), 1),
-                "gpu_util_max_pct": max(self.samples), "gpu_util_samples": len(self.samples)}
+        return {
+            "gpu_util_mean_pct": round(sum(self.samples) / len(self.samples), 1),
+            "gpu_util_max_pct": max(self.samples),
+            "gpu_util_samples": len(self.samples),
+        }
 
 
 def device_info(nvml: Nvml) -> tuple[str, str, float | None]:
@@ -107,8 +112,12 @@ def device_info(nvml: Nvml) -> tuple[str, str, float | None]:
     name, mem = nvml.name(), nvml.memory_gb()
     if name is None:
         try:
-            out = subprocess.check_output(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                                          text=True, stderr=subprocess.DEVNULL, timeout=20).splitlines()[0]
+            out = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                text=True,
+                stderr=subprocess.DEVNULL,
+                timeout=20,
+            ).splitlines()[0]
             name, mib = (p.strip() for p in out.split(",", 1))
             mem = float(mib) * 2**20 / 1e9
         except Exception:
@@ -118,6 +127,7 @@ def device_info(nvml: Nvml) -> tuple[str, str, float | None]:
 
 
 # ----------------------------------------------------------------------------------------------- server
+
 
 class ServeProcess:
     """`verifypd serve` as a subprocess: waits for its "serving" line, keeps the tail of its log."""
@@ -132,8 +142,15 @@ class ServeProcess:
         self.ready = threading.Event()
         self.address = None
         self.echo = echo
-        self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**child_env(), **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -173,11 +190,28 @@ class ServeProcess:
 
 def serve_command(args, pair: tuple[str, str], mode: str, port: int) -> list[str]:
     draft, target = pair
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0",
-           "--target", model_spec(target), "--device", args.device,
-           "--max-context", str(args.prompt_tokens + args.max_tokens + 64),
-           "--max-running", str(max(256, max(args.concurrency))), "--max-queue", str(max(256, 2 * max(args.concurrency))),
-           "--drain-timeout", "5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        "0",
+        "--target",
+        model_spec(target),
+        "--device",
+        args.device,
+        "--max-context",
+        str(args.prompt_tokens + args.max_tokens + 64),
+        "--max-running",
+        str(max(256, max(args.concurrency))),
+        "--max-queue",
+        str(max(256, 2 * max(args.concurrency))),
+        "--drain-timeout",
+        "5",
+    ]
     if mode == "k0":
         cmd += shlex.split(args.k0_args)
     else:
@@ -191,11 +225,16 @@ def serve_command(args, pair: tuple[str, str], mode: str, port: int) -> list[str
 
 # ----------------------------------------------------------------------------------------------- load
 
+
 def workload(args, output_len: int):
     from verifypd_loadgen.workload import Distribution, Workload
 
-    return Workload(input_len=Distribution("fixed", (args.prompt_tokens,)),
-                    output_len=Distribution("fixed", (output_len,)), vocab_range=args.vocab_range, seed=args.seed)
+    return Workload(
+        input_len=Distribution("fixed", (args.prompt_tokens,)),
+        output_len=Distribution("fixed", (output_len,)),
+        vocab_range=args.vocab_range,
+        seed=args.seed,
+    )
 
 
 def point_row(summary: dict, util: dict) -> dict:
@@ -204,16 +243,22 @@ def point_row(summary: dict, util: dict) -> dict:
     ks = {int(k): n for k, n in spec["applied_k"].items()}
     messages = sum(ks.values())
     req = summary["requests"]
-    row = {"output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 2),
-           "e2e_mean_ms": _r(lat["e2e"]["mean"]), "e2e_p95_ms": _r(lat["e2e"]["p95"]),
-           "e2e_p99_ms": _r(lat["e2e"]["p99"]), "ttft_p95_ms": _r(lat["ttft"]["p95"]),
-           "itl_p95_ms": _r(lat["itl_token"]["p95"]),
-           "acceptance_rate": None if spec["acceptance_rate"] is None else round(spec["acceptance_rate"], 4),
-           "mean_applied_k": round(sum(k * n for k, n in ks.items()) / messages, 3) if messages else None,
-           **util,
-           "requests_completed": req["completed"], "requests_failed": req["failed"],
-           "requests_cancelled": req["cancelled"], "errors": summary["errors"],
-           "duration_s": round(summary["duration_s"], 2)}
+    row = {
+        "output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 2),
+        "e2e_mean_ms": _r(lat["e2e"]["mean"]),
+        "e2e_p95_ms": _r(lat["e2e"]["p95"]),
+        "e2e_p99_ms": _r(lat["e2e"]["p99"]),
+        "ttft_p95_ms": _r(lat["ttft"]["p95"]),
+        "itl_p95_ms": _r(lat["itl_token"]["p95"]),
+        "acceptance_rate": None if spec["acceptance_rate"] is None else round(spec["acceptance_rate"], 4),
+        "mean_applied_k": round(sum(k * n for k, n in ks.items()) / messages, 3) if messages else None,
+        **util,
+        "requests_completed": req["completed"],
+        "requests_failed": req["failed"],
+        "requests_cancelled": req["cancelled"],
+        "errors": summary["errors"],
+        "duration_s": round(summary["duration_s"], 2),
+    }
     if req["completed"] == 0:
         row["status"] = "error"
         row["error"] = f"no request completed ({req['sent']} sent; errors {summary['errors']})"
@@ -243,8 +288,14 @@ async def drive(args, address: str, base: dict, nvml: Nvml, on_row, alive, out_o
         runner = Runner(stub, timeout=args.request_timeout, drain_timeout=args.request_timeout)
         if args.warmup_requests:
             c = min(args.warmup_requests, max(args.concurrency))
-            await runner.run(LoadPoint("closed", concurrency=c), workload(args, min(32, args.max_tokens)).requests(stream=0),
-                             args.warmup_requests, None, "warmup", args.seed)
+            await runner.run(
+                LoadPoint("closed", concurrency=c),
+                workload(args, min(32, args.max_tokens)).requests(stream=0),
+                args.warmup_requests,
+                None,
+                "warmup",
+                args.seed,
+            )
         for c in args.concurrency:
             row = dict(base, concurrency=c, status="ok", error=None)
             if not alive():
@@ -259,8 +310,14 @@ async def drive(args, address: str, base: dict, nvml: Nvml, on_row, alive, out_o
             duration = None if n is not None else args.seconds_per_point
             try:
                 with UtilSampler(nvml) as sampler:
-                    res = await runner.run(LoadPoint("closed", concurrency=c), workload(args, args.max_tokens).requests(stream=1),
-                                           n, duration, f"c{c}", args.seed)
+                    res = await runner.run(
+                        LoadPoint("closed", concurrency=c),
+                        workload(args, args.max_tokens).requests(stream=1),
+                        n,
+                        duration,
+                        f"c{c}",
+                        args.seed,
+                    )
                 summary = metrics.summarize(res)
                 row.update(point_row(summary, sampler.result()))
                 row["summary"] = summary

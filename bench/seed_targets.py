@@ -1,5 +1,6 @@
 """The seed study's own figures and the issue's PASS/MISS targets, checked over one pair's rows of the
 seed-comparison sweep (bench/seed_comparison.py). The study's figures are theirs, never measured here."""
+
 from __future__ import annotations
 
 import sys
@@ -13,10 +14,13 @@ from seed_rows import MODE_TITLES, measured, value  # noqa: E402
 THEIRS = {
     "source": "the seed study (A100, real TinyLlama-1.1B -> Llama-2-7B weights, their code)",
     "pair": "tinyllama-1.1b->llama-2-7b",
-    "peak_throughput": {"pd": (13.12, 16), "pdv": (12.75, 64)},   # tok/s at concurrency
+    "peak_throughput": {"pd": (13.12, 16), "pdv": (12.75, 64)},  # tok/s at concurrency
     "p95_concurrency": (1, 5, 20, 50),
-    "p95_ms": {"baseline": (6695, 33078, 113624, 361680), "pd": (6423, 33879, 123209, 368157),
-               "pdv": (6341, 35639, 95711, 235652)},
+    "p95_ms": {
+        "baseline": (6695, 33078, 113624, 361680),
+        "pd": (6423, 33879, 123209, 368157),
+        "pdv": (6341, 35639, 95711, 235652),
+    },
 }
 
 
@@ -46,16 +50,23 @@ def _checks(by_mode: dict[str, dict[int, dict]], concurrency: list[int], pdv: st
     def add(target, evaluated):
         misses = [d for good, d in evaluated if not good]
         status = "N/A" if not evaluated else ("MISS" if misses else "PASS")
-        detail = (f"missed at {'; '.join(misses)}" if misses else f"held at {len(evaluated)} concurrency level(s)") \
-            if evaluated else "no concurrency level with data for every mode involved"
+        detail = (
+            (f"missed at {'; '.join(misses)}" if misses else f"held at {len(evaluated)} concurrency level(s)")
+            if evaluated
+            else "no concurrency level with data for every mode involved"
+        )
         checks.append({"target": target.replace("PDV", name), "status": status, "detail": detail})
 
     ev = []
     for c in (c for c in concurrency if c >= 8):
         v, d, b = tput(pdv, c), tput("pd", c), tput("baseline", c)
         if None not in (v, d):  # Baseline, run only at low concurrency, is checked where it ran
-            ev.append((v >= d and (b is None or d >= b),
-                       f"c={c} (PDV {v:.1f}, PD {d:.1f}, Baseline {'not run' if b is None else f'{b:.1f}'} tok/s)"))
+            ev.append(
+                (
+                    v >= d and (b is None or d >= b),
+                    f"c={c} (PDV {v:.1f}, PD {d:.1f}, Baseline {'not run' if b is None else f'{b:.1f}'} tok/s)",
+                )
+            )
     add("PDV ≥ PD ≥ Baseline throughput at every concurrency ≥ 8", ev)
     ev = []
     for c in concurrency:
@@ -90,20 +101,33 @@ def interpolate(points: dict[int, float], x: float) -> tuple[float | None, bool]
 
 def theirs_section(by_mode, modes) -> list[str]:
     t = THEIRS
-    out = [f"**The study's own figures — THEIRS: {t['source']}; not measured here, not comparable one-to-one "
-           f"(different GPU, real weights and acceptance, their code)**", "",
-           "| | theirs: peak tok/s (at c) | ours: peak tok/s (at c) |", "|---|---|---|"]
+    out = [
+        f"**The study's own figures — THEIRS: {t['source']}; not measured here, not comparable one-to-one "
+        f"(different GPU, real weights and acceptance, their code)**",
+        "",
+        "| | theirs: peak tok/s (at c) | ours: peak tok/s (at c) |",
+        "|---|---|---|",
+    ]
     for m in ("baseline", "pd", "pdv", "pdv-split"):
         if m == "pdv-split" and m not in by_mode:
             continue
         theirs = t["peak_throughput"].get(m)
         pts = measured(by_mode, m, "output_tok_s")
         ours = max(pts.items(), key=lambda kv: kv[1]) if pts else None
-        out.append(f"| {MODE_TITLES[m]} | {'–' if not theirs else f'{theirs[0]} (c={theirs[1]})'} | "
-                   f"{'–' if not ours else f'{ours[1]:,.1f} (c={ours[0]})'} |")
+        out.append(
+            f"| {MODE_TITLES[m]} | {'–' if not theirs else f'{theirs[0]} (c={theirs[1]})'} | "
+            f"{'–' if not ours else f'{ours[1]:,.1f} (c={ours[0]})'} |"
+        )
     cs = t["p95_concurrency"]
-    out += ["", "| P95 latency, ms | " + " | ".join(f"theirs c={c}" for c in cs) + " | "
-            + " | ".join(f"ours c={c}" for c in cs) + " |", "|---|" + "---|" * (2 * len(cs))]
+    out += [
+        "",
+        "| P95 latency, ms | "
+        + " | ".join(f"theirs c={c}" for c in cs)
+        + " | "
+        + " | ".join(f"ours c={c}" for c in cs)
+        + " |",
+        "|---|" + "---|" * (2 * len(cs)),
+    ]
     approx = False
     for m in ("baseline", "pd", "pdv", "pdv-split"):
         if m not in t["p95_ms"] and m not in by_mode:
@@ -115,10 +139,15 @@ def theirs_section(by_mode, modes) -> list[str]:
             approx |= v is not None and not exact
             ours.append("–" if v is None else (f"{v:,.0f}" if exact else f"≈{v:,.0f}"))
         theirs = t["p95_ms"].get(m, ("–",) * len(cs))
-        out.append(f"| {MODE_TITLES[m]} | " + " | ".join(fmt_theirs(v) for v in theirs) + " | " + " | ".join(ours) + " |")
+        out.append(
+            f"| {MODE_TITLES[m]} | " + " | ".join(fmt_theirs(v) for v in theirs) + " | " + " | ".join(ours) + " |"
+        )
     if approx:
-        out += ["", "≈: our sweep did not run that concurrency; linear interpolation between the two measured "
-                    "concurrencies around it."]
+        out += [
+            "",
+            "≈: our sweep did not run that concurrency; linear interpolation between the two measured "
+            "concurrencies around it.",
+        ]
     out.append("")
     return out
 

@@ -11,6 +11,7 @@ for greedy). Usage (GPU):
 
     python bench/seeded_output_gpu.py --out seeded_output_gpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,16 @@ SUBJECTS, CROWD, MAX_TOKENS = 8, 16, 64
 
 
 def specs(tag: str, prompts, sampling_seed0: int, temperature: float = 0.8):
-    return [RequestSpec(p, max_tokens=MAX_TOKENS, stop_at_eos=False, request_id=f"{tag}{i}",
-                        sampling=SamplingParams(temperature=temperature, top_p=0.95, seed=sampling_seed0 + i))
-            for i, p in enumerate(prompts)]
+    return [
+        RequestSpec(
+            p,
+            max_tokens=MAX_TOKENS,
+            stop_at_eos=False,
+            request_id=f"{tag}{i}",
+            sampling=SamplingParams(temperature=temperature, top_p=0.95, seed=sampling_seed0 + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def serve(options: EngineOptions, models, k: int, adaptive: bool, crowd: bool) -> tuple[dict, float | None]:
@@ -41,7 +49,7 @@ def serve(options: EngineOptions, models, k: int, adaptive: bool, crowd: bool) -
     engine = Engine(options, models=models)
     subjects = specs("s", random_prompts(SUBJECTS, 32, seed=5), 1000)
     others = specs("c", random_prompts(CROWD, 48, seed=9), 7, temperature=1.0) if crowd else []
-    done = engine.generate(others[:CROWD // 2] + subjects + others[CROWD // 2:])
+    done = engine.generate(others[: CROWD // 2] + subjects + others[CROWD // 2 :])
     drafted = sum(c.usage["draft_tokens"] for c in done.values())
     accepted = sum(c.usage["accepted_tokens"] for c in done.values())
     return {r: c.token_ids for r, c in done.items() if r.startswith("s")}, accepted / drafted if drafted else None
@@ -54,8 +62,14 @@ def main() -> None:
     rows = []
     for dtype in ("float32", "bfloat16"):
         for draft in ("none", "self:22", "ngram"):
-            options = EngineOptions(target="random:tinyllama-1.1b", draft=draft, device="cuda", dtype=dtype,
-                                    num_blocks=1024, max_context=256)
+            options = EngineOptions(
+                target="random:tinyllama-1.1b",
+                draft=draft,
+                device="cuda",
+                dtype=dtype,
+                num_blocks=1024,
+                max_context=256,
+            )
             models = load_models(options)
             if draft == "none":
                 reference, _ = serve(options, models, 0, False, crowd=False)
@@ -64,11 +78,22 @@ def main() -> None:
                 cases = [(4, False, False), (4, False, True), (4, True, True)]
             for k, adaptive, crowd in cases:
                 out, rate = serve(options, models, k, adaptive, crowd)
-                first = [next((n for n, (a, b) in enumerate(zip(out[r], reference[r])) if a != b), None)
-                         for r in sorted(reference)]
-                rows.append({"dtype": dtype, "draft": draft, "k": k, "adaptive": adaptive, "crowd": crowd,
-                             "acceptance_rate": rate, "mismatched_requests": sum(f is not None for f in first),
-                             "first_divergence": first})
+                first = [
+                    next((n for n, (a, b) in enumerate(zip(out[r], reference[r])) if a != b), None)
+                    for r in sorted(reference)
+                ]
+                rows.append(
+                    {
+                        "dtype": dtype,
+                        "draft": draft,
+                        "k": k,
+                        "adaptive": adaptive,
+                        "crowd": crowd,
+                        "acceptance_rate": rate,
+                        "mismatched_requests": sum(f is not None for f in first),
+                        "first_divergence": first,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
             del models
             torch.cuda.empty_cache()

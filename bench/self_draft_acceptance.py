@@ -3,6 +3,7 @@ the embedded SmolLM2-135M-Instruct, greedy, fixed k. Real model, real acceptance
 
     python bench/self_draft_acceptance.py --layers 6,12,18,24 --k 4 --out results.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,13 @@ from verifypd.local_engine import Engine, EngineOptions, Models  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
 
-PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
-           "Explain photosynthesis in one paragraph.", "List three uses of Python.",
-           "How do I boil an egg?"]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain photosynthesis in one paragraph.",
+    "List three uses of Python.",
+    "How do I boil an egg?",
+]
 
 
 def main() -> None:
@@ -38,24 +43,56 @@ def main() -> None:
     device = torch.device(args.device)
     target = load_model("smollm2", device, torch.float32, 2048)
     codec_tok = target.tokenizer
-    prompts = [tuple(codec_tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                   tokenize=True)["input_ids"]) for p in PROMPTS]
+    prompts = [
+        tuple(
+            codec_tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for p in PROMPTS
+    ]
     rows = []
     for n in [int(x) for x in args.layers.split(",")]:
-        models = Models(target, PagedLlama(target.shape, target.weights),
-                        PagedLlama(target.shape, target.weights, num_layers=n), f"self:{n}", device, torch.float32)
-        engine = Engine(EngineOptions(num_blocks=512, device=args.device,
-                                      config=RuntimeConfig(k_initial=args.k, k_max=args.k, adaptive=False)), models=models)
-        done = engine.generate([RequestSpec(p, max_tokens=args.max_tokens, request_id=str(i)) for i, p in enumerate(prompts)])
+        models = Models(
+            target,
+            PagedLlama(target.shape, target.weights),
+            PagedLlama(target.shape, target.weights, num_layers=n),
+            f"self:{n}",
+            device,
+            torch.float32,
+        )
+        engine = Engine(
+            EngineOptions(
+                num_blocks=512, device=args.device, config=RuntimeConfig(k_initial=args.k, k_max=args.k, adaptive=False)
+            ),
+            models=models,
+        )
+        done = engine.generate(
+            [RequestSpec(p, max_tokens=args.max_tokens, request_id=str(i)) for i, p in enumerate(prompts)]
+        )
         drafted = sum(c.usage["draft_tokens"] for c in done.values())
         accepted = sum(c.usage["accepted_tokens"] for c in done.values())
-        rows.append({"draft": f"self:{n}", "k": args.k, "drafted": drafted, "accepted": accepted,
-                     "acceptance_rate": accepted / drafted if drafted else None})
+        rows.append(
+            {
+                "draft": f"self:{n}",
+                "k": args.k,
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    result = {"command": " ".join(["python"] + sys.argv), "git_revision": git_revision(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": args.device,
-              "target": "smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized fp32)", "greedy": True,
-              "prompts": PROMPTS, "max_tokens": args.max_tokens, "rows": rows}
+    result = {
+        "command": " ".join(["python"] + sys.argv),
+        "git_revision": git_revision(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "device": args.device,
+        "target": "smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized fp32)",
+        "greedy": True,
+        "prompts": PROMPTS,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -10,6 +10,7 @@ the engine, and the gateway's CPU seconds per streamed token what it costs the f
 SIMULATED acceptance (seeded Bernoulli, see router_host_overhead.InstantLanes); prompt 128 tokens,
 256 output tokens per request, closed loop. Measure on the machine whose CPU serves (the GPU host).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,14 @@ def instant_router(args):
 
     batch = args.serve_batch
     lanes = InstantLanes(batch * ((PROMPT + OUTPUT) // BLOCK + 2) + 16, args.alpha, verify_s=args.verify_ms / 1e3)
-    config = RuntimeConfig(k_min=args.k, k_max=args.k, k_initial=args.k, adaptive=False, schedule=args.schedule,
-                           pipeline=args.schedule == "pdv")
+    config = RuntimeConfig(
+        k_min=args.k,
+        k_max=args.k,
+        k_initial=args.k,
+        adaptive=False,
+        schedule=args.schedule,
+        pipeline=args.schedule == "pdv",
+    )
     return Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, max_running=batch)
 
 
@@ -50,24 +57,39 @@ def core(args) -> None:
     import socket
 
     from verifypd.core.channel import BlockingChannel
-    from verifypd.core.process import server_info
     from verifypd.core.core_server import CoreServer
+    from verifypd.core.process import server_info
 
     channel = BlockingChannel(socket.socket(fileno=args.channel_fd))
-    CoreServer(instant_router(args), channel, server_info("instant", "instant", "colocated", 1 << 16),
-               max_queue=args.serve_batch).start(loop_in_thread=False)
+    CoreServer(
+        instant_router(args),
+        channel,
+        server_info("instant", "instant", "colocated", 1 << 16),
+        max_queue=args.serve_batch,
+    ).start(loop_in_thread=False)
 
 
 def serve(args) -> None:
     """The gateway process: prints its address; stdin "go" starts the measured window, "stop" ends
     it and prints the core's step stats and both processes' CPU time over it; then serves until SIGTERM."""
     from serving_window import cpu_seconds
+
     from verifypd.core.process import CoreProcess
     from verifypd.gateway.server import Gateway
     from verifypd.tokenizer import TextCodec
 
-    argv = ["--serve-batch", str(args.serve_batch), "--schedule", args.schedule, "--k", str(args.k),
-            "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms)]
+    argv = [
+        "--serve-batch",
+        str(args.serve_batch),
+        "--schedule",
+        args.schedule,
+        "--k",
+        str(args.k),
+        "--alpha",
+        str(args.alpha),
+        "--verify-ms",
+        str(args.verify_ms),
+    ]
     proc = CoreProcess(argv, program=[sys.executable, os.path.abspath(__file__), "--core"])
     gateway = Gateway(proc.sock, TextCodec(None), core_process=proc).start()
     if args.api == "openai":  # the OpenAI HTTP API on the gateway's loop, as `verifypd serve` runs it
@@ -75,8 +97,7 @@ def serve(args) -> None:
         from verifypd.gateway.http_server import HttpServer
 
         gateway.http = HttpServer(HttpApi(gateway, model_name="instant").app, "127.0.0.1", 0, loop=gateway.loop).start()
-        print(gateway.http.url.removeprefix("http://"), os.getpid(),
-              flush=True)
+        print(gateway.http.url.removeprefix("http://"), os.getpid(), flush=True)
     else:
         print(gateway.address, os.getpid(), flush=True)
     stop = threading.Event()
@@ -85,13 +106,25 @@ def serve(args) -> None:
     def snapshot() -> tuple:
         stats = gateway._run(gateway.client.call("stats"))
         return stats["step_seconds"], stats["steps"], stats["tokens_out"], time.process_time(), cpu_seconds(proc.pid)
+
     sys.stdin.readline()  # "go"
     before, t0 = snapshot(), time.perf_counter()
     sys.stdin.readline()  # "stop"
     after, wall = snapshot(), time.perf_counter() - t0
     step_s, steps, tokens, gateway_cpu, core_cpu = (a - b for a, b in zip(after, before))
-    print(json.dumps({"wall_s": wall, "step_s": step_s, "steps": steps, "tokens": tokens,
-                      "gateway_cpu_s": gateway_cpu, "core_cpu_s": core_cpu}), flush=True)
+    print(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "step_s": step_s,
+                "steps": steps,
+                "tokens": tokens,
+                "gateway_cpu_s": gateway_cpu,
+                "core_cpu_s": core_cpu,
+            }
+        ),
+        flush=True,
+    )
     stop.wait()
     gateway.stop()
 
@@ -105,8 +138,13 @@ async def drive(address: str, c: int, seconds: float, tell, api: str = "grpc") -
     from verifypd_loadgen.runner import LoadPoint, Runner
     from verifypd_loadgen.workload import Distribution, Workload
 
-    work = Workload(input_len=Distribution("fixed", (PROMPT,)), output_len=Distribution("fixed", (OUTPUT,)),
-                    vocab_range=(3, 30000), seed=0, ignore_eos=True)
+    work = Workload(
+        input_len=Distribution("fixed", (PROMPT,)),
+        output_len=Distribution("fixed", (OUTPUT,)),
+        vocab_range=(3, 30000),
+        seed=0,
+        ignore_eos=True,
+    )
 
     async def go(runner) -> dict:
         await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), c, None, "warmup", 0)
@@ -114,6 +152,7 @@ async def drive(address: str, c: int, seconds: float, tell, api: str = "grpc") -
         asyncio.get_running_loop().call_later(seconds, tell, "stop")
         res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, seconds, f"c{c}", 0)
         return metrics.summarize(res)
+
     if api == "openai":
         async with ob.new_client() as client:
             backend = ob.OpenAIBackend(client, f"http://{address}/v1", "instant", "completions")
@@ -123,8 +162,23 @@ async def drive(address: str, c: int, seconds: float, tell, api: str = "grpc") -
 
 
 def point(args, c: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--serve-batch", str(c), "--schedule", args.schedule,
-           "--k", str(args.k), "--alpha", str(args.alpha), "--verify-ms", str(args.verify_ms), "--api", args.api]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--serve",
+        "--serve-batch",
+        str(c),
+        "--schedule",
+        args.schedule,
+        "--k",
+        str(args.k),
+        "--alpha",
+        str(args.alpha),
+        "--verify-ms",
+        str(args.verify_ms),
+        "--api",
+        args.api,
+    ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     spy = None
     try:
@@ -135,11 +189,26 @@ def point(args, c: int) -> dict:
             proc.stdin.write(word + "\n")
             proc.stdin.flush()
             if word == "go" and args.py_spy:  # samples the gateway over the measured window
-                spy = subprocess.Popen([args.py_spy, "record", "--pid", gateway_pid, "--duration",
-                                        str(max(1, int(args.seconds))), "--rate", "250", "--nonblocking",
-                                        "--format", "raw", "--output",
-                                        os.path.join(args.out or ".", f"pyspy_gateway_{args.api}_c{c}.txt")],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                spy = subprocess.Popen(
+                    [
+                        args.py_spy,
+                        "record",
+                        "--pid",
+                        gateway_pid,
+                        "--duration",
+                        str(max(1, int(args.seconds))),
+                        "--rate",
+                        "250",
+                        "--nonblocking",
+                        "--format",
+                        "raw",
+                        "--output",
+                        os.path.join(args.out or ".", f"pyspy_gateway_{args.api}_c{c}.txt"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+
         summary = asyncio.run(drive(address, c, args.seconds, tell, args.api))
         if spy is not None:
             spy.wait()
@@ -149,18 +218,23 @@ def point(args, c: int) -> dict:
         proc.kill()
         proc.wait()
     steps = max(server["steps"], 1)
-    return {"api": args.api, "schedule": args.schedule, "concurrency": c, "k": args.k,
-            "client_output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 1),
-            "itl_p95_ms": summary["latency_ms"]["itl_token"]["p95"],
-            "ttft_p50_ms": summary["latency_ms"]["ttft"]["p50"],  # a step's wait + one step is the floor
-            "server_tok_s": round(server["tokens"] / server["wall_s"], 1),
-            "steps_per_s": round(server["steps"] / server["wall_s"], 1),
-            "router_us_per_step": round(server["step_s"] / steps * 1e6, 1),  # incl. --verify-ms
-            "host_us_per_step": round((server["step_s"] / steps - args.verify_ms / 1e3) * 1e6, 1),
-            "tokens_per_step": round(server["tokens"] / steps, 1),
-            "engine_thread_busy": round(server["step_s"] / server["wall_s"], 3),
-            "gateway_cpu_us_per_token": round(server["gateway_cpu_s"] / max(server["tokens"], 1) * 1e6, 1),
-            "core_cpu_us_per_token": round(server["core_cpu_s"] / max(server["tokens"], 1) * 1e6, 1)}
+    return {
+        "api": args.api,
+        "schedule": args.schedule,
+        "concurrency": c,
+        "k": args.k,
+        "client_output_tok_s": round(summary["throughput"]["output_tokens_per_s"], 1),
+        "itl_p95_ms": summary["latency_ms"]["itl_token"]["p95"],
+        "ttft_p50_ms": summary["latency_ms"]["ttft"]["p50"],  # a step's wait + one step is the floor
+        "server_tok_s": round(server["tokens"] / server["wall_s"], 1),
+        "steps_per_s": round(server["steps"] / server["wall_s"], 1),
+        "router_us_per_step": round(server["step_s"] / steps * 1e6, 1),  # incl. --verify-ms
+        "host_us_per_step": round((server["step_s"] / steps - args.verify_ms / 1e3) * 1e6, 1),
+        "tokens_per_step": round(server["tokens"] / steps, 1),
+        "engine_thread_busy": round(server["step_s"] / server["wall_s"], 3),
+        "gateway_cpu_us_per_token": round(server["gateway_cpu_s"] / max(server["tokens"], 1) * 1e6, 1),
+        "core_cpu_us_per_token": round(server["core_cpu_s"] / max(server["tokens"], 1) * 1e6, 1),
+    }
 
 
 def main() -> None:
@@ -170,10 +244,18 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--alpha", type=float, default=0.7, help="SIMULATED per-token acceptance")
     ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
-    ap.add_argument("--verify-ms", type=float, default=0.0,
-                    help="each verify call sleeps this long (GIL released), standing in for the GPU step")
-    ap.add_argument("--api", default="grpc", choices=("grpc", "openai"),
-                    help="drive gRPC Generate or the OpenAI HTTP API (/v1/completions, streamed)")
+    ap.add_argument(
+        "--verify-ms",
+        type=float,
+        default=0.0,
+        help="each verify call sleeps this long (GIL released), standing in for the GPU step",
+    )
+    ap.add_argument(
+        "--api",
+        default="grpc",
+        choices=("grpc", "openai"),
+        help="drive gRPC Generate or the OpenAI HTTP API (/v1/completions, streamed)",
+    )
     ap.add_argument("--py-spy", default=None, help="py-spy binary: sample the gateway over each window (--out)")
     ap.add_argument("--out", default=None, help="directory for serving_host_ceiling_<host>.json")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -190,8 +272,12 @@ def main() -> None:
     for c in (int(x) for x in args.concurrency.split(",")):
         rows.append(point(args, c))
         print(json.dumps(rows[-1]), flush=True)
-    result = {**metadata(), "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work; verify call "
-              f"sleeps {args.verify_ms} ms", "verify_ms": args.verify_ms, "rows": rows}
+    result = {
+        **metadata(),
+        "label": f"SIMULATED acceptance alpha={args.alpha}; lanes do no work; verify call sleeps {args.verify_ms} ms",
+        "verify_ms": args.verify_ms,
+        "rows": rows,
+    }
     api = "" if args.api == "grpc" else f"_{args.api}"
     write_result(args.out, f"serving_host_ceiling{api}_{args.schedule}_{args.verify_ms:g}ms", result)
 

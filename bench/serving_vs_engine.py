@@ -31,12 +31,12 @@ connect first and start together; requests still in flight after the window are 
     python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
     python bench/serving_vs_engine.py --device cpu --target TINY_MODEL_DIR --vocab 90 --modes k0 --concurrency 4 --prompt 16 --gen 16   (CPU smoke test)
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -63,9 +63,18 @@ def base_mode(mode: str) -> str:
 
 def engine_flags(args, mode: str) -> list[str]:
     draft, alpha = DRAFTS[base_mode(mode)]
-    flags = ["--target", args.target, "--draft", args.draft or draft if alpha is not None else draft,
-             "--device", args.device, "--max-context", str(args.prompt + args.gen + 64),
-             "--max-running", str(max(256, max(args.concurrency)))]
+    flags = [
+        "--target",
+        args.target,
+        "--draft",
+        args.draft or draft if alpha is not None else draft,
+        "--device",
+        args.device,
+        "--max-context",
+        str(args.prompt + args.gen + 64),
+        "--max-running",
+        str(max(256, max(args.concurrency))),
+    ]
     if alpha is not None:
         flags += ["--simulated-acceptance", str(alpha)]
     if args.overlap != "on":
@@ -93,8 +102,8 @@ def engine_alone(args) -> None:
     """Prints one JSON line per concurrency: steady-state tok/s of the engine alone."""
     from verifypd.cli import build_parser
     from verifypd.engine.types import RequestSpec
-    from verifypd.local_engine import Engine
     from verifypd.launch.cli import engine_options
+    from verifypd.local_engine import Engine
 
     serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
     engine = Engine(engine_options(serve_args))
@@ -103,8 +112,14 @@ def engine_alone(args) -> None:
 
     def submit(max_tokens: int | None = None) -> None:
         made[0] += 1
-        router.add_request(RequestSpec(tuple(prompt_ids(made[0], args.prompt, router.vocab_size)),
-                                       max_tokens=max_tokens or args.gen, stop_at_eos=False, request_id=str(made[0])))
+        router.add_request(
+            RequestSpec(
+                tuple(prompt_ids(made[0], args.prompt, router.vocab_size)),
+                max_tokens=max_tokens or args.gen,
+                stop_at_eos=False,
+                request_id=str(made[0]),
+            )
+        )
 
     def run(seconds: float) -> tuple[int, float]:
         tokens, t0 = 0, time.perf_counter()
@@ -136,8 +151,12 @@ def engine_alone(args) -> None:
     stagger = base_mode(args.engine_alone) in args.stagger_modes
     for c in args.concurrency:
         tok_s, steps_s = measure(c, staggered=False)
-        row = {"concurrency": c, "engine_tok_s": round(tok_s, 1), "engine_steps_per_s": round(steps_s, 1),
-               "engine_chained_share": chained[0]}
+        row = {
+            "concurrency": c,
+            "engine_tok_s": round(tok_s, 1),
+            "engine_steps_per_s": round(steps_s, 1),
+            "engine_chained_share": chained[0],
+        }
         if stagger and c > 1:
             tok_s, steps_s = measure(c, staggered=True)
             row.update(engine_staggered_tok_s=round(tok_s, 1), engine_staggered_steps_per_s=round(steps_s, 1))
@@ -189,8 +208,13 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
     from verifypd_loadgen.runner import LoadPoint, Runner
     from verifypd_loadgen.workload import Distribution, Workload
 
-    work = Workload(input_len=Distribution("fixed", (args.prompt,)), output_len=Distribution("fixed", (args.gen,)),
-                    vocab_range=id_range(args.vocab), ignore_eos=True, seed=seed)
+    work = Workload(
+        input_len=Distribution("fixed", (args.prompt,)),
+        output_len=Distribution("fixed", (args.gen,)),
+        vocab_range=id_range(args.vocab),
+        ignore_eos=True,
+        seed=seed,
+    )
     total = args.warmup + args.seconds
 
     async def go(runner) -> dict:
@@ -199,8 +223,9 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         # Request ids unique across the point's client processes (gRPC refuses a duplicate in flight).
-        res = await runner.run(LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total,
-                               f"c{c}s{seed}", 0)
+        res = await runner.run(
+            LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total, f"c{c}s{seed}", 0
+        )
         lo, hi = t0 + args.warmup, t0 + total
         inside = [(r, t, n) for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens) if lo <= t < hi]
         gaps = [b - a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if lo <= b < hi]
@@ -209,13 +234,22 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
         for r in res.records:
             if r.error is not None and not r.cancelled:
                 errors[r.error] = errors.get(r.error, 0) + 1
-        return {"tokens": sum(n for _, _, n in inside), "all_tokens": sum(sum(r.chunk_tokens) for r in res.records), "ttft_s": ttfts, "gap_s": gaps, "errors": errors,
-                "client_cpu_s": time.process_time() - cpu0, "draft": sum(r.draft_tokens for r in res.records),
-                "accepted": sum(r.accepted_tokens for r in res.records)}
+        return {
+            "tokens": sum(n for _, _, n in inside),
+            "all_tokens": sum(sum(r.chunk_tokens) for r in res.records),
+            "ttft_s": ttfts,
+            "gap_s": gaps,
+            "errors": errors,
+            "client_cpu_s": time.process_time() - cpu0,
+            "draft": sum(r.draft_tokens for r in res.records),
+            "accepted": sum(r.accepted_tokens for r in res.records),
+        }
+
     if api == "grpc":
         import grpc
 
         from verifypd.v1 import generate_pb2_grpc
+
         async with grpc.aio.insecure_channel(target) as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, DRAIN_S))  # ids: see --drive
@@ -230,9 +264,15 @@ def drive_clients(args, api: str, target: str, c: int, on_start) -> dict:
     time, told to `on_start(start_at)` first (the server-side window): their samples merged."""
     procs = max(1, min(args.client_procs, c))
     shares = [c // procs + (i < c % procs) for i in range(procs)]
-    children = [subprocess.Popen([sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *sys.argv[1:]],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                for i, share in enumerate(shares)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *sys.argv[1:]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i, share in enumerate(shares)
+    ]
     for child in children:
         if child.stdout.readline().strip() != "READY":
             raise SystemExit(f"a {api} client process did not start (exit {child.wait()})")
@@ -242,7 +282,16 @@ def drive_clients(args, api: str, target: str, c: int, on_start) -> dict:
         child.stdin.write(f"{start_at}\n")
         child.stdin.flush()
     parts = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
-    merged = {"tokens": 0, "all_tokens": 0, "ttft_s": [], "gap_s": [], "errors": {}, "client_cpu_s": 0.0, "draft": 0, "accepted": 0}
+    merged = {
+        "tokens": 0,
+        "all_tokens": 0,
+        "ttft_s": [],
+        "gap_s": [],
+        "errors": {},
+        "client_cpu_s": 0.0,
+        "draft": 0,
+        "accepted": 0,
+    }
     for part in parts:
         for key in ("tokens", "all_tokens", "client_cpu_s", "draft", "accepted"):
             merged[key] += part[key]
@@ -265,8 +314,12 @@ def start_py_spy(args, mode: str, api: str, c: int, pids: dict, start_at: float)
         Path(args.out or ".").mkdir(parents=True, exist_ok=True)
         out = Path(args.out or ".") / f"pyspy_{mode}_{api}_c{c}_{name}.txt"
         # the window opens after the warm-up
-        cmd = ["sh", "-c", f"sleep {max(0.0, start_at + args.warmup - time.time()):.2f}; exec {args.py_spy} record --pid {pid} --duration "
-                           f"{int(args.seconds)} --rate 250 --nonblocking --threads --format raw --output {out}"]
+        cmd = [
+            "sh",
+            "-c",
+            f"sleep {max(0.0, start_at + args.warmup - time.time()):.2f}; exec {args.py_spy} record --pid {pid} --duration "
+            f"{int(args.seconds)} --rate 250 --nonblocking --threads --format raw --output {out}",
+        ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs
 
@@ -276,15 +329,31 @@ def staggered_columns(engine: dict, served_tok_s: float) -> dict:
     staggered = engine.get("engine_staggered_tok_s")
     if not staggered:
         return {}
-    return {"engine_staggered_tok_s": staggered, "served_over_engine_staggered": round(served_tok_s / staggered, 3),
-            "engine_staggered_steps_per_s": engine.get("engine_staggered_steps_per_s"),
-            "gpu_busy_pct_engine_staggered": engine.get("engine_staggered_gpu_busy_pct")}
+    return {
+        "engine_staggered_tok_s": staggered,
+        "served_over_engine_staggered": round(served_tok_s / staggered, 3),
+        "engine_staggered_steps_per_s": engine.get("engine_staggered_steps_per_s"),
+        "gpu_busy_pct_engine_staggered": engine.get("engine_staggered_gpu_busy_pct"),
+    }
 
 
 def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambda rows: None) -> list[dict]:
     port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", str(http_port),
-           "--max-queue", "1024", "--drain-timeout", "5", *engine_flags(args, mode)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--max-queue",
+        "1024",
+        "--drain-timeout",
+        "5",
+        *engine_flags(args, mode),
+    ]
     if "-split" in mode:
         cmd += ["--topology", "split"]
     if mode.endswith("-mps"):
@@ -295,20 +364,31 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambd
         why = server.wait_ready(args.ready_timeout)
         if why:
             raise SystemExit(f"serve {mode} did not start: {why}\n" + "\n".join(server.tail()))
-        core_pid = next((int(line.rsplit("engine core pid ", 1)[1].rstrip(")")) for line in server.lines
-                         if "engine core pid" in line), None)
+        core_pid = next(
+            (
+                int(line.rsplit("engine core pid ", 1)[1].rstrip(")"))
+                for line in server.lines
+                if "engine core pid" in line
+            ),
+            None,
+        )
         for api in args.apis:
             target = server.address if api == "grpc" else f"127.0.0.1:{http_port}"
-            for c in (args.split_concurrency if "-split" in mode else args.concurrency):
+            for c in args.split_concurrency if "-split" in mode else args.concurrency:
                 cpu0 = (cpu_seconds(server.proc.pid), cpu_seconds(core_pid))
-                lane_pids = {f"{m.group(1)}_lane": int(m.group(2)) for m in
-                             (re.search(r"verifypd: (\w+) lane pid=(\d+)", line) for line in server.lines) if m}
+                lane_pids = {
+                    f"{m.group(1)}_lane": int(m.group(2))
+                    for m in (re.search(r"verifypd: (\w+) lane pid=(\d+)", line) for line in server.lines)
+                    if m
+                }
                 started: dict = {}
 
                 def on_start(start_at: float) -> None:  # the clients are connected and start then
                     started["window"] = Window(args, http_port, nvml, start_at, (server.proc.pid, core_pid))
-                    started["spy"] = start_py_spy(args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid,
-                                                                       **lane_pids}, start_at)
+                    started["spy"] = start_py_spy(
+                        args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid, **lane_pids}, start_at
+                    )
+
                 seen = drive_clients(args, api, target, c, on_start)
                 for p in started["spy"]:
                     p.wait()
@@ -319,30 +399,38 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambd
                 tok_s = seen["tokens"] / args.seconds
                 streamed = max(seen["all_tokens"], 1)  # the CPU times cover the whole run, ramp and drain too
                 engine = engine_rows.get(c, {}).get("engine_tok_s")
-                rows.append({"mode": mode, "api": api, "concurrency": c, "served_tok_s": round(tok_s, 1),
-                             "engine_tok_s": engine,
-                             "served_over_engine": round(tok_s / engine, 3) if engine else None,
-                             "ttft_p50_ms": percentile_ms(seen["ttft_s"], 50),
-                             "itl_p99_ms": percentile_ms(seen["gap_s"], 99),
-                             "gpu_busy_pct_served": busy,
-                             "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
-                             "engine_steps_per_s": engine_rows.get(c, {}).get("engine_steps_per_s"),
-                             "engine_chained_share": engine_rows.get(c, {}).get("engine_chained_share"),
-                             **staggered_columns(engine_rows.get(c, {}), tok_s),
-                             "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
-                             "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
-                             # over the measured window only (no connect, ramp or drain):
-                             "gateway_cpu_us_per_token_window": round(window.cpu[0] / window_tokens * 1e6, 1),
-                             "core_cpu_us_per_token_window": round(window.cpu[1] / window_tokens * 1e6, 1),
-                             "client_procs": max(1, min(args.client_procs, c)),
-                             "client_cpu_pct": round(seen["client_cpu_s"] / (args.warmup + args.seconds) * 100, 1),
-                             "errors": seen["errors"],
-                             "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
-                             "acceptance_kind": "SIMULATED" if DRAFTS[base_mode(mode)][1] else None,
-                             "steps_per_s": lanes.pop("steps_per_s", None),
-                             "chained_share": lanes.pop("chained_share", None),
-                             "chained_prefill_share": lanes.pop("chained_prefill_share", None),
-                             "core_ttft_mean_ms": lanes.pop("core_ttft_mean_ms", None), "lane_calls": lanes})
+                rows.append(
+                    {
+                        "mode": mode,
+                        "api": api,
+                        "concurrency": c,
+                        "served_tok_s": round(tok_s, 1),
+                        "engine_tok_s": engine,
+                        "served_over_engine": round(tok_s / engine, 3) if engine else None,
+                        "ttft_p50_ms": percentile_ms(seen["ttft_s"], 50),
+                        "itl_p99_ms": percentile_ms(seen["gap_s"], 99),
+                        "gpu_busy_pct_served": busy,
+                        "gpu_busy_pct_engine": engine_rows.get(c, {}).get("engine_gpu_busy_pct"),
+                        "engine_steps_per_s": engine_rows.get(c, {}).get("engine_steps_per_s"),
+                        "engine_chained_share": engine_rows.get(c, {}).get("engine_chained_share"),
+                        **staggered_columns(engine_rows.get(c, {}), tok_s),
+                        "gateway_cpu_us_per_token": round((cpu1[0] - cpu0[0]) / streamed * 1e6, 1),
+                        "core_cpu_us_per_token": round((cpu1[1] - cpu0[1]) / streamed * 1e6, 1),
+                        # over the measured window only (no connect, ramp or drain):
+                        "gateway_cpu_us_per_token_window": round(window.cpu[0] / window_tokens * 1e6, 1),
+                        "core_cpu_us_per_token_window": round(window.cpu[1] / window_tokens * 1e6, 1),
+                        "client_procs": max(1, min(args.client_procs, c)),
+                        "client_cpu_pct": round(seen["client_cpu_s"] / (args.warmup + args.seconds) * 100, 1),
+                        "errors": seen["errors"],
+                        "acceptance": round(seen["accepted"] / seen["draft"], 3) if seen["draft"] else None,
+                        "acceptance_kind": "SIMULATED" if DRAFTS[base_mode(mode)][1] else None,
+                        "steps_per_s": lanes.pop("steps_per_s", None),
+                        "chained_share": lanes.pop("chained_share", None),
+                        "chained_prefill_share": lanes.pop("chained_prefill_share", None),
+                        "core_ttft_mean_ms": lanes.pop("core_ttft_mean_ms", None),
+                        "lane_calls": lanes,
+                    }
+                )
                 print("  " + json.dumps(rows[-1]), flush=True)
                 on_row(rows)  # saved at once: a run cut short keeps every point it measured
                 if seen["errors"]:  # say why, from the server's own log
@@ -365,8 +453,12 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--seconds", type=float, default=15.0, help="measured window per point")
     ap.add_argument("--warmup", type=float, default=5.0)
-    ap.add_argument("--overlap", choices=("on", "off", "ahead"), default="on",
-                    help="serve --overlap for the engine alone and the served rows (docs/engine.md 'Overlapped scheduling')")
+    ap.add_argument(
+        "--overlap",
+        choices=("on", "off", "ahead"),
+        default="on",
+        help="serve --overlap for the engine alone and the served rows (docs/engine.md 'Overlapped scheduling')",
+    )
     ap.add_argument("--graph-buckets", default=None)
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--ready-timeout", type=float, default=600.0)
@@ -374,9 +466,12 @@ def main() -> None:
     ap.add_argument("--echo", action="store_true", help="echo the servers' logs")
     ap.add_argument("--split-concurrency", default=None, help="-split modes: these points only (default: all)")
     ap.add_argument("--client-procs", type=int, default=4, help="loadgen processes sharing each point's concurrency")
-    ap.add_argument("--stagger-modes", default="",
-                    help="base modes (k0,a07) whose engine alone is also measured with staggered arrivals at c > 1 "
-                         "(engine_staggered_tok_s, served_over_engine_staggered)")
+    ap.add_argument(
+        "--stagger-modes",
+        default="",
+        help="base modes (k0,a07) whose engine alone is also measured with staggered arrivals at c > 1 "
+        "(engine_staggered_tok_s, served_over_engine_staggered)",
+    )
     ap.add_argument("--engine-alone", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--py-spy", default=None, help="py-spy binary: sample the served processes at --py-spy-at")
@@ -386,8 +481,9 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.apis = args.apis.split(",")
     args.stagger_modes = [m for m in args.stagger_modes.split(",") if m]
-    args.split_concurrency = ([int(c) for c in args.split_concurrency.split(",")] if args.split_concurrency
-                              else args.concurrency)
+    args.split_concurrency = (
+        [int(c) for c in args.split_concurrency.split(",")] if args.split_concurrency else args.concurrency
+    )
     if args.engine_alone:
         return engine_alone(args)
     if args.drive:  # one loadgen process of drive_clients
@@ -401,30 +497,42 @@ def main() -> None:
             engine_rows[base] = run_engine_alone(args, base, nvml)
         try:
             done = list(rows)
-            rows += run_served(args, mode, nvml, engine_rows.get(base, {}),
-                               on_row=lambda mode_rows: save(args, nvml, done + mode_rows))
+            rows += run_served(
+                args, mode, nvml, engine_rows.get(base, {}), on_row=lambda mode_rows: save(args, nvml, done + mode_rows)
+            )
         except SystemExit as exc:  # a mode that does not start: say so, measure the others
             print(f"mode {mode} failed: {exc}", flush=True)
             rows.append({"mode": mode, "error": str(exc)[-2000:]})
             save(args, nvml, rows)
             continue
         save(args, nvml, rows)  # after every mode: a run cut short keeps what it measured
-    print(f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
-          f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11} {'steps/s':>8} {'eng st/s':>8} {'chained':>7}")
+    print(
+        f"\n{'mode':10} {'api':7} {'c':>4} {'engine':>8} {'served':>8} {'ratio':>6} {'ttft50':>7} {'itl99':>7} "
+        f"{'gpu%':>5} {'gw us/tok':>9} {'core us/tok':>11} {'steps/s':>8} {'eng st/s':>8} {'chained':>7}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:10} failed")
             continue
-        print(f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
-              f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
-              f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11} "
-              f"{r['steps_per_s'] or '-':>8} {r['engine_steps_per_s'] or '-':>8} {r.get('chained_share') or '-':>7}")
+        print(
+            f"{r['mode']:10} {r['api']:7} {r['concurrency']:>4} {r['engine_tok_s'] or '-':>8} {r['served_tok_s']:>8} "
+            f"{r['served_over_engine'] or '-':>6} {r['ttft_p50_ms'] or 0:>7.1f} {r['itl_p99_ms'] or 0:>7.1f} "
+            f"{r['gpu_busy_pct_served'] or '-':>5} {r['gateway_cpu_us_per_token']:>9} {r['core_cpu_us_per_token']:>11} "
+            f"{r['steps_per_s'] or '-':>8} {r['engine_steps_per_s'] or '-':>8} {r.get('chained_share') or '-':>7}"
+        )
 
 
 def save(args, nvml, rows: list[dict]) -> None:
-    write_result(args.out, "serving_vs_engine", {**metadata(), "gpu_util_note": nvml.error,
-                                                "label": "engine alone vs served (closed loop, steady state); "
-                                                         "a07 rows: SIMULATED acceptance 0.7", "rows": rows})
+    write_result(
+        args.out,
+        "serving_vs_engine",
+        {
+            **metadata(),
+            "gpu_util_note": nvml.error,
+            "label": "engine alone vs served (closed loop, steady state); a07 rows: SIMULATED acceptance 0.7",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The measured window of a serving point (bench/serving_vs_engine.py): the served core's lane-call
 and TTFT timers from /metrics, GPU busy share and processes' CPU seconds over exactly that window."""
+
 from __future__ import annotations
 
 import os

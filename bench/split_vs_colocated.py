@@ -12,13 +12,14 @@ identical (0 KV bytes may cross the wire with handles) and prints one JSON objec
 tokens/s of each topology and their ratio, median decode-step and lane-call times, and the
 split's wire bytes. Also: lane start-up and the one-time pool wiring.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
-import os
 import time
 from dataclasses import replace
 
@@ -61,11 +62,14 @@ def run(router, specs, observer: StepTimes) -> tuple[list[list[int]], dict]:
             tokens[out.request_id] += out.token_ids
     wall = time.perf_counter() - t_start
     generated = sum(len(t) for t in tokens.values())
-    stats = {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
-             "decode_steps": len(decode_steps),
-             "decode_step_ms_median": 1e3 * statistics.median(decode_steps) if decode_steps else None,
-             "lane_call_ms_median": {lane: (1e3 * statistics.median(v) if v else None)
-                                     for lane, v in observer.lane.items()}}
+    stats = {
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / wall,
+        "decode_steps": len(decode_steps),
+        "decode_step_ms_median": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+        "lane_call_ms_median": {lane: (1e3 * statistics.median(v) if v else None) for lane, v in observer.lane.items()},
+    }
     return [tokens[i] for i in ids], stats
 
 
@@ -75,12 +79,16 @@ def _median_or_none(values):
 
 
 def summarize(runs: list[dict]) -> dict:
-    return {"runs": len(runs),
-            "decode_step_ms_median_of_runs": statistics.median(r["decode_step_ms_median"] for r in runs),
-            "tokens_per_s_median_of_runs": statistics.median(r["tokens_per_s"] for r in runs),
-            "lane_call_ms_median_of_runs": {lane: _median_or_none([r["lane_call_ms_median"][lane] for r in runs])
-                                            for lane in ("prefill", "draft", "verify")},
-            "decode_steps": [r["decode_steps"] for r in runs]}
+    return {
+        "runs": len(runs),
+        "decode_step_ms_median_of_runs": statistics.median(r["decode_step_ms_median"] for r in runs),
+        "tokens_per_s_median_of_runs": statistics.median(r["tokens_per_s"] for r in runs),
+        "lane_call_ms_median_of_runs": {
+            lane: _median_or_none([r["lane_call_ms_median"][lane] for r in runs])
+            for lane in ("prefill", "draft", "verify")
+        },
+        "decode_steps": [r["decode_steps"] for r in runs],
+    }
 
 
 def interleaved(routers: dict, observers: dict, specs, reps: int):
@@ -91,8 +99,9 @@ def interleaved(routers: dict, observers: dict, specs, reps: int):
     for rep in range(-1, reps):
         for name, router in routers.items():
             observers[name].lane = {lane: [] for lane in observers[name].lane}
-            tokens, stats = run(router, [replace(s, request_id=f"{rep}-{s.request_id}") for s in specs],
-                                observers[name])
+            tokens, stats = run(
+                router, [replace(s, request_id=f"{rep}-{s.request_id}") for s in specs], observers[name]
+            )
             if rep >= 0:
                 outputs[name].append(tokens)
                 runs[name].append(stats)
@@ -109,8 +118,15 @@ def specs_for(args, vocab: int, batch: int):
     from verifypd.engine.types import RequestSpec
 
     rng = random.Random(0)
-    return [RequestSpec(tuple(rng.randrange(3, vocab) for _ in range(args.prompt_len)), max_tokens=args.max_tokens,
-                        stop_at_eos=False, request_id=f"r{n}") for n in range(batch)]
+    return [
+        RequestSpec(
+            tuple(rng.randrange(3, vocab) for _ in range(args.prompt_len)),
+            max_tokens=args.max_tokens,
+            stop_at_eos=False,
+            request_id=f"r{n}",
+        )
+        for n in range(batch)
+    ]
 
 
 def main() -> int:
@@ -127,14 +143,19 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-transport", default="handle", choices=["handle", "copy", "auto"])
     p.add_argument("--reps", type=int, default=3, help="timed runs per topology and batch (after one warm-up)")
-    p.add_argument("--schedule", default="pd", choices=["pd", "pdv"],
-                   help="router schedule of both topologies (pdv: pipelined draft/verify groups)")
+    p.add_argument(
+        "--schedule",
+        default="pd",
+        choices=["pd", "pdv"],
+        help="router schedule of both topologies (pdv: pipelined draft/verify groups)",
+    )
     p.add_argument("--label", default="", help="free text kept in the output (e.g. 'MPS on')")
     p.add_argument("--out", default=None)
     p.add_argument("--watchdog", type=float, default=0, help="dump every thread's stack and exit after S seconds")
     args = p.parse_args()
     if args.watchdog:
         import faulthandler
+
         faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if args.draft == "same":
         args.draft = args.target
@@ -142,27 +163,50 @@ def main() -> int:
     alpha = args.alpha if args.alpha >= 0 else None
 
     from bench_meta import metadata
+
+    from verifypd.core.process import connect_lanes
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.engine.router import Router
-    from verifypd.local_engine import Engine, EngineOptions
-    from verifypd.core.process import connect_lanes
     from verifypd.gateway.server import load_codec
     from verifypd.lanerpc.lane_client import wire_pools
     from verifypd.launch.launcher import LaneProcesses
+    from verifypd.local_engine import Engine, EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False, schedule=args.schedule)
     context = args.prompt_len + args.max_tokens + 64
     num_blocks = max(batches) * (-(-context // args.block_size)) + 16
-    options = EngineOptions(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
-                            num_blocks=num_blocks, block_size=args.block_size, max_context=context,
-                            max_running=max(batches), config=config, graph_buckets=tuple(batches),
-                            simulated_acceptance=alpha)
-    result: dict = {**metadata(), "label": args.label, "schedule": args.schedule, "target": args.target, "draft": args.draft,
-                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "k": args.k,
-                    "kv_transport": args.kv_transport, "rows": [],
-                    "acceptance": (f"simulated acceptance alpha={alpha} (real compute, seeded Bernoulli accept)"
-                                   if alpha is not None else
-                                   "~1 (draft = target, random weights)" if args.draft == args.target else "real")}
+    options = EngineOptions(
+        target=args.target,
+        draft=args.draft,
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=num_blocks,
+        block_size=args.block_size,
+        max_context=context,
+        max_running=max(batches),
+        config=config,
+        graph_buckets=tuple(batches),
+        simulated_acceptance=alpha,
+    )
+    result: dict = {
+        **metadata(),
+        "label": args.label,
+        "schedule": args.schedule,
+        "target": args.target,
+        "draft": args.draft,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "kv_transport": args.kv_transport,
+        "rows": [],
+        "acceptance": (
+            f"simulated acceptance alpha={alpha} (real compute, seeded Bernoulli accept)"
+            if alpha is not None
+            else "~1 (draft = target, random weights)"
+            if args.draft == args.target
+            else "real"
+        ),
+    }
 
     # The lanes are spawned (exec), never forked, so this process may use CUDA as well.
     procs = LaneProcesses(options)
@@ -183,9 +227,17 @@ def main() -> int:
         vocab = lanes[2].describe().vocab_size
         observers = {"split": StepTimes(), "colocated": StepTimes()}
         engine = Engine(options, observer=observers["colocated"], simulated_acceptance=alpha)
-        routers = {"split": Router(*lanes, decode=codec.decode, eos_token_ids=(), config=config,
-                                   max_running=max(batches), observer=observers["split"]),
-                   "colocated": engine.router}
+        routers = {
+            "split": Router(
+                *lanes,
+                decode=codec.decode,
+                eos_token_ids=(),
+                config=config,
+                max_running=max(batches),
+                observer=observers["split"],
+            ),
+            "colocated": engine.router,
+        }
         for batch in batches:
             before = {lane.lane: lane.wire_bytes for lane in lanes}
             outputs, summary = interleaved(routers, observers, specs_for(args, vocab, batch), args.reps)
@@ -195,19 +247,36 @@ def main() -> int:
             # Run i of both topologies used the same request ids (simulated acceptance is seeded by
             # them): split run i must equal colocated run i token for token.
             row["split_vs_colocated_mismatched_requests"] = [
-                mismatches(c, s_) for c, s_ in zip(outputs["colocated"], outputs["split"])]
+                mismatches(c, s_) for c, s_ in zip(outputs["colocated"], outputs["split"])
+            ]
             row["identical_output"] = not any(row["split_vs_colocated_mismatched_requests"])
             ok &= row["identical_output"]
             c, s_ = row["colocated"], row["split"]
-            row["split_over_colocated_throughput"] = s_["tokens_per_s_median_of_runs"] / c["tokens_per_s_median_of_runs"]
+            row["split_over_colocated_throughput"] = (
+                s_["tokens_per_s_median_of_runs"] / c["tokens_per_s_median_of_runs"]
+            )
             row["per_step_overhead_ms"] = s_["decode_step_ms_median_of_runs"] - c["decode_step_ms_median_of_runs"]
             row["per_lane_call_overhead_ms"] = {
                 lane: s_["lane_call_ms_median_of_runs"][lane] - c["lane_call_ms_median_of_runs"][lane]
                 for lane in ("prefill", "draft", "verify")
-                if s_["lane_call_ms_median_of_runs"][lane] is not None}
+                if s_["lane_call_ms_median_of_runs"][lane] is not None
+            }
             result["rows"].append(row)
-            print(json.dumps({k: row[k] for k in ("batch", "split_over_colocated_throughput", "per_step_overhead_ms",
-                                                  "identical_output")}), file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: row[k]
+                        for k in (
+                            "batch",
+                            "split_over_colocated_throughput",
+                            "per_step_overhead_ms",
+                            "identical_output",
+                        )
+                    }
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         procs.terminate()
     text = json.dumps(result, indent=2)

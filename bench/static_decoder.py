@@ -14,6 +14,7 @@ Same weights and shapes as the engine (the PagedLlama's own tensors, no copy), s
 greedy. `bench/engine_throughput.py --rows compiled` runs it beside the engine's rows: tok/s counts
 the prefill and all G steps, as the engine rows do.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,11 +32,13 @@ class StaticDecoder:
         dev, dtype = w.embed.device, w.embed.dtype
         # Per-layer contiguous caches [B, kvh, S, D] (separate tensors: in-place index writes into
         # each stay in place under torch.compile).
-        self.k_cache = [torch.zeros(batch, s.num_kv_heads, max_len, s.head_dim, device=dev, dtype=dtype)
-                        for _ in range(model.num_layers)]
+        self.k_cache = [
+            torch.zeros(batch, s.num_kv_heads, max_len, s.head_dim, device=dev, dtype=dtype)
+            for _ in range(model.num_layers)
+        ]
         self.v_cache = [torch.zeros_like(c) for c in self.k_cache]
-        self.ids = torch.zeros(batch, dtype=torch.long, device=dev)     # the token each step feeds
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)         # its position (all rows alike)
+        self.ids = torch.zeros(batch, dtype=torch.long, device=dev)  # the token each step feeds
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # its position (all rows alike)
         self.key_pos = torch.arange(max_len, device=dev)
         # One layer is compiled (fullgraph, static shapes) and called for every layer with that
         # layer's tensors: one compilation instead of 32 unrolled copies; the CUDA graph removes
@@ -48,16 +51,34 @@ class StaticDecoder:
     # -- the forward (x [B, T, H] at positions `positions` [T]; prefill starts at position 0) ------
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, decode: bool) -> torch.Tensor:
         s, w = self.model.shape, self.model.weights
-        cos = self.model.rope_cos[positions][None, None]    # [1, 1, T, D]
+        cos = self.model.rope_cos[positions][None, None]  # [1, 1, T, D]
         sin = self.model.rope_sin[positions][None, None]
         # decode: keys 0..pos are visible, over the whole static cache
         mask = (self.key_pos <= positions[-1])[None, None, None, :] if decode else None
         layer_fn = self._layer_compiled if decode else _layer
         for i in range(self.model.num_layers):
             layer = w.layers[i]
-            x = layer_fn(x, positions, cos, sin, mask, layer.qkv, layer.qkv_bias, layer.o, layer.gate_up,
-                         layer.down, layer.input_norm, layer.post_norm, self.k_cache[i], self.v_cache[i],
-                         s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, self.model.scale)
+            x = layer_fn(
+                x,
+                positions,
+                cos,
+                sin,
+                mask,
+                layer.qkv,
+                layer.qkv_bias,
+                layer.o,
+                layer.gate_up,
+                layer.down,
+                layer.input_norm,
+                layer.post_norm,
+                self.k_cache[i],
+                self.v_cache[i],
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                s.rms_norm_eps,
+                self.model.scale,
+            )
         return x
 
     def _head(self, x_last: torch.Tensor) -> torch.Tensor:
@@ -65,7 +86,7 @@ class StaticDecoder:
         return F.linear(rms_norm(x_last, w.final_norm, s.rms_norm_eps), w.lm_head).argmax(-1)
 
     def _decode(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = self.model.weights.embed[ids][:, None]                      # [B, 1, H]
+        x = self.model.weights.embed[ids][:, None]  # [B, 1, H]
         return self._head(self._layers(x, pos, decode=True)[:, 0])
 
     # -- driving it --------------------------------------------------------------------------
@@ -122,16 +143,35 @@ class StaticDecoder:
         return torch.stack(out, dim=1)
 
 
-def _layer(x, positions, cos, sin, mask, qkv_w, qkv_b, o_w, gate_up_w, down_w, in_norm, post_norm,
-           k_cache, v_cache, heads: int, kv_heads: int, hd: int, eps: float, scale: float) -> torch.Tensor:
+def _layer(
+    x,
+    positions,
+    cos,
+    sin,
+    mask,
+    qkv_w,
+    qkv_b,
+    o_w,
+    gate_up_w,
+    down_w,
+    in_norm,
+    post_norm,
+    k_cache,
+    v_cache,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
     """One decoder layer over x [B, T, H]; writes the new K/V into the static caches at `positions`.
     mask None: prefill from position 0 (causal over its own keys); else decode over the cache."""
     B, T, _ = x.shape
     q_dim, kv_dim = heads * hd, kv_heads * hd
     qkv = F.linear(rms_norm(x, in_norm, eps), qkv_w, qkv_b)
     q = qkv[..., :q_dim].view(B, T, heads, hd).transpose(1, 2)
-    k = qkv[..., q_dim:q_dim + kv_dim].view(B, T, kv_heads, hd).transpose(1, 2)
-    v = qkv[..., q_dim + kv_dim:].view(B, T, kv_heads, hd).transpose(1, 2)
+    k = qkv[..., q_dim : q_dim + kv_dim].view(B, T, kv_heads, hd).transpose(1, 2)
+    v = qkv[..., q_dim + kv_dim :].view(B, T, kv_heads, hd).transpose(1, 2)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     k_cache[:, :, positions] = k
     v_cache[:, :, positions] = v

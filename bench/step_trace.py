@@ -7,6 +7,7 @@ copies), its idle gaps, and the host's CUDA API calls (graph launches, waits), p
 Draft names take draft_acceptance's suffixes (#no-ahead, #no-draft-after). Writes DIR/step_trace.json
 and each draft's Chrome trace (DIR/trace_*.json.gz). Session 32's figures: bench/results/trace_s32/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_acceptance as da  # noqa: E402
+
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
 from verifypd.tokenizer import TextCodec  # noqa: E402
@@ -29,8 +31,11 @@ from verifypd.tokenizer import TextCodec  # noqa: E402
 
 def summarise(events: list[dict]) -> dict:
     """GPU busy / idle from the kernels' and copies' intervals; host CUDA API time by call name."""
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
     busy, gaps, (start, end) = 0.0, [], spans[0]
     for s, e in spans[1:]:
         if s > end:
@@ -45,11 +50,16 @@ def summarise(events: list[dict]) -> dict:
             c[0] += 1
             c[1] += e["dur"]
     top = sorted(calls.items(), key=lambda x: -x[1][1])[:10]
-    return {"gpu_span_ms": round((spans[-1][1] - spans[0][0]) / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
-            "gpu_ops": len(spans), "idle_ms_in_gaps_over_5us": round(sum(g for g in gaps if g > 5) / 1e3, 2),
-            "idle_ms_in_gaps_up_to_5us": round(sum(g for g in gaps if g <= 5) / 1e3, 2),
-            "host_cuda_calls": {n: {"calls": c, "ms": round(d / 1e3, 2), "us_per_call": round(d / c, 1)}
-                                for n, (c, d) in top}}
+    return {
+        "gpu_span_ms": round((spans[-1][1] - spans[0][0]) / 1e3, 2),
+        "gpu_busy_ms": round(busy / 1e3, 2),
+        "gpu_ops": len(spans),
+        "idle_ms_in_gaps_over_5us": round(sum(g for g in gaps if g > 5) / 1e3, 2),
+        "idle_ms_in_gaps_up_to_5us": round(sum(g for g in gaps if g <= 5) / 1e3, 2),
+        "host_cuda_calls": {
+            n: {"calls": c, "ms": round(d / 1e3, 2), "us_per_call": round(d / c, 1)} for n, (c, d) in top
+        },
+    }
 
 
 def main() -> None:
@@ -68,22 +78,26 @@ def main() -> None:
     target = load_model(args.target, device, dtype, 2048)
     codec = TextCodec(target.tokenizer)
     rows = da.load_prompts(args.batch)
-    prompts = {f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs]
-               for f, rs in rows.items()}
-    ids = prompts[args.family][:args.batch]
+    prompts = {
+        f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs] for f, rs in rows.items()
+    }
+    ids = prompts[args.family][: args.batch]
     results = {}
     for name in args.drafts.split(","):
         engine = da.make_engine(target, name, None if name == "none" else args.k, device, dtype)
         for fam in prompts:  # compiles and first-call allocations outside the trace
             engine.generate([RequestSpec(prompts[fam][0], max_tokens=16, request_id=f"w-{fam}")])
-        specs = lambda tag: [RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{tag}-{i}")  # noqa: E731
-                             for i, p in enumerate(ids)]
+        specs = lambda tag: [
+            RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{tag}-{i}")  # noqa: E731
+            for i, p in enumerate(ids)
+        ]
         engine.generate(specs("warm"))
         t0 = time.perf_counter()
         engine.generate(specs("plain"))
         unprofiled = time.perf_counter() - t0
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             t0 = time.perf_counter()
             engine.generate(specs("traced"))
             torch.cuda.synchronize()
@@ -97,10 +111,21 @@ def main() -> None:
         path.unlink()
         results[name] = {"wall_ms": round(unprofiled * 1e3, 2), "wall_ms_profiled": round(profiled * 1e3, 2), **summary}
         print(name, json.dumps(results[name]), flush=True)
-    json.dump({"command": " ".join(["python"] + sys.argv), "git_revision": da.git_revision(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": torch.cuda.get_device_name(),
-               "family": args.family, "batch": args.batch, "k": args.k, "max_tokens": args.max_tokens,
-               "results": results}, open(out / "step_trace.json", "w"), indent=2)
+    json.dump(
+        {
+            "command": " ".join(["python"] + sys.argv),
+            "git_revision": da.git_revision(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(),
+            "device": torch.cuda.get_device_name(),
+            "family": args.family,
+            "batch": args.batch,
+            "k": args.k,
+            "max_tokens": args.max_tokens,
+            "results": results,
+        },
+        open(out / "step_trace.json", "w"),
+        indent=2,
+    )
 
 
 if __name__ == "__main__":

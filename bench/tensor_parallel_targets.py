@@ -22,6 +22,7 @@ with the command, devices, git revision, date, every sub-result and each target'
 `--device cpu --target DIR --draft DIR` is a smoke run of the same driver (gloo, tiny local
 models, no timings worth reading, no verdicts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,15 @@ def run(cmd: list[str], env: dict) -> None:
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            os.path.join(HERE, "tp_check.py"), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        os.path.join(HERE, "tp_check.py"),
+        *args,
+    ]
 
 
 def load(path: str) -> dict:
@@ -64,12 +72,14 @@ def verdicts(tp1: dict, tp2: dict, engine: dict) -> dict:
     plain = {r["batch"]: r for r in rows if r["system"].startswith("k=0")}
     spec = {r["batch"]: r for r in rows if r["system"].startswith("SIMULATED acceptance 0.7, k=adaptive")}
     floor = plain[1].get("decode_step_over_matmul_floor")
-    out["llama2_70b_k0_step_over_matmul_floor_b1"] = dict(value=floor, target="<= 1.25",
-                                                          met=floor is not None and floor <= 1.25)
+    out["llama2_70b_k0_step_over_matmul_floor_b1"] = dict(
+        value=floor, target="<= 1.25", met=floor is not None and floor <= 1.25
+    )
     for batch, target in ((1, 1.8), (32, 1.2)):
         ratio = spec[batch]["tok_per_s"] / plain[batch]["tok_per_s"]
-        out[f"llama2_70b_simulated_a07_vs_k0_b{batch}"] = dict(value=round(ratio, 3), target=f">= {target}",
-                                                              met=ratio >= target, label="SIMULATED acceptance 0.7")
+        out[f"llama2_70b_simulated_a07_vs_k0_b{batch}"] = dict(
+            value=round(ratio, 3), target=f">= {target}", met=ratio >= target, label="SIMULATED acceptance 0.7"
+        )
     return out
 
 
@@ -85,6 +95,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     if cuda:
         import torch
+
         if torch.cuda.device_count() < 2:
             raise SystemExit("tensor_parallel_targets.py: needs two visible GPUs (device kind nvidia-h200-x2)")
         result["devices"] = [torch.cuda.get_device_name(i) for i in range(2)]
@@ -96,10 +107,37 @@ def main() -> None:
     suffix = "cpu" if not cuda else result["device"].split()[-1].lower()
     tp1, tp2 = (load(os.path.join(work, f"tp{w}", f"tp_check_tp{w}_{suffix}.json")) for w in (1, 2))
     engine_out = os.path.join(work, "engine.json")
-    run([sys.executable, os.path.join(HERE, "engine_throughput.py"), "--target", args.target, "--draft", args.draft,
-         "--device", args.device, "--tensor-parallel", "2", "--rows", "plain,simulated", "--alphas", "0.7",
-         "--ks", "adaptive", "--fallback-alphas", "", "--batches", "1,32" if cuda else "1,2",
-         "--prompt-len", "128" if cuda else "16", "--gen-len", "128" if cuda else "8", "--out", engine_out], env)
+    run(
+        [
+            sys.executable,
+            os.path.join(HERE, "engine_throughput.py"),
+            "--target",
+            args.target,
+            "--draft",
+            args.draft,
+            "--device",
+            args.device,
+            "--tensor-parallel",
+            "2",
+            "--rows",
+            "plain,simulated",
+            "--alphas",
+            "0.7",
+            "--ks",
+            "adaptive",
+            "--fallback-alphas",
+            "",
+            "--batches",
+            "1,32" if cuda else "1,2",
+            "--prompt-len",
+            "128" if cuda else "16",
+            "--gen-len",
+            "128" if cuda else "8",
+            "--out",
+            engine_out,
+        ],
+        env,
+    )
     engine = load(engine_out)
     result.update(tp_check_tp1=tp1, tp_check_tp2=tp2, engine_tp2=engine)
     result["targets"] = verdicts(tp1, tp2, engine) if cuda else {"tp2_equals_tp1_fp32": tp2["check"]["ok"]}

@@ -17,6 +17,7 @@
 bench/tensor_parallel_targets.py runs it at world 1 and 2 and the engine part of issue 21's targets
 in one command. Not run on GPUs yet (no two-GPU machine was lent while it was written).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,44 +41,50 @@ from verifypd.model.runner import ModelRunner  # noqa: E402
 from verifypd.model.tensor_parallel import SingleRank, TorchDistributedGroup, shard_model, shard_shape  # noqa: E402
 
 BLOCK_SIZE = 16
-CHECK_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=4,
-                   vocab_size=1000)
+CHECK_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=1000)
 PROMPTS = ([5, 17, 9, 33, 41, 8, 12], [3, 70, 22, 22, 61, 14, 90, 7, 45, 30, 11] * 3)
 
 
 def make_runner(model, device, num_blocks: int, graphs: bool) -> ModelRunner:
     s = model.shape
-    pool = KvPool("target", PoolGeometry(s.num_layers, num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
-                  model.weights.embed.dtype, device)
+    pool = KvPool(
+        "target",
+        PoolGeometry(s.num_layers, num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
+        model.weights.embed.dtype,
+        device,
+    )
     return ModelRunner(model, pool, graphs=graphs)
 
 
 def greedy_trace(runner: ModelRunner, steps: int = 16) -> dict:
-    blocks = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]   # 128 positions each
+    blocks = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]  # 128 positions each
     prefill = runner.forward([TokenRun(list(p), 0, b) for p, b in zip(PROMPTS, blocks)], "all")
     last = torch.tensor([len(PROMPTS[0]) - 1, len(PROMPTS[0]) + len(PROMPTS[1]) - 1], device=prefill.device)
     tokens = [prefill[last].argmax(-1).tolist()]
     positions, decode = [len(p) for p in PROMPTS], []
     for _ in range(steps):
         logits = runner.last_logits([TokenRun([t], p, b) for t, p, b in zip(tokens[-1], positions, blocks)])
-        decode.append(logits[:len(PROMPTS)].clone())
+        decode.append(logits[: len(PROMPTS)].clone())
         tokens.append(decode[-1].argmax(-1).tolist())
         positions = [p + 1 for p in positions]
     verify = runner.score([TokenRun([t, 4, 50], p, b) for t, p, b in zip(tokens[-1], positions, blocks)])
-    return dict(prefill=prefill, decode=torch.stack(decode), verify=verify[:len(PROMPTS)].clone(), tokens=tokens)
+    return dict(prefill=prefill, decode=torch.stack(decode), verify=verify[: len(PROMPTS)].clone(), tokens=tokens)
 
 
 def check(group, device, graphs: bool) -> dict:
     RANDOM_SHAPES["tp-check"] = CHECK_SHAPE
-    loaded = random_model("tp-check", device, torch.float32, 256)   # same seed: the same full weights everywhere
+    loaded = random_model("tp-check", device, torch.float32, 256)  # same seed: the same full weights everywhere
     sharded = greedy_trace(make_runner(shard_model(loaded.shape, loaded.weights, group), device, 64, graphs))
     if group.rank != 0:
         return {}
     single = greedy_trace(make_runner(shard_model(loaded.shape, loaded.weights, SingleRank()), device, 64, graphs))
     diffs = {phase: float((sharded[phase] - single[phase]).abs().max()) for phase in ("prefill", "decode", "verify")}
     ok = all(d <= 1e-4 for d in diffs.values()) and sharded["tokens"] == single["tokens"]
-    print(f"check world={group.world} graphs={graphs}: max |diff| {diffs}, tokens equal "
-          f"{sharded['tokens'] == single['tokens']} -> {'OK' if ok else 'FAIL'}", flush=True)
+    print(
+        f"check world={group.world} graphs={graphs}: max |diff| {diffs}, tokens equal "
+        f"{sharded['tokens'] == single['tokens']} -> {'OK' if ok else 'FAIL'}",
+        flush=True,
+    )
     return dict(max_abs_diff=diffs, tokens_equal=sharded["tokens"] == single["tokens"], ok=ok)
 
 
@@ -93,15 +100,16 @@ def time_decode(group, device, name: str, batches: list[int], graphs: bool, cont
     dims = {k: v for k, v in dataclasses.asdict(local).items() if k != "max_context"}
     RANDOM_SHAPES["tp-shard"] = dims
     loaded = random_model("tp-shard", device, torch.bfloat16, 4096, seed=group.rank)
-    model = shard_model(local, loaded.weights, SingleRank())   # already a shard: attach the group by hand
+    model = shard_model(local, loaded.weights, SingleRank())  # already a shard: attach the group by hand
     if group.world > 1:
         model.tp_group = group
     blocks_per_seq = -(-(context + 64) // BLOCK_SIZE)
     runner = make_runner(model, device, blocks_per_seq * max(batches), graphs)
     rows = {}
     for batch in batches:
-        runs = [TokenRun([7], context, tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
-                for i in range(batch)]
+        runs = [
+            TokenRun([7], context, tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)
+        ]
         for _ in range(3):
             runner.last_logits(runs)
         sync(device)
@@ -121,8 +129,11 @@ def time_decode(group, device, name: str, batches: list[int], graphs: bool, cont
         reduce = (time.perf_counter() - t0) / reps if group.world > 1 else 0.0
         rows[batch] = dict(step_ms=step * 1e3, all_reduce_ms_per_step=reduce * 1e3)
         if group.rank == 0:
-            print(f"{name} tp={group.world} batch {batch}: step {step * 1e3:.3f} ms, "
-                  f"all-reduce (separate) {reduce * 1e3:.3f} ms", flush=True)
+            print(
+                f"{name} tp={group.world} batch {batch}: step {step * 1e3:.3f} ms, "
+                f"all-reduce (separate) {reduce * 1e3:.3f} ms",
+                flush=True,
+            )
     return rows
 
 
@@ -143,14 +154,26 @@ def main() -> None:
         os.environ["VERIFYPD_ATTENTION"] = "reference"
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     group = TorchDistributedGroup()
-    dist.all_reduce(torch.zeros(1, device=device))   # creates the communicator before any capture
-    result = dict(metadata(), world=group.world, graphs=args.graphs,
-                  check=check(group, device, args.graphs and args.device == "cuda"))
+    dist.all_reduce(torch.zeros(1, device=device))  # creates the communicator before any capture
+    result = dict(
+        metadata(),
+        world=group.world,
+        graphs=args.graphs,
+        check=check(group, device, args.graphs and args.device == "cuda"),
+    )
     if args.time_shape:
-        result["time"] = dict(shape=args.time_shape, dtype="bfloat16", context=512,
-                              rows=time_decode(group, device, args.time_shape,
-                                               [int(b) for b in args.batches.split(",")],
-                                               args.graphs and args.device == "cuda"))
+        result["time"] = dict(
+            shape=args.time_shape,
+            dtype="bfloat16",
+            context=512,
+            rows=time_decode(
+                group,
+                device,
+                args.time_shape,
+                [int(b) for b in args.batches.split(",")],
+                args.graphs and args.device == "cuda",
+            ),
+        )
     if group.rank == 0:
         write_result(args.out, f"tp_check_tp{group.world}", result)
     dist.destroy_process_group()

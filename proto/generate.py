@@ -6,6 +6,7 @@
 Stubs are checked in so that installing verifypd needs no protoc; tests/test_proto_stubs.py
 fails when they differ from what this script produces.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,14 @@ def proto_files() -> list[str]:
 
 def generate(out_dir: pathlib.Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *proto_files()]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *proto_files(),
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed: " + " ".join(args))
 

@@ -10,13 +10,12 @@ everything at once.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 
-def gaps(rate: float, arrival: str = "poisson", burstiness: float = 1.0,
-         seed: int = 0) -> Iterator[float]:
+def gaps(rate: float, arrival: str = "poisson", burstiness: float = 1.0, seed: int = 0) -> Iterator[float]:
     """Endless inter-arrival gaps in seconds, seeded."""
     if rate <= 0:
         raise ValueError("rate must be > 0")
@@ -36,8 +35,7 @@ def gaps(rate: float, arrival: str = "poisson", burstiness: float = 1.0,
         yield from (float(g) for g in draw(1024))
 
 
-def schedule(n: int, rate: float, arrival: str = "poisson", burstiness: float = 1.0,
-             seed: int = 0) -> list[float]:
+def schedule(n: int, rate: float, arrival: str = "poisson", burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send offsets (seconds from the start) of the first n requests; the first is at 0."""
     it = gaps(rate, arrival, burstiness, seed)
     offsets, t = [], 0.0

@@ -17,11 +17,13 @@ from verifypd_loadgen.workload import DIST_HELP, Workload, parse_distribution, p
 
 def _arg(fn, what: str):
     """Wraps a parser so a bad value becomes an argparse error naming the flag's value."""
+
     def parse(text: str):
         try:
             return fn(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: {e}") from None
+
     parse.__name__ = what
     return parse
 
@@ -32,6 +34,7 @@ def _positive(cast, allow_inf: bool = False):
         if not v > 0 or (math.isinf(v) and not allow_inf):
             raise ValueError("must be > 0")
         return v
+
     return parse
 
 
@@ -64,64 +67,122 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="verifypd-loadgen",
         description="Load generator for the verifypd Generate protocol. Other commands: "
-                    "`verifypd-loadgen compare A.json B.json ...`, `verifypd-loadgen fake-server`.")
+        "`verifypd-loadgen compare A.json B.json ...`, `verifypd-loadgen fake-server`.",
+    )
     p.add_argument("--version", action="version", version=f"verifypd-loadgen {__version__}")
-    p.add_argument("--server", type=_arg(_endpoint, "endpoint"),
-                   help="--backend grpc: HOST:PORT of the verifypd gateway; the only endpoint loadgen talks to")
-    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
-                   help="grpc: verifypd Generate (default); openai: any OpenAI-compatible HTTP server")
-    p.add_argument("--url", type=_arg(_url, "URL"),
-                   help="--backend openai: base URL, e.g. http://127.0.0.1:8000/v1 (the only endpoint)")
+    p.add_argument(
+        "--server",
+        type=_arg(_endpoint, "endpoint"),
+        help="--backend grpc: HOST:PORT of the verifypd gateway; the only endpoint loadgen talks to",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: verifypd Generate (default); openai: any OpenAI-compatible HTTP server",
+    )
+    p.add_argument(
+        "--url",
+        type=_arg(_url, "URL"),
+        help="--backend openai: base URL, e.g. http://127.0.0.1:8000/v1 (the only endpoint)",
+    )
     p.add_argument("--model", help="--backend openai: the model id to request")
-    p.add_argument("--tls-ca-file", help="PEM CA the server's certificate must chain to: gRPC over TLS, or the "
-                                         "CA for an https:// --url (default there: the system's CAs)")
+    p.add_argument(
+        "--tls-ca-file",
+        help="PEM CA the server's certificate must chain to: gRPC over TLS, or the "
+        "CA for an https:// --url (default there: the system's CAs)",
+    )
     p.add_argument("--tls-cert-file", help="with --tls-ca-file: client certificate (PEM) to present")
     p.add_argument("--tls-key-file", help="the private key of --tls-cert-file")
-    p.add_argument("--openai-api", choices=("auto", "chat", "completions"), default="auto",
-                   help="--backend openai: auto = chat prompts to /chat/completions, others to "
-                        "/completions; chat = text prompts too as a user message")
+    p.add_argument(
+        "--openai-api",
+        choices=("auto", "chat", "completions"),
+        default="auto",
+        help="--backend openai: auto = chat prompts to /chat/completions, others to "
+        "/completions; chat = text prompts too as a user message",
+    )
     n = p.add_mutually_exclusive_group()
-    n.add_argument("--requests", type=_arg(_positive(int), "count"),
-                   help="requests per load point (default 100)")
-    n.add_argument("--duration", type=_arg(_positive(float), "duration"),
-                   help="seconds of sending per load point; then in-flight requests get "
-                        "--drain-timeout seconds to finish")
+    n.add_argument("--requests", type=_arg(_positive(int), "count"), help="requests per load point (default 100)")
+    n.add_argument(
+        "--duration",
+        type=_arg(_positive(float), "duration"),
+        help="seconds of sending per load point; then in-flight requests get --drain-timeout seconds to finish",
+    )
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_arg(_list(_positive(int)), "concurrency list"),
-                      help="closed loop: C[,C...] requests always in flight (default 1)")
-    load.add_argument("--rate", type=_arg(_list(_positive(float, True)), "rate list"),
-                      help="open loop: R[,R...] requests/s ('inf': all at once)")
-    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson",
-                   help="open-loop arrival process (default poisson)")
-    p.add_argument("--burstiness", type=_arg(_positive(float), "burstiness"), default=None,
-                   help="gamma shape: <1 burstier, >1 smoother than Poisson (default 1)")
-    p.add_argument("--max-concurrency", type=_arg(_positive(int), "count"),
-                   help="open loop: cap on requests in flight (later arrivals wait)")
+    load.add_argument(
+        "--concurrency",
+        type=_arg(_list(_positive(int)), "concurrency list"),
+        help="closed loop: C[,C...] requests always in flight (default 1)",
+    )
+    load.add_argument(
+        "--rate",
+        type=_arg(_list(_positive(float, True)), "rate list"),
+        help="open loop: R[,R...] requests/s ('inf': all at once)",
+    )
+    p.add_argument(
+        "--arrival", choices=("poisson", "gamma"), default="poisson", help="open-loop arrival process (default poisson)"
+    )
+    p.add_argument(
+        "--burstiness",
+        type=_arg(_positive(float), "burstiness"),
+        default=None,
+        help="gamma shape: <1 burstier, >1 smoother than Poisson (default 1)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=_arg(_positive(int), "count"),
+        help="open loop: cap on requests in flight (later arrivals wait)",
+    )
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", default="synthetic",
-                   help="'synthetic' (token-id prompts), a JSONL prompt file or ShareGPT JSON")
-    d.add_argument("--input-len", type=_arg(parse_distribution, "distribution"),
-                   help=f"synthetic prompt length: {DIST_HELP} (default 128)")
-    d.add_argument("--output-len", type=_arg(parse_distribution, "distribution"),
-                   help="max_tokens distribution (default 128; overrides dataset lengths)")
-    d.add_argument("--vocab-range", type=_arg(_vocab_range, "range"), default=(100, 10000),
-                   help="synthetic token ids are drawn from [LO, HI) (default 100:10000)")
-    d.add_argument("--vocab-size", type=_arg(_positive(int), "size"),
-                   help="bound synthetic token ids below this vocabulary size")
+    d.add_argument(
+        "--dataset", default="synthetic", help="'synthetic' (token-id prompts), a JSONL prompt file or ShareGPT JSON"
+    )
+    d.add_argument(
+        "--input-len",
+        type=_arg(parse_distribution, "distribution"),
+        help=f"synthetic prompt length: {DIST_HELP} (default 128)",
+    )
+    d.add_argument(
+        "--output-len",
+        type=_arg(parse_distribution, "distribution"),
+        help="max_tokens distribution (default 128; overrides dataset lengths)",
+    )
+    d.add_argument(
+        "--vocab-range",
+        type=_arg(_vocab_range, "range"),
+        default=(100, 10000),
+        help="synthetic token ids are drawn from [LO, HI) (default 100:10000)",
+    )
+    d.add_argument(
+        "--vocab-size", type=_arg(_positive(int), "size"), help="bound synthetic token ids below this vocabulary size"
+    )
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    d.add_argument("--priority-mix", type=_arg(parse_priority_mix, "priority mix"),
-                   help="PRIORITY:WEIGHT[,...], e.g. 0:0.8,10:0.2 (default all 0)")
-    d.add_argument("--ignore-eos", action="store_true",
-                   help="dataset prompts: send stop_at_eos=false (synthetic always does)")
+    d.add_argument(
+        "--priority-mix",
+        type=_arg(parse_priority_mix, "priority mix"),
+        help="PRIORITY:WEIGHT[,...], e.g. 0:0.8,10:0.2 (default all 0)",
+    )
+    d.add_argument(
+        "--ignore-eos", action="store_true", help="dataset prompts: send stop_at_eos=false (synthetic always does)"
+    )
     s = p.add_argument_group("SLOs and timing")
     s.add_argument("--slo-ttft-ms", type=_arg(_positive(float), "SLO"))
-    s.add_argument("--slo-itl-ms", type=_arg(_positive(float), "SLO"),
-                   help="bound on a request's mean inter-token latency (TPOT)")
+    s.add_argument(
+        "--slo-itl-ms", type=_arg(_positive(float), "SLO"), help="bound on a request's mean inter-token latency (TPOT)"
+    )
     s.add_argument("--warmup", type=int, default=0, help="warm-up requests, not measured")
-    s.add_argument("--timeout", type=_arg(_positive(float), "timeout"), default=300.0,
-                   help="per-request deadline in seconds (default 300)")
-    s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="duration mode: seconds to let in-flight requests finish (default 30)")
+    s.add_argument(
+        "--timeout",
+        type=_arg(_positive(float), "timeout"),
+        default=300.0,
+        help="per-request deadline in seconds (default 300)",
+    )
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="duration mode: seconds to let in-flight requests finish (default 30)",
+    )
     s.add_argument("--connect-timeout", type=_arg(_positive(float), "timeout"), default=10.0)
     s.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("output")
@@ -129,8 +190,11 @@ def run_parser() -> argparse.ArgumentParser:
     o.add_argument("--csv", help="CSV file, one row per load point")
     o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
     o.add_argument("--label", help="name of this configuration (used by compare)")
-    o.add_argument("--raw-records", action="store_true",
-                   help="also write every request's timings into the results JSON (runs[].records)")
+    o.add_argument(
+        "--raw-records",
+        action="store_true",
+        help="also write every request's timings into the results JSON (runs[].records)",
+    )
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
     return p
 
@@ -163,15 +227,28 @@ def build_plan(args, parser):
             prompts = load_dataset(args.dataset)
         except DatasetError as e:
             parser.error(str(e))
-    workload = Workload(prompts=prompts, output_len=args.output_len, vocab_range=(lo, hi),
-                        temperature=args.temperature, ignore_eos=args.ignore_eos,
-                        priority_mix=args.priority_mix or [(0, 1.0)], seed=args.seed)
+    workload = Workload(
+        prompts=prompts,
+        output_len=args.output_len,
+        vocab_range=(lo, hi),
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        priority_mix=args.priority_mix or [(0, 1.0)],
+        seed=args.seed,
+    )
     if args.input_len is not None:
         workload.input_len = args.input_len
     if args.rate is not None:
-        loads = [LoadPoint("open", rate=r, arrival=args.arrival,
-                           burstiness=args.burstiness or 1.0,
-                           max_concurrency=args.max_concurrency) for r in args.rate]
+        loads = [
+            LoadPoint(
+                "open",
+                rate=r,
+                arrival=args.arrival,
+                burstiness=args.burstiness or 1.0,
+                max_concurrency=args.max_concurrency,
+            )
+            for r in args.rate
+        ]
     else:
         loads = [LoadPoint("closed", concurrency=c) for c in (args.concurrency or [1])]
     if not loads:
@@ -183,30 +260,57 @@ def build_plan(args, parser):
     if tls is not None and args.backend == "openai" and not args.url.startswith("https://"):
         parser.error("--tls-ca-file with --backend openai needs an https:// --url")
     requests = args.requests if args.requests or args.duration else 100
-    plan = Plan(server=args.server, loads=loads, workload=workload, requests=requests,
-                duration=args.duration, warmup=args.warmup, timeout=args.timeout,
-                drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-                slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, seed=args.seed,
-                backend=args.backend, url=args.url, model=args.model, openai_api=args.openai_api,
-                raw_records=args.raw_records, tls=tls)
+    plan = Plan(
+        server=args.server,
+        loads=loads,
+        workload=workload,
+        requests=requests,
+        duration=args.duration,
+        warmup=args.warmup,
+        timeout=args.timeout,
+        drain_timeout=args.drain_timeout,
+        connect_timeout=args.connect_timeout,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
+        seed=args.seed,
+        backend=args.backend,
+        url=args.url,
+        model=args.model,
+        openai_api=args.openai_api,
+        raw_records=args.raw_records,
+        tls=tls,
+    )
     config = {
-        "server": args.server or args.url, "backend": args.backend, "url": args.url, "model": args.model,
+        "server": args.server or args.url,
+        "backend": args.backend,
+        "url": args.url,
+        "model": args.model,
         "openai_api": args.openai_api if args.backend == "openai" else None,
-        "raw_records": args.raw_records, "argv": sys.argv[1:] if args._argv is None else args._argv,
-        "mode": loads[0].mode, "requests": requests, "duration_s": args.duration,
+        "raw_records": args.raw_records,
+        "argv": sys.argv[1:] if args._argv is None else args._argv,
+        "mode": loads[0].mode,
+        "requests": requests,
+        "duration_s": args.duration,
         "concurrency": args.concurrency or ([1] if args.rate is None else None),
-        "rate": args.rate, "arrival": args.arrival if args.rate else None,
+        "rate": args.rate,
+        "arrival": args.arrival if args.rate else None,
         "burstiness": (args.burstiness or 1.0) if args.rate else None,
-        "max_concurrency": args.max_concurrency, "dataset": args.dataset,
+        "max_concurrency": args.max_concurrency,
+        "dataset": args.dataset,
         "input_len": str(workload.input_len) if prompts is None else None,
-        "output_len": str(args.output_len) if args.output_len else (
-            str(Workload.DEFAULT_OUTPUT) if prompts is None else None),
+        "output_len": str(args.output_len)
+        if args.output_len
+        else (str(Workload.DEFAULT_OUTPUT) if prompts is None else None),
         "vocab_range": [lo, hi] if prompts is None else None,
         "temperature": args.temperature,
         "priority_mix": [[p, w] for p, w in workload.priority_mix],
-        "ignore_eos": args.ignore_eos, "slo_ttft_ms": args.slo_ttft_ms,
-        "slo_itl_ms": args.slo_itl_ms, "warmup": args.warmup, "timeout_s": args.timeout,
-        "drain_timeout_s": args.drain_timeout, "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_itl_ms": args.slo_itl_ms,
+        "warmup": args.warmup,
+        "timeout_s": args.timeout,
+        "drain_timeout_s": args.drain_timeout,
+        "seed": args.seed,
     }
     return plan, config
 
@@ -224,16 +328,16 @@ def cmd_run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     args._argv = argv
     plan, config = build_plan(args, parser)
-    outputs = Outputs(out=args.out, csv=args.csv, plot=args.plot, label=args.label,
-                      progress=not args.no_progress)
+    outputs = Outputs(out=args.out, csv=args.csv, plot=args.plot, label=args.label, progress=not args.no_progress)
     return run_session(plan, config, outputs, _stdout_console())
 
 
 def cmd_compare(argv: list[str]) -> int:
     from verifypd_loadgen.compare import run_compare
 
-    p = argparse.ArgumentParser(prog="verifypd-loadgen compare",
-                                description="Compare results files; the first is the baseline.")
+    p = argparse.ArgumentParser(
+        prog="verifypd-loadgen compare", description="Compare results files; the first is the baseline."
+    )
     p.add_argument("results", nargs="+", help="results JSON files from --out")
     p.add_argument("--plot", metavar="DIR", help="write comparison PNG plots into DIR")
     args = p.parse_args(argv)
@@ -243,27 +347,43 @@ def cmd_compare(argv: list[str]) -> int:
 def cmd_fake_server(argv: list[str]) -> int:
     from verifypd_loadgen import fake_server
 
-    p = argparse.ArgumentParser(prog="verifypd-loadgen fake-server",
-                                description="Deterministic Generate server for smoke tests.")
+    p = argparse.ArgumentParser(
+        prog="verifypd-loadgen fake-server", description="Deterministic Generate server for smoke tests."
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50151)
     p.add_argument("--ttft-ms", type=float, default=10.0)
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--itl-ms", type=float, default=2.0, help="delay per output token")
-    p.add_argument("--burst", type=_arg(_list(_positive(int)), "burst list"), default=[1],
-                   help="tokens per message, cycled, e.g. 1,3,4")
+    p.add_argument(
+        "--burst",
+        type=_arg(_list(_positive(int)), "burst list"),
+        default=[1],
+        help="tokens per message, cycled, e.g. 1,3,4",
+    )
     p.add_argument("--k", type=int, default=0, help="applied_k reported on verify steps")
-    p.add_argument("--fail", action="append", default=[], type=_arg(fake_server.FailRule.parse,
-                   "fail rule"), help="CODE[,match=REGEX][,every=N][,after=T] (repeatable)")
+    p.add_argument(
+        "--fail",
+        action="append",
+        default=[],
+        type=_arg(fake_server.FailRule.parse, "fail rule"),
+        help="CODE[,match=REGEX][,every=N][,after=T] (repeatable)",
+    )
     p.add_argument("--final-empty", action="store_true")
     p.add_argument("--no-server-info", action="store_true")
     p.add_argument("--max-workers", type=int, default=256)
     p.add_argument("--run-for", type=float, help="stop after this many seconds")
     a = p.parse_args(argv)
     cfg = fake_server.FakeConfig(
-        ttft_s=a.ttft_ms / 1e3, prefill_s_per_token=a.prefill_us_per_token / 1e6,
-        itl_s=a.itl_ms / 1e3, burst=tuple(a.burst), k=a.k, fail=a.fail,
-        final_empty=a.final_empty, server_info=not a.no_server_info)
+        ttft_s=a.ttft_ms / 1e3,
+        prefill_s_per_token=a.prefill_us_per_token / 1e6,
+        itl_s=a.itl_ms / 1e3,
+        burst=tuple(a.burst),
+        k=a.k,
+        fail=a.fail,
+        final_empty=a.final_empty,
+        server_info=not a.no_server_info,
+    )
     try:
         server, _, port = fake_server.start(cfg, a.host, a.port, a.max_workers)
     except (OSError, RuntimeError) as e:

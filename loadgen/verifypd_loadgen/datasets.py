@@ -83,7 +83,7 @@ def _sharegpt(data: object, path: Path) -> list[Prompt]:
         for i, turn in enumerate(convs):
             if isinstance(turn, dict) and turn.get("from") == "human" and turn.get("value"):
                 answer = next(
-                    (t for t in convs[i + 1:] if isinstance(t, dict) and t.get("from") == "gpt"),
+                    (t for t in convs[i + 1 :] if isinstance(t, dict) and t.get("from") == "gpt"),
                     None,
                 )
                 max_tokens = estimate_tokens(answer.get("value") or "") if answer else None

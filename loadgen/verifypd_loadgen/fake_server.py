@@ -35,7 +35,7 @@ class FailRule:
     after: int = 0
 
     @classmethod
-    def parse(cls, spec: str) -> "FailRule":
+    def parse(cls, spec: str) -> FailRule:
         """`CODE[,match=REGEX][,every=N][,after=T]`, e.g. `UNAVAILABLE,every=5`."""
         name, *opts = spec.split(",")
         try:
@@ -56,7 +56,8 @@ class FailRule:
         if self.every and seq % self.every == 0:
             return True
         return bool(self.match) and bool(
-            re.search(self.match, request.request_id) or re.search(self.match, request.text))
+            re.search(self.match, request.request_id) or re.search(self.match, request.text)
+        )
 
 
 @dataclass
@@ -67,8 +68,8 @@ class FakeConfig:
     burst: tuple[int, ...] = (1,)
     k: int = 0
     default_max_tokens: int = 16
-    final_empty: bool = False       # end with a message carrying no tokens (as servers may)
-    server_info: bool = True        # False: GetServerInfo answers UNIMPLEMENTED
+    final_empty: bool = False  # end with a message carrying no tokens (as servers may)
+    server_info: bool = True  # False: GetServerInfo answers UNIMPLEMENTED
     fail: list[FailRule] = field(default_factory=list)
 
 
@@ -94,9 +95,13 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     def GetServerInfo(self, request, context):
         if not self.config.server_info:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetServerInfo disabled")
-        return generate_pb2.ServerInfo(target_model="fake-target", draft_model="fake-draft",
-                                       topology="colocated", max_context=1 << 20,
-                                       version=f"fake-{__version__}")
+        return generate_pb2.ServerInfo(
+            target_model="fake-target",
+            draft_model="fake-draft",
+            topology="colocated",
+            max_context=1 << 20,
+            version=f"fake-{__version__}",
+        )
 
     def Generate(self, request, context):
         t0 = time.perf_counter()
@@ -116,8 +121,7 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     def _generate(self, request, context, seq, t0, leave):
         cfg = self.config
         rule = next((r for r in cfg.fail if r.applies(seq, request)), None)
-        n_prompt = len(request.token_ids.ids) or len(request.text.split()) or len(
-            request.chat.messages)
+        n_prompt = len(request.token_ids.ids) or len(request.text.split()) or len(request.chat.messages)
         total = request.max_tokens or cfg.default_max_tokens
         due = t0 + cfg.ttft_s + cfg.prefill_s_per_token * n_prompt
         usage = generate_pb2.Usage(prompt_tokens=n_prompt)
@@ -139,8 +143,13 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             sent += b
             usage.completion_tokens = sent
             msg = generate_pb2.GenerateResponse(
-                request_id=request.request_id, token_ids=ids, text=" tok" * b, usage=usage,
-                applied_k=cfg.k if step else 0, server_elapsed_s=time.perf_counter() - t0)
+                request_id=request.request_id,
+                token_ids=ids,
+                text=" tok" * b,
+                usage=usage,
+                applied_k=cfg.k if step else 0,
+                server_elapsed_s=time.perf_counter() - t0,
+            )
             last = sent >= total and not cfg.final_empty
             if last:
                 msg.finish_reason = generate_pb2.FINISH_REASON_LENGTH
@@ -152,13 +161,16 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         if cfg.final_empty:
             leave()
             yield generate_pb2.GenerateResponse(
-                request_id=request.request_id, usage=usage,
+                request_id=request.request_id,
+                usage=usage,
                 finish_reason=generate_pb2.FINISH_REASON_LENGTH,
-                server_elapsed_s=time.perf_counter() - t0)
+                server_elapsed_s=time.perf_counter() - t0,
+            )
 
 
-def start(config: FakeConfig | None = None, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 64) -> tuple[grpc.Server, FakeGeneration, int]:
+def start(
+    config: FakeConfig | None = None, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64
+) -> tuple[grpc.Server, FakeGeneration, int]:
     """Starts a fake server; returns (server, servicer, bound port). Stop with server.stop(0).
 
     A request is served by one worker thread for its whole stream, so max_workers bounds the

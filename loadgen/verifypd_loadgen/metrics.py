@@ -29,8 +29,13 @@ def stats(values, scale: float = 1.0) -> dict:
     a = np.asarray(values, dtype=float) * scale
     if a.size == 0:
         return {k: (0 if k == "count" else None) for k in STAT_KEYS}
-    out = {"count": int(a.size), "mean": float(a.mean()), "std": float(a.std()),
-           "min": float(a.min()), "max": float(a.max())}
+    out = {
+        "count": int(a.size),
+        "mean": float(a.mean()),
+        "std": float(a.std()),
+        "min": float(a.min()),
+        "max": float(a.max()),
+    }
     for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES)):
         out[f"p{p}"] = float(v)
     return out
@@ -89,21 +94,31 @@ def records(point: PointResult) -> list[dict]:
     out = []
     for rec in sorted(point.records, key=lambda r: r.start):
         times = request_times(rec) if rec.end is not None else None
-        ms = (lambda v: None if v is None else v * 1e3)
-        out.append({"request_id": rec.request_id, "priority": rec.priority, "ok": rec.ok,
-                    "error": rec.error, "cancelled": rec.cancelled, "finish_reason": rec.finish_reason or None,
-                    "start_ms": (rec.start - point.t_start) * 1e3,
-                    "ttft_ms": ms(times.ttft) if times else None, "tpot_ms": ms(times.tpot) if times else None,
-                    "e2e_ms": ms(times.e2e) if times else None,
-                    "itl_chunk_ms": [g * 1e3 for g in times.itl_chunk] if times else [],
-                    "chunk_tokens": list(rec.chunk_tokens), "output_tokens": rec.output_tokens,
-                    "prompt_tokens": rec.prompt_tokens or rec.input_len,
-                    "draft_tokens": rec.draft_tokens, "accepted_tokens": rec.accepted_tokens})
+        ms = lambda v: None if v is None else v * 1e3
+        out.append(
+            {
+                "request_id": rec.request_id,
+                "priority": rec.priority,
+                "ok": rec.ok,
+                "error": rec.error,
+                "cancelled": rec.cancelled,
+                "finish_reason": rec.finish_reason or None,
+                "start_ms": (rec.start - point.t_start) * 1e3,
+                "ttft_ms": ms(times.ttft) if times else None,
+                "tpot_ms": ms(times.tpot) if times else None,
+                "e2e_ms": ms(times.e2e) if times else None,
+                "itl_chunk_ms": [g * 1e3 for g in times.itl_chunk] if times else [],
+                "chunk_tokens": list(rec.chunk_tokens),
+                "output_tokens": rec.output_tokens,
+                "prompt_tokens": rec.prompt_tokens or rec.input_len,
+                "draft_tokens": rec.draft_tokens,
+                "accepted_tokens": rec.accepted_tokens,
+            }
+        )
     return out
 
 
-def summarize(point: PointResult, slo_ttft_ms: float | None = None,
-              slo_itl_ms: float | None = None) -> dict:
+def summarize(point: PointResult, slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None) -> dict:
     recs = point.records
     ok = [r for r in recs if r.ok]
     cancelled = sum(r.cancelled for r in recs)
@@ -127,11 +142,13 @@ def summarize(point: PointResult, slo_ttft_ms: float | None = None,
 
     return {
         "duration_s": dur,
-        "requests": {"sent": len(recs), "completed": len(ok),
-                     "failed": sum(errors.values()), "cancelled": cancelled},
+        "requests": {"sent": len(recs), "completed": len(ok), "failed": sum(errors.values()), "cancelled": cancelled},
         "errors": dict(sorted(errors.items())),
-        "tokens": {"input_total": in_tokens, "output_total": out_tokens,
-                   "output_per_request": stats([r.output_tokens for r in ok])},
+        "tokens": {
+            "input_total": in_tokens,
+            "output_total": out_tokens,
+            "output_per_request": stats([r.output_tokens for r in ok]),
+        },
         "throughput": {
             "requests_per_s": len(ok) / dur,
             "output_tokens_per_s": out_tokens / dur,
@@ -144,8 +161,7 @@ def summarize(point: PointResult, slo_ttft_ms: float | None = None,
             "good_requests": len(good) if use_slo else None,
             "fraction": (len(good) / len(ok) if ok else 0.0) if use_slo else None,
             "requests_per_s": len(good) / dur if use_slo else None,
-            "output_tokens_per_s": (sum(r.output_tokens for r in good) / dur
-                                    if use_slo else None),
+            "output_tokens_per_s": (sum(r.output_tokens for r in good) / dur if use_slo else None),
         },
         "latency_ms": {m: stats(s[m]) for m in LATENCY_METRICS},
         "speculation": {
@@ -154,16 +170,16 @@ def summarize(point: PointResult, slo_ttft_ms: float | None = None,
             "verify_steps": steps,
             "acceptance_rate": accepted / draft if draft else None,
             "acceptance_rate_per_request": stats(per_req_acc),
-            "tokens_per_verify_step": (sum(r.output_tokens for r in ok if r.verify_steps)
-                                       / steps if steps else None),
+            "tokens_per_verify_step": (sum(r.output_tokens for r in ok if r.verify_steps) / steps if steps else None),
             "tokens_per_chunk": stats([n for r in ok for n in r.chunk_tokens]),
             "applied_k": {str(k): v for k, v in sorted(applied_k.items())},
         },
         "by_priority": {
-            str(p): {"completed": len(rs),
-                     "ttft_ms": stats([request_times(r).ttft * 1e3 for r in rs
-                                       if r.chunk_times]),
-                     "e2e_ms": stats([request_times(r).e2e * 1e3 for r in rs])}
+            str(p): {
+                "completed": len(rs),
+                "ttft_ms": stats([request_times(r).ttft * 1e3 for r in rs if r.chunk_times]),
+                "e2e_ms": stats([request_times(r).e2e * 1e3 for r in rs]),
+            }
             for p, rs in sorted(by_prio.items())
         },
     }

@@ -13,6 +13,7 @@ from that extension where the server sends it, else 1 per chunk (as vLLM's `benc
 assumes); the request's output tokens are `usage.completion_tokens` when reported. Speculation
 comes from `usage.completion_tokens_details` (accepted / rejected prediction tokens).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,12 @@ class OpenAIBackend:
     def request(self, spec: RequestSpec) -> tuple[str, dict]:
         """(path, JSON body) of one request."""
         p = spec.prompt
-        body: dict = {"model": self.model, "max_tokens": spec.max_tokens, "stream": True,
-                      "stream_options": {"include_usage": True}}
+        body: dict = {
+            "model": self.model,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if p.chat is not None or (self.api == "chat" and p.text is not None):
             path = "/chat/completions"
             chat = p.chat if p.chat is not None else [("user", p.text)]
@@ -148,15 +153,24 @@ async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float)
     if entry is None:
         return schema.server_info_block({"target_model": model}, "MODEL_NOT_LISTED")
     ext = entry.get("verifypd") or {}
-    return schema.server_info_block({"target_model": model, "draft_model": ext.get("draft_model"),
-                                     "topology": ext.get("topology"),
-                                     "max_context": entry.get("max_model_len") or ext.get("max_context"),
-                                     "version": ext.get("version")}, "OK")
+    return schema.server_info_block(
+        {
+            "target_model": model,
+            "draft_model": ext.get("draft_model"),
+            "topology": ext.get("topology"),
+            "max_context": entry.get("max_model_len") or ext.get("max_context"),
+            "version": ext.get("version"),
+        },
+        "OK",
+    )
 
 
 def new_client(tls=None) -> httpx.AsyncClient:
     """`tls`: a verifypd.tls.ClientTls: https:// URLs are verified against its CA (and present its
     client certificate); None: the system's CAs."""
     # No connection cap: loadgen's concurrency decides how many requests are in flight.
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), verify=tls.ssl_context() if tls else True,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=10.0),
+        verify=tls.ssl_context() if tls else True,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )

@@ -55,11 +55,10 @@ def throughput_plot(series: list[tuple[str, dict]], path: Path) -> Path:
         xs, ys = _series(doc, lambda s: s["throughput"]["output_tokens_per_s"])
         ax1.plot(xs, ys, marker="o", label=label)
         xs, ys = _series(doc, lambda s: s["throughput"]["requests_per_s"])
-        line, = ax2.plot(xs, ys, marker="o", label=f"{label} throughput")
+        (line,) = ax2.plot(xs, ys, marker="o", label=f"{label} throughput")
         xs, ys = _series(doc, lambda s: s["goodput"]["requests_per_s"])
         if not all(math.isnan(y) for y in ys):
-            ax2.plot(xs, ys, marker="s", linestyle="--", color=line.get_color(),
-                     label=f"{label} goodput")
+            ax2.plot(xs, ys, marker="s", linestyle="--", color=line.get_color(), label=f"{label} goodput")
     ax1.set_title("Output token throughput")
     ax1.set_ylabel("tokens/s")
     ax2.set_title("Request throughput")
@@ -79,8 +78,9 @@ def latency_plot(series: list[tuple[str, dict]], path: Path) -> Path:
             color = None
             for pct, style in styles.items():
                 xs, ys = _series(doc, lambda s: s["latency_ms"][metric][pct])
-                line, = ax.plot(xs, ys, marker="o", linestyle=style, color=color,
-                                label=f"{label} {pct}" if len(series) > 1 else pct)
+                (line,) = ax.plot(
+                    xs, ys, marker="o", linestyle=style, color=color, label=f"{label} {pct}" if len(series) > 1 else pct
+                )
                 color = line.get_color()
         ax.set_title(METRIC_TITLES[metric])
         ax.set_ylabel("ms")
@@ -111,18 +111,23 @@ def plot_results(doc: dict, samples: list[dict[str, list[float]]], outdir: str |
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     label = doc.get("label") or "run"
-    paths = [throughput_plot([(label, doc)], out / "throughput.png"),
-             latency_plot([(label, doc)], out / "latency.png")]
-    for metric, name in (("ttft", "cdf_ttft.png"), ("itl_token", "cdf_itl_token.png"),
-                         ("itl_chunk", "cdf_itl_chunk.png")):
+    paths = [throughput_plot([(label, doc)], out / "throughput.png"), latency_plot([(label, doc)], out / "latency.png")]
+    for metric, name in (
+        ("ttft", "cdf_ttft.png"),
+        ("itl_token", "cdf_itl_token.png"),
+        ("itl_chunk", "cdf_itl_chunk.png"),
+    ):
         curves = [(run["load"]["label"], s[metric]) for run, s in zip(doc["runs"], samples)]
         paths.append(cdf_plot(curves, METRIC_TITLES[metric], out / name))
     return paths
 
 
 # CDFs `compare` draws from per-request records (--raw-records): file name -> record field.
-RECORD_CDFS = {"compare_cdf_ttft.png": ("ttft", "ttft_ms"), "compare_cdf_itl_chunk.png": ("itl_chunk", "itl_chunk_ms"),
-               "compare_cdf_e2e.png": ("e2e", "e2e_ms")}
+RECORD_CDFS = {
+    "compare_cdf_ttft.png": ("ttft", "ttft_ms"),
+    "compare_cdf_itl_chunk.png": ("itl_chunk", "itl_chunk_ms"),
+    "compare_cdf_e2e.png": ("e2e", "e2e_ms"),
+}
 
 
 def plot_comparison(series: list[tuple[str, dict]], outdir: str | Path) -> list[Path]:
@@ -130,8 +135,7 @@ def plot_comparison(series: list[tuple[str, dict]], outdir: str | Path) -> list[
     files carry per-request records (`--raw-records`; files without them are left out)."""
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [throughput_plot(series, out / "compare_throughput.png"),
-             latency_plot(series, out / "compare_latency.png")]
+    paths = [throughput_plot(series, out / "compare_throughput.png"), latency_plot(series, out / "compare_latency.png")]
     with_records = [(label, doc) for label, doc in series if all("records" in r for r in doc["runs"])]
     if not with_records:
         return paths
@@ -140,8 +144,11 @@ def plot_comparison(series: list[tuple[str, dict]], outdir: str | Path) -> list[
         for label, doc in with_records:
             for run in doc["runs"]:
                 ok = [r for r in run["records"] if r["ok"]]
-                values = [v for r in ok for v in r[field]] if field == "itl_chunk_ms" else \
-                    [r[field] for r in ok if r[field] is not None]
+                values = (
+                    [v for r in ok for v in r[field]]
+                    if field == "itl_chunk_ms"
+                    else [r[field] for r in ok if r[field] is not None]
+                )
                 curves.append((f"{label} {run['load']['label']}", values))
         paths.append(cdf_plot(curves, METRIC_TITLES[metric], out / name))
     return paths

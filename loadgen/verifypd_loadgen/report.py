@@ -12,8 +12,13 @@ from rich.table import Table
 
 from verifypd_loadgen.metrics import LATENCY_METRICS, PERCENTILES
 
-METRIC_TITLES = {"ttft": "TTFT", "itl_token": "ITL (per token)", "itl_chunk": "ITL (per chunk)",
-                 "tpot": "TPOT", "e2e": "E2E latency"}
+METRIC_TITLES = {
+    "ttft": "TTFT",
+    "itl_token": "ITL (per token)",
+    "itl_chunk": "ITL (per chunk)",
+    "tpot": "TPOT",
+    "e2e": "E2E latency",
+}
 
 
 def fmt(v, digits: int = 2) -> str:
@@ -29,13 +34,18 @@ class LiveProgress:
 
     def __init__(self, console: Console, enabled: bool):
         self.enabled = enabled
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                 TextColumn("{task.fields[count]}"),
-                                 TextColumn("{task.fields[status]}"),
-                                 TimeElapsedColumn(), console=console, transient=False,
-                                 # rendering holds the GIL and can delay our timestamps a
-                                 # little: keep it rare (--no-progress for none at all)
-                                 refresh_per_second=4)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[count]}"),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            # rendering holds the GIL and can delay our timestamps a
+            # little: keep it rare (--no-progress for none at all)
+            refresh_per_second=4,
+        )
         self.task = None
         self.done = self.errors = self.in_flight = 0
         self.duration = None
@@ -73,11 +83,11 @@ class LiveProgress:
         status = f"done {self.done}  err {self.errors}  in-flight {self.in_flight}"
         if self.duration is not None:
             elapsed = min(self.duration, time.monotonic() - self.t0)
-            self.progress.update(self.task, completed=elapsed, status=status,
-                                 count=f"{elapsed:.0f}/{self.duration:g} s")
+            self.progress.update(
+                self.task, completed=elapsed, status=status, count=f"{elapsed:.0f}/{self.duration:g} s"
+            )
         else:
-            self.progress.update(self.task, completed=self.done, status=status,
-                                 count=f"{self.done}/{self.n} req")
+            self.progress.update(self.task, completed=self.done, status=status, count=f"{self.done}/{self.n} req")
 
 
 def print_summary(console: Console, runs: list[dict]) -> None:
@@ -90,30 +100,36 @@ def print_summary(console: Console, runs: list[dict]) -> None:
         t.add_column(col, justify="left" if col == "load" else "right", no_wrap=True)
     for run in runs:
         s = run["summary"]
-        row = [run["load"]["label"], fmt(s["requests"]["completed"]),
-               fmt(s["requests"]["failed"] + s["requests"]["cancelled"]), fmt(s["duration_s"]),
-               fmt(s["throughput"]["requests_per_s"]),
-               fmt(s["throughput"]["output_tokens_per_s"], 1)]
+        row = [
+            run["load"]["label"],
+            fmt(s["requests"]["completed"]),
+            fmt(s["requests"]["failed"] + s["requests"]["cancelled"]),
+            fmt(s["duration_s"]),
+            fmt(s["throughput"]["requests_per_s"]),
+            fmt(s["throughput"]["output_tokens_per_s"], 1),
+        ]
         if slo:
             g = s["goodput"]
-            row += [fmt(g["requests_per_s"]),
-                    "-" if g["fraction"] is None else f"{100 * g['fraction']:.1f}%"]
+            row += [fmt(g["requests_per_s"]), "-" if g["fraction"] is None else f"{100 * g['fraction']:.1f}%"]
         acc = s["speculation"]["acceptance_rate"]
-        row += ["-" if acc is None else f"{100 * acc:.1f}%",
-                fmt(s["speculation"]["tokens_per_chunk"]["mean"])]
+        row += ["-" if acc is None else f"{100 * acc:.1f}%", fmt(s["speculation"]["tokens_per_chunk"]["mean"])]
         t.add_row(*row)
     console.print(t)
 
     lt = Table(title="Latency (ms)", title_justify="left")
     for col in ("load", "metric", "mean") + tuple(f"p{p}" for p in PERCENTILES) + ("max",):
-        lt.add_column(col, justify="right" if col not in ("load", "metric") else "left",
-                      no_wrap=True)
+        lt.add_column(col, justify="right" if col not in ("load", "metric") else "left", no_wrap=True)
     for run in runs:
         for i, m in enumerate(LATENCY_METRICS):
             st = run["summary"]["latency_ms"][m]
-            lt.add_row(run["load"]["label"] if i == 0 else "", METRIC_TITLES[m], fmt(st["mean"]),
-                       *(fmt(st[f"p{p}"]) for p in PERCENTILES), fmt(st["max"]),
-                       end_section=i == len(LATENCY_METRICS) - 1)
+            lt.add_row(
+                run["load"]["label"] if i == 0 else "",
+                METRIC_TITLES[m],
+                fmt(st["mean"]),
+                *(fmt(st[f"p{p}"]) for p in PERCENTILES),
+                fmt(st["max"]),
+                end_section=i == len(LATENCY_METRICS) - 1,
+            )
     console.print(lt)
 
     errs = [(r["load"]["label"], code, n) for r in runs for code, n in r["summary"]["errors"].items()]
@@ -126,25 +142,41 @@ def print_summary(console: Console, runs: list[dict]) -> None:
         console.print(et)
 
 
-CSV_FIELDS = ["label", "mode", "concurrency", "rate", "sent", "completed", "failed", "cancelled",
-              "duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
-              "goodput_requests_per_s", "goodput_fraction", "acceptance_rate"] + [
-    f"{m}_{k}_ms" for m in LATENCY_METRICS for k in ("mean",) + tuple(f"p{p}" for p in PERCENTILES)]
+CSV_FIELDS = [
+    "label",
+    "mode",
+    "concurrency",
+    "rate",
+    "sent",
+    "completed",
+    "failed",
+    "cancelled",
+    "duration_s",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "goodput_requests_per_s",
+    "goodput_fraction",
+    "acceptance_rate",
+] + [f"{m}_{k}_ms" for m in LATENCY_METRICS for k in ("mean",) + tuple(f"p{p}" for p in PERCENTILES)]
 
 
 def csv_rows(doc: dict) -> list[dict]:
     rows = []
     for run in doc["runs"]:
         s, load = run["summary"], run["load"]
-        row = {"label": doc.get("label") or "", "mode": load["mode"],
-               "concurrency": load["concurrency"], "rate": load["rate"],
-               **{k: s["requests"][k] for k in ("sent", "completed", "failed", "cancelled")},
-               "duration_s": s["duration_s"],
-               **{k: s["throughput"][k] for k in ("requests_per_s", "output_tokens_per_s",
-                                                 "total_tokens_per_s")},
-               "goodput_requests_per_s": s["goodput"]["requests_per_s"],
-               "goodput_fraction": s["goodput"]["fraction"],
-               "acceptance_rate": s["speculation"]["acceptance_rate"]}
+        row = {
+            "label": doc.get("label") or "",
+            "mode": load["mode"],
+            "concurrency": load["concurrency"],
+            "rate": load["rate"],
+            **{k: s["requests"][k] for k in ("sent", "completed", "failed", "cancelled")},
+            "duration_s": s["duration_s"],
+            **{k: s["throughput"][k] for k in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")},
+            "goodput_requests_per_s": s["goodput"]["requests_per_s"],
+            "goodput_fraction": s["goodput"]["fraction"],
+            "acceptance_rate": s["speculation"]["acceptance_rate"],
+        }
         for m in LATENCY_METRICS:
             for k in ("mean",) + tuple(f"p{p}" for p in PERCENTILES):
                 row[f"{m}_{k}_ms"] = s["latency_ms"][m][k]

@@ -10,8 +10,8 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import grpc
 
@@ -29,14 +29,14 @@ class RequestRecord:
     priority: int
     max_tokens: int
     input_len: int | None
-    start: float = 0.0                 # perf_counter when the call was started
-    end: float | None = None           # when the stream finished (OK or not)
+    start: float = 0.0  # perf_counter when the call was started
+    end: float | None = None  # when the stream finished (OK or not)
     chunk_times: list[float] = field(default_factory=list)  # token-bearing messages only
     chunk_tokens: list[int] = field(default_factory=list)
     applied_k: list[int] = field(default_factory=list)
-    error: str | None = None           # gRPC status code name or INCOMPLETE
+    error: str | None = None  # gRPC status code name or INCOMPLETE
     error_detail: str = ""
-    cancelled: bool = False            # cancelled by loadgen at the end of a duration run
+    cancelled: bool = False  # cancelled by loadgen at the end of a duration run
     finish_reason: str = ""
     prompt_tokens: int = 0
     draft_tokens: int = 0
@@ -60,7 +60,7 @@ class RequestRecord:
 class LoadPoint:
     """One point of a sweep: closed loop at `concurrency`, or open loop at `rate`."""
 
-    mode: str                          # "closed" | "open"
+    mode: str  # "closed" | "open"
     concurrency: int | None = None
     rate: float | None = None
     arrival: str = "poisson"
@@ -126,9 +126,15 @@ class Runner:
     """Runs load points against one Generation stub (or another backend: `execute(stub, spec,
     rec, timeout)` sends one request); `on_record` is called per finished request."""
 
-    def __init__(self, stub: generate_pb2_grpc.GenerationStub, timeout: float,
-                 drain_timeout: float, on_record: Callable[[RequestRecord], None] | None = None,
-                 on_send: Callable[[], None] | None = None, execute=execute):
+    def __init__(
+        self,
+        stub: generate_pb2_grpc.GenerationStub,
+        timeout: float,
+        drain_timeout: float,
+        on_record: Callable[[RequestRecord], None] | None = None,
+        on_send: Callable[[], None] | None = None,
+        execute=execute,
+    ):
         self.stub, self.timeout, self.drain_timeout = stub, timeout, drain_timeout
         self.execute = execute
         self.on_record = on_record or (lambda rec: None)
@@ -143,8 +149,15 @@ class Runner:
             records.append(rec)
             self.on_record(rec)
 
-    async def run(self, load: LoadPoint, requests: Iterator[RequestSpec], n: int | None,
-                  duration: float | None, prefix: str, seed: int = 0) -> PointResult:
+    async def run(
+        self,
+        load: LoadPoint,
+        requests: Iterator[RequestSpec],
+        n: int | None,
+        duration: float | None,
+        prefix: str,
+        seed: int = 0,
+    ) -> PointResult:
         """Sends n requests (or for `duration` seconds) at `load`; waits for them to finish.
 
         In duration mode, requests still in flight `drain_timeout` seconds after the end are
@@ -158,8 +171,7 @@ class Runner:
             tasks = await self._open(load, requests, n, duration, t0, ids, records, seed)
         if tasks:
             wait = None if duration is None else max(0.0, t0 + duration - time.perf_counter())
-            _, pending = await asyncio.wait(
-                tasks, timeout=None if wait is None else wait + self.drain_timeout)
+            _, pending = await asyncio.wait(tasks, timeout=None if wait is None else wait + self.drain_timeout)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -33,12 +33,14 @@ def git_revision() -> str | None:
     env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")
     here = str(Path(__file__).resolve().parent)
     try:
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5, env=env)
+        rev = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, env=env
+        )
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "-uno"],
-                               capture_output=True, text=True, timeout=5, env=env)
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5, env=env
+        )
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -50,13 +52,12 @@ def server_info_block(info: dict | None, status: str) -> dict:
     return {"status": status, **{k: info.get(k) for k in SERVER_INFO_KEYS}}
 
 
-def build_results(config: dict, server_info: dict, warmup: dict, runs: list[dict],
-                  label: str | None) -> dict:
+def build_results(config: dict, server_info: dict, warmup: dict, runs: list[dict], label: str | None) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "verifypd-loadgen", "version": __version__},
         "label": label,
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "config": config,
         "server_info": server_info,
@@ -106,8 +107,10 @@ def load(path: str | Path) -> dict:
     if not isinstance(doc, dict) or "schema_version" not in doc:
         raise SchemaError(f"{path}: not a verifypd-loadgen results file")
     if doc["schema_version"] not in READABLE_SCHEMA_VERSIONS:
-        raise SchemaError(f"{path}: schema_version {doc['schema_version']} "
-                          f"(this loadgen reads {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
+        raise SchemaError(
+            f"{path}: schema_version {doc['schema_version']} "
+            f"(this loadgen reads {', '.join(map(str, READABLE_SCHEMA_VERSIONS))})"
+        )
     for key in ("config", "runs"):
         if key not in doc:
             raise SchemaError(f"{path}: missing {key!r}")

@@ -36,12 +36,12 @@ class Plan:
     slo_ttft_ms: float | None
     slo_itl_ms: float | None
     seed: int
-    backend: str = "grpc"           # "grpc" (verifypd Generate) | "openai" (any OpenAI-compatible HTTP server)
-    url: str | None = None          # openai: base URL, e.g. http://127.0.0.1:8000/v1
-    model: str | None = None        # openai: the model id to ask for
-    openai_api: str = "auto"        # openai: auto | chat | completions
-    raw_records: bool = False       # per-request records in the results JSON
-    tls: object | None = None       # a verifypd.tls.ClientTls (--tls-ca-file ...): both backends speak TLS
+    backend: str = "grpc"  # "grpc" (verifypd Generate) | "openai" (any OpenAI-compatible HTTP server)
+    url: str | None = None  # openai: base URL, e.g. http://127.0.0.1:8000/v1
+    model: str | None = None  # openai: the model id to ask for
+    openai_api: str = "auto"  # openai: auto | chat | completions
+    raw_records: bool = False  # per-request records in the results JSON
+    tls: object | None = None  # a verifypd.tls.ClientTls (--tls-ca-file ...): both backends speak TLS
 
 
 async def probe(stub, server: str, timeout: float) -> dict:
@@ -51,11 +51,9 @@ async def probe(stub, server: str, timeout: float) -> dict:
         info = await stub.GetServerInfo(generate_pb2.ServerInfoRequest(), timeout=timeout)
     except grpc.aio.AioRpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise Unreachable(f"cannot reach verifypd at {server} "
-                              f"({e.code().name}: {e.details()})") from None
+            raise Unreachable(f"cannot reach verifypd at {server} ({e.code().name}: {e.details()})") from None
         return schema.server_info_block(None, e.code().name)
-    return schema.server_info_block(
-        {k: getattr(info, k) for k in schema.SERVER_INFO_KEYS}, "OK")
+    return schema.server_info_block({k: getattr(info, k) for k in schema.SERVER_INFO_KEYS}, "OK")
 
 
 def warmup_load(plan: Plan) -> LoadPoint:
@@ -70,8 +68,7 @@ async def _ticker(progress: report.LiveProgress) -> None:
         await asyncio.sleep(0.25)
 
 
-async def execute_plan(plan: Plan, progress: report.LiveProgress
-                       ) -> tuple[dict, dict, list[PointResult]]:
+async def execute_plan(plan: Plan, progress: report.LiveProgress) -> tuple[dict, dict, list[PointResult]]:
     """Returns (server_info block, warm-up counts, one PointResult per load point)."""
     hooks = dict(on_record=progress.on_record, on_send=progress.on_send)
     if plan.backend == "openai":
@@ -89,15 +86,15 @@ async def execute_plan(plan: Plan, progress: report.LiveProgress
         return (info, *await run_points(plan, runner, progress))
 
 
-async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress
-                     ) -> tuple[dict, list[PointResult]]:
+async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress) -> tuple[dict, list[PointResult]]:
     warm = {"requests": plan.warmup, "failed": 0}
     if plan.warmup:
         progress.start_point("warm-up", plan.warmup, None)
         # A different request stream from the measured one, so that warm-up prompts do
         # not pre-fill any prefix cache for the measured requests.
-        res = await runner.run(warmup_load(plan), plan.workload.requests(stream=0),
-                               plan.warmup, None, "warmup", plan.seed)
+        res = await runner.run(
+            warmup_load(plan), plan.workload.requests(stream=0), plan.warmup, None, "warmup", plan.seed
+        )
         warm["failed"] = sum(not r.ok for r in res.records)
     results = []
     for i, load in enumerate(plan.loads):
@@ -105,9 +102,11 @@ async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress
         tick = asyncio.create_task(_ticker(progress))
         try:
             # stream=1 for every point: each load point sees the same requests
-            results.append(await runner.run(load, plan.workload.requests(stream=1),
-                                            plan.requests, plan.duration, f"lg{i}",
-                                            plan.seed))
+            results.append(
+                await runner.run(
+                    load, plan.workload.requests(stream=1), plan.requests, plan.duration, f"lg{i}", plan.seed
+                )
+            )
         finally:
             tick.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -117,10 +116,15 @@ async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress
 
 
 def load_block(load: LoadPoint) -> dict:
-    return {"label": load.label, "mode": load.mode, "concurrency": load.concurrency,
-            "rate": load.rate, "arrival": load.arrival if load.mode == "open" else None,
-            "burstiness": load.burstiness if load.mode == "open" else None,
-            "max_concurrency": load.max_concurrency}
+    return {
+        "label": load.label,
+        "mode": load.mode,
+        "concurrency": load.concurrency,
+        "rate": load.rate,
+        "arrival": load.arrival if load.mode == "open" else None,
+        "burstiness": load.burstiness if load.mode == "open" else None,
+        "max_concurrency": load.max_concurrency,
+    }
 
 
 @dataclass
@@ -141,10 +145,14 @@ def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) ->
     except Unreachable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runs = [{"load": load_block(r.load),
-             "summary": metrics.summarize(r, plan.slo_ttft_ms, plan.slo_itl_ms),
-             **({"records": metrics.records(r)} if plan.raw_records else {})}
-            for r in results]
+    runs = [
+        {
+            "load": load_block(r.load),
+            "summary": metrics.summarize(r, plan.slo_ttft_ms, plan.slo_itl_ms),
+            **({"records": metrics.records(r)} if plan.raw_records else {}),
+        }
+        for r in results
+    ]
     doc = schema.build_results(config, info, warm, runs, outputs.label)
     report.print_summary(console, runs)
     try:

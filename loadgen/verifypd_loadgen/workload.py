@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -107,9 +107,7 @@ class RequestSpec:
         return len(self.prompt.token_ids) if self.prompt.token_ids is not None else None
 
     def to_proto(self, request_id: str) -> generate_pb2.GenerateRequest:
-        req = generate_pb2.GenerateRequest(
-            request_id=request_id, max_tokens=self.max_tokens, priority=self.priority
-        )
+        req = generate_pb2.GenerateRequest(request_id=request_id, max_tokens=self.max_tokens, priority=self.priority)
         if self.prompt.token_ids is not None:
             req.token_ids.ids.extend(self.prompt.token_ids)
         elif self.prompt.text is not None:

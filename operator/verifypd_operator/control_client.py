@@ -30,20 +30,28 @@ log = logging.getLogger(__name__)
 
 def knobs_to_pb(k: Knobs) -> control_pb2.RuntimeConfig:
     return control_pb2.RuntimeConfig(
-        k_min=k.k_min, k_max=k.k_max, k_initial=k.k_initial, adaptive=k.adaptive,
-        priorities=control_pb2.LanePriorities(draft=k.prio_draft, verify=k.prio_verify,
-                                              prefill=k.prio_prefill),
-        prefill_token_budget=k.prefill_token_budget)
+        k_min=k.k_min,
+        k_max=k.k_max,
+        k_initial=k.k_initial,
+        adaptive=k.adaptive,
+        priorities=control_pb2.LanePriorities(draft=k.prio_draft, verify=k.prio_verify, prefill=k.prio_prefill),
+        prefill_token_budget=k.prefill_token_budget,
+    )
 
 
 def pb_matches(cfg: control_pb2.RuntimeConfig, k: Knobs) -> bool:
     """Whether the router's config already equals the knobs (unset fields never match)."""
     p = cfg.priorities
-    return (cfg.HasField("k_min") and cfg.HasField("k_max") and cfg.HasField("k_initial")
-            and cfg.HasField("adaptive") and cfg.HasField("prefill_token_budget")
-            and (cfg.k_min, cfg.k_max, cfg.k_initial, cfg.adaptive, cfg.prefill_token_budget)
-            == (k.k_min, k.k_max, k.k_initial, k.adaptive, k.prefill_token_budget)
-            and (p.draft, p.verify, p.prefill) == (k.prio_draft, k.prio_verify, k.prio_prefill))
+    return (
+        cfg.HasField("k_min")
+        and cfg.HasField("k_max")
+        and cfg.HasField("k_initial")
+        and cfg.HasField("adaptive")
+        and cfg.HasField("prefill_token_budget")
+        and (cfg.k_min, cfg.k_max, cfg.k_initial, cfg.adaptive, cfg.prefill_token_budget)
+        == (k.k_min, k.k_max, k.k_initial, k.adaptive, k.prefill_token_budget)
+        and (p.draft, p.verify, p.prefill) == (k.prio_draft, k.prio_verify, k.prio_prefill)
+    )
 
 
 def resolve(host_port: str) -> list[str]:
@@ -94,18 +102,27 @@ class ControlClient:
 
     def get(self, target: str, admin_key: str | None = None, tls=None) -> control_pb2.RuntimeConfig:
         with grpc_channel(target, tls or self.tls) as ch:
-            return self._stub(ch).GetConfig(control_pb2.GetConfigRequest(), timeout=self.timeout_s,
-                                            metadata=_auth(admin_key))
+            return self._stub(ch).GetConfig(
+                control_pb2.GetConfigRequest(), timeout=self.timeout_s, metadata=_auth(admin_key)
+            )
 
-    def update(self, target: str, knobs: Knobs, requested_by: str, reason: str,
-               admin_key: str | None = None, tls=None) -> control_pb2.RuntimeConfig:
-        req = control_pb2.UpdateConfigRequest(config=knobs_to_pb(knobs), requested_by=requested_by,
-                                              reason=reason)
+    def update(
+        self, target: str, knobs: Knobs, requested_by: str, reason: str, admin_key: str | None = None, tls=None
+    ) -> control_pb2.RuntimeConfig:
+        req = control_pb2.UpdateConfigRequest(config=knobs_to_pb(knobs), requested_by=requested_by, reason=reason)
         with grpc_channel(target, tls or self.tls) as ch:
             return self._stub(ch).UpdateConfig(req, timeout=self.timeout_s, metadata=_auth(admin_key))
 
-    def sync(self, host_port: str, knobs: Knobs, requested_by: str, reason: str,
-             force: bool = False, admin_key: str | None = None, tls=None) -> SyncResult:
+    def sync(
+        self,
+        host_port: str,
+        knobs: Knobs,
+        requested_by: str,
+        reason: str,
+        force: bool = False,
+        admin_key: str | None = None,
+        tls=None,
+    ) -> SyncResult:
         """Push `knobs` to every replica behind `host_port` whose config differs (all if force).
         `tls`: this config's ClientTls (its gateways serve TLS), else the client's own."""
         res = SyncResult()

@@ -51,12 +51,12 @@ def _str(default: str | None, desc: str, enum: list[str] | None = None, max_len:
 QUANTITY: S = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
     "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)"
-               r"|(\.[0-9]+))))?$",
+    r"|(\.[0-9]+))))?$",
     "x-kubernetes-int-or-string": True,
 }
 RESOURCES: S = {
-    "type": "object", "description": "cpu/memory requests and limits (core ResourceRequirements); "
-                                     "GPUs are set with `gpu`.",
+    "type": "object",
+    "description": "cpu/memory requests and limits (core ResourceRequirements); GPUs are set with `gpu`.",
     "properties": {k: {"type": "object", "additionalProperties": QUANTITY} for k in ("requests", "limits")},
 }
 # Object names double as Service names (`<name>`, `<name>-gateway-pods`, ...): DNS-1035 labels of at
@@ -66,7 +66,9 @@ NAME_RE = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 def _replicas(desc: str, gpu: int = 1) -> S:
     return {
-        "type": "object", "description": desc, "default": {},
+        "type": "object",
+        "description": desc,
+        "default": {},
         "properties": {
             "replicas": _int(1, 0, 64, "initial replicas (the autoscaler then moves within min..max)"),
             "minReplicas": _int(1, 0, 64),
@@ -75,8 +77,10 @@ def _replicas(desc: str, gpu: int = 1) -> S:
             "resources": RESOURCES,
         },
         "x-kubernetes-validations": [
-            {"rule": "self.minReplicas <= self.replicas && self.replicas <= self.maxReplicas",
-             "message": "replicas must lie within minReplicas..maxReplicas"},
+            {
+                "rule": "self.minReplicas <= self.replicas && self.replicas <= self.maxReplicas",
+                "message": "replicas must lie within minReplicas..maxReplicas",
+            },
         ],
     }
 
@@ -85,10 +89,15 @@ def with_tensor_parallel(replicas: S, what: str) -> S:
     """Adds `tensorParallel` (the target's ranks, one GPU each: `--tensor-parallel`) to a pod group
     that runs the target; the pod must request at least that many GPUs."""
     replicas["properties"]["tensorParallel"] = _int(
-        1, 1, 8, f"shard the target over this many GPUs of one pod ({what}; `--tensor-parallel`); must "
-                 "divide the target's heads, kv heads and intermediate size (the engine checks at load)")
+        1,
+        1,
+        8,
+        f"shard the target over this many GPUs of one pod ({what}; `--tensor-parallel`); must "
+        "divide the target's heads, kv heads and intermediate size (the engine checks at load)",
+    )
     replicas["x-kubernetes-validations"].append(
-        {"rule": "self.gpu >= self.tensorParallel", "message": "gpu must be at least tensorParallel (one GPU per rank)"})
+        {"rule": "self.gpu >= self.tensorParallel", "message": "gpu must be at least tensorParallel (one GPU per rank)"}
+    )
     return replicas
 
 
@@ -97,98 +106,157 @@ def with_tensor_parallel(replicas: S, what: str) -> S:
 # rather than by a prefill lane refusing ImportPools at run time.
 SPLIT_TENSOR_PARALLEL_RULE = {
     "rule": "self.topology == 'colocated' || (self.lanes.verify.tensorParallel == 1 && "
-            "self.lanes.prefill.tensorParallel == 1)",
+    "self.lanes.prefill.tensorParallel == 1)",
     "message": "tensorParallel > 1 runs with topology colocated only (split lane pods copy KV between pods, "
-               "which a sharded target does not support yet)"}
+    "which a sharded target does not support yet)",
+}
 
 
 def spec_schema() -> S:
     colocated = with_tensor_parallel(
-        _replicas("topology=colocated: pods each holding gateway + all three lanes on one GPU (with "
-                  "tensorParallel > 1: one container serving the target over that many GPUs)"), "colocated pods")
+        _replicas(
+            "topology=colocated: pods each holding gateway + all three lanes on one GPU (with "
+            "tensorParallel > 1: one container serving the target over that many GPUs)"
+        ),
+        "colocated pods",
+    )
     colocated["properties"].update(
         gpuSharing=_str("devicePlugin", "how the lane containers share the pod's GPU", ["devicePlugin", "dra"]),
         draDeviceClass=_str("gpu.nvidia.com", "DeviceClass for gpuSharing=dra"),
     )
-    gateway = _replicas("the router/gateway (topology=split; its resources apply to the colocated pods' "
-                        "gateway container too)", gpu=0)
+    gateway = _replicas(
+        "the router/gateway (topology=split; its resources apply to the colocated pods' gateway container too)", gpu=0
+    )
     gateway["properties"]["resources"] = {**RESOURCES, "default": GATEWAY_RESOURCES}
     return {
-        "type": "object", "default": {},
+        "type": "object",
+        "default": {},
         "properties": {
-            "model": {"type": "object", "default": {}, "properties": {
-                "target": _str(DEFAULT_TARGET, "target model: embedded name, HF cache name, local dir or .gguf"),
-                "draft": _str(DEFAULT_DRAFT, "draft: ngram | ngram:MIN-MAX (prompt lookup, no weights) | "
-                                             "self:N (the target's first N layers) | eagle:PATH (a feature "
-                                             "head; colocated) | eagle+ngram:PATH (that head mixed with prompt "
-                                             "lookup) | none | a draft model"),
-                "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
-            }},
-            "image": {"type": "object", "default": {}, "properties": {
-                "repository": _str("ghcr.io/verifypd/verifypd", "service image"),
-                "tag": _str("0.1.0", "", max_len=128),
-                "pullPolicy": _str("IfNotPresent", "", ["Always", "IfNotPresent", "Never"]),
-            }},
-            "topology": _str("colocated", "colocated: one pod per replica, lanes share a GPU by KV handle; "
-                             "split: a Deployment per lane", ["colocated", "split"]),
+            "model": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "target": _str(DEFAULT_TARGET, "target model: embedded name, HF cache name, local dir or .gguf"),
+                    "draft": _str(
+                        DEFAULT_DRAFT,
+                        "draft: ngram | ngram:MIN-MAX (prompt lookup, no weights) | "
+                        "self:N (the target's first N layers) | eagle:PATH (a feature "
+                        "head; colocated) | eagle+ngram:PATH (that head mixed with prompt "
+                        "lookup) | none | a draft model",
+                    ),
+                    "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
+                },
+            },
+            "image": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "repository": _str("ghcr.io/verifypd/verifypd", "service image"),
+                    "tag": _str("0.1.0", "", max_len=128),
+                    "pullPolicy": _str("IfNotPresent", "", ["Always", "IfNotPresent", "Never"]),
+                },
+            },
+            "topology": _str(
+                "colocated",
+                "colocated: one pod per replica, lanes share a GPU by KV handle; split: a Deployment per lane",
+                ["colocated", "split"],
+            ),
             "kvTransport": _str("auto", "KV transfer between lanes", ["auto", "handle", "copy"]),
             "gateway": gateway,
             "colocated": colocated,
-            "lanes": {"type": "object", "default": {}, "properties": {
-                lane: _replicas(f"{lane} lane Deployment (topology=split)") if lane == "draft" else
-                with_tensor_parallel(_replicas(f"{lane} lane Deployment (topology=split)"), f"the {lane} lane")
-                for lane in ("prefill", "draft", "verify")}},
+            "lanes": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    lane: _replicas(f"{lane} lane Deployment (topology=split)")
+                    if lane == "draft"
+                    else with_tensor_parallel(_replicas(f"{lane} lane Deployment (topology=split)"), f"the {lane} lane")
+                    for lane in ("prefill", "draft", "verify")
+                },
+            },
             "speculation": {
-                "type": "object", "default": {},
+                "type": "object",
+                "default": {},
                 "properties": {
                     "kInitial": _int(DEFAULT_K_INITIAL, 0, 16, "draft length before acceptance is known"),
                     "kMin": _int(DEFAULT_K_MIN, 0, 16, "floor of the adaptive k and of the autoscaler's kMax"),
-                    "kMax": _int(DEFAULT_K_MAX, 0, 16,
-                                 "ceiling; with adaptive: false the autoscaler lowers it under ITL pressure"),
+                    "kMax": _int(
+                        DEFAULT_K_MAX,
+                        0,
+                        16,
+                        "ceiling; with adaptive: false the autoscaler lowers it under ITL pressure",
+                    ),
                     "adaptive": {"type": "boolean", "default": True},
                 },
                 "x-kubernetes-validations": [
-                    {"rule": "self.kMin <= self.kInitial && self.kInitial <= self.kMax",
-                     "message": "speculation must satisfy kMin <= kInitial <= kMax"}],
+                    {
+                        "rule": "self.kMin <= self.kInitial && self.kInitial <= self.kMax",
+                        "message": "speculation must satisfy kMin <= kInitial <= kMax",
+                    }
+                ],
             },
-            "priorities": {"type": "object", "default": {}, "properties": {
-                "draft": _int(2, -100, 100), "verify": _int(1, -100, 100), "prefill": _int(0, -100, 100)}},
+            "priorities": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "draft": _int(2, -100, 100),
+                    "verify": _int(1, -100, 100),
+                    "prefill": _int(0, -100, 100),
+                },
+            },
             "prefillTokenBudget": _int(512, 16, 1 << 20, "prompt tokens prefilled per scheduling step"),
             "prefillTokenBudgetMax": _int(4096, 16, 1 << 20, "ceiling when the autoscaler raises the budget"),
             "slo": {
-                "type": "object", "default": {},
+                "type": "object",
+                "default": {},
                 "properties": {
                     "ttftP95Ms": _num(1000.0, "time-to-first-token p95 objective, ms"),
                     "itlP95Ms": _num(100.0, "inter-token latency p95 objective, ms"),
                 },
                 "x-kubernetes-validations": [
-                    {"rule": "self.ttftP95Ms > 0.0 && self.itlP95Ms > 0.0", "message": "SLOs must be positive"}],
+                    {"rule": "self.ttftP95Ms > 0.0 && self.itlP95Ms > 0.0", "message": "SLOs must be positive"}
+                ],
             },
-            "autoscaling": {"type": "object", "default": {}, "properties": {
-                "enabled": {"type": "boolean", "default": True},
-                "intervalSeconds": _int(30, 1, 3600, "evaluation period"),
-                "windowSeconds": _int(120, 5, 3600, "metrics window the p95s are computed over"),
-                "scaleUpCooldownSeconds": _int(60, 0, 86400),
-                "scaleDownCooldownSeconds": _int(300, 0, 86400),
-                "configCooldownSeconds": _int(30, 0, 86400, "between runtime config (k, priority) changes"),
-                "breachPeriods": _int(2, 1, 100, "consecutive breached evaluations before acting"),
-                "headroomPeriods": _int(3, 1, 100, "consecutive evaluations with headroom before relaxing"),
-                "headroomRatio": _num(0.7, "headroom = every p95 below this fraction of its SLO", 0.05, 0.99),
-                "minSamples": _int(20, 0, 1_000_000, "observations needed in the window to act"),
-                "staleAfterSeconds": _int(20, 1, 3600, "hold when the newest telemetry is older than this "
-                                                       "(pods export every 5 s)"),
-            }},
-            "metrics": {"type": "object", "default": {}, "properties": {
-                "prometheusScrape": {"type": "boolean", "default": False,
-                                     "description": "annotate gateway pods prometheus.io/scrape, port 8000, "
-                                                    "path /metrics"},
-            }},
+            "autoscaling": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "enabled": {"type": "boolean", "default": True},
+                    "intervalSeconds": _int(30, 1, 3600, "evaluation period"),
+                    "windowSeconds": _int(120, 5, 3600, "metrics window the p95s are computed over"),
+                    "scaleUpCooldownSeconds": _int(60, 0, 86400),
+                    "scaleDownCooldownSeconds": _int(300, 0, 86400),
+                    "configCooldownSeconds": _int(30, 0, 86400, "between runtime config (k, priority) changes"),
+                    "breachPeriods": _int(2, 1, 100, "consecutive breached evaluations before acting"),
+                    "headroomPeriods": _int(3, 1, 100, "consecutive evaluations with headroom before relaxing"),
+                    "headroomRatio": _num(0.7, "headroom = every p95 below this fraction of its SLO", 0.05, 0.99),
+                    "minSamples": _int(20, 0, 1_000_000, "observations needed in the window to act"),
+                    "staleAfterSeconds": _int(
+                        20, 1, 3600, "hold when the newest telemetry is older than this (pods export every 5 s)"
+                    ),
+                },
+            },
+            "metrics": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "prometheusScrape": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "annotate gateway pods prometheus.io/scrape, port 8000, path /metrics",
+                    },
+                },
+            },
         },
         "x-kubernetes-validations": [
-            {"rule": "self.prefillTokenBudget <= self.prefillTokenBudgetMax",
-             "message": "prefillTokenBudget must not exceed prefillTokenBudgetMax"},
-            {"rule": "self.priorities.prefill <= self.priorities.verify",
-             "message": "prefill priority must not exceed verify's (the autoscaler raises it at most to verify's)"},
+            {
+                "rule": "self.prefillTokenBudget <= self.prefillTokenBudgetMax",
+                "message": "prefillTokenBudget must not exceed prefillTokenBudgetMax",
+            },
+            {
+                "rule": "self.priorities.prefill <= self.priorities.verify",
+                "message": "prefill priority must not exceed verify's (the autoscaler raises it at most to verify's)",
+            },
             SPLIT_TENSOR_PARALLEL_RULE,
         ],
     }
@@ -200,29 +268,70 @@ def status_schema() -> S:
         "type": "object",
         "properties": {
             "observedGeneration": {"type": "integer"},
-            "conditions": {"type": "array", "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
-                           "items": {"type": "object", "required": ["type", "status"], "properties": {
-                               "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-                               "reason": {"type": "string"}, "message": {"type": "string"},
-                               "lastTransitionTime": {"type": "string", "format": "date-time"},
-                               "observedGeneration": {"type": "integer"}}}},
-            "observed": {"type": "object", "properties": {
-                "ttftP95Ms": {"type": "number", "nullable": True}, "itlP95Ms": {"type": "number", "nullable": True},
-                "samples": {"type": "integer"}, "acceptanceRate": {"type": "number", "nullable": True},
-                "queueDepth": {"type": "object", "additionalProperties": {"type": "number"}},
-                "windowSeconds": {"type": "integer"}, "time": {"type": "string"}}},
-            "applied": {"type": "object", "properties": {
-                "kMin": {"type": "integer"}, "kMax": {"type": "integer"}, "kInitial": {"type": "integer"},
-                "adaptive": {"type": "boolean"}, "prefillTokenBudget": {"type": "integer"},
-                "priorities": {"type": "object", "additionalProperties": {"type": "integer"}},
-                "revision": {"type": "integer"}, "routersInSync": {"type": "integer"},
-                "routerErrors": {"type": "integer"}}},
+            "conditions": {
+                "type": "array",
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+                "items": {
+                    "type": "object",
+                    "required": ["type", "status"],
+                    "properties": {
+                        "type": {"type": "string"},
+                        "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                        "reason": {"type": "string"},
+                        "message": {"type": "string"},
+                        "lastTransitionTime": {"type": "string", "format": "date-time"},
+                        "observedGeneration": {"type": "integer"},
+                    },
+                },
+            },
+            "observed": {
+                "type": "object",
+                "properties": {
+                    "ttftP95Ms": {"type": "number", "nullable": True},
+                    "itlP95Ms": {"type": "number", "nullable": True},
+                    "samples": {"type": "integer"},
+                    "acceptanceRate": {"type": "number", "nullable": True},
+                    "queueDepth": {"type": "object", "additionalProperties": {"type": "number"}},
+                    "windowSeconds": {"type": "integer"},
+                    "time": {"type": "string"},
+                },
+            },
+            "applied": {
+                "type": "object",
+                "properties": {
+                    "kMin": {"type": "integer"},
+                    "kMax": {"type": "integer"},
+                    "kInitial": {"type": "integer"},
+                    "adaptive": {"type": "boolean"},
+                    "prefillTokenBudget": {"type": "integer"},
+                    "priorities": {"type": "object", "additionalProperties": {"type": "integer"}},
+                    "revision": {"type": "integer"},
+                    "routersInSync": {"type": "integer"},
+                    "routerErrors": {"type": "integer"},
+                },
+            },
             "replicas": {"type": "object", "additionalProperties": {"type": "integer"}},
             "replicasText": {"type": "string"},
-            "lastDecision": {"type": "object", "properties": {
-                "action": {"type": "string"}, "reason": {"type": "string"}, "time": {"type": "string"},
-                "scales": {"type": "array", "items": {"type": "object", "properties": {
-                    "unit": {"type": "string"}, "from": {"type": "integer"}, "to": {"type": "integer"}}}}}},
+            "lastDecision": {
+                "type": "object",
+                "properties": {
+                    "action": {"type": "string"},
+                    "reason": {"type": "string"},
+                    "time": {"type": "string"},
+                    "scales": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "unit": {"type": "string"},
+                                "from": {"type": "integer"},
+                                "to": {"type": "integer"},
+                            },
+                        },
+                    },
+                },
+            },
             "autoscaler": free,
         },
     }
@@ -259,26 +368,47 @@ def build_crd() -> S:
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower(), "listKind": f"{KIND}List",
-                      "shortNames": ["vpd"], "categories": ["verifypd"]},
-            "versions": [{
-                "name": VERSION, "served": True, "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": [{"name": n, "type": t, "jsonPath": p} for n, t, p in cols],
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "A verifypd serving deployment run and autoscaled by the verifypd operator.",
-                    "properties": {
-                        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-                        "spec": materialize_defaults(spec_schema()), "status": status_schema()},
-                    "x-kubernetes-validations": [
-                        {"rule": "self.metadata.name.size() <= 40",
-                         "message": "name must be at most 40 characters (it prefixes Service names)"},
-                        {"rule": f"self.metadata.name.matches('{NAME_RE}')",
-                         "message": "name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
-                                    "with a letter, ending with a letter or digit): it names Services"}],
-                }},
-            }],
+            "names": {
+                "kind": KIND,
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "listKind": f"{KIND}List",
+                "shortNames": ["vpd"],
+                "categories": ["verifypd"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [{"name": n, "type": t, "jsonPath": p} for n, t, p in cols],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A verifypd serving deployment run and autoscaled by the verifypd operator.",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": materialize_defaults(spec_schema()),
+                                "status": status_schema(),
+                            },
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": "self.metadata.name.size() <= 40",
+                                    "message": "name must be at most 40 characters (it prefixes Service names)",
+                                },
+                                {
+                                    "rule": f"self.metadata.name.matches('{NAME_RE}')",
+                                    "message": "name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+                                    "with a letter, ending with a letter or digit): it names Services",
+                                },
+                            ],
+                        }
+                    },
+                }
+            ],
         },
     }
 

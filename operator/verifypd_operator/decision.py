@@ -49,6 +49,7 @@ from .spec import COLOCATED, Spec
 @dataclasses.dataclass(frozen=True)
 class Knobs:
     """The router settings the operator pushes through `Control.UpdateConfig`."""
+
     k_min: int
     k_max: int
     k_initial: int
@@ -61,8 +62,7 @@ class Knobs:
 
 def spec_knobs(spec: Spec) -> Knobs:
     s, p = spec.speculation, spec.priorities
-    return Knobs(s.k_min, s.k_max, s.k_initial, s.adaptive, p.draft, p.verify, p.prefill,
-                 spec.prefill_token_budget)
+    return Knobs(s.k_min, s.k_max, s.k_initial, s.adaptive, p.draft, p.verify, p.prefill, spec.prefill_token_budget)
 
 
 def clamp_knobs(knobs: Knobs | None, spec: Spec) -> Knobs:
@@ -72,10 +72,13 @@ def clamp_knobs(knobs: Knobs | None, spec: Spec) -> Knobs:
         return base
     k_max = min(max(knobs.k_max, base.k_min), base.k_max)
     return dataclasses.replace(
-        base, k_max=k_max, k_initial=min(base.k_initial, k_max),
+        base,
+        k_max=k_max,
+        k_initial=min(base.k_initial, k_max),
         prio_prefill=min(max(knobs.prio_prefill, base.prio_prefill), base.prio_verify),
-        prefill_token_budget=min(max(knobs.prefill_token_budget, base.prefill_token_budget),
-                                 spec.prefill_token_budget_max),
+        prefill_token_budget=min(
+            max(knobs.prefill_token_budget, base.prefill_token_budget), spec.prefill_token_budget_max
+        ),
     )
 
 
@@ -143,11 +146,18 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
 
     clamps = tuple(
         Scale(u, r, min(max(r, spec.bounds(u).min), spec.bounds(u).max))
-        for u in spec.units() for r in [current.replicas.get(u, spec.bounds(u).replicas)]
-        if not spec.bounds(u).min <= r <= spec.bounds(u).max)
+        for u in spec.units()
+        for r in [current.replicas.get(u, spec.bounds(u).replicas)]
+        if not spec.bounds(u).min <= r <= spec.bounds(u).max
+    )
     if clamps:
-        return Decision("clamp", "replicas outside spec bounds: " + ", ".join(
-            f"{s.unit} {s.from_replicas}->{s.to_replicas}" for s in clamps), clamps, **streaks)
+        return Decision(
+            "clamp",
+            "replicas outside spec bounds: "
+            + ", ".join(f"{s.unit} {s.from_replicas}->{s.to_replicas}" for s in clamps),
+            clamps,
+            **streaks,
+        )
     if not auto.enabled:
         return Decision("hold", "autoscaling disabled", **streaks)
     if observed.age_s is None or observed.age_s > auto.stale_after_s:
@@ -157,13 +167,14 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
         ttft_r = itl_r = 0.0
         latency = "idle: no request finished in the window, lane queues empty"
     elif observed.samples < auto.min_samples or observed.ttft_p95_s is None or observed.itl_p95_s is None:
-        return Decision("hold", f"insufficient data ({observed.samples} < {auto.min_samples} samples)",
-                        **streaks)
+        return Decision("hold", f"insufficient data ({observed.samples} < {auto.min_samples} samples)", **streaks)
     else:
         ttft_r = observed.ttft_p95_s * 1000 / spec.slo.ttft_p95_ms
         itl_r = observed.itl_p95_s * 1000 / spec.slo.itl_p95_ms
-        latency = (f"TTFT p95 {_ms(observed.ttft_p95_s)}/{spec.slo.ttft_p95_ms:.0f}ms, "
-                   f"ITL p95 {_ms(observed.itl_p95_s)}/{spec.slo.itl_p95_ms:.0f}ms")
+        latency = (
+            f"TTFT p95 {_ms(observed.ttft_p95_s)}/{spec.slo.ttft_p95_ms:.0f}ms, "
+            f"ITL p95 {_ms(observed.itl_p95_s)}/{spec.slo.itl_p95_ms:.0f}ms"
+        )
     ttft_breach, itl_breach = ttft_r > 1.0, itl_r > 1.0
 
     if ttft_breach or itl_breach:
@@ -178,8 +189,7 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
     if headroom and headroom < auto.headroom_periods:
         return Decision("hold", f"headroom {headroom}/{auto.headroom_periods} ({latency})", **waiting)
 
-    config_ok = (current.last_config_change is None
-                 or now - current.last_config_change >= auto.config_cooldown_s)
+    config_ok = current.last_config_change is None or now - current.last_config_change >= auto.config_cooldown_s
 
     def since_scale(unit: str) -> float:
         t = current.last_scale.get(unit)
@@ -215,49 +225,69 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
         """One step of a prefill boost undone (None: no boost in force, or cooling down)."""
         if not config_ok or not boosted:
             return None
-        return dataclasses.replace(knobs, prio_prefill=max(base.prio_prefill, knobs.prio_prefill - 1),
-                                   prefill_token_budget=max(base.prefill_token_budget,
-                                                            int(knobs.prefill_token_budget / 1.5)))
+        return dataclasses.replace(
+            knobs,
+            prio_prefill=max(base.prio_prefill, knobs.prio_prefill - 1),
+            prefill_token_budget=max(base.prefill_token_budget, int(knobs.prefill_token_budget / 1.5)),
+        )
 
     def restored(why: str, new: Knobs) -> Decision:
-        return Decision("prefill-restore", f"{why}: prefill priority {knobs.prio_prefill}->{new.prio_prefill}, "
-                        f"budget {knobs.prefill_token_budget}->{new.prefill_token_budget}", knobs=new, **acted)
+        return Decision(
+            "prefill-restore",
+            f"{why}: prefill priority {knobs.prio_prefill}->{new.prio_prefill}, "
+            f"budget {knobs.prefill_token_budget}->{new.prefill_token_budget}",
+            knobs=new,
+            **acted,
+        )
 
     if ttft_breach and itl_breach:
         ups = {s.unit: s for s in (scale_up("verify"), scale_up("prefill")) if s is not None}
         if ups:
-            return Decision("scale-up", f"TTFT and ITL breached ({latency}): add capacity",
-                            tuple(ups.values()), **acted)
+            return Decision(
+                "scale-up", f"TTFT and ITL breached ({latency}): add capacity", tuple(ups.values()), **acted
+            )
         new = restore_prefill()
         if new:
-            return restored(f"TTFT and ITL breached ({latency}), units at max or cooling down, the prefill "
-                            f"boost costs ITL", new)
+            return restored(
+                f"TTFT and ITL breached ({latency}), units at max or cooling down, the prefill boost costs ITL", new
+            )
         new = None if knobs.adaptive else lower_k()  # adaptive: the router's k already minimises ITL
         if new:
-            return Decision("lower-k", f"TTFT and ITL breached ({latency}), units at max or cooling "
-                            f"down: kMax {knobs.k_max}->{new.k_max}", knobs=new, **acted)
+            return Decision(
+                "lower-k",
+                f"TTFT and ITL breached ({latency}), units at max or cooling down: kMax {knobs.k_max}->{new.k_max}",
+                knobs=new,
+                **acted,
+            )
         return Decision("hold", f"TTFT and ITL breached ({latency}) but at limits", at_limits=True, **waiting)
 
     if itl_breach:
         if growing("draft") and q.get("draft", 0.0) > q.get("verify", 0.0):
             up = scale_up("draft")
             if up:
-                return Decision("scale-up", f"ITL breached ({latency}) and draft queue growing "
-                                f"({q.get('draft', 0):.0f}): add a draft replica", (up,), **acted)
+                return Decision(
+                    "scale-up",
+                    f"ITL breached ({latency}) and draft queue growing ({q.get('draft', 0):.0f}): add a draft replica",
+                    (up,),
+                    **acted,
+                )
         new = restore_prefill()
         if new:
             return restored(f"ITL breached ({latency}) with a prefill boost in force", new)
         why = "verify queue growing" if growing("verify") else "no queue growth"
         new = None if knobs.adaptive else lower_k()
         if new:
-            return Decision("lower-k", f"ITL breached ({latency}), {why}, fixed k: kMax {knobs.k_max}->{new.k_max}",
-                            knobs=new, **acted)
+            return Decision(
+                "lower-k",
+                f"ITL breached ({latency}), {why}, fixed k: kMax {knobs.k_max}->{new.k_max}",
+                knobs=new,
+                **acted,
+            )
         if knobs.adaptive or knobs.k_max <= spec.speculation.k_min:
             up = scale_up("verify")
             if up:
                 k_note = "k is the router's (adaptive)" if knobs.adaptive else f"kMax at floor {knobs.k_max}"
-                return Decision("scale-up", f"ITL breached ({latency}), {k_note}: add a verify replica",
-                                (up,), **acted)
+                return Decision("scale-up", f"ITL breached ({latency}), {k_note}: add a verify replica", (up,), **acted)
         return Decision("hold", f"ITL breached ({latency}) but at limits or cooling down", at_limits=True, **waiting)
 
     if ttft_breach:
@@ -266,9 +296,13 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
             budget = min(int(knobs.prefill_token_budget * 1.5), spec.prefill_token_budget_max)
             if (prio, budget) != (knobs.prio_prefill, knobs.prefill_token_budget):
                 new = dataclasses.replace(knobs, prio_prefill=prio, prefill_token_budget=budget)
-                return Decision("prefill-boost", f"TTFT breached ({latency}): prefill priority "
-                                f"{knobs.prio_prefill}->{prio}, budget {knobs.prefill_token_budget}->{budget}",
-                                knobs=new, **acted)
+                return Decision(
+                    "prefill-boost",
+                    f"TTFT breached ({latency}): prefill priority "
+                    f"{knobs.prio_prefill}->{prio}, budget {knobs.prefill_token_budget}->{budget}",
+                    knobs=new,
+                    **acted,
+                )
         up = scale_up("prefill")
         if up:
             return Decision("scale-up", f"TTFT breached ({latency}): add a prefill replica", (up,), **acted)
@@ -282,13 +316,20 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
     new = restore_prefill()
     if new:
         return restored(f"headroom ({latency})", new)
-    candidates = [u for u in spec.units() if replicas(u) > spec.bounds(u).min
-                  and since_scale(u) >= auto.scale_down_cooldown_s]
+    candidates = [
+        u for u in spec.units() if replicas(u) > spec.bounds(u).min and since_scale(u) >= auto.scale_down_cooldown_s
+    ]
     if candidates:
+
         def load(u: str) -> float:
             lanes = [u] if u != COLOCATED else list(q)
             return sum(q.get(lane, 0.0) for lane in lanes) / replicas(u)
+
         u = min(candidates, key=lambda c: (load(c), c))
-        return Decision("scale-down", f"headroom ({latency}): remove a {u} replica",
-                        (Scale(u, replicas(u), replicas(u) - 1),), **acted)
+        return Decision(
+            "scale-down",
+            f"headroom ({latency}): remove a {u} replica",
+            (Scale(u, replicas(u), replicas(u) - 1),),
+            **acted,
+        )
     return Decision("hold", f"headroom ({latency}), nothing to relax", **waiting)

@@ -19,8 +19,15 @@ from typing import Any
 import kopf
 
 from . import status as st
-from .builders import (admin_secret_name, build_all, deployment_name, gateway_pods_service_name, lane_secret_name,
-                       read_admin_secret, read_lane_secret)
+from .builders import (
+    admin_secret_name,
+    build_all,
+    deployment_name,
+    gateway_pods_service_name,
+    lane_secret_name,
+    read_admin_secret,
+    read_lane_secret,
+)
 from .control_client import ControlClient
 from .decision import Decision, clamp_knobs, decide
 from .kube import ApiError, ApiNotServed, Kube
@@ -100,8 +107,10 @@ def _readiness(ctx: OperatorContext, name: str, namespace: str, objs: list[Mappi
 
 
 # Why an owned object could not be applied, for the Degraded condition and the Warning event.
-HINTS = {"ResourceClaimTemplate": "gpuSharing: dra needs resource.k8s.io/v1 (Kubernetes >= 1.34 with "
-                                  "DynamicResourceAllocation); use gpuSharing: devicePlugin on this cluster"}
+HINTS = {
+    "ResourceClaimTemplate": "gpuSharing: dra needs resource.k8s.io/v1 (Kubernetes >= 1.34 with "
+    "DynamicResourceAllocation); use gpuSharing: devicePlugin on this cluster"
+}
 
 
 class ReconcileError(Exception):
@@ -117,8 +126,9 @@ def apply_all(ctx: OperatorContext, name: str, namespace: str, objs: list[Mappin
             ctx.kube.apply(obj)
         except ApiError as e:
             hint = HINTS.get(obj["kind"]) if isinstance(e, ApiNotServed) else None
-            raise ReconcileError(e.reason, f"cannot apply {obj['kind']} {obj['metadata']['name']}: {e}"
-                                 + (f" ({hint})" if hint else "")) from e
+            raise ReconcileError(
+                e.reason, f"cannot apply {obj['kind']} {obj['metadata']['name']}: {e}" + (f" ({hint})" if hint else "")
+            ) from e
     try:
         return ctx.kube.prune(name, namespace, keep=objs)
     except ApiError as e:
@@ -183,18 +193,21 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
                     token = lane_secret_token(ctx.kube, name, namespace)
                     admin_key = admin_key_token(ctx.kube, name, namespace)
                 except ApiError as e:
-                    raise ReconcileError(e.reason, f"cannot read the Secrets {lane_secret_name(name)}, "
-                                                   f"{admin_secret_name(name)}: {e}") from e
-                objs = build_all(spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token,
-                                 admin_key=admin_key)
+                    raise ReconcileError(
+                        e.reason, f"cannot read the Secrets {lane_secret_name(name)}, {admin_secret_name(name)}: {e}"
+                    ) from e
+                objs = build_all(
+                    spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token, admin_key=admin_key
+                )
                 if ctx.tls is not None:
                     objs = _tls_first(ctx, body, name, namespace, objs, now, logger)
                 pruned = apply_all(ctx, name, namespace, objs)
         except ReconcileError as e:
             # Visible where users look (status, events); kopf applies this status patch although
             # the handler fails, and retries the handler after the delay.
-            patch.status["conditions"] = st.reconcile_failed((status or {}).get("conditions"), e.reason,
-                                                             str(e), now, gen)
+            patch.status["conditions"] = st.reconcile_failed(
+                (status or {}).get("conditions"), e.reason, str(e), now, gen
+            )
             kopf.event(body, type="Warning", reason=e.reason, message=str(e)[:1000])
             raise kopf.TemporaryError(str(e), delay=15) from e
         ctx.store.register(namespace, name)
@@ -207,9 +220,15 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         ready, rolling, msg = _readiness(ctx, name, namespace, objs)
         conds = (status or {}).get("conditions")
         conds = st.set_condition(conds, "Ready", ready, "Available" if ready else "Unavailable", msg, now, gen)
-        conds = st.set_condition(conds, "Progressing", True, "Reconciled",
-                                 f"applied {len(objs)} objects" + (f", pruned {', '.join(pruned)}" if pruned else ""),
-                                 now, gen)
+        conds = st.set_condition(
+            conds,
+            "Progressing",
+            True,
+            "Reconciled",
+            f"applied {len(objs)} objects" + (f", pruned {', '.join(pruned)}" if pruned else ""),
+            now,
+            gen,
+        )
         if st.reconcile_failure_pending(conds) or not any(c["type"] == "Degraded" for c in conds):
             conds = st.set_condition(conds, "Degraded", False, "AsExpected", "", now, gen)
         old_units = ((status or {}).get("autoscaler") or {}).get("replicas") or {}
@@ -221,7 +240,9 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         patch.status["replicasText"] = st.replicas_text(spec_, replicas)
         # Merge-patch semantics: units that no longer exist must be nulled explicitly.
         patch.status["autoscaler"] = {"replicas": {**{u: None for u in old_units}, **replicas}}
-        kopf.event(body, type="Normal", reason="Reconciled", message=f"{spec_.topology}: {st.replicas_text(spec_, replicas)}")
+        kopf.event(
+            body, type="Normal", reason="Reconciled", message=f"{spec_.topology}: {st.replicas_text(spec_, replicas)}"
+        )
         logger.info("reconciled %s/%s: %d objects, pruned %s", namespace, name, len(objs), pruned)
 
     @kopf.on.delete(**res)
@@ -282,9 +303,15 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         if ctx.tls is not None:
             with scaling_lock(namespace, name):
                 control_tls = _renew_tls(ctx, body, name, namespace, now, logger)
-        sync = ctx.control.sync(ctx.control_target(name, namespace), knobs, f"operator/{namespace}/{name}",
-                                reason, force=bool(decision is not None and decision.knobs), admin_key=admin_key,
-                                tls=control_tls)
+        sync = ctx.control.sync(
+            ctx.control_target(name, namespace),
+            knobs,
+            f"operator/{namespace}/{name}",
+            reason,
+            force=bool(decision is not None and decision.knobs),
+            admin_key=admin_key,
+            tls=control_tls,
+        )
         applied = dict(patch.status.get("applied") or st.knobs_to_status(knobs))
         applied.update(routersInSync=sync.reached, routerErrors=len(sync.errors))
         if sync.revision is not None:
@@ -299,11 +326,19 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
             msg = "no router answered Control" + (f": {sync.errors}" if sync.errors else "")
         conds = status.get("conditions")
         conds = st.set_condition(conds, "Ready", ready, "Available" if ready else "Unavailable", msg, now, gen)
-        conds = st.set_condition(conds, "Progressing", rolling, "RollingOut" if rolling else "Stable",
-                                 "replicas updating" if rolling else "all replicas updated", now, gen)
+        conds = st.set_condition(
+            conds,
+            "Progressing",
+            rolling,
+            "RollingOut" if rolling else "Stable",
+            "replicas updating" if rolling else "all replicas updated",
+            now,
+            gen,
+        )
         degraded_msg = "; ".join(
             ([f"Control errors: {sync.errors}"] if sync.errors else [])
-            + ([decision.reason] if decision is not None and decision.at_limits else []))
+            + ([decision.reason] if decision is not None and decision.at_limits else [])
+        )
         if decision is None:  # not evaluated this tick: keep the SLO part of Degraded as it was
             old = next((c for c in conds if c["type"] == "Degraded"), None)
             if old and old.get("reason") == "SLOAtLimits" and not sync.errors:

@@ -46,6 +46,7 @@ class ApiError(Exception):
 
 class ApiNotServed(ApiError):
     """The API server does not serve a kind we must create (e.g. resource.k8s.io/v1 on < 1.34)."""
+
     reason = "APINotServed"
 
     def __init__(self, api_version: str, kind: str):
@@ -83,15 +84,22 @@ class Kube:
         self.api = api
         self.kinds = tuple(kinds)  # what `owned` lists and `prune` may delete
 
-    def request(self, method: str, path: str, body: Any = None, query: Mapping[str, Any] | None = None,
-                content_type: str = "application/json") -> dict[str, Any] | None:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any] | None:
         """Returns the decoded body; None for 404."""
         url = self.api.configuration.host + path + (f"?{urlencode(query)}" if query else "")
         headers = {"Accept": "application/json", "Content-Type": content_type}
         self.api.update_params_for_auth(headers, [], ["BearerToken"], path, method, body)
         try:
-            resp = self.api.call_api(method, url, header_params=headers,
-                                     body=json.loads(json.dumps(body)) if body is not None else None)
+            resp = self.api.call_api(
+                method, url, header_params=headers, body=json.loads(json.dumps(body)) if body is not None else None
+            )
             data = resp.read()
             code = resp.status
         except kubernetes.client.ApiException as e:
@@ -118,26 +126,37 @@ class Kube:
             if created is None:  # 404 on the collection itself: the API group/version is not served
                 raise ApiNotServed(obj["apiVersion"], kind)
             return created
-        out = self.request("PATCH", f"{coll}/{meta['name']}", obj,
-                           {"fieldManager": FIELD_MANAGER, "force": "true"},
-                           content_type="application/apply-patch+yaml")
+        out = self.request(
+            "PATCH",
+            f"{coll}/{meta['name']}",
+            obj,
+            {"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
         return out or {}
 
     def scale(self, namespace: str, name: str, replicas: int) -> None:
-        self.request("PATCH", f"{self._collection('Deployment', namespace)}/{name}",
-                     {"spec": {"replicas": replicas}}, content_type="application/merge-patch+json")
+        self.request(
+            "PATCH",
+            f"{self._collection('Deployment', namespace)}/{name}",
+            {"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
-        return self.request("DELETE", f"{self._collection(kind, namespace)}/{name}",
-                            {"propagationPolicy": "Background"}) is not None
+        return (
+            self.request("DELETE", f"{self._collection(kind, namespace)}/{name}", {"propagationPolicy": "Background"})
+            is not None
+        )
 
     def owned(self, config: str, namespace: str, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """Objects labelled as this config's (filtered client-side too: the label is the contract)."""
         out = []
         for kind in self.kinds if kinds is None else kinds:
             try:
-                lst = self.request("GET", self._collection(kind, namespace),
-                                   query={"labelSelector": f"{CONFIG_LABEL}={config}"})
+                lst = self.request(
+                    "GET", self._collection(kind, namespace), query={"labelSelector": f"{CONFIG_LABEL}={config}"}
+                )
             except ApiError as e:
                 log.debug("cannot list %s: %s", kind, e)  # e.g. the DRA API is not served
                 continue

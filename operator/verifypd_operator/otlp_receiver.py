@@ -36,6 +36,7 @@ CUMULATIVE = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
 @dataclasses.dataclass(frozen=True)
 class Hist:
     """One explicit-bucket histogram observation (already windowed, or a raw OTLP point)."""
+
     bounds: tuple[float, ...]
     counts: tuple[int, ...]
     max: float | None = None
@@ -89,8 +90,14 @@ def _attrs(kvs: Iterable) -> dict[str, str]:
 class MetricsStore:
     """Windows of the metrics of managed configs. Thread-safe (gRPC workers write, timers read)."""
 
-    WANTED = {mn.TIME_TO_FIRST_TOKEN, mn.TIME_PER_OUTPUT_TOKEN, mn.LANE_QUEUE_DEPTH,
-              mn.DRAFT_TOKENS, mn.ACCEPTED_TOKENS, mn.ACCEPTANCE_RATE}
+    WANTED = {
+        mn.TIME_TO_FIRST_TOKEN,
+        mn.TIME_PER_OUTPUT_TOKEN,
+        mn.LANE_QUEUE_DEPTH,
+        mn.DRAFT_TOKENS,
+        mn.ACCEPTED_TOKENS,
+        mn.ACCEPTANCE_RATE,
+    }
 
     def __init__(self, retention_s: float = 900.0):
         self.retention_s = retention_s
@@ -140,16 +147,19 @@ class MetricsStore:
         if kind == "histogram":
             cum = m.histogram.aggregation_temporality == CUMULATIVE
             for dp in m.histogram.data_points:
-                h = Hist(tuple(dp.explicit_bounds), tuple(dp.bucket_counts),
-                         dp.max if dp.HasField("max") else None)
-                yield (tuple(sorted(_attrs(dp.attributes).items())),
-                       _Point(dp.time_unix_nano / 1e9, dp.start_time_unix_nano / 1e9, cum, hist=h))
+                h = Hist(tuple(dp.explicit_bounds), tuple(dp.bucket_counts), dp.max if dp.HasField("max") else None)
+                yield (
+                    tuple(sorted(_attrs(dp.attributes).items())),
+                    _Point(dp.time_unix_nano / 1e9, dp.start_time_unix_nano / 1e9, cum, hist=h),
+                )
         elif kind in ("gauge", "sum"):
             cum = kind == "gauge" or m.sum.aggregation_temporality == CUMULATIVE
             for dp in getattr(m, kind).data_points:
                 v = dp.as_double if dp.WhichOneof("value") == "as_double" else float(dp.as_int)
-                yield (tuple(sorted(_attrs(dp.attributes).items())),
-                       _Point(dp.time_unix_nano / 1e9, dp.start_time_unix_nano / 1e9, cum, value=v))
+                yield (
+                    tuple(sorted(_attrs(dp.attributes).items())),
+                    _Point(dp.time_unix_nano / 1e9, dp.start_time_unix_nano / 1e9, cum, value=v),
+                )
         elif kind:
             log.debug("ignoring %s metric %s", kind, m.name)
 
@@ -231,9 +241,12 @@ class MetricsStore:
         itl = self.histogram(namespace, name, mn.TIME_PER_OUTPUT_TOKEN, now, window_s)
         key = (namespace, name)
         with self._lock:
-            queues = {lane: sum(v) for lane in mn.LANES
-                      for v in [self._gauge_latest(key, mn.LANE_QUEUE_DEPTH, now, window_s,
-                                                   (mn.ATTR_LANE, lane))] if v}
+            queues = {
+                lane: sum(v)
+                for lane in mn.LANES
+                for v in [self._gauge_latest(key, mn.LANE_QUEUE_DEPTH, now, window_s, (mn.ATTR_LANE, lane))]
+                if v
+            }
             drafted = self._counter(key, mn.DRAFT_TOKENS, now, window_s)
             accepted = self._counter(key, mn.ACCEPTED_TOKENS, now, window_s)
             rates = self._gauge_latest(key, mn.ACCEPTANCE_RATE, now, window_s)
@@ -244,7 +257,10 @@ class MetricsStore:
             ttft_p95_s=percentile(ttft, 0.95) if ttft else None,
             itl_p95_s=percentile(itl, 0.95) if itl else None,
             samples=min(ttft.count if ttft else 0, itl.count if itl else 0),
-            queue_depth=queues, acceptance_rate=acceptance, age_s=None if newest is None else now - newest)
+            queue_depth=queues,
+            acceptance_rate=acceptance,
+            age_s=None if newest is None else now - newest,
+        )
 
 
 class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):

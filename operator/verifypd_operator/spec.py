@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from verifypd.defaults import (  # the CLI's own defaults
-    DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET)
+    DEFAULT_DRAFT,
+    DEFAULT_K_INITIAL,
+    DEFAULT_K_MAX,
+    DEFAULT_K_MIN,
+    DEFAULT_TARGET,
+)
 
 GROUP = "verifypd.dev"
 VERSION = "v1alpha1"
@@ -102,8 +107,7 @@ class Spec:
     kv_transport: str = "auto"
     gateway: Replicas = Replicas(gpu=0, resources=GATEWAY_RESOURCES)
     colocated: Replicas = Replicas()
-    lanes: Mapping[str, Replicas] = dataclasses.field(
-        default_factory=lambda: {lane: Replicas() for lane in LANES})
+    lanes: Mapping[str, Replicas] = dataclasses.field(default_factory=lambda: {lane: Replicas() for lane in LANES})
     speculation: Speculation = Speculation()
     priorities: Priorities = Priorities()
     prefill_token_budget: int = 512
@@ -120,8 +124,7 @@ class Spec:
         return self.colocated if unit == COLOCATED else self.lanes[unit]
 
 
-def _replicas(d: Mapping[str, Any] | None, *, gpu: int = 1,
-              resources: Mapping[str, Any] | None = None) -> Replicas:
+def _replicas(d: Mapping[str, Any] | None, *, gpu: int = 1, resources: Mapping[str, Any] | None = None) -> Replicas:
     d = d or {}
     return Replicas(
         replicas=int(d.get("replicas", 1)),
@@ -181,8 +184,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
             interval_s=int(auto.get("intervalSeconds", d.autoscaling.interval_s)),
             window_s=int(auto.get("windowSeconds", d.autoscaling.window_s)),
             scale_up_cooldown_s=int(auto.get("scaleUpCooldownSeconds", d.autoscaling.scale_up_cooldown_s)),
-            scale_down_cooldown_s=int(
-                auto.get("scaleDownCooldownSeconds", d.autoscaling.scale_down_cooldown_s)),
+            scale_down_cooldown_s=int(auto.get("scaleDownCooldownSeconds", d.autoscaling.scale_down_cooldown_s)),
             config_cooldown_s=int(auto.get("configCooldownSeconds", d.autoscaling.config_cooldown_s)),
             breach_periods=int(auto.get("breachPeriods", d.autoscaling.breach_periods)),
             headroom_periods=int(auto.get("headroomPeriods", d.autoscaling.headroom_periods)),

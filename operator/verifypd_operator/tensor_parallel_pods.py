@@ -14,33 +14,56 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .builders import (GRPC_PORT, Manifest, _admin_key_volume, _container, _deployment, _gateway_args, _resources,
-                       _scrape, _volumes, deployment_name, otel_env)
+from .builders import (
+    GRPC_PORT,
+    Manifest,
+    _admin_key_volume,
+    _container,
+    _deployment,
+    _gateway_args,
+    _resources,
+    _scrape,
+    _volumes,
+    deployment_name,
+    otel_env,
+)
 from .spec import COLOCATED, Spec
 
 
 def serve_args(spec: Spec) -> list[str]:
     """`serve` with in-process lanes (no --*-addr) and the target over `tensorParallel` ranks."""
-    return [*_gateway_args(spec, "colocated", []), "--device", "cuda",
-            "--tensor-parallel", str(spec.colocated.tensor_parallel)]
+    return [
+        *_gateway_args(spec, "colocated", []),
+        "--device",
+        "cuda",
+        "--tensor-parallel",
+        str(spec.colocated.tensor_parallel),
+    ]
 
 
-def build_tensor_parallel_deployment(spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: int,
-                                     otlp_endpoint: str) -> Manifest:
+def build_tensor_parallel_deployment(
+    spec: Spec, owner: Mapping[str, Any], namespace: str, replicas: int, otlp_endpoint: str
+) -> Manifest:
     config = owner["metadata"]["name"]
     b = spec.colocated
     admin_vol, admin_mount = _admin_key_volume(config)
     vols, mounts = _volumes(spec, [admin_vol], config)
-    if spec.gpu_sharing == "dra":   # the claim (count = gpu) of build_resource_claim_template
+    if spec.gpu_sharing == "dra":  # the claim (count = gpu) of build_resource_claim_template
         resources = _resources(b.resources, 0)
         resources["claims"] = [{"name": "gpu"}]
     else:
         resources = _resources(b.resources, b.gpu)
-    c = _container(spec, "serve", serve_args(spec), GRPC_PORT,
-                   otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"), resources,
-                   mounts + [admin_mount], http=True)
+    c = _container(
+        spec,
+        "serve",
+        serve_args(spec),
+        GRPC_PORT,
+        otel_env(config, namespace, otlp_endpoint, "verifypd-gateway"),
+        resources,
+        mounts + [admin_mount],
+        http=True,
+    )
     pod: dict[str, Any] = {"containers": [c], "volumes": vols}
     if spec.gpu_sharing == "dra":
         pod["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": f"{config}-gpu"}]
-    return _deployment(deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod,
-                       _scrape(spec))
+    return _deployment(deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod, _scrape(spec))

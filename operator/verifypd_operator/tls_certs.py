@@ -13,6 +13,7 @@ it). The CA lives 10 years and is not rotated by the operator; the leaf lives `d
 re-issued once less than a third of its life is left, so a pod that misses one update (kubelet
 refreshes Secret volumes within about a minute) still has weeks of valid certificate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ BACKDATE = datetime.timedelta(minutes=5)  # clock skew between the operator and 
 
 
 def _now(now: float) -> datetime.datetime:
-    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
+    return datetime.datetime.fromtimestamp(now, datetime.UTC)
 
 
 def _key():
@@ -37,8 +38,9 @@ def _key():
 def _pem_key(key) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _pem_cert(cert) -> bytes:
@@ -55,14 +57,31 @@ def new_ca(config: str, now: float) -> tuple[bytes, bytes]:
     key = _key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"verifypd {config} CA"[:64])])
     start = _now(now) - BACKDATE
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start)
-            .not_valid_after(start + datetime.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
     return _pem_key(key), _pem_cert(cert)
 
 
@@ -88,21 +107,27 @@ def new_leaf(ca_key_pem: bytes, ca_cert_pem: bytes, names: list[str], now: float
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     key = _key()
     start = _now(now) - BACKDATE
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0][:64])]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(start)
-            .not_valid_after(start + datetime.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(_san(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0][:64])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_san(names), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     return _pem_key(key), _pem_cert(cert)
 
 
-def renewal_reason(cert_pem: bytes | None, key_pem: bytes | None, ca_cert_pem: bytes, names: list[str],
-                   now: float) -> str | None:
+def renewal_reason(
+    cert_pem: bytes | None, key_pem: bytes | None, ca_cert_pem: bytes, names: list[str], now: float
+) -> str | None:
     """Why the live leaf cannot stay (None: it can): missing, unreadable, not issued by this CA,
     not naming exactly `names`, or less than RENEW_FRACTION of its validity left."""
     from cryptography import x509
@@ -126,8 +151,9 @@ def renewal_reason(cert_pem: bytes | None, key_pem: bytes | None, ca_cert_pem: b
         return "key does not match the certificate"
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        have = {str(v) for v in san.get_values_for_type(x509.DNSName)} | \
-               {str(v) for v in san.get_values_for_type(x509.IPAddress)}
+        have = {str(v) for v in san.get_values_for_type(x509.DNSName)} | {
+            str(v) for v in san.get_values_for_type(x509.IPAddress)
+        }
     except x509.ExtensionNotFound:
         have = set()
     if have != set(names):
@@ -150,8 +176,9 @@ def ca_usable(ca_key_pem: bytes | None, ca_cert_pem: bytes | None, now: float) -
         cert = x509.load_pem_x509_certificate(ca_cert_pem)
     except ValueError:
         return False
-    return (key.public_key().public_numbers() == cert.public_key().public_numbers()
-            and cert.not_valid_after_utc > _now(now) + datetime.timedelta(days=1))
+    return key.public_key().public_numbers() == cert.public_key().public_numbers() and cert.not_valid_after_utc > _now(
+        now
+    ) + datetime.timedelta(days=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +190,14 @@ class TlsPlan:
     reason: str | None  # None: the live Secrets stay as they are
 
 
-def plan(ca: tuple[bytes | None, bytes | None], leaf: tuple[bytes | None, bytes | None], config: str,
-         names: list[str], now: float, days: int) -> TlsPlan:
+def plan(
+    ca: tuple[bytes | None, bytes | None],
+    leaf: tuple[bytes | None, bytes | None],
+    config: str,
+    names: list[str],
+    now: float,
+    days: int,
+) -> TlsPlan:
     """What the CA and leaf Secrets must hold: the live ones when still good, else new ones.
     `ca`, `leaf`: (key PEM, cert PEM) as read from the live Secrets (None where absent)."""
     ca_key, ca_cert = ca

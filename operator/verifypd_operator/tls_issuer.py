@@ -1,6 +1,7 @@
 """The operator's TLS I/O: which mode runs (cert-manager detected), the objects a config's TLS
 needs now (reading the live Secrets, re-issuing before expiry), and the Control client's TLS.
 Decisions are tls_certs.plan and tls_manifests' builders (pure); this module reads and returns."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,17 @@ from typing import Any
 
 from . import tls_certs
 from .kube import ApiError, Kube
-from .tls_manifests import (CERT_MANAGER_API, build_ca_secret, build_cert_manager_objects, build_tls_secret,
-                            ca_secret_name, control_server_name, dns_names, read_pair, tls_secret_name)
+from .tls_manifests import (
+    CERT_MANAGER_API,
+    build_ca_secret,
+    build_cert_manager_objects,
+    build_tls_secret,
+    ca_secret_name,
+    control_server_name,
+    dns_names,
+    read_pair,
+    tls_secret_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +65,9 @@ def resolve(kube: Kube, mode: str, days: int, issuer: str | None) -> TlsSettings
     return TlsSettings(resolved, days, ref)
 
 
-def tls_objects(kube: Kube, tls: TlsSettings, owner: Mapping[str, Any], namespace: str,
-                now: float) -> tuple[list[dict[str, Any]], str | None]:
+def tls_objects(
+    kube: Kube, tls: TlsSettings, owner: Mapping[str, Any], namespace: str, now: float
+) -> tuple[list[dict[str, Any]], str | None]:
     """(objects to apply, why the certificate changed or None). Operator mode keeps the live
     Secrets while they are good (applying them again changes nothing)."""
     config = owner["metadata"]["name"]
@@ -65,8 +76,10 @@ def tls_objects(kube: Kube, tls: TlsSettings, owner: Mapping[str, Any], namespac
     ca = read_pair(kube.get("Secret", namespace, ca_secret_name(config)), "ca.key", "ca.crt")
     leaf = read_pair(kube.get("Secret", namespace, tls_secret_name(config)), "tls.key", "tls.crt")
     p = tls_certs.plan(ca, leaf, config, dns_names(config, namespace), now, tls.days)
-    return [build_ca_secret(owner, namespace, p.ca_key, p.ca_cert),
-            build_tls_secret(owner, namespace, p.leaf_key, p.leaf_cert, p.ca_cert)], p.reason
+    return [
+        build_ca_secret(owner, namespace, p.ca_key, p.ca_cert),
+        build_tls_secret(owner, namespace, p.leaf_key, p.leaf_cert, p.ca_cert),
+    ], p.reason
 
 
 def control_tls(kube: Kube, config: str, namespace: str):

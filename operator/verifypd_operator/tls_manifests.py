@@ -26,6 +26,7 @@ verifypd.lane_tls) while open connections keep going, so nothing restarts.
 `with_tls` post-processes what builders.build_all returns: it adds to the pod templates and
 never needs the builders to know about TLS.
 """
+
 from __future__ import annotations
 
 import base64
@@ -76,16 +77,24 @@ def _b64(data: bytes) -> str:
 
 def build_ca_secret(owner: Mapping[str, Any], namespace: str, key: bytes, cert: bytes) -> Manifest:
     """The config's CA (its key never leaves this Secret: no pod mounts it)."""
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(ca_secret_name(owner["metadata"]["name"]), namespace, "tls-ca", owner),
-            "data": {"ca.key": _b64(key), "ca.crt": _b64(cert)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(ca_secret_name(owner["metadata"]["name"]), namespace, "tls-ca", owner),
+        "data": {"ca.key": _b64(key), "ca.crt": _b64(cert)},
+    }
 
 
 def build_tls_secret(owner: Mapping[str, Any], namespace: str, key: bytes, cert: bytes, ca: bytes) -> Manifest:
     """The leaf every pod of the config mounts, with the CA its peers must chain to."""
-    return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-            "metadata": _meta(tls_secret_name(owner["metadata"]["name"]), namespace, "tls", owner),
-            "data": {"tls.crt": _b64(cert), "tls.key": _b64(key), "ca.crt": _b64(ca)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": _meta(tls_secret_name(owner["metadata"]["name"]), namespace, "tls", owner),
+        "data": {"tls.crt": _b64(cert), "tls.key": _b64(key), "ca.crt": _b64(ca)},
+    }
 
 
 def read_pair(secret: Mapping[str, Any] | None, key_field: str, cert_field: str) -> tuple[bytes | None, bytes | None]:
@@ -93,36 +102,63 @@ def read_pair(secret: Mapping[str, Any] | None, key_field: str, cert_field: str)
 
     def get(field: str) -> bytes | None:
         return base64.b64decode(data[field]) if data.get(field) else None
+
     return get(key_field), get(cert_field)
 
 
 # -- cert-manager --------------------------------------------------------------------------------
-def build_cert_manager_objects(owner: Mapping[str, Any], namespace: str, days: int,
-                               issuer: tuple[str, str] | None = None) -> list[Manifest]:
+def build_cert_manager_objects(
+    owner: Mapping[str, Any], namespace: str, days: int, issuer: tuple[str, str] | None = None
+) -> list[Manifest]:
     """`issuer`: (kind, name) of an Issuer/ClusterIssuer to sign the leaf; None: a per-config CA
     made by cert-manager (self-signed Issuer -> CA Certificate -> CA Issuer), like operator mode."""
     config = owner["metadata"]["name"]
 
     def obj(kind: str, name: str, spec: dict[str, Any]) -> Manifest:
-        return {"apiVersion": CERT_MANAGER_API, "kind": kind, "metadata": _meta(name, namespace, "tls", owner),
-                "spec": spec}
+        return {
+            "apiVersion": CERT_MANAGER_API,
+            "kind": kind,
+            "metadata": _meta(name, namespace, "tls", owner),
+            "spec": spec,
+        }
+
     out = []
     if issuer is None:
-        out += [obj("Issuer", f"{config}-tls-selfsigned", {"selfSigned": {}}),
-                obj("Certificate", ca_secret_name(config), {
-                    "isCA": True, "commonName": f"verifypd {config} CA"[:64], "secretName": ca_secret_name(config),
-                    "duration": "87600h", "privateKey": {"algorithm": "ECDSA", "size": 256},
-                    "issuerRef": {"kind": "Issuer", "name": f"{config}-tls-selfsigned"}}),
-                obj("Issuer", f"{config}-tls-ca", {"ca": {"secretName": ca_secret_name(config)}})]
+        out += [
+            obj("Issuer", f"{config}-tls-selfsigned", {"selfSigned": {}}),
+            obj(
+                "Certificate",
+                ca_secret_name(config),
+                {
+                    "isCA": True,
+                    "commonName": f"verifypd {config} CA"[:64],
+                    "secretName": ca_secret_name(config),
+                    "duration": "87600h",
+                    "privateKey": {"algorithm": "ECDSA", "size": 256},
+                    "issuerRef": {"kind": "Issuer", "name": f"{config}-tls-selfsigned"},
+                },
+            ),
+            obj("Issuer", f"{config}-tls-ca", {"ca": {"secretName": ca_secret_name(config)}}),
+        ]
         issuer = ("Issuer", f"{config}-tls-ca")
     names = dns_names(config, namespace)
-    out.append(obj("Certificate", tls_secret_name(config), {
-        "secretName": tls_secret_name(config), "commonName": names[0],
-        "dnsNames": [n for n in names if not n[0].isdigit()], "ipAddresses": [n for n in names if n[0].isdigit()],
-        "usages": ["digital signature", "key encipherment", "server auth", "client auth"],
-        "duration": f"{days * 24}h", "renewBefore": f"{max(1, days * 8)}h",  # a third of its life
-        "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
-        "issuerRef": {"group": "cert-manager.io", "kind": issuer[0], "name": issuer[1]}}))
+    out.append(
+        obj(
+            "Certificate",
+            tls_secret_name(config),
+            {
+                "secretName": tls_secret_name(config),
+                "commonName": names[0],
+                "dnsNames": [n for n in names if not n[0].isdigit()],
+                "ipAddresses": [n for n in names if n[0].isdigit()],
+                "usages": ["digital signature", "key encipherment", "server auth", "client auth"],
+                "duration": f"{days * 24}h",
+                "renewBefore": f"{max(1, days * 8)}h",  # a third of its life
+                "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+                "issuerRef": {"group": "cert-manager.io", "kind": issuer[0], "name": issuer[1]},
+            },
+        )
+    )
     return out
 
 
@@ -145,8 +181,18 @@ def _role(container: Mapping[str, Any]) -> str | None:
 
 def _tls_args(role: str) -> list[str]:
     if role == "gateway":
-        return ["--tls-cert-file", CERT_FILE, "--tls-key-file", KEY_FILE,
-                "--lane-tls-cert-file", CERT_FILE, "--lane-tls-key-file", KEY_FILE, "--lane-tls-ca-file", CA_FILE]
+        return [
+            "--tls-cert-file",
+            CERT_FILE,
+            "--tls-key-file",
+            KEY_FILE,
+            "--lane-tls-cert-file",
+            CERT_FILE,
+            "--lane-tls-key-file",
+            KEY_FILE,
+            "--lane-tls-ca-file",
+            CA_FILE,
+        ]
     return ["--tls-cert-file", CERT_FILE, "--tls-key-file", KEY_FILE, "--tls-ca-file", CA_FILE]
 
 

@@ -15,6 +15,7 @@
 Health checking stays open on both: probes (kubelet, load balancers) carry no credentials, and
 health reveals nothing but SERVING / NOT_SERVING. Secrets are compared in constant time.
 """
+
 from __future__ import annotations
 
 import collections
@@ -96,12 +97,20 @@ def handler_like(handler, behavior):
 
 
 def lane_interceptor(secret: str) -> grpc.ServerInterceptor:
-    return _Check(LANE_SECRET_HEADER, secret, "",
-                  "lane RPCs are internal: missing or wrong lane secret (only the gateway may call lanes)")
+    return _Check(
+        LANE_SECRET_HEADER,
+        secret,
+        "",
+        "lane RPCs are internal: missing or wrong lane secret (only the gateway may call lanes)",
+    )
 
 
-class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
-                                                    "wait_for_ready", "compression")), grpc.ClientCallDetails):
+class _Details(
+    collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
@@ -112,8 +121,14 @@ class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercepto
         self._pair = ("authorization", f"Bearer {key}")
 
     def _details(self, d):
-        return _Details(d.method, d.timeout, (*(d.metadata or ()), self._pair), d.credentials,
-                        getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+        return _Details(
+            d.method,
+            d.timeout,
+            (*(d.metadata or ()), self._pair),
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
@@ -130,8 +145,10 @@ def bearer_interceptor(key: str) -> _Bearer:
 GENERATION_PREFIX = "/verifypd.v1.Generation/"
 CONTROL_PREFIX = "/verifypd.v1.Control/"
 READ_CONFIG = "/verifypd.v1.Control/GetConfig"
-NO_ADMIN_KEY = (f"runtime config changes are disabled: this server was started without an admin key "
-                f"(verifypd serve --admin-key-file PATH, or env {ADMIN_KEY_ENV})")
+NO_ADMIN_KEY = (
+    f"runtime config changes are disabled: this server was started without an admin key "
+    f"(verifypd serve --admin-key-file PATH, or env {ADMIN_KEY_ENV})"
+)
 Denial = tuple[grpc.StatusCode, str]
 
 
@@ -139,7 +156,7 @@ def _bearer(metadata) -> bytes | None:
     """The token of `authorization: Bearer <token>` (None when missing or of another scheme)."""
     value = dict(metadata or ()).get("authorization", "")
     value = value.encode() if isinstance(value, str) else bytes(value)
-    return value[len(b"Bearer "):] if value.startswith(b"Bearer ") else None
+    return value[len(b"Bearer ") :] if value.startswith(b"Bearer ") else None
 
 
 def _same(token: bytes | None, key: str | None) -> bool:
@@ -168,10 +185,14 @@ def gateway_access(method: str, metadata, *, api_key: str | None, admin_key: str
         if is_admin:
             return None
         if is_user:
-            return (grpc.StatusCode.PERMISSION_DENIED,
-                    "the API key may call Generate, not Control: changing the runtime config needs the admin key")
-        return (grpc.StatusCode.UNAUTHENTICATED, "Control is an admin API: missing or wrong admin key (send "
-                                                 "metadata `authorization: Bearer <admin key>`)")
+            return (
+                grpc.StatusCode.PERMISSION_DENIED,
+                "the API key may call Generate, not Control: changing the runtime config needs the admin key",
+            )
+        return (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "Control is an admin API: missing or wrong admin key (send metadata `authorization: Bearer <admin key>`)",
+        )
     if not api_key or is_user or is_admin:
         return None
     return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata `authorization: Bearer <key>`"
@@ -202,6 +223,7 @@ class _AsyncGatewayAccess(grpc.aio.ServerInterceptor):
 
         async def deny(request, context):
             await context.abort(code, message)
+
         return handler_like(handler, deny)
 
 

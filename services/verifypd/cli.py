@@ -1,9 +1,10 @@
 """The `verifypd` command line.
 
-    verifypd generate --offline "PROMPT" [--target M] [--draft M] [--k N | --no-speculation] ...
-    verifypd generate --server HOST:PORT "PROMPT" ...      (services)
-    verifypd serve ... / verifypd lane prefill|draft|verify ... (services)
+verifypd generate --offline "PROMPT" [--target M] [--draft M] [--k N | --no-speculation] ...
+verifypd generate --server HOST:PORT "PROMPT" ...      (services)
+verifypd serve ... / verifypd lane prefill|draft|verify ... (services)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,18 @@ def _request_spec(args, codec) -> RequestSpec:
     text = args.prompt
     if text == "":
         raise InvalidRequest("prompt is empty: give some text")
-    ids = codec.encode_chat([{"role": "user", "content": text}]) if (codec.has_chat_template and not args.raw) \
+    ids = (
+        codec.encode_chat([{"role": "user", "content": text}])
+        if (codec.has_chat_template and not args.raw)
         else codec.encode(text)
-    return RequestSpec(prompt_ids=tuple(ids), max_tokens=args.max_tokens, stop=tuple(args.stop), max_k=max_k,
-                       sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed))
+    )
+    return RequestSpec(
+        prompt_ids=tuple(ids),
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        max_k=max_k,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+    )
 
 
 def cmd_generate_offline(args) -> int:
@@ -36,10 +45,20 @@ def cmd_generate_offline(args) -> int:
     k = 0 if args.no_speculation else args.k
     if k is not None and k < 0:
         raise InvalidRequest(f"--k must be >= 0, got {k}")
-    config = RuntimeConfig(**schedule_changes(args)) if k is None else \
-        RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False, **schedule_changes(args))
-    options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
-                            num_blocks=args.num_blocks, config=config, tensor_parallel=args.tensor_parallel)
+    config = (
+        RuntimeConfig(**schedule_changes(args))
+        if k is None
+        else RuntimeConfig(k_min=0, k_max=max(k, 0), k_initial=k, adaptive=False, **schedule_changes(args))
+    )
+    options = EngineOptions(
+        target=args.target,
+        draft=draft_arg(args),
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=args.num_blocks,
+        config=config,
+        tensor_parallel=args.tensor_parallel,
+    )
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
     if args.max_tokens <= 0:
         raise InvalidRequest(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -57,17 +76,31 @@ def cmd_generate_offline(args) -> int:
             last = out
     stats = last.stats
     if args.json:
-        print(json.dumps({"request_id": rid, "text": "".join(text), "token_ids": ids,
-                          "finish_reason": last.finish_reason.value, "usage": stats.usage(),
-                          "ttft_s": stats.ttft, "target": args.target, "draft": options.draft,
-                          "device": str(engine.models.device)}))
+        print(
+            json.dumps(
+                {
+                    "request_id": rid,
+                    "text": "".join(text),
+                    "token_ids": ids,
+                    "finish_reason": last.finish_reason.value,
+                    "usage": stats.usage(),
+                    "ttft_s": stats.ttft,
+                    "target": args.target,
+                    "draft": options.draft,
+                    "device": str(engine.models.device),
+                }
+            )
+        )
     else:
         elapsed = (stats.token_times[-1] - stats.arrival_time) if stats.token_times else 0.0
         acc = stats.acceptance_rate
-        print(f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, "
-              f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]" if acc is not None else
-              f"\n[{stats.completion_tokens} tokens, no speculation, {stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
-              file=sys.stderr)
+        print(
+            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, "
+            f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]"
+            if acc is not None
+            else f"\n[{stats.completion_tokens} tokens, no speculation, {stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -82,9 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(gen)
     add_schedule_flags(gen)
     from verifypd.distill import cli as distill_cli
+
     distill_cli.register(sub)
     try:  # the services layer registers serve / lane / remote generate when present
         from verifypd.launch import cli as launch_cli
+
         launch_cli.register(sub)
     except ImportError:
         pass
@@ -97,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # serve hands them to its engine-core process
     from verifypd.model.loader import ModelLoadError
+
     try:
         if args.command == "generate" and args.offline:
             return cmd_generate_offline(args)

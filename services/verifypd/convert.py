@@ -4,6 +4,7 @@ Validation that needs the proto's shape (which oneof is set, field names of the 
 so INVALID_ARGUMENT messages name the wire field; everything else is the engine's own validation
 (`RequestSpec.validate`, `RuntimeConfig.validate`), whose messages start with the field name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,7 @@ def prompt_ids_from_pb(req: generate_pb2.GenerateRequest, codec) -> list[int]:
 def sampling_from_pb(s: generate_pb2.SamplingParams) -> SamplingParams:
     """Unset seed -> a random one (so equal requests without a seed differ)."""
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
-    params = SamplingParams(temperature=s.temperature, top_p=s.top_p if s.top_p != 0 else 1.0,
-                            top_k=s.top_k, seed=seed)
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p if s.top_p != 0 else 1.0, top_k=s.top_k, seed=seed)
     try:
         params.validate()
     except InvalidRequest as exc:  # the engine names the field; add the message it lives in
@@ -66,8 +66,9 @@ def max_k_from_pb(req: generate_pb2.GenerateRequest) -> int | None:
     return req.speculation.max_k
 
 
-def request_spec_from_pb(req: generate_pb2.GenerateRequest, codec, *, max_context: int,
-                         default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestSpec:
+def request_spec_from_pb(
+    req: generate_pb2.GenerateRequest, codec, *, max_context: int, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> RequestSpec:
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
     ids = prompt_ids_from_pb(req, codec)
@@ -77,34 +78,65 @@ def request_spec_from_pb(req: generate_pb2.GenerateRequest, codec, *, max_contex
     if not (-100 <= req.priority <= 100):
         raise InvalidRequest(f"priority must be in [-100, 100], got {req.priority}")
     max_tokens = req.max_tokens or min(default_max_tokens, max(1, max_context - len(ids)))
-    return RequestSpec(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=sampling_from_pb(req.sampling),
-                       stop=tuple(req.stop), stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
-                       max_k=max_k_from_pb(req), priority=req.priority, request_id=req.request_id)
+    return RequestSpec(
+        prompt_ids=tuple(ids),
+        max_tokens=max_tokens,
+        sampling=sampling_from_pb(req.sampling),
+        stop=tuple(req.stop),
+        stop_at_eos=req.stop_at_eos if req.HasField("stop_at_eos") else True,
+        max_k=max_k_from_pb(req),
+        priority=req.priority,
+        request_id=req.request_id,
+    )
 
 
-def response_to_pb(request_id: str, token_ids: list[int], text: str, finish: FinishReason | None,
-                   usage: dict, applied_k: int, elapsed_s: float) -> generate_pb2.GenerateResponse:
+def response_to_pb(
+    request_id: str,
+    token_ids: list[int],
+    text: str,
+    finish: FinishReason | None,
+    usage: dict,
+    applied_k: int,
+    elapsed_s: float,
+) -> generate_pb2.GenerateResponse:
     return generate_pb2.GenerateResponse(
-        request_id=request_id, token_ids=token_ids, text=text, finish_reason=_FINISH[finish],
-        usage=generate_pb2.Usage(**usage), applied_k=applied_k, server_elapsed_s=elapsed_s)
+        request_id=request_id,
+        token_ids=token_ids,
+        text=text,
+        finish_reason=_FINISH[finish],
+        usage=generate_pb2.Usage(**usage),
+        applied_k=applied_k,
+        server_elapsed_s=elapsed_s,
+    )
 
 
 # -- Control ---------------------------------------------------------------------------------
 def config_to_pb(c: RuntimeConfig) -> control_pb2.RuntimeConfig:
     p = c.priorities
     return control_pb2.RuntimeConfig(
-        k_min=c.k_min, k_max=c.k_max, k_initial=c.k_initial, adaptive=c.adaptive,
+        k_min=c.k_min,
+        k_max=c.k_max,
+        k_initial=c.k_initial,
+        adaptive=c.adaptive,
         priorities=control_pb2.LanePriorities(draft=p.draft, verify=p.verify, prefill=p.prefill),
-        prefill_token_budget=c.prefill_token_budget, revision=c.revision)
+        prefill_token_budget=c.prefill_token_budget,
+        revision=c.revision,
+    )
 
 
 def config_changes_from_pb(pb: control_pb2.RuntimeConfig, current: RuntimeConfig) -> dict:
     """Fields set in `pb` (proto3 presence) as keyword changes for `RuntimeConfig.updated`."""
-    changes = {name: getattr(pb, name) for name in ("k_min", "k_max", "k_initial", "adaptive",
-                                                    "prefill_token_budget") if pb.HasField(name)}
+    changes = {
+        name: getattr(pb, name)
+        for name in ("k_min", "k_max", "k_initial", "adaptive", "prefill_token_budget")
+        if pb.HasField(name)
+    }
     if pb.HasField("priorities"):
-        lanes = {name: getattr(pb.priorities, name) for name in ("draft", "verify", "prefill")
-                 if pb.priorities.HasField(name)}
+        lanes = {
+            name: getattr(pb.priorities, name)
+            for name in ("draft", "verify", "prefill")
+            if pb.priorities.HasField(name)
+        }
         changes["priorities"] = dataclasses.replace(current.priorities, **lanes)
     return changes
 
@@ -116,5 +148,14 @@ def config_from_pb(pb: control_pb2.RuntimeConfig, base: RuntimeConfig | None = N
     return new
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "FINISH_NAMES", "LanePriorities", "config_changes_from_pb", "config_from_pb",
-           "config_to_pb", "request_spec_from_pb", "response_to_pb", "sampling_from_pb"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "FINISH_NAMES",
+    "LanePriorities",
+    "config_changes_from_pb",
+    "config_from_pb",
+    "config_to_pb",
+    "request_spec_from_pb",
+    "response_to_pb",
+    "sampling_from_pb",
+]

@@ -1,4 +1,5 @@
 """Standard gRPC health checking and server reflection, on every verifypd server."""
+
 from __future__ import annotations
 
 import grpc
@@ -53,6 +54,7 @@ class AsyncHealth:
         async def apply() -> None:
             for name in self.services:
                 await self.servicer.set(name, status)
+
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -85,8 +87,7 @@ class HealthPort:
                     code = 404
                 else:
                     ok, reason = check()
-                    code, body = (200 if ok else 503), {"status": "serving" if ok else "not_serving",
-                                                        "reason": reason}
+                    code, body = (200 if ok else 503), {"status": "serving" if ok else "not_serving", "reason": reason}
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -101,8 +102,9 @@ class HealthPort:
         if ":" in host:
             import socket
 
-            server_class = type("HealthServer6", (http.server.ThreadingHTTPServer,),
-                                {"address_family": socket.AF_INET6})
+            server_class = type(
+                "HealthServer6", (http.server.ThreadingHTTPServer,), {"address_family": socket.AF_INET6}
+            )
         try:
             self.server = server_class((host.strip("[]"), port), Handler)
         except OSError as exc:

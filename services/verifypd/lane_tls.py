@@ -22,10 +22,10 @@ keep going. Clients build new connections from the current files (`generation` t
 holding a gRPC channel to make a new one). Files that are half-replaced (a certificate that does
 not match its key) are ignored with a warning until they are whole again.
 """
+
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import threading
 import time
@@ -50,6 +50,7 @@ class _Material:
 class LaneTls:
     """The config's certificate, its key and the CA every peer must chain to. `server_name`: the
     name checked in the peer's certificate when dialling (default: the host of the address)."""
+
     cert_file: str
     key_file: str
     ca_file: str
@@ -110,6 +111,7 @@ class LaneTls:
 
         def config(m: _Material):
             return grpc.ssl_server_certificate_configuration([(m.key, m.cert)], root_certificates=m.ca)
+
         seen = [self.generation]
 
         def fetch():
@@ -118,8 +120,8 @@ class LaneTls:
                 return None
             seen[0] = self.generation
             return config(m)
-        return grpc.dynamic_ssl_server_credentials(config(self.current()), fetch,
-                                                   require_client_authentication=True)
+
+        return grpc.dynamic_ssl_server_credentials(config(self.current()), fetch, require_client_authentication=True)
 
     def wrap_server(self, sock):
         """The call channel's accepted socket, after a TLS handshake (ssl.SSLError: refused)."""
@@ -147,8 +149,11 @@ class LaneTls:
         own = self.self_check()
         if own:
             return own
-        return diagnose(addr, ClientTls(self.ca_file, self.cert_file, self.key_file, m.ca, m.cert, m.key,
-                                        self.server_name), timeout_s)
+        return diagnose(
+            addr,
+            ClientTls(self.ca_file, self.cert_file, self.key_file, m.ca, m.cert, m.key, self.server_name),
+            timeout_s,
+        )
 
     def self_check(self) -> str | None:
         """Does our certificate verify against our CA (as every peer will check it)? A TLS handshake
@@ -170,13 +175,16 @@ class LaneTls:
                 server_ctx.wrap_socket(b, server_side=True).close()
             except (ssl.SSLError, OSError):
                 pass
+
         t = threading.Thread(target=serve, daemon=True)
         t.start()
         try:
             client.wrap_socket(a).close()
         except ssl.SSLCertVerificationError as exc:
-            errors.append(f"our certificate {self.flags[0]} {self.cert_file} does not verify against "
-                          f"{self.flags[2]} {self.ca_file}: {exc.verify_message}")
+            errors.append(
+                f"our certificate {self.flags[0]} {self.cert_file} does not verify against "
+                f"{self.flags[2]} {self.ca_file}: {exc.verify_message}"
+            )
         except (ssl.SSLError, OSError):
             pass
         finally:
@@ -191,15 +199,21 @@ class LaneTls:
         return out + (["--tls-server-name", self.server_name] if self.server_name else [])
 
 
-def lane_tls(cert_file: str | None, key_file: str | None, ca_file: str | None, server_name: str | None = None,
-             flags: tuple[str, str, str] = ("--tls-cert-file", "--tls-key-file", "--tls-ca-file")) -> LaneTls | None:
+def lane_tls(
+    cert_file: str | None,
+    key_file: str | None,
+    ca_file: str | None,
+    server_name: str | None = None,
+    flags: tuple[str, str, str] = ("--tls-cert-file", "--tls-key-file", "--tls-ca-file"),
+) -> LaneTls | None:
     """Checked lane TLS files; None when none of the three is given. All three or none: a lane
     with TLS accepts only peers with a certificate from the CA, and presents its own."""
     given = dict(zip(flags, (cert_file, key_file, ca_file)))
     if not any(given.values()):
         if server_name:
-            raise TlsError(f"--{'lane-' if flags[0].startswith('--lane-') else ''}tls-server-name needs "
-                           f"{', '.join(flags)} as well")
+            raise TlsError(
+                f"--{'lane-' if flags[0].startswith('--lane-') else ''}tls-server-name needs {', '.join(flags)} as well"
+            )
         return None
     missing = [flag for flag, value in given.items() if not value]
     if missing:
@@ -212,7 +226,7 @@ class LaneChannel:
     new channel is opened once the files changed, so that new connections present the new
     certificate; the old ones stay open until close(), since a call may still run on them."""
 
-    def __init__(self, addr: str, tls: "LaneTls | None", options):
+    def __init__(self, addr: str, tls: LaneTls | None, options):
         self.addr, self._tls, self._options, self._old = addr, tls, options, []
         self._open()
 

@@ -2,6 +2,7 @@
 
 `Engine.generate` is the offline path (CLI `--offline`, tests); servers drive `engine.router`.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,16 +31,16 @@ from verifypd.tokenizer import TextCodec
 @dataclass
 class EngineOptions:
     target: str = DEFAULT_TARGET
-    draft: str = DEFAULT_DRAFT       # see verifypd.lanes.drafts: ngram[:MIN-MAX] | none | self:N | a model spec
-    device: str = "auto"             # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"              # "auto" (bf16 on CUDA, fp32 on CPU) | "float32" | "bfloat16" | "float16"
+    draft: str = DEFAULT_DRAFT  # see verifypd.lanes.drafts: ngram[:MIN-MAX] | none | self:N | a model spec
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "float32" | "bfloat16" | "float16"
     block_size: int = 16
-    num_blocks: int | None = None    # per pool; None = sized from memory
+    num_blocks: int | None = None  # per pool; None = sized from memory
     max_context: int | None = 4096
     max_running: int = 256
     gpu_memory_fraction: float = 0.85
-    shared_cpu_pools: bool = False   # CPU pools in /dev/shm (needed when split lanes import them)
-    cuda_graphs: bool = True         # on CUDA: capture graphs per batch bucket at start-up
+    shared_cpu_pools: bool = False  # CPU pools in /dev/shm (needed when split lanes import them)
+    cuda_graphs: bool = True  # on CUDA: capture graphs per batch bucket at start-up
     graph_buckets: tuple[int, ...] | None = None  # padded batch sizes of the graphs (None = 1, 2, 4 .. 256)
     config: RuntimeConfig = field(default_factory=RuntimeConfig)
     # BENCHMARK ONLY (`--simulated-acceptance`): real draft and verify compute, but each draft token is
@@ -54,7 +55,7 @@ class EngineOptions:
 class Models:
     target: LoadedModel
     target_model: PagedLlama
-    draft_model: PagedLlama | EagleModel | None   # None: a pool-less draft (ngram, none)
+    draft_model: PagedLlama | EagleModel | None  # None: a pool-less draft (ngram, none)
     draft_name: str
     device: torch.device
     dtype: torch.dtype
@@ -91,22 +92,29 @@ def self_draft_layers(draft: str, target_layers: int) -> int:
         raise ModelLoadError(str(exc)) from None
 
 
-def load_draft_model(spec: DraftSpec, target: LoadedModel | None, device, dtype,
-                     max_context: int | None) -> PagedLlama | EagleModel | None:
+def load_draft_model(
+    spec: DraftSpec, target: LoadedModel | None, device, dtype, max_context: int | None
+) -> PagedLlama | EagleModel | None:
     """The draft's weights, for kinds that have any (the loader entry of a model draft kind)."""
     if spec.kind == "eagle":
         if target is None:
-            raise ModelLoadError(f"--draft {spec.text} reads the target's hidden states: it runs beside the target "
-                                 "(co-located), not in a lane of its own")
+            raise ModelLoadError(
+                f"--draft {spec.text} reads the target's hidden states: it runs beside the target "
+                "(co-located), not in a lane of its own"
+            )
         config, weights = load_eagle_head(spec.model, target.shape, target.weights.lm_head, device, dtype)
         return EagleModel(config, weights, target.weights.embed)
     if spec.kind == "self":
-        return PagedLlama(target.shape, target.weights, num_layers=self_draft_layers(spec.text, target.shape.num_layers))
+        return PagedLlama(
+            target.shape, target.weights, num_layers=self_draft_layers(spec.text, target.shape.num_layers)
+        )
     if spec.kind == "model":
         draft = load_model(spec.model, device, dtype, max_context)
         if target is not None and draft.shape.vocab_size != target.shape.vocab_size:
-            raise ModelLoadError(f"draft vocabulary ({draft.shape.vocab_size}) differs from the target's "
-                                 f"({target.shape.vocab_size}): they must share a tokenizer")
+            raise ModelLoadError(
+                f"draft vocabulary ({draft.shape.vocab_size}) differs from the target's "
+                f"({target.shape.vocab_size}): they must share a tokenizer"
+            )
         return PagedLlama(draft.shape, draft.weights)
     return None  # pool-less kinds load nothing
 
@@ -132,8 +140,10 @@ def load_tensor_parallel(options: EngineOptions, spec: DraftSpec, device, dtype)
     world = options.tensor_parallel
     tp_ranks.check_devices(device, world)
     if spec.kind in ("self", "eagle"):
-        raise ModelLoadError(f"--draft {spec.text} runs on the target's own weights or hidden states, which "
-                             f"--tensor-parallel {world} splits across ranks: use a draft model, ngram or none")
+        raise ModelLoadError(
+            f"--draft {spec.text} runs on the target's own weights or hidden states, which "
+            f"--tensor-parallel {world} splits across ranks: use a draft model, ngram or none"
+        )
     target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)  # checks divisibility
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
     ranks = tp_ranks.LeaderRanks(world, device, follower_options(options, dtype, pool="private"))
@@ -145,11 +155,19 @@ def load_tensor_parallel(options: EngineOptions, spec: DraftSpec, device, dtype)
 def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, generation: int = 1) -> dict:
     """What a follower rank needs to build the same target runner (tp_follower's --options; `pool`:
     private | shared | import, see there)."""
-    return dict(pool=pool, generation=generation, target=options.target, dtype=str(dtype).removeprefix("torch."), max_context=options.max_context,
-                block_size=options.block_size, num_blocks=options.num_blocks,
-                gpu_memory_fraction=options.gpu_memory_fraction, cuda_graphs=options.cuda_graphs,
-                graph_buckets=list(options.graph_buckets) if options.graph_buckets else None,
-                k_max=options.config.k_max)
+    return dict(
+        pool=pool,
+        generation=generation,
+        target=options.target,
+        dtype=str(dtype).removeprefix("torch."),
+        max_context=options.max_context,
+        block_size=options.block_size,
+        num_blocks=options.num_blocks,
+        gpu_memory_fraction=options.gpu_memory_fraction,
+        cuda_graphs=options.cuda_graphs,
+        graph_buckets=list(options.graph_buckets) if options.graph_buckets else None,
+        k_max=options.config.k_max,
+    )
 
 
 def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool | None]:
@@ -159,11 +177,15 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
 
     blocks = options.num_blocks
     if blocks is None:
-        per_block = sum(geometry(m, 1).bytes_per_block(models.dtype)
-                        for m in (models.target_model, models.draft_model) if m is not None)
+        per_block = sum(
+            geometry(m, 1).bytes_per_block(models.dtype)
+            for m in (models.target_model, models.draft_model)
+            if m is not None
+        )
         if isinstance(models.draft_model, EagleModel):  # its feature pool lives beside the target's KV
             per_block += options.block_size * FeaturePool.bytes_per_slot(
-                len(models.draft_model.config.aux_layer_ids), models.target_model.shape.hidden_size, models.dtype)
+                len(models.draft_model.config.aux_layer_ids), models.target_model.shape.hidden_size, models.dtype
+            )
         if models.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(models.device)
             blocks = int(free * options.gpu_memory_fraction) // per_block
@@ -178,8 +200,11 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
             return KvPool.create_shared_cpu(role, g, models.dtype)
         return KvPool(role, g, models.dtype, models.device)
 
-    target = pool("target", models.target_model) if models.ranks is None else \
-        models.ranks.target_pool(lambda: pool("target", models.target_model))   # one per rank set
+    target = (
+        pool("target", models.target_model)
+        if models.ranks is None
+        else models.ranks.target_pool(lambda: pool("target", models.target_model))
+    )  # one per rank set
     return target, (pool("draft", models.draft_model) if models.draft_model is not None else None)
 
 
@@ -190,10 +215,10 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
     collectives with the other ranks' eager ones)."""
     seconds = 0.0
     for runner in (target, draft):
-        if prefill and runner is not None and type(runner) in (ModelRunner, EagleRunner):   # not LeaderRunner
+        if prefill and runner is not None and type(runner) in (ModelRunner, EagleRunner):  # not LeaderRunner
             seconds += runner.capture_prefill_graphs()
     if target is not None and target.graphs is not None:
-        kinds = ("all", "accept") if k_max > 0 else ("all",)   # "accept": greedy verify calls with drafts
+        kinds = ("all", "accept") if k_max > 0 else ("all",)  # "accept": greedy verify calls with drafts
         seconds += target.graphs.warm_up(kinds, max_query=min(k_max + 1, target.graphs.max_query))
     if getattr(draft, "reads_features", False) and draft.graphs is not None:  # a feature draft's call graphs
         seconds += draft.graphs.warm_up(max_query=k_max + 1, max_steps=k_max)
@@ -203,9 +228,15 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
 
 
 class Engine:
-    def __init__(self, options: EngineOptions | None = None, observer: EngineObserver | None = None,
-                 models: Models | None = None, *, simulated_acceptance: float | None = None,
-                 detokenize: bool = True):
+    def __init__(
+        self,
+        options: EngineOptions | None = None,
+        observer: EngineObserver | None = None,
+        models: Models | None = None,
+        *,
+        simulated_acceptance: float | None = None,
+        detokenize: bool = True,
+    ):
         """`detokenize=False`: outputs carry no text (a front end detokenizes, as the gateway does).
         `simulated_acceptance` is for benchmarks only (see LocalVerifyLane); it overrides
         options.simulated_acceptance (set by `verifypd serve --simulated-acceptance`; no RPC sets it)."""
@@ -223,8 +254,12 @@ class Engine:
         features = attach_features(m.target_model, self.target_pool, m.draft_model.config) if eagle else None
         make_runner = m.ranks.runner if m.ranks is not None else ModelRunner  # rank 0 sends each forward to the others
         target_runner = make_runner(m.target_model, self.target_pool, graphs=graphs, buckets=buckets)
-        common = dict(vocab_size=m.target.shape.vocab_size, max_context=m.target.shape.max_context,
-                      target_model=m.target.name, draft_model=m.draft_name)
+        common = dict(
+            vocab_size=m.target.shape.vocab_size,
+            max_context=m.target.shape.max_context,
+            target_model=m.target.name,
+            draft_model=m.draft_name,
+        )
         pools = (self.target_pool.info(),) + ((self.draft_pool.info(),) if self.draft_pool else ())
         if m.draft_model is None:  # pool-less draft lane: built from its spec, no runner, no KV
             draft_runner = None
@@ -235,22 +270,30 @@ class Engine:
             runner_class = EagleRunner if eagle else ModelRunner
             extra = (features,) if eagle else ()
             draft_runner = runner_class(m.draft_model, self.draft_pool, *extra, graphs=graphs, buckets=buckets)
-            self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle,
-                                                                    **common))
+            self.draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle, **common))
         self.startup_capture_seconds = capture_graphs(target_runner, draft_runner, self.options.config.k_max)
         if m.ranks is not None:
-            m.ranks.wait_ready()   # the followers captured theirs too (a failed one ends this process)
-        self.verify_lane = LocalVerifyLane(target_runner, LaneInfo("verify", (pools[0],), **common),
-                                           simulated_acceptance=simulated_acceptance)
+            m.ranks.wait_ready()  # the followers captured theirs too (a failed one ends this process)
+        self.verify_lane = LocalVerifyLane(
+            target_runner, LaneInfo("verify", (pools[0],), **common), simulated_acceptance=simulated_acceptance
+        )
         decode_streams = (getattr(self.draft_lane, "stream", None), self.verify_lane.stream)
-        self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, LaneInfo("prefill", pools, **common),
-                                             wait_for=decode_streams)
-        self.router = Router(self.prefill_lane, self.draft_lane, self.verify_lane, decode=self.codec.decode if detokenize else None,
-                             eos_token_ids=m.target.eos_token_ids, config=self.options.config,
-                             max_running=self.options.max_running, observer=observer,
-                             lookup=LookupMix() if eagle and draft_spec(m.draft_name).lookup else None)
+        self.prefill_lane = LocalPrefillLane(
+            target_runner, draft_runner, LaneInfo("prefill", pools, **common), wait_for=decode_streams
+        )
+        self.router = Router(
+            self.prefill_lane,
+            self.draft_lane,
+            self.verify_lane,
+            decode=self.codec.decode if detokenize else None,
+            eos_token_ids=m.target.eos_token_ids,
+            config=self.options.config,
+            max_running=self.options.max_running,
+            observer=observer,
+            lookup=LookupMix() if eagle and draft_spec(m.draft_name).lookup else None,
+        )
 
-    def generate(self, specs: list[RequestSpec]) -> dict[str, "Completion"]:
+    def generate(self, specs: list[RequestSpec]) -> dict[str, Completion]:
         """Runs requests to completion (offline); returns completions by request id."""
         ids = [self.router.add_request(s) for s in specs]
         done: dict[str, Completion] = {i: Completion(i) for i in ids}
@@ -279,4 +322,6 @@ class Completion:
         self.ttft_s = out.stats.ttft
         if out.finished:
             self.finish_reason = out.finish_reason.value
-            self.elapsed_s = (out.stats.token_times[-1] if out.stats.token_times else time.monotonic()) - out.stats.arrival_time
+            self.elapsed_s = (
+                out.stats.token_times[-1] if out.stats.token_times else time.monotonic()
+            ) - out.stats.arrival_time

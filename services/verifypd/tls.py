@@ -5,6 +5,7 @@ Files are PEM. Everything is read and checked up front (`server_tls`, `client_tl
 flag, an unreadable file or a key that does not belong to its certificate is a `TlsError` with a
 one-line message naming the flag, which the CLIs print and exit 2 on, before anything binds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,8 +95,9 @@ def _load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str, cert_flag: s
     try:
         ctx.load_cert_chain(cert_file, key_file)
     except ssl.SSLError as exc:  # e.g. KEY_VALUES_MISMATCH, or a PEM that is not a key
-        raise TlsError(f"{key_flag} {key_file} does not hold the private key of {cert_flag} {cert_file} "
-                       f"({exc.reason or exc})") from None
+        raise TlsError(
+            f"{key_flag} {key_file} does not hold the private key of {cert_flag} {cert_file} ({exc.reason or exc})"
+        ) from None
 
 
 def _load_ca(ctx: ssl.SSLContext, ca_file: str, flag: str) -> None:
@@ -109,6 +111,7 @@ def _load_ca(ctx: ssl.SSLContext, ca_file: str, flag: str) -> None:
 class ServerTls:
     """The gateway's certificate and key, and the CA that client certificates must chain to
     (None: no client certificates asked for)."""
+
     cert_file: str
     key_file: str
     client_ca_file: str | None
@@ -121,19 +124,23 @@ class ServerTls:
         at most every RELOAD_CHECK_S; open connections keep theirs."""
         import grpc
 
-        def config(tls: "ServerTls"):
+        def config(tls: ServerTls):
             return grpc.ssl_server_certificate_configuration([(tls.key, tls.cert)], root_certificates=tls.client_ca)
+
         watch = FileStamp((self.cert_file, self.key_file, self.client_ca_file))
 
         def fetch():
             fresh = watch.reload(lambda: server_tls(self.cert_file, self.key_file, self.client_ca_file))
             return config(fresh) if fresh is not None else None
-        return grpc.dynamic_ssl_server_credentials(config(self), fetch,
-                                                   require_client_authentication=self.client_ca is not None)
 
-    def reload_into(self, ctx: ssl.SSLContext, watch: "FileStamp") -> bool:
+        return grpc.dynamic_ssl_server_credentials(
+            config(self), fetch, require_client_authentication=self.client_ca is not None
+        )
+
+    def reload_into(self, ctx: ssl.SSLContext, watch: FileStamp) -> bool:
         """Loads changed files into a live SSLContext (uvicorn's; call on its event loop, which
         alone uses it). True when reloaded."""
+
         def load():
             # Checked first: a half-written pair never reaches the live context.
             server_tls(self.cert_file, self.key_file, self.client_ca_file)
@@ -141,13 +148,18 @@ class ServerTls:
             if self.client_ca_file:
                 ctx.load_verify_locations(cafile=self.client_ca_file)
             return True
+
         return bool(watch.reload(load))
 
     def uvicorn_options(self) -> dict:
         """uvicorn.Config keywords: HTTPS with the same files, client certificates required
         exactly when a client CA is given."""
-        return dict(ssl_certfile=self.cert_file, ssl_keyfile=self.key_file, ssl_ca_certs=self.client_ca_file,
-                    ssl_cert_reqs=ssl.CERT_REQUIRED if self.client_ca_file else ssl.CERT_NONE)
+        return dict(
+            ssl_certfile=self.cert_file,
+            ssl_keyfile=self.key_file,
+            ssl_ca_certs=self.client_ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if self.client_ca_file else ssl.CERT_NONE,
+        )
 
     @property
     def label(self) -> str:
@@ -173,6 +185,7 @@ def server_tls(cert_file: str | None, key_file: str | None, client_ca_file: str 
 @dataclass(frozen=True)
 class ClientTls:
     """The CA that the server's certificate must chain to, and an optional client certificate."""
+
     ca_file: str
     cert_file: str | None
     key_file: str | None
@@ -184,8 +197,9 @@ class ClientTls:
     def grpc_credentials(self):
         import grpc
 
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
     def grpc_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -198,8 +212,9 @@ class ClientTls:
         return ctx
 
 
-def client_tls(ca_file: str | None, cert_file: str | None = None, key_file: str | None = None,
-               server_name: str | None = None) -> ClientTls | None:
+def client_tls(
+    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None, server_name: str | None = None
+) -> ClientTls | None:
     """A client's --tls-ca-file [--tls-cert-file --tls-key-file], checked; None when none given."""
     if not (ca_file or cert_file or key_file):
         return None
@@ -246,13 +261,15 @@ def diagnose(target: str, tls: ClientTls | None, timeout_s: float = 5.0) -> str:
             # A server that refuses our client certificate says so after the handshake (TLS 1.3),
             # with an alert (SSLError below) or by closing the connection.
             if conn.recv(1) == b"":
-                return (f"{target} closed the connection right after the TLS handshake: it did not accept "
-                        f"our client certificate (missing, expired or from another CA?)")
+                return (
+                    f"{target} closed the connection right after the TLS handshake: it did not accept "
+                    f"our client certificate (missing, expired or from another CA?)"
+                )
     except ssl.SSLCertVerificationError as exc:  # verify_message: e.g. 'certificate has expired'
         return f"TLS handshake with {target} failed: certificate verify failed: {exc.verify_message}"
     except ssl.SSLError as exc:  # e.g. the server's alert on a missing or foreign client certificate
         return f"TLS handshake with {target} failed: {exc.reason or exc}"
-    except (OSError, socket.timeout):
+    except (TimeoutError, OSError):
         pass
     finally:
         raw.close()

@@ -3,9 +3,10 @@
 Wraps a transformers tokenizer; models loaded with random weights have none, so they take token
 id prompts only and "decode" to space-separated ids.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from verifypd.engine.types import InvalidRequest
 
@@ -29,7 +30,9 @@ class TextCodec:
             raise InvalidRequest("this model has no chat template: send the prompt as text or token_ids")
         for n, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant"):
-                raise InvalidRequest(f"chat.messages[{n}].role must be system, user or assistant; got {m.get('role')!r}")
+                raise InvalidRequest(
+                    f"chat.messages[{n}].role must be system, user or assistant; got {m.get('role')!r}"
+                )
         if not messages:
             raise InvalidRequest("chat.messages is empty: give at least one message")
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)

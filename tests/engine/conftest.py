@@ -1,4 +1,5 @@
 """Fixtures of the engine tests (helpers live in engine_helpers.py)."""
+
 from __future__ import annotations
 
 import os

@@ -5,11 +5,12 @@ router's `clock`) by a cost from the given functions; verify keeps each draft to
 Bernoulli(alpha) (SIMULATED acceptance, as `bench/engine_throughput.py` on the GPU). So a router run
 yields simulated tok/s that can be compared with plain decoding under the same cost tables.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.router import Router
@@ -44,8 +45,8 @@ def ngram_like_draft_s(batch: int, k: int, input_len: int) -> float:
 @dataclass
 class DraftCall:
     batch: int
-    k: int           # the largest k asked
-    input_len: int   # the longest draft input (tokens the draft catches up on + the pending one)
+    k: int  # the largest k asked
+    input_len: int  # the longest draft input (tokens the draft catches up on + the pending one)
 
 
 @dataclass
@@ -81,8 +82,12 @@ class CostedLanes:
         call = DraftCall(len(items), max(i.k for i in items), max(len(i.input_tokens) for i in items))
         self.draft_calls.append(call)
         self.now += self.draft_s(call.batch, call.k, call.input_len)
-        return [DraftOutput(i.request_id, [11] * i.k if self.propose_rate >= 1 or self.rng.random() < self.propose_rate
-                            else []) for i in items]
+        return [
+            DraftOutput(
+                i.request_id, [11] * i.k if self.propose_rate >= 1 or self.rng.random() < self.propose_rate else []
+            )
+            for i in items
+        ]
 
     def verify(self, items):
         k = max(len(i.draft_tokens) for i in items)
@@ -101,13 +106,15 @@ def run_rounds(lanes: CostedLanes, config: RuntimeConfig, batch: int, gen_lens: 
     """Rounds of `batch` requests started together (as bench/engine_throughput.py runs them), one
     round per entry of gen_lens, on one router. Returns (router, simulated seconds of the last
     round, tokens of the last round)."""
-    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock,
-                    max_running=max(batch, 1))
+    router = Router(
+        lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock, max_running=max(batch, 1)
+    )
     seconds = tokens = 0
     for r, gen_len in enumerate(gen_lens):
         for i in range(batch):
-            router.add_request(RequestSpec(tuple(range(3, 3 + 128)), max_tokens=gen_len, stop_at_eos=False,
-                                           request_id=f"r{r}-{i}"))
+            router.add_request(
+                RequestSpec(tuple(range(3, 3 + 128)), max_tokens=gen_len, stop_at_eos=False, request_id=f"r{r}-{i}")
+            )
         t0, tokens = lanes.now, 0
         while router.has_work():
             tokens += sum(len(out.token_ids) for out in router.step())
@@ -115,15 +122,17 @@ def run_rounds(lanes: CostedLanes, config: RuntimeConfig, batch: int, gen_lens: 
     return router, seconds, tokens
 
 
-def speedup_over_plain(alpha: float, batch: int, gen_lens: list[int], pipeline: bool = False,
-                       **lane_args) -> tuple[float, CostedLanes, Router]:
+def speedup_over_plain(
+    alpha: float, batch: int, gen_lens: list[int], pipeline: bool = False, **lane_args
+) -> tuple[float, CostedLanes, Router]:
     """Simulated tok/s of adaptive k (the engine's defaults; `pipeline`: pdv pipelined where it
     pays) over k = 0, last round of each."""
     plain = CostedLanes(alpha, **lane_args)
     _, plain_s, plain_tokens = run_rounds(plain, RuntimeConfig(k_initial=0, adaptive=False), batch, gen_lens)
     lanes = CostedLanes(alpha, **lane_args)
-    router, seconds, tokens = run_rounds(lanes, RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True,
-                                                              pipeline=pipeline), batch, gen_lens)
+    router, seconds, tokens = run_rounds(
+        lanes, RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True, pipeline=pipeline), batch, gen_lens
+    )
     router.close()  # the pdv draft thread, if one started (the router stays usable)
     assert tokens == plain_tokens
     return (tokens / seconds) / (plain_tokens / plain_s), lanes, router

@@ -1,6 +1,7 @@
 """Helpers of the engine tests: tiny random Llama checkpoints written to a temp dir (no hub), engines
 over them, and transformers' greedy reference. Fixtures are in conftest.py (which test modules
 never import by name: several test directories have one)."""
+
 from __future__ import annotations
 
 import os
@@ -14,20 +15,48 @@ VOCAB = 96
 DEVICE = os.environ.get("VERIFYPD_TEST_DEVICE", "cpu")
 
 
-def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int = 64, heads: int = 4,
-                     kv_heads: int = 2, vocab: int = VOCAB, model_type: str = "llama", head_dim: int | None = None,
-                     noise: float = 0.0, noise_seed: int = 0) -> pathlib.Path:
+def write_tiny_llama(
+    path: pathlib.Path,
+    *,
+    seed: int,
+    layers: int,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = VOCAB,
+    model_type: str = "llama",
+    head_dim: int | None = None,
+    noise: float = 0.0,
+    noise_seed: int = 0,
+) -> pathlib.Path:
     """`noise` > 0 perturbs every weight by that fraction of its std: same seed + noise gives a
     draft that agrees with the target often but not always (so tests see accepts and rejects).
     model_type "gemma": tied embeddings, GeGLU, (1 + w) norms with random w, `head_dim` as given."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        GemmaConfig,
+        GemmaForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     if head_dim is not None:
         common["head_dim"] = head_dim
     if model_type == "qwen2":
@@ -37,8 +66,9 @@ def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int 
         # own logit (greedy would just repeat the prompt's last token). Instead: weights of std
         # 1/sqrt(hidden), sublayer outputs x8 so they outweigh the scaled embeddings, a sharp final norm.
         common["tie_word_embeddings"] = True
-        model = GemmaForCausalLM(GemmaConfig(hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
-                                             initializer_range=hidden ** -0.5, **common))
+        model = GemmaForCausalLM(
+            GemmaConfig(hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, initializer_range=hidden**-0.5, **common)
+        )
         with torch.no_grad():  # norm weights start at 0 (a plain RMSNorm): make the (1 + w) matter
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -62,8 +92,9 @@ def write_tiny_llama(path: pathlib.Path, *, seed: int, layers: int, hidden: int 
     tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    )
     fast.save_pretrained(path)
     return path
 
@@ -75,15 +106,33 @@ def write_target_and_draft(root: pathlib.Path) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def make_engine(target: str, draft: str, *, k: int = 4, adaptive: bool = False, num_blocks: int = 128,
-                block_size: int = 4, k_max: int = 8, **options):
+def make_engine(
+    target: str,
+    draft: str,
+    *,
+    k: int = 4,
+    adaptive: bool = False,
+    num_blocks: int = 128,
+    block_size: int = 4,
+    k_max: int = 8,
+    **options,
+):
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.local_engine import Engine, EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=max(k, k_max), k_initial=k, adaptive=adaptive)
     options.setdefault("device", DEVICE)
-    return Engine(EngineOptions(target=target, draft=draft, num_blocks=num_blocks, block_size=block_size,
-                                dtype="float32", config=config, **options))
+    return Engine(
+        EngineOptions(
+            target=target,
+            draft=draft,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype="float32",
+            config=config,
+            **options,
+        )
+    )
 
 
 def eager_and_graphed(target: str, head: str, k: int = 3):
@@ -96,8 +145,15 @@ def eager_and_graphed(target: str, head: str, k: int = 3):
     eager.draft_lane.runner.graphs = None
     runner = graphed.draft_lane.runner
     if DEVICE == "cpu":
-        runner.graphs = EagleGraphs(runner.model, runner.pool.tensor, runner.features, runner.block_size,
-                                    runner.staging, buckets=(1, 2, 4, 8), replay="eager")
+        runner.graphs = EagleGraphs(
+            runner.model,
+            runner.pool.tensor,
+            runner.features,
+            runner.block_size,
+            runner.staging,
+            buckets=(1, 2, 4, 8),
+            replay="eager",
+        )
     return eager, graphed, runner
 
 
@@ -127,9 +183,10 @@ def assert_others_plain_and_blocks_free(router, tokens: dict[str, list[int]], ca
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new,
-                                do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def observe_plain(costs, batch: int, seconds: float) -> None:

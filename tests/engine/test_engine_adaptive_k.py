@@ -1,19 +1,35 @@
 """Adaptive k that never costs (issue 22, item 4), torch-free: the real Router and Scheduler over
 lanes that cost simulated time (costed_lanes.py), with SIMULATED acceptance, against plain decoding
 under the same cost tables; and the policy's pieces on their own."""
+
 from __future__ import annotations
 
 import pytest
-
-from costed_lanes import (CostedLanes, h200_like_draft_s, h200_like_verify_s, ngram_like_draft_s, run_rounds,
-                          speedup_over_plain)
+from costed_lanes import (
+    CostedLanes,
+    h200_like_draft_s,
+    h200_like_verify_s,
+    ngram_like_draft_s,
+    run_rounds,
+    speedup_over_plain,
+)
 from engine_helpers import observe_plain
+
 from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import (DRAFT_OFF_GAIN, DRAFT_ON_GAIN, PROBE_FIRST, PROBE_K, PROBE_MAX,
-                                          ProbeSchedule, RuntimeConfig, StepCostModel, choose_batch_k)
+from verifypd.engine.draft_length import (
+    DRAFT_OFF_GAIN,
+    DRAFT_ON_GAIN,
+    PROBE_FIRST,
+    PROBE_K,
+    PROBE_MAX,
+    ProbeSchedule,
+    RuntimeConfig,
+    StepCostModel,
+    choose_batch_k,
+)
 from verifypd.engine.router import Router
 from verifypd.engine.scheduler import Scheduler
-from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.sequence import SeqStatus, Sequence
 from verifypd.engine.step_costs import PLAIN_SAMPLES
 from verifypd.engine.types import RequestSpec, RequestStats
 
@@ -92,8 +108,8 @@ def test_drafting_batch_stops_as_soon_as_gain_is_negative_and_starts_only_with_m
     assert choose_batch_k(config, alphas, losing, 16, 4, current=1) == 0
     assert choose_batch_k(config, alphas, losing, 16, 4, current=0) == 0
     middle = with_k1_gain((DRAFT_ON_GAIN + DRAFT_OFF_GAIN) / 2)
-    assert choose_batch_k(config, alphas, middle, 16, 4, current=1) == 1   # drafting: keeps drafting
-    assert choose_batch_k(config, alphas, middle, 16, 4, current=0) == 0   # not: does not start
+    assert choose_batch_k(config, alphas, middle, 16, 4, current=1) == 1  # drafting: keeps drafting
+    assert choose_batch_k(config, alphas, middle, 16, 4, current=0) == 0  # not: does not start
     assert choose_batch_k(config, alphas, middle, 16, 4, current=None) == 0
     winning = with_k1_gain(DRAFT_ON_GAIN * 1.01)
     assert choose_batch_k(config, alphas, winning, 16, 4, current=0) == 1
@@ -155,8 +171,8 @@ def test_unmeasured_k_costs_follow_the_measured_slope():
     # lower bound made acceptance 0.1 try drafting at every unmeasured k).
     assert costs.step_s(8, 2) == pytest.approx(6e-3 * 1.2)
     costs.observe_step(8, 2, 9e-3)
-    assert costs.step_s(8, 1) == pytest.approx(7.5e-3)     # between two measured ks: linear
-    assert costs.step_s(8, 4) == pytest.approx(12e-3)      # beyond: along the measured slope
+    assert costs.step_s(8, 1) == pytest.approx(7.5e-3)  # between two measured ks: linear
+    assert costs.step_s(8, 4) == pytest.approx(12e-3)  # beyond: along the measured slope
     assert costs.step_s(16, 3) == pytest.approx(costs.default_verify_s + 3 * costs.default_draft_step_s)
     # Pipelined steps: perfect overlap (half a lock-step step of the group) until one is measured
     # at the group's bucket, then from what was measured there.
@@ -297,7 +313,7 @@ def test_costs_below_the_measured_ks_stay_positive():
     for _ in range(3):
         costs.observe_step(8, 4, 0.010)
         costs.observe_step(8, 5, 0.030)  # 20 ms per drafted token: the line hits 0 s below k = 3.5
-        costs.observe_step(16, 2, 0.0)   # a clock that read 0
+        costs.observe_step(16, 2, 0.0)  # a clock that read 0
     assert costs.step_s(8, 0) >= 0.005 and costs.step_s(8, 1) >= 0.005
     assert costs.goodput([0.5] * 8, 0, 8) > 0 and costs.goodput([0.5] * 8, 1, 8, rates=[0.0] * 8) > 0
     assert costs.goodput([0.5] * 16, 2, 16) > 0
@@ -345,6 +361,7 @@ def test_policy_off_is_rechecked_rarely_not_every_step(monkeypatch):
         if config.adaptive:  # not the plain-decoding run it is compared with
             calls.append(kwargs.get("current"))
         return real(config, *args, **kwargs)
+
     monkeypatch.setattr(scheduler_module, "choose_batch_k", counted)
     speedup, lanes, router = speedup_over_plain(0.1, 16, ROUNDS)
     probes = router.scheduler.probes
@@ -373,19 +390,20 @@ class PerFamilyAcceptance(CostedLanes):
         return out
 
 
-def family_seconds(config: RuntimeConfig, families: list[str], alphas: dict[str, float], per_family: int = 8,
-                   **lane_args) -> dict[str, float]:
+def family_seconds(
+    config: RuntimeConfig, families: list[str], alphas: dict[str, float], per_family: int = 8, **lane_args
+) -> dict[str, float]:
     """Families of requests run one after another, one request at a time (bench/draft_acceptance.py
     at batch 1): simulated seconds per family."""
     lanes = PerFamilyAcceptance(alphas, **lane_args)
-    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock,
-                    max_running=1)
+    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock, max_running=1)
     seconds = {}
     for family in families:
         t0 = lanes.now
         for i in range(per_family):
-            router.add_request(RequestSpec(tuple(range(3, 3 + 128)), max_tokens=128, stop_at_eos=False,
-                                           request_id=f"{family}-{i}"))
+            router.add_request(
+                RequestSpec(tuple(range(3, 3 + 128)), max_tokens=128, stop_at_eos=False, request_id=f"{family}-{i}")
+            )
         while router.has_work():
             router.step()
         seconds[family] = lanes.now - t0

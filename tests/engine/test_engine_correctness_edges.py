@@ -1,13 +1,13 @@
 """Correctness at the edges: tiny temperatures, NaN distributions, stop-string bounds, and
 garbage in KV slots no request has written."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import VOCAB, make_engine
-from verifypd.engine.types import (MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequest, RequestSpec,
-                                   SamplingParams)
+
+from verifypd.engine.types import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequest, RequestSpec, SamplingParams
 from verifypd.model import sampler
 
 
@@ -38,9 +38,11 @@ def test_router_refuses_a_token_outside_the_vocabulary(tiny_models):
 
         def faulty(items, real=real, **kw):
             started = real(items, **kw)
-            started.result = lambda: [type(o)(o.request_id, o.accepted, [sampler.NO_TOKEN])
-                                      for o in type(started).result(started)]
+            started.result = lambda: [
+                type(o)(o.request_id, o.accepted, [sampler.NO_TOKEN]) for o in type(started).result(started)
+            ]
             return started
+
         lane.verify_start = faulty
         lane.verify = lambda items, faulty=faulty: faulty(items).result()
         with pytest.raises(RuntimeError, match="outside the vocabulary"):
@@ -50,8 +52,9 @@ def test_router_refuses_a_token_outside_the_vocabulary(tiny_models):
 def test_denormal_temperature_request_gives_the_greedy_output(tiny_models):
     engine = make_engine(*tiny_models, k=4)
     prompt = (5, 6, 7, 8)
-    tiny = RequestSpec(prompt, max_tokens=16, stop_at_eos=False, request_id="tiny",
-                       sampling=SamplingParams(temperature=1e-45, seed=3))
+    tiny = RequestSpec(
+        prompt, max_tokens=16, stop_at_eos=False, request_id="tiny", sampling=SamplingParams(temperature=1e-45, seed=3)
+    )
     greedy = RequestSpec(prompt, max_tokens=16, stop_at_eos=False, request_id="greedy")
     done = engine.generate([tiny, greedy])
     assert done["tiny"].token_ids == done["greedy"].token_ids

@@ -2,6 +2,7 @@
 at once. With the embedded model's real byte-level BPE tokenizer, over random token streams that
 split multi-byte characters across tokens and across steps, with and without stop strings; and its
 cost: a step decodes a window of a few tokens, never the whole output."""
+
 from __future__ import annotations
 
 import random
@@ -28,8 +29,11 @@ def _streams(tok, n: int, seed: int):
     """Token streams: text with accents, CJK and emoji (multi-byte, split over byte tokens), random
     vocabulary ids (incl. special tokens and lone continuation bytes), and pieces of both."""
     rng = random.Random(seed)
-    texts = ["Déjà vu: naïve café — 東京タワー 🚀🎉 ok.", " def f(x):\n    return x ** 2  # ünïcödé",
-             "plain ascii words for the window edge " * 3]
+    texts = [
+        "Déjà vu: naïve café — 東京タワー 🚀🎉 ok.",
+        " def f(x):\n    return x ** 2  # ünïcödé",
+        "plain ascii words for the window edge " * 3,
+    ]
     for i in range(n):
         ids = tok.encode(texts[i % len(texts)])
         if i % 3 == 1:
@@ -44,7 +48,7 @@ def _run(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random) -> t
     out, i = "", 0
     while i < len(ids):
         n = rng.randint(1, 5)
-        delta, hit = detok.add(ids[i:i + n])
+        delta, hit = detok.add(ids[i : i + n])
         out += delta
         i += n
         if hit:
@@ -59,7 +63,7 @@ def test_streamed_text_equals_decoding_everything(tokenizer, seed):
     prompt = tokenizer.encode("Ünïcode prompt: 日本")
     for ids in _streams(tokenizer, 9, seed):
         want = decode(prompt[-4:] + ids)
-        want = want[len(decode(prompt[-4:])):].rstrip("\ufffd")
+        want = want[len(decode(prompt[-4:])) :].rstrip("\ufffd")
         got, _ = _run(IncrementalDetokenizer(decode, prompt), ids, rng)
         assert got == want, (ids, got, want)
 
@@ -71,7 +75,7 @@ def test_stop_strings_cut_the_text_exactly(tokenizer):
     full = decode(ids)
     for stop in ("STOP", "東京", "🚀", "café —", "after it"):
         got, hit = _run(IncrementalDetokenizer(decode, [], stop=(stop,)), ids, rng)
-        assert hit and got == full[:full.index(stop)], (stop, got)
+        assert hit and got == full[: full.index(stop)], (stop, got)
     got, hit = _run(IncrementalDetokenizer(decode, [], stop=("absent",)), ids, rng)
     assert not hit and got == full
 
@@ -83,10 +87,11 @@ def test_a_step_decodes_a_window_not_the_whole_output(tokenizer):
     def counting(ids):
         longest[0] = max(longest[0], len(ids))
         return decode(ids)
+
     ids = tokenizer.encode("a long answer that keeps going. " * 80)  # ~ 640 tokens
     detok = IncrementalDetokenizer(counting, tokenizer.encode("prompt"))
     for i in range(0, len(ids), 3):
-        detok.add(ids[i:i + 3])
+        detok.add(ids[i : i + 3])
     assert detok.flush() == "" and detok.text == decode(ids)
     assert longest[0] <= 16, longest[0]
 
@@ -100,7 +105,7 @@ def test_text_before_an_unfinished_character_is_not_held_back(tokenizer):
     assert detok.add(ids[:cut]) == (want, False) and want.startswith("word")
     assert detok.flush() == ""  # generation ended inside the character: what was complete was sent
     detok = IncrementalDetokenizer(decode, [])
-    assert detok.add(ids[:cut - 1])[0] + detok.add(ids[cut - 1:])[0] == decode(ids)
+    assert detok.add(ids[: cut - 1])[0] + detok.add(ids[cut - 1 :])[0] == decode(ids)
 
 
 def test_codec_decodes_through_the_backend_as_the_wrapper_does(tokenizer):
@@ -111,7 +116,7 @@ def test_codec_decodes_through_the_backend_as_the_wrapper_does(tokenizer):
     codec = TextCodec(tokenizer)
     assert codec._backend_decode is not None  # the embedded (byte-level BPE) tokenizer takes the fast path
     rng = random.Random(3)
-    windows = [ids[i:i + rng.randint(1, 7)] for ids in _streams(tokenizer, 12, 3) for i in range(0, len(ids), 3)]
+    windows = [ids[i : i + rng.randint(1, 7)] for ids in _streams(tokenizer, 12, 3) for i in range(0, len(ids), 3)]
     windows += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 7))] for _ in range(300)]
     windows += [[tokenizer.eos_token_id], [tokenizer.eos_token_id, 30, 40]]
     for w in windows:

@@ -2,17 +2,23 @@
 model.verdict_shift): the same proposals at every (request, position) as drafts made in their own
 step, plain decoding's tokens (greedy and seeded), with requests finishing at different lengths,
 joining, cancelled or preempted while they hold such drafts, and mixed with prompt lookup."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-
-from engine_helpers import (DEVICE, assert_others_plain_and_blocks_free, eager_and_graphed, make_engine,
-                            run_and_cancel_once)
+from engine_helpers import (
+    DEVICE,
+    assert_others_plain_and_blocks_free,
+    eager_and_graphed,
+    make_engine,
+    run_and_cancel_once,
+)
 from test_engine_eagle import write_head
 from test_engine_lookup_mix import repeating_prompts
+
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.model.eagle_chain import CallInputs
 from verifypd.model.verdict_shift import shift_reference, shift_to_verdict
@@ -31,8 +37,10 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 def _specs(prompts, **kw) -> list[RequestSpec]:
     # different lengths: requests finish (and leave drafts made after their last verify unused) apart
-    return [RequestSpec(p, max_tokens=10 + 3 * i, stop_at_eos=False, request_id=f"r{i}", **kw)
-            for i, p in enumerate(prompts)]
+    return [
+        RequestSpec(p, max_tokens=10 + 3 * i, stop_at_eos=False, request_id=f"r{i}", **kw)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _proposals(engine) -> dict[tuple[str, int], list[int]]:
@@ -48,6 +56,7 @@ def _proposals(engine) -> dict[tuple[str, int], list[int]]:
             if len(i.draft_tokens):
                 seen[(i.request_id, i.start_pos)] = list(i.draft_tokens)
         return commit(work, items, *args, **kw)
+
     router._commit_verify = recording
     return seen
 
@@ -58,24 +67,38 @@ def _inputs(rows: int, query: int, seed: int):
     ri = lambda *shape, hi=50: torch.randint(0, hi, shape, generator=g)  # noqa: E731
     vks = ri(rows, hi=query).clamp(max=query - 1)
     vrows = torch.randperm(rows + 2, generator=g)[:rows]
-    vrows[0] = -1                                      # a padding row: left as it is
+    vrows[0] = -1  # a padding row: left as it is
     width = 2 + int(vks.max())
     verdict = ri(rows + 2, width, hi=1000)
     verdict[:, 0] = 0
     for r in range(rows):  # an accepted count <= the row's k
         if vrows[r] >= 0:
             verdict[vrows[r], 0] = int(ri(1, hi=int(vks[r]) + 1)[0])
-    inp = CallInputs(ids=ri(rows * query), positions=ri(rows * query, hi=300), slots=ri(rows * query, hi=300),
-                     feature_rows=ri(rows * query, hi=300), tables=torch.zeros(rows, 1, dtype=torch.long),
-                     last=ri(rows, hi=300) + 20, ks=ri(rows), top_k=ri(rows), seeds=ri(rows), temp_bits=ri(rows),
-                     top_p_bits=ri(rows), temp=torch.zeros(rows), top_p=torch.zeros(rows), query=query,
-                     vrows=vrows, vks=vks)
+    inp = CallInputs(
+        ids=ri(rows * query),
+        positions=ri(rows * query, hi=300),
+        slots=ri(rows * query, hi=300),
+        feature_rows=ri(rows * query, hi=300),
+        tables=torch.zeros(rows, 1, dtype=torch.long),
+        last=ri(rows, hi=300) + 20,
+        ks=ri(rows),
+        top_k=ri(rows),
+        seeds=ri(rows),
+        temp_bits=ri(rows),
+        top_p_bits=ri(rows),
+        temp=torch.zeros(rows),
+        top_p=torch.zeros(rows),
+        query=query,
+        vrows=vrows,
+        vks=vks,
+    )
     return inp, verdict
 
 
 def _clone(inp: CallInputs, device: str = "cpu") -> CallInputs:
-    return CallInputs(**{f: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v)
-                         for f, v in vars(inp).items()})
+    return CallInputs(
+        **{f: (v.to(device, copy=True) if isinstance(v, torch.Tensor) else v) for f, v in vars(inp).items()}
+    )
 
 
 @pytest.mark.parametrize("rows, query, seed", [(1, 2, 0), (4, 5, 1), (8, 9, 2), (3, 9, 3)])
@@ -89,7 +112,9 @@ def test_shift_kernel_equals_reference_and_the_rule(rows, query, seed):
     # The rule itself, row by row (the reference could be wrong the same way as the kernel).
     for r in range(rows):
         old = [getattr(inp, f).view(rows, query)[r].tolist() for f in ("ids", "positions", "slots", "feature_rows")]
-        new = [getattr(expected, f).view(rows, query)[r].tolist() for f in ("ids", "positions", "slots", "feature_rows")]
+        new = [
+            getattr(expected, f).view(rows, query)[r].tolist() for f in ("ids", "positions", "slots", "feature_rows")
+        ]
         if inp.vrows[r] < 0:
             assert new == old and expected.last[r] == inp.last[r]
             continue
@@ -109,8 +134,7 @@ def test_shift_kernel_equals_reference_and_the_rule(rows, query, seed):
 
 
 @pytest.mark.parametrize("k, adaptive, max_running", [(1, False, 8), (4, False, 8), (3, False, 3), (3, True, 8)])
-def test_greedy_equals_plain_and_drafts_equal_those_made_in_their_own_step(tiny_models, head, k, adaptive,
-                                                                           max_running):
+def test_greedy_equals_plain_and_drafts_equal_those_made_in_their_own_step(tiny_models, head, k, adaptive, max_running):
     prompts = _prompts(6, seed=k)
     plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
     on = make_engine(tiny_models[0], head, k=k, adaptive=adaptive, max_running=max_running)
@@ -160,7 +184,7 @@ def test_partial_acceptance_moves_the_rows_as_drafting_in_their_own_step(tiny_mo
         for (r, pos), drafts in seen[0].items():
             if r == rid and (r, pos) in seen[1] and pos + k < end:
                 other = seen[1][(r, pos)]
-                assert drafts[:len(other)] == other[:len(drafts)], (r, pos)
+                assert drafts[: len(other)] == other[: len(drafts)], (r, pos)
                 compared += 1
     assert compared >= 10, compared
 
@@ -206,6 +230,7 @@ def test_cancel_and_preemption_while_holding_drafts(tiny_models, head):
     def holding(router):  # the last request holding drafts made after a verify call, if any
         held = [s for s in router.sequences() if s.held_draft is not None and s.held_draft.predrafted]
         return held[-1].request_id if held else None
+
     tokens, cancelled = run_and_cancel_once(router, _specs(prompts), holding)
     assert cancelled is not None
     assert_others_plain_and_blocks_free(router, tokens, cancelled, plain)
@@ -243,6 +268,7 @@ def test_head_mixed_with_lookup(tiny_models, head, k):
 
 # -- speculative steps launched before the step before them streams (engine.spec_ahead) -------------
 
+
 @pytest.mark.parametrize("k, adaptive", [(3, False), (4, True)])
 def test_steps_launched_ahead_give_the_same_tokens_and_proposals(tiny_models, head, k, adaptive):
     prompts = _prompts(6, seed=30 + k)
@@ -256,7 +282,7 @@ def test_steps_launched_ahead_give_the_same_tokens_and_proposals(tiny_models, he
         assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
     assert (on.router.ahead.steps > 0 or adaptive) and off.router.ahead.steps == 0
     if not adaptive:
-        assert seen[0] == seen[1]   # same plans, same drafts: only launched earlier
+        assert seen[0] == seen[1]  # same plans, same drafts: only launched earlier
     # Adaptive k follows measured step times, so the two engines' k (and positions) may differ; where
     # both verified drafts at a position, the drafts agree as far as both go.
     common = [key for key in seen[0] if key in seen[1]]
@@ -289,8 +315,7 @@ def test_stop_strings_and_cancel_with_a_step_in_flight(tiny_models, head):
     plain = plain_engine.generate(_specs(prompts))
     text = plain_engine.codec.decode(plain["r2"].token_ids[4:6])
     specs = _specs(prompts)
-    specs[2] = RequestSpec(prompts[2], max_tokens=specs[2].max_tokens, stop_at_eos=False, request_id="r2",
-                           stop=(text,))
+    specs[2] = RequestSpec(prompts[2], max_tokens=specs[2].max_tokens, stop_at_eos=False, request_id="r2", stop=(text,))
     expected = make_engine(tiny_models[0], "none", k=0).generate([specs[2]])["r2"]
     engine = make_engine(tiny_models[0], head, k=3)
     router = engine.router
@@ -340,8 +365,13 @@ def test_drafts_after_verify_and_steps_ahead_reach_telemetry(tiny_models, head):
     engine.router.observer = Telemetry(readers=[reader])
     engine.generate(_specs(_prompts(4, seed=12)))
     wanted = (mn.DRAFTS_AFTER_VERIFY, mn.STEPS_AHEAD, mn.VERIFY_FITTED)
-    points = {m.name: [p.value for p in m.data.data_points] for rm in reader.get_metrics_data().resource_metrics
-              for sm in rm.scope_metrics for m in sm.metrics if m.name in wanted}
+    points = {
+        m.name: [p.value for p in m.data.data_points]
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name in wanted
+    }
     router = engine.router
     assert router.draft_after.requests > 0 and router.ahead.steps > 0
     assert points[mn.DRAFTS_AFTER_VERIFY] == [router.draft_after.requests]

@@ -1,4 +1,5 @@
 """`--draft` forms, defaults that fit any target, and --no-speculation loading no draft (CLI in-process)."""
+
 from __future__ import annotations
 
 import json
@@ -9,26 +10,36 @@ from verifypd.cli import build_parser, main
 from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpecError, parse_draft, resolve_draft
 
 
-@pytest.mark.parametrize("text, kind, fields", [
-    ("ngram", "ngram", dict(min_n=2, max_n=4)),
-    ("ngram:1-3", "ngram", dict(min_n=1, max_n=3)),
-    ("none", "none", {}),
-    ("self:12", "self", dict(layers=12)),
-    ("./my-draft", "model", dict(model="./my-draft")),
-    ("eagle:heads/smollm2", "eagle", dict(model="heads/smollm2", lookup=False)),
-    ("eagle+ngram:heads/smollm2", "eagle", dict(model="heads/smollm2", lookup=True)),
-])
+@pytest.mark.parametrize(
+    "text, kind, fields",
+    [
+        ("ngram", "ngram", dict(min_n=2, max_n=4)),
+        ("ngram:1-3", "ngram", dict(min_n=1, max_n=3)),
+        ("none", "none", {}),
+        ("self:12", "self", dict(layers=12)),
+        ("./my-draft", "model", dict(model="./my-draft")),
+        ("eagle:heads/smollm2", "eagle", dict(model="heads/smollm2", lookup=False)),
+        ("eagle+ngram:heads/smollm2", "eagle", dict(model="heads/smollm2", lookup=True)),
+    ],
+)
 def test_draft_forms(text, kind, fields):
     spec = parse_draft(text)
     assert spec.kind == kind and all(getattr(spec, k) == v for k, v in fields.items())
     assert spec.needs_model == (kind in ("self", "eagle", "model"))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("ngram:3", "ngram:MIN-MAX"), ("ngram:4-2", "1 <= MIN <= MAX"), ("ngram:0-2", "1 <= MIN <= MAX"),
-    ("self:x", "integer N"), ("", "--draft is empty"), ("eagle:", "eagle:PATH needs the head's directory"),
-    ("eagle+ngram: ", "eagle\\+ngram:PATH needs the head's directory"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("ngram:3", "ngram:MIN-MAX"),
+        ("ngram:4-2", "1 <= MIN <= MAX"),
+        ("ngram:0-2", "1 <= MIN <= MAX"),
+        ("self:x", "integer N"),
+        ("", "--draft is empty"),
+        ("eagle:", "eagle:PATH needs the head's directory"),
+        ("eagle+ngram: ", "eagle\\+ngram:PATH needs the head's directory"),
+    ],
+)
 def test_bad_draft_forms_name_the_flag(text, message):
     with pytest.raises(DraftSpecError, match=message):
         parse_draft(text)
@@ -41,8 +52,23 @@ def test_defaults():
 
 
 def _generate(capsys, *args) -> tuple[int, str, str]:
-    code = main(["generate", "--offline", "w5 w6 w7 w5 w6", "--device", "cpu", "--dtype", "float32",
-                 "--num-blocks", "64", "--max-tokens", "8", "--json", *args])
+    code = main(
+        [
+            "generate",
+            "--offline",
+            "w5 w6 w7 w5 w6",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            "64",
+            "--max-tokens",
+            "8",
+            "--json",
+            *args,
+        ]
+    )
     out, err = capsys.readouterr()
     return code, out, err
 

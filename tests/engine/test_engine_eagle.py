@@ -1,14 +1,15 @@
 """Feature drafts (`--draft eagle:PATH`, EAGLE-3-style heads): lossless with tiny random heads, and the
 head's on-disk layout round-trips."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
 from engine_helpers import make_engine
 from test_engine_greedy_lossless import random_prompts
 from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue, sample_second_tokens
+
 from verifypd.engine.types import RequestSpec
 from verifypd.model.eagle_head import load_eagle_head, random_eagle_head, save_eagle_head
 from verifypd.model.loader import ModelLoadError, load_model
@@ -26,10 +27,12 @@ def write_head(tiny_models, path, *, draft_vocab=None, with_lm_head=True, seed=3
 @pytest.fixture(scope="module")
 def heads(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
-    return {"full": write_head(tiny_models, root / "full"),
-            "small_vocab": write_head(tiny_models, root / "small", draft_vocab=64),
-            "target_lm_head": write_head(tiny_models, root / "shared", with_lm_head=False),
-            "target_rows": write_head(tiny_models, root / "rows", draft_vocab=64, with_lm_head=False)}
+    return {
+        "full": write_head(tiny_models, root / "full"),
+        "small_vocab": write_head(tiny_models, root / "small", draft_vocab=64),
+        "target_lm_head": write_head(tiny_models, root / "shared", with_lm_head=False),
+        "target_rows": write_head(tiny_models, root / "rows", draft_vocab=64, with_lm_head=False),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +79,10 @@ def seeded_plain(tiny_models):
     """test_engine_seeded_output's subjects, each alone with no draft."""
     from test_engine_seeded_output import run, subjects
 
-    return {spec.request_id: run(make_engine(tiny_models[0], "none", k=0), [spec])[0][spec.request_id]
-            for spec in subjects()}
+    return {
+        spec.request_id: run(make_engine(tiny_models[0], "none", k=0), [spec])[0][spec.request_id]
+        for spec in subjects()
+    }
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["k-fixed", "k-adaptive"])
@@ -89,16 +94,21 @@ def test_seeded_output_with_head_equals_plain(tiny_models, heads, seeded_plain, 
 
     alone, stats = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), subjects())
     assert subject_tokens(alone) == seeded_plain
-    busy, _ = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:])
+    busy, _ = run(
+        make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:]
+    )
     assert subject_tokens(busy) == seeded_plain
     drafted = sum(s.draft_tokens for s in stats.values())
     accepted = sum(s.accepted_tokens for s in stats.values())
     assert 0 < drafted and (adaptive or 0 < accepted < drafted), (accepted, drafted)
 
 
-@pytest.mark.parametrize("schedule, pipeline, blocks", [("pdv", True, 128), ("pdv", False, 128), ("baseline", True, 24)])
-def test_seeded_output_with_head_in_every_schedule_and_after_preemption(tiny_models, heads, seeded_plain, schedule,
-                                                                         pipeline, blocks):
+@pytest.mark.parametrize(
+    "schedule, pipeline, blocks", [("pdv", True, 128), ("pdv", False, 128), ("baseline", True, 24)]
+)
+def test_seeded_output_with_head_in_every_schedule_and_after_preemption(
+    tiny_models, heads, seeded_plain, schedule, pipeline, blocks
+):
     """Pipelined steps (drafts beside the other group's verify) and preemption by recompute (a
     re-prefill rewrites features and head rows) leave the seeded output alone."""
     from test_engine_seeded_output import crowd, run, subject_tokens, subjects
@@ -181,8 +191,8 @@ def test_greedy_with_head_in_every_schedule(tiny_models, heads):
 
 
 def test_split_lanes_refuse_feature_drafts(heads):
-    from verifypd.local_engine import EngineOptions
     from verifypd.lanerpc.lane_setup import load_lane_models
+    from verifypd.local_engine import EngineOptions
 
     for draft in (heads["full"], heads["full"].replace("eagle:", "eagle+ngram:", 1)):
         with pytest.raises(ModelLoadError, match="co-located only"):

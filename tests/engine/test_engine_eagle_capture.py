@@ -3,6 +3,7 @@ graph, padded to batch buckets) proposes exactly what the eager path proposes, c
 changing batch sizes, catch-up lengths, k and sampling; and the fused head-input kernel (Triton)
 drafts what the torch reference drafts. On the CPU the graphs' functions run directly over the
 static buffers (EagleRunner graphs="eager"); with VERIFYPD_TEST_DEVICE=cuda they are captured."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,8 @@ import random
 
 import pytest
 import torch
-
 from engine_helpers import DEVICE
+
 from verifypd.engine.types import SamplingParams
 from verifypd.model.eagle_draft import EagleModel, EagleRunner, FeatureRun
 from verifypd.model.eagle_head import random_eagle_head
@@ -20,10 +21,22 @@ from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import LlamaShape
 
 BLOCK, BLOCKS_PER_RUN, NUM_BLOCKS = 4, 16, 256
-SHAPE = LlamaShape(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                   head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_context=256)
-needs_triton = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+SHAPE = LlamaShape(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_context=256,
+)
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1",
+)
 
 
 def make_head(attention: str, draft_vocab):
@@ -37,8 +50,12 @@ def make_head(attention: str, draft_vocab):
 
 
 def make_runner(model, features, graphs, seed=9):
-    pool = KvPool("draft", PoolGeometry(1, NUM_BLOCKS, BLOCK, SHAPE.num_kv_heads, SHAPE.head_dim), torch.float32,
-                  torch.device(DEVICE))
+    pool = KvPool(
+        "draft",
+        PoolGeometry(1, NUM_BLOCKS, BLOCK, SHAPE.num_kv_heads, SHAPE.head_dim),
+        torch.float32,
+        torch.device(DEVICE),
+    )
     pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(seed)))  # same "old" KV
     return EagleRunner(model, pool, features, graphs=graphs, buckets=(1, 2, 4, 8))
 
@@ -54,9 +71,15 @@ def calls(seed=0):
             length = rng.randint(1, 5)
             start = rng.choice([0, rng.randint(1, 30)]) if length > 1 else rng.randint(1, 30)
             blocks = tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN))
-            target_blocks = tuple(b + 8 * BLOCKS_PER_RUN for b in blocks)[::-1]   # another block order
-            runs.append(FeatureRun([rng.randrange(3, SHAPE.vocab_size) for _ in range(length)], start, blocks,
-                                   target_block_ids=target_blocks))
+            target_blocks = tuple(b + 8 * BLOCKS_PER_RUN for b in blocks)[::-1]  # another block order
+            runs.append(
+                FeatureRun(
+                    [rng.randrange(3, SHAPE.vocab_size) for _ in range(length)],
+                    start,
+                    blocks,
+                    target_block_ids=target_blocks,
+                )
+            )
             ks.append(rng.randint(1, 6))
             if sampled and i % 3 == 1:
                 samplings.append(SamplingParams(temperature=0.9, seed=rng.randrange(1 << 64)))
@@ -65,8 +88,9 @@ def calls(seed=0):
             else:
                 samplings.append(SamplingParams())
         out.append((runs, ks, samplings))
-    out.append(([FeatureRun([11, 12], 20, tuple(range(16)), target_block_ids=tuple(range(16, 32)))], [1],
-                [SamplingParams()]))
+    out.append(
+        ([FeatureRun([11, 12], 20, tuple(range(16)), target_block_ids=tuple(range(16, 32)))], [1], [SamplingParams()])
+    )
     return out
 
 
@@ -80,8 +104,11 @@ def proposals(runner, call_list):
 
 # CUDA captures only the Triton backend (the reference attention syncs the host); on the CPU both
 # backends, Triton (the interpreter, slow) once.
-CASES = ([("triton", None), ("triton", 40)] if DEVICE == "cuda" else
-         [("reference", None), ("reference", 40), pytest.param("triton", 40, marks=needs_triton)])
+CASES = (
+    [("triton", None), ("triton", 40)]
+    if DEVICE == "cuda"
+    else [("reference", None), ("reference", 40), pytest.param("triton", 40, marks=needs_triton)]
+)
 
 
 @pytest.mark.parametrize("attention,draft_vocab", CASES)
@@ -91,12 +118,12 @@ def test_captured_draft_calls_propose_what_the_eager_path_proposes(attention, dr
     graphed = make_runner(model, features, graphs="eager" if DEVICE == "cpu" else True)
     assert graphed.graphs is not None and eager.graphs is None
     call_list = calls()
-    if DEVICE == "cpu" and attention == "triton":   # the interpreter is slow: the first four calls
+    if DEVICE == "cpu" and attention == "triton":  # the interpreter is slow: the first four calls
         call_list = call_list[:4]
     expected = proposals(eager, call_list)
     got = proposals(graphed, call_list)
     assert got == expected
-    torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor)     # and the same KV written
+    torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor)  # and the same KV written
 
 
 def test_catch_ups_longer_than_the_graphs_query_go_through_the_graphs():
@@ -109,14 +136,19 @@ def test_catch_ups_longer_than_the_graphs_query_go_through_the_graphs():
     rng = random.Random(4)
     call_list = []
     for lengths in ((12,), (30, 3, 9), (10, 41)):
-        runs = [FeatureRun([rng.randrange(3, SHAPE.vocab_size) for _ in range(n)], start,
-                           tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN)),
-                           target_block_ids=tuple(range((i + 8) * BLOCKS_PER_RUN, (i + 9) * BLOCKS_PER_RUN)))
-                for i, (n, start) in enumerate(zip(lengths, (0, 5, 17)))]
+        runs = [
+            FeatureRun(
+                [rng.randrange(3, SHAPE.vocab_size) for _ in range(n)],
+                start,
+                tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN)),
+                target_block_ids=tuple(range((i + 8) * BLOCKS_PER_RUN, (i + 9) * BLOCKS_PER_RUN)),
+            )
+            for i, (n, start) in enumerate(zip(lengths, (0, 5, 17)))
+        ]
         call_list.append((runs, [4] * len(runs), [SamplingParams()] * len(runs)))
     calls_before = graphed.graphs.calls
     assert proposals(graphed, call_list) == proposals(eager, call_list)
-    assert graphed.graphs.calls == calls_before + len(call_list)   # every call went through the graphs
+    assert graphed.graphs.calls == calls_before + len(call_list)  # every call went through the graphs
     torch.testing.assert_close(graphed.pool.tensor, eager.pool.tensor)
 
 
@@ -138,6 +170,7 @@ def test_engine_through_the_graphed_call_path_drafts_as_the_eager_path(tiny_mode
     from engine_helpers import eager_and_graphed, make_engine
     from test_engine_eagle import write_head
     from test_engine_greedy_lossless import random_prompts
+
     from verifypd.engine.types import RequestSpec
 
     prompts = random_prompts(6, seed=8)
@@ -152,4 +185,4 @@ def test_engine_through_the_graphed_call_path_drafts_as_the_eager_path(tiny_mode
         assert [c.token_ids for c in done.values()] == expected
         usage.append([(c.usage["draft_tokens"], c.usage["accepted_tokens"]) for c in done.values()])
     assert usage[1] == usage[0] and sum(a for _, a in usage[0]) > 0
-    assert runner.graphs.calls > 0   # the path was taken
+    assert runner.graphs.calls > 0  # the path was taken

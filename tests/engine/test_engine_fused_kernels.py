@@ -1,4 +1,5 @@
 """The fused Triton kernels against their torch twins (interpreter on CPU, native on a GPU)."""
+
 from __future__ import annotations
 
 import os
@@ -6,18 +7,17 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from engine_helpers import DEVICE
 
 pytest.importorskip("triton")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 
-from verifypd.model.llama import apply_rope, rms_norm  # noqa: E402
+from verifypd.model.kernels.gelu_mul import gelu_mul  # noqa: E402
 from verifypd.model.kernels.rms_norm import add_rms_norm  # noqa: E402
 from verifypd.model.kernels.rope_kv import rope_and_store_kv  # noqa: E402
-from verifypd.model.kernels.gelu_mul import gelu_mul  # noqa: E402
 from verifypd.model.kernels.silu_mul import silu_mul  # noqa: E402
+from verifypd.model.llama import apply_rope, rms_norm  # noqa: E402
 
 
 def rel(a, b):
@@ -68,9 +68,9 @@ def test_rope_and_store_kv_skips_negative_slots():
     v_cache = k_cache.clone()
     q = rope_and_store_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads)
     c, s = cos[positions][:, None], sin[positions][:, None]
-    q_ref = apply_rope(qkv[:, :heads * dim].view(tokens, heads, dim), c, s)
-    k_ref = apply_rope(qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim), c, s)
-    v_ref = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    q_ref = apply_rope(qkv[:, : heads * dim].view(tokens, heads, dim), c, s)
+    k_ref = apply_rope(qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim), c, s)
+    v_ref = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     assert rel(q, q_ref) < 1e-6
     for token, slot in ((0, 5), (2, 0)):
         assert rel(k_cache[slot], k_ref[token]) < 1e-6

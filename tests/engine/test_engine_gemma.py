@@ -2,22 +2,25 @@
 16; tied embeddings; GeGLU; (1 + w) norms with random w; embeddings scaled by sqrt(hidden)): our
 paged forward's logits match transformers', and greedy decoding through the engine (k = 0, a Gemma
 draft, a self-draft, the Triton kernels under the interpreter) reproduces `transformers.generate`."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
-
 from engine_helpers import DEVICE, hf_greedy, make_engine, write_tiny_llama
 from test_engine_greedy_lossless import random_prompts
+
 from verifypd.engine.types import RequestSpec
 from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.loader import GEMMA, RANDOM_SHAPES, ModelLoadError, load_model, random_model, random_shape
 from verifypd.model.runner import TokenRun, build_layout
 
-needs_triton = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1",
+)
 GEMMA_DIMS = dict(model_type="gemma", layers=3, hidden=64, heads=4, kv_heads=1, head_dim=32)
 NEW_TOKENS = 16
 
@@ -52,8 +55,14 @@ def _forward(model: PagedLlama, pool, runs: list[TokenRun], block_size: int) -> 
     """Logits of every new token of the runs (one ragged batch)."""
     lay = build_layout(runs, block_size)
     to = lambda a, dtype=torch.long: torch.tensor(a, dtype=dtype, device=DEVICE)  # noqa: E731
-    batch = BatchLayout(to(lay.ids), to(lay.positions), to(lay.slots), to(lay.tables, torch.int32),
-                        to(lay.query_start, torch.int32), lay.max_query)
+    batch = BatchLayout(
+        to(lay.ids),
+        to(lay.positions),
+        to(lay.slots),
+        to(lay.tables, torch.int32),
+        to(lay.query_start, torch.int32),
+        lay.max_query,
+    )
     return model.forward(pool, batch, torch.arange(len(lay.ids), device=DEVICE))
 
 
@@ -68,7 +77,7 @@ def test_logits_match_transformers_prefill_and_decode(gemma_models, hf_gemma, ba
     seqs = [[5, 17, 40, 8, 9, 60, 33], [71, 3, 12, 12, 90, 44, 45, 46, 47, 11, 29]]
     blocks = [(9, 2, 14, 5), (0, 11, 7, 3, 12)]
     logits = _forward(model, pool, [TokenRun(q, 0, b) for q, b in zip(seqs, blocks)], block_size)
-    rows = [list(logits[:len(seqs[0])]), list(logits[len(seqs[0]):])]
+    rows = [list(logits[: len(seqs[0])]), list(logits[len(seqs[0]) :])]
     for _ in range(5):
         nxt = [int(r[-1].argmax()) for r in rows]
         step = _forward(model, pool, [TokenRun([t], len(q), b) for t, q, b in zip(nxt, seqs, blocks)], block_size)
@@ -78,7 +87,7 @@ def test_logits_match_transformers_prefill_and_decode(gemma_models, hf_gemma, ba
     for seq, ours in zip(seqs, rows):
         with torch.no_grad():
             ref = hf_gemma(torch.tensor([seq])).logits[0]
-        got = torch.stack(ours).cpu()[:len(seq)]
+        got = torch.stack(ours).cpu()[: len(seq)]
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"relative logits error {err:.2e}"
 
@@ -96,8 +105,9 @@ def gemma_references(gemma_models, hf_gemma):
 
 
 def _generate(engine, prompts) -> tuple[list[list[int]], list]:
-    done = engine.generate([RequestSpec(p, max_tokens=NEW_TOKENS, stop_at_eos=False, request_id=str(i))
-                            for i, p in enumerate(prompts)])
+    done = engine.generate(
+        [RequestSpec(p, max_tokens=NEW_TOKENS, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(prompts)]
+    )
     return [done[str(i)].token_ids for i in range(len(prompts))], list(done.values())
 
 
@@ -141,9 +151,20 @@ def test_random_shapes():
 
 
 def test_random_gemma_model_runs(monkeypatch):
-    monkeypatch.setitem(RANDOM_SHAPES, "tiny-gemma", dict(hidden_size=32, intermediate_size=64, num_layers=2,
-                                                           num_heads=2, num_kv_heads=1, head_dim=32, vocab_size=50,
-                                                           **GEMMA))
+    monkeypatch.setitem(
+        RANDOM_SHAPES,
+        "tiny-gemma",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+            vocab_size=50,
+            **GEMMA,
+        ),
+    )
     loaded = random_model("tiny-gemma", torch.device(DEVICE), torch.float32, 64)
     assert loaded.weights.lm_head is loaded.weights.embed
     model = PagedLlama(loaded.shape, loaded.weights, attention="reference")

@@ -1,11 +1,12 @@
 """Greedy speculative decoding must reproduce greedy target-only decoding token for token."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from engine_helpers import VOCAB, hf_greedy, make_engine
+
 from verifypd.engine.types import FinishReason, RequestSpec
 
 
@@ -57,8 +58,11 @@ def test_mixed_batch_with_per_request_k_and_joining_leaving(tiny_models, referen
             if pending:
                 n, prompt = pending.pop(0)
                 max_k = [None, 0, 1, 5, 8][n % 5]
-                ids[router.add_request(RequestSpec(prompt, max_tokens=24, stop_at_eos=False, max_k=max_k,
-                                                   request_id=f"r{n}"))] = n
+                ids[
+                    router.add_request(
+                        RequestSpec(prompt, max_tokens=24, stop_at_eos=False, max_k=max_k, request_id=f"r{n}")
+                    )
+                ] = n
         if step == 3:  # one extra request leaves mid-run (cancelled)
             cancelled = router.add_request(RequestSpec((5, 6, 7), max_tokens=24, stop_at_eos=False))
         if step == 5:
@@ -98,13 +102,13 @@ def test_stop_conditions(tiny_models, references):
     engine.router._eos = frozenset({expected[1][4]})
     first = expected[1].index(expected[1][4])
     (c,) = engine.generate([RequestSpec(prompts[1], max_tokens=24)]).values()
-    assert c.finish_reason == "eos" and c.token_ids == expected[1][:first + 1]
+    assert c.finish_reason == "eos" and c.token_ids == expected[1][: first + 1]
     # Stop string: the text of the greedy continuation contains "w{tok}" for its 3rd token.
     engine.router._eos = frozenset()
     word = f"w{expected[2][2]}"
     (c,) = engine.generate([RequestSpec(prompts[2], max_tokens=24, stop=(word,), stop_at_eos=False)]).values()
     assert c.finish_reason == "stop" and word not in c.text
-    assert c.text.strip() == " ".join(f"w{t}" for t in expected[2][:expected[2].index(expected[2][2])])
+    assert c.text.strip() == " ".join(f"w{t}" for t in expected[2][: expected[2].index(expected[2][2])])
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -8,6 +8,7 @@ Edges (module -> module, full dotted names, every .py under services/verifypd):
     relative imports resolve against the importing module's package.
 Parent packages' __init__s, which Python also runs, are left out: they would make every package that
 imports its own modules look circular, and ours import nothing heavy."""
+
 from __future__ import annotations
 
 import ast
@@ -34,7 +35,7 @@ def _resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
     base = importer.split(".") if is_package else importer.split(".")[:-1]
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -66,7 +67,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()

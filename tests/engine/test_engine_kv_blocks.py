@@ -1,12 +1,13 @@
 """Paged-KV bookkeeping: no leaks, no double ownership, and an over-subscribed pool still
 finishes every request with the right output (queueing or preemption-by-recompute)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from engine_helpers import VOCAB, make_engine
+
 from verifypd.engine.block_manager import BlockManager
 from verifypd.engine.types import InvalidRequest, RequestSpec
 
@@ -14,12 +15,12 @@ from verifypd.engine.types import InvalidRequest, RequestSpec
 def test_block_manager_grow_trim_free_invariants():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = [], []
-    assert bm.grow(a, 9) and len(a) == 3          # ceil(9 / 4)
-    assert bm.grow(a, 12) and len(a) == 3         # still fits
+    assert bm.grow(a, 9) and len(a) == 3  # ceil(9 / 4)
+    assert bm.grow(a, 12) and len(a) == 3  # still fits
     assert bm.grow(b, 20) and len(b) == 5
     bm.check([a, b])
-    assert not bm.grow(b, 40) and len(b) == 5     # all-or-nothing: needs 5 more, 2 free
-    bm.trim(a, 4)                                 # rollback to 4 positions keeps 1 block
+    assert not bm.grow(b, 40) and len(b) == 5  # all-or-nothing: needs 5 more, 2 free
+    bm.trim(a, 4)  # rollback to 4 positions keeps 1 block
     assert len(a) == 1 and bm.num_free == 4
     bm.check([a, b])
     bm.free(a)
@@ -27,7 +28,7 @@ def test_block_manager_grow_trim_free_invariants():
     assert bm.num_free == 10 and a == [] and b == []
     bm.check([])
     with pytest.raises(RuntimeError):
-        bm._release(3)                            # double free is caught
+        bm._release(3)  # double free is caught
 
 
 def _prompts(n, seed):
@@ -61,7 +62,7 @@ def test_oversubscribed_pool_finishes_everything_correctly(tiny_models, num_bloc
         _check_pools(router)
         max_running = max(max_running, len(router.scheduler.running))
     assert got == expected
-    assert max_running < len(specs)                       # the pool really was the bottleneck
+    assert max_running < len(specs)  # the pool really was the bottleneck
     assert router.target_blocks.num_used == 0 and router.draft_blocks.num_used == 0
 
 

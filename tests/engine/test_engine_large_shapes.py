@@ -1,6 +1,7 @@
 """The random-weight bench shapes of the large targets (issue 21) are the published models' shapes:
 each published config.json (its fields as on the Hugging Face hub, typed in here: no download) read
 by the real loader (`shape_from_config`) gives the same LlamaShape as `random:NAME`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +11,37 @@ import pytest
 from verifypd.model.loader import random_shape, shape_from_config
 
 LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False)
-PUBLISHED = {   # meta-llama/Llama-2-70b-hf, meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B
-    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=4096),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
-    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+PUBLISHED = {  # meta-llama/Llama-2-70b-hf, meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B
+    "llama-2-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
+    "llama-3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+    ),
 }
 
 

@@ -1,13 +1,14 @@
 """Draft prefill only when drafting (docs/engine.md): while no request is expected to draft, prefill
 writes no draft KV; when drafting starts, the draft's first call catches its KV up, and the result
 is what a draft prefilled all along proposes (greedy, so proposals and acceptance are identical)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from engine_helpers import VOCAB, make_engine
+
 from verifypd.engine.sequence import SeqStatus
 from verifypd.engine.types import RequestSpec
 
@@ -26,6 +27,7 @@ def count_draft_prefills(engine) -> list[int]:
     def counted(runs, logits_for):
         calls.append(len(runs))
         return forward(runs, logits_for)
+
     runner.forward = counted
     return calls
 
@@ -66,6 +68,7 @@ def run_then_draft(tiny_models, lazy: bool, start_after: int = 4):
     def recorded(items):
         inputs.append(max(len(i.input_tokens) for i in items))
         return draft(items)
+
     router.draft_lane.draft = recorded
     ids = [router.add_request(RequestSpec(p, max_tokens=20, stop_at_eos=False)) for p in prompts()]
     out = {i: [] for i in ids}
@@ -90,7 +93,8 @@ def test_drafting_resumes_after_a_skipped_draft_prefill_as_if_prefilled(tiny_mod
     lazy, lazy_inputs = run_then_draft(tiny_models, lazy=True)
     eager, eager_inputs = run_then_draft(tiny_models, lazy=False)
     plain = make_engine(*tiny_models, k=0).generate(
-        [RequestSpec(p, max_tokens=20, stop_at_eos=False) for p in prompts()])
+        [RequestSpec(p, max_tokens=20, stop_at_eos=False) for p in prompts()]
+    )
     assert [t for t, _ in lazy] == [c.token_ids for c in plain.values()]
     assert lazy == eager
     drafted = sum(d for _, (d, _a) in lazy)

@@ -1,15 +1,16 @@
 """`--draft eagle+ngram:PATH` (engine.lookup_mix): the head mixed with prompt lookup. Lossless greedy and
 seeded; lookup's proposals are taken where the context repeats, and a request the head skipped is caught
 up from where the head left it; the verify lane writes host-list drafts beside the head's device rows."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-
 from engine_helpers import make_engine
 from test_engine_eagle import write_head
+
 from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.scheduler import DecodeWork
 from verifypd.engine.sequence import Sequence
@@ -46,6 +47,7 @@ def _head_calls(engine) -> list:
     def counting_after(items, *args):
         calls.extend((i, True) for i in items)
         return after(items, *args)
+
     lane.draft, lane.draft_after = counting, counting_after
     return calls
 
@@ -70,13 +72,24 @@ def test_greedy_with_head_and_lookup_equals_plain(tiny_models, mixed, k, adaptiv
     for items in by_request.values():
         for (prev, after), (nxt, _) in zip(items, items[1:]):
             end = prev.start_pos + len(prev.input_tokens)  # after a verify call: its longest outcome
-            assert prev.start_pos < nxt.start_pos <= end if after else nxt.start_pos == end, (prev.start_pos, nxt.start_pos)
+            assert prev.start_pos < nxt.start_pos <= end if after else nxt.start_pos == end, (
+                prev.start_pos,
+                nxt.start_pos,
+            )
 
 
 def test_seeded_output_with_head_and_lookup_equals_plain(tiny_models, mixed):
     prompts = repeating_prompts(5, seed=9)
-    specs = lambda: [RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"r{i}",  # noqa: E731
-                                 sampling=SamplingParams(temperature=0.3, seed=100 + i)) for i, p in enumerate(prompts)]
+    specs = lambda: [
+        RequestSpec(
+            p,
+            max_tokens=24,
+            stop_at_eos=False,
+            request_id=f"r{i}",  # noqa: E731
+            sampling=SamplingParams(temperature=0.3, seed=100 + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
     plain = make_engine(tiny_models[0], "none", k=0).generate(specs())
     engine = make_engine(tiny_models[0], mixed, k=4)
     done = engine.generate(specs())
@@ -94,10 +107,10 @@ def _work(request_id: str, tokens: list[int], k: int = 3) -> DecodeWork:
 def test_lookup_proposes_only_where_the_context_repeats_its_last_three_tokens():
     mix = LookupMix()
     fresh = _work("a", [5, 6, 7, 8, 9, 10])
-    two = _work("b", [5, 6, 7, 8, 6, 7])             # only 2 tokens repeat: the head drafts
-    three = _work("c", [5, 6, 7, 8, 5, 6, 7], k=4)    # 3 repeat: copy what followed, overlapping
+    two = _work("b", [5, 6, 7, 8, 6, 7])  # only 2 tokens repeat: the head drafts
+    three = _work("c", [5, 6, 7, 8, 5, 6, 7], k=4)  # 3 repeat: copy what followed, overlapping
     assert mix.take([fresh, two, three]) == {"c": [8, 5, 6, 7]}
-    three.seq.output_ids.append(8)                    # the history follows the sequence's tokens
+    three.seq.output_ids.append(8)  # the history follows the sequence's tokens
     assert mix.take([three]) == {"c": [5, 6, 7, 8]}
     # A bounded cache: evicted histories are rebuilt from the sequence and propose the same.
     small = LookupMix(capacity_tokens=8)
@@ -129,23 +142,37 @@ def test_lookup_proposals_reach_telemetry(tiny_models, mixed):
     engine = make_engine(tiny_models[0], mixed, k=3)
     engine.router.observer = Telemetry(readers=[reader])
     engine.generate([RequestSpec(p, max_tokens=24, stop_at_eos=False) for p in repeating_prompts(4, seed=2)])
-    points = [p.value for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
-              for m in sm.metrics if m.name == mn.LOOKUP_PROPOSALS for p in m.data.data_points]
+    points = [
+        p.value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == mn.LOOKUP_PROPOSALS
+        for p in m.data.data_points
+    ]
     assert engine.router.lookup.proposed > 0 and points == [engine.router.lookup.proposed]
 
 
 @pytest.mark.parametrize("schedule, pipeline, blocks", [("pdv", True, 128), ("baseline", True, 24), ("pdv", False, 24)])
-def test_seeded_output_with_lookup_in_every_schedule_and_after_preemption(tiny_models, mixed, schedule, pipeline,
-                                                                          blocks):
+def test_seeded_output_with_lookup_in_every_schedule_and_after_preemption(
+    tiny_models, mixed, schedule, pipeline, blocks
+):
     """The mix beside other requests, in the schedules (pipelined pdv, where the drafts made a step
     ahead are the head's; baseline, one request a step) and under a pool small enough to preempt
     (a recompute re-prefills the head's rows; the lookup index is kept, it holds tokens only): each
     request's seeded tokens are --draft none's."""
     from test_engine_seeded_output import crowd, run
 
-    specs = crowd(6, seed=5) + [RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"m{i}",
-                                            sampling=SamplingParams(temperature=0.3, seed=40 + i))
-                                for i, p in enumerate(repeating_prompts(4, seed=11))]
+    specs = crowd(6, seed=5) + [
+        RequestSpec(
+            p,
+            max_tokens=24,
+            stop_at_eos=False,
+            request_id=f"m{i}",
+            sampling=SamplingParams(temperature=0.3, seed=40 + i),
+        )
+        for i, p in enumerate(repeating_prompts(4, seed=11))
+    ]
     expected, _ = run(make_engine(tiny_models[0], "none", k=0), specs)
     engine = make_engine(tiny_models[0], mixed, k=3, num_blocks=blocks)  # k fixed: every step drafts
     engine.router.config = engine.router.config.updated(schedule=schedule, pipeline=pipeline)

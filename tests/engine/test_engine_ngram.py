@@ -1,40 +1,43 @@
 """Prompt-lookup (n-gram) drafting: exact proposals, the lane's delta-fed history, and the engine
 with it (pool-less: no draft blocks) giving exactly plain decoding's output."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from engine_helpers import make_engine
-from verifypd.engine.types import RequestSpec
+
+from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.lanes.interface import DraftItem, LaneInfo
 from verifypd.lanes.ngram import NgramDraftLane, propose
-from verifypd.engine.types import SamplingParams
 
 
-@pytest.mark.parametrize("context, k, n, expected", [
-    # single match: the tokens after the earlier "1 2"
-    ([1, 2, 3, 4, 1, 2], 3, (1, 3), [3, 4, 1]),
-    # k caps the proposal; the copy may run on into the suffix itself
-    ([1, 2, 3, 4, 1, 2], 1, (1, 3), [3]),
-    # no earlier occurrence of the last token: nothing
-    ([1, 2, 3], 2, (1, 3), []),
-    ([], 2, (1, 3), []),
-    ([7], 2, (1, 3), []),
-    # several matches of "1 2": the most recent earlier one wins
-    ([1, 2, 9, 1, 2, 7, 1, 2], 2, (1, 3), [7, 1]),
-    # longest n first: "3 1 2" (n=3) beats the more recent 2-gram "1 2" -> 7
-    ([3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1, (1, 3), [8]),
-    # ... unless max_n stops at 2
-    ([3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1, (1, 2), [7]),
-    # min_n = 2: a lone 1-gram match does not count
-    ([5, 6, 9, 6], 2, (2, 3), []),
-    ([5, 6, 9, 6], 2, (1, 3), [9, 6]),
-    # match at the end of the context: the overlapping copy extends the period
-    ([4, 5, 5, 5], 4, (1, 3), [5, 5, 5, 5]),
-    ([8, 1, 2, 1, 2], 5, (1, 2), [1, 2, 1, 2, 1]),
-])
+@pytest.mark.parametrize(
+    "context, k, n, expected",
+    [
+        # single match: the tokens after the earlier "1 2"
+        ([1, 2, 3, 4, 1, 2], 3, (1, 3), [3, 4, 1]),
+        # k caps the proposal; the copy may run on into the suffix itself
+        ([1, 2, 3, 4, 1, 2], 1, (1, 3), [3]),
+        # no earlier occurrence of the last token: nothing
+        ([1, 2, 3], 2, (1, 3), []),
+        ([], 2, (1, 3), []),
+        ([7], 2, (1, 3), []),
+        # several matches of "1 2": the most recent earlier one wins
+        ([1, 2, 9, 1, 2, 7, 1, 2], 2, (1, 3), [7, 1]),
+        # longest n first: "3 1 2" (n=3) beats the more recent 2-gram "1 2" -> 7
+        ([3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1, (1, 3), [8]),
+        # ... unless max_n stops at 2
+        ([3, 1, 2, 8, 1, 2, 7, 3, 1, 2], 1, (1, 2), [7]),
+        # min_n = 2: a lone 1-gram match does not count
+        ([5, 6, 9, 6], 2, (2, 3), []),
+        ([5, 6, 9, 6], 2, (1, 3), [9, 6]),
+        # match at the end of the context: the overlapping copy extends the period
+        ([4, 5, 5, 5], 4, (1, 3), [5, 5, 5, 5]),
+        ([8, 1, 2, 1, 2], 5, (1, 2), [1, 2, 1, 2, 1]),
+    ],
+)
 def test_proposals_for_hand_made_contexts(context, k, n, expected):
     assert propose(context, k, *n) == expected
 
@@ -70,7 +73,7 @@ def test_missing_or_short_history_asks_for_a_resend():
     lane = _lane()
     (out,) = lane.draft([_item("new", [3], 10)])
     assert out.draft_tokens == [] and out.resync_from == 0
-    lane.draft([_item("a", [1, 2, 3, 1, 2], 0)])           # holds [0, 5) + proposals
+    lane.draft([_item("a", [1, 2, 3, 1, 2], 0)])  # holds [0, 5) + proposals
     (out,) = lane.draft([_item("a", [9], 40)])
     assert out.draft_tokens == [] and out.resync_from is not None and out.resync_from < 40
     lane.forget("a")
@@ -81,7 +84,7 @@ def test_eviction_keeps_the_budget_and_evicted_requests_resync():
     lane = _lane(capacity=30)
     for rid in ("a", "b", "c"):
         lane.draft([_item(rid, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], 0)])
-    assert lane.cached_requests < 3                          # "a" (least recently used) went
+    assert lane.cached_requests < 3  # "a" (least recently used) went
     (out,) = lane.draft([_item("a", [3], 12)])
     assert out.resync_from == 0
 
@@ -105,19 +108,20 @@ def _prompts() -> list[tuple[int, ...]]:
 def plain_outputs(tiny_models):
     engine = make_engine(tiny_models[0], "none", k=0)
     assert engine.draft_pool is None and engine.router.draft_blocks is None  # --no-speculation loads no draft
-    done = engine.generate([RequestSpec(p, max_tokens=28, stop_at_eos=False, request_id=str(i))
-                            for i, p in enumerate(_prompts())])
+    done = engine.generate(
+        [RequestSpec(p, max_tokens=28, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(_prompts())]
+    )
     return [done[str(i)].token_ids for i in range(len(_prompts()))]
 
 
-@pytest.mark.parametrize("draft, k, adaptive", [("ngram", 4, False), ("ngram:1-3", 3, False),
-                                                ("ngram:1-4", 4, True)])
+@pytest.mark.parametrize("draft, k, adaptive", [("ngram", 4, False), ("ngram:1-3", 3, False), ("ngram:1-4", 4, True)])
 def test_greedy_with_ngram_equals_plain_decoding(tiny_models, plain_outputs, draft, k, adaptive):
     engine = make_engine(tiny_models[0], draft, k=k, adaptive=adaptive, num_blocks=48)
     assert engine.draft_pool is None and engine.router.draft_blocks is None
     assert engine.draft_lane.describe().pools == ()
-    done = engine.generate([RequestSpec(p, max_tokens=28, stop_at_eos=False, request_id=str(i))
-                            for i, p in enumerate(_prompts())])
+    done = engine.generate(
+        [RequestSpec(p, max_tokens=28, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(_prompts())]
+    )
     assert [done[str(i)].token_ids for i in range(len(_prompts()))] == plain_outputs
     drafted = sum(c.usage["draft_tokens"] for c in done.values())
     accepted = sum(c.usage["accepted_tokens"] for c in done.values())
@@ -164,7 +168,9 @@ def test_router_sends_deltas_after_the_first_call(tiny_models):
 
     engine.draft_lane.draft = recording
     prompts = _prompts()
-    engine.generate([RequestSpec(p, max_tokens=20, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(prompts)])
+    engine.generate(
+        [RequestSpec(p, max_tokens=20, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(prompts)]
+    )
     for i, p in enumerate(prompts):
         calls = seen[str(i)]
         assert calls[0] == (0, len(p) + 1)  # the prompt and the first token, once
@@ -177,7 +183,6 @@ def test_sampling_with_ngram_draft_keeps_the_target_distribution(tiny_models, hf
     lookup proposes the token that followed t1 in the prompt: the 2nd output token is an accepted
     proposal or a residual sample, and must still follow the target's marginal."""
     import numpy as np
-
     from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue, sample_second_tokens
 
     engine = make_engine(tiny_models[0], "ngram:1-2", k=2, num_blocks=8192, block_size=4, max_running=1024)

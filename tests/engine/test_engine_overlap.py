@@ -3,14 +3,15 @@ launched before the current one's tokens reach the host, its pending tokens fed 
 Every test runs the same requests with overlap off and on, driving `Router.step()` by hand so that
 arrivals, cancels and config changes land between the same steps, and wants the same stream of
 chunks (tokens, text, finish reasons) — and checks that the overlapped path actually ran."""
+
 from __future__ import annotations
 
 import dataclasses
 import random
 
 import pytest
-
 from engine_helpers import VOCAB, hf_greedy, make_engine
+
 from verifypd.engine.types import FinishReason, RequestSpec, SamplingParams
 
 
@@ -23,8 +24,16 @@ def make_specs(n: int = 10, seed: int = 5, stop: dict[int, list[str]] | None = N
     out = []
     for i, p in enumerate(prompts(n, seed)):
         sampling = SamplingParams(temperature=0.9, top_p=0.9, seed=40 + i) if i % 4 == 3 else SamplingParams()
-        out.append(RequestSpec(p, max_tokens=6 + (7 * i) % 23, stop_at_eos=True, request_id=f"q{i}",
-                               sampling=sampling, stop=(stop or {}).get(i, [])))
+        out.append(
+            RequestSpec(
+                p,
+                max_tokens=6 + (7 * i) % 23,
+                stop_at_eos=True,
+                request_id=f"q{i}",
+                sampling=sampling,
+                stop=(stop or {}).get(i, []),
+            )
+        )
     return out
 
 
@@ -110,8 +119,9 @@ def test_overlap_same_chunks_with_eos_length_and_stop_strings(tiny_models):
 
 
 def test_overlap_greedy_matches_transformers(tiny_models, hf_target):
-    specs = [RequestSpec(p, max_tokens=12 + i, stop_at_eos=False, request_id=f"h{i}")
-             for i, p in enumerate(prompts(8, 11))]
+    specs = [
+        RequestSpec(p, max_tokens=12 + i, stop_at_eos=False, request_id=f"h{i}") for i, p in enumerate(prompts(8, 11))
+    ]
     got, _, router = drive(fresh(tiny_models), specs, overlap=True)
     assert matches_transformers(hf_target, specs, got) >= 2
     assert router.overlap.steps > 5
@@ -142,7 +152,7 @@ def test_overlap_arrivals_and_cancels_between_steps(tiny_models):
     assert got.keys() == want.keys()
     for rid, (tokens, text, finish) in got.items():
         if want[rid][2] is FinishReason.CANCELLED:
-            assert finish is FinishReason.CANCELLED and full[rid][0][:len(tokens)] == tokens, rid
+            assert finish is FinishReason.CANCELLED and full[rid][0][: len(tokens)] == tokens, rid
         else:
             assert (tokens, text, finish) == want[rid], rid
     assert sum(v[2] is FinishReason.CANCELLED for v in got.values()) >= 4
@@ -175,8 +185,7 @@ def test_cancelled_requests_blocks_wait_for_the_step_in_flight(tiny_models):
 
 
 def test_overlap_under_block_pressure_preempts_like_the_plain_path(tiny_models):
-    specs = [RequestSpec(p, max_tokens=30, stop_at_eos=False, request_id=f"p{i}")
-             for i, p in enumerate(prompts(6, 21))]
+    specs = [RequestSpec(p, max_tokens=30, stop_at_eos=False, request_id=f"p{i}") for i, p in enumerate(prompts(6, 21))]
     want, want_chunks, plain_router = drive(fresh(tiny_models, num_blocks=40), specs, overlap=False)
     got, got_chunks, router = drive(fresh(tiny_models, num_blocks=40), specs, overlap=True)
     assert got == want and got_chunks == want_chunks
@@ -187,8 +196,7 @@ def test_overlap_under_block_pressure_preempts_like_the_plain_path(tiny_models):
 def test_preemption_happens_in_the_pressure_test(tiny_models):
     """The block-pressure test above is only worth something if the pool really forces preemption."""
     engine = fresh(tiny_models, num_blocks=40)
-    specs = [RequestSpec(p, max_tokens=30, stop_at_eos=False, request_id=f"p{i}")
-             for i, p in enumerate(prompts(6, 21))]
+    specs = [RequestSpec(p, max_tokens=30, stop_at_eos=False, request_id=f"p{i}") for i, p in enumerate(prompts(6, 21))]
     preempted = []
     engine.router.observer.on_request_finished = lambda seq: preempted.append(seq.stats.preemptions)
     drive(engine, specs, overlap=True)
@@ -198,10 +206,13 @@ def test_preemption_happens_in_the_pressure_test(tiny_models):
 def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
     """The config switches between plain decoding and drafting (k = 3) every few steps: chains start
     and end around speculative steps, tokens stay the target's greedy ones."""
-    specs = [RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"m{i}", max_k=None if i % 3 else 0)
-             for i, p in enumerate(prompts(6, 33))]
-    configs = {s: ({"k_initial": 3, "k_max": 8} if (s // 5) % 2 else {"k_initial": 0, "k_max": 8})
-               for s in range(0, 40, 5)}
+    specs = [
+        RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"m{i}", max_k=None if i % 3 else 0)
+        for i, p in enumerate(prompts(6, 33))
+    ]
+    configs = {
+        s: ({"k_initial": 3, "k_max": 8} if (s // 5) % 2 else {"k_initial": 0, "k_max": 8}) for s in range(0, 40, 5)
+    }
     want, want_chunks, _ = drive(fresh(tiny_models), specs, overlap=False, configs=configs)
     got, got_chunks, router = drive(fresh(tiny_models), specs, overlap=True, configs=configs)
     assert got == want
@@ -215,6 +226,7 @@ def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
 def test_overlap_flag_reaches_the_config(flag, overlap, ahead):
     from verifypd.cli import build_parser
     from verifypd.launch.cli import engine_options
+
     config = engine_options(build_parser().parse_args(["serve", "--overlap", flag])).config
     assert (config.overlap, config.admit_ahead) == (overlap, ahead)
     assert engine_options(build_parser().parse_args(["serve"])).config.admit_ahead is False
@@ -226,8 +238,9 @@ def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_model
     behind can be probed; here none is, so a probe can never run, and the chain must not wait for one
     (it did: 24 of 127 steps chained at batch 1 on the H200, against 126 with k fixed at 0)."""
     engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
-    specs = [RequestSpec(p, max_tokens=110, stop_at_eos=False, request_id=f"a{i}")
-             for i, p in enumerate(prompts(3, 44))]
+    specs = [
+        RequestSpec(p, max_tokens=110, stop_at_eos=False, request_id=f"a{i}") for i, p in enumerate(prompts(3, 44))
+    ]
     _, _, router = drive(engine, specs, overlap=True)
     probes = router.scheduler.probes
     assert probes.due and probes.probes == 0, "the scenario needs a probe due that no request can take"
@@ -243,8 +256,10 @@ def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models
     from verifypd.engine.step_costs import batch_bucket
 
     engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
-    specs = [RequestSpec(p, max_tokens=60 + 8 * i, stop_at_eos=False, request_id=f"s{i}")
-             for i, p in enumerate(prompts(6, 44))]
+    specs = [
+        RequestSpec(p, max_tokens=60 + 8 * i, stop_at_eos=False, request_id=f"s{i}")
+        for i, p in enumerate(prompts(6, 44))
+    ]
     _, _, router = drive(engine, specs, overlap=True)
     probes = router.scheduler.probes
     off = probes.decisions - probes.drafting

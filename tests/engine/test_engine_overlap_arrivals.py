@@ -6,14 +6,15 @@ admits a request nearly every step, so without this the chain broke at every arr
 Each test runs the same requests with overlap off and on (arrivals and cancels between the same
 `Router.step()` calls) and wants, per request, the same chunks (tokens, text, finish) — and checks
 on the engine's counters that arrivals really were taken into the chain."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-
 from engine_helpers import make_engine
 from test_engine_overlap import check_blocks_returned, drive, fresh, make_specs, prompts
+
 from verifypd.engine.types import FinishReason, RequestSpec, SamplingParams
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
 
@@ -79,8 +80,10 @@ def test_a_request_ending_at_its_first_token_while_joining(tiny_models, path):
     engine = ahead(fresh(tiny_models)) if path == "ahead" else fresh(tiny_models)
     verified: set[str] = set()
     verify_start = engine.router.verify_lane.verify_start
-    engine.router.verify_lane.verify_start = lambda items, **kw: (verified.update(i.request_id for i in items),
-                                                                  verify_start(items, **kw))[1]
+    engine.router.verify_lane.verify_start = lambda items, **kw: (
+        verified.update(i.request_id for i in items),
+        verify_start(items, **kw),
+    )[1]
     got, got_chunks, router = drive(engine, specs, overlap=True, eos=(eos,), arrive=arrive)
     same_streams(want, want_chunks, got, got_chunks)
     assert not verified & {"q4", "q8"}, "a request that surely ends at its first token got a decode row"
@@ -138,8 +141,9 @@ def test_an_arrival_decodes_in_the_step_launched_with_its_prefill(tiny_models):
     outputs = router.step()
     inflight = router.overlap.inflight
     assert inflight is not None and "q3" in inflight.members, "the arrival does not decode in the new step"
-    assert [o.token_ids for o in outputs if o.request_id == "q3"] and not inflight.admitted, \
+    assert [o.token_ids for o in outputs if o.request_id == "q3"] and not inflight.admitted, (
         "the first token did not come in the call that launched its prefill"
+    )
     assert cancel_q3_then_finish(router) == 1  # its row in the step in flight, dropped
 
 
@@ -173,7 +177,7 @@ def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models, path)
     for rid, (tokens, text, finish) in got.items():
         if want[rid][2] is FinishReason.CANCELLED:  # the cancel lands one step later by count
             assert finish is FinishReason.CANCELLED
-            assert streams[rid][:-1] == full[rid][:len(streams[rid]) - 1], rid
+            assert streams[rid][:-1] == full[rid][: len(streams[rid]) - 1], rid
         else:
             assert (tokens, text, finish) == want[rid] and streams[rid] == want_streams[rid], rid
     assert sum(v[2] is FinishReason.CANCELLED for v in got.values()) >= 4
@@ -184,9 +188,16 @@ def test_cancels_of_arriving_and_joining_requests_same_chunks(tiny_models, path)
 def test_arrivals_under_block_pressure(tiny_models):
     """A pool too small for everyone: admissions wait for blocks, decoding preempts (the chain
     breaks there, counted), recomputes are admitted by regular steps; streams stay the same."""
-    specs = [RequestSpec(p, max_tokens=24, stop_at_eos=False, request_id=f"p{i}",
-                         sampling=SamplingParams(temperature=0.8, seed=9 + i) if i % 2 else SamplingParams())
-             for i, p in enumerate(prompts(8, 21))]
+    specs = [
+        RequestSpec(
+            p,
+            max_tokens=24,
+            stop_at_eos=False,
+            request_id=f"p{i}",
+            sampling=SamplingParams(temperature=0.8, seed=9 + i) if i % 2 else SamplingParams(),
+        )
+        for i, p in enumerate(prompts(8, 21))
+    ]
     arrive = staggered(8, first=3, every=2)
     want, want_chunks, _ = drive(fresh(tiny_models, num_blocks=40), specs, overlap=False, arrive=arrive)
     preempted = []
@@ -202,8 +213,9 @@ def test_arrivals_under_block_pressure(tiny_models):
 def test_prompts_longer_than_the_budget_break_the_chain(tiny_models):
     """A prompt longer than the prefill budget is chunked over several steps: a chained step cannot
     take it (counted as a break for a waiting request); short ones are still admitted in the chain."""
-    specs = [RequestSpec(p, max_tokens=16, stop_at_eos=False, request_id=f"l{i}")
-             for i, p in enumerate(prompts(10, 13))]
+    specs = [
+        RequestSpec(p, max_tokens=16, stop_at_eos=False, request_id=f"l{i}") for i, p in enumerate(prompts(10, 13))
+    ]
     long_ = [s.request_id for s in specs if len(s.prompt_ids) > 16]
     assert long_ and len(long_) < len(specs)
     arrive = staggered(10)
@@ -228,8 +240,10 @@ def test_a_regular_step_with_a_prefill_beside_starts_a_chain(tiny_models, monkey
     engine = fresh(tiny_models)
     starts = []
     start = engine.router.overlap.start
-    engine.router.overlap.start = lambda *a, **kw: (starts.append(kw.get("beside", a[4] if len(a) > 4 else None)),
-                                                    start(*a, **kw))
+    engine.router.overlap.start = lambda *a, **kw: (
+        starts.append(kw.get("beside", a[4] if len(a) > 4 else None)),
+        start(*a, **kw),
+    )
     got, got_chunks, router = drive(engine, specs, overlap=True, arrive=arrive)
     same_streams(want, want_chunks, got, got_chunks)
     assert any(b is not None for b in starts), "no chain was started by a step with a prefill beside"
@@ -250,6 +264,7 @@ def test_a_chain_started_beside_a_prefill_admits_the_requests_still_waiting(tiny
         e = ahead(fresh(tiny_models))
         e.router.config = e.router.config.updated(prefill_token_budget=budget)
         return e
+
     want, want_chunks, _ = drive(engine(), specs, overlap=False, arrive=arrive)
     got, got_chunks, router = drive(engine(), specs, overlap=True, arrive=arrive)
     same_streams(want, want_chunks, got, got_chunks)
@@ -266,6 +281,7 @@ def test_no_admission_in_the_chain_when_the_regular_step_would_not_start_it_besi
     engine = fresh(tiny_models)
     if off == "prefill_first":
         from verifypd.engine.draft_length import LanePriorities
+
         engine.router.config = engine.router.config.updated(priorities=LanePriorities(prefill=3))
     got, _, router = drive(engine, specs, overlap=off != "overlap", arrive=arrive)
     want, _, _ = drive(fresh(tiny_models), specs, overlap=False, arrive=arrive)
@@ -287,8 +303,14 @@ def test_chained_steps_reach_telemetry(tiny_models):
     engine = fresh(tiny_models)
     engine.router.observer = Telemetry(readers=[reader])
     _, _, router = drive(engine, make_specs(10, seed=3), overlap=True, arrive=staggered(10))
-    points = {p.attributes[mn.ATTR_STEP_PREFILL]: p.value for rm in reader.get_metrics_data().resource_metrics
-              for sm in rm.scope_metrics for m in sm.metrics if m.name == mn.CHAINED_STEPS for p in m.data.data_points}
+    points = {
+        p.attributes[mn.ATTR_STEP_PREFILL]: p.value
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == mn.CHAINED_STEPS
+        for p in m.data.data_points
+    }
     assert router.overlap.admitting >= 5
     assert points == {"true": router.overlap.admitting, "false": router.overlap.steps - router.overlap.admitting}
 

@@ -2,13 +2,13 @@
 prefill over a cached prefix, GQA and MHA, block sizes 16 and 32, contexts crossing blocks, and
 NaN garbage in slots no query may see. On CPU the kernel runs under TRITON_INTERPRET=1 (set
 before triton is imported: see conftest.py); on a GPU (VERIFYPD_TEST_DEVICE=cuda) natively."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
-
 from engine_helpers import DEVICE
 
 triton = pytest.importorskip("triton")
@@ -29,7 +29,7 @@ def reference(q, k_cache, v_cache, tables, positions, query_start, scale):
             continue
         ctx = int(positions[lo:hi].max()) + 1
         slots = [int(tables[b, p // bs]) * bs + p % bs for p in range(ctx)]
-        keys = k_cache.reshape(-1, kv_heads, k_cache.shape[-1])[slots].double()   # [C, kvh, D]
+        keys = k_cache.reshape(-1, kv_heads, k_cache.shape[-1])[slots].double()  # [C, kvh, D]
         vals = v_cache.reshape(-1, kv_heads, v_cache.shape[-1])[slots].double()
         keys = keys.repeat_interleave(heads // kv_heads, dim=1)
         vals = vals.repeat_interleave(heads // kv_heads, dim=1)
@@ -52,7 +52,7 @@ def make_case(runs, *, heads, kv_heads, head_dim, block_size, dtype, gen):
     v_cache = k_cache.clone()
     positions, query_start, used = [], [0], 0
     for b, ((ctx, new), nb) in enumerate(zip(runs, blocks_per_seq)):
-        ids = perm[used:used + nb]
+        ids = perm[used : used + nb]
         used += nb
         tables[b, :nb] = torch.tensor(ids, dtype=torch.int32)
         for p in range(ctx + new):
@@ -63,8 +63,15 @@ def make_case(runs, *, heads, kv_heads, head_dim, block_size, dtype, gen):
         query_start.append(query_start[-1] + new)
     q = torch.randn(len(positions), heads, head_dim, generator=gen).to(dtype)
     to = lambda t: t.to(DEVICE)  # noqa: E731
-    return (to(q), to(k_cache), to(v_cache), to(tables), to(torch.tensor(positions, dtype=torch.long)),
-            to(torch.tensor(query_start, dtype=torch.int32)), max(n for _, n in runs))
+    return (
+        to(q),
+        to(k_cache),
+        to(v_cache),
+        to(tables),
+        to(torch.tensor(positions, dtype=torch.long)),
+        to(torch.tensor(query_start, dtype=torch.int32)),
+        max(n for _, n in runs),
+    )
 
 
 CASES = {
@@ -80,11 +87,12 @@ CASES = {
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_kernel_matches_reference_fp32(kind, heads, kv_heads, block_size):
     gen = torch.Generator().manual_seed(hash((kind, heads, block_size)) % 1000)
-    q, kc, vc, tables, pos, qs, max_q = make_case(CASES[kind], heads=heads, kv_heads=kv_heads, head_dim=32,
-                                                  block_size=block_size, dtype=torch.float32, gen=gen)
+    q, kc, vc, tables, pos, qs, max_q = make_case(
+        CASES[kind], heads=heads, kv_heads=kv_heads, head_dim=32, block_size=block_size, dtype=torch.float32, gen=gen
+    )
     out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
-    paged_attention(q, kc, vc, tables, pos, qs, max_q, 32 ** -0.5, out=out)
-    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 32 ** -0.5)
+    paged_attention(q, kc, vc, tables, pos, qs, max_q, 32**-0.5, out=out)
+    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 32**-0.5)
     assert torch.isfinite(out).all()
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-5, f"relative error {err:.2e}"
@@ -95,10 +103,17 @@ def test_kernel_half_precision(dtype):
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter has no bfloat16 dot on CPU; checked on the GPU")
     gen = torch.Generator().manual_seed(3)
-    q, kc, vc, tables, pos, qs, max_q = make_case(CASES["verify"] + CASES["chunked_prefill"], heads=8, kv_heads=2,
-                                                  head_dim=64, block_size=16, dtype=dtype, gen=gen)
-    out = paged_attention(q, kc, vc, tables, pos, qs, max_q, 64 ** -0.5)
-    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 64 ** -0.5)
+    q, kc, vc, tables, pos, qs, max_q = make_case(
+        CASES["verify"] + CASES["chunked_prefill"],
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        gen=gen,
+    )
+    out = paged_attention(q, kc, vc, tables, pos, qs, max_q, 64**-0.5)
+    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 64**-0.5)
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-2, f"relative error {err:.2e}"
 
@@ -107,10 +122,17 @@ def test_kernel_half_precision(dtype):
 def test_kernel_head_dim_256(heads, kv_heads):
     """Gemma's head_dim (the kernel's smaller BLOCK_N and more warps), verify and prefill runs."""
     gen = torch.Generator().manual_seed(7)
-    q, kc, vc, tables, pos, qs, max_q = make_case([(20, 5), (0, 37), (40, 1)], heads=heads, kv_heads=kv_heads,
-                                                  head_dim=256, block_size=16, dtype=torch.float32, gen=gen)
-    out = paged_attention(q, kc, vc, tables, pos, qs, max_q, 256 ** -0.5)
-    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 256 ** -0.5)
+    q, kc, vc, tables, pos, qs, max_q = make_case(
+        [(20, 5), (0, 37), (40, 1)],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=256,
+        block_size=16,
+        dtype=torch.float32,
+        gen=gen,
+    )
+    out = paged_attention(q, kc, vc, tables, pos, qs, max_q, 256**-0.5)
+    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 256**-0.5)
     assert torch.isfinite(out).all()
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-5
 
@@ -118,8 +140,9 @@ def test_kernel_head_dim_256(heads, kv_heads):
 def test_padded_grid_and_empty_sequences():
     """A CUDA graph's padded batch: max_query larger than any run, and sequences with no tokens."""
     gen = torch.Generator().manual_seed(5)
-    q, kc, vc, tables, pos, qs, _ = make_case([(9, 3), (0, 0), (30, 1)], heads=4, kv_heads=2, head_dim=32,
-                                              block_size=16, dtype=torch.float32, gen=gen)
-    out = paged_attention(q, kc, vc, tables, pos, qs, 8, 32 ** -0.5)
-    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 32 ** -0.5)
+    q, kc, vc, tables, pos, qs, _ = make_case(
+        [(9, 3), (0, 0), (30, 1)], heads=4, kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, gen=gen
+    )
+    out = paged_attention(q, kc, vc, tables, pos, qs, 8, 32**-0.5)
+    ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 32**-0.5)
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-5

@@ -4,12 +4,13 @@ waits for the verify results. Here the CPU lanes are made to report `starts_asyn
 takes that path: tokens must not change, the order of starts and results must be the overlapped
 one, and a step whose verify finished before the prefill launch ended must teach the cost model
 nothing (its wall time holds the prefill's launch)."""
+
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import DEVICE, make_engine
 from test_engine_schedules import plain, specs  # noqa: F401 (plain: a fixture)
+
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
 
 
@@ -40,12 +41,14 @@ def run(engine, overlap: bool):
     def logged_prefill_start(items):
         log.append("prefill_start")
         return prefill_start(items)
+
     router.verify_lane.verify_start, router.prefill_lane.prefill_start = logged_verify_start, logged_prefill_start
     observe, sampled = router.costs.observe_step, []
 
     def observing(batch, k, seconds):
         sampled.append(list(log))
         observe(batch, k, seconds)
+
     router.costs.observe_step = observing
     tokens: dict[str, list[int]] = {}
     pending = specs()
@@ -115,6 +118,7 @@ def test_verify_lane_time_excludes_the_prefill_launch(tiny_models, async_lanes):
     def slow_start(items):  # 1 s: well above a CPU verify call of the tiny model on a loaded CI machine
         time.sleep(SLOW)
         return start(items)
+
     router.prefill_lane.prefill_start = slow_start
     seen: dict[str, list[float]] = {"verify": [], "prefill": []}
     router.observer.on_lane_step = lambda lane, seconds, batch: seen.setdefault(lane, []).append(seconds)
@@ -161,6 +165,7 @@ def test_step_costs_exclude_prefill_of_arrivals(tiny_models, plain, async_lanes,
         launches.append(len(items))
         time.sleep(SLOW)
         return start(items)
+
     router.prefill_lane.prefill_start = slow_start
     router.verify_lane.verify_start = lambda items, **kw: _StillRunning(verify_start(items, **kw))
     samples: list[tuple[int, float]] = []

@@ -1,5 +1,6 @@
 """The seeded race on CUDA (skipped without a GPU): the same integer randomness as on the CPU, the
 same choices, and capturable in a CUDA graph (the draft loop replays it) with no host sync."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def inputs(rows: int = 64, vocab: int = 32000):
     gen = torch.Generator().manual_seed(3)
     probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * 3, -1)
-    seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen)
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=gen)
     positions = torch.randint(0, 100_000, (rows,), generator=gen)
     return probs, seeds, positions
 
@@ -26,8 +27,9 @@ def test_race_on_cuda_equals_the_cpu():
     # an ulp, which at 2^24 scale moves a value by up to 1 (seen on an H100 and an H200).
     assert (cpu_u.exp().mul(2**24) - gpu_u.exp().mul(2**24)).abs().max() <= 1.0
     assert torch.allclose(cpu_u, gpu_u, rtol=1e-6, atol=0)
-    assert torch.equal(sampler.race(probs, seeds, positions),
-                       sampler.race(probs.cuda(), seeds.cuda(), positions.cuda()).cpu())
+    assert torch.equal(
+        sampler.race(probs, seeds, positions), sampler.race(probs.cuda(), seeds.cuda(), positions.cuda()).cpu()
+    )
 
 
 def test_race_in_a_cuda_graph_follows_its_inputs():

@@ -1,13 +1,14 @@
 """Speculative sampling must leave the target's distribution unchanged (lossless). The scheme is
 coupled ("Gumbel") speculative sampling, `verifypd.model.sampler`."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from engine_helpers import make_engine
 from scipy import stats
 
-from engine_helpers import make_engine
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.model import sampler
 
@@ -108,7 +109,7 @@ def test_race_randomness_is_per_seed_position_and_token_and_batch_independent():
     assert bool((u > 0).all()) and bool((u < 1).all())
     assert len({tuple(r) for r in u.tolist()}) == 4  # each (seed, position) its own row
     for n in range(4):  # a row alone is the same row in the batch
-        assert torch.equal(sampler.race_log_uniforms(seeds[n:n + 1], pos[n:n + 1], 64)[0].exp(), u[n])
+        assert torch.equal(sampler.race_log_uniforms(seeds[n : n + 1], pos[n : n + 1], 64)[0].exp(), u[n])
     many = sampler.race_log_uniforms(torch.arange(200), torch.zeros(200, dtype=torch.long), 500).exp()
     assert stats.kstest(many.flatten().numpy(), "uniform").pvalue > 1e-3
     # Neighbouring tokens, positions and seeds are not correlated.
@@ -152,12 +153,21 @@ def test_engine_first_speculative_token_matches_target_softmax(tiny_models, hf_t
     assert chi_square_pvalue(seconds, draft_p) < 1e-3, "test has no power: draft and target agree"
 
 
-def sample_second_tokens(engine, prompt, temperature: float, n: int, max_tokens: int, seed0: int,
-                         vocab: int) -> np.ndarray:
+def sample_second_tokens(
+    engine, prompt, temperature: float, n: int, max_tokens: int, seed0: int, vocab: int
+) -> np.ndarray:
     """Counts of the 2nd output token (the first a verify step produces) over n seeded requests;
     checks the run saw both accepted and rejected drafts."""
-    specs = [RequestSpec(prompt, max_tokens=max_tokens, stop_at_eos=False, request_id=f"s{i}",
-                         sampling=SamplingParams(temperature=temperature, seed=seed0 + i)) for i in range(n)]
+    specs = [
+        RequestSpec(
+            prompt,
+            max_tokens=max_tokens,
+            stop_at_eos=False,
+            request_id=f"s{i}",
+            sampling=SamplingParams(temperature=temperature, seed=seed0 + i),
+        )
+        for i in range(n)
+    ]
     done = engine.generate(specs)
     drafted = sum(c.usage["draft_tokens"] for c in done.values())
     accepted = sum(c.usage["accepted_tokens"] for c in done.values())
@@ -183,10 +193,23 @@ def _second_token_marginal(model, prompt, temperature) -> np.ndarray:
 def test_same_seed_same_output_any_batch(tiny_models):
     """Counter-based randomness: a seeded request gives the same tokens alone or in a crowd."""
     engine = make_engine(*tiny_models, k=3)
-    spec = RequestSpec((9, 8, 7), max_tokens=16, stop_at_eos=False, request_id="x",
-                       sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=42))
+    spec = RequestSpec(
+        (9, 8, 7),
+        max_tokens=16,
+        stop_at_eos=False,
+        request_id="x",
+        sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=42),
+    )
     alone = engine.generate([spec])["x"].token_ids
-    crowd = [RequestSpec((i + 3, 4), max_tokens=16, stop_at_eos=False, request_id=f"c{i}",
-                         sampling=SamplingParams(temperature=0.7, seed=i)) for i in range(6)]
+    crowd = [
+        RequestSpec(
+            (i + 3, 4),
+            max_tokens=16,
+            stop_at_eos=False,
+            request_id=f"c{i}",
+            sampling=SamplingParams(temperature=0.7, seed=i),
+        )
+        for i in range(6)
+    ]
     together = engine.generate(crowd[:3] + [spec] + crowd[3:])["x"].token_ids
     assert alone == together and len(alone) == 16

@@ -1,12 +1,22 @@
 """Scheduler policy, torch-free: chunked prefill budget, priorities, k fallback before preemption."""
+
 from __future__ import annotations
 
 from engine_helpers import observe_plain
+
 from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import (AcceptanceTracker, RuntimeConfig, StepCostModel, choose_batch_k, choose_k,
-                                          expected_tokens, pipelining_pays, request_alpha)
+from verifypd.engine.draft_length import (
+    AcceptanceTracker,
+    RuntimeConfig,
+    StepCostModel,
+    choose_batch_k,
+    choose_k,
+    expected_tokens,
+    pipelining_pays,
+    request_alpha,
+)
 from verifypd.engine.scheduler import Scheduler
-from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.sequence import SeqStatus, Sequence
 from verifypd.engine.types import RequestSpec, RequestStats
 
 
@@ -44,8 +54,7 @@ def test_idle_engine_prefills_a_burst_in_one_step_then_chunks_beside_decoding():
         s.add(x)
     config = RuntimeConfig(prefill_token_budget=32, idle_prefill_token_budget=256)
     plan = s.plan(config, StepCostModel())
-    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("b0", 0, 100), ("b1", 0, 100),
-                                                                           ("b2", 0, 56)]
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("b0", 0, 100), ("b1", 0, 100), ("b2", 0, 56)]
     for c in plan.prefill:  # what the router does
         c.seq.target_computed = c.seq.draft_computed = c.end
         if c.end == c.seq.prefill_target:
@@ -68,7 +77,7 @@ def test_higher_priority_is_admitted_first():
 
 
 def test_blocks_run_out_k_drops_to_zero_then_lowest_priority_is_preempted():
-    s = scheduler(blocks=5, block_size=4)   # 20 positions per pool
+    s = scheduler(blocks=5, block_size=4)  # 20 positions per pool
     a, b = seq("a", 7, 0, priority=10), seq("b", 7, 1)
     for x in (a, b):
         s.add(x)
@@ -95,8 +104,8 @@ def test_blocks_run_out_k_drops_to_zero_then_lowest_priority_is_preempted():
 def test_choose_k_follows_goodput():
     costs = StepCostModel()
     config = RuntimeConfig(k_min=0, k_max=8, k_initial=3, adaptive=True)
-    assert choose_k(config, None, None, costs, batch=1, remaining_tokens=100) == 3   # no estimate yet
-    assert choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100) == 0    # plain step measured first
+    assert choose_k(config, None, None, costs, batch=1, remaining_tokens=100) == 3  # no estimate yet
+    assert choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100) == 0  # plain step measured first
     observe_plain(costs, 1, costs.default_verify_s)
     high = choose_k(config, 0.9, None, costs, batch=1, remaining_tokens=100)
     low = choose_k(config, 0.05, None, costs, batch=1, remaining_tokens=100)
@@ -127,8 +136,8 @@ def test_batch_k_and_acceptance_estimates():
     # prior's half success and half failure).
     tracker = AcceptanceTracker(decay=1.0, min_observations=2)
     tracker.observe(2, 4)
-    assert tracker.alpha is None            # too few outcomes to judge: the policy drafts k_initial
-    tracker.observe(4, 4)                   # all accepted: no failure
+    assert tracker.alpha is None  # too few outcomes to judge: the policy drafts k_initial
+    tracker.observe(4, 4)  # all accepted: no failure
     assert abs(tracker.alpha - 6.5 / 8) < 1e-12
     assert request_alpha(0, 0, None) is None and request_alpha(3, 1, None) is None
     assert request_alpha(0, 0, 0.6) == 0.6
@@ -138,7 +147,7 @@ def test_batch_k_and_acceptance_estimates():
 def test_pipelined_costs_are_their_own_and_optimistic_until_measured():
     costs = StepCostModel()
     for k in range(0, 5):
-        costs.observe_step(4, k, 6e-3 + 2e-3 * k)   # lock-step at a group of 4: verify 6 ms + 2 ms per draft
+        costs.observe_step(4, k, 6e-3 + 2e-3 * k)  # lock-step at a group of 4: verify 6 ms + 2 ms per draft
         costs.observe_step(8, k, 7e-3 + 2.5e-3 * k)  # lock-step at the whole batch of 8
     observe_plain(costs, 8, 7e-3)
     observe_plain(costs, 4, 6e-3)
@@ -179,7 +188,9 @@ def test_pdv_pipelines_only_where_it_measures_faster():
             costs.observe_pipelined(4, k, near)
     assert pipelining_pays(config, alphas, costs, 8, True) and not pipelining_pays(config, alphas, costs, 8, False)
     # Fixed k, or nothing known about acceptance: pipelining as configured.
-    assert pipelining_pays(RuntimeConfig(adaptive=False, schedule="pdv", pipeline=True), alphas, StepCostModel(), 8, False)
+    assert pipelining_pays(
+        RuntimeConfig(adaptive=False, schedule="pdv", pipeline=True), alphas, StepCostModel(), 8, False
+    )
     assert pipelining_pays(config, [None] * 8, costs, 8, False)
 
     # The scheduler asks it each step: with overlap measured slow, a pdv step of 8 runs lock-step.

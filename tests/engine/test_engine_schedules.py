@@ -1,6 +1,7 @@
 """Schedules (RuntimeConfig.schedule): baseline | pd | pdv are router policies over the same lanes.
 Each must stay lossless; baseline never batches across requests; pd is lock-step; pdv pipelined
 alternates two groups, one drafting while the other verifies the drafts it made the step before."""
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,8 @@ import threading
 import time
 
 import pytest
-
 from engine_helpers import VOCAB, make_engine
+
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
 from verifypd.lanes.interface import LaneError
@@ -28,8 +29,16 @@ def specs(sampling: bool = False) -> list[RequestSpec]:
     out = []
     for i, p in enumerate(prompts()):
         s = SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i) if sampling else SamplingParams()
-        out.append(RequestSpec(p, max_tokens=[20, 7, 15, 26, 3, 18, 11][i], stop_at_eos=False,
-                               request_id=f"r{i}", max_k=[None, None, 2, None, None, 0, None][i], sampling=s))
+        out.append(
+            RequestSpec(
+                p,
+                max_tokens=[20, 7, 15, 26, 3, 18, 11][i],
+                stop_at_eos=False,
+                request_id=f"r{i}",
+                max_k=[None, None, 2, None, None, 0, None][i],
+                sampling=s,
+            )
+        )
     return out
 
 
@@ -49,6 +58,7 @@ class Recorder:
             result = plan(config, costs)
             self.plans[self.step] = result.pipelined
             return result
+
         router.scheduler.plan = recording_plan
 
     def of(self, lane: str, step: int) -> list[tuple[str, int]]:
@@ -72,11 +82,26 @@ class _Proxy:
             if self.fail_at == step:
                 raise LaneError(f"{self._name} lane down")
             out = getattr(self._lane, attr)(items)
-            ks = [getattr(i, "k", None) if self._name == "draft" else
-                  len(i.draft_tokens) if self._name == "verify" else None for i in items]
-            self._rec.calls.append((step, self._name, [(i.request_id, k) for i, k in zip(items, ks)],
-                                    threading.get_ident(), t0, time.monotonic()))
+            ks = [
+                getattr(i, "k", None)
+                if self._name == "draft"
+                else len(i.draft_tokens)
+                if self._name == "verify"
+                else None
+                for i in items
+            ]
+            self._rec.calls.append(
+                (
+                    step,
+                    self._name,
+                    [(i.request_id, k) for i, k in zip(items, ks)],
+                    threading.get_ident(),
+                    t0,
+                    time.monotonic(),
+                )
+            )
             return out
+
         return call
 
 
@@ -114,7 +139,7 @@ def test_greedy_equals_plain_decoding(tiny_models, plain, schedule, pipeline):
     engine = make_engine(*tiny_models, k=4)
     tokens, rec = drive(engine, specs(), schedule, pipeline, cancel="r3")
     assert {r: t for r, t in tokens.items() if r != "r3"} == {r: t for r, t in plain.items() if r != "r3"}
-    assert tokens["r3"] == plain["r3"][:len(tokens["r3"])] and len(tokens["r3"]) < 26  # cancelled mid-way
+    assert tokens["r3"] == plain["r3"][: len(tokens["r3"])] and len(tokens["r3"]) < 26  # cancelled mid-way
     verified = [k for c in rec.calls if c[1] == "verify" for _, k in c[2]]
     assert any(k > 0 for k in verified)
     if schedule == "pdv" and pipeline:
@@ -192,6 +217,7 @@ def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, p
     def verify(items):
         sources.append({id(i.draft_tokens.batch) for i in items if isinstance(i.draft_tokens, DeviceDraftTokens)})
         return type(verify_lane).verify(verify_lane, items)
+
     verify_lane.verify = verify
     tokens, rec = drive(engine, specs(), "pdv")
     assert tokens == plain
@@ -221,6 +247,7 @@ def test_step_costs_are_whole_steps_without_prefill(tiny_models, schedule):
     def slow_prefill(items):
         offset[0] += 50.0
         return call_prefill(items)
+
     router._commit_verify, router._call_prefill = slow_commit, slow_prefill
     drive(engine, specs(), schedule)
     costs = router.costs
@@ -281,9 +308,14 @@ def test_schedule_validation_and_cli():
     assert not RuntimeConfig(schedule="pd").pipelined and not RuntimeConfig(pipeline=False).pipelined
     from verifypd.cli import build_parser, schedule_changes
     from verifypd.launch.cli import engine_options
+
     args = build_parser().parse_args(["generate", "--offline", "--schedule", "baseline", "hi"])
-    assert schedule_changes(args) == {"schedule": "baseline", "pipeline": False, "overlap": True,
-                                           "admit_ahead": False}  # auto, one process
+    assert schedule_changes(args) == {
+        "schedule": "baseline",
+        "pipeline": False,
+        "overlap": True,
+        "admit_ahead": False,
+    }  # auto, one process
     args = build_parser().parse_args(["serve", "--schedule", "pdv", "--topology", "split"])
     assert engine_options(args).config.pipelined  # auto: lane processes
     args = build_parser().parse_args(["serve", "--topology", "split", "--draft", "none"])

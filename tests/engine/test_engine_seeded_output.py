@@ -1,37 +1,50 @@
 """A seed names one output (issue 23): a seeded sampled request's tokens are the same alone, in a
 busy batch, after preemption under a tiny KV pool, with any draft (model, self:N, ngram), k fixed
 or adaptive, any schedule, and with no draft at all (--draft none). See docs/engine.md, "Seeds"."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from engine_helpers import VOCAB, make_engine
+
 from verifypd.engine.types import RequestSpec, SamplingParams
 
 # Repetitive prompts and a low temperature give the n-gram draft something to propose and keep
 # (a random model sampled hot rarely repeats itself).
 SUBJECT_PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (40, 41, 9, 40, 41), (11, 12, 13, 14, 15, 16), (70,), (20, 21, 20, 21)]
-SUBJECT_SAMPLING = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=1.3, top_p=0.9, seed=2**64 - 1),
-                    SamplingParams(temperature=0.6, top_k=5, seed=123456789), SamplingParams(temperature=2.0, seed=0),
-                    SamplingParams(temperature=0.2, seed=5)]
+SUBJECT_SAMPLING = [
+    SamplingParams(temperature=0.9, seed=7),
+    SamplingParams(temperature=1.3, top_p=0.9, seed=2**64 - 1),
+    SamplingParams(temperature=0.6, top_k=5, seed=123456789),
+    SamplingParams(temperature=2.0, seed=0),
+    SamplingParams(temperature=0.2, seed=5),
+]
 MAX_TOKENS = 30
 
 
 def subjects() -> list[RequestSpec]:
-    return [RequestSpec(p, max_tokens=MAX_TOKENS, stop_at_eos=False, request_id=f"s{i}", sampling=s)
-            for i, (p, s) in enumerate(zip(SUBJECT_PROMPTS, SUBJECT_SAMPLING))]
+    return [
+        RequestSpec(p, max_tokens=MAX_TOKENS, stop_at_eos=False, request_id=f"s{i}", sampling=s)
+        for i, (p, s) in enumerate(zip(SUBJECT_PROMPTS, SUBJECT_SAMPLING))
+    ]
 
 
 def crowd(n: int = 8, seed: int = 1) -> list[RequestSpec]:
     """Other requests: greedy and sampled, other seeds, lengths and speculation overrides."""
     rng = random.Random(seed)
-    return [RequestSpec(tuple(rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))),
-                        max_tokens=rng.randrange(5, 40), stop_at_eos=False, request_id=f"c{i}",
-                        max_k=rng.choice([None, None, 0, 2]),
-                        sampling=SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0]), seed=rng.randrange(99)))
-            for i in range(n)]
+    return [
+        RequestSpec(
+            tuple(rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))),
+            max_tokens=rng.randrange(5, 40),
+            stop_at_eos=False,
+            request_id=f"c{i}",
+            max_k=rng.choice([None, None, 0, 2]),
+            sampling=SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0]), seed=rng.randrange(99)),
+        )
+        for i in range(n)
+    ]
 
 
 def run(engine, specs) -> tuple[dict[str, list[int]], dict[str, dict]]:
@@ -72,7 +85,9 @@ def test_seeded_output_is_the_same_with_any_draft_alone_and_in_a_crowd(tiny_mode
     k = 0 if draft == "none" else 4
     alone, alone_stats = run(make_engine(tiny_models[0], name, k=k, adaptive=adaptive), subjects())
     assert subject_tokens(alone) == reference
-    busy, busy_stats = run(make_engine(tiny_models[0], name, k=k, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:])
+    busy, busy_stats = run(
+        make_engine(tiny_models[0], name, k=k, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:]
+    )
     assert subject_tokens(busy) == reference
     if draft != "none":  # speculation really happened: with a fixed k, accepts and rejects both
         drafted = sum(s.draft_tokens for s in alone_stats.values())

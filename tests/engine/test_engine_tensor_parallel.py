@@ -3,13 +3,13 @@ Llama / Qwen2 (model.tensor_parallel) and must give the unsharded model's logits
 tolerance) for a ragged prefill, a paged decode step and a multi-token verify step, and the same
 greedy tokens over 16 decode steps. Each rank's KV pool holds only its kv heads; the block ids are
 the same on both ranks and in the single-rank run."""
+
 from __future__ import annotations
 
 import pathlib
 
 import pytest
 import torch
-
 from engine_helpers import write_tiny_llama
 
 WORLD = 2
@@ -32,8 +32,12 @@ def run_model(model_dir: str, group) -> dict:
     loaded = load_model(model_dir, torch.device("cpu"), torch.float32)
     model = shard_model(loaded.shape, loaded.weights, group, attention="reference")
     s = model.shape
-    pool = KvPool("target", PoolGeometry(s.num_layers, 16, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
-                  torch.float32, torch.device("cpu"))
+    pool = KvPool(
+        "target",
+        PoolGeometry(s.num_layers, 16, BLOCK_SIZE, s.num_kv_heads, s.head_dim),
+        torch.float32,
+        torch.device("cpu"),
+    )
     runner = ModelRunner(model, pool, graphs=False)
     prefill = runner.forward([TokenRun(list(p), 0, b) for p, b in zip(PROMPTS, BLOCKS)], "all")
     last = prefill[torch.tensor([len(PROMPTS[0]) - 1, len(PROMPTS[0]) + len(PROMPTS[1]) - 1])]
@@ -45,8 +49,14 @@ def run_model(model_dir: str, group) -> dict:
         tokens.append(logits.argmax(-1).tolist())
         positions = [p + 1 for p in positions]
     verify = runner.score([TokenRun([t, 4, 50], pos, b) for t, pos, b in zip(tokens[-1], positions, BLOCKS)])
-    return dict(prefill=prefill, decode=torch.stack(decode_logits), verify=verify, tokens=tokens,
-                pool_shape=tuple(pool.tensor.shape), tp_group=model.tp_group is not None)
+    return dict(
+        prefill=prefill,
+        decode=torch.stack(decode_logits),
+        verify=verify,
+        tokens=tokens,
+        pool_shape=tuple(pool.tensor.shape),
+        tp_group=model.tp_group is not None,
+    )
 
 
 def rank_main(rank: int, init_file: str, model_dirs: list[str], out_dir: str) -> None:
@@ -58,7 +68,7 @@ def rank_main(rank: int, init_file: str, model_dirs: list[str], out_dir: str) ->
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         results = {d: run_model(d, TorchDistributedGroup()) for d in model_dirs}
-        torch.save(results, pathlib.Path(out_dir) / f"rank{rank}.pt")   # a local test artifact
+        torch.save(results, pathlib.Path(out_dir) / f"rank{rank}.pt")  # a local test artifact
     finally:
         dist.destroy_process_group()
 
@@ -66,8 +76,10 @@ def rank_main(rank: int, init_file: str, model_dirs: list[str], out_dir: str) ->
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("tp")
-    return [str(write_tiny_llama(root / "llama", seed=3, layers=2, heads=4, kv_heads=2)),
-            str(write_tiny_llama(root / "qwen2", seed=4, layers=2, heads=4, kv_heads=2, model_type="qwen2"))]
+    return [
+        str(write_tiny_llama(root / "llama", seed=3, layers=2, heads=4, kv_heads=2)),
+        str(write_tiny_llama(root / "qwen2", seed=4, layers=2, heads=4, kv_heads=2, model_type="qwen2")),
+    ]
 
 
 def test_tp2_over_gloo_equals_tp1(model_dirs, tmp_path):
@@ -79,13 +91,18 @@ def test_tp2_over_gloo_equals_tp1(model_dirs, tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for model_dir in model_dirs:
         single = run_model(model_dir, SingleRank())
-        assert not single["tp_group"] and single["pool_shape"][4] == 2   # world 1: today's model, all kv heads
+        assert not single["tp_group"] and single["pool_shape"][4] == 2  # world 1: today's model, all kv heads
         for rank, result in enumerate(r[model_dir] for r in ranks):
             where = f"{pathlib.Path(model_dir).name} rank {rank}"
-            assert result["tp_group"] and result["pool_shape"][4] == 1, where   # half the kv heads per rank
+            assert result["tp_group"] and result["pool_shape"][4] == 1, where  # half the kv heads per rank
             for phase in ("prefill", "decode", "verify"):
-                torch.testing.assert_close(result[phase], single[phase], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, phase=phase: f"{where} {phase}: {m}")
+                torch.testing.assert_close(
+                    result[phase],
+                    single[phase],
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, phase=phase: f"{where} {phase}: {m}",
+                )
             assert result["tokens"] == single["tokens"], where
 
 
@@ -108,21 +125,41 @@ def test_shards_partition_the_weights(monkeypatch):
     from verifypd.model.loader import RANDOM_SHAPES, random_model
     from verifypd.model.tensor_parallel import shard_weights
 
-    monkeypatch.setitem(RANDOM_SHAPES, "tiny-tp", dict(hidden_size=32, intermediate_size=48, num_layers=1,
-                                                       num_heads=4, num_kv_heads=2, vocab_size=40, qkv_bias=True))
+    monkeypatch.setitem(
+        RANDOM_SHAPES,
+        "tiny-tp",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+            vocab_size=40,
+            qkv_bias=True,
+        ),
+    )
     loaded = random_model("tiny-tp", torch.device("cpu"), torch.float32, 64)
     full = loaded.weights.layers[0]
     shards = [shard_weights(loaded.shape, loaded.weights, r, 2).layers[0] for r in range(2)]
     # qkv rows: q [0, 32), k [32, 48), v [48, 64) with head_dim 8; rank r: q heads 2r..2r+1, kv head r.
     for r, shard in enumerate(shards):
-        expect = torch.cat([full.qkv[16 * r:16 * r + 16], full.qkv[32 + 8 * r:40 + 8 * r],
-                            full.qkv[48 + 8 * r:56 + 8 * r]])
+        expect = torch.cat(
+            [full.qkv[16 * r : 16 * r + 16], full.qkv[32 + 8 * r : 40 + 8 * r], full.qkv[48 + 8 * r : 56 + 8 * r]]
+        )
         assert torch.equal(shard.qkv, expect)
-        assert torch.equal(shard.qkv_bias, torch.cat([full.qkv_bias[16 * r:16 * r + 16],
-                                                      full.qkv_bias[32 + 8 * r:40 + 8 * r],
-                                                      full.qkv_bias[48 + 8 * r:56 + 8 * r]]))
-        assert torch.equal(shard.gate_up, torch.cat([full.gate_up[24 * r:24 * r + 24],
-                                                     full.gate_up[48 + 24 * r:72 + 24 * r]]))
+        assert torch.equal(
+            shard.qkv_bias,
+            torch.cat(
+                [
+                    full.qkv_bias[16 * r : 16 * r + 16],
+                    full.qkv_bias[32 + 8 * r : 40 + 8 * r],
+                    full.qkv_bias[48 + 8 * r : 56 + 8 * r],
+                ]
+            ),
+        )
+        assert torch.equal(
+            shard.gate_up, torch.cat([full.gate_up[24 * r : 24 * r + 24], full.gate_up[48 + 24 * r : 72 + 24 * r]])
+        )
     assert torch.equal(torch.cat([s.o for s in shards], 1), full.o)
     assert torch.equal(torch.cat([s.down for s in shards], 1), full.down)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):

@@ -1,6 +1,7 @@
 """The fast path's pieces on CPU: the whole engine through the Triton kernels (interpreter) must
 produce the same greedy tokens as the torch reference, at k = 0 and with speculation; and the
 padded batch layouts that CUDA graphs replay are checked entry by entry."""
+
 from __future__ import annotations
 
 import os
@@ -8,15 +9,17 @@ import random
 
 import numpy as np
 import pytest
-
 from engine_helpers import DEVICE, make_engine
 from test_engine_greedy_lossless import random_prompts
+
 from verifypd.engine.types import RequestSpec
 from verifypd.model import layout as layout_module
 from verifypd.model.runner import TokenRun, build_layout
 
-needs_triton = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1",
+)
 
 
 def _outputs(engine, prompts):

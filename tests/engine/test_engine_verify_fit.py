@@ -3,14 +3,15 @@
 engine gives plain decoding's tokens and verifies the same drafts at the same positions as with
 fitting off, with requests ending at different lengths, cancelled while such a call is in flight,
 and through the graphs' static buffers; sampled requests are not fitted."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import DEVICE, assert_others_plain_and_blocks_free, make_engine, run_and_cancel_once
 from test_engine_draft_after import _prompts, _proposals, _specs
 from test_engine_eagle import write_head
+
 from verifypd.engine.types import SamplingParams
 from verifypd.model.graph_runner import GraphRunner
 from verifypd.model.kernels.fit import fit_kernel
@@ -32,20 +33,21 @@ def _layout(rows: int, query: int, block_size: int, seed: int):
     vks = ri(rows, hi=5)
     vrows = torch.randperm(rows + 2, generator=g)[:rows]
     if rows > 1:
-        vrows[-1], vks[-1] = -1, 0                     # a padding row: left as it is
+        vrows[-1], vks[-1] = -1, 0  # a padding row: left as it is
     verdict = ri(rows + 2, 2 + 4, hi=1000)
     for r in range(rows):
         verdict[vrows[r], 0] = int(ri(1, hi=int(vks[r]) + 1)[0]) if vrows[r] >= 0 else 0
     ids, positions, slots = (torch.zeros(rows * query, dtype=torch.long) for _ in range(3))
     for r in range(rows):
-        n_real = int(ri(1, hi=query)[0]) + 1           # the row's tokens: pending + drafts
+        n_real = int(ri(1, hi=query)[0]) + 1  # the row's tokens: pending + drafts
         start = int(vks[r]) + 1 + int(ri(1, hi=width * block_size - query - 6)[0])
         for c in range(query):
-            j = min(c, n_real - 1)                     # padding repeats the last real position
+            j = min(c, n_real - 1)  # padding repeats the last real position
             positions[r * query + c] = start + j
             ids[r * query + c] = 500 + c
-            slots[r * query + c] = (int(tables[r, (start + j) // block_size]) * block_size + (start + j) % block_size
-                                    if c < n_real else -1)
+            slots[r * query + c] = (
+                int(tables[r, (start + j) // block_size]) * block_size + (start + j) % block_size if c < n_real else -1
+            )
     return ids, positions, slots, tables, vrows, vks, verdict
 
 
@@ -67,7 +69,11 @@ def test_fit_kernel_equals_reference_and_the_rule(rows, query, block_size, seed)
         cells = slice(r * query, (r + 1) * query)
         new_ids, new_pos, new_slots = (t[cells].tolist() for t in expected)
         if vrows[r] < 0:
-            assert (new_ids, new_pos, new_slots) == (ids[cells].tolist(), positions[cells].tolist(), slots[cells].tolist())
+            assert (new_ids, new_pos, new_slots) == (
+                ids[cells].tolist(),
+                positions[cells].tolist(),
+                slots[cells].tolist(),
+            )
             continue
         shift = int(vks[r]) - int(verdict[vrows[r], 0])
         assert new_ids == [int(verdict[vrows[r], 1])] + ids[cells].tolist()[1:]
@@ -108,8 +114,9 @@ def test_graphed_static_buffers_fit_as_eager(tiny_models, head):
     target = graphed.verify_lane.target
     eager.verify_lane.target.graphs = None
     if DEVICE == "cpu":
-        target.graphs = GraphRunner(target.model, target.pool.tensor, target.block_size, target.staging,
-                                    buckets=(1, 2, 4, 8), replay="eager")
+        target.graphs = GraphRunner(
+            target.model, target.pool.tensor, target.block_size, target.staging, buckets=(1, 2, 4, 8), replay="eager"
+        )
     outs = [{r: c.token_ids for r, c in e.generate(_specs(prompts)).items()} for e in (eager, graphed)]
     assert outs[0] == outs[1]
     assert eager.router.ahead.fitted > 0 and graphed.router.ahead.fitted > 0
@@ -124,6 +131,7 @@ def test_cancel_while_a_fitted_call_is_in_flight(tiny_models, head):
     def in_fitted_call(router):  # a request of the fitted call in flight: its row is in two calls
         fitted = router.ahead.pending
         return fitted.work[0].seq.request_id if fitted is not None else None
+
     tokens, cancelled = run_and_cancel_once(router, _specs(prompts), in_fitted_call)
     assert cancelled is not None and router.ahead.fitted > 0
     assert_others_plain_and_blocks_free(router, tokens, cancelled, plain)

@@ -13,8 +13,7 @@ def fake():
     servers = []
 
     def start(**kw):
-        server, servicer, port = fake_server.start(fake_server.FakeConfig(**kw), "127.0.0.1", 0,
-                                                   max_workers=32)
+        server, servicer, port = fake_server.start(fake_server.FakeConfig(**kw), "127.0.0.1", 0, max_workers=32)
         servers.append(server)
         return servicer, f"127.0.0.1:{port}"
 

@@ -17,8 +17,20 @@ def test_percentiles_match_injected_timings(fake, loadgen, tmp_path):
     # TTFT depends on the prompt length, so it has a spread we can predict per request.
     servicer, addr = fake(ttft_s=0.015, prefill_s_per_token=0.001, itl_s=0.003, burst=(2,))
     out = tmp_path / "r.json"
-    rc, _, err = loadgen("--server", addr, "--requests", 40, "--concurrency", 2,
-                         "--input-len", "uniform:1,80", "--output-len", 8, "--out", out)
+    rc, _, err = loadgen(
+        "--server",
+        addr,
+        "--requests",
+        40,
+        "--concurrency",
+        2,
+        "--input-len",
+        "uniform:1,80",
+        "--output-len",
+        8,
+        "--out",
+        out,
+    )
     assert rc == 0, err
     lat = _load(out)["runs"][0]["summary"]["latency_ms"]
     expected = np.array([15 + 1.0 * len(req.token_ids.ids) for _, req in servicer.received])
@@ -30,10 +42,9 @@ def test_percentiles_match_injected_timings(fake, loadgen, tmp_path):
         assert -0.5 < diff < 12, (p, diff)
     # the spread cancels the overhead, so it is held tighter
     spread = lat["ttft"]["p90"] - lat["ttft"]["p50"]
-    assert spread == pytest.approx(np.percentile(expected, 90) - np.percentile(expected, 50),
-                                   abs=4)
-    assert 2.5 < lat["itl_token"]["p50"] < 4.0   # 3 ms per token
-    assert 5.5 < lat["itl_chunk"]["p50"] < 7.5   # bursts of 2 tokens: 6 ms per message
+    assert spread == pytest.approx(np.percentile(expected, 90) - np.percentile(expected, 50), abs=4)
+    assert 2.5 < lat["itl_token"]["p50"] < 4.0  # 3 ms per token
+    assert 5.5 < lat["itl_chunk"]["p50"] < 7.5  # bursts of 2 tokens: 6 ms per message
     # TPOT spreads the time after the first message over all tokens but one: 3 * 6 ms / 7
     assert lat["tpot"]["mean"] == pytest.approx(18 / 7, abs=0.4)
     assert lat["itl_token"]["count"] == 40 * 6  # 4 messages of 2: tokens after the first message
@@ -54,10 +65,8 @@ def test_each_request_is_timed_at_message_arrival(fake):
     async def go():
         async with grpc.aio.insecure_channel(addr) as ch:
             runner = Runner(generate_pb2_grpc.GenerationStub(ch), timeout=30, drain_timeout=1)
-            w = Workload(input_len=parse_distribution("uniform:1,60"),
-                         output_len=parse_distribution("4"))
-            return await runner.run(LoadPoint("closed", concurrency=3), w.requests(1), 30,
-                                    None, "t")
+            w = Workload(input_len=parse_distribution("uniform:1,60"), output_len=parse_distribution("4"))
+            return await runner.run(LoadPoint("closed", concurrency=3), w.requests(1), 30, None, "t")
 
     result = asyncio.run(go())
     received = {req.request_id: t for t, req in servicer.received}  # same perf_counter clock
@@ -75,8 +84,7 @@ def test_each_request_is_timed_at_message_arrival(fake):
 def test_closed_loop_never_exceeds_concurrency(fake, loadgen, c):
     # TTFT long enough for all c workers to overlap even on a busy machine
     servicer, addr = fake(ttft_s=0.03, itl_s=0.001)
-    rc, _, err = loadgen("--server", addr, "--requests", 6 * c, "--concurrency", c,
-                         "--output-len", "uniform:1,6")
+    rc, _, err = loadgen("--server", addr, "--requests", 6 * c, "--concurrency", c, "--output-len", "uniform:1,6")
     assert rc == 0, err
     assert servicer.max_in_flight == c  # reached, never exceeded (server-side count)
     assert len(servicer.received) == 6 * c
@@ -85,8 +93,9 @@ def test_closed_loop_never_exceeds_concurrency(fake, loadgen, c):
 def test_open_loop_poisson_rate(fake, loadgen, tmp_path):
     servicer, addr = fake(ttft_s=0.001, itl_s=0.0005)
     rate, n = 50.0, 120
-    rc, _, err = loadgen("--server", addr, "--requests", n, "--rate", rate, "--output-len", 2,
-                         "--seed", 5, "--out", tmp_path / "r.json")
+    rc, _, err = loadgen(
+        "--server", addr, "--requests", n, "--rate", rate, "--output-len", 2, "--seed", 5, "--out", tmp_path / "r.json"
+    )
     assert rc == 0, err
     arrivals = np.array(sorted(t for t, _ in servicer.received))
     gaps = np.diff(arrivals)
@@ -104,8 +113,9 @@ def test_open_loop_poisson_rate(fake, loadgen, tmp_path):
 def test_errors_counted_by_code(fake, loadgen, tmp_path):
     from verifypd_loadgen.fake_server import FailRule
 
-    _, addr = fake(fail=[FailRule.parse("UNAVAILABLE,every=5"),
-                         FailRule.parse("RESOURCE_EXHAUSTED,match=^lg0-(3|7)$,after=2")])
+    _, addr = fake(
+        fail=[FailRule.parse("UNAVAILABLE,every=5"), FailRule.parse("RESOURCE_EXHAUSTED,match=^lg0-(3|7)$,after=2")]
+    )
     out = tmp_path / "r.json"
     rc, stdout, _ = loadgen("--server", addr, "--requests", 20, "--output-len", 4, "--out", out)
     assert rc == 0
@@ -131,9 +141,26 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
     for server_info in (True, False):
         _, addr = fake(server_info=server_info, burst=(1, 3), k=4)
         out = tmp_path / f"r{server_info}.json"
-        rc, _, err = loadgen("--server", addr, "--requests", 4, "--concurrency", "1,2",
-                             "--output-len", 6, "--slo-ttft-ms", 500, "--warmup", 1,
-                             "--priority-mix", "0:1,5:1", "--out", out, "--label", "x")
+        rc, _, err = loadgen(
+            "--server",
+            addr,
+            "--requests",
+            4,
+            "--concurrency",
+            "1,2",
+            "--output-len",
+            6,
+            "--slo-ttft-ms",
+            500,
+            "--warmup",
+            1,
+            "--priority-mix",
+            "0:1,5:1",
+            "--out",
+            out,
+            "--label",
+            "x",
+        )
         assert rc == 0, err
         doc = _load(out)
         assert doc["schema_version"] == SCHEMA_VERSION == 2
@@ -151,18 +178,33 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
 def test_csv_plots_and_compare(fake, loadgen, tmp_path):
     _, addr = fake(burst=(2,), k=3)
     for label in ("base", "new"):
-        rc, _, err = loadgen("--server", addr, "--requests", 6, "--concurrency", "1,3",
-                             "--output-len", 6, "--out", tmp_path / f"{label}.json",
-                             "--csv", tmp_path / f"{label}.csv", "--plot", tmp_path / label,
-                             "--label", label, "--slo-itl-ms", 50)
+        rc, _, err = loadgen(
+            "--server",
+            addr,
+            "--requests",
+            6,
+            "--concurrency",
+            "1,3",
+            "--output-len",
+            6,
+            "--out",
+            tmp_path / f"{label}.json",
+            "--csv",
+            tmp_path / f"{label}.csv",
+            "--plot",
+            tmp_path / label,
+            "--label",
+            label,
+            "--slo-itl-ms",
+            50,
+        )
         assert rc == 0, err
     rows = (tmp_path / "base.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[0].startswith("label,mode,concurrency,rate")
     for name in ("throughput", "latency", "cdf_ttft", "cdf_itl_token", "cdf_itl_chunk"):
         png = (tmp_path / "base" / f"{name}.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000, name
-    rc, out, err = loadgen("compare", tmp_path / "base.json", tmp_path / "new.json",
-                           "--plot", tmp_path / "cmp")
+    rc, out, err = loadgen("compare", tmp_path / "base.json", tmp_path / "new.json", "--plot", tmp_path / "cmp")
     assert rc == 0, err
     assert "base (baseline)" in out and "Load c=3" in out and "%" in out
     for name in ("compare_throughput", "compare_latency"):
@@ -174,8 +216,20 @@ def test_csv_plots_and_compare(fake, loadgen, tmp_path):
 
 def test_warmup_is_excluded(fake, loadgen, tmp_path):
     servicer, addr = fake()
-    rc, _, _ = loadgen("--server", addr, "--requests", 10, "--warmup", 3, "--concurrency", 2,
-                       "--output-len", 2, "--out", tmp_path / "r.json")
+    rc, _, _ = loadgen(
+        "--server",
+        addr,
+        "--requests",
+        10,
+        "--warmup",
+        3,
+        "--concurrency",
+        2,
+        "--output-len",
+        2,
+        "--out",
+        tmp_path / "r.json",
+    )
     assert rc == 0
     ids = [req.request_id for _, req in servicer.received]
     assert len(ids) == 13 and sorted(ids[:3]) == ["warmup-0", "warmup-1", "warmup-2"]
@@ -187,8 +241,20 @@ def test_duration_mode_is_bounded_and_cancels_stragglers(fake, loadgen, tmp_path
 
     _, addr = fake(ttft_s=0.005, itl_s=0.5)  # every request takes ~4 s
     t0 = time.monotonic()
-    rc, _, _ = loadgen("--server", addr, "--duration", 0.3, "--drain-timeout", 0.2,
-                       "--concurrency", 2, "--output-len", 8, "--out", tmp_path / "r.json")
+    rc, _, _ = loadgen(
+        "--server",
+        addr,
+        "--duration",
+        0.3,
+        "--drain-timeout",
+        0.2,
+        "--concurrency",
+        2,
+        "--output-len",
+        8,
+        "--out",
+        tmp_path / "r.json",
+    )
     assert time.monotonic() - t0 < 3
     s = _load(tmp_path / "r.json")["runs"][0]["summary"]
     assert s["requests"] == {"sent": 2, "completed": 0, "failed": 0, "cancelled": 2}
@@ -198,8 +264,10 @@ def test_duration_mode_is_bounded_and_cancels_stragglers(fake, loadgen, tmp_path
 def test_dataset_files_are_sent_as_prompts(fake, loadgen, tmp_path):
     servicer, addr = fake()
     jl = tmp_path / "p.jsonl"
-    jl.write_text('{"prompt": "alpha beta", "max_tokens": 3}\n'
-                  '{"messages": [{"role": "user", "content": "gamma"}], "max_tokens": 4}\n')
+    jl.write_text(
+        '{"prompt": "alpha beta", "max_tokens": 3}\n'
+        '{"messages": [{"role": "user", "content": "gamma"}], "max_tokens": 4}\n'
+    )
     rc, _, err = loadgen("--server", addr, "--dataset", jl, "--requests", 4)
     assert rc == 0, err
     reqs = [r for _, r in servicer.received]
@@ -207,11 +275,11 @@ def test_dataset_files_are_sent_as_prompts(fake, loadgen, tmp_path):
     assert {(r.text, r.max_tokens) for r in reqs if r.text} == {("alpha beta", 3)}
     assert all(not r.HasField("stop_at_eos") for r in reqs)
     sg = tmp_path / "sg.json"
-    sg.write_text(json.dumps([{"conversations": [{"from": "human", "value": "q?"},
-                                                 {"from": "gpt", "value": "a b c d e"}]}]))
+    sg.write_text(
+        json.dumps([{"conversations": [{"from": "human", "value": "q?"}, {"from": "gpt", "value": "a b c d e"}]}])
+    )
     servicer, addr = fake(final_empty=True)
-    rc, _, err = loadgen("--server", addr, "--dataset", sg, "--requests", 2,
-                         "--out", tmp_path / "r.json")
+    rc, _, err = loadgen("--server", addr, "--dataset", sg, "--requests", 2, "--out", tmp_path / "r.json")
     assert rc == 0, err
     assert {(r.text, r.max_tokens) for _, r in servicer.received} == {("q?", 7)}
     s = _load(tmp_path / "r.json")["runs"][0]["summary"]
@@ -224,18 +292,23 @@ def test_server_down_gives_one_line_error(loadgen):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rc, out, err = loadgen("--server", f"127.0.0.1:{port}", "--requests", 2,
-                           "--connect-timeout", 3)
+    rc, out, err = loadgen("--server", f"127.0.0.1:{port}", "--requests", 2, "--connect-timeout", 3)
     assert rc == 2
     assert err.startswith(f"error: cannot reach verifypd at 127.0.0.1:{port} (UNAVAILABLE: ")
     assert "Traceback" not in err + out and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv", [
-    ["--requests", "0"], ["--input-len", "gauss:1,2"], ["--rate", "5", "--burstiness", "2"],
-    ["--concurrency", "2", "--rate", "3"], ["--requests", "3", "--duration", "3"],
-    ["--dataset", "/nonexistent.jsonl"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--requests", "0"],
+        ["--input-len", "gauss:1,2"],
+        ["--rate", "5", "--burstiness", "2"],
+        ["--concurrency", "2", "--rate", "3"],
+        ["--requests", "3", "--duration", "3"],
+        ["--dataset", "/nonexistent.jsonl"],
+    ],
+)
 def test_bad_arguments_are_argparse_errors(loadgen, argv):
     rc, _, err = loadgen("--server", "127.0.0.1:1", *argv)
     assert rc == 2 and "error:" in err and "Traceback" not in err
@@ -255,15 +328,32 @@ def test_fake_server_command_smoke(loadgen, tmp_path):
     roots = {str(Path(m.__file__).parents[1]) for m in (verifypd, verifypd_loadgen)}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "verifypd_loadgen", "fake-server", "--port", "0", "--run-for", "60",
-         "--burst", "1,2", "--k", "2", "--fail", "ABORTED,every=3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "verifypd_loadgen",
+            "fake-server",
+            "--port",
+            "0",
+            "--run-for",
+            "60",
+            "--burst",
+            "1,2",
+            "--k",
+            "2",
+            "--fail",
+            "ABORTED,every=3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert "fake verifypd Generate server on 127.0.0.1:" in line, proc.stderr.read()
         addr = line.split(" on ")[1].split()[0]
-        rc, _, err = loadgen("--server", addr, "--requests", 6, "--output-len", 3,
-                             "--out", tmp_path / "r.json")
+        rc, _, err = loadgen("--server", addr, "--requests", 6, "--output-len", 3, "--out", tmp_path / "r.json")
         assert rc == 0, err
         s = _load(tmp_path / "r.json")["runs"][0]["summary"]
         assert s["errors"] == {"ABORTED": 2} and s["speculation"]["acceptance_rate"] == 0.5

@@ -13,8 +13,7 @@ from verifypd_loadgen import arrivals, metrics
 from verifypd_loadgen.datasets import DatasetError, load_dataset
 from verifypd_loadgen.fake_server import FailRule
 from verifypd_loadgen.runner import LoadPoint, PointResult, RequestRecord
-from verifypd_loadgen.workload import (Distribution, Workload, parse_distribution,
-                                       parse_priority_mix)
+from verifypd_loadgen.workload import Distribution, Workload, parse_distribution, parse_priority_mix
 
 
 def test_distribution_parsing_and_sampling():
@@ -44,8 +43,12 @@ def test_priority_mix():
 
 
 def test_synthetic_workload_is_seeded_and_bounded():
-    w = Workload(input_len=parse_distribution("uniform:5,50"),
-                 output_len=parse_distribution("fixed:9"), vocab_range=(100, 200), seed=7)
+    w = Workload(
+        input_len=parse_distribution("uniform:5,50"),
+        output_len=parse_distribution("fixed:9"),
+        vocab_range=(100, 200),
+        seed=7,
+    )
     a = [next(it) for it in [w.requests(1)] for _ in range(50)]
     b = [next(it) for it in [w.requests(1)] for _ in range(50)]
     c = [next(it) for it in [w.requests(0)] for _ in range(50)]
@@ -79,10 +82,18 @@ def test_gamma_burstiness_keeps_the_rate_and_sets_the_spread():
 
 
 def _rec(start, times, tokens, **kw):
-    r = RequestRecord("r", kw.pop("priority", 0), sum(tokens), None, start=start,
-                      end=kw.pop("end", times[-1] if times else start + 1),
-                      chunk_times=list(times), chunk_tokens=list(tokens),
-                      applied_k=kw.pop("applied_k", [0] * len(times)), **kw)
+    r = RequestRecord(
+        "r",
+        kw.pop("priority", 0),
+        sum(tokens),
+        None,
+        start=start,
+        end=kw.pop("end", times[-1] if times else start + 1),
+        chunk_times=list(times),
+        chunk_tokens=list(tokens),
+        applied_k=kw.pop("applied_k", [0] * len(times)),
+        **kw,
+    )
     r.finish_reason = r.finish_reason or ("FINISH_REASON_LENGTH" if r.error is None else "")
     return r
 
@@ -98,15 +109,16 @@ def test_itl_definitions_per_token_and_per_chunk():
 
 
 def test_summary_counts_errors_goodput_and_speculation():
-    ok_fast = _rec(0.0, [0.01, 0.02, 0.03], [1, 2, 2], draft_tokens=8, accepted_tokens=2,
-                   verify_steps=2, applied_k=[0, 4, 4])
-    ok_slow = _rec(1.0, [1.5, 1.6], [1, 1], draft_tokens=4, accepted_tokens=0, verify_steps=1,
-                   applied_k=[0, 4], priority=10)
+    ok_fast = _rec(
+        0.0, [0.01, 0.02, 0.03], [1, 2, 2], draft_tokens=8, accepted_tokens=2, verify_steps=2, applied_k=[0, 4, 4]
+    )
+    ok_slow = _rec(
+        1.0, [1.5, 1.6], [1, 1], draft_tokens=4, accepted_tokens=0, verify_steps=1, applied_k=[0, 4], priority=10
+    )
     failed = [_rec(0.0, [], [], error="UNAVAILABLE") for _ in range(2)]
     failed.append(_rec(0.0, [0.01], [1], error="RESOURCE_EXHAUSTED"))
     cancelled = _rec(0.0, [], [], cancelled=True)
-    point = PointResult(LoadPoint("closed", concurrency=2),
-                        [ok_fast, ok_slow, *failed, cancelled], 0.0, 2.0)
+    point = PointResult(LoadPoint("closed", concurrency=2), [ok_fast, ok_slow, *failed, cancelled], 0.0, 2.0)
     s = metrics.summarize(point, slo_ttft_ms=100)
     assert s["requests"] == {"sent": 6, "completed": 2, "failed": 3, "cancelled": 1}
     assert s["errors"] == {"RESOURCE_EXHAUSTED": 1, "UNAVAILABLE": 2}
@@ -130,18 +142,30 @@ def test_stats_match_numpy_and_handle_empty():
 
 def test_jsonl_and_sharegpt_datasets(tmp_path):
     jl = tmp_path / "p.jsonl"
-    jl.write_text(json.dumps({"prompt": "hello there", "max_tokens": 5}) + "\n\n" +
-                  json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    jl.write_text(
+        json.dumps({"prompt": "hello there", "max_tokens": 5})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+    )
     a, b = load_dataset(jl)
     assert a.text == "hello there" and a.max_tokens == 5
     assert b.chat == [("user", "hi")] and b.max_tokens is None
     sg = tmp_path / "sg.json"
-    sg.write_text(json.dumps([
-        {"conversations": [{"from": "system", "value": "be nice"},
-                           {"from": "human", "value": "What is 2+2?"},
-                           {"from": "gpt", "value": " ".join(["w"] * 10)}]},
-        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
-    ]))
+    sg.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "system", "value": "be nice"},
+                        {"from": "human", "value": "What is 2+2?"},
+                        {"from": "gpt", "value": " ".join(["w"] * 10)},
+                    ]
+                },
+                {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+            ]
+        )
+    )
     (p,) = load_dataset(sg)
     assert p.text == "What is 2+2?" and p.max_tokens == 13  # 10 words * 1.3
     bad = tmp_path / "bad.jsonl"

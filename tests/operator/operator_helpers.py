@@ -6,7 +6,6 @@ import pathlib
 import sys
 import time
 
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 for sub in ("services", "operator", "loadgen"):
     p = str(ROOT / sub)
@@ -20,14 +19,23 @@ K8S_VERSION = "1.37"  # kubernetes-validate's newest schema set
 
 # Discovery documents for the kinds the operator and chart touch (kmock serves the core group's
 # groupVersion as "/v1", which client-go rejects, so tests serve /api/v1 themselves).
-CORE_V1 = [("configmaps", "ConfigMap", True), ("secrets", "Secret", True), ("services", "Service", True),
-           ("serviceaccounts", "ServiceAccount", True), ("events", "Event", True), ("pods", "Pod", True),
-           ("namespaces", "Namespace", False)]
+CORE_V1 = [
+    ("configmaps", "ConfigMap", True),
+    ("secrets", "Secret", True),
+    ("services", "Service", True),
+    ("serviceaccounts", "ServiceAccount", True),
+    ("events", "Event", True),
+    ("pods", "Pod", True),
+    ("namespaces", "Namespace", False),
+]
 GROUPED = {
     "apps/v1": [("deployments", "Deployment", True)],
-    "rbac.authorization.k8s.io/v1": [("roles", "Role", True), ("rolebindings", "RoleBinding", True),
-                                     ("clusterroles", "ClusterRole", False),
-                                     ("clusterrolebindings", "ClusterRoleBinding", False)],
+    "rbac.authorization.k8s.io/v1": [
+        ("roles", "Role", True),
+        ("rolebindings", "RoleBinding", True),
+        ("clusterroles", "ClusterRole", False),
+        ("clusterrolebindings", "ClusterRoleBinding", False),
+    ],
     "apiextensions.k8s.io/v1": [("customresourcedefinitions", "CustomResourceDefinition", False)],
     "kopf.dev/v1": [("kopfpeerings", "KopfPeering", True), ("clusterkopfpeerings", "ClusterKopfPeering", False)],
     "verifypd.dev/v1alpha1": [("verifypdconfigs", "VerifyPDConfig", True)],
@@ -40,18 +48,27 @@ VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
 def declare_kinds(k) -> None:
     """Make a kmock KubernetesEmulator discoverable like an API server serving these kinds."""
     import kmock
+
     k["get /version"] << {"major": "1", "minor": "35", "gitVersion": "v1.35.0", "platform": "linux/amd64"}
-    k["get /api/v1"] << {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "v1", "resources": [
-        {"name": p, "singularName": kind.lower(), "namespaced": nsd, "kind": kind, "verbs": VERBS}
-        for p, kind, nsd in CORE_V1]}
+    k["get /api/v1"] << {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": "v1",
+        "resources": [
+            {"name": p, "singularName": kind.lower(), "namespaced": nsd, "kind": kind, "verbs": VERBS}
+            for p, kind, nsd in CORE_V1
+        ],
+    }
     for gv, kinds in GROUPED.items():
         for plural, kind, namespaced in kinds:
             subres = {"status"} if kind == "VerifyPDConfig" else set()
             k.resources[f"{gv}/{plural}"] = kmock.ResourceInfo(
-                kind=kind, namespaced=namespaced, singular=kind.lower(), verbs=set(VERBS), subresources=subres)
+                kind=kind, namespaced=namespaced, singular=kind.lower(), verbs=set(VERBS), subresources=subres
+            )
     for plural, kind, nsd in CORE_V1:
-        k.resources[f"v1/{plural}"] = kmock.ResourceInfo(kind=kind, namespaced=nsd, singular=kind.lower(),
-                                                         verbs=set(VERBS))
+        k.resources[f"v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind, namespaced=nsd, singular=kind.lower(), verbs=set(VERBS)
+        )
 
 
 def kubeconfig_for(url: str) -> str:
@@ -80,9 +97,13 @@ def emulator():
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("resourceVersion", "1")
                 if request.data.get("kind") == "CustomResourceDefinition":  # established at once
-                    request.data["status"] = {"conditions": [
-                        {"type": "Established", "status": "True"}, {"type": "NamesAccepted", "status": "True"}],
-                        "acceptedNames": request.data.get("spec", {}).get("names", {})}
+                    request.data["status"] = {
+                        "conditions": [
+                            {"type": "Established", "status": "True"},
+                            {"type": "NamesAccepted", "status": "True"},
+                        ],
+                        "acceptedNames": request.data.get("spec", {}).get("names", {}),
+                    }
             return await super()._handle(request)
 
     return Emulator()

@@ -3,36 +3,61 @@ the contract (owner refs, OTel env, probes, GPU sharing)."""
 
 from __future__ import annotations
 
+import base64
+
 import kubernetes_validate
 import pytest
 from operator_helpers import K8S_VERSION
 
-import base64
-
-from verifypd_operator.builders import (ADMIN_KEY_FILE, LANE_SECRET_FILE, PROMETHEUS_ANNOTATIONS, build_all,
-                                        otel_env, read_admin_secret, read_lane_secret)
+from verifypd_operator.builders import (
+    ADMIN_KEY_FILE,
+    LANE_SECRET_FILE,
+    PROMETHEUS_ANNOTATIONS,
+    build_all,
+    otel_env,
+    read_admin_secret,
+    read_lane_secret,
+)
 from verifypd_operator.spec import CALL_PORT, COLOCATED_LANE_CALL_PORTS, COLOCATED_LANE_PORTS, parse_spec
 
 VARIANTS = {
     "colocated": {},
     "colocated-dra": {"colocated": {"gpuSharing": "dra", "gpu": 1}},
-    "split": {"topology": "split", "lanes": {"verify": {"replicas": 2, "maxReplicas": 4, "gpu": 1,
-                                                        "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}}}},
-    "split-pvc": {"topology": "split", "model": {"target": "/models/llama", "draft": "/models/tiny",
-                                                 "pvcName": "models"}},
+    "split": {
+        "topology": "split",
+        "lanes": {
+            "verify": {
+                "replicas": 2,
+                "maxReplicas": 4,
+                "gpu": 1,
+                "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
+            }
+        },
+    },
+    "split-pvc": {
+        "topology": "split",
+        "model": {"target": "/models/llama", "draft": "/models/tiny", "pvcName": "models"},
+    },
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_manifests_validate(variant, owner):
-    objs = build_all(parse_spec(VARIANTS[variant]), owner, "default", {}, "http://otlp:4317",
-                     lane_secret="s" * 64)
+    objs = build_all(parse_spec(VARIANTS[variant]), owner, "default", {}, "http://otlp:4317", lane_secret="s" * 64)
     assert {"Secret", "NetworkPolicy"} <= {o["kind"] for o in objs}
     for o in objs:
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)
         refs = o["metadata"]["ownerReferences"]
-        assert refs == [{"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "name": "demo",
-                         "uid": "0000-1111", "controller": True, "blockOwnerDeletion": True}]
+        assert refs == [
+            {
+                "apiVersion": "verifypd.dev/v1alpha1",
+                "kind": "VerifyPDConfig",
+                "name": "demo",
+                "uid": "0000-1111",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert o["metadata"]["name"].startswith("demo")
 
 
@@ -102,8 +127,9 @@ def test_otel_env_contract():
     assert env[0]["name"] == "POD_NAME"  # must precede its $(POD_NAME) use
     vals = {e["name"]: e.get("value") for e in env}
     assert vals["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://op:4317"
-    assert vals["OTEL_RESOURCE_ATTRIBUTES"] == \
-        "verifypd.config.name=demo,k8s.namespace.name=ns1,k8s.pod.name=$(POD_NAME)"
+    assert (
+        vals["OTEL_RESOURCE_ATTRIBUTES"] == "verifypd.config.name=demo,k8s.namespace.name=ns1,k8s.pod.name=$(POD_NAME)"
+    )
 
 
 def test_every_container_listens_on_the_pod_ip(owner):
@@ -117,7 +143,9 @@ def test_every_container_listens_on_the_pod_ip(owner):
 
 
 def _containers(objs):
-    return [(d["metadata"]["name"], c) for d in _deps(objs).values() for c in d["spec"]["template"]["spec"]["containers"]]
+    return [
+        (d["metadata"]["name"], c) for d in _deps(objs).values() for c in d["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 @pytest.mark.parametrize("topology", ["colocated", "split"])
@@ -149,8 +177,11 @@ def test_prometheus_annotations_only_when_turned_on(owner, topology):
     assert all(a is None for a in annotations({"metrics": {"prometheusScrape": False}}).values())
     on = annotations({"metrics": {"prometheusScrape": True}})
     gw = "demo-colocated" if topology == "colocated" else "demo-gateway"
-    assert on.pop(gw) == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
-                          "prometheus.io/path": "/metrics"} == PROMETHEUS_ANNOTATIONS
+    assert (
+        on.pop(gw)
+        == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
+        == PROMETHEUS_ANNOTATIONS
+    )
     assert all(a is None for a in on.values())  # lanes have no /metrics endpoint
 
 
@@ -217,8 +248,11 @@ def test_split_network_policy_admits_only_gateway_and_lanes_on_the_lane_ports(ow
 
     pod_labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in _deps(objs).values()}
     other = {**pod_labels["demo-gateway"], "verifypd.dev/config": "other", "app.kubernetes.io/instance": "other"}
-    assert {n for n, lab in pod_labels.items() if selects(spec["podSelector"], lab)} == \
-        {"demo-prefill", "demo-draft", "demo-verify"}
+    assert {n for n, lab in pod_labels.items() if selects(spec["podSelector"], lab)} == {
+        "demo-prefill",
+        "demo-draft",
+        "demo-verify",
+    }
     [rule] = spec["ingress"]
     # gRPC and the call channel (the gateway's fast path), from the same peers
     assert rule["ports"] == [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": 50052}]
@@ -248,8 +282,11 @@ def test_every_container_command_parses_with_the_real_cli(owner, topology):
         argv = c["args"][1:] if c["args"][0] == "verifypd" else c["args"]  # colocated lanes: sh -c ... "$@"
         args = parser.parse_args(argv)
         if args.command == "serve":
-            assert (args.http_port, args.lane_secret_file, args.admin_key_file) == (8000, LANE_SECRET_FILE,
-                                                                                   ADMIN_KEY_FILE)
+            assert (args.http_port, args.lane_secret_file, args.admin_key_file) == (
+                8000,
+                LANE_SECRET_FILE,
+                ADMIN_KEY_FILE,
+            )
         else:
             assert args.secret_file == LANE_SECRET_FILE and not args.allow_unauthenticated
             assert args.call_port == (CALL_PORT if topology == "split" else COLOCATED_LANE_CALL_PORTS[args.lane])
@@ -271,11 +308,18 @@ def test_split_lanes_serve_the_call_channel_on_a_fixed_port_behind_their_service
         [c] = deps[f"demo-{lane}"]["spec"]["template"]["spec"]["containers"]
         assert _flag(c["args"], "--call-port") == str(CALL_PORT) == "50052"
         assert _flag(c["args"], "--port") == "50051"
-        assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
-                              {"name": "calls", "containerPort": 50052, "protocol": "TCP"}]
+        assert c["ports"] == [
+            {"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+            {"name": "calls", "containerPort": 50052, "protocol": "TCP"},
+        ]
         ports = {p["name"]: p for p in svcs[f"demo-{lane}"]["spec"]["ports"]}
-        assert ports["calls"] == {"name": "calls", "port": 50052, "targetPort": "calls", "protocol": "TCP",
-                                  "appProtocol": "tcp"}
+        assert ports["calls"] == {
+            "name": "calls",
+            "port": 50052,
+            "targetPort": "calls",
+            "protocol": "TCP",
+            "appProtocol": "tcp",
+        }
         assert ports["grpc"]["port"] == 50051
     [gw] = deps["demo-gateway"]["spec"]["template"]["spec"]["containers"]
     assert "--call-port" not in gw["args"] and "calls" not in {p["name"] for p in gw["ports"]}

@@ -51,8 +51,13 @@ async def _install(values):
     async with emulator() as k, kmock.Server(k):
         declare_kinds(k)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", HELM_CHILD, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, "HELM_DRIVER": "memory"})
+            sys.executable,
+            "-c",
+            HELM_CHILD,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "HELM_DRIVER": "memory"},
+        )
         payload = json.dumps([kubeconfig_for(str(k.url).rstrip("/")), str(CHART), values]).encode()
         out, _ = await asyncio.wait_for(proc.communicate(payload), timeout=120)
         rel = json.loads(out)
@@ -98,12 +103,17 @@ def test_default_install_renders_valid_manifests():
 
 
 def test_non_default_values():
-    rel, _ = install({
-        "operator": {"replicas": 2, "watchNamespaces": ["team-a", "team-b"],
-                     "image": {"repository": "registry.local/op", "tag": "dev"}},
-        "otlp": {"endpoint": "http://otel-collector.monitoring:4317"},
-        "defaultConfig": {"create": True, "name": "llm", "spec": {"topology": "split"}},
-    })
+    rel, _ = install(
+        {
+            "operator": {
+                "replicas": 2,
+                "watchNamespaces": ["team-a", "team-b"],
+                "image": {"repository": "registry.local/op", "tag": "dev"},
+            },
+            "otlp": {"endpoint": "http://otel-collector.monitoring:4317"},
+            "defaultConfig": {"create": True, "name": "llm", "spec": {"topology": "split"}},
+        }
+    )
     docs, hooks = manifests(rel)
     by_kind = {}
     for d in docs:
@@ -122,16 +132,20 @@ def test_non_default_values():
     assert cfg["spec"]["topology"] == "split"
     assert cfg["spec"]["image"] == {"repository": "ghcr.io/verifypd/verifypd", "tag": "0.1.0"}
     from test_operator_crd import validate_cr
+
     assert validate_cr(cfg)[0] == []
 
 
-@pytest.mark.parametrize("values", [
-    {"operator": {"replicas": 0}},
-    {"operator": {"logLevel": "LOUD"}},
-    {"otlp": {"endpoint": "otel:4317"}},
-    {"defaultConfig": {"name": "Bad_Name"}},
-    {"unknownKey": 1},
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"operator": {"replicas": 0}},
+        {"operator": {"logLevel": "LOUD"}},
+        {"otlp": {"endpoint": "otel:4317"}},
+        {"defaultConfig": {"name": "Bad_Name"}},
+        {"unknownKey": 1},
+    ],
+)
 def test_schema_rejects_bad_values(values):
     with pytest.raises(helm_sdkpy.HelmError) as e:
         install(values)

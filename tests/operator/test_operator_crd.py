@@ -58,8 +58,11 @@ def cel_errors(schema, value, path="self"):
 
 def _openapi_to_jsonschema(s):
     if isinstance(s, dict):
-        return {k: _openapi_to_jsonschema(v) for k, v in s.items()
-                if not k.startswith("x-kubernetes") and k not in ("nullable", "default")}
+        return {
+            k: _openapi_to_jsonschema(v)
+            for k, v in s.items()
+            if not k.startswith("x-kubernetes") and k not in ("nullable", "default")
+        }
     if isinstance(s, list):
         return [_openapi_to_jsonschema(v) for v in s]
     return s
@@ -75,13 +78,18 @@ def validate_cr(obj):
 
 
 def cr(spec, name="demo"):
-    return {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig",
-            "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+    return {
+        "apiVersion": "verifypd.dev/v1alpha1",
+        "kind": "VerifyPDConfig",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }
 
 
 def test_chart_crd_is_generated_copy():
-    assert yaml.safe_load(CRD_FILE.read_text()) == build_crd(), \
-        "regenerate: python -m verifypd_operator.crd > " + str(CRD_FILE)
+    assert yaml.safe_load(CRD_FILE.read_text()) == build_crd(), "regenerate: python -m verifypd_operator.crd > " + str(
+        CRD_FILE
+    )
 
 
 def test_crd_is_a_valid_crd_and_structural():
@@ -93,6 +101,7 @@ def test_crd_is_a_valid_crd_and_structural():
             walk(sub, f"{path}.{k}")
         if isinstance(s.get("items"), dict):
             walk(s["items"], f"{path}[]")
+
     walk(_schema(), "")
 
 
@@ -114,18 +123,21 @@ def test_example_and_empty_spec_are_valid_and_defaults_match_parser():
     assert parse_spec(defaulted["spec"]) == parse_spec({})
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"speculation": {"kMin": 5, "kInitial": 4, "kMax": 8}}, "kMin <= kInitial <= kMax"),
-    ({"speculation": {"kMin": 1, "kInitial": 9, "kMax": 8}}, "kMin <= kInitial <= kMax"),
-    ({"lanes": {"verify": {"replicas": 5, "minReplicas": 1, "maxReplicas": 4}}}, "within minReplicas"),
-    ({"colocated": {"replicas": 0, "minReplicas": 1}}, "within minReplicas"),
-    ({"slo": {"ttftP95Ms": 0}}, "SLOs must be positive"),
-    ({"slo": {"itlP95Ms": -5}}, "SLOs must be positive"),
-    ({"prefillTokenBudget": 8192}, "must not exceed prefillTokenBudgetMax"),
-    ({"priorities": {"prefill": 3, "verify": 1}}, "prefill priority"),
-    ({"topology": "mesh"}, "is not one of"),
-    ({"speculation": {"kMax": 17}}, "greater than the maximum"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"speculation": {"kMin": 5, "kInitial": 4, "kMax": 8}}, "kMin <= kInitial <= kMax"),
+        ({"speculation": {"kMin": 1, "kInitial": 9, "kMax": 8}}, "kMin <= kInitial <= kMax"),
+        ({"lanes": {"verify": {"replicas": 5, "minReplicas": 1, "maxReplicas": 4}}}, "within minReplicas"),
+        ({"colocated": {"replicas": 0, "minReplicas": 1}}, "within minReplicas"),
+        ({"slo": {"ttftP95Ms": 0}}, "SLOs must be positive"),
+        ({"slo": {"itlP95Ms": -5}}, "SLOs must be positive"),
+        ({"prefillTokenBudget": 8192}, "must not exceed prefillTokenBudgetMax"),
+        ({"priorities": {"prefill": 3, "verify": 1}}, "prefill priority"),
+        ({"topology": "mesh"}, "is not one of"),
+        ({"speculation": {"kMax": 17}}, "greater than the maximum"),
+    ],
+)
 def test_bad_specs_rejected(spec, message):
     errs, _ = validate_cr(cr(spec))
     assert any(message in e for e in errs), errs

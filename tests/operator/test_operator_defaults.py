@@ -15,6 +15,7 @@ from verifypd_operator.spec import parse_spec
 def _cli_model() -> dict:
     """The model `verifypd serve` loads when neither --target nor --draft is given."""
     from verifypd.cli import build_parser, draft_arg
+
     args = build_parser().parse_args(["serve"])
     return {"target": args.target, "draft": draft_arg(args)}
 
@@ -33,8 +34,9 @@ def test_crd_default_model_is_the_clis():
     assert {"target": parsed.target, "draft": parsed.draft} == cli
 
 
-@pytest.mark.parametrize("where", ["chart defaultConfig", *sorted(
-    str(p.relative_to(ROOT)) for p in EXAMPLE.parent.glob("*.yaml"))])
+@pytest.mark.parametrize(
+    "where", ["chart defaultConfig", *sorted(str(p.relative_to(ROOT)) for p in EXAMPLE.parent.glob("*.yaml"))]
+)
 def test_shipped_configs_do_not_override_the_default_model(where):
     """A shipped config may leave `model` out (the CRD default applies) or spell the default."""
     if where == "chart defaultConfig":
@@ -52,8 +54,11 @@ def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
     cli = _cli_model()
     objs = build_all(parse_spec({"topology": topology}), owner, "default", {}, "otel:4317")
     containers = [c for o in objs if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]]
-    given = [{"target": a[a.index("--target") + 1], "draft": a[a.index("--draft") + 1]}
-             for a in (c["args"] for c in containers) if "--draft" in a]
+    given = [
+        {"target": a[a.index("--target") + 1], "draft": a[a.index("--draft") + 1]}
+        for a in (c["args"] for c in containers)
+        if "--draft" in a
+    ]
     assert given and all(g == cli for g in given)
 
 
@@ -62,6 +67,7 @@ def test_crd_speculation_defaults_are_the_routers():
     the adaptive policy stop drafting where it does not pay (a floor of 1 forces a draft token every
     step), and the CRD, the spec parser and `RuntimeConfig` read one place (verifypd/defaults.py)."""
     from verifypd.engine.draft_length import RuntimeConfig
+
     router = RuntimeConfig()
     want = {"kMin": router.k_min, "kMax": router.k_max, "kInitial": router.k_initial}
     crd = yaml.safe_load(CRD_FILE.read_text())

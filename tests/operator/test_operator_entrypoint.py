@@ -14,6 +14,7 @@ from verifypd_operator.main import parse_args, peering_paths, register_login
 def test_registry_has_a_login_handler():
     def logins(registry):
         return [h for h in registry._activities.get_all_handlers() if h.activity.value == "authentication"]
+
     registry = kopf.OperatorRegistry()
     assert logins(registry) == []  # why kopf never logged in before
     register_login(registry)
@@ -23,8 +24,10 @@ def test_registry_has_a_login_handler():
 def test_peering_is_off_unless_named():
     assert parse_args([]).peering_name == ""
     assert peering_paths("p", []) == ["/apis/kopf.dev/v1/clusterkopfpeerings/p"]
-    assert peering_paths("p", ["a", "b"]) == ["/apis/kopf.dev/v1/namespaces/a/kopfpeerings/p",
-                                              "/apis/kopf.dev/v1/namespaces/b/kopfpeerings/p"]
+    assert peering_paths("p", ["a", "b"]) == [
+        "/apis/kopf.dev/v1/namespaces/a/kopfpeerings/p",
+        "/apis/kopf.dev/v1/namespaces/b/kopfpeerings/p",
+    ]
 
 
 def test_reconcile_failure_conditions_stick_until_success():
@@ -50,15 +53,21 @@ class FailingKube:
         return []
 
 
-@pytest.mark.parametrize("error, reason, text", [
-    (ApiNotServed("resource.k8s.io/v1", "ResourceClaimTemplate"), "APINotServed", "gpuSharing: devicePlugin"),
-    (ApiError(422, '{"message": "spec.x: Invalid value"}'), "APIError", "HTTP 422: spec.x: Invalid value"),
-])
+@pytest.mark.parametrize(
+    "error, reason, text",
+    [
+        (ApiNotServed("resource.k8s.io/v1", "ResourceClaimTemplate"), "APINotServed", "gpuSharing: devicePlugin"),
+        (ApiError(422, '{"message": "spec.x: Invalid value"}'), "APIError", "HTTP 422: spec.x: Invalid value"),
+    ],
+)
 def test_apply_all_names_the_object_and_cause(error, reason, text):
     class Ctx:
         kube = FailingKube(error)
-    objs = [{"kind": "Deployment", "metadata": {"name": "d"}},
-            {"kind": "ResourceClaimTemplate", "metadata": {"name": "d-gpu"}}]
+
+    objs = [
+        {"kind": "Deployment", "metadata": {"name": "d"}},
+        {"kind": "ResourceClaimTemplate", "metadata": {"name": "d-gpu"}},
+    ]
     with pytest.raises(ReconcileError) as e:
         apply_all(Ctx, "d", "ns", objs)
     assert e.value.reason == reason and "ResourceClaimTemplate d-gpu" in str(e.value) and text in str(e.value)

@@ -46,14 +46,28 @@ def test_install_upgrade_uninstall_cluster_wide(fresh_crds):
         ns = d["metadata"].get("namespace")
         live(k, d["kind"].lower(), d["metadata"]["name"], *(["-n", ns] if ns else []))
     sa = "system:serviceaccount:verifypd:vpd-verifypd"
-    for verb, res in [("watch", "verifypdconfigs.verifypd.dev"), ("patch", "verifypdconfigs.verifypd.dev/status"),
-                      ("create", "deployments.apps"), ("delete", "services"), ("create", "events"),
-                      ("create", "secrets"), ("patch", "secrets"), ("create", "networkpolicies.networking.k8s.io"),
-                      ("list", "customresourcedefinitions.apiextensions.k8s.io")]:
+    for verb, res in [
+        ("watch", "verifypdconfigs.verifypd.dev"),
+        ("patch", "verifypdconfigs.verifypd.dev/status"),
+        ("create", "deployments.apps"),
+        ("delete", "services"),
+        ("create", "events"),
+        ("create", "secrets"),
+        ("patch", "secrets"),
+        ("create", "networkpolicies.networking.k8s.io"),
+        ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ]:
         assert can_i(k, sa, verb, res), (verb, res)
-    for verb, res in [("watch", "secrets"), ("update", "secrets"), ("get", "configmaps"), ("create", "pods"), ("delete", "namespaces"),
-                      ("update", "customresourcedefinitions.apiextensions.k8s.io"), ("create", "verifypdconfigs.verifypd.dev"),
-                      ("list", "clusterkopfpeerings.kopf.dev")]:
+    for verb, res in [
+        ("watch", "secrets"),
+        ("update", "secrets"),
+        ("get", "configmaps"),
+        ("create", "pods"),
+        ("delete", "namespaces"),
+        ("update", "customresourcedefinitions.apiextensions.k8s.io"),
+        ("create", "verifypdconfigs.verifypd.dev"),
+        ("list", "clusterkopfpeerings.kopf.dev"),
+    ]:
         assert not can_i(k, sa, verb, res), (verb, res)
 
     # Upgrade to two replicas: kopf peering. kopf lists and watches the peering collection, so
@@ -70,8 +84,12 @@ def test_install_upgrade_uninstall_cluster_wide(fresh_crds):
     assert not can_i(k, sa, "patch", "clusterkopfpeerings.kopf.dev", name="someone-else")
 
     helm(k, "uninstall", "vpd", "verifypd")
-    for kind, name in [("deployment", "vpd-verifypd"), ("clusterrole", "vpd-verifypd-cluster"),
-                       ("clusterkopfpeering", "vpd-verifypd"), ("serviceaccount", "vpd-verifypd")]:
+    for kind, name in [
+        ("deployment", "vpd-verifypd"),
+        ("clusterrole", "vpd-verifypd-cluster"),
+        ("clusterkopfpeering", "vpd-verifypd"),
+        ("serviceaccount", "vpd-verifypd"),
+    ]:
         res = k.kubectl("get", kind, name, "-n", "verifypd", check=False)
         assert "NotFound" in res.stderr, (kind, res.stdout)
     live(k, "crd", CRDS[0])  # Helm keeps crds/ (and with them every user's configs)
@@ -81,8 +99,10 @@ def test_namespaced_install_with_default_config(fresh_crds):
     k = fresh_crds
     for ns in ("team-a", "team-b"):
         k.kubectl("create", "namespace", ns)
-    values = {"operator": {"replicas": 2, "watchNamespaces": ["team-a", "team-b"]},
-              "defaultConfig": {"create": True, "name": "llm", "spec": {"topology": "split"}}}
+    values = {
+        "operator": {"replicas": 2, "watchNamespaces": ["team-a", "team-b"]},
+        "defaultConfig": {"create": True, "name": "llm", "spec": {"topology": "split"}},
+    }
     helm(k, "install", "ns", "verifypd-ns", str(CHART), values)
     # The default config lands where the operator looks: the first watched namespace.
     cfg = live(k, "vpd", "llm", "-n", "team-a")
@@ -97,7 +117,12 @@ def test_namespaced_install_with_default_config(fresh_crds):
         assert not can_i(k, sa, "create", "deployments.apps", ns)
         assert not can_i(k, sa, "delete", "services", ns)
     with pytest.raises(RuntimeError, match="defaultConfig.namespace"):
-        helm(k, "install", "bad", "verifypd-bad", str(CHART),
-             {"operator": {"watchNamespaces": ["team-a"]},
-              "defaultConfig": {"create": True, "namespace": "team-b"}})
+        helm(
+            k,
+            "install",
+            "bad",
+            "verifypd-bad",
+            str(CHART),
+            {"operator": {"watchNamespaces": ["team-a"]}, "defaultConfig": {"create": True, "namespace": "team-b"}},
+        )
     helm(k, "uninstall", "ns", "verifypd-ns")

@@ -9,7 +9,6 @@ handler removes the owned objects itself, which is what is checked).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -45,13 +44,21 @@ class Operator:
 
     def __init__(self, args: list[str], kubeconfig, log_path, pod_name: str):
         self.log_path = log_path
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": pod_name,
-               "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("services", "operator", "loadgen"))}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "POD_NAME": pod_name,
+            "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("services", "operator", "loadgen")),
+        }
         args = [a for a in args if not a.startswith(("--liveness", "--otlp-port", "--tick"))]
         args += [f"--liveness=http://127.0.0.1:{_port()}/healthz", f"--otlp-port={_port()}", "--tick=1"]
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", "from verifypd_operator.main import main; main()",
-                                      *args], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from verifypd_operator.main import main; main()", *args],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -81,8 +88,10 @@ def wait_for(fn, what: str, ops=(), timeout: float = TIMEOUT):
     def alive() -> None:
         for op in ops:
             assert op.proc.poll() is None, f"operator exited ({op.proc.returncode}):\n{op.text()[-4000:]}"
-    return wait_until(fn, what, timeout, interval=0.3, alive=alive,
-                      logs=lambda: "\n".join(op.text()[-4000:] for op in ops))
+
+    return wait_until(
+        fn, what, timeout, interval=0.3, alive=alive, logs=lambda: "\n".join(op.text()[-4000:] for op in ops)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,41 +141,74 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
             # the Deployment is applied before the Services in one reconcile: wait, do not read once
             live_svc = wait_for(lambda: admin.get("Service", namespace, svc), f"Service {svc}", ops)
             assert live_svc["metadata"]["ownerReferences"][0]["uid"] == uid
-            assert {"name": "http", "port": 8000} in [{k: p[k] for k in ("name", "port")}
-                                                       for p in live_svc["spec"]["ports"]], live_svc["spec"]
+            assert {"name": "http", "port": 8000} in [
+                {k: p[k] for k in ("name", "port")} for p in live_svc["spec"]["ports"]
+            ], live_svc["spec"]
         secret = wait_for(lambda: admin.get("Secret", namespace, "smollm2-lane-secret"), "lane Secret", ops)
         assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
         token = secret["data"]["lane-secret"]
         policy = wait_for(lambda: admin.get("NetworkPolicy", namespace, "smollm2-lanes"), "NetworkPolicy", ops)
         assert policy["metadata"]["ownerReferences"][0]["uid"] == uid
-        cr = wait_for(lambda: (c := admin.request("GET", cr_path(namespace, "smollm2")))
-                      and condition(c, "Progressing").get("reason") == "Reconciled" and c, "status", ops)
+        cr = wait_for(
+            lambda: (
+                (c := admin.request("GET", cr_path(namespace, "smollm2")))
+                and condition(c, "Progressing").get("reason") == "Reconciled"
+                and c
+            ),
+            "status",
+            ops,
+        )
         assert condition(cr, "Ready")["status"] == "False"  # no pods run on envtest
         assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
         assert cr["status"]["applied"]["kMax"] == 8 and cr["status"]["replicasText"] == "1 pods"
         table = envtest.kubectl("get", "vpd", "smollm2", "-n", namespace).stdout
         assert table.split("\n")[0].split()[:4] == ["NAME", "TOPOLOGY", "K", "REPLICAS"], table
         assert table.split("\n")[1].split()[:5] == ["smollm2", "colocated", "8", "1", "pods"], table
-        wait_for(lambda: any(e["reason"] == "Reconciled" for e in events(admin, namespace, "smollm2")),
-                 "Reconciled event", ops)
+        wait_for(
+            lambda: any(e["reason"] == "Reconciled" for e in events(admin, namespace, "smollm2")),
+            "Reconciled event",
+            ops,
+        )
 
         # Edits: replicas, kMax and SLOs; then colocated -> split (colocated pruned) and back.
-        gen = merge_patch(admin, namespace, "smollm2", {"colocated": {"replicas": 2}, "speculation": {"kMax": 6},
-                                                        "slo": {"itlP95Ms": 80}})
-        wait_for(lambda: admin.get("Deployment", namespace, "smollm2-colocated")["spec"]["replicas"] == 2,
-                 "colocated scaled to 2", ops)
-        cr = wait_for(lambda: (c := admin.request("GET", cr_path(namespace, "smollm2")))
-                      ["status"].get("observedGeneration") == gen and c, "observedGeneration", ops)
+        gen = merge_patch(
+            admin,
+            namespace,
+            "smollm2",
+            {"colocated": {"replicas": 2}, "speculation": {"kMax": 6}, "slo": {"itlP95Ms": 80}},
+        )
+        wait_for(
+            lambda: admin.get("Deployment", namespace, "smollm2-colocated")["spec"]["replicas"] == 2,
+            "colocated scaled to 2",
+            ops,
+        )
+        cr = wait_for(
+            lambda: (
+                (c := admin.request("GET", cr_path(namespace, "smollm2")))["status"].get("observedGeneration") == gen
+                and c
+            ),
+            "observedGeneration",
+            ops,
+        )
         assert cr["status"]["applied"]["kMax"] == 6 and cr["status"]["replicasText"] == "2 pods"
         merge_patch(admin, namespace, "smollm2", {"topology": "split"})
         for lane in ("gateway", "prefill", "draft", "verify"):
             wait_for(lambda: admin.get("Deployment", namespace, f"smollm2-{lane}"), f"{lane} Deployment", ops)
         wait_for(lambda: admin.get("Deployment", namespace, "smollm2-colocated") is None, "colocated pruned", ops)
         assert admin.get("Service", namespace, "smollm2-verify")["spec"]["clusterIP"] == "None"
-        lanes = wait_for(lambda: (p := admin.get("NetworkPolicy", namespace, "smollm2-lanes"))
-                         and p["spec"]["podSelector"].get("matchExpressions") and p, "split NetworkPolicy", ops)
-        assert lanes["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 50051},
-                                                         {"protocol": "TCP", "port": 50052}]  # gRPC, calls
+        lanes = wait_for(
+            lambda: (
+                (p := admin.get("NetworkPolicy", namespace, "smollm2-lanes"))
+                and p["spec"]["podSelector"].get("matchExpressions")
+                and p
+            ),
+            "split NetworkPolicy",
+            ops,
+        )
+        assert lanes["spec"]["ingress"][0]["ports"] == [
+            {"protocol": "TCP", "port": 50051},
+            {"protocol": "TCP", "port": 50052},
+        ]  # gRPC, calls
         lane_ports = {p["name"]: p for p in admin.get("Service", namespace, "smollm2-verify")["spec"]["ports"]}
         assert (lane_ports["calls"]["port"], lane_ports["calls"]["targetPort"]) == (50052, "calls"), lane_ports
         assert lanes["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -193,10 +235,23 @@ def _dra_failure_is_visible(envtest, admin: Kube, ns: str, ops) -> None:
     """gpuSharing: dra on v1.25 (no resource.k8s.io/v1): Degraded with the missing API, a Warning
     event; fixing the spec clears Degraded."""
     spec = {"colocated": {"gpuSharing": "dra"}}
-    envtest.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(
-        {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "metadata": {"name": "dra"}, "spec": spec}))
-    cr = wait_for(lambda: (c := admin.request("GET", cr_path(ns, "dra")))
-                  and condition(c, "Degraded").get("status") == "True" and c, "Degraded=True", ops)
+    envtest.kubectl(
+        "apply",
+        "-n",
+        ns,
+        "-f",
+        "-",
+        input=yaml.safe_dump(
+            {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "metadata": {"name": "dra"}, "spec": spec}
+        ),
+    )
+    cr = wait_for(
+        lambda: (
+            (c := admin.request("GET", cr_path(ns, "dra"))) and condition(c, "Degraded").get("status") == "True" and c
+        ),
+        "Degraded=True",
+        ops,
+    )
     deg = condition(cr, "Degraded")
     assert deg["reason"] == "APINotServed", deg
     assert "resource.k8s.io/v1 ResourceClaimTemplate is not served" in deg["message"], deg
@@ -207,8 +262,11 @@ def _dra_failure_is_visible(envtest, admin: Kube, ns: str, ops) -> None:
     time.sleep(3)  # several timer ticks: the timer must not clear the reconcile failure
     assert condition(admin.request("GET", cr_path(ns, "dra")), "Degraded")["reason"] == "APINotServed"
     merge_patch(admin, ns, "dra", {"colocated": {"gpuSharing": "devicePlugin"}})
-    wait_for(lambda: condition(admin.request("GET", cr_path(ns, "dra")), "Degraded").get("status") == "False",
-             "Degraded cleared", ops)
+    wait_for(
+        lambda: condition(admin.request("GET", cr_path(ns, "dra")), "Degraded").get("status") == "False",
+        "Degraded cleared",
+        ops,
+    )
     admin.request("DELETE", cr_path(ns, "dra"))
     wait_for(lambda: admin.request("GET", cr_path(ns, "dra")) is None, "dra deleted", ops)
 
@@ -216,8 +274,9 @@ def _dra_failure_is_visible(envtest, admin: Kube, ns: str, ops) -> None:
 def is_active(op: Operator) -> bool:
     """kopf's own log: the last pause/resume line decides (it starts paused with mandatory peering)."""
     text = op.text()
-    return text.rfind("Resuming operations after the pause") > max(text.rfind("Pausing operations"),
-                                                                   text.rfind("Pausing all operators"))
+    return text.rfind("Resuming operations after the pause") > max(
+        text.rfind("Pausing operations"), text.rfind("Pausing all operators")
+    )
 
 
 def test_peering_two_replicas_one_active(envtest, release, admin, namespace, tmp_path):
@@ -225,12 +284,17 @@ def test_peering_two_replicas_one_active(envtest, release, admin, namespace, tmp
     other, exactly one reconciles. Without the peering object the operator says so and exits."""
     kubeconfig = envtest.sa_kubeconfig(SYSTEM_NS, SA, tmp_path / "sa-kubeconfig")
     rel = helm(envtest, "upgrade", RELEASE, SYSTEM_NS, str(CHART), {"operator": {"replicas": 2}})
-    args = next(d for d in yaml.safe_load_all(rel["manifest"]) if d and d["kind"] == "Deployment")[
-        "spec"]["template"]["spec"]["containers"][0]["args"]
+    args = next(d for d in yaml.safe_load_all(rel["manifest"]) if d and d["kind"] == "Deployment")["spec"]["template"][
+        "spec"
+    ]["containers"][0]["args"]
     assert "--peering-name=e2e-verifypd" in args
     for cfg, problem in [(envtest.kubeconfig, "not found"), (kubeconfig, "forbidden")]:
-        bad = Operator([a for a in args if not a.startswith("--peering-name")] + ["--peering-name=nope"], cfg,
-                       tmp_path / "bad.log", "x")
+        bad = Operator(
+            [a for a in args if not a.startswith("--peering-name")] + ["--peering-name=nope"],
+            cfg,
+            tmp_path / "bad.log",
+            "x",
+        )
         try:
             bad.proc.wait(timeout=TIMEOUT)
         finally:
@@ -239,8 +303,14 @@ def test_peering_two_replicas_one_active(envtest, release, admin, namespace, tmp
         assert "clusterkopfpeerings/nope" in bad.text() and problem in bad.text(), bad.text()[-2000:]
     ops = [Operator(args, kubeconfig, tmp_path / f"op{i}.log", f"e2e-verifypd-{i}") for i in range(2)]
     try:
-        peers = wait_for(lambda: len((admin.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/e2e-verifypd")
-                                      .get("status") or {})) == 2 and True, "two peers in the peering", ops)
+        peers = wait_for(
+            lambda: (
+                len(admin.request("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/e2e-verifypd").get("status") or {}) == 2
+                and True
+            ),
+            "two peers in the peering",
+            ops,
+        )
         assert peers
         # With mandatory peering kopf starts paused and resumes once it is the top priority; a replica
         # that resumed while alone pauses when a higher one appears. Exactly one active, then go on.

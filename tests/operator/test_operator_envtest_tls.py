@@ -8,6 +8,7 @@ reload the files). With cert-manager's API served (auto -> cert-manager): Certif
 objects, owned by the config, instead. No pods run on envtest (nothing is mounted for real; the
 reload itself is tested in tests/services/test_services_lane_tls*.py).
 """
+
 from __future__ import annotations
 
 import base64
@@ -26,18 +27,34 @@ from verifypd_operator.tls_manifests import CA_FILE, CERT_FILE, HEALTH_PORTS, KE
 
 RELEASE, SYSTEM_NS, SA = "tlsop", "tlsop-sys", "tlsop-verifypd"
 DAY = 86400.0
-CONFIG = {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "metadata": {"name": "llm"},
-          "spec": {"topology": "split"}}
+CONFIG = {
+    "apiVersion": "verifypd.dev/v1alpha1",
+    "kind": "VerifyPDConfig",
+    "metadata": {"name": "llm"},
+    "spec": {"topology": "split"},
+}
 # Just enough of cert-manager's CRDs for its API to be served (the operator only detects and writes).
-CERT_MANAGER_CRDS = [{
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": f"{plural}.cert-manager.io"},
-    "spec": {"group": "cert-manager.io", "scope": "Namespaced",
-             "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-             "versions": [{"name": "v1", "served": True, "storage": True,
-                           "schema": {"openAPIV3Schema": {"type": "object",
-                                                          "x-kubernetes-preserve-unknown-fields": True}}}]},
-} for kind, plural in (("Certificate", "certificates"), ("Issuer", "issuers"))]
+CERT_MANAGER_CRDS = [
+    {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.cert-manager.io"},
+        "spec": {
+            "group": "cert-manager.io",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
+        },
+    }
+    for kind, plural in (("Certificate", "certificates"), ("Issuer", "issuers"))
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +82,7 @@ def _pods_use_tls(admin, ns, uid, ops):
         assert tls_volume in pod["volumes"], pod["volumes"]
         c = pod["containers"][0]
         assert {"name": "tls", "mountPath": "/var/run/verifypd/tls", "readOnly": True} in c["volumeMounts"]
-        want = (["--lane-tls-ca-file", CA_FILE] if unit == "gateway" else ["--tls-ca-file", CA_FILE])
+        want = ["--lane-tls-ca-file", CA_FILE] if unit == "gateway" else ["--tls-ca-file", CA_FILE]
         assert all(a in c["args"] for a in [CERT_FILE, KEY_FILE, *want]), c["args"]
         port = HEALTH_PORTS["gateway" if unit == "gateway" else unit]
         assert c["args"][c["args"].index("--health-port") + 1] == str(port)
@@ -73,8 +90,9 @@ def _pods_use_tls(admin, ns, uid, ops):
 
 
 def test_operator_issues_mounts_and_renews_certificates(envtest, release, admin, namespace, tmp_path):
-    op = Operator(release, envtest.sa_kubeconfig(SYSTEM_NS, SA, tmp_path / "kubeconfig"), tmp_path / "op.log",
-                  "tlsop-0")
+    op = Operator(
+        release, envtest.sa_kubeconfig(SYSTEM_NS, SA, tmp_path / "kubeconfig"), tmp_path / "op.log", "tlsop-0"
+    )
     ops = [op]
     try:
         envtest.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(CONFIG))
@@ -87,8 +105,10 @@ def test_operator_issues_mounts_and_renews_certificates(envtest, release, admin,
         assert _pem(leaf, "ca.crt") == _pem(ca, "ca.crt")
         names = dns_names("llm", namespace)
         now = time.time()
-        assert tls_certs.renewal_reason(_pem(leaf, "tls.crt"), _pem(leaf, "tls.key"), _pem(ca, "ca.crt"), names,
-                                        now) is None
+        assert (
+            tls_certs.renewal_reason(_pem(leaf, "tls.crt"), _pem(leaf, "tls.key"), _pem(ca, "ca.crt"), names, now)
+            is None
+        )
         _pods_use_tls(admin, namespace, uid, ops)
         assert "TLS: operator" in op.text()  # auto, and no cert-manager API: the operator issues
 
@@ -96,22 +116,37 @@ def test_operator_issues_mounts_and_renews_certificates(envtest, release, admin,
         # CA on a timer tick; only the Secret changes.
         old_key, old_cert = tls_certs.new_leaf(_pem(ca, "ca.key"), _pem(ca, "ca.crt"), names, now - 25 * DAY, 30)
         dep_before = admin.get("Deployment", namespace, "llm-verify")["metadata"]["generation"]
-        admin.request("PATCH", f"/api/v1/namespaces/{namespace}/secrets/llm-tls",
-                      {"data": {"tls.crt": base64.b64encode(old_cert).decode(),
-                                "tls.key": base64.b64encode(old_key).decode()}},
-                      content_type="application/merge-patch+json")
-        renewed = wait_for(lambda: (s := admin.get("Secret", namespace, "llm-tls"))
-                           and _pem(s, "tls.crt") not in (old_cert, _pem(leaf, "tls.crt")) and s, "renewal", ops)
-        assert tls_certs.renewal_reason(_pem(renewed, "tls.crt"), _pem(renewed, "tls.key"), _pem(ca, "ca.crt"),
-                                        names, time.time()) is None
+        admin.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/secrets/llm-tls",
+            {"data": {"tls.crt": base64.b64encode(old_cert).decode(), "tls.key": base64.b64encode(old_key).decode()}},
+            content_type="application/merge-patch+json",
+        )
+        renewed = wait_for(
+            lambda: (
+                (s := admin.get("Secret", namespace, "llm-tls"))
+                and _pem(s, "tls.crt") not in (old_cert, _pem(leaf, "tls.crt"))
+                and s
+            ),
+            "renewal",
+            ops,
+        )
+        assert (
+            tls_certs.renewal_reason(
+                _pem(renewed, "tls.crt"), _pem(renewed, "tls.key"), _pem(ca, "ca.crt"), names, time.time()
+            )
+            is None
+        )
         assert _pem(renewed, "ca.crt") == _pem(ca, "ca.crt")  # same CA: peers keep trusting each other
-        wait_for(lambda: any(e["reason"] == "CertificateRenewed" for e in events(admin, namespace, "llm")),
-                 "CertificateRenewed event", ops)
+        wait_for(
+            lambda: any(e["reason"] == "CertificateRenewed" for e in events(admin, namespace, "llm")),
+            "CertificateRenewed event",
+            ops,
+        )
         assert admin.get("Deployment", namespace, "llm-verify")["metadata"]["generation"] == dep_before
 
         admin.request("DELETE", cr_path(namespace, "llm"))
-        wait_for(lambda: admin.get("Secret", namespace, "llm-tls-ca") is None, "CA Secret deleted with the config",
-                 ops)
+        wait_for(lambda: admin.get("Secret", namespace, "llm-tls-ca") is None, "CA Secret deleted with the config", ops)
         assert op.tracebacks() == [], op.text()[-4000:]
     finally:
         op.stop()
@@ -120,10 +155,15 @@ def test_operator_issues_mounts_and_renews_certificates(envtest, release, admin,
 def test_cert_manager_is_detected_and_used(envtest, release, admin, namespace, tmp_path):
     for crd in CERT_MANAGER_CRDS:
         envtest.kubectl("apply", "-f", "-", input=yaml.safe_dump(crd))
-    envtest.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    *[f"crd/{c['metadata']['name']}" for c in CERT_MANAGER_CRDS])
-    op = Operator(release, envtest.sa_kubeconfig(SYSTEM_NS, SA, tmp_path / "kubeconfig"), tmp_path / "op.log",
-                  "tlsop-1")
+    envtest.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        *[f"crd/{c['metadata']['name']}" for c in CERT_MANAGER_CRDS],
+    )
+    op = Operator(
+        release, envtest.sa_kubeconfig(SYSTEM_NS, SA, tmp_path / "kubeconfig"), tmp_path / "op.log", "tlsop-1"
+    )
     ops = [op]
     try:
         envtest.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(CONFIG))

@@ -22,10 +22,10 @@ import grpc
 import kmock
 import kopf
 import pytest
-from operator_helpers import declare_kinds, emulator
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
+from operator_helpers import declare_kinds, emulator
 
 from verifypd import metric_names as mn
 from verifypd.v1 import control_pb2, control_pb2_grpc
@@ -41,8 +41,9 @@ CR_PATH = "/apis/verifypd.dev/v1alpha1/namespaces/default/verifypdconfigs"
 class FakeRouter(control_pb2_grpc.ControlServicer):
     def __init__(self):
         self.lock = threading.Lock()
-        self.config = control_pb2.RuntimeConfig(k_min=0, k_max=4, k_initial=2, adaptive=True,
-                                                prefill_token_budget=256, revision=1)
+        self.config = control_pb2.RuntimeConfig(
+            k_min=0, k_max=4, k_initial=2, adaptive=True, prefill_token_budget=256, revision=1
+        )
         self.updates: list[control_pb2.UpdateConfigRequest] = []
         self.credentials: list[str] = []  # `authorization` of every UpdateConfig
 
@@ -61,20 +62,41 @@ class FakeRouter(control_pb2_grpc.ControlServicer):
 
 def itl_breach(now: float, start: float, n: int = 50) -> metrics_service_pb2.ExportMetricsServiceRequest:
     """A cumulative export: `n` requests since `start`, TTFT fine (~0.1 s), ITL ~0.3 s (SLO 0.05 s)."""
+
     def kv(k, v):
         return common_pb2.KeyValue(key=k, value=common_pb2.AnyValue(string_value=v))
 
     def hist(name, counts):
-        return metrics_pb2.Metric(name=name, histogram=metrics_pb2.Histogram(
-            aggregation_temporality=metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE,
-            data_points=[metrics_pb2.HistogramDataPoint(
-                start_time_unix_nano=int(start * 1e9), time_unix_nano=int(now * 1e9),
-                explicit_bounds=[0.05, 0.2, 0.5], bucket_counts=counts, count=sum(counts))]))
+        return metrics_pb2.Metric(
+            name=name,
+            histogram=metrics_pb2.Histogram(
+                aggregation_temporality=metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE,
+                data_points=[
+                    metrics_pb2.HistogramDataPoint(
+                        start_time_unix_nano=int(start * 1e9),
+                        time_unix_nano=int(now * 1e9),
+                        explicit_bounds=[0.05, 0.2, 0.5],
+                        bucket_counts=counts,
+                        count=sum(counts),
+                    )
+                ],
+            ),
+        )
+
     rm = metrics_pb2.ResourceMetrics(
-        resource={"attributes": [kv(mn.RES_CONFIG_NAME, "demo"), kv(mn.RES_CONFIG_NAMESPACE, "default"),
-                                 kv(mn.RES_POD_NAME, "demo-gateway-7d9f-abcde")]},
-        scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[
-            hist(mn.TIME_TO_FIRST_TOKEN, [0, n, 0, 0]), hist(mn.TIME_PER_OUTPUT_TOKEN, [0, 0, n, 0])])])
+        resource={
+            "attributes": [
+                kv(mn.RES_CONFIG_NAME, "demo"),
+                kv(mn.RES_CONFIG_NAMESPACE, "default"),
+                kv(mn.RES_POD_NAME, "demo-gateway-7d9f-abcde"),
+            ]
+        },
+        scope_metrics=[
+            metrics_pb2.ScopeMetrics(
+                metrics=[hist(mn.TIME_TO_FIRST_TOKEN, [0, n, 0, 0]), hist(mn.TIME_PER_OUTPUT_TOKEN, [0, 0, n, 0])]
+            )
+        ],
+    )
     return metrics_service_pb2.ExportMetricsServiceRequest(resource_metrics=[rm])
 
 
@@ -113,9 +135,13 @@ async def _scenario(router: FakeRouter, control_port: int) -> None:
         url = str(k.url).rstrip("/")
         kube = Kube(api_client_for(url))
         store = MetricsStore()
-        ctx = OperatorContext(kube=kube, store=store, control=ControlClient(timeout_s=10),
-                              otlp_endpoint="http://verifypd-operator-otlp:4317",
-                              control_target=lambda name, ns: f"127.0.0.1:{control_port}")
+        ctx = OperatorContext(
+            kube=kube,
+            store=store,
+            control=ControlClient(timeout_s=10),
+            otlp_endpoint="http://verifypd-operator-otlp:4317",
+            control_target=lambda name, ns: f"127.0.0.1:{control_port}",
+        )
         registry = kopf.OperatorRegistry()
         # Not faster: every tick patches status, and kmock's emulator, under concurrent patches on a
         # loaded machine, can drop kopf's diff-base annotation (the reconcile then re-runs for an
@@ -136,20 +162,37 @@ async def _scenario(router: FakeRouter, control_port: int) -> None:
             settings.watching.reconnect_backoff = 0.1
             settings.scanning.disabled = True  # the namespace is given; no Namespace objects in the mock
 
-        cr = {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig",
-              "metadata": {"name": "demo", "namespace": "default", "uid": "uid-demo-1", "generation": 1,
-                           "resourceVersion": "1"},
-              "spec": {"topology": "colocated", "slo": {"ttftP95Ms": 500, "itlP95Ms": 50},
-                       "speculation": {"kMin": 1, "kInitial": 2, "kMax": 2, "adaptive": False},
-                       "lanes": {"verify": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}},
-                       # Evaluate rarely until metrics exist; the scenario then lowers it.
-                       "autoscaling": {"intervalSeconds": 3600, "breachPeriods": 1, "minSamples": 10,
-                                       "scaleUpCooldownSeconds": 0, "configCooldownSeconds": 0}}}
+        cr = {
+            "apiVersion": "verifypd.dev/v1alpha1",
+            "kind": "VerifyPDConfig",
+            "metadata": {
+                "name": "demo",
+                "namespace": "default",
+                "uid": "uid-demo-1",
+                "generation": 1,
+                "resourceVersion": "1",
+            },
+            "spec": {
+                "topology": "colocated",
+                "slo": {"ttftP95Ms": 500, "itlP95Ms": 50},
+                "speculation": {"kMin": 1, "kInitial": 2, "kMax": 2, "adaptive": False},
+                "lanes": {"verify": {"replicas": 1, "minReplicas": 1, "maxReplicas": 3}},
+                # Evaluate rarely until metrics exist; the scenario then lowers it.
+                "autoscaling": {
+                    "intervalSeconds": 3600,
+                    "breachPeriods": 1,
+                    "minSamples": 10,
+                    "scaleUpCooldownSeconds": 0,
+                    "configCooldownSeconds": 0,
+                },
+            },
+        }
         await asyncio.to_thread(kube.request, "POST", CR_PATH, cr)
 
         stop = asyncio.Event()
-        op = asyncio.create_task(kopf.operator(registry=registry, standalone=True, namespaces=["default"],
-                                               stop_flag=stop))
+        op = asyncio.create_task(
+            kopf.operator(registry=registry, standalone=True, namespaces=["default"], stop_flag=stop)
+        )
         try:
             await _create_and_update(kube, router)
             await _autoscale(kube, store, router)
@@ -172,27 +215,40 @@ async def _create_and_update(kube: Kube, router: FakeRouter) -> None:
     svc = await wait_for(lambda: kube.get("Service", "default", "demo"), "gateway Service")
     assert svc["metadata"]["ownerReferences"][0]["name"] == "demo"
 
-    status = (await wait_for(lambda: (_cr(kube).get("status") or {}).get("conditions") and _cr(kube)["status"],
-                             "status conditions"))
+    status = await wait_for(
+        lambda: (_cr(kube).get("status") or {}).get("conditions") and _cr(kube)["status"], "status conditions"
+    )
     types = {c["type"]: c["status"] for c in status["conditions"]}
     assert types["Progressing"] == "True" and types["Ready"] == "False"  # no pod is ready in a mock
     assert status["applied"]["kMax"] == 2 and status["replicasText"] == "1 pods"
     # The timer syncs the router to the spec's knobs (router started with kMax 4, budget 256).
-    await wait_for(lambda: router.config.k_max == 2 and router.config.prefill_token_budget == 512,
-                   "runtime config pushed to the router")
+    await wait_for(
+        lambda: router.config.k_max == 2 and router.config.prefill_token_budget == 512,
+        "runtime config pushed to the router",
+    )
     # ... presenting the admin key of the Secret it created and mounted into the gateway.
     admin = await asyncio.to_thread(kube.get, "Secret", "default", "demo-admin-key")
     assert admin["metadata"]["ownerReferences"][0]["uid"] == "uid-demo-1"
     assert router.credentials and set(router.credentials) == {f"Bearer {read_admin_secret(admin)}"}
-    events = await wait_for(lambda: [e for e in (kube.request("GET", "/api/v1/namespaces/default/events")
-                                                  or {}).get("items", []) if e.get("reason") == "Reconciled"],
-                            "Reconciled event")
+    events = await wait_for(
+        lambda: [
+            e
+            for e in (kube.request("GET", "/api/v1/namespaces/default/events") or {}).get("items", [])
+            if e.get("reason") == "Reconciled"
+        ],
+        "Reconciled event",
+    )
     assert events[0]["involvedObject"]["name"] == "demo"
 
     # Spec change: split topology. Lane Deployments appear, the colocated one is pruned.
-    await asyncio.to_thread(kube.request, "PATCH", f"{CR_PATH}/demo",
-                            {"metadata": {"generation": 2}, "spec": {"topology": "split"}},
-                            None, "application/merge-patch+json")
+    await asyncio.to_thread(
+        kube.request,
+        "PATCH",
+        f"{CR_PATH}/demo",
+        {"metadata": {"generation": 2}, "spec": {"topology": "split"}},
+        None,
+        "application/merge-patch+json",
+    )
     await wait_for(lambda: kube.get("Deployment", "default", "demo-verify"), "verify Deployment")
     await wait_for(lambda: kube.get("Deployment", "default", "demo-colocated") is None, "colocated pruned")
     gw = await asyncio.to_thread(kube.get, "Deployment", "default", "demo-gateway")
@@ -223,20 +279,33 @@ async def _export_breach(store: MetricsStore, start: float) -> None:
 
 
 async def _lower_k_then_scale(kube: Kube, router: FakeRouter, n_updates: int) -> None:
-    await asyncio.to_thread(kube.request, "PATCH", f"{CR_PATH}/demo",
-                            {"spec": {"autoscaling": {"intervalSeconds": 1}}}, None,
-                            "application/merge-patch+json")
+    await asyncio.to_thread(
+        kube.request,
+        "PATCH",
+        f"{CR_PATH}/demo",
+        {"spec": {"autoscaling": {"intervalSeconds": 1}}},
+        None,
+        "application/merge-patch+json",
+    )
     # First decision: ITL breached -> lower kMax (2 -> 1) through UpdateConfig, before scaling.
     upd = await wait_for(lambda: [u for u in router.updates[n_updates:] if u.config.k_max == 1], "kMax lowered")
     assert upd[0].requested_by == "operator/default/demo" and "ITL" in upd[0].reason
     assert (await asyncio.to_thread(kube.get, "Deployment", "default", "demo-verify"))["spec"]["replicas"] == 1
     # Next: kMax at its floor, still breached -> add a verify replica (a scale patch).
-    await wait_for(lambda: kube.get("Deployment", "default", "demo-verify")["spec"]["replicas"] == 2,
-                   "verify scaled to 2", timeout=180,
-                   why=lambda: {k: v for k, v in (_cr(kube).get("status") or {}).items()
-                                if k in ("lastDecision", "autoscaler", "observed")})
-    st = await wait_for(lambda: (_cr(kube).get("status") or {}).get("lastDecision", {}).get("action") == "scale-up"
-                        and _cr(kube)["status"], "scale decision in status")
+    await wait_for(
+        lambda: kube.get("Deployment", "default", "demo-verify")["spec"]["replicas"] == 2,
+        "verify scaled to 2",
+        timeout=180,
+        why=lambda: {
+            k: v for k, v in (_cr(kube).get("status") or {}).items() if k in ("lastDecision", "autoscaler", "observed")
+        },
+    )
+    st = await wait_for(
+        lambda: (
+            (_cr(kube).get("status") or {}).get("lastDecision", {}).get("action") == "scale-up" and _cr(kube)["status"]
+        ),
+        "scale decision in status",
+    )
     assert st["lastDecision"]["scales"] == [{"unit": "verify", "from": 1, "to": 2}]
     assert st["applied"]["kMax"] == 1 and st["replicas"]["verify"] == 2
     assert st["observed"]["itlP95Ms"] > 50

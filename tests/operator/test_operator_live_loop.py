@@ -44,21 +44,41 @@ from verifypd_operator.main import apply_settings
 from verifypd_operator.otlp_receiver import MetricsStore, serve
 
 sys.path.insert(0, str(ROOT / "tests" / "services"))
-from services_helpers import VOCAB, Client, Server, free_port, serve_cmd  # noqa: E402
-from services_helpers import tiny_models  # noqa: E402,F401 (a fixture)
+from services_helpers import (  # noqa: E402
+    VOCAB,
+    Client,
+    Server,
+    free_port,
+    serve_cmd,
+    tiny_models,  # noqa: E402,F401 (a fixture)
+)
 
 NAME, ADMIN_KEY = "loop", "live-loop-admin-key-0123456789abcdef"
-CR = {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "metadata": {"name": NAME},
-      "spec": {"topology": "colocated", "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
-               # Fixed k: with the router's adaptive k on, the policy leaves k to the router (it scales
-               # instead; maxReplicas 1 here), so the k path under test is the fixed-k one.
-               "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8, "adaptive": False},
-               "prefillTokenBudget": 384,  # the CLI starts with 512: a synced router shows 384
-               # Any decoding breaks an ITL p95 of 0.5 ms; TTFT is never the constraint here.
-               "slo": {"ttftP95Ms": 600000, "itlP95Ms": 0.5},
-               "autoscaling": {"intervalSeconds": 1, "windowSeconds": 5, "breachPeriods": 1, "headroomPeriods": 1,
-                               "minSamples": 3, "configCooldownSeconds": 0, "scaleUpCooldownSeconds": 3600,
-                               "staleAfterSeconds": 5}}}
+CR = {
+    "apiVersion": "verifypd.dev/v1alpha1",
+    "kind": "VerifyPDConfig",
+    "metadata": {"name": NAME},
+    "spec": {
+        "topology": "colocated",
+        "colocated": {"replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+        # Fixed k: with the router's adaptive k on, the policy leaves k to the router (it scales
+        # instead; maxReplicas 1 here), so the k path under test is the fixed-k one.
+        "speculation": {"kMin": 1, "kInitial": 4, "kMax": 8, "adaptive": False},
+        "prefillTokenBudget": 384,  # the CLI starts with 512: a synced router shows 384
+        # Any decoding breaks an ITL p95 of 0.5 ms; TTFT is never the constraint here.
+        "slo": {"ttftP95Ms": 600000, "itlP95Ms": 0.5},
+        "autoscaling": {
+            "intervalSeconds": 1,
+            "windowSeconds": 5,
+            "breachPeriods": 1,
+            "headroomPeriods": 1,
+            "minSamples": 3,
+            "configCooldownSeconds": 0,
+            "scaleUpCooldownSeconds": 3600,
+            "staleAfterSeconds": 5,
+        },
+    },
+}
 EXPORT_INTERVAL_MS = 500
 # From load start to the first kMax change on both routers: requests finish (~1 s), one export
 # (0.5 s), one evaluation (1 s), one sync tick; x several for a loaded machine.
@@ -70,6 +90,7 @@ def wait_for(fn, what: str, timeout: float = TIMEOUT, procs=()):
     def alive() -> None:
         for p in procs:
             assert p.proc.poll() is None, f"a server exited:\n{''.join(p.lines[-20:])}"
+
     return wait_until(fn, what, timeout, alive=alive)
 
 
@@ -83,15 +104,23 @@ class LiveOperator:
 
         @kopf.on.login(registry=registry)
         def login(**_):
-            return kopf.ConnectionInfo(server=cluster.url, scheme="Bearer", token=ADMIN_TOKEN,
-                                       ca_path=str(cluster.dir / "ca.crt"), default_namespace=namespace)
+            return kopf.ConnectionInfo(
+                server=cluster.url,
+                scheme="Bearer",
+                token=ADMIN_TOKEN,
+                ca_path=str(cluster.dir / "ca.crt"),
+                default_namespace=namespace,
+            )
 
         @kopf.on.startup(registry=registry)
         def configure(settings: kopf.OperatorSettings, **_):
             apply_settings(settings, priority=100, standalone=True)
 
-        self.thread = threading.Thread(target=asyncio.run, daemon=True, args=(kopf.operator(
-            registry=registry, standalone=True, namespaces=[namespace], stop_flag=self.stop_flag),))
+        self.thread = threading.Thread(
+            target=asyncio.run,
+            daemon=True,
+            args=(kopf.operator(registry=registry, standalone=True, namespaces=[namespace], stop_flag=self.stop_flag),),
+        )
         self.thread.start()
 
     def stop(self) -> None:
@@ -101,10 +130,14 @@ class LiveOperator:
 
 def server_env(namespace: str, otlp_port: int, pod: str) -> dict[str, str]:
     """What builders.otel_env gives a pod, pointed at the test's receiver, exporting faster."""
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-            "OTEL_METRIC_EXPORT_INTERVAL": str(EXPORT_INTERVAL_MS), "OTEL_SERVICE_NAME": "verifypd-gateway",
-            "OTEL_RESOURCE_ATTRIBUTES": f"verifypd.config.name={NAME},k8s.namespace.name={namespace},"
-                                        f"k8s.pod.name={NAME}-colocated-{pod}"}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_METRIC_EXPORT_INTERVAL": str(EXPORT_INTERVAL_MS),
+        "OTEL_SERVICE_NAME": "verifypd-gateway",
+        "OTEL_RESOURCE_ATTRIBUTES": f"verifypd.config.name={NAME},k8s.namespace.name={namespace},"
+        f"k8s.pod.name={NAME}-colocated-{pod}",
+    }
 
 
 class Replica:
@@ -116,7 +149,7 @@ class Replica:
         self.address = f"127.0.0.1:{self.port}"
         self.server: Server | None = None
 
-    def start(self, admin_key: bool = True) -> "Replica":
+    def start(self, admin_key: bool = True) -> Replica:
         extra = ["--admin-key-file", str(self.key_file)] if admin_key else []
         self.server = Server(serve_cmd(self.models, self.port, "--max-running", "8", *extra), echo=False, env=self.env)
         return self
@@ -136,10 +169,31 @@ def knobs(cfg: control_pb2.RuntimeConfig) -> tuple:
 
 def loadgen(address: str, seed: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("services", "operator", "loadgen"))}
-    return subprocess.Popen([sys.executable, "-m", "verifypd_loadgen", "--server", address, "--duration", "300",
-                             "--concurrency", "3", "--input-len", "8", "--output-len", "24", "--vocab-size",
-                             str(VOCAB), "--no-progress", "--seed", str(seed)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "verifypd_loadgen",
+            "--server",
+            address,
+            "--duration",
+            "300",
+            "--concurrency",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "24",
+            "--vocab-size",
+            str(VOCAB),
+            "--no-progress",
+            "--seed",
+            str(seed),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.timeout(420)
@@ -150,9 +204,16 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
     key_file.write_text(ADMIN_KEY)
     # What the operator would create on its first reconcile; made here first so the servers can
     # start meanwhile. The reconcile adopts it (server-side apply adds its owner reference).
-    admin.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{NAME}-admin-key"},
-        "data": {"admin-key": base64.b64encode(ADMIN_KEY.encode()).decode()}})
+    admin.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{NAME}-admin-key"},
+            "data": {"admin-key": base64.b64encode(ADMIN_KEY.encode()).decode()},
+        },
+    )
     store = MetricsStore()
     receiver, otlp_port = serve(store, "127.0.0.1:0")  # replaced by start_operator
     replicas = [Replica(tiny_models, namespace, otlp_port, pod, key_file).start() for pod in ("a", "b")]
@@ -164,8 +225,12 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
         receiver.stop(None)
         store = MetricsStore()
         receiver, _ = serve(store, f"127.0.0.1:{otlp_port}")
-        ctx = OperatorContext(kube=admin, store=store, otlp_endpoint="http://unused:4317",
-                              control=ControlClient(timeout_s=5, resolver=lambda _: [r.address for r in replicas]))
+        ctx = OperatorContext(
+            kube=admin,
+            store=store,
+            otlp_endpoint="http://unused:4317",
+            control=ControlClient(timeout_s=5, resolver=lambda _: [r.address for r in replicas]),
+        )
         return LiveOperator(crds, namespace, ctx)
 
     path = f"/apis/verifypd.dev/v1alpha1/namespaces/{namespace}/verifypdconfigs"
@@ -192,18 +257,27 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
         # 2. Load breaks the ITL SLO: kMax falls on both, the same knobs everywhere.
         t0 = time.monotonic()
         loads += [loadgen(r.address, seed) for seed, r in enumerate(replicas)]
-        wait_for(lambda: all(r.config().k_max < 8 for r in replicas), "kMax lowered on both routers",
-                 timeout=FIRST_DECISION_BOUND_S, procs=servers())
+        wait_for(
+            lambda: all(r.config().k_max < 8 for r in replicas),
+            "kMax lowered on both routers",
+            timeout=FIRST_DECISION_BOUND_S,
+            procs=servers(),
+        )
         first_decision_s = time.monotonic() - t0
         wait_for(lambda: max(r.config().k_max for r in replicas) <= 5, "kMax lowered again", procs=servers())
-        st = wait_for(lambda: (s := status()).get("lastDecision", {}).get("action") == "lower-k" and s,
-                      "lower-k in status")
+        st = wait_for(
+            lambda: (s := status()).get("lastDecision", {}).get("action") == "lower-k" and s, "lower-k in status"
+        )
         assert "ITL breached" in st["lastDecision"]["reason"] and st["observed"]["itlP95Ms"] > 0.5
-        wait_for(lambda: in_sync() and status()["applied"]["kMax"] == replicas[0].config().k_max,
-                 "routers equal to status.applied")
+        wait_for(
+            lambda: in_sync() and status()["applied"]["kMax"] == replicas[0].config().k_max,
+            "routers equal to status.applied",
+        )
         assert status()["applied"]["routersInSync"] == 2
-        reasons = {e.get("reason") for e in (admin.request("GET", f"/api/v1/namespaces/{namespace}/events")
-                                             or {}).get("items", [])}
+        reasons = {
+            e.get("reason")
+            for e in (admin.request("GET", f"/api/v1/namespaces/{namespace}/events") or {}).get("items", [])
+        }
         assert "Autoscale:lower-k" in reasons
         print(f"first kMax change on both routers {first_decision_s:.1f} s after load start")
 
@@ -216,6 +290,7 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
             ks = [r.config().k_max for r in replicas]
             assert max(ks) <= k_before, f"the restarted operator reset the knobs: kMax {ks} > {k_before}"
             return max(ks) < k_before
+
         wait_for(lowered_without_reset, "kMax lowered after the restart", procs=servers())
         assert in_sync() or wait_for(in_sync, "routers in sync after the restart")
 
@@ -224,8 +299,10 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
         for p in loads:
             p.kill()
             p.wait(10)
-        wait_for(lambda: "no fresh telemetry" in status().get("autoscaler", {}).get("lastReason", ""),
-                 "the stale hold in status")
+        wait_for(
+            lambda: "no fresh telemetry" in status().get("autoscaler", {}).get("lastReason", ""),
+            "the stale hold in status",
+        )
         held = [knobs(r.config()) for r in replicas]
         time.sleep(3)  # three evaluations
         assert [knobs(r.config()) for r in replicas] == held and held[0][1] < 8, "knobs moved on stale data"
@@ -237,8 +314,10 @@ def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
         b = replicas[1]
         b.server.stop()
         b.start(admin_key=False).server.wait_ready()
+
         def degraded() -> dict:
             return next((c for c in status().get("conditions", []) if c["type"] == "Degraded"), {})
+
         wait_for(lambda: "PERMISSION_DENIED" in degraded().get("message", ""), "the refusal in status")
         assert degraded()["reason"] == "ControlUnreachable" and status()["applied"]["routerErrors"] == 1
         assert knobs(b.config()) != spec_knobs and knobs(replicas[0].config()) == spec_knobs

@@ -34,8 +34,10 @@ def provider(port, config, pod, namespace="default"):
     exporter = OTLPMetricExporter(endpoint=f"127.0.0.1:{port}", insecure=True)
     reader = PeriodicExportingMetricReader(exporter, export_interval_millis=3_600_000)
     res = Resource.create({mn.RES_CONFIG_NAME: config, mn.RES_CONFIG_NAMESPACE: namespace, mn.RES_POD_NAME: pod})
-    views = [View(instrument_name=n, aggregation=ExplicitBucketHistogramAggregation(BOUNDS))
-             for n in (mn.TIME_TO_FIRST_TOKEN, mn.TIME_PER_OUTPUT_TOKEN)]
+    views = [
+        View(instrument_name=n, aggregation=ExplicitBucketHistogramAggregation(BOUNDS))
+        for n in (mn.TIME_TO_FIRST_TOKEN, mn.TIME_PER_OUTPUT_TOKEN)
+    ]
     return MeterProvider(metric_readers=[reader], resource=res, views=views)
 
 
@@ -52,8 +54,10 @@ def test_sdk_export_p95_matches_data(receiver):
     store, port = receiver
     store.register("default", "demo")
     rng = random.Random(1)
-    ttft = {"demo-colocated-a": [rng.lognormvariate(-2.0, 0.5) for _ in range(700)],
-            "demo-colocated-b": [rng.lognormvariate(-1.6, 0.4) for _ in range(500)]}
+    ttft = {
+        "demo-colocated-a": [rng.lognormvariate(-2.0, 0.5) for _ in range(700)],
+        "demo-colocated-b": [rng.lognormvariate(-1.6, 0.4) for _ in range(500)],
+    }
     itl = [rng.uniform(0.01, 0.08) for _ in range(2000)]
     for i, (pod, values) in enumerate(ttft.items()):
         mp = provider(port, "demo", pod)
@@ -98,17 +102,34 @@ def test_unmanaged_resources_are_rejected(receiver):
 
 def _request(config, pod, points, temporality=metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE):
     """points: [(t_seconds, start_seconds, bucket_counts)] with bounds (0.1,)."""
+
     def kv(k, v):
         return common_pb2.KeyValue(key=k, value=common_pb2.AnyValue(string_value=v))
-    dps = [metrics_pb2.HistogramDataPoint(time_unix_nano=int(t * 1e9), start_time_unix_nano=int(s * 1e9),
-                                          explicit_bounds=[0.1], bucket_counts=c, count=sum(c))
-           for t, s, c in points]
-    m = metrics_pb2.Metric(name=mn.TIME_TO_FIRST_TOKEN, histogram=metrics_pb2.Histogram(
-        data_points=dps, aggregation_temporality=temporality))
+
+    dps = [
+        metrics_pb2.HistogramDataPoint(
+            time_unix_nano=int(t * 1e9),
+            start_time_unix_nano=int(s * 1e9),
+            explicit_bounds=[0.1],
+            bucket_counts=c,
+            count=sum(c),
+        )
+        for t, s, c in points
+    ]
+    m = metrics_pb2.Metric(
+        name=mn.TIME_TO_FIRST_TOKEN,
+        histogram=metrics_pb2.Histogram(data_points=dps, aggregation_temporality=temporality),
+    )
     rm = metrics_pb2.ResourceMetrics(
-        resource={"attributes": [kv(mn.RES_CONFIG_NAME, config), kv(mn.RES_CONFIG_NAMESPACE, "default"),
-                                 kv(mn.RES_POD_NAME, pod)]},
-        scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[m])])
+        resource={
+            "attributes": [
+                kv(mn.RES_CONFIG_NAME, config),
+                kv(mn.RES_CONFIG_NAMESPACE, "default"),
+                kv(mn.RES_POD_NAME, pod),
+            ]
+        },
+        scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[m])],
+    )
     return metrics_service_pb2.ExportMetricsServiceRequest(resource_metrics=[rm])
 
 

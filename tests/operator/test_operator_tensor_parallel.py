@@ -14,8 +14,10 @@ from operator_helpers import K8S_VERSION
 from verifypd_operator.builders import build_all
 from verifypd_operator.spec import parse_spec
 
-TP_COLOCATED = {"colocated": {"gpu": 2, "tensorParallel": 2}, "model": {"target": "/models/llama-70b",
-                                                                        "draft": "/models/tiny", "pvcName": "models"}}
+TP_COLOCATED = {
+    "colocated": {"gpu": 2, "tensorParallel": 2},
+    "model": {"target": "/models/llama-70b", "draft": "/models/tiny", "pvcName": "models"},
+}
 
 
 def _pod(objs, name="demo-colocated"):
@@ -41,11 +43,11 @@ def test_colocated_tensor_parallel_pod_runs_one_serve_container_on_all_its_gpus(
         assert claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 2
     else:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
-    args = build_parser().parse_args(c["args"])   # the flags the real CLI accepts
+    args = build_parser().parse_args(c["args"])  # the flags the real CLI accepts
     assert (args.command, args.topology, args.tensor_parallel, args.device) == ("serve", "colocated", 2, "cuda")
-    assert args.verify_addr is None and args.target == "/models/llama-70b"   # lanes in process: no --*-addr
+    assert args.verify_addr is None and args.target == "/models/llama-70b"  # lanes in process: no --*-addr
     assert {p["name"] for p in c["ports"]} == {"grpc", "http"}
-    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/dev/shm", "/models"}   # NCCL uses /dev/shm
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/dev/shm", "/models"}  # NCCL uses /dev/shm
     assert {s["metadata"]["name"] for s in objs if s["kind"] == "Service"} == {"demo", "demo-gateway-pods"}
 
 
@@ -68,8 +70,9 @@ def test_split_lane_builder_passes_tensor_parallel(owner):
 
 
 def cr_yaml(spec, name="demo"):
-    return yaml.safe_dump({"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig",
-                           "metadata": {"name": name}, "spec": spec})
+    return yaml.safe_dump(
+        {"apiVersion": "verifypd.dev/v1alpha1", "kind": "VerifyPDConfig", "metadata": {"name": name}, "spec": spec}
+    )
 
 
 def test_server_defaults_and_accepts_tensor_parallel(crds, namespace):
@@ -77,19 +80,31 @@ def test_server_defaults_and_accepts_tensor_parallel(crds, namespace):
     got = json.loads(crds.kubectl("get", "vpd", "tp", "-n", namespace, "-o", "json").stdout)["spec"]
     assert got["colocated"]["tensorParallel"] == 2
     assert got["lanes"]["verify"]["tensorParallel"] == 1 and got["lanes"]["prefill"]["tensorParallel"] == 1
-    assert "tensorParallel" not in got["lanes"]["draft"]   # drafts are not sharded
+    assert "tensorParallel" not in got["lanes"]["draft"]  # drafts are not sharded
     assert parse_spec(got).colocated.tensor_parallel == 2
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"colocated": {"gpu": 1, "tensorParallel": 2}}, "gpu must be at least tensorParallel"),
-    ({"colocated": {"gpu": 8, "tensorParallel": 0}}, "should be greater than or equal to 1"),
-    ({"colocated": {"gpu": 8, "tensorParallel": 9}}, "should be less than or equal to 8"),
-    ({"topology": "split", "lanes": {"verify": {"gpu": 1, "tensorParallel": 2}}}, "gpu must be at least tensorParallel"),
-    ({"topology": "split", "lanes": {"verify": {"gpu": 2, "tensorParallel": 2}}}, "runs with topology colocated only"),
-    ({"topology": "split", "lanes": {"prefill": {"gpu": 2, "tensorParallel": 2}}}, "runs with topology colocated only"),
-    ({"lanes": {"draft": {"tensorParallel": 2}}}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"colocated": {"gpu": 1, "tensorParallel": 2}}, "gpu must be at least tensorParallel"),
+        ({"colocated": {"gpu": 8, "tensorParallel": 0}}, "should be greater than or equal to 1"),
+        ({"colocated": {"gpu": 8, "tensorParallel": 9}}, "should be less than or equal to 8"),
+        (
+            {"topology": "split", "lanes": {"verify": {"gpu": 1, "tensorParallel": 2}}},
+            "gpu must be at least tensorParallel",
+        ),
+        (
+            {"topology": "split", "lanes": {"verify": {"gpu": 2, "tensorParallel": 2}}},
+            "runs with topology colocated only",
+        ),
+        (
+            {"topology": "split", "lanes": {"prefill": {"gpu": 2, "tensorParallel": 2}}},
+            "runs with topology colocated only",
+        ),
+        ({"lanes": {"draft": {"tensorParallel": 2}}}, "unknown field"),
+    ],
+)
 def test_bad_tensor_parallel_refused_by_the_server(crds, namespace, spec, message):
     res = crds.kubectl("apply", "--validate=strict", "-n", namespace, "-f", "-", input=cr_yaml(spec), check=False)
     assert res.returncode != 0, f"accepted: {spec}"

@@ -2,6 +2,7 @@
 new names, a broken CA), usable by the real servers; the pods' TLS (Secret mounted, flags the real
 CLI parsers accept, one plaintext health port per container with the probes on it), valid
 manifests; cert-manager objects; the mode chosen from what the API serves."""
+
 from __future__ import annotations
 
 import base64
@@ -14,8 +15,15 @@ from verifypd_operator import tls_certs
 from verifypd_operator.builders import build_all
 from verifypd_operator.spec import parse_spec
 from verifypd_operator.tls_issuer import TlsSettings, control_tls, resolve, tls_objects
-from verifypd_operator.tls_manifests import (CA_FILE, CERT_FILE, HEALTH_PORTS, KEY_FILE, build_cert_manager_objects,
-                                             dns_names, with_tls)
+from verifypd_operator.tls_manifests import (
+    CA_FILE,
+    CERT_FILE,
+    HEALTH_PORTS,
+    KEY_FILE,
+    build_cert_manager_objects,
+    dns_names,
+    with_tls,
+)
 
 DAY = 86400.0
 NOW = 1_800_000_000.0
@@ -58,8 +66,7 @@ def test_renewal_reasons(issued):
     assert tls_certs.plan(ca, (None, None), "demo", NAMES, NOW, 30).reason.endswith("no certificate yet")
     other = tls_certs.plan((None, None), (None, None), "other", NAMES, NOW, 30)
     assert "not issued by" in tls_certs.plan(ca, (other.leaf_key, other.leaf_cert), "demo", NAMES, NOW, 30).reason
-    assert "key does not match" in tls_certs.plan(ca, (other.leaf_key, issued.leaf_cert), "demo", NAMES, NOW,
-                                                   30).reason
+    assert "key does not match" in tls_certs.plan(ca, (other.leaf_key, issued.leaf_cert), "demo", NAMES, NOW, 30).reason
     # A CA whose key is not its certificate's: a new CA (and leaf).
     assert tls_certs.plan((other.ca_key, issued.ca_cert), leaf, "demo", NAMES, NOW, 30).reason == "issued a new CA"
 
@@ -67,23 +74,33 @@ def test_renewal_reasons(issued):
 def test_the_issued_certificate_serves_mutual_tls_for_real(issued, tmp_path):
     """The very bytes the Secret holds, loaded by the lanes' TLS: a handshake with itself verifies
     (server and client auth, chain to the CA, validity)."""
+    import time
+
     from verifypd.lane_tls import LaneTls
 
-    import time
     now_issued = tls_certs.plan((None, None), (None, None), "demo", NAMES, time.time(), 30)
-    for name, data in (("tls.crt", now_issued.leaf_cert), ("tls.key", now_issued.leaf_key),
-                       ("ca.crt", now_issued.ca_cert)):
+    for name, data in (
+        ("tls.crt", now_issued.leaf_cert),
+        ("tls.key", now_issued.leaf_key),
+        ("ca.crt", now_issued.ca_cert),
+    ):
         (tmp_path / name).write_bytes(data)
     tls = LaneTls(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), str(tmp_path / "ca.crt"))
     assert tls.self_check() is None
     (tmp_path / "ca.crt").write_bytes(issued.ca_cert)  # another CA (issued above): refused
-    assert "does not verify" in LaneTls(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"),
-                                        str(tmp_path / "ca.crt")).self_check()
+    assert (
+        "does not verify"
+        in LaneTls(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), str(tmp_path / "ca.crt")).self_check()
+    )
 
 
 def _containers(objs):
-    return {(o["metadata"]["name"], c["name"]): c for o in objs if o["kind"] == "Deployment"
-            for c in o["spec"]["template"]["spec"]["containers"]}
+    return {
+        (o["metadata"]["name"], c["name"]): c
+        for o in objs
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    }
 
 
 def _parse(container):
@@ -118,8 +135,11 @@ def test_pods_mount_the_secret_get_the_flags_and_probe_plaintext_health(owner, s
         assert {"name": "tls", "mountPath": "/var/run/verifypd/tls", "readOnly": True} in c["volumeMounts"]
         if name == "gateway":
             assert (args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file) == (CERT_FILE, KEY_FILE, None)
-            assert (args.lane_tls_cert_file, args.lane_tls_key_file, args.lane_tls_ca_file) == (CERT_FILE, KEY_FILE,
-                                                                                                CA_FILE)
+            assert (args.lane_tls_cert_file, args.lane_tls_key_file, args.lane_tls_ca_file) == (
+                CERT_FILE,
+                KEY_FILE,
+                CA_FILE,
+            )
         else:
             assert (args.tls_cert_file, args.tls_key_file, args.tls_ca_file) == (CERT_FILE, KEY_FILE, CA_FILE)
         assert args.health_port == HEALTH_PORTS[name]
@@ -150,8 +170,11 @@ def test_cert_manager_objects(owner, issuer):
         assert [o["kind"] for o in objs] == ["Issuer", "Certificate", "Issuer", "Certificate"]
         assert objs[1]["spec"]["isCA"] is True and leaf["spec"]["issuerRef"]["name"] == "demo-tls-ca"
     else:
-        assert len(objs) == 1 and leaf["spec"]["issuerRef"] == {"group": "cert-manager.io", "kind": "ClusterIssuer",
-                                                                 "name": "corp-ca"}
+        assert len(objs) == 1 and leaf["spec"]["issuerRef"] == {
+            "group": "cert-manager.io",
+            "kind": "ClusterIssuer",
+            "name": "corp-ca",
+        }
 
 
 class FakeKube:
@@ -166,20 +189,30 @@ class FakeKube:
         return self.secrets.get(name)
 
 
-@pytest.mark.parametrize("mode, served, want", [("off", True, None), ("operator", True, "operator"),
-                                                ("auto", True, "cert-manager"), ("auto", False, "operator"),
-                                                ("cert-manager", True, "cert-manager")])
+@pytest.mark.parametrize(
+    "mode, served, want",
+    [
+        ("off", True, None),
+        ("operator", True, "operator"),
+        ("auto", True, "cert-manager"),
+        ("auto", False, "operator"),
+        ("cert-manager", True, "cert-manager"),
+    ],
+)
 def test_mode_from_what_the_api_serves(mode, served, want):
     got = resolve(FakeKube(served), mode, 30, None)
     assert (got.mode if got else None) == want
 
 
-@pytest.mark.parametrize("mode, days, issuer, says", [
-    ("cert-manager", 30, None, "is cert-manager installed"),
-    ("operator", 2, None, "--tls-cert-days"),
-    ("auto", 30, "corp-ca", "Issuer/NAME"),
-    ("operator", 30, "ClusterIssuer/x", "--tls-issuer needs cert-manager"),
-])
+@pytest.mark.parametrize(
+    "mode, days, issuer, says",
+    [
+        ("cert-manager", 30, None, "is cert-manager installed"),
+        ("operator", 2, None, "--tls-cert-days"),
+        ("auto", 30, "corp-ca", "Issuer/NAME"),
+        ("operator", 30, "ClusterIssuer/x", "--tls-issuer needs cert-manager"),
+    ],
+)
 def test_bad_tls_settings_are_named(mode, days, issuer, says):
     with pytest.raises(ValueError, match=says):
         resolve(FakeKube(False), mode, days, issuer)

@@ -1,12 +1,12 @@
 """Helpers of the HTTP API tests: a tiny target with a chat template, and a colocated gateway with
 its HTTP API on a free port (uvicorn on the gateway's event loop, as `verifypd serve` runs it)."""
+
 from __future__ import annotations
 
 import json
 import shutil
 
 import pytest
-
 from services_helpers import engine_options
 
 MODEL = "tiny"
@@ -29,15 +29,15 @@ def chat_models(tiny_models, tmp_path_factory) -> tuple[str, str]:
 class HttpGateway:
     """A started colocated gateway (gRPC) with the HTTP API; `slow` delays every verify call."""
 
-    def __init__(self, models, *, max_queue: int = 256, max_body_bytes: int | None = None,
-                 api_key: str | None = None, **options):
+    def __init__(
+        self, models, *, max_queue: int = 256, max_body_bytes: int | None = None, api_key: str | None = None, **options
+    ):
         from test_services_gateway import SlowLane
 
-        from verifypd.gateway.server import build_colocated
+        from verifypd.core.telemetry import Telemetry, prometheus_reader
         from verifypd.gateway.http_api import HttpApi
-        from verifypd.core.telemetry import prometheus_reader
         from verifypd.gateway.http_server import HttpServer
-        from verifypd.core.telemetry import Telemetry
+        from verifypd.gateway.server import build_colocated
 
         reader, registry = prometheus_reader()
         self.telemetry = Telemetry(readers=[reader])
@@ -68,6 +68,6 @@ def sse_events(lines) -> list:
     out = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out

@@ -1,5 +1,6 @@
 """Real certificates for the TLS tests (the `cryptography` package): a CA, leaves it signs (server
 and client auth, SANs for localhost), expired leaves, a second CA."""
+
 from __future__ import annotations
 
 import datetime
@@ -17,18 +18,28 @@ def make_cert(name, issuer=None, *, ca=False, days=(-1, 30), dns=("localhost",),
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     sign_key, issuer_name = (key, subject) if issuer is None else (issuer[0], issuer[1].subject)
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
-         .serial_number(x509.random_serial_number())
-         .not_valid_before(now + datetime.timedelta(days=days[0]))
-         .not_valid_after(now + datetime.timedelta(days=days[1]))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + datetime.timedelta(days=days[0]))
+        .not_valid_after(now + datetime.timedelta(days=days[1]))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]), critical=False)
-        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                            critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+            ),
+            critical=False,
+        )
+        b = b.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
     return key, b.sign(sign_key, hashes.SHA256())
 
 
@@ -37,9 +48,15 @@ def write_pem(directory, name, key, cert) -> tuple[str, str]:
     from cryptography.hazmat.primitives import serialization
 
     out = []
-    for suffix, data in (("crt", cert.public_bytes(serialization.Encoding.PEM)),
-                         ("key", key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()))):
+    for suffix, data in (
+        ("crt", cert.public_bytes(serialization.Encoding.PEM)),
+        (
+            "key",
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        ),
+    ):
         path = os.path.join(str(directory), f"{name}.{suffix}")
         with open(path + ".tmp", "wb") as f:
             f.write(data)
@@ -52,6 +69,12 @@ def make_pki(directory) -> dict[str, tuple[str, str]]:
     """name -> (crt, key): ca, leaf, other_leaf (also by ca), expired (by ca), other_ca, foreign
     (by other_ca)."""
     ca, other = make_cert("config ca", ca=True), make_cert("other ca", ca=True)
-    made = {"ca": ca, "other_ca": other, "leaf": make_cert("config", ca), "other_leaf": make_cert("config 2", ca),
-            "expired": make_cert("config", ca, days=(-30, -1)), "foreign": make_cert("config", other)}
+    made = {
+        "ca": ca,
+        "other_ca": other,
+        "leaf": make_cert("config", ca),
+        "other_leaf": make_cert("config 2", ca),
+        "expired": make_cert("config", ca, days=(-30, -1)),
+        "foreign": make_cert("config", other),
+    }
     return {name: write_pem(directory, name, *pair) for name, pair in made.items()}

@@ -3,6 +3,7 @@
 Fixtures are defined here and imported by the test modules (test modules never import a module
 named `conftest`: several test directories have one).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,7 +21,8 @@ import pytest
 
 # The engine tests' checkpoint writers, loaded under another module name.
 _spec = importlib.util.spec_from_file_location(
-    "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "engine_helpers.py")
+    "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "engine_helpers.py"
+)
 _engine_models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_engine_models)
 VOCAB = _engine_models.VOCAB
@@ -36,8 +38,15 @@ def engine_options(target: str, draft: str, *, k: int = K, adaptive: bool = Fals
     from verifypd.local_engine import EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=8, k_initial=k, adaptive=adaptive)
-    fields = dict(target=target, draft=draft, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                  max_context=MAX_CONTEXT, config=config)
+    fields = dict(
+        target=target,
+        draft=draft,
+        device="cpu",
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        max_context=MAX_CONTEXT,
+        config=config,
+    )
     fields.update(overrides)
     return EngineOptions(**fields)
 
@@ -107,8 +116,13 @@ class Client:
 def greedy_request(prompt: list[int], max_tokens: int = 24, **extra) -> dict:
     from verifypd.v1 import generate_pb2
 
-    return dict(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=max_tokens, stop_at_eos=False,
-                sampling=generate_pb2.SamplingParams(seed=0), **extra)
+    return dict(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        max_tokens=max_tokens,
+        stop_at_eos=False,
+        sampling=generate_pb2.SamplingParams(seed=0),
+        **extra,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -119,8 +133,13 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
 class Server:
     """A `verifypd serve` subprocess whose stderr is collected (lane pids, recovery log lines)."""
 
-    def __init__(self, cmd: list[str], ready_line: str = "verifypd: serving", echo: bool = True,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cmd: list[str],
+        ready_line: str = "verifypd: serving",
+        echo: bool = True,
+        env: dict[str, str] | None = None,
+    ):
         from verifypd.launch.launcher import child_env
 
         self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stderr=subprocess.PIPE, text=True)
@@ -149,7 +168,7 @@ class Server:
                 pids[m.group(1)] = int(m.group(2))
         return pids
 
-    def wait_ready(self, timeout_s: float = 180) -> "Server":
+    def wait_ready(self, timeout_s: float = 180) -> Server:
         if not self.ready.wait(timeout_s):
             self.stop()
             pytest.fail("verifypd serve did not start:\n" + "".join(self.lines[-30:]))
@@ -168,7 +187,30 @@ class Server:
 
 def serve_cmd(tiny_models, port: int, *extra: str, topology: str = "colocated") -> list[str]:
     """`verifypd serve` through the CLI with the tiny random models on CPU (no HTTP port)."""
-    return [sys.executable, "-m", "verifypd.cli", "serve", "--topology", topology, "--port", str(port),
-            "--target", tiny_models[0], "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "128",
-            "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--http-port", "0",
-            "--drain-timeout", "2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--topology",
+        topology,
+        "--port",
+        str(port),
+        "--target",
+        tiny_models[0],
+        "--draft",
+        tiny_models[1],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "128",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--http-port",
+        "0",
+        "--drain-timeout",
+        "2",
+        *extra,
+    ]

@@ -4,6 +4,7 @@ whether every stream equals the fault-free output. Not collected by pytest (run 
 
     PYTHONPATH=$PWD/services python3 tests/services/soak_lane_kills.py --requests 120 --kills 6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,19 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
-
-from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Server, _engine_models, engine_options, free_port,  # noqa: E402
-                              offline_outputs, random_prompts, wait_until)
+from services_helpers import (  # noqa: E402
+    BLOCK_SIZE,
+    MAX_CONTEXT,
+    Server,
+    _engine_models,
+    engine_options,
+    free_port,
+    offline_outputs,
+    random_prompts,
+    wait_until,
+)
 from test_services_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop  # noqa: E402
+
 from verifypd.engine.types import RequestSpec  # noqa: E402
 
 
@@ -33,13 +43,43 @@ def main() -> int:
     args = ap.parse_args()
     models = _engine_models.write_target_and_draft(pathlib.Path(tempfile.mkdtemp(prefix="soak-")))
     prompts = random_prompts(args.requests, seed=5, max_len=20)
-    expected = offline_outputs(engine_options(*models),
-                               [RequestSpec(tuple(p), max_tokens=MAX_TOKENS, stop_at_eos=False) for p in prompts])
+    expected = offline_outputs(
+        engine_options(*models), [RequestSpec(tuple(p), max_tokens=MAX_TOKENS, stop_at_eos=False) for p in prompts]
+    )
     port = free_port()
-    server = Server([sys.executable, "-m", "verifypd.cli", "serve", "--topology", "split", "--port", str(port),
-                     "--target", models[0], "--draft", models[1], "--device", "cpu", "--num-blocks", "64",
-                     "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--max-running", "4",
-                     "--k-initial", "4", "--no-adaptive", "--max-lane-restarts", "5", "--http-port", "0"])
+    server = Server(
+        [
+            sys.executable,
+            "-m",
+            "verifypd.cli",
+            "serve",
+            "--topology",
+            "split",
+            "--port",
+            str(port),
+            "--target",
+            models[0],
+            "--draft",
+            models[1],
+            "--device",
+            "cpu",
+            "--num-blocks",
+            "64",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-context",
+            str(MAX_CONTEXT),
+            "--max-running",
+            "4",
+            "--k-initial",
+            "4",
+            "--no-adaptive",
+            "--max-lane-restarts",
+            "5",
+            "--http-port",
+            "0",
+        ]
+    )
     assert server.ready.wait(180)
     results: dict = {}
     stop = threading.Event()
@@ -60,12 +100,20 @@ def main() -> int:
         t.join(900)
     stop.set()
     ok = sum(1 for code, _ in results.values() if code == grpc.StatusCode.OK)
-    exact = sum(1 for n, (code, chunks) in results.items()
-                if [t for m in chunks for t in m.token_ids] == expected[n])
-    report = {"requests_sent": args.requests, "completed_ok": ok, "lost": args.requests - ok,
-              "streams_equal_fault_free": exact, "lane_kills": len(kills), "killed": kills,
-              "restarts": server.count(r"lane restarted, pid"), "recoveries": server.count(r"lanes recovered after"),
-              "concurrency": CONCURRENCY, "max_tokens": MAX_TOKENS, "wall_s": round(time.monotonic() - t0, 1)}
+    exact = sum(1 for n, (code, chunks) in results.items() if [t for m in chunks for t in m.token_ids] == expected[n])
+    report = {
+        "requests_sent": args.requests,
+        "completed_ok": ok,
+        "lost": args.requests - ok,
+        "streams_equal_fault_free": exact,
+        "lane_kills": len(kills),
+        "killed": kills,
+        "restarts": server.count(r"lane restarted, pid"),
+        "recoveries": server.count(r"lanes recovered after"),
+        "concurrency": CONCURRENCY,
+        "max_tokens": MAX_TOKENS,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
     server.proc.send_signal(signal.SIGTERM)
     server.proc.wait(60)
     print(json.dumps(report))

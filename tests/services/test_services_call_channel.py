@@ -1,5 +1,6 @@
 """The call channel (lanes.proto LaneCall/LaneReply): codec round trips, block-table deltas,
 validation naming fields, the connection's auth and error handling. In-process, no model."""
+
 from __future__ import annotations
 
 import socket
@@ -9,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from verifypd.engine.types import SamplingParams
-from verifypd.lanes.interface import DraftItem, KvHandle, LaneError, PrefillItem, VerifyItem, VerifyOutput
 from verifypd.lanerpc import call_codec as cc
 from verifypd.lanerpc import call_decode as cd
 from verifypd.lanerpc import lane_validate as lv
 from verifypd.lanerpc.call_channel import CallClient, CallServer, ChannelClosed
+from verifypd.lanes.interface import DraftItem, KvHandle, LaneError, PrefillItem, VerifyItem, VerifyOutput
 from verifypd.v1 import lanes_pb2
 
 TARGET, DRAFT = ("target-00000000000a", 3), ("draft-00000000000b", 5)
@@ -41,8 +42,10 @@ def test_verify_round_trip_and_deltas_carry_only_what_changed():
     mirror, state = cc.ChannelMirror(), cd.ChannelState()
     items = [verify_item("a", 5, [3, 4]), verify_item("b", 9, [8, 9, 10], drafts=(), sampling=SAMPLED)]
     got, call = round_trip(mirror, state, VERIFY, items, lambda m, i: cc.encode_verify(m, i, None))
-    assert [(g.request_id, g.pending_token, g.start_pos, list(g.draft_tokens), g.target_kv.block_ids, g.sampling)
-            for g in got] == [("a", 7, 5, [1, 2], (3, 4), GREEDY), ("b", 7, 9, [], (8, 9, 10), SAMPLED)]
+    assert [
+        (g.request_id, g.pending_token, g.start_pos, list(g.draft_tokens), g.target_kv.block_ids, g.sampling)
+        for g in got
+    ] == [("a", 7, 5, [1, 2], (3, 4), GREEDY), ("b", 7, 9, [], (8, 9, 10), SAMPLED)]
     assert len(call.batch.intros) == 2
     # Next step: request a grew by one block, b unchanged: no intros, one block id on the wire.
     items = [verify_item("a", 8, [3, 4, 20]), verify_item("b", 10, [8, 9, 10], drafts=(), sampling=SAMPLED)]
@@ -50,25 +53,32 @@ def test_verify_round_trip_and_deltas_carry_only_what_changed():
     assert not call.batch.intros and list(cc.from_u32(call.batch.target_blocks.added_u32)) == [20]
     assert [g.target_kv.block_ids for g in got] == [(3, 4, 20), (8, 9, 10)]
     # A rebuilt table (preemption, recompute) keeps only the common prefix.
-    got, call = round_trip(mirror, state, VERIFY, [verify_item("a", 2, [3, 30])], lambda m, i: cc.encode_verify(m, i, None))
+    got, call = round_trip(
+        mirror, state, VERIFY, [verify_item("a", 2, [3, 30])], lambda m, i: cc.encode_verify(m, i, None)
+    )
     assert list(cc.from_u32(call.batch.target_blocks.keep_u32)) == [1]
     assert got[0].target_kv.block_ids == (3, 30)
 
 
 def test_prefill_and_draft_round_trip_with_both_pools():
     mirror, state = cc.ChannelMirror(), cd.ChannelState()
-    pre = [PrefillItem("a", [5, 6, 7], 0, handle(TARGET, [1]), handle(DRAFT, [2]), True, GREEDY),
-           PrefillItem("b", [9] * 6, 4, handle(TARGET, [3, 4, 5]), handle(DRAFT, [6, 7, 8]), False, SAMPLED)]
+    pre = [
+        PrefillItem("a", [5, 6, 7], 0, handle(TARGET, [1]), handle(DRAFT, [2]), True, GREEDY),
+        PrefillItem("b", [9] * 6, 4, handle(TARGET, [3, 4, 5]), handle(DRAFT, [6, 7, 8]), False, SAMPLED),
+    ]
     got, _ = round_trip(mirror, state, PREFILL, pre, cc.encode_prefill)
-    assert [(g.token_ids, g.start_pos, g.target_kv.block_ids, g.draft_kv.block_ids, g.sample_first)
-            for g in got] == [([5, 6, 7], 0, (1,), (2,), True), ([9] * 6, 4, (3, 4, 5), (6, 7, 8), False)]
+    assert [(g.token_ids, g.start_pos, g.target_kv.block_ids, g.draft_kv.block_ids, g.sample_first) for g in got] == [
+        ([5, 6, 7], 0, (1,), (2,), True),
+        ([9] * 6, 4, (3, 4, 5), (6, 7, 8), False),
+    ]
     dr = [DraftItem("a", [8], 3, handle(DRAFT, [2, 11]), 4, GREEDY)]
     got, call = round_trip(mirror, state, DRAFT_M, dr, cc.encode_draft)
     assert (got[0].input_tokens, got[0].k, got[0].draft_kv.block_ids) == ([8], 4, (2, 11))
     assert not call.batch.intros  # a was introduced by the prefill call on this channel
     mirror.release(["a"])
-    _, call = round_trip(mirror, state, DRAFT_M, [DraftItem("b", [1], 10, handle(DRAFT, [6, 7, 8]), 1, SAMPLED)],
-                         cc.encode_draft)
+    _, call = round_trip(
+        mirror, state, DRAFT_M, [DraftItem("b", [1], 10, handle(DRAFT, [6, 7, 8]), 1, SAMPLED)], cc.encode_draft
+    )
     state.release(call.batch.released)  # as the lane does after the call
     assert list(call.batch.released) == [0] and set(state.requests) == {1}
 
@@ -128,12 +138,17 @@ def test_handoff_drafts_are_rows_of_one_slot():
     batch = cc.encode_verify(mirror, items, None)
     assert batch.handoff_slot == 2 and list(cc.from_u32(batch.tokens_u32)) == [4]
     got = cd.decode(VERIFY, batch, cd.ChannelState(), LIMITS, handoff=(8, 16))
-    assert isinstance(got[0].draft_tokens, cc.HandoffTokens) and (got[0].draft_tokens.row, len(got[0].draft_tokens)) == (0, 3)
+    assert isinstance(got[0].draft_tokens, cc.HandoffTokens) and (
+        got[0].draft_tokens.row,
+        len(got[0].draft_tokens),
+    ) == (0, 3)
     assert list(got[1].draft_tokens) == [4]
     assert "no draft handoff buffer" in str(bad(VERIFY, batch))
     assert "drafts <= 2" in str(bad(VERIFY, cc.encode_verify(cc.ChannelMirror(), items, None), handoff=(1, 2)))
-    mixed = [verify_item("a", 5, [3, 4], drafts=cc.HandoffTokens(1, 0, 3)),
-             verify_item("b", 1, [9], drafts=cc.HandoffTokens(2, 1, 3))]
+    mixed = [
+        verify_item("a", 5, [3, 4], drafts=cc.HandoffTokens(1, 0, 3)),
+        verify_item("b", 1, [9], drafts=cc.HandoffTokens(2, 1, 3)),
+    ]
     with pytest.raises(ValueError, match="one handoff slot"):
         cc.encode_verify(cc.ChannelMirror(), mixed, None)
     with pytest.raises(TypeError):
@@ -153,12 +168,14 @@ def test_reply_shapes_are_checked_on_the_router_side():
 # -- the connection ----------------------------------------------------------------------------
 def echo_server(secret):
     """Answers VERIFY calls by echoing item counts; an item count of 3 is refused (INVALID_ARGUMENT)."""
+
     def handler(call, state):
         n = len(call.batch.keys_u32) // 4
         if n == 3:
             return lanes_pb2.LaneReply(status_code=3, error="batch: three is refused")
         state.calls += 1
         return lanes_pb2.LaneReply(count_u32=cc.u32([state.calls] * n))
+
     return CallServer(handler, lambda: SimpleNamespace(calls=0), "127.0.0.1", 0, secret)
 
 

@@ -2,19 +2,29 @@
 (`--admin-key-file`), which neither an outsider nor a caller holding Generate's API key has; the
 operator's Control client presents it and gets through. The rule itself (auth.gateway_access) as
 a table, then real `verifypd serve` processes in both topologies, then the CLI's refusals."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
+from services_helpers import (
+    Client,
+    Server,
+    free_port,
+    greedy_request,
+    serve_cmd,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
-from services_helpers import Client, Server, free_port, greedy_request, serve_cmd
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.auth import gateway_access
 from verifypd.v1 import control_pb2
 
 ADMIN_KEY, API_KEY = "admin-key-for-tests-0123456789", "api-key-for-tests-0123456789"
-UPDATE, GET, GENERATE = ("/verifypd.v1.Control/UpdateConfig", "/verifypd.v1.Control/GetConfig",
-                         "/verifypd.v1.Generation/Generate")
+UPDATE, GET, GENERATE = (
+    "/verifypd.v1.Control/UpdateConfig",
+    "/verifypd.v1.Control/GetConfig",
+    "/verifypd.v1.Generation/Generate",
+)
 OK, UNAUTH, DENIED = None, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -22,23 +32,26 @@ def _meta(key):
     return {} if key is None else {"authorization": f"Bearer {key}"}
 
 
-@pytest.mark.parametrize("method, key, api_key, admin_key, want", [
-    (UPDATE, None, None, None, DENIED),           # no admin key configured: closed to everyone
-    (UPDATE, ADMIN_KEY, None, None, DENIED),
-    (UPDATE, None, None, ADMIN_KEY, UNAUTH),      # outsider, no API key on the server
-    (UPDATE, "wrong", API_KEY, ADMIN_KEY, UNAUTH),
-    (UPDATE, API_KEY, API_KEY, ADMIN_KEY, DENIED),  # a Generate caller: authenticated, not allowed
-    (UPDATE, ADMIN_KEY, API_KEY, ADMIN_KEY, OK),
-    (UPDATE, ADMIN_KEY, None, ADMIN_KEY, OK),
-    (GET, None, None, ADMIN_KEY, OK),             # GetConfig: as readable as Generate
-    (GET, None, API_KEY, ADMIN_KEY, UNAUTH),
-    (GET, API_KEY, API_KEY, ADMIN_KEY, OK),
-    (GET, ADMIN_KEY, API_KEY, ADMIN_KEY, OK),
-    (GENERATE, None, None, ADMIN_KEY, OK),
-    (GENERATE, None, API_KEY, None, UNAUTH),
-    (GENERATE, API_KEY, API_KEY, None, OK),
-    ("/grpc.health.v1.Health/Check", None, API_KEY, ADMIN_KEY, OK),
-])
+@pytest.mark.parametrize(
+    "method, key, api_key, admin_key, want",
+    [
+        (UPDATE, None, None, None, DENIED),  # no admin key configured: closed to everyone
+        (UPDATE, ADMIN_KEY, None, None, DENIED),
+        (UPDATE, None, None, ADMIN_KEY, UNAUTH),  # outsider, no API key on the server
+        (UPDATE, "wrong", API_KEY, ADMIN_KEY, UNAUTH),
+        (UPDATE, API_KEY, API_KEY, ADMIN_KEY, DENIED),  # a Generate caller: authenticated, not allowed
+        (UPDATE, ADMIN_KEY, API_KEY, ADMIN_KEY, OK),
+        (UPDATE, ADMIN_KEY, None, ADMIN_KEY, OK),
+        (GET, None, None, ADMIN_KEY, OK),  # GetConfig: as readable as Generate
+        (GET, None, API_KEY, ADMIN_KEY, UNAUTH),
+        (GET, API_KEY, API_KEY, ADMIN_KEY, OK),
+        (GET, ADMIN_KEY, API_KEY, ADMIN_KEY, OK),
+        (GENERATE, None, None, ADMIN_KEY, OK),
+        (GENERATE, None, API_KEY, None, UNAUTH),
+        (GENERATE, API_KEY, API_KEY, None, OK),
+        ("/grpc.health.v1.Health/Check", None, API_KEY, ADMIN_KEY, OK),
+    ],
+)
 def test_gateway_access_rule(method, key, api_key, admin_key, want):
     denial = gateway_access(method, _meta(key), api_key=api_key, admin_key=admin_key)
     assert (denial and denial[0]) == want, denial
@@ -53,8 +66,10 @@ def served(request, tiny_models, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("admin") / "admin-key"
     key_file.write_text(ADMIN_KEY + "\n")
     port = free_port()
-    server = Server(serve_cmd(tiny_models, port, "--api-key", API_KEY, "--admin-key-file", str(key_file),
-                              topology=request.param), echo=False).wait_ready()
+    server = Server(
+        serve_cmd(tiny_models, port, "--api-key", API_KEY, "--admin-key-file", str(key_file), topology=request.param),
+        echo=False,
+    ).wait_ready()
     yield f"127.0.0.1:{port}"
     server.stop()
 
@@ -76,8 +91,16 @@ def test_control_is_closed_to_outsiders_and_generate_callers(served):
         before = user.control.GetConfig(control_pb2.GetConfigRequest(), timeout=30)  # readable by Generate's callers
         assert len(user.generate(**greedy_request([5, 6, 7], 4))[0]) == 4
 
-        knobs = Knobs(k_min=1, k_max=3, k_initial=2, adaptive=True, prio_draft=2, prio_verify=1, prio_prefill=0,
-                      prefill_token_budget=256)
+        knobs = Knobs(
+            k_min=1,
+            k_max=3,
+            k_initial=2,
+            adaptive=True,
+            prio_draft=2,
+            prio_verify=1,
+            prio_prefill=0,
+            prefill_token_budget=256,
+        )
         operator = ControlClient(timeout_s=30, resolver=lambda _: [served])
         keyless = operator.sync("gateway-pods:50051", knobs, "operator/test", "test")
         assert keyless.reached == 0 and "UNAUTHENTICATED" in keyless.errors[served]
@@ -91,10 +114,13 @@ def test_control_is_closed_to_outsiders_and_generate_callers(served):
         user.close()
 
 
-@pytest.mark.parametrize("key, api_key, message", [
-    ("short", None, "admin key is too short"),
-    (API_KEY, API_KEY, "must differ from the API key"),
-])
+@pytest.mark.parametrize(
+    "key, api_key, message",
+    [
+        ("short", None, "admin key is too short"),
+        (API_KEY, API_KEY, "must differ from the API key"),
+    ],
+)
 def test_serve_refuses_a_bad_admin_key(tiny_models, tmp_path, capsys, key, api_key, message):
     from verifypd.cli import main
 

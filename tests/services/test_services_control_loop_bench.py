@@ -1,14 +1,15 @@
 """bench/control_loop.py --smoke on the CPU (its real use is on the GPU, issue 20): one server, the
 three modes, the operator's loop acting on the server's own telemetry, the priority run, the
 result file with the benchmark metadata."""
-from __future__ import annotations
 
-import pytest
+from __future__ import annotations
 
 import json
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 from verifypd.launch.launcher import child_env
 
@@ -17,8 +18,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
 def test_control_loop_bench_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "control_loop.py"), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "control_loop.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "control_loop_cpu.json").read_text())
     assert {"command", "git_revision", "date", "device"} <= result.keys() and "SIMULATED" in result["label"]
@@ -37,5 +44,7 @@ def test_control_loop_bench_smoke(tmp_path):
     assert set(result["priority_mix"]["by_priority"]) == {"0", "10"} and (tmp_path / "control_loop_cpu.png").exists()
     targets = result["targets"]
     assert [x["rate"] for x in targets["per_rate"]] == [4.0]
-    assert targets["loop_latency_s"] == sorted(d["loop_latency_s"] for d in loop["decisions"] if d["loop_latency_s"] is not None)
+    assert targets["loop_latency_s"] == sorted(
+        d["loop_latency_s"] for d in loop["decisions"] if d["loop_latency_s"] is not None
+    )
     assert targets["priority_ttft_p95_ratio_high_over_low"] is not None

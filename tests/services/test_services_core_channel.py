@@ -2,6 +2,7 @@
 engine step for all requests, per-request order, cancel races, a client id reused right after a
 cancel, stop strings applied in the gateway, and an engine-core process that dies: every request
 ends with UNAVAILABLE at once, health goes NOT_SERVING and `verifypd serve` exits."""
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,20 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from services_helpers import (
+    BLOCK_SIZE,
+    MAX_CONTEXT,
+    Client,
+    Server,
+    engine_options,
+    free_port,
+    greedy_request,
+    offline_outputs,
+    random_prompts,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, Server, engine_options, free_port, greedy_request,
-                              offline_outputs, random_prompts, wait_until)
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec
 from verifypd.v1 import generate_pb2
 
@@ -56,8 +67,9 @@ def client(gateway):
 
 def test_one_message_per_step_carries_every_request_in_order(tiny_models, gateway, client):
     prompts = random_prompts(6, seed=3)
-    expected = offline_outputs(engine_options(*tiny_models),
-                               [RequestSpec(tuple(p), max_tokens=20, stop_at_eos=False) for p in prompts])
+    expected = offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(p), max_tokens=20, stop_at_eos=False) for p in prompts]
+    )
     channel = gateway.core.channel
     steps0, messages0 = gateway.engine.steps, channel.step_messages
     results: dict[int, list[int]] = {}
@@ -66,6 +78,7 @@ def test_one_message_per_step_carries_every_request_in_order(tiny_models, gatewa
     def run(n: int) -> None:
         barrier.wait()
         results[n], _ = client.generate(**greedy_request(prompts[n], max_tokens=20))
+
     threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
     for t in threads:
         t.start()
@@ -87,17 +100,20 @@ def test_cancel_before_added_and_while_streaming_frees_everything(gateway, clien
             list(call)
         assert err.value.code() == grpc.StatusCode.CANCELLED
     assert wait_until(lambda: gateway.client.in_flight() == 0, 5)
-    assert wait_until(lambda: gateway.engine.call(lambda r: (r.target_blocks.num_used, len(r.sequences())))
-                      == (0, 0), 5)
+    assert wait_until(
+        lambda: gateway.engine.call(lambda r: (r.target_blocks.num_used, len(r.sequences()))) == (0, 0), 5
+    )
 
 
 def test_client_id_reused_right_after_cancel_gets_only_its_own_tokens(tiny_models, gateway, client):
     first, second = random_prompts(2, seed=5)
-    expected = offline_outputs(engine_options(*tiny_models), [RequestSpec(tuple(second), max_tokens=16,
-                                                                          stop_at_eos=False)])[0]
+    expected = offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(second), max_tokens=16, stop_at_eos=False)]
+    )[0]
     for _ in range(3):
-        call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(first, max_tokens=200),
-                                                                request_id="same"), timeout=30)
+        call = client.gen.Generate(
+            generate_pb2.GenerateRequest(**greedy_request(first, max_tokens=200), request_id="same"), timeout=30
+        )
         next(call)  # streaming: the core is stepping it right now
         call.cancel()
         assert wait_until(lambda: gateway.client.in_flight() == 0, 5)
@@ -111,14 +127,33 @@ def test_stop_string_is_applied_by_the_gateway(client):
     stop = text[3]
     ids, msgs = client.generate(text="w5 w6 w7", max_tokens=12, stop_at_eos=False, stop=[stop])
     assert msgs[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
-    assert "".join(m.text for m in msgs).split() == text[:text.index(stop)]
+    assert "".join(m.text for m in msgs).split() == text[: text.index(stop)]
 
 
 def test_engine_core_process_crash_fails_requests_and_serve_exits(tiny_models):
     port = free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0",
-           "--target", tiny_models[0], "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "64",
-           "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        "0",
+        "--target",
+        tiny_models[0],
+        "--draft",
+        tiny_models[1],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        str(MAX_CONTEXT),
+    ]
     server = Server(cmd, echo=False)
     try:
         assert server.ready.wait(180), "".join(server.lines[-30:])
@@ -129,12 +164,14 @@ def test_engine_core_process_crash_fails_requests_and_serve_exits(tiny_models):
 
         def stream(prompt) -> None:
             try:
-                for _ in c.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(prompt, max_tokens=240)),
-                                        timeout=120):
+                for _ in c.gen.Generate(
+                    generate_pb2.GenerateRequest(**greedy_request(prompt, max_tokens=240)), timeout=120
+                ):
                     started.set()
                 outcomes.append(("finished", ""))
             except grpc.RpcError as exc:
                 outcomes.append((exc.code(), exc.details()))
+
         readers = [threading.Thread(target=stream, args=(p,)) for p in random_prompts(8, seed=6, max_len=8)]
         for r in readers:
             r.start()
@@ -151,8 +188,9 @@ def test_engine_core_process_crash_fails_requests_and_serve_exits(tiny_models):
         assert not any(r.is_alive() for r in readers + late), "a request hung after the engine core died"
         assert time.monotonic() - t0 < 10
         failed = [o for o in outcomes if o[0] != "finished"]
-        assert len(failed) >= 2 and all(code == grpc.StatusCode.UNAVAILABLE and "engine-core process exited" in
-                                        details for code, details in failed), outcomes
+        assert len(failed) >= 2 and all(
+            code == grpc.StatusCode.UNAVAILABLE and "engine-core process exited" in details for code, details in failed
+        ), outcomes
         assert server.proc.wait(30) == 1, "serve must exit (non-zero) when its engine core is gone"
         assert any("exiting" in ln for ln in server.lines)
     finally:

@@ -1,5 +1,6 @@
 """Graceful drain on SIGTERM (`verifypd serve` as a subprocess) and the gateway's optional API key
 (the admin key of Control: test_services_control_access.py)."""
+
 from __future__ import annotations
 
 import signal
@@ -10,10 +11,18 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from services_helpers import (
+    BLOCK_SIZE,
+    MAX_CONTEXT,
+    Client,
+    Server,
+    engine_options,
+    free_port,
+    greedy_request,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, Server, engine_options, free_port, greedy_request,
-                             wait_until)
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.v1 import control_pb2, generate_pb2
 
 API_KEY = "test-api-key-0123456789"
@@ -27,8 +36,11 @@ def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
         client = Client(gw.address)
         for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", API_KEY),)):
             with pytest.raises(grpc.RpcError) as err:
-                list(client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6], 4)), metadata=metadata,
-                                         timeout=30))
+                list(
+                    client.gen.Generate(
+                        generate_pb2.GenerateRequest(**greedy_request([5, 6], 4)), metadata=metadata, timeout=30
+                    )
+                )
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in err.value.details()
             with pytest.raises(grpc.RpcError) as err:
                 client.control.GetConfig(control_pb2.GetConfigRequest(), metadata=metadata, timeout=30)
@@ -38,29 +50,57 @@ def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "admin key" in err.value.details()
         assert client.health_status() == health_pb2.HealthCheckResponse.SERVING  # probes carry no key
         good = (("authorization", f"Bearer {API_KEY}"),)
-        msgs = list(client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6], 4)), metadata=good,
-                                        timeout=30))
+        msgs = list(
+            client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6], 4)), metadata=good, timeout=30)
+        )
         assert sum(len(m.token_ids) for m in msgs) == 4
         client.close()
         # The CLI client sends the key it is given.
         assert main(["generate", "--server", gw.address, "--raw", "--max-tokens", "3", "w5"]) == 1
         assert "UNAUTHENTICATED" in capsys.readouterr().err
-        assert main(["generate", "--server", gw.address, "--raw", "--max-tokens", "3", "--api-key", API_KEY,
-                     "--json", "w5"]) == 0
+        assert (
+            main(
+                ["generate", "--server", gw.address, "--raw", "--max-tokens", "3", "--api-key", API_KEY, "--json", "w5"]
+            )
+            == 0
+        )
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
     port = free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--target", tiny_models[0],
-           "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "256", "--block-size", str(BLOCK_SIZE),
-           "--max-context", str(MAX_CONTEXT), "--drain-timeout", "60", "--http-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--target",
+        tiny_models[0],
+        "--draft",
+        tiny_models[1],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "256",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--drain-timeout",
+        "60",
+        "--http-port",
+        "0",
+    ]
     server = Server(cmd, echo=False)
     proc, lines, ready = server.proc, server.lines, server.ready
     try:
         assert ready.wait(120), "".join(lines[-20:])
         client = Client(f"127.0.0.1:{port}")
-        calls = [client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5 + n, 6, 7], 200)), timeout=120)
-                 for n in range(6)]
+        calls = [
+            client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5 + n, 6, 7], 200)), timeout=120)
+            for n in range(6)
+        ]
         firsts = [next(c) for c in calls]  # all six are streaming
         results = {}
 
@@ -69,6 +109,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
                 results[n] = sum(len(m.token_ids) for m in [firsts[n], *calls[n]])
             except grpc.RpcError as exc:
                 results[n] = exc.code()
+
         readers = [threading.Thread(target=drain, args=(n,)) for n in range(6)]
         for t in readers:
             t.start()

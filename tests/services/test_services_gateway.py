@@ -1,5 +1,6 @@
 """The gateway in `colocated` topology, over real gRPC on localhost: output equal to the offline
 engine, validation, cancellation, overload, Control, health, reflection, telemetry, the CLI client."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,19 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from services_helpers import (
+    Client,
+    engine_options,
+    free_port,
+    greedy_request,
+    offline_outputs,
+    random_prompts,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from services_helpers import (Client, engine_options, free_port, greedy_request, offline_outputs, random_prompts,
-                              wait_until)
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import control_pb2, generate_pb2
-
 
 ADMIN_KEY = "test-admin-key-0123456789"  # Control.UpdateConfig needs it (auth.gateway_access)
 
@@ -37,6 +44,7 @@ class SlowLane:
         def call(*args, **kwargs):
             time.sleep(self.delay_s)
             return method(*args, **kwargs)
+
         return call
 
 
@@ -59,14 +67,15 @@ class Recorder:
 
 
 def start_gateway(tiny_models, *, readers=None, max_queue=256, **option_overrides):
-    from verifypd.gateway.server import build_colocated
     from verifypd.core.telemetry import Telemetry
+    from verifypd.gateway.server import build_colocated
 
     telemetry = Telemetry(readers=readers)
-    gw = build_colocated(engine_options(*tiny_models, **option_overrides), observer=telemetry, max_queue=max_queue,
-                         admin_key=ADMIN_KEY)
+    gw = build_colocated(
+        engine_options(*tiny_models, **option_overrides), observer=telemetry, max_queue=max_queue, admin_key=ADMIN_KEY
+    )
     router = gw.router
-    router.verify_lane = SlowLane(router.verify_lane)   # before start: the engine thread owns it after
+    router.verify_lane = SlowLane(router.verify_lane)  # before start: the engine thread owns it after
     router.observer = Recorder(router.observer)
     return gw.start()
 
@@ -99,12 +108,14 @@ def blocks_in_use(gw) -> tuple[int, int]:
 
 def test_greedy_output_equals_offline_engine(tiny_models, client):
     prompts = random_prompts(8, seed=0)
-    expected = offline_outputs(engine_options(*tiny_models),
-                               [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts])
+    expected = offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts]
+    )
     results: dict[int, list[int]] = {}
 
     def run(n):  # concurrent: requests join and leave the batch as the router likes
         results[n] = client.generate(**greedy_request(prompts[n]))[0]
+
     threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
     for t in threads:
         t.start()
@@ -130,11 +141,15 @@ def test_text_prompt_and_response_fields(client):
 def test_sampling_with_seed_equals_offline_engine(tiny_models, client, top_k):
     prompt = [5, 9, 13, 40]
     sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=top_k, seed=1234)
-    expected = offline_outputs(engine_options(*tiny_models),
-                               [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)])
-    ids, _ = client.generate(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=20, stop_at_eos=False,
-                             sampling=generate_pb2.SamplingParams(temperature=0.9, top_p=0.95, top_k=top_k,
-                                                                  seed=1234))
+    expected = offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)]
+    )
+    ids, _ = client.generate(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        max_tokens=20,
+        stop_at_eos=False,
+        sampling=generate_pb2.SamplingParams(temperature=0.9, top_p=0.95, top_k=top_k, seed=1234),
+    )
     assert [ids] == expected
 
 
@@ -143,15 +158,21 @@ BAD = [
     ("empty text", dict(text=""), "text"),
     ("empty ids", dict(token_ids=generate_pb2.TokenIds(ids=[])), "token_ids"),
     ("id out of vocab", dict(token_ids=generate_pb2.TokenIds(ids=[3, 5000])), "token ids"),
-    ("negative temperature", dict(text="w5", sampling=generate_pb2.SamplingParams(temperature=-1)),
-     "sampling.temperature"),
+    (
+        "negative temperature",
+        dict(text="w5", sampling=generate_pb2.SamplingParams(temperature=-1)),
+        "sampling.temperature",
+    ),
     ("top_p above 1", dict(text="w5", sampling=generate_pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
     ("negative top_k", dict(text="w5", sampling=generate_pb2.SamplingParams(top_k=-2)), "sampling.top_k"),
     ("k too large", dict(text="w5", speculation=generate_pb2.SpeculationOverride(max_k=99)), "speculation.max_k"),
     ("priority", dict(text="w5", priority=1000), "priority"),
     ("empty stop", dict(text="w5", stop=["x", ""]), "stop[1]"),
-    ("no chat template", dict(chat=generate_pb2.ChatMessages(messages=[
-        generate_pb2.ChatMessage(role="user", content="hi")])), "chat template"),
+    (
+        "no chat template",
+        dict(chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content="hi")])),
+        "chat template",
+    ),
     ("prompt longer than context", dict(token_ids=generate_pb2.TokenIds(ids=[5] * 300)), "context"),
 ]
 
@@ -177,8 +198,10 @@ def test_duplicate_in_flight_request_id(client, gateway):
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_cancel_and_deadline_free_blocks(client, gateway, how):
     gateway.router.verify_lane.delay_s = 0.03
-    call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(list(range(3, 30)), 200)),
-                               timeout=None if how == "cancel" else 0.5)
+    call = client.gen.Generate(
+        generate_pb2.GenerateRequest(**greedy_request(list(range(3, 30)), 200)),
+        timeout=None if how == "cancel" else 0.5,
+    )
     next(call)
     assert blocks_in_use(gateway) != (0, 0)
     if how == "cancel":
@@ -199,9 +222,13 @@ def test_update_config_takes_effect_on_next_step(client, gateway):
     start = recorder.steps  # the gateway is idle: steps from here on are this request's
     call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([7, 8, 9], 120)))
     msgs = [next(call), next(call), next(call)]
-    applied = admin.control.UpdateConfig(control_pb2.UpdateConfigRequest(
-        config=control_pb2.RuntimeConfig(k_initial=1, priorities=control_pb2.LanePriorities(prefill=5)),
-        requested_by="test", reason="k to 1"))
+    applied = admin.control.UpdateConfig(
+        control_pb2.UpdateConfigRequest(
+            config=control_pb2.RuntimeConfig(k_initial=1, priorities=control_pb2.LanePriorities(prefill=5)),
+            requested_by="test",
+            reason="k to 1",
+        )
+    )
     assert (applied.k_initial, applied.k_max, applied.priorities.prefill, applied.priorities.draft) == (1, 8, 5, 2)
     assert applied.revision == before.revision + 1
     msgs += list(call)
@@ -219,8 +246,11 @@ def test_update_config_takes_effect_on_next_step(client, gateway):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "k_min" in err.value.details()
     after = client.control.GetConfig(control_pb2.GetConfigRequest())
     assert (after.k_min, after.revision) == (0, applied.revision)
-    admin.control.UpdateConfig(control_pb2.UpdateConfigRequest(config=control_pb2.RuntimeConfig(
-        k_initial=4, priorities=control_pb2.LanePriorities(prefill=0))))
+    admin.control.UpdateConfig(
+        control_pb2.UpdateConfigRequest(
+            config=control_pb2.RuntimeConfig(k_initial=4, priorities=control_pb2.LanePriorities(prefill=0))
+        )
+    )
     admin.close()
 
 
@@ -269,9 +299,19 @@ def test_telemetry_metric_names(client, metrics_reader):
     client.generate(**greedy_request([5, 6, 7], 12))
     data = metrics_reader.get_metrics_data()
     names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
-    assert {mn.TIME_TO_FIRST_TOKEN, mn.TIME_PER_OUTPUT_TOKEN, mn.REQUEST_DURATION, mn.TOKEN_USAGE,
-            mn.LANE_STEP_DURATION, mn.LANE_QUEUE_DEPTH, mn.DRAFT_TOKENS, mn.ACCEPTED_TOKENS, mn.APPLIED_K,
-            mn.KV_BLOCKS_IN_USE, mn.ACCEPTANCE_RATE} <= names
+    assert {
+        mn.TIME_TO_FIRST_TOKEN,
+        mn.TIME_PER_OUTPUT_TOKEN,
+        mn.REQUEST_DURATION,
+        mn.TOKEN_USAGE,
+        mn.LANE_STEP_DURATION,
+        mn.LANE_QUEUE_DEPTH,
+        mn.DRAFT_TOKENS,
+        mn.ACCEPTED_TOKENS,
+        mn.APPLIED_K,
+        mn.KV_BLOCKS_IN_USE,
+        mn.ACCEPTANCE_RATE,
+    } <= names
 
 
 def test_cli_generate_against_server(gateway, capsys):
@@ -279,8 +319,17 @@ def test_cli_generate_against_server(gateway, capsys):
 
     assert main(["generate", "--server", gateway.address, "--raw", "--json", "--max-tokens", "8", "w5 w6 w7"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"request_id", "text", "token_ids", "finish_reason", "usage", "ttft_s", "target", "draft",
-                        "device"}
+    assert set(out) == {
+        "request_id",
+        "text",
+        "token_ids",
+        "finish_reason",
+        "usage",
+        "ttft_s",
+        "target",
+        "draft",
+        "device",
+    }
     assert len(out["token_ids"]) <= 8 and out["usage"]["prompt_tokens"] == 3
     # Without --raw the CLI asks for the chat template and falls back to text like the offline CLI.
     assert main(["generate", "--server", gateway.address, "--max-tokens", "8", "w5 w6 w7"]) == 0

@@ -1,12 +1,18 @@
 """Telemetry gauges follow the engine down: after a cancel, and while idle, KV blocks in use and
 lane queue depths read 0, not the last busy step's values."""
+
 from __future__ import annotations
 
 import grpc
 import pytest
+from services_helpers import (
+    Client,
+    engine_options,
+    greedy_request,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from services_helpers import Client, engine_options, greedy_request, wait_until
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.v1 import generate_pb2
 
 
@@ -25,14 +31,13 @@ def test_gauges_drop_to_zero_after_cancel_and_when_idle(tiny_models):
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from verifypd import metric_names as mn
-    from verifypd.gateway.server import build_colocated
     from verifypd.core.telemetry import Telemetry
+    from verifypd.gateway.server import build_colocated
 
     reader = InMemoryMetricReader()
     with build_colocated(engine_options(*tiny_models), observer=Telemetry(readers=[reader])) as gw:
         client = Client(gw.address)
-        call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(list(range(3, 40)), 200)),
-                                   timeout=60)
+        call = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(list(range(3, 40)), 200)), timeout=60)
         next(call)
         assert any(v > 0 for v in gauge_values(reader, mn.KV_BLOCKS_IN_USE).values())
         call.cancel()
@@ -44,8 +49,14 @@ def test_gauges_drop_to_zero_after_cancel_and_when_idle(tiny_models):
 
 
 def _points(reader, name: str) -> list:
-    return [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
-            for m in sm.metrics if m.name == name for p in m.data.data_points]
+    return [
+        p
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == name
+        for p in m.data.data_points
+    ]
 
 
 def test_verify_items_reach_the_instruments_once_per_step_with_exact_sums():
@@ -60,8 +71,11 @@ def test_verify_items_reach_the_instruments_once_per_step_with_exact_sums():
 
     reader = InMemoryMetricReader()
     telemetry = Telemetry(readers=[reader])
-    router = SimpleNamespace(scheduler=SimpleNamespace(running=[], num_waiting=0),
-                             target_blocks=SimpleNamespace(num_used=0), draft_blocks=None)
+    router = SimpleNamespace(
+        scheduler=SimpleNamespace(running=[], num_waiting=0),
+        target_blocks=SimpleNamespace(num_used=0),
+        draft_blocks=None,
+    )
     calls = {"record": 0, "add": 0}
     for name, method in (("applied_k", "record"), ("draft_tokens", "add"), ("accepted_tokens", "add")):
         inner = getattr(getattr(telemetry, name), method)
@@ -69,6 +83,7 @@ def test_verify_items_reach_the_instruments_once_per_step_with_exact_sums():
         def counted(*a, _inner=inner, _method=method, **kw):
             calls[_method] += 1
             return _inner(*a, **kw)
+
         setattr(telemetry, name, SimpleNamespace(**{method: counted}))
     steps = [[(3, 2)] * 50 + [(1, 1)] * 10 + [(0, 0)] * 4, [(0, 0)] * 64, [(4, 0), (4, 4)]]
     for items in steps:

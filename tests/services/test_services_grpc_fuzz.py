@@ -1,5 +1,6 @@
 """Generate requests with extreme field values (issue 23): each is served or refused with
 INVALID_ARGUMENT naming the field, never INTERNAL/UNKNOWN or a hang, and nothing leaks."""
+
 from __future__ import annotations
 
 import random
@@ -7,9 +8,13 @@ import time
 
 import grpc
 import pytest
+from services_helpers import (
+    Client,
+    engine_options,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from services_helpers import Client, engine_options, wait_until
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.v1 import generate_pb2 as pb
 
 FUZZ_REQUESTS = 1500
@@ -21,14 +26,14 @@ HOSTILE = [
     ("max_tokens", [1, 2**32 - 1], ["max_tokens"]),
     ("sampling.temperature", [NAN, INF, -INF, -1.0, -0.0, 1e-45, 3.4e38, 1e30], ["temperature"]),
     ("sampling.top_p", [NAN, INF, -INF, -0.5, 1.0000001, 2.0, 1e-45, 0.0], ["top_p"]),
-    ("sampling.top_k", [2**31 - 1, -2**31, -1, 1], ["top_k"]),
+    ("sampling.top_k", [2**31 - 1, -(2**31), -1, 1], ["top_k"]),
     ("sampling.seed", [0, 2**64 - 1], ["seed"]),
     ("stop", [[""], ["x"] * 17, ["x"] * 10_000, ["x" * 257], ["y" * 100_000], ["\x00"], ["\ud7ff", "é"]], ["stop"]),
     ("text", ["", "w5 " * 100_000, "\x00", "é" * 1000], ["text", "prompt"]),
     ("token_ids", [[], [2**32 - 1], [96], [95], [0] * 10_000, [5] * 255], ["token_ids", "prompt"]),
     ("chat", [[], [("robot", "w5")], [("user", "w5" * 50_000)]], ["chat", "prompt", "tokenizer", "template"]),
     ("request_id", ["r" * 300, "\x00", "é" * 10], ["request_id"]),
-    ("priority", [2**31 - 1, -2**31, 101, -100], ["priority"]),
+    ("priority", [2**31 - 1, -(2**31), 101, -100], ["priority"]),
     ("speculation.max_k", [2**32 - 1, 17, 0, 16], ["max_k", "k "]),
     ("speculation.disable", [True, False], ["speculation"]),
 ]
@@ -62,8 +67,12 @@ def set_field(req: pb.GenerateRequest, field: str, value) -> None:
 
 def hostile_request(rng: random.Random, n: int) -> tuple[pb.GenerateRequest, list[str], list[str]]:
     """A valid small request with 1-3 fields made hostile; returns it and the fields and words."""
-    req = pb.GenerateRequest(request_id=f"f{n}", token_ids=pb.TokenIds(ids=[5, 6, 7]), max_tokens=rng.randint(1, 3),
-                             sampling=pb.SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=n))
+    req = pb.GenerateRequest(
+        request_id=f"f{n}",
+        token_ids=pb.TokenIds(ids=[5, 6, 7]),
+        max_tokens=rng.randint(1, 3),
+        sampling=pb.SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=n),
+    )
     fields, words = [], []
     for field, values, names in rng.sample(HOSTILE, rng.choice([1, 1, 1, 2, 3])):
         set_field(req, field, rng.choice(values))

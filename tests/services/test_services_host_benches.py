@@ -2,6 +2,7 @@
 the GPU host's CPU): they run, write their results with the metadata every benchmark records, and
 measure what they say (the router batches the concurrent streams; a pipelined pdv step verifies
 about half of them)."""
+
 from __future__ import annotations
 
 import json
@@ -10,16 +11,22 @@ import subprocess
 import sys
 
 import pytest
-
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
+
 from verifypd.launch.launcher import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run(script: str, *argv: str) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv], capture_output=True, text=True,
-                          timeout=120, env=child_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -38,8 +45,19 @@ def test_router_host_overhead(tmp_path):
 
 @pytest.mark.parametrize("api", ["grpc", "openai"])
 def test_serving_host_ceiling(tmp_path, api):
-    run("serving_host_ceiling.py", "--concurrency", "1,8", "--seconds", "1.5", "--verify-ms", "5",
-        "--api", api, "--out", str(tmp_path))
+    run(
+        "serving_host_ceiling.py",
+        "--concurrency",
+        "1,8",
+        "--seconds",
+        "1.5",
+        "--verify-ms",
+        "5",
+        "--api",
+        api,
+        "--out",
+        str(tmp_path),
+    )
     name = "serving_host_ceiling_pd_5ms_cpu.json" if api == "grpc" else "serving_host_ceiling_openai_pd_5ms_cpu.json"
     result = json.loads((tmp_path / name).read_text())
     assert all(r["api"] == api for r in result["rows"])
@@ -55,8 +73,27 @@ def test_profile_step_closed_loop(tiny_models, tmp_path):
     """The engine alone under a closed loop: three passes (prefill beside verify on, off, on), each
     keeping every request slot busy, written with the metadata every benchmark records."""
     target, draft = tiny_models
-    run("profile_step.py", "--target", target, "--draft", draft, "--k", "3", "--batch", "4", "--device", "cpu",
-        "--closed-loop", "0.5", "--prompt", "16", "--max-tokens", "16", "--out", str(tmp_path))
+    run(
+        "profile_step.py",
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--k",
+        "3",
+        "--batch",
+        "4",
+        "--device",
+        "cpu",
+        "--closed-loop",
+        "0.5",
+        "--prompt",
+        "16",
+        "--max-tokens",
+        "16",
+        "--out",
+        str(tmp_path),
+    )
     result = json.loads((tmp_path / "closed_loop_engine_cpu.json").read_text())
     assert {"command", "git_revision", "date", "device"} <= result.keys()
     assert [r["prefill_beside_verify"] for r in result["rows"]] == [True, False, True]
@@ -70,10 +107,37 @@ def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):
     decisions (drafting on merit, probes), and the adaptive rows carry their ratio to k = 0."""
     target, draft = tiny_models
     out = tmp_path / "engine_throughput_cpu.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_throughput.py"), "--device", "cpu",
-                           "--target", target, "--draft", draft, "--rows", "plain,simulated", "--alphas", "",
-                           "--fallback-alphas", "0.1", "--batches", "1,2", "--prompt-len", "16", "--gen-len", "16",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "engine_throughput.py"),
+            "--device",
+            "cpu",
+            "--target",
+            target,
+            "--draft",
+            draft,
+            "--rows",
+            "plain,simulated",
+            "--alphas",
+            "",
+            "--fallback-alphas",
+            "0.1",
+            "--batches",
+            "1,2",
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert {"command", "git_revision", "date", "device"} <= result.keys() and result["device"] == "cpu"

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of the gateway, driven with the official `openai` client and raw
 httpx: same output as gRPC Generate, usage, seeds, stop strings, every invalid parameter a 400
 naming it, 404/413/429/503, a disconnect frees the KV, /health, /v1/models, /metrics."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,19 @@ import threading
 import httpx
 import openai
 import pytest
+from http_helpers import (
+    MODEL,
+    HttpGateway,
+    chat_models,  # noqa: F401 (a fixture)
+)
+from services_helpers import (
+    Client,
+    greedy_request,
+    random_prompts,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from http_helpers import MODEL, HttpGateway, sse_events
-from http_helpers import chat_models  # noqa: F401 (a fixture)
-from services_helpers import Client, greedy_request, random_prompts, wait_until
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.v1 import generate_pb2
 
 
@@ -31,8 +40,13 @@ def client(server):
 
 
 def post(server, path: str, body, **kwargs) -> httpx.Response:
-    return httpx.post(server.url + path, content=body if isinstance(body, bytes) else json.dumps(body),
-                      headers={"content-type": "application/json"}, timeout=30, **kwargs)
+    return httpx.post(
+        server.url + path,
+        content=body if isinstance(body, bytes) else json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=30,
+        **kwargs,
+    )
 
 
 def test_completions_equal_grpc_generate(server, client):
@@ -44,8 +58,11 @@ def test_completions_equal_grpc_generate(server, client):
             done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True})
             assert done.choices[0].text == text and done.model_extra["verifypd"]["token_ids"] == ids
             assert done.choices[0].finish_reason == "length" and done.object == "text_completion"
-            chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
-                                                    extra_body={"ignore_eos": True}))
+            chunks = list(
+                client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+                )
+            )
             assert "".join(c.choices[0].text for c in chunks) == text
             assert [t for c in chunks for t in c.model_extra["verifypd"]["token_ids"]] == ids
             assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
@@ -59,8 +76,9 @@ def test_completions_equal_grpc_generate(server, client):
 
 def test_chat_stream_usage_and_speculation_fields(server, client):
     messages = [{"role": "system", "content": "w9"}, {"role": "user", "content": "w5 w6 w7"}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
-                                           extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=10, extra_body={"ignore_eos": True}
+    )
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     u = whole.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (4, 10, 14)
@@ -68,9 +86,16 @@ def test_chat_stream_usage_and_speculation_fields(server, client):
     d = u.completion_tokens_details
     assert ext["draft_tokens"] > 0 and d.accepted_prediction_tokens == ext["accepted_tokens"]
     assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == ext["draft_tokens"]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
@@ -83,16 +108,26 @@ def test_chat_stream_usage_and_speculation_fields(server, client):
 
 def test_seeded_sampling_is_reproducible_and_equals_grpc(server, client):
     prompt = [5, 9, 13, 40]
-    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.9, top_p=0.95, seed=1234,
-                  extra_body={"ignore_eos": True, "top_k": 5})
+    kwargs = dict(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        extra_body={"ignore_eos": True, "top_k": 5},
+    )
     a = client.completions.create(**kwargs).model_extra["verifypd"]["token_ids"]
     b = client.completions.create(**kwargs).model_extra["verifypd"]["token_ids"]
     c = client.completions.create(**{**kwargs, "seed": 99}).model_extra["verifypd"]["token_ids"]
     grpc_client = Client(server.gw.address)
     try:
-        ids, _ = grpc_client.generate(token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=16, stop_at_eos=False,
-                                      sampling=generate_pb2.SamplingParams(temperature=0.9, top_p=0.95, top_k=5,
-                                                                           seed=1234))
+        ids, _ = grpc_client.generate(
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            max_tokens=16,
+            stop_at_eos=False,
+            sampling=generate_pb2.SamplingParams(temperature=0.9, top_p=0.95, top_k=5, seed=1234),
+        )
     finally:
         grpc_client.close()
     assert a == b == ids and c != a
@@ -102,12 +137,14 @@ def test_stop_string_and_speculation_override(client):
     base = client.completions.create(model=MODEL, prompt="w5 w6 w7", max_tokens=12, extra_body={"ignore_eos": True})
     words = base.choices[0].text.split()
     stop = words[3]
-    cut = client.completions.create(model=MODEL, prompt="w5 w6 w7", max_tokens=12, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model=MODEL, prompt="w5 w6 w7", max_tokens=12, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text.split()
-    assert cut.choices[0].text.split() == words[:words.index(stop)]
-    off = client.completions.create(model=MODEL, prompt="w5 w6 w7", max_tokens=12,
-                                    extra_body={"ignore_eos": True, "speculation": {"disable": True}})
+    assert cut.choices[0].text.split() == words[: words.index(stop)]
+    off = client.completions.create(
+        model=MODEL, prompt="w5 w6 w7", max_tokens=12, extra_body={"ignore_eos": True, "speculation": {"disable": True}}
+    )
     assert off.choices[0].text == base.choices[0].text and off.usage.model_extra["verifypd"]["draft_tokens"] == 0
 
 
@@ -150,8 +187,9 @@ BAD = [  # (path, body change, param named in the 400)
 ]
 
 
-@pytest.mark.parametrize("path,change,param", BAD, ids=[f"{p[-11:]}-{next(iter(c))}-{n}" for n, (p, c, _) in
-                                                        enumerate(BAD)])
+@pytest.mark.parametrize(
+    "path,change,param", BAD, ids=[f"{p[-11:]}-{next(iter(c))}-{n}" for n, (p, c, _) in enumerate(BAD)]
+)
 def test_invalid_parameters_get_400_naming_them(server, path, change, param):
     body = {"model": MODEL, "max_tokens": 2, **({"messages": MSG} if path == CHAT else {"prompt": "w5"}), **change}
     r = post(server, path, body)
@@ -179,7 +217,7 @@ def test_bad_json_body_limit_and_routes(server):
     big = json.dumps({"model": MODEL, "prompt": "w5 " * (2 * 1024 * 1024)}).encode()
     r = post(server, COMP, big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    chunked = httpx.post(server.url + COMP, content=iter([big[:len(big) // 2], big[len(big) // 2:]]), timeout=30)
+    chunked = httpx.post(server.url + COMP, content=iter([big[: len(big) // 2], big[len(big) // 2 :]]), timeout=30)
     assert chunked.status_code == 413  # no content-length: counted while reading
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
     assert httpx.get(server.url + COMP).status_code == 405 and "error" in httpx.get(server.url + COMP).json()
@@ -218,10 +256,16 @@ def test_metrics_parse_as_prometheus_text(server, client):
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
-    for name in ("gen_ai_server_time_to_first_token_seconds", "gen_ai_server_time_per_output_token_seconds",
-                 "gen_ai_server_request_duration_seconds", "gen_ai_client_token_usage",
-                 "verifypd_lane_step_duration_seconds", "verifypd_kv_blocks_in_use",
-                 "verifypd_lane_queue_depth", "verifypd_speculation_applied_k"):
+    for name in (
+        "gen_ai_server_time_to_first_token_seconds",
+        "gen_ai_server_time_per_output_token_seconds",
+        "gen_ai_server_request_duration_seconds",
+        "gen_ai_client_token_usage",
+        "verifypd_lane_step_duration_seconds",
+        "verifypd_kv_blocks_in_use",
+        "verifypd_lane_queue_depth",
+        "verifypd_speculation_applied_k",
+    ):
         assert name in families, sorted(families)
     ttft = families["gen_ai_server_time_to_first_token_seconds"]
     assert ttft.type == "histogram" and any(s.name.endswith("_count") and s.value >= 1 for s in ttft.samples)
@@ -239,6 +283,7 @@ def test_queue_full_429_and_not_serving_503(chat_models):
         codes.append(r.status_code)
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "queue_full" and "queue is full" in r.json()["error"]["message"]
+
     try:
         threads = [threading.Thread(target=send, args=(n,)) for n in range(4)]
         for t in threads:
@@ -253,8 +298,9 @@ def test_queue_full_429_and_not_serving_503(chat_models):
             s.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2)
         s.gw.engine.max_queue = 1
         # A failure after the stream began arrives as an error event, which the client raises.
-        stream = s.openai().completions.create(model=MODEL, prompt=[5, 6], max_tokens=100, stream=True,
-                                               extra_body={"ignore_eos": True})
+        stream = s.openai().completions.create(
+            model=MODEL, prompt=[5, 6], max_tokens=100, stream=True, extra_body={"ignore_eos": True}
+        )
         next(iter(stream))
         s.gw.engine.fail("test: a lane is down")
         with pytest.raises(openai.APIError, match="a lane is down"):

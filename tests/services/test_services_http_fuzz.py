@@ -5,6 +5,7 @@ The bodies are generated from a fixed seed: valid requests with one parameter re
 hostile value (huge, negative, NaN, wrong type, deep nesting, giant lists), random bytes and
 truncated JSON, and nesting far past the JSON depth limit.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,15 @@ import time
 
 import httpx
 import pytest
-
-from http_helpers import MODEL, HttpGateway
-from http_helpers import chat_models  # noqa: F401 (a fixture)
-from services_helpers import wait_until
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from http_helpers import (
+    MODEL,
+    HttpGateway,
+    chat_models,  # noqa: F401 (a fixture)
+)
+from services_helpers import (
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 FUZZ_BODIES = 2500
@@ -46,12 +51,15 @@ def test_deeply_nested_json_is_a_400_naming_the_limit(server, opener, closer, de
     assert err["code"] == "json_too_deep" and "Traceback" not in r.text
 
 
-@pytest.mark.parametrize("path,body", [
-    (COMP, b'{"model": "tiny", "prompt": "w5 \\ud800"}'),
-    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff w5"}]}'),
-    (COMP, b'{"model": "tiny", "prompt": "w5", "stop": ["\\uD800"]}'),
-    (COMP, b'{"model": "tiny", "prompt": "w5", "\\ud800": 1}'),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (COMP, b'{"model": "tiny", "prompt": "w5 \\ud800"}'),
+        (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff w5"}]}'),
+        (COMP, b'{"model": "tiny", "prompt": "w5", "stop": ["\\uD800"]}'),
+        (COMP, b'{"model": "tiny", "prompt": "w5", "\\ud800": 1}'),
+    ],
+)
 def test_lone_surrogates_are_a_400(server, path, body):
     """Valid JSON, but text UTF-8 cannot carry (it failed in the protobuf conversion: a 500)."""
     with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -64,28 +72,103 @@ def test_lone_surrogates_are_a_400(server, path, body):
 
 
 # -- generated bodies --------------------------------------------------------------------------
-PARAMS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-          "stream_options", "n", "user", "priority", "speculation", "ignore_eos", "messages", "prompt",
-          "presence_penalty", "logit_bias", "logprobs", "tools", "response_format", "metadata", "best_of", "echo",
-          "no_such_param", ""]
+PARAMS = [
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "priority",
+    "speculation",
+    "ignore_eos",
+    "messages",
+    "prompt",
+    "presence_penalty",
+    "logit_bias",
+    "logprobs",
+    "tools",
+    "response_format",
+    "metadata",
+    "best_of",
+    "echo",
+    "no_such_param",
+    "",
+]
 
 
 def hostile_values(rng: random.Random) -> list:
     nested = 1
     for _ in range(rng.choice([3, 31, 40])):
         nested = [nested] if rng.random() < 0.5 else {"a": nested}
-    return [None, True, False, 0, -1, 1, 2, 2**31, -2**31 - 1, 2**63, 2**64, 10**30, -10**30, 1e308, -1e308, 1e-45,
-            float("nan"), float("inf"), float("-inf"), 0.5, -0.5, "", "x", "w5", "\x00", "\ud800", "é" * 300,
-            "w5 " * 5000, [], [1], [[]], [None], {}, {"a": 1}, {"max_k": 2**40}, {"disable": "yes"},
-            {"include_usage": 1}, list(range(5000)), [2**40], [-1], ["w5"] * 100, [""], ["\ud800"], nested,
-            [{"role": "user", "content": None}], [{"role": "robot", "content": "w5"}],
-            [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
-            [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "user"}], ["w5", "w6"]]
+    return [
+        None,
+        True,
+        False,
+        0,
+        -1,
+        1,
+        2,
+        2**31,
+        -(2**31) - 1,
+        2**63,
+        2**64,
+        10**30,
+        -(10**30),
+        1e308,
+        -1e308,
+        1e-45,
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        0.5,
+        -0.5,
+        "",
+        "x",
+        "w5",
+        "\x00",
+        "\ud800",
+        "é" * 300,
+        "w5 " * 5000,
+        [],
+        [1],
+        [[]],
+        [None],
+        {},
+        {"a": 1},
+        {"max_k": 2**40},
+        {"disable": "yes"},
+        {"include_usage": 1},
+        list(range(5000)),
+        [2**40],
+        [-1],
+        ["w5"] * 100,
+        [""],
+        ["\ud800"],
+        nested,
+        [{"role": "user", "content": None}],
+        [{"role": "robot", "content": "w5"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+        [{"role": "user"}],
+        ["w5", "w6"],
+    ]
 
 
 def valid_body(rng: random.Random, path: str) -> dict:
-    body = {"model": MODEL, "max_tokens": rng.randint(1, 3), "temperature": rng.choice([0, 0.7]),
-            "seed": rng.randrange(2**64), "stream": rng.random() < 0.3}
+    body = {
+        "model": MODEL,
+        "max_tokens": rng.randint(1, 3),
+        "temperature": rng.choice([0, 0.7]),
+        "seed": rng.randrange(2**64),
+        "stream": rng.random() < 0.3,
+    }
     if path == CHAT:
         body["messages"] = [{"role": "user", "content": "w5 w6"}]
     else:
@@ -97,8 +180,19 @@ def hostile_body(rng: random.Random, path: str, values: list) -> bytes:
     kind = rng.random()
     if kind < 0.06:  # not JSON at all, or cut short
         whole = json.dumps(valid_body(rng, path)).encode()
-        return rng.choice([bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))), whole[:rng.randrange(len(whole))],
-                           b"\xff\xfe{}", b"", b"null", b"[]", b'"x"', b"1e999", b"{" * 3000])
+        return rng.choice(
+            [
+                bytes(rng.randrange(256) for _ in range(rng.randint(0, 64))),
+                whole[: rng.randrange(len(whole))],
+                b"\xff\xfe{}",
+                b"",
+                b"null",
+                b"[]",
+                b'"x"',
+                b"1e999",
+                b"{" * 3000,
+            ]
+        )
     if kind < 0.1:  # nested past the depth limit, inside an otherwise valid body
         body = valid_body(rng, path)
         deep = "1"
@@ -132,8 +226,11 @@ def check_answer(r: httpx.Response | str, body: bytes) -> None:
         assert err["message"] and err["type"], what
     else:
         assert r.status_code == 200, what
-        assert r.text.rstrip().endswith("data: [DONE]") if r.headers["content-type"].startswith("text/event-stream") \
-            else r.json()["choices"], what
+        assert (
+            r.text.rstrip().endswith("data: [DONE]")
+            if r.headers["content-type"].startswith("text/event-stream")
+            else r.json()["choices"]
+        ), what
 
 
 def test_fuzzed_bodies_get_4xx_and_leak_nothing(server):
@@ -141,7 +238,9 @@ def test_fuzzed_bodies_get_4xx_and_leak_nothing(server):
 
     rng = random.Random(23)
     values = hostile_values(rng)
-    bodies = [(path, hostile_body(rng, path, values)) for path in (rng.choice([CHAT, COMP]) for _ in range(FUZZ_BODIES))]
+    bodies = [
+        (path, hostile_body(rng, path, values)) for path in (rng.choice([CHAT, COMP]) for _ in range(FUZZ_BODIES))
+    ]
     start = time.monotonic()
     with httpx.Client(base_url=server.url, timeout=30) as client, ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda pb: (answer(client, *pb), pb[1]), bodies))

@@ -1,6 +1,7 @@
 """`verifypd serve` as a user runs it, gRPC and HTTP side by side: the official `openai` client
 gets the same greedy text as gRPC Generate, /health and /metrics answer, loadgen's openai backend
 drives it, and SIGTERM stops both."""
+
 from __future__ import annotations
 
 import json
@@ -10,20 +11,50 @@ import sys
 import httpx
 import openai
 import pytest
-
-from http_helpers import MODEL
-from http_helpers import chat_models  # noqa: F401 (a fixture)
-from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, Server, free_port
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from http_helpers import (
+    MODEL,
+    chat_models,  # noqa: F401 (a fixture)
+)
+from services_helpers import (
+    BLOCK_SIZE,
+    MAX_CONTEXT,
+    Client,
+    Server,
+    free_port,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
 
 @pytest.fixture(scope="module")
 def serve(chat_models):
     grpc_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
-           "--served-model-name", MODEL, "--target", chat_models[0], "--draft", chat_models[1], "--device", "cpu",
-           "--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT),
-           "--k-initial", "3", "--no-adaptive"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--served-model-name",
+        MODEL,
+        "--target",
+        chat_models[0],
+        "--draft",
+        chat_models[1],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--k-initial",
+        "3",
+        "--no-adaptive",
+    ]
     server = Server(cmd, ready_line="OpenAI-compatible HTTP API on", echo=False)
     proc, lines, ready = server.proc, server.lines, server.ready
     if not ready.wait(180):
@@ -38,8 +69,9 @@ def test_openai_client_matches_grpc_generate(serve):
     grpc_addr, url, *_ = serve
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list()] == [MODEL]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}],
-                                          max_tokens=10, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6 w7"}], max_tokens=10, extra_body={"ignore_eos": True}
+    )
     grpc_client = Client(grpc_addr)
     try:
         ids, msgs = grpc_client.generate(text="w5 w6 w7 ", max_tokens=10, stop_at_eos=False)  # the chat template's text
@@ -57,9 +89,33 @@ def test_health_metrics_and_loadgen(serve, tmp_path):
     _, url, *_ = serve
     assert httpx.get(url + "/health").status_code == 200
     out = tmp_path / "openai.json"
-    assert loadgen_main(["--backend", "openai", "--url", url + "/v1", "--model", MODEL, "--requests", "6",
-                         "--concurrency", "2", "--input-len", "uniform:3,10", "--output-len", "8",
-                         "--vocab-size", "96", "--raw-records", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        loadgen_main(
+            [
+                "--backend",
+                "openai",
+                "--url",
+                url + "/v1",
+                "--model",
+                MODEL,
+                "--requests",
+                "6",
+                "--concurrency",
+                "2",
+                "--input-len",
+                "uniform:3,10",
+                "--output-len",
+                "8",
+                "--vocab-size",
+                "96",
+                "--raw-records",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     s = doc["runs"][0]["summary"]
     assert s["requests"]["completed"] == 6 and s["tokens"]["output_total"] == 6 * 8

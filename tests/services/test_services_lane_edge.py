@@ -6,6 +6,7 @@ RPC never yields UNKNOWN or INTERNAL nor takes a lane down.
 The three lane servers run in this process (real gRPC on 127.0.0.1, tiny models, CPU pools in
 /dev/shm): a lane crash would crash the test.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,21 @@ import random
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services_helpers import (
+    VOCAB,
+    engine_options,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
-from services_helpers import VOCAB, engine_options
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.v1 import generate_pb2, lanes_pb2, lanes_pb2_grpc
 
 SECRET = "s3cret-for-tests-0123456789abcdef"
-OK_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.NOT_FOUND}
+OK_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+}
 FUZZ_PER_RPC = 120
 AUTH = (("x-verifypd-lane-secret", SECRET),)
 
@@ -41,8 +49,10 @@ class Lanes:
         self.draft = lanes_pb2_grpc.DraftLaneStub(self.channels["draft"])
         self.verify = lanes_pb2_grpc.VerifyLaneStub(self.channels["verify"])
         self.kv = {r: lanes_pb2_grpc.KvTransferStub(self.channels[r]) for r in ("draft", "verify")}
-        self.pools = {"target": self.verify.Describe(lanes_pb2.LaneInfoRequest(), metadata=AUTH).pools[0],
-                      "draft": self.draft.Describe(lanes_pb2.LaneInfoRequest(), metadata=AUTH).pools[0]}
+        self.pools = {
+            "target": self.verify.Describe(lanes_pb2.LaneInfoRequest(), metadata=AUTH).pools[0],
+            "draft": self.draft.Describe(lanes_pb2.LaneInfoRequest(), metadata=AUTH).pools[0],
+        }
         self.wire()
 
     def descriptors(self, transport_addr=True):
@@ -55,16 +65,20 @@ class Lanes:
         return out
 
     def wire(self):
-        self.prefill.ImportPools(lanes_pb2.ImportPoolsRequest(pools=self.descriptors(), kv_transport="handle"),
-                                 metadata=AUTH)
+        self.prefill.ImportPools(
+            lanes_pb2.ImportPoolsRequest(pools=self.descriptors(), kv_transport="handle"), metadata=AUTH
+        )
 
     def handle(self, role, blocks, seq_len):
         p = self.pools[role]
         return lanes_pb2.KvHandle(pool_id=p.pool_id, generation=p.generation, block_ids=blocks, seq_len=seq_len)
 
     def healthy(self) -> bool:
-        return all(health_pb2_grpc.HealthStub(c).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                   == health_pb2.HealthCheckResponse.SERVING for c in self.channels.values())
+        return all(
+            health_pb2_grpc.HealthStub(c).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+            for c in self.channels.values()
+        )
 
     def close(self):
         for server in self.servers:
@@ -85,20 +99,45 @@ def sampling(temperature=0.0, top_k=0):
 
 
 def prefill_batch(lanes):
-    return lanes_pb2.PrefillBatch(items=[lanes_pb2.PrefillItem(
-        request_id="a", token_ids=[5, 6, 7], start_pos=0, target_kv=lanes.handle("target", [0], 0),
-        draft_kv=lanes.handle("draft", [0], 0), is_last_chunk=True, sampling=sampling())])
+    return lanes_pb2.PrefillBatch(
+        items=[
+            lanes_pb2.PrefillItem(
+                request_id="a",
+                token_ids=[5, 6, 7],
+                start_pos=0,
+                target_kv=lanes.handle("target", [0], 0),
+                draft_kv=lanes.handle("draft", [0], 0),
+                is_last_chunk=True,
+                sampling=sampling(),
+            )
+        ]
+    )
 
 
 def draft_batch(lanes, temperature=0.8, top_k=0):
-    return lanes_pb2.DraftBatch(items=[lanes_pb2.DraftItem(
-        request_id="a", input_tokens=[7], start_pos=3, draft_kv=lanes.handle("draft", [0, 1], 3), k=2,
-        sampling=sampling(temperature, top_k))])
+    return lanes_pb2.DraftBatch(
+        items=[
+            lanes_pb2.DraftItem(
+                request_id="a",
+                input_tokens=[7],
+                start_pos=3,
+                draft_kv=lanes.handle("draft", [0, 1], 3),
+                k=2,
+                sampling=sampling(temperature, top_k),
+            )
+        ]
+    )
 
 
 def verify_batch(lanes, probs=None):
-    item = lanes_pb2.VerifyItem(request_id="a", pending_token=7, start_pos=3, draft_tokens=[8, 9],
-                                target_kv=lanes.handle("target", [0, 1], 3), sampling=sampling(0.8))
+    item = lanes_pb2.VerifyItem(
+        request_id="a",
+        pending_token=7,
+        start_pos=3,
+        draft_tokens=[8, 9],
+        target_kv=lanes.handle("target", [0, 1], 3),
+        sampling=sampling(0.8),
+    )
     if probs is not None:
         item.draft_probs.CopyFrom(probs)
     return lanes_pb2.VerifyBatch(items=[item])
@@ -120,7 +159,9 @@ def wire_probs(rows: int = 2) -> lanes_pb2.DraftProbs:
     tokens), but the verify lane still accepts and validates them from older draft lanes."""
     import numpy as np
 
-    return lanes_pb2.DraftProbs(rows=rows, vocab_size=VOCAB, dense_f32=np.full((rows, VOCAB), 1 / VOCAB, "<f4").tobytes())
+    return lanes_pb2.DraftProbs(
+        rows=rows, vocab_size=VOCAB, dense_f32=np.full((rows, VOCAB), 1 / VOCAB, "<f4").tobytes()
+    )
 
 
 def test_valid_calls_work(lanes):
@@ -132,17 +173,22 @@ def test_valid_calls_work(lanes):
 
 
 def test_every_lane_rpc_needs_the_secret(lanes):
-    calls = [(lanes.prefill.Describe, lanes_pb2.LaneInfoRequest()), (lanes.prefill.Prefill, prefill_batch(lanes)),
-             (lanes.prefill.ImportPools, lanes_pb2.ImportPoolsRequest()),
-             (lanes.draft.Draft, draft_batch(lanes)), (lanes.verify.Verify, verify_batch(lanes)),
-             (lanes.verify.Describe, lanes_pb2.LaneInfoRequest()),
-             (lanes.kv["verify"].ReadBlocks, lanes_pb2.ReadBlocksRequest(pool_id=lanes.pools["target"].pool_id))]
+    calls = [
+        (lanes.prefill.Describe, lanes_pb2.LaneInfoRequest()),
+        (lanes.prefill.Prefill, prefill_batch(lanes)),
+        (lanes.prefill.ImportPools, lanes_pb2.ImportPoolsRequest()),
+        (lanes.draft.Draft, draft_batch(lanes)),
+        (lanes.verify.Verify, verify_batch(lanes)),
+        (lanes.verify.Describe, lanes_pb2.LaneInfoRequest()),
+        (lanes.kv["verify"].ReadBlocks, lanes_pb2.ReadBlocksRequest(pool_id=lanes.pools["target"].pool_id)),
+    ]
     for wrong in ((), (("x-verifypd-lane-secret", "guess"),), (("x-verifypd-lane-secret", SECRET + "x"),)):
         for fn, request in calls:
             assert code_of(fn, request, metadata=wrong)[0] == grpc.StatusCode.UNAUTHENTICATED, fn
         with pytest.raises(grpc.RpcError) as err:
-            lanes.kv["draft"].WriteBlocks(iter([lanes_pb2.KvBlockChunk(pool_id=lanes.pools["draft"].pool_id)]),
-                                          metadata=wrong, timeout=10)
+            lanes.kv["draft"].WriteBlocks(
+                iter([lanes_pb2.KvBlockChunk(pool_id=lanes.pools["draft"].pool_id)]), metadata=wrong, timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert lanes.healthy()  # health stays open for probes
 
@@ -160,7 +206,10 @@ def test_import_pools_validates_every_field(lanes, tmp_path):
         cases = {
             "shm_path": lambda d: setattr(d, "shm_path", "/etc/passwd"),
             "shm_path ": lambda d: setattr(d, "shm_path", "/dev/shm/../etc/passwd"),
-            "shm_path  ": lambda d: (setattr(d, "pool_id", link.rsplit("verifypd-", 1)[1]), setattr(d, "shm_path", link)),
+            "shm_path  ": lambda d: (
+                setattr(d, "pool_id", link.rsplit("verifypd-", 1)[1]),
+                setattr(d, "shm_path", link),
+            ),
             "num_blocks": lambda d: setattr(d, "num_blocks", 1 << 20),
             "dtype": lambda d: setattr(d, "dtype", "float64"),
             "layout": lambda d: setattr(d, "layout", "kv,block,layer,slot,head,dim"),
@@ -181,13 +230,28 @@ def test_import_pools_validates_every_field(lanes, tmp_path):
     assert code_of(lanes.prefill.Prefill, prefill_batch(lanes))[0] == grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize("case", ["sparse id beyond vocab", "k = 0", "huge position", "block outside pool",
-                                  "too few blocks", "token beyond vocab", "nan temperature", "probs size"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sparse id beyond vocab",
+        "k = 0",
+        "huge position",
+        "block outside pool",
+        "too few blocks",
+        "token beyond vocab",
+        "nan temperature",
+        "probs size",
+    ],
+)
 def test_bad_input_is_invalid_argument_naming_the_field(lanes, case):
     d, v, p = draft_batch(lanes), verify_batch(lanes), prefill_batch(lanes)
-    sparse = lanes_pb2.DraftProbs(rows=2, vocab_size=VOCAB, sparse_width=1,
-                                  sparse_ids_u32=(VOCAB + 5).to_bytes(4, "little") * 2,
-                                  sparse_probs_f32=b"\x00\x00\x80\x3f" * 2)
+    sparse = lanes_pb2.DraftProbs(
+        rows=2,
+        vocab_size=VOCAB,
+        sparse_width=1,
+        sparse_ids_u32=(VOCAB + 5).to_bytes(4, "little") * 2,
+        sparse_probs_f32=b"\x00\x00\x80\x3f" * 2,
+    )
     if case == "sparse id beyond vocab":
         fn, request, field = lanes.verify.Verify, verify_batch(lanes, sparse), "items[0].draft_probs.sparse_ids"
     elif case == "k = 0":
@@ -226,15 +290,19 @@ def test_stale_generation_is_refused(lanes):
     batch.items[0].draft_kv.generation -= 1
     code, details = code_of(lanes.draft.Draft, batch)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "generation" in details
-    code, _ = code_of(lanes.kv["draft"].ReadBlocks, lanes_pb2.ReadBlocksRequest(
-        pool_id=lanes.pools["draft"].pool_id, generation=lanes.pools["draft"].generation - 1, block_ids=[0]))
+    code, _ = code_of(
+        lanes.kv["draft"].ReadBlocks,
+        lanes_pb2.ReadBlocksRequest(
+            pool_id=lanes.pools["draft"].pool_id, generation=lanes.pools["draft"].generation - 1, block_ids=[0]
+        ),
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 # -- fuzz ------------------------------------------------------------------------------------
 EDGE = {
     "uint": [0, 1, 2, 3, 4, 7, 8, 16, 17, 63, 64, 65, VOCAB - 1, VOCAB, 255, 256, 4096, 2**31, 2**32 - 1],
-    "int": [0, 1, -1, 5, VOCAB, 2**31 - 1, -2**31],
+    "int": [0, 1, -1, 5, VOCAB, 2**31 - 1, -(2**31)],
     "float": [0.0, 1e-45, -0.0, 0.5, 1.0, 2.0, float("nan"), float("inf"), -1.0, 1e30],
 }
 
@@ -265,8 +333,17 @@ def mutate(msg, rng: random.Random, lanes, depth=0):
         elif field.type == F.TYPE_BOOL:
             pick = lambda: rng.random() < 0.5
         elif field.type == F.TYPE_STRING:
-            pick = lambda: rng.choice(["", "x", "../../etc/passwd", "a" * 300, lanes.pools["draft"].pool_id,
-                                       lanes.pools["target"].pool_id, "/dev/shm/verifypd-x"])
+            pick = lambda: rng.choice(
+                [
+                    "",
+                    "x",
+                    "../../etc/passwd",
+                    "a" * 300,
+                    lanes.pools["draft"].pool_id,
+                    lanes.pools["target"].pool_id,
+                    "/dev/shm/verifypd-x",
+                ]
+            )
         elif field.type == F.TYPE_BYTES:
             pick = lambda: rng.randbytes(rng.choice([0, 3, 4, 8, 4 * VOCAB, 8 * VOCAB]))
         elif field.type == F.TYPE_ENUM:
@@ -294,19 +371,39 @@ def test_fuzz_every_lane_rpc_never_unknown_internal_or_crash(lanes):
             code, details = code_of(fn, arg)
             seen.setdefault(name, {}).setdefault(code, details)
             assert code in OK_CODES, f"{name}: {code.name}: {details}\n{msg}"
+
     run("Prefill", lanes.prefill.Prefill, lambda: prefill_batch(lanes))
     run("Draft", lanes.draft.Draft, lambda: draft_batch(lanes, rng.choice([0.0, 0.8]), rng.choice([0, 5])))
     run("Verify", lanes.verify.Verify, lambda: verify_batch(lanes, probs))
     run("Describe", lanes.verify.Describe, lambda: lanes_pb2.LaneInfoRequest())
-    run("ReadBlocks", lanes.kv["verify"].ReadBlocks, lambda: lanes_pb2.ReadBlocksRequest(
-        pool_id=lanes.pools["target"].pool_id, generation=lanes.pools["target"].generation, block_ids=[0]))
-    chunk = next(iter(lanes.kv["draft"].ReadBlocks(lanes_pb2.ReadBlocksRequest(
-        pool_id=lanes.pools["draft"].pool_id, generation=lanes.pools["draft"].generation, block_ids=[0]),
-        metadata=AUTH)))
-    run("WriteBlocks", lanes.kv["draft"].WriteBlocks, lambda: lanes_pb2.KvBlockChunk.FromString(chunk.SerializeToString()),
-        stream=True)
-    run("ImportPools", lanes.prefill.ImportPools,
-        lambda: lanes_pb2.ImportPoolsRequest(pools=lanes.descriptors(), kv_transport=rng.choice(["handle", "copy"])))
+    run(
+        "ReadBlocks",
+        lanes.kv["verify"].ReadBlocks,
+        lambda: lanes_pb2.ReadBlocksRequest(
+            pool_id=lanes.pools["target"].pool_id, generation=lanes.pools["target"].generation, block_ids=[0]
+        ),
+    )
+    chunk = next(
+        iter(
+            lanes.kv["draft"].ReadBlocks(
+                lanes_pb2.ReadBlocksRequest(
+                    pool_id=lanes.pools["draft"].pool_id, generation=lanes.pools["draft"].generation, block_ids=[0]
+                ),
+                metadata=AUTH,
+            )
+        )
+    )
+    run(
+        "WriteBlocks",
+        lanes.kv["draft"].WriteBlocks,
+        lambda: lanes_pb2.KvBlockChunk.FromString(chunk.SerializeToString()),
+        stream=True,
+    )
+    run(
+        "ImportPools",
+        lanes.prefill.ImportPools,
+        lambda: lanes_pb2.ImportPoolsRequest(pools=lanes.descriptors(), kv_transport=rng.choice(["handle", "copy"])),
+    )
     # Every RPC saw both accepted and refused input, and the lanes still serve correctly.
     assert all(grpc.StatusCode.INVALID_ARGUMENT in codes for name, codes in seen.items() if name != "Describe"), seen
     assert lanes.healthy()

@@ -8,6 +8,7 @@
   UNAVAILABLE, health NOT_SERVING; SIGTERM still stops the server, its lanes and their /dev/shm
   files.
 """
+
 from __future__ import annotations
 
 import glob
@@ -21,10 +22,20 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from services_helpers import (
+    BLOCK_SIZE,
+    MAX_CONTEXT,
+    Client,
+    Server,
+    engine_options,
+    free_port,
+    greedy_request,
+    offline_outputs,
+    random_prompts,
+    tiny_models,  # noqa: F401 (a fixture)
+    wait_until,
+)
 
-from services_helpers import (BLOCK_SIZE, MAX_CONTEXT, Client, Server, engine_options, free_port, greedy_request,
-                              offline_outputs, random_prompts, wait_until)
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec
 from verifypd.v1 import generate_pb2
 
@@ -64,10 +75,39 @@ def left_behind(files: set[str]) -> set[str]:
 def split_server(tiny_models):
     shm_before = shm_pool_files()
     port = free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--topology", "split", "--port", str(port),
-           "--target", tiny_models[0], "--draft", tiny_models[1], "--device", "cpu", "--num-blocks", "64",
-           "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--max-running", "4",
-           "--k-initial", "4", "--no-adaptive", "--max-lane-restarts", "3", "--recovery-timeout", "90", "--http-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--topology",
+        "split",
+        "--port",
+        str(port),
+        "--target",
+        tiny_models[0],
+        "--draft",
+        tiny_models[1],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--max-running",
+        "4",
+        "--k-initial",
+        "4",
+        "--no-adaptive",
+        "--max-lane-restarts",
+        "3",
+        "--recovery-timeout",
+        "90",
+        "--http-port",
+        "0",
+    ]
     server = Server(cmd)
     if not server.ready.wait(180):
         server.proc.kill()
@@ -93,6 +133,7 @@ def test_cli_client_against_split_server(split_server, capsys):
     address, *_ = split_server
     assert main(["generate", "--server", address, "--raw", "--json", "--max-tokens", "12", "w9 w10 w11"]) == 0
     import json
+
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] in ("length", "eos") and 1 <= len(out["token_ids"]) <= 12
 
@@ -111,21 +152,24 @@ def closed_loop(address: str, prompts: list[list[int]], results: dict, stop: thr
                 n, prompt = todo.pop(0)
             chunks, code = [], grpc.StatusCode.OK
             try:
-                for msg in client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(prompt, MAX_TOKENS)),
-                                               timeout=240):
+                for msg in client.gen.Generate(
+                    generate_pb2.GenerateRequest(**greedy_request(prompt, MAX_TOKENS)), timeout=240
+                ):
                     chunks.append(msg)
             except grpc.RpcError as exc:
                 code = exc.code()
             results[n] = (code, chunks)
         client.close()
+
     return [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
 
 
 def test_each_lane_killed_mid_run_loses_no_request_and_no_token(split_server, tiny_models):
     address, server, _, all_pids = split_server
     prompts = random_prompts(REQUESTS, seed=11, max_len=20)
-    expected = offline_outputs(engine_options(*tiny_models),
-                               [RequestSpec(tuple(p), max_tokens=MAX_TOKENS, stop_at_eos=False) for p in prompts])
+    expected = offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(p), max_tokens=MAX_TOKENS, stop_at_eos=False) for p in prompts]
+    )
     results: dict[int, tuple] = {}
     stop = threading.Event()
     workers = closed_loop(address, prompts, results, stop)
@@ -177,6 +221,7 @@ def test_crash_loop_gives_up_clearly_and_sigterm_still_cleans_up(split_server):
             outcome["code"] = grpc.StatusCode.OK
         except grpc.RpcError as exc:
             outcome["code"] = exc.code()
+
     reader = threading.Thread(target=drain)
     reader.start()
     for _ in range(8):
@@ -189,8 +234,9 @@ def test_crash_loop_gives_up_clearly_and_sigterm_still_cleans_up(split_server):
         # Wait for the supervisor's next move: a restart (new pid) or giving up. The next kill
         # comes while the new lane is still loading, so recovery never completes in between.
         wait_until(lambda: server.lane_pids()["draft"] != pid or server.count("crash loop"), 30)
-    assert server.count(r"supervisor ERROR draft lane crash loop.*the gateway stops serving") == 1, \
+    assert server.count(r"supervisor ERROR draft lane crash loop.*the gateway stops serving") == 1, (
         "the crash loop was not reported once"
+    )
     reader.join(30)
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE
     assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10)

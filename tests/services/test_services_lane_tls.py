@@ -4,6 +4,7 @@ by copy (the prefill lane's pushes to the owners over mTLS), work calls over the
 channel; a plaintext, an expired and a foreign (wrong-CA) engine core each refused with one line
 naming why; `serve --topology split --lane-tls-*` end to end through the CLI, with the plaintext
 health port; bad flags exit 2 naming the flag."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,19 @@ import sys
 import urllib.request
 
 import pytest
-
 from pki_helpers import make_pki
-from services_helpers import (Client, Server, engine_options, free_port, greedy_request, offline_outputs,
-                              random_prompts, serve_cmd)
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from services_helpers import (
+    Client,
+    Server,
+    engine_options,
+    free_port,
+    greedy_request,
+    offline_outputs,
+    random_prompts,
+    serve_cmd,
+    tiny_models,  # noqa: F401 (a fixture)
+)
+
 from verifypd.engine.types import RequestSpec
 from verifypd.lane_tls import LaneTls
 from verifypd.lanes.interface import LaneError
@@ -49,16 +58,22 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(tiny_models, prompts):
-    return offline_outputs(engine_options(*tiny_models),
-                           [RequestSpec(tuple(p), max_tokens=16, stop_at_eos=False) for p in prompts])
+    return offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(p), max_tokens=16, stop_at_eos=False) for p in prompts]
+    )
 
 
 @pytest.mark.parametrize("kv_transport", ["handle", "copy"])
 def test_lanes_over_mtls_give_the_offline_tokens(tiny_models, lanes, pki, prompts, expected, kv_transport):
     from verifypd.gateway.server import build_split
 
-    with build_split(lanes.addrs, engine_options(*tiny_models), kv_transport=kv_transport, lane_secret=lanes.secret,
-                     lane_tls=tls_of(pki)) as gw:
+    with build_split(
+        lanes.addrs,
+        engine_options(*tiny_models),
+        kv_transport=kv_transport,
+        lane_secret=lanes.secret,
+        lane_tls=tls_of(pki),
+    ) as gw:
         client = Client(gw.address)
         try:
             got = [client.generate(**greedy_request(p, max_tokens=16))[0] for p in prompts]
@@ -72,17 +87,24 @@ def test_lanes_over_mtls_give_the_offline_tokens(tiny_models, lanes, pki, prompt
             assert gw.lanes[0].kv_bytes_copied > 0
 
 
-@pytest.mark.parametrize("case, says", [
-    ("plaintext", "refuses plaintext"),
-    ("expired", "certificate has expired"),
-    ("foreign", "unable to get local issuer certificate"),
-    ("foreign_ca", "certificate verify failed"),  # our certificate is fine, the lane's is not from our CA
-])
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("plaintext", "refuses plaintext"),
+        ("expired", "certificate has expired"),
+        ("foreign", "unable to get local issuer certificate"),
+        ("foreign_ca", "certificate verify failed"),  # our certificate is fine, the lane's is not from our CA
+    ],
+)
 def test_lanes_refuse_a_core_without_the_right_certificate(tiny_models, lanes, pki, case, says):
     from verifypd.core.process import connect_lanes
 
-    tls = {"plaintext": None, "expired": tls_of(pki, "expired"), "foreign": tls_of(pki, "foreign"),
-           "foreign_ca": tls_of(pki, "foreign", "other_ca")}[case]
+    tls = {
+        "plaintext": None,
+        "expired": tls_of(pki, "expired"),
+        "foreign": tls_of(pki, "foreign"),
+        "foreign_ca": tls_of(pki, "foreign", "other_ca"),
+    }[case]
     with pytest.raises(LaneError) as err:
         connect_lanes(lanes.addrs, secret=lanes.secret, tls=tls, ready_timeout_s=2)
     assert says in str(err.value) and "Traceback" not in str(err.value), str(err.value)
@@ -98,8 +120,19 @@ def _health(url):
 
 def test_serve_split_with_lane_tls_through_the_cli(tiny_models, pki, prompts, expected):
     port, health_port = free_port(), free_port()
-    cmd = serve_cmd(tiny_models, port, "--lane-tls-cert-file", pki["leaf"][0], "--lane-tls-key-file", pki["leaf"][1],
-                    "--lane-tls-ca-file", pki["ca"][0], "--health-port", str(health_port), topology="split")
+    cmd = serve_cmd(
+        tiny_models,
+        port,
+        "--lane-tls-cert-file",
+        pki["leaf"][0],
+        "--lane-tls-key-file",
+        pki["leaf"][1],
+        "--lane-tls-ca-file",
+        pki["ca"][0],
+        "--health-port",
+        str(health_port),
+        topology="split",
+    )
     server = Server(cmd, ready_line="verifypd: health on", echo=False).wait_ready()
     try:
         client = Client(f"127.0.0.1:{port}")
@@ -114,14 +147,21 @@ def test_serve_split_with_lane_tls_through_the_cli(tiny_models, pki, prompts, ex
         server.stop()
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--lane-tls-cert-file", "CRT"], "missing --lane-tls-key-file, --lane-tls-ca-file"),
-    (["--lane-tls-cert-file", "CRT", "--lane-tls-key-file", "KEY", "--lane-tls-ca-file", "/nonexistent/ca.crt"],
-     "cannot read --lane-tls-ca-file /nonexistent/ca.crt"),
-    (["--lane-tls-cert-file", "CRT", "--lane-tls-key-file", "OTHERKEY", "--lane-tls-ca-file", "CA"],
-     "--lane-tls-key-file"),
-    (["--health-port", "70000"], "--health-port"),
-])
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--lane-tls-cert-file", "CRT"], "missing --lane-tls-key-file, --lane-tls-ca-file"),
+        (
+            ["--lane-tls-cert-file", "CRT", "--lane-tls-key-file", "KEY", "--lane-tls-ca-file", "/nonexistent/ca.crt"],
+            "cannot read --lane-tls-ca-file /nonexistent/ca.crt",
+        ),
+        (
+            ["--lane-tls-cert-file", "CRT", "--lane-tls-key-file", "OTHERKEY", "--lane-tls-ca-file", "CA"],
+            "--lane-tls-key-file",
+        ),
+        (["--health-port", "70000"], "--health-port"),
+    ],
+)
 def test_bad_lane_tls_flags_exit_2_naming_the_flag(tiny_models, pki, extra, says):
     files = {"CRT": pki["leaf"][0], "KEY": pki["leaf"][1], "OTHERKEY": pki["other_leaf"][1], "CA": pki["ca"][0]}
     cmd = serve_cmd(tiny_models, free_port(), *[files.get(a, a) for a in extra], topology="split")
@@ -130,8 +170,22 @@ def test_bad_lane_tls_flags_exit_2_naming_the_flag(tiny_models, pki, extra, says
 
 
 def test_a_lane_with_half_its_tls_flags_exits_2(tiny_models, pki):
-    cmd = [sys.executable, "-m", "verifypd.cli", "lane", "verify", "--allow-unauthenticated", "--target",
-           tiny_models[0], "--device", "cpu", "--tls-cert-file", pki["leaf"][0], "--tls-ca-file", pki["ca"][0]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "lane",
+        "verify",
+        "--allow-unauthenticated",
+        "--target",
+        tiny_models[0],
+        "--device",
+        "cpu",
+        "--tls-cert-file",
+        pki["leaf"][0],
+        "--tls-ca-file",
+        pki["ca"][0],
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "missing --tls-key-file" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -139,8 +193,17 @@ def test_a_lane_with_half_its_tls_flags_exits_2(tiny_models, pki):
 def test_serve_with_an_expired_lane_certificate_exits_1_naming_it(tiny_models, pki):
     """The lanes `serve` starts get the same (expired) files: the engine core's check names the
     problem in one line, no traceback, and `serve` exits 1."""
-    cmd = serve_cmd(tiny_models, free_port(), "--lane-tls-cert-file", pki["expired"][0], "--lane-tls-key-file",
-                    pki["expired"][1], "--lane-tls-ca-file", pki["ca"][0], topology="split")
+    cmd = serve_cmd(
+        tiny_models,
+        free_port(),
+        "--lane-tls-cert-file",
+        pki["expired"][0],
+        "--lane-tls-key-file",
+        pki["expired"][1],
+        "--lane-tls-ca-file",
+        pki["ca"][0],
+        topology="split",
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "our certificate --lane-tls-cert-file" in proc.stderr and "certificate has expired" in proc.stderr
@@ -151,9 +214,26 @@ def test_a_lane_serves_plaintext_health_beside_its_mtls_ports(pki):
     """`verifypd lane --health-port`: the kubelet's probe target while the lane's own ports speak
     mutual TLS only (a pool-less prompt-lookup draft lane: no model to load)."""
     health_port = free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "lane", "draft", "--draft", "ngram", "--device", "cpu",
-           "--allow-unauthenticated", "--tls-cert-file", pki["leaf"][0], "--tls-key-file", pki["leaf"][1],
-           "--tls-ca-file", pki["ca"][0], "--health-port", str(health_port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "lane",
+        "draft",
+        "--draft",
+        "ngram",
+        "--device",
+        "cpu",
+        "--allow-unauthenticated",
+        "--tls-cert-file",
+        pki["leaf"][0],
+        "--tls-key-file",
+        pki["leaf"][1],
+        "--tls-ca-file",
+        pki["ca"][0],
+        "--health-port",
+        str(health_port),
+    ]
     lane = Server(cmd, ready_line="lane serving on", echo=False).wait_ready(120)
     try:
         assert lane.count("mutual TLS") == 1 and lane.count(f"plaintext health on port {health_port}") == 1

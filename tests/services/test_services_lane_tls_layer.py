@@ -3,6 +3,7 @@ model: the call channel and a gRPC port each refuse a plaintext peer, a peer fro
 expired certificate and a missing one, logging one line that names the problem; the lane secret
 still applies inside TLS; rotated files are picked up by new connections while open ones keep
 going; bad flags are one-line errors."""
+
 from __future__ import annotations
 
 import logging
@@ -16,13 +17,13 @@ from concurrent import futures
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from pki_helpers import make_pki
+
 from verifypd import lane_tls as lt
+from verifypd import tls as tls_mod
 from verifypd.health import add_health_and_reflection
 from verifypd.lanerpc import call_channel
 from verifypd.lanerpc.call_channel import CallClient, CallServer
-from verifypd import tls as tls_mod
 from verifypd.tls import TlsError
 from verifypd.v1 import lanes_pb2
 
@@ -80,18 +81,24 @@ def _refused(server, tls, caplog, monkeypatch):
     return str(err.value), " ".join(r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("case, client_says, server_says", [
-    ("expired", "expired", "certificate has expired"),
-    ("foreign", "unknown ca", "unable to get local issuer certificate"),
-    ("missing", "certificate required", "PEER_DID_NOT_RETURN_A_CERTIFICATE"),
-    ("plaintext", "connection closed", "no TLS handshake"),
-])
-def test_call_channel_refuses_bad_client_certificates_naming_the_problem(pki, channel_server, caplog, monkeypatch,
-                                                                         case, client_says, server_says):
+@pytest.mark.parametrize(
+    "case, client_says, server_says",
+    [
+        ("expired", "expired", "certificate has expired"),
+        ("foreign", "unknown ca", "unable to get local issuer certificate"),
+        ("missing", "certificate required", "PEER_DID_NOT_RETURN_A_CERTIFICATE"),
+        ("plaintext", "connection closed", "no TLS handshake"),
+    ],
+)
+def test_call_channel_refuses_bad_client_certificates_naming_the_problem(
+    pki, channel_server, caplog, monkeypatch, case, client_says, server_says
+):
     if case == "missing":  # trusts the server, presents nothing
         ctx = ssl.create_default_context(cafile=pki["ca"][0])
+
         def wrap_client(self, sock, host):
             return ctx.wrap_socket(sock, server_hostname=host)
+
         tls = type("NoCert", (), {"wrap_client": wrap_client})()
     else:
         tls = None if case == "plaintext" else tls_of(pki, case)
@@ -129,9 +136,15 @@ def _health(channel, timeout=3):
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
 
 
-@pytest.mark.parametrize("case, why", [("expired", "certificate has expired"),
-                                       ("foreign", "unable to get local issuer certificate"),
-                                       ("missing", "did not accept our client certificate"), ("plaintext", None)])
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("expired", "certificate has expired"),
+        ("foreign", "unable to get local issuer certificate"),
+        ("missing", "did not accept our client certificate"),
+        ("plaintext", None),
+    ],
+)
 def test_grpc_port_refuses_bad_clients_and_diagnose_names_why(pki, case, why):
     server, addr = _grpc_server(tls_of(pki))
     try:
@@ -208,10 +221,13 @@ def test_half_replaced_files_keep_the_old_certificate(pki, tmp_path, caplog):
     assert tls.current().cert == open(pki["other_leaf"][0], "rb").read() and tls.generation == 1
 
 
-@pytest.mark.parametrize("given, message", [
-    ((True, False, True), "missing --tls-key-file"),
-    ((False, False, True), "missing --tls-cert-file, --tls-key-file"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ((True, False, True), "missing --tls-key-file"),
+        ((False, False, True), "missing --tls-cert-file, --tls-key-file"),
+    ],
+)
 def test_lane_tls_flags_all_or_nothing(pki, given, message):
     files = [pki["leaf"][0], pki["leaf"][1], pki["ca"][0]]
     with pytest.raises(TlsError, match=message):
@@ -267,6 +283,7 @@ def test_gateway_public_ports_reload_a_rotated_certificate(pki, tmp_path, monkey
             return True
         except (grpc.RpcError, httpx.ConnectError):
             return False
+
     try:
         assert answers("ca") and not answers("other_ca")
         for src, dst in ((pki["foreign"][0], crt), (pki["foreign"][1], key)):

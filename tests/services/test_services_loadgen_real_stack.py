@@ -1,11 +1,15 @@
 """verifypd-loadgen against the real tiny-model stack (colocated gateway over gRPC): every request
 succeeds, token counts match what was asked, and usage-derived acceptance is reported."""
+
 from __future__ import annotations
 
 import json
 
-from services_helpers import engine_options
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from services_helpers import (
+    engine_options,
+    tiny_models,  # noqa: F401 (a fixture)
+)
+
 from verifypd_loadgen.cli import main as loadgen_main
 
 
@@ -15,9 +19,30 @@ def test_loadgen_drives_the_real_stack(tiny_models, tmp_path):
     gw = build_colocated(engine_options(*tiny_models)).start()
     try:
         out = tmp_path / "results.json"
-        code = loadgen_main(["--server", f"127.0.0.1:{gw.port}", "--requests", "12", "--concurrency", "1,4",
-                             "--input-len", "uniform:4,16", "--output-len", "10", "--vocab-size", "96",
-                             "--warmup", "2", "--out", str(out), "--plot", str(tmp_path / "plots"), "--seed", "3"])
+        code = loadgen_main(
+            [
+                "--server",
+                f"127.0.0.1:{gw.port}",
+                "--requests",
+                "12",
+                "--concurrency",
+                "1,4",
+                "--input-len",
+                "uniform:4,16",
+                "--output-len",
+                "10",
+                "--vocab-size",
+                "96",
+                "--warmup",
+                "2",
+                "--out",
+                str(out),
+                "--plot",
+                str(tmp_path / "plots"),
+                "--seed",
+                "3",
+            ]
+        )
         assert code == 0
         results = json.loads(out.read_text())
     finally:

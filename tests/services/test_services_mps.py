@@ -1,6 +1,7 @@
 """`serve --topology split --mps`: the lanes it starts run under a private CUDA MPS daemon
 (launch/mps.py). CPU only: a stand-in `nvidia-cuda-mps-control` on PATH records what it is asked
 and with which environment; the lanes are not really spawned."""
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ def fake_control(tmp_path, monkeypatch):
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
         monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
         return log
+
     return make
 
 
@@ -44,6 +46,7 @@ def lanes_with_mps(mode: str, device: str, spawned: dict) -> LaneProcesses:
         spawned[lane] = procs._env()
         procs.procs[lane] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         pathlib.Path(procs._files[lane]).write_text("1234\n")
+
     procs._spawn = spawn
     return procs
 
@@ -83,8 +86,12 @@ def test_serve_mps_on_without_split_cuda_lanes_exits_2():
     from verifypd.launch.launcher import child_env
 
     for extra in (["--topology", "colocated", "--device", "cuda"], ["--topology", "split", "--device", "cpu"]):
-        done = subprocess.run([sys.executable, "-m", "verifypd.cli", "serve", "--mps", "on", *extra,
-                               "--port", "0", "--http-port", "0"], env=child_env(), capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "verifypd.cli", "serve", "--mps", "on", *extra, "--port", "0", "--http-port", "0"],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 2, done.stderr
         assert "--mps on" in done.stderr and "Traceback" not in done.stderr

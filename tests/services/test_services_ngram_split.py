@@ -1,18 +1,28 @@
 """`split` topology with the pool-less prompt-lookup draft lane: no draft model, no draft pool, no
 draft KV; output equals the co-located engine's, and only token deltas cross the wire to the draft lane."""
+
 from __future__ import annotations
 
 import pytest
+from services_helpers import (
+    Client,
+    engine_options,
+    greedy_request,
+    offline_outputs,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
-from services_helpers import Client, engine_options, greedy_request, offline_outputs
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
 DRAFT = "ngram:1-3"
 # Repeated segments, so prompt lookup proposes (and the tiny random models, which loop, accept).
-PROMPTS = [[5, 9, 11, 30, 5, 9, 11, 30, 5, 9], [40, 41, 42, 43, 44, 40, 41, 42], [7, 7, 7, 7, 7, 7],
-           [12, 60, 33, 12, 60, 33, 12, 60, 33, 12, 60, 33, 90]]
+PROMPTS = [
+    [5, 9, 11, 30, 5, 9, 11, 30, 5, 9],
+    [40, 41, 42, 43, 44, 40, 41, 42],
+    [7, 7, 7, 7, 7, 7],
+    [12, 60, 33, 12, 60, 33, 12, 60, 33, 12, 60, 33, 90],
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +38,9 @@ def lanes(tiny_models):
 def split_gateway(tiny_models, lanes, kv_transport):
     from verifypd.gateway.server import build_split
 
-    return build_split(lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport,
-                       lane_secret=lanes.secret).start()
+    return build_split(
+        lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport, lane_secret=lanes.secret
+    ).start()
 
 
 @pytest.mark.parametrize("kv_transport", ["handle", "copy"])
@@ -38,7 +49,7 @@ def test_poolless_ngram_lane_split_equals_colocated(tiny_models, lanes, kv_trans
     expected = offline_outputs(engine_options(tiny_models[0], DRAFT), specs)
     with split_gateway(tiny_models, lanes, kv_transport) as gw:
         prefill, draft, verify = gw.lanes
-        assert draft.describe().pools == ()            # the draft lane owns no pool ...
+        assert draft.describe().pools == ()  # the draft lane owns no pool ...
         # ... reads no KV the prefill lane writes, so never waits for its writes (on a GPU host a
         # CPU draft lane refused the CUDA event, found with `serve --topology split --draft none`)
         assert draft.producer is None and verify.producer is prefill
@@ -77,11 +88,16 @@ def verify_pool_id(gw) -> str:
 def test_sampling_with_ngram_split_equals_colocated(tiny_models, lanes):
     prompt = PROMPTS[0]
     sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
-    expected = offline_outputs(engine_options(tiny_models[0], DRAFT),
-                               [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)])
+    expected = offline_outputs(
+        engine_options(tiny_models[0], DRAFT),
+        [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)],
+    )
     with split_gateway(tiny_models, lanes, "auto") as gw:
         ids, msgs = Client(gw.address).generate(
-            token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=20, stop_at_eos=False,
-            sampling=generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=5))
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            max_tokens=20,
+            stop_at_eos=False,
+            sampling=generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+        )
         assert [ids] == expected
         assert msgs[-1].usage.draft_tokens > 0

@@ -8,6 +8,7 @@ How: a `sitecustomize` on PYTHONPATH makes every import of a top-level module th
 the plain install's dependency closure provides fail, as it would on a fresh machine; then (1) every
 module of verifypd, the operator and loadgen except the Triton kernels imports, and (2) `verifypd
 serve --device cpu` starts (gateway and engine-core processes, gRPC and HTTP) and answers a Generate."""
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -19,7 +20,6 @@ import tomllib
 
 import pytest
 from packaging.requirements import Requirement
-
 from services_helpers import BLOCK_SIZE, Client, Server, free_port, greedy_request, tiny_models  # noqa: F401 (fixture)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -58,9 +58,11 @@ def blocked_modules() -> set[str]:
     closure = plain_closure()
     blocked = set()
     for module, dists in md.packages_distributions().items():
-        if module in sys.stdlib_module_names or module.startswith("_") or module in ("verifypd",
-                                                                                         "verifypd_operator",
-                                                                                         "verifypd_loadgen"):
+        if (
+            module in sys.stdlib_module_names
+            or module.startswith("_")
+            or module in ("verifypd", "verifypd_operator", "verifypd_loadgen")
+        ):
             continue
         if not any(_norm(d) in closure for d in dists):
             blocked.add(module)
@@ -133,9 +135,28 @@ def test_every_product_module_but_the_kernels_imports_without_extras(plain_env):
 
 def test_serve_on_cpu_answers_without_extras(plain_env, tiny_models):
     port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", str(http_port),
-           "--target", tiny_models[0], "--device", "cpu", "--num-blocks", "64", "--block-size", str(BLOCK_SIZE),
-           "--max-context", "128", "--drain-timeout", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--target",
+        tiny_models[0],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        "128",
+        "--drain-timeout",
+        "2",
+    ]
     server = Server(cmd, env=plain_env).wait_ready()
     try:
         client = Client(f"127.0.0.1:{port}")

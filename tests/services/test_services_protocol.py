@@ -1,4 +1,5 @@
 """The wire contract: checked-in stubs are what proto/generate.py makes; every field is documented."""
+
 from __future__ import annotations
 
 import pathlib
@@ -12,14 +13,16 @@ STUBS = ROOT / "services" / "verifypd" / "v1"
 
 
 def test_checked_in_stubs_are_fresh(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)], check=True, timeout=120
+    )
     fresh = sorted(p.relative_to(tmp_path / "verifypd" / "v1") for p in (tmp_path / "verifypd" / "v1").glob("*_pb2*"))
     assert fresh, "generate.py produced no stubs"
     checked_in = sorted(p.relative_to(STUBS) for p in STUBS.glob("*_pb2*"))
     assert fresh == checked_in, "stub files differ: run `python proto/generate.py`"
-    stale = [str(rel) for rel in fresh
-             if (tmp_path / "verifypd" / "v1" / rel).read_bytes() != (STUBS / rel).read_bytes()]
+    stale = [
+        str(rel) for rel in fresh if (tmp_path / "verifypd" / "v1" / rel).read_bytes() != (STUBS / rel).read_bytes()
+    ]
     assert not stale, f"stale stubs {stale}: run `python proto/generate.py`"
 
 
@@ -28,16 +31,20 @@ def _descriptors(tmp_path) -> descriptor_pb2.FileDescriptorSet:
 
     out = tmp_path / "set.pb"
     files = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto" / "verifypd" / "v1").glob("*.proto"))
-    assert protoc.main(["protoc", f"-I{ROOT / 'proto'}", "--include_source_info",
-                        f"--descriptor_set_out={out}", *files]) == 0
+    assert (
+        protoc.main(["protoc", f"-I{ROOT / 'proto'}", "--include_source_info", f"--descriptor_set_out={out}", *files])
+        == 0
+    )
     return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
 
 
 def test_every_field_has_a_doc_comment(tmp_path):
     missing, fields = [], 0
     for f in _descriptors(tmp_path).file:
-        docs = {tuple(loc.path): (loc.leading_comments + loc.trailing_comments).strip()
-                for loc in f.source_code_info.location}
+        docs = {
+            tuple(loc.path): (loc.leading_comments + loc.trailing_comments).strip()
+            for loc in f.source_code_info.location
+        }
 
         def walk(messages, path, prefix):
             nonlocal fields
@@ -60,8 +67,25 @@ def test_public_field_numbers_are_stable():
     from verifypd.v1 import control_pb2, generate_pb2
 
     req = {f.name: f.number for f in generate_pb2.GenerateRequest.DESCRIPTOR.fields}
-    assert req == {"request_id": 1, "text": 2, "token_ids": 3, "chat": 4, "sampling": 5, "max_tokens": 6,
-                   "stop": 7, "speculation": 8, "priority": 9, "stop_at_eos": 10}
+    assert req == {
+        "request_id": 1,
+        "text": 2,
+        "token_ids": 3,
+        "chat": 4,
+        "sampling": 5,
+        "max_tokens": 6,
+        "stop": 7,
+        "speculation": 8,
+        "priority": 9,
+        "stop_at_eos": 10,
+    }
     cfg = {f.name: f.number for f in control_pb2.RuntimeConfig.DESCRIPTOR.fields}
-    assert cfg == {"k_min": 1, "k_max": 2, "k_initial": 3, "adaptive": 4, "priorities": 5,
-                   "prefill_token_budget": 6, "revision": 7}
+    assert cfg == {
+        "k_min": 1,
+        "k_max": 2,
+        "k_initial": 3,
+        "adaptive": 4,
+        "priorities": 5,
+        "prefill_token_budget": 6,
+        "revision": 7,
+    }

@@ -2,6 +2,7 @@
 `verifypd serve` subprocesses, drives them with the loadgen library, records sane per-point rows,
 records a server that cannot start as errors and goes on, writes the report with its targets section,
 and merges partial runs (--report-only). The target checks are also tested on made-up rows."""
+
 from __future__ import annotations
 
 import copy
@@ -12,9 +13,10 @@ import subprocess
 import sys
 
 import pytest
-
-from services_helpers import BLOCK_SIZE
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from services_helpers import (
+    BLOCK_SIZE,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "seed_comparison.py"
@@ -30,8 +32,9 @@ def load_harness():
 def run_harness(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
     from verifypd.launch.launcher import child_env
 
-    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout,
-                          env=child_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -40,11 +43,35 @@ def test_sweep_on_tiny_models(tiny_models, tmp_path):
     target, draft = tiny_models
     # `bad` passes a flag serve does not know: that server cannot start, and the sweep goes on.
     # --no-schedule-flag: k0 and pdv run without `--schedule` (serve's default schedule).
-    proc = run_harness("--pairs", f"{draft}->{target}", "--modes", "k0,bad,pdv", "--mode-args", "bad=--no-such-flag",
-                       "--no-schedule-flag", "--concurrency", "1,3", "--seconds-per-point", "0.7", "--prompt-tokens", "8",
-                       "--max-tokens", "10", "--warmup-requests", "0", "--device", "cpu", "--vocab-range", "3:96",
-                       "--serve-args", f"--num-blocks 64 --block-size {BLOCK_SIZE} --k-initial 3", "--out", str(tmp_path),
-                       "--tag", "smoke")
+    proc = run_harness(
+        "--pairs",
+        f"{draft}->{target}",
+        "--modes",
+        "k0,bad,pdv",
+        "--mode-args",
+        "bad=--no-such-flag",
+        "--no-schedule-flag",
+        "--concurrency",
+        "1,3",
+        "--seconds-per-point",
+        "0.7",
+        "--prompt-tokens",
+        "8",
+        "--max-tokens",
+        "10",
+        "--warmup-requests",
+        "0",
+        "--device",
+        "cpu",
+        "--vocab-range",
+        "3:96",
+        "--serve-args",
+        f"--num-blocks 64 --block-size {BLOCK_SIZE} --k-initial 3",
+        "--out",
+        str(tmp_path),
+        "--tag",
+        "smoke",
+    )
     doc = json.loads((tmp_path / "seed_comparison_cpu_smoke.json").read_text())
     assert doc["device"] == "cpu" and doc["git_revision"] and doc["date"] and "seed_comparison.py" in doc["command"]
     assert doc["nvml"] != "ok" or doc["device"] != "cpu"
@@ -60,8 +87,10 @@ def test_sweep_on_tiny_models(tiny_models, tmp_path):
             assert r["itl_p95_ms"] > 0
             assert r["gpu_util_mean_pct"] is None  # no NVML on the CPU: recorded as null
     assert all(rows["k0", c]["acceptance_rate"] is None and rows["k0", c]["mean_applied_k"] == 0 for c in (1, 3))
-    assert all(rows["pdv", c]["simulated_acceptance"] == 0.7 and rows["pdv", c]["label"] == "simulated acceptance α=0.7"
-               for c in (1, 3))
+    assert all(
+        rows["pdv", c]["simulated_acceptance"] == 0.7 and rows["pdv", c]["label"] == "simulated acceptance α=0.7"
+        for c in (1, 3)
+    )
     assert all(0 <= (rows["pdv", c]["acceptance_rate"] or 0) <= 1 for c in (1, 3))
     assert all(rows["bad", c]["status"] == "error" and "failed to start" in rows["bad", c]["error"] for c in (1, 3))
     servers = {s["mode"]: s for s in doc["servers"]}
@@ -83,8 +112,18 @@ def test_sweep_on_tiny_models(tiny_models, tmp_path):
         r["pair"] = "other->pair"
     other["skipped"] = [{"pair": "tinyllama-1.1b->codellama-34b", "note": "skipped: needs >= 120 GB"}]
     (tmp_path / "other.json").write_text(json.dumps(other))
-    assert load_harness().main(["--report-only", str(tmp_path / "seed_comparison_cpu_smoke.json"),
-                                str(tmp_path / "other.json"), "--out", str(tmp_path / "merged")]) == 0
+    assert (
+        load_harness().main(
+            [
+                "--report-only",
+                str(tmp_path / "seed_comparison_cpu_smoke.json"),
+                str(tmp_path / "other.json"),
+                "--out",
+                str(tmp_path / "merged"),
+            ]
+        )
+        == 0
+    )
     merged = json.loads((tmp_path / "merged" / "seed_comparison_cpu.json").read_text())
     assert len(merged["rows"]) == 12 and len(merged["sources"]) == 2
     text = (tmp_path / "merged" / "seed_comparison_cpu.md").read_text()
@@ -92,21 +131,47 @@ def test_sweep_on_tiny_models(tiny_models, tmp_path):
 
 
 def row(mode: str, c: int, tput: float, p95: float) -> dict:
-    return {"pair": "tinyllama-1.1b->llama-2-7b", "mode": mode, "concurrency": c, "status": "ok",
-            "output_tok_s": tput, "e2e_p95_ms": p95, "e2e_mean_ms": p95 / 2, "e2e_p99_ms": p95, "ttft_p95_ms": 1.0,
-            "itl_p95_ms": 1.0, "acceptance_rate": 0.7, "mean_applied_k": 2.0, "label": "simulated acceptance α=0.7"}
+    return {
+        "pair": "tinyllama-1.1b->llama-2-7b",
+        "mode": mode,
+        "concurrency": c,
+        "status": "ok",
+        "output_tok_s": tput,
+        "e2e_p95_ms": p95,
+        "e2e_mean_ms": p95 / 2,
+        "e2e_p99_ms": p95,
+        "ttft_p95_ms": 1.0,
+        "itl_p95_ms": 1.0,
+        "acceptance_rate": 0.7,
+        "mean_applied_k": 2.0,
+        "label": "simulated acceptance α=0.7",
+    }
 
 
-@pytest.mark.parametrize("pdv_c1, pdv_p95_c8, expect", [
-    (140.0, 90.0, ["PASS", "PASS", "PASS", "PASS"]),
-    (120.0, 90.0, ["PASS", "PASS", "PASS", "MISS"]),   # 1.2 x k0 at c=1
-    (140.0, 130.0, ["PASS", "MISS", "PASS", "PASS"]),  # PDV P95 above PD's at c=8
-])
+@pytest.mark.parametrize(
+    "pdv_c1, pdv_p95_c8, expect",
+    [
+        (140.0, 90.0, ["PASS", "PASS", "PASS", "PASS"]),
+        (120.0, 90.0, ["PASS", "PASS", "PASS", "MISS"]),  # 1.2 x k0 at c=1
+        (140.0, 130.0, ["PASS", "MISS", "PASS", "PASS"]),  # PDV P95 above PD's at c=8
+    ],
+)
 def test_targets_and_their_figures(pdv_c1, pdv_p95_c8, expect):
     h = load_harness()
-    rows = [row("k0", 1, 100, 50), row("baseline", 1, 110, 50), row("pd", 1, 120, 50), row("pdv", 1, pdv_c1, 40),
-            row("k0", 8, 400, 100), row("baseline", 8, 410, 120), row("pd", 8, 420, 110), row("pdv", 8, 430, pdv_p95_c8),
-            row("k0", 2, 150, 60), row("baseline", 2, 1.0, 60), row("pd", 2, 2.0, 60), row("pdv", 2, 160, 60)]
+    rows = [
+        row("k0", 1, 100, 50),
+        row("baseline", 1, 110, 50),
+        row("pd", 1, 120, 50),
+        row("pdv", 1, pdv_c1, 40),
+        row("k0", 8, 400, 100),
+        row("baseline", 8, 410, 120),
+        row("pd", 8, 420, 110),
+        row("pdv", 8, 430, pdv_p95_c8),
+        row("k0", 2, 150, 60),
+        row("baseline", 2, 1.0, 60),
+        row("pd", 2, 2.0, 60),
+        row("pdv", 2, 160, 60),
+    ]
     doc = {"device": "test", "label": "simulated acceptance α=0.7", "parameters": {}, "rows": rows}
     text, checks = h.render_report(doc, {})
     assert [c["status"] for c in checks["tinyllama-1.1b->llama-2-7b"]] == expect  # c=2 (< 8) is not held to order
@@ -122,13 +187,29 @@ def test_split_rows_are_their_own_series_and_baseline_is_optional_above_8(tmp_pa
     the one-process pdv rows) and gets its own target checks; where Baseline did not run (c > 8)
     the order check still holds PDV against PD."""
     h = load_harness()
-    one = {"device": "test", "device_slug": "t", "label": "simulated acceptance α=0.7", "parameters": {},
-           "servers": [{"pair": "tinyllama-1.1b->llama-2-7b", "mode": "pdv", "server_info": {"topology": "colocated"}}],
-           "rows": [row("k0", 1, 100, 50), row("pd", 1, 120, 50), row("pdv", 1, 140, 40),
-                    row("k0", 16, 400, 100), row("pd", 16, 420, 110), row("pdv", 16, 410, 100)]}
-    split = {"device": "test", "device_slug": "t", "label": "simulated acceptance α=0.7", "parameters": {},
-             "servers": [{"pair": "tinyllama-1.1b->llama-2-7b", "mode": "pdv", "server_info": {"topology": "split"}}],
-             "rows": [row("pdv", 1, 150, 45), row("pdv", 16, 500, 90)]}
+    one = {
+        "device": "test",
+        "device_slug": "t",
+        "label": "simulated acceptance α=0.7",
+        "parameters": {},
+        "servers": [{"pair": "tinyllama-1.1b->llama-2-7b", "mode": "pdv", "server_info": {"topology": "colocated"}}],
+        "rows": [
+            row("k0", 1, 100, 50),
+            row("pd", 1, 120, 50),
+            row("pdv", 1, 140, 40),
+            row("k0", 16, 400, 100),
+            row("pd", 16, 420, 110),
+            row("pdv", 16, 410, 100),
+        ],
+    }
+    split = {
+        "device": "test",
+        "device_slug": "t",
+        "label": "simulated acceptance α=0.7",
+        "parameters": {},
+        "servers": [{"pair": "tinyllama-1.1b->llama-2-7b", "mode": "pdv", "server_info": {"topology": "split"}}],
+        "rows": [row("pdv", 1, 150, 45), row("pdv", 16, 500, 90)],
+    }
     merged = h.merge([one, split])
     modes = sorted((r["mode"], r["concurrency"]) for r in merged["rows"])
     assert ("pdv", 16) in modes and ("pdv-split", 16) in modes and len(modes) == 8

@@ -2,13 +2,13 @@
 is a *different* random model of the target's shape (real acceptance far from 1), ALPHA 1 accepts every
 draft token and ALPHA 0 none; split topology passes it to the verify lane process; the server warns
 loudly and labels its start-up line; values outside [0, 1] are a CLI error."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
 import pytest
-
 from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, Server, _engine_models, free_port, greedy_request
 
 K = 4
@@ -25,10 +25,34 @@ def unrelated_models(tmp_path_factory) -> tuple[str, str]:
 
 def serve(models, alpha: str, *extra: str) -> tuple[Server, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0",
-           "--target", models[0], "--draft", models[1], "--device", "cpu", "--num-blocks", "64",
-           "--block-size", str(BLOCK_SIZE), "--max-context", str(MAX_CONTEXT), "--k-initial", str(K),
-           "--no-adaptive", "--simulated-acceptance", alpha, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        "0",
+        "--target",
+        models[0],
+        "--draft",
+        models[1],
+        "--device",
+        "cpu",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--k-initial",
+        str(K),
+        "--no-adaptive",
+        "--simulated-acceptance",
+        alpha,
+        *extra,
+    ]
     server = Server(cmd, echo=False)
     if not server.ready.wait(180):
         server.proc.kill()
@@ -83,8 +107,12 @@ def test_real_acceptance_of_the_unrelated_draft_is_low(unrelated_models):
     from verifypd.local_engine import Engine
 
     options = engine_options(*unrelated_models, k=K, block_size=BLOCK_SIZE)
-    done = Engine(options).generate([RequestSpec(prompt_ids=(5 + i, 17, 33, 40 + i), max_tokens=24, stop_at_eos=False,
-                                                 sampling=SamplingParams()) for i in range(3)])
+    done = Engine(options).generate(
+        [
+            RequestSpec(prompt_ids=(5 + i, 17, 33, 40 + i), max_tokens=24, stop_at_eos=False, sampling=SamplingParams())
+            for i in range(3)
+        ]
+    )
     drafted = sum(c.usage["draft_tokens"] for c in done.values())
     accepted = sum(c.usage["accepted_tokens"] for c in done.values())
     assert drafted > 0 and accepted / drafted < 0.5
@@ -105,7 +133,12 @@ def test_split_serve_passes_it_to_the_verify_lane(unrelated_models):
 def test_out_of_range_is_a_cli_error(value):
     from verifypd.launch.launcher import child_env
 
-    proc = subprocess.run([sys.executable, "-m", "verifypd.cli", "serve", "--simulated-acceptance", value],
-                          capture_output=True, text=True, timeout=60, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "verifypd.cli", "serve", "--simulated-acceptance", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
     assert proc.returncode == 2
     assert "--simulated-acceptance" in proc.stderr and "[0, 1]" in proc.stderr

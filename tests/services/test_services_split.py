@@ -3,12 +3,19 @@
 One set of lane processes serves the whole module; each test wires a fresh gateway (router) to
 them, so block allocation starts clean every time.
 """
+
 from __future__ import annotations
 
 import pytest
+from services_helpers import (
+    Client,
+    engine_options,
+    greedy_request,
+    offline_outputs,
+    random_prompts,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
-from services_helpers import Client, engine_options, greedy_request, offline_outputs, random_prompts
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
@@ -30,15 +37,17 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(tiny_models, prompts):
-    return offline_outputs(engine_options(*tiny_models),
-                           [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts])
+    return offline_outputs(
+        engine_options(*tiny_models), [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts]
+    )
 
 
 def split_gateway(tiny_models, lanes, kv_transport):
     from verifypd.gateway.server import build_split
 
-    return build_split(lanes.addrs, engine_options(*tiny_models), kv_transport=kv_transport,
-                       lane_secret=lanes.secret).start()
+    return build_split(
+        lanes.addrs, engine_options(*tiny_models), kv_transport=kv_transport, lane_secret=lanes.secret
+    ).start()
 
 
 def owner_bytes_received(gw) -> int:
@@ -98,8 +107,11 @@ def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
     assert offline_outputs(engine_options(tiny_models[0], "none", k=0), [spec]) == expected
     with split_gateway(tiny_models, lanes, "auto") as gw:
         ids, msgs = Client(gw.address).generate(
-            token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=20, stop_at_eos=False,
-            sampling=generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=99))
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            max_tokens=20,
+            stop_at_eos=False,
+            sampling=generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, top_k=top_k, seed=99),
+        )
         assert [ids] == expected
         assert msgs[-1].usage.draft_tokens > 0
         assert gw.info.topology == "split"
@@ -108,8 +120,8 @@ def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
 def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, prompts, expected):
     """The router's fast path (call channel: compact columns, request intros, block-table deltas)
     and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
-    from verifypd.engine.router import Router
     from verifypd.core.process import connect_lanes
+    from verifypd.engine.router import Router
     from verifypd.gateway.server import load_codec
     from verifypd.lanerpc.lane_client import wire_pools
 
@@ -120,8 +132,7 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
         for c in clients:
             c._use_channel = channel
         wire_pools(*clients, kv_transport="handle")
-        router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(),
-                        config=options.config)
+        router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(), config=options.config)
         ids = [router.add_request(RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False)) for p in prompts]
         tokens = {i: [] for i in ids}
         while router.has_work():
@@ -139,16 +150,20 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
 def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lanes, prompts, expected):
     """pdv with pipelining across the lane processes: one group's draft beside the other's verify,
     and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
-    from verifypd.engine.router import Router
     from verifypd.core.process import connect_lanes
+    from verifypd.engine.router import Router
     from verifypd.gateway.server import load_codec
     from verifypd.lanerpc.lane_client import wire_pools
 
     options = engine_options(*tiny_models)
     clients = connect_lanes(lanes.addrs, secret=lanes.secret)
     wire_pools(*clients, kv_transport="handle")
-    router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(),
-                    config=options.config.updated(schedule="pdv", pipeline=True))
+    router = Router(
+        *clients,
+        decode=load_codec(options.target).decode,
+        eos_token_ids=(),
+        config=options.config.updated(schedule="pdv", pipeline=True),
+    )
     tokens, pending = {}, [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in prompts]
     order = []
     while pending or router.has_work():
@@ -166,15 +181,14 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
     assert [tokens[r] for r in order] == expected
 
 
-def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, lanes, prompts, expected,
-                                                                   monkeypatch):
+def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, lanes, prompts, expected, monkeypatch):
     """Adaptive pdv chooses pipelined or lock-step step by step; across lane processes every switch
     (held drafts verified alone first) keeps the offline tokens."""
     import itertools
 
+    from verifypd.core.process import connect_lanes
     from verifypd.engine import scheduler as scheduler_module
     from verifypd.engine.router import Router
-    from verifypd.core.process import connect_lanes
     from verifypd.gateway.server import load_codec
     from verifypd.lanerpc.lane_client import wire_pools
 
@@ -183,8 +197,12 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
     options = engine_options(*tiny_models)
     clients = connect_lanes(lanes.addrs, secret=lanes.secret)
     wire_pools(*clients, kv_transport="handle")
-    router = Router(*clients, decode=load_codec(options.target).decode, eos_token_ids=(),
-                    config=options.config.updated(schedule="pdv", pipeline=True, adaptive=True, k_min=0))
+    router = Router(
+        *clients,
+        decode=load_codec(options.target).decode,
+        eos_token_ids=(),
+        config=options.config.updated(schedule="pdv", pipeline=True, adaptive=True, k_min=0),
+    )
     plans = []
     plan = router.scheduler.plan
 
@@ -192,6 +210,7 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
         result = plan(config, costs)
         plans.append(result.pipelined)
         return result
+
     router.scheduler.plan = recording_plan
     ids = [router.add_request(RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False)) for p in prompts]
     tokens = {i: [] for i in ids}

@@ -2,6 +2,7 @@
 prefill call to the prefill lane while the verify lane still computes, as it launches an
 in-process prefill beside an in-process verify (docs/services.md "Prefill beside decode across
 lane processes"). In-process stub lanes here; the real lane processes in the last test."""
+
 from __future__ import annotations
 
 import threading
@@ -9,16 +10,19 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from services_helpers import (
+    engine_options,
+    offline_outputs,
+    random_prompts,
+    tiny_models,  # noqa: F401 (a fixture)
+)
+from test_services_call_channel import GREEDY, TARGET, handle, verify_item
 
-from verifypd.lanes.interface import LaneError, PrefillItem
 from verifypd.lanerpc import call_codec as cc
 from verifypd.lanerpc.call_channel import CallClient, CallServer
 from verifypd.lanerpc.lane_client import GrpcPrefillLane, GrpcVerifyLane
+from verifypd.lanes.interface import LaneError, PrefillItem
 from verifypd.v1 import lanes_pb2
-
-from services_helpers import engine_options, offline_outputs, random_prompts
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
-from test_services_call_channel import GREEDY, TARGET, handle, verify_item
 
 DELAY_S = 0.3
 
@@ -26,6 +30,7 @@ DELAY_S = 0.3
 def slow_server(log: list, name: str, refuse_first: bool = False):
     """A lane stub that takes DELAY_S per call and logs (name, start, end); verify calls answer
     accepted 0 and token 100 + call number, prefill calls the first token 200 + call number."""
+
     def handler(call, state):
         t0 = time.perf_counter()
         time.sleep(DELAY_S)
@@ -37,6 +42,7 @@ def slow_server(log: list, name: str, refuse_first: bool = False):
         if call.method == lanes_pb2.LANE_METHOD_PREFILL:
             return lanes_pb2.LaneReply(tokens_u32=cc.u32([200 + state.calls] * n))
         return lanes_pb2.LaneReply(count_u32=cc.u32([0] * n), tokens_u32=cc.u32([100 + state.calls] * n))
+
     return CallServer(handler, lambda: SimpleNamespace(calls=0), "127.0.0.1", 0, None)
 
 
@@ -118,8 +124,8 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     from verifypd.core.process import connect_lanes
     from verifypd.engine.router import Router
     from verifypd.engine.types import RequestSpec
-    from verifypd.launch.launcher import LaneProcesses
     from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.launch.launcher import LaneProcesses
 
     options = engine_options(*tiny_models)
     prompts = random_prompts(6, seed=5, max_len=30)
@@ -138,6 +144,7 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
             pending = verify._pending
             beside.append(pending is not None and not pending.done)
             return plain_start(items)
+
         prefill.prefill_start = watched_start
         router = Router(*clients, decode=None, eos_token_ids=(), config=options.config)
         ids = [router.add_request(specs[0])]
@@ -171,11 +178,14 @@ def test_a_draft_lane_that_proposes_nothing_is_not_called():
 
     def no_wire(*_):
         raise AssertionError("the draft lane was called")
+
     lane._start = lane._work = no_wire
     items = [DraftItem("a", [3], 4, None, 2, GREEDY), DraftItem("b", [5, 6], 7, None, 1, GREEDY)]
     outs = lane.draft(items)
-    assert [(o.request_id, list(o.draft_tokens), o.draft_probs, o.resync_from) for o in outs] == \
-        [("a", [], None, None), ("b", [], None, None)]
+    assert [(o.request_id, list(o.draft_tokens), o.draft_probs, o.resync_from) for o in outs] == [
+        ("a", [], None, None),
+        ("b", [], None, None),
+    ]
     lane._info_pb = lanes_pb2.LaneInfo(lane="draft", draft_model="ngram")  # a draft that may propose: called
     with pytest.raises(AssertionError, match="was called"):
         lane.draft(items)

@@ -4,6 +4,7 @@ model, and its greedy output equals the single-process engine's token for token 
 requests at once: ragged prefills, batched verify calls with device drafts broadcast to the
 follower, prefill beside decode). A follower killed mid-stream ends the requests with UNAVAILABLE
 and `serve` exits non-zero instead of hanging; flags that do not fit exit 2 naming the flag."""
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,18 @@ import time
 
 import grpc
 import pytest
+from services_helpers import (
+    Client,
+    Server,
+    engine_options,
+    free_port,
+    greedy_request,
+    offline_outputs,
+    random_prompts,
+    serve_cmd,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
-from services_helpers import (Client, Server, engine_options, free_port, greedy_request, offline_outputs,
-                              random_prompts, serve_cmd)
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
@@ -37,12 +46,15 @@ def test_tp2_serve_equals_single_process_greedy(tiny_models, topology):
     open them (rank_shards), so prefill KV written by both prefill ranks is what both verify ranks read."""
     prompts = random_prompts(10, seed=21, max_len=24)
     max_tokens = 20
-    expected = offline_outputs(engine_options(*tiny_models, num_blocks=128),
-                               [RequestSpec(prompt_ids=tuple(p), max_tokens=max_tokens, stop_at_eos=False,
-                                            sampling=SamplingParams()) for p in prompts])
+    expected = offline_outputs(
+        engine_options(*tiny_models, num_blocks=128),
+        [
+            RequestSpec(prompt_ids=tuple(p), max_tokens=max_tokens, stop_at_eos=False, sampling=SamplingParams())
+            for p in prompts
+        ],
+    )
     port = free_port()
-    server = Server(serve_cmd(tiny_models, port, "--tensor-parallel", "2", topology=topology),
-                    echo=False).wait_ready()
+    server = Server(serve_cmd(tiny_models, port, "--tensor-parallel", "2", topology=topology), echo=False).wait_ready()
     try:
         followers = [ln for ln in server.lines if FOLLOWER_LINE.search(ln)]
         assert len(followers) == (2 if topology == "split" else 1), "".join(server.lines[-20:])
@@ -51,13 +63,14 @@ def test_tp2_serve_equals_single_process_greedy(tiny_models, topology):
 
         def run(n: int) -> None:
             got[n] = client.generate(**greedy_request(prompts[n], max_tokens=max_tokens), timeout=120)[0]
+
         threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(180)
         assert [got.get(n) for n in range(len(prompts))] == expected
-        assert os.kill(follower_pid(server), 0) is None   # the follower served them (alive, not replaced)
+        assert os.kill(follower_pid(server), 0) is None  # the follower served them (alive, not replaced)
         client.close()
     finally:
         server.stop()
@@ -75,12 +88,14 @@ def test_follower_crash_fails_requests_and_serve_exits(tiny_models):
 
         def stream(prompt) -> None:
             try:
-                for _ in client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(prompt, max_tokens=230)),
-                                             timeout=120):
+                for _ in client.gen.Generate(
+                    generate_pb2.GenerateRequest(**greedy_request(prompt, max_tokens=230)), timeout=120
+                ):
                     started.set()
                 outcomes.append(("finished", ""))
             except grpc.RpcError as exc:
                 outcomes.append((exc.code(), exc.details()))
+
         readers = [threading.Thread(target=stream, args=(p,)) for p in random_prompts(6, seed=7, max_len=8)]
         for r in readers:
             r.start()
@@ -94,8 +109,9 @@ def test_follower_crash_fails_requests_and_serve_exits(tiny_models):
         assert outcomes and all(code == grpc.StatusCode.UNAVAILABLE for code, _ in outcomes), outcomes
         assert server.proc.wait(30) == 1, "serve must exit non-zero when a rank of its target is gone"
         # The watchdog ("exited with code -9") or the next call's write ("is gone") notices first.
-        assert any(f"verifypd: error: tensor-parallel rank 1 (pid {pid})" in ln for ln in server.lines), \
-            server.lines[-20:]
+        assert any(f"verifypd: error: tensor-parallel rank 1 (pid {pid})" in ln for ln in server.lines), server.lines[
+            -20:
+        ]
         client.close()
     finally:
         if server.proc.poll() is None:
@@ -109,11 +125,11 @@ def _cli_in_process(capsys, monkeypatch, *args: str) -> tuple[int, str]:
     (what would be a traceback) fails the test."""
     from verifypd import cli
 
-    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")   # main() sets it; undone at teardown
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")  # main() sets it; undone at teardown
     capsys.readouterr()
     try:
         rc = cli.main(list(args))
-    except SystemExit as exc:   # argparse's errors
+    except SystemExit as exc:  # argparse's errors
         rc = exc.code
     return rc, capsys.readouterr().err
 
@@ -121,29 +137,45 @@ def _cli_in_process(capsys, monkeypatch, *args: str) -> tuple[int, str]:
 def test_bad_tensor_parallel_sizes_exit_2(tiny_models, capsys, monkeypatch):
     from verifypd.launch.launcher import child_env
 
-    target, draft = tiny_models   # 4 heads, 2 kv heads, intermediate 128
+    target, draft = tiny_models  # 4 heads, 2 kv heads, intermediate 128
     # `serve` refuses through its engine-core process (exit 2 passed up): real processes, both
     # topologies at once (each is mostly interpreter start-up and model loading).
-    serves = {topology: subprocess.Popen(serve_cmd(tiny_models, free_port(), "--tensor-parallel", "4",
-                                                   topology=topology),
-                                         env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-              for topology in ("colocated", "split")}
+    serves = {
+        topology: subprocess.Popen(
+            serve_cmd(tiny_models, free_port(), "--tensor-parallel", "4", topology=topology),
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for topology in ("colocated", "split")
+    }
     try:
         common = ["generate", "--offline", "--raw", "hi", "--target", target, "--draft", draft, "--max-tokens", "2"]
         for extra, message in (
-                (["--device", "cpu", "--tensor-parallel", "4"], "--tensor-parallel 4: tensor parallel size 4 must "
-                                                                "divide num_kv_heads (2)"),
-                (["--device", "cpu", "--tensor-parallel", "0"], "--tensor-parallel: must be >= 1"),
-                (["--device", "cuda", "--tensor-parallel", "2"] if not _cuda_count() else
-                 ["--device", "cuda", "--tensor-parallel", str(_cuda_count() + 1)], "--tensor-parallel"),
-                (["--device", "cpu", "--tensor-parallel", "2", "--draft", "self:1"], "--tensor-parallel 2 splits")):
+            (
+                ["--device", "cpu", "--tensor-parallel", "4"],
+                "--tensor-parallel 4: tensor parallel size 4 must divide num_kv_heads (2)",
+            ),
+            (["--device", "cpu", "--tensor-parallel", "0"], "--tensor-parallel: must be >= 1"),
+            (
+                ["--device", "cuda", "--tensor-parallel", "2"]
+                if not _cuda_count()
+                else ["--device", "cuda", "--tensor-parallel", str(_cuda_count() + 1)],
+                "--tensor-parallel",
+            ),
+            (["--device", "cpu", "--tensor-parallel", "2", "--draft", "self:1"], "--tensor-parallel 2 splits"),
+        ):
             rc, err = _cli_in_process(capsys, monkeypatch, *common, *extra)
             assert rc == 2 and message in err, (extra, rc, err[-600:])
             assert "Traceback" not in err
         for topology, proc in serves.items():
             _, err = proc.communicate(timeout=180)
-            assert proc.returncode == 2 and "--tensor-parallel 4: tensor parallel size 4 must divide" in err, \
-                (topology, proc.returncode, err[-800:])
+            assert proc.returncode == 2 and "--tensor-parallel 4: tensor parallel size 4 must divide" in err, (
+                topology,
+                proc.returncode,
+                err[-800:],
+            )
             assert "Traceback" not in err, (topology, err[-800:])
     finally:
         for proc in serves.values():
@@ -174,10 +206,10 @@ def test_call_codec_round_trip_and_bad_headers():
         with pytest.raises(ValueError, match="malformed"):
             tp_calls.receive(b, TokenRun)
         a.sendall(tp_calls.HEADER.pack(tp_calls.FORWARD, 0, 1, 2, 1, 0, 1, 0) + bytes(8 * 3 + 8 * 3))
-        with pytest.raises(ValueError, match="do not add up"):   # lens say 0 tokens, header says 2
+        with pytest.raises(ValueError, match="do not add up"):  # lens say 0 tokens, header says 2
             tp_calls.receive(b, TokenRun)
         a.close()
-        assert tp_calls.receive(b, TokenRun) is None   # EOF: rank 0 is gone
+        assert tp_calls.receive(b, TokenRun) is None  # EOF: rank 0 is gone
 
 
 def _lane_followers(server: Server) -> dict[str, list[int]]:
@@ -192,7 +224,7 @@ def _lane_followers(server: Server) -> dict[str, list[int]]:
             with open(f"/proc/{m.group(1)}/cmdline", "rb") as f:
                 cmd = f.read().decode()
         except OSError:
-            continue   # exited
+            continue  # exited
         out["verify" if '"pool": "shared"' in cmd else "prefill"].append(int(m.group(1)))
     return out
 
@@ -203,12 +235,28 @@ def test_split_tp2_recovers_from_lost_ranks(tiny_models):
     every request still completes with the fault-free tokens."""
     prompts = random_prompts(16, seed=12, max_len=16)
     max_tokens = 20
-    expected = offline_outputs(engine_options(*tiny_models, num_blocks=128),
-                               [RequestSpec(prompt_ids=tuple(p), max_tokens=max_tokens, stop_at_eos=False,
-                                            sampling=SamplingParams()) for p in prompts])
+    expected = offline_outputs(
+        engine_options(*tiny_models, num_blocks=128),
+        [
+            RequestSpec(prompt_ids=tuple(p), max_tokens=max_tokens, stop_at_eos=False, sampling=SamplingParams())
+            for p in prompts
+        ],
+    )
     port = free_port()
-    server = Server(serve_cmd(tiny_models, port, "--tensor-parallel", "2", "--max-running", "4",
-                              "--recovery-timeout", "120", topology="split"), echo=False).wait_ready()
+    server = Server(
+        serve_cmd(
+            tiny_models,
+            port,
+            "--tensor-parallel",
+            "2",
+            "--max-running",
+            "4",
+            "--recovery-timeout",
+            "120",
+            topology="split",
+        ),
+        echo=False,
+    ).wait_ready()
     results: dict[int, tuple] = {}
     todo = list(enumerate(prompts))
     lock = threading.Lock()
@@ -225,6 +273,7 @@ def test_split_tp2_recovers_from_lost_ranks(tiny_models):
             except grpc.RpcError as exc:
                 results[n] = (exc.code(), exc.details())
         client.close()
+
     workers = [threading.Thread(target=worker) for _ in range(4)]
     try:
         first_prefill_follower = _lane_followers(server)["prefill"]
@@ -262,12 +311,37 @@ def _start_lanes(tiny_models, names, tmp_path) -> list[tuple[subprocess.Popen, s
     started = []
     for lane in names:
         port_file = tmp_path / f"{lane}.port"
-        cmd = [sys.executable, "-m", "verifypd.cli", "lane", lane, "--port", "0", "--port-file", str(port_file),
-               "--call-port", "-1", "--allow-unauthenticated", "--target", tiny_models[0], "--draft",
-               tiny_models[1], "--device", "cpu", "--num-blocks", "32", "--block-size", "4", "--max-context", "256",
-               "--parent-pid", str(os.getpid())] + (["--tensor-parallel", "2"] if lane != "draft" else [])
-        started.append((subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL), port_file))
+        cmd = [
+            sys.executable,
+            "-m",
+            "verifypd.cli",
+            "lane",
+            lane,
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--call-port",
+            "-1",
+            "--allow-unauthenticated",
+            "--target",
+            tiny_models[0],
+            "--draft",
+            tiny_models[1],
+            "--device",
+            "cpu",
+            "--num-blocks",
+            "32",
+            "--block-size",
+            "4",
+            "--max-context",
+            "256",
+            "--parent-pid",
+            str(os.getpid()),
+        ] + (["--tensor-parallel", "2"] if lane != "draft" else [])
+        started.append(
+            (subprocess.Popen(cmd, env=child_env(), stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port_file)
+        )
     try:
         for (proc, port_file), lane in zip(started, names):
             assert _wait(lambda: port_file.exists() or proc.poll() is not None, 180) and proc.poll() is None, lane
@@ -290,12 +364,14 @@ def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
         target = lanes_pb2_grpc.VerifyLaneStub(verify).Describe(lanes_pb2.LaneInfoRequest(), timeout=30).pools[0]
         draft_pool = lanes_pb2_grpc.DraftLaneStub(draft).Describe(lanes_pb2.LaneInfoRequest(), timeout=30).pools[0]
         assert len(target.rank_shards) == 1 and target.rank_shards[0].num_kv_heads == target.num_kv_heads == 1
-        target.kv_transfer_addr, draft_pool.kv_transfer_addr = lanes[0][1], lanes[2][1]   # as wire_pools does
+        target.kv_transfer_addr, draft_pool.kv_transfer_addr = lanes[0][1], lanes[2][1]  # as wire_pools does
         stub = lanes_pb2_grpc.PrefillLaneStub(prefill)
 
         def import_pools(d, transport="auto"):
-            return stub.ImportPools(lanes_pb2.ImportPoolsRequest(pools=[d, draft_pool], kv_transport=transport),
-                                    timeout=60)
+            return stub.ImportPools(
+                lanes_pb2.ImportPoolsRequest(pools=[d, draft_pool], kv_transport=transport), timeout=60
+            )
+
         # A file of the test's own: were the check missing, the follower would map it (torch.from_file
         # grows it to the pool's size and writes into it), so never point this at a real file.
         bait = tmp_path / "not-a-pool"
@@ -305,13 +381,14 @@ def test_prefill_lane_checks_rank_shards(tiny_models, tmp_path):
         none = lanes_pb2.PoolDescriptor.FromString(target.SerializeToString())
         del none.rank_shards[:]
         for d, transport, code, words in (
-                (forged, "auto", grpc.StatusCode.INVALID_ARGUMENT, "pools[target].rank_shards[0].shm_path"),
-                (none, "auto", grpc.StatusCode.FAILED_PRECONDITION, "has 0 rank shards"),
-                (target, "copy", grpc.StatusCode.FAILED_PRECONDITION, "copying sharded KV is not supported")):
+            (forged, "auto", grpc.StatusCode.INVALID_ARGUMENT, "pools[target].rank_shards[0].shm_path"),
+            (none, "auto", grpc.StatusCode.FAILED_PRECONDITION, "has 0 rank shards"),
+            (target, "copy", grpc.StatusCode.FAILED_PRECONDITION, "copying sharded KV is not supported"),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 import_pools(d, transport)
             assert err.value.code() == code and words in err.value.details(), err.value.details()
-        assert bait.read_bytes() == b"keep me"   # refused before any rank opened it
+        assert bait.read_bytes() == b"keep me"  # refused before any rank opened it
         assert import_pools(target).mode_by_pool[target.pool_id] == "imported"
         for channel in (verify, prefill, draft):
             channel.close()

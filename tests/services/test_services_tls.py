@@ -2,6 +2,7 @@
 right CA gets the same greedy tokens over gRPC and HTTPS; plaintext, a wrong CA and an expired
 server certificate are refused; with --tls-client-ca-file a missing or foreign client certificate
 is refused; bad flags exit 2 with one line. Two serve processes (server-auth, mutual TLS)."""
+
 from __future__ import annotations
 
 import ssl
@@ -11,10 +12,13 @@ import sys
 import grpc
 import httpx
 import pytest
-
 from pki_helpers import make_cert, write_pem
-from services_helpers import Server, free_port, serve_cmd
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
+from services_helpers import (
+    Server,
+    free_port,
+    serve_cmd,
+    tiny_models,  # noqa: F401 (a fixture)
+)
 
 from verifypd import tls as tls_mod
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
@@ -28,17 +32,23 @@ def pki(tmp_path_factory):
     foreign_client (by other_ca). Each name -> (crt path, key path)."""
     tmp = tmp_path_factory.mktemp("pki")
     ca, other = make_cert("test ca", ca=True), make_cert("other ca", ca=True)
-    made = {"ca": ca, "other_ca": other,
-            "server": make_cert("server", ca), "client": make_cert("client", ca),
-            "expired": make_cert("server", ca, days=(-30, -1)),
-            "foreign_server": make_cert("server", other), "foreign_client": make_cert("client", other)}
+    made = {
+        "ca": ca,
+        "other_ca": other,
+        "server": make_cert("server", ca),
+        "client": make_cert("client", ca),
+        "expired": make_cert("server", ca, days=(-30, -1)),
+        "foreign_server": make_cert("server", other),
+        "foreign_client": make_cert("client", other),
+    }
     return {name: write_pem(tmp, name, *pair) for name, pair in made.items()}
 
 
 def _serve(tiny_models, pki, *extra):
     grpc_port, http_port = free_port(), free_port()
-    cmd = serve_cmd(tiny_models, grpc_port, "--tls-cert-file", pki["server"][0], "--tls-key-file", pki["server"][1],
-                    *extra)
+    cmd = serve_cmd(
+        tiny_models, grpc_port, "--tls-cert-file", pki["server"][0], "--tls-key-file", pki["server"][1], *extra
+    )
     cmd[cmd.index("--http-port") + 1] = str(http_port)
     server = Server(cmd, ready_line="OpenAI-compatible HTTP API on", echo=False).wait_ready()
     return server, f"127.0.0.1:{grpc_port}", f"https://127.0.0.1:{http_port}"
@@ -67,8 +77,9 @@ def _grpc_generate(addr, tls, timeout=30):
     with tls_mod.grpc_channel(addr, tls) as channel:
         req = generate_pb2.GenerateRequest(text=PROMPT, max_tokens=8, stop_at_eos=False)
         try:
-            return [t for m in generate_pb2_grpc.GenerationStub(channel).Generate(req, timeout=timeout)
-                    for t in m.token_ids]
+            return [
+                t for m in generate_pb2_grpc.GenerationStub(channel).Generate(req, timeout=timeout) for t in m.token_ids
+            ]
         except grpc.RpcError as exc:
             return exc.code()
 
@@ -102,8 +113,19 @@ def test_plaintext_and_wrong_ca_refused(served, pki):
 
 def test_generate_cli_over_tls(served, pki):
     _, addr, _ = served
-    base = [sys.executable, "-m", "verifypd.cli", "generate", "--server", addr, PROMPT, "--raw", "--max-tokens", "4",
-            "--json"]
+    base = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "generate",
+        "--server",
+        addr,
+        PROMPT,
+        "--raw",
+        "--max-tokens",
+        "4",
+        "--json",
+    ]
     ok = subprocess.run(base + ["--tls-ca-file", pki["ca"][0]], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert '"token_ids"' in ok.stdout
@@ -133,6 +155,7 @@ def test_expired_server_certificate_refused(pki):
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
+
     http = HttpServer(app, "127.0.0.1", 0, tls=expired).start()
     try:
         with pytest.raises(httpx.ConnectError, match="certificate has expired"):
@@ -151,12 +174,13 @@ def test_expired_server_certificate_refused(pki):
 
 def test_bad_tls_flags_exit_2(tiny_models, pki, tmp_path):
     (tmp_path / "junk.pem").write_text("not a certificate")
-    cases = [(["--tls-cert-file", pki["server"][0]], "--tls-cert-file needs --tls-key-file"),
-             (["--tls-key-file", pki["server"][1]], "--tls-key-file needs --tls-cert-file"),
-             (["--tls-cert-file", pki["server"][0], "--tls-key-file", pki["client"][1]],
-              "does not hold the private key"),
-             (["--tls-cert-file", str(tmp_path / "missing.crt"), "--tls-key-file", pki["server"][1]], "cannot read"),
-             (["--tls-cert-file", str(tmp_path / "junk.pem"), "--tls-key-file", pki["server"][1]], "not a PEM file")]
+    cases = [
+        (["--tls-cert-file", pki["server"][0]], "--tls-cert-file needs --tls-key-file"),
+        (["--tls-key-file", pki["server"][1]], "--tls-key-file needs --tls-cert-file"),
+        (["--tls-cert-file", pki["server"][0], "--tls-key-file", pki["client"][1]], "does not hold the private key"),
+        (["--tls-cert-file", str(tmp_path / "missing.crt"), "--tls-key-file", pki["server"][1]], "cannot read"),
+        (["--tls-cert-file", str(tmp_path / "junk.pem"), "--tls-key-file", pki["server"][1]], "not a PEM file"),
+    ]
     for extra, message in cases:
         run = subprocess.run(serve_cmd(tiny_models, free_port(), *extra), capture_output=True, text=True, timeout=60)
         assert run.returncode == 2, (extra, run.stderr)
@@ -181,8 +205,21 @@ def test_loadgen_both_backends_over_tls(served, pki, tmp_path, tiny_models):
     from verifypd_loadgen.cli import main as loadgen_main
 
     _, addr, url = served
-    common = ["--requests", "2", "--concurrency", "2", "--input-len", "uniform:3,6", "--output-len", "4",
-              "--vocab-size", "96", "--no-progress", "--tls-ca-file", pki["ca"][0]]
+    common = [
+        "--requests",
+        "2",
+        "--concurrency",
+        "2",
+        "--input-len",
+        "uniform:3,6",
+        "--output-len",
+        "4",
+        "--vocab-size",
+        "96",
+        "--no-progress",
+        "--tls-ca-file",
+        pki["ca"][0],
+    ]
     openai = ["--backend", "openai", "--url", url + "/v1", "--model", tiny_models[0]]  # the default model id
     for name, target in (("grpc", ["--server", addr]), ("openai", openai)):
         out = tmp_path / f"{name}.json"

@@ -9,6 +9,7 @@ The walk is the engine's: a step at anchor p accepts a drafts (a run of matches)
 
     python3 bench/results/hybrid_draft_s30/hybrid_walk.py --dump top5_eval.jsonl --out hybrid_walk.json
 """
+
 import argparse
 import json
 from collections import defaultdict
@@ -25,7 +26,7 @@ def walk(row, choose):
     acc = steps = 0
     while p < last:
         a = 0
-        for ok in choose(row, p)[:max(0, len(seq) - 2 - p)]:   # no draft past the answer's end
+        for ok in choose(row, p)[: max(0, len(seq) - 2 - p)]:  # no draft past the answer's end
             if not ok:
                 break
             a += 1
@@ -47,12 +48,14 @@ def main():
         """Prompt lookup's K tokens at anchor p: the longest repeated suffix of at least min_n tokens."""
         key = (id(row), p, min_n, max_n)
         if key not in cache:
-            cache[key] = propose(row["seq"][:p + 2], K, min_n, max_n)
+            cache[key] = propose(row["seq"][: p + 2], K, min_n, max_n)
         return cache[key]
 
     def head(row, p):
-        return [row["top5"][j][p + j][0] == row["seq"][p + 2 + j] if p + 2 + j < len(row["seq"]) else False
-                for j in range(K)]
+        return [
+            row["top5"][j][p + j][0] == row["seq"][p + 2 + j] if p + 2 + j < len(row["seq"]) else False
+            for j in range(K)
+        ]
 
     def matches(row, p, out):
         return [p + 2 + j < len(row["seq"]) and t == row["seq"][p + 2 + j] for j, t in enumerate(out)]
@@ -66,19 +69,27 @@ def main():
                 tot[key][1] += s
         return {f: round(1 + a / s, 3) for f, (a, s) in sorted(tot.items())}
 
-    results = {"head": run(head),
-               "ngram:2-4 (the default draft)": run(lambda r, p: matches(r, p, lookup(r, p, 2, 4))),
-               f"ngram:{args.min_n}-{args.max_n}": run(lambda r, p: matches(r, p, lookup(r, p, args.min_n)))}
+    results = {
+        "head": run(head),
+        "ngram:2-4 (the default draft)": run(lambda r, p: matches(r, p, lookup(r, p, 2, 4))),
+        f"ngram:{args.min_n}-{args.max_n}": run(lambda r, p: matches(r, p, lookup(r, p, args.min_n))),
+    }
     for L in range(args.min_n, args.max_n + 1):  # lookup where its match is >= L tokens, else the head
-        results[f"hybrid:L>={L}"] = run(lambda r, p, L=L: matches(r, p, lookup(r, p, L)) if lookup(r, p, L)
-                                        else head(r, p))
-    def oracle(r, p):   # the better of the two at every step: an upper bound no rule reaches
+        results[f"hybrid:L>={L}"] = run(
+            lambda r, p, L=L: matches(r, p, lookup(r, p, L)) if lookup(r, p, L) else head(r, p)
+        )
+
+    def oracle(r, p):  # the better of the two at every step: an upper bound no rule reaches
         h, g = head(r, p), matches(r, p, lookup(r, p, args.min_n))
         count = lambda x: next((i for i, ok in enumerate(x) if not ok), len(x))  # noqa: E731
         return h if count(h) >= count(g) else g
+
     results["oracle(best of both per step)"] = run(oracle)
-    json.dump({"k": K, "dump": args.dump, "min_n": args.min_n, "max_n": args.max_n, "tokens_per_verify_step": results},
-              open(args.out, "w"), indent=1)
+    json.dump(
+        {"k": K, "dump": args.dump, "min_n": args.min_n, "max_n": args.max_n, "tokens_per_verify_step": results},
+        open(args.out, "w"),
+        indent=1,
+    )
     for name, r in results.items():
         print(f"{name:32s}", " ".join(f"{f} {v:.3f}" for f, v in r.items()))
 

@@ -12,7 +12,11 @@ Reports per family: draft-vocabulary coverage of answer tokens, the vocabulary-o
 where the rejections fall (chain position 1..4), and whether the target's token at a rejected position
 is in the head's top-2/3/5 (target ids), or outside the draft vocabulary.
 """
-import argparse, json, sys, time
+
+import argparse
+import json
+import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -26,16 +30,20 @@ K = 4
 ap = argparse.ArgumentParser()
 ap.add_argument("--answers", required=True)
 ap.add_argument("--head", default="bench/results/smollm2_eagle_h200_8k")  # the head analysed (weights: its WEIGHTS.md)
-ap.add_argument("--vocab", action="append", default=[], help="extra draft vocabularies to bound: NAME=FILE (JSON list of ids)")
+ap.add_argument(
+    "--vocab", action="append", default=[], help="extra draft vocabularies to bound: NAME=FILE (JSON list of ids)"
+)
 ap.add_argument("--out", required=True)
 ap.add_argument("--limit", type=int, default=0)
-ap.add_argument("--dump", default=None, help="also write per-sequence top-5 drafts (target ids) per chain step: JSON lines")
+ap.add_argument(
+    "--dump", default=None, help="also write per-sequence top-5 drafts (target ids) per chain step: JSON lines"
+)
 args = ap.parse_args()
 torch.set_grad_enabled(False)
 t0 = time.monotonic()
 rows = [json.loads(l) for l in open(args.answers)]
 if args.limit:
-    rows = rows[:args.limit]
+    rows = rows[: args.limit]
 models = load_models(EngineOptions(target="smollm2", draft="none", device="cpu"))
 target = models.target
 config, weights = load_eagle_head(args.head, target.shape, target.weights.lm_head, models.device, torch.float32)
@@ -70,14 +78,15 @@ for n, r in enumerate(rows):
     seq = r["prompt_ids"] + r["answer_ids"]
     plen = len(r["prompt_ids"])
     b = capture([seq], [plen])
-    logits = head(b.tokens, b.features.float(), K)           # K x [1, T, Vd]
+    logits = head(b.tokens, b.features.float(), K)  # K x [1, T, Vd]
     T = b.tokens.shape[1]
     # row t predicts token t + 2; answer tokens are seq[plen:]; rows plen-1 .. len(seq)-2 are "greedy"
     first, last = plen - 1, len(seq) - 2
-    top = [d2t[lg[0].topk(5, -1).indices] for lg in logits]   # K x [T, 5] target ids
+    top = [d2t[lg[0].topk(5, -1).indices] for lg in logits]  # K x [T, 5] target ids
     if args.dump:
-        dump_rows.append({"family": fam, "plen": plen, "seq": seq,
-                          "top5": [t[:len(seq) - 1].tolist() for t in top]})   # K x [rows, 5]
+        dump_rows.append(
+            {"family": fam, "plen": plen, "seq": seq, "top5": [t[: len(seq) - 1].tolist() for t in top]}
+        )  # K x [rows, 5]
 
     def drafted_ok(p, j):  # step j of anchor p predicts seq[p + 2 + j]; the engine drafts only tokens it may still emit
         return p + 2 + j <= len(seq) - 1
@@ -91,6 +100,7 @@ for n, r in enumerate(rows):
         return a
 
     for name, vocab in vocabs.items():
+
         def vocab_accepts(p, vocab=vocab):
             a = 0
             for j in range(K):
@@ -98,6 +108,7 @@ for n, r in enumerate(rows):
                     break
                 a += 1
             return a
+
         acc, steps = walk(first, last, vocab_accepts)
         for key in (fam, "all"):
             stat[key][f"bound_{name}_acc"] += acc
@@ -114,7 +125,7 @@ for n, r in enumerate(rows):
             s["steps"] += 1
             s[f"acc_hist_{a}"] += 1
         j = a
-        if j < K and drafted_ok(p, j):         # a rejection at chain position j + 1
+        if j < K and drafted_ok(p, j):  # a rejection at chain position j + 1
             want = seq[p + 2 + j]
             ranks = top[j][p + j].tolist()
             for key in (fam, "all"):
@@ -137,29 +148,58 @@ if args.dump:
     open(args.dump, "w").write("".join(json.dumps(r) + "\n" for r in dump_rows))
 report = {}
 for fam, s in sorted(stat.items()):
-    out = {"sequences": int(s["sequences"]), "answer_tokens": int(s["answer_tokens"]),
-           "head_tokens_per_verify_step": (s["acc"] + s["steps"]) / s["steps"], "verify_steps": int(s["steps"]),
-           "accepted_histogram": {a: int(s[f"acc_hist_{a}"]) for a in range(K + 1)},
-           "rejections": int(s["rej"]),
-           "rejections_by_position": {j: int(s[f"rej_pos{j}"]) for j in range(1, K + 1)},
-           "rejected_token_outside_draft_vocab": int(s["rej_oov"]),
-           "rejected_token_in_head_top": {w: int(s[f"rej_top{w}"]) for w in (2, 3, 5)},
-           "by_position": {j: {"rejections": int(s[f"rej_pos{j}"]), "oov": int(s[f"rej_pos{j}_oov"]),
-                               "top2": int(s[f"rej_pos{j}_top2"]), "top5": int(s[f"rej_pos{j}_top5"])}
-                           for j in range(1, K + 1)}}
+    out = {
+        "sequences": int(s["sequences"]),
+        "answer_tokens": int(s["answer_tokens"]),
+        "head_tokens_per_verify_step": (s["acc"] + s["steps"]) / s["steps"],
+        "verify_steps": int(s["steps"]),
+        "accepted_histogram": {a: int(s[f"acc_hist_{a}"]) for a in range(K + 1)},
+        "rejections": int(s["rej"]),
+        "rejections_by_position": {j: int(s[f"rej_pos{j}"]) for j in range(1, K + 1)},
+        "rejected_token_outside_draft_vocab": int(s["rej_oov"]),
+        "rejected_token_in_head_top": {w: int(s[f"rej_top{w}"]) for w in (2, 3, 5)},
+        "by_position": {
+            j: {
+                "rejections": int(s[f"rej_pos{j}"]),
+                "oov": int(s[f"rej_pos{j}_oov"]),
+                "top2": int(s[f"rej_pos{j}_top2"]),
+                "top5": int(s[f"rej_pos{j}_top5"]),
+            }
+            for j in range(1, K + 1)
+        },
+    }
     for name in vocabs:
-        out[f"vocab_{name}"] = {"size": len(vocabs[name]),
-                                "answer_tokens_outside": s[f"oov_{name}"] / s["answer_tokens"],
-                                "upper_bound_tokens_per_verify_step":
-                                    (s[f"bound_{name}_acc"] + s[f"bound_{name}_steps"]) / s[f"bound_{name}_steps"],
-                                "upper_bound_verify_steps": int(s[f"bound_{name}_steps"])}
+        out[f"vocab_{name}"] = {
+            "size": len(vocabs[name]),
+            "answer_tokens_outside": s[f"oov_{name}"] / s["answer_tokens"],
+            "upper_bound_tokens_per_verify_step": (s[f"bound_{name}_acc"] + s[f"bound_{name}_steps"])
+            / s[f"bound_{name}_steps"],
+            "upper_bound_verify_steps": int(s[f"bound_{name}_steps"]),
+        }
     report[fam] = out
-report["_meta"] = {"answers": args.answers, "head": args.head, "k": K, "cpu_seconds_wall": round(time.monotonic() - t0, 1),
-                   "command": " ".join(sys.argv)}
+report["_meta"] = {
+    "answers": args.answers,
+    "head": args.head,
+    "k": K,
+    "cpu_seconds_wall": round(time.monotonic() - t0, 1),
+    "command": " ".join(sys.argv),
+}
 open(args.out, "w").write(json.dumps(report, indent=1) + "\n")
 for fam, o in report.items():
     if fam.startswith("_"):
         continue
-    print(fam, round(o["head_tokens_per_verify_step"], 3), o["verify_steps"], "oov", round(o["vocab_head"]["answer_tokens_outside"], 4),
-          "bound", round(o["vocab_head"]["upper_bound_tokens_per_verify_step"], 3), "rejpos", o["rejections_by_position"],
-          "top", o["rejected_token_in_head_top"], "rej_oov", o["rejected_token_outside_draft_vocab"])
+    print(
+        fam,
+        round(o["head_tokens_per_verify_step"], 3),
+        o["verify_steps"],
+        "oov",
+        round(o["vocab_head"]["answer_tokens_outside"], 4),
+        "bound",
+        round(o["vocab_head"]["upper_bound_tokens_per_verify_step"], 3),
+        "rejpos",
+        o["rejections_by_position"],
+        "top",
+        o["rejected_token_in_head_top"],
+        "rej_oov",
+        o["rejected_token_outside_draft_vocab"],
+    )

@@ -9,7 +9,10 @@ teacher-forced rows'. Tokens per verify step per family for:
                  same family, chain position and kind (copied from the prompt or not); mean of 200 draws
   tree:w1-w2-w3-w4 : the target's token within the head's top-w_j at chain position j (a tree of those widths)
 """
-import argparse, json, random
+
+import argparse
+import json
+import random
 from collections import defaultdict
 
 import torch
@@ -23,7 +26,7 @@ ap.add_argument("--vocab", action="append", default=[], help="NAME=FILE (JSON li
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
 d2t = safe_open(f"{args.head}/model.safetensors", "pt").get_tensor("d2t")
-head_vocab = set((d2t + torch.arange(len(d2t))).tolist())   # published d2t: target id minus draft id
+head_vocab = set((d2t + torch.arange(len(d2t))).tolist())  # published d2t: target id minus draft id
 vocabs = {"8192(head)": head_vocab}
 for spec in args.vocab:
     name, path = spec.split("=", 1)
@@ -58,7 +61,7 @@ def head_ok(row, p, j):
 # the head's rate on in-vocabulary tokens, per (family, position, copied from the prompt), along its own walk
 hits = defaultdict(lambda: [0, 0])
 for row in rows:
-    prompt = set(row["seq"][:row["plen"]])
+    prompt = set(row["seq"][: row["plen"]])
 
     def record(row, p, j, prompt=prompt):
         t = target(row, p, j)
@@ -68,6 +71,7 @@ for row in rows:
             h[0] += ok
             h[1] += 1
         return ok
+
     walk(row, record)
 rate = {key: a / n for key, (a, n) in hits.items()}
 
@@ -94,21 +98,27 @@ run("head", lambda row: head_ok)
 for vname, V in vocabs.items():
     inside = (lambda t: True) if V is None else (lambda t, V=V: t in V)
     if vname != "8192(head)":
-        run(f"opt:{vname}", lambda row, inside=inside: lambda r, p, j: head_ok(r, p, j) or (
-            target(r, p, j) not in head_vocab and inside(target(r, p, j))))
+        run(
+            f"opt:{vname}",
+            lambda row, inside=inside: (
+                lambda r, p, j: head_ok(r, p, j) or (target(r, p, j) not in head_vocab and inside(target(r, p, j)))
+            ),
+        )
         draws = defaultdict(list)
         for seed in range(200):
             rng = random.Random(seed)
 
             def est(row, inside=inside, rng=rng):
-                prompt = set(row["seq"][:row["plen"]])
+                prompt = set(row["seq"][: row["plen"]])
 
                 def accept(r, p, j):
                     t = target(r, p, j)
                     if t in head_vocab:
                         return head_ok(r, p, j)
                     return inside(t) and rng.random() < rate.get((r["family"], j, t in prompt), 0.0)
+
                 return accept
+
             for key, (a, s) in totals(est).items():
                 draws[key].append((a + s) / s)
         for key, v in draws.items():
@@ -116,11 +126,18 @@ for vname, V in vocabs.items():
     if V is not None:
         run(f"bound:{vname}", lambda row, V=V: lambda r, p, j: target(r, p, j) in V)
 for widths in ((2, 1, 1, 1), (3, 1, 1, 1), (5, 1, 1, 1), (2, 2, 1, 1), (2, 2, 2, 2), (5, 5, 5, 5)):
-    run("tree:" + "-".join(map(str, widths)),
-        lambda row, w=widths: lambda r, p, j: target(r, p, j) in r["top5"][j][p + j][:w[j]])
-out = {"rates_in_vocab_by_family_position_copied": {f"{f}|pos{j + 1}|{'copied' if c else 'new'}": [round(rate[(f, j, c)], 3), hits[(f, j, c)][1]]
-                                                    for (f, j, c) in sorted(rate)},
-       "tokens_per_verify_step": results, "vocab_sizes": {k: (len(v) if v else 49152) for k, v in vocabs.items()}}
+    run(
+        "tree:" + "-".join(map(str, widths)),
+        lambda row, w=widths: lambda r, p, j: target(r, p, j) in r["top5"][j][p + j][: w[j]],
+    )
+out = {
+    "rates_in_vocab_by_family_position_copied": {
+        f"{f}|pos{j + 1}|{'copied' if c else 'new'}": [round(rate[(f, j, c)], 3), hits[(f, j, c)][1]]
+        for (f, j, c) in sorted(rate)
+    },
+    "tokens_per_verify_step": results,
+    "vocab_sizes": {k: (len(v) if v else 49152) for k, v in vocabs.items()},
+}
 open(args.out, "w").write(json.dumps(out, indent=1) + "\n")
 for fam in ("all", "chat", "rewrite", "extract", "edit_code"):
     print(fam, results[fam])

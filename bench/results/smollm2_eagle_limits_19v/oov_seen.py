@@ -1,8 +1,12 @@
 """Scratch (19v): of the eval answers' tokens outside the committed 8,192, how many occur at all in fresh
 own-sample data (a different prompt set)? Usage: oov_seen.py OWN.jsonl [OWN2.jsonl ...]"""
-import json, sys
+
+import json
+import sys
+
 import torch
 from safetensors import safe_open
+
 d2t = safe_open("bench/results/smollm2_eagle_h200_8k/model.safetensors", "pt").get_tensor("d2t")
 head = set((d2t + torch.arange(len(d2t))).tolist())
 own = set()

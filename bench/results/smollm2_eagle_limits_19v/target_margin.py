@@ -2,14 +2,16 @@
 row of the committed head's walk (top5_eval.jsonl from analyze.py --dump), the target's probability of
 its own greedy token (softmax of its logits, captured as in training), split by hit / miss per family and
 chain position. Low target confidence at misses = genuine ambiguity a better chain head can hardly fix."""
-import json, statistics, sys
+
+import json
+import statistics
+import sys
 from collections import defaultdict
 
 import torch
 
 from verifypd.distill.capture import TargetCapture
 from verifypd.local_engine import EngineOptions, load_models
-from verifypd.model.eagle_head import default_aux_layers
 
 torch.set_grad_enabled(False)
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -21,7 +23,7 @@ vals = defaultdict(list)
 for r in rows:
     seq, plen = r["seq"], r["plen"]
     b = cap([seq], [plen])
-    prob = b.labels[0].float().softmax(-1)                              # [T, V]: row t predicts seq[t + 2]
+    prob = b.labels[0].float().softmax(-1)  # [T, V]: row t predicts seq[t + 2]
     p, last = plen - 1, len(seq) - 2
     while p < last:
         a = 0
@@ -38,8 +40,11 @@ for r in rows:
         p += a + 1
 out = {}
 for (fam, j, kind), v in sorted(vals.items()):
-    out[f"{fam}|pos{j}|{kind}"] = {"n": len(v), "median_target_p": round(statistics.median(v), 3),
-                                   "share_p_below_0.5": round(sum(x < 0.5 for x in v) / len(v), 3)}
+    out[f"{fam}|pos{j}|{kind}"] = {
+        "n": len(v),
+        "median_target_p": round(statistics.median(v), 3),
+        "share_p_below_0.5": round(sum(x < 0.5 for x in v) / len(v), 3),
+    }
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for k, v in out.items():
     print(k, v)

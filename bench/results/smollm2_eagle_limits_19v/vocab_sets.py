@@ -8,7 +8,10 @@ answers to a DIFFERENT prompt set (own_answers.jsonl: distill.data.own_prompts, 
               other tokens of that data, up to N
 Also: distinct tokens against tokens counted (Heaps' law fit, extrapolated to the 2.89 M of the real data).
 """
-import json, math, sys
+
+import json
+import math
+import sys
 from collections import Counter
 
 import torch
@@ -36,7 +39,7 @@ info["own_top8192_overlap_with_head_vocab"] = len(set(ranked[:8192]) & head)
 for n in (8192, 16384, 32768):
     own_n = ranked[:n]
     json.dump(sorted(own_n), open(f"{outdir}/vocab_own{n}.json", "w"))
-    extra = [t for t in ranked if t not in head][:max(0, n - len(head))]
+    extra = [t for t in ranked if t not in head][: max(0, n - len(head))]
     hybrid = sorted(head | set(extra))
     json.dump(hybrid, open(f"{outdir}/vocab_head+{n}.json", "w"))
     info[f"own{n}_size"], info[f"head+{n}_size"] = len(own_n), len(hybrid)

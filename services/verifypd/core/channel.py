@@ -25,6 +25,7 @@ dependencies for no measurable gain at one message per step. Internal request id
 gateway assigns, never the client's `request_id`, so a client id reused right after a cancel can
 never receive the old request's last chunk.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,25 +72,42 @@ def unb64(text: str) -> bytes:
 # -- request specs and outputs -----------------------------------------------------------------
 def spec_to_wire(spec: RequestSpec) -> dict:
     s = spec.sampling
-    return {"prompt_ids": list(spec.prompt_ids), "max_tokens": spec.max_tokens,
-            "sampling": [s.temperature, s.top_p, s.top_k, s.seed], "stop": list(spec.stop),
-            "stop_at_eos": spec.stop_at_eos, "max_k": spec.max_k, "priority": spec.priority}
+    return {
+        "prompt_ids": list(spec.prompt_ids),
+        "max_tokens": spec.max_tokens,
+        "sampling": [s.temperature, s.top_p, s.top_k, s.seed],
+        "stop": list(spec.stop),
+        "stop_at_eos": spec.stop_at_eos,
+        "max_k": spec.max_k,
+        "priority": spec.priority,
+    }
 
 
 def spec_from_wire(d: dict, request_id: str) -> RequestSpec:
     temperature, top_p, top_k, seed = d["sampling"]
-    return RequestSpec(tuple(d["prompt_ids"]), max_tokens=d["max_tokens"],
-                       sampling=SamplingParams(temperature, top_p, top_k, seed), stop=tuple(d["stop"]),
-                       stop_at_eos=d["stop_at_eos"], max_k=d["max_k"], priority=d["priority"],
-                       request_id=request_id)
+    return RequestSpec(
+        tuple(d["prompt_ids"]),
+        max_tokens=d["max_tokens"],
+        sampling=SamplingParams(temperature, top_p, top_k, seed),
+        stop=tuple(d["stop"]),
+        stop_at_eos=d["stop_at_eos"],
+        max_k=d["max_k"],
+        priority=d["priority"],
+        request_id=request_id,
+    )
 
 
 def output_to_wire(out) -> list:
     """A RequestOutput as one row of a `step` message."""
     stats = out.stats
-    return [int(out.request_id), out.token_ids, out.finish_reason.value if out.finish_reason else None,
-            [stats.prompt_tokens, stats.completion_tokens, stats.draft_tokens, stats.accepted_tokens,
-             stats.verify_steps], out.applied_k, stats.ttft]
+    return [
+        int(out.request_id),
+        out.token_ids,
+        out.finish_reason.value if out.finish_reason else None,
+        [stats.prompt_tokens, stats.completion_tokens, stats.draft_tokens, stats.accepted_tokens, stats.verify_steps],
+        out.applied_k,
+        stats.ttft,
+    ]
 
 
 def finish_from_wire(value: str | None) -> FinishReason | None:
@@ -141,7 +159,7 @@ class AsyncChannel:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def open(cls, sock: socket.socket) -> "AsyncChannel":
+    async def open(cls, sock: socket.socket) -> AsyncChannel:
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME)
         return cls(reader, writer)
 

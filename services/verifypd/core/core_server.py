@@ -10,17 +10,17 @@ threads of their own process (`gateway.build_colocated`), over a socketpair all 
 The core exits when the gateway says `stop` or closes the channel (the gateway died): it never
 outlives its gateway, and its lanes (split) never outlive it (they watch its pid).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 
+from verifypd import convert
+from verifypd.core.channel import BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire, unb64
+from verifypd.core.engine_loop import EngineLoop, Overloaded, Unavailable
 from verifypd.engine.types import InvalidRequest, RequestOutput
 from verifypd.lanes.interface import LaneError
-from verifypd import convert
-from verifypd.core.channel import (BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire,
-                                          unb64)
-from verifypd.core.engine_loop import EngineLoop, Overloaded, Unavailable
 from verifypd.v1 import control_pb2
 
 log = logging.getLogger("verifypd.core")
@@ -41,13 +41,30 @@ class CoreServer:
     """The router + EngineLoop serving one channel. `lanes`: gRPC lane clients to watch and re-wire
     (split topology); `on_close`: run after the loop stops (terminate spawned lanes)."""
 
-    def __init__(self, router, channel: BlockingChannel, info, *, max_queue: int = 256, lanes=(),
-                 kv_transport: str = "auto", recovery_timeout_s: float = 120.0, on_close=(),
-                 watch_interval_s: float = 1.0, metrics_registry=None):
+    def __init__(
+        self,
+        router,
+        channel: BlockingChannel,
+        info,
+        *,
+        max_queue: int = 256,
+        lanes=(),
+        kv_transport: str = "auto",
+        recovery_timeout_s: float = 120.0,
+        on_close=(),
+        watch_interval_s: float = 1.0,
+        metrics_registry=None,
+    ):
         self.router, self.channel, self.info = router, channel, info
         self.lanes, self.kv_transport = list(lanes), kv_transport
-        self.engine = EngineLoop(router, self, max_queue=max_queue, on_failure=self._on_failure,
-                                 recover=self._rewire if self.lanes else None, recovery_timeout_s=recovery_timeout_s)
+        self.engine = EngineLoop(
+            router,
+            self,
+            max_queue=max_queue,
+            on_failure=self._on_failure,
+            recover=self._rewire if self.lanes else None,
+            recovery_timeout_s=recovery_timeout_s,
+        )
         self.metrics_registry = metrics_registry
         self._on_close = list(on_close)
         self._watch_interval_s = watch_interval_s
@@ -61,8 +78,9 @@ class CoreServer:
         self._send({"t": "step", "out": [output_to_wire(o) for o in outputs]})
 
     def fail(self, request_ids: list[str], code: str, message: str, fatal: bool) -> None:
-        self._send({"t": "fail", "ids": [int(i) for i in request_ids], "code": code, "message": message,
-                    "fatal": fatal})
+        self._send(
+            {"t": "fail", "ids": [int(i) for i in request_ids], "code": code, "message": message, "fatal": fatal}
+        )
 
     def _send(self, msg: dict) -> None:
         try:
@@ -73,10 +91,17 @@ class CoreServer:
     # -- life cycle ----------------------------------------------------------------------------
     def ready_message(self) -> dict:
         info = self.info
-        return {"t": "ready", "info": {"target_model": info.target_model, "draft_model": info.draft_model,
-                                       "topology": info.topology, "max_context": info.max_context,
-                                       "version": info.version},
-                "eos": sorted(self.router.eos_token_ids)}
+        return {
+            "t": "ready",
+            "info": {
+                "target_model": info.target_model,
+                "draft_model": info.draft_model,
+                "topology": info.topology,
+                "max_context": info.max_context,
+                "version": info.version,
+            },
+            "eos": sorted(self.router.eos_token_ids),
+        }
 
     def start(self, *, loop_in_thread: bool) -> None:
         """Announces readiness and starts reading commands; the loop runs in a thread or, with
@@ -147,13 +172,16 @@ class CoreServer:
             else:
                 code, message = refusal(exc)
                 self._send({"t": "refused", "id": rid, "code": code, "message": message})
+
         self.engine.submit(spec).add_done_callback(done)
 
     def _call(self, msg: dict) -> None:
         cid, op, arg = msg["cid"], msg["op"], msg.get("arg")
-        ops = {"get_config": lambda router: self._config_b64(router.config),
-               "update_config": lambda router: self._update_config(router, arg),
-               "stats": lambda router: self._stats(router)}
+        ops = {
+            "get_config": lambda router: self._config_b64(router.config),
+            "update_config": lambda router: self._update_config(router, arg),
+            "stats": lambda router: self._stats(router),
+        }
         if op == "metrics":  # the Prometheus text of this process's instruments (no router access)
             self._send({"t": "reply", "cid": cid, "ok": self._metrics_text()})
             return
@@ -163,8 +191,12 @@ class CoreServer:
 
         def done(future) -> None:
             exc = future.exception()
-            self._send({"t": "reply", "cid": cid, "ok": future.result()} if exc is None else
-                       {"t": "reply", "cid": cid, "error": list(refusal(exc))})
+            self._send(
+                {"t": "reply", "cid": cid, "ok": future.result()}
+                if exc is None
+                else {"t": "reply", "cid": cid, "error": list(refusal(exc))}
+            )
+
         self.engine.post(ops[op]).add_done_callback(done)
 
     @staticmethod
@@ -177,20 +209,31 @@ class CoreServer:
         new = router.config.updated(**convert.config_changes_from_pb(pb, router.config))
         router.config = new
         self.engine.config_log.append((self.engine.steps, new.revision))
-        log.info("config revision %d applied (by %r: %s): %s", new.revision, arg.get("requested_by", ""),
-                 arg.get("reason", ""), new)
+        log.info(
+            "config revision %d applied (by %r: %s): %s",
+            new.revision,
+            arg.get("requested_by", ""),
+            arg.get("reason", ""),
+            new,
+        )
         return self._config_b64(new)
 
     def _stats(self, router) -> dict:
         """What benches read: steps, their busy time and tokens, requests and blocks in use."""
         e = self.engine
-        return {"in_flight": e.in_flight(), "steps": e.steps, "step_seconds": e.step_seconds,
-                "tokens_out": e.tokens_out, "target_blocks_in_use": router.target_blocks.num_used}
+        return {
+            "in_flight": e.in_flight(),
+            "steps": e.steps,
+            "step_seconds": e.step_seconds,
+            "tokens_out": e.tokens_out,
+            "target_blocks_in_use": router.target_blocks.num_used,
+        }
 
     def _metrics_text(self) -> str:
         if self.metrics_registry is None:
             return ""
         from prometheus_client import generate_latest
+
         return generate_latest(self.metrics_registry).decode()
 
     # -- split topology: lanes -----------------------------------------------------------------

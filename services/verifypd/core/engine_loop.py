@@ -20,14 +20,16 @@ recovery (`max_consecutive_failures`), or when the supervisor reports a crash lo
 Drain is the gateway's (gateway/server.py): it refuses new requests, waits for those in flight,
 then tells the core to stop.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, Protocol
+from typing import Protocol
 
 from verifypd.engine.router import Router
 from verifypd.engine.types import RequestSpec
@@ -59,25 +61,33 @@ class StepSink(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, router: Router, sink: StepSink, *, max_queue: int = 256,
-                 on_failure: Callable[[str], None] | None = None, idle_wait_s: float = 0.2,
-                 recover: Callable[[], None] | None = None, recovery_timeout_s: float = 120.0,
-                 max_consecutive_failures: int = 3):
+    def __init__(
+        self,
+        router: Router,
+        sink: StepSink,
+        *,
+        max_queue: int = 256,
+        on_failure: Callable[[str], None] | None = None,
+        idle_wait_s: float = 0.2,
+        recover: Callable[[], None] | None = None,
+        recovery_timeout_s: float = 120.0,
+        max_consecutive_failures: int = 3,
+    ):
         self.router, self.sink = router, sink
         self.max_queue = max_queue
         self.failed: str | None = None
         self.recovering: str | None = None  # the lane failure being recovered from
-        self.recoveries = 0                 # completed recoveries
-        self._recover = recover             # raises LaneError until the lanes serve and are wired
+        self.recoveries = 0  # completed recoveries
+        self._recover = recover  # raises LaneError until the lanes serve and are wired
         self._recovery_timeout_s = recovery_timeout_s
         self._recover_since = 0.0
         self._max_consecutive = max_consecutive_failures
-        self._consecutive = 0               # step failures with no successful step in between
+        self._consecutive = 0  # step failures with no successful step in between
         self._steps_at_recovery = -1
-        self.steps = 0                                # router steps completed
-        self.step_seconds = 0.0                       # wall time inside router.step (busy share)
-        self.tokens_out = 0                           # tokens delivered
-        self.config_log: list[tuple[int, int]] = []   # (steps completed when applied, revision)
+        self.steps = 0  # router steps completed
+        self.step_seconds = 0.0  # wall time inside router.step (busy share)
+        self.tokens_out = 0  # tokens delivered
+        self.config_log: list[tuple[int, int]] = []  # (steps completed when applied, revision)
         self._on_failure = on_failure
         self._idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -107,23 +117,26 @@ class EngineLoop:
     def submit(self, spec: RequestSpec) -> Future:
         """Adds a request (spec.request_id set by the caller) before the next step; the Future
         raises InvalidRequest, Overloaded or Unavailable."""
+
         def add(router: Router) -> str:
             if self.failed:
                 raise Unavailable(self.failed)
             if router.scheduler.num_waiting >= self.max_queue:
-                raise Overloaded(f"server queue is full ({router.scheduler.num_waiting} requests waiting); "
-                                 f"retry later")
+                raise Overloaded(f"server queue is full ({router.scheduler.num_waiting} requests waiting); retry later")
             request_id = router.add_request(spec)
             self._live.add(request_id)
             return request_id
+
         return self.post(add)
 
     def cancel(self, request_id: str) -> None:
         """Client cancel / deadline: frees the request's blocks before the next step. No-op if done."""
+
         def abort(router: Router) -> None:
             if request_id in self._live:
                 self._live.discard(request_id)
                 router.abort(request_id)
+
         self.post(abort)
 
     def fail(self, message: str, code: str = "UNAVAILABLE") -> None:
@@ -198,12 +211,16 @@ class EngineLoop:
             log.error("lane failure: %s", message)
             self._fail_all(message, "UNAVAILABLE")
         elif self._consecutive > self._max_consecutive:
-            log.error("lane failure: %s; steps failed right after %d recoveries in a row: giving up",
-                      message, self._consecutive - 1)
+            log.error(
+                "lane failure: %s; steps failed right after %d recoveries in a row: giving up",
+                message,
+                self._consecutive - 1,
+            )
             self._fail_all(f"lanes keep failing after recovery: {message}", "UNAVAILABLE")
         else:
-            log.warning("lane failure: %s; recovering: %d requests wait and will be re-prefilled",
-                        message, len(self._live))
+            log.warning(
+                "lane failure: %s; recovering: %d requests wait and will be re-prefilled", message, len(self._live)
+            )
             self.recovering = message
             self._recover_since = time.monotonic()
 
@@ -215,15 +232,17 @@ class EngineLoop:
             waited = time.monotonic() - self._recover_since
             if waited > self._recovery_timeout_s:
                 log.error("lanes did not come back within %.0f s: %s", self._recovery_timeout_s, exc)
-                self._fail_all(f"lanes did not come back within {self._recovery_timeout_s:.0f} s: {exc}",
-                               "UNAVAILABLE")
+                self._fail_all(f"lanes did not come back within {self._recovery_timeout_s:.0f} s: {exc}", "UNAVAILABLE")
             return
         except Exception as exc:
             log.exception("recovery failed")
             self._fail_all(f"internal error while recovering the lanes: {exc}", "INTERNAL")
             return
-        log.info("lanes recovered after %.1f s: %d requests re-queued for recompute",
-                 time.monotonic() - self._recover_since, requeued)
+        log.info(
+            "lanes recovered after %.1f s: %d requests re-queued for recompute",
+            time.monotonic() - self._recover_since,
+            requeued,
+        )
         self.recovering = None
         self.recoveries += 1
         self._steps_at_recovery = self.steps

@@ -9,6 +9,7 @@
 
 `build_colocated_core` / `build_split_core` are also what the in-process gateway of the tests uses.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,9 @@ log = logging.getLogger("verifypd.core")
 
 
 def server_info(target: str, draft: str, topology: str, max_context: int) -> generate_pb2.ServerInfo:
-    return generate_pb2.ServerInfo(target_model=target, draft_model=draft, topology=topology,
-                                   max_context=max_context, version=__version__)
+    return generate_pb2.ServerInfo(
+        target_model=target, draft_model=draft, topology=topology, max_context=max_context, version=__version__
+    )
 
 
 def build_colocated_core(options, *, observer=None, topology: str = "colocated"):
@@ -39,35 +41,61 @@ def build_colocated_core(options, *, observer=None, topology: str = "colocated")
     return engine.router, server_info(options.target, options.draft, topology, engine.router.max_context), engine
 
 
-def connect_lanes(addrs: dict[str, str], *, timeout_s: float = 60.0, ready_timeout_s: float = 120.0,
-                  secret: str | None = None, tls=None):
+def connect_lanes(
+    addrs: dict[str, str],
+    *,
+    timeout_s: float = 60.0,
+    ready_timeout_s: float = 120.0,
+    secret: str | None = None,
+    tls=None,
+):
     """`tls`: a verifypd.lane_tls.LaneTls (mutual TLS to every lane) or None (plaintext)."""
     from verifypd.lanerpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
 
-    lanes = (GrpcPrefillLane(addrs["prefill"], timeout_s, secret, tls=tls),
-             GrpcDraftLane(addrs["draft"], timeout_s, secret, tls=tls),
-             GrpcVerifyLane(addrs["verify"], timeout_s, secret, tls=tls))
+    lanes = (
+        GrpcPrefillLane(addrs["prefill"], timeout_s, secret, tls=tls),
+        GrpcDraftLane(addrs["draft"], timeout_s, secret, tls=tls),
+        GrpcVerifyLane(addrs["verify"], timeout_s, secret, tls=tls),
+    )
     for lane in lanes:
         lane.wait_ready(ready_timeout_s)
     return lanes
 
 
-def build_split_core(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None,
-                     lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
-                     lane_tls=None, ready_timeout_s: float = 120.0):
+def build_split_core(
+    addrs: dict[str, str],
+    options,
+    *,
+    kv_transport: str = "auto",
+    observer=None,
+    lane_timeout_s: float = 60.0,
+    topology: str = "split",
+    lane_secret: str | None = None,
+    lane_tls=None,
+    ready_timeout_s: float = 120.0,
+):
     """(router, info, lanes, wiring): the router over gRPC lane clients; the prefill lane imports
     (or stages) the owners' pools once (and again after a lane restart, CoreServer._rewire).
     The router does not detokenize: the gateway does (decode=None)."""
     from verifypd.engine.router import Router
     from verifypd.lanerpc.lane_client import wire_pools
 
-    prefill, draft, verify = connect_lanes(addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls,
-                                           ready_timeout_s=ready_timeout_s)
+    prefill, draft, verify = connect_lanes(
+        addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls, ready_timeout_s=ready_timeout_s
+    )
     wiring = wire_pools(prefill, draft, verify, kv_transport)
     log.info("lanes wired: %s (import %.3f s)", dict(wiring.mode_by_pool), wiring.import_seconds)
     verify_info = verify.describe_pb()
-    router = Router(prefill, draft, verify, decode=None, eos_token_ids=tuple(verify_info.eos_token_ids),
-                    config=options.config, max_running=options.max_running, observer=observer)
+    router = Router(
+        prefill,
+        draft,
+        verify,
+        decode=None,
+        eos_token_ids=tuple(verify_info.eos_token_ids),
+        config=options.config,
+        max_running=options.max_running,
+        observer=observer,
+    )
     info = server_info(options.target, options.draft, topology, router.max_context)
     return router, info, (prefill, draft, verify), wiring
 
@@ -75,10 +103,10 @@ def build_split_core(addrs: dict[str, str], options, *, kv_transport: str = "aut
 # -- the child process -------------------------------------------------------------------------
 def core_main(argv: list[str]) -> int:
     """`python -m verifypd.core.process --channel-fd N SERVE_ARGS...`"""
-    from verifypd.launch.serve_args import engine_options, serve_parser, setup_logging, warn_simulated
     from verifypd.core.channel import BlockingChannel
     from verifypd.core.core_server import CoreServer
     from verifypd.core.telemetry import Telemetry
+    from verifypd.launch.serve_args import engine_options, serve_parser, setup_logging, warn_simulated
 
     if len(argv) < 2 or argv[0] != "--channel-fd":
         print("usage: python -m verifypd.core.process --channel-fd N serve ARGS...", file=sys.stderr)
@@ -96,6 +124,7 @@ def core_main(argv: list[str]) -> int:
     readers, registry = [], None
     if args.http_port:  # /metrics on the gateway asks this process for its instruments' text
         from verifypd.core.telemetry import prometheus_reader
+
         reader, registry = prometheus_reader()
         readers.append(reader)
     telemetry = Telemetry("verifypd-gateway", readers=readers)
@@ -114,8 +143,14 @@ def core_main(argv: list[str]) -> int:
     if any(addrs.values()):
         from verifypd.auth import load_secret
 
-        router, info, lanes, wiring = build_split_core(addrs, options, topology=args.topology, observer=telemetry,
-                                                       lane_secret=load_secret(args.lane_secret_file), **split)
+        router, info, lanes, wiring = build_split_core(
+            addrs,
+            options,
+            topology=args.topology,
+            observer=telemetry,
+            lane_secret=load_secret(args.lane_secret_file),
+            **split,
+        )
     elif args.topology == "split":
         from verifypd.launch.launcher import LaneProcesses
         from verifypd.launch.supervisor import LaneSupervisor
@@ -126,20 +161,31 @@ def core_main(argv: list[str]) -> int:
             addrs = procs.start()
             for lane, pid in procs.pids().items():
                 print(f"verifypd: {lane} lane pid={pid} addr={addrs[lane]}", file=sys.stderr, flush=True)
-            router, info, lanes, wiring = build_split_core(addrs, options, observer=telemetry,
-                                                           lane_secret=procs.secret, **split)
+            router, info, lanes, wiring = build_split_core(
+                addrs, options, observer=telemetry, lane_secret=procs.secret, **split
+            )
         except BaseException:
             procs.terminate()
             raise
         # A crash loop fails the engine; on close the supervisor stops first, so lanes exiting
         # from then on are shutting down, not crashing, and the launcher stops them.
-        supervisor = LaneSupervisor(procs, lambda message: core.engine.fail(message),
-                                    max_restarts=args.max_lane_restarts)
+        supervisor = LaneSupervisor(
+            procs, lambda message: core.engine.fail(message), max_restarts=args.max_lane_restarts
+        )
         on_close[:0] = [supervisor.stop, procs.terminate]
     else:
         router, info, _engine = build_colocated_core(options, observer=telemetry)
-    core = CoreServer(router, channel, info, max_queue=args.max_queue, lanes=lanes, kv_transport=args.kv_transport,
-                      recovery_timeout_s=args.recovery_timeout, on_close=on_close, metrics_registry=registry)
+    core = CoreServer(
+        router,
+        channel,
+        info,
+        max_queue=args.max_queue,
+        lanes=lanes,
+        kv_transport=args.kv_transport,
+        recovery_timeout_s=args.recovery_timeout,
+        on_close=on_close,
+        metrics_registry=registry,
+    )
     core.wiring = wiring
     if supervisor is not None:
         supervisor.start()
@@ -156,6 +202,7 @@ def _exit_with_parent() -> None:
         while os.getppid() == parent:
             threading.Event().wait(1.0)
         os._exit(3)
+
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 

@@ -8,6 +8,7 @@ their own metric reader.
 Implements the router's EngineObserver; all hooks run on the engine thread, observable gauges are
 read by the exporter thread from plain attributes set in `on_step`.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,26 @@ from verifypd import metric_names as mn
 from verifypd.engine.router import EngineObserver
 from verifypd.engine.sequence import SeqStatus
 
-_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                     7.5, 10.0, 30.0, 60.0)
+_DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 def make_meter_provider(service_name: str, readers: list | None = None):
@@ -41,51 +60,75 @@ def make_meter_provider(service_name: str, readers: list | None = None):
 
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     resource = resource.merge(OTELResourceDetector().detect())
-    views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(_DURATION_BUCKETS))
-             for name in (mn.TIME_TO_FIRST_TOKEN, mn.TIME_PER_OUTPUT_TOKEN, mn.REQUEST_DURATION,
-                          mn.LANE_STEP_DURATION)]
+    views = [
+        View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(_DURATION_BUCKETS))
+        for name in (mn.TIME_TO_FIRST_TOKEN, mn.TIME_PER_OUTPUT_TOKEN, mn.REQUEST_DURATION, mn.LANE_STEP_DURATION)
+    ]
     return MeterProvider(metric_readers=readers, resource=resource, views=views)
 
 
 class Telemetry(EngineObserver):
-    def __init__(self, service_name: str = "verifypd-gateway", readers: list | None = None,
-                 acceptance_window: int = 256):
+    def __init__(
+        self, service_name: str = "verifypd-gateway", readers: list | None = None, acceptance_window: int = 256
+    ):
         self.provider = make_meter_provider(service_name, readers)
         meter = (self.provider or metrics.NoOpMeterProvider()).get_meter("verifypd")
         self.ttft = meter.create_histogram(mn.TIME_TO_FIRST_TOKEN, unit="s", description="Time to first token")
-        self.tpot = meter.create_histogram(mn.TIME_PER_OUTPUT_TOKEN, unit="s",
-                                           description="Time per output token after the first")
+        self.tpot = meter.create_histogram(
+            mn.TIME_PER_OUTPUT_TOKEN, unit="s", description="Time per output token after the first"
+        )
         self.duration = meter.create_histogram(mn.REQUEST_DURATION, unit="s", description="Request duration")
         self.tokens = meter.create_histogram(mn.TOKEN_USAGE, unit="{token}", description="Tokens per request")
         self.lane_step = meter.create_histogram(mn.LANE_STEP_DURATION, unit="s", description="Lane call duration")
         self.draft_tokens = meter.create_counter(mn.DRAFT_TOKENS, unit="{token}", description="Draft tokens proposed")
-        self.accepted_tokens = meter.create_counter(mn.ACCEPTED_TOKENS, unit="{token}",
-                                                    description="Draft tokens accepted")
-        self.applied_k = meter.create_histogram(mn.APPLIED_K, unit="{token}",
-                                                description="k used in a verify step (one per step and distinct k)")
-        self.chained_steps = meter.create_counter(mn.CHAINED_STEPS, unit="{step}",
-                                                  description="Verify steps launched before the previous "
-                                                              "step's results were on the host")
+        self.accepted_tokens = meter.create_counter(
+            mn.ACCEPTED_TOKENS, unit="{token}", description="Draft tokens accepted"
+        )
+        self.applied_k = meter.create_histogram(
+            mn.APPLIED_K, unit="{token}", description="k used in a verify step (one per step and distinct k)"
+        )
+        self.chained_steps = meter.create_counter(
+            mn.CHAINED_STEPS,
+            unit="{step}",
+            description="Verify steps launched before the previous step's results were on the host",
+        )
         self._chained_seen = (0, 0)  # router.overlap's (steps, admitting) already counted
-        self.lookup_proposals = meter.create_counter(mn.LOOKUP_PROPOSALS, unit="{step}",
-                                                     description="Requests' steps drafted by prompt lookup "
-                                                                 "instead of the head (--draft eagle+ngram:)")
+        self.lookup_proposals = meter.create_counter(
+            mn.LOOKUP_PROPOSALS,
+            unit="{step}",
+            description="Requests' steps drafted by prompt lookup instead of the head (--draft eagle+ngram:)",
+        )
         self.drafts_after_verify = meter.create_counter(
-            mn.DRAFTS_AFTER_VERIFY, unit="{request}",
-            description="Requests' drafts launched right after their verify call, fitted to its verdict on the device")
+            mn.DRAFTS_AFTER_VERIFY,
+            unit="{request}",
+            description="Requests' drafts launched right after their verify call, fitted to its verdict on the device",
+        )
         self.steps_ahead = meter.create_counter(
-            mn.STEPS_AHEAD, unit="{step}",
-            description="Speculative steps launched before the previous step's tokens were streamed")
+            mn.STEPS_AHEAD,
+            unit="{step}",
+            description="Speculative steps launched before the previous step's tokens were streamed",
+        )
         self.verify_fitted = meter.create_counter(
-            mn.VERIFY_FITTED, unit="{step}",
-            description="Speculative steps whose verify call was launched before the verdict before it, fitted on the device")
+            mn.VERIFY_FITTED,
+            unit="{step}",
+            description="Speculative steps whose verify call was launched before the verdict before it, fitted on the device",
+        )
         self._seen: dict[str, int] = {}  # the engine's own counts already added, by counter name
-        meter.create_observable_gauge(mn.LANE_QUEUE_DEPTH, [self._observe_queues], unit="{request}",
-                                      description="Requests waiting for or running in each lane")
-        meter.create_observable_gauge(mn.KV_BLOCKS_IN_USE, [self._observe_blocks], unit="{block}",
-                                      description="KV blocks allocated per pool")
-        meter.create_observable_gauge(mn.ACCEPTANCE_RATE, [self._observe_acceptance], unit="1",
-                                      description="Accepted / drafted over the last verify items")
+        meter.create_observable_gauge(
+            mn.LANE_QUEUE_DEPTH,
+            [self._observe_queues],
+            unit="{request}",
+            description="Requests waiting for or running in each lane",
+        )
+        meter.create_observable_gauge(
+            mn.KV_BLOCKS_IN_USE, [self._observe_blocks], unit="{block}", description="KV blocks allocated per pool"
+        )
+        meter.create_observable_gauge(
+            mn.ACCEPTANCE_RATE,
+            [self._observe_acceptance],
+            unit="1",
+            description="Accepted / drafted over the last verify items",
+        )
         self._window: deque[tuple[int, int]] = deque(maxlen=acceptance_window)
         self._queues = {lane: 0 for lane in mn.LANES}
         self._blocks = {"target": 0, "draft": 0}
@@ -161,8 +204,11 @@ class Telemetry(EngineObserver):
             self._add_delta(self.verify_fitted, mn.VERIFY_FITTED, ahead.fitted)
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
-        self._queues = {"prefill": router.scheduler.num_waiting + len(running) - decoding,
-                        "draft": decoding, "verify": decoding}
+        self._queues = {
+            "prefill": router.scheduler.num_waiting + len(running) - decoding,
+            "draft": decoding,
+            "verify": decoding,
+        }
         self._blocks = {"target": router.target_blocks.num_used}
         if router.draft_blocks is not None:  # None: pool-less draft lane (prompt lookup)
             self._blocks["draft"] = router.draft_blocks.num_used

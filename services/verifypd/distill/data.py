@@ -13,6 +13,7 @@ temperature 0 (distill.head_train.accepted_length).
 
 Cached as DIR/data.jsonl ({"tokens", "prompt_len", "heldout"}), so a resumed run trains on the same data.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,40 +23,93 @@ import random
 from verifypd.distill.chat_requests import WRITER_TOPICS, template_requests, writer_asks
 from verifypd.engine.types import RequestSpec, SamplingParams
 
-WRITTEN_ONE_IN = 4   # 1 in 4 chat requests is written by the target (the rest: our templates;
-                     # the 135M target's own requests are noisy: off-topic, meta, half sentences)
+WRITTEN_ONE_IN = 4  # 1 in 4 chat requests is written by the target (the rest: our templates;
+# the 135M target's own requests are noisy: off-topic, meta, half sentences)
 WRITER_TEMPERATURE = 0.8
 
 # Work-on-a-text requests: the target writes a text (prose, code, a note with facts), and the prompt
 # asks for something done to it, so the head also learns the copy-heavy answers (rewrites, edits,
 # extractions) that plain questions never show. Our own wording, unrelated to any evaluation set.
-PARAGRAPH_TASKS = ("Write a short paragraph about {topic}. Reply with the paragraph only.", "{}",
-                   ["Make the following text easier to read.", "Shorten the following text.",
-                    "Correct the following text and give it back in full.", "Rewrite this text for a child."])
-CODE_TASKS = ("Write a short Python function related to {topic}. Reply with the code only.", "```python\n{}\n```",
-              ["Add comments to this code and give back the whole code.",
-               "Improve the variable names in this code and return it in full.",
-               "Add error handling to this code and return the whole code."])
+PARAGRAPH_TASKS = (
+    "Write a short paragraph about {topic}. Reply with the paragraph only.",
+    "{}",
+    [
+        "Make the following text easier to read.",
+        "Shorten the following text.",
+        "Correct the following text and give it back in full.",
+        "Rewrite this text for a child.",
+    ],
+)
+CODE_TASKS = (
+    "Write a short Python function related to {topic}. Reply with the code only.",
+    "```python\n{}\n```",
+    [
+        "Add comments to this code and give back the whole code.",
+        "Improve the variable names in this code and return it in full.",
+        "Add error handling to this code and return the whole code.",
+    ],
+)
 NOTE_ASK = "Write a short note about {topic} that mentions people, dates and amounts. Reply with the note only."
-NOTE_TASKS = ["Pull out all people, places, dates and numbers from this text.",
-              "Turn this text into JSON with its important fields.", "Make a bulleted list of the facts in this text."]
-TEXT_SEEDS = [PARAGRAPH_TASKS, CODE_TASKS,
-              (NOTE_ASK, "{}", NOTE_TASKS + ["Which dates and amounts appear in this note? Answer as a table."]),
-              ("Write a short email about {topic}. Reply with the email only.", "{}",
-               ["Make this email more polite and give it back in full.", "Fix the spelling and grammar of this email.",
-                "Make this email shorter but keep every fact in it."])]
+NOTE_TASKS = [
+    "Pull out all people, places, dates and numbers from this text.",
+    "Turn this text into JSON with its important fields.",
+    "Make a bulleted list of the facts in this text.",
+]
+TEXT_SEEDS = [
+    PARAGRAPH_TASKS,
+    CODE_TASKS,
+    (NOTE_ASK, "{}", NOTE_TASKS + ["Which dates and amounts appear in this note? Answer as a table."]),
+    (
+        "Write a short email about {topic}. Reply with the email only.",
+        "{}",
+        [
+            "Make this email more polite and give it back in full.",
+            "Fix the spelling and grammar of this email.",
+            "Make this email shorter but keep every fact in it.",
+        ],
+    ),
+]
 
 # `--own-requests seeds`: the generator of the committed head (bench/results/smollm2_eagle_h200, d52173e),
 # kept so that its recipe stays reproducible: every question written by the target at temperature 1.0
 # from 3 seed instructions x 30 topics, and 3 text kinds.
-SEED_TOPICS = ["cooking", "history", "physics", "programming in Python", "travel", "music", "health", "gardening",
-               "mathematics", "economics", "writing an email", "biology", "chemistry", "sports", "movies", "animals",
-               "space", "personal finance", "a job interview", "learning a language", "the weather", "cars",
-               "databases", "poetry", "philosophy", "geography", "electricity", "computers", "art", "sleep"]
-SEED_ASKS = ["Write one question a curious person might ask an assistant about {topic}. Reply with the question only.",
-             "Write a short instruction asking an assistant to do a task related to {topic}. "
-             "Reply with the instruction only.",
-             "Give one request about {topic} that someone could type into a chatbot. Only the request."]
+SEED_TOPICS = [
+    "cooking",
+    "history",
+    "physics",
+    "programming in Python",
+    "travel",
+    "music",
+    "health",
+    "gardening",
+    "mathematics",
+    "economics",
+    "writing an email",
+    "biology",
+    "chemistry",
+    "sports",
+    "movies",
+    "animals",
+    "space",
+    "personal finance",
+    "a job interview",
+    "learning a language",
+    "the weather",
+    "cars",
+    "databases",
+    "poetry",
+    "philosophy",
+    "geography",
+    "electricity",
+    "computers",
+    "art",
+    "sleep",
+]
+SEED_ASKS = [
+    "Write one question a curious person might ask an assistant about {topic}. Reply with the question only.",
+    "Write a short instruction asking an assistant to do a task related to {topic}. Reply with the instruction only.",
+    "Give one request about {topic} that someone could type into a chatbot. Only the request.",
+]
 SEED_TEXT_SEEDS = [PARAGRAPH_TASKS, CODE_TASKS, (NOTE_ASK, "{}", NOTE_TASKS)]
 
 
@@ -76,7 +130,7 @@ def read_prompts(path: str) -> list[list[dict] | str]:
                 raise ValueError(f"--prompts {path}:{n}: not JSON ({exc.msg})") from None
             value = row.get("messages") or row.get("prompt")
             if not value:
-                raise ValueError(f"--prompts {path}:{n}: a JSON line needs \"prompt\" or \"messages\"")
+                raise ValueError(f'--prompts {path}:{n}: a JSON line needs "prompt" or "messages"')
             out.append(value)
         else:
             out.append(line)
@@ -94,11 +148,19 @@ def encode(codec, prompt) -> list[int]:
     return codec.encode(text)
 
 
-def generate(engine, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,
-             stop_at_eos: bool = True) -> list[list[int]]:
-    specs = [RequestSpec(tuple(p), max_tokens=max_tokens, stop_at_eos=stop_at_eos, request_id=f"d{i}",
-                         sampling=SamplingParams(temperature=temperature, seed=seed + i))
-             for i, p in enumerate(prompts)]
+def generate(
+    engine, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int, stop_at_eos: bool = True
+) -> list[list[int]]:
+    specs = [
+        RequestSpec(
+            tuple(p),
+            max_tokens=max_tokens,
+            stop_at_eos=stop_at_eos,
+            request_id=f"d{i}",
+            sampling=SamplingParams(temperature=temperature, seed=seed + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
     done = engine.generate(specs)
     return [done[f"d{i}"].token_ids for i in range(len(prompts))]
 
@@ -114,8 +176,10 @@ def own_prompts(engine, codec, count: int, seed: int, requests: str = "kinds") -
         return [s + t for s, t in zip(starts, texts)]
     questions = count - count // 2
     if requests == "seeds":
-        prompts, asks = [], [encode(codec, rng.choice(SEED_ASKS).format(topic=rng.choice(SEED_TOPICS)))
-                             for _ in range(questions)]
+        prompts, asks = (
+            [],
+            [encode(codec, rng.choice(SEED_ASKS).format(topic=rng.choice(SEED_TOPICS))) for _ in range(questions)],
+        )
         temperature, text_seeds, topics = 1.0, SEED_TEXT_SEEDS, SEED_TOPICS
     else:
         written = questions // WRITTEN_ONE_IN
@@ -137,9 +201,20 @@ def own_prompts(engine, codec, count: int, seed: int, requests: str = "kinds") -
     return prompts
 
 
-def make_data(engine, codec, out: pathlib.Path, *, prompts_file: str | None, samples: int, gen_tokens: int,
-              temperature: float, heldout_fraction: float, max_len: int, seed: int,
-              own_requests: str = "kinds") -> list[dict]:
+def make_data(
+    engine,
+    codec,
+    out: pathlib.Path,
+    *,
+    prompts_file: str | None,
+    samples: int,
+    gen_tokens: int,
+    temperature: float,
+    heldout_fraction: float,
+    max_len: int,
+    seed: int,
+    own_requests: str = "kinds",
+) -> list[dict]:
     cache = out / "data.jsonl"
     if cache.is_file():
         return [json.loads(line) for line in cache.read_text().splitlines() if line]
@@ -147,17 +222,20 @@ def make_data(engine, codec, out: pathlib.Path, *, prompts_file: str | None, sam
         prompts = [encode(codec, p) for p in read_prompts(prompts_file)]
     else:
         prompts = own_prompts(engine, codec, samples, seed, own_requests)
-    prompts = [p[-(max_len // 2):] for p in prompts]  # long prompts keep their end: room for the answer
-    answers = generate(engine, prompts, min(gen_tokens, max_len - max(map(len, prompts))), temperature, seed + 10 ** 6)
+    prompts = [p[-(max_len // 2) :] for p in prompts]  # long prompts keep their end: room for the answer
+    answers = generate(engine, prompts, min(gen_tokens, max_len - max(map(len, prompts))), temperature, seed + 10**6)
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
-    heldout = set(order[:max(1, round(heldout_fraction * len(order)))]) if heldout_fraction > 0 else set()
+    heldout = set(order[: max(1, round(heldout_fraction * len(order)))]) if heldout_fraction > 0 else set()
     # A held-out prompt is held out in every copy: a repeated request (template requests repeat) would
     # otherwise train on the very sequence the held-out estimate then measures. No copies: no change.
     held_prompts = {tuple(prompts[i]) for i in heldout}
     heldout |= {i for i, p in enumerate(prompts) if tuple(p) in held_prompts}
-    rows = [{"tokens": p + a, "prompt_len": len(p), "heldout": i in heldout}
-            for i, (p, a) in enumerate(zip(prompts, answers)) if len(p) + len(a) >= 3]
+    rows = [
+        {"tokens": p + a, "prompt_len": len(p), "heldout": i in heldout}
+        for i, (p, a) in enumerate(zip(prompts, answers))
+        if len(p) + len(a) >= 3
+    ]
     out.mkdir(parents=True, exist_ok=True)
     cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows

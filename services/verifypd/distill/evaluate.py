@@ -1,5 +1,6 @@
 """Real acceptance of drafts on held-out prompts: the engine at temperature 0 with a fixed k, per
 draft and per prompt family: mean tokens per verify step (accepted drafts + 1) and tokens/s."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ def prompt_families(path: str) -> list[str]:
     return families
 
 
-def compare_drafts(target: str, drafts: list[str], prompts_file: str, *, k: int, max_tokens: int,
-                   device: str = "auto", dtype: str = "auto") -> dict:
+def compare_drafts(
+    target: str,
+    drafts: list[str],
+    prompts_file: str,
+    *,
+    k: int,
+    max_tokens: int,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> dict:
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.engine.types import RequestSpec
     from verifypd.local_engine import Engine, EngineOptions, draft_spec, load_draft_model, load_models
@@ -30,19 +39,26 @@ def compare_drafts(target: str, drafts: list[str], prompts_file: str, *, k: int,
     results = []
     models = None
     for draft in drafts:
-        options = EngineOptions(target=target, draft=draft, device=device, dtype=dtype,
-                                config=RuntimeConfig(k_min=0, k_max=k, k_initial=k, adaptive=False))
+        options = EngineOptions(
+            target=target,
+            draft=draft,
+            device=device,
+            dtype=dtype,
+            config=RuntimeConfig(k_min=0, k_max=k, k_initial=k, adaptive=False),
+        )
         if models is None:
             models = load_models(options)
-        models.draft_model = load_draft_model(draft_spec(draft), models.target, models.device, models.dtype,
-                                              options.max_context)
+        models.draft_model = load_draft_model(
+            draft_spec(draft), models.target, models.device, models.dtype, options.max_context
+        )
         models.draft_name = draft
         models.target_model.features = None  # a feature pool of an earlier engine must not linger
         engine = Engine(options, models=models)
         ids = [encode(engine.codec, p) for p in prompts]
         t0 = time.monotonic()
-        done = engine.generate([RequestSpec(tuple(p), max_tokens=max_tokens, request_id=f"e{i}")
-                                for i, p in enumerate(ids)])
+        done = engine.generate(
+            [RequestSpec(tuple(p), max_tokens=max_tokens, request_id=f"e{i}") for i, p in enumerate(ids)]
+        )
         seconds = time.monotonic() - t0
         per_family = defaultdict(lambda: [0, 0, 0])  # accepted, verify steps, tokens
         for i, family in enumerate(families):
@@ -52,10 +68,17 @@ def compare_drafts(target: str, drafts: list[str], prompts_file: str, *, k: int,
                 row[0] += usage.get("accepted_tokens", 0)
                 row[1] += usage.get("verify_steps", 0)
                 row[2] += len(done[f"e{i}"].token_ids)
-        results.append({"draft": draft, "k": k, "seconds": round(seconds, 2),
-                        "tokens_per_s": round(per_family["all"][2] / max(seconds, 1e-9), 1),
-                        "tokens_per_verify_step": (per_family["all"][0] + per_family["all"][1])
-                        / max(per_family["all"][1], 1),
-                        "families": {f: {"tokens_per_verify_step": (a + s) / max(s, 1), "verify_steps": s}
-                                     for f, (a, s, _) in sorted(per_family.items())}})
+        results.append(
+            {
+                "draft": draft,
+                "k": k,
+                "seconds": round(seconds, 2),
+                "tokens_per_s": round(per_family["all"][2] / max(seconds, 1e-9), 1),
+                "tokens_per_verify_step": (per_family["all"][0] + per_family["all"][1]) / max(per_family["all"][1], 1),
+                "families": {
+                    f: {"tokens_per_verify_step": (a + s) / max(s, 1), "verify_steps": s}
+                    for f, (a, s, _) in sorted(per_family.items())
+                },
+            }
+        )
     return {"target": target, "prompts": prompts_file, "temperature": 0, "max_tokens": max_tokens, "drafts": results}

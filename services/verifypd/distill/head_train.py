@@ -8,6 +8,7 @@ query attends step-0 keys at positions <= t - j (the anchor, last row with targe
 step-i keys at row t - j + i for i = 1 .. j (the chain rows drafted after that anchor): exactly
 what the paged chain (model.eagle_draft) attends at inference. Rows t < j have no anchor (masked).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,10 +41,23 @@ class TrainableHead(nn.Module):
 
     def weights(self, dtype: torch.dtype | None = None) -> EagleWeights:
         c = lambda t: t.detach().clone() if dtype is None else t.detach().to(dtype)  # noqa: E731
-        layer = LayerWeights(qkv=c(self.qkv), qkv_bias=None, o=c(self.o), gate_up=c(self.gate_up), down=c(self.down),
-                             input_norm=c(self.input_norm), post_norm=c(self.post_norm))
-        return EagleWeights(fc=c(self.fc), layer=layer, hidden_norm=c(self.hidden_norm), final_norm=c(self.final_norm),
-                            lm_head=c(self.lm_head), draft_to_target=self.draft_to_target)
+        layer = LayerWeights(
+            qkv=c(self.qkv),
+            qkv_bias=None,
+            o=c(self.o),
+            gate_up=c(self.gate_up),
+            down=c(self.down),
+            input_norm=c(self.input_norm),
+            post_norm=c(self.post_norm),
+        )
+        return EagleWeights(
+            fc=c(self.fc),
+            layer=layer,
+            hidden_norm=c(self.hidden_norm),
+            final_norm=c(self.final_norm),
+            lm_head=c(self.lm_head),
+            draft_to_target=self.draft_to_target,
+        )
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """tokens [B, T] (token t + 1 of row t, i.e. the sequence shifted by one), features [B, T, F].
@@ -55,7 +69,7 @@ class TrainableHead(nn.Module):
         freqs = pos[:, None].float() * self.inv_freq[None, :]
         cos, sin = torch.cat((freqs, freqs), -1).cos()[:, None], torch.cat((freqs, freqs), -1).sin()[:, None]
         e = rms_norm(self.embed[tokens], self.input_norm, eps)
-        hidden = features @ self.fc.t()                                      # [B, T, H]
+        hidden = features @ self.fc.t()  # [B, T, H]
         keys, values, out = [], [], []
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for j in range(steps):
@@ -63,11 +77,11 @@ class TrainableHead(nn.Module):
                 hidden = F.pad(hidden[:, :-1], (0, 0, 1, 0))
             qkv = torch.cat((e, rms_norm(hidden, self.hidden_norm, eps)), -1) @ self.qkv.t()
             q = apply_rope(qkv[..., :q_dim].reshape(B, T, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(qkv[..., q_dim:q_dim + kv_dim].reshape(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-            v = qkv[..., q_dim + kv_dim:].reshape(B, T, c.num_kv_heads, c.head_dim)
+            k = apply_rope(qkv[..., q_dim : q_dim + kv_dim].reshape(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[..., q_dim + kv_dim :].reshape(B, T, c.num_kv_heads, c.head_dim)
             keys.append(k)
             values.append(v)
-            attn = self._attend(q, keys, values, j)                          # [B, T, heads * D]
+            attn = self._attend(q, keys, values, j)  # [B, T, heads * D]
             h = hidden + attn @ self.o.t()
             gate, up = (rms_norm(h, self.post_norm, eps) @ self.gate_up.t()).chunk(2, -1)
             hidden = h + (F.silu(gate) * up) @ self.down.t()
@@ -81,16 +95,16 @@ class TrainableHead(nn.Module):
         B, T, heads, D = q.shape
         group = heads // c.num_kv_heads
         expand = lambda x: x.repeat_interleave(group, dim=2)  # noqa: E731 [B, T, heads, D]
-        scale = D ** -0.5
+        scale = D**-0.5
         k0, v0 = expand(keys[0]), expand(values[0])
-        scores0 = torch.einsum("bthd,bshd->bhts", q, k0) * scale            # [B, heads, T, T]
+        scores0 = torch.einsum("bthd,bshd->bhts", q, k0) * scale  # [B, heads, T, T]
         t = torch.arange(T, device=q.device)
         scores0 = scores0.masked_fill(~(t[None, :] <= t[:, None] - j), float("-inf"))
         diag_k, diag_v = [], []
         for i in range(1, j + 1):  # key of step i at row t - (j - i)
             shift = j - i
-            diag_k.append(F.pad(expand(keys[i])[:, :T - shift], (0, 0, 0, 0, shift, 0)))
-            diag_v.append(F.pad(expand(values[i])[:, :T - shift], (0, 0, 0, 0, shift, 0)))
+            diag_k.append(F.pad(expand(keys[i])[:, : T - shift], (0, 0, 0, 0, shift, 0)))
+            diag_v.append(F.pad(expand(values[i])[:, : T - shift], (0, 0, 0, 0, shift, 0)))
         if diag_k:
             diag = torch.stack([torch.einsum("bthd,bthd->bht", q, k) * scale for k in diag_k], -1)  # [B, h, T, j]
             weights = torch.cat((scores0, diag), -1).softmax(-1)
@@ -104,8 +118,9 @@ class TrainableHead(nn.Module):
         return out.reshape(B, T, heads * D)
 
 
-def distill_loss(head: TrainableHead, logits: list[torch.Tensor], labels: torch.Tensor,
-                 valid: torch.Tensor, decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
+def distill_loss(
+    head: TrainableHead, logits: list[torch.Tensor], labels: torch.Tensor, valid: torch.Tensor, decay: float = 0.8
+) -> tuple[torch.Tensor, list[float]]:
     """Soft cross-entropy of each step against the target's distribution of the same token, restricted
     to the draft vocabulary. labels [B, T, V]: the target's logits for row t's prediction (token t + 2,
     i.e. the target's logits at position t + 1); valid [B, T]: rows that have one. Step j weighted
@@ -113,38 +128,40 @@ def distill_loss(head: TrainableHead, logits: list[torch.Tensor], labels: torch.
     label = labels.float()
     if head.draft_to_target is not None:
         label = label[..., head.draft_to_target]
-    p = label.softmax(-1)                                                  # [B, T, Vd]
+    p = label.softmax(-1)  # [B, T, Vd]
     total, agree = 0.0, []
     for j, lg in enumerate(logits):
         rows = valid.clone()
         rows[:, :j] = False
         n = rows.sum().clamp(min=1)
         ce = -(p * lg.float().log_softmax(-1)).sum(-1)
-        total = total + decay ** j * (ce * rows).sum() / n
+        total = total + decay**j * (ce * rows).sum() / n
         agree.append(float(((lg.argmax(-1) == p.argmax(-1)) & rows).sum() / n))
     return total, agree
 
 
-def anchor_acceptance(head: TrainableHead, logits: list[torch.Tensor], labels: torch.Tensor,
-                      valid: torch.Tensor) -> torch.Tensor:
+def anchor_acceptance(
+    head: TrainableHead, logits: list[torch.Tensor], labels: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
     """Accepted drafts of a greedy k = len(logits) chain anchored at every row, teacher-forced: step j
     of anchor p (row p + j) is accepted while every step up to it chose the target's greedy token and
     row p + j is valid (the chain stops at the sequence's end). [B, T] long."""
-    target = labels.argmax(-1)                                             # [B, T]: the target's greedy token
+    target = labels.argmax(-1)  # [B, T]: the target's greedy token
     run = torch.ones_like(valid)
     accepted = torch.zeros(valid.shape, dtype=torch.long, device=valid.device)
     for j, lg in enumerate(logits):
         chosen = lg.argmax(-1)
         if head.draft_to_target is not None:
             chosen = head.draft_to_target[chosen]
-        hit = (chosen == target) & valid                                  # row t of step j
-        run = run & F.pad(hit[:, j:], (0, j), value=False)                # anchor p: row p + j
+        hit = (chosen == target) & valid  # row t of step j
+        run = run & F.pad(hit[:, j:], (0, j), value=False)  # anchor p: row p + j
         accepted += run.long()
     return accepted
 
 
-def accepted_length(head: TrainableHead, logits: list[torch.Tensor], labels: torch.Tensor,
-                    valid: torch.Tensor) -> tuple[float, int]:
+def accepted_length(
+    head: TrainableHead, logits: list[torch.Tensor], labels: torch.Tensor, valid: torch.Tensor
+) -> tuple[float, int]:
     """What the engine measures at temperature 0 with k = len(logits) on these sequences: (accepted
     drafts, verify steps). `valid` [B, T]: the rows whose token the target generated greedily (row
     t: token t + 1), a contiguous run per sequence from the prompt's last row. Walked as the engine
@@ -162,9 +179,9 @@ def accepted_length(head: TrainableHead, logits: list[torch.Tensor], labels: tor
     for b, flags in enumerate(rows):
         if True not in flags:
             continue
-        p = flags.index(True)                      # the pending token: the first answer token (row p)
-        last = len(flags) - 1 - flags[::-1].index(True)   # the last row with a label
-        while p < last:                            # a token is left to generate after the pending one
+        p = flags.index(True)  # the pending token: the first answer token (row p)
+        last = len(flags) - 1 - flags[::-1].index(True)  # the last row with a label
+        while p < last:  # a token is left to generate after the pending one
             a = per_anchor[b][p]
             accepted, steps, p = accepted + a, steps + 1, p + a + 1
     return float(accepted), steps

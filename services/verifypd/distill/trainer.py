@@ -5,6 +5,7 @@ resume from the newest, a held-out estimate of accepted length, and the final he
 Checkpoint files are local (torch.save of the optimizer's tensors, loaded with weights_only=True);
 nothing here travels over a network.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ class TrainSettings:
     batch_tokens: int = 8192
     lr: float = 5e-4
     warmup: int = 100
-    chain_steps: int = 4          # unrolled chain steps (the k the head learns to draft)
+    chain_steps: int = 4  # unrolled chain steps (the k the head learns to draft)
     # Rows the loss counts: "all" (prompts too) or "answers" (rows whose next token the target
     # generated: what the engine drafts; as the EAGLE/SpecForge loss masks keep assistant turns).
     # The prompt rows' features reach the head either way, as attention keys. One H200 run with
@@ -36,8 +37,8 @@ class TrainSettings:
     loss_rows: str = "all"
     checkpoint_every: int = 200
     eval_every: int = 500
-    max_minutes: float | None = None   # of the whole run (data generation included), from `started`
-    fit_steps: bool = False           # with max_minutes: lower `steps` so the schedule ends in time
+    max_minutes: float | None = None  # of the whole run (data generation included), from `started`
+    fit_steps: bool = False  # with max_minutes: lower `steps` so the schedule ends in time
     seed: int = 0
     keep_checkpoints: int = 2
 
@@ -83,13 +84,23 @@ def latest_checkpoint(out: pathlib.Path) -> pathlib.Path | None:
 
 
 class Trainer:
-    def __init__(self, target, config: EagleConfig, weights, out: pathlib.Path, settings: TrainSettings,
-                 train_lm_head: bool, device: torch.device, log=print):
+    def __init__(
+        self,
+        target,
+        config: EagleConfig,
+        weights,
+        out: pathlib.Path,
+        settings: TrainSettings,
+        train_lm_head: bool,
+        device: torch.device,
+        log=print,
+    ):
         self.target, self.config, self.out, self.s = target, config, out, settings
         self.device, self.log, self.train_lm_head = device, log, train_lm_head
         self.head = TrainableHead(config, weights, target.weights.embed, train_lm_head=train_lm_head).to(device)
-        self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
-                                           betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.head.parameters() if p.requires_grad], lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
         self.step = 0
         self.history: list[dict] = []
 
@@ -108,14 +119,16 @@ class Trainer:
         (tmp / "progress.json").write_text(json.dumps(progress) + "\n")
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # a checkpoint is complete or absent
-        for old in sorted((self.out / "checkpoints").glob("step-*"),
-                          key=lambda p: int(p.name.removeprefix("step-")))[:-self.s.keep_checkpoints]:
+        for old in sorted((self.out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.removeprefix("step-")))[
+            : -self.s.keep_checkpoints
+        ]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
     def resume(self, path: pathlib.Path) -> None:
-        _, weights = load_eagle_head(str(path), self.target.shape, self.target.weights.lm_head, self.device,
-                                     torch.float32)
+        _, weights = load_eagle_head(
+            str(path), self.target.shape, self.target.weights.lm_head, self.device, torch.float32
+        )
         fresh = TrainableHead(self.config, weights, self.target.weights.embed, train_lm_head=self.train_lm_head)
         self.head.load_state_dict(fresh.state_dict())
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
@@ -125,21 +138,25 @@ class Trainer:
         # to) stays where it was, whatever --steps says now; --fit-steps in this run may lower it again.
         schedule = progress.get("schedule_steps", self.s.steps)
         if schedule != self.s.steps:
-            self.log(f"resumed run: the schedule ends at step {schedule}, as the checkpoint's did "
-                     f"(--steps {self.s.steps} is not used on resume)")
+            self.log(
+                f"resumed run: the schedule ends at step {schedule}, as the checkpoint's did "
+                f"(--steps {self.s.steps} is not used on resume)"
+            )
         self.s.steps = schedule
         self.log(f"resumed from {path} at step {self.step}")
 
     # -- training ----------------------------------------------------------------------------
-    def train(self, train_rows: list[dict], heldout_rows: list[dict], progress_bar: bool = True,
-              started: float | None = None) -> bool:
+    def train(
+        self, train_rows: list[dict], heldout_rows: list[dict], progress_bar: bool = True, started: float | None = None
+    ) -> bool:
         """Trains up to settings.steps (or max_minutes after `started`, a time.monotonic() value; default
         now); returns True when all steps are done."""
         from tqdm import tqdm
 
         longest = max(len(r["tokens"]) for r in train_rows + heldout_rows)
-        self.capture = TargetCapture(self.target, self.config.aux_layer_ids, self.device,
-                                     max(self.s.batch_tokens, longest))
+        self.capture = TargetCapture(
+            self.target, self.config.aux_layer_ids, self.device, max(self.s.batch_tokens, longest)
+        )
         t0 = time.monotonic() if started is None else started
         fit_at, fit_from = self.step + 20, (self.step, time.monotonic())
         bar = tqdm(total=self.s.steps, initial=self.step, disable=not progress_bar, desc="distill", unit="step")
@@ -179,8 +196,10 @@ class Trainer:
         eval_seconds = evals * len(batches(heldout_rows, self.s.batch_tokens, 0, 0)) * per_step / 2
         fit = self.step + int((left - eval_seconds) / per_step)
         if fit < self.s.steps:
-            self.log(f"{per_step * 1000:.0f} ms per step: {fit} steps fit in --max-minutes {self.s.max_minutes} "
-                     f"(of --steps {self.s.steps}); the schedule now ends there")
+            self.log(
+                f"{per_step * 1000:.0f} ms per step: {fit} steps fit in --max-minutes {self.s.max_minutes} "
+                f"(of --steps {self.s.steps}); the schedule now ends there"
+            )
             self.s.steps = max(fit, self.step + 1)
 
     def train_step(self, group: list[dict]) -> tuple[float, list[float]]:
@@ -208,12 +227,20 @@ class Trainer:
             acc, n = accepted_length(self.head, logits, b.labels, b.greedy)
             accepted, verify_steps = accepted + acc, verify_steps + n
         mean_accepted = accepted / max(verify_steps, 1)
-        return {"step": self.step, "loss": sum(losses) / max(len(losses), 1), "verify_steps": verify_steps,
-                "k": self.s.chain_steps, "mean_accepted": mean_accepted, "tokens_per_verify_step": mean_accepted + 1}
+        return {
+            "step": self.step,
+            "loss": sum(losses) / max(len(losses), 1),
+            "verify_steps": verify_steps,
+            "k": self.s.chain_steps,
+            "mean_accepted": mean_accepted,
+            "tokens_per_verify_step": mean_accepted + 1,
+        }
 
     def record_eval(self, rows: list[dict]) -> dict:
         result = self.evaluate(rows)
         self.history.append(result)
-        self.log(f"held-out at step {result['step']}: loss {result['loss']:.3f}, tokens per verify step "
-                 f"{result['tokens_per_verify_step']:.2f} (k = {result['k']}, {result['verify_steps']} verify steps)")
+        self.log(
+            f"held-out at step {result['step']}: loss {result['loss']:.3f}, tokens per verify step "
+            f"{result['tokens_per_verify_step']:.2f} (k = {result['k']}, {result['verify_steps']} verify steps)"
+        )
         return result

@@ -5,6 +5,7 @@
 Invariant (checked by `check()` in tests): every block id in [0, num_blocks) is either on the
 free list or owned by exactly one sequence table, never both.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -83,13 +84,17 @@ def check_fits(spec: RequestSpec, max_context: int, pools: Sequence[BlockManager
     never truncated (a request alone in a pool always fits, see the scheduler)."""
     need = len(spec.prompt_ids) + spec.max_tokens
     if need > max_context:
-        raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) = {need} "
-                             f"exceeds the model's context of {max_context} tokens; lower max_tokens to at most "
-                             f"{max_context - len(spec.prompt_ids)} or shorten the prompt")
+        raise InvalidRequest(
+            f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) = {need} "
+            f"exceeds the model's context of {max_context} tokens; lower max_tokens to at most "
+            f"{max_context - len(spec.prompt_ids)} or shorten the prompt"
+        )
     for blocks in pools:
         # The last token's KV is never written: prompt + max_tokens - 1 positions at most.
         if blocks.blocks_for(need - 1) > blocks.num_blocks:
-            raise InvalidRequest(f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) can never "
-                                 f"fit the {blocks.name} KV pool ({blocks.num_blocks} blocks of {blocks.block_size} "
-                                 f"= {blocks.num_blocks * blocks.block_size} positions); lower max_tokens or "
-                                 f"shorten the prompt")
+            raise InvalidRequest(
+                f"prompt ({len(spec.prompt_ids)} tokens) + max_tokens ({spec.max_tokens}) can never "
+                f"fit the {blocks.name} KV pool ({blocks.num_blocks} blocks of {blocks.block_size} "
+                f"= {blocks.num_blocks * blocks.block_size} positions); lower max_tokens or "
+                f"shorten the prompt"
+            )

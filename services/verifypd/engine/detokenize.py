@@ -7,9 +7,10 @@ detokenizers). A step's decode cost does not grow with the output: the window re
 was last complete. Text that ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the
 next token completes it.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
 _CONTEXT_TOKENS = 4
@@ -36,15 +37,15 @@ class IncrementalDetokenizer:
         complete part of it is _tail, emitted as usual but decoded again with the next token."""
         if self._read == len(self._ids):
             return
-        window = self._ids[self._prefix:]
-        context = self._decode(window[:self._read - self._prefix]) if self._read > self._prefix else ""
+        window = self._ids[self._prefix :]
+        context = self._decode(window[: self._read - self._prefix]) if self._read > self._prefix else ""
         full = self._decode(window)
         if len(full) > len(context) and not full.endswith("\ufffd"):
-            self._decoded += full[len(context):]
+            self._decoded += full[len(context) :]
             self._tail = ""
             self._prefix, self._read = self._read, len(self._ids)
         else:
-            self._tail = full.rstrip("\ufffd")[len(context):]
+            self._tail = full.rstrip("\ufffd")[len(context) :]
 
     def add(self, new_ids: Sequence[int]) -> tuple[str, bool]:
         """Appends tokens; returns (new text, stop string hit). After a hit the text ends before it."""
@@ -56,14 +57,14 @@ class IncrementalDetokenizer:
             hits = [i for i in (stable.find(s, search_from) for s in self._stop) if i >= 0]
             if hits:
                 cut = min(hits)
-                delta = stable[len(self.text):cut] if cut > len(self.text) else ""
+                delta = stable[len(self.text) : cut] if cut > len(self.text) else ""
                 self.text += delta
                 return delta, True
             # Hold back a tail that could be the start of a stop string.
             stable = stable[: max(len(self.text), len(stable) - self._max_stop + 1)] if not self._final else stable
         if not stable.startswith(self.text):  # the tokenizer re-segmented emitted text: emit nothing new
             return "", False
-        delta = stable[len(self.text):]
+        delta = stable[len(self.text) :]
         self.text = stable
         return delta, False
 

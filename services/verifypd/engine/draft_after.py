@@ -30,6 +30,7 @@ RPC carries no verdict), verify calls that carry no drafts (a plain step has no 
 the first speculative step after plain decoding drafts in its own step), drafts longer than the
 head's graphs fit as placeholders (k > MAX_VERIFIED_K).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.router_calls import take_drafts
 from verifypd.engine.scheduler import DecodeWork
-from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
+from verifypd.engine.sequence import HeldDraft, SeqStatus, Sequence
 from verifypd.lanes.interface import DraftItem, VerifyItem
 
 MAX_VERIFIED_K = 8  # placeholders of a verify call with up to this k fit the head's catch-up graphs (9)
@@ -59,21 +60,27 @@ class DraftAfter:
     def __init__(self, router):  # verifypd.engine.router.Router (which imports this module)
         self.router = router
         self.enabled = True  # off only to measure what it gains (bench/draft_acceptance.py --compare-draft-after)
-        self.calls = 0       # draft calls launched after a verify call (tests, benchmarks)
-        self.requests = 0    # requests drafted so, over all those calls
-        self.held = 0        # of those, drafts the next step verified (the rest were dropped)
+        self.calls = 0  # draft calls launched after a verify call (tests, benchmarks)
+        self.requests = 0  # requests drafted so, over all those calls
+        self.held = 0  # of those, drafts the next step verified (the rest were dropped)
 
     def eligible(self, config: RuntimeConfig, items: list[VerifyItem]) -> bool:
         """May the step whose verify call is `items` launch the next step's drafts right after it?"""
         router = self.router
-        return (self.enabled and router.feature_draft and config.schedule != "baseline" and not config.pipelined
-                and getattr(router.draft_lane, "drafts_after_verdict", False)
-                and hasattr(router.verify_lane, "verify_start")
-                and any(len(i.draft_tokens) for i in items)
-                and max(len(i.draft_tokens) for i in items) <= MAX_VERIFIED_K)
+        return (
+            self.enabled
+            and router.feature_draft
+            and config.schedule != "baseline"
+            and not config.pipelined
+            and getattr(router.draft_lane, "drafts_after_verdict", False)
+            and hasattr(router.verify_lane, "verify_start")
+            and any(len(i.draft_tokens) for i in items)
+            and max(len(i.draft_tokens) for i in items) <= MAX_VERIFIED_K
+        )
 
-    def launch(self, config: RuntimeConfig, work: list[DecodeWork], items: list[VerifyItem], started
-               ) -> Launched | None:
+    def launch(
+        self, config: RuntimeConfig, work: list[DecodeWork], items: list[VerifyItem], started
+    ) -> Launched | None:
         """Right after launching `items` (`started`): the next step's drafts of `work`'s requests."""
         if getattr(started, "verdict", None) is None:
             return None
@@ -81,9 +88,11 @@ class DraftAfter:
         rows = {w.seq.request_id: n for n, w in enumerate(work)}
         # (a verify call launched before the verdict before it, engine.spec_ahead, may hold rows of
         # requests that ended since: they draft no more)
-        plan = router.scheduler.plan_after(config, router.costs, [(w.seq, len(i.draft_tokens))
-                                                                  for w, i in zip(work, items)
-                                                                  if w.seq.status is SeqStatus.DECODING])
+        plan = router.scheduler.plan_after(
+            config,
+            router.costs,
+            [(w.seq, len(i.draft_tokens)) for w, i in zip(work, items) if w.seq.status is SeqStatus.DECODING],
+        )
         if not plan:
             return None
         after = [DecodeWork(seq, k) for seq, k in plan]
@@ -106,10 +115,15 @@ class DraftAfter:
         # Where the head's valid rows end: a head call this step fed through x_n (its rows past it are
         # the chain's, speculative); lookup's proposal or k = 0 left draft_computed where it was.
         start = n + 1 if k_now > 0 and not w.lookup else seq.draft_computed
-        return DraftItem(request_id=seq.request_id, input_tokens=seq.ids(start, n + 1) + [0] * (k_now + 1),
-                         start_pos=start, k=k, sampling=seq.spec.sampling,
-                         draft_kv=router._draft_handle(seq, start, start),
-                         target_kv=router._handle(router.target_pool, seq.target_blocks, n, n))
+        return DraftItem(
+            request_id=seq.request_id,
+            input_tokens=seq.ids(start, n + 1) + [0] * (k_now + 1),
+            start_pos=start,
+            k=k,
+            sampling=seq.spec.sampling,
+            draft_kv=router._draft_handle(seq, start, start),
+            target_kv=router._handle(router.target_pool, seq.target_blocks, n, n),
+        )
 
     def hold(self, launched: Launched | None) -> None:
         """After the verify call's verdict is committed: its requests that go on hold their drafts."""
@@ -120,8 +134,9 @@ class DraftAfter:
             if seq.status is not SeqStatus.DECODING:
                 continue  # finished (or cancelled) meanwhile: the drafts are dropped
             tokens, probs = launched.drafts[seq.request_id]
-            seq.held_draft = HeldDraft(seq.pending_pos, tokens, probs, launched.typical, requested_k=w.k,
-                                       predrafted=True)
+            seq.held_draft = HeldDraft(
+                seq.pending_pos, tokens, probs, launched.typical, requested_k=w.k, predrafted=True
+            )
             seq.draft_computed = seq.pending_pos + 1  # the head was fed through the new pending token
             self.held += 1
 

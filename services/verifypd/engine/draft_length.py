@@ -8,13 +8,13 @@ online, and draft at all only when that beats plain decoding's  1 / t_verify(0) 
 itself: low acceptance, or a saturated GPU whose verify cost grows with the tokens scored. With k
 at 0, rare cheap probes (ProbeSchedule, the scheduler picks whom) keep acceptance observed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from verifypd.defaults import DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN
-from verifypd.engine.step_costs import (AcceptanceTracker, StepCostModel, batch_bucket,  # noqa: F401 (re-exported)
-                                        expected_tokens)
+from verifypd.engine.step_costs import AcceptanceTracker, StepCostModel, batch_bucket, expected_tokens  # noqa: F401 (re-exported)
 from verifypd.engine.types import MAX_K, InvalidRequest
 
 
@@ -62,7 +62,9 @@ class RuntimeConfig:
         if not (0 <= self.k_min <= self.k_max <= MAX_K):
             raise InvalidRequest(f"need 0 <= k_min <= k_max <= {MAX_K}; got k_min={self.k_min} k_max={self.k_max}")
         if not (self.k_min <= self.k_initial <= self.k_max):
-            raise InvalidRequest(f"need k_min <= k_initial <= k_max; got {self.k_min} <= {self.k_initial} <= {self.k_max}")
+            raise InvalidRequest(
+                f"need k_min <= k_initial <= k_max; got {self.k_min} <= {self.k_initial} <= {self.k_max}"
+            )
         if self.schedule not in SCHEDULES:
             raise InvalidRequest(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.prefill_token_budget < 16:
@@ -74,7 +76,7 @@ class RuntimeConfig:
     def pipelined(self) -> bool:
         return self.schedule == "pdv" and self.pipeline
 
-    def updated(self, **changes) -> "RuntimeConfig":
+    def updated(self, **changes) -> RuntimeConfig:
         new = replace(self, **changes, revision=self.revision + 1)
         new.validate()
         return new
@@ -93,11 +95,16 @@ def request_rate(asked: int, proposed: int, prior: float, prior_weight: float = 
     return (proposed + prior_weight * prior) / (asked + prior_weight)
 
 
-def choose_k(config: RuntimeConfig, alpha: float | None, request_max_k: int | None,
-             costs: StepCostModel, batch: int, remaining_tokens: int) -> int:
+def choose_k(
+    config: RuntimeConfig,
+    alpha: float | None,
+    request_max_k: int | None,
+    costs: StepCostModel,
+    batch: int,
+    remaining_tokens: int,
+) -> int:
     """k for one request deciding alone (see choose_batch_k for a batch)."""
-    return cap_k(config, choose_batch_k(config, [alpha], costs, batch, config.k_max), request_max_k,
-                 remaining_tokens)
+    return cap_k(config, choose_batch_k(config, [alpha], costs, batch, config.k_max), request_max_k, remaining_tokens)
 
 
 def cap_k(config: RuntimeConfig, k: int, request_max_k: int | None, remaining_tokens: int) -> int:
@@ -115,9 +122,16 @@ SWITCH_MARGIN = 1.1  # pdv: switching between pipelined and lock-step must promi
 DRAFT_ON_GAIN, DRAFT_OFF_GAIN = 1.10, 1.02
 
 
-def choose_batch_k(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
-                   hi: int, current: int | None = None, pipelined: bool = False,
-                   rates: list[float] | None = None) -> int:
+def choose_batch_k(
+    config: RuntimeConfig,
+    alphas: list[float | None],
+    costs: StepCostModel,
+    batch: int,
+    hi: int,
+    current: int | None = None,
+    pipelined: bool = False,
+    rates: list[float] | None = None,
+) -> int:
     """One k for the decoding batch: verify runs every request padded to max(k) + 1 tokens, so a
     shared k is what the GPU pays for. The drafting k maximises the batch's goodput
     Σ E(a_i, k) / step(batch, k); it is taken only if it beats plain decoding (k = 0) by
@@ -193,8 +207,9 @@ class ProbeSchedule:
             self.steps_off += 1
 
 
-def pipelining_pays(config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int,
-                    current: bool | None) -> bool:
+def pipelining_pays(
+    config: RuntimeConfig, alphas: list[float | None], costs: StepCostModel, batch: int, current: bool | None
+) -> bool:
     """pdv: pipeline this step's `batch` decoding requests (two groups, draft of one beside the
     verify of the other) or run them lock-step? The better best-k goodput of the two, from measured
     step costs; an unmeasured pipelined cost is optimistic (see `pipelined_step_s`), so pipelining

@@ -23,6 +23,7 @@ The index (each request's n-grams for n in [min, max]) is a cache over Sequence 
 the ngram lane's: the least recently drafted requests are dropped first and rebuilt from their
 tokens if they draft again.
 """
+
 from __future__ import annotations
 
 from verifypd.engine.scheduler import DecodeWork
@@ -35,8 +36,12 @@ LOOKUP_MAX_MATCH = 4
 
 
 class LookupMix:
-    def __init__(self, min_match: int = LOOKUP_MIN_MATCH, max_match: int = LOOKUP_MAX_MATCH,
-                 capacity_tokens: int = DEFAULT_CAPACITY_TOKENS):
+    def __init__(
+        self,
+        min_match: int = LOOKUP_MIN_MATCH,
+        max_match: int = LOOKUP_MAX_MATCH,
+        capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    ):
         self.min_match, self.max_match = min_match, max_match
         self._histories = HistoryCache(capacity_tokens)
         self.proposed = 0  # steps of a request that took lookup's proposal (telemetry, tests)

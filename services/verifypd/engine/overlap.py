@@ -39,6 +39,7 @@ prefills, preemptions, pipelined pdv, split topology and tensor-parallel targets
 unchanged. `steps` / `admitting` count the steps launched ahead (with a prefill beside), `breaks`
 why a chain ended (telemetry exports them: verifypd.engine.chained_steps).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from typing import Any
 
 from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.scheduler import DecodeWork, PrefillChunk
-from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.sequence import SeqStatus, Sequence
 from verifypd.engine.types import RequestOutput
 from verifypd.lanes.interface import KvHandle, TokenFeed, VerifyItem
 
@@ -58,9 +59,9 @@ class InFlight:
 
     work: list[DecodeWork]
     items: list[VerifyItem]
-    started: Any                  # the lane's StartedCall; `.next_tokens` feeds the step after it
+    started: Any  # the lane's StartedCall; `.next_tokens` feeds the step after it
     prefill: list[PrefillChunk] = field(default_factory=list)  # whole prompts, each samples its first token
-    prefill_started: Any = None   # router_calls.StartedPrefill of `prefill`; `.next_tokens`: first tokens
+    prefill_started: Any = None  # router_calls.StartedPrefill of `prefill`; `.next_tokens`: first tokens
     # Admitted requests prefilled just before this step's verify call, which decodes them (their first
     # token fed from the prefill on the device): (chunks, StartedPrefill), committed with the step
     # before this one, in the same Router.step() call (Overlap.advance), so no TTFT is lost.
@@ -68,7 +69,7 @@ class InFlight:
     dead: set[str] = field(default_factory=set)  # request ids finished meanwhile: rows dropped at commit
     # (target, draft) block tables of dead requests, returned once the results are on the host
     held: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    members: set[str] = field(default_factory=set)   # the verify call's requests
+    members: set[str] = field(default_factory=set)  # the verify call's requests
     admitted: set[str] = field(default_factory=set)  # the prefill's requests
 
     def __post_init__(self):
@@ -80,10 +81,10 @@ class Overlap:
     def __init__(self, router):  # verifypd.engine.router.Router (which imports this module)
         self.router = router
         self.inflight: InFlight | None = None
-        self.steps = 0      # steps launched ahead (benchmarks, tests, telemetry)
+        self.steps = 0  # steps launched ahead (benchmarks, tests, telemetry)
         self.admitting = 0  # of those, steps that carried a prefill of admitted requests
-        self.joined = 0     # requests that decoded in the step right after their prefill, fed on the device
-        self.dropped = 0    # rows launched for requests that finished meanwhile (wasted work)
+        self.joined = 0  # requests that decoded in the step right after their prefill, fed on the device
+        self.dropped = 0  # rows launched for requests that finished meanwhile (wasted work)
         self.breaks: dict[str, int] = {}  # why a chain ended: running, waiting, plan, off
         # Host seconds the last `advance` spent launching and committing prefills of arrivals: not
         # part of the plain step's cost the router records (the draft-length policy compares with it).
@@ -94,12 +95,19 @@ class Overlap:
 
     def eligible(self, config: RuntimeConfig, work: list[DecodeWork], drafting_ahead: bool) -> bool:
         """May a regular step's verify call of `work` start a chain (plain decoding, lock-step)?"""
-        return (config.overlap and bool(work) and not drafting_ahead and self.inflight is None
-                and all(w.k == 0 and not w.held for w in work) and self.supported())
+        return (
+            config.overlap
+            and bool(work)
+            and not drafting_ahead
+            and self.inflight is None
+            and all(w.k == 0 and not w.held for w in work)
+            and self.supported()
+        )
 
     # -- launching --------------------------------------------------------------------------
-    def start(self, config: RuntimeConfig, work: list[DecodeWork], items: list[VerifyItem], started,
-              beside=None) -> None:
+    def start(
+        self, config: RuntimeConfig, work: list[DecodeWork], items: list[VerifyItem], started, beside=None
+    ) -> None:
         """Called by the regular step right after launching `items` (and `beside`, its prefill started
         beside them: router_calls.BesidePrefill), before waiting on them; the router commits them."""
         prefill = (beside.chunks, beside.started) if beside is not None else ([], None)
@@ -114,8 +122,12 @@ class Overlap:
     def _admits(self, config: RuntimeConfig) -> bool:
         """May a chained step start a prefill beside its verify call, as a regular step would?"""
         lane = self.router.prefill_lane
-        return (self.router.overlap_prefill and config.priorities.prefill <= config.priorities.verify
-                and hasattr(lane, "prefill_start") and not getattr(lane, "remote", False))
+        return (
+            self.router.overlap_prefill
+            and config.priorities.prefill <= config.priorities.verify
+            and hasattr(lane, "prefill_start")
+            and not getattr(lane, "remote", False)
+        )
 
     def _follow(self, config: RuntimeConfig, prev: InFlight, ahead_ok: bool = True) -> InFlight | None:
         """Launches the k = 0 step after `prev` (and the prefill of requests it admits) if it is
@@ -132,9 +144,15 @@ class Overlap:
             return self._broken("off")  # a prefill lane that leaves no first tokens on the device
         alive, joiners = prev.members - prev.dead, {seq.request_id for _, seq in joining}
         if len(sched.running) != len(alive) + len(joiners) or any(
-                s.held_draft is not None or not (s.status is SeqStatus.DECODING and s.request_id in alive
-                                                 or s.status is SeqStatus.PREFILLING and s.request_id in joiners)
-                for s in sched.running):
+            s.held_draft is not None
+            or not (
+                s.status is SeqStatus.DECODING
+                and s.request_id in alive
+                or s.status is SeqStatus.PREFILLING
+                and s.request_id in joiners
+            )
+            for s in sched.running
+        ):
             return self._broken("running")  # something else runs next step (a chunked prefill, ...)
         if sched.num_waiting and sched.follow_blocked(config) or sched.num_waiting and not self._admits(config):
             return self._broken("waiting")
@@ -165,9 +183,16 @@ class Overlap:
         items = []
         for seq in seqs:
             n = seq.pending_pos + 1  # the position of the token in flight
-            items.append(VerifyItem(request_id=seq.request_id, pending_token=0, start_pos=n, draft_tokens=(),
-                                    sampling=seq.spec.sampling,
-                                    target_kv=KvHandle(pool.pool_id, pool.generation, tuple(seq.target_blocks), n, n)))
+            items.append(
+                VerifyItem(
+                    request_id=seq.request_id,
+                    pending_token=0,
+                    start_pos=n,
+                    draft_tokens=(),
+                    sampling=seq.spec.sampling,
+                    target_kv=KvHandle(pool.pool_id, pool.generation, tuple(seq.target_blocks), n, n),
+                )
+            )
         try:
             started = router.verify_lane.verify_start(items, feed=TokenFeed(tuple(sources), tuple(rows)))
         except BaseException:
@@ -189,8 +214,9 @@ class Overlap:
         self.joined += sum(row >= len(prev.items) for row in rows)
         return InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started, ahead=ahead)
 
-    def _prefill_ahead(self, chunks: list[PrefillChunk], offset: int, rows: list[int], seqs: list[Sequence],
-                       sources: list) -> tuple[list[PrefillChunk], Any]:
+    def _prefill_ahead(
+        self, chunks: list[PrefillChunk], offset: int, rows: list[int], seqs: list[Sequence], sources: list
+    ) -> tuple[list[PrefillChunk], Any]:
         """Starts the admitted requests' prefill ahead of the verify call that decodes them too (adds
         their rows, from `offset` on, and the prefill's first tokens as the feed's next source): the
         verify stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with the step
@@ -245,8 +271,9 @@ class Overlap:
         """Waits for `prev` and commits its live rows, then its prefill's live chunks (first tokens)."""
         router = self.router
         results, prefilled, waited = self._settle(prev)
-        live = [(w, item, res) for w, item, res in zip(prev.work, prev.items, results)
-                if w.seq.request_id not in prev.dead]
+        live = [
+            (w, item, res) for w, item, res in zip(prev.work, prev.items, results) if w.seq.request_id not in prev.dead
+        ]
         self.dropped += len(prev.items) - len(live)
         outputs: list[RequestOutput] = []
         if live:

@@ -10,14 +10,17 @@ prefill's host work hides under decode's GPU work. Losslessness lives in the ver
 acceptance rule; the router's job is the bookkeeping that keeps KV positions and tokens aligned
 (see `verifypd.engine.sequence` for the layout invariant).
 """
+
 from __future__ import annotations
 
 import itertools
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait as wait_for_futures
-from typing import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 
 from verifypd.engine.block_manager import BlockManager, check_fits
 from verifypd.engine.detokenize import Decode, IncrementalDetokenizer
@@ -25,16 +28,23 @@ from verifypd.engine.draft_after import DraftAfter, held_after
 from verifypd.engine.draft_length import TYPICAL_DRAFT_INPUT, RuntimeConfig, StepCostModel
 from verifypd.engine.lookup_mix import LookupMix
 from verifypd.engine.overlap import Overlap
+from verifypd.engine.router_calls import BesidePrefill, append_tokens, record_verdict, take_drafts
+from verifypd.engine.router_calls import pool_of as _pool
 from verifypd.engine.router_prefill import PrefillCalls
-from verifypd.engine.spec_ahead import SpecAhead
 from verifypd.engine.scheduler import DecodeWork, Scheduler
-from verifypd.engine.sequence import HeldDraft, Sequence, SeqStatus
-from verifypd.engine.router_calls import (BesidePrefill, append_tokens, pool_of as _pool, record_verdict,
-                                         take_drafts)
+from verifypd.engine.sequence import HeldDraft, SeqStatus, Sequence
+from verifypd.engine.spec_ahead import SpecAhead
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
-from verifypd.lanes.interface import (DraftItem, DraftLane, KvHandle, LaneError, PoolInfo, PrefillLane,
-                                      VerifyItem, VerifyLane)
-
+from verifypd.lanes.interface import (
+    DraftItem,
+    DraftLane,
+    KvHandle,
+    LaneError,
+    PoolInfo,
+    PrefillLane,
+    VerifyItem,
+    VerifyLane,
+)
 
 # Diagnostics only: VERIFYPD_SERIAL_PIPELINE=1 keeps pdv's groups and held drafts but makes the
 # draft call after the verify call instead of beside it (tells a concurrency fault from the rest).
@@ -47,15 +57,25 @@ class EngineObserver:
     def on_lane_step(self, lane: str, seconds: float, batch: int) -> None: ...
     def on_verify(self, k: int, accepted: int) -> None: ...
     def on_request_finished(self, seq: Sequence) -> None: ...
-    def on_step(self, router: "Router") -> None: ...
-    def on_idle(self, router: "Router") -> None: ...  # state changed without a step (abort, idle, reset)
+    def on_step(self, router: Router) -> None: ...
+    def on_idle(self, router: Router) -> None: ...  # state changed without a step (abort, idle, reset)
 
 
 class Router(PrefillCalls):
-    def __init__(self, prefill: PrefillLane, draft: DraftLane, verify: VerifyLane, *, decode: Decode | None,
-                 eos_token_ids: Seq[int], config: RuntimeConfig | None = None, max_running: int = 256,
-                 observer: EngineObserver | None = None, clock: Callable[[], float] = time.monotonic,
-                 lookup: LookupMix | None = None):
+    def __init__(
+        self,
+        prefill: PrefillLane,
+        draft: DraftLane,
+        verify: VerifyLane,
+        *,
+        decode: Decode | None,
+        eos_token_ids: Seq[int],
+        config: RuntimeConfig | None = None,
+        max_running: int = 256,
+        observer: EngineObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        lookup: LookupMix | None = None,
+    ):
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
         # Lanes that keep per-request state for the router (the call channel's request keys and
         # block tables) are told when a request is done.
@@ -69,10 +89,17 @@ class Router(PrefillCalls):
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
-        self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
-                             if self.draft_pool else None)
-        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, max_running,
-                                   lazy_draft_prefill=self._lazy_draft_prefill(), never_drafts=self._never_drafts())
+        self.draft_blocks = (
+            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft") if self.draft_pool else None
+        )
+        self.scheduler = Scheduler(
+            self.target_blocks,
+            self.draft_blocks,
+            self.max_context,
+            max_running,
+            lazy_draft_prefill=self._lazy_draft_prefill(),
+            never_drafts=self._never_drafts(),
+        )
         self.config = config or RuntimeConfig()
         self.config.validate()
         self.costs = StepCostModel()
@@ -162,14 +189,25 @@ class Router(PrefillCalls):
         # Pipelined pdv over lane processes: the prefill call (other requests, other blocks) goes out
         # beside the decode calls instead of after them; its results are committed after decode's.
         pending = None
-        if (plan.prefill and (plan.decode or plan.draft_ahead) and config.pipelined
-                and getattr(self.prefill_lane, "remote", False)):
+        if (
+            plan.prefill
+            and (plan.decode or plan.draft_ahead)
+            and config.pipelined
+            and getattr(self.prefill_lane, "remote", False)
+        ):
             if self._prefill_pool is None:
                 self._prefill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-prefill")
             pending = self._prefill_pool.submit(self._call_prefill, self._prefill_items(plan.prefill))
         beside = None  # in-process: the prefill call starts while the verify call runs on the GPU
-        if (plan.prefill and plan.decode and not plan.draft_ahead and pending is None and not prefill_first
-                and self.overlap_prefill and self._starts_async(self.verify_lane, self.prefill_lane)):
+        if (
+            plan.prefill
+            and plan.decode
+            and not plan.draft_ahead
+            and pending is None
+            and not prefill_first
+            and self.overlap_prefill
+            and self._starts_async(self.verify_lane, self.prefill_lane)
+        ):
             beside = BesidePrefill(plan.prefill)
         serial_prefill_s = 0.0  # prefill run before or after decode, not beside it
         try:
@@ -203,8 +241,13 @@ class Router(PrefillCalls):
             # made a plain step at 16 requests cost 1.8 ms instead of ~1.0, and speculation that
             # ran at 0.7 x plain decoding looked like a gain (session 31).
             seconds = self._clock() - t_step - serial_prefill_s - self._beside_s
-            if (sample[2] == 0 and not sample[0] and (not plan.prefill or beside is not None) and config.overlap
-                    and self.overlap.supported()):
+            if (
+                sample[2] == 0
+                and not sample[0]
+                and (not plan.prefill or beside is not None)
+                and config.overlap
+                and self.overlap.supported()
+            ):
                 seconds = min(seconds, self._verify_s)  # chained, its host work hides behind the GPU's
             self._record_cost(sample, seconds)
         return outputs
@@ -227,10 +270,17 @@ class Router(PrefillCalls):
         self.draft_pool = _pool(draft_info.pools, "draft", required=False)  # None: pool-less draft lane
         seqs = sorted(self.scheduler.all_sequences(), key=Sequence.sort_key)
         self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
-        self.draft_blocks = (BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft")
-                             if self.draft_pool else None)
-        self.scheduler = Scheduler(self.target_blocks, self.draft_blocks, self.max_context, self.scheduler.max_running,
-                                   lazy_draft_prefill=self._lazy_draft_prefill(), never_drafts=self._never_drafts())
+        self.draft_blocks = (
+            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft") if self.draft_pool else None
+        )
+        self.scheduler = Scheduler(
+            self.target_blocks,
+            self.draft_blocks,
+            self.max_context,
+            self.scheduler.max_running,
+            lazy_draft_prefill=self._lazy_draft_prefill(),
+            never_drafts=self._never_drafts(),
+        )
         for seq in seqs:  # the old block tables point into pools that are gone: drop, don't free
             seq.target_blocks.clear()
             seq.draft_blocks.clear()
@@ -242,8 +292,11 @@ class Router(PrefillCalls):
 
     def _lazy_draft_prefill(self) -> bool:
         """Prefill may skip a model draft's KV while nobody drafts (Scheduler.drafts_soon): in-process lanes."""
-        return (self.draft_pool is not None and not self.feature_draft
-                and getattr(self.prefill_lane, "per_item_draft_kv", False))  # the lane RPC sends all or none
+        return (
+            self.draft_pool is not None
+            and not self.feature_draft
+            and getattr(self.prefill_lane, "per_item_draft_kv", False)
+        )  # the lane RPC sends all or none
 
     def _never_drafts(self) -> bool:
         """`--draft none` (lanes/ngram.NoDraftLane) proposes nothing: k is 0, whatever the policy says."""
@@ -257,12 +310,21 @@ class Router(PrefillCalls):
         items = []
         for w in work:
             seq, n = w.seq, w.seq.pending_pos
-            items.append(DraftItem(
-                request_id=seq.request_id, input_tokens=seq.ids(seq.draft_computed, n + 1),
-                start_pos=seq.draft_computed, k=w.k, sampling=seq.spec.sampling,
-                draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed),
-                target_kv=self._handle(self.target_pool, seq.target_blocks, seq.target_computed,
-                                       seq.target_computed) if self.feature_draft else None))
+            items.append(
+                DraftItem(
+                    request_id=seq.request_id,
+                    input_tokens=seq.ids(seq.draft_computed, n + 1),
+                    start_pos=seq.draft_computed,
+                    k=w.k,
+                    sampling=seq.spec.sampling,
+                    draft_kv=self._draft_handle(seq, seq.draft_computed, seq.draft_computed),
+                    target_kv=self._handle(
+                        self.target_pool, seq.target_blocks, seq.target_computed, seq.target_computed
+                    )
+                    if self.feature_draft
+                    else None,
+                )
+            )
         return items
 
     def _call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
@@ -313,10 +375,17 @@ class Router(PrefillCalls):
                 typical = typical and held.typical
             else:
                 tokens, probs = drafts.get(seq.request_id, ((), None))
-            items.append(VerifyItem(
-                request_id=seq.request_id, pending_token=seq.ids(n, n + 1)[0], start_pos=n, draft_tokens=tokens,
-                draft_probs=probs, sampling=seq.spec.sampling,
-                target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed)))
+            items.append(
+                VerifyItem(
+                    request_id=seq.request_id,
+                    pending_token=seq.ids(n, n + 1)[0],
+                    start_pos=n,
+                    draft_tokens=tokens,
+                    draft_probs=probs,
+                    sampling=seq.spec.sampling,
+                    target_kv=self._handle(self.target_pool, seq.target_blocks, n, seq.target_computed),
+                )
+            )
         return items, typical
 
     def _launch_after(self, work: list[DecodeWork], items: list[VerifyItem], started):
@@ -330,8 +399,13 @@ class Router(PrefillCalls):
             self.ahead.fit_next(self.config, launched, work, items, started)  # their verify call, fitted
         return launched, seconds
 
-    def _run_decode(self, work: list[DecodeWork], ahead: list[DecodeWork], outputs: list[RequestOutput],
-                    beside: BesidePrefill | None = None) -> tuple[bool, int, int] | None:
+    def _run_decode(
+        self,
+        work: list[DecodeWork],
+        ahead: list[DecodeWork],
+        outputs: list[RequestOutput],
+        beside: BesidePrefill | None = None,
+    ) -> tuple[bool, int, int] | None:
         """Lock-step: draft `work` (those with k > 0 and no held drafts), then verify `work`;
         `beside` (lock-step only): its prefill is started once the verify call is queued, before its
         results (and with it a chain may start: the prefilled requests then join the next step).
@@ -414,8 +488,9 @@ class Router(PrefillCalls):
                 w.seq.held_draft = HeldDraft(w.seq.pending_pos, tokens, probs, ahead_typical, requested_k=w.k)
         return sample
 
-    def _commit_verify(self, work: list[DecodeWork], items: list[VerifyItem], results,
-                       outputs: list[RequestOutput], launched=None) -> None:
+    def _commit_verify(
+        self, work: list[DecodeWork], items: list[VerifyItem], results, outputs: list[RequestOutput], launched=None
+    ) -> None:
         """Commits a verify call: positions, verdicts, tokens; holds the drafts launched after it
         (`launched`, engine.draft_after); streams the requests it ends (or may end, on a stop string),
         then may launch the next step (engine.spec_ahead), then streams the others."""
@@ -428,12 +503,18 @@ class Router(PrefillCalls):
             if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
                 # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
-            record_verdict(seq, self.costs.acceptance, k, m,
-                           asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k)
+            record_verdict(
+                seq,
+                self.costs.acceptance,
+                k,
+                m,
+                asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k,
+            )
             seq.held_draft = None
             self.observer.on_verify(k, m)
-            tokens, finish = append_tokens(seq, res.new_tokens, self._eos, self.vocab_size, self.max_context,
-                                           self._clock())
+            tokens, finish = append_tokens(
+                seq, res.new_tokens, self._eos, self.vocab_size, self.max_context, self._clock()
+            )
             appended.append((seq, tokens, finish, k))
         later = appended
         if launched is not None:
@@ -454,8 +535,9 @@ class Router(PrefillCalls):
         tokens, finish = append_tokens(seq, new_tokens, self._eos, self.vocab_size, self.max_context, self._clock())
         return self._stream(seq, tokens, finish, applied_k)
 
-    def _stream(self, seq: Sequence, tokens: list[int], finish: FinishReason | None,
-                applied_k: int) -> list[RequestOutput]:
+    def _stream(
+        self, seq: Sequence, tokens: list[int], finish: FinishReason | None, applied_k: int
+    ) -> list[RequestOutput]:
         """The chunk of tokens just appended (append_tokens): detokenized, stop strings applied."""
         detok = self._detok.get(seq.request_id)
         text, stop_hit = detok.add([t for t in tokens if t not in self._eos]) if detok else ("", False)
@@ -465,8 +547,9 @@ class Router(PrefillCalls):
             return [self._finish(seq, finish, tokens, text, applied_k)]
         return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k)]
 
-    def _finish(self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str,
-                applied_k: int = 0) -> RequestOutput:
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str, applied_k: int = 0
+    ) -> RequestOutput:
         detok = self._detok.pop(seq.request_id, None)
         if detok is not None and reason is not FinishReason.STOP:
             text += detok.flush()

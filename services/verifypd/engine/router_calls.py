@@ -1,7 +1,8 @@
 """Small pieces of the router's lane calls and commits (split out of router.py to keep it under 500 lines). Torch-free."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from verifypd.engine.draft_length import request_alpha, request_rate
 from verifypd.engine.types import FinishReason
@@ -86,8 +87,9 @@ def record_verdict(seq, acceptance, k: int, accepted: int, asked: int) -> None:
     seq.last_k = k
 
 
-def append_tokens(seq, new_tokens: list[int], eos: frozenset[int], vocab_size: int, max_context: int,
-                  now: float) -> tuple[list[int], FinishReason | None]:
+def append_tokens(
+    seq, new_tokens: list[int], eos: frozenset[int], vocab_size: int, max_context: int, now: float
+) -> tuple[list[int], FinishReason | None]:
     """Appends a step's tokens to `seq` up to the first that ends it (EOS, max_tokens, the context);
     returns (the tokens appended, the finish reason or None). Stop strings are the detokenizer's."""
     bad = [t for t in new_tokens if not 0 <= t < vocab_size]

@@ -1,5 +1,6 @@
 """The router's prefill calls and their commits (a mixin of Router, split out of router.py to keep it
 under 500 lines). Torch-free."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -13,11 +14,18 @@ from verifypd.lanes.interface import PrefillItem
 
 class PrefillCalls:
     def _prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
-        return [PrefillItem(request_id=c.seq.request_id, token_ids=c.seq.ids(c.start, c.end), start_pos=c.start,
-                            target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start,
-                                                   c.seq.target_computed),
-                            draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
-                            sample_first=c.sample_first, sampling=c.seq.spec.sampling) for c in chunks]
+        return [
+            PrefillItem(
+                request_id=c.seq.request_id,
+                token_ids=c.seq.ids(c.start, c.end),
+                start_pos=c.start,
+                target_kv=self._handle(self.target_pool, c.seq.target_blocks, c.start, c.seq.target_computed),
+                draft_kv=self._draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
+                sample_first=c.sample_first,
+                sampling=c.seq.spec.sampling,
+            )
+            for c in chunks
+        ]
 
     def _start_prefill(self, chunks: list[PrefillChunk]) -> StartedPrefill:
         t0 = self._clock()
@@ -29,8 +37,9 @@ class PrefillCalls:
         results = self.prefill_lane.prefill(items)
         return results, self._clock() - t0
 
-    def _run_prefill(self, chunks: list[PrefillChunk], pending: "Future | StartedPrefill | None" = None
-                     ) -> list[RequestOutput]:
+    def _run_prefill(
+        self, chunks: list[PrefillChunk], pending: Future | StartedPrefill | None = None
+    ) -> list[RequestOutput]:
         """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
         if not chunks:
             return []

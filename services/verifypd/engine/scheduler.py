@@ -16,15 +16,25 @@ The schedule (`RuntimeConfig.schedule`, docs/engine.md "Schedules") changes what
   * pdv pipelined: decoding requests are in two groups; each step one group drafts (drafts held
     until the next step) while the other verifies the drafts it made the step before.
 """
+
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
 
 from verifypd.engine.block_manager import BlockManager
+from verifypd.engine.draft_length import (
+    PROBE_K,
+    PROBE_MAX_LAG,
+    ProbeSchedule,
+    RuntimeConfig,
+    StepCostModel,
+    batch_bucket,
+    cap_k,
+    choose_batch_k,
+    pipelining_pays,
+)
 from verifypd.engine.scheduler_follow import FollowPlanning
-from verifypd.engine.draft_length import (PROBE_K, PROBE_MAX_LAG, ProbeSchedule, RuntimeConfig, StepCostModel,
-                                          batch_bucket, cap_k, choose_batch_k, pipelining_pays)
 
 # pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
 # requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
@@ -33,7 +43,7 @@ VERIFY_QUEUE_SOFT = 32
 # A batch whose k is 0 re-evaluates the draft-length policy at least every this many steps (at
 # once when acceptance, the batch or the config changes; see Scheduler._batch_k).
 RECHECK_OFF_EVERY = 16
-from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -74,8 +84,15 @@ class StepPlan:
 
 
 class Scheduler(FollowPlanning):
-    def __init__(self, target_blocks: BlockManager, draft_blocks: BlockManager | None, max_context: int,
-                 max_running: int = 256, lazy_draft_prefill: bool = False, never_drafts: bool = False):
+    def __init__(
+        self,
+        target_blocks: BlockManager,
+        draft_blocks: BlockManager | None,
+        max_context: int,
+        max_running: int = 256,
+        lazy_draft_prefill: bool = False,
+        never_drafts: bool = False,
+    ):
         """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
         draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
         writes draft KV only while drafting is expected (`drafts_soon`). `never_drafts`: the draft
@@ -95,7 +112,7 @@ class Scheduler(FollowPlanning):
         self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
         self._drafting: dict[object, int] = {}  # the same keys: the k the hysteresis compares with
         self._off: dict[object, tuple | None] = {}  # the same keys: (signature, steps) of a k = 0 decision
-        self._phase = 0     # pdv: the group that drafts in the current pipelined step
+        self._phase = 0  # pdv: the group that drafts in the current pipelined step
         self._pipelining: bool | None = None  # pdv: last step's choice (pipelined or lock-step)
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
 
@@ -141,8 +158,14 @@ class Scheduler(FollowPlanning):
             budget = max(budget, config.idle_prefill_token_budget)
         prefill = self._plan_prefill(budget)
         self._mark_draft_kv(config, costs, prefill)
-        return StepPlan(prefill=prefill, decode=decode, preempted=preempted, out_of_room=out_of_room,
-                        draft_ahead=ahead, pipelined=pipelined)
+        return StepPlan(
+            prefill=prefill,
+            decode=decode,
+            preempted=preempted,
+            out_of_room=out_of_room,
+            draft_ahead=ahead,
+            pipelined=pipelined,
+        )
 
     def _mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
         """Lazy draft prefill: a chunk writes draft KV only while drafting is expected soon."""
@@ -173,8 +196,9 @@ class Scheduler(FollowPlanning):
         decoding = [s for s in self.running if s.status is SeqStatus.DECODING]
         if len(decoding) < 2:
             return False
-        self._pipelining = pipelining_pays(config, self._alphas(costs, decoding), costs, len(decoding),
-                                           self._pipelining)
+        self._pipelining = pipelining_pays(
+            config, self._alphas(costs, decoding), costs, len(decoding), self._pipelining
+        )
         return self._pipelining
 
     @staticmethod
@@ -182,8 +206,15 @@ class Scheduler(FollowPlanning):
         prior = costs.acceptance.alpha
         return [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
 
-    def _batch_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
-                 key: object, decoding: int | None = None) -> tuple[int, dict[str, int]]:
+    def _batch_k(
+        self,
+        config: RuntimeConfig,
+        costs: StepCostModel,
+        seqs: list[Sequence],
+        hi: int,
+        key: object,
+        decoding: int | None = None,
+    ) -> tuple[int, dict[str, int]]:
         """One k for `seqs` (see choose_batch_k), and while that k is 0 the requests to probe, by
         request id with the k each drafts: opening probes (`_opening_probes`) and, when one is due
         (ProbeSchedule), PROBE_K for the requests among `seqs` a probe costs no catch-up for.
@@ -206,8 +237,16 @@ class Scheduler(FollowPlanning):
         else:
             rate = costs.acceptance.proposal_rate
             rates = [rate if s.proposal_rate is None else s.proposal_rate for s in seqs]
-            k_batch = choose_batch_k(config, self._alphas(costs, seqs), costs, batch, hi, current=current,
-                                     pipelined=decoding is not None, rates=rates)
+            k_batch = choose_batch_k(
+                config,
+                self._alphas(costs, seqs),
+                costs,
+                batch,
+                hi,
+                current=current,
+                pipelined=decoding is not None,
+                rates=rates,
+            )
             decided = config.adaptive and config.k_min == 0 and costs.acceptance.alpha is not None
             self._off[key] = (signature, 0) if k_batch == 0 and decided and not plain_unmeasured else None
         self._last_k[key] = k_batch  # a probe is not the batch's k: pdv groups ignore it
@@ -221,7 +260,9 @@ class Scheduler(FollowPlanning):
             if not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
                 probed = self._opening_probes(config, seqs, hi)
             if hi >= PROBE_K and self.probes.due:
-                due = {s.request_id: PROBE_K for s in seqs if s.request_id not in probed and self._cheap_probe(config, s)}
+                due = {
+                    s.request_id: PROBE_K for s in seqs if s.request_id not in probed and self._cheap_probe(config, s)
+                }
                 periodic = bool(due)
                 probed.update(due)
         self.probes.record(k_batch, periodic)
@@ -240,8 +281,9 @@ class Scheduler(FollowPlanning):
         k_open = min(config.k_initial, hi)
         if k_open <= 0:
             return {}
-        return {s.request_id: self._cap(config, s, k_open) for s in seqs
-                if not s.opened and self._cheap_probe(config, s)}
+        return {
+            s.request_id: self._cap(config, s, k_open) for s in seqs if not s.opened and self._cheap_probe(config, s)
+        }
 
     # -- overlapped scheduling (engine.overlap; plan_follow, admit_follow: FollowPlanning) ---
     def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
@@ -254,11 +296,18 @@ class Scheduler(FollowPlanning):
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
         # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
         # wait for a probe none can take (plan_follow checks `_batch_k`'s probes again anyway).
-        if config.adaptive and any(self._cheap_probe(config, s) for s in seqs if not s.opened) and \
-                min(config.k_initial, config.k_max) > 0:
+        if (
+            config.adaptive
+            and any(self._cheap_probe(config, s) for s in seqs if not s.opened)
+            and min(config.k_initial, config.k_max) > 0
+        ):
             return False  # an opening probe (_opening_probes)
-        if config.adaptive and self.probes.due and config.k_max >= PROBE_K and \
-                any(self._cheap_probe(config, s) for s in seqs):
+        if (
+            config.adaptive
+            and self.probes.due
+            and config.k_max >= PROBE_K
+            and any(self._cheap_probe(config, s) for s in seqs)
+        ):
             return False
         if not config.adaptive or costs.acceptance.alpha is None:  # choose_batch_k: k_initial
             return config.k_initial == 0
@@ -275,15 +324,23 @@ class Scheduler(FollowPlanning):
         """A probe of `seq` is a normal k = PROBE_K step: its draft input is at most PROBE_MAX_LAG + 1
         tokens (a pool-less draft lane has no KV to catch up), and it can take PROBE_K drafts."""
         lag = seq.pending_pos - seq.draft_computed
-        return ((isinstance(self.draft, _NoPool) or lag <= PROBE_MAX_LAG)
-                and self._cap(config, seq, PROBE_K) == PROBE_K)
+        return (isinstance(self.draft, _NoPool) or lag <= PROBE_MAX_LAG) and self._cap(config, seq, PROBE_K) == PROBE_K
 
-    def _plan_decode(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
-                     out_of_room: list[Sequence], only: Sequence | None = None) -> list[DecodeWork]:
+    def _plan_decode(
+        self,
+        config: RuntimeConfig,
+        costs: StepCostModel,
+        preempted: list[Sequence],
+        out_of_room: list[Sequence],
+        only: Sequence | None = None,
+    ) -> list[DecodeWork]:
         """Lock-step: every decoding request (or `only`) drafts and verifies in this step; a request
         still holding pipelined drafts (the schedule changed, or the batch shrank to one) verifies them."""
-        decoding = [only] if only is not None else \
-            sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
+        decoding = (
+            [only]
+            if only is not None
+            else sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
+        )
         fresh = [s for s in decoding if s.held_draft is None]
         # Requests still holding drafts of a pipelined step (pdv just chose lock-step, or the schedule
         # changed) verify them alone this step; the others wait one step rather than draft now: one
@@ -292,8 +349,9 @@ class Scheduler(FollowPlanning):
         draining = len(fresh) < len(decoding)
         # Drafts made right after the last verify call (engine.draft_after): the others join at k = 0.
         joining = draining and all(s.held_draft.predrafted for s in decoding if s.held_draft is not None)
-        k_batch, probed = (0, {}) if draining else self._decided_k(config, costs, fresh,
-                                                                      "single" if only is not None else "batch")
+        k_batch, probed = (
+            (0, {}) if draining else self._decided_k(config, costs, fresh, "single" if only is not None else "batch")
+        )
         work: list[DecodeWork] = []
         for seq in decoding:
             if seq in preempted or (draining and seq.held_draft is None and not joining):
@@ -308,8 +366,9 @@ class Scheduler(FollowPlanning):
                 work.append(DecodeWork(seq, k, held=held and k > 0, probe=probe and k > 0))
         return [w for w in work if w.seq not in preempted]
 
-    def _plan_pipelined(self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence],
-                        out_of_room: list[Sequence]) -> tuple[list[DecodeWork], list[DecodeWork]]:
+    def _plan_pipelined(
+        self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence], out_of_room: list[Sequence]
+    ) -> tuple[list[DecodeWork], list[DecodeWork]]:
         """Group `phase` drafts (its drafts are held for the next step); the other group verifies the
         drafts it made in the previous step. Roles swap every pipelined step, so each request
         alternates draft step / verify step. A request whose k is 0 (speculation off, max_k = 0, one
@@ -342,8 +401,9 @@ class Scheduler(FollowPlanning):
             if seq in preempted:
                 continue
             probe = seq.request_id in probed
-            k = self._reserve_or_preempt(seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))),
-                                         preempted, out_of_room)
+            k = self._reserve_or_preempt(
+                seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
+            )
             if k is None:
                 continue
             # k = 0 (speculation off, nothing left to draft, no room): plain decoding now, not idling
@@ -371,8 +431,9 @@ class Scheduler(FollowPlanning):
         k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
         return max(0, min(k, self.max_context - 1 - seq.pending_pos))  # verify writes positions n..n+k
 
-    def _reserve_or_preempt(self, seq: Sequence, k: int, preempted: list[Sequence],
-                            out_of_room: list[Sequence], can_drop_k: bool = True) -> int | None:
+    def _reserve_or_preempt(
+        self, seq: Sequence, k: int, preempted: list[Sequence], out_of_room: list[Sequence], can_drop_k: bool = True
+    ) -> int | None:
         """Blocks for k + 1 target / k draft positions: k falls to 0 first, then the lowest-priority
         newest other request is preempted. Returns the k reserved, None if `seq` is out of room."""
         n = seq.pending_pos
@@ -413,11 +474,12 @@ class Scheduler(FollowPlanning):
         return StepPlan([], [], preempted, out_of_room)
 
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
-        if (len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
-                and (self.poolless_draft or len(seq.draft_blocks) * self.draft.block_size >= n + k)):
+        if (
+            len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
+            and (self.poolless_draft or len(seq.draft_blocks) * self.draft.block_size >= n + k)
+        ):
             return True
-        if not (self.target.can_grow(seq.target_blocks, n + k + 1)
-                and self.draft.can_grow(seq.draft_blocks, n + k)):
+        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and self.draft.can_grow(seq.draft_blocks, n + k)):
             return False
         self.target.grow(seq.target_blocks, n + k + 1)
         self.draft.grow(seq.draft_blocks, n + k)
@@ -459,8 +521,10 @@ class Scheduler(FollowPlanning):
     def _chunk(self, seq: Sequence, budget: int, reserve: int) -> PrefillChunk | None:
         start = seq.target_computed
         end = min(seq.prefill_target, start + budget)
-        if not (self.target.can_grow(seq.target_blocks, end, reserve)
-                and self.draft.can_grow(seq.draft_blocks, end, reserve)):
+        if not (
+            self.target.can_grow(seq.target_blocks, end, reserve)
+            and self.draft.can_grow(seq.draft_blocks, end, reserve)
+        ):
             return None
         self.target.grow(seq.target_blocks, end)
         self.draft.grow(seq.draft_blocks, end)
@@ -468,11 +532,19 @@ class Scheduler(FollowPlanning):
         return PrefillChunk(seq, start, end, sample_first=last and seq.samples_after_prefill)
 
 
-def _off_signature(config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int,
-                   decoding: int | None) -> tuple:
+def _off_signature(
+    config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int, decoding: int | None
+) -> tuple:
     """What a k = 0 decision depends on besides the measured costs (see Scheduler._batch_k)."""
-    return (batch_bucket(decoding or len(seqs)), len(seqs), hi, config, costs.acceptance.observations,
-            costs.acceptance.asked, decoding is None)
+    return (
+        batch_bucket(decoding or len(seqs)),
+        len(seqs),
+        hi,
+        config,
+        costs.acceptance.observations,
+        costs.acceptance.asked,
+        decoding is None,
+    )
 
 
 class _NoPool:

@@ -10,12 +10,13 @@ running request (`admit_follow`). Two kinds of admission need the regular step i
 (`follow_blocked`): a prompt longer than the budget (chunked over several steps) and a preempted
 request's recompute, which samples no first token for the next step to read.
 """
+
 from __future__ import annotations
 
 import heapq
 
 from verifypd.engine.draft_length import RuntimeConfig, StepCostModel, cap_k
-from verifypd.engine.sequence import Sequence, SeqStatus
+from verifypd.engine.sequence import SeqStatus, Sequence
 
 
 class FollowPlanning:
@@ -23,8 +24,9 @@ class FollowPlanning:
     # `_plan_decode` of the same requests instead of deciding again (one decision per step).
     _decided: tuple[frozenset, int, dict] | None = None
 
-    def plan_after(self, config: RuntimeConfig, costs: StepCostModel,
-                   rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def plan_after(
+        self, config: RuntimeConfig, costs: StepCostModel, rows: list[tuple[Sequence, int]]
+    ) -> list[tuple[Sequence, int]]:
         """The next step's drafting work, (request, k) pairs, for `rows` (request, k of its verify call
         in flight), planned before that call's verdict (engine.draft_after): the batch's k as
         `_plan_decode` would decide it now, capped per request for the longest outcome (every draft
@@ -42,8 +44,7 @@ class FollowPlanning:
         work = []
         for seq, k_now in rows:
             pending = seq.pending_pos + k_now + 1  # the next pending position if all k_now are accepted
-            k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1),
-                    self.max_context - 1 - pending)
+            k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1), self.max_context - 1 - pending)
             # the head writes rows up to pending + k - 1 (the chain's last step feeds at that position)
             if k > 0 and (self.poolless_draft or self.draft.grow(seq.draft_blocks, pending + k)):
                 work.append((seq, k))
@@ -56,8 +57,11 @@ class FollowPlanning:
         target = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + k + 1) for s, k in zip(seqs, ks))
         if target > self.target.num_free:
             return False
-        return self.poolless_draft or sum(
-            self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks)) <= self.draft.num_free
+        return (
+            self.poolless_draft
+            or sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks))
+            <= self.draft.num_free
+        )
 
     def reserve_target(self, rows: list[tuple[Sequence, int]]) -> bool:
         """Target blocks for `rows` (request, positions it may write), all or none, without preemption:
@@ -70,8 +74,9 @@ class FollowPlanning:
             self.target.grow(seq.target_blocks, n)
         return True
 
-    def _decided_k(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence],
-                   key: str) -> tuple[int, dict]:
+    def _decided_k(
+        self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], key: str
+    ) -> tuple[int, dict]:
         """`_batch_k` for `_plan_decode`, or the decision plan_after already took for these requests."""
         decided, self._decided = self._decided, None
         if decided is not None and key == "batch" and decided[0] == frozenset(s.request_id for s in seqs):
@@ -97,8 +102,11 @@ class FollowPlanning:
         """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
         needs pending_pos + 2 target positions (a draft holds one fewer). Are those blocks free?"""
         need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        return need <= self.target.num_free and (self.poolless_draft or sum(
-            self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= self.draft.num_free)
+        return need <= self.target.num_free and (
+            self.poolless_draft
+            or sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs)
+            <= self.draft.num_free
+        )
 
     def _reserve_next_position(self, seqs: list[Sequence]) -> None:
         """Reserves what `_next_position_fits` counted free (as _reserve(seq, n + 1, 0))."""
@@ -115,8 +123,13 @@ class FollowPlanning:
         seqs = [c.seq for c in chunks]
         if not config.admit_ahead or not seqs or not all(c.sample_first for c in chunks):
             return False
-        if not (config.k_max == 0 or self.never_drafts or not config.adaptive and config.k_initial == 0
-                or all(s.spec.max_k == 0 for s in self.running)):
+        if not (
+            config.k_max == 0
+            or self.never_drafts
+            or not config.adaptive
+            and config.k_initial == 0
+            or all(s.spec.max_k == 0 for s in self.running)
+        ):
             return False
         if not self._next_position_fits(seqs):  # the first token sits at pending_pos + 1: the prompt's end
             return False
@@ -130,7 +143,9 @@ class FollowPlanning:
         if not self._waiting or len(self.running) >= self.max_running:
             return False
         head = self._waiting[0][1]
-        return not head.samples_after_prefill or head.prefill_target - head.target_computed > config.prefill_token_budget
+        return (
+            not head.samples_after_prefill or head.prefill_target - head.target_computed > config.prefill_token_budget
+        )
 
     def admit_follow(self, config: RuntimeConfig, costs: StepCostModel) -> list:
         """Admits waiting requests into the chained step (called after `plan_follow` reserved its

@@ -12,6 +12,7 @@ Prefill computes KV for `all_ids[:prefill_target]` where prefill_target is the p
 fresh request (its last chunk samples the first token), or n after a preemption-by-recompute
 (the pending token already exists, so nothing is sampled).
 """
+
 from __future__ import annotations
 
 import enum
@@ -41,10 +42,10 @@ class HeldDraft:
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"        # queued; holds no blocks
+    WAITING = "waiting"  # queued; holds no blocks
     PREFILLING = "prefilling"  # some prompt chunks done; holds blocks
-    DECODING = "decoding"      # speculative loop; holds blocks
-    FINISHED = "finished"      # blocks returned
+    DECODING = "decoding"  # speculative loop; holds blocks
+    FINISHED = "finished"  # blocks returned
 
 
 @dataclass
@@ -88,8 +89,8 @@ class Sequence:
         two tokens of a context that grows to thousands, per request, every step."""
         p = len(self.spec.prompt_ids)
         if start >= p:
-            return self.output_ids[start - p:end - p]
-        return list(self.spec.prompt_ids[start:end]) + (self.output_ids[:end - p] if end > p else [])
+            return self.output_ids[start - p : end - p]
+        return list(self.spec.prompt_ids[start:end]) + (self.output_ids[: end - p] if end > p else [])
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ launched earlier. A request cancelled while its step is in flight has its row dr
 blocks are reused only by work queued after that step's (the lanes' streams order it: prefill waits
 for the decode streams).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -65,17 +66,25 @@ class SpecAhead:
         self.next_plan: StepPlan | None = None  # a plan made here that was not a step to launch ahead
         self.fit = True  # verify calls fitted to the verdict before them (off only to measure it: #no-fit)
         self.pending: Fitted | None = None  # launched by fit_next, not yet taken by `launch`
-        self.steps = 0   # steps launched ahead (tests, benchmarks)
-        self.kept = 0    # plans made here and kept for the next step instead (not a step to launch ahead)
+        self.steps = 0  # steps launched ahead (tests, benchmarks)
+        self.kept = 0  # plans made here and kept for the next step instead (not a step to launch ahead)
         self.fitted = 0  # of the steps launched ahead, those launched before the verdict before them
 
     def eligible(self, config: RuntimeConfig) -> bool:
         router, sched = self.router, self.router.scheduler
         running = sched.running
-        return (self.enabled and self.inflight is None and self.next_plan is None and router.overlap.inflight is None
-                and not config.pipelined and config.schedule != "baseline" and not sched.num_waiting
-                and any(held_after(s) for s in running) and all(s.status is SeqStatus.DECODING for s in running)
-                and sched.fits_ahead(running))
+        return (
+            self.enabled
+            and self.inflight is None
+            and self.next_plan is None
+            and router.overlap.inflight is None
+            and not config.pipelined
+            and config.schedule != "baseline"
+            and not sched.num_waiting
+            and any(held_after(s) for s in running)
+            and all(s.status is SeqStatus.DECODING for s in running)
+            and sched.fits_ahead(running)
+        )
 
     def launch(self, config: RuntimeConfig, launched: Launched | None = None) -> None:
         """Called by Router._commit_verify once a step's verdict is committed, its drafts made after it
@@ -89,12 +98,18 @@ class SpecAhead:
         router = self.router
         plan = router.scheduler.plan(config, router.costs)
         work = plan.decode
-        if (plan.prefill or plan.preempted or plan.out_of_room or plan.draft_ahead or not work
-                or any(w.k > 0 and not w.held for w in work)):
+        if (
+            plan.prefill
+            or plan.preempted
+            or plan.out_of_room
+            or plan.draft_ahead
+            or not work
+            or any(w.k > 0 and not w.held for w in work)
+        ):
             self.next_plan = plan
             self.kept += 1
             return
-        drafts, typical = router._proposals(work)   # prompt lookup's in place of held drafts, if mixed
+        drafts, typical = router._proposals(work)  # prompt lookup's in place of held drafts, if mixed
         items, typical = router._verify_items(work, drafts, typical)
         started = router.verify_lane.verify_start(items)
         launched = router._launch_after(work, items, started)[0] if router.draft_after.eligible(config, items) else None
@@ -104,12 +119,18 @@ class SpecAhead:
     def _chains(self, config: RuntimeConfig) -> bool:
         """Nothing but the decoding batch: no arrival, prefill or chain of plain steps to plan for."""
         router, sched = self.router, self.router.scheduler
-        return (self.enabled and router.overlap.inflight is None and not config.pipelined
-                and config.schedule != "baseline" and not sched.num_waiting
-                and all(s.status is SeqStatus.DECODING for s in sched.running))
+        return (
+            self.enabled
+            and router.overlap.inflight is None
+            and not config.pipelined
+            and config.schedule != "baseline"
+            and not sched.num_waiting
+            and all(s.status is SeqStatus.DECODING for s in sched.running)
+        )
 
-    def fit_next(self, config: RuntimeConfig, launched: Launched, work: list[DecodeWork], items: list[VerifyItem],
-                 started) -> None:
+    def fit_next(
+        self, config: RuntimeConfig, launched: Launched, work: list[DecodeWork], items: list[VerifyItem], started
+    ) -> None:
         """Right after the drafts `launched` made after verify call `items` (`started`), before its
         verdict reaches the host: their verify call, each row laid out for the longest outcome of its
         row of `items` and fitted to the verdict on the device (model.verify_fit), so the GPU has the
@@ -118,14 +139,23 @@ class SpecAhead:
         would make: greedy, every running request in `items`, nothing waiting, target blocks for the
         longest outcome free without preemption, no prompt lookup (its proposals need the host's tokens)."""
         router = self.router
-        if not (self.fit and self._chains(config) and launched.work and router.lookup is None
-                and getattr(router.verify_lane, "fits_verdict", False) and getattr(started, "verdict", None) is not None
-                and all(i.sampling.greedy for i in items)
-                and {id(s) for s in router.scheduler.running} <= {id(w.seq) for w in work}
-                # A request that may reach max_tokens in `items` would likely waste its row (a whole verify
-                # call at batch 1: ~3 % of the embedded model's time there, one per request, H200)
-                and all(w.seq.remaining_tokens > len(i.draft_tokens) + 1 for w, i in zip(work, items)
-                        if w.seq.status is SeqStatus.DECODING)):
+        if not (
+            self.fit
+            and self._chains(config)
+            and launched.work
+            and router.lookup is None
+            and getattr(router.verify_lane, "fits_verdict", False)
+            and getattr(started, "verdict", None) is not None
+            and all(i.sampling.greedy for i in items)
+            and {id(s) for s in router.scheduler.running} <= {id(w.seq) for w in work}
+            # A request that may reach max_tokens in `items` would likely waste its row (a whole verify
+            # call at batch 1: ~3 % of the embedded model's time there, one per request, H200)
+            and all(
+                w.seq.remaining_tokens > len(i.draft_tokens) + 1
+                for w, i in zip(work, items)
+                if w.seq.status is SeqStatus.DECODING
+            )
+        ):
             return
         drafted = {w.seq.request_id: w.k for w in launched.work}
         rows = []  # (row of `items`, request, its next start if all its drafts are accepted, next k)
@@ -140,11 +170,21 @@ class SpecAhead:
         for r, seq, start, k in rows:
             tokens, probs = launched.drafts[seq.request_id] if k else ((), None)
             next_work.append(DecodeWork(seq, k, held=k > 0))
-            next_items.append(VerifyItem(seq.request_id, 0, start, tokens, router._handle(
-                router.target_pool, seq.target_blocks, start, seq.target_computed), seq.spec.sampling, probs))
+            next_items.append(
+                VerifyItem(
+                    seq.request_id,
+                    0,
+                    start,
+                    tokens,
+                    router._handle(router.target_pool, seq.target_blocks, start, seq.target_computed),
+                    seq.spec.sampling,
+                    probs,
+                )
+            )
         fit = VerdictFit(started, tuple(r for r, *_ in rows), tuple(len(items[r].draft_tokens) for r, *_ in rows))
-        launched.verify = self.pending = Fitted(next_work, next_items,
-                                                router.verify_lane.verify_start(next_items, fit=fit), launched.typical)
+        launched.verify = self.pending = Fitted(
+            next_work, next_items, router.verify_lane.verify_start(next_items, fit=fit), launched.typical
+        )
 
     def _take(self, config: RuntimeConfig, fitted: Fitted) -> None:
         """The step's verdict is committed: its items get their real positions and pending tokens (the
@@ -157,11 +197,15 @@ class SpecAhead:
             if seq.status is not SeqStatus.DECODING:
                 continue  # ended (or was cancelled) in the step before: its row is dropped at commit
             start = seq.pending_pos
-            assert start <= item.start_pos and (not w.held or held_after(seq) and seq.held_draft.start_pos == start), \
+            assert start <= item.start_pos and (not w.held or held_after(seq) and seq.held_draft.start_pos == start), (
                 "a fitted verify call out of step"
-            fitted.items[n] = replace(item, pending_token=seq.ids(start, start + 1)[0], start_pos=start,
-                                      target_kv=router._handle(router.target_pool, seq.target_blocks, start,
-                                                               seq.target_computed))
+            )
+            fitted.items[n] = replace(
+                item,
+                pending_token=seq.ids(start, start + 1)[0],
+                start_pos=start,
+                target_kv=router._handle(router.target_pool, seq.target_blocks, start, seq.target_computed),
+            )
         launched = None
         if self._chains(config) and router.draft_after.eligible(config, fitted.items):
             launched = router._launch_after(fitted.work, fitted.items, fitted.started)[0]
@@ -186,8 +230,9 @@ class SpecAhead:
         t0 = router._clock()
         results = step.started.result()
         router.observer.on_lane_step("verify", router._clock() - t0, len(step.items))
-        live = [(w, item, res) for w, item, res in zip(step.work, step.items, results)
-                if w.seq.status is SeqStatus.DECODING]   # cancelled meanwhile: the row is dropped
+        live = [
+            (w, item, res) for w, item, res in zip(step.work, step.items, results) if w.seq.status is SeqStatus.DECODING
+        ]  # cancelled meanwhile: the row is dropped
         outputs: list[RequestOutput] = []
         if live:
             work, items, res = (list(x) for x in zip(*live))

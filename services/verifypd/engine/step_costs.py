@@ -4,6 +4,7 @@ policy (`verifypd.engine.draft_length`) decides from. Torch-free.
 Expected tokens per verify step with acceptance rate a and k drafts (Leviathan et al. 2023):
     E(a, k) = (1 - a^(k+1)) / (1 - a)          (k + 1 when a == 1)
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -209,7 +210,7 @@ class AcceptanceTracker:
         self.successes = 0.0
         self.failures = 0.0
         self.observations = 0
-        self.asked = 0.0     # verify steps of requests asked for drafts (decayed) ...
+        self.asked = 0.0  # verify steps of requests asked for drafts (decayed) ...
         self.proposed = 0.0  # ... and of those, steps with a proposal
 
     def observe(self, accepted: int, k: int) -> None:

@@ -1,4 +1,5 @@
 """Request-level domain types shared by the router, the lanes and the front ends. Torch-free."""
+
 from __future__ import annotations
 
 import enum
@@ -22,9 +23,9 @@ class InvalidRequest(ValueError):
 
 
 class FinishReason(enum.Enum):
-    LENGTH = "length"        # max_tokens reached or the model's context is full
-    EOS = "eos"              # end-of-sequence token produced
-    STOP = "stop"            # a stop string appeared in the text
+    LENGTH = "length"  # max_tokens reached or the model's context is full
+    EOS = "eos"  # end-of-sequence token produced
+    STOP = "stop"  # a stop string appeared in the text
     CANCELLED = "cancelled"  # aborted by the client (cancel or deadline)
 
 
@@ -76,7 +77,8 @@ class RequestSpec:
         if len(self.prompt_ids) >= max_context:
             raise InvalidRequest(
                 f"prompt has {len(self.prompt_ids)} tokens but the model's context is {max_context}: "
-                f"shorten the prompt to at most {max_context - 1} tokens")
+                f"shorten the prompt to at most {max_context - 1} tokens"
+            )
         bad = [t for t in self.prompt_ids if not (0 <= t < vocab_size)]
         if bad:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
@@ -119,9 +121,13 @@ class RequestStats:
         return None if self.draft_tokens == 0 else self.accepted_tokens / self.draft_tokens
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "verify_steps": self.verify_steps}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
+        }
 
 
 @dataclass

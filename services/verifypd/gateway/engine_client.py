@@ -12,22 +12,22 @@ once, nothing hangs, and `failed` says why. `on_failure(message, exited)` is tol
 fails for good (health goes NOT_SERVING) and whether its process is gone (`verifypd serve` then
 exits, so that its supervisor, Kubernetes, restarts the pod).
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
+from verifypd.core.channel import USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire, spec_to_wire, unb64
+from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.engine.detokenize import IncrementalDetokenizer
 from verifypd.engine.types import FinishReason, InvalidRequest, RequestSpec
-from verifypd.core.channel import (USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire,
-                                          spec_to_wire, unb64)
-from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.v1 import control_pb2, generate_pb2
 
 log = logging.getLogger("verifypd.gateway")
@@ -67,9 +67,15 @@ def merge_chunks(items: list) -> list:
     for item in items:
         last = out[-1] if out else None
         if isinstance(item, Chunk) and isinstance(last, Chunk) and not last.finished:
-            out[-1] = Chunk(last.token_ids + item.token_ids, last.text + item.text, item.finished,
-                            item.finish_reason, item.usage, item.applied_k,
-                            last.ttft_s if last.ttft_s is not None else item.ttft_s)
+            out[-1] = Chunk(
+                last.token_ids + item.token_ids,
+                last.text + item.text,
+                item.finished,
+                item.finish_reason,
+                item.usage,
+                item.applied_k,
+                last.ttft_s if last.ttft_s is not None else item.ttft_s,
+            )
         else:
             out.append(item)
     return out
@@ -151,7 +157,7 @@ class EngineClient:
             self.channel.send({"t": "add", "id": rid, "spec": spec_to_wire(spec)})
             try:  # the core's answer: added, refused, or the channel closed
                 await asyncio.wait_for(asyncio.shield(stream.added), SUBMIT_TIMEOUT_S)
-            except asyncio.TimeoutError:  # alive but stuck (e.g. stopped): never hang a caller
+            except TimeoutError:  # alive but stuck (e.g. stopped): never hang a caller
                 raise Unavailable(f"the engine core did not take the request within {SUBMIT_TIMEOUT_S:.0f} s") from None
         except BaseException:
             # Refused or lost: already forgotten. Still known: the caller gave up while waiting, so
@@ -193,8 +199,9 @@ class EngineClient:
     async def get_config(self) -> control_pb2.RuntimeConfig:
         return control_pb2.RuntimeConfig.FromString(unb64(await self.call("get_config")))
 
-    async def update_config(self, config: control_pb2.RuntimeConfig, requested_by: str = "",
-                            reason: str = "") -> control_pb2.RuntimeConfig:
+    async def update_config(
+        self, config: control_pb2.RuntimeConfig, requested_by: str = "", reason: str = ""
+    ) -> control_pb2.RuntimeConfig:
         arg = {"config": b64(config.SerializeToString()), "requested_by": requested_by, "reason": reason}
         return control_pb2.RuntimeConfig.FromString(unb64(await self.call("update_config", arg)))
 
@@ -230,8 +237,13 @@ class EngineClient:
 
     def _on_ready(self, msg: dict) -> None:
         i = msg["info"]
-        self.info = generate_pb2.ServerInfo(target_model=i["target_model"], draft_model=i["draft_model"],
-                                            topology=i["topology"], max_context=i["max_context"], version=i["version"])
+        self.info = generate_pb2.ServerInfo(
+            target_model=i["target_model"],
+            draft_model=i["draft_model"],
+            topology=i["topology"],
+            max_context=i["max_context"],
+            version=i["version"],
+        )
         self.eos = frozenset(msg["eos"])
         if not self._ready.done():
             self._ready.set_result(None)

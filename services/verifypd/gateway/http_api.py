@@ -9,6 +9,7 @@ client's reader task puts each request's chunks into its stream's queue (no thre
 A client that disconnects is noticed by a task waiting on ASGI `receive()`; the request is then
 aborted in the engine core before its next step (its KV blocks are free), as for a gRPC cancel.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from verifypd.engine.types import InvalidRequest
 from verifypd import convert
+from verifypd.core.engine_loop import Overloaded, Unavailable
+from verifypd.engine.types import InvalidRequest
 from verifypd.gateway import openai_convert as oc
 from verifypd.gateway.engine_client import Chunk, Failure
-from verifypd.core.engine_loop import Overloaded, Unavailable
 
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -38,6 +39,7 @@ def error_response(err: oc.ApiError) -> JSONResponse:
 
 def _failure_error(item: Failure) -> oc.ApiError:
     import grpc
+
     status = 503 if item.code == grpc.StatusCode.UNAVAILABLE else 500
     return oc.ApiError(status, item.message, None, item.code.name.lower(), "server_error")
 
@@ -56,20 +58,25 @@ class ChunkEvents:
     def __init__(self, envelope: dict, chat: bool, include_usage: bool):
         head = json.dumps(envelope, separators=(",", ":"))
         assert head.endswith("}") and "choices" not in envelope
-        self._head = "data: " + head[:-1] + (',"choices":[{"index":0,"delta":{"content":' if chat
-                                             else ',"choices":[{"index":0,"text":')
-        self._middle = ('},"logprobs":null,"finish_reason":' if chat else ',"logprobs":null,"finish_reason":')
-        self._tail = '}]' + (',"usage":null' if include_usage else '') + ',"verifypd":{"token_ids":['
+        self._head = (
+            "data: "
+            + head[:-1]
+            + (',"choices":[{"index":0,"delta":{"content":' if chat else ',"choices":[{"index":0,"text":')
+        )
+        self._middle = '},"logprobs":null,"finish_reason":' if chat else ',"logprobs":null,"finish_reason":'
+        self._tail = "}]" + (',"usage":null' if include_usage else "") + ',"verifypd":{"token_ids":['
 
     def event(self, text: str, reason: str | None, token_ids: list[int], applied_k: int) -> bytes:
-        return (f'{self._head}{json.dumps(text)}{self._middle}{"null" if reason is None else json.dumps(reason)}'
-                f'{self._tail}{",".join(map(str, token_ids))}],"applied_k":{applied_k}}}}}\n\n').encode()
+        return (
+            f"{self._head}{json.dumps(text)}{self._middle}{'null' if reason is None else json.dumps(reason)}"
+            f'{self._tail}{",".join(map(str, token_ids))}],"applied_k":{applied_k}}}}}\n\n'
+        ).encode()
 
 
 class Completion:
     """The ASGI response of one submitted request: streams SSE events or answers one JSON body."""
 
-    def __init__(self, api: "HttpApi", parsed: oc.ParsedRequest, stream):
+    def __init__(self, api: HttpApi, parsed: oc.ParsedRequest, stream):
         self.api, self.parsed, self.stream = api, parsed, stream
         self.id = parsed.pb.request_id
         self.created = oc.now()
@@ -84,8 +91,13 @@ class Completion:
         return {"index": 0, key: body, "logprobs": None, "finish_reason": reason}
 
     def _envelope_head(self) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.parsed.model,
-                "system_fingerprint": self.api.fingerprint}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.parsed.model,
+            "system_fingerprint": self.api.fingerprint,
+        }
 
     def _envelope(self, choices: list, **extra) -> dict:
         return {**self._envelope_head(), "choices": choices, **extra}
@@ -95,6 +107,7 @@ class Completion:
             while (await receive())["type"] != "http.disconnect":
                 pass
             self.stream.box.put(_DISCONNECTED)
+
         watcher = asyncio.create_task(watch_disconnect())
         finished = False
         try:
@@ -121,22 +134,45 @@ class Completion:
                 texts.append(item.text)
                 ids += item.token_ids
                 last = item
-        body = self._envelope([self._choice("".join(texts), oc.finish_reason(last.finish_reason), False)],
-                              usage=oc.usage_json(last.usage_dict()), verifypd={"token_ids": ids})
+        body = self._envelope(
+            [self._choice("".join(texts), oc.finish_reason(last.finish_reason), False)],
+            usage=oc.usage_json(last.usage_dict()),
+            verifypd={"token_ids": ids},
+        )
         await JSONResponse(body)(scope, None, send)
         return True
 
     async def _stream(self, send) -> bool:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-request-id", self.id.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-request-id", self.id.encode()),
+                ],
+            }
+        )
 
         async def event(obj) -> None:
             await send({"type": "http.response.body", "body": _sse(obj), "more_body": True})
+
         usage_null = {"usage": None} if self.parsed.include_usage else {}
         if self.parsed.kind == oc.CHAT:  # OpenAI's first chunk: the role, no content yet
-            await event(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}], **usage_null))
+            await event(
+                self._envelope(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    **usage_null,
+                )
+            )
         chunks = ChunkEvents(self._envelope_head(), self.parsed.kind == oc.CHAT, self.parsed.include_usage)
         done = False
         while not done:
@@ -150,8 +186,13 @@ class Completion:
                     break
                 assert isinstance(item, Chunk)
                 reason = oc.finish_reason(item.finish_reason) if item.finished else None
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": chunks.event(item.text, reason, item.token_ids, item.applied_k)})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": True,
+                        "body": chunks.event(item.text, reason, item.token_ids, item.applied_k),
+                    }
+                )
                 if item.finished:
                     if self.parsed.include_usage:
                         await event(self._envelope([], usage=oc.usage_json(item.usage_dict())))
@@ -164,8 +205,15 @@ class Completion:
 class HttpApi:
     """Routes over a started `Gateway` (its engine loop, codec, info and health)."""
 
-    def __init__(self, gateway, *, model_name: str | None = None, metrics_registry=None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None):
+    def __init__(
+        self,
+        gateway,
+        *,
+        model_name: str | None = None,
+        metrics_registry=None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        api_key: str | None = None,
+    ):
         self.gateway, self.client, self.info = gateway, gateway.client, gateway.info
         # With --api-key the /v1 routes need `Authorization: Bearer KEY` (what OpenAI clients send),
         # as gRPC Generate does; /health and /metrics stay open (probes and scrapers).
@@ -173,21 +221,29 @@ class HttpApi:
         self.model_name = model_name or gateway.info.target_model
         self.registry, self.max_body_bytes = metrics_registry, max_body_bytes
         self.fingerprint = f"verifypd-{gateway.info.version}"
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal})
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
+        )
         if self._bearer is not None:
             self.app = self._require_key(self.app)
 
     def _require_key(self, app):
         import hmac
 
-        denied = oc.ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", None,
-                             "invalid_api_key", "invalid_request_error")
+        denied = oc.ApiError(
+            401,
+            "missing or wrong API key: send `Authorization: Bearer <key>`",
+            None,
+            "invalid_api_key",
+            "invalid_request_error",
+        )
 
         async def guarded(scope, receive, send):
             if scope["type"] == "http" and scope["path"].startswith("/v1/"):
@@ -196,6 +252,7 @@ class HttpApi:
                     await error_response(denied)(scope, receive, send)
                     return
             await app(scope, receive, send)
+
         return guarded
 
     # -- errors --------------------------------------------------------------------------------
@@ -203,8 +260,9 @@ class HttpApi:
         return error_response(oc.ApiError(404, f"no route {request.method} {request.url.path}", None, "not_found"))
 
     async def _not_allowed(self, request, exc):
-        return error_response(oc.ApiError(405, f"method {request.method} not allowed on {request.url.path}",
-                                          None, "method_not_allowed"))
+        return error_response(
+            oc.ApiError(405, f"method {request.method} not allowed on {request.url.path}", None, "method_not_allowed")
+        )
 
     async def _internal(self, request, exc):
         log.exception("HTTP handler failed", exc_info=exc)
@@ -218,8 +276,9 @@ class HttpApi:
         return await self._generate(request, oc.COMPLETION, "cmpl-")
 
     async def _read_json(self, request: Request):
-        too_big = oc.ApiError(413, f"request body is larger than {self.max_body_bytes} bytes", None,
-                              "request_too_large")
+        too_big = oc.ApiError(
+            413, f"request body is larger than {self.max_body_bytes} bytes", None, "request_too_large"
+        )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise too_big
@@ -236,13 +295,20 @@ class HttpApi:
     async def _generate(self, request: Request, kind: str, id_prefix: str):
         parsed = None
         try:
-            parsed = oc.parse_request(await self._read_json(request), kind,
-                                      request_id=id_prefix + uuid.uuid4().hex)
+            parsed = oc.parse_request(await self._read_json(request), kind, request_id=id_prefix + uuid.uuid4().hex)
             if parsed.model != self.model_name:
-                raise oc.ApiError(404, f"the model {parsed.model!r} does not exist; this server serves "
-                                       f"{self.model_name!r}", "model", "model_not_found")
-            spec = convert.request_spec_from_pb(parsed.pb, self.gateway.codec, max_context=self.info.max_context,
-                                                default_max_tokens=self.gateway.default_max_tokens)
+                raise oc.ApiError(
+                    404,
+                    f"the model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                    "model",
+                    "model_not_found",
+                )
+            spec = convert.request_spec_from_pb(
+                parsed.pb,
+                self.gateway.codec,
+                max_context=self.info.max_context,
+                default_max_tokens=self.gateway.default_max_tokens,
+            )
             stream = await self.client.submit(spec)
         except oc.ApiError as err:
             return error_response(err)
@@ -252,18 +318,36 @@ class HttpApi:
         except Overloaded as exc:
             return error_response(oc.ApiError(429, str(exc), None, "queue_full", "rate_limit_error"))
         except (Unavailable, TimeoutError) as exc:
-            return error_response(oc.ApiError(503, f"server is not serving: {exc}", None, "not_serving",
-                                              "server_error"))
+            return error_response(
+                oc.ApiError(503, f"server is not serving: {exc}", None, "not_serving", "server_error")
+            )
         return Completion(self, parsed, stream)
 
     # -- info ----------------------------------------------------------------------------------
     async def models(self, request: Request):
         info = self.info
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "verifypd",
-            "root": info.target_model, "max_model_len": info.max_context,
-            "verifypd": {"target_model": info.target_model, "draft_model": info.draft_model,
-                         "topology": info.topology, "max_context": info.max_context, "version": info.version}}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "verifypd",
+                        "root": info.target_model,
+                        "max_model_len": info.max_context,
+                        "verifypd": {
+                            "target_model": info.target_model,
+                            "draft_model": info.draft_model,
+                            "topology": info.topology,
+                            "max_context": info.max_context,
+                            "version": info.version,
+                        },
+                    }
+                ],
+            }
+        )
 
     def serving(self) -> tuple[bool, str]:
         if self.client.failed:
@@ -274,17 +358,20 @@ class HttpApi:
 
     async def health(self, request: Request):
         ok, reason = self.serving()
-        return JSONResponse({"status": "serving" if ok else "not_serving", "reason": reason},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "serving" if ok else "not_serving", "reason": reason}, status_code=200 if ok else 503
+        )
 
     async def metrics(self, request: Request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
         if self.registry is not None:  # the instruments live in this process
             text = generate_latest(self.registry)
         else:  # they live in the engine-core process (verifypd serve)
             try:
                 text = await self.client.call("metrics", timeout_s=10)
-            except (Unavailable, asyncio.TimeoutError) as exc:
-                return error_response(oc.ApiError(503, f"metrics unavailable: {exc}", None, "not_serving",
-                                                  "server_error"))
+            except (TimeoutError, Unavailable) as exc:
+                return error_response(
+                    oc.ApiError(503, f"metrics unavailable: {exc}", None, "not_serving", "server_error")
+                )
         return Response(text, media_type=CONTENT_TYPE_LATEST)

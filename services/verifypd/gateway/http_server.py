@@ -7,6 +7,7 @@ translates names the standard way (`gen_ai.server.time_to_first_token` with unit
 `gen_ai_server_time_to_first_token_seconds`). Each gateway gets its own CollectorRegistry, so
 several gateways in one process (tests) do not mix their metrics.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,7 @@ class HttpServer:
     on a loop of its own in a daemon thread when none is given. `tls`: a verifypd.tls.ServerTls
     (HTTPS only, with client certificates when it has a client CA) or None (plain HTTP)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None,
-                 tls=None):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None, tls=None):
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -42,9 +42,16 @@ class HttpServer:
         self.address = f"{host}:{self.port}"
         self.url = f"{'https' if tls is not None else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
         # lifespan off: nothing to set up; h11 (pure Python) unless httptools is installed ("auto").
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace_s, http="auto", loop="asyncio",
-                                **(tls.uvicorn_options() if tls is not None else {}))
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=grace_s,
+            http="auto",
+            loop="asyncio",
+            **(tls.uvicorn_options() if tls is not None else {}),
+        )
         self.server = uvicorn.Server(config)
         self.tls = tls
         self.loop = loop
@@ -67,7 +74,7 @@ class HttpServer:
     def _alive(self) -> bool:
         return self.thread.is_alive() if self.thread is not None else not self._future.done()
 
-    def start(self, timeout_s: float = 10.0) -> "HttpServer":
+    def start(self, timeout_s: float = 10.0) -> HttpServer:
         if self.thread is not None:
             self.thread.start()
         else:
@@ -96,6 +103,7 @@ class HttpServer:
                 return
             self.tls.reload_into(self.server.config.ssl, watch)
             loop.call_later(RELOAD_CHECK_S, check)
+
         loop.call_soon_threadsafe(loop.call_later, RELOAD_CHECK_S, check)
 
     def stop(self, timeout_s: float = 10.0) -> None:

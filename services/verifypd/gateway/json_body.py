@@ -8,6 +8,7 @@ The body's size is bounded by the HTTP layer (413 past `max_body_bytes`); here t
 * text that protobuf can carry: strings with lone UTF-16 surrogates ("\\ud800" is valid JSON but not
   encodable as UTF-8) get a 400 quoting where, instead of failing in the wire conversion (a 500).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,10 @@ class JsonBodyError(ValueError):
 
 
 def too_deep() -> JsonBodyError:
-    return JsonBodyError(f"the request body nests deeper than the JSON depth limit ({MAX_JSON_DEPTH} levels of "
-                         "objects and arrays)", "json_too_deep")
+    return JsonBodyError(
+        f"the request body nests deeper than the JSON depth limit ({MAX_JSON_DEPTH} levels of objects and arrays)",
+        "json_too_deep",
+    )
 
 
 def parse_json_body(body: bytes | bytearray):
@@ -78,6 +81,9 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise JsonBodyError(f"the request body holds text that is not valid Unicode ({exc.reason} at character "
-                            f"{exc.start} of {text[:exc.start][-20:]!r}...): lone UTF-16 surrogates are not "
-                            "allowed", "invalid_text") from None
+        raise JsonBodyError(
+            f"the request body holds text that is not valid Unicode ({exc.reason} at character "
+            f"{exc.start} of {text[: exc.start][-20:]!r}...): lone UTF-16 surrogates are not "
+            "allowed",
+            "invalid_text",
+        ) from None

@@ -6,6 +6,7 @@ there `convert.request_spec_from_pb` and the engine do every range check, exactl
 Their messages name wire fields (`sampling.top_p`, `stop[1]`, `chat.messages[0].role`, ...);
 `openai_param` maps them back to the OpenAI parameter, so a 400 always names what the client sent.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,24 +21,62 @@ CHAT, COMPLETION = "chat", "completion"
 U32, I32 = 2**32, 2**31
 
 # Accepted by both endpoints (ours: top_k, priority, speculation, ignore_eos).
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
-           "user", "top_k", "priority", "speculation", "ignore_eos"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "top_k",
+    "priority",
+    "speculation",
+    "ignore_eos",
+}
 _ONLY = {CHAT: {"messages", "max_completion_tokens"}, COMPLETION: {"prompt"}}
 # OpenAI parameters we do not implement: accepted only at their neutral value (clients often send it).
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0),
-            "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
-            "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,), "suffix": ("",),
-            "metadata": None, "store": (False,), "service_tier": None}  # None: any value, ignored
+_NEUTRAL = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "metadata": None,
+    "store": (False,),
+    "service_tier": None,
+}  # None: any value, ignored
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop", None: None,
-           FinishReason.CANCELLED: "stop"}
+_FINISH = {
+    FinishReason.LENGTH: "length",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    None: None,
+    FinishReason.CANCELLED: "stop",
+}
 
 
 class ApiError(Exception):
     """An error answered as OpenAI's `{"error": {message, type, param, code}}` with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
@@ -59,12 +98,12 @@ def decode_body(body: bytes | bytearray):
 
 @dataclass
 class ParsedRequest:
-    kind: str                       # CHAT | COMPLETION
+    kind: str  # CHAT | COMPLETION
     model: str
     pb: generate_pb2.GenerateRequest
     stream: bool
     include_usage: bool
-    max_tokens_param: str           # which name the client used (for error messages)
+    max_tokens_param: str  # which name the client used (for error messages)
 
 
 # -- typed getters: None/absent = unset; a wrong type is a 400 naming the parameter ------------
@@ -113,8 +152,10 @@ def _prompt(body: dict, kind: str, req: generate_pb2.GenerateRequest) -> None:
                 raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
             role = m.get("role")
             if role not in _ROLES:
-                raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of system, developer, user, "
-                                                 f"assistant; got {role!r:.40}")
+                raise bad(
+                    f"messages[{i}].role",
+                    f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r:.40}",
+                )
             text = _text_of(m.get("content"), f"messages[{i}].content")
             req.chat.messages.add(role=_ROLES[role], content=text)
         return
@@ -213,9 +254,18 @@ def _speculation(body: dict, req: generate_pb2.GenerateRequest) -> None:
 
 
 # Wire field (at the start of an engine/convert message) -> OpenAI parameter.
-_FIELD_PARAMS = [("sampling.", ""), ("chat.messages", "messages"), ("text", "prompt"), ("token_ids", "prompt"),
-                 ("prompt token ids", "prompt"), ("prompt", "prompt"), ("max_tokens", "max_tokens"),
-                 ("speculation.max_k", "speculation.max_k"), ("k ", "speculation.max_k"), ("priority", "priority")]
+_FIELD_PARAMS = [
+    ("sampling.", ""),
+    ("chat.messages", "messages"),
+    ("text", "prompt"),
+    ("token_ids", "prompt"),
+    ("prompt token ids", "prompt"),
+    ("prompt", "prompt"),
+    ("max_tokens", "max_tokens"),
+    ("speculation.max_k", "speculation.max_k"),
+    ("k ", "speculation.max_k"),
+    ("priority", "priority"),
+]
 
 
 def openai_param(message: str, parsed: ParsedRequest) -> tuple[str | None, str]:
@@ -230,9 +280,9 @@ def openai_param(message: str, parsed: ParsedRequest) -> tuple[str | None, str]:
         if message.startswith(field):
             if field == "sampling.":
                 name = re.match(r"sampling\.(\w+)", message).group(1)
-                return name, message[len(field):]
+                return name, message[len(field) :]
             if param == "messages":
-                rest = message[len("chat."):]
+                rest = message[len("chat.") :]
                 return re.match(r"[\w\[\]]+(\.\w+)?", rest).group(0), rest
             if param == "prompt":
                 return prompt, message
@@ -250,11 +300,17 @@ def usage_json(usage: dict) -> dict:
     """Engine usage -> OpenAI's, with speculation in completion_tokens_details (accepted / rejected
     draft tokens) and our own counts under "verifypd"."""
     drafted, accepted = usage["draft_tokens"], usage["accepted_tokens"]
-    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": drafted - accepted, "reasoning_tokens": 0},
-            "verifypd": {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": usage["verify_steps"]}}
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+            "reasoning_tokens": 0,
+        },
+        "verifypd": {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": usage["verify_steps"]},
+    }
 
 
 def now() -> int:

@@ -10,6 +10,7 @@ protobuf runtime does). The Generate handler is registered with no response seri
 bytes go out as they are (`add_generation_service`). Tests compare against the protobuf runtime's
 parse of every field (tests/services/test_services_response_wire.py).
 """
+
 from __future__ import annotations
 
 import struct
@@ -43,7 +44,14 @@ def _length_delimited(tag: bytes, payload: bytes) -> bytes:
 
 # Field keys: (field number << 3) | wire type (0 varint, 1 fixed64, 2 length-delimited).
 _REQUEST_ID, _TOKEN_IDS, _TEXT, _FINISH_REASON, _USAGE, _APPLIED_K, _ELAPSED = (
-    b"\x0a", b"\x12", b"\x1a", b"\x20", b"\x2a", b"\x30", b"\x39")
+    b"\x0a",
+    b"\x12",
+    b"\x1a",
+    b"\x20",
+    b"\x2a",
+    b"\x30",
+    b"\x39",
+)
 _USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28")  # Usage fields 1..5, varint
 _FINISH_WIRE = {reason: varint(value) for reason, value in _FINISH.items()}
 
@@ -56,8 +64,9 @@ class ResponseEncoder:
     def __init__(self, request_id: str):
         self._head = _length_delimited(_REQUEST_ID, request_id.encode()) if request_id else b""
 
-    def encode(self, token_ids: list[int], text: str, finish, usage: list[int], applied_k: int,
-               elapsed_s: float) -> bytes:
+    def encode(
+        self, token_ids: list[int], text: str, finish, usage: list[int], applied_k: int, elapsed_s: float
+    ) -> bytes:
         """`finish`: a FinishReason or None; `usage`: the five counts in USAGE_KEYS order."""
         parts = [self._head]
         if token_ids:
@@ -80,11 +89,13 @@ def add_generation_service(servicer, server) -> None:
     yields wire bytes (ResponseEncoder) and so has no response serializer."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=generate_pb2.GenerateRequest.FromString,
-            response_serializer=None),
+            servicer.Generate, request_deserializer=generate_pb2.GenerateRequest.FromString, response_serializer=None
+        ),
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetServerInfo, request_deserializer=generate_pb2.ServerInfoRequest.FromString,
-            response_serializer=generate_pb2.ServerInfo.SerializeToString),
+            servicer.GetServerInfo,
+            request_deserializer=generate_pb2.ServerInfoRequest.FromString,
+            response_serializer=generate_pb2.ServerInfo.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("verifypd.v1.Generation", handlers),))
     server.add_registered_method_handlers("verifypd.v1.Generation", handlers)

@@ -7,6 +7,7 @@ The router runs in the engine core (core/core_server.py), reached over the core 
     build_colocated/split   the core runs in threads of this process, over a socketpair all the
                             same (tests, benches): `gateway.router` / `gateway.engine` reach it
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,15 +18,15 @@ import time
 
 import grpc
 
-from verifypd.engine.types import InvalidRequest
 from verifypd import convert
 from verifypd.auth import gateway_interceptor
 from verifypd.core.channel import AsyncChannel, BlockingChannel
-from verifypd.core.process import build_colocated_core, build_split_core
-from verifypd.gateway.engine_client import READY_TIMEOUT_S, EngineClient, Failure
-from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
 from verifypd.core.core_server import CoreServer
 from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.core.process import build_colocated_core, build_split_core
+from verifypd.engine.types import InvalidRequest
+from verifypd.gateway.engine_client import READY_TIMEOUT_S, EngineClient, Failure
+from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
 from verifypd.health import AsyncHealth
 from verifypd.v1 import control_pb2_grpc
 
@@ -35,15 +36,16 @@ DRAIN_RETRY_MS = 1000
 
 
 class GenerationServicer:
-    def __init__(self, gateway: "Gateway"):
+    def __init__(self, gateway: Gateway):
         self.gw = gateway
 
     async def Generate(self, request, context):
         t0 = time.monotonic()
         gw = self.gw
         try:
-            spec = convert.request_spec_from_pb(request, gw.codec, max_context=gw.info.max_context,
-                                                default_max_tokens=gw.default_max_tokens)
+            spec = convert.request_spec_from_pb(
+                request, gw.codec, max_context=gw.info.max_context, default_max_tokens=gw.default_max_tokens
+            )
             stream = await gw.client.submit(spec)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -66,8 +68,9 @@ class GenerationServicer:
                         finished = True
                         await context.abort(item.code, item.message)
                     finished = item.finished
-                    yield encoder.encode(item.token_ids, item.text, item.finish_reason, item.usage,
-                                         item.applied_k, time.monotonic() - t0)
+                    yield encoder.encode(
+                        item.token_ids, item.text, item.finish_reason, item.usage, item.applied_k, time.monotonic() - t0
+                    )
         finally:  # client cancel or deadline (the task is cancelled): free its KV before the next step
             if not finished:
                 gw.client.cancel(stream)
@@ -77,7 +80,7 @@ class GenerationServicer:
 
 
 class ControlServicer(control_pb2_grpc.ControlServicer):
-    def __init__(self, gateway: "Gateway"):
+    def __init__(self, gateway: Gateway):
         self.gw = gateway
 
     async def GetConfig(self, request, context):
@@ -100,10 +103,21 @@ class Gateway:
     """`core_sock`: the gateway's end of the core channel. `core`: an in-process CoreServer (tests);
     `core_process`: a spawned one (serve). `start()` waits for the core's `ready`, then serves."""
 
-    def __init__(self, core_sock: socket.socket, codec, *, host: str = "127.0.0.1", port: int = 0,
-                 default_max_tokens: int = convert.DEFAULT_MAX_TOKENS, api_key: str | None = None,
-                 admin_key: str | None = None, core: CoreServer | None = None, core_process=None, info=None,
-                 tls=None):
+    def __init__(
+        self,
+        core_sock: socket.socket,
+        codec,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        default_max_tokens: int = convert.DEFAULT_MAX_TOKENS,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        core: CoreServer | None = None,
+        core_process=None,
+        info=None,
+        tls=None,
+    ):
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.core, self.core_process = core, core_process
         self.info = info if info is not None else (core.info if core is not None else None)
@@ -124,8 +138,7 @@ class Gateway:
         """Runs a coroutine on the gateway's loop from another thread and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None,
-                     tls) -> None:
+    async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None, tls) -> None:
         """`tls`: a verifypd.tls.ServerTls (the port speaks only TLS) or None (plaintext)."""
         self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
         # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
@@ -134,8 +147,11 @@ class Gateway:
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
         self.health = AsyncHealth(self.server, SERVICES, self.loop)
         self.health.set(False)
-        self.port = (self.server.add_secure_port(f"{host}:{port}", tls.grpc_credentials()) if tls is not None
-                     else self.server.add_insecure_port(f"{host}:{port}"))
+        self.port = (
+            self.server.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
+            if tls is not None
+            else self.server.add_insecure_port(f"{host}:{port}")
+        )
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
@@ -160,7 +176,7 @@ class Gateway:
         return self.core.engine
 
     # -- life cycle ----------------------------------------------------------------------------
-    def start(self, ready_timeout_s: float | None = None) -> "Gateway":
+    def start(self, ready_timeout_s: float | None = None) -> Gateway:
         if self._started:
             return self
         self._started = True
@@ -171,6 +187,7 @@ class Gateway:
             await self.client.wait_ready(ready_timeout_s or READY_TIMEOUT_S)
             self.info = self.info or self.client.info
             await self.server.start()
+
         self._run(serve())
         self.health.set(True)
         return self
@@ -186,8 +203,11 @@ class Gateway:
         t0 = time.monotonic()
         self.health.set(False)
         self.loop.call_soon_threadsafe(setattr, self.client, "draining", True)
-        log.info("drain: started: health NOT_SERVING, new requests refused; %d in flight, waiting up to %.0f s",
-                 self.client.in_flight(), timeout_s)
+        log.info(
+            "drain: started: health NOT_SERVING, new requests refused; %d in flight, waiting up to %.0f s",
+            self.client.in_flight(),
+            timeout_s,
+        )
         while self.client.in_flight() and time.monotonic() - t0 < timeout_s:
             time.sleep(0.05)
         left = self.client.in_flight()
@@ -232,6 +252,7 @@ class Gateway:
             if client is not None:  # the channel's transport (and its socket) with it
                 client.channel.close()
                 await asyncio.sleep(0)  # let the transport's close callback run
+
         try:
             self._run(cancel_tasks(), timeout_s=5)
         except Exception:
@@ -241,21 +262,41 @@ class Gateway:
         if not self._thread.is_alive():
             self.loop.close()
 
-    def __enter__(self) -> "Gateway":
+    def __enter__(self) -> Gateway:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def serve_router(router, codec, info, *, max_queue: int = 256, lanes=(), kv_transport: str = "auto",
-                 recovery_timeout_s: float = 120.0, on_close=(), metrics_registry=None, watch_interval_s: float = 1.0,
-                 **gateway_kwargs) -> Gateway:
+def serve_router(
+    router,
+    codec,
+    info,
+    *,
+    max_queue: int = 256,
+    lanes=(),
+    kv_transport: str = "auto",
+    recovery_timeout_s: float = 120.0,
+    on_close=(),
+    metrics_registry=None,
+    watch_interval_s: float = 1.0,
+    **gateway_kwargs,
+) -> Gateway:
     """A gateway over a router whose core runs in threads of this process (one socketpair)."""
     gateway_sock, core_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    core = CoreServer(router, BlockingChannel(core_sock), info, max_queue=max_queue, lanes=lanes,
-                      kv_transport=kv_transport, recovery_timeout_s=recovery_timeout_s, on_close=on_close,
-                      metrics_registry=metrics_registry, watch_interval_s=watch_interval_s)
+    core = CoreServer(
+        router,
+        BlockingChannel(core_sock),
+        info,
+        max_queue=max_queue,
+        lanes=lanes,
+        kv_transport=kv_transport,
+        recovery_timeout_s=recovery_timeout_s,
+        on_close=on_close,
+        metrics_registry=metrics_registry,
+        watch_interval_s=watch_interval_s,
+    )
     return Gateway(gateway_sock, codec, core=core, **gateway_kwargs)
 
 
@@ -267,16 +308,34 @@ def build_colocated(options, *, observer=None, topology: str = "colocated", **kw
     return gateway
 
 
-def build_split(addrs: dict[str, str], options, *, kv_transport: str = "auto", observer=None, codec=None,
-                lane_timeout_s: float = 60.0, topology: str = "split", lane_secret: str | None = None,
-                lane_tls=None, **kwargs) -> Gateway:
+def build_split(
+    addrs: dict[str, str],
+    options,
+    *,
+    kv_transport: str = "auto",
+    observer=None,
+    codec=None,
+    lane_timeout_s: float = 60.0,
+    topology: str = "split",
+    lane_secret: str | None = None,
+    lane_tls=None,
+    **kwargs,
+) -> Gateway:
     """Router over gRPC lane clients (core in threads of this process). `lane_tls`: a
     verifypd.lane_tls.LaneTls (mutual TLS to the lanes) or None."""
-    router, info, lanes, wiring = build_split_core(addrs, options, kv_transport=kv_transport, observer=observer,
-                                                   lane_timeout_s=lane_timeout_s, topology=topology,
-                                                   lane_secret=lane_secret, lane_tls=lane_tls)
-    gateway = serve_router(router, codec or load_codec(options.target), info, lanes=lanes,
-                           kv_transport=kv_transport, **kwargs)
+    router, info, lanes, wiring = build_split_core(
+        addrs,
+        options,
+        kv_transport=kv_transport,
+        observer=observer,
+        lane_timeout_s=lane_timeout_s,
+        topology=topology,
+        lane_secret=lane_secret,
+        lane_tls=lane_tls,
+    )
+    gateway = serve_router(
+        router, codec or load_codec(options.target), info, lanes=lanes, kv_transport=kv_transport, **kwargs
+    )
     gateway.core.wiring = wiring
     return gateway
 

@@ -1,9 +1,9 @@
 """Lanes over the network (split topology): lane servers, the router's lane clients, their codecs.
 
-    lane_server.py    lane processes: own/import KV pools, serve Describe/ImportPools/work RPCs
-    lane_client.py    GrpcPrefillLane / GrpcDraftLane / GrpcVerifyLane (the lane protocols over gRPC)
-    call_channel.py   the fast path for work calls (framed protobufs over TCP); call_codec/call_decode
-    lane_calls.py, lane_validate.py, lane_setup.py, lane_convert.py   the lane side's call handling
-    kv_transport.py   pool descriptors, shared-memory import, the copy transport, DraftProbs codec
-    cuda_ipc.py, draft_handoff.py     CUDA IPC handles of pools and of the draft-token buffer
+lane_server.py    lane processes: own/import KV pools, serve Describe/ImportPools/work RPCs
+lane_client.py    GrpcPrefillLane / GrpcDraftLane / GrpcVerifyLane (the lane protocols over gRPC)
+call_channel.py   the fast path for work calls (framed protobufs over TCP); call_codec/call_decode
+lane_calls.py, lane_validate.py, lane_setup.py, lane_convert.py   the lane side's call handling
+kv_transport.py   pool descriptors, shared-memory import, the copy transport, DraftProbs codec
+cuda_ipc.py, draft_handoff.py     CUDA IPC handles of pools and of the draft-token buffer
 """

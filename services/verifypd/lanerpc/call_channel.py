@@ -14,6 +14,7 @@ With `tls` (a verifypd.lane_tls.LaneTls) both ends wrap the socket in mutual TLS
 connect/accept, before the secret handshake (lane_tls.py says why the ssl module); without it
 the socket is used as is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,12 +26,12 @@ import socket
 import ssl
 import struct
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.call_channel")
-MAX_FRAME = 512 << 20       # bytes, as the gRPC message limit
+MAX_FRAME = 512 << 20  # bytes, as the gRPC message limit
 NONCE_BYTES, MAC_BYTES = 16, 32
 HANDSHAKE_TIMEOUT_S = 10.0  # TLS and the secret proof must come this promptly after accept
 _LEN = struct.Struct("<I")
@@ -74,8 +75,15 @@ class CallServer:
     """Serves the call channel next to a lane's gRPC server. `handler(call, state)` runs under
     the lane's own lock (the caller's business); `new_state()` makes a connection's state."""
 
-    def __init__(self, handler: Callable, new_state: Callable[[], object], host: str, port: int = 0,
-                 secret: str | None = None, tls=None):
+    def __init__(
+        self,
+        handler: Callable,
+        new_state: Callable[[], object],
+        host: str,
+        port: int = 0,
+        secret: str | None = None,
+        tls=None,
+    ):
         self.handler, self.new_state, self.secret, self.tls = handler, new_state, secret, tls
         self.listener = socket.create_server((host.strip("[]"), port), family=_family(host), reuse_port=False)
         self.port = self.listener.getsockname()[1]
@@ -147,9 +155,12 @@ class CallServer:
             log.warning("call channel: refused %s: client certificate verify failed: %s", peer, exc.verify_message)
         except ssl.SSLError as exc:  # e.g. PEER_DID_NOT_RETURN_A_CERTIFICATE, a plaintext client (WRONG_VERSION_NUMBER)
             log.warning("call channel: refused %s: TLS handshake failed: %s", peer, exc.reason or exc)
-        except (socket.timeout, TimeoutError):
-            log.warning("call channel: refused %s: no TLS handshake within %.0f s (a plaintext client?)", peer,
-                        HANDSHAKE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning(
+                "call channel: refused %s: no TLS handshake within %.0f s (a plaintext client?)",
+                peer,
+                HANDSHAKE_TIMEOUT_S,
+            )
         except OSError:
             pass
         else:

@@ -7,15 +7,23 @@ lane holds: request keys and block tables, so that a call only carries what chan
 request's id and sampling once, then per step the blocks appended to its tables (usually none).
 The lane side is `call_decode.py`; both sides drop all state when the connection ends.
 """
+
 from __future__ import annotations
 
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
 
-from verifypd.lanes.interface import (DraftItem, DraftOutput, KvHandle, PrefillItem, PrefillOutput, VerifyItem,
-                                      VerifyOutput)
 from verifypd.lanerpc.lane_convert import sampling_to_pb
+from verifypd.lanes.interface import (
+    DraftItem,
+    DraftOutput,
+    KvHandle,
+    PrefillItem,
+    PrefillOutput,
+    VerifyItem,
+    VerifyOutput,
+)
 from verifypd.v1 import lanes_pb2
 
 NONE_U32 = 0xFFFFFFFF  # "no value" in a uint32 column (no first token, no resync)
@@ -29,7 +37,7 @@ def u32(values: Iterable[int]) -> bytes:
 def from_u32(data: bytes, n: int | None = None) -> array:
     """The uint32 column in `data`; with n, it must hold exactly n values (ValueError)."""
     out = array("I")
-    out.frombytes(data[:len(data) - len(data) % 4])
+    out.frombytes(data[: len(data) - len(data) % 4])
     if n is not None and len(out) != n:
         raise ValueError(f"a column of {len(out)} values for {n} items")
     return out
@@ -53,9 +61,9 @@ class ChannelMirror:
     """What the lane at the other end of one connection holds (keys, tables); reset on reconnect."""
 
     def __init__(self):
-        self.keys: dict[str, int] = {}                              # request id -> channel key
-        self.tables: dict[tuple[str, int], tuple[int, ...]] = {}    # (role, key) -> held block table
-        self.released: list[int] = []                               # keys to drop with the next call
+        self.keys: dict[str, int] = {}  # request id -> channel key
+        self.tables: dict[tuple[str, int], tuple[int, ...]] = {}  # (role, key) -> held block table
+        self.released: list[int] = []  # keys to drop with the next call
         self._next_key = 0
 
     def key(self, request_id: str, sampling, intros) -> int:
@@ -87,8 +95,13 @@ class ChannelMirror:
             added.extend(new[kept:])
             self.tables[(role, key)] = new
         first = handles[0]
-        return lanes_pb2.BlockTableDelta(pool_id=first.pool_id, generation=first.generation, keep_u32=keep.tobytes(),
-                                         added_count_u32=counts.tobytes(), added_u32=added.tobytes())
+        return lanes_pb2.BlockTableDelta(
+            pool_id=first.pool_id,
+            generation=first.generation,
+            keep_u32=keep.tobytes(),
+            added_count_u32=counts.tobytes(),
+            added_u32=added.tobytes(),
+        )
 
     def batch(self, items, tokens_of) -> tuple[lanes_pb2.PackedBatch, list[int]]:
         """The columns every method shares; returns (batch, keys)."""
@@ -99,9 +112,14 @@ class ChannelMirror:
             toks = tokens_of(item)
             counts.append(len(toks))
             tokens.extend(toks)
-        batch = lanes_pb2.PackedBatch(intros=intros, released=self.released, keys_u32=u32(keys),
-                                      start_pos_u32=u32(i.start_pos for i in items),
-                                      token_count_u32=counts.tobytes(), tokens_u32=tokens.tobytes())
+        batch = lanes_pb2.PackedBatch(
+            intros=intros,
+            released=self.released,
+            keys_u32=u32(keys),
+            start_pos_u32=u32(i.start_pos for i in items),
+            token_count_u32=counts.tobytes(),
+            tokens_u32=tokens.tobytes(),
+        )
         self.released = []
         return batch, keys
 
@@ -144,8 +162,9 @@ def encode_verify(mirror: ChannelMirror, items: list[VerifyItem], encode_probs) 
         batch.probs_items_u32 = u32(with_probs)
         for n in with_probs:
             probs = items[n].draft_probs
-            batch.draft_probs.append(probs if isinstance(probs, lanes_pb2.DraftProbs)
-                                     else encode_probs(probs, items[n].sampling.top_k))
+            batch.draft_probs.append(
+                probs if isinstance(probs, lanes_pb2.DraftProbs) else encode_probs(probs, items[n].sampling.top_k)
+            )
     return batch
 
 
@@ -157,16 +176,24 @@ def decode_prefill(items: list[PrefillItem], reply: lanes_pb2.LaneReply) -> list
 
 def decode_draft(items: list[DraftItem], reply: lanes_pb2.LaneReply, handoff_slot: int = 0) -> list[DraftOutput]:
     if handoff_slot:  # the proposals stayed on the device: counts only
-        return [DraftOutput(item.request_id, HandoffTokens(handoff_slot, n, c))
-                for n, (item, c) in enumerate(zip(items, from_u32(reply.count_u32, len(items))))]
+        return [
+            DraftOutput(item.request_id, HandoffTokens(handoff_slot, n, c))
+            for n, (item, c) in enumerate(zip(items, from_u32(reply.count_u32, len(items))))
+        ]
     counts, tokens = from_u32(reply.count_u32, len(items)), from_u32(reply.tokens_u32)
     resync = from_u32(reply.resync_from_u32, len(items))
     probs = dict(zip(from_u32(reply.probs_items_u32), reply.draft_probs))
     outputs, at = [], 0
     for n, item in enumerate(items):
         c = counts[n]
-        outputs.append(DraftOutput(item.request_id, tokens[at:at + c].tolist(), probs.get(n),
-                                   None if resync[n] == NONE_U32 else resync[n]))
+        outputs.append(
+            DraftOutput(
+                item.request_id,
+                tokens[at : at + c].tolist(),
+                probs.get(n),
+                None if resync[n] == NONE_U32 else resync[n],
+            )
+        )
         at += c
     return outputs
 
@@ -177,6 +204,6 @@ def decode_verify(items: list[VerifyItem], reply: lanes_pb2.LaneReply) -> list[V
         raise ValueError(f"{len(tokens)} new tokens for {len(items)} items that accepted {sum(accepted)}")
     outputs, at = [], 0
     for item, m in zip(items, accepted):
-        outputs.append(VerifyOutput(item.request_id, m, tokens[at:at + m + 1].tolist()))
+        outputs.append(VerifyOutput(item.request_id, m, tokens[at : at + m + 1].tolist()))
         at += m + 1
     return outputs

@@ -6,6 +6,7 @@ Checks match the unary path's (lane_validate.py) and name the field: `batch.k_u3
 `batch.target_blocks.added_u32`. Every check runs before any state changes, so a refused call
 leaves nothing half-applied (and the lane closes the connection after an error anyway).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,15 +14,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from verifypd.engine.types import MAX_K, SamplingParams
-from verifypd.lanes.interface import (DraftItem, DraftOutput, KvHandle, PrefillItem, PrefillOutput, VerifyItem,
-                                      VerifyOutput)
 from verifypd.lanerpc import lane_validate as lv
 from verifypd.lanerpc.call_codec import NONE_U32, HandoffTokens, u32
 from verifypd.lanerpc.lane_convert import sampling_from_pb
+from verifypd.lanes.interface import (
+    DraftItem,
+    DraftOutput,
+    KvHandle,
+    PrefillItem,
+    PrefillOutput,
+    VerifyItem,
+    VerifyOutput,
+)
 from verifypd.v1 import lanes_pb2
 
-MAX_HELD = 1 << 16        # requests one connection may hold
-MAX_REQUEST_ID = 256      # characters
+MAX_HELD = 1 << 16  # requests one connection may hold
+MAX_REQUEST_ID = 256  # characters
 
 
 @dataclass
@@ -87,25 +95,31 @@ def _intros(state: ChannelState, batch) -> dict[int, HeldRequest]:
     return new
 
 
-def _tables(state: ChannelState, field: str, delta, role: str, keys, ends: np.ndarray,
-            limits: lv.LaneLimits) -> list[tuple[int, ...]]:
+def _tables(
+    state: ChannelState, field: str, delta, role: str, keys, ends: np.ndarray, limits: lv.LaneLimits
+) -> list[tuple[int, ...]]:
     """The items' new tables in one pool; checks them like lane_validate._handle does."""
     pool = limits.pools.get(role)
     if pool is None:
-        raise lv.LaneInvalid(f"{field}: this lane holds no {role} pool (call ImportPools first)",
-                             lv.grpc.StatusCode.FAILED_PRECONDITION)
+        raise lv.LaneInvalid(
+            f"{field}: this lane holds no {role} pool (call ImportPools first)", lv.grpc.StatusCode.FAILED_PRECONDITION
+        )
     if delta.pool_id != pool.pool_id or delta.generation != pool.generation:
-        raise lv.LaneInvalid(f"{field}: pool {delta.pool_id!r} generation {delta.generation} is not this lane's "
-                             f"{role} pool ({pool.pool_id!r} generation {pool.generation}); a handle from before a "
-                             f"lane restart?", lv.grpc.StatusCode.FAILED_PRECONDITION)
+        raise lv.LaneInvalid(
+            f"{field}: pool {delta.pool_id!r} generation {delta.generation} is not this lane's "
+            f"{role} pool ({pool.pool_id!r} generation {pool.generation}); a handle from before a "
+            f"lane restart?",
+            lv.grpc.StatusCode.FAILED_PRECONDITION,
+        )
     n = len(keys)
     keep, counts = _column(delta, "keep_u32", n), _column(delta, "added_count_u32", n)
     added = _flat(delta, "added_u32", counts, f"{field}.added_u32")
     if added.size and int(added.max()) >= pool.num_blocks:
         raise lv.LaneInvalid(f"{field}.added_u32: block {int(added.max())} is outside the pool [0, {pool.num_blocks})")
     if ends.size and int(ends.max()) > limits.max_context:
-        raise lv.LaneInvalid(f"{field}: positions up to {int(ends.max())} exceed the lane's context of "
-                             f"{limits.max_context}")
+        raise lv.LaneInvalid(
+            f"{field}: positions up to {int(ends.max())} exceed the lane's context of {limits.max_context}"
+        )
     held = [state.tables.get((role, key), ()) for key in keys]
     held_len = np.fromiter(map(len, held), dtype=np.int64, count=n)
     if (keep > held_len).any():
@@ -115,19 +129,22 @@ def _tables(state: ChannelState, field: str, delta, role: str, keys, ends: np.nd
     bad = np.nonzero((lens * pool.block_size < ends) | (lens > pool.num_blocks))[0]
     if bad.size:
         i = int(bad[0])
-        raise lv.LaneInvalid(f"{field}: item {i}: {int(lens[i])} blocks of {pool.block_size} cannot hold "
-                             f"{int(ends[i])} positions (pool of {pool.num_blocks} blocks)")
+        raise lv.LaneInvalid(
+            f"{field}: item {i}: {int(lens[i])} blocks of {pool.block_size} cannot hold "
+            f"{int(ends[i])} positions (pool of {pool.num_blocks} blocks)"
+        )
     if not counts.any() and (keep == held_len).all():  # the usual decode step: no table changed
         return held
     tables, at, added_l = [], 0, added.tolist()
     for table, kept, count in zip(held, keep.tolist(), counts.tolist()):
-        tables.append(table[:kept] + tuple(added_l[at:at + count]) if count or kept < len(table) else table)
+        tables.append(table[:kept] + tuple(added_l[at : at + count]) if count or kept < len(table) else table)
         at += count
     return tables
 
 
-def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits,
-           handoff: tuple[int, int] | None = None) -> list:
+def decode(
+    method: int, batch, state: ChannelState, limits: lv.LaneLimits, handoff: tuple[int, int] | None = None
+) -> list:
     """Validates and applies a PackedBatch; returns the work items. Raises LaneInvalid.
     `handoff`: (rows, cols) of the DraftHandoff buffer this lane writes or reads, if any."""
     n = len(batch.keys_u32) // 4
@@ -148,8 +165,9 @@ def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits,
     if missing:
         raise lv.LaneInvalid(f"batch.keys_u32: key {missing[0]} is not held on this channel (no intro)")
     if tokens.size and limits.vocab_size and int(tokens.max()) >= limits.vocab_size:
-        raise lv.LaneInvalid(f"batch.tokens_u32: token id {int(tokens.max())} is outside the vocabulary "
-                             f"[0, {limits.vocab_size})")
+        raise lv.LaneInvalid(
+            f"batch.tokens_u32: token id {int(tokens.max())} is outside the vocabulary [0, {limits.vocab_size})"
+        )
     ks = _column(batch, "k_u32", n, required=method == lanes_pb2.LANE_METHOD_DRAFT)
     if method != lanes_pb2.LANE_METHOD_VERIFY and n and int(counts.min()) < 1:
         raise lv.LaneInvalid(f"batch.token_count_u32[{int(np.argmin(counts))}]: need at least 1 token")
@@ -159,11 +177,16 @@ def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits,
     if method == lanes_pb2.LANE_METHOD_VERIFY and n and int(counts.max()) > MAX_K:
         raise lv.LaneInvalid(f"batch.token_count_u32[{int(np.argmax(counts))}]: at most {MAX_K} drafts")
     # Positions each item writes: prefill its chunk; draft inputs + k - 1 drafts; verify pending + drafts.
-    ends = starts + counts + (ks - 1 if method == lanes_pb2.LANE_METHOD_DRAFT else 0) + \
-        (1 if method == lanes_pb2.LANE_METHOD_VERIFY else 0)
+    ends = (
+        starts
+        + counts
+        + (ks - 1 if method == lanes_pb2.LANE_METHOD_DRAFT else 0)
+        + (1 if method == lanes_pb2.LANE_METHOD_VERIFY else 0)
+    )
     if int(ends.sum() - starts.sum()) > lv.MAX_BATCH_TOKENS:
-        raise lv.LaneInvalid(f"batch: {int(ends.sum() - starts.sum())} token positions in one call; "
-                             f"at most {lv.MAX_BATCH_TOKENS}")
+        raise lv.LaneInvalid(
+            f"batch: {int(ends.sum() - starts.sum())} token positions in one call; at most {lv.MAX_BATCH_TOKENS}"
+        )
     target = draft = None
     if method != lanes_pb2.LANE_METHOD_DRAFT:
         target = _tables(state, "batch.target_blocks", batch.target_blocks, "target", keys, ends, limits)
@@ -180,17 +203,20 @@ def decode(method: int, batch, state: ChannelState, limits: lv.LaneLimits,
             state.tables.update({(role, k): t for k, t in zip(keys, tables)})
     if method == lanes_pb2.LANE_METHOD_DRAFT and batch.handoff_slot:
         if handoff is None or n > handoff[0] or int(ks.max()) > handoff[1]:
-            raise lv.LaneInvalid(f"batch.handoff_slot: this lane's handoff buffer cannot take {n} items of up to "
-                                 f"{int(ks.max())} drafts" if handoff else "batch.handoff_slot: this lane has no "
-                                 "handoff buffer (CUDA only)")
+            raise lv.LaneInvalid(
+                f"batch.handoff_slot: this lane's handoff buffer cannot take {n} items of up to {int(ks.max())} drafts"
+                if handoff
+                else "batch.handoff_slot: this lane has no handoff buffer (CUDA only)"
+            )
         if not all(h.sampling.greedy for h in held):
             raise lv.LaneInvalid("batch.handoff_slot: only greedy requests hand drafts off (sampled ones need q)")
     bounds = np.concatenate(([0], np.cumsum(host_counts))).tolist()
     toks = tokens.tolist()
     starts_l, ks_l = starts.tolist(), ks.tolist()
     pending = _column(batch, "pending_u32", n, required=method == lanes_pb2.LANE_METHOD_VERIFY)
-    items = _items(method, batch, state, keys, held, target, draft, starts_l, ks_l, toks, bounds, pending, probs,
-                   limits)
+    items = _items(
+        method, batch, state, keys, held, target, draft, starts_l, ks_l, toks, bounds, pending, probs, limits
+    )
     if rows is not None:  # drafts that stayed on the draft lane's device
         for item, row, k in zip(items, rows.tolist(), counts.tolist()):
             if row != NONE_U32:
@@ -205,8 +231,9 @@ def _handoff_rows(method: int, batch, n: int, counts: np.ndarray, handoff) -> np
     if method != lanes_pb2.LANE_METHOD_VERIFY or not batch.handoff_slot:
         return None
     if handoff is None:
-        raise lv.LaneInvalid("batch.handoff_slot: this lane opened no draft handoff buffer",
-                             lv.grpc.StatusCode.FAILED_PRECONDITION)
+        raise lv.LaneInvalid(
+            "batch.handoff_slot: this lane opened no draft handoff buffer", lv.grpc.StatusCode.FAILED_PRECONDITION
+        )
     rows = _column(batch, "draft_rows_u32", n)
     on_device = rows != NONE_U32
     if on_device.any() and (int(rows[on_device].max()) >= handoff[0] or int(counts[on_device].max()) > handoff[1]):
@@ -229,24 +256,53 @@ def _items(method, batch, state, keys, held, target, draft, starts, ks, toks, bo
 
     if method == lanes_pb2.LANE_METHOD_PREFILL:
         last = _column(batch, "last_chunk_u32", len(held)).tolist()
-        return [PrefillItem(h.request_id, toks[bounds[i]:bounds[i + 1]], starts[i], handle(target, "target", i, starts[i]),
-                            handle(draft, "draft", i, starts[i]), bool(last[i]), h.sampling)
-                for i, h in enumerate(held)]
+        return [
+            PrefillItem(
+                h.request_id,
+                toks[bounds[i] : bounds[i + 1]],
+                starts[i],
+                handle(target, "target", i, starts[i]),
+                handle(draft, "draft", i, starts[i]),
+                bool(last[i]),
+                h.sampling,
+            )
+            for i, h in enumerate(held)
+        ]
     if method == lanes_pb2.LANE_METHOD_DRAFT:
-        return [DraftItem(h.request_id, toks[bounds[i]:bounds[i + 1]], starts[i], handle(draft, "draft", i, starts[i]),
-                          ks[i], h.sampling) for i, h in enumerate(held)]
+        return [
+            DraftItem(
+                h.request_id,
+                toks[bounds[i] : bounds[i + 1]],
+                starts[i],
+                handle(draft, "draft", i, starts[i]),
+                ks[i],
+                h.sampling,
+            )
+            for i, h in enumerate(held)
+        ]
     if pending.size and limits.vocab_size and int(pending.max()) >= limits.vocab_size:
         raise lv.LaneInvalid(f"batch.pending_u32: token id {int(pending.max())} is outside the vocabulary")
     pend = pending.tolist()
-    return [VerifyItem(h.request_id, pend[i], starts[i], toks[bounds[i]:bounds[i + 1]],
-                       handle(target, "target", i, starts[i]), h.sampling, probs.get(i))
-            for i, h in enumerate(held)]
+    return [
+        VerifyItem(
+            h.request_id,
+            pend[i],
+            starts[i],
+            toks[bounds[i] : bounds[i + 1]],
+            handle(target, "target", i, starts[i]),
+            h.sampling,
+            probs.get(i),
+        )
+        for i, h in enumerate(held)
+    ]
 
 
 # -- replies ---------------------------------------------------------------------------------
 def prefill_reply(outputs: list[PrefillOutput], kv_bytes_copied: int) -> lanes_pb2.LaneReply:
-    return lanes_pb2.LaneReply(tokens_u32=u32(NONE_U32 if o.first_token is None else o.first_token for o in outputs),
-                               kv_bytes_copied=kv_bytes_copied)
+    return lanes_pb2.LaneReply(
+        tokens_u32=u32(NONE_U32 if o.first_token is None else o.first_token for o in outputs),
+        kv_bytes_copied=kv_bytes_copied,
+    )
 
 
 def draft_reply(outputs: list[DraftOutput], encode_probs, top_ks: list[int]) -> lanes_pb2.LaneReply:
@@ -255,10 +311,12 @@ def draft_reply(outputs: list[DraftOutput], encode_probs, top_ks: list[int]) -> 
         tokens.extend(o.draft_tokens)
     with_probs = [n for n, o in enumerate(outputs) if o.draft_probs is not None]
     return lanes_pb2.LaneReply(
-        count_u32=u32(len(o.draft_tokens) for o in outputs), tokens_u32=u32(tokens),
+        count_u32=u32(len(o.draft_tokens) for o in outputs),
+        tokens_u32=u32(tokens),
         resync_from_u32=u32(NONE_U32 if o.resync_from is None else o.resync_from for o in outputs),
         probs_items_u32=u32(with_probs),
-        draft_probs=[encode_probs(outputs[n].draft_probs, top_ks[n]) for n in with_probs])
+        draft_probs=[encode_probs(outputs[n].draft_probs, top_ks[n]) for n in with_probs],
+    )
 
 
 def verify_reply(outputs: list[VerifyOutput]) -> lanes_pb2.LaneReply:

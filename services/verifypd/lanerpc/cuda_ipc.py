@@ -11,6 +11,7 @@ Pitfalls this module respects (see ARCHITECTURE.md, "KV handles"):
     reference in `_SHARED` (the pool lives for the process anyway);
   * IPC shares memory, not ordering: writers synchronize before replying (lane_server does).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ def local_device_index(uuid: str) -> int:
     for index in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(index).uuid) == uuid:
             return index
-    raise RuntimeError(f"no local CUDA device has UUID {uuid}: CUDA IPC needs the same GPU "
-                       f"(use --kv-transport copy across GPUs)")
+    raise RuntimeError(
+        f"no local CUDA device has UUID {uuid}: CUDA IPC needs the same GPU (use --kv-transport copy across GPUs)"
+    )
 
 
 def share(tensor: torch.Tensor) -> lanes_pb2.CudaIpcHandle:
@@ -41,12 +43,16 @@ def share(tensor: torch.Tensor) -> lanes_pb2.CudaIpcHandle:
     key = storage.data_ptr()
     if key not in _SHARED:
         _SHARED[key] = (storage, storage._share_cuda_())
-    (_device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync) = _SHARED[key][1]
+    (_device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = _SHARED[key][1]
     return lanes_pb2.CudaIpcHandle(
-        mem_handle=bytes(handle), storage_offset_bytes=offset_bytes, storage_size_bytes=size_bytes,
-        ref_counter_handle=bytes(ref_handle), ref_counter_offset=ref_offset,
-        event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync))
+        mem_handle=bytes(handle),
+        storage_offset_bytes=offset_bytes,
+        storage_size_bytes=size_bytes,
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=ref_offset,
+        event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync),
+    )
 
 
 def open_tensor(h: lanes_pb2.CudaIpcHandle, uuid: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -55,13 +61,21 @@ def open_tensor(h: lanes_pb2.CudaIpcHandle, uuid: str, shape: tuple[int, ...], d
     torch.cuda._lazy_init()
     with torch.cuda.device(index):
         storage = torch.UntypedStorage._new_shared_cuda(
-            index, h.mem_handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
-            h.ref_counter_offset, h.event_handle or None, h.event_sync_required)
+            index,
+            h.mem_handle,
+            h.storage_size_bytes,
+            h.storage_offset_bytes,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle or None,
+            h.event_sync_required,
+        )
     tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
     numel = 1
     for d in shape:
         numel *= d
     if numel * dtype.itemsize > h.storage_size_bytes:
-        raise ValueError(f"pool of {numel * dtype.itemsize} bytes does not fit the shared storage "
-                         f"({h.storage_size_bytes} bytes)")
+        raise ValueError(
+            f"pool of {numel * dtype.itemsize} bytes does not fit the shared storage ({h.storage_size_bytes} bytes)"
+        )
     return tensor.set_(storage, 0, shape)

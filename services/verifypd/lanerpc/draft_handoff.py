@@ -10,14 +10,15 @@ the slot's interprocess event (IPC shares memory, not ordering).
     DraftHandoffBuffer (draft lane)     owns the buffer and events; write(slot, tokens) after a draft
     OpenedHandoff (verify lane)         opened once at wiring; drafts(slot) waits and returns a DraftBatch
 """
+
 from __future__ import annotations
 
 import torch
 
 from verifypd.engine.types import MAX_K
-from verifypd.lanes.local import DraftBatch
 from verifypd.lanerpc import cuda_ipc
 from verifypd.lanerpc.kv_transport import host_boot_id
+from verifypd.lanes.local import DraftBatch
 from verifypd.v1 import lanes_pb2
 
 SLOTS = 2
@@ -34,9 +35,13 @@ class DraftHandoffBuffer:
 
     def describe(self) -> lanes_pb2.DraftHandoff:
         return lanes_pb2.DraftHandoff(
-            buffer=cuda_ipc.share(self.tokens), device_uuid=cuda_ipc.device_uuid(self.device),
-            host_boot_id=host_boot_id(), rows=self.tokens.shape[1], cols=self.tokens.shape[2],
-            slot_events=[bytes(e.ipc_handle()) for e in self.events])
+            buffer=cuda_ipc.share(self.tokens),
+            device_uuid=cuda_ipc.device_uuid(self.device),
+            host_boot_id=host_boot_id(),
+            rows=self.tokens.shape[1],
+            cols=self.tokens.shape[2],
+            slot_events=[bytes(e.ipc_handle()) for e in self.events],
+        )
 
     def write(self, slot: int, drafts: DraftBatch) -> None:
         """The proposals of one draft call (row n = item n) into `slot` (1-based), then its event.

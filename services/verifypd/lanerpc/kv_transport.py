@@ -8,6 +8,7 @@
   `KvBlockChunk` per (block, layer), to the owner's `KvTransfer.WriteBlocks`.
 * DraftProbs codec: float32 bytes via numpy, dense or top-k sparse (never pickle).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,10 @@ import grpc
 import numpy as np
 import torch
 
-from verifypd.model.kv_pool import LAYOUT, KvPool, PoolGeometry
 from verifypd.lane_tls import LaneChannel
 from verifypd.lanerpc import cuda_ipc
 from verifypd.lanerpc.lane_convert import ROLE_FROM_PB, ROLE_TO_PB
+from verifypd.model.kv_pool import LAYOUT, KvPool, PoolGeometry
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
@@ -45,10 +46,20 @@ def geometry_of(d: lanes_pb2.PoolDescriptor) -> PoolGeometry:
 def describe_pool(pool: KvPool) -> lanes_pb2.PoolDescriptor:
     g = pool.geometry
     d = lanes_pb2.PoolDescriptor(
-        pool_id=pool.pool_id, generation=pool.generation, role=ROLE_TO_PB[pool.role], host_boot_id=host_boot_id(),
-        device_uuid=cuda_ipc.device_uuid(pool.device), layout=LAYOUT, dtype=dtype_name(pool.dtype),
-        num_layers=g.num_layers, num_blocks=g.num_blocks, block_size=g.block_size, num_kv_heads=g.num_kv_heads,
-        head_dim=g.head_dim, owner_pid=os.getpid())
+        pool_id=pool.pool_id,
+        generation=pool.generation,
+        role=ROLE_TO_PB[pool.role],
+        host_boot_id=host_boot_id(),
+        device_uuid=cuda_ipc.device_uuid(pool.device),
+        layout=LAYOUT,
+        dtype=dtype_name(pool.dtype),
+        num_layers=g.num_layers,
+        num_blocks=g.num_blocks,
+        block_size=g.block_size,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        owner_pid=os.getpid(),
+    )
     if pool.device.type == "cuda":
         d.cuda_ipc.CopyFrom(cuda_ipc.share(pool.tensor))
     elif pool.shm_path:
@@ -83,8 +94,16 @@ def open_pool(d: lanes_pb2.PoolDescriptor) -> KvPool:
             role, g, dtype = ROLE_FROM_PB[d.role], geometry_of(d), getattr(torch, d.dtype)
             if d.WhichOneof("share") == "cuda_ipc":
                 tensor = cuda_ipc.open_tensor(d.cuda_ipc, d.device_uuid, g.shape, dtype)
-                _OPENED[key] = KvPool(role, g, dtype, tensor.device, tensor=tensor, pool_id=d.pool_id,
-                                      generation=d.generation, owner=False)
+                _OPENED[key] = KvPool(
+                    role,
+                    g,
+                    dtype,
+                    tensor.device,
+                    tensor=tensor,
+                    pool_id=d.pool_id,
+                    generation=d.generation,
+                    owner=False,
+                )
             else:
                 _OPENED[key] = KvPool.open_shared_cpu(role, g, dtype, d.shm_path, d.pool_id, d.generation)
         return _OPENED[key]
@@ -92,8 +111,15 @@ def open_pool(d: lanes_pb2.PoolDescriptor) -> KvPool:
 
 def staging_pool(d: lanes_pb2.PoolDescriptor, device: torch.device) -> KvPool:
     """A local pool with the owner's geometry and id: block ids mean the same in both."""
-    return KvPool(ROLE_FROM_PB[d.role], geometry_of(d), getattr(torch, d.dtype), device, pool_id=d.pool_id,
-                  generation=d.generation, owner=False)
+    return KvPool(
+        ROLE_FROM_PB[d.role],
+        geometry_of(d),
+        getattr(torch, d.dtype),
+        device,
+        pool_id=d.pool_id,
+        generation=d.generation,
+        owner=False,
+    )
 
 
 # -- copy transport --------------------------------------------------------------------------
@@ -125,7 +151,7 @@ def write_chunks(pool: KvPool, chunks: list[lanes_pb2.KvBlockChunk]) -> int:
 
 def touched_blocks(block_ids, start: int, end: int, block_size: int) -> list[int]:
     """Blocks holding positions [start, end)."""
-    return list(block_ids[start // block_size: -(-end // block_size)])
+    return list(block_ids[start // block_size : -(-end // block_size)])
 
 
 class KvPusher:
@@ -154,14 +180,19 @@ class KvPusher:
         index = torch.tensor(blocks, device=p.device)
         staged = p.tensor.index_select(2, index).permute(2, 1, 0, 3, 4, 5).contiguous().cpu()
         raw = staged.view(torch.uint8).numpy().reshape(len(blocks), p.geometry.num_layers, -1)
-        chunks = (lanes_pb2.KvBlockChunk(pool_id=p.pool_id, generation=p.generation, block_id=b, layer=layer,
-                                         data=raw[n, layer].tobytes())
-                  for n, b in enumerate(blocks) for layer in range(p.geometry.num_layers))
+        chunks = (
+            lanes_pb2.KvBlockChunk(
+                pool_id=p.pool_id, generation=p.generation, block_id=b, layer=layer, data=raw[n, layer].tobytes()
+            )
+            for n, b in enumerate(blocks)
+            for layer in range(p.geometry.num_layers)
+        )
         try:
             return self._stub.WriteBlocks(chunks, timeout=self._timeout, metadata=self._metadata).bytes_written
         except grpc.RpcError as exc:  # one line for the caller (e.g. an owner refusing our certificate)
-            raise RuntimeError(f"KV push to the owner at {self.owner_addr} failed: {exc.code().name}: "
-                               f"{exc.details()}") from None
+            raise RuntimeError(
+                f"KV push to the owner at {self.owner_addr} failed: {exc.code().name}: {exc.details()}"
+            ) from None
 
 
 class KvTransferServicer(lanes_pb2_grpc.KvTransferServicer):
@@ -196,22 +227,26 @@ class KvTransferServicer(lanes_pb2_grpc.KvTransferServicer):
             self.bytes_received += written
         return lanes_pb2.WriteBlocksReply(bytes_written=sum(len(c.data) for c in chunks))
 
-
     def ReadBlocks(self, request, context):
         pool = self._pool(request.pool_id, context)
         if request.generation != pool.generation:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"generation {request.generation} is not pool {pool.pool_id}'s ({pool.generation})")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"generation {request.generation} is not pool {pool.pool_id}'s ({pool.generation})",
+            )
         if len(request.block_ids) > pool.geometry.num_blocks:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_ids: more than the pool's {pool.geometry.num_blocks}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"block_ids: more than the pool's {pool.geometry.num_blocks}"
+            )
         for block in request.block_ids:
             if block >= pool.geometry.num_blocks:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"block_ids: {block} is outside the pool")
             for layer in range(pool.geometry.num_layers):
                 with self.lock:
                     data = block_bytes(pool, block, layer)
-                yield lanes_pb2.KvBlockChunk(pool_id=pool.pool_id, generation=pool.generation, block_id=block,
-                                             layer=layer, data=data)
+                yield lanes_pb2.KvBlockChunk(
+                    pool_id=pool.pool_id, generation=pool.generation, block_id=block, layer=layer, data=data
+                )
 
 
 # -- draft probabilities ---------------------------------------------------------------------
@@ -222,9 +257,13 @@ def encode_probs(probs: torch.Tensor, top_k: int) -> lanes_pb2.DraftProbs:
     probs = probs.float().cpu()
     if 0 < top_k < vocab:
         values, ids = probs.topk(top_k, dim=-1)
-        return lanes_pb2.DraftProbs(rows=rows, vocab_size=vocab, sparse_width=top_k,
-                                    sparse_ids_u32=ids.numpy().astype("<u4").tobytes(),
-                                    sparse_probs_f32=values.numpy().astype("<f4").tobytes())
+        return lanes_pb2.DraftProbs(
+            rows=rows,
+            vocab_size=vocab,
+            sparse_width=top_k,
+            sparse_ids_u32=ids.numpy().astype("<u4").tobytes(),
+            sparse_probs_f32=values.numpy().astype("<f4").tobytes(),
+        )
     return lanes_pb2.DraftProbs(rows=rows, vocab_size=vocab, dense_f32=probs.numpy().astype("<f4").tobytes())
 
 

@@ -6,6 +6,7 @@ ordering the channel makes possible:
     the draft lane replies with counts as soon as its work is enqueued, the verify lane reads the
     proposals on the device.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,15 +14,18 @@ import logging
 import grpc
 import torch
 
-from verifypd.lanes.local import DeviceDraftTokens
 from verifypd.lanerpc import call_decode as cd
 from verifypd.lanerpc import lane_validate as lv
 from verifypd.lanerpc.call_codec import HandoffTokens, u32
+from verifypd.lanes.local import DeviceDraftTokens
 from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.lane")
-CALL_METHODS = {"prefill": lanes_pb2.LANE_METHOD_PREFILL, "draft": lanes_pb2.LANE_METHOD_DRAFT,
-                "verify": lanes_pb2.LANE_METHOD_VERIFY}
+CALL_METHODS = {
+    "prefill": lanes_pb2.LANE_METHOD_PREFILL,
+    "draft": lanes_pb2.LANE_METHOD_DRAFT,
+    "verify": lanes_pb2.LANE_METHOD_VERIFY,
+}
 MAX_PEER_EVENTS = 8
 
 
@@ -40,11 +44,13 @@ class CallChannelWork:
         """One call on the call channel: the unary RPC's checks, lock and lane, compact messages."""
         try:
             if call.method != CALL_METHODS[self.role]:
-                raise lv.LaneInvalid(f"method: {call.method} is not served by the {self.role} lane "
-                                     f"(expects {CALL_METHODS[self.role]})")
+                raise lv.LaneInvalid(
+                    f"method: {call.method} is not served by the {self.role} lane (expects {CALL_METHODS[self.role]})"
+                )
             if self.lane is None:
-                raise lv.LaneInvalid("prefill lane has no pools yet: call ImportPools",
-                                     grpc.StatusCode.FAILED_PRECONDITION)
+                raise lv.LaneInvalid(
+                    "prefill lane has no pools yet: call ImportPools", grpc.StatusCode.FAILED_PRECONDITION
+                )
             items = cd.decode(call.method, call.batch, state, self._limits(), self._handoff_dims())
             if call.batch.wait_event:
                 self._wait_for_peer(call.batch.wait_event)
@@ -62,8 +68,10 @@ class CallChannelWork:
                     reply = cd.verify_reply(self._verify_work(items))
         except Exception as exc:
             log.exception("%s lane call failed", self.role)
-            return lanes_pb2.LaneReply(status_code=grpc.StatusCode.INTERNAL.value[0],
-                                       error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
+            return lanes_pb2.LaneReply(
+                status_code=grpc.StatusCode.INTERNAL.value[0],
+                error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}",
+            )
         state.release(call.batch.released)
         return reply
 
@@ -96,4 +104,3 @@ class CallChannelWork:
                 raise lv.LaneInvalid(f"batch.wait_event: cannot open: {exc}") from None
             self._peer_events[handle] = event
         torch.cuda.current_stream(self.device).wait_event(event)
-

@@ -9,6 +9,7 @@ unary gRPC. Every failure of a lane call (process gone, deadline, error status) 
 serialized bytes of every lane call (request + reply), so a test can prove that with handles no
 KV crossed the wire.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,22 +18,39 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from verifypd.lanes.interface import (DraftItem, DraftOutput, Finished, LaneError, LaneInfo, PrefillItem,
-                                      PrefillOutput, StartedCall, VerifyItem, VerifyOutput)
+from verifypd.auth import lane_metadata
+from verifypd.lane_tls import LaneChannel
 from verifypd.lanerpc import call_codec as cc
 from verifypd.lanerpc import lane_convert as lc
 from verifypd.lanerpc.call_channel import CallClient, ChannelClosed
-from verifypd.auth import lane_metadata
-from verifypd.lane_tls import LaneChannel
+from verifypd.lanes.interface import (
+    DraftItem,
+    DraftOutput,
+    Finished,
+    LaneError,
+    LaneInfo,
+    PrefillItem,
+    PrefillOutput,
+    StartedCall,
+    VerifyItem,
+    VerifyOutput,
+)
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
 # Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
-GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20),
-                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000)]
-SERVICE_NAMES = {"prefill": "verifypd.v1.PrefillLane", "draft": "verifypd.v1.DraftLane",
-                 "verify": "verifypd.v1.VerifyLane"}
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 512 << 20),
+    ("grpc.max_receive_message_length", 512 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+SERVICE_NAMES = {
+    "prefill": "verifypd.v1.PrefillLane",
+    "draft": "verifypd.v1.DraftLane",
+    "verify": "verifypd.v1.VerifyLane",
+}
 
 
 class _GrpcLane:
@@ -42,8 +60,9 @@ class _GrpcLane:
 
     _method = 0  # lanes_pb2.LaneMethod of this lane's work call
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True,
-                 tls=None):
+    def __init__(
+        self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
+    ):
         """`tls`: a verifypd.lane_tls.LaneTls (gRPC and the call channel over mutual TLS), or None."""
         self.addr = addr
         self._tls = tls
@@ -62,7 +81,7 @@ class _GrpcLane:
         self._bind_stubs()
         self._info_pb: lanes_pb2.LaneInfo | None = None
         self._lock = threading.Lock()
-        self.wire_bytes = 0   # serialized request + reply bytes of every lane call
+        self.wire_bytes = 0  # serialized request + reply bytes of every lane call
         self.calls = 0
 
     def _bind_stubs(self) -> None:
@@ -80,8 +99,9 @@ class _GrpcLane:
         try:
             reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise LaneError(f"{self.lane} lane at {self.addr}: {method} failed: "
-                            f"{exc.code().name}: {exc.details()}") from None
+            raise LaneError(
+                f"{self.lane} lane at {self.addr}: {method} failed: {exc.code().name}: {exc.details()}"
+            ) from None
         with self._lock:
             self.wire_bytes += request.ByteSize() + reply.ByteSize()
             self.calls += 1
@@ -99,8 +119,10 @@ class _GrpcLane:
             if self._tls is not None:
                 why = self._tls.diagnose(self.addr)
             else:
-                why = (f"{str(exc) or type(exc).__name__} (a lane that serves mutual TLS refuses plaintext: "
-                       f"give --lane-tls-cert-file, --lane-tls-key-file and --lane-tls-ca-file)")
+                why = (
+                    f"{str(exc) or type(exc).__name__} (a lane that serves mutual TLS refuses plaintext: "
+                    f"give --lane-tls-cert-file, --lane-tls-key-file and --lane-tls-ca-file)"
+                )
             raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {why}") from None
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
@@ -159,7 +181,7 @@ class _GrpcLane:
             self._pending = _StartedLaneCall(self, client, call_id, items, decode, name)
             return self._pending
 
-    _pending: "_StartedLaneCall | None" = None
+    _pending: _StartedLaneCall | None = None
 
     def _settle(self) -> None:
         """Under _call_lock: reads the reply of a started call nobody waited for (an error path)."""
@@ -186,7 +208,9 @@ class _GrpcLane:
         try:
             self._client.connect()
         except OSError as exc:
-            raise LaneError(f"{self.lane} lane at {self.addr}: call channel on port {port} unreachable: {exc}") from None
+            raise LaneError(
+                f"{self.lane} lane at {self.addr}: call channel on port {port} unreachable: {exc}"
+            ) from None
         return self._client
 
     def probe_channel(self) -> None:
@@ -264,8 +288,9 @@ class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
     _stub_class = lanes_pb2_grpc.PrefillLaneStub
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True,
-                 tls=None):
+    def __init__(
+        self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
+    ):
         super().__init__(addr, timeout_s, secret, call_channel, tls)
         self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
         self.kv_written_event = b""  # ImportPoolsReply.kv_written_event (CUDA IPC, call channel only)
@@ -286,6 +311,7 @@ class GrpcPrefillLane(_GrpcLane):
             result = self._call("Prefill", lc.prefill_batch_to_pb(items))
             self.kv_bytes_copied += result.kv_bytes_copied
             return lc.prefill_outputs_from_pb(result)
+
         return self._start(items, cc.encode_prefill, decode, unary)
 
 
@@ -295,8 +321,9 @@ class GrpcDraftLane(_GrpcLane):
 
     _method = lanes_pb2.LANE_METHOD_DRAFT
 
-    def __init__(self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True,
-                 tls=None):
+    def __init__(
+        self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
+    ):
         super().__init__(addr, timeout_s, secret, call_channel, tls)
         self.handoff: tuple[int, int] | None = None  # (rows, cols) once the verify lane opened our buffer
         self._slot = 0
@@ -307,12 +334,19 @@ class GrpcDraftLane(_GrpcLane):
             # a round trip, which a k = 0 split server would otherwise pay before every verify call.
             return [DraftOutput(i.request_id, [], None) for i in items]
         slot = 0
-        if (self.handoff is not None and len(items) <= self.handoff[0] and max(i.k for i in items) <= self.handoff[1]
-                and all(i.sampling.greedy for i in items)):
+        if (
+            self.handoff is not None
+            and len(items) <= self.handoff[0]
+            and max(i.k for i in items) <= self.handoff[1]
+            and all(i.sampling.greedy for i in items)
+        ):
             self._slot = slot = 3 - self._slot if self._slot else 1  # alternate 1, 2, 1, ...
-        return self._work(items, lambda mirror, items: cc.encode_draft(mirror, items, slot),
-                          lambda items, reply: cc.decode_draft(items, reply, slot),
-                          lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))))
+        return self._work(
+            items,
+            lambda mirror, items: cc.encode_draft(mirror, items, slot),
+            lambda items, reply: cc.decode_draft(items, reply, slot),
+            lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))),
+        )
 
 
 class GrpcVerifyLane(_GrpcLane):
@@ -327,14 +361,20 @@ class GrpcVerifyLane(_GrpcLane):
     def verify_start(self, items: list[VerifyItem]) -> StartedCall:
         def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
             from verifypd.lanerpc.kv_transport import encode_probs
+
             return encode_probs(probs, top_k)
 
-        return self._start(items, lambda mirror, items: cc.encode_verify(mirror, items, encode), cc.decode_verify,
-                           lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))))
+        return self._start(
+            items,
+            lambda mirror, items: cc.encode_verify(mirror, items, encode),
+            cc.decode_verify,
+            lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))),
+        )
 
 
-def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane,
-               kv_transport: str = "auto") -> lanes_pb2.ImportPoolsReply:
+def wire_pools(
+    prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane, kv_transport: str = "auto"
+) -> lanes_pb2.ImportPoolsReply:
     """The one-time pool exchange: tells the prefill lane about the owners' pools.
 
     The owners' KvTransfer addresses are the addresses we reach them at (only the wiring side
@@ -355,8 +395,10 @@ def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerif
     for lane in (prefill, draft, verify):
         lane.probe_channel()
     forward = all(forward_ok(lane) for lane in (prefill, draft, verify))
-    reply = prefill._call("ImportPools", lanes_pb2.ImportPoolsRequest(
-        pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward))
+    reply = prefill._call(
+        "ImportPools",
+        lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward),
+    )
     prefill.kv_written_event = reply.kv_written_event
     for owner in (draft, verify):
         # Only a lane that reads the prefill lane's KV waits for its writes: a pool-less draft lane
@@ -367,7 +409,7 @@ def wire_pools(prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerif
     return reply
 
 
-def _wire_handoff(draft: "GrpcDraftLane", verify: "GrpcVerifyLane") -> None:
+def _wire_handoff(draft: GrpcDraftLane, verify: GrpcVerifyLane) -> None:
     """Draft tokens on the device (DraftHandoff) when the verify lane can open the draft lane's
     buffer: both on the call channel, on one GPU. Otherwise they keep travelling through us."""
     draft.handoff = None

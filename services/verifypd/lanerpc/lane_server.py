@@ -18,6 +18,7 @@ does not hold) FAILED_PRECONDITION, an empty batch a no-op; INTERNAL is left for
 Owned pools get a generation that differs for every start of the lane (milliseconds since the
 epoch), so handles allocated before a restart are refused even where pool ids could repeat.
 """
+
 from __future__ import annotations
 
 import gc
@@ -25,27 +26,26 @@ import logging
 import threading
 import time
 from concurrent import futures
-from dataclasses import replace
 
 import grpc
 import torch
 
-from verifypd.lanes.interface import LaneInfo
-from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
-from verifypd.lanes.drafts import poolless_draft_lane
-from verifypd.local_engine import EngineOptions, capture_graphs, draft_spec
-from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
-from verifypd.model.llama import PagedLlama
-from verifypd.model.runner import ModelRunner
-from verifypd.lanerpc import kv_transport as kv
+from verifypd.auth import lane_interceptor, lane_metadata
+from verifypd.health import add_health_and_reflection
 from verifypd.lanerpc import call_decode as cd
+from verifypd.lanerpc import kv_transport as kv
 from verifypd.lanerpc import lane_convert as lc
 from verifypd.lanerpc import lane_validate as lv
 from verifypd.lanerpc.call_channel import CallServer
 from verifypd.lanerpc.lane_calls import CallChannelWork
-from verifypd.lanerpc.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks, start_lane_ranks
-from verifypd.auth import lane_interceptor, lane_metadata
-from verifypd.health import add_health_and_reflection
+from verifypd.lanerpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
+from verifypd.lanes.drafts import poolless_draft_lane
+from verifypd.lanes.interface import LaneInfo
+from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+from verifypd.local_engine import EngineOptions, capture_graphs, draft_spec
+from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
+from verifypd.model.llama import PagedLlama
+from verifypd.model.runner import ModelRunner
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane")
@@ -65,7 +65,8 @@ class LaneServicer(CallChannelWork):
         self.generation = time.time_ns() // 1_000_000  # new for every start of this lane
         self.lock = threading.Lock()
         target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
-            options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft"))
+            options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft")
+        )
         model = self.target_model or self.draft_model
         # 0 = not this lane's to say (a pool-less draft lane loads no model); the router takes both
         # from the verify lane.
@@ -78,16 +79,18 @@ class LaneServicer(CallChannelWork):
         if options.tensor_parallel != 1 and self.target_model is not None:
             self.ranks = start_lane_ranks(role, options, self.target_model, self.device, self.dtype, self.generation)
         if role == "verify":
-            pool = owned_pool("target", self.target_model, options, self.device, self.dtype, self.generation,
-                              ranks=self.ranks)
+            pool = owned_pool(
+                "target", self.target_model, options, self.device, self.dtype, self.generation, ranks=self.ranks
+            )
             self.owned[pool.pool_id] = pool
             runner = self._runner(self.target_model, pool)
             # At start-up, not inside the first calls; no prefill graphs: this lane prefills nothing.
             capture_graphs(runner, None, options.config.k_max, prefill=False)
             if self.ranks is not None:  # the other ranks' pools, for the prefill lane's ranks to open
                 self.rank_shards = [lanes_pb2.PoolDescriptor.FromString(b) for b in self.ranks.wait_ready()]
-            self.lane = LocalVerifyLane(runner, self._info((pool.info(),)),
-                                        simulated_acceptance=options.simulated_acceptance)
+            self.lane = LocalVerifyLane(
+                runner, self._info((pool.info(),)), simulated_acceptance=options.simulated_acceptance
+            )
         elif role == "draft" and self.draft_model is None:
             self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":
@@ -98,6 +101,7 @@ class LaneServicer(CallChannelWork):
             self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
             if self.device.type == "cuda":
                 from verifypd.lanerpc.draft_handoff import DraftHandoffBuffer
+
                 self.handoff = DraftHandoffBuffer(self.device)
         elif self.ranks is not None:  # prefill: its followers have loaded their shards
             self.ranks.wait_ready()
@@ -114,12 +118,17 @@ class LaneServicer(CallChannelWork):
 
     def _runner(self, model: PagedLlama, pool: KvPool) -> ModelRunner:
         make = self.ranks.runner if self.ranks is not None and model is self.target_model else ModelRunner
-        return make(model, pool, graphs=None if self.options.cuda_graphs else False,
-                    buckets=self.options.graph_buckets)
+        return make(model, pool, graphs=None if self.options.cuda_graphs else False, buckets=self.options.graph_buckets)
 
     def _info(self, pools) -> LaneInfo:
-        return LaneInfo(self.role, tuple(pools), self.vocab_size, self.max_context,
-                        target_model=self.options.target, draft_model=self.options.draft)
+        return LaneInfo(
+            self.role,
+            tuple(pools),
+            self.vocab_size,
+            self.max_context,
+            target_model=self.options.target,
+            draft_model=self.options.draft,
+        )
 
     def close(self) -> None:
         if self.call_server is not None:
@@ -138,12 +147,17 @@ class LaneServicer(CallChannelWork):
     # -- RPCs ------------------------------------------------------------------------------
     def Describe(self, request, context) -> lanes_pb2.LaneInfo:
         return lanes_pb2.LaneInfo(
-            lane=self.role, target_model=self.options.target, draft_model=self.options.draft,
-            pools=[self._describe(p) for p in self.owned.values()], vocab_size=self.vocab_size,
-            max_context=self.max_context, eos_token_ids=self.eos_token_ids,
+            lane=self.role,
+            target_model=self.options.target,
+            draft_model=self.options.draft,
+            pools=[self._describe(p) for p in self.owned.values()],
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            eos_token_ids=self.eos_token_ids,
             kv_bytes_received=self.transfer.bytes_received,
             call_port=self.call_server.port if self.call_server is not None else 0,
-            draft_handoff=self.handoff.describe() if self.handoff is not None else None)
+            draft_handoff=self.handoff.describe() if self.handoff is not None else None,
+        )
 
     def _describe(self, pool: KvPool) -> lanes_pb2.PoolDescriptor:
         d = kv.describe_pool(pool)
@@ -155,17 +169,22 @@ class LaneServicer(CallChannelWork):
         """A sharded prefill lane: follower r opens the verify lane's rank r pool (handle only)."""
         world = self.options.tensor_parallel
         if mode != "imported":
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"--tensor-parallel {world}: the prefill lane's ranks must import the target pool "
-                          "(same host and devices); copying sharded KV is not supported")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"--tensor-parallel {world}: the prefill lane's ranks must import the target pool "
+                "(same host and devices); copying sharded KV is not supported",
+            )
         if len(d.rank_shards) != world - 1:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"pool {d.pool_id} has {len(d.rank_shards)} rank shards; this prefill lane runs "
-                          f"--tensor-parallel {world} (the verify lane must run the same)")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {d.pool_id} has {len(d.rank_shards)} rank shards; this prefill lane runs "
+                f"--tensor-parallel {world} (the verify lane must run the same)",
+            )
         for n, shard in enumerate(d.rank_shards):  # checked as the rank-0 pool is, before a follower maps it
             try:
-                lv.check_pool_descriptor(f"pools[target].rank_shards[{n}]", shard, "target",
-                                         self._pool_spec("target"), LAYOUT, SHM_DIR)
+                lv.check_pool_descriptor(
+                    f"pools[target].rank_shards[{n}]", shard, "target", self._pool_spec("target"), LAYOUT, SHM_DIR
+                )
             except lv.LaneInvalid as exc:
                 context.abort(exc.code, str(exc))
         try:
@@ -180,14 +199,18 @@ class LaneServicer(CallChannelWork):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
         mode_arg = request.kv_transport or "auto"
         if mode_arg not in ("auto", "handle", "copy"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}"
+            )
         t0 = time.perf_counter()
         pools, pushers, modes = {}, {}, {}
         roles = [lc.ROLE_FROM_PB.get(d.role) for d in request.pools]
         if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
             if roles != ["target"]:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"pools: need one target pool (draft {self.options.draft!r} has no pool)")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"pools: need one target pool (draft {self.options.draft!r} has no pool)",
+                )
         elif sorted(r or "" for r in roles) != ["draft", "target"]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
         for n, (d, role) in enumerate(zip(request.pools, roles)):
@@ -197,27 +220,36 @@ class LaneServicer(CallChannelWork):
                 context.abort(exc.code, str(exc))
             near = kv.colocated(d, self.device)
             if mode_arg == "handle" and not near:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"pool {d.pool_id} is on another host or device; use kv_transport copy")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"pool {d.pool_id} is on another host or device; use kv_transport copy",
+                )
             try:
                 if near and mode_arg != "copy":
                     pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
                 else:
                     pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
-                    pushers[role] = kv.KvPusher(pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret),
-                                                 tls=self.tls)
+                    pushers[role] = kv.KvPusher(
+                        pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret), tls=self.tls
+                    )
             except (ValueError, OSError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
         if self.ranks is not None:
             target_d = next(d for d, role in zip(request.pools, roles) if role == "target")
             self._import_rank_shards(target_d, modes[target_d.pool_id], context)
-        runners = (self._runner(self.target_model, pools["target"]),
-                   self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None)
+        runners = (
+            self._runner(self.target_model, pools["target"]),
+            self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None,
+        )
         event = None
         # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
         # waits for them), not by an event on rank 0's device.
-        if request.forward_kv_written_event and self.device.type == "cuda" and "imported" in modes.values() \
-                and self.ranks is None:
+        if (
+            request.forward_kv_written_event
+            and self.device.type == "cuda"
+            and "imported" in modes.values()
+            and self.ranks is None
+        ):
             event = torch.cuda.Event(interprocess=True)
         with self.lock:
             self.lane = LocalPrefillLane(*runners, self._info(()))
@@ -226,8 +258,11 @@ class LaneServicer(CallChannelWork):
             self.kv_written = event
             self.import_seconds = time.perf_counter() - t0
         log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
-        return lanes_pb2.ImportPoolsReply(mode_by_pool=modes, import_seconds=self.import_seconds,
-                                          kv_written_event=bytes(event.ipc_handle()) if event else b"")
+        return lanes_pb2.ImportPoolsReply(
+            mode_by_pool=modes,
+            import_seconds=self.import_seconds,
+            kv_written_event=bytes(event.ipc_handle()) if event else b"",
+        )
 
     def _open_handoff(self, d: lanes_pb2.DraftHandoff, context) -> lanes_pb2.ImportPoolsReply:
         """The verify lane opens the draft lane's DraftHandoff buffer (CUDA, same device only)."""
@@ -236,13 +271,15 @@ class LaneServicer(CallChannelWork):
         t0 = time.perf_counter()
         try:
             from verifypd.lanerpc.draft_handoff import OpenedHandoff
+
             opened = OpenedHandoff(d, self.device)
         except (ValueError, RuntimeError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft_handoff: cannot open: {exc}")
         with self.lock:
             self.opened_handoff = opened
-        return lanes_pb2.ImportPoolsReply(mode_by_pool={"draft_handoff": "imported"},
-                                          import_seconds=time.perf_counter() - t0)
+        return lanes_pb2.ImportPoolsReply(
+            mode_by_pool={"draft_handoff": "imported"}, import_seconds=time.perf_counter() - t0
+        )
 
     def _pool_spec(self, role: str) -> lv.PoolSpec:
         model = self.target_model if role == "target" else self.draft_model
@@ -251,12 +288,21 @@ class LaneServicer(CallChannelWork):
         # imported pool allocates nothing here, and the owners have already taken theirs (a staging
         # pool that does not fit fails to allocate, FAILED_PRECONDITION).
         max_blocks = self.options.num_blocks if self.options.num_blocks is not None else MAX_PEER_POOL_BLOCKS
-        return lv.PoolSpec(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.block_size,
-                           kv.dtype_name(self.dtype), self.dtype.itemsize, max_blocks)
+        return lv.PoolSpec(
+            geometry.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            geometry.block_size,
+            kv.dtype_name(self.dtype),
+            self.dtype.itemsize,
+            max_blocks,
+        )
 
     def _limits(self) -> lv.LaneLimits:
-        pools = {role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
-                 for role, p in self.pools.items()}
+        pools = {
+            role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
+            for role, p in self.pools.items()
+        }
         return lv.LaneLimits(self.vocab_size, self.max_context, pools)
 
     def _check(self, context, check, request) -> bool:
@@ -284,10 +330,16 @@ class LaneServicer(CallChannelWork):
         outputs = self.lane.prefill(items)
         copied = 0
         for role, pusher in self.pushers.items():
-            blocks = [b for i in items
-                      for b in kv.touched_blocks((i.target_kv if role == "target" else i.draft_kv).block_ids,
-                                                 i.start_pos, i.start_pos + len(i.token_ids),
-                                                 pusher.pool.geometry.block_size)]
+            blocks = [
+                b
+                for i in items
+                for b in kv.touched_blocks(
+                    (i.target_kv if role == "target" else i.draft_kv).block_ids,
+                    i.start_pos,
+                    i.start_pos + len(i.token_ids),
+                    pusher.pool.geometry.block_size,
+                )
+            ]
             copied += pusher.push(blocks)
         # IPC shares memory, not ordering: the owners' streams wait on kv_written (the router
         # forwards it), else the device finishes before we reply.
@@ -328,6 +380,7 @@ class LaneServicer(CallChannelWork):
                 if out.draft_probs is not None:
                     msg.probs.CopyFrom(self._encode_probs(out.draft_probs, item.sampling.top_k))
             return result
+
         return self._run(context, work)
 
     def Verify(self, request, context) -> lanes_pb2.VerifyResult:
@@ -336,30 +389,40 @@ class LaneServicer(CallChannelWork):
         items = lc.verify_batch_from_pb(request, lambda d: d)
         return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
 
-def build_lane_server(servicer: LaneServicer, host: str, port: int, call_port: int | None = 0,
-                      ) -> tuple[grpc.Server, int, object]:
+
+def build_lane_server(
+    servicer: LaneServicer,
+    host: str,
+    port: int,
+    call_port: int | None = 0,
+) -> tuple[grpc.Server, int, object]:
     """A started gRPC server for the lane; returns (server, bound port, health servicer).
     With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
     channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
     Describe announces its port. With `servicer.tls` both ports speak mutual TLS only."""
     interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS,
-                         interceptors=interceptors)
-    adders = {"prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
-              "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
-              "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server}
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS, interceptors=interceptors)
+    adders = {
+        "prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
+        "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
+        "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server,
+    }
     adders[servicer.role](servicer, server)
     services = [f"verifypd.v1.{servicer.role.capitalize()}Lane"]
     if servicer.owned:
         lanes_pb2_grpc.add_KvTransferServicer_to_server(servicer.transfer, server)
         services.append("verifypd.v1.KvTransfer")
     health = add_health_and_reflection(server, services)
-    bound = (server.add_secure_port(f"{host}:{port}", servicer.tls.grpc_server_credentials()) if servicer.tls
-             else server.add_insecure_port(f"{host}:{port}"))
+    bound = (
+        server.add_secure_port(f"{host}:{port}", servicer.tls.grpc_server_credentials())
+        if servicer.tls
+        else server.add_insecure_port(f"{host}:{port}")
+    )
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     if call_port is not None:
-        servicer.call_server = CallServer(servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret,
-                                          servicer.tls)
+        servicer.call_server = CallServer(
+            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls
+        )
     return server, bound, health

@@ -1,4 +1,5 @@
 """What a lane process loads and owns at start: its models and its KV pools. Used by lane_server."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -23,8 +24,11 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
     device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
     dtype = resolve_dtype(options.dtype, device)
     self_draft = spec.kind == "self"
-    target = load_model(options.target, device, dtype, options.max_context) \
-        if (need_target or (need_draft and self_draft)) else None
+    target = (
+        load_model(options.target, device, dtype, options.max_context)
+        if (need_target or (need_draft and self_draft))
+        else None
+    )
     target_model = PagedLlama(target.shape, target.weights) if need_target else None
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
     return target, target_model, draft_model, device, dtype
@@ -47,8 +51,9 @@ def model_geometry(model: PagedLlama, options: EngineOptions) -> PoolGeometry:
     return PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
 
 
-def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1,
-               ranks=None) -> KvPool:
+def owned_pool(
+    role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1, ranks=None
+) -> KvPool:
     """`ranks` (a sharded target): num_blocks is the smallest of the ranks' budgets."""
     geometry = model_geometry(model, options)
     blocks = pool_blocks(options, geometry, device, dtype)
@@ -61,8 +66,6 @@ def owned_pool(role: str, model: PagedLlama, options: EngineOptions, device, dty
     return pool
 
 
-
-
 def load_lane_shard(options: EngineOptions, spec, need_draft: bool):
     """load_lane_models for a target over `options.tensor_parallel` ranks: rank 0's shard."""
     from verifypd.model import tp_ranks
@@ -73,12 +76,15 @@ def load_lane_shard(options: EngineOptions, spec, need_draft: bool):
     dtype = resolve_dtype(options.dtype, device)
     tp_ranks.check_devices(device, world)
     if need_draft and spec.kind == "self":
-        raise ModelLoadError(f"--draft {spec.text} runs on the target's own weights, which --tensor-parallel "
-                             f"{world} splits across ranks: use a draft model, ngram or none")
+        raise ModelLoadError(
+            f"--draft {spec.text} runs on the target's own weights, which --tensor-parallel "
+            f"{world} splits across ranks: use a draft model, ngram or none"
+        )
     target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)
     target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
-    draft_model = load_draft_model(spec, target, device, dtype, options.max_context) \
-        if need_draft and spec.needs_model else None
+    draft_model = (
+        load_draft_model(spec, target, device, dtype, options.max_context) if need_draft and spec.needs_model else None
+    )
     return target, target_model, draft_model, device, dtype
 
 

@@ -6,6 +6,7 @@ answers with INVALID_ARGUMENT; a handle for a pool or generation this lane does 
 stale handle from before a lane restart) is FAILED_PRECONDITION. What passes here cannot make
 the model code index out of range, so an exception past this point is a real fault (INTERNAL).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,11 +18,11 @@ import grpc
 
 from verifypd.engine.types import MAX_K, InvalidRequest, SamplingParams
 
-MAX_ITEMS = 4096            # work items per lane call
+MAX_ITEMS = 4096  # work items per lane call
 MAX_BATCH_TOKENS = 1 << 17  # token positions computed per lane call
 POOL_ID = re.compile(r"(target|draft)-[0-9a-f]{12}")
 ADDR = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
-MAX_SHORT_STR = 128         # ids, boot ids, device uuids
+MAX_SHORT_STR = 128  # ids, boot ids, device uuids
 # cudaIpcMemHandle_t / cudaIpcEventHandle_t are 64 bytes; torch's share handles can carry more
 # (e.g. a handle-type prefix with expandable segments), so only an upper bound is enforced.
 CUDA_HANDLE_BYTES = 256
@@ -64,8 +65,9 @@ def _tokens(field: str, ids, limits: LaneLimits, *, min_len: int = 0) -> None:
 
 
 def _sampling(field: str, s) -> None:
-    params = SamplingParams(temperature=s.params.temperature, top_p=s.params.top_p or 1.0, top_k=s.params.top_k,
-                            seed=s.seed)
+    params = SamplingParams(
+        temperature=s.params.temperature, top_p=s.params.top_p or 1.0, top_k=s.params.top_k, seed=s.seed
+    )
     try:
         params.validate()
     except InvalidRequest as exc:
@@ -76,12 +78,15 @@ def _handle(field: str, h, role: str, end: int, limits: LaneLimits) -> None:
     """The handle names a pool this lane holds, and its blocks cover positions [0, end)."""
     pool = limits.pools.get(role)
     if pool is None:
-        raise LaneInvalid(f"{field}: this lane holds no {role} pool (call ImportPools first)",
-                          grpc.StatusCode.FAILED_PRECONDITION)
+        raise LaneInvalid(
+            f"{field}: this lane holds no {role} pool (call ImportPools first)", grpc.StatusCode.FAILED_PRECONDITION
+        )
     if h.pool_id != pool.pool_id or h.generation != pool.generation:
-        raise LaneInvalid(f"{field}: pool {h.pool_id!r} generation {h.generation} is not this lane's {role} pool "
-                          f"({pool.pool_id!r} generation {pool.generation}); a handle from before a lane restart?",
-                          grpc.StatusCode.FAILED_PRECONDITION)
+        raise LaneInvalid(
+            f"{field}: pool {h.pool_id!r} generation {h.generation} is not this lane's {role} pool "
+            f"({pool.pool_id!r} generation {pool.generation}); a handle from before a lane restart?",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
     if end > limits.max_context:
         raise _bad(field, f"positions up to {end} exceed the lane's context of {limits.max_context}")
     blocks = h.block_ids
@@ -195,8 +200,12 @@ def check_pool_descriptor(field: str, d, role: str, spec: PoolSpec, layout: str,
         raise _bad(f"{field}.layout", f"{d.layout[:64]!r}; this lane reads {layout!r}")
     if d.dtype != spec.dtype:
         raise _bad(f"{field}.dtype", f"{d.dtype[:32]!r}; this lane computes in {spec.dtype}")
-    for name, want in (("num_layers", spec.num_layers), ("num_kv_heads", spec.num_kv_heads),
-                       ("head_dim", spec.head_dim), ("block_size", spec.block_size)):
+    for name, want in (
+        ("num_layers", spec.num_layers),
+        ("num_kv_heads", spec.num_kv_heads),
+        ("head_dim", spec.head_dim),
+        ("block_size", spec.block_size),
+    ):
         if getattr(d, name) != want:
             raise _bad(f"{field}.{name}", f"{getattr(d, name)}; this lane's {role} model needs {want}")
     if not 1 <= d.num_blocks <= spec.max_blocks:

@@ -14,6 +14,7 @@ build their lane in `poolless_draft_lane` (below, torch-free); model kinds (e.g.
 head distilled from the target) load their weights in `verifypd.local_engine.load_draft_model`
 and run in the model draft lane, which owns a draft pool.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,14 +23,16 @@ from dataclasses import dataclass
 from verifypd.defaults import DEFAULT_DRAFT  # shared with the operator's CRD (one place)
 from verifypd.lanes.interface import LaneInfo
 
-DRAFT_HELP = ("draft: 'ngram' or 'ngram:MIN-MAX' (prompt lookup in the request's own context: no model, no GPU, "
-              "no KV pool), 'self:N' (the target's first N layers), 'eagle:PATH' (an EAGLE-3 head drafting from the "
-              "target's hidden states, e.g. one written by `verifypd distill`), 'eagle+ngram:PATH' (that head, and prompt "
-              "lookup's proposal where the context repeats its last 3+ tokens), 'none', or a draft model spec. "
-              f"Default: {DEFAULT_DRAFT}, for the embedded model and any other target: measured on the embedded "
-              "model, its self:N drafts are accepted too rarely to pay (README, 'Draft acceptance'), while "
-              "prompt lookup speeds up copy-heavy prompts (rewrite, edit, extract) and costs ~nothing when "
-              "nothing matches. --no-speculation loads no draft.")
+DRAFT_HELP = (
+    "draft: 'ngram' or 'ngram:MIN-MAX' (prompt lookup in the request's own context: no model, no GPU, "
+    "no KV pool), 'self:N' (the target's first N layers), 'eagle:PATH' (an EAGLE-3 head drafting from the "
+    "target's hidden states, e.g. one written by `verifypd distill`), 'eagle+ngram:PATH' (that head, and prompt "
+    "lookup's proposal where the context repeats its last 3+ tokens), 'none', or a draft model spec. "
+    f"Default: {DEFAULT_DRAFT}, for the embedded model and any other target: measured on the embedded "
+    "model, its self:N drafts are accepted too rarely to pay (README, 'Draft acceptance'), while "
+    "prompt lookup speeds up copy-heavy prompts (rewrite, edit, extract) and costs ~nothing when "
+    "nothing matches. --no-speculation loads no draft."
+)
 
 
 class DraftSpecError(ValueError):
@@ -38,13 +41,13 @@ class DraftSpecError(ValueError):
 
 @dataclass(frozen=True)
 class DraftSpec:
-    kind: str                       # "ngram" | "none" | "self" | "eagle" | "model"
-    text: str                       # as given (what LaneInfo.draft_model reports)
-    min_n: int = 0                  # ngram
-    max_n: int = 0                  # ngram
-    layers: int = 0                 # self
-    model: str = ""                 # model; eagle: the head's directory
-    lookup: bool = False            # eagle+ngram: prompt lookup where the context repeats (engine.lookup_mix)
+    kind: str  # "ngram" | "none" | "self" | "eagle" | "model"
+    text: str  # as given (what LaneInfo.draft_model reports)
+    min_n: int = 0  # ngram
+    max_n: int = 0  # ngram
+    layers: int = 0  # self
+    model: str = ""  # model; eagle: the head's directory
+    lookup: bool = False  # eagle+ngram: prompt lookup where the context repeats (engine.lookup_mix)
 
     @property
     def needs_model(self) -> bool:
@@ -54,8 +57,10 @@ class DraftSpec:
     def check_layers(self, target_layers: int) -> int:
         """N of a self:N draft, checked against the target's depth."""
         if not (1 <= self.layers <= target_layers):
-            raise DraftSpecError(f"--draft self:N needs 1 <= N <= {target_layers} (the target has {target_layers} "
-                                 f"layers), got {self.layers}")
+            raise DraftSpecError(
+                f"--draft self:N needs 1 <= N <= {target_layers} (the target has {target_layers} "
+                f"layers), got {self.layers}"
+            )
         return self.layers
 
 
@@ -67,8 +72,9 @@ def parse_draft(text: str) -> DraftSpec:
 
     text = (text or "").strip()
     if not text:
-        raise DraftSpecError("--draft is empty: give ngram, ngram:MIN-MAX, self:N, eagle:PATH, eagle+ngram:PATH, none "
-                             "or a model")
+        raise DraftSpecError(
+            "--draft is empty: give ngram, ngram:MIN-MAX, self:N, eagle:PATH, eagle+ngram:PATH, none or a model"
+        )
     if text == "none":
         return DraftSpec("none", text)
     if text.startswith("ngram"):
@@ -89,7 +95,9 @@ def parse_draft(text: str) -> DraftSpec:
         if text.startswith(prefix):
             path = text.removeprefix(prefix).strip()
             if not path:
-                raise DraftSpecError(f"--draft {prefix}PATH needs the head's directory (config.json + model.safetensors)")
+                raise DraftSpecError(
+                    f"--draft {prefix}PATH needs the head's directory (config.json + model.safetensors)"
+                )
             return DraftSpec("eagle", text, model=path, lookup=prefix == "eagle+ngram:")
     return DraftSpec("model", text, model=text)
 

@@ -11,6 +11,7 @@ Pool-less draft lanes (prompt lookup, `none`) announce no pool (`LaneInfo.pools 
 then allocates no draft blocks, prefill items carry `draft_kv=None` (prefill computes no draft
 KV), draft items carry `draft_kv=None`, and such a lane may propose fewer than k tokens (even none).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -60,11 +61,11 @@ class LaneInfo:
 @dataclass
 class PrefillItem:
     request_id: str
-    token_ids: list[int]          # prompt chunk
-    start_pos: int                # position of token_ids[0]
+    token_ids: list[int]  # prompt chunk
+    start_pos: int  # position of token_ids[0]
     target_kv: KvHandle
-    draft_kv: KvHandle | None     # None: the draft lane owns no pool
-    sample_first: bool            # last chunk of a fresh prompt: sample the first token
+    draft_kv: KvHandle | None  # None: the draft lane owns no pool
+    sample_first: bool  # last chunk of a fresh prompt: sample the first token
     sampling: SamplingParams
 
 
@@ -77,11 +78,11 @@ class PrefillOutput:
 @dataclass
 class DraftItem:
     request_id: str
-    input_tokens: list[int]       # committed tokens not yet in the draft pool (>= 1); for a pool-less
-                                  # lane: not yet in its per-request history (the whole context once)
-    start_pos: int                # position of input_tokens[0]
-    draft_kv: KvHandle | None     # None: the draft lane owns no pool
-    k: int                        # drafts to propose, >= 1 (a pool-less lane may propose fewer)
+    input_tokens: list[int]  # committed tokens not yet in the draft pool (>= 1); for a pool-less
+    # lane: not yet in its per-request history (the whole context once)
+    start_pos: int  # position of input_tokens[0]
+    draft_kv: KvHandle | None  # None: the draft lane owns no pool
+    k: int  # drafts to propose, >= 1 (a pool-less lane may propose fewer)
     sampling: SamplingParams
     target_kv: KvHandle | None = None  # the target's blocks: where a feature draft reads features
 
@@ -93,7 +94,7 @@ class DraftOutput:
     # router only takes its length and passes it on, the in-process verify lane reads the values
     # on the device (no host sync between draft and verify); iterating it copies them to the host.
     draft_tokens: Sequence[int]
-    draft_probs: Any = None       # opaque; see module doc
+    draft_probs: Any = None  # opaque; see module doc
     # Pool-less lanes only: the lane holds just [0, resync_from) of this request's tokens (it
     # restarted or evicted them), so the router resends from there; draft_tokens is then empty.
     resync_from: int | None = None
@@ -103,8 +104,8 @@ class DraftOutput:
 class VerifyItem:
     request_id: str
     pending_token: int
-    start_pos: int                # position of pending_token
-    draft_tokens: Sequence[int]   # as DraftOutput.draft_tokens
+    start_pos: int  # position of pending_token
+    draft_tokens: Sequence[int]  # as DraftOutput.draft_tokens
     target_kv: KvHandle
     sampling: SamplingParams
     draft_probs: Any = None
@@ -119,7 +120,7 @@ class TokenFeed:
     (`PrefillLane.prefill_start(...).next_tokens`: a request prefilled there decodes in the very
     next step). Only lanes with `feeds_tokens` take one."""
 
-    sources: tuple[Any, ...]      # opaque to the router: StartedCall.next_tokens of earlier calls
+    sources: tuple[Any, ...]  # opaque to the router: StartedCall.next_tokens of earlier calls
     rows: tuple[int, ...]
 
 
@@ -130,7 +131,7 @@ class VerdictFit:
     accepted all of its `ks[i]` drafts; the lane moves each row to the verdict on the device (its real
     pending token is the verdict's final token). Only lanes with `fits_verdict` take one, greedy only."""
 
-    started: Any                  # opaque to the router: the earlier call's StartedCall
+    started: Any  # opaque to the router: the earlier call's StartedCall
     rows: tuple[int, ...]
     ks: tuple[int, ...]
 
@@ -165,8 +166,8 @@ class StartedCall(Protocol):
     """A lane call whose device work is queued and whose results are not yet on the host
     (in-process lanes on CUDA: see `LocalVerifyLane.verify_start`)."""
 
-    def ready(self) -> bool: ...        # the results can be had without waiting
-    def result(self) -> list: ...       # waits for them (once)
+    def ready(self) -> bool: ...  # the results can be had without waiting
+    def result(self) -> list: ...  # waits for them (once)
 
 
 class Finished:

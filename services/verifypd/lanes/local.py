@@ -18,6 +18,7 @@ from the draft stream to the verify stream carry an event the verify stream wait
 memory is `record_stream`ed there). Draft tokens are all that crosses: coupled acceptance needs no
 draft probabilities (`sampler.accept_raced`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,18 +30,28 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from verifypd.lanes.interface import (DraftItem, DraftOutput, Finished, LaneInfo, PrefillItem, PrefillOutput,
-                                      StartedCall, TokenFeed, VerdictFit, VerifyItem, VerifyOutput)
+from verifypd.lanes.interface import (
+    DraftItem,
+    DraftOutput,
+    Finished,
+    LaneInfo,
+    PrefillItem,
+    PrefillOutput,
+    StartedCall,
+    TokenFeed,
+    VerdictFit,
+    VerifyItem,
+    VerifyOutput,
+)
 from verifypd.model import sampler
 from verifypd.model.runner import ModelRunner, TokenRun
-
 
 # CUDA stream priorities (lower = more urgent; CUDA clamps to the device's range). Prefill, the
 # low-priority lane, runs on the default stream (priority 0).
 DRAFT_STREAM_PRIORITY, VERIFY_STREAM_PRIORITY = -2, -1
 
 
-def lane_stream(device: torch.device, priority: int) -> "torch.cuda.Stream | None":
+def lane_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
 
 
@@ -114,13 +125,15 @@ class LocalPrefillLane:
             # Not logits[rows]: a Python list as an index is copied to the device from pageable memory,
             # which waits for the stream's queued work, this whole prefill (~1 ms of the embedded
             # model's GPU time at batch 1, H200: prefill_start took ~1.2 ms with a 0.13 ms forward).
-            picked = logits if len(rows) == len(items) else \
-                logits.index_select(0, sampler.small_tensor(rows, logits.device))
+            picked = (
+                logits if len(rows) == len(items) else logits.index_select(0, sampler.small_tensor(rows, logits.device))
+            )
             tokens = sampler.choose(picked, mode, *params, positions)
 
             def outputs(host: list[int]) -> list[PrefillOutput]:
                 first = dict(zip(rows, host))
                 return [PrefillOutput(i.request_id, first.get(n)) for n, i in enumerate(items)]
+
             # Every item samples: its first tokens stay on the device for a verify call to read
             # (engine.overlap: the request decodes in the next step, launched before these reach
             # the host). Clamped as a verify call's next_tokens are (NO_TOKEN: refused at commit).
@@ -153,8 +166,9 @@ class LocalDraftLane:
             self.stream.wait_stream(self._after_stream)
         return self._draft(items, self.stream)
 
-    def draft_after(self, items: list[DraftItem], started, verify_rows: list[int], verify_ks: list[int]
-                    ) -> list[DraftOutput]:
+    def draft_after(
+        self, items: list[DraftItem], started, verify_rows: list[int], verify_ks: list[int]
+    ) -> list[DraftOutput]:
         """Drafts launched right after a verify call (`started`, its StartedCall), before its verdict
         reaches the host (engine.draft_after): item i's input ends in verify row verify_rows[i]'s
         verify_ks[i] + 1 tokens as placeholders, fitted to the verdict on the device. Runs on the
@@ -186,7 +200,7 @@ class LocalDraftLane:
         return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k), None) for n, i in enumerate(items)]
 
 
-def feature_run(tokens, start_pos: int, draft_kv, target_kv) -> "FeatureRun":
+def feature_run(tokens, start_pos: int, draft_kv, target_kv) -> FeatureRun:
     from verifypd.model.eagle_draft import FeatureRun
 
     if target_kv is None:
@@ -220,14 +234,18 @@ class LocalVerifyLane:
     @property
     def fits_verdict(self) -> bool:
         """Takes `verify_start(items, fit=...)` of greedy items (engine.spec_ahead, model.verify_fit)."""
-        return (self.simulated_acceptance is None and getattr(self.target, "fits_verdict", False)
-                and getattr(self.target, "verifies_greedy", False))
+        return (
+            self.simulated_acceptance is None
+            and getattr(self.target, "fits_verdict", False)
+            and getattr(self.target, "verifies_greedy", False)
+        )
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         return self.verify_start(items).result()
 
-    def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None,
-                     fit: VerdictFit | None = None) -> StartedCall:
+    def verify_start(
+        self, items: list[VerifyItem], feed: TokenFeed | None = None, fit: VerdictFit | None = None
+    ) -> StartedCall:
         """Queues the verify forward and the acceptance on the verify stream; the results reach the
         host in `.result()` (the call's one host sync). `feed`: the items' pending tokens are rows
         of a previous call's `next_tokens`, read on the device (stream-ordered after that call).
@@ -240,8 +258,9 @@ class LocalVerifyLane:
                 wait_for_drafts(items, self.stream)
             return self._verify(items, feed, fit)
 
-    def _verify(self, items: list[VerifyItem], feed: TokenFeed | None = None,
-                fit: VerdictFit | None = None) -> StartedCall:
+    def _verify(
+        self, items: list[VerifyItem], feed: TokenFeed | None = None, fit: VerdictFit | None = None
+    ) -> StartedCall:
         ks = [len(i.draft_tokens) for i in items]
         first_ids = None
         if feed is not None:
@@ -252,17 +271,26 @@ class LocalVerifyLane:
                 for source in feed.sources[1:]:  # from reuse there until this stream has read them (the
                     source.record_stream(self.stream)  # first source is this stream's own last call's)
             source = feed.sources[0] if len(feed.sources) == 1 else torch.cat(feed.sources)
-            first_ids = source if rows == list(range(source.shape[0])) else \
-                source[sampler.small_tensor(rows, source.device)]
+            first_ids = (
+                source if rows == list(range(source.shape[0])) else source[sampler.small_tensor(rows, source.device)]
+            )
         on_device = device_drafts(items)
         # With drafts on the device, runs carry placeholders and the runner writes the real ids.
-        runs = [TokenRun([i.pending_token] + ([0] * k if on_device else list(i.draft_tokens)), i.start_pos,
-                         i.target_kv.block_ids) for i, k in zip(items, ks)]
+        runs = [
+            TokenRun(
+                [i.pending_token] + ([0] * k if on_device else list(i.draft_tokens)), i.start_pos, i.target_kv.block_ids
+            )
+            for i, k in zip(items, ks)
+        ]
         R, K = len(items), max(ks)
         device = self.target.device
         fed = {} if first_ids is None else {"first_ids": first_ids}
-        if (K > 0 and self.simulated_acceptance is None and all(i.sampling.greedy for i in items)
-                and getattr(self.target, "verifies_greedy", False)):  # forward + acceptance: one replay
+        if (
+            K > 0
+            and self.simulated_acceptance is None
+            and all(i.sampling.greedy for i in items)
+            and getattr(self.target, "verifies_greedy", False)
+        ):  # forward + acceptance: one replay
             if fit is not None:
                 fed["fit"] = (fit.started.verdict, fit.rows, fit.ks)
             verdict = self.target.verify_greedy(runs, ks, on_device.gather(items, K) if on_device else None, **fed)
@@ -270,18 +298,21 @@ class LocalVerifyLane:
         if fit is not None:
             raise ValueError("a verify call fitted to an earlier verdict must be greedy, with drafts (fits_verdict)")
         if on_device is not None:
-            drafts = on_device.gather(items, K)                               # [R, K] on the device
-            logits = self.target.score(runs, drafts, **fed)                   # [R, K+1, V], padded
+            drafts = on_device.gather(items, K)  # [R, K] on the device
+            logits = self.target.score(runs, drafts, **fed)  # [R, K+1, V], padded
         else:
             drafts_np = np.zeros((R, K), dtype=np.int64)
             for n, item in enumerate(items):
-                drafts_np[n, :ks[n]] = list(item.draft_tokens)
+                drafts_np[n, : ks[n]] = list(item.draft_tokens)
             drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
             logits = self.target.score(runs, **fed)
         if K == 0 and all(i.sampling.greedy for i in items):  # plain greedy decoding: nothing to accept
             finals = logits[:, 0].argmax(-1)
-            return HostCopy(finals, lambda host: [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, host)],
-                            next_tokens=finals)
+            return HostCopy(
+                finals,
+                lambda host: [VerifyOutput(i.request_id, 0, [f]) for i, f in zip(items, host)],
+                next_tokens=finals,
+            )
         k = sampler.small_tensor(ks, device)
         if self.simulated_acceptance is not None:
             accepted, final = self._accept_simulated(items, logits.argmax(-1), k)
@@ -291,10 +322,14 @@ class LocalVerifyLane:
             accepted, final = self._accept_sampled(items, logits, drafts, k)
         # What the host needs of a draft + verify step: counts, target tokens and the drafts.
         verdict = torch.cat((accepted[:, None], final[:, None], drafts), dim=1)
-        return HostCopy(verdict, verdict_outputs(items), verdict=verdict if K > 0 else None,
-                        # clamped: a NO_TOKEN row (a NaN distribution) must not index the next step's
-                        # embedding on the device; the router refuses it when this step's tokens arrive
-                        next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None)
+        return HostCopy(
+            verdict,
+            verdict_outputs(items),
+            verdict=verdict if K > 0 else None,
+            # clamped: a NO_TOKEN row (a NaN distribution) must not index the next step's
+            # embedding on the device; the router refuses it when this step's tokens arrive
+            next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None,
+        )
 
     def _accept_sampled(self, items, logits, drafts, k):
         """Coupled acceptance (sampler module doc): items' draft probabilities, if any came (an
@@ -303,9 +338,13 @@ class LocalVerifyLane:
         samplings = [i.sampling for i in items]
         temp, top_k, top_p, seeds = sampler.params_tensor(samplings, logits.device)
         mode = sampler.choice_mode(samplings)
-        p = sampler.probabilities(logits.reshape(R * K1, V).float(), temp.repeat_interleave(K1),
-                                  top_k.repeat_interleave(K1), top_p.repeat_interleave(K1),
-                                  truncate=mode == sampler.SAMPLE_TRUNCATED).view(R, K1, V)
+        p = sampler.probabilities(
+            logits.reshape(R * K1, V).float(),
+            temp.repeat_interleave(K1),
+            top_k.repeat_interleave(K1),
+            top_p.repeat_interleave(K1),
+            truncate=mode == sampler.SAMPLE_TRUNCATED,
+        ).view(R, K1, V)
         start = sampler.small_tensor([i.start_pos for i in items], logits.device)
         return sampler.accept_raced(p, drafts, k, seeds, start)
 
@@ -322,8 +361,9 @@ class LocalVerifyLane:
 
 def verdict_outputs(items: list[VerifyItem]):
     """Host rows [accepted, final token, drafts ...] (one per item) -> the items' VerifyOutputs."""
-    return lambda host: [VerifyOutput(i.request_id, row[0], row[2:2 + row[0]] + [row[1]])
-                         for i, row in zip(items, host)]
+    return lambda host: [
+        VerifyOutput(i.request_id, row[0], row[2 : 2 + row[0]] + [row[1]]) for i, row in zip(items, host)
+    ]
 
 
 class HostCopy:
@@ -334,8 +374,13 @@ class HostCopy:
     `verdict`: a speculative verify call's [R, K + 2] rows (accepted, final token, drafts) on the
     device, read by drafts launched before they reach the host (engine.draft_after) on `stream`."""
 
-    def __init__(self, tensor: torch.Tensor, convert, next_tokens: torch.Tensor | None = None,
-                 verdict: torch.Tensor | None = None):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        convert,
+        next_tokens: torch.Tensor | None = None,
+        verdict: torch.Tensor | None = None,
+    ):
         self._convert, self._event, self.next_tokens, self.verdict = convert, None, next_tokens, verdict
         # (the stream is looked up only where a verdict is kept: current_stream costs host time every step)
         self.stream = torch.cuda.current_stream(tensor.device) if verdict is not None and tensor.is_cuda else None
@@ -374,7 +419,7 @@ class DraftBatch:
     """The proposals of one in-process draft call, [B, K] on the device; copied to the host at most
     once, and only if someone iterates them (e.g. a gRPC verify lane)."""
 
-    def __init__(self, tokens: torch.Tensor, ready: "torch.cuda.Event | None" = None):
+    def __init__(self, tokens: torch.Tensor, ready: torch.cuda.Event | None = None):
         self.tokens = tokens
         self.ready = ready  # recorded on the draft stream after the tokens were written (CUDA)
         self._host: list[list[int]] | None = None
@@ -390,11 +435,13 @@ class DraftBatch:
         """[len(items), K] drafts of the verify items, in their order (zeros where k = 0). Items whose
         drafts are host lists (prompt lookup's, engine.lookup_mix) are written in by one small copy,
         without waiting for this batch's values."""
-        rows = [i.draft_tokens.row if isinstance(i.draft_tokens, DeviceDraftTokens) and len(i.draft_tokens) else -1
-                for i in items]
+        rows = [
+            i.draft_tokens.row if isinstance(i.draft_tokens, DeviceDraftTokens) and len(i.draft_tokens) else -1
+            for i in items
+        ]
         width = min(K, self.tokens.shape[1])
         if rows == list(range(len(items))) and self.tokens.shape[0] >= len(items):
-            return self.tokens[:len(items), :K] if width == K else _pad(self.tokens[:len(items), :width], K)
+            return self.tokens[: len(items), :K] if width == K else _pad(self.tokens[: len(items), :width], K)
         out = torch.zeros(len(items), K, dtype=self.tokens.dtype, device=self.tokens.device)
         src = [(n, r) for n, r in enumerate(rows) if r >= 0]
         if src:
@@ -403,8 +450,9 @@ class DraftBatch:
             out[dst_idx, :width] = self.tokens[src_idx, :width]
         hosted = [(n, list(i.draft_tokens)) for n, i in enumerate(items) if rows[n] < 0 and len(i.draft_tokens)]
         if hosted:  # small_tensor: pinned, queued (a pageable copy would wait for the draft call's work)
-            values = sampler.small_tensor([t for _, tokens in hosted for t in tokens + [0] * (K - len(tokens))],
-                                          out.device, out.dtype)
+            values = sampler.small_tensor(
+                [t for _, tokens in hosted for t in tokens + [0] * (K - len(tokens))], out.device, out.dtype
+            )
             out[sampler.small_tensor([n for n, _ in hosted], out.device)] = values.view(len(hosted), K)
         return out
 
@@ -423,7 +471,7 @@ class DeviceDraftTokens(Sequence):
         return self.k
 
     def _values(self) -> list[int]:
-        return self.batch.host()[self.row][:self.k]
+        return self.batch.host()[self.row][: self.k]
 
     def __getitem__(self, index):
         return self._values()[index]

@@ -19,6 +19,7 @@ So after the prompt has been sent once, each step sends 1-2 tokens. The history 
 request's history is missing or shorter than `start_pos` (lane restarted, entry evicted) the lane
 proposes nothing and answers `resync_from`, and the router resends from there next step.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -62,7 +63,7 @@ class TokenHistory:
             end = len(toks)
             for n, grams in self.index.items():
                 if end >= n:
-                    grams.setdefault(tuple(toks[end - n:end]), []).append(end - n)
+                    grams.setdefault(tuple(toks[end - n : end]), []).append(end - n)
 
     def truncate(self, length: int) -> None:
         """Drops positions >= length and their n-grams (they are the newest entries of their lists)."""
@@ -70,7 +71,7 @@ class TokenHistory:
         for end in range(len(toks), length, -1):
             for n, grams in self.index.items():
                 if end >= n:
-                    key = tuple(toks[end - n:end])
+                    key = tuple(toks[end - n : end])
                     starts = grams[key]
                     assert starts[-1] == end - n, "n-gram index out of step with the tokens"
                     starts.pop()
@@ -82,7 +83,7 @@ class TokenHistory:
         toks = self.tokens
         size = len(toks)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            starts = self.index[n].get(tuple(toks[size - n:]))
+            starts = self.index[n].get(tuple(toks[size - n :]))
             # starts[-1] is the suffix itself; the one before it is the most recent earlier match.
             if starts is None or len(starts) < 2:
                 continue
@@ -134,8 +135,13 @@ class HistoryCache:
 class NgramDraftLane:
     """The prompt-lookup draft lane (in-process; the split draft lane server wraps the same class)."""
 
-    def __init__(self, info: LaneInfo, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N,
-                 capacity_tokens: int = DEFAULT_CAPACITY_TOKENS):
+    def __init__(
+        self,
+        info: LaneInfo,
+        min_n: int = DEFAULT_MIN_N,
+        max_n: int = DEFAULT_MAX_N,
+        capacity_tokens: int = DEFAULT_CAPACITY_TOKENS,
+    ):
         if not (1 <= min_n <= max_n):
             raise ValueError(f"ngram needs 1 <= MIN <= MAX, got MIN={min_n} MAX={max_n}")
         if info.pools:

@@ -1,9 +1,10 @@
 """`verifypd serve`, `verifypd lane` and `verifypd generate --server` (registered by verifypd.cli).
 
-    verifypd serve [--port 50051] [--topology colocated|split] [--target M] [--draft M]
-    verifypd lane prefill|draft|verify --port P [--target M] [--draft M]
-    verifypd generate --server HOST:PORT "PROMPT" [--json] [sampling flags]
+verifypd serve [--port 50051] [--topology colocated|split] [--target M] [--draft M]
+verifypd lane prefill|draft|verify --port P [--target M] [--draft M]
+verifypd generate --server HOST:PORT "PROMPT" [--json] [sampling flags]
 """
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,28 @@ import threading
 import time
 
 from verifypd.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
-from verifypd.launch.serve_args import (add_client_tls_arguments, add_lane_arguments, add_serve_arguments,
-                                        engine_options, serve_lane_tls, setup_logging, simulated_label,
-                                        warn_simulated)
+from verifypd.launch.serve_args import (
+    add_client_tls_arguments,
+    add_lane_arguments,
+    add_serve_arguments,
+    engine_options,
+    serve_lane_tls,
+    setup_logging,
+    simulated_label,
+    warn_simulated,
+)
 
 
 def register(sub) -> None:
     sub.choices["generate"].set_defaults(handler=cmd_generate_remote)
-    sub.choices["generate"].add_argument("--timeout", type=float, default=None,
-                                         help="with --server: deadline for the whole generation, seconds")
-    sub.choices["generate"].add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                                         help=f"with --server: the server's API key (env {API_KEY_ENV})")
+    sub.choices["generate"].add_argument(
+        "--timeout", type=float, default=None, help="with --server: deadline for the whole generation, seconds"
+    )
+    sub.choices["generate"].add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"with --server: the server's API key (env {API_KEY_ENV})",
+    )
     add_client_tls_arguments(sub.choices["generate"], "--server")
 
     serve = sub.add_parser("serve", help="run the gateway + router and the three lanes")
@@ -44,6 +56,7 @@ def _wait_for_signal(poll=None) -> None:
     def on_signal(signum, _frame):
         logging.getLogger("verifypd").info("received %s", signal.Signals(signum).name)
         stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     while not stop.wait(0.5):
@@ -65,8 +78,11 @@ def cmd_serve(args) -> int:
         return 2
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
     if args.mps == "on" and (args.topology != "split" or any(addrs.values()) or not options.device.startswith("cuda")):
-        print("verifypd: error: --mps on is for the lanes `serve --topology split` starts on CUDA "
-              "(lanes started by hand: scripts/mps.sh)", file=sys.stderr)
+        print(
+            "verifypd: error: --mps on is for the lanes `serve --topology split` starts on CUDA "
+            "(lanes started by hand: scripts/mps.sh)",
+            file=sys.stderr,
+        )
         return 2
     if any(addrs.values()):
         missing = [lane for lane, a in addrs.items() if not a]
@@ -74,12 +90,17 @@ def cmd_serve(args) -> int:
             print(f"verifypd: error: give all three lane addresses; missing --{missing[0]}-addr", file=sys.stderr)
             return 2
         if options.simulated_acceptance is not None:  # the verify lane decides acceptance, and it runs elsewhere
-            print("verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
-                  file=sys.stderr)
+            print(
+                "verifypd: error: with --verify-addr, give --simulated-acceptance to `verifypd lane verify`",
+                file=sys.stderr,
+            )
             return 2
     if options.tensor_parallel > 1 and any(addrs.values()):  # the lanes were started with their own flags
-        print(f"verifypd: error: with --*-addr, give --tensor-parallel {options.tensor_parallel} to `verifypd lane "
-              "verify` and `verifypd lane prefill`, not to serve", file=sys.stderr)
+        print(
+            f"verifypd: error: with --*-addr, give --tensor-parallel {options.tensor_parallel} to `verifypd lane "
+            "verify` and `verifypd lane prefill`, not to serve",
+            file=sys.stderr,
+        )
         return 2
     try:
         admin_key = _admin_key(args)
@@ -89,18 +110,30 @@ def cmd_serve(args) -> int:
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
     if lane_tls is not None and args.topology != "split" and not any(addrs.values()):
-        print("verifypd: error: --lane-tls-* secure the lanes of --topology split or --*-addr; "
-              "colocated lanes run in this process", file=sys.stderr)
+        print(
+            "verifypd: error: --lane-tls-* secure the lanes of --topology split or --*-addr; "
+            "colocated lanes run in this process",
+            file=sys.stderr,
+        )
         return 2
     if not 0 <= args.health_port <= 65535:
-        print(f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}",
-              file=sys.stderr)
+        print(
+            f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}", file=sys.stderr
+        )
         return 2
     core = CoreProcess(args.argv)
     try:
-        gateway = Gateway(core.sock, load_codec(options.target), host=args.host, port=args.port,
-                          default_max_tokens=args.default_max_tokens, api_key=args.api_key, admin_key=admin_key,
-                          core_process=core, tls=tls)
+        gateway = Gateway(
+            core.sock,
+            load_codec(options.target),
+            host=args.host,
+            port=args.port,
+            default_max_tokens=args.default_max_tokens,
+            api_key=args.api_key,
+            admin_key=admin_key,
+            core_process=core,
+            tls=tls,
+        )
     except BaseException:
         core.proc.kill()
         raise
@@ -112,9 +145,13 @@ def cmd_serve(args) -> int:
         # 2: the core refused its arguments (a flag that does not fit the model, e.g. --tensor-parallel)
         return 2 if core.wait(5) == 2 else 1
     tls_label = f", {tls.label}" if tls is not None else ""
-    print(f"verifypd: serving {gateway.info.topology} on {gateway.address}{tls_label} "
-          f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
-          f"{simulated_label(options)}; engine core pid {core.pid})", file=sys.stderr, flush=True)
+    print(
+        f"verifypd: serving {gateway.info.topology} on {gateway.address}{tls_label} "
+        f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
+        f"{simulated_label(options)}; engine core pid {core.pid})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         if args.http_port:
             try:
@@ -148,7 +185,9 @@ def _admin_key(args) -> str | None:
     if key is None:
         logging.getLogger("verifypd").warning(
             "no admin key (--admin-key-file or env %s): Control.UpdateConfig is refused, the runtime config "
-            "stays as started", ADMIN_KEY_ENV)
+            "stays as started",
+            ADMIN_KEY_ENV,
+        )
     return key
 
 
@@ -156,11 +195,13 @@ def _start_http(gateway, args, tls):
     from verifypd.gateway.http_api import HttpApi
     from verifypd.gateway.http_server import HttpServer
 
-    api = HttpApi(gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes,
-                  api_key=args.api_key)
+    api = HttpApi(
+        gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes, api_key=args.api_key
+    )
     http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop, tls=tls).start()
-    print(f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})",
-          file=sys.stderr, flush=True)
+    print(
+        f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})", file=sys.stderr, flush=True
+    )
     return http
 
 
@@ -172,16 +213,19 @@ def _start_health_port(gateway, args) -> None:
         if gateway.client.failed:
             return False, gateway.client.failed
         return (True, "serving") if gateway.health.serving else (False, "not serving (starting, draining or stopped)")
+
     port = HealthPort(args.host, args.health_port, {"/health": check})
-    print(f"verifypd: health on http://{args.host}:{port.port}/health (plaintext, for probes)", file=sys.stderr,
-          flush=True)
+    print(
+        f"verifypd: health on http://{args.host}:{port.port}/health (plaintext, for probes)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def cmd_lane(args) -> int:
-    from verifypd.lanerpc.lane_server import LaneServicer, build_lane_server
-
     from verifypd.auth import load_secret
     from verifypd.lane_tls import lane_tls
+    from verifypd.lanerpc.lane_server import LaneServicer, build_lane_server
 
     setup_logging()
     try:
@@ -191,12 +235,16 @@ def cmd_lane(args) -> int:
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
     if not 0 <= args.health_port <= 65535:
-        print(f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}",
-              file=sys.stderr)
+        print(
+            f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}", file=sys.stderr
+        )
         return 2
     if secret is None and not args.allow_unauthenticated:
-        print(f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
-              f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).", file=sys.stderr)
+        print(
+            f"verifypd: error: a lane needs a shared secret (--secret-file or env {LANE_SECRET_ENV}); only the "
+            f"gateway may call lanes. --allow-unauthenticated serves without one (tests only).",
+            file=sys.stderr,
+        )
         return 2
     try:
         options = engine_options(args)
@@ -204,8 +252,11 @@ def cmd_lane(args) -> int:
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
     if options.tensor_parallel > 1 and args.lane == "draft":
-        print(f"verifypd: error: --tensor-parallel {options.tensor_parallel}: the draft lane is not sharded (only "
-              "the verify and prefill lanes run the target)", file=sys.stderr)
+        print(
+            f"verifypd: error: --tensor-parallel {options.tensor_parallel}: the draft lane is not sharded (only "
+            "the verify and prefill lanes run the target)",
+            file=sys.stderr,
+        )
         return 2
     if args.lane == "verify":
         warn_simulated(options)
@@ -217,8 +268,9 @@ def cmd_lane(args) -> int:
         print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
         return 2
     try:
-        server, port, health = build_lane_server(servicer, args.host, args.port,
-                                                 None if args.call_port == -1 else args.call_port)
+        server, port, health = build_lane_server(
+            servicer, args.host, args.port, None if args.call_port == -1 else args.call_port
+        )
         health_port = None
         if args.health_port:
             from verifypd.health import HealthPort, serving_check
@@ -231,14 +283,17 @@ def cmd_lane(args) -> int:
     if args.port_file:  # written atomically: the launcher reads it as soon as it exists
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:  # port, then the pool files this lane owns (for cleanup)
-            shards = [d.shm_path for d in servicer.rank_shards if d.shm_path]   # --tensor-parallel: the other ranks'
+            shards = [d.shm_path for d in servicer.rank_shards if d.shm_path]  # --tensor-parallel: the other ranks'
             f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path], *shards]))
         os.replace(tmp, args.port_file)
     calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
     calls += ", mutual TLS" if tls is not None else ""
     calls += f", plaintext health on port {health_port.port}" if health_port is not None else ""
-    print(f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})", file=sys.stderr,
-          flush=True)
+    print(
+        f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})",
+        file=sys.stderr,
+        flush=True,
+    )
     parent = args.parent_pid
     try:
         _wait_for_signal(poll=(lambda: os.getppid() != parent) if parent else None)
@@ -266,8 +321,10 @@ def cmd_generate_remote(args) -> int:
         grpc.channel_ready_future(channel).result(timeout=5)
     except grpc.FutureTimeoutError:
         channel.close()
-        print(f"verifypd: error: cannot reach a verifypd server at {args.server}: {tls_mod.diagnose(args.server, tls)}",
-              file=sys.stderr)
+        print(
+            f"verifypd: error: cannot reach a verifypd server at {args.server}: {tls_mod.diagnose(args.server, tls)}",
+            file=sys.stderr,
+        )
         return 2
     if args.api_key:
         from verifypd.auth import bearer_interceptor
@@ -275,9 +332,12 @@ def cmd_generate_remote(args) -> int:
         channel = grpc.intercept_channel(channel, bearer_interceptor(args.api_key))
     stub = generate_pb2_grpc.GenerationStub(channel)
     req = generate_pb2.GenerateRequest(
-        sampling=generate_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                             seed=args.seed),
-        max_tokens=args.max_tokens, stop=args.stop)
+        sampling=generate_pb2.SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        ),
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+    )
     if args.no_speculation:
         req.speculation.disable = True
     elif args.k is not None:
@@ -303,8 +363,12 @@ def cmd_generate_remote(args) -> int:
                 break
             except grpc.RpcError as exc:
                 # Like the offline CLI: chat template when the model has one, else plain text.
-                if attempt == 0 and last is None and exc.code() == grpc.StatusCode.INVALID_ARGUMENT \
-                        and "chat template" in (exc.details() or ""):
+                if (
+                    attempt == 0
+                    and last is None
+                    and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    and "chat template" in (exc.details() or "")
+                ):
                     req.text = args.prompt
                     continue
                 raise
@@ -313,12 +377,29 @@ def cmd_generate_remote(args) -> int:
         return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     elapsed = time.monotonic() - t0
     u = last.usage
-    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-             "draft_tokens": u.draft_tokens, "accepted_tokens": u.accepted_tokens, "verify_steps": u.verify_steps}
+    usage = {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "draft_tokens": u.draft_tokens,
+        "accepted_tokens": u.accepted_tokens,
+        "verify_steps": u.verify_steps,
+    }
     if args.json:
-        print(json.dumps({"request_id": last.request_id, "text": "".join(text), "token_ids": ids,
-                          "finish_reason": FINISH_NAMES[last.finish_reason], "usage": usage, "ttft_s": ttft,
-                          "target": info.target_model, "draft": info.draft_model, "device": f"server:{args.server}"}))
+        print(
+            json.dumps(
+                {
+                    "request_id": last.request_id,
+                    "text": "".join(text),
+                    "token_ids": ids,
+                    "finish_reason": FINISH_NAMES[last.finish_reason],
+                    "usage": usage,
+                    "ttft_s": ttft,
+                    "target": info.target_model,
+                    "draft": info.draft_model,
+                    "device": f"server:{args.server}",
+                }
+            )
+        )
         return 0
     rate = u.completion_tokens / max(elapsed, 1e-9)
     acc = f"acceptance {u.accepted_tokens / u.draft_tokens:.0%}" if u.draft_tokens else "no speculation"

@@ -10,6 +10,7 @@ The lane secret (auth.py) reaches the children through their environment. `resta
 starts a dead lane again on the same port (so the gateway's channel reconnects by itself); the
 supervisor (supervisor.py) decides when.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -20,9 +21,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-
 import threading
+import time
 
 import verifypd
 from verifypd.auth import LANE_SECRET_ENV, new_secret
@@ -32,11 +32,30 @@ log = logging.getLogger("verifypd.launcher")
 LANES = ("prefill", "draft", "verify")
 
 
-def lane_command(lane: str, options, *, host: str, port: int = 0, port_file: str | None = None,
-                 parent_pid: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "verifypd.cli", "lane", lane, "--host", host, "--port", str(port),
-           "--target", options.target, "--draft", options.draft, "--device", options.device,
-           "--dtype", options.dtype, "--block-size", str(options.block_size)]
+def lane_command(
+    lane: str, options, *, host: str, port: int = 0, port_file: str | None = None, parent_pid: int | None = None
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "verifypd.cli",
+        "lane",
+        lane,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--target",
+        options.target,
+        "--draft",
+        options.draft,
+        "--device",
+        options.device,
+        "--dtype",
+        options.dtype,
+        "--block-size",
+        str(options.block_size),
+    ]
     if options.max_context is not None:
         cmd += ["--max-context", str(options.max_context)]
     if options.num_blocks is not None:
@@ -104,8 +123,9 @@ class LaneProcesses:
         return env
 
     def _spawn(self, lane: str, port: int = 0) -> None:
-        cmd = lane_command(lane, self.options, host=self.host, port=port, port_file=self._files[lane],
-                           parent_pid=os.getpid())
+        cmd = lane_command(
+            lane, self.options, host=self.host, port=port, port_file=self._files[lane], parent_pid=os.getpid()
+        )
         if self.tls is not None:
             cmd += self.tls.argv()
         self.procs[lane] = subprocess.Popen(cmd, env=self._env(), stdin=subprocess.DEVNULL)
@@ -141,8 +161,9 @@ class LaneProcesses:
                 code = self.procs[lane].poll()
                 if code is not None:
                     self.terminate()
-                    raise LaneStartError(f"{lane} lane exited with code {code} while starting (see its log above)",
-                                         code)
+                    raise LaneStartError(
+                        f"{lane} lane exited with code {code} while starting (see its log above)", code
+                    )
                 if os.path.exists(files[lane]):
                     port, _ = read_port_file(files[lane])
                     self.addrs[lane] = f"{self.host}:{port}"

@@ -9,6 +9,7 @@ The daemon is this `serve`'s own: its pipe and log directories live in the launc
 directory, only the lanes get them in their environment (no other process on the machine
 connects to it), and `stop()` quits it with the lanes. Torch-free.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,14 @@ class MpsDaemon:
         return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir}
 
     def _run(self, args: list[str], stdin: str | None = None, timeout_s: float = 10.0) -> subprocess.CompletedProcess:
-        return subprocess.run([CONTROL, *args], input=stdin, env={**os.environ, **self.env()}, text=True,
-                              capture_output=True, timeout=timeout_s)
+        return subprocess.run(
+            [CONTROL, *args],
+            input=stdin,
+            env={**os.environ, **self.env()},
+            text=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
 
     def start(self, timeout_s: float = 10.0) -> None:
         if shutil.which(CONTROL) is None:

@@ -2,6 +2,7 @@
 Shared by the gateway process (launch/cli.py) and the engine-core process (core/process.py), which
 parses the very argv `serve` was given. Torch-free; imports nothing of the serving rooms.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,47 +21,93 @@ DEFAULT_HOST = os.environ.get("VERIFYPD_HOST", "127.0.0.1")
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default=DEFAULT_HOST, help="bind address (default 127.0.0.1, env VERIFYPD_HOST)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
-    serve.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
-                       help="OpenAI-compatible HTTP API, /health and /metrics on --host (default 8000; 0 = off)")
-    serve.add_argument("--http-max-body-bytes", type=int, default=4 * 1024 * 1024,
-                       help="larger HTTP request bodies get 413")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the HTTP API's model id (default: the --target spec)")
-    serve.add_argument("--topology", choices=["colocated", "split"], default="colocated",
-                       help="colocated: lanes in this process; split: each lane its own process")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP API, /health and /metrics on --host (default 8000; 0 = off)",
+    )
+    serve.add_argument(
+        "--http-max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger HTTP request bodies get 413"
+    )
+    serve.add_argument("--served-model-name", default=None, help="the HTTP API's model id (default: the --target spec)")
+    serve.add_argument(
+        "--topology",
+        choices=["colocated", "split"],
+        default="colocated",
+        help="colocated: lanes in this process; split: each lane its own process",
+    )
     add_model_flags(serve)
     add_engine_flags(serve)
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="when a request sends max_tokens 0")
-    serve.add_argument("--mps", choices=["auto", "on", "off"], default="off",
-                       help="split on CUDA: run the lanes it starts under a private CUDA MPS daemon, so their "
-                            "kernels share the GPU instead of time-slicing (auto: where MPS can run; "
-                            "docs/services.md 'MPS')")
-    serve.add_argument("--kv-transport", choices=["auto", "handle", "copy"], default="auto",
-                       help="split: import co-located pools (handle) or copy KV bytes over gRPC (copy)")
+    serve.add_argument(
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="off",
+        help="split on CUDA: run the lanes it starts under a private CUDA MPS daemon, so their "
+        "kernels share the GPU instead of time-slicing (auto: where MPS can run; "
+        "docs/services.md 'MPS')",
+    )
+    serve.add_argument(
+        "--kv-transport",
+        choices=["auto", "handle", "copy"],
+        default="auto",
+        help="split: import co-located pools (handle) or copy KV bytes over gRPC (copy)",
+    )
     for lane in ("prefill", "draft", "verify"):
-        serve.add_argument(f"--{lane}-addr", metavar="HOST:PORT", default=None,
-                           help=f"connect to a running {lane} lane instead of starting one")
+        serve.add_argument(
+            f"--{lane}-addr",
+            metavar="HOST:PORT",
+            default=None,
+            help=f"connect to a running {lane} lane instead of starting one",
+        )
     serve.add_argument("--lane-timeout", type=float, default=60.0, help="seconds per lane call")
-    serve.add_argument("--lane-secret-file", default=None,
-                       help=f"with --*-addr: file holding the lanes' shared secret (else env {LANE_SECRET_ENV})")
-    serve.add_argument("--recovery-timeout", type=float, default=120.0,
-                       help="seconds to wait for a failed lane to serve again before failing its requests")
-    serve.add_argument("--max-lane-restarts", type=int, default=5,
-                       help="split: restarts of one lane within 60 s before it counts as a crash loop")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish")
-    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                       help=f"require `authorization: Bearer KEY` on Generate and Control.GetConfig (env {API_KEY_ENV})")
-    serve.add_argument("--admin-key-file", default=None,
-                       help=f"file holding the admin key that Control.UpdateConfig requires (else env {ADMIN_KEY_ENV}); "
-                            "without one, runtime config changes are refused (docs/services.md 'Access')")
-    serve.add_argument("--tls-cert-file", default=None,
-                       help="PEM certificate (chain) of the gRPC and HTTP ports: both serve TLS only "
-                            "(with --tls-key-file)")
+    serve.add_argument(
+        "--lane-secret-file",
+        default=None,
+        help=f"with --*-addr: file holding the lanes' shared secret (else env {LANE_SECRET_ENV})",
+    )
+    serve.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for a failed lane to serve again before failing its requests",
+    )
+    serve.add_argument(
+        "--max-lane-restarts",
+        type=int,
+        default=5,
+        help="split: restarts of one lane within 60 s before it counts as a crash loop",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require `authorization: Bearer KEY` on Generate and Control.GetConfig (env {API_KEY_ENV})",
+    )
+    serve.add_argument(
+        "--admin-key-file",
+        default=None,
+        help=f"file holding the admin key that Control.UpdateConfig requires (else env {ADMIN_KEY_ENV}); "
+        "without one, runtime config changes are refused (docs/services.md 'Access')",
+    )
+    serve.add_argument(
+        "--tls-cert-file",
+        default=None,
+        help="PEM certificate (chain) of the gRPC and HTTP ports: both serve TLS only (with --tls-key-file)",
+    )
     serve.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
-    serve.add_argument("--tls-client-ca-file", default=None,
-                       help="PEM CA: clients must present a certificate it signed (mutual TLS) on both ports")
+    serve.add_argument(
+        "--tls-client-ca-file",
+        default=None,
+        help="PEM CA: clients must present a certificate it signed (mutual TLS) on both ports",
+    )
     add_lane_tls_arguments(serve)
     add_health_port_argument(serve)
     serve.add_argument("--k-min", type=int, default=None)
@@ -71,28 +118,44 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     add_schedule_flags(serve)
 
 
-
 def add_lane_arguments(lane: argparse.ArgumentParser) -> None:
     lane.add_argument("lane", choices=["prefill", "draft", "verify"])
     lane.add_argument("--host", default=DEFAULT_HOST)
     lane.add_argument("--port", type=int, default=0, help="0 = any free port (see --port-file)")
     lane.add_argument("--port-file", default=None, help="write the bound port here once serving")
-    lane.add_argument("--call-port", type=int, default=0,
-                      help="TCP port of the call channel, the router's fast path for work calls (0 = any free "
-                           "port, announced by Describe; -1 = none: work calls over gRPC only)")
+    lane.add_argument(
+        "--call-port",
+        type=int,
+        default=0,
+        help="TCP port of the call channel, the router's fast path for work calls (0 = any free "
+        "port, announced by Describe; -1 = none: work calls over gRPC only)",
+    )
     lane.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
-    lane.add_argument("--secret-file", default=None,
-                      help=f"file holding the secret every caller must present (else env {LANE_SECRET_ENV})")
-    lane.add_argument("--allow-unauthenticated", action="store_true",
-                      help="serve without a secret: anyone reaching the port can read and write KV (tests only)")
-    lane.add_argument("--tls-cert-file", default=None,
-                      help="PEM certificate this lane serves with and presents on its KV pushes (mutual TLS, "
-                           "with --tls-key-file and --tls-ca-file): its gRPC and call-channel ports speak TLS only")
+    lane.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"file holding the secret every caller must present (else env {LANE_SECRET_ENV})",
+    )
+    lane.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve without a secret: anyone reaching the port can read and write KV (tests only)",
+    )
+    lane.add_argument(
+        "--tls-cert-file",
+        default=None,
+        help="PEM certificate this lane serves with and presents on its KV pushes (mutual TLS, "
+        "with --tls-key-file and --tls-ca-file): its gRPC and call-channel ports speak TLS only",
+    )
     lane.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
-    lane.add_argument("--tls-ca-file", default=None,
-                      help="PEM CA every caller's certificate (and every KV owner's) must chain to")
-    lane.add_argument("--tls-server-name", default=None,
-                      help="name checked in the owners' certificates on KV pushes (default: their host)")
+    lane.add_argument(
+        "--tls-ca-file", default=None, help="PEM CA every caller's certificate (and every KV owner's) must chain to"
+    )
+    lane.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name checked in the owners' certificates on KV pushes (default: their host)",
+    )
     add_health_port_argument(lane)
     add_model_flags(lane)
     add_engine_flags(lane, router=False)
@@ -100,30 +163,42 @@ def add_lane_arguments(lane: argparse.ArgumentParser) -> None:
 
 def add_lane_tls_arguments(serve: argparse.ArgumentParser) -> None:
     """`serve`'s side of mutual TLS to the lanes (docs/services.md "TLS")."""
-    serve.add_argument("--lane-tls-cert-file", default=None,
-                       help="split: PEM certificate the engine core presents to the lanes (mutual TLS, with "
-                            "--lane-tls-key-file and --lane-tls-ca-file); lanes this serve starts get the same files")
+    serve.add_argument(
+        "--lane-tls-cert-file",
+        default=None,
+        help="split: PEM certificate the engine core presents to the lanes (mutual TLS, with "
+        "--lane-tls-key-file and --lane-tls-ca-file); lanes this serve starts get the same files",
+    )
     serve.add_argument("--lane-tls-key-file", default=None, help="PEM private key of --lane-tls-cert-file")
     serve.add_argument("--lane-tls-ca-file", default=None, help="PEM CA the lanes' certificates must chain to")
-    serve.add_argument("--lane-tls-server-name", default=None,
-                       help="name checked in the lanes' certificates (default: the host of each --*-addr)")
+    serve.add_argument(
+        "--lane-tls-server-name",
+        default=None,
+        help="name checked in the lanes' certificates (default: the host of each --*-addr)",
+    )
 
 
 def add_health_port_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--health-port", type=int, default=0,
-                   help="plaintext HTTP `GET /health` (200 serving, 503 not) on --host for probes that cannot "
-                        "speak TLS, e.g. the kubelet's (0 = off)")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="plaintext HTTP `GET /health` (200 serving, 503 not) on --host for probes that cannot "
+        "speak TLS, e.g. the kubelet's (0 = off)",
+    )
 
 
 def serve_lane_tls(args):
     """`serve`'s --lane-tls-* flags, checked (verifypd.tls.TlsError naming the flag); None when not given."""
     from verifypd.lane_tls import lane_tls
 
-    return lane_tls(args.lane_tls_cert_file, args.lane_tls_key_file, args.lane_tls_ca_file,
-                    args.lane_tls_server_name,
-                    flags=("--lane-tls-cert-file", "--lane-tls-key-file", "--lane-tls-ca-file"))
-
-
+    return lane_tls(
+        args.lane_tls_cert_file,
+        args.lane_tls_key_file,
+        args.lane_tls_ca_file,
+        args.lane_tls_server_name,
+        flags=("--lane-tls-cert-file", "--lane-tls-key-file", "--lane-tls-ca-file"),
+    )
 
 
 def add_client_tls_arguments(p: argparse.ArgumentParser, what: str = "the server") -> None:
@@ -143,16 +218,30 @@ def serve_parser() -> argparse.ArgumentParser:
 def add_engine_flags(p: argparse.ArgumentParser, router: bool = True) -> None:
     p.add_argument("--block-size", type=int, default=16, help="token positions per KV block")
     p.add_argument("--max-context", type=int, default=4096, help="longest prompt + completion")
-    p.add_argument("--graph-buckets", type=_buckets, default=None, metavar="B,B,...",
-                   help="on CUDA: batch sizes to capture CUDA graphs for at start-up (default 1,2,4,...,256)")
+    p.add_argument(
+        "--graph-buckets",
+        type=_buckets,
+        default=None,
+        metavar="B,B,...",
+        help="on CUDA: batch sizes to capture CUDA graphs for at start-up (default 1,2,4,...,256)",
+    )
     if router:
         p.add_argument("--max-running", type=int, default=256, help="requests decoding at once")
     else:
-        p.add_argument("--k-max", type=int, default=None,
-                       help="longest draft the router will ask for (sizes the graphs captured at start-up)")
-    p.add_argument("--simulated-acceptance", type=acceptance_rate, default=None, metavar="ALPHA",
-                   help="BENCHMARK ONLY: real draft and verify compute, but each draft token is accepted with "
-                        "probability ALPHA (0..1, seeded); outputs are NOT the target model's")
+        p.add_argument(
+            "--k-max",
+            type=int,
+            default=None,
+            help="longest draft the router will ask for (sizes the graphs captured at start-up)",
+        )
+    p.add_argument(
+        "--simulated-acceptance",
+        type=acceptance_rate,
+        default=None,
+        metavar="ALPHA",
+        help="BENCHMARK ONLY: real draft and verify compute, but each draft token is accepted with "
+        "probability ALPHA (0..1, seeded); outputs are NOT the target model's",
+    )
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -176,9 +265,11 @@ def acceptance_rate(text: str) -> float:
     return value
 
 
-SIMULATED_WARNING = ("SIMULATED ACCEPTANCE alpha=%g (--simulated-acceptance): BENCHMARK ONLY. Draft tokens are "
-                     "accepted at random with this probability instead of by the target model; every output of "
-                     "this server is NOT the target model's output. Never serve real traffic like this.")
+SIMULATED_WARNING = (
+    "SIMULATED ACCEPTANCE alpha=%g (--simulated-acceptance): BENCHMARK ONLY. Draft tokens are "
+    "accepted at random with this probability instead of by the target model; every output of "
+    "this server is NOT the target model's output. Never serve real traffic like this."
+)
 
 
 def simulated_label(options) -> str:
@@ -196,29 +287,45 @@ def engine_options(args):
     from verifypd.engine.draft_length import RuntimeConfig
     from verifypd.local_engine import EngineOptions
 
-    options = EngineOptions(target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype,
-                            num_blocks=args.num_blocks, block_size=args.block_size, max_context=args.max_context,
-                            graph_buckets=args.graph_buckets, tensor_parallel=args.tensor_parallel,
-                            simulated_acceptance=getattr(args, "simulated_acceptance", None))
+    options = EngineOptions(
+        target=args.target,
+        draft=draft_arg(args),
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_context=args.max_context,
+        graph_buckets=args.graph_buckets,
+        tensor_parallel=args.tensor_parallel,
+        simulated_acceptance=getattr(args, "simulated_acceptance", None),
+    )
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
-        options.config = RuntimeConfig(k_min=0, k_initial=min(RuntimeConfig().k_initial, max(args.k_max, 0)),
-                                       k_max=args.k_max)
+        options.config = RuntimeConfig(
+            k_min=0, k_initial=min(RuntimeConfig().k_initial, max(args.k_max, 0)), k_max=args.k_max
+        )
         options.config.validate()  # InvalidRequest names the bound
     if hasattr(args, "max_running"):
         options.max_running = args.max_running
-        changes = {name: getattr(args, name) for name in ("k_min", "k_max", "k_initial", "prefill_token_budget")
-                   if getattr(args, name) is not None}
+        changes = {
+            name: getattr(args, name)
+            for name in ("k_min", "k_max", "k_initial", "prefill_token_budget")
+            if getattr(args, name) is not None
+        }
         if args.no_adaptive:
             changes["adaptive"] = False
-        changes.update(schedule_changes(args, split=getattr(args, "topology", "colocated") == "split",
-                                        drafting=options.draft != "none"))
+        changes.update(
+            schedule_changes(
+                args, split=getattr(args, "topology", "colocated") == "split", drafting=options.draft != "none"
+            )
+        )
         options.config = RuntimeConfig(**changes) if changes else RuntimeConfig()
         options.config.validate()
     return options
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
+    logging.basicConfig(
+        level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )

@@ -10,20 +10,30 @@ The supervisor only restarts processes; the gateway notices the failure on its n
 (or its watchdog), waits for the lane to serve again, re-wires the pools and re-prefills the
 requests in flight (core/engine_loop.py).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("verifypd.supervisor")
 
 
 class LaneSupervisor:
-    def __init__(self, procs, on_give_up: Callable[[str], None], *, max_restarts: int = 5, window_s: float = 60.0,
-                 base_backoff_s: float = 0.5, max_backoff_s: float = 8.0, poll_s: float = 0.1):
+    def __init__(
+        self,
+        procs,
+        on_give_up: Callable[[str], None],
+        *,
+        max_restarts: int = 5,
+        window_s: float = 60.0,
+        base_backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        poll_s: float = 0.1,
+    ):
         self.procs = procs
         self.on_give_up = on_give_up
         self.max_restarts, self.window_s = max_restarts, window_s
@@ -34,7 +44,7 @@ class LaneSupervisor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lane-supervisor", daemon=True)
 
-    def start(self) -> "LaneSupervisor":
+    def start(self) -> LaneSupervisor:
         self._thread.start()
         return self
 
@@ -58,14 +68,23 @@ class LaneSupervisor:
         while recent and now - recent[0] > self.window_s:
             recent.popleft()
         if len(recent) >= self.max_restarts:
-            self.gave_up = (f"{lane} lane crash loop: exited (code {code}) after {len(recent)} restarts within "
-                            f"{self.window_s:.0f} s; not restarting it again")
+            self.gave_up = (
+                f"{lane} lane crash loop: exited (code {code}) after {len(recent)} restarts within "
+                f"{self.window_s:.0f} s; not restarting it again"
+            )
             log.error("%s; the gateway stops serving", self.gave_up)
             self.on_give_up(self.gave_up)
             return
         backoff = min(self.max_backoff_s, self.base_backoff_s * (2 ** len(recent)))
-        log.error("%s lane (pid %d) exited with code %s; restarting it in %.1f s (restart %d in the last %.0f s)",
-                  lane, pid, code, backoff, len(recent) + 1, self.window_s)
+        log.error(
+            "%s lane (pid %d) exited with code %s; restarting it in %.1f s (restart %d in the last %.0f s)",
+            lane,
+            pid,
+            code,
+            backoff,
+            len(recent) + 1,
+            self.window_s,
+        )
         if self._stop.wait(backoff) or self.procs.stopping:
             return
         recent.append(time.monotonic())

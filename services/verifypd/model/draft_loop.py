@@ -15,6 +15,7 @@ A row is active while step < k. Inactive rows (finished or padding) still comput
 KV (slot -1) and read only KV that exists (their position falls back to base - 1, the pending
 token's, which is in the pool).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -38,29 +39,39 @@ class DraftState:
     top_k: torch.Tensor
     top_p: torch.Tensor
     seeds: torch.Tensor
-    tables: torch.Tensor       # [R, W] block tables (shared with the first step's layout)
+    tables: torch.Tensor  # [R, W] block tables (shared with the first step's layout)
     out_tokens: torch.Tensor
-    logits: torch.Tensor       # [R, V] static output of the forward
-    rows: torch.Tensor         # arange(R): logits index
+    logits: torch.Tensor  # [R, V] static output of the forward
+    rows: torch.Tensor  # arange(R): logits index
     query_start: torch.Tensor  # arange(R + 1): one token per row
 
     @classmethod
-    def allocate(cls, rows: int, steps: int, vocab: int, tables: torch.Tensor, dtype: torch.dtype) -> "DraftState":
+    def allocate(cls, rows: int, steps: int, vocab: int, tables: torch.Tensor, dtype: torch.dtype) -> DraftState:
         dev = tables.device
         zeros = lambda *shape, d=torch.long: torch.zeros(*shape, dtype=d, device=dev)  # noqa: E731
-        return cls(tok=zeros(rows), pos=zeros(rows), base=torch.ones(rows, dtype=torch.long, device=dev),
-                   k=zeros(rows), step=zeros(1), temp=zeros(rows, d=torch.float32), top_k=zeros(rows),
-                   top_p=torch.ones(rows, device=dev), seeds=zeros(rows), tables=tables,
-                   out_tokens=zeros(rows, steps),
-                   logits=torch.empty(rows, vocab, dtype=dtype, device=dev),
-                   rows=torch.arange(rows, device=dev), query_start=torch.arange(rows + 1, device=dev))
+        return cls(
+            tok=zeros(rows),
+            pos=zeros(rows),
+            base=torch.ones(rows, dtype=torch.long, device=dev),
+            k=zeros(rows),
+            step=zeros(1),
+            temp=zeros(rows, d=torch.float32),
+            top_k=zeros(rows),
+            top_p=torch.ones(rows, device=dev),
+            seeds=zeros(rows),
+            tables=tables,
+            out_tokens=zeros(rows, steps),
+            logits=torch.empty(rows, vocab, dtype=dtype, device=dev),
+            rows=torch.arange(rows, device=dev),
+            query_start=torch.arange(rows + 1, device=dev),
+        )
 
-    def head(self, rows: int) -> "DraftState":
+    def head(self, rows: int) -> DraftState:
         """The first `rows` rows (views: same memory, so graphs captured on them see updates)."""
         sliced = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in sliced.items():
             if name == "query_start":
-                sliced[name] = value[:rows + 1]
+                sliced[name] = value[: rows + 1]
             elif name != "step" and value is not None:
                 sliced[name] = value[:rows]
         return DraftState(**sliced)
@@ -71,8 +82,10 @@ class DraftState:
         greedy = all(s.greedy for s in samplings)
         arrays = [np.asarray(next_pos, dtype=np.int64), np.asarray(ks, dtype=np.int64)]
         if not greedy:
-            arrays += [np.asarray([s.top_k for s in samplings], dtype=np.int64),
-                       sampler.seed_tensor([s.seed for s in samplings], "cpu").numpy()]
+            arrays += [
+                np.asarray([s.top_k for s in samplings], dtype=np.int64),
+                sampler.seed_tensor([s.seed for s in samplings], "cpu").numpy(),
+            ]
         device_arrays = pack(arrays, self.tok.device, staging)
         self.k.zero_()
         self.base.fill_(1)
@@ -81,8 +94,9 @@ class DraftState:
         self.k[:n] = device_arrays[1]
         if not greedy:
             self.top_k[:n], self.seeds[:n] = device_arrays[2], device_arrays[3]
-            floats = sampler.small_tensor([[s.temperature for s in samplings], [s.top_p for s in samplings]],
-                                          self.tok.device, torch.float32)
+            floats = sampler.small_tensor(
+                [[s.temperature for s in samplings], [s.top_p for s in samplings]], self.tok.device, torch.float32
+            )
             self.temp[:n], self.top_p[:n] = floats
         self.tok[:n] = first_tokens
         self.out_tokens[:n, 0] = first_tokens
@@ -103,8 +117,9 @@ def step_batch(st: DraftState, block_size: int) -> BatchLayout:
     pos = torch.where(active, st.pos, st.base - 1)
     block = st.tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
     slots = torch.where(active, block * block_size + pos % block_size, -1)
-    return BatchLayout(input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables,
-                       query_start=st.query_start, max_query=1)
+    return BatchLayout(
+        input_ids=st.tok, positions=pos, slots=slots, block_tables=st.tables, query_start=st.query_start, max_query=1
+    )
 
 
 def advance(st: DraftState, logits: torch.Tensor, mode: str, token_pos: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ independent in every kernel, so padding changes no real row's result.
               head input, five GEMMs, rope+KV store, attention, two add+norms, SiLU*mul, argmax).
     out_steps [S, R] long (step-major, so a step's argmax writes its row in place)
 """
+
 from __future__ import annotations
 
 import time
@@ -36,22 +37,22 @@ from verifypd.model.verify_fit import variant_queries
 class CallInputs:
     """One call's device inputs (static buffers in a graph, per call otherwise). T = R * Q."""
 
-    ids: torch.Tensor           # [T] tokens fed
-    positions: torch.Tensor     # [T] their head rows (token position - 1)
-    slots: torch.Tensor         # [T] draft pool slots, -1 = write nowhere
+    ids: torch.Tensor  # [T] tokens fed
+    positions: torch.Tensor  # [T] their head rows (token position - 1)
+    slots: torch.Tensor  # [T] draft pool slots, -1 = write nowhere
     feature_rows: torch.Tensor  # [T] FeaturePool rows of the same positions (padding: the scratch row)
-    tables: torch.Tensor        # [R, W] draft block tables
-    last: torch.Tensor          # [R] the pending token's position n (padding: 1)
-    ks: torch.Tensor            # [R] drafts wanted (padding: 0)
-    top_k: torch.Tensor         # [R] sampling parameters (read only in sampled modes)
-    seeds: torch.Tensor         # [R]
-    temp_bits: torch.Tensor     # [R] float64 bit patterns (so that one int64 copy carries them)
-    top_p_bits: torch.Tensor    # [R]
-    temp: torch.Tensor          # [R] float32, filled from the bits by the catch-up
-    top_p: torch.Tensor         # [R]
+    tables: torch.Tensor  # [R, W] draft block tables
+    last: torch.Tensor  # [R] the pending token's position n (padding: 1)
+    ks: torch.Tensor  # [R] drafts wanted (padding: 0)
+    top_k: torch.Tensor  # [R] sampling parameters (read only in sampled modes)
+    seeds: torch.Tensor  # [R]
+    temp_bits: torch.Tensor  # [R] float64 bit patterns (so that one int64 copy carries them)
+    top_p_bits: torch.Tensor  # [R]
+    temp: torch.Tensor  # [R] float32, filled from the bits by the catch-up
+    top_p: torch.Tensor  # [R]
     query: int
     vrows: torch.Tensor | None = None  # [R] a call fitted to a verdict (model.verdict_shift): its verify rows
-    vks: torch.Tensor | None = None    # [R] and their k (-1 / 0: not fitted)
+    vks: torch.Tensor | None = None  # [R] and their k (-1 / 0: not fitted)
 
     def params(self):
         return self.temp, self.top_k, self.top_p, self.seeds
@@ -61,9 +62,19 @@ ROW_FIELDS = ("last", "ks", "top_k", "seeds", "temp_bits", "top_p_bits", "vrows"
 TOKEN_FIELDS = ("ids", "positions", "slots", "feature_rows")
 
 
-def host_inputs(draft_runs: list[TokenRun], target_runs: list[TokenRun], ks: list[int], samplings, *,
-                block_size: int, scratch_row: int, query: int, rows: int, width: int | None = None,
-                after: tuple[list[int], list[int]] | None = None) -> dict:
+def host_inputs(
+    draft_runs: list[TokenRun],
+    target_runs: list[TokenRun],
+    ks: list[int],
+    samplings,
+    *,
+    block_size: int,
+    scratch_row: int,
+    query: int,
+    rows: int,
+    width: int | None = None,
+    after: tuple[list[int], list[int]] | None = None,
+) -> dict:
     """The call's arrays (int64 numpy) by CallInputs field: head rows as head_rows gives them.
     `after` (verify rows, their k): the rows are laid out for the longest outcome of that verify call
     and fitted to its verdict on the device (model.verdict_shift)."""
@@ -71,45 +82,73 @@ def host_inputs(draft_runs: list[TokenRun], target_runs: list[TokenRun], ks: lis
     feature_slots = build_layout(target_runs, block_size, query=query, align="right", rows=rows).slots
     pad = rows - len(ks)
     assert pad >= 0
-    last = [r.start_pos + len(r.token_ids) for r in draft_runs]   # one past the last head row (n - 1): x_n's position
-    out = {"ids": layout.ids, "positions": layout.positions, "slots": layout.slots,
-           "feature_rows": np.where(feature_slots >= 0, feature_slots, scratch_row), "tables": layout.tables,
-           "last": np.asarray(last + [1] * pad, dtype=np.int64), "ks": np.asarray(ks + [0] * pad, dtype=np.int64)}
+    last = [r.start_pos + len(r.token_ids) for r in draft_runs]  # one past the last head row (n - 1): x_n's position
+    out = {
+        "ids": layout.ids,
+        "positions": layout.positions,
+        "slots": layout.slots,
+        "feature_rows": np.where(feature_slots >= 0, feature_slots, scratch_row),
+        "tables": layout.tables,
+        "last": np.asarray(last + [1] * pad, dtype=np.int64),
+        "ks": np.asarray(ks + [0] * pad, dtype=np.int64),
+    }
     vrows, vks = after if after is not None else ([-1] * len(ks), [0] * len(ks))
-    out.update(vrows=np.asarray(list(vrows) + [-1] * pad, dtype=np.int64),
-               vks=np.asarray(list(vks) + [0] * pad, dtype=np.int64))
+    out.update(
+        vrows=np.asarray(list(vrows) + [-1] * pad, dtype=np.int64),
+        vks=np.asarray(list(vks) + [0] * pad, dtype=np.int64),
+    )
     if all(s.greedy for s in samplings):
         zeros = np.zeros(rows, dtype=np.int64)
         out.update(top_k=zeros, seeds=zeros, temp_bits=zeros, top_p_bits=zeros)
         return out
     seeds = sampler.seed_tensor([s.seed for s in samplings], "cpu").numpy()
-    out.update(top_k=np.asarray([s.top_k for s in samplings] + [0] * pad, dtype=np.int64),
-               seeds=np.concatenate((seeds, np.zeros(pad, dtype=np.int64))),
-               temp_bits=np.asarray([s.temperature for s in samplings] + [0.0] * pad, dtype=np.float64).view(np.int64),
-               top_p_bits=np.asarray([s.top_p for s in samplings] + [1.0] * pad, dtype=np.float64).view(np.int64))
+    out.update(
+        top_k=np.asarray([s.top_k for s in samplings] + [0] * pad, dtype=np.int64),
+        seeds=np.concatenate((seeds, np.zeros(pad, dtype=np.int64))),
+        temp_bits=np.asarray([s.temperature for s in samplings] + [0.0] * pad, dtype=np.float64).view(np.int64),
+        top_p_bits=np.asarray([s.top_p for s in samplings] + [1.0] * pad, dtype=np.float64).view(np.int64),
+    )
     return out
 
 
 @torch.inference_mode()
-def catch_up(model, pool: torch.Tensor, features, inp: CallInputs, mode: str, out_steps: torch.Tensor,
-             hidden: torch.Tensor, arange: torch.Tensor) -> None:
+def catch_up(
+    model,
+    pool: torch.Tensor,
+    features,
+    inp: CallInputs,
+    mode: str,
+    out_steps: torch.Tensor,
+    hidden: torch.Tensor,
+    arange: torch.Tensor,
+) -> None:
     """Writes the catch-up rows' KV, draft 1 into out_steps[0] and the last rows' pre-norm outputs
     into hidden [R, H]. arange: a long arange of at least R + 1 entries on the device."""
     rows, query = inp.tables.shape[0], inp.query
     if mode != sampler.GREEDY:
         inp.temp.copy_(inp.temp_bits.view(torch.float64))
         inp.top_p.copy_(inp.top_p_bits.view(torch.float64))
-    batch = BatchLayout(inp.ids, inp.positions, inp.slots, inp.tables, arange[:rows + 1] * query, query)
+    batch = BatchLayout(inp.ids, inp.positions, inp.slots, inp.tables, arange[: rows + 1] * query, query)
     h, x = model.rows(pool, batch, features.tensor[inp.feature_rows].flatten(1))
-    last = arange[1:rows + 1] * query - 1
+    last = arange[1 : rows + 1] * query - 1
     torch.index_select(h, 0, last, out=hidden)
     model.choose(x[last], mode, inp.params(), inp.last + 1, out_steps[0])
 
 
 @torch.inference_mode()
-def chain(model, pool: torch.Tensor, inp: CallInputs, mode: str, out_steps: torch.Tensor, hidden: torch.Tensor,
-          step_positions: torch.Tensor, step_slots: torch.Tensor, query_start: torch.Tensor, block_size: int,
-          steps: int) -> None:
+def chain(
+    model,
+    pool: torch.Tensor,
+    inp: CallInputs,
+    mode: str,
+    out_steps: torch.Tensor,
+    hidden: torch.Tensor,
+    step_positions: torch.Tensor,
+    step_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    block_size: int,
+    steps: int,
+) -> None:
     """Steps 1 .. steps - 1 from the catch-up's state. step_positions/slots [R]: scratch written by
     each step's input; query_start: arange(R + 1) (one token per row)."""
     for j in range(1, steps):
@@ -119,7 +158,7 @@ def chain(model, pool: torch.Tensor, inp: CallInputs, mode: str, out_steps: torc
         h, x = model.layer(pool, batch, hidden, x_in)
         if h.data_ptr() != hidden.data_ptr():  # the torch norms return new tensors; Triton's update in place
             hidden.copy_(h)
-        positions = step_positions + 2 if mode != sampler.GREEDY else None   # where the chosen token sits
+        positions = step_positions + 2 if mode != sampler.GREEDY else None  # where the chosen token sits
         model.choose(x, mode, inp.params(), positions, out_steps[j])
 
 
@@ -129,9 +168,20 @@ class EagleGraphs:
     `replay="eager"` runs the captured functions directly over the same static buffers instead of
     capturing them (tests of the buffers' plumbing on the CPU)."""
 
-    def __init__(self, model, pool: torch.Tensor, features, block_size: int, staging: PinnedStaging, *,
-                 buckets=BUCKETS, max_query: int = 9, max_steps: int = 8, max_graph_tokens: int = 2048,
-                 replay: str = "cuda"):
+    def __init__(
+        self,
+        model,
+        pool: torch.Tensor,
+        features,
+        block_size: int,
+        staging: PinnedStaging,
+        *,
+        buckets=BUCKETS,
+        max_query: int = 9,
+        max_steps: int = 8,
+        max_graph_tokens: int = 2048,
+        replay: str = "cuda",
+    ):
         self.model, self.pool, self.features, self.block_size = model, pool, features, block_size
         self.staging, self.replay = staging, replay
         self.buckets, self.max_query, self.max_steps = tuple(sorted(buckets)), max_query, max_steps
@@ -160,7 +210,7 @@ class EagleGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
             self._capture_stream = torch.cuda.Stream(device=dev)
         self.capture_seconds = 0.0
-        self.calls = 0   # draft calls served through the graphs (tests and benches read it)
+        self.calls = 0  # draft calls served through the graphs (tests and benches read it)
 
     # -- sizes -----------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
@@ -168,21 +218,28 @@ class EagleGraphs:
 
     def fits(self, batch: int, query: int, steps: int, width: int) -> bool:
         rows = self.bucket(batch)
-        return (rows is not None and query <= self.max_query and rows * query <= self.max_graph_tokens
-                and steps <= self.max_steps and width <= self.width)
+        return (
+            rows is not None
+            and query <= self.max_query
+            and rows * query <= self.max_graph_tokens
+            and steps <= self.max_steps
+            and width <= self.width
+        )
 
     def inputs(self, rows: int, query: int) -> CallInputs:
         """Views of the static buffer for a (rows, query) call."""
         meta, off = self._meta, self._offsets
-        views = {name: meta[off[name]:off[name] + rows] for name in ROW_FIELDS}
-        views.update({name: meta[off[name]:off[name] + rows * query] for name in TOKEN_FIELDS})
-        tables = meta[off["tables"]:off["tables"] + rows * self.width].view(rows, self.width)
-        return CallInputs(tables=tables, temp=self._floats[0, :rows], top_p=self._floats[1, :rows], query=query,
-                          **views)
+        views = {name: meta[off[name] : off[name] + rows] for name in ROW_FIELDS}
+        views.update({name: meta[off[name] : off[name] + rows * query] for name in TOKEN_FIELDS})
+        tables = meta[off["tables"] : off["tables"] + rows * self.width].view(rows, self.width)
+        return CallInputs(
+            tables=tables, temp=self._floats[0, :rows], top_p=self._floats[1, :rows], query=query, **views
+        )
 
     # -- a call ----------------------------------------------------------------------------
-    def draft(self, draft_runs, target_runs, ks: list[int], samplings, mode: str, query: int,
-              after: tuple | None = None) -> torch.Tensor:
+    def draft(
+        self, draft_runs, target_runs, ks: list[int], samplings, mode: str, query: int, after: tuple | None = None
+    ) -> torch.Tensor:
         """Tokens [B, K] (K = max(ks)), a view of a static buffer valid until the next call. `after`
         (verdict, verify rows, their k): fitted to that verdict before the replays (model.verdict_shift)."""
         n, steps = len(ks), max(ks)
@@ -191,9 +248,18 @@ class EagleGraphs:
         # function once over inert inputs and would overwrite them).
         first = self._graph(("catch_up", rows, query, mode))
         rest = self._graph(("chain", rows, steps, mode)) if steps > 1 else None
-        arrays = host_inputs(draft_runs, target_runs, ks, samplings, block_size=self.block_size,
-                             scratch_row=self.features.num_slots, query=query, rows=rows, width=self.width,
-                             after=after[1:] if after is not None else None)
+        arrays = host_inputs(
+            draft_runs,
+            target_runs,
+            ks,
+            samplings,
+            block_size=self.block_size,
+            scratch_row=self.features.num_slots,
+            query=query,
+            rows=rows,
+            width=self.width,
+            after=after[1:] if after is not None else None,
+        )
         self._load(arrays, rows)
         if after is not None:
             shift_to_verdict(self.inputs(rows, query), after[0], self.features.num_slots, self.replay == "cuda")
@@ -210,7 +276,7 @@ class EagleGraphs:
         view = host.numpy()
         for name, values in arrays.items():
             start = self._offsets[name]
-            view[start:start + values.size] = values.ravel()
+            view[start : start + values.size] = values.ravel()
         if self.replay == "cuda":
             self._meta[:span].copy_(host, non_blocking=True)
         else:
@@ -222,14 +288,34 @@ class EagleGraphs:
         kind, rows, size, mode = key
         if kind == "catch_up":
             inp = self.inputs(rows, size)
-            return lambda: catch_up(self.model, self.pool, self.features, inp, mode, self.out_steps[:, :rows],
-                                    self.hidden[:rows], self.arange)
+            return lambda: catch_up(
+                self.model,
+                self.pool,
+                self.features,
+                inp,
+                mode,
+                self.out_steps[:, :rows],
+                self.hidden[:rows],
+                self.arange,
+            )
         inp = self.inputs(rows, 1)
 
         def run_chain():
-            chain(self.model, self.pool, inp, mode, self.out_steps[:, :rows], self.hidden[:rows],
-                  self.step_positions[:rows], self.step_slots[:rows], self.arange[:rows + 1], self.block_size, size)
+            chain(
+                self.model,
+                self.pool,
+                inp,
+                mode,
+                self.out_steps[:, :rows],
+                self.hidden[:rows],
+                self.step_positions[:rows],
+                self.step_slots[:rows],
+                self.arange[: rows + 1],
+                self.block_size,
+                size,
+            )
             self.out_tokens[:rows, :size].copy_(self.out_steps[:size, :rows].t())
+
         return run_chain
 
     def _graph(self, key: tuple):
@@ -253,9 +339,9 @@ class EagleGraphs:
         exists: slots -1, k 0, base 1, token 0 at position 0, block 0, the features' scratch row."""
         self._meta.zero_()
         off, rows = self._offsets, self.buckets[-1]
-        self._meta[off["slots"]:off["slots"] + rows * self.max_query].fill_(-1)
-        self._meta[off["feature_rows"]:off["feature_rows"] + rows * self.max_query].fill_(self.features.num_slots)
-        self._meta[off["last"]:off["last"] + rows].fill_(1)
+        self._meta[off["slots"] : off["slots"] + rows * self.max_query].fill_(-1)
+        self._meta[off["feature_rows"] : off["feature_rows"] + rows * self.max_query].fill_(self.features.num_slots)
+        self._meta[off["last"] : off["last"] + rows].fill_(1)
         self.out_steps.zero_()
 
     def warm_up(self, kinds=("draft",), max_query: int | None = None, max_steps: int | None = None) -> float:

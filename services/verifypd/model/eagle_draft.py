@@ -14,6 +14,7 @@ A draft call for a request with pending token x_n at n:
     the target's features of the accepted positions (rollback by overwrite).
 Host syncs: none. The call's device work is model.eagle_chain's (on CUDA two graph replays).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,13 +40,15 @@ class EagleModel:
     """The head's forward over its own paged KV (one layer; PagedLlama's attention backends)."""
 
     def __init__(self, config: EagleConfig, weights: EagleWeights, embed: torch.Tensor, attention: str = "auto"):
-        self.config, self.weights, self.embed = config, weights, embed     # embed: the target's [V, H]
+        self.config, self.weights, self.embed = config, weights, embed  # embed: the target's [V, H]
         self.shape = config.attention_shape()
         self.num_layers = 1
         self.vocab_size = config.vocab_size
-        self.shell = PagedLlama(self.shape, LlamaWeights(embed=embed, layers=[weights.layer],
-                                                         final_norm=weights.final_norm, lm_head=weights.lm_head),
-                                attention=attention)
+        self.shell = PagedLlama(
+            self.shape,
+            LlamaWeights(embed=embed, layers=[weights.layer], final_norm=weights.final_norm, lm_head=weights.lm_head),
+            attention=attention,
+        )
         self.attention = self.shell.attention
         mapping = weights.draft_to_target
         # Greedy picks the argmax of the draft logits (mapped to target ids) when the map keeps the
@@ -59,8 +62,9 @@ class EagleModel:
         w, eps = self.weights, self.shape.rms_norm_eps
         if self.attention == "triton":
             from verifypd.model.kernels.eagle_head_input import head_input
+
             return head_input(ids, self.embed, g, w.layer.input_norm, w.hidden_norm, eps, step)
-        if step is not None:   # the kernel's rule in torch
+        if step is not None:  # the kernel's rule in torch
             j, base, ks, tables, block_size, positions, slots = step
             active = j < ks
             pos = torch.where(active, base + (j - 1), base - 1)
@@ -77,9 +81,9 @@ class EagleModel:
         w, shell = self.weights, self.shell
         mask = shell._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
         attn = F.linear(shell._attention(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
-        h, x = shell._add_rms_norm(g, attn, w.layer.post_norm)                     # h = g + attn
+        h, x = shell._add_rms_norm(g, attn, w.layer.post_norm)  # h = g + attn
         mlp = F.linear(shell._act_mul(F.linear(x, w.layer.gate_up)), w.layer.down)
-        return shell._add_rms_norm(h, mlp, w.final_norm)                           # h = g + attn + mlp
+        return shell._add_rms_norm(h, mlp, w.final_norm)  # h = g + attn + mlp
 
     def rows(self, pool: torch.Tensor, batch: BatchLayout, features: torch.Tensor):
         """Rows from the target's features [T, 3Ht]: (pre-norm output [T, H], final-normed [T, H])."""
@@ -133,8 +137,14 @@ class EagleRunner:
 
     reads_features = True
 
-    def __init__(self, model: EagleModel, pool: KvPool, features: FeaturePool, graphs: bool | str | None = None,
-                 buckets: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        model: EagleModel,
+        pool: KvPool,
+        features: FeaturePool,
+        graphs: bool | str | None = None,
+        buckets: tuple[int, ...] | None = None,
+    ):
         """graphs: the draft call as CUDA graphs (None = on CUDA with the Triton backend); "eager":
         the graphs' static buffers with their functions run directly (tests, on any device)."""
         if pool.geometry.num_layers != 1:
@@ -147,10 +157,16 @@ class EagleRunner:
             graphs = self.device.type == "cuda" and model.attention == "triton"
         self.graphs = None
         if graphs:
-            self.graphs = EagleGraphs(model, pool.tensor, features, self.block_size, self.staging,
-                                      replay="eager" if graphs == "eager" else "cuda",
-                                      **({"buckets": buckets} if buckets else {}))
-        self.prefill_graphs: EagleGraphs | None = None   # capture_prefill_graphs
+            self.graphs = EagleGraphs(
+                model,
+                pool.tensor,
+                features,
+                self.block_size,
+                self.staging,
+                replay="eager" if graphs == "eager" else "cuda",
+                **({"buckets": buckets} if buckets else {}),
+            )
+        self.prefill_graphs: EagleGraphs | None = None  # capture_prefill_graphs
         self.prefill_queries: tuple[int, ...] = ()
 
     @property
@@ -165,9 +181,18 @@ class EagleRunner:
             return 0.0
         self.prefill_queries = tuple(sorted(queries))
         top = self.prefill_queries[-1]
-        self.prefill_graphs = EagleGraphs(self.model, self.pool.tensor, self.features, self.block_size,
-                                          PinnedStaging(self.device), buckets=(1,), max_query=top, max_steps=1,
-                                          max_graph_tokens=top, replay=self.graphs.replay)
+        self.prefill_graphs = EagleGraphs(
+            self.model,
+            self.pool.tensor,
+            self.features,
+            self.block_size,
+            PinnedStaging(self.device),
+            buckets=(1,),
+            max_query=top,
+            max_steps=1,
+            max_graph_tokens=top,
+            replay=self.graphs.replay,
+        )
         for query in reversed(self.prefill_queries):
             self.prefill_graphs._graph(("catch_up", 1, query, sampler.GREEDY))
         return self.prefill_graphs.capture_seconds
@@ -193,7 +218,9 @@ class EagleRunner:
         feature_slots = build_layout(target_runs, self.block_size).slots
         ids, positions, slots, starts, tables, fslots = pack(
             [layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables, feature_slots],
-            self.device, self.staging)
+            self.device,
+            self.staging,
+        )
         batch = BatchLayout(ids, positions, slots, tables.view(layout.tables.shape), starts, layout.max_query)
         self.model.rows(self.pool.tensor, batch, self.features.read(fslots))
 
@@ -210,15 +237,23 @@ class EagleRunner:
         mode = sampler.choice_mode(samplings)
         if self.graphs is not None:
             runs = self._catch_up_beyond_graphs(runs)
-        _, draft_runs, target_runs = head_rows(runs)        # every run has a row (position >= 1)
+        _, draft_runs, target_runs = head_rows(runs)  # every run has a row (position >= 1)
         query, steps = max(len(r.token_ids) for r in draft_runs), max(ks)
         width = max(len(r.block_ids) for r in draft_runs)
         if self.graphs is not None and self.graphs.fits(len(runs), query, steps, width):
             return self.graphs.draft(draft_runs, target_runs, ks, samplings, mode, query, after)
         n = len(runs)
-        arrays = host_inputs(draft_runs, target_runs, ks, samplings, block_size=self.block_size,
-                             scratch_row=self.features.num_slots, query=query, rows=n,
-                             after=after[1:] if after is not None else None)
+        arrays = host_inputs(
+            draft_runs,
+            target_runs,
+            ks,
+            samplings,
+            block_size=self.block_size,
+            scratch_row=self.features.num_slots,
+            query=query,
+            rows=n,
+            after=after[1:] if after is not None else None,
+        )
         inp = device_inputs(arrays, query, self.device, self.staging)
         if after is not None:
             shift_to_verdict(inp, after[0], self.features.num_slots, self.model.attention == "triton")
@@ -226,8 +261,19 @@ class EagleRunner:
         hidden = torch.empty(n, self.model.shape.hidden_size, dtype=self.model.embed.dtype, device=self.device)
         arange = torch.arange(n + 1, device=self.device)
         catch_up(self.model, self.pool.tensor, self.features, inp, mode, out_steps, hidden, arange)
-        chain(self.model, self.pool.tensor, inp, mode, out_steps, hidden, torch.empty_like(inp.ks),
-              torch.empty_like(inp.ks), arange, self.block_size, steps)
+        chain(
+            self.model,
+            self.pool.tensor,
+            inp,
+            mode,
+            out_steps,
+            hidden,
+            torch.empty_like(inp.ks),
+            torch.empty_like(inp.ks),
+            arange,
+            self.block_size,
+            steps,
+        )
         return out_steps.t().contiguous()
 
     def _catch_up_beyond_graphs(self, runs: list[FeatureRun]) -> list[FeatureRun]:
@@ -240,19 +286,29 @@ class EagleRunner:
         tail = self.graphs.max_query
         if all(len(r.token_ids) <= tail for r in runs):
             return runs
-        older = [FeatureRun(r.token_ids[:-tail], r.start_pos, r.block_ids, r.target_block_ids)
-                 for r in runs if len(r.token_ids) > tail]
-        self._ragged_rows(*head_rows(older)[1:])   # not the prefill graphs: the prefill lane's stream
-        return [r if len(r.token_ids) <= tail else
-                FeatureRun(r.token_ids[-tail:], r.start_pos + len(r.token_ids) - tail, r.block_ids, r.target_block_ids)
-                for r in runs]
+        older = [
+            FeatureRun(r.token_ids[:-tail], r.start_pos, r.block_ids, r.target_block_ids)
+            for r in runs
+            if len(r.token_ids) > tail
+        ]
+        self._ragged_rows(*head_rows(older)[1:])  # not the prefill graphs: the prefill lane's stream
+        return [
+            r
+            if len(r.token_ids) <= tail
+            else FeatureRun(r.token_ids[-tail:], r.start_pos + len(r.token_ids) - tail, r.block_ids, r.target_block_ids)
+            for r in runs
+        ]
 
 
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:
     """A feature pool over the target pool's slots, filled by every forward of `target` from now on."""
     g = target_pool.geometry
-    features = FeaturePool(g.num_blocks * g.block_size, config.aux_layer_ids, target.shape.hidden_size,
-                           target.weights.embed.dtype, target_pool.device)
+    features = FeaturePool(
+        g.num_blocks * g.block_size,
+        config.aux_layer_ids,
+        target.shape.hidden_size,
+        target.weights.embed.dtype,
+        target_pool.device,
+    )
     target.features = features
     return features
-

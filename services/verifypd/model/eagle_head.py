@@ -16,6 +16,7 @@ midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weigh
 d2t, the draft vocabulary's rows are the target's own lm_head rows (what `verifypd distill
 --draft-vocab N --frozen-lm-head` writes: a smaller file, and drafting computes N logits, not V).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,7 @@ class EagleConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int             # the target's
+    vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...]
@@ -56,77 +57,114 @@ class EagleConfig:
 
     def attention_shape(self) -> LlamaShape:
         """The shape of the head's one layer (what PagedLlama's attention needs; vocab = draft vocab)."""
-        return LlamaShape(vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
-                          intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-                          rope_theta=self.rope_theta, max_context=self.max_context, rope_scaling=self.rope_scaling)
+        return LlamaShape(
+            vocab_size=self.draft_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_context=self.max_context,
+            rope_scaling=self.rope_scaling,
+        )
 
     def to_json(self) -> dict:
-        return {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "num_hidden_layers": 1, "vocab_size": self.vocab_size,
-                "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
-                "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-                "max_position_embeddings": self.max_context, "rope_scaling": self.rope_scaling,
-                "tie_word_embeddings": False,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}}
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_context,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": False,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
+        }
 
     @classmethod
-    def from_json(cls, raw: dict, target: LlamaShape, path: str) -> "EagleConfig":
+    def from_json(cls, raw: dict, target: LlamaShape, path: str) -> EagleConfig:
         def need(key):
             if key not in raw:
                 raise ModelLoadError(f"--draft eagle:{path}: config.json lacks {key!r}")
             return raw[key]
 
         if raw.get("num_hidden_layers", 1) != 1:
-            raise ModelLoadError(f"--draft eagle:{path}: only one-layer heads are supported "
-                                 f"(num_hidden_layers = {raw['num_hidden_layers']})")
+            raise ModelLoadError(
+                f"--draft eagle:{path}: only one-layer heads are supported "
+                f"(num_hidden_layers = {raw['num_hidden_layers']})"
+            )
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         ids = tuple(ids) if ids else default_aux_layers(target.num_layers)
         if len(ids) != 3 or not all(0 <= i < target.num_layers for i in ids):
-            raise ModelLoadError(f"--draft eagle:{path}: eagle_aux_hidden_state_layer_ids must be 3 layers in "
-                                 f"[0, {target.num_layers}) of the target, got {list(ids)}")
-        return cls(hidden_size=hidden, intermediate_size=need("intermediate_size"), num_heads=heads,
-                   num_kv_heads=raw.get("num_key_value_heads") or heads,
-                   head_dim=raw.get("head_dim") or hidden // heads, vocab_size=raw.get("vocab_size", target.vocab_size),
-                   draft_vocab_size=raw.get("draft_vocab_size") or raw.get("vocab_size", target.vocab_size),
-                   target_hidden_size=raw.get("target_hidden_size") or hidden, aux_layer_ids=ids,
-                   rms_norm_eps=raw.get("rms_norm_eps", 1e-5), rope_theta=raw.get("rope_theta", 10000.0),
-                   # The head runs at the target's positions: its rope tables follow the target's
-                   # context, whatever length it was trained on (max_position_embeddings).
-                   max_context=target.max_context,
-                   rope_scaling=raw.get("rope_scaling"))
+            raise ModelLoadError(
+                f"--draft eagle:{path}: eagle_aux_hidden_state_layer_ids must be 3 layers in "
+                f"[0, {target.num_layers}) of the target, got {list(ids)}"
+            )
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            vocab_size=raw.get("vocab_size", target.vocab_size),
+            draft_vocab_size=raw.get("draft_vocab_size") or raw.get("vocab_size", target.vocab_size),
+            target_hidden_size=raw.get("target_hidden_size") or hidden,
+            aux_layer_ids=ids,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            rope_theta=raw.get("rope_theta", 10000.0),
+            # The head runs at the target's positions: its rope tables follow the target's
+            # context, whatever length it was trained on (max_position_embeddings).
+            max_context=target.max_context,
+            rope_scaling=raw.get("rope_scaling"),
+        )
 
 
 @dataclass
 class EagleWeights:
-    fc: torch.Tensor                  # [H, 3 * Ht]
-    layer: LayerWeights               # qkv [(heads + 2 kv_heads) * D, 2H]; input_norm: of the embeddings
-    hidden_norm: torch.Tensor         # [H]
-    final_norm: torch.Tensor          # [H]
-    lm_head: torch.Tensor             # [draft_vocab, H]
+    fc: torch.Tensor  # [H, 3 * Ht]
+    layer: LayerWeights  # qkv [(heads + 2 kv_heads) * D, 2H]; input_norm: of the embeddings
+    hidden_norm: torch.Tensor  # [H]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [draft_vocab, H]
     draft_to_target: torch.Tensor | None  # [draft_vocab] long target ids; None = identity
 
 
 def check_against_target(config: EagleConfig, target: LlamaShape, path: str) -> None:
     if config.vocab_size != target.vocab_size:
-        raise ModelLoadError(f"--draft eagle:{path}: head vocabulary {config.vocab_size} differs from the "
-                             f"target's {target.vocab_size} (a head is trained for one target)")
+        raise ModelLoadError(
+            f"--draft eagle:{path}: head vocabulary {config.vocab_size} differs from the "
+            f"target's {target.vocab_size} (a head is trained for one target)"
+        )
     if config.target_hidden_size != target.hidden_size or config.hidden_size != target.hidden_size:
-        raise ModelLoadError(f"--draft eagle:{path}: head hidden sizes ({config.hidden_size}, target "
-                             f"{config.target_hidden_size}) must equal the target's hidden size {target.hidden_size}")
+        raise ModelLoadError(
+            f"--draft eagle:{path}: head hidden sizes ({config.hidden_size}, target "
+            f"{config.target_hidden_size}) must equal the target's hidden size {target.hidden_size}"
+        )
 
 
-def load_eagle_head(path: str, target: LlamaShape, target_lm_head: torch.Tensor, device, dtype
-                    ) -> tuple[EagleConfig, EagleWeights]:
+def load_eagle_head(
+    path: str, target: LlamaShape, target_lm_head: torch.Tensor, device, dtype
+) -> tuple[EagleConfig, EagleWeights]:
     from safetensors.torch import load_file
 
     root = pathlib.Path(path)
     if not (root / "config.json").is_file():
-        raise ModelLoadError(f"--draft eagle:{path}: no config.json there (a head directory holds config.json "
-                             f"and {WEIGHTS_FILE})")
+        raise ModelLoadError(
+            f"--draft eagle:{path}: no config.json there (a head directory holds config.json and {WEIGHTS_FILE})"
+        )
     config = EagleConfig.from_json(json.loads((root / "config.json").read_text()), target, path)
     check_against_target(config, target, path)
     files = sorted(root.glob("*.safetensors"))
@@ -143,11 +181,14 @@ def load_eagle_head(path: str, target: LlamaShape, target_lm_head: torch.Tensor,
 
     m = "midlayer."
     layer = LayerWeights(
-        qkv=torch.cat([get(f"{m}self_attn.{p}_proj.weight") for p in "qkv"]), qkv_bias=None,
+        qkv=torch.cat([get(f"{m}self_attn.{p}_proj.weight") for p in "qkv"]),
+        qkv_bias=None,
         o=get(f"{m}self_attn.o_proj.weight"),
         gate_up=torch.cat([get(f"{m}mlp.gate_proj.weight"), get(f"{m}mlp.up_proj.weight")]),
-        down=get(f"{m}mlp.down_proj.weight"), input_norm=get(f"{m}input_layernorm.weight"),
-        post_norm=get(f"{m}post_attention_layernorm.weight"))
+        down=get(f"{m}mlp.down_proj.weight"),
+        input_norm=get(f"{m}input_layernorm.weight"),
+        post_norm=get(f"{m}post_attention_layernorm.weight"),
+    )
     mapping = None
     if "d2t" in sd:
         offsets = sd["d2t"]
@@ -161,11 +202,18 @@ def load_eagle_head(path: str, target: LlamaShape, target_lm_head: torch.Tensor,
     else:  # the target's head: the draft vocabulary is the target's
         lm_head = target_lm_head
     if lm_head.shape[0] != (target.vocab_size if mapping is None else mapping.numel()):
-        raise ModelLoadError(f"--draft eagle:{path}: a {lm_head.shape[0]}-token draft vocabulary needs a "
-                             f"d2t map of as many entries")
+        raise ModelLoadError(
+            f"--draft eagle:{path}: a {lm_head.shape[0]}-token draft vocabulary needs a d2t map of as many entries"
+        )
     config.draft_vocab_size = lm_head.shape[0]
-    return config, EagleWeights(fc=get("fc.weight"), layer=layer, hidden_norm=get(f"{m}hidden_norm.weight"),
-                                final_norm=get("norm.weight"), lm_head=lm_head, draft_to_target=mapping)
+    return config, EagleWeights(
+        fc=get("fc.weight"),
+        layer=layer,
+        hidden_norm=get(f"{m}hidden_norm.weight"),
+        final_norm=get("norm.weight"),
+        lm_head=lm_head,
+        draft_to_target=mapping,
+    )
 
 
 def head_state_dict(config: EagleConfig, weights: EagleWeights, *, with_lm_head: bool = True) -> dict:
@@ -175,11 +223,20 @@ def head_state_dict(config: EagleConfig, weights: EagleWeights, *, with_lm_head:
     q, k, v = L.qkv.split([q_dim, kv_dim, kv_dim])
     gate, up = L.gate_up.chunk(2)
     m = "midlayer."
-    sd = {"fc.weight": weights.fc, f"{m}self_attn.q_proj.weight": q, f"{m}self_attn.k_proj.weight": k,
-          f"{m}self_attn.v_proj.weight": v, f"{m}self_attn.o_proj.weight": L.o, f"{m}mlp.gate_proj.weight": gate,
-          f"{m}mlp.up_proj.weight": up, f"{m}mlp.down_proj.weight": L.down,
-          f"{m}input_layernorm.weight": L.input_norm, f"{m}hidden_norm.weight": weights.hidden_norm,
-          f"{m}post_attention_layernorm.weight": L.post_norm, "norm.weight": weights.final_norm}
+    sd = {
+        "fc.weight": weights.fc,
+        f"{m}self_attn.q_proj.weight": q,
+        f"{m}self_attn.k_proj.weight": k,
+        f"{m}self_attn.v_proj.weight": v,
+        f"{m}self_attn.o_proj.weight": L.o,
+        f"{m}mlp.gate_proj.weight": gate,
+        f"{m}mlp.up_proj.weight": up,
+        f"{m}mlp.down_proj.weight": L.down,
+        f"{m}input_layernorm.weight": L.input_norm,
+        f"{m}hidden_norm.weight": weights.hidden_norm,
+        f"{m}post_attention_layernorm.weight": L.post_norm,
+        "norm.weight": weights.final_norm,
+    }
     if with_lm_head:
         sd["lm_head.weight"] = weights.lm_head
     if weights.draft_to_target is not None:
@@ -191,8 +248,9 @@ def head_state_dict(config: EagleConfig, weights: EagleWeights, *, with_lm_head:
     return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
 
 
-def save_eagle_head(path, config: EagleConfig, weights: EagleWeights, *, with_lm_head: bool = True,
-                    dtype: torch.dtype | None = None) -> pathlib.Path:
+def save_eagle_head(
+    path, config: EagleConfig, weights: EagleWeights, *, with_lm_head: bool = True, dtype: torch.dtype | None = None
+) -> pathlib.Path:
     """Writes config.json + model.safetensors (`with_lm_head=False`: the head uses the target's)."""
     from safetensors.torch import save_file
 
@@ -206,20 +264,36 @@ def save_eagle_head(path, config: EagleConfig, weights: EagleWeights, *, with_lm
     return root
 
 
-def random_eagle_head(target: LlamaShape, *, seed: int = 0, draft_vocab: int | None = None,
-                      intermediate_size: int | None = None, device="cpu", dtype=torch.float32,
-                      std: float = 0.02) -> tuple[EagleConfig, EagleWeights]:
+def random_eagle_head(
+    target: LlamaShape,
+    *,
+    seed: int = 0,
+    draft_vocab: int | None = None,
+    intermediate_size: int | None = None,
+    device="cpu",
+    dtype=torch.float32,
+    std: float = 0.02,
+) -> tuple[EagleConfig, EagleWeights]:
     """A head with random weights for `target` (tests, benchmarks, the start of training).
     `draft_vocab` < the target's: the first draft_vocab target ids."""
     gen = torch.Generator().manual_seed(seed)
     H, D = target.hidden_size, target.head_dim
     vocab = draft_vocab or target.vocab_size
-    config = EagleConfig(hidden_size=H, intermediate_size=intermediate_size or target.intermediate_size,
-                         num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=D,
-                         vocab_size=target.vocab_size, draft_vocab_size=vocab, target_hidden_size=H,
-                         aux_layer_ids=default_aux_layers(target.num_layers), rms_norm_eps=target.rms_norm_eps,
-                         rope_theta=target.rope_theta, max_context=target.max_context,
-                         rope_scaling=target.rope_scaling)
+    config = EagleConfig(
+        hidden_size=H,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=D,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=vocab,
+        target_hidden_size=H,
+        aux_layer_ids=default_aux_layers(target.num_layers),
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        max_context=target.max_context,
+        rope_scaling=target.rope_scaling,
+    )
 
     def rand(*size):
         return (torch.randn(*size, generator=gen) * std).to(device=device, dtype=dtype)
@@ -229,8 +303,21 @@ def random_eagle_head(target: LlamaShape, *, seed: int = 0, draft_vocab: int | N
 
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * D
     inter = config.intermediate_size
-    layer = LayerWeights(qkv=rand(qkv_rows, 2 * H), qkv_bias=None, o=rand(H, config.num_heads * D),
-                         gate_up=rand(2 * inter, H), down=rand(H, inter), input_norm=ones(), post_norm=ones())
+    layer = LayerWeights(
+        qkv=rand(qkv_rows, 2 * H),
+        qkv_bias=None,
+        o=rand(H, config.num_heads * D),
+        gate_up=rand(2 * inter, H),
+        down=rand(H, inter),
+        input_norm=ones(),
+        post_norm=ones(),
+    )
     mapping = torch.arange(vocab, device=device) if vocab != target.vocab_size else None
-    return config, EagleWeights(fc=rand(H, 3 * H), layer=layer, hidden_norm=ones(), final_norm=ones(),
-                                lm_head=rand(vocab, H), draft_to_target=mapping)
+    return config, EagleWeights(
+        fc=rand(H, 3 * H),
+        layer=layer,
+        hidden_norm=ones(),
+        final_norm=ones(),
+        lm_head=rand(vocab, H),
+        draft_to_target=mapping,
+    )

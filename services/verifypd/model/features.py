@@ -10,14 +10,16 @@ index_put inside the forward (CUDA-graph safe); slot -1 (padding) lands on a scr
 
     tensor [num_slots + 1, captures, Ht]   row num_slots = scratch
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class FeaturePool:
-    def __init__(self, num_slots: int, capture_layers: tuple[int, ...], hidden: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self, num_slots: int, capture_layers: tuple[int, ...], hidden: int, dtype: torch.dtype, device: torch.device
+    ):
         """capture_layers: "output of layer i" ids (EagleConfig.aux_layer_ids), in feature order."""
         self.num_slots = num_slots
         self.capture_layers = tuple(capture_layers)

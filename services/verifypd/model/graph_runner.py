@@ -14,6 +14,7 @@ filled before each replay with one host-to-device copy; outputs are views of sta
 valid until the next replay of this runner (callers consume them within the lane call).
 Sizes outside the buckets run eagerly through the same code.
 """
+
 from __future__ import annotations
 
 import gc
@@ -37,10 +38,20 @@ SHARED_CAPTURE_STREAM = os.environ.get("VERIFYPD_SHARED_CAPTURE_STREAM") == "1"
 
 
 class GraphRunner:
-    def __init__(self, model: PagedLlama, pool: torch.Tensor, block_size: int, staging: PinnedStaging, *,
-                 buckets=BUCKETS,
-                 max_query: int = 9, max_draft_steps: int = 8, max_graph_tokens: int = 2048,
-                 last_only: bool = False, replay: str = "cuda"):
+    def __init__(
+        self,
+        model: PagedLlama,
+        pool: torch.Tensor,
+        block_size: int,
+        staging: PinnedStaging,
+        *,
+        buckets=BUCKETS,
+        max_query: int = 9,
+        max_draft_steps: int = 8,
+        max_graph_tokens: int = 2048,
+        last_only: bool = False,
+        replay: str = "cuda",
+    ):
         """last_only: only "last" graphs (one-sequence prefill, ModelRunner.capture_prefill_graphs):
         logits for one row per sequence, not per token. replay="eager": the captured functions run
         directly over the same static buffers (tests of the buffers' plumbing on the CPU)."""
@@ -56,17 +67,19 @@ class GraphRunner:
         self.staging = staging
         self._tables_at = 3 * tokens + rows
         self._meta = torch.zeros(self._tables_at + rows * self.width, dtype=torch.long, device=dev)
-        self.ids, self.positions, self.slots = (self._meta[i * tokens:(i + 1) * tokens] for i in range(3))
-        self.ks = self._meta[3 * tokens:self._tables_at]            # [rows] drafts per row ("accept")
-        self.tables = self._meta[self._tables_at:].view(rows, self.width)
+        self.ids, self.positions, self.slots = (self._meta[i * tokens : (i + 1) * tokens] for i in range(3))
+        self.ks = self._meta[3 * tokens : self._tables_at]  # [rows] drafts per row ("accept")
+        self.tables = self._meta[self._tables_at :].view(rows, self.width)
         # ("accept") row r: [accepted, final token, its Q - 1 drafts]; sampler.accept_greedy's rule
         self.verdict = torch.zeros(rows, max_query + 1, dtype=torch.long, device=dev)
         self.slots.fill_(-1)
-        self.logits = torch.empty(rows if last_only else tokens, model.shape.vocab_size,
-                                  dtype=model.weights.embed.dtype, device=dev)
+        self.logits = torch.empty(
+            rows if last_only else tokens, model.shape.vocab_size, dtype=model.weights.embed.dtype, device=dev
+        )
         self.arange = torch.arange(tokens + 1, device=dev)
-        self.draft = DraftState.allocate(rows, max_draft_steps, model.shape.vocab_size, self.tables,
-                                         model.weights.embed.dtype)
+        self.draft = DraftState.allocate(
+            rows, max_draft_steps, model.shape.vocab_size, self.tables, model.weights.embed.dtype
+        )
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if replay == "cuda" else None
         # Each runner captures on its own stream. PyTorch keys the cuBLAS workspace by (handle,
@@ -86,34 +99,56 @@ class GraphRunner:
         return rows is not None and query <= self.max_query and rows * query <= self.max_graph_tokens
 
     # -- forwards ----------------------------------------------------------------------------
-    def score(self, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None = None,
-              first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
+    def score(
+        self,
+        runs: list[TokenRun],
+        query: int,
+        device_ids: torch.Tensor | None = None,
+        first_ids: torch.Tensor | None = None,
+        fit: tuple | None = None,
+    ) -> torch.Tensor:
         rows = self._replay_left("all", runs, query, device_ids, first_ids, fit=fit)
-        return self.logits[:rows * query].view(rows, query, -1)[:len(runs)]
+        return self.logits[: rows * query].view(rows, query, -1)[: len(runs)]
 
-    def verify_greedy(self, runs: list[TokenRun], query: int, ks: list[int], device_ids: torch.Tensor | None = None,
-                      first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
+    def verify_greedy(
+        self,
+        runs: list[TokenRun],
+        query: int,
+        ks: list[int],
+        device_ids: torch.Tensor | None = None,
+        first_ids: torch.Tensor | None = None,
+        fit: tuple | None = None,
+    ) -> torch.Tensor:
         """score() + greedy acceptance in one replay: [B, Q + 1] (accepted, final, drafts), a view of
         a static buffer (copy it before the next replay). Drafts are token ids 1 .. Q - 1 of each
         run (or `device_ids`); row r accepts at most ks[r] of them."""
         self._replay_left("accept", runs, query, device_ids, first_ids, ks, fit)
-        return self.verdict[:len(runs), :query + 1]
+        return self.verdict[: len(runs), : query + 1]
 
-    def _replay_left(self, kind: str, runs: list[TokenRun], query: int, device_ids: torch.Tensor | None,
-                     first_ids: torch.Tensor | None, ks: list[int] | None = None, fit: tuple | None = None) -> int:
+    def _replay_left(
+        self,
+        kind: str,
+        runs: list[TokenRun],
+        query: int,
+        device_ids: torch.Tensor | None,
+        first_ids: torch.Tensor | None,
+        ks: list[int] | None = None,
+        fit: tuple | None = None,
+    ) -> int:
         """Loads left-aligned runs, writes the device-side ids, fits the rows to the verdict of the
         call before (`fit`, model.verify_fit), replays (kind, rows, query); -> rows."""
         rows = self.bucket(len(runs))
         graph = self._graph((kind, rows, query))
         self._load(runs, query, "left", rows, ks)
         if device_ids is not None and query > 1:  # see ModelRunner.score
-            self.ids[:rows * query].view(rows, query)[:len(runs), 1:] = device_ids
+            self.ids[: rows * query].view(rows, query)[: len(runs), 1:] = device_ids
         if first_ids is not None:  # stream-ordered after the load's copy and the producing step
-            self.ids[:rows * query].view(rows, query)[:len(runs), 0] = first_ids
+            self.ids[: rows * query].view(rows, query)[: len(runs), 0] = first_ids
         if fit is not None:  # stream-ordered after the load's copy and the call whose verdict it reads
             n = rows * query
-            fit_layout(fit, self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows], rows, query,
-                       self.block_size)
+            fit_layout(
+                fit, self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows], rows, query, self.block_size
+            )
         graph.replay()
         return rows
 
@@ -122,7 +157,7 @@ class GraphRunner:
         graph = self._graph(("last", rows, query))
         self._load(runs, query, "right", rows)
         graph.replay()
-        return self.logits[:len(runs)]
+        return self.logits[: len(runs)]
 
     def _load(self, runs: list[TokenRun], query: int, align: str, rows: int, ks: list[int] | None = None) -> None:
         host = build_layout(runs, self.block_size, query=query, align=align, rows=rows, width=self.width)
@@ -131,25 +166,30 @@ class GraphRunner:
         host_buf = self.staging.take(span)
         view = host_buf.numpy()
         for i, part in enumerate((host.ids, host.positions, host.slots)):
-            view[i * tokens:i * tokens + n] = part
+            view[i * tokens : i * tokens + n] = part
         if ks is not None:  # padding rows accept nothing
-            view[3 * tokens:3 * tokens + rows] = ks + [0] * (rows - len(ks))
-        view[self._tables_at:span] = host.tables.ravel()
+            view[3 * tokens : 3 * tokens + rows] = ks + [0] * (rows - len(ks))
+        view[self._tables_at : span] = host.tables.ravel()
         self._meta[:span].copy_(host_buf, non_blocking=True)
         self.staging.sent()
 
     def _forward(self, mode: str, rows: int, query: int) -> None:
         n = rows * query
-        batch = BatchLayout(self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows],
-                            self.arange[:rows + 1] * query, query)
+        batch = BatchLayout(
+            self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows], self.arange[: rows + 1] * query, query
+        )
         if mode in ("all", "accept"):
             self.model.forward(self.pool, batch, self.arange[:n], logits_out=self.logits[:n])
             if mode == "accept":
                 drafts = self.ids[:n].view(rows, query)[:, 1:]
-                write_verdict(self.logits[:n].view(rows, query, -1).argmax(-1), drafts, self.ks[:rows],
-                              self.verdict[:rows, :query + 1])
+                write_verdict(
+                    self.logits[:n].view(rows, query, -1).argmax(-1),
+                    drafts,
+                    self.ks[:rows],
+                    self.verdict[:rows, : query + 1],
+                )
         else:
-            index = self.arange[1:rows + 1] * query - 1
+            index = self.arange[1 : rows + 1] * query - 1
             self.model.forward(self.pool, batch, index, logits_out=self.logits[:rows])
 
     # -- the draft loop ----------------------------------------------------------------------
@@ -158,10 +198,10 @@ class GraphRunner:
         buffer. The caller ran step 0 (`last_logits` + choose) just before."""
         rows, steps = self.bucket(len(ks)), max(ks)
         graph = self._graph(("draft", rows, mode))
-        self.draft.start(samplings, first_tokens[:len(ks)], next_pos, ks, self.staging)
+        self.draft.start(samplings, first_tokens[: len(ks)], next_pos, ks, self.staging)
         for _ in range(steps - 1):
             graph.replay()
-        return self.draft.out_tokens[:len(ks), :steps]
+        return self.draft.out_tokens[: len(ks), :steps]
 
     def draft_fits(self, batch: int, steps: int) -> bool:
         return self.bucket(batch) is not None and steps <= self.max_draft_steps
@@ -227,8 +267,16 @@ class GraphRunner:
             for query in variant_queries(max_query):
                 if rows * query <= self.ids.numel():
                     n = rows * query
-                    fit_layout((self.verdict, [], []), self.ids[:n], self.positions[:n], self.slots[:n],
-                               self.tables[:rows], rows, query, self.block_size)
+                    fit_layout(
+                        (self.verdict, [], []),
+                        self.ids[:n],
+                        self.positions[:n],
+                        self.slots[:n],
+                        self.tables[:rows],
+                        rows,
+                        query,
+                        self.block_size,
+                    )
                     launched.append((rows, query))
         return launched
 

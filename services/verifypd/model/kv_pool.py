@@ -4,6 +4,7 @@ Layout [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]; block ids
 dim 2. On CPU the pool can live in a named shared-memory file so another process on the host can
 map the very same bytes (the CPU twin of CUDA IPC, so CI exercises the handle path for real).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,9 +36,18 @@ class PoolGeometry:
 
 
 class KvPool:
-    def __init__(self, role: str, geometry: PoolGeometry, dtype: torch.dtype, device: torch.device,
-                 tensor: torch.Tensor | None = None, shm_path: str | None = None, pool_id: str | None = None,
-                 generation: int = 1, owner: bool = True):
+    def __init__(
+        self,
+        role: str,
+        geometry: PoolGeometry,
+        dtype: torch.dtype,
+        device: torch.device,
+        tensor: torch.Tensor | None = None,
+        shm_path: str | None = None,
+        pool_id: str | None = None,
+        generation: int = 1,
+        owner: bool = True,
+    ):
         self.role = role
         self.geometry = geometry
         self.dtype = dtype
@@ -49,7 +59,7 @@ class KvPool:
         self.tensor = tensor if tensor is not None else torch.zeros(geometry.shape, dtype=dtype, device=self.device)
 
     @classmethod
-    def create_shared_cpu(cls, role: str, geometry: PoolGeometry, dtype: torch.dtype) -> "KvPool":
+    def create_shared_cpu(cls, role: str, geometry: PoolGeometry, dtype: torch.dtype) -> KvPool:
         """A CPU pool backed by a /dev/shm file that peers open by path."""
         pool_id = f"{role}-{uuid.uuid4().hex[:12]}"
         path = os.path.join(SHM_DIR, f"verifypd-{pool_id}")
@@ -61,16 +71,26 @@ class KvPool:
         return cls(role, geometry, dtype, torch.device("cpu"), tensor, shm_path=path, pool_id=pool_id)
 
     @classmethod
-    def open_shared_cpu(cls, role: str, geometry: PoolGeometry, dtype: torch.dtype, path: str,
-                        pool_id: str, generation: int) -> "KvPool":
+    def open_shared_cpu(
+        cls, role: str, geometry: PoolGeometry, dtype: torch.dtype, path: str, pool_id: str, generation: int
+    ) -> KvPool:
         numel = 1
         for d in geometry.shape:
             numel *= d
         if not os.path.exists(path):
             raise FileNotFoundError(f"shared KV pool {pool_id} not found at {path}")
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(geometry.shape)
-        return cls(role, geometry, dtype, torch.device("cpu"), tensor, shm_path=path, pool_id=pool_id,
-                   generation=generation, owner=False)
+        return cls(
+            role,
+            geometry,
+            dtype,
+            torch.device("cpu"),
+            tensor,
+            shm_path=path,
+            pool_id=pool_id,
+            generation=generation,
+            owner=False,
+        )
 
     def info(self) -> PoolInfo:
         g = self.geometry

@@ -8,6 +8,7 @@ copy. Two layouts:
     padding sequences write nowhere either. Left-aligned (real tokens first) for verify, so row j
     of a sequence is its j-th token; right-aligned for drafting, so its last token is row Q - 1.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,14 +36,21 @@ class HostLayout:
     ids: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
-    tables: np.ndarray        # [rows, W]
-    query_start: np.ndarray   # [rows + 1]
+    tables: np.ndarray  # [rows, W]
+    query_start: np.ndarray  # [rows + 1]
     max_query: int
     real: int
 
 
-def build_layout(runs: list[TokenRun], block_size: int, *, query: int | None = None, align: str = "left",
-                 rows: int | None = None, width: int | None = None) -> HostLayout:
+def build_layout(
+    runs: list[TokenRun],
+    block_size: int,
+    *,
+    query: int | None = None,
+    align: str = "left",
+    rows: int | None = None,
+    width: int | None = None,
+) -> HostLayout:
     """query=None: ragged. Else each sequence padded to `query` tokens (>= its run), the batch to
     `rows` sequences, block tables to `width` columns."""
     num = len(runs)
@@ -61,9 +69,10 @@ def build_layout(runs: list[TokenRun], block_size: int, *, query: int | None = N
     width = max(1, int(nblocks.max())) if width is None else width
     tables = np.zeros((rows, width), dtype=np.int64)
     for i, run in enumerate(runs):
-        tables[i, :len(run.block_ids)] = run.block_ids
-    flat_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in runs), dtype=np.int64,
-                           count=int(lens.sum()))
+        tables[i, : len(run.block_ids)] = run.block_ids
+    flat_ids = np.fromiter(
+        itertools.chain.from_iterable(r.token_ids for r in runs), dtype=np.int64, count=int(lens.sum())
+    )
     run_start = np.concatenate(([0], np.cumsum(lens)[:-1]))
     if query is None:  # ragged
         seq = np.repeat(np.arange(num), lens)
@@ -102,8 +111,9 @@ def build_layout(runs: list[TokenRun], block_size: int, *, query: int | None = N
 SMALL_PADDED = 160
 
 
-def _padded_small(runs: list[TokenRun], block_size: int, query: int, align: str, rows: int,
-                  width: int | None) -> HostLayout:
+def _padded_small(
+    runs: list[TokenRun], block_size: int, query: int, align: str, rows: int, width: int | None
+) -> HostLayout:
     """build_layout's padded case, element by element (same arrays, same errors)."""
     num = len(runs)
     if width is None:
@@ -119,25 +129,32 @@ def _padded_small(runs: list[TokenRun], block_size: int, query: int, align: str,
             raise ValueError(f"run needs {start + n} positions but holds {len(blocks)} blocks")
         if n > query:
             raise ValueError(f"a run of {n} tokens does not fit {query} query slots")
-        tables[i, :len(blocks)] = blocks
+        tables[i, : len(blocks)] = blocks
         base = i * query
-        first = base if align == "left" else base + query - n   # where the real tokens begin
+        first = base if align == "left" else base + query - n  # where the real tokens begin
         # Padding slots repeat a real position (left: the last, right: the first) and write nowhere.
-        positions[base:base + query] = [start + n - 1 if align == "left" else start] * query
+        positions[base : base + query] = [start + n - 1 if align == "left" else start] * query
         for j in range(n):
             p = start + j
             ids[first + j], positions[first + j] = toks[j], p
             slots[first + j] = blocks[p // block_size] * block_size + p % block_size
     query_start = np.arange(rows + 1, dtype=np.int64) * query
-    return HostLayout(np.array(ids, dtype=np.int64), np.array(positions, dtype=np.int64),
-                      np.array(slots, dtype=np.int64), tables, query_start, query, num)
+    return HostLayout(
+        np.array(ids, dtype=np.int64),
+        np.array(positions, dtype=np.int64),
+        np.array(slots, dtype=np.int64),
+        tables,
+        query_start,
+        query,
+        num,
+    )
 
 
 ALIGN = 16  # elements: every array starts 128-byte aligned in the packed buffer (Triton specializes
-            # kernels on 16-byte pointer alignment; misaligned views would compile extra variants)
+# kernels on 16-byte pointer alignment; misaligned views would compile extra variants)
 
 
-def pack(arrays: list[np.ndarray], device: torch.device, staging: "PinnedStaging | None" = None) -> list[torch.Tensor]:
+def pack(arrays: list[np.ndarray], device: torch.device, staging: PinnedStaging | None = None) -> list[torch.Tensor]:
     """Copies int64 arrays to `device` in one transfer; returns flat device views, each aligned."""
     sizes = [a.size for a in arrays]
     offsets = np.concatenate(([0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])))
@@ -145,11 +162,11 @@ def pack(arrays: list[np.ndarray], device: torch.device, staging: "PinnedStaging
     host = staging.take(total) if staging is not None else torch.empty(total, dtype=torch.long)
     view = host.numpy()
     for a, off in zip(arrays, offsets):
-        view[off:off + a.size] = a.ravel()
+        view[off : off + a.size] = a.ravel()
     flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
     if staging is not None:
         staging.sent()
-    return [flat[off:off + n] for off, n in zip(offsets, sizes)]
+    return [flat[off : off + n] for off, n in zip(offsets, sizes)]
 
 
 class PinnedStaging:
@@ -178,6 +195,13 @@ class PinnedStaging:
 def to_device(layout: HostLayout, device: torch.device, staging: PinnedStaging | None = None) -> BatchLayout:
     """One host-to-device copy of all index arrays."""
     ids, positions, slots, query_start, tables = pack(
-        [layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables], device, staging)
-    return BatchLayout(input_ids=ids, positions=positions, slots=slots, query_start=query_start,
-                       block_tables=tables.view(layout.tables.shape), max_query=layout.max_query)
+        [layout.ids, layout.positions, layout.slots, layout.query_start, layout.tables], device, staging
+    )
+    return BatchLayout(
+        input_ids=ids,
+        positions=positions,
+        slots=slots,
+        query_start=query_start,
+        block_tables=tables.view(layout.tables.shape),
+        max_query=layout.max_query,
+    )

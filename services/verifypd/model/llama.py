@@ -19,6 +19,7 @@ padded to whole blocks):
     pool        [2, layers, num_blocks, block_size, kv_heads, head_dim]
     reference:  q (padded) [B, heads, Q, head_dim];  k, v (gathered) [B, kv_heads, C, head_dim]
 """
+
 from __future__ import annotations
 
 import os
@@ -41,32 +42,33 @@ class LlamaShape:
     rope_theta: float
     max_context: int
     rope_scaling: dict | None = None  # llama3-style frequency scaling, or None
-    qkv_bias: bool = False            # Qwen2
-    mlp_activation: str = "silu"      # act(gate) * up: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
-    embed_scale: bool = False         # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
-    norm_offset: float = 0.0          # Gemma: norms multiply by (offset + w); folded into the weights at
-                                      # load (loader.weights_from_state_dict), never read by the forward
+    qkv_bias: bool = False  # Qwen2
+    mlp_activation: str = "silu"  # act(gate) * up: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    embed_scale: bool = False  # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
+    norm_offset: float = 0.0  # Gemma: norms multiply by (offset + w); folded into the weights at
+    # load (loader.weights_from_state_dict), never read by the forward
+
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor          # [(heads + 2 kv_heads) * head_dim, H]
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor            # [H, heads * head_dim]
-    gate_up: torch.Tensor      # [2 * I, H]
-    down: torch.Tensor         # [H, I]
-    input_norm: torch.Tensor   # [H]
-    post_norm: torch.Tensor    # [H]
+    o: torch.Tensor  # [H, heads * head_dim]
+    gate_up: torch.Tensor  # [2 * I, H]
+    down: torch.Tensor  # [H, I]
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
 
 
 @dataclass
 class LlamaWeights:
-    embed: torch.Tensor        # [V, H]
+    embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
-    final_norm: torch.Tensor   # [H]
-    lm_head: torch.Tensor      # [V, H] (may alias embed)
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (may alias embed)
 
 
 @dataclass
@@ -74,12 +76,12 @@ class BatchLayout:
     """Where each new token goes and what it attends to. Built by the runner (or static buffers of a
     CUDA graph). Tokens of a sequence are consecutive; positions never decrease within a run."""
 
-    input_ids: torch.Tensor    # [T] long
-    positions: torch.Tensor    # [T] long
-    slots: torch.Tensor        # [T] long: block_id * block_size + offset in the pool, -1 = write nowhere
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long: block_id * block_size + offset in the pool, -1 = write nowhere
     block_tables: torch.Tensor  # [B, W] int32/int64 (entries past a sequence's blocks are never read)
     query_start: torch.Tensor  # [B + 1] int32: tokens of sequence b are [query_start[b], query_start[b+1])
-    max_query: int             # upper bound on tokens of one sequence
+    max_query: int  # upper bound on tokens of one sequence
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,7 +116,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_backend(name: str, device: torch.device) -> str:
-    """"auto" picks the Triton kernels on CUDA and the torch reference elsewhere;
+    """ "auto" picks the Triton kernels on CUDA and the torch reference elsewhere;
     VERIFYPD_ATTENTION=reference|triton overrides "auto" (tests, debugging)."""
     if name == "auto":
         name = os.environ.get("VERIFYPD_ATTENTION") or ("triton" if device.type == "cuda" else "reference")
@@ -127,8 +129,9 @@ class PagedLlama:
     """A stateless forward over given weights; `num_layers` < shape.num_layers gives the
     self-speculative draft (first layers + final norm + head, sharing the target's tensors)."""
 
-    def __init__(self, shape: LlamaShape, weights: LlamaWeights, num_layers: int | None = None,
-                 attention: str = "auto"):
+    def __init__(
+        self, shape: LlamaShape, weights: LlamaWeights, num_layers: int | None = None, attention: str = "auto"
+    ):
         self.shape = shape
         self.weights = weights
         self.num_layers = num_layers or shape.num_layers
@@ -142,6 +145,7 @@ class PagedLlama:
             from verifypd.model.kernels.paged_attention import paged_attention
             from verifypd.model.kernels.rms_norm import add_rms_norm
             from verifypd.model.kernels.rope_kv import rope_and_store_kv
+
             if shape.mlp_activation == "gelu_tanh":
                 from verifypd.model.kernels.gelu_mul import gelu_mul as act_mul
             else:
@@ -152,9 +156,12 @@ class PagedLlama:
         # A TpGroup (model.tensor_parallel) when this is one rank of a tensor-parallel model: the shape
         # and weights are then the rank's shard, and the attention and MLP outputs are partial sums.
         self.tp_group = None
-        self.embed_scale = (torch.tensor(shape.hidden_size ** 0.5, dtype=weights.embed.dtype, device=device)
-                            if shape.embed_scale else None)
-        self.scale = shape.head_dim ** -0.5
+        self.embed_scale = (
+            torch.tensor(shape.hidden_size**0.5, dtype=weights.embed.dtype, device=device)
+            if shape.embed_scale
+            else None
+        )
+        self.scale = shape.head_dim**-0.5
         # cos/sin of every position, [max_context + slack, D]: looked up, not recomputed, per step.
         # (positions.float() * inv_freq in float32, as computed per step before: same values.)
         positions = torch.arange(shape.max_context + 64, device=device, dtype=torch.float32)
@@ -163,8 +170,13 @@ class PagedLlama:
         self.rope_cos, self.rope_sin = emb.cos().to(weights.embed.dtype), emb.sin().to(weights.embed.dtype)
 
     @torch.inference_mode()
-    def forward(self, pool: torch.Tensor, batch: BatchLayout, logits_index: torch.Tensor | None,
-                logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward(
+        self,
+        pool: torch.Tensor,
+        batch: BatchLayout,
+        logits_index: torch.Tensor | None,
+        logits_out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Writes the new tokens' KV into `pool`; returns logits [len(logits_index), V] in the model's
         dtype (into `logits_out` when given: a CUDA graph's static output)."""
         w = self.weights
@@ -176,15 +188,15 @@ class PagedLlama:
         features, tp = self.features, self.tp_group
         for i in range(self.num_layers):
             layer = w.layers[i]
-            h, x = norm(h, delta, layer.input_norm)          # h += delta; x = norm(h)
-            if features is not None and i in features.at:   # the residual stream entering layer i
+            h, x = norm(h, delta, layer.input_norm)  # h += delta; x = norm(h)
+            if features is not None and i in features.at:  # the residual stream entering layer i
                 features.write(i, h, batch.slots)
             delta = F.linear(self._attention(x, layer, pool, i, batch, mask), layer.o)
-            if tp is not None:   # row-parallel o_proj: sum the ranks' partial outputs
+            if tp is not None:  # row-parallel o_proj: sum the ranks' partial outputs
                 tp.all_reduce(delta)
             h, x = norm(h, delta, layer.post_norm)
             delta = F.linear(self._act_mul(F.linear(x, layer.gate_up)), layer.down)
-            if tp is not None:   # row-parallel down_proj
+            if tp is not None:  # row-parallel down_proj
                 tp.all_reduce(delta)
         if features is not None and self.num_layers in features.at:  # the last layer's output
             features.write(self.num_layers, h + delta, batch.slots)
@@ -204,15 +216,24 @@ class PagedLlama:
         flat = (-1, s.num_kv_heads, s.head_dim)
         if self.attention == "triton":
             _, _, rope_and_store_kv, paged_attention = self._kernels
-            q = rope_and_store_kv(qkv, self.rope_cos, self.rope_sin, batch.positions, batch.slots,
-                                  k_cache.view(flat), v_cache.view(flat), s.num_heads)
-            out = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.positions, batch.query_start,
-                                  batch.max_query, self.scale)
+            q = rope_and_store_kv(
+                qkv,
+                self.rope_cos,
+                self.rope_sin,
+                batch.positions,
+                batch.slots,
+                k_cache.view(flat),
+                v_cache.view(flat),
+                s.num_heads,
+            )
+            out = paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.positions, batch.query_start, batch.max_query, self.scale
+            )
             return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[:, :q_dim].view(-1, s.num_heads, s.head_dim)
-        k = qkv[:, q_dim:q_dim + kv_dim].view(-1, s.num_kv_heads, s.head_dim)
-        v = qkv[:, q_dim + kv_dim:].view(-1, s.num_kv_heads, s.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].view(-1, s.num_kv_heads, s.head_dim)
+        v = qkv[:, q_dim + kv_dim :].view(-1, s.num_kv_heads, s.head_dim)
         cos, sin = self.rope_cos[batch.positions][:, None, :], self.rope_sin[batch.positions][:, None, :]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
@@ -238,18 +259,19 @@ class PagedLlama:
         s = self.shape
         seq_of, idx_in_run = _token_coordinates(batch)
         tables = batch.block_tables.long()
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)    # [B, kvh, C, D]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kvh, C, D]
         values = v_cache[tables].flatten(1, 2).transpose(1, 2)
         # Slots past a sequence's last position may hold garbage, NaN included: zero them, since
         # an additive -inf mask does not stop NaN (0 * NaN is NaN in the weighted sum).
-        visible = mask.isfinite().any(2)                             # [B, 1, C]
+        visible = mask.isfinite().any(2)  # [B, 1, C]
         keys = torch.where(visible[..., None], keys, 0)
         values = torch.where(visible[..., None], values, 0)
         num_seqs = tables.shape[0]
         qp = q.new_zeros(num_seqs, batch.max_query, s.num_heads, s.head_dim)
         qp[seq_of, idx_in_run] = q
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask,
-                                             scale=self.scale, enable_gqa=True)   # [B, heads, Q, D]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # [B, heads, Q, D]
         return out.transpose(1, 2)[seq_of, idx_in_run].reshape(-1, s.num_heads * s.head_dim)
 
     def _attention_mask(self, batch: BatchLayout, block_size: int) -> torch.Tensor:

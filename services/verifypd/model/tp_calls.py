@@ -17,6 +17,7 @@ layout, the same CUDA-graph bucket and issues the same collectives in the same o
 broadcast of a [runs, draft_k] int64 tensor right after this message (model/tp_ranks.py).
 The sequence number lets a follower detect a lost or repeated message (it exits).
 """
+
 from __future__ import annotations
 
 import socket
@@ -30,13 +31,13 @@ KINDS = {FORWARD: "forward", SCORE: "score", LAST_LOGITS: "last_logits", IMPORT:
 LOGITS_FOR = {None: 0, "last": 1, "all": 2}
 LOGITS_FOR_NAME = {v: k for k, v in LOGITS_FOR.items()}
 HEADER = struct.Struct("<8q")
-MAX_ELEMENTS = 1 << 26   # a sanity bound on any array (a corrupt header must not allocate terabytes)
+MAX_ELEMENTS = 1 << 26  # a sanity bound on any array (a corrupt header must not allocate terabytes)
 
 
 @dataclass
 class Call:
     kind: int
-    runs: list            # layout.TokenRun (token_ids, start_pos, block_ids)
+    runs: list  # layout.TokenRun (token_ids, start_pos, block_ids)
     logits_for: str | None = None
     draft_k: int = 0
     seq: int = 0
@@ -50,10 +51,19 @@ def encode(call: Call) -> bytes:
     counts = np.fromiter((len(r.block_ids) for r in runs), dtype=np.int64, count=len(runs))
     tokens = np.fromiter((t for r in runs for t in r.token_ids), dtype=np.int64, count=int(lens.sum()))
     blocks = np.fromiter((b for r in runs for b in r.block_ids), dtype=np.int64, count=int(counts.sum()))
-    header = HEADER.pack(call.kind, LOGITS_FOR[call.logits_for], len(runs), tokens.size, blocks.size,
-                         call.draft_k, call.seq, len(call.payload))
-    return b"".join((header, lens.tobytes(), starts.tobytes(), counts.tobytes(), tokens.tobytes(), blocks.tobytes(),
-                     call.payload))
+    header = HEADER.pack(
+        call.kind,
+        LOGITS_FOR[call.logits_for],
+        len(runs),
+        tokens.size,
+        blocks.size,
+        call.draft_k,
+        call.seq,
+        len(call.payload),
+    )
+    return b"".join(
+        (header, lens.tobytes(), starts.tobytes(), counts.tobytes(), tokens.tobytes(), blocks.tobytes(), call.payload)
+    )
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -77,21 +87,30 @@ def receive(sock: socket.socket, make_run) -> Call | None:
     if raw is None:
         return None
     kind, logits_for, n_runs, n_tokens, n_blocks, draft_k, seq, n_payload = HEADER.unpack(raw)
-    if kind not in KINDS or logits_for not in LOGITS_FOR_NAME or \
-            not all(0 <= n <= MAX_ELEMENTS for n in (n_runs, n_tokens, n_blocks, draft_k, n_payload)):
+    if (
+        kind not in KINDS
+        or logits_for not in LOGITS_FOR_NAME
+        or not all(0 <= n <= MAX_ELEMENTS for n in (n_runs, n_tokens, n_blocks, draft_k, n_payload))
+    ):
         raise ValueError(f"malformed tensor-parallel call header {(kind, logits_for, n_runs, n_tokens, n_blocks)}")
     body = _recv_exactly(sock, 8 * (3 * n_runs + n_tokens + n_blocks)) if (n_runs or n_tokens or n_blocks) else b""
     if body is None:
         raise EOFError("control socket closed after a call header")
     flat = np.frombuffer(body, dtype=np.int64)
-    lens, starts, counts = flat[:n_runs], flat[n_runs:2 * n_runs], flat[2 * n_runs:3 * n_runs]
-    tokens, blocks = flat[3 * n_runs:3 * n_runs + n_tokens], flat[3 * n_runs + n_tokens:]
+    lens, starts, counts = flat[:n_runs], flat[n_runs : 2 * n_runs], flat[2 * n_runs : 3 * n_runs]
+    tokens, blocks = flat[3 * n_runs : 3 * n_runs + n_tokens], flat[3 * n_runs + n_tokens :]
     if int(lens.sum()) != n_tokens or int(counts.sum()) != n_blocks:
         raise ValueError("malformed tensor-parallel call: run lengths do not add up")
     tok_at = np.concatenate(([0], np.cumsum(lens))).tolist()
     blk_at = np.concatenate(([0], np.cumsum(counts))).tolist()
-    runs = [make_run(tokens[tok_at[i]:tok_at[i + 1]].tolist(), int(starts[i]),
-                     tuple(blocks[blk_at[i]:blk_at[i + 1]].tolist())) for i in range(n_runs)]
+    runs = [
+        make_run(
+            tokens[tok_at[i] : tok_at[i + 1]].tolist(),
+            int(starts[i]),
+            tuple(blocks[blk_at[i] : blk_at[i + 1]].tolist()),
+        )
+        for i in range(n_runs)
+    ]
     payload = _recv_exactly(sock, n_payload) if n_payload else b""
     if payload is None:
         raise EOFError("control socket closed before a call's payload")

@@ -14,6 +14,7 @@ Options (JSON, from rank 0): rank, world, init_file, device, parent_pid, pool, g
 dtype, max_context, block_size, num_blocks, gpu_memory_fraction, cuda_graphs, graph_buckets, k_max.
 The pool budget is this rank's own memory, as rank 0 computes its own; the ranks take the minimum.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,12 @@ log = logging.getLogger("verifypd.tp")
 
 def _exit_with_parent(parent: int) -> None:
     """Rank 0 gone (even by SIGKILL) while this rank waits inside a collective: exit."""
+
     def watch() -> None:
         while os.getppid() == parent:
             threading.Event().wait(0.5)
         os._exit(3)
+
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
@@ -47,7 +50,9 @@ def pool_budget(model, options: dict, device: torch.device, dtype: torch.dtype) 
     if options.get("num_blocks") is not None:
         return options["num_blocks"]
     s = model.shape
-    per_block = PoolGeometry(model.num_layers, 1, options["block_size"], s.num_kv_heads, s.head_dim).bytes_per_block(dtype)
+    per_block = PoolGeometry(model.num_layers, 1, options["block_size"], s.num_kv_heads, s.head_dim).bytes_per_block(
+        dtype
+    )
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * options["gpu_memory_fraction"]) // per_block
@@ -65,8 +70,7 @@ class Follower:
         self.device = torch.device(options["device"])
         self.dtype = getattr(torch, options["dtype"])
         self.group = init_group(self.rank, world, options["init_file"], self.device)
-        loaded = load_target_shard(options["target"], self.rank, world, self.device, self.dtype,
-                                   options["max_context"])
+        loaded = load_target_shard(options["target"], self.rank, world, self.device, self.dtype, options["max_context"])
         self.model = PagedLlama(shard_shape(loaded.shape, world), loaded.weights)
         self.model.tp_group = self.group
         self.pool = self.runner = None
@@ -82,8 +86,11 @@ class Follower:
         blocks = agree_blocks(self.group, pool_budget(self.model, o, self.device, self.dtype), self.device)
         geometry = PoolGeometry(self.model.num_layers, blocks, o["block_size"], s.num_kv_heads, s.head_dim)
         shared_cpu = o["pool"] == "shared" and self.device.type == "cpu"
-        self.pool = KvPool.create_shared_cpu("target", geometry, self.dtype) if shared_cpu else \
-            KvPool("target", geometry, self.dtype, self.device)
+        self.pool = (
+            KvPool.create_shared_cpu("target", geometry, self.dtype)
+            if shared_cpu
+            else KvPool("target", geometry, self.dtype, self.device)
+        )
         self.pool.generation = o.get("generation", 1)
         buckets = tuple(o["graph_buckets"]) if o.get("graph_buckets") else None
         self.runner = ModelRunner(self.model, self.pool, graphs=None if o["cuda_graphs"] else False, buckets=buckets)
@@ -92,6 +99,7 @@ class Follower:
         if o["pool"] != "shared":
             return b""
         from verifypd.lanerpc.kv_transport import describe_pool
+
         return describe_pool(self.pool).SerializeToString()
 
     def import_pool(self, payload: bytes) -> None:
@@ -105,10 +113,12 @@ class Follower:
             raise ValueError(f"pool {d.pool_id} is on another host or device than rank {self.rank} ({self.device})")
         s = self.model.shape
         if (d.num_layers, d.num_kv_heads, d.head_dim) != (self.model.num_layers, s.num_kv_heads, s.head_dim):
-            raise ValueError(f"pool {d.pool_id} holds {d.num_kv_heads} kv heads x {d.head_dim} in {d.num_layers} "
-                             f"layers; rank {self.rank} computes {s.num_kv_heads} x {s.head_dim} in {self.model.num_layers}")
+            raise ValueError(
+                f"pool {d.pool_id} holds {d.num_kv_heads} kv heads x {d.head_dim} in {d.num_layers} "
+                f"layers; rank {self.rank} computes {s.num_kv_heads} x {s.head_dim} in {self.model.num_layers}"
+            )
         self.pool = kv.open_pool(d)
-        self.runner = ModelRunner(self.model, self.pool, graphs=False)   # prefill: eager forwards only
+        self.runner = ModelRunner(self.model, self.pool, graphs=False)  # prefill: eager forwards only
 
     def serve(self) -> int:
         """Runs rank 0's calls until STOP or EOF; returns the exit status."""
@@ -143,7 +153,7 @@ class Follower:
 
     def close(self) -> None:
         if self.pool is not None and self.pool.shm_path and self.options["pool"] == "shared":
-            self.pool.close()   # removes this rank's /dev/shm file
+            self.pool.close()  # removes this rank's /dev/shm file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--options", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     options = json.loads(args.options)
     _exit_with_parent(options["parent_pid"])
     sock = socket.socket(fileno=args.control_fd)

@@ -28,6 +28,7 @@ on GPUs) when rank 0 owns one (the co-located engine, the verify lane), and repo
 descriptor back (rank 0 lists them in its pool's `rank_shards`); a follower of an importing lane
 (the prefill lane) opens the pool rank 0 hands it with IMPORT (tp_follower.py).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -73,8 +74,10 @@ def check_devices(base: torch.device, world: int) -> None:
     if base.type == "cuda":
         first, visible = base.index or 0, torch.cuda.device_count()
         if first + world > visible:
-            raise ModelLoadError(f"--tensor-parallel {world} needs GPUs cuda:{first}..cuda:{first + world - 1}, "
-                                 f"but {visible} {'is' if visible == 1 else 'are'} visible")
+            raise ModelLoadError(
+                f"--tensor-parallel {world} needs GPUs cuda:{first}..cuda:{first + world - 1}, "
+                f"but {visible} {'is' if visible == 1 else 'are'} visible"
+            )
 
 
 def init_group(rank: int, world: int, init_file: str, device: torch.device):
@@ -85,10 +88,15 @@ def init_group(rank: int, world: int, init_file: str, device: torch.device):
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s()))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s()),
+    )
     group = TorchDistributedGroup()
-    group.all_reduce(torch.zeros(1, device=device))   # creates the communicator before any capture
+    group.all_reduce(torch.zeros(1, device=device))  # creates the communicator before any capture
     return group
 
 
@@ -116,16 +124,29 @@ class LeaderRanks:
 
         for rank in range(1, world):
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            options = dict(follower_options, rank=rank, world=world, init_file=init_file,
-                           device=str(rank_device(base, rank)), parent_pid=os.getpid())
-            cmd = [sys.executable, "-m", "verifypd.model.tp_follower", "--control-fd", str(theirs.fileno()),
-                   "--options", json.dumps(options)]
-            self.procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=child_env(),
-                                               stdin=subprocess.DEVNULL))
+            options = dict(
+                follower_options,
+                rank=rank,
+                world=world,
+                init_file=init_file,
+                device=str(rank_device(base, rank)),
+                parent_pid=os.getpid(),
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "verifypd.model.tp_follower",
+                "--control-fd",
+                str(theirs.fileno()),
+                "--options",
+                json.dumps(options),
+            ]
+            self.procs.append(
+                subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=child_env(), stdin=subprocess.DEVNULL)
+            )
             theirs.close()
             self.socks.append(mine)
-            log.info("tensor-parallel rank %d of %d: pid %d on %s", rank, world, self.procs[-1].pid,
-                     options["device"])
+            log.info("tensor-parallel rank %d of %d: pid %d on %s", rank, world, self.procs[-1].pid, options["device"])
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
         self.group = init_group(0, world, init_file, self.device)
@@ -153,7 +174,7 @@ class LeaderRanks:
         """A forward raised on rank 0 (a collective whose peer is gone, or anything else): the ranks
         are out of step for good, so this is fatal too. Names the lost rank when one has exited."""
         deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:   # a peer's exit is what usually breaks a collective
+        while time.monotonic() < deadline:  # a peer's exit is what usually breaks a collective
             for rank, proc in enumerate(self.procs, start=1):
                 code = proc.poll()
                 if code is not None:
@@ -185,7 +206,7 @@ class LeaderRanks:
             self._pool = make()
         return self._pool
 
-    def runner(self, model, pool, graphs=None, buckets=None) -> "LeaderRunner":
+    def runner(self, model, pool, graphs=None, buckets=None) -> LeaderRunner:
         """The runner over `pool` (the same one again for the same pool; a new one after
         `import_pool` handed the followers another pool)."""
         if self._runner is None or self._runner.model is not model or self._runner.pool is not pool:
@@ -203,7 +224,9 @@ class LeaderRanks:
                     try:
                         self._ready.append(self._reply(rank))
                     except RuntimeError as exc:
-                        self.fatal(f"tensor-parallel rank {rank} (pid {self.procs[rank - 1].pid}) failed to start: {exc}")
+                        self.fatal(
+                            f"tensor-parallel rank {rank} (pid {self.procs[rank - 1].pid}) failed to start: {exc}"
+                        )
             return self._ready
 
     def import_pool(self, descriptors: list[bytes]) -> None:
@@ -278,14 +301,14 @@ class LeaderRunner(ModelRunner):
 
     feeds_first_ids = False  # the followers would need the fed tokens too (not sent yet)
     verifies_greedy = False  # its followers run score(); the acceptance stays in the verify lane
-    fits_verdict = False     # its followers would need the verdict too (engine.spec_ahead)
+    fits_verdict = False  # its followers would need the verdict too (engine.spec_ahead)
 
     def score(self, runs, device_ids=None):
         with self.ranks.lock:
             k = 0 if device_ids is None else int(device_ids.shape[1])
             self.ranks.send(tp_calls.Call(tp_calls.SCORE, runs, draft_k=k))
             try:
-                if device_ids is not None:   # drafts that never visited the host: the followers need them too
+                if device_ids is not None:  # drafts that never visited the host: the followers need them too
                     device_ids = device_ids.to(torch.int64).contiguous()
                     self.ranks.group.broadcast(device_ids, 0)
                 return super().score(runs, device_ids)

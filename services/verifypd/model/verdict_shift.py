@@ -17,6 +17,7 @@ device part's tokens are written from the verdict as they move.
 
 One Triton launch (a program per row) on CUDA; `shift_reference` is the same rule in torch (CPU, tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,15 +33,27 @@ def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: b
         return
     from verifypd.model.kernels.shift import shift_kernel  # the Triton path only: CPU installs have no Triton
 
-    shift_kernel[(rows,)](inp.ids, inp.positions, inp.slots, inp.feature_rows, inp.last, inp.vrows, inp.vks,
-                          verdict, verdict.stride(0), inp.query, scratch_row, BLOCK=kernel_block(inp.query),
-                          num_warps=1)
+    shift_kernel[(rows,)](
+        inp.ids,
+        inp.positions,
+        inp.slots,
+        inp.feature_rows,
+        inp.last,
+        inp.vrows,
+        inp.vks,
+        verdict,
+        verdict.stride(0),
+        inp.query,
+        scratch_row,
+        BLOCK=kernel_block(inp.query),
+        num_warps=1,
+    )
 
 
 def shift_reference(inp, verdict: torch.Tensor, scratch_row: int) -> None:
     rows, query = inp.last.shape[0], inp.query
     active = inp.vrows >= 0
-    rows_v = verdict[inp.vrows.clamp(min=0)].long()                       # [R, W]
+    rows_v = verdict[inp.vrows.clamp(min=0)].long()  # [R, W]
     accepted, final = rows_v[:, 0], rows_v[:, 1]
     shift = torch.where(active, inp.vks - accepted, torch.zeros_like(accepted))
     cells = torch.arange(query, device=inp.last.device)[None, :]
@@ -52,8 +65,9 @@ def shift_reference(inp, verdict: torch.Tensor, scratch_row: int) -> None:
     old_slot, old_feat = view(inp.slots).gather(1, src_c), view(inp.feature_rows).gather(1, src_c)
     i = src - (query - 1 - inp.vks[:, None])
     device_part = has & (i >= 0) & active[:, None]
-    drafted = rows_v[:, 2:].gather(1, i.clamp(0, max(rows_v.shape[1] - 3, 0))) if rows_v.shape[1] > 2 \
-        else torch.zeros_like(i)
+    drafted = (
+        rows_v[:, 2:].gather(1, i.clamp(0, max(rows_v.shape[1] - 3, 0))) if rows_v.shape[1] > 2 else torch.zeros_like(i)
+    )
     y = torch.where(i < accepted[:, None], drafted, final[:, None])
     view(inp.ids).copy_(torch.where(device_part, y, torch.where(has, old_id, torch.zeros_like(old_id))))
     view(inp.positions).copy_(torch.where(has, old_pos, view(inp.positions)[:, :1].expand_as(old_pos)))

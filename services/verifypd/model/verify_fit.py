@@ -16,6 +16,7 @@ a position negative: the pending token's position only falls to n + 1.
 
 One Triton launch (a program per row) on CUDA; `fit_reference` is the same rule in torch (CPU, tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,36 +41,75 @@ def variant_queries(max_query: int) -> list[int]:
     return sorted(largest.values())
 
 
-def fit_to_verdict(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                   vrows: torch.Tensor, vks: torch.Tensor, verdict: torch.Tensor, query: int, block_size: int) -> None:
+def fit_to_verdict(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    vrows: torch.Tensor,
+    vks: torch.Tensor,
+    verdict: torch.Tensor,
+    query: int,
+    block_size: int,
+) -> None:
     """Fits the layout (R = len(vrows) rows of `query` cells) to `verdict`, in place."""
     if not ids.is_cuda:
         fit_reference(ids, positions, slots, tables, vrows, vks, verdict, query, block_size)
         return
     from verifypd.model.kernels.fit import fit_kernel  # the Triton path only: CPU installs have no Triton
 
-    fit_kernel[(vrows.shape[0],)](ids, positions, slots, tables, vrows, vks, verdict, verdict.stride(0),
-                                  tables.stride(0), query, block_size, BLOCK=kernel_block(query), num_warps=1)
+    fit_kernel[(vrows.shape[0],)](
+        ids,
+        positions,
+        slots,
+        tables,
+        vrows,
+        vks,
+        verdict,
+        verdict.stride(0),
+        tables.stride(0),
+        query,
+        block_size,
+        BLOCK=kernel_block(query),
+        num_warps=1,
+    )
 
 
-def fit_reference(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                  vrows: torch.Tensor, vks: torch.Tensor, verdict: torch.Tensor, query: int, block_size: int) -> None:
+def fit_reference(
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    vrows: torch.Tensor,
+    vks: torch.Tensor,
+    verdict: torch.Tensor,
+    query: int,
+    block_size: int,
+) -> None:
     rows = vrows.shape[0]
     active = vrows >= 0
-    v = verdict[vrows.clamp(min=0)].long()                                  # [R, W]
+    v = verdict[vrows.clamp(min=0)].long()  # [R, W]
     shift = torch.where(active, vks - v[:, 0], torch.zeros_like(vks))
-    pos = positions[:rows * query].view(rows, query)
-    slot = slots[:rows * query].view(rows, query)
+    pos = positions[: rows * query].view(rows, query)
+    slot = slots[: rows * query].view(rows, query)
     new_pos = pos - shift[:, None]
     block = tables[:rows].gather(1, (new_pos // block_size).clamp(0, tables.shape[1] - 1))
     slot.copy_(torch.where(slot >= 0, block * block_size + new_pos % block_size, slot))
     pos.copy_(new_pos)
-    first = ids[:rows * query].view(rows, query)[:, 0]
+    first = ids[: rows * query].view(rows, query)[:, 0]
     first.copy_(torch.where(active, v[:, 1], first))
 
 
-def fit_layout(fit: tuple, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-               rows: int, query: int, block_size: int) -> None:
+def fit_layout(
+    fit: tuple,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    rows: int,
+    query: int,
+    block_size: int,
+) -> None:
     """`fit` = (verdict, vrows, vks) as the verify lane passes it (host lists, one per real row); the
     layout holds `rows` >= len(vrows) rows (padding rows are not fitted)."""
     verdict, vrows, vks = fit

@@ -11,6 +11,7 @@ feeds at position base[r] + j - 1 and writes KV at that position's slot, an inac
 base[r] - 1 (its catch-up's last row, whose KV exists) and writes nowhere (slot -1). This replaces
 ~14 small kernels per chain step (index, where, gather, div/mod, clone, two norms, cat).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,10 +20,29 @@ import triton.language as tl
 
 
 @triton.jit
-def _head_input_kernel(ids_ptr, embed_ptr, g_ptr, w_in_ptr, w_hid_ptr, out_ptr,
-                       base_ptr, ks_ptr, tables_ptr, positions_ptr, slots_ptr,
-                       vocab, width, eps, stride_g, stride_o, stride_tab, step, block_size,
-                       STEP: tl.constexpr, BLOCK: tl.constexpr):
+def _head_input_kernel(
+    ids_ptr,
+    embed_ptr,
+    g_ptr,
+    w_in_ptr,
+    w_hid_ptr,
+    out_ptr,
+    base_ptr,
+    ks_ptr,
+    tables_ptr,
+    positions_ptr,
+    slots_ptr,
+    vocab,
+    width,
+    eps,
+    stride_g,
+    stride_o,
+    stride_tab,
+    step,
+    block_size,
+    STEP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < width
@@ -45,8 +65,15 @@ def _head_input_kernel(ids_ptr, embed_ptr, g_ptr, w_in_ptr, w_hid_ptr, out_ptr,
         tl.store(slots_ptr + row, tl.where(active, block * block_size + pos % block_size, -1))
 
 
-def head_input(ids: torch.Tensor, embed: torch.Tensor, g: torch.Tensor, w_in: torch.Tensor, w_hid: torch.Tensor,
-               eps: float, step: tuple | None = None) -> torch.Tensor:
+def head_input(
+    ids: torch.Tensor,
+    embed: torch.Tensor,
+    g: torch.Tensor,
+    w_in: torch.Tensor,
+    w_hid: torch.Tensor,
+    eps: float,
+    step: tuple | None = None,
+) -> torch.Tensor:
     """x [T, 2H]. `step` = (j, base, ks, tables, block_size, positions_out, slots_out) for a chain step."""
     rows, width = g.shape
     assert g.stride(-1) == 1 and embed.is_contiguous() and embed.shape[1] == width
@@ -54,13 +81,33 @@ def head_input(ids: torch.Tensor, embed: torch.Tensor, g: torch.Tensor, w_in: to
     if not rows:
         return out
     if step is None:
-        j, base, ks, tables, block_size, positions, slots = 0, ids, ids, ids, 1, ids, ids   # unused
+        j, base, ks, tables, block_size, positions, slots = 0, ids, ids, ids, 1, ids, ids  # unused
     else:
         j, base, ks, tables, block_size, positions, slots = step
         assert tables.stride(-1) == 1
     block = triton.next_power_of_2(width)
-    _head_input_kernel[(rows,)](ids, embed, g, w_in, w_hid, out, base, ks, tables, positions, slots,
-                                embed.shape[0], width, eps, g.stride(0), out.stride(0),
-                                tables.stride(0), j, block_size,
-                                STEP=step is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    _head_input_kernel[(rows,)](
+        ids,
+        embed,
+        g,
+        w_in,
+        w_hid,
+        out,
+        base,
+        ks,
+        tables,
+        positions,
+        slots,
+        embed.shape[0],
+        width,
+        eps,
+        g.stride(0),
+        out.stride(0),
+        tables.stride(0),
+        j,
+        block_size,
+        STEP=step is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
     return out

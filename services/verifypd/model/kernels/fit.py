@@ -1,5 +1,6 @@
 """The fit kernel of model.verify_fit: a verify call's layout fitted on the device to the verdict of the
 call before it (one program per row; the rule and its torch reference are in model.verify_fit)."""
+
 from __future__ import annotations
 
 import triton
@@ -7,8 +8,20 @@ import triton.language as tl
 
 
 @triton.jit
-def fit_kernel(ids_ptr, pos_ptr, slots_ptr, tables_ptr, vrows_ptr, vks_ptr, verdict_ptr, stride_v, stride_t,
-                query, block_size, BLOCK: tl.constexpr):
+def fit_kernel(
+    ids_ptr,
+    pos_ptr,
+    slots_ptr,
+    tables_ptr,
+    vrows_ptr,
+    vks_ptr,
+    verdict_ptr,
+    stride_v,
+    stride_t,
+    query,
+    block_size,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     v = tl.load(vrows_ptr + row)
     if v >= 0:

@@ -19,6 +19,7 @@ before the call (the new tokens' K/V are written into the pool first). Slots pas
 needs are never loaded, and loads are masked to `other=0`, so garbage (even NaN) in unwritten or
 rolled-back slots cannot reach the output.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,11 +32,28 @@ import triton.language as tl
 # The block-table row stride varies with the batch's widest table: don't compile a variant per value.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, positions_ptr, query_start_ptr,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    positions_ptr,
+    query_start_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
     scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -49,8 +67,11 @@ def _paged_attention_kernel(
         row_ok = token < q_len
         pos = tl.load(positions_ptr + q_begin + token, mask=row_ok, other=-1)
         dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + (q_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         # Keys this tile needs: 0 .. the position of its last token (positions never decrease
         # within a run, so that token's position is the tile's maximum).
         last_token = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
@@ -82,8 +103,11 @@ def _paged_attention_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
 
 
 def tile_rows(max_query: int, group: int) -> int:
@@ -91,9 +115,17 @@ def tile_rows(max_query: int, group: int) -> int:
     return min(64, max(16, triton.next_power_of_2(max_query * group)))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    positions: torch.Tensor, query_start: torch.Tensor, max_query: int, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    query_start: torch.Tensor,
+    max_query: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
     the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -107,14 +139,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = tile_rows(max_query, group)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query * group, block_m))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, positions, query_start,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        positions,
+        query_start,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
         scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        IEEE=q.dtype == torch.float32,
         # head_dim 256 (Gemma): the [BLOCK_M, D] float32 accumulator alone is 128 registers a thread
         # at 4 warps; 8 warps halve that. (Not yet timed on a GPU against 4 warps / smaller BLOCK_M.)
-        num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+        num_warps=4 if head_dim <= 128 else 8,
+        num_stages=2,
     )
     return out

@@ -9,6 +9,7 @@
 A program handles one (token, head): heads < `heads` are query heads, the rest key heads (whose
 value head is copied beside them).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                    stride_t, stride_qt, stride_cs, stride_tab,
-                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+def _rope_kv_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    slots_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_t,
+    stride_qt,
+    stride_cs,
+    stride_tab,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -48,15 +63,37 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, q_ptr, 
             tl.store(vdst + HALF + d, tl.load(v_src + HALF + d))
 
 
-def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+def rope_and_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
     tokens = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and cos.is_contiguous()
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens:
         _rope_kv_kernel[(tokens, heads + kv_heads)](
-            qkv, cos, sin, positions, slots, q, k_cache, v_cache,
-            qkv.stride(0), q.stride(0), k_cache.stride(0), cos.stride(0),
-            HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, num_warps=1)
+            qkv,
+            cos,
+            sin,
+            positions,
+            slots,
+            q,
+            k_cache,
+            v_cache,
+            qkv.stride(0),
+            q.stride(0),
+            k_cache.stride(0),
+            cos.stride(0),
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=head_dim // 2,
+            num_warps=1,
+        )
     return q

@@ -1,6 +1,7 @@
 """The shift kernel of model.verdict_shift: a feature draft's catch-up fitted on the device to the verdict
 of the verify call before it (one program per row; the rule and its torch reference are in
 model.verdict_shift)."""
+
 from __future__ import annotations
 
 import triton
@@ -8,8 +9,20 @@ import triton.language as tl
 
 
 @triton.jit
-def shift_kernel(ids_ptr, pos_ptr, slots_ptr, feat_ptr, last_ptr, vrows_ptr, vks_ptr, verdict_ptr,
-                  stride_v, query, scratch_row, BLOCK: tl.constexpr):
+def shift_kernel(
+    ids_ptr,
+    pos_ptr,
+    slots_ptr,
+    feat_ptr,
+    last_ptr,
+    vrows_ptr,
+    vks_ptr,
+    verdict_ptr,
+    stride_v,
+    query,
+    scratch_row,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     v = tl.load(vrows_ptr + row)
     if v >= 0:
@@ -26,7 +39,7 @@ def shift_kernel(ids_ptr, pos_ptr, slots_ptr, feat_ptr, last_ptr, vrows_ptr, vks
         old_slot = tl.load(slots_ptr + base + src, mask=has, other=-1)
         old_feat = tl.load(feat_ptr + base + src, mask=has, other=scratch_row)
         first_pos = tl.load(pos_ptr + base)
-        i = src - (query - 1 - k)                       # index of the cell's token among y_0 .. y_k
+        i = src - (query - 1 - k)  # index of the cell's token among y_0 .. y_k
         device_part = has & (i >= 0)
         drafted = tl.load(verdict_ptr + v * stride_v + 2 + i, mask=device_part & (i < accepted), other=0)
         new_id = tl.where(device_part, tl.where(i < accepted, drafted.to(tl.int64), final), old_id)

@@ -1,7 +1,8 @@
 """SiLU(gate) * up of the fused gate/up projection (Triton), one launch.
 
-    gate_up [T, 2I] (gate in the first half)  ->  [T, I] in the same dtype (math in float32)
+gate_up [T, 2I] (gate in the first half)  ->  [T, I] in the same dtype (math in float32)
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def launch_gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
-                                                  BLOCK=block, num_warps=4)
+        kernel[(rows, triton.cdiv(width, block))](
+            gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
     return out
 
 
