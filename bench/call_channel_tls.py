@@ -1,5 +1,5 @@
 """What mutual TLS costs a lane call channel round trip (CPU, loopback, no model): the same echo
-server and client (verifypd.lanerpc.call_channel) plaintext and over mTLS (verifypd.lane_tls),
+server and client (verifypd.lanes.rpc.call_channel) plaintext and over mTLS (verifypd.net.lane_tls),
 interleaved in rounds so load on a shared machine hits both alike. Certificates are made on the fly.
 
     cd bench && PYTHONPATH=../services:../tests/services python call_channel_tls.py [--calls 3000] [--rounds 5] \
@@ -19,8 +19,8 @@ from bench_meta import metadata, write_result
 def main() -> None:
     from pki_helpers import make_pki
 
-    from verifypd.lane_tls import LaneTls
-    from verifypd.lanerpc.call_channel import CallClient, CallServer
+    from verifypd.lanes.rpc.call_channel import CallClient, CallServer
+    from verifypd.net.lane_tls import LaneTls
     from verifypd.v1 import lanes_pb2
 
     p = argparse.ArgumentParser()

@@ -31,13 +31,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 from engine_throughput import git_revision  # noqa: E402
 
-from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
-from verifypd.engine.types import RequestSpec  # noqa: E402
-from verifypd.lanes.drafts import parse_draft  # noqa: E402
-from verifypd.local_engine import Engine, EngineOptions, Models, load_draft_model  # noqa: E402
+from verifypd.domain.config import RuntimeConfig  # noqa: E402
+from verifypd.domain.drafts import parse_draft  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.domain.tokenizer import TextCodec  # noqa: E402
+from verifypd.engine import Engine, EngineOptions, Models, load_draft_model  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
-from verifypd.tokenizer import TextCodec  # noqa: E402
 
 PROMPTS = pathlib.Path(__file__).resolve().parent / "prompts" / "draft_acceptance.jsonl"
 

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_meta import metadata  # noqa: E402
 from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402
 
-from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
-from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.domain.config import RuntimeConfig  # noqa: E402
+from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
 from verifypd.model.eagle_draft import EagleModel, FeatureRun  # noqa: E402
 from verifypd.model.eagle_head import random_eagle_head  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
@@ -118,7 +118,7 @@ def profile_draft_calls(engine: Engine, out_dir: str, context: int = 192, calls:
     the kernel tables to OUT_DIR/eagle_profile_k{1,5}.txt."""
     from torch.profiler import ProfilerActivity, profile
 
-    from verifypd.engine.types import SamplingParams
+    from verifypd.domain.requests import SamplingParams
 
     runner = engine.draft_lane.runner
     blocks = -(-(context + 8) // runner.block_size)

@@ -62,12 +62,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # determinism.py, draft_acceptance.py and self_draft_acceptance.py import git_revision from here.
 from bench_meta import git_revision  # noqa: E402
 
-from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
-from verifypd.engine.router import EngineObserver  # noqa: E402
-from verifypd.engine.types import RequestSpec  # noqa: E402
-from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.domain.config import RuntimeConfig  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
+from verifypd.router.router import EngineObserver  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -586,7 +586,7 @@ def draft_step_times(engine: Engine, batches: list[int], floors: dict, context: 
 
 def draft_call_seconds(runner, runs, ks=(1, 5)) -> dict[int, float]:
     """Median seconds of one greedy draft call of these runs (synchronized), per k."""
-    from verifypd.engine.types import SamplingParams
+    from verifypd.domain.requests import SamplingParams
 
     greedy = [SamplingParams()] * len(runs)
 

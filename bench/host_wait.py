@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_acceptance as da  # noqa: E402
 from bench_meta import metadata  # noqa: E402
 
-from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.domain.tokenizer import TextCodec  # noqa: E402
 from verifypd.lanes import local  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
-from verifypd.tokenizer import TextCodec  # noqa: E402
 
 
 class WaitClock:

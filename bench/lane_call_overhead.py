@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "services"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from verifypd.engine.types import SamplingParams  # noqa: E402
-from verifypd.lanes.interface import KvHandle, LaneInfo, PoolInfo, VerifyItem, VerifyOutput  # noqa: E402
+from verifypd.domain.lanes import KvHandle, LaneInfo, PoolInfo, VerifyItem, VerifyOutput  # noqa: E402
+from verifypd.domain.requests import SamplingParams  # noqa: E402
 
 POOL = PoolInfo("target-000000000001", 7, "target", 2, 8192, 16)
 VOCAB, K, BLOCKS = 32000, 4, 16
@@ -52,8 +52,8 @@ def stub_servicer():
 
     import torch
 
-    from verifypd.lanerpc.kv_transport import KvTransferServicer
-    from verifypd.lanerpc.lane_server import LaneServicer
+    from verifypd.lanes.rpc.kv_transport import KvTransferServicer
+    from verifypd.lanes.rpc.lane_server import LaneServicer
 
     s = LaneServicer.__new__(LaneServicer)  # the real edge, without loading a model
     s.role, s.secret, s.options = "verify", None, None
@@ -68,7 +68,7 @@ def stub_servicer():
 
 
 def serve() -> None:
-    from verifypd.lanerpc.lane_server import build_lane_server
+    from verifypd.lanes.rpc.lane_server import build_lane_server
 
     servicer = stub_servicer()
     server, port, _ = build_lane_server(servicer, "127.0.0.1", 0)
@@ -100,10 +100,10 @@ def median_ms(fn, n: int) -> float:
 
 
 def measure(port: int, batches: list[int], n: int) -> dict:
-    from verifypd.lanerpc import call_codec as cc
-    from verifypd.lanerpc import call_decode as cd
-    from verifypd.lanerpc import lane_validate as lv
-    from verifypd.lanerpc.lane_client import GrpcVerifyLane
+    from verifypd.lanes.rpc import call_codec as cc
+    from verifypd.lanes.rpc import call_decode as cd
+    from verifypd.lanes.rpc import lane_validate as lv
+    from verifypd.lanes.rpc.lane_client import GrpcVerifyLane
     from verifypd.v1 import lanes_pb2
 
     addr = f"127.0.0.1:{port}"
@@ -141,7 +141,7 @@ def measure(port: int, batches: list[int], n: int) -> dict:
         out[f"bytes_per_call_{b}"] = len(data) + len(reply_data)
         out[f"grpc_bytes_per_call_{b}"] = sum(
             len(m.SerializeToString())
-            for m in (__import__("verifypd.lanerpc.lane_convert", fromlist=["x"]).verify_batch_to_pb(work), reply)
+            for m in (__import__("verifypd.lanes.rpc.lane_convert", fromlist=["x"]).verify_batch_to_pb(work), reply)
         )
     out.update(device_sync(n))
     fast.close()

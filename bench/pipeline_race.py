@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 def run(args) -> dict:
     import torch
 
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.engine.types import RequestSpec
-    from verifypd.local_engine import Engine, EngineOptions
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.domain.requests import RequestSpec
+    from verifypd.engine import Engine, EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=args.k, k_initial=args.k, adaptive=False, schedule="pdv", pipeline=True)
     engine = Engine(

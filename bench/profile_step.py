@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 
-from verifypd.engine.draft_length import SCHEDULES, RuntimeConfig  # noqa: E402
-from verifypd.engine.types import RequestSpec  # noqa: E402
-from verifypd.local_engine import Engine, EngineOptions  # noqa: E402
+from verifypd.domain.config import SCHEDULES, RuntimeConfig  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_meta import metadata, write_result  # noqa: E402

@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 
 from bench_meta import metadata, write_result  # noqa: E402
 
-from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
-from verifypd.engine.router import Router  # noqa: E402
-from verifypd.engine.types import RequestSpec  # noqa: E402
-from verifypd.lanes.interface import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput  # noqa: E402
-from verifypd.tokenizer import TextCodec  # noqa: E402
+from verifypd.domain.config import RuntimeConfig  # noqa: E402
+from verifypd.domain.lanes import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.domain.tokenizer import TextCodec  # noqa: E402
+from verifypd.router.router import Router  # noqa: E402
 
 VOCAB, BLOCK = 32_000, 16
 

@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
 from engine_throughput import git_revision, random_prompts  # noqa: E402
 
-from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
-from verifypd.engine.types import RequestSpec, SamplingParams  # noqa: E402
-from verifypd.local_engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.domain.config import RuntimeConfig  # noqa: E402
+from verifypd.domain.requests import RequestSpec, SamplingParams  # noqa: E402
+from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
 
 SUBJECTS, CROWD, MAX_TOKENS = 8, 16, 64
 

@@ -36,8 +36,8 @@ PROMPT, OUTPUT = 128, 256
 
 
 def instant_router(args):
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.engine.router import Router
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.router.router import Router
 
     batch = args.serve_batch
     lanes = InstantLanes(batch * ((PROMPT + OUTPUT) // BLOCK + 2) + 16, args.alpha, verify_s=args.verify_ms / 1e3)
@@ -75,8 +75,8 @@ def serve(args) -> None:
     from serving_window import cpu_seconds
 
     from verifypd.core.process import CoreProcess
+    from verifypd.domain.tokenizer import TextCodec
     from verifypd.gateway.server import Gateway
-    from verifypd.tokenizer import TextCodec
 
     argv = [
         "--serve-batch",

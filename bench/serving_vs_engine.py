@@ -101,9 +101,9 @@ def prompt_ids(n: int, length: int, vocab: int) -> list[int]:
 def engine_alone(args) -> None:
     """Prints one JSON line per concurrency: steady-state tok/s of the engine alone."""
     from verifypd.cli import build_parser
-    from verifypd.engine.types import RequestSpec
+    from verifypd.domain.requests import RequestSpec
+    from verifypd.engine import Engine
     from verifypd.launch.cli import engine_options
-    from verifypd.local_engine import Engine
 
     serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
     engine = Engine(engine_options(serve_args))

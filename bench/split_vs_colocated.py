@@ -115,7 +115,7 @@ def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
 def specs_for(args, vocab: int, batch: int):
     import random
 
-    from verifypd.engine.types import RequestSpec
+    from verifypd.domain.requests import RequestSpec
 
     rng = random.Random(0)
     return [
@@ -165,12 +165,12 @@ def main() -> int:
     from bench_meta import metadata
 
     from verifypd.core.process import connect_lanes
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.engine.router import Router
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.engine import Engine, EngineOptions
     from verifypd.gateway.server import load_codec
-    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.launch.launcher import LaneProcesses
-    from verifypd.local_engine import Engine, EngineOptions
+    from verifypd.router.router import Router
 
     config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False, schedule=args.schedule)
     context = args.prompt_len + args.max_tokens + 64

@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import draft_acceptance as da  # noqa: E402
 
-from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.domain.tokenizer import TextCodec  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
-from verifypd.tokenizer import TextCodec  # noqa: E402
 
 
 def summarise(events: list[dict]) -> dict:

@@ -200,7 +200,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def build_plan(args, parser):
-    from verifypd.tls import TlsError, client_tls
+    from verifypd.net.tls import TlsError, client_tls
     from verifypd_loadgen.session import Plan
 
     if args.backend == "grpc" and (args.server is None or args.url or args.model):

@@ -166,7 +166,7 @@ async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float)
 
 
 def new_client(tls=None) -> httpx.AsyncClient:
-    """`tls`: a verifypd.tls.ClientTls: https:// URLs are verified against its CA (and present its
+    """`tls`: a verifypd.net.tls.ClientTls: https:// URLs are verified against its CA (and present its
     client certificate); None: the system's CAs."""
     # No connection cap: loadgen's concurrency decides how many requests are in flight.
     return httpx.AsyncClient(

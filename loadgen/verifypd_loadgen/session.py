@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
-from verifypd.tls import grpc_channel
+from verifypd.net.tls import grpc_channel
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 from verifypd_loadgen import metrics, report, schema
 from verifypd_loadgen.runner import LoadPoint, PointResult, Runner
@@ -41,7 +41,7 @@ class Plan:
     model: str | None = None  # openai: the model id to ask for
     openai_api: str = "auto"  # openai: auto | chat | completions
     raw_records: bool = False  # per-request records in the results JSON
-    tls: object | None = None  # a verifypd.tls.ClientTls (--tls-ca-file ...): both backends speak TLS
+    tls: object | None = None  # a verifypd.net.tls.ClientTls (--tls-ca-file ...): both backends speak TLS
 
 
 async def probe(stub, server: str, timeout: float) -> dict:

@@ -11,7 +11,7 @@ import base64
 from collections.abc import Mapping
 from typing import Any
 
-from verifypd.metric_names import RES_CONFIG_NAME, RES_CONFIG_NAMESPACE, RES_POD_NAME
+from verifypd.domain.metric_names import RES_CONFIG_NAME, RES_CONFIG_NAMESPACE, RES_POD_NAME
 
 from .spec import (
     API_VERSION,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
-from verifypd.tls import grpc_channel
+from verifypd.net.tls import grpc_channel
 from verifypd.v1 import control_pb2, control_pb2_grpc
 
 from .decision import Knobs
@@ -89,7 +89,7 @@ def _auth(admin_key: str | None) -> tuple[tuple[str, str], ...]:
 
 class ControlClient:
     """`resolver`: `host:port` -> the replicas' `ip:port`s (the headless Service's DNS by default;
-    tests that run routers on local ports replace only this). `tls`: a verifypd.tls.ClientTls
+    tests that run routers on local ports replace only this). `tls`: a verifypd.net.tls.ClientTls
     (`client_tls(ca_file, cert_file, key_file, server_name=...)`) for gateways serving TLS; the
     replicas are dialled by IP, so give `server_name` (a name in their certificate, e.g. the
     Service's DNS name). None: plaintext."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from verifypd.defaults import DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET
+from verifypd.domain.defaults import DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET
 
 from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 

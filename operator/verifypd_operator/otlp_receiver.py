@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from verifypd import metric_names as mn
+from verifypd.domain import metric_names as mn
 
 from .decision import Observed
 

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from verifypd.defaults import (  # the CLI's own defaults
+from verifypd.domain.defaults import (  # the CLI's own defaults
     DEFAULT_DRAFT,
     DEFAULT_K_INITIAL,
     DEFAULT_K_MAX,

@@ -83,9 +83,9 @@ def tls_objects(
 
 
 def control_tls(kube: Kube, config: str, namespace: str):
-    """A verifypd.tls.ClientTls trusting the config's CA (from its TLS Secret), checking the
+    """A verifypd.net.tls.ClientTls trusting the config's CA (from its TLS Secret), checking the
     gateway pods' Service name; None while the Secret has no CA yet."""
-    from verifypd.tls import ClientTls
+    from verifypd.net.tls import ClientTls
 
     secret = kube.get("Secret", namespace, tls_secret_name(config))
     _, ca = read_pair(secret, "tls.key", "ca.crt")

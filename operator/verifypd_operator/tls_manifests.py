@@ -20,8 +20,8 @@ Either way the pods mount Secret `<config>-tls` (tls.crt, tls.key, ca.crt) and g
            container answers plaintext `GET /health` on a port of its own (health.HealthPort)
 
 Rotation without dropping requests: kubelet replaces the mounted files (atomically) when the
-Secret changes; the servers re-read them for new connections (verifypd.tls.FileStamp,
-verifypd.lane_tls) while open connections keep going, so nothing restarts.
+Secret changes; the servers re-read them for new connections (verifypd.net.tls.FileStamp,
+verifypd.net.lane_tls) while open connections keep going, so nothing restarts.
 
 `with_tls` post-processes what builders.build_all returns: it adds to the pod templates and
 never needs the builders to know about TLS.

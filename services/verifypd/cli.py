@@ -13,7 +13,7 @@ import os
 import sys
 
 from verifypd.cli_flags import add_model_flags, add_sampling_flags, add_schedule_flags, draft_arg, schedule_changes
-from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
+from verifypd.domain.requests import InvalidRequest, RequestSpec, SamplingParams
 
 
 def _request_spec(args, codec) -> RequestSpec:
@@ -39,8 +39,8 @@ def _request_spec(args, codec) -> RequestSpec:
 
 
 def cmd_generate_offline(args) -> int:
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.local_engine import Engine, EngineOptions
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.engine import Engine, EngineOptions
 
     k = 0 if args.no_speculation else args.k
     if k is not None and k < 0:

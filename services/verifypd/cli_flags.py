@@ -26,8 +26,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    from verifypd.lanes.drafts import DRAFT_HELP
-    from verifypd.local_engine import DEFAULT_TARGET
+    from verifypd.domain.drafts import DRAFT_HELP
+    from verifypd.engine import DEFAULT_TARGET
 
     p.add_argument(
         "--target",
@@ -61,7 +61,7 @@ def tensor_parallel_size(text: str) -> int:
 
 
 def add_schedule_flags(p: argparse.ArgumentParser) -> None:
-    from verifypd.engine.draft_length import SCHEDULES
+    from verifypd.domain.config import SCHEDULES
 
     p.add_argument(
         "--schedule",
@@ -107,7 +107,7 @@ def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:
 
 
 def draft_arg(args) -> str:
-    """The draft to load for these arguments (see verifypd.lanes.drafts.resolve_draft)."""
-    from verifypd.lanes.drafts import resolve_draft
+    """The draft to load for these arguments (see verifypd.domain.drafts.resolve_draft)."""
+    from verifypd.domain.drafts import resolve_draft
 
     return resolve_draft(args.draft, getattr(args, "no_speculation", False))

@@ -12,10 +12,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from verifypd.engine.draft_length import RuntimeConfig
-from verifypd.engine.router import Router
-from verifypd.engine.types import RequestSpec
-from verifypd.lanes.interface import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.lanes import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput
+from verifypd.domain.requests import RequestSpec
+from verifypd.router.router import Router
 
 VOCAB, BLOCK = 1000, 16
 GRAPH_QUERY = 9  # the GPU's captured draft/verify query length (model/graph_runner.py max_query)

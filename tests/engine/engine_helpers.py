@@ -117,8 +117,8 @@ def make_engine(
     k_max: int = 8,
     **options,
 ):
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.local_engine import Engine, EngineOptions
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.engine import Engine, EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=max(k, k_max), k_initial=k, adaptive=adaptive)
     options.setdefault("device", DEVICE)
@@ -191,7 +191,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
 
 def observe_plain(costs, batch: int, seconds: float) -> None:
     """Plain decoding measured at `batch` (StepCostModel.measured wants PLAIN_SAMPLES steps of it)."""
-    from verifypd.engine.step_costs import PLAIN_SAMPLES
+    from verifypd.router.step_costs import PLAIN_SAMPLES
 
     for _ in range(PLAIN_SAMPLES):
         costs.observe_step(batch, 0, seconds)

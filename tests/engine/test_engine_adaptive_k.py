@@ -15,23 +15,23 @@ from costed_lanes import (
 )
 from engine_helpers import observe_plain
 
-from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import (
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec, RequestStats
+from verifypd.router.block_manager import BlockManager
+from verifypd.router.draft_length import (
     DRAFT_OFF_GAIN,
     DRAFT_ON_GAIN,
     PROBE_FIRST,
     PROBE_K,
     PROBE_MAX,
     ProbeSchedule,
-    RuntimeConfig,
     StepCostModel,
     choose_batch_k,
 )
-from verifypd.engine.router import Router
-from verifypd.engine.scheduler import Scheduler
-from verifypd.engine.sequence import SeqStatus, Sequence
-from verifypd.engine.step_costs import PLAIN_SAMPLES
-from verifypd.engine.types import RequestSpec, RequestStats
+from verifypd.router.router import Router
+from verifypd.router.scheduler import Scheduler
+from verifypd.router.sequence import SeqStatus, Sequence
+from verifypd.router.step_costs import PLAIN_SAMPLES
 
 ROUNDS = [16, 128, 128]  # as bench/engine_throughput.py: a short warm-up round, then measured rounds
 ADAPTIVE = RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True)
@@ -307,7 +307,7 @@ def test_costed_lane_tables_describe_the_issue_measurement():
 def test_costs_below_the_measured_ks_stay_positive():
     """Extrapolating a steep measured slope down to k = 0 must not reach 0 s (goodput divides by
     it: the live control-loop test hit ZeroDivisionError when the operator lowered k_max)."""
-    from verifypd.engine.step_costs import StepCostModel
+    from verifypd.router.step_costs import StepCostModel
 
     costs = StepCostModel()
     for _ in range(3):
@@ -326,7 +326,7 @@ def test_goodputs_for_all_k_equal_the_formula(with_rates):
     goodput of docs/engine.md: Σ 1 + p_i (E(a_i, k) - 1) over step(B, 0) + P(any) (step(B, k) - step(B, 0))."""
     import random
 
-    from verifypd.engine.step_costs import expected_tokens
+    from verifypd.router.step_costs import expected_tokens
 
     rng = random.Random(7)
     costs = StepCostModel()
@@ -352,7 +352,7 @@ def test_policy_off_is_rechecked_rarely_not_every_step(monkeypatch):
     steps unless acceptance, the batch or the config changed (its evaluation was host time the GPU
     waited for, every step: alpha 0.1 ran at 0.93 x k = 0 at batch 64 on an H200). The decisions,
     and the speed-up, are those of the test above."""
-    import verifypd.engine.scheduler as scheduler_module
+    import verifypd.router.scheduler as scheduler_module
 
     calls = []
     real = scheduler_module.choose_batch_k

@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.engine.types import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequest, RequestSpec, SamplingParams
+from verifypd.domain.requests import MAX_STOP_CHARS, MAX_STOP_STRINGS, InvalidRequest, RequestSpec, SamplingParams
 from verifypd.model import sampler
 
 

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from verifypd.engine.detokenize import IncrementalDetokenizer
 from verifypd.model.loader import embedded_model_path
+from verifypd.router.detokenize import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_text_before_an_unfinished_character_is_not_held_back(tokenizer):
 def test_codec_decodes_through_the_backend_as_the_wrapper_does(tokenizer):
     """TextCodec skips transformers' decode wrapper (the detokenizer's two calls per token) only where
     that gives the wrapper's text: random windows with special tokens and split multi-byte characters."""
-    from verifypd.tokenizer import TextCodec
+    from verifypd.domain.tokenizer import TextCodec
 
     codec = TextCodec(tokenizer)
     assert codec._backend_decode is not None  # the embedded (byte-level BPE) tokenizer takes the fast path
@@ -146,7 +146,7 @@ class _CleaningWrapper:
 
 
 def test_codec_keeps_the_wrapper_where_it_cleans_up_spaces(tokenizer):
-    from verifypd.tokenizer import TextCodec
+    from verifypd.domain.tokenizer import TextCodec
 
     codec = TextCodec(_CleaningWrapper(tokenizer))
     assert codec._backend_decode is None

@@ -13,10 +13,10 @@ from engine_helpers import make_engine, write_tiny_llama
 from verifypd.cli import main
 from verifypd.distill.capture import TargetCapture
 from verifypd.distill.head_train import TrainableHead, accepted_length
-from verifypd.engine.router import EngineObserver
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
 from verifypd.model.eagle_head import load_eagle_head
 from verifypd.model.loader import load_model
+from verifypd.router.router import EngineObserver
 
 CPU = torch.device("cpu")
 SMALL = [

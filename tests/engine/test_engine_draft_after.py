@@ -19,7 +19,7 @@ from engine_helpers import (
 from test_engine_eagle import write_head
 from test_engine_lookup_mix import repeating_prompts
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.model.eagle_chain import CallInputs
 from verifypd.model.verdict_shift import shift_reference, shift_to_verdict
 
@@ -353,12 +353,12 @@ def test_a_plan_that_cannot_go_ahead_is_the_next_steps(tiny_models, head, monkey
 
 
 def test_drafts_after_verify_and_steps_ahead_reach_telemetry(tiny_models, head):
-    """verifypd.speculation.drafts_after_verify, verifypd.engine.speculative_steps_ahead and
-    verifypd.engine.verify_calls_fitted count what the engine did (its own counters, as deltas)."""
+    """verifypd.speculation.drafts_after_verify, verifypd.router.speculative_steps_ahead and
+    verifypd.router.verify_calls_fitted count what the engine did (its own counters, as deltas)."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from verifypd import metric_names as mn
     from verifypd.core.telemetry import Telemetry
+    from verifypd.domain import metric_names as mn
 
     reader = InMemoryMetricReader()
     engine = make_engine(tiny_models[0], head, k=3)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from verifypd.cli import build_parser, main
-from verifypd.lanes.drafts import DEFAULT_DRAFT, DraftSpecError, parse_draft, resolve_draft
+from verifypd.domain.drafts import DEFAULT_DRAFT, DraftSpecError, parse_draft, resolve_draft
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from engine_helpers import make_engine
 from test_engine_greedy_lossless import random_prompts
 from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue, sample_second_tokens
 
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
 from verifypd.model.eagle_head import load_eagle_head, random_eagle_head, save_eagle_head
 from verifypd.model.loader import ModelLoadError, load_model
 
@@ -191,8 +191,8 @@ def test_greedy_with_head_in_every_schedule(tiny_models, heads):
 
 
 def test_split_lanes_refuse_feature_drafts(heads):
-    from verifypd.lanerpc.lane_setup import load_lane_models
-    from verifypd.local_engine import EngineOptions
+    from verifypd.engine import EngineOptions
+    from verifypd.lanes.rpc.lane_setup import load_lane_models
 
     for draft in (heads["full"], heads["full"].replace("eagle:", "eagle+ngram:", 1)):
         with pytest.raises(ModelLoadError, match="co-located only"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_helpers import DEVICE
 
-from verifypd.engine.types import SamplingParams
+from verifypd.domain.requests import SamplingParams
 from verifypd.model.eagle_draft import EagleModel, EagleRunner, FeatureRun
 from verifypd.model.eagle_head import random_eagle_head
 from verifypd.model.features import FeaturePool
@@ -171,7 +171,7 @@ def test_engine_through_the_graphed_call_path_drafts_as_the_eager_path(tiny_mode
     from test_engine_eagle import write_head
     from test_engine_greedy_lossless import random_prompts
 
-    from verifypd.engine.types import RequestSpec
+    from verifypd.domain.requests import RequestSpec
 
     prompts = random_prompts(6, seed=8)
     head = write_head(tiny_models, tmp_path / "head", draft_vocab=64)

@@ -8,7 +8,7 @@ from engine_helpers import write_tiny_llama
 
 from verifypd.distill.capture import TargetCapture
 from verifypd.distill.head_train import TrainableHead
-from verifypd.engine.types import SamplingParams
+from verifypd.domain.requests import SamplingParams
 from verifypd.model import sampler
 from verifypd.model.eagle_draft import EagleModel, EagleRunner, FeatureRun
 from verifypd.model.eagle_head import random_eagle_head

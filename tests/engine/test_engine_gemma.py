@@ -12,7 +12,7 @@ import torch
 from engine_helpers import DEVICE, hf_greedy, make_engine, write_tiny_llama
 from test_engine_greedy_lossless import random_prompts
 
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
 from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.loader import GEMMA, RANDOM_SHAPES, ModelLoadError, load_model, random_model, random_shape
 from verifypd.model.runner import TokenRun, build_layout

@@ -7,7 +7,7 @@ import random
 import pytest
 from engine_helpers import VOCAB, hf_greedy, make_engine
 
-from verifypd.engine.types import FinishReason, RequestSpec
+from verifypd.domain.requests import FinishReason, RequestSpec
 
 
 def random_prompts(n: int, seed: int, max_len: int = 20) -> list[tuple[int, ...]]:

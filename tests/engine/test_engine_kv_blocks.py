@@ -8,8 +8,8 @@ import random
 import pytest
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.types import InvalidRequest, RequestSpec
+from verifypd.domain.requests import InvalidRequest, RequestSpec
+from verifypd.router.block_manager import BlockManager
 
 
 def test_block_manager_grow_trim_free_invariants():

@@ -9,8 +9,8 @@ import random
 import pytest
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.engine.sequence import SeqStatus
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
+from verifypd.router.sequence import SeqStatus
 
 
 def prompts(n: int = 6, seed: int = 3) -> list[tuple[int, ...]]:

@@ -11,12 +11,12 @@ import torch
 from engine_helpers import make_engine
 from test_engine_eagle import write_head
 
-from verifypd.engine.lookup_mix import LookupMix
-from verifypd.engine.scheduler import DecodeWork
-from verifypd.engine.sequence import Sequence
-from verifypd.engine.types import RequestSpec, RequestStats, SamplingParams
-from verifypd.lanes.interface import KvHandle, VerifyItem
+from verifypd.domain.lanes import KvHandle, VerifyItem
+from verifypd.domain.requests import RequestSpec, RequestStats, SamplingParams
 from verifypd.lanes.local import DeviceDraftTokens, DraftBatch
+from verifypd.router.scheduler import DecodeWork
+from verifypd.router.sequence import Sequence
+from verifypd.spec_decode.lookup_mix import LookupMix
 
 
 def repeating_prompts(n: int, seed: int) -> list[list[int]]:
@@ -135,8 +135,8 @@ def test_lookup_proposals_reach_telemetry(tiny_models, mixed):
     """verifypd.speculation.lookup_proposals counts the requests' steps lookup drafted."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from verifypd import metric_names as mn
     from verifypd.core.telemetry import Telemetry
+    from verifypd.domain import metric_names as mn
 
     reader = InMemoryMetricReader()
     engine = make_engine(tiny_models[0], mixed, k=3)

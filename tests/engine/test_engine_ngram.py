@@ -8,9 +8,9 @@ import random
 import pytest
 from engine_helpers import make_engine
 
-from verifypd.engine.types import RequestSpec, SamplingParams
-from verifypd.lanes.interface import DraftItem, LaneInfo
-from verifypd.lanes.ngram import NgramDraftLane, propose
+from verifypd.domain.lanes import DraftItem, LaneInfo
+from verifypd.domain.requests import RequestSpec, SamplingParams
+from verifypd.spec_decode.ngram import NgramDraftLane, propose
 
 
 @pytest.mark.parametrize(

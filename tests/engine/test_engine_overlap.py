@@ -1,4 +1,4 @@
-"""Overlapped plain decoding (RuntimeConfig.overlap, verifypd.engine.overlap): the next k = 0 step is
+"""Overlapped plain decoding (RuntimeConfig.overlap, verifypd.router.overlap): the next k = 0 step is
 launched before the current one's tokens reach the host, its pending tokens fed on the device.
 Every test runs the same requests with overlap off and on, driving `Router.step()` by hand so that
 arrivals, cancels and config changes land between the same steps, and wants the same stream of
@@ -12,7 +12,7 @@ import random
 import pytest
 from engine_helpers import VOCAB, hf_greedy, make_engine
 
-from verifypd.engine.types import FinishReason, RequestSpec, SamplingParams
+from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
 
 
 def prompts(n: int, seed: int) -> list[tuple[int, ...]]:
@@ -253,7 +253,7 @@ def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models
     the batch the off decision was made for, and the chained step decides again for the smaller
     batch instead of ending the chain for a regular step (which it did at every finish: ngram at
     batch 16 ran at 0.91 x plain decoding on the H200, hardly drafting)."""
-    from verifypd.engine.step_costs import batch_bucket
+    from verifypd.router.step_costs import batch_bucket
 
     engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
     specs = [

@@ -1,4 +1,4 @@
-"""Overlapped scheduling through arrivals (verifypd.engine.overlap): a chained step admits the waiting
+"""Overlapped scheduling through arrivals (verifypd.router.overlap): a chained step admits the waiting
 requests `plan` would admit and starts their prefill beside its verify call; they decode in the very
 next step, their first token read on the device from the prefill's output. A served closed loop
 admits a request nearly every step, so without this the chain broke at every arrival.
@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import make_engine
 from test_engine_overlap import check_blocks_returned, drive, fresh, make_specs, prompts
 
-from verifypd.engine.types import FinishReason, RequestSpec, SamplingParams
+from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
 
 
@@ -280,7 +280,7 @@ def test_no_admission_in_the_chain_when_the_regular_step_would_not_start_it_besi
     arrive = staggered(8)
     engine = fresh(tiny_models)
     if off == "prefill_first":
-        from verifypd.engine.draft_length import LanePriorities
+        from verifypd.domain.config import LanePriorities
 
         engine.router.config = engine.router.config.updated(priorities=LanePriorities(prefill=3))
     got, _, router = drive(engine, specs, overlap=off != "overlap", arrive=arrive)
@@ -292,12 +292,12 @@ def test_no_admission_in_the_chain_when_the_regular_step_would_not_start_it_besi
 
 
 def test_chained_steps_reach_telemetry(tiny_models):
-    """verifypd.engine.chained_steps counts the steps launched ahead, split by whether they carried
+    """verifypd.router.chained_steps counts the steps launched ahead, split by whether they carried
     a prefill of admitted requests (served benchmarks divide it by the verify calls)."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from verifypd import metric_names as mn
     from verifypd.core.telemetry import Telemetry
+    from verifypd.domain import metric_names as mn
 
     reader = InMemoryMetricReader()
     engine = fresh(tiny_models)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_helpers import DEVICE, hf_greedy, write_tiny_llama
 
-from verifypd.engine.draft_length import RuntimeConfig
-from verifypd.engine.types import RequestSpec
-from verifypd.local_engine import Engine, EngineOptions, Models
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec
+from verifypd.engine import Engine, EngineOptions, Models
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, embedded_model_path, shape_from_config, weights_from_state_dict
 

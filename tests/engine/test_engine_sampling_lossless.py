@@ -9,7 +9,7 @@ import torch
 from engine_helpers import make_engine
 from scipy import stats
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.model import sampler
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from engine_helpers import observe_plain
 
-from verifypd.engine.block_manager import BlockManager
-from verifypd.engine.draft_length import (
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec, RequestStats
+from verifypd.router.block_manager import BlockManager
+from verifypd.router.draft_length import (
     AcceptanceTracker,
-    RuntimeConfig,
     StepCostModel,
     choose_batch_k,
     choose_k,
@@ -15,9 +16,8 @@ from verifypd.engine.draft_length import (
     pipelining_pays,
     request_alpha,
 )
-from verifypd.engine.scheduler import Scheduler
-from verifypd.engine.sequence import SeqStatus, Sequence
-from verifypd.engine.types import RequestSpec, RequestStats
+from verifypd.router.scheduler import Scheduler
+from verifypd.router.sequence import SeqStatus, Sequence
 
 
 def seq(rid: str, prompt_len: int, order: int, priority: int = 0, max_tokens: int = 50) -> Sequence:

@@ -13,9 +13,9 @@ import time
 import pytest
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.engine.draft_length import RuntimeConfig
-from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
-from verifypd.lanes.interface import LaneError
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.lanes import LaneError
+from verifypd.domain.requests import InvalidRequest, RequestSpec, SamplingParams
 
 SCHEDULES = [("baseline", True), ("pd", True), ("pdv", True), ("pdv", False)]
 
@@ -205,8 +205,8 @@ def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, p
     call's proposals over in one device slot: a mixed call fails there)."""
     import itertools
 
-    from verifypd.engine import scheduler as scheduler_module
     from verifypd.lanes.local import DeviceDraftTokens
+    from verifypd.router import scheduler as scheduler_module
 
     choices = itertools.cycle([True, True, False, True, False, False, True])
     monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))

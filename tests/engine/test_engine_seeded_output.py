@@ -9,7 +9,7 @@ import random
 import pytest
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 
 # Repetitive prompts and a low temperature give the n-gram draft something to propose and keep
 # (a random model sampled hot rarely repeats itself).

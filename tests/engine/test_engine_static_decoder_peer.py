@@ -9,7 +9,7 @@ import sys
 import torch
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 

@@ -12,7 +12,7 @@ import pytest
 from engine_helpers import DEVICE, make_engine
 from test_engine_greedy_lossless import random_prompts
 
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
 from verifypd.model import layout as layout_module
 from verifypd.model.runner import TokenRun, build_layout
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 from engine_helpers import DEVICE, make_engine
 
-from verifypd.engine.draft_length import RuntimeConfig
-from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import InvalidRequest, RequestSpec, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from engine_helpers import DEVICE, assert_others_plain_and_blocks_free, make_eng
 from test_engine_draft_after import _prompts, _proposals, _specs
 from test_engine_eagle import write_head
 
-from verifypd.engine.types import SamplingParams
+from verifypd.domain.requests import SamplingParams
 from verifypd.model.graph_runner import GraphRunner
 from verifypd.model.kernels.fit import fit_kernel
 from verifypd.model.verify_fit import fit_reference, fit_to_verdict

@@ -65,8 +65,8 @@ def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
 def test_crd_speculation_defaults_are_the_routers():
     """A VerifyPDConfig without `speculation` gets the router's own draft-length bounds: kMin 0 lets
     the adaptive policy stop drafting where it does not pay (a floor of 1 forces a draft token every
-    step), and the CRD, the spec parser and `RuntimeConfig` read one place (verifypd/defaults.py)."""
-    from verifypd.engine.draft_length import RuntimeConfig
+    step), and the CRD, the spec parser and `RuntimeConfig` read one place (verifypd/domain/defaults.py)."""
+    from verifypd.domain.config import RuntimeConfig
 
     router = RuntimeConfig()
     want = {"kMin": router.k_min, "kMax": router.k_max, "kInitial": router.k_initial}

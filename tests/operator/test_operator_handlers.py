@@ -27,7 +27,7 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from operator_helpers import declare_kinds, emulator
 
-from verifypd import metric_names as mn
+from verifypd.domain import metric_names as mn
 from verifypd.v1 import control_pb2, control_pb2_grpc
 from verifypd_operator.builders import read_admin_secret
 from verifypd_operator.control_client import ControlClient

@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 
-from verifypd import metric_names as mn
+from verifypd.domain import metric_names as mn
 from verifypd_operator.otlp_receiver import Hist, MetricsStore, percentile, serve
 
 BOUNDS = [i * 0.005 for i in range(1, 200)]  # 5 ms buckets up to ~1 s

@@ -76,7 +76,7 @@ def test_the_issued_certificate_serves_mutual_tls_for_real(issued, tmp_path):
     (server and client auth, chain to the CA, validity)."""
     import time
 
-    from verifypd.lane_tls import LaneTls
+    from verifypd.net.lane_tls import LaneTls
 
     now_issued = tls_certs.plan((None, None), (None, None), "demo", NAMES, time.time(), 30)
     for name, data in (

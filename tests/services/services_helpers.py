@@ -34,8 +34,8 @@ MAX_CONTEXT = 256
 
 
 def engine_options(target: str, draft: str, *, k: int = K, adaptive: bool = False, **overrides):
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.local_engine import EngineOptions
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.engine import EngineOptions
 
     config = RuntimeConfig(k_min=0, k_max=8, k_initial=k, adaptive=adaptive)
     fields = dict(
@@ -58,7 +58,7 @@ def random_prompts(n: int, seed: int, max_len: int = 20) -> list[list[int]]:
 
 def offline_outputs(options, specs) -> list[list[int]]:
     """What the offline engine (no gRPC) produces for the same requests."""
-    from verifypd.local_engine import Engine
+    from verifypd.engine import Engine
 
     done = Engine(options).generate(specs)
     return [c.token_ids for c in done.values()]
@@ -86,7 +86,7 @@ class Client:
         """`bearer`: a key sent as `authorization: Bearer <key>` on every call (API or admin key)."""
         from grpc_health.v1 import health_pb2_grpc
 
-        from verifypd.auth import bearer_interceptor
+        from verifypd.net.auth import bearer_interceptor
         from verifypd.v1 import control_pb2_grpc, generate_pb2_grpc
 
         self.address = address

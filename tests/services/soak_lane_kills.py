@@ -33,7 +33,7 @@ from services_helpers import (  # noqa: E402
 )
 from test_services_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop  # noqa: E402
 
-from verifypd.engine.types import RequestSpec  # noqa: E402
+from verifypd.domain.requests import RequestSpec  # noqa: E402
 
 
 def main() -> int:

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from verifypd.engine.types import SamplingParams
-from verifypd.lanerpc import call_codec as cc
-from verifypd.lanerpc import call_decode as cd
-from verifypd.lanerpc import lane_validate as lv
-from verifypd.lanerpc.call_channel import CallClient, CallServer, ChannelClosed
-from verifypd.lanes.interface import DraftItem, KvHandle, LaneError, PrefillItem, VerifyItem, VerifyOutput
+from verifypd.domain.lanes import DraftItem, KvHandle, LaneError, PrefillItem, VerifyItem, VerifyOutput
+from verifypd.domain.requests import SamplingParams
+from verifypd.lanes.rpc import call_codec as cc
+from verifypd.lanes.rpc import call_decode as cd
+from verifypd.lanes.rpc import lane_validate as lv
+from verifypd.lanes.rpc.call_channel import CallClient, CallServer, ChannelClosed
 from verifypd.v1 import lanes_pb2
 
 TARGET, DRAFT = ("target-00000000000a", 3), ("draft-00000000000b", 5)
@@ -223,7 +223,7 @@ def test_garbage_frames_drop_only_that_connection():
 
 
 def test_lane_client_turns_channel_errors_into_lane_errors():
-    from verifypd.lanerpc.lane_client import GrpcVerifyLane
+    from verifypd.lanes.rpc.lane_client import GrpcVerifyLane
 
     lane = GrpcVerifyLane.__new__(GrpcVerifyLane)  # only the work path: no gRPC channel needed
     lane.lane, lane.addr, lane._use_channel, lane.producer = "verify", "127.0.0.1:1", True, None

@@ -16,7 +16,7 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd.auth import gateway_access
+from verifypd.net.auth import gateway_access
 from verifypd.v1 import control_pb2
 
 ADMIN_KEY, API_KEY = "admin-key-for-tests-0123456789", "api-key-for-tests-0123456789"

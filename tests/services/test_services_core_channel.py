@@ -28,7 +28,7 @@ from services_helpers import (
     wait_until,
 )
 
-from verifypd.engine.types import RequestSpec
+from verifypd.domain.requests import RequestSpec
 from verifypd.v1 import generate_pb2
 
 

@@ -21,7 +21,7 @@ from services_helpers import (
     wait_until,
 )
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import control_pb2, generate_pb2
 
 ADMIN_KEY = "test-admin-key-0123456789"  # Control.UpdateConfig needs it (auth.gateway_access)
@@ -294,7 +294,7 @@ def test_health_reflection_and_server_info(client):
 
 
 def test_telemetry_metric_names(client, metrics_reader):
-    from verifypd import metric_names as mn
+    from verifypd.domain import metric_names as mn
 
     client.generate(**greedy_request([5, 6, 7], 12))
     data = metrics_reader.get_metrics_data()

@@ -30,8 +30,8 @@ def gauge_values(reader, name: str) -> dict[str, float]:
 def test_gauges_drop_to_zero_after_cancel_and_when_idle(tiny_models):
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from verifypd import metric_names as mn
     from verifypd.core.telemetry import Telemetry
+    from verifypd.domain import metric_names as mn
     from verifypd.gateway.server import build_colocated
 
     reader = InMemoryMetricReader()
@@ -66,8 +66,8 @@ def test_verify_items_reach_the_instruments_once_per_step_with_exact_sums():
 
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from verifypd import metric_names as mn
     from verifypd.core.telemetry import Telemetry
+    from verifypd.domain import metric_names as mn
 
     reader = InMemoryMetricReader()
     telemetry = Telemetry(readers=[reader])

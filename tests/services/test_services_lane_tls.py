@@ -27,9 +27,9 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd.engine.types import RequestSpec
-from verifypd.lane_tls import LaneTls
-from verifypd.lanes.interface import LaneError
+from verifypd.domain.lanes import LaneError
+from verifypd.domain.requests import RequestSpec
+from verifypd.net.lane_tls import LaneTls
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The mutual-TLS layer of the lanes (verifypd.lane_tls) in-process, with real certificates and no
+"""The mutual-TLS layer of the lanes (verifypd.net.lane_tls) in-process, with real certificates and no
 model: the call channel and a gRPC port each refuse a plaintext peer, a peer from another CA, an
 expired certificate and a missing one, logging one line that names the problem; the lane secret
 still applies inside TLS; rotated files are picked up by new connections while open ones keep
@@ -19,12 +19,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki_helpers import make_pki
 
-from verifypd import lane_tls as lt
-from verifypd import tls as tls_mod
-from verifypd.health import add_health_and_reflection
-from verifypd.lanerpc import call_channel
-from verifypd.lanerpc.call_channel import CallClient, CallServer
-from verifypd.tls import TlsError
+from verifypd.lanes.rpc import call_channel
+from verifypd.lanes.rpc.call_channel import CallClient, CallServer
+from verifypd.net import lane_tls as lt
+from verifypd.net import tls as tls_mod
+from verifypd.net.health import add_health_and_reflection
+from verifypd.net.tls import TlsError
 from verifypd.v1 import lanes_pb2
 
 SECRET = "s" * 32
@@ -213,7 +213,7 @@ def test_half_replaced_files_keep_the_old_certificate(pki, tmp_path, caplog):
     shutil.copy(pki["leaf"][0], crt), shutil.copy(pki["leaf"][1], key)
     tls = lt.LaneTls(crt, key, ca, check_s=0.0)
     shutil.copy(pki["other_leaf"][0], crt)  # the certificate changed, its key not yet
-    with caplog.at_level(logging.WARNING, logger="verifypd.lane_tls"):
+    with caplog.at_level(logging.WARNING, logger="verifypd.net.lane_tls"):
         material = tls.current()
     assert tls.generation == 0 and material.cert == open(pki["leaf"][0], "rb").read()
     assert "do not load" in caplog.text

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from verifypd.engine import EngineOptions
 from verifypd.launch import mps
 from verifypd.launch.launcher import LaneProcesses
-from verifypd.local_engine import EngineOptions
 
 FAKE_CONTROL = """#!/bin/sh
 # stand-in for nvidia-cuda-mps-control: logs argv, stdin and the pipe directory

@@ -12,7 +12,7 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
 DRAFT = "ngram:1-3"

@@ -11,9 +11,9 @@ import random
 import grpc
 import pytest
 
-from verifypd import convert
-from verifypd.engine.types import FinishReason
-from verifypd.gateway.engine_client import USAGE_KEYS, Chunk, Failure, StreamBox, merge_chunks
+from verifypd.core.client import USAGE_KEYS, Chunk, Failure, StreamBox, merge_chunks
+from verifypd.domain import convert
+from verifypd.domain.requests import FinishReason
 from verifypd.gateway.response_wire import ResponseEncoder, varint
 from verifypd.v1 import generate_pb2
 

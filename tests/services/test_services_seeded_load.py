@@ -13,7 +13,7 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2 as pb
 
 PROMPT, SEED, TEMPERATURE, MAX_TOKENS = [9, 8, 7, 9, 8, 7], 2026, 0.9, 40

@@ -103,8 +103,8 @@ def test_real_acceptance_of_the_unrelated_draft_is_low(unrelated_models):
     """The control: without the flag the same pair accepts rarely (so alpha 1 above is the flag's doing)."""
     from services_helpers import engine_options
 
-    from verifypd.engine.types import RequestSpec, SamplingParams
-    from verifypd.local_engine import Engine
+    from verifypd.domain.requests import RequestSpec, SamplingParams
+    from verifypd.engine import Engine
 
     options = engine_options(*unrelated_models, k=K, block_size=BLOCK_SIZE)
     done = Engine(options).generate(

@@ -16,7 +16,7 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
 
@@ -121,9 +121,9 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
     """The router's fast path (call channel: compact columns, request intros, block-table deltas)
     and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
     from verifypd.core.process import connect_lanes
-    from verifypd.engine.router import Router
     from verifypd.gateway.server import load_codec
-    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)
     outputs = {}
@@ -151,9 +151,9 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
     """pdv with pipelining across the lane processes: one group's draft beside the other's verify,
     and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
     from verifypd.core.process import connect_lanes
-    from verifypd.engine.router import Router
     from verifypd.gateway.server import load_codec
-    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)
     clients = connect_lanes(lanes.addrs, secret=lanes.secret)
@@ -187,10 +187,10 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
     import itertools
 
     from verifypd.core.process import connect_lanes
-    from verifypd.engine import scheduler as scheduler_module
-    from verifypd.engine.router import Router
     from verifypd.gateway.server import load_codec
-    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.router import scheduler as scheduler_module
+    from verifypd.router.router import Router
 
     choices = itertools.cycle([True, True, False, True, False, False, True])
     monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))

@@ -18,10 +18,10 @@ from services_helpers import (
 )
 from test_services_call_channel import GREEDY, TARGET, handle, verify_item
 
-from verifypd.lanerpc import call_codec as cc
-from verifypd.lanerpc.call_channel import CallClient, CallServer
-from verifypd.lanerpc.lane_client import GrpcPrefillLane, GrpcVerifyLane
-from verifypd.lanes.interface import LaneError, PrefillItem
+from verifypd.domain.lanes import LaneError, PrefillItem
+from verifypd.lanes.rpc import call_codec as cc
+from verifypd.lanes.rpc.call_channel import CallClient, CallServer
+from verifypd.lanes.rpc.lane_client import GrpcPrefillLane, GrpcVerifyLane
 from verifypd.v1 import lanes_pb2
 
 DELAY_S = 0.3
@@ -122,10 +122,10 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     lock-step step sent its prefill call only after decode, adding its whole round trip to the
     step), and the tokens stay the offline engine's."""
     from verifypd.core.process import connect_lanes
-    from verifypd.engine.router import Router
-    from verifypd.engine.types import RequestSpec
-    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.domain.requests import RequestSpec
+    from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.launch.launcher import LaneProcesses
+    from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)
     prompts = random_prompts(6, seed=5, max_len=30)
@@ -169,8 +169,8 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
 def test_a_draft_lane_that_proposes_nothing_is_not_called():
     """`--draft none` over lane processes: the draft lane's answer (no proposals) is known, so a
     k = 0 split server does not pay a draft round trip before every verify call."""
-    from verifypd.lanerpc.lane_client import GrpcDraftLane
-    from verifypd.lanes.interface import DraftItem
+    from verifypd.domain.lanes import DraftItem
+    from verifypd.lanes.rpc.lane_client import GrpcDraftLane
 
     lane = GrpcDraftLane.__new__(GrpcDraftLane)
     lane._info_pb = lanes_pb2.LaneInfo(lane="draft", draft_model="none")

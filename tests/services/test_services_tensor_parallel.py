@@ -30,7 +30,7 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
 FOLLOWER_LINE = re.compile(r"tensor-parallel rank 1 of 2: pid (\d+)")
@@ -191,7 +191,7 @@ def _cuda_count() -> int:
 
 
 def test_call_codec_round_trip_and_bad_headers():
-    from verifypd.model import tp_calls
+    from verifypd.lanes.tensor_parallel import calls as tp_calls
     from verifypd.model.layout import TokenRun
 
     runs = [TokenRun([5, 6, 7], 0, (3, 4)), TokenRun([9], 41, (0, 1, 2, 8))]

@@ -20,7 +20,7 @@ from services_helpers import (
     tiny_models,  # noqa: F401 (a fixture)
 )
 
-from verifypd import tls as tls_mod
+from verifypd.net import tls as tls_mod
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 
 PROMPT = "w5 w6 w7"

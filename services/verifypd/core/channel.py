@@ -34,7 +34,7 @@ import json
 import socket
 import struct
 
-from verifypd.engine.types import FinishReason, RequestSpec, SamplingParams
+from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
 
 MAX_FRAME = 64 << 20
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps")

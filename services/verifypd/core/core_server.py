@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from verifypd import convert
 from verifypd.core.channel import BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire, unb64
 from verifypd.core.engine_loop import EngineLoop, Overloaded, Unavailable
-from verifypd.engine.types import InvalidRequest, RequestOutput
-from verifypd.lanes.interface import LaneError
+from verifypd.domain import convert
+from verifypd.domain.lanes import LaneError
+from verifypd.domain.requests import InvalidRequest, RequestOutput
 from verifypd.v1 import control_pb2
 
 log = logging.getLogger("verifypd.core")
@@ -250,7 +250,7 @@ class CoreServer:
         """Engine thread, during recovery: raises LaneError until every lane serves again; then
         re-reads the owners' pools (new ids and generations after a restart) and has the prefill
         lane import them. Old-generation handles are refused by the lanes from then on."""
-        from verifypd.lanerpc.lane_client import wire_pools
+        from verifypd.lanes.rpc.lane_client import wire_pools
 
         for lane in self.lanes:
             if not lane.healthy(timeout_s=1.0):

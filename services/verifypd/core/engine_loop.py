@@ -31,11 +31,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
-from verifypd.engine.router import Router
-from verifypd.engine.types import RequestSpec
-from verifypd.lanes.interface import LaneError
+from verifypd.domain.lanes import LaneError
+from verifypd.domain.requests import RequestSpec
+from verifypd.router.router import Router
 
-log = logging.getLogger("verifypd.engine")
+log = logging.getLogger("verifypd.router")
 
 
 class Overloaded(Exception):

@@ -35,7 +35,7 @@ def server_info(target: str, draft: str, topology: str, max_context: int) -> gen
 def build_colocated_core(options, *, observer=None, topology: str = "colocated"):
     """(router, info, local Engine): models, pools and lanes in this process. The router does not
     detokenize: the gateway does."""
-    from verifypd.local_engine import Engine
+    from verifypd.engine import Engine
 
     engine = Engine(options, observer=observer, detokenize=False)
     return engine.router, server_info(options.target, options.draft, topology, engine.router.max_context), engine
@@ -49,8 +49,8 @@ def connect_lanes(
     secret: str | None = None,
     tls=None,
 ):
-    """`tls`: a verifypd.lane_tls.LaneTls (mutual TLS to every lane) or None (plaintext)."""
-    from verifypd.lanerpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
+    """`tls`: a verifypd.net.lane_tls.LaneTls (mutual TLS to every lane) or None (plaintext)."""
+    from verifypd.lanes.rpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
 
     lanes = (
         GrpcPrefillLane(addrs["prefill"], timeout_s, secret, tls=tls),
@@ -77,8 +77,8 @@ def build_split_core(
     """(router, info, lanes, wiring): the router over gRPC lane clients; the prefill lane imports
     (or stages) the owners' pools once (and again after a lane restart, CoreServer._rewire).
     The router does not detokenize: the gateway does (decode=None)."""
-    from verifypd.engine.router import Router
-    from verifypd.lanerpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.router.router import Router
 
     prefill, draft, verify = connect_lanes(
         addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls, ready_timeout_s=ready_timeout_s
@@ -132,7 +132,7 @@ def core_main(argv: list[str]) -> int:
 
     lane_tls = serve_lane_tls(args)
     if lane_tls is not None:  # fail at once on our own expired / foreign certificate, not after lane timeouts
-        from verifypd.lanes.interface import LaneError
+        from verifypd.domain.lanes import LaneError
 
         own = lane_tls.self_check()
         if own:
@@ -141,7 +141,7 @@ def core_main(argv: list[str]) -> int:
     addrs = {lane: getattr(args, f"{lane}_addr") for lane in ("prefill", "draft", "verify")}
     lanes, on_close, supervisor, wiring = (), [telemetry.shutdown], None, None
     if any(addrs.values()):
-        from verifypd.auth import load_secret
+        from verifypd.net.auth import load_secret
 
         router, info, lanes, wiring = build_split_core(
             addrs,
@@ -240,8 +240,8 @@ class CoreProcess:
 
 
 def main() -> int:
-    from verifypd.engine.types import InvalidRequest
-    from verifypd.lanes.interface import LaneError
+    from verifypd.domain.lanes import LaneError
+    from verifypd.domain.requests import InvalidRequest
     from verifypd.launch.launcher import LaneStartError
     from verifypd.model.loader import ModelLoadError
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry metrics of the router/gateway, names from verifypd.metric_names.
+"""OpenTelemetry metrics of the router/gateway, names from verifypd.domain.metric_names.
 
 Exported over OTLP/gRPC only when OTEL_EXPORTER_OTLP_ENDPOINT is set (otherwise instruments are
 the API's no-ops). The resource comes from the environment (OTEL_SERVICE_NAME,
@@ -17,9 +17,9 @@ from collections import deque
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from verifypd import metric_names as mn
-from verifypd.engine.router import EngineObserver
-from verifypd.engine.sequence import SeqStatus
+from verifypd.domain import metric_names as mn
+from verifypd.router.router import EngineObserver
+from verifypd.router.sequence import SeqStatus
 
 _DURATION_BUCKETS = (
     0.001,

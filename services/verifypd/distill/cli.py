@@ -120,8 +120,8 @@ def run(args) -> int:
 
     from verifypd.distill.data import make_data
     from verifypd.distill.trainer import Trainer, TrainSettings, latest_checkpoint
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.local_engine import Engine, EngineOptions, load_models
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.engine import Engine, EngineOptions, load_models
     from verifypd.model.eagle_head import random_eagle_head
     from verifypd.model.loader import ModelLoadError
 

@@ -21,7 +21,7 @@ import pathlib
 import random
 
 from verifypd.distill.chat_requests import WRITER_TOPICS, template_requests, writer_asks
-from verifypd.engine.types import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, SamplingParams
 
 WRITTEN_ONE_IN = 4  # 1 in 4 chat requests is written by the target (the rest: our templates;
 # the 135M target's own requests are noisy: off-topic, meta, half sentences)

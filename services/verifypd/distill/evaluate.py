@@ -31,9 +31,9 @@ def compare_drafts(
     device: str = "auto",
     dtype: str = "auto",
 ) -> dict:
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.engine.types import RequestSpec
-    from verifypd.local_engine import Engine, EngineOptions, draft_spec, load_draft_model, load_models
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.domain.requests import RequestSpec
+    from verifypd.engine import Engine, EngineOptions, draft_spec, load_draft_model, load_models
 
     prompts, families = read_prompts(prompts_file), prompt_families(prompts_file)
     results = []

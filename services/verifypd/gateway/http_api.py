@@ -22,11 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from verifypd import convert
+from verifypd.core.client import Chunk, Failure
 from verifypd.core.engine_loop import Overloaded, Unavailable
-from verifypd.engine.types import InvalidRequest
+from verifypd.domain import convert
+from verifypd.domain.requests import InvalidRequest
 from verifypd.gateway import openai_convert as oc
-from verifypd.gateway.engine_client import Chunk, Failure
 
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024

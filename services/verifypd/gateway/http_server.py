@@ -21,7 +21,7 @@ log = logging.getLogger("verifypd.http")
 
 class HttpServer:
     """uvicorn serving an ASGI app on host:port (0 = any free port) on `loop` (the gateway's), or
-    on a loop of its own in a daemon thread when none is given. `tls`: a verifypd.tls.ServerTls
+    on a loop of its own in a daemon thread when none is given. `tls`: a verifypd.net.tls.ServerTls
     (HTTPS only, with client certificates when it has a client CA) or None (plain HTTP)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None, tls=None):
@@ -93,7 +93,7 @@ class HttpServer:
     def _watch_certificate(self) -> None:
         """A rotated certificate (files replaced) serves the next handshakes; open connections
         keep theirs. Runs on the server's loop, the only user of its SSLContext."""
-        from verifypd.tls import RELOAD_CHECK_S, FileStamp
+        from verifypd.net.tls import RELOAD_CHECK_S, FileStamp
 
         watch = FileStamp((self.tls.cert_file, self.tls.key_file, self.tls.client_ca_file), check_s=0.0)
         loop = self.loop or self.server_loop

@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from verifypd.engine.types import FinishReason
+from verifypd.domain.requests import FinishReason
 from verifypd.gateway.json_body import JsonBodyError, parse_json_body
 from verifypd.v1 import generate_pb2
 

@@ -17,7 +17,7 @@ import struct
 
 import grpc
 
-from verifypd.convert import _FINISH
+from verifypd.domain.convert import _FINISH
 from verifypd.v1 import generate_pb2
 
 _DOUBLE = struct.Struct("<d")

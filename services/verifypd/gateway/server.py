@@ -18,16 +18,16 @@ import time
 
 import grpc
 
-from verifypd import convert
-from verifypd.auth import gateway_interceptor
 from verifypd.core.channel import AsyncChannel, BlockingChannel
+from verifypd.core.client import READY_TIMEOUT_S, EngineClient, Failure
 from verifypd.core.core_server import CoreServer
 from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
 from verifypd.core.process import build_colocated_core, build_split_core
-from verifypd.engine.types import InvalidRequest
-from verifypd.gateway.engine_client import READY_TIMEOUT_S, EngineClient, Failure
+from verifypd.domain import convert
+from verifypd.domain.requests import InvalidRequest
 from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
-from verifypd.health import AsyncHealth
+from verifypd.net.auth import gateway_interceptor
+from verifypd.net.health import AsyncHealth
 from verifypd.v1 import control_pb2_grpc
 
 log = logging.getLogger("verifypd.gateway")
@@ -139,7 +139,7 @@ class Gateway:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None, tls) -> None:
-        """`tls`: a verifypd.tls.ServerTls (the port speaks only TLS) or None (plaintext)."""
+        """`tls`: a verifypd.net.tls.ServerTls (the port speaks only TLS) or None (plaintext)."""
         self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
         # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
         self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
@@ -301,7 +301,7 @@ def serve_router(
 
 
 def build_colocated(options, *, observer=None, topology: str = "colocated", **kwargs) -> Gateway:
-    """Models, pools and lanes in this process (verifypd.local_engine.Engine), core in threads."""
+    """Models, pools and lanes in this process (verifypd.engine.Engine), core in threads."""
     router, info, engine = build_colocated_core(options, observer=observer, topology=topology)
     gateway = serve_router(router, engine.codec, info, **kwargs)
     gateway.local_engine = engine
@@ -322,7 +322,7 @@ def build_split(
     **kwargs,
 ) -> Gateway:
     """Router over gRPC lane clients (core in threads of this process). `lane_tls`: a
-    verifypd.lane_tls.LaneTls (mutual TLS to the lanes) or None."""
+    verifypd.net.lane_tls.LaneTls (mutual TLS to the lanes) or None."""
     router, info, lanes, wiring = build_split_core(
         addrs,
         options,
@@ -345,8 +345,8 @@ def load_codec(target: str):
     import os
     import pathlib
 
+    from verifypd.domain.tokenizer import TextCodec
     from verifypd.model.loader import EMBEDDED_NAME, ModelLoadError, embedded_model_path
-    from verifypd.tokenizer import TextCodec
 
     if target.startswith("random:"):
         return TextCodec(None)

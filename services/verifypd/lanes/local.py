@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from verifypd.lanes.interface import (
+from verifypd.domain.lanes import (
     DraftItem,
     DraftOutput,
     Finished,

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 
-from verifypd.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 from verifypd.launch.serve_args import (
     add_client_tls_arguments,
     add_lane_arguments,
@@ -26,6 +25,7 @@ from verifypd.launch.serve_args import (
     simulated_label,
     warn_simulated,
 )
+from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 
 
 def register(sub) -> None:
@@ -69,7 +69,7 @@ def cmd_serve(args) -> int:
     the tokenizer meanwhile, then serves gRPC and HTTP on one event loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
     from verifypd.gateway.server import Gateway, load_codec
-    from verifypd.tls import server_tls
+    from verifypd.net.tls import server_tls
 
     setup_logging()
     options = engine_options(args)  # bad flags fail here, before anything starts
@@ -178,7 +178,7 @@ def cmd_serve(args) -> int:
 def _admin_key(args) -> str | None:
     """--admin-key-file / VERIFYPD_ADMIN_KEY (checked: long enough, not the API key); None: Control
     stays read-only (UpdateConfig refused), which the start-up log says."""
-    from verifypd.auth import check_gateway_keys, load_secret
+    from verifypd.net.auth import check_gateway_keys, load_secret
 
     key = load_secret(args.admin_key_file, env=ADMIN_KEY_ENV, what="admin key")
     check_gateway_keys(args.api_key, key)
@@ -207,7 +207,7 @@ def _start_http(gateway, args, tls):
 
 def _start_health_port(gateway, args) -> None:
     """Plaintext `GET /health` for probes: 200 while the gateway serves (as the HTTP API's /health)."""
-    from verifypd.health import HealthPort
+    from verifypd.net.health import HealthPort
 
     def check():
         if gateway.client.failed:
@@ -223,9 +223,9 @@ def _start_health_port(gateway, args) -> None:
 
 
 def cmd_lane(args) -> int:
-    from verifypd.auth import load_secret
-    from verifypd.lane_tls import lane_tls
-    from verifypd.lanerpc.lane_server import LaneServicer, build_lane_server
+    from verifypd.lanes.rpc.lane_server import LaneServicer, build_lane_server
+    from verifypd.net.auth import load_secret
+    from verifypd.net.lane_tls import lane_tls
 
     setup_logging()
     try:
@@ -273,7 +273,7 @@ def cmd_lane(args) -> int:
         )
         health_port = None
         if args.health_port:
-            from verifypd.health import HealthPort, serving_check
+            from verifypd.net.health import HealthPort, serving_check
 
             health_port = HealthPort(args.host, args.health_port, {"/health": serving_check(health)})
     except OSError as exc:
@@ -307,8 +307,8 @@ def cmd_lane(args) -> int:
 def cmd_generate_remote(args) -> int:
     import grpc
 
-    from verifypd import tls as tls_mod
-    from verifypd.convert import FINISH_NAMES
+    from verifypd.domain.convert import FINISH_NAMES
+    from verifypd.net import tls as tls_mod
     from verifypd.v1 import generate_pb2, generate_pb2_grpc
 
     try:
@@ -327,7 +327,7 @@ def cmd_generate_remote(args) -> int:
         )
         return 2
     if args.api_key:
-        from verifypd.auth import bearer_interceptor
+        from verifypd.net.auth import bearer_interceptor
 
         channel = grpc.intercept_channel(channel, bearer_interceptor(args.api_key))
     stub = generate_pb2_grpc.GenerationStub(channel)

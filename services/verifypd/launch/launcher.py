@@ -25,8 +25,8 @@ import threading
 import time
 
 import verifypd
-from verifypd.auth import LANE_SECRET_ENV, new_secret
 from verifypd.launch.mps import MpsDaemon, start_for_lanes
+from verifypd.net.auth import LANE_SECRET_ENV, new_secret
 
 log = logging.getLogger("verifypd.launcher")
 LANES = ("prefill", "draft", "verify")
@@ -100,7 +100,7 @@ class LaneStartError(RuntimeError):
 
 class LaneProcesses:
     def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None, tls=None, mps: str = "off"):
-        """`tls`: a verifypd.lane_tls.LaneTls whose files every lane gets (mutual TLS)."""
+        """`tls`: a verifypd.net.lane_tls.LaneTls whose files every lane gets (mutual TLS)."""
         self.options, self.host, self.tls = options, host, tls
         self.mps_mode = mps  # --mps: a private MPS daemon for the lanes (mps.py); started by start()
         self.mps: MpsDaemon | None = None

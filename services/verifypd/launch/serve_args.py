@@ -10,8 +10,8 @@ import logging
 import os
 import sys
 
-from verifypd.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 from verifypd.cli_flags import add_model_flags, add_schedule_flags, draft_arg, schedule_changes
+from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -189,8 +189,8 @@ def add_health_port_argument(p: argparse.ArgumentParser) -> None:
 
 
 def serve_lane_tls(args):
-    """`serve`'s --lane-tls-* flags, checked (verifypd.tls.TlsError naming the flag); None when not given."""
-    from verifypd.lane_tls import lane_tls
+    """`serve`'s --lane-tls-* flags, checked (verifypd.net.tls.TlsError naming the flag); None when not given."""
+    from verifypd.net.lane_tls import lane_tls
 
     return lane_tls(
         args.lane_tls_cert_file,
@@ -284,8 +284,8 @@ def warn_simulated(options) -> None:
 
 
 def engine_options(args):
-    from verifypd.engine.draft_length import RuntimeConfig
-    from verifypd.local_engine import EngineOptions
+    from verifypd.domain.config import RuntimeConfig
+    from verifypd.engine import EngineOptions
 
     options = EngineOptions(
         target=args.target,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verifypd.engine.types import SamplingParams
+from verifypd.domain.requests import SamplingParams
 from verifypd.model import sampler
 from verifypd.model.eagle_chain import EagleGraphs, catch_up, chain, device_inputs, host_inputs
 from verifypd.model.eagle_head import EagleConfig, EagleWeights

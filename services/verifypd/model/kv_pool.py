@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifypd.lanes.interface import PoolInfo
+from verifypd.domain.lanes import PoolInfo
 
 LAYOUT = "kv,layer,block,slot,head,dim"
 SHM_DIR = "/dev/shm"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from verifypd.engine.types import GREEDY_BELOW
+from verifypd.domain.requests import GREEDY_BELOW
 
 STREAM_ACCEPT = 1  # the simulated-acceptance benchmark's Bernoulli draws
 NO_TOKEN = -1  # a row whose distribution is NaN or empty

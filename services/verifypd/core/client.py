@@ -1,0 +1,322 @@
+"""The gateway's side of the engine core: submit, cancel and control over the core channel,
+on the gateway's event loop (no thread per request). Torch-free.
+
+One reader task takes the core's messages: a `step` message (one per engine step, every request
+that got tokens) is split into per-request `Chunk`s; detokenization and stop strings happen here,
+in the gateway process, so the engine's steps never pay for them. A stop string ends the stream
+with STOP at once and cancels the request in the core (the core may have run one more step for it:
+those tokens are dropped, as vLLM's front end does).
+
+If the core process dies (the channel closes), every request in flight ends with UNAVAILABLE at
+once, nothing hangs, and `failed` says why. `on_failure(message, exited)` is told when the engine
+fails for good (health goes NOT_SERVING) and whether its process is gone (`verifypd serve` then
+exits, so that its supervisor, Kubernetes, restarts the pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from verifypd.core.channel import USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire, spec_to_wire, unb64
+from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec
+from verifypd.router.detokenize import IncrementalDetokenizer
+from verifypd.v1 import control_pb2, generate_pb2
+
+log = logging.getLogger("verifypd.gateway")
+READY_TIMEOUT_S = 3600.0
+SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most  # a large model loads and captures graphs before the core is ready
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One streamed piece of a request: the tokens of one engine step, or of several in a row
+    (`merge_chunks`). `usage`: the five cumulative counts in USAGE_KEYS order (`usage_dict`)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    usage: list[int]
+    applied_k: int  # the draft length of the last step whose tokens this chunk carries
+    ttft_s: float | None
+
+    def usage_dict(self) -> dict[str, int]:
+        return dict(zip(USAGE_KEYS, self.usage))
+
+
+@dataclass(slots=True)
+class Failure:
+    code: grpc.StatusCode
+    message: str
+
+
+def merge_chunks(items: list) -> list:
+    """Runs of consecutive Chunks merged into one each (tokens and text in order; finish, usage
+    and k of the run's last; TTFT of its first); anything else (Failure, a front end's marker)
+    stays where it was. A consumer that fell behind the engine by several steps sends one message
+    for them instead of one per step: the gateway's cost per token falls as its load rises."""
+    out: list = []
+    for item in items:
+        last = out[-1] if out else None
+        if isinstance(item, Chunk) and isinstance(last, Chunk) and not last.finished:
+            out[-1] = Chunk(
+                last.token_ids + item.token_ids,
+                last.text + item.text,
+                item.finished,
+                item.finish_reason,
+                item.usage,
+                item.applied_k,
+                last.ttft_s if last.ttft_s is not None else item.ttft_s,
+            )
+        else:
+            out.append(item)
+    return out
+
+
+class StreamBox:
+    """A request's pending items for its one consumer task (the gRPC handler or the HTTP response):
+    `put` from the reader task never blocks; `take` waits for at least one item and returns all of
+    them, consecutive chunks merged. Lighter than an asyncio.Queue: no getter deque, one future
+    only while the consumer waits."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return merge_chunks(items) if len(items) > 1 else items
+
+
+class RequestStream:
+    """A request in flight: `box` yields Chunk | Failure (and whatever else a front end puts in)."""
+
+    def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
+        self.request_id, self.rid, self.detok = request_id, rid, detok  # client id, channel id
+        self.box = StreamBox()
+        self.added: asyncio.Future = asyncio.get_running_loop().create_future()
+
+
+_REFUSALS = {"INVALID_ARGUMENT": InvalidRequest, "RESOURCE_EXHAUSTED": Overloaded}
+
+
+class EngineClient:
+    def __init__(self, channel: AsyncChannel, codec, *, on_failure: Callable[[str, bool], None] | None = None):
+        self.channel, self.codec, self.on_failure = channel, codec, on_failure
+        self.info: generate_pb2.ServerInfo | None = None
+        self.eos: frozenset[int] = frozenset()
+        self.failed: str | None = None
+        self.draining = False
+        self._ids = itertools.count(1)
+        self._cids = itertools.count(1)
+        self._streams: dict[int, RequestStream] = {}
+        self._by_client: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read())
+
+    async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def submit(self, spec: RequestSpec) -> RequestStream:
+        """Raises InvalidRequest, Overloaded, Draining or Unavailable (as the in-process loop did)."""
+        if self.failed:
+            raise Unavailable(self.failed)
+        if self.draining:
+            raise Draining("server is draining (shutting down); retry on another replica")
+        client_id = spec.request_id or uuid.uuid4().hex
+        if client_id in self._by_client:
+            raise InvalidRequest(f"request_id {client_id!r} is already in flight; use a unique id")
+        rid = next(self._ids)
+        stream = RequestStream(client_id, rid, IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop))
+        self._streams[rid], self._by_client[client_id] = stream, stream
+        try:
+            self.channel.send({"t": "add", "id": rid, "spec": spec_to_wire(spec)})
+            try:  # the core's answer: added, refused, or the channel closed
+                await asyncio.wait_for(asyncio.shield(stream.added), SUBMIT_TIMEOUT_S)
+            except TimeoutError:  # alive but stuck (e.g. stopped): never hang a caller
+                raise Unavailable(f"the engine core did not take the request within {SUBMIT_TIMEOUT_S:.0f} s") from None
+        except BaseException:
+            # Refused or lost: already forgotten. Still known: the caller gave up while waiting, so
+            # the core (which handles add before cancel) must drop it.
+            if self._forget(rid) is not None:
+                self._send_quietly({"t": "cancel", "id": rid})
+            raise
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Client cancel / deadline / disconnect: the core frees its blocks before its next step."""
+        if self._forget(stream.rid) is not None:
+            self._send_quietly({"t": "cancel", "id": stream.rid})
+
+    def _forget(self, rid: int) -> RequestStream | None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            self._by_client.pop(stream.request_id, None)
+        return stream
+
+    def _send_quietly(self, msg: dict) -> None:
+        try:
+            self.channel.send(msg)
+        except (ChannelClosed, OSError):
+            pass
+
+    # -- control -------------------------------------------------------------------------------
+    async def call(self, op: str, arg=None, timeout_s: float = 60.0):
+        if self.failed and op != "metrics":
+            raise Unavailable(self.failed)
+        cid = next(self._cids)
+        future = self._calls[cid] = asyncio.get_running_loop().create_future()
+        try:
+            self.channel.send({"t": "call", "cid": cid, "op": op, "arg": arg})
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(cid, None)
+
+    async def get_config(self) -> control_pb2.RuntimeConfig:
+        return control_pb2.RuntimeConfig.FromString(unb64(await self.call("get_config")))
+
+    async def update_config(
+        self, config: control_pb2.RuntimeConfig, requested_by: str = "", reason: str = ""
+    ) -> control_pb2.RuntimeConfig:
+        arg = {"config": b64(config.SerializeToString()), "requested_by": requested_by, "reason": reason}
+        return control_pb2.RuntimeConfig.FromString(unb64(await self.call("update_config", arg)))
+
+    def stop(self) -> None:
+        self._send_quietly({"t": "stop"})
+
+    # -- the reader task -----------------------------------------------------------------------
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self.channel.receive()
+                kind = msg["t"]
+                if kind == "step":
+                    self._on_step(msg["out"])
+                elif kind == "added":
+                    self._resolve_add(msg["id"], None)
+                elif kind == "refused":
+                    self._resolve_add(msg["id"], _REFUSALS.get(msg["code"], Unavailable)(msg["message"]))
+                elif kind == "fail":
+                    self._on_fail(msg)
+                elif kind == "reply":
+                    self._on_reply(msg)
+                elif kind == "ready":
+                    self._on_ready(msg)
+        except ChannelClosed as exc:
+            self._lost(f"the engine-core process exited ({exc})")
+        except asyncio.CancelledError:
+            self._lost("the gateway is stopping", quiet=True)
+            raise
+        except Exception as exc:  # a malformed message: the core cannot be trusted any more
+            log.exception("engine-core channel failed")
+            self._lost(f"engine-core channel error: {exc}")
+
+    def _on_ready(self, msg: dict) -> None:
+        i = msg["info"]
+        self.info = generate_pb2.ServerInfo(
+            target_model=i["target_model"],
+            draft_model=i["draft_model"],
+            topology=i["topology"],
+            max_context=i["max_context"],
+            version=i["version"],
+        )
+        self.eos = frozenset(msg["eos"])
+        if not self._ready.done():
+            self._ready.set_result(None)
+
+    def _resolve_add(self, rid: int, exc: BaseException | None) -> None:
+        stream = self._streams.get(rid)
+        if stream is None or stream.added.done():
+            return
+        if exc is None:
+            stream.added.set_result(None)
+        else:
+            self._forget(rid)
+            stream.added.set_exception(exc)
+
+    def _on_step(self, rows: list) -> None:
+        eos = self.eos
+        for rid, ids, finish, usage, applied_k, ttft in rows:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            reason = finish_from_wire(finish)
+            text, stop_hit = stream.detok.add([t for t in ids if t not in eos])
+            if stop_hit:
+                reason = FinishReason.STOP
+                self.cancel(stream)
+            elif reason is not None:
+                text += stream.detok.flush()
+                self._forget(rid)
+            stream.box.put(Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft))
+
+    def _on_fail(self, msg: dict) -> None:
+        code = getattr(grpc.StatusCode, msg["code"], grpc.StatusCode.UNKNOWN)
+        if msg.get("fatal") and self.failed is None:
+            self.failed = msg["message"]
+            if self.on_failure is not None:
+                self.on_failure(self.failed, False)
+        for rid in msg["ids"]:
+            stream = self._forget(rid)
+            if stream is not None:
+                stream.box.put(Failure(code, msg["message"]))
+
+    def _on_reply(self, msg: dict) -> None:
+        future = self._calls.get(msg["cid"])
+        if future is None or future.done():
+            return
+        if "error" in msg:
+            code, message = msg["error"]
+            future.set_exception(InvalidRequest(message) if code == "INVALID_ARGUMENT" else Unavailable(message))
+        else:
+            future.set_result(msg["ok"])
+
+    def end_all(self, message: str) -> None:
+        """Ends every request in flight with UNAVAILABLE and cancels it in the core (drain timeout)."""
+        for stream in list(self._streams.values()):
+            self.cancel(stream)
+            stream.box.put(Failure(grpc.StatusCode.UNAVAILABLE, message))
+
+    def _lost(self, message: str, quiet: bool = False) -> None:
+        """The core is gone: fail everything in flight (UNAVAILABLE), pending adds and calls too."""
+        if self.failed is None:
+            self.failed = message
+            if not quiet:
+                log.error("not serving any more: %s", message)
+        for rid in list(self._streams):
+            stream = self._forget(rid)
+            if not stream.added.done():
+                stream.added.set_exception(Unavailable(message))
+            else:
+                stream.box.put(Failure(grpc.StatusCode.UNAVAILABLE, message))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(Unavailable(message))
+        if not self._ready.done():
+            self._ready.set_exception(Unavailable(message))
+        if self.on_failure is not None:
+            self.on_failure(message, True)

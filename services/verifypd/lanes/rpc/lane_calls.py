@@ -1,0 +1,106 @@
+"""The call channel's side of a lane server (LaneServicer mixes this in): one `LaneCall` in, one
+`LaneReply` out, with the same checks, lock and lanes as the unary RPCs, plus the device-side
+ordering the channel makes possible:
+  * `wait_event`: the prefill lane's KV writes, waited on by the owners' streams;
+  * `handoff_slot`: draft tokens through the draft lane's DraftHandoff buffer (draft_handoff.py):
+    the draft lane replies with counts as soon as its work is enqueued, the verify lane reads the
+    proposals on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import torch
+
+from verifypd.lanes.local import DeviceDraftTokens
+from verifypd.lanes.rpc import call_decode as cd
+from verifypd.lanes.rpc import lane_validate as lv
+from verifypd.lanes.rpc.call_codec import HandoffTokens, u32
+from verifypd.v1 import lanes_pb2
+
+log = logging.getLogger("verifypd.lane")
+CALL_METHODS = {
+    "prefill": lanes_pb2.LANE_METHOD_PREFILL,
+    "draft": lanes_pb2.LANE_METHOD_DRAFT,
+    "verify": lanes_pb2.LANE_METHOD_VERIFY,
+}
+MAX_PEER_EVENTS = 8
+
+
+class CallChannelWork:
+    # Set by LaneServicer: handoff (draft lane: DraftHandoffBuffer) / opened_handoff (verify lane).
+    handoff = None
+    opened_handoff = None
+
+    def _handoff_dims(self) -> tuple[int, int] | None:
+        buf = self.handoff if self.handoff is not None else self.opened_handoff
+        if buf is None:
+            return None
+        return (buf.tokens.shape[1], buf.tokens.shape[2]) if self.handoff is not None else (buf.rows, buf.cols)
+
+    def handle_call(self, call: lanes_pb2.LaneCall, state: cd.ChannelState) -> lanes_pb2.LaneReply:
+        """One call on the call channel: the unary RPC's checks, lock and lane, compact messages."""
+        try:
+            if call.method != CALL_METHODS[self.role]:
+                raise lv.LaneInvalid(
+                    f"method: {call.method} is not served by the {self.role} lane (expects {CALL_METHODS[self.role]})"
+                )
+            if self.lane is None:
+                raise lv.LaneInvalid(
+                    "prefill lane has no pools yet: call ImportPools", grpc.StatusCode.FAILED_PRECONDITION
+                )
+            items = cd.decode(call.method, call.batch, state, self._limits(), self._handoff_dims())
+            if call.batch.wait_event:
+                self._wait_for_peer(call.batch.wait_event)
+        except lv.LaneInvalid as exc:
+            return lanes_pb2.LaneReply(status_code=exc.code.value[0], error=str(exc))
+        try:
+            with self.lock:
+                if self.role == "prefill":
+                    reply = cd.prefill_reply(*self._prefill_work(items))
+                elif self.role == "draft":
+                    reply = self._draft_call(items, call.batch.handoff_slot)
+                else:
+                    if call.batch.handoff_slot:
+                        self._read_handoff(items, call.batch.handoff_slot)
+                    reply = cd.verify_reply(self._verify_work(items))
+        except Exception as exc:
+            log.exception("%s lane call failed", self.role)
+            return lanes_pb2.LaneReply(
+                status_code=grpc.StatusCode.INTERNAL.value[0],
+                error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}",
+            )
+        state.release(call.batch.released)
+        return reply
+
+    def _draft_call(self, items, slot: int) -> lanes_pb2.LaneReply:
+        outputs = self.lane.draft(items)
+        if not slot:
+            return cd.draft_reply(outputs, self._encode_probs, [i.sampling.top_k for i in items])
+        # Proposals into the handoff slot, its event recorded: no host sync, counts only.
+        self.handoff.write(slot, outputs[0].draft_tokens.batch)
+        return lanes_pb2.LaneReply(count_u32=u32(len(o.draft_tokens) for o in outputs))
+
+    def _read_handoff(self, items, slot: int) -> None:
+        """Handed-off drafts become rows of one device DraftBatch (ordered after the draft lane's write)."""
+        batch = self.opened_handoff.drafts(slot)
+        for item in items:
+            if isinstance(item.draft_tokens, HandoffTokens):
+                item.draft_tokens = DeviceDraftTokens(batch, item.draft_tokens.row, item.draft_tokens.k)
+
+    def _wait_for_peer(self, handle: bytes) -> None:
+        """Orders this lane's next work after the prefill lane's KV writes (PackedBatch.wait_event)."""
+        if self.device.type != "cuda":
+            raise lv.LaneInvalid("batch.wait_event: this lane runs on the CPU; there is no CUDA event to wait on")
+        event = self._peer_events.get(handle)
+        if event is None:
+            if len(handle) > lv.CUDA_HANDLE_BYTES or len(self._peer_events) >= MAX_PEER_EVENTS:
+                raise lv.LaneInvalid(f"batch.wait_event: not a CUDA IPC event handle ({len(handle)} bytes)")
+            try:
+                event = torch.cuda.Event.from_ipc_handle(self.device, handle)
+            except RuntimeError as exc:
+                raise lv.LaneInvalid(f"batch.wait_event: cannot open: {exc}") from None
+            self._peer_events[handle] = event
+        torch.cuda.current_stream(self.device).wait_event(event)

@@ -1,0 +1,428 @@
+"""The lane protocols over gRPC: `Router(GrpcPrefillLane(a), GrpcDraftLane(b), GrpcVerifyLane(c))`
+cannot tell these from the in-process lanes. Torch-free (the gateway process of `split` never
+touches tensors).
+
+Work calls go over the lane's call channel (call_channel.py: one persistent connection, compact
+columns, request state and block tables sent as deltas) when the lane announces one, else over
+unary gRPC. Every failure of a lane call (process gone, deadline, error status) becomes
+`LaneError`; the gateway then ends in-flight requests with UNAVAILABLE. `wire_bytes` counts the
+serialized bytes of every lane call (request + reply), so a test can prove that with handles no
+KV crossed the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from verifypd.domain.lanes import (
+    DraftItem,
+    DraftOutput,
+    Finished,
+    LaneError,
+    LaneInfo,
+    PrefillItem,
+    PrefillOutput,
+    StartedCall,
+    VerifyItem,
+    VerifyOutput,
+)
+from verifypd.lanes.rpc import call_codec as cc
+from verifypd.lanes.rpc import lane_convert as lc
+from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
+from verifypd.net.auth import lane_metadata
+from verifypd.net.lane_tls import LaneChannel
+from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+
+log = logging.getLogger("verifypd.lane_client")
+# Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 512 << 20),
+    ("grpc.max_receive_message_length", 512 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+SERVICE_NAMES = {
+    "prefill": "verifypd.v1.PrefillLane",
+    "draft": "verifypd.v1.DraftLane",
+    "verify": "verifypd.v1.VerifyLane",
+}
+
+
+class _GrpcLane:
+    lane = ""
+    remote = True  # another process: the router may overlap calls to different lanes
+    _stub_class = None
+
+    _method = 0  # lanes_pb2.LaneMethod of this lane's work call
+
+    def __init__(
+        self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
+    ):
+        """`tls`: a verifypd.net.lane_tls.LaneTls (gRPC and the call channel over mutual TLS), or None."""
+        self.addr = addr
+        self._tls = tls
+        self.timeout_s = timeout_s
+        self._secret = secret
+        self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
+        self._use_channel = call_channel  # False: work calls over unary gRPC (tools, comparisons)
+        self._client: CallClient | None = None
+        self._mirror = cc.ChannelMirror()
+        self._call_lock = threading.Lock()  # one call at a time on the connection
+        # Owners: the prefill lane whose KV writes this lane must wait for (wire_pools sets it),
+        # and how many of its writes this lane has been told about.
+        self.producer: GrpcPrefillLane | None = None
+        self._writes_seen = 0
+        self._lane_channel = LaneChannel(addr, tls, GRPC_OPTIONS)
+        self._bind_stubs()
+        self._info_pb: lanes_pb2.LaneInfo | None = None
+        self._lock = threading.Lock()
+        self.wire_bytes = 0  # serialized request + reply bytes of every lane call
+        self.calls = 0
+
+    def _bind_stubs(self) -> None:
+        self.channel = self._lane_channel.channel
+        self.stub = self._stub_class(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _fresh_channel(self) -> None:
+        """With TLS: a new channel once the certificate files changed (rotation); see LaneChannel."""
+        if self._lane_channel.refresh():
+            self._bind_stubs()
+
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        self._fresh_channel()
+        try:
+            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise LaneError(
+                f"{self.lane} lane at {self.addr}: {method} failed: {exc.code().name}: {exc.details()}"
+            ) from None
+        with self._lock:
+            self.wire_bytes += request.ByteSize() + reply.ByteSize()
+            self.calls += 1
+        return reply
+
+    # -- setup -------------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Blocks until the lane's health says SERVING (raises LaneError on timeout; with TLS, one
+        naming what the handshake said, e.g. an expired or foreign certificate)."""
+        self._fresh_channel()
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            if self._tls is not None:
+                why = self._tls.diagnose(self.addr)
+            else:
+                why = (
+                    f"{str(exc) or type(exc).__name__} (a lane that serves mutual TLS refuses plaintext: "
+                    f"give --lane-tls-cert-file, --lane-tls-key-file and --lane-tls-ca-file)"
+                )
+            raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {why}") from None
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        self._fresh_channel()
+        try:
+            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return status.status == health_pb2.HealthCheckResponse.SERVING
+
+    def describe_pb(self, refresh: bool = False) -> lanes_pb2.LaneInfo:
+        if self._info_pb is None or refresh:
+            self._info_pb = self._call("Describe", lanes_pb2.LaneInfoRequest())
+        return self._info_pb
+
+    def describe(self) -> LaneInfo:
+        return lc.lane_info_from_pb(self.describe_pb())
+
+    def import_pools(self, pools: list[lanes_pb2.PoolDescriptor], kv_transport: str) -> lanes_pb2.ImportPoolsReply:
+        return self._call("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
+
+    # -- work calls --------------------------------------------------------------------------
+    @property
+    def starts_async(self) -> bool:
+        """Work calls over the call channel can be started: the router sends a step's prefill call
+        while the verify lane computes (lanes/interface.py, "prefill beside decode")."""
+        return self._use_channel
+
+    def _work(self, items, encode, decode, unary):
+        """One work call: over the call channel when the lane has one, else `unary()`."""
+        return self._start(items, encode, decode, unary).result()
+
+    def _start(self, items, encode, decode, unary) -> StartedCall:
+        """Writes one work call and returns without its reply (`.result()` reads and decodes it).
+        A call started and never waited for is settled (its reply read, its decode run) before
+        the next call on this connection, so the stream of replies stays in step."""
+        if not items:
+            return Finished([])
+        with self._call_lock:
+            self._settle()
+            client = self._connected_client()
+            if client is None:
+                return Finished(unary())
+            name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
+            try:
+                batch = encode(self._mirror, items)
+                producer = self.producer
+                if producer is not None and producer.kv_written_event and producer.writes != self._writes_seen:
+                    self._writes_seen = producer.writes  # read before the handle goes out: never misses one
+                    batch.wait_event = producer.kv_written_event
+                call_id = client.send(lanes_pb2.LaneCall(method=self._method, batch=batch))
+            except (OSError, ChannelClosed) as exc:
+                raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
+            self._pending = _StartedLaneCall(self, client, call_id, items, decode, name)
+            return self._pending
+
+    _pending: _StartedLaneCall | None = None
+
+    def _settle(self) -> None:
+        """Under _call_lock: reads the reply of a started call nobody waited for (an error path)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.complete()
+
+    _client_bytes = 0
+
+    def _connected_client(self) -> CallClient | None:
+        """The call channel's connection (a new one, with a fresh mirror, after any failure);
+        None when the lane announces no call channel."""
+        if not self._use_channel:
+            return None
+        if self._client is not None and self._client.connected:
+            return self._client
+        port = self.describe_pb(refresh=True).call_port  # a restarted lane may listen elsewhere
+        if not port:
+            return None
+        with self._lock:  # the old connection's bytes stay counted
+            self._client_bytes = 0
+        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s, self._tls)
+        self._mirror = cc.ChannelMirror()
+        try:
+            self._client.connect()
+        except OSError as exc:
+            raise LaneError(
+                f"{self.lane} lane at {self.addr}: call channel on port {port} unreachable: {exc}"
+            ) from None
+        return self._client
+
+    def probe_channel(self) -> None:
+        """At wiring: connects the call channel, or turns it off for this client (with a warning)."""
+        with self._call_lock:
+            try:
+                self._connected_client()
+            except LaneError as exc:
+                log.warning("%s; work calls to this lane go over gRPC", exc)
+                self._use_channel = False
+
+    def release(self, request_ids) -> None:
+        """The router is done with these requests: the lane drops its copy with the next call."""
+        with self._call_lock:
+            self._mirror.release(request_ids)
+
+    def close(self) -> None:
+        with self._call_lock:
+            if self._client is not None:
+                self._client.close()
+        self._lane_channel.close()
+
+
+class _StartedLaneCall:
+    """A work call written to a lane's call channel, its reply not read yet (a StartedCall)."""
+
+    def __init__(self, lane: _GrpcLane, client: CallClient, call_id: int, items, decode, name: str):
+        self.lane, self.client, self.call_id = lane, client, call_id
+        self.items, self.decode, self.name = items, decode, name
+        self.done = False
+        self.value: list | None = None
+        self.error: LaneError | None = None
+
+    def ready(self) -> bool:
+        return self.done or self.client.reply_waiting()
+
+    def result(self) -> list:
+        if not self.done:
+            with self.lane._call_lock:
+                if self.lane._pending is self:
+                    self.lane._pending = None
+                self.complete()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def complete(self) -> None:
+        """Reads and decodes the reply (once); a failure is kept for `result()` to raise."""
+        if self.done:
+            return
+        self.done = True
+        lane, client, where = self.lane, self.client, f"{self.lane.lane} lane at {self.lane.addr}: {self.name}"
+        try:
+            reply = client.receive(self.call_id)
+        except (OSError, ChannelClosed) as exc:
+            self.error = LaneError(f"{where} failed: UNAVAILABLE: {exc}")
+            return
+        if reply.status_code:
+            code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
+            self.error = LaneError(f"{where} failed: {code}: {reply.error}")
+            return
+        try:
+            self.value = self.decode(self.items, reply)
+        except (IndexError, ValueError) as exc:
+            client.close()
+            self.error = LaneError(f"{where}: malformed reply: {exc}")
+            return
+        with lane._lock:
+            lane.wire_bytes = lane.wire_bytes - lane._client_bytes + client.bytes
+            lane._client_bytes = client.bytes
+            lane.calls += 1
+
+
+class GrpcPrefillLane(_GrpcLane):
+    lane = "prefill"
+    _stub_class = lanes_pb2_grpc.PrefillLaneStub
+
+    def __init__(
+        self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
+    ):
+        super().__init__(addr, timeout_s, secret, call_channel, tls)
+        self.kv_bytes_copied = 0  # KV bytes the lane streamed to owners (copy transport)
+        self.kv_written_event = b""  # ImportPoolsReply.kv_written_event (CUDA IPC, call channel only)
+        self.writes = 0  # prefill calls completed: owners wait on the event when this moved
+
+    _method = lanes_pb2.LANE_METHOD_PREFILL
+
+    def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
+        return self.prefill_start(items).result()
+
+    def prefill_start(self, items: list[PrefillItem]) -> StartedCall:
+        def decode(items, reply):
+            self.kv_bytes_copied += reply.kv_bytes_copied
+            self.writes += 1  # also for a call settled on an error path: owners then wait
+            return cc.decode_prefill(items, reply)
+
+        def unary():
+            result = self._call("Prefill", lc.prefill_batch_to_pb(items))
+            self.kv_bytes_copied += result.kv_bytes_copied
+            return lc.prefill_outputs_from_pb(result)
+
+        return self._start(items, cc.encode_prefill, decode, unary)
+
+
+class GrpcDraftLane(_GrpcLane):
+    lane = "draft"
+    _stub_class = lanes_pb2_grpc.DraftLaneStub
+
+    _method = lanes_pb2.LANE_METHOD_DRAFT
+
+    def __init__(
+        self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
+    ):
+        super().__init__(addr, timeout_s, secret, call_channel, tls)
+        self.handoff: tuple[int, int] | None = None  # (rows, cols) once the verify lane opened our buffer
+        self._slot = 0
+
+    def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
+        if self.describe_pb().draft_model == "none":
+            # `--draft none` proposes nothing (lanes/ngram.NoDraftLane): its answer is known without
+            # a round trip, which a k = 0 split server would otherwise pay before every verify call.
+            return [DraftOutput(i.request_id, [], None) for i in items]
+        slot = 0
+        if (
+            self.handoff is not None
+            and len(items) <= self.handoff[0]
+            and max(i.k for i in items) <= self.handoff[1]
+            and all(i.sampling.greedy for i in items)
+        ):
+            self._slot = slot = 3 - self._slot if self._slot else 1  # alternate 1, 2, 1, ...
+        return self._work(
+            items,
+            lambda mirror, items: cc.encode_draft(mirror, items, slot),
+            lambda items, reply: cc.decode_draft(items, reply, slot),
+            lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))),
+        )
+
+
+class GrpcVerifyLane(_GrpcLane):
+    lane = "verify"
+    _stub_class = lanes_pb2_grpc.VerifyLaneStub
+
+    _method = lanes_pb2.LANE_METHOD_VERIFY
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self.verify_start(items).result()
+
+    def verify_start(self, items: list[VerifyItem]) -> StartedCall:
+        def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
+            from verifypd.lanes.rpc.kv_transport import encode_probs
+
+            return encode_probs(probs, top_k)
+
+        return self._start(
+            items,
+            lambda mirror, items: cc.encode_verify(mirror, items, encode),
+            cc.decode_verify,
+            lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))),
+        )
+
+
+def wire_pools(
+    prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane, kv_transport: str = "auto"
+) -> lanes_pb2.ImportPoolsReply:
+    """The one-time pool exchange: tells the prefill lane about the owners' pools.
+
+    The owners' KvTransfer addresses are the addresses we reach them at (only the wiring side
+    knows them), used when a pool is copied rather than imported.
+    """
+    if kv_transport not in ("auto", "handle", "copy"):
+        raise ValueError(f"kv_transport must be auto, handle or copy; got {kv_transport!r}")
+    pools = []
+    for owner in (verify, draft):
+        for d in owner.describe_pb().pools:
+            d = lanes_pb2.PoolDescriptor.FromString(d.SerializeToString())
+            d.kv_transfer_addr = owner.addr
+            pools.append(d)
+    # The prefill lane may skip its device sync only if every call that can read its KV carries
+    # the event: true when the owners are called over their call channels. A channel that cannot
+    # be reached now (a port a firewall or Service does not expose) is not used at all: work
+    # calls to that lane go over gRPC, and nothing relies on device-side ordering.
+    for lane in (prefill, draft, verify):
+        lane.probe_channel()
+    forward = all(forward_ok(lane) for lane in (prefill, draft, verify))
+    reply = prefill._call(
+        "ImportPools",
+        lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward),
+    )
+    prefill.kv_written_event = reply.kv_written_event
+    for owner in (draft, verify):
+        # Only a lane that reads the prefill lane's KV waits for its writes: a pool-less draft lane
+        # (ngram, none) may run on the CPU, where there is no event to wait on (found on an H200:
+        # `serve --topology split --draft none` refused every draft call).
+        owner.producer = prefill if owner.describe_pb().pools else None
+    _wire_handoff(draft, verify)
+    return reply
+
+
+def _wire_handoff(draft: GrpcDraftLane, verify: GrpcVerifyLane) -> None:
+    """Draft tokens on the device (DraftHandoff) when the verify lane can open the draft lane's
+    buffer: both on the call channel, on one GPU. Otherwise they keep travelling through us."""
+    draft.handoff = None
+    info = draft.describe_pb()
+    if not (info.HasField("draft_handoff") and forward_ok(draft) and forward_ok(verify)):
+        return
+    try:
+        verify._call("ImportPools", lanes_pb2.ImportPoolsRequest(draft_handoff=info.draft_handoff))
+    except LaneError:  # another device or host: the host path it is
+        return
+    draft.handoff = (info.draft_handoff.rows, info.draft_handoff.cols)
+
+
+def forward_ok(lane: _GrpcLane) -> bool:
+    """The lane's work calls go over its (reachable) call channel."""
+    return lane._use_channel and lane._client is not None and lane._client.connected

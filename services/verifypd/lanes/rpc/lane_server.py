@@ -1,0 +1,428 @@
+"""One lane process: `verifypd lane prefill|draft|verify --port P --target M --draft M`.
+
+No request logic here: each server wraps the in-process lane (verifypd.lanes.local) over runners
+whose pools are the ones this process owns or imported, and converts messages at the edge.
+
+    draft lane   owns the draft pool (+ draft weights); serves KvTransfer for it. A pool-less
+                 draft (ngram, none) loads no model and owns no pool: it needs no GPU
+    verify lane  owns the target pool (+ target weights); serves KvTransfer for it
+    prefill lane has both models; after ImportPools it writes into the owners' pools directly
+                 (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
+                 touched blocks it then streams to the owners (copy transport)
+
+One lock per process serializes work calls (and KvTransfer writes) on the pools.
+
+Every request is validated at the edge (lane_validate.py) before it reaches the model code:
+bad input is INVALID_ARGUMENT naming the field, a stale handle (pool or generation this lane
+does not hold) FAILED_PRECONDITION, an empty batch a no-op; INTERNAL is left for real faults.
+Owned pools get a generation that differs for every start of the lane (milliseconds since the
+epoch), so handles allocated before a restart are refused even where pool ids could repeat.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+
+from verifypd.domain.lanes import LaneInfo
+from verifypd.engine import EngineOptions, capture_graphs, draft_spec
+from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+from verifypd.lanes.rpc import call_decode as cd
+from verifypd.lanes.rpc import kv_transport as kv
+from verifypd.lanes.rpc import lane_convert as lc
+from verifypd.lanes.rpc import lane_validate as lv
+from verifypd.lanes.rpc.call_channel import CallServer
+from verifypd.lanes.rpc.lane_calls import CallChannelWork
+from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
+from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
+from verifypd.model.llama import PagedLlama
+from verifypd.model.runner import ModelRunner
+from verifypd.net.auth import lane_interceptor, lane_metadata
+from verifypd.net.health import add_health_and_reflection
+from verifypd.spec_decode.ngram import poolless_draft_lane
+from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+
+log = logging.getLogger("verifypd.lane")
+LANES = ("prefill", "draft", "verify")
+MAX_PEER_POOL_BLOCKS = 1 << 22
+
+
+class LaneServicer(CallChannelWork):
+    """Implements Describe / ImportPools and the lane's work RPC (Prefill, Draft or Verify)."""
+
+    def __init__(self, role: str, options: EngineOptions, secret: str | None = None, tls=None):
+        """`tls`: a verifypd.net.lane_tls.LaneTls: every port of this lane speaks mutual TLS only, and
+        its KV pushes present the same certificate. None: plaintext (the lane secret still applies)."""
+        if role not in LANES:
+            raise ValueError(f"lane must be one of {', '.join(LANES)}; got {role!r}")
+        self.role, self.options, self.secret, self.tls = role, options, secret, tls
+        self.generation = time.time_ns() // 1_000_000  # new for every start of this lane
+        self.lock = threading.Lock()
+        target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
+            options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft")
+        )
+        model = self.target_model or self.draft_model
+        # 0 = not this lane's to say (a pool-less draft lane loads no model); the router takes both
+        # from the verify lane.
+        self.vocab_size, self.max_context = (model.shape.vocab_size, model.shape.max_context) if model else (0, 0)
+        self.eos_token_ids = target.eos_token_ids if target else ()
+        self.owned: dict[str, KvPool] = {}
+        self.lane = None
+        # --tensor-parallel N (verify, prefill): this process is rank 0 of the target (lanes/tensor_parallel/ranks.py).
+        self.ranks, self.rank_shards = None, []
+        if options.tensor_parallel != 1 and self.target_model is not None:
+            self.ranks = start_lane_ranks(role, options, self.target_model, self.device, self.dtype, self.generation)
+        if role == "verify":
+            pool = owned_pool(
+                "target", self.target_model, options, self.device, self.dtype, self.generation, ranks=self.ranks
+            )
+            self.owned[pool.pool_id] = pool
+            runner = self._runner(self.target_model, pool)
+            # At start-up, not inside the first calls; no prefill graphs: this lane prefills nothing.
+            capture_graphs(runner, None, options.config.k_max, prefill=False)
+            if self.ranks is not None:  # the other ranks' pools, for the prefill lane's ranks to open
+                self.rank_shards = [lanes_pb2.PoolDescriptor.FromString(b) for b in self.ranks.wait_ready()]
+            self.lane = LocalVerifyLane(
+                runner, self._info((pool.info(),)), simulated_acceptance=options.simulated_acceptance
+            )
+        elif role == "draft" and self.draft_model is None:
+            self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
+        elif role == "draft":
+            pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype, self.generation)
+            self.owned[pool.pool_id] = pool
+            runner = self._runner(self.draft_model, pool)
+            capture_graphs(None, runner, options.config.k_max, prefill=False)
+            self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
+            if self.device.type == "cuda":
+                from verifypd.lanes.rpc.draft_handoff import DraftHandoffBuffer
+
+                self.handoff = DraftHandoffBuffer(self.device)
+        elif self.ranks is not None:  # prefill: its followers have loaded their shards
+            self.ranks.wait_ready()
+        self.transfer = kv.KvTransferServicer(self.owned, self.lock)
+        self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
+        self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
+        self.kv_bytes_copied = 0
+        self.import_seconds = 0.0
+        self.call_server: CallServer | None = None  # started by build_lane_server
+        # Prefill on CUDA with imported pools: recorded after writing KV, waited on by the owners
+        # (instead of a device-wide synchronize before every reply). Owners: opened IPC events.
+        self.kv_written: torch.cuda.Event | None = None
+        self._peer_events: dict[bytes, torch.cuda.Event] = {}
+
+    def _runner(self, model: PagedLlama, pool: KvPool) -> ModelRunner:
+        make = self.ranks.runner if self.ranks is not None and model is self.target_model else ModelRunner
+        return make(model, pool, graphs=None if self.options.cuda_graphs else False, buckets=self.options.graph_buckets)
+
+    def _info(self, pools) -> LaneInfo:
+        return LaneInfo(
+            self.role,
+            tuple(pools),
+            self.vocab_size,
+            self.max_context,
+            target_model=self.options.target,
+            draft_model=self.options.draft,
+        )
+
+    def close(self) -> None:
+        if self.call_server is not None:
+            self.call_server.close()
+        with self.lock:
+            self.lane, self.pushers = None, {}
+        kv.release_imported()
+        gc.collect()  # the imported storages go now, not at interpreter teardown
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for pool in self.owned.values():
+            pool.close()
+        if self.ranks is not None:
+            self.ranks.close()
+
+    # -- RPCs ------------------------------------------------------------------------------
+    def Describe(self, request, context) -> lanes_pb2.LaneInfo:
+        return lanes_pb2.LaneInfo(
+            lane=self.role,
+            target_model=self.options.target,
+            draft_model=self.options.draft,
+            pools=[self._describe(p) for p in self.owned.values()],
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            eos_token_ids=self.eos_token_ids,
+            kv_bytes_received=self.transfer.bytes_received,
+            call_port=self.call_server.port if self.call_server is not None else 0,
+            draft_handoff=self.handoff.describe() if self.handoff is not None else None,
+        )
+
+    def _describe(self, pool: KvPool) -> lanes_pb2.PoolDescriptor:
+        d = kv.describe_pool(pool)
+        if pool.role == "target":
+            d.rank_shards.extend(self.rank_shards)
+        return d
+
+    def _import_rank_shards(self, d: lanes_pb2.PoolDescriptor, mode: str, context) -> None:
+        """A sharded prefill lane: follower r opens the verify lane's rank r pool (handle only)."""
+        world = self.options.tensor_parallel
+        if mode != "imported":
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"--tensor-parallel {world}: the prefill lane's ranks must import the target pool "
+                "(same host and devices); copying sharded KV is not supported",
+            )
+        if len(d.rank_shards) != world - 1:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {d.pool_id} has {len(d.rank_shards)} rank shards; this prefill lane runs "
+                f"--tensor-parallel {world} (the verify lane must run the same)",
+            )
+        for n, shard in enumerate(d.rank_shards):  # checked as the rank-0 pool is, before a follower maps it
+            try:
+                lv.check_pool_descriptor(
+                    f"pools[target].rank_shards[{n}]", shard, "target", self._pool_spec("target"), LAYOUT, SHM_DIR
+                )
+            except lv.LaneInvalid as exc:
+                context.abort(exc.code, str(exc))
+        try:
+            self.ranks.import_pool([s.SerializeToString() for s in d.rank_shards])
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the rank shards of {d.pool_id}: {exc}")
+
+    def ImportPools(self, request, context) -> lanes_pb2.ImportPoolsReply:
+        if self.role == "verify" and request.HasField("draft_handoff") and not request.pools:
+            return self._open_handoff(request.draft_handoff, context)
+        if self.role != "prefill":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
+        mode_arg = request.kv_transport or "auto"
+        if mode_arg not in ("auto", "handle", "copy"):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}"
+            )
+        t0 = time.perf_counter()
+        pools, pushers, modes = {}, {}, {}
+        roles = [lc.ROLE_FROM_PB.get(d.role) for d in request.pools]
+        if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
+            if roles != ["target"]:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"pools: need one target pool (draft {self.options.draft!r} has no pool)",
+                )
+        elif sorted(r or "" for r in roles) != ["draft", "target"]:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
+        for n, (d, role) in enumerate(zip(request.pools, roles)):
+            try:
+                lv.check_pool_descriptor(f"pools[{n}]", d, role, self._pool_spec(role), LAYOUT, SHM_DIR)
+            except lv.LaneInvalid as exc:
+                context.abort(exc.code, str(exc))
+            near = kv.colocated(d, self.device)
+            if mode_arg == "handle" and not near:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"pool {d.pool_id} is on another host or device; use kv_transport copy",
+                )
+            try:
+                if near and mode_arg != "copy":
+                    pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
+                else:
+                    pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
+                    pushers[role] = kv.KvPusher(
+                        pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret), tls=self.tls
+                    )
+            except (ValueError, OSError, RuntimeError) as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
+        if self.ranks is not None:
+            target_d = next(d for d, role in zip(request.pools, roles) if role == "target")
+            self._import_rank_shards(target_d, modes[target_d.pool_id], context)
+        runners = (
+            self._runner(self.target_model, pools["target"]),
+            self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None,
+        )
+        event = None
+        # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
+        # waits for them), not by an event on rank 0's device.
+        if (
+            request.forward_kv_written_event
+            and self.device.type == "cuda"
+            and "imported" in modes.values()
+            and self.ranks is None
+        ):
+            event = torch.cuda.Event(interprocess=True)
+        with self.lock:
+            self.lane = LocalPrefillLane(*runners, self._info(()))
+            self.pushers = pushers
+            self.pools = dict(pools)
+            self.kv_written = event
+            self.import_seconds = time.perf_counter() - t0
+        log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
+        return lanes_pb2.ImportPoolsReply(
+            mode_by_pool=modes,
+            import_seconds=self.import_seconds,
+            kv_written_event=bytes(event.ipc_handle()) if event else b"",
+        )
+
+    def _open_handoff(self, d: lanes_pb2.DraftHandoff, context) -> lanes_pb2.ImportPoolsReply:
+        """The verify lane opens the draft lane's DraftHandoff buffer (CUDA, same device only)."""
+        if self.device.type != "cuda":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft_handoff: this verify lane runs on the CPU")
+        t0 = time.perf_counter()
+        try:
+            from verifypd.lanes.rpc.draft_handoff import OpenedHandoff
+
+            opened = OpenedHandoff(d, self.device)
+        except (ValueError, RuntimeError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft_handoff: cannot open: {exc}")
+        with self.lock:
+            self.opened_handoff = opened
+        return lanes_pb2.ImportPoolsReply(
+            mode_by_pool={"draft_handoff": "imported"}, import_seconds=time.perf_counter() - t0
+        )
+
+    def _pool_spec(self, role: str) -> lv.PoolSpec:
+        model = self.target_model if role == "target" else self.draft_model
+        geometry = model_geometry(model, self.options)
+        # The bound on a peer's pool: --num-blocks, else a sanity cap. Not this lane's free memory: an
+        # imported pool allocates nothing here, and the owners have already taken theirs (a staging
+        # pool that does not fit fails to allocate, FAILED_PRECONDITION).
+        max_blocks = self.options.num_blocks if self.options.num_blocks is not None else MAX_PEER_POOL_BLOCKS
+        return lv.PoolSpec(
+            geometry.num_layers,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+            geometry.block_size,
+            kv.dtype_name(self.dtype),
+            self.dtype.itemsize,
+            max_blocks,
+        )
+
+    def _limits(self) -> lv.LaneLimits:
+        pools = {
+            role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
+            for role, p in self.pools.items()
+        }
+        return lv.LaneLimits(self.vocab_size, self.max_context, pools)
+
+    def _check(self, context, check, request) -> bool:
+        """Validates a work batch; False for an empty batch (a no-op). Aborts on bad input."""
+        if self.lane is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefill lane has no pools yet: call ImportPools")
+        try:
+            check(request, self._limits())
+        except lv.LaneInvalid as exc:
+            context.abort(exc.code, str(exc))
+        return len(request.items) > 0
+
+    def _run(self, context, fn):
+        # Input was validated: whatever fails now is a fault of this lane (INTERNAL, logged with
+        # its traceback here, never sent to the caller).
+        try:
+            with self.lock:
+                return fn()
+        except Exception as exc:
+            log.exception("%s lane call failed", self.role)
+            context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
+
+    # -- the work, shared by unary RPCs and the call channel ----------------------------------
+    def _prefill_work(self, items) -> tuple[list, int]:
+        outputs = self.lane.prefill(items)
+        copied = 0
+        for role, pusher in self.pushers.items():
+            blocks = [
+                b
+                for i in items
+                for b in kv.touched_blocks(
+                    (i.target_kv if role == "target" else i.draft_kv).block_ids,
+                    i.start_pos,
+                    i.start_pos + len(i.token_ids),
+                    pusher.pool.geometry.block_size,
+                )
+            ]
+            copied += pusher.push(blocks)
+        # IPC shares memory, not ordering: the owners' streams wait on kv_written (the router
+        # forwards it), else the device finishes before we reply.
+        if self.kv_written is not None:
+            self.kv_written.record()
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.kv_bytes_copied += copied
+        return outputs, copied
+
+    def _verify_work(self, items) -> list:
+        for item in items:  # DraftProbs bytes -> tensors on this lane's device
+            if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
+                item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
+        return self.lane.verify(items)
+
+    def _encode_probs(self, probs, top_k: int) -> lanes_pb2.DraftProbs:
+        return kv.encode_probs(probs, top_k)
+
+    def Prefill(self, request, context) -> lanes_pb2.PrefillResult:
+        if not self._check(context, lv.check_prefill, request):
+            return lanes_pb2.PrefillResult()
+        items = lc.prefill_batch_from_pb(request)
+        outputs, copied = self._run(context, lambda: self._prefill_work(items))
+        return lc.prefill_outputs_to_pb(outputs, copied)
+
+    def Draft(self, request, context) -> lanes_pb2.DraftResult:
+        if not self._check(context, lv.check_draft, request):
+            return lanes_pb2.DraftResult()
+        items = lc.draft_batch_from_pb(request)
+
+        def work():
+            result = lanes_pb2.DraftResult()
+            for item, out in zip(items, self.lane.draft(items)):
+                msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
+                if out.resync_from is not None:
+                    msg.resync_from = out.resync_from
+                if out.draft_probs is not None:
+                    msg.probs.CopyFrom(self._encode_probs(out.draft_probs, item.sampling.top_k))
+            return result
+
+        return self._run(context, work)
+
+    def Verify(self, request, context) -> lanes_pb2.VerifyResult:
+        if not self._check(context, lv.check_verify, request):
+            return lanes_pb2.VerifyResult()
+        items = lc.verify_batch_from_pb(request, lambda d: d)
+        return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
+
+
+def build_lane_server(
+    servicer: LaneServicer,
+    host: str,
+    port: int,
+    call_port: int | None = 0,
+) -> tuple[grpc.Server, int, object]:
+    """A started gRPC server for the lane; returns (server, bound port, health servicer).
+    With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
+    channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
+    Describe announces its port. With `servicer.tls` both ports speak mutual TLS only."""
+    interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS, interceptors=interceptors)
+    adders = {
+        "prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
+        "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
+        "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server,
+    }
+    adders[servicer.role](servicer, server)
+    services = [f"verifypd.v1.{servicer.role.capitalize()}Lane"]
+    if servicer.owned:
+        lanes_pb2_grpc.add_KvTransferServicer_to_server(servicer.transfer, server)
+        services.append("verifypd.v1.KvTransfer")
+    health = add_health_and_reflection(server, services)
+    bound = (
+        server.add_secure_port(f"{host}:{port}", servicer.tls.grpc_server_credentials())
+        if servicer.tls
+        else server.add_insecure_port(f"{host}:{port}")
+    )
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    if call_port is not None:
+        servicer.call_server = CallServer(
+            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls
+        )
+    return server, bound, health

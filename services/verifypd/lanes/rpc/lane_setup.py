@@ -1,0 +1,100 @@
+"""What a lane process loads and owns at start: its models and its KV pools. Used by lane_server."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from verifypd.engine import EngineOptions, draft_spec, load_draft_model, resolve_device, resolve_dtype
+from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.llama import PagedLlama
+from verifypd.model.loader import ModelLoadError, load_model
+
+
+def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
+    """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids).
+    With --tensor-parallel N the target is rank 0's shard (start_lane_ranks starts the others)."""
+    spec = draft_spec(options.draft)
+    if options.tensor_parallel != 1 and need_target:
+        return load_lane_shard(options, spec, need_draft)
+    if spec.kind == "eagle":  # docs/engine.md "Feature drafts": split lanes would need a shared feature pool
+        raise ModelLoadError(f"--draft {spec.text} runs co-located only (`verifypd serve` without split lanes)")
+    need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
+    device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
+    dtype = resolve_dtype(options.dtype, device)
+    self_draft = spec.kind == "self"
+    target = (
+        load_model(options.target, device, dtype, options.max_context)
+        if (need_target or (need_draft and self_draft))
+        else None
+    )
+    target_model = PagedLlama(target.shape, target.weights) if need_target else None
+    draft_model = load_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
+    return target, target_model, draft_model, device, dtype
+
+
+def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -> int:
+    """Blocks of a pool with this geometry: `--num-blocks`, else what memory allows. Also the
+    bound on pools a peer asks this lane to import or stage (ImportPools)."""
+    if options.num_blocks is not None:
+        return options.num_blocks
+    per_block = geometry.bytes_per_block(dtype)
+    if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * options.gpu_memory_fraction / 3) // per_block
+    return min(4096, max(256, (1 << 29) // per_block))
+
+
+def model_geometry(model: PagedLlama, options: EngineOptions) -> PoolGeometry:
+    s = model.shape
+    return PoolGeometry(model.num_layers, 1, options.block_size, s.num_kv_heads, s.head_dim)
+
+
+def owned_pool(
+    role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1, ranks=None
+) -> KvPool:
+    """`ranks` (a sharded target): num_blocks is the smallest of the ranks' budgets."""
+    geometry = model_geometry(model, options)
+    blocks = pool_blocks(options, geometry, device, dtype)
+    geometry = replace(geometry, num_blocks=ranks.agreed_blocks(blocks) if ranks is not None else blocks)
+    if device.type == "cpu":  # /dev/shm so the prefill lane can map the same bytes
+        pool = KvPool.create_shared_cpu(role, geometry, dtype)
+    else:
+        pool = KvPool(role, geometry, dtype, device)
+    pool.generation = generation
+    return pool
+
+
+def load_lane_shard(options: EngineOptions, spec, need_draft: bool):
+    """load_lane_models for a target over `options.tensor_parallel` ranks: rank 0's shard."""
+    from verifypd.lanes.tensor_parallel import ranks as tp_ranks
+    from verifypd.model.tensor_parallel import load_target_shard, shard_shape
+
+    world = options.tensor_parallel
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    tp_ranks.check_devices(device, world)
+    if need_draft and spec.kind == "self":
+        raise ModelLoadError(
+            f"--draft {spec.text} runs on the target's own weights, which --tensor-parallel "
+            f"{world} splits across ranks: use a draft model, ngram or none"
+        )
+    target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)
+    target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
+    draft_model = (
+        load_draft_model(spec, target, device, dtype, options.max_context) if need_draft and spec.needs_model else None
+    )
+    return target, target_model, draft_model, device, dtype
+
+
+def start_lane_ranks(role: str, options: EngineOptions, target_model: PagedLlama, device, dtype, generation: int):
+    """The follower ranks of a lane's sharded target: the verify lane's own a shared pool each (their
+    descriptors become the pool's rank_shards), the prefill lane's open the verify lane's on ImportPools."""
+    from verifypd.engine import follower_options
+    from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
+
+    mode = "shared" if role == "verify" else "import"
+    ranks = LeaderRanks(options.tensor_parallel, device, follower_options(options, dtype, mode, generation))
+    target_model.tp_group = ranks.group
+    return ranks

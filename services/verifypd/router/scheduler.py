@@ -1,0 +1,560 @@
+"""Continuous-batching scheduler: which requests prefill (chunked) and which decode this step.
+
+Torch-free. Policy:
+  * decoding requests first (latency-critical), in priority order; each gets k from the
+    draft-length policy and blocks for k+1 target / k draft positions. When blocks run out the
+    request first falls back to k = 0, then the lowest-priority, newest running request is
+    preempted by recompute (blocks freed, tokens kept, re-queued) — never an out-of-memory crash;
+  * then prefill chunks within the per-step token budget: requests already prefilling, then new
+    ones by priority. A new request is admitted only if its chunk fits with a reserve of one block
+    per running request left over, so admissions do not immediately force preemptions.
+
+The schedule (`RuntimeConfig.schedule`, docs/engine.md "Schedules") changes what one step holds:
+  * baseline: ONE request per step (round-robin over the running requests, admitting a waiting
+    one when a slot is free): its prefill chunk, or its draft + verify, each a one-item lane call;
+  * pd, and pdv without pipelining: the above, every decoding request draft + verify lock-step;
+  * pdv pipelined: decoding requests are in two groups; each step one group drafts (drafts held
+    until the next step) while the other verifies the drafts it made the step before.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from verifypd.domain.config import RuntimeConfig
+from verifypd.router.block_manager import BlockManager
+from verifypd.router.draft_length import (
+    PROBE_K,
+    PROBE_MAX_LAG,
+    ProbeSchedule,
+    StepCostModel,
+    batch_bucket,
+    cap_k,
+    choose_batch_k,
+    pipelining_pays,
+)
+from verifypd.router.scheduler_follow import FollowPlanning
+
+# pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
+# requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
+# compute-bound verify, where every drafted token costs its share of verify compute next step.
+VERIFY_QUEUE_SOFT = 32
+# A batch whose k is 0 re-evaluates the draft-length policy at least every this many steps (at
+# once when acceptance, the batch or the config changes; see Scheduler._batch_k).
+RECHECK_OFF_EVERY = 16
+from verifypd.router.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    end: int  # exclusive
+    sample_first: bool  # last chunk of a fresh prompt: sample the first output token
+    # Also write this chunk's draft KV (docs/engine.md "Draft prefill only when drafting"): False
+    # while the request is not expected to draft; its draft KV then lags and its first draft call
+    # catches up. Always True without lazy_draft_prefill (and meaningless with a pool-less draft).
+    with_draft: bool = True
+
+
+@dataclass
+class DecodeWork:
+    seq: Sequence
+    k: int
+    held: bool = False  # verify the drafts held from the previous (pipelined) step; draft nothing now
+    probe: bool = False  # drafts PROBE_K although the batch's k is 0 (see ProbeSchedule)
+    lookup: bool = False  # its drafts this step are prompt lookup's, not the head's (engine.lookup_mix)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[PrefillChunk]
+    decode: list[DecodeWork]
+    preempted: list[Sequence]
+    out_of_room: list[Sequence]  # alone in a full pool: the router ends them with LENGTH
+    # pdv pipelined steps: requests that draft now and verify next step (disjoint from `decode`,
+    # which then holds only requests verifying held drafts or plain-decoding with k = 0).
+    draft_ahead: list[DecodeWork] = field(default_factory=list)
+    pipelined: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler(FollowPlanning):
+    def __init__(
+        self,
+        target_blocks: BlockManager,
+        draft_blocks: BlockManager | None,
+        max_context: int,
+        max_running: int = 256,
+        lazy_draft_prefill: bool = False,
+        never_drafts: bool = False,
+    ):
+        """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
+        draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
+        writes draft KV only while drafting is expected (`drafts_soon`). `never_drafts`: the draft
+        lane proposes nothing (`--draft none`), so every k is 0: the policy, which never sees an
+        acceptance there, would otherwise keep asking for k_initial drafts, and each such step
+        (a draft call answering nothing, then a k = 0 verify) could not be chained (engine.overlap)."""
+        self.never_drafts = never_drafts
+        self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
+        self.target = target_blocks
+        self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
+        self.poolless_draft = draft_blocks is None
+        self.max_context = max_context
+        self.max_running = max_running
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
+        self.running: list[Sequence] = []
+        self.probes = ProbeSchedule()
+        self._last_k: dict[object, int | None] = {}  # per k decision: lock-step batch, pdv group, single
+        self._drafting: dict[object, int] = {}  # the same keys: the k the hysteresis compares with
+        self._off: dict[object, tuple | None] = {}  # the same keys: (signature, steps) of a k = 0 decision
+        self._phase = 0  # pdv: the group that drafts in the current pipelined step
+        self._pipelining: bool | None = None  # pdv: last step's choice (pipelined or lock-step)
+        self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
+
+    # -- queue -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a finished or cancelled sequence and returns its blocks."""
+        self.target.free(seq.target_blocks)
+        self.draft.free(seq.draft_blocks)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self._waiting = [(key, s) for key, s in self._waiting if s is not seq]
+            heapq.heapify(self._waiting)
+
+    def all_sequences(self) -> list[Sequence]:
+        return self.running + [s for _, s in self._waiting]
+
+    # -- planning ----------------------------------------------------------------------------
+    def plan(self, config: RuntimeConfig, costs: StepCostModel) -> StepPlan:
+        if config.schedule == "baseline":
+            return self._plan_single(config, costs)
+        preempted: list[Sequence] = []
+        out_of_room: list[Sequence] = []
+        ahead: list[DecodeWork] = []
+        pipelined = config.pipelined and self._pipeline_now(config, costs)
+        if pipelined:
+            decode, ahead = self._plan_pipelined(config, costs, preempted, out_of_room)
+        else:
+            decode = self._plan_decode(config, costs, preempted, out_of_room)
+        self._decided = None  # plan_after's decision serves the plan right after it only
+        budget = config.prefill_token_budget
+        if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
+            budget = max(budget, config.idle_prefill_token_budget)
+        prefill = self._plan_prefill(budget)
+        self._mark_draft_kv(config, costs, prefill)
+        return StepPlan(
+            prefill=prefill,
+            decode=decode,
+            preempted=preempted,
+            out_of_room=out_of_room,
+            draft_ahead=ahead,
+            pipelined=pipelined,
+        )
+
+    def _mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
+        """Lazy draft prefill: a chunk writes draft KV only while drafting is expected soon."""
+        if self.lazy_draft_prefill and chunks:
+            soon = self.drafts_soon(config, costs)
+            for chunk in chunks:  # draft KV stays contiguous: a chunk after a skipped one skips too
+                seq = chunk.seq
+                chunk.with_draft = soon and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
+
+    def drafts_soon(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
+        """Whether a request prefilled now is expected to draft before long, so its prefill should
+        write draft KV too: drafting is fixed on (k_initial, or k_min > 0), or the policy has no
+        acceptance estimate yet (it drafts k_initial), or a batch or group is drafting now, or a
+        probe is due (probes draft only for requests whose draft KV is up to date: those just
+        prefilled). Otherwise the draft's prefill is work for a draft nobody may call: a batch that
+        stopped drafting at acceptance 0.1 paid it for every new prompt."""
+        if config.k_max == 0:
+            return False
+        if not config.adaptive or config.k_min > 0:
+            return max(config.k_min, config.k_initial) > 0
+        if costs.acceptance.alpha is None:
+            return config.k_initial > 0
+        return any(k > 0 for k in self._drafting.values()) or self.probes.due
+
+    def _pipeline_now(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
+        """pdv with pipelining allowed: pipeline this step only where it measures faster than
+        lock-step at this many decoding requests (`pipelining_pays`); a lone request overlaps nothing."""
+        decoding = [s for s in self.running if s.status is SeqStatus.DECODING]
+        if len(decoding) < 2:
+            return False
+        self._pipelining = pipelining_pays(
+            config, self._alphas(costs, decoding), costs, len(decoding), self._pipelining
+        )
+        return self._pipelining
+
+    @staticmethod
+    def _alphas(costs: StepCostModel, seqs: list[Sequence]) -> list[float | None]:
+        prior = costs.acceptance.alpha
+        return [prior if s.alpha_estimate is None else s.alpha_estimate for s in seqs]
+
+    def _batch_k(
+        self,
+        config: RuntimeConfig,
+        costs: StepCostModel,
+        seqs: list[Sequence],
+        hi: int,
+        key: object,
+        decoding: int | None = None,
+    ) -> tuple[int, dict[str, int]]:
+        """One k for `seqs` (see choose_batch_k), and while that k is 0 the requests to probe, by
+        request id with the k each drafts: opening probes (`_opening_probes`) and, when one is due
+        (ProbeSchedule), PROBE_K for the requests among `seqs` a probe costs no catch-up for.
+        `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
+        if not seqs or self.never_drafts:
+            if seqs:
+                self._last_k[key] = self._drafting[key] = 0
+                self.probes.record(0, False)
+            return 0, {}
+        batch, current = decoding or len(seqs), self._drafting.get(key)
+        plain_unmeasured = not costs.measured(batch, 0)
+        # Off, the decision moves only with acceptance (probe outcomes), the batch or the config, and
+        # slowly with the measured costs: recheck those at once, the costs every RECHECK_OFF_EVERY
+        # steps. Evaluating it cost ~0.2 ms of host time a step at batch 64 while the GPU waited.
+        signature = _off_signature(config, costs, seqs, hi, decoding)
+        off = self._off.get(key)
+        if off is not None and off[0] == signature and off[1] < RECHECK_OFF_EVERY and not plain_unmeasured:
+            k_batch = 0
+            self._off[key] = (signature, off[1] + 1)
+        else:
+            rate = costs.acceptance.proposal_rate
+            rates = [rate if s.proposal_rate is None else s.proposal_rate for s in seqs]
+            k_batch = choose_batch_k(
+                config,
+                self._alphas(costs, seqs),
+                costs,
+                batch,
+                hi,
+                current=current,
+                pipelined=decoding is not None,
+                rates=rates,
+            )
+            decided = config.adaptive and config.k_min == 0 and costs.acceptance.alpha is not None
+            self._off[key] = (signature, 0) if k_batch == 0 and decided and not plain_unmeasured else None
+        self._last_k[key] = k_batch  # a probe is not the batch's k: pdv groups ignore it
+        # The hysteresis state ignores probes, and the one plain step that measures k = 0 at a new
+        # batch size (choose_batch_k): a drafting batch stays "drafting" through it.
+        if not (k_batch == 0 and plain_unmeasured and current):
+            self._drafting[key] = k_batch
+        probed: dict[str, int] = {}
+        periodic = False
+        if k_batch == 0 and config.adaptive:
+            if not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
+                probed = self._opening_probes(config, seqs, hi)
+            if hi >= PROBE_K and self.probes.due:
+                due = {
+                    s.request_id: PROBE_K for s in seqs if s.request_id not in probed and self._cheap_probe(config, s)
+                }
+                periodic = bool(due)
+                probed.update(due)
+        self.probes.record(k_batch, periodic)
+        if not plain_unmeasured:
+            for seq in seqs:  # a request's first decision is its only opening probe (its lag only grows)
+                seq.opened = True
+        return k_batch, probed
+
+    def _opening_probes(self, config: RuntimeConfig, seqs: list[Sequence], hi: int) -> dict[str, int]:
+        """While the batch does not draft, each request in its first decode step drafts k_initial
+        anyway, where that costs no catch-up (`_cheap_probe`): its own acceptance is then known
+        from its start instead of being the engine-wide estimate, which other requests made (one
+        kind of request switching drafting off kept the next kind from ever drafting, and the
+        periodic probes, k = 1 and backing off to one per PROBE_MAX steps, rarely corrected it).
+        Once per request; a probe of part of the batch is not a cost sample (router)."""
+        k_open = min(config.k_initial, hi)
+        if k_open <= 0:
+            return {}
+        return {
+            s.request_id: self._cap(config, s, k_open) for s in seqs if not s.opened and self._cheap_probe(config, s)
+        }
+
+    # -- overlapped scheduling (engine.overlap; plan_follow, admit_follow: FollowPlanning) ---
+    def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
+        """`_plan_decode` would give every one of `seqs` k = 0 and probe none, whatever the
+        acceptance the step in flight teaches (a k = 0 step teaches none)."""
+        if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
+            return False
+        if config.k_max == 0 or self.never_drafts or all(s.spec.max_k == 0 for s in seqs):
+            return True
+        # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
+        # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
+        # wait for a probe none can take (plan_follow checks `_batch_k`'s probes again anyway).
+        if (
+            config.adaptive
+            and any(self._cheap_probe(config, s) for s in seqs if not s.opened)
+            and min(config.k_initial, config.k_max) > 0
+        ):
+            return False  # an opening probe (_opening_probes)
+        if (
+            config.adaptive
+            and self.probes.due
+            and config.k_max >= PROBE_K
+            and any(self._cheap_probe(config, s) for s in seqs)
+        ):
+            return False
+        if not config.adaptive or costs.acceptance.alpha is None:  # choose_batch_k: k_initial
+            return config.k_initial == 0
+        if not costs.measured(len(seqs), 0):  # plain decoding measured first (PLAIN_SAMPLES steps): k 0
+            return True
+        # Decided off: plan_follow's _batch_k takes that decision again for this batch as plan
+        # would, from the same acceptance (a k = 0 step in flight teaches none), also where plan
+        # would re-decide (the batch changed, the periodic recheck of the costs is due); the chain
+        # ends only if that decision drafts. Ending it at each of those cost a regular step each
+        # time: ngram at batch 16, hardly drafting, ran at 0.91 x plain decoding on the H200.
+        return self._off.get("batch") is not None
+
+    def _cheap_probe(self, config: RuntimeConfig, seq: Sequence) -> bool:
+        """A probe of `seq` is a normal k = PROBE_K step: its draft input is at most PROBE_MAX_LAG + 1
+        tokens (a pool-less draft lane has no KV to catch up), and it can take PROBE_K drafts."""
+        lag = seq.pending_pos - seq.draft_computed
+        return (isinstance(self.draft, _NoPool) or lag <= PROBE_MAX_LAG) and self._cap(config, seq, PROBE_K) == PROBE_K
+
+    def _plan_decode(
+        self,
+        config: RuntimeConfig,
+        costs: StepCostModel,
+        preempted: list[Sequence],
+        out_of_room: list[Sequence],
+        only: Sequence | None = None,
+    ) -> list[DecodeWork]:
+        """Lock-step: every decoding request (or `only`) drafts and verifies in this step; a request
+        still holding pipelined drafts (the schedule changed, or the batch shrank to one) verifies them."""
+        decoding = (
+            [only]
+            if only is not None
+            else sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
+        )
+        fresh = [s for s in decoding if s.held_draft is None]
+        # Requests still holding drafts of a pipelined step (pdv just chose lock-step, or the schedule
+        # changed) verify them alone this step; the others wait one step rather than draft now: one
+        # verify call verifies the proposals of one draft call (the split topology hands them over in
+        # one DraftHandoff slot per draft call, call_codec.encode_verify).
+        draining = len(fresh) < len(decoding)
+        # Drafts made right after the last verify call (engine.draft_after): the others join at k = 0.
+        joining = draining and all(s.held_draft.predrafted for s in decoding if s.held_draft is not None)
+        k_batch, probed = (
+            (0, {}) if draining else self._decided_k(config, costs, fresh, "single" if only is not None else "batch")
+        )
+        work: list[DecodeWork] = []
+        for seq in decoding:
+            if seq in preempted or (draining and seq.held_draft is None and not joining):
+                continue
+            probe = seq.request_id in probed
+            if seq.held_draft is not None:
+                k, held = len(seq.held_draft.tokens), True
+            else:
+                k, held = self._cap(config, seq, probed.get(seq.request_id, k_batch)), False
+            k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
+            if k is not None:
+                work.append(DecodeWork(seq, k, held=held and k > 0, probe=probe and k > 0))
+        return [w for w in work if w.seq not in preempted]
+
+    def _plan_pipelined(
+        self, config: RuntimeConfig, costs: StepCostModel, preempted: list[Sequence], out_of_room: list[Sequence]
+    ) -> tuple[list[DecodeWork], list[DecodeWork]]:
+        """Group `phase` drafts (its drafts are held for the next step); the other group verifies the
+        drafts it made in the previous step. Roles swap every pipelined step, so each request
+        alternates draft step / verify step. A request whose k is 0 (speculation off, max_k = 0, one
+        token left) plain-decodes every step in the verify call, whichever its group."""
+        self._phase ^= 1
+        decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
+        self._assign_groups(decoding)
+        drafting = [s for s in decoding if s.group == self._phase and s.held_draft is None]
+        verifying = [s for s in decoding if not (s.group == self._phase and s.held_draft is None)]
+        verify: list[DecodeWork] = []
+        last_k = self._last_k.get(("group", 1 - self._phase))
+        for seq in verifying:  # first: their blocks for n + k + 1 were reserved when they drafted
+            if seq in preempted:
+                continue
+            if seq.held_draft is None and self._cap(config, seq, config.k_max if last_k is None else last_k) > 0:
+                # Just moved here (joined, rebalanced): it waits one step and drafts with its group
+                # next step, so its k sequence is a lock-step run's. (Seeded tokens no longer depend
+                # on k: coupled acceptance, verifypd.model.sampler. Plain-decoding it now instead
+                # would be correct too; a possible latency trade.)
+                continue
+            k = len(seq.held_draft.tokens) if seq.held_draft is not None else 0
+            k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=False)
+            if k is not None:
+                verify.append(DecodeWork(seq, k, held=k > 0))
+        queue = len(verify)
+        hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
+        k_group, probed = self._batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
+        ahead: list[DecodeWork] = []
+        for seq in drafting:
+            if seq in preempted:
+                continue
+            probe = seq.request_id in probed
+            k = self._reserve_or_preempt(
+                seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
+            )
+            if k is None:
+                continue
+            # k = 0 (speculation off, nothing left to draft, no room): plain decoding now, not idling
+            (ahead if k > 0 else verify).append(DecodeWork(seq, k, probe=probe and k > 0))
+        return [w for w in verify if w.seq not in preempted], [w for w in ahead if w.seq not in preempted]
+
+    def _assign_groups(self, decoding: list[Sequence]) -> None:
+        """Newcomers join the smaller group (ties: the one drafting now); when requests leave, the
+        newest requests holding no drafts move until the sizes differ by at most one."""
+        sizes = [sum(s.group == g for s in decoding) for g in (0, 1)]
+        for seq in decoding:
+            if seq.group is None:
+                seq.group = self._phase if sizes[self._phase] <= sizes[1 - self._phase] else 1 - self._phase
+                sizes[seq.group] += 1
+        for seq in reversed(decoding):
+            big = 0 if sizes[0] > sizes[1] else 1
+            if sizes[big] - sizes[1 - big] <= 1:
+                break
+            if seq.group == big and seq.held_draft is None:
+                seq.group = 1 - big
+                sizes[big] -= 1
+                sizes[1 - big] += 1
+
+    def _cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
+        k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
+        return max(0, min(k, self.max_context - 1 - seq.pending_pos))  # verify writes positions n..n+k
+
+    def _reserve_or_preempt(
+        self, seq: Sequence, k: int, preempted: list[Sequence], out_of_room: list[Sequence], can_drop_k: bool = True
+    ) -> int | None:
+        """Blocks for k + 1 target / k draft positions: k falls to 0 first, then the lowest-priority
+        newest other request is preempted. Returns the k reserved, None if `seq` is out of room."""
+        n = seq.pending_pos
+        while not self._reserve(seq, n, k):
+            if k > 0 and can_drop_k:
+                k = 0
+                continue
+            victim = self._pick_victim(exclude=seq)
+            if victim is None:  # alone and still no room: the pool cannot hold this request
+                out_of_room.append(seq)
+                return None
+            self._preempt(victim)
+            preempted.append(victim)
+        return k
+
+    def _plan_single(self, config: RuntimeConfig, costs: StepCostModel) -> StepPlan:
+        """baseline: one request this step, round-robin by arrival over the running requests plus
+        the head of the queue when a slot is free: its next prefill chunk, or its draft + verify."""
+        preempted: list[Sequence] = []
+        out_of_room: list[Sequence] = []
+        head = self._waiting[0][1] if self._waiting and len(self.running) < self.max_running else None
+        order = sorted(self.running + ([head] if head is not None else []), key=lambda s: s.arrival_order)
+        later = [s for s in order if s.arrival_order > self._rr_last]
+        for seq in later + [s for s in order if s not in later]:
+            if seq.status is SeqStatus.DECODING:
+                decode = self._plan_decode(config, costs, preempted, out_of_room, only=seq)
+                self._rr_last = seq.arrival_order
+                return StepPlan([], decode, preempted, out_of_room)
+            chunk = self._chunk(seq, config.prefill_token_budget, reserve=len(self.running) if seq is head else 0)
+            if chunk is None:
+                continue
+            if seq is head:
+                heapq.heappop(self._waiting)
+                seq.status = SeqStatus.PREFILLING
+                self.running.append(seq)
+            self._rr_last = seq.arrival_order
+            return StepPlan([chunk], [], preempted, out_of_room)
+        return StepPlan([], [], preempted, out_of_room)
+
+    def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
+        if (
+            len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
+            and (self.poolless_draft or len(seq.draft_blocks) * self.draft.block_size >= n + k)
+        ):
+            return True
+        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and self.draft.can_grow(seq.draft_blocks, n + k)):
+            return False
+        self.target.grow(seq.target_blocks, n + k + 1)
+        self.draft.grow(seq.draft_blocks, n + k)
+        return True
+
+    def _pick_victim(self, exclude: Sequence) -> Sequence | None:
+        candidates = [s for s in self.running if s is not exclude]
+        return max(candidates, key=Sequence.sort_key) if candidates else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.target.free(seq.target_blocks)
+        self.draft.free(seq.draft_blocks)
+        self.running.remove(seq)
+        seq.reset_for_recompute()
+        self.add(seq)
+
+    def _plan_prefill(self, budget: int) -> list[PrefillChunk]:
+        chunks: list[PrefillChunk] = []
+        for seq in sorted((s for s in self.running if s.status is SeqStatus.PREFILLING), key=Sequence.sort_key):
+            if budget <= 0:
+                return chunks
+            chunk = self._chunk(seq, budget, reserve=0)
+            if chunk is None:
+                continue
+            chunks.append(chunk)
+            budget -= chunk.end - chunk.start
+        while budget > 0 and self._waiting and len(self.running) < self.max_running:
+            seq = self._waiting[0][1]
+            chunk = self._chunk(seq, budget, reserve=len(self.running))
+            if chunk is None:
+                break  # head of the queue does not fit: keep FIFO-by-priority order, wait
+            heapq.heappop(self._waiting)
+            seq.status = SeqStatus.PREFILLING
+            self.running.append(seq)
+            chunks.append(chunk)
+            budget -= chunk.end - chunk.start
+        return chunks
+
+    def _chunk(self, seq: Sequence, budget: int, reserve: int) -> PrefillChunk | None:
+        start = seq.target_computed
+        end = min(seq.prefill_target, start + budget)
+        if not (
+            self.target.can_grow(seq.target_blocks, end, reserve)
+            and self.draft.can_grow(seq.draft_blocks, end, reserve)
+        ):
+            return None
+        self.target.grow(seq.target_blocks, end)
+        self.draft.grow(seq.draft_blocks, end)
+        last = end == seq.prefill_target
+        return PrefillChunk(seq, start, end, sample_first=last and seq.samples_after_prefill)
+
+
+def _off_signature(
+    config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int, decoding: int | None
+) -> tuple:
+    """What a k = 0 decision depends on besides the measured costs (see Scheduler._batch_k)."""
+    return (
+        batch_bucket(decoding or len(seqs)),
+        len(seqs),
+        hi,
+        config,
+        costs.acceptance.observations,
+        costs.acceptance.asked,
+        decoding is None,
+    )
+
+
+class _NoPool:
+    """Stands in for the draft BlockManager when the draft lane owns no pool: always room, no blocks."""
+
+    def can_grow(self, blocks: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        return True
+
+    def grow(self, blocks: list[int], num_tokens: int) -> None:
+        pass
+
+    def free(self, blocks: list[int]) -> None:
+        pass
