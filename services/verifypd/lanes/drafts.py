@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from verifypd.defaults import DEFAULT_DRAFT  # shared with the operator's CRD (one place)
+from verifypd.heads import shipped_head
 from verifypd.lanes.interface import LaneInfo
 
 DRAFT_HELP = (
@@ -94,6 +95,7 @@ def parse_draft(text: str) -> DraftSpec:
     for prefix in ("eagle:", "eagle+ngram:"):
         if text.startswith(prefix):
             path = text.removeprefix(prefix).strip()
+            path = shipped_head(path) or path  # a head shipped in the package, by name (verifypd.heads)
             if not path:
                 raise DraftSpecError(
                     f"--draft {prefix}PATH needs the head's directory (config.json + model.safetensors)"
