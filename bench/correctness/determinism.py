@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
 from engine_throughput import git_revision, random_prompts  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
@@ -49,7 +50,7 @@ def main() -> None:
             outs = [run(engine, prompts, f"r{r}") for r in range(3)]
             fresh = Engine(options, models=models)
             outs.append(run(fresh, prompts, "fresh"))
-            mism = [sum(a != b for a, b in zip(outs[0], o)) for o in outs[1:]]
+            mism = [sum(a != b for a, b in zip(outs[0], o, strict=False)) for o in outs[1:]]
             rows.append(
                 {
                     "dtype": dtype,

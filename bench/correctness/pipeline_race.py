@@ -8,7 +8,7 @@ difference between repetitions is a concurrency fault. With VERIFYPD_SHARED_CAPT
 graphs are captured as before the fix (on torch's one default capture stream, so both models'
 graphs use one cuBLAS workspace); `--both` runs that too, in a subprocess, for comparison.
 
-    python bench/pipeline_race.py --out bench/results/pipeline_race_h200.json --both
+    python bench/correctness/pipeline_race.py --out bench/results/pipeline_race_h200.json --both
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "services"))
 sys.path.insert(0, str(ROOT / "bench"))
 

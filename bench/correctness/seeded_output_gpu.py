@@ -1,4 +1,4 @@
-"""Does a seed name one output on the GPU? (issue 23; CUDA graphs on, the serving path's kernels.)
+"""Does a seed name one output on the GPU? (CUDA graphs on, the serving path's kernels.)
 
 Seeded sampled requests (temperature 0.8, top-p 0.95) on random TinyLlama-shape weights, served
 with --draft none (the reference: plain seeded sampling), a self:22 model draft (k 4 fixed and
@@ -6,10 +6,10 @@ adaptive) and prompt lookup, each alone and inside a batch of 16 other requests.
 whose tokens differ from the reference and where they first diverge, per dtype, and the
 acceptance rate. fp32 should show 0 mismatches; bf16 may show a few (random weights have many
 near-tied logits, and a verify forward of k + 1 tokens rounds differently from a decode forward:
-the floating-point caveat of docs/engine.md "Seeds", the same that bench/determinism.py measures
+the floating-point caveat of docs/engine.md "Seeds", the same that bench/correctness/determinism.py measures
 for greedy). Usage (GPU):
 
-    python bench/seeded_output_gpu.py --out seeded_output_gpu.json
+    python bench/correctness/seeded_output_gpu.py --out seeded_output_gpu.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
 from engine_throughput import git_revision, random_prompts  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
             for k, adaptive, crowd in cases:
                 out, rate = serve(options, models, k, adaptive, crowd)
                 first = [
-                    next((n for n, (a, b) in enumerate(zip(out[r], reference[r])) if a != b), None)
+                    next((n for n, (a, b) in enumerate(zip(out[r], reference[r], strict=False)) if a != b), None)
                     for r in sorted(reference)
                 ]
                 rows.append(

@@ -4,15 +4,15 @@ Real model, real acceptance (no simulation), greedy, --batch requests at a time 
 case speculation is for), the engine's default runtime config (adaptive k) unless --k is given.
 Every draft is compared with plain decoding (`--no-speculation`: draft `none`, k = 0) measured in
 the same run, on the same prompts. Prompts: bench/prompts/draft_acceptance.jsonl (our own; see
-bench/make_draft_prompts.py), the first --per-family of each family.
+bench/drafts/make_draft_prompts.py), the first --per-family of each family.
 
-    python bench/draft_acceptance.py --drafts ngram,self:12,self:24 --per-family 4 --batch 4 \\
+    python bench/drafts/draft_acceptance.py --drafts ngram,self:12,self:24 --per-family 4 --batch 4 \\
         --max-tokens 48 --out bench/results/draft_acceptance_cpu.json
 
-On a GPU (`--device cuda`: bf16, CUDA graphs), e.g. the prompt-lookup case of issue 22 (the
+On a GPU (`--device cuda`: bf16, CUDA graphs), e.g. the prompt-lookup case (the
 adaptive policy must not lose to plain decoding where drafts are rarely accepted):
 
-    python bench/draft_acceptance.py --device cuda --drafts ngram --per-family 16 --batch 16 \\
+    python bench/drafts/draft_acceptance.py --device cuda --drafts ngram --per-family 16 --batch 16 \\
         --max-tokens 128 --out bench/results/draft_acceptance_ngram_h200.json
 """
 
@@ -28,7 +28,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
 from engine_throughput import git_revision  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402
@@ -39,7 +40,7 @@ from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
 from verifypd.tokenizer import TextCodec  # noqa: E402
 
-PROMPTS = pathlib.Path(__file__).resolve().parent / "prompts" / "draft_acceptance.jsonl"
+PROMPTS = pathlib.Path(__file__).resolve().parents[1] / "prompts" / "draft_acceptance.jsonl"
 
 
 def load_prompts(per_family: int) -> dict[str, list[dict]]:
@@ -333,7 +334,8 @@ def markdown(table: list[dict]) -> str:
     for r in table:
         acc = "–" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%} ({r['accepted']}/{r['drafted']})"
         lines.append(
-            f"| {r['draft']} | {r['batch']} | {r['family']} | {acc} | {r['accepted_per_step']:.2f} | {r['tok_per_s']:.1f} | "
+            f"| {r['draft']} | {r['batch']} | {r['family']} | {acc} | {r['accepted_per_step']:.2f} | "
+            f"{r['tok_per_s']:.1f} | "
             f"{r['speedup_vs_no_speculation']:.2f}x | {r['tok_per_cpu_s']:.1f} | "
             f"{r['cpu_speedup_vs_no_speculation']:.2f}x | {'yes' if r['same_output_as_no_speculation'] else 'NO'} |"
         )

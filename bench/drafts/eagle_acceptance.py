@@ -3,11 +3,11 @@ held-out prompts (bench/prompts/draft_acceptance.jsonl: chat, rewrite, edit_code
 them in the head's training data, which the target wrote itself), against ngram on the same
 prompts: mean tokens per verify step (accepted drafts + 1), per family and overall.
 
-    python bench/eagle_acceptance.py --device cuda --out bench/results/eagle_acceptance_h200.json
-    python bench/eagle_acceptance.py --device cpu --per-family 4 --max-tokens 64    # a short CPU run
+    python bench/drafts/eagle_acceptance.py --device cuda --out bench/results/eagle_acceptance_h200.json
+    python bench/drafts/eagle_acceptance.py --device cpu --per-family 4 --max-tokens 64    # a short CPU run
 
---head defaults to the committed head of the embedded model (bench/results/smollm2_eagle_h200; 2.498 on
-the H200, bench/results/eagle_acceptance_h200_s29.json);
+--head defaults to the head shipped for the embedded model (`smollm2`: services/verifypd/heads/smollm2_eagle;
+2.50 on the H200, bench/results/eagle_acceptance_h200.json); a head is a shipped head's name or a directory;
 repeat --head to measure several heads in the same run; --draft adds other drafts (e.g. the head mixed
 with prompt lookup, eagle+ngram:DIR), --no-ngram leaves the ngram baseline out.
 """
@@ -21,14 +21,14 @@ import pathlib
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
 from bench_meta import metadata  # noqa: E402
 
 from verifypd.distill.evaluate import compare_drafts  # noqa: E402
 
-HERE = pathlib.Path(__file__).resolve().parent
+BENCH = pathlib.Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -38,8 +38,8 @@ def main() -> None:
         "--head",
         action="append",
         default=None,
-        help="a head directory; repeat to measure several in one run (default: the committed "
-        "head, bench/results/smollm2_eagle_h200)",
+        help="a head directory or a shipped head's name; repeat to measure several in one run (default: "
+        "smollm2, the head shipped for the embedded model)",
     )
     ap.add_argument(
         "--draft",
@@ -48,7 +48,7 @@ def main() -> None:
         help="another draft to measure beside the heads, e.g. eagle+ngram:DIR (repeatable)",
     )
     ap.add_argument("--no-ngram", action="store_true", help="leave ngram out (on the CPU it decodes ~plainly: slow)")
-    ap.add_argument("--prompts", default=str(HERE / "prompts" / "draft_acceptance.jsonl"))
+    ap.add_argument("--prompts", default=str(BENCH / "prompts" / "draft_acceptance.jsonl"))
     ap.add_argument("--per-family", type=int, default=0, help="the first N prompts of each family (0: all)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -70,7 +70,7 @@ def main() -> None:
         tmp.write("\n".join(lines) + "\n")
         tmp.close()
         prompts = tmp.name
-    heads = args.head or [str(HERE / "results" / "smollm2_eagle_h200")]
+    heads = args.head or ["smollm2"]
     drafts = [f"eagle:{h}" for h in heads] + args.draft + ([] if args.no_ngram else ["ngram"])
     results = compare_drafts(args.target, drafts, prompts, k=args.k, max_tokens=args.max_tokens, device=args.device)
     results = {

@@ -1,5 +1,5 @@
 """Cost of feature drafts (`--draft eagle:`) on the GPU: a random-weight EAGLE-3 head on a real target
-shape (issue 19's targets), one process, one run.
+shape, one process, one run.
 
   * draft step: EagleRunner.draft with k = 1 and k = 5 on fake runs at a fixed context, synchronized;
     (t5 - t1) / 4 is one chain step (a CUDA-graph replay), t1 the catch-up + first choice + set-up;
@@ -8,7 +8,7 @@ shape (issue 19's targets), one process, one run.
     acceptance (random weights accept nothing real; each draft kept with probability alpha,
     seeded) and adaptive k, per batch, with the speed-up over plain.
 
-    python bench/eagle_draft_cost.py --out bench/results/eagle_draft_cost_h100.json
+    python bench/drafts/eagle_draft_cost.py --out bench/results/eagle_draft_cost_h100.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine"))  # engine_throughput
 
 from bench_meta import metadata  # noqa: E402
 from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402

@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# Issue 19's GPU runs on the device machine (run from the repo root there; $OUT is the folder that
+# The EAGLE head's GPU runs on the device machine: training, acceptance, end to end, CUDA tests and cost
+# (run from the repo root there; $OUT is the folder that
 # comes back). Prepare here once:
 #   bash ../shared/gpu-relay/split-embedded-model.sh      # .relay-a/ .relay-b/ (the embedded GGUF, two halves)
 #   .whl/gguf-*.whl                                        # as in the device README (pure Python)
 #
-#   call 1  carry [.relay-a]              bash bench/eagle_gpu.sh relay-a   (skipped if the GGUF is there)
-#   call 2  carry [.relay-b, .whl]        bash bench/eagle_gpu.sh train     (right after call 1: ~30 s;
+#   call 1  carry [.relay-a]              bash bench/drafts/eagle_gpu.sh relay-a   (skipped if the GGUF is there)
+#   call 2  carry [.relay-b, .whl]        bash bench/drafts/eagle_gpu.sh train     (right after call 1: ~30 s;
 #                                         EAGLE_TRAIN_MINUTES=5 E2E_IF_BEFORE=0: ~6 min, no e2e)
-#   call 2' carry [.relay-b, .whl]        bash bench/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end;
+#   call 2' carry [.relay-b, .whl]        bash bench/drafts/eagle_gpu.sh measure HEAD_DIR   (acceptance + end to end;
 #                                         MIX=1: the head mixed with prompt lookup, eagle+ngram:HEAD_DIR, beside it)
 #
-# A run longer than one call (the full-length distill, bench/results/smollm2_eagle_h200/COMMAND.md):
-#   call 2  carry [.relay-b, .whl]        EAGLE_SAMPLES=.. EAGLE_STEPS=.. bash bench/eagle_gpu.sh train-part
+# A run longer than one call (the full-length distill of the shipped head, services/verifypd/heads/smollm2_eagle/README.md):
+#   call 2  carry [.relay-b, .whl]        EAGLE_SAMPLES=.. EAGLE_STEPS=.. bash bench/drafts/eagle_gpu.sh train-part
 #                                         (data + training to EAGLE_TRAIN_MINUTES, a checkpoint; no --fit-steps:
 #                                         the schedule spans the calls)
-#   call 3  carry [.whl] (right after)    same variables   bash bench/eagle_gpu.sh resume
+#   call 3  carry [.whl] (right after)    same variables   bash bench/drafts/eagle_gpu.sh resume
 #                                         (on to the end; --fit-steps lowers the schedule's end to fit this
 #                                         call's EAGLE_TRAIN_MINUTES; then the engine's acceptance, and with
 #                                         E2E_IF_BEFORE=N the end-to-end bench if the call is under N s;
 #                                         COMPARE_HEAD=DIR measures a second head beside it in both)
-#   any     carry [.whl]                  bash bench/eagle_gpu.sh lossless | cost
+#   any     carry [.whl]                  bash bench/drafts/eagle_gpu.sh lossless | cost
 #
 # `train` (one call, ~9 min): `verifypd distill` for the embedded model (data, training to a time
 # budget), the engine's acceptance against ngram on bench/prompts/draft_acceptance.jsonl at
-# temperature 0, k = 4 (bench/eagle_acceptance.py, also the head's eval.json), then end to end
+# temperature 0, k = 4 (bench/drafts/eagle_acceptance.py, also the head's eval.json), then end to end
 # against --no-speculation at batch 1 and 16 (one JSON) if time is left.
 # The head, its logs and the JSONs land in $OUT (small files only; data and checkpoints stay in
 # /root/distill on the warm machine, where `resume` continues them).
@@ -52,23 +53,19 @@ collect() {  # the head, its logs and reports: small files only (checkpoints and
   ls -la "$OUT/smollm2-eagle"
 }
 
-# The embedded model's head (session 29, bench/results/smollm2_eagle_h200/COMMAND.md, 2.498 tokens per verify
-# step): a 1024-wide MLP over the target's whole vocabulary (its own lm_head, frozen, not written: no map),
-# ~8.4 MB in bf16, trained over `train-part` (EAGLE_TRAIN_MINUTES=8.8) + `resume` (6.5: --fit-steps ends
-# the schedule at the step that fits, 3,561 there).
+# The shipped head (services/verifypd/heads/smollm2_eagle/README.md, 2.50 tokens per verify step at k = 4
+# on an H200): a 1024-wide MLP over the target's whole vocabulary (its own lm_head, frozen, not written: no
+# map), ~8.4 MB in bf16, trained over `train-part` (EAGLE_TRAIN_MINUTES=8.8) + `resume` (6.5: --fit-steps
+# ends the schedule at the step that fits, 3,561 there).
 # EAGLE_SAMPLES / EAGLE_STEPS / EAGLE_WARMUP / EAGLE_CHAIN_STEPS / EAGLE_REQUESTS / EAGLE_DRAFT_VOCAB: the
-# data, the schedule, the vocabulary. Defaults: the committed head's recipe (`--own-requests seeds` makes
-# d52173e's prompts bit for bit; the held-out split also holds out every copy of a held-out prompt).
+# data, the schedule, the vocabulary. Defaults: the shipped head's recipe (`--own-requests seeds` makes
+# its prompts bit for bit; the held-out split also holds out every copy of a held-out prompt).
 # EAGLE_DRAFT_VOCAB=N (N > 0): the N most frequent tokens of the training data over the target's frozen
-# lm_head rows (a d2t map); 0 (default) = the whole vocabulary. The previous head, 8,192 tokens
-# (bench/results/smollm2_eagle_h200_8k, 2.39): EAGLE_DRAFT_VOCAB=8192 with EAGLE_STEPS=5000 over 8.6 + 4.5
-# minutes; 23 % of its rejections were tokens outside its vocabulary (CPU analysis,
-# bench/results/smollm2_eagle_limits_19v). (An older whole-vocabulary run that also changed the loss rows
-# and the data measured 1.63 against 1.69: bench/results/smollm2_eagle_h200_fullvocab.)
-# The third recipe (19r, bench/results/smollm2_eagle_h200_19r/COMMAND.md: own chat requests of 16 kinds and
-# 8 chain steps, 8,192 tokens; 2.22, not kept): EAGLE_DRAFT_VOCAB=8192 EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8
-# EAGLE_STEPS=3200. The first, 5-minute head: EAGLE_DRAFT_VOCAB=8192 EAGLE_SAMPLES=5000 EAGLE_STEPS=3000
-# EAGLE_WARMUP=50 in one `train` call.
+# lm_head rows (a d2t map); 0 (default) = the whole vocabulary. Earlier recipes (docs/eagle_results.md):
+# 8,192 tokens, EAGLE_DRAFT_VOCAB=8192 with EAGLE_STEPS=5000 over 8.6 + 4.5 minutes (2.39); own chat
+# requests of 16 kinds and 8 chain steps, EAGLE_DRAFT_VOCAB=8192 EAGLE_REQUESTS=kinds EAGLE_CHAIN_STEPS=8
+# EAGLE_STEPS=3200 (2.22); a 5-minute head, EAGLE_DRAFT_VOCAB=8192 EAGLE_SAMPLES=5000 EAGLE_STEPS=3000
+# EAGLE_WARMUP=50 in one `train` call (1.69).
 DRAFT_VOCAB="${EAGLE_DRAFT_VOCAB:-0}"
 case "$DRAFT_VOCAB" in
   0) VOCAB_ARGS=() ;;
@@ -85,15 +82,15 @@ EVAL=(--eval-prompts bench/prompts/draft_acceptance.jsonl --eval-k 4 --eval-toke
 
 end_to_end() {  # the trained head against ngram and --no-speculation, batch 1 and 16, one JSON
   # E2E_K: a fixed k for every draft (default: the served adaptive policy)
-  python3 bench/draft_acceptance.py --target "$GGUF" --device "$DEVICE" \
+  python3 bench/drafts/draft_acceptance.py --target "$GGUF" --device "$DEVICE" \
     --drafts "ngram,eagle:$1${COMPARE_HEAD:+,eagle:$COMPARE_HEAD}${MIX:+,eagle+ngram:$1}" \
     --batches "${E2E_BATCHES:-1,16}" --per-family "${E2E_PER_FAMILY:-8}" --max-tokens 128 ${E2E_K:+--k $E2E_K} \
     --out "$OUT/draft_acceptance_eagle_${DEVICE}${E2E_K:+_k$E2E_K}.json" 2>&1 | grep -v '^{' | tail -12
 }
 
-acceptance() {  # the engine's tokens per verify step, head against ngram (bench/eagle_acceptance.py)
-  # COMPARE_HEAD: a second head measured in the same run (e.g. bench/results/smollm2_eagle_h200, the committed one)
-  python3 bench/eagle_acceptance.py --target "$GGUF" --head "$1" ${COMPARE_HEAD:+--head "$COMPARE_HEAD"} ${MIX:+--draft eagle+ngram:$1} \
+acceptance() {  # the engine's tokens per verify step, head against ngram (bench/drafts/eagle_acceptance.py)
+  # COMPARE_HEAD: a second head measured in the same run (e.g. smollm2, the shipped one)
+  python3 bench/drafts/eagle_acceptance.py --target "$GGUF" --head "$1" ${COMPARE_HEAD:+--head "$COMPARE_HEAD"} ${MIX:+--draft eagle+ngram:$1} \
     --device "$DEVICE" --out "$OUT/eagle_acceptance_${DEVICE}.json" ${ACCEPT_EXTRA:-} 2>&1 | grep '^|'
 }  # ACCEPT_EXTRA: e.g. "--per-family 1 --max-tokens 8" for a short check of this script on the CPU
 
@@ -158,9 +155,9 @@ case "${1:-}" in
       2>&1 | tee "$OUT/eagle_tests_cuda.txt" | tail -15 ;;
   cost)
     wheels
-    python3 bench/eagle_draft_cost.py --out "$OUT/eagle_draft_cost.json" 2>&1 | tail -30 ;;
+    python3 bench/drafts/eagle_draft_cost.py --out "$OUT/eagle_draft_cost.json" 2>&1 | tail -30 ;;
   print-distill)  # the `verifypd distill` arguments the training calls would use (check a recipe before a GPU call)
     printf '%s\n' "${DISTILL[@]}" ;;
   *)
-    echo "usage: bash bench/eagle_gpu.sh relay-a|train|train-part|resume|collect|measure HEAD|lossless|cost|print-distill" >&2; exit 2 ;;
+    echo "usage: bash bench/drafts/eagle_gpu.sh relay-a|train|train-part|resume|collect|measure HEAD|lossless|cost|print-distill" >&2; exit 2 ;;
 esac

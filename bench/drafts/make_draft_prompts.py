@@ -1,6 +1,6 @@
 """Writes bench/prompts/draft_acceptance.jsonl: our own prompts (no downloads) in four task families.
 
-    python bench/make_draft_prompts.py
+    python bench/drafts/make_draft_prompts.py
 
 Each line: {"family": ..., "id": ..., "prompt": ...}. The copy-heavy families (rewrite, edit,
 extract) give the model a text to work on; chat gives it none. Texts are combined with several
@@ -58,7 +58,8 @@ PARAGRAPHS = [
     "The new phone has a larger screen, a faster processor and a battery that lasts two days. However, it is heavier "
     "than the previous model and it no longer has a headphone jack. The price is the same as last year's phone.",
     "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure is lower, so water "
-    "boils at a lower temperature. This is why cooking pasta in the mountains takes longer than cooking it at the coast.",
+    "boils at a lower temperature. This is why cooking pasta in the mountains takes longer than cooking it at the "
+    "coast.",
     "The train from Lyon to Paris was delayed by forty minutes this morning because of a signal failure near Dijon. "
     "Passengers were offered free coffee and a voucher for a future trip. The railway company apologised and said "
     "the signal has now been repaired.",
@@ -72,9 +73,11 @@ REWRITE = [
 SNIPPETS = [
     "def average(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
     "def greet(name):\n    print('Hello, ' + name + '!')\n    return None\n",
-    "def find_max(items):\n    best = items[0]\n    for item in items:\n        if item > best:\n            best = item\n"
+    "def find_max(items):\n    best = items[0]\n    for item in items:\n        if item > best:\n"
+    "            best = item\n"
     "    return best\n",
-    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n        self.count += 1\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n"
+    "    def increment(self):\n        self.count += 1\n",
     "def read_lines(path):\n    f = open(path)\n    lines = f.readlines()\n    f.close()\n    return lines\n",
     "def is_even(n):\n    if n % 2 == 0:\n        return True\n    else:\n        return False\n",
     "def celsius_to_fahrenheit(c):\n    return c * 9 / 5 + 32\n\n\ndef fahrenheit_to_celsius(f):\n"
@@ -134,7 +137,7 @@ def prompts() -> list[dict]:
 
 
 def main() -> None:
-    out = pathlib.Path(__file__).resolve().parent / "prompts" / "draft_acceptance.jsonl"
+    out = pathlib.Path(__file__).resolve().parents[1] / "prompts" / "draft_acceptance.jsonl"
     with open(out, "w") as f:
         for row in prompts():
             f.write(json.dumps(row) + "\n")

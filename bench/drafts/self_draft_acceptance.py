@@ -1,7 +1,7 @@
 """Acceptance rate of the self-speculative draft (target's first N layers + final norm + head) on
 the embedded SmolLM2-135M-Instruct, greedy, fixed k. Real model, real acceptance (no simulation).
 
-    python bench/self_draft_acceptance.py --layers 6,12,18,24 --k 4 --out results.json
+    python bench/drafts/self_draft_acceptance.py --layers 6,12,18,24 --k 4 --out results.json
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
 from engine_throughput import git_revision  # noqa: E402
 
 from verifypd.engine.draft_length import RuntimeConfig  # noqa: E402

@@ -14,20 +14,20 @@ return before their GPU work ends (tokens stay on the device), so "verify ms" of
 row is the whole draft + verify step and "draft ms" only the draft call's host time; the draft
 step itself is timed on its own (draft_steps).
 
-    python bench/engine_throughput.py --out bench/results/engine_throughput_h100.json
+    python bench/engine/engine_throughput.py --out bench/results/engine_throughput_h100.json
 
-Adaptive k at low acceptance against plain decoding (issue 22: must stay >= 0.98 x k = 0), with
+Adaptive k at low acceptance against plain decoding (the target: >= 0.98 x k = 0), with
 an alpha 0.7 adaptive row to show drafting still pays:
 
-    python bench/engine_throughput.py --rows plain,simulated --alphas 0.7 --ks adaptive --fallback-alphas 0.1 \
-        --batches 1,16,64 --gen-len 128 --out bench/results/engine_adaptive_fallback_h200.json
+    python bench/engine/engine_throughput.py --rows plain,simulated --alphas 0.7 --ks adaptive --fallback-alphas 0.1 \
+        --batches 1,16,64 --gen-len 128 --out bench/results/engine_throughput_h200.json
 
 (`--alphas ''` leaves the alpha 0.7 row out.)
 
 The peer of the k = 0 row, the same weights as a torch.compile'd static-batch decoder
-(bench/static_decoder.py; every row then carries over_compiled_decoder):
+(bench/engine/static_decoder.py; every row then carries over_compiled_decoder):
 
-    python bench/engine_throughput.py --rows plain,simulated,compiled --alphas 0.7 --ks adaptive \
+    python bench/engine/engine_throughput.py --rows plain,simulated,compiled --alphas 0.7 --ks adaptive \
         --fallback-alphas 0.1 --batches 1,16,64 --gen-len 128
 
 Each row splits its wall time into steps that ran a prefill call and decode-only steps (median of
@@ -56,8 +56,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # static_decoder
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
 # determinism.py, draft_acceptance.py and self_draft_acceptance.py import git_revision from here.
 from bench_meta import git_revision  # noqa: E402
@@ -195,7 +196,7 @@ def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, ge
 
     draft_calls = [s for name, s, b in times.calls if name == "draft"]
     decisions, drafting, probed = (
-        now - then for now, then in zip((probes.decisions, probes.drafting, probes.probes), decisions0)
+        now - then for now, then in zip((probes.decisions, probes.drafting, probes.probes), decisions0, strict=False)
     )
     return {
         "tokens": produced,
@@ -219,8 +220,8 @@ def run_engine(engine: Engine, times: LaneTimes, batch: int, prompt_len: int, ge
 def step_split(step_s: list[float], prefill_step: list[bool]) -> dict:
     """Where a row's wall time went: steps that ran a prefill call (prompts entering, chunked by the
     prefill token budget) against decode-only steps, and the slowest steps."""
-    with_prefill = [s for s, p in zip(step_s, prefill_step) if p]
-    decode_only = [s for s, p in zip(step_s, prefill_step) if not p]
+    with_prefill = [s for s, p in zip(step_s, prefill_step, strict=False) if p]
+    decode_only = [s for s, p in zip(step_s, prefill_step, strict=False) if not p]
     return {
         "prefill_steps": len(with_prefill),
         "prefill_steps_s": round(sum(with_prefill), 4),
@@ -259,7 +260,7 @@ def main() -> None:
         "--rows",
         default="plain,simulated,self",
         help="which row families to run (plain, simulated, self; compiled: the torch.compile'd "
-        "static-batch decoder of bench/static_decoder.py, the peer of k = 0, CUDA only)",
+        "static-batch decoder of bench/engine/static_decoder.py, the peer of k = 0, CUDA only)",
     )
     ap.add_argument(
         "--tensor-parallel",
@@ -460,7 +461,7 @@ PLAIN, OVERLAPPED = "k=0 (plain decoding)", ", overlapped"
 
 
 def compiled_row(model, batch: int, prompt_len: int, gen_len: int, floor: dict | None) -> dict:
-    """The peer (bench/static_decoder.py): the same weights as a torch.compile'd static-batch decoder,
+    """The peer (bench/engine/static_decoder.py): the same weights as a torch.compile'd static-batch decoder,
     all prompts prefilled in one forward, then gen_len - 1 graphed decode steps of the whole batch.
     Timed as the engine rows are (prefill included, exactly gen_len tokens per request), on the
     same random prompts; its decode step alone is timed from graph replays."""
@@ -601,7 +602,8 @@ def draft_call_seconds(runner, runs, ks=(1, 5)) -> dict[int, float]:
 
 def print_table(results: dict) -> None:
     print(
-        f"\n{'system':48s} {'batch':>5s} {'tok/s':>9s} {'x k=0':>6s} {'acc':>5s} {'k':>5s} {'verify ms':>9s} {'draft ms':>8s} "
+        f"\n{'system':48s} {'batch':>5s} {'tok/s':>9s} {'x k=0':>6s} {'acc':>5s} {'k':>5s} {'verify ms':>9s} "
+        f"{'draft ms':>8s} "
         f"{'drafting/probes/steps':>21s} {'x peer':>6s}"
     )
     for r in results["rows"]:

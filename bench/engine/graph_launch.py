@@ -4,7 +4,7 @@ step launched ahead (engine.spec_ahead) replays the verify graph of a shape whil
 still run. Each graph is `--nodes` small kernels in one stream (the embedded model's verify graph holds
 ~300). Runs on a GPU only.
 
-    python bench/graph_launch.py --nodes 30,300 --out graph_launch.json
+    python bench/engine/graph_launch.py --nodes 30,300 --out graph_launch.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_meta
 from bench_meta import metadata  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """Whether a decode step waits on the GPU or on the host: each `Router.step()`'s wall time split into the
 time the host spent blocked on verify results (the one host sync of a step, `HostCopy.result`) and the
 rest (host work: planning, layouts, launches, commit, streaming), per draft, family and batch size,
-through `bench/draft_acceptance.py`'s engines (the embedded model, its prompts).
+through `bench/drafts/draft_acceptance.py`'s engines (the embedded model, its prompts).
 
-    python bench/host_wait.py --target GGUF --drafts eagle:DIR,eagle:DIR#no-fit,none --out host_wait.json
+    python bench/engine/host_wait.py --target GGUF --drafts eagle:DIR,eagle:DIR#no-fit,none --out host_wait.json
 
 A step whose wait is near 0 is host-bound: the GPU had its work queued and idled while the host caught
 up. Each run also counts its steps by kind (`step_kinds`: regular, chained plain steps launched ahead by
@@ -11,7 +11,7 @@ engine.overlap, speculative steps launched ahead by engine.spec_ahead), why plai
 (`chain_breaks`: each end costs a regular step, not overlapped) and the scheduler's k decisions
 (`k_decisions`: all, drafting, periodic probes). Each (draft, family, batch) runs --repeats times; all runs
 are reported. Draft names take draft_acceptance's suffixes (#no-fit, #no-ahead, #no-draft-after). Batch 1
-runs the family's first --solo prompts one at a time. Figures: bench/results/trace_s33/, trace_s34/.
+runs the family's first --solo prompts one at a time. Figures: bench/results/host_wait_h200.json.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_meta
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafts"))  # draft_acceptance
 import draft_acceptance as da  # noqa: E402
 from bench_meta import metadata  # noqa: E402
 
@@ -123,13 +124,16 @@ def run(engine, specs_of, batch: int, wait: WaitClock, clocks: CallClocks | None
     seconds = time.perf_counter() - t0
     router.step = step
     breaks = {why: n - breaks0.get(why, 0) for why, n in router.overlap.breaks.items() if n > breaks0.get(why, 0)}
-    decisions = [now - before for now, before in zip((probes.decisions, probes.drafting, probes.probes), decisions0)]
+    decisions = [
+        now - before
+        for now, before in zip((probes.decisions, probes.drafting, probes.probes), decisions0, strict=False)
+    ]
     return {
         "seconds": round(seconds, 5),
         "router_steps": sum(kinds.values()),
         "step_kinds": kinds,
         "chain_breaks": breaks,
-        "k_decisions": dict(zip(("all", "drafting", "probes"), decisions)),
+        "k_decisions": dict(zip(("all", "drafting", "probes"), decisions, strict=False)),
         "wait_s": round(wait.seconds, 5),
         "host_s": round(seconds - wait.seconds, 5),
         "tokens": sum(c.usage["completion_tokens"] for c in done.values()),

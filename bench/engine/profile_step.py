@@ -3,8 +3,8 @@ model shapes (top kernels by CUDA time, and how much of the step's wall time the
 the host side: the router's own work against the time inside lane calls, and cProfile's top
 functions.
 
-    python bench/profile_step.py --shape llama-2-7b --batch 64                       # plain decoding
-    python bench/profile_step.py --shape llama-2-7b --draft random:tinyllama-1.1b --k 3 \\
+    python bench/engine/profile_step.py --shape llama-2-7b --batch 64                       # plain decoding
+    python bench/engine/profile_step.py --shape llama-2-7b --draft random:tinyllama-1.1b --k 3 \\
         --simulated-acceptance 0.7 --batch 128 --schedule pd                       # speculative, SIMULATED
 
 `--target` takes any model spec instead of a shape (e.g. a tiny checkpoint to try it on the CPU).
@@ -26,13 +26,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 
 from verifypd.engine.draft_length import SCHEDULES, RuntimeConfig  # noqa: E402
 from verifypd.engine.types import RequestSpec  # noqa: E402
 from verifypd.local_engine import Engine, EngineOptions  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench_meta
 from bench_meta import metadata, write_result  # noqa: E402
 
 

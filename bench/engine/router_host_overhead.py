@@ -2,7 +2,7 @@
 detokenizing, the pdv worker thread) over lanes that do no model work, so every microsecond
 measured is bookkeeping that a GPU step pays on top of its lane calls. Runs on the CPU.
 
-    python bench/router_host_overhead.py --batch 1,16,64,128 --out bench/results
+    python bench/engine/router_host_overhead.py --batch 1,16,64,128 --out bench/results
 
 The lanes answer at once: prefill returns a token, draft proposes k tokens, verify accepts each
 draft with a seeded Bernoulli(alpha) (SIMULATED acceptance); text is decoded as for the GPU
@@ -21,7 +21,8 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench_meta
 
 from bench_meta import metadata, write_result  # noqa: E402
 

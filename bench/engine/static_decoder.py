@@ -11,7 +11,7 @@ tensors); the step (layers + head + greedy argmax, the token fed back on the dev
 from one CUDA graph.
 
 Same weights and shapes as the engine (the PagedLlama's own tensors, no copy), same RoPE tables;
-greedy. `bench/engine_throughput.py --rows compiled` runs it beside the engine's rows: tok/s counts
+greedy. `bench/engine/engine_throughput.py --rows compiled` runs it beside the engine's rows: tok/s counts
 the prefill and all G steps, as the engine rows do.
 """
 

@@ -1,11 +1,11 @@
 """Where a decode step's time goes on the GPU: a torch.profiler trace of one family's requests through
-`bench/draft_acceptance.py`'s engines, summarised as the GPU's busy time (the union of its kernels and
+`bench/drafts/draft_acceptance.py`'s engines, summarised as the GPU's busy time (the union of its kernels and
 copies), its idle gaps, and the host's CUDA API calls (graph launches, waits), per draft.
 
-    python bench/step_trace.py --target GGUF --drafts eagle:DIR,eagle:DIR#no-ahead,none --batch 16 --out DIR
+    python bench/engine/step_trace.py --target GGUF --drafts eagle:DIR,eagle:DIR#no-ahead,none --batch 16 --out DIR
 
 Draft names take draft_acceptance's suffixes (#no-ahead, #no-draft-after). Writes DIR/step_trace.json
-and each draft's Chrome trace (DIR/trace_*.json.gz). Session 32's figures: bench/results/trace_s32/.
+and each draft's Chrome trace (DIR/trace_*.json.gz). Figures: bench/results/step_trace_h200.json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafts"))  # draft_acceptance
 import draft_acceptance as da  # noqa: E402
 
 from verifypd.engine.types import RequestSpec  # noqa: E402
@@ -87,10 +87,13 @@ def main() -> None:
         engine = da.make_engine(target, name, None if name == "none" else args.k, device, dtype)
         for fam in prompts:  # compiles and first-call allocations outside the trace
             engine.generate([RequestSpec(prompts[fam][0], max_tokens=16, request_id=f"w-{fam}")])
-        specs = lambda tag: [
-            RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{tag}-{i}")  # noqa: E731
-            for i, p in enumerate(ids)
-        ]
+
+        def specs(tag):
+            return [
+                RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{tag}-{i}")  # noqa: E731
+                for i, p in enumerate(ids)
+            ]
+
         engine.generate(specs("warm"))
         t0 = time.perf_counter()
         engine.generate(specs("plain"))

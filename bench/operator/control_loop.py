@@ -1,4 +1,4 @@
-"""Does the operator's k rewriting help? (issue 20, item 4). One `verifypd serve` (through the CLI),
+"""Does the operator's k rewriting help? One `verifypd serve` (through the CLI),
 an open-loop Poisson rate sweep (verifypd-loadgen) from light load to past saturation, goodput
 (requests/s meeting BOTH SLOs) and p95 latencies for three ways to pick k:
 
@@ -20,11 +20,11 @@ loop, a fresh operator state and metrics window. Then a priority-mix run at the 
 priority 10, 80 % priority 0) with the adaptive knobs. Acceptance is SIMULATED
 (`--simulated-acceptance`, default 0.7): outputs are not the model's. Loop latency: from the first
 export whose window breaches an SLO (a watcher polls the receiver every 0.25 s) to UpdateConfig
-returning. `targets` in the result checks issue 20's targets from the rows.
+returning. `targets` in the result checks the control loop's targets from the rows (docs/kubernetes.md).
 
 GPU (one device call, about 6-7 minutes on an H200):
-  python3 bench/control_loop.py --out bench/results
-CPU smoke:   python3 bench/control_loop.py --smoke --out /tmp/control-loop
+  python3 bench/operator/control_loop.py --out bench/results
+CPU smoke:   python3 bench/operator/control_loop.py --smoke --out /tmp/control-loop
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-for sub in ("services", "operator", "loadgen", "bench"):
+ROOT = Path(__file__).resolve().parents[2]
+for sub in ("services", "operator", "loadgen", "bench", "bench/seed_study"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
@@ -369,7 +369,7 @@ def run_mode_point(args, spec, store, control, address: str, rate: float, mode: 
 
 
 def check_targets(result: dict) -> dict:
-    """Issue 20's targets from the rows. Past saturation: offered rates above fixed k = 4's
+    """The control loop's targets from the rows. Past saturation: offered rates above fixed k = 4's
     capacity, the most requests/s it completed at any rate of the sweep (a comparison with each
     point's own offered rate misreads light points: Poisson arrivals in 10 s vary by +-15 %)."""
     out = priority_target(result.get("priority_mix"))
@@ -565,10 +565,10 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4 if prio else 3, figsize=(20 if prio else 15, 4))
     for mode, rows in result["modes"].items():
         xs = [r["rate"] for r in rows]
-        for ax, key in zip(axes, ("goodput_rps", "ttft_p95_ms", "itl_p95_ms")):
+        for ax, key in zip(axes, ("goodput_rps", "ttft_p95_ms", "itl_p95_ms"), strict=False):
             ax.plot(xs, [r[key] or 0 for r in rows], marker="o", label=mode)
     titles = ("goodput (req/s meeting both SLOs)", "TTFT p95 (ms)", "ITL p95 (ms, per-request mean)")
-    for ax, title in zip(axes, titles):
+    for ax, title in zip(axes, titles, strict=False):
         ax.set_xlabel("offered rate (req/s, Poisson)")
         ax.set_title(title)
         ax.grid(alpha=0.3)

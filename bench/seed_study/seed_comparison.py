@@ -1,4 +1,4 @@
-"""Serving sweep of the seed study's comparison (issue 14): schedules x concurrency through the real server.
+"""Serving sweep of the seed study's comparison: schedules x concurrency through the real server.
 
 For each (draft -> target pair, mode) this starts `verifypd serve` as a subprocess (random weights of the
 named shapes, SIMULATED ACCEPTANCE alpha: real draft and verify compute, each draft token kept with
@@ -20,9 +20,9 @@ after every point, so a run cut short keeps what it measured.
 
 One pair per GPU call (a call is limited to 10 minutes), then merge:
 
-    python bench/seed_comparison.py --pairs 'tinyllama-1.1b->llama-2-7b' --tag llama2 --out $OUT
-    python bench/seed_comparison.py --pairs 'tinyllama-1.1b->tinyllama-1.1b' --tag tinyllama --out $OUT
-    python bench/seed_comparison.py --report-only A.json B.json --out bench/results
+    python bench/seed_study/seed_comparison.py --pairs 'tinyllama-1.1b->llama-2-7b' --tag llama2 --out $OUT
+    python bench/seed_study/seed_comparison.py --pairs 'tinyllama-1.1b->tinyllama-1.1b' --tag tinyllama --out $OUT
+    python bench/seed_study/seed_comparison.py --report-only A.json B.json --out bench/results
 
 Writes DIR/seed_comparison_<device>[_<tag>].json and .md (tables per pair, ratios vs k0 and vs pd, the
 study's own figures beside ours, marked as theirs, and the PASS/MISS targets) and PNG plots.
@@ -39,8 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for sub in ("services", "loadgen", "bench"):
+ROOT = Path(__file__).resolve().parents[2]
+for sub in ("services", "loadgen", "bench", "bench/seed_study"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
@@ -179,7 +179,7 @@ def run_sweep(args) -> dict:
                         base,
                         nvml,
                         on_row,
-                        alive=lambda: server.proc.poll() is None,
+                        alive=lambda: server.proc.poll() is None,  # noqa: B023
                         out_of_time=out_of_time,
                     )
                 )

@@ -1,4 +1,4 @@
-"""PNG plots of the seed-comparison sweep (bench/seed_comparison.py), per pair: throughput, P95 latency
+"""PNG plots of the seed-comparison sweep (bench/seed_study/seed_comparison.py), per pair: throughput, P95 latency
 and a mode-vs-mode throughput heatmap."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The seed-comparison sweep's results (bench/seed_comparison.py): JSON output, merging partial runs (one
+"""The seed-comparison sweep's results (bench/seed_study/seed_comparison.py): JSON output, merging partial runs (one
 per pair) and the markdown report (tables per pair, ratios vs k0 and vs PD, the study's own figures
 beside ours, marked as theirs, and the PASS/MISS targets) with its plots."""
 
@@ -115,26 +115,27 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
 
         def grid(title, key, digits=1, fn=None):
             nonlocal lines
-            lines += [f"**{title}**", "", head, sep]
-            for m in modes:
+            lines += [f"**{title}**", "", head, sep]  # noqa: B023
+            for m in modes:  # noqa: B023
                 vals = []
-                for c in cs:
-                    v = fn(m, c) if fn else value(by_mode, m, c, key)
+                for c in cs:  # noqa: B023
+                    v = fn(m, c) if fn else value(by_mode, m, c, key)  # noqa: B023
                     vals.append(fmt(v, digits))
                 lines.append(f"| {MODE_TITLES.get(m, m)} | " + " | ".join(vals) + " |")
             lines.append("")
 
-        tput = lambda m, c: value(by_mode, m, c, "output_tok_s")  # noqa: E731
-        p95 = lambda m, c: value(by_mode, m, c, "e2e_p95_ms")  # noqa: E731
+        tput = lambda m, c: value(by_mode, m, c, "output_tok_s")  # noqa: B023, E731
+        p95 = lambda m, c: value(by_mode, m, c, "e2e_p95_ms")  # noqa: B023, E731
         grid("Output throughput (tok/s)", "output_tok_s")
         grid("P95 end-to-end latency (ms)", "e2e_p95_ms", 0)
-        grid("Throughput ÷ k0", None, 2, lambda m, c: ratio(tput(m, c), tput("k0", c)))
-        grid("Throughput ÷ PD", None, 2, lambda m, c: ratio(tput(m, c), tput("pd", c)))
-        grid("P95 latency ÷ PD", None, 2, lambda m, c: ratio(p95(m, c), p95("pd", c)))
+        grid("Throughput ÷ k0", None, 2, lambda m, c: ratio(tput(m, c), tput("k0", c)))  # noqa: B023
+        grid("Throughput ÷ PD", None, 2, lambda m, c: ratio(tput(m, c), tput("pd", c)))  # noqa: B023
+        grid("P95 latency ÷ PD", None, 2, lambda m, c: ratio(p95(m, c), p95("pd", c)))  # noqa: B023
         lines += [
             "**Per point**",
             "",
-            "| mode | c | tok/s | E2E mean / P95 / P99 ms | TTFT P95 ms | ITL P95 ms | acceptance | mean k | GPU util % (mean/max) | ok/failed | note |",
+            "| mode | c | tok/s | E2E mean / P95 / P99 ms | TTFT P95 ms | ITL P95 ms | acceptance | mean k "
+            "| GPU util % (mean/max) | ok/failed | note |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for m in modes:
@@ -143,11 +144,13 @@ def render_report(doc: dict, plots: dict[str, list[str]]) -> tuple[str, dict]:
                 if r is None:
                     continue
                 if r.get("status") != "ok":
-                    lines.append(f"| {m} | {c} | – | – | – | – | – | – | – | – | ERROR: {str(r.get('error'))[:160]} |")
+                    error = str(r.get("error"))[:160]
+                    lines.append(f"| {m} | {c} | – | – | – | – | – | – | – | – | ERROR: {error} |")
                     continue
                 acc = r.get("acceptance_rate")
                 lines.append(
-                    f"| {m} | {c} | {fmt(r['output_tok_s'])} | {fmt(r['e2e_mean_ms'], 0)} / {fmt(r['e2e_p95_ms'], 0)} / "
+                    f"| {m} | {c} | {fmt(r['output_tok_s'])} | {fmt(r['e2e_mean_ms'], 0)} / "
+                    f"{fmt(r['e2e_p95_ms'], 0)} / "
                     f"{fmt(r['e2e_p99_ms'], 0)} | {fmt(r['ttft_p95_ms'], 0)} | {fmt(r['itl_p95_ms'], 2)} | "
                     f"{'–' if acc is None else f'{acc:.3f}'} | {fmt(r.get('mean_applied_k'), 2)} | "
                     f"{fmt(r.get('gpu_util_mean_pct'))} / {fmt(r.get('gpu_util_max_pct'), 0)} | "

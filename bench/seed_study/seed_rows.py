@@ -1,4 +1,4 @@
-"""Names and lookups that the seed-comparison sweep (bench/seed_comparison.py) and its report share:
+"""Names and lookups that the seed-comparison sweep (bench/seed_study/seed_comparison.py) and its report share:
 the load model, mode titles, file-name slugs, and rows by (mode, concurrency) with their values and ratios."""
 
 from __future__ import annotations

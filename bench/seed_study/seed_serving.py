@@ -1,4 +1,4 @@
-"""One server of the seed-comparison sweep (bench/seed_comparison.py) under load: `verifypd serve` as a
+"""One server of the seed-comparison sweep (bench/seed_study/seed_comparison.py) under load: `verifypd serve` as a
 subprocess, its concurrency points driven over gRPC with the loadgen library, and GPU utilisation
 sampled over NVML during each point."""
 
@@ -15,8 +15,8 @@ import threading
 from collections import deque
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for sub in ("services", "loadgen", "bench"):
+ROOT = Path(__file__).resolve().parents[2]
+for sub in ("services", "loadgen", "bench", "bench/seed_study"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 

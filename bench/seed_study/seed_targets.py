@@ -1,5 +1,5 @@
 """The seed study's own figures and the issue's PASS/MISS targets, checked over one pair's rows of the
-seed-comparison sweep (bench/seed_comparison.py). The study's figures are theirs, never measured here."""
+seed-comparison sweep (bench/seed_study/seed_comparison.py). The study's figures are theirs, never measured here."""
 
 from __future__ import annotations
 

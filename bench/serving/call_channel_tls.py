@@ -2,18 +2,21 @@
 server and client (verifypd.lanerpc.call_channel) plaintext and over mTLS (verifypd.lane_tls),
 interleaved in rounds so load on a shared machine hits both alike. Certificates are made on the fly.
 
-    cd bench && PYTHONPATH=../services:../tests/services python call_channel_tls.py [--calls 3000] [--rounds 5] \
-        [--out results]
+    PYTHONPATH=services:tests/services python bench/serving/call_channel_tls.py [--calls 3000] [--rounds 5] \
+        [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 
-from bench_meta import metadata, write_result
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
+from bench_meta import metadata, write_result  # noqa: E402
 
 
 def main() -> None:

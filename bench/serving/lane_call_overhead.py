@@ -1,6 +1,6 @@
 """What one lane call costs without model work: the split topology's per-call tax.
 
-    PYTHONPATH=services python bench/lane_call_overhead.py [--out FILE]
+    PYTHONPATH=services python bench/serving/lane_call_overhead.py [--out FILE]
 
 A verify lane server runs in a child process with a stub lane (answers every item at once: no
 model, no device work) behind the real LaneServicer edge (validation, lock, conversion, both
@@ -26,7 +26,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "services"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -118,8 +118,8 @@ def measure(port: int, batches: list[int], n: int) -> dict:
     for b in batches:
         work = items(b, 0)
         fast.verify(work)  # introduce the requests: later calls carry no intros and no new blocks
-        out[f"call_{b}_ms"] = median_ms(lambda: fast.verify(work), n)
-        out[f"grpc_{b}_ms"] = median_ms(lambda: unary.verify(work), n)
+        out[f"call_{b}_ms"] = median_ms(lambda: fast.verify(work), n)  # noqa: B023
+        out[f"grpc_{b}_ms"] = median_ms(lambda: unary.verify(work), n)  # noqa: B023
         mirror, state = cc.ChannelMirror(), cd.ChannelState()
         first = lanes_pb2.LaneCall(method=lanes_pb2.LANE_METHOD_VERIFY, batch=cc.encode_verify(mirror, work, None))
         cd.decode(first.method, first.batch, state, limits)
@@ -128,13 +128,15 @@ def measure(port: int, batches: list[int], n: int) -> dict:
         reply = cd.verify_reply([VerifyOutput(i.request_id, 0, [i.pending_token]) for i in work])
         reply_data = reply.SerializeToString()
         out[f"encode_{b}_ms"] = median_ms(
-            lambda: lanes_pb2.LaneCall(method=3, batch=cc.encode_verify(mirror, work, None)).SerializeToString(), n
+            lambda: lanes_pb2.LaneCall(method=3, batch=cc.encode_verify(mirror, work, None)).SerializeToString(),  # noqa: B023
+            n,
         )
-        out[f"decode_{b}_ms"] = median_ms(lambda: cc.decode_verify(work, lanes_pb2.LaneReply.FromString(reply_data)), n)
+        reply_call = lambda: cc.decode_verify(work, lanes_pb2.LaneReply.FromString(reply_data))  # noqa: B023, E731
+        out[f"decode_{b}_ms"] = median_ms(reply_call, n)
 
         def server_side():
-            c = lanes_pb2.LaneCall.FromString(data)
-            got = cd.decode(c.method, c.batch, state, limits)
+            c = lanes_pb2.LaneCall.FromString(data)  # noqa: B023
+            got = cd.decode(c.method, c.batch, state, limits)  # noqa: B023
             cd.verify_reply([VerifyOutput(i.request_id, 0, [i.pending_token]) for i in got]).SerializeToString()
 
         out[f"server_{b}_ms"] = median_ms(server_side, n)

@@ -2,10 +2,10 @@
 detokenization) and the real engine-core process (router over lanes that do no model work, behind
 the core channel), driven by the loadgen library from a third process. Tokens per second here is
 the most the host side can stream at that concurrency with a free GPU; the core's time inside
-`router.step` against the router alone (bench/router_host_overhead.py) shows what serving costs
+`router.step` against the router alone (bench/engine/router_host_overhead.py) shows what serving costs
 the engine, and the gateway's CPU seconds per streamed token what it costs the front end.
 
-    python bench/serving_host_ceiling.py --concurrency 1,16,64,128 --out bench/results
+    python bench/serving/serving_host_ceiling.py --concurrency 1,16,64,128 --out bench/results
 
 SIMULATED acceptance (seeded Bernoulli, see router_host_overhead.InstantLanes); prompt 128 tokens,
 256 output tokens per request, closed loop. Measure on the machine whose CPU serves (the GPU host).
@@ -24,7 +24,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-for sub in ("services", "loadgen", "bench"):
+for sub in ("../services", "../loadgen", ".", "engine", "seed_study", "serving"):
     path = os.path.join(HERE, "..", sub)
     if path not in sys.path:
         sys.path.insert(0, path)
@@ -111,7 +111,7 @@ def serve(args) -> None:
     before, t0 = snapshot(), time.perf_counter()
     sys.stdin.readline()  # "stop"
     after, wall = snapshot(), time.perf_counter() - t0
-    step_s, steps, tokens, gateway_cpu, core_cpu = (a - b for a, b in zip(after, before))
+    step_s, steps, tokens, gateway_cpu, core_cpu = (a - b for a, b in zip(after, before, strict=False))
     print(
         json.dumps(
             {

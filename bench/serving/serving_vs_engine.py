@@ -14,10 +14,10 @@ point, ramp and drain included, against every token streamed; `*_window` over th
 against the tokens counted in it); from the core's own timers on /metrics,
 read at the window's edges: steps/s (verify calls), calls/s and mean ms per lane call, the core-side
 TTFT mean, the share of verify steps launched ahead (`chained_share`, engine.overlap) and of those
-carrying a prefill of admitted requests (`chained_prefill_share`). `--py-spy BIN --py-spy-at MODE:API:C` samples the gateway, the core and the split lanes
-over that point's window. Prompt 128 random token ids, 128 generated, EOS ignored. Random bf16
-weights: real compute; speculative rows' acceptance is SIMULATED. Modes: k0, a07, `-split`
-(serve --topology split), `-split-mps` (with --mps on).
+carrying a prefill of admitted requests (`chained_prefill_share`). `--py-spy BIN --py-spy-at MODE:API:C`
+samples the gateway, the core and the split lanes over that point's window. Prompt 128 random token ids,
+128 generated, EOS ignored. Random bf16 weights: real compute; speculative rows' acceptance is SIMULATED.
+Modes: k0, a07, `-split` (serve --topology split), `-split-mps` (with --mps on).
 
 Arrivals. The engine alone starts its c requests together, so with a fixed output length they
 finish together and are re-prefilled together in a step where nothing decodes (the router's idle
@@ -28,8 +28,9 @@ staggered lengths (finishes spread as in the served steady state): `served_over_
 compares the serving path with the engine under the same arrival pattern. The client processes
 connect first and start together; requests still in flight after the window are cancelled.
 
-    python bench/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
-    python bench/serving_vs_engine.py --device cpu --target TINY_MODEL_DIR --vocab 90 --modes k0 --concurrency 4 --prompt 16 --gen 16   (CPU smoke test)
+    python bench/serving/serving_vs_engine.py --modes k0,a07 --concurrency 1,64,128 --out bench/results
+    python bench/serving/serving_vs_engine.py --device cpu --target TINY_MODEL_DIR --vocab 90 --modes k0 \
+        --concurrency 4 --prompt 16 --gen 16   (CPU smoke test)
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for sub in ("services", "loadgen", "bench"):
+ROOT = Path(__file__).resolve().parents[2]
+for sub in ("services", "loadgen", "bench", "bench/seed_study", "bench/serving"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
@@ -227,8 +228,12 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
             LoadPoint("closed", concurrency=c), work.requests(stream=1), None, total, f"c{c}s{seed}", 0
         )
         lo, hi = t0 + args.warmup, t0 + total
-        inside = [(r, t, n) for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens) if lo <= t < hi]
-        gaps = [b - a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if lo <= b < hi]
+        inside = [
+            (r, t, n) for r in res.records for t, n in zip(r.chunk_times, r.chunk_tokens, strict=False) if lo <= t < hi
+        ]
+        gaps = [
+            b - a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False) if lo <= b < hi
+        ]
         ttfts = [r.chunk_times[0] - r.start for r in res.records if r.chunk_times and lo <= r.chunk_times[0] < hi]
         errors: dict = {}
         for r in res.records:
@@ -317,8 +322,9 @@ def start_py_spy(args, mode: str, api: str, c: int, pids: dict, start_at: float)
         cmd = [
             "sh",
             "-c",
-            f"sleep {max(0.0, start_at + args.warmup - time.time()):.2f}; exec {args.py_spy} record --pid {pid} --duration "
-            f"{int(args.seconds)} --rate 250 --nonblocking --threads --format raw --output {out}",
+            f"sleep {max(0.0, start_at + args.warmup - time.time()):.2f}; "
+            f"exec {args.py_spy} record --pid {pid} --duration {int(args.seconds)} --rate 250 --nonblocking "
+            f"--threads --format raw --output {out}",
         ]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs
@@ -384,10 +390,9 @@ def run_served(args, mode: str, nvml, engine_rows: dict[int, dict], on_row=lambd
                 started: dict = {}
 
                 def on_start(start_at: float) -> None:  # the clients are connected and start then
-                    started["window"] = Window(args, http_port, nvml, start_at, (server.proc.pid, core_pid))
-                    started["spy"] = start_py_spy(
-                        args, mode, api, c, {"gateway": server.proc.pid, "core": core_pid, **lane_pids}, start_at
-                    )
+                    pids = {"gateway": server.proc.pid, "core": core_pid, **lane_pids}  # noqa: B023
+                    started["window"] = Window(args, http_port, nvml, start_at, (server.proc.pid, core_pid))  # noqa: B023
+                    started["spy"] = start_py_spy(args, mode, api, c, pids, start_at)  # noqa: B023
 
                 seen = drive_clients(args, api, target, c, on_start)
                 for p in started["spy"]:
@@ -498,7 +503,11 @@ def main() -> None:
         try:
             done = list(rows)
             rows += run_served(
-                args, mode, nvml, engine_rows.get(base, {}), on_row=lambda mode_rows: save(args, nvml, done + mode_rows)
+                args,
+                mode,
+                nvml,
+                engine_rows.get(base, {}),
+                on_row=lambda mode_rows: save(args, nvml, done + mode_rows),  # noqa: B023
             )
         except SystemExit as exc:  # a mode that does not start: say so, measure the others
             print(f"mode {mode} failed: {exc}", flush=True)

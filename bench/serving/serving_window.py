@@ -1,4 +1,4 @@
-"""The measured window of a serving point (bench/serving_vs_engine.py): the served core's lane-call
+"""The measured window of a serving point (bench/serving/serving_vs_engine.py): the served core's lane-call
 and TTFT timers from /metrics, GPU busy share and processes' CPU seconds over exactly that window."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Window:
         self.util = UtilSampler(self.nvml).__enter__()
         time.sleep(max(0.0, self.t_close - time.time()))
         self.util.__exit__()
-        self.cpu = [cpu_seconds(pid) - c for pid, c in zip(self.pids, cpu0)]
+        self.cpu = [cpu_seconds(pid) - c for pid, c in zip(self.pids, cpu0, strict=False)]
         self.after = scrape(self.http_port)
 
     def result(self) -> tuple[dict, float | None]:

@@ -1,8 +1,8 @@
 """Split (lanes in 3 processes, KV by CUDA IPC handle) vs colocated (one process), same workload.
 
-    PYTHONPATH=services python bench/split_vs_colocated.py --out FILE     # GPU: Llama-2-7B + TinyLlama,
+    PYTHONPATH=services python bench/serving/split_vs_colocated.py --out FILE     # GPU: Llama-2-7B + TinyLlama,
                                                                          # simulated acceptance 0.7, batch 1 and 64
-    PYTHONPATH=services python bench/split_vs_colocated.py --device cpu --target DIR --draft DIR --batches 4
+    PYTHONPATH=services python bench/serving/split_vs_colocated.py --device cpu --target DIR --draft DIR --batches 4
 
 Random weights; with --alpha the verify lane keeps each draft token with that probability
 (simulated acceptance: real draft and verify compute, seeded Bernoulli accept, labelled in the
@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_meta
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
 
 class StepTimes:
@@ -109,7 +109,7 @@ def interleaved(routers: dict, observers: dict, specs, reps: int):
 
 
 def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
-    return sum(x != y for x, y in zip(a, b))
+    return sum(x != y for x, y in zip(a, b, strict=False))
 
 
 def specs_for(args, vocab: int, batch: int):
@@ -247,7 +247,7 @@ def main() -> int:
             # Run i of both topologies used the same request ids (simulated acceptance is seeded by
             # them): split run i must equal colocated run i token for token.
             row["split_vs_colocated_mismatched_requests"] = [
-                mismatches(c, s_) for c, s_ in zip(outputs["colocated"], outputs["split"])
+                mismatches(c, s_) for c, s_ in zip(outputs["colocated"], outputs["split"], strict=False)
             ]
             row["identical_output"] = not any(row["split_vs_colocated_mismatched_requests"])
             ok &= row["identical_output"]

@@ -1,18 +1,18 @@
-"""Issue 21's tensor-parallel targets in one command, on a machine with two GPUs of one host
+"""The tensor-parallel targets (docs/engine.md) in one command, on a machine with two GPUs of one host
 (device kind nvidia-h200-x2). NOT RUN YET on two GPUs: no such machine was lent while this was built.
 
-    python bench/tensor_parallel_targets.py --out bench/results
+    python bench/tensor_parallel/tensor_parallel_targets.py --out bench/results
 
 Runs, each as its own process, and writes one JSON (bench/results/tensor_parallel_targets_<gpu>.json)
 with the command, devices, git revision, date, every sub-result and each target's verdict:
 
-  1. bench/tp_check.py, world 1 and world 2 (torch.distributed.run, NCCL, CUDA graphs): greedy
+  1. bench/tensor_parallel/tp_check.py, world 1 and world 2 (torch.distributed.run, NCCL, CUDA graphs): greedy
      TP = 2 equals TP = 1 in float32 on a small random Llama (logits within 1e-4, tokens identical),
      and the k = 0 decode step of the Llama-2-7B shape (bf16, context 512) at batch 1 and 64, with a
      separately timed all-reduce of [B, hidden] x 2 per layer (the collectives' share of a step).
        targets: step(TP2) <= 0.62 x step(TP1) at batch 1; throughput TP2 >= 1.6 x TP1 at batch 64
        (same batch, so the throughput ratio is step(TP1) / step(TP2)).
-  2. bench/engine_throughput.py --tensor-parallel 2: the engine (rank 0 in this process, one
+  2. bench/engine/engine_throughput.py --tensor-parallel 2: the engine (rank 0 in this process, one
      follower) with the Llama-2-70B shape target and a TinyLlama-shape draft on cuda:0, k = 0 and
      SIMULATED acceptance 0.7 with adaptive k, batches 1 and 32, prompt 128, 128 generated.
        targets: k = 0 step <= 1.25 x the same run's matmul floor at batch 1 (rank 0's shard's
@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))  # bench_meta
 
 from bench_meta import metadata  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--draft", default="tinyllama-1.1b")
     ap.add_argument("--time-shape", default="llama-2-7b")
     args = ap.parse_args()
-    result = dict(metadata(), note="issue 21 targets; acceptance in the engine part is SIMULATED (alpha 0.7)")
+    result = dict(metadata(), note="tensor-parallel targets; acceptance in the engine part is SIMULATED (alpha 0.7)")
     cuda = args.device == "cuda"
     if cuda:
         import torch
@@ -110,7 +110,7 @@ def main() -> None:
     run(
         [
             sys.executable,
-            os.path.join(HERE, "engine_throughput.py"),
+            os.path.join(HERE, "..", "engine", "engine_throughput.py"),
             "--target",
             args.target,
             "--draft",

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the GPU (issue 21), one rank per GPU, started by torchrun:
+"""Tensor parallelism on the GPU, one rank per GPU, started by torchrun:
 
   * check: a small random Llama in float32, TP = N (NCCL, the Triton kernels, CUDA graphs when
     --graphs) against TP = 1 on rank 0's GPU: logits of a ragged prefill, 16 paged decode steps and a
@@ -10,12 +10,12 @@
     N = 2 to compare. Also a separate all-reduce time of one [B, hidden] tensor x 2 per layer (an
     estimate of the collectives' share of the step).
 
-    torchrun --nproc-per-node 2 bench/tp_check.py --graphs --time-shape llama-2-7b --out bench/results
-    torchrun --nproc-per-node 1 bench/tp_check.py --graphs --time-shape llama-2-7b --out bench/results
-    torchrun --nproc-per-node 2 bench/tp_check.py --device cpu          # gloo + reference attention (CI smoke)
+    torchrun --nproc-per-node 2 bench/tensor_parallel/tp_check.py --graphs --time-shape llama-2-7b --out bench/results
+    torchrun --nproc-per-node 1 bench/tensor_parallel/tp_check.py --graphs --time-shape llama-2-7b --out bench/results
+    torchrun --nproc-per-node 2 bench/tensor_parallel/tp_check.py --device cpu   # gloo + reference attention (CI smoke)
 
-bench/tensor_parallel_targets.py runs it at world 1 and 2 and the engine part of issue 21's targets
-in one command. Not run on GPUs yet (no two-GPU machine was lent while it was written).
+bench/tensor_parallel/tensor_parallel_targets.py runs it at world 1 and 2 and the engine part of the
+tensor-parallel targets in one command. Not run on GPUs yet (no two-GPU machine was lent while it was written).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "services"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
 from bench_meta import metadata, write_result  # noqa: E402
 
@@ -58,16 +58,18 @@ def make_runner(model, device, num_blocks: int, graphs: bool) -> ModelRunner:
 
 def greedy_trace(runner: ModelRunner, steps: int = 16) -> dict:
     blocks = [tuple(range(i * 8, i * 8 + 8)) for i in range(len(PROMPTS))]  # 128 positions each
-    prefill = runner.forward([TokenRun(list(p), 0, b) for p, b in zip(PROMPTS, blocks)], "all")
+    prefill = runner.forward([TokenRun(list(p), 0, b) for p, b in zip(PROMPTS, blocks, strict=False)], "all")
     last = torch.tensor([len(PROMPTS[0]) - 1, len(PROMPTS[0]) + len(PROMPTS[1]) - 1], device=prefill.device)
     tokens = [prefill[last].argmax(-1).tolist()]
     positions, decode = [len(p) for p in PROMPTS], []
     for _ in range(steps):
-        logits = runner.last_logits([TokenRun([t], p, b) for t, p, b in zip(tokens[-1], positions, blocks)])
+        logits = runner.last_logits(
+            [TokenRun([t], p, b) for t, p, b in zip(tokens[-1], positions, blocks, strict=False)]
+        )
         decode.append(logits[: len(PROMPTS)].clone())
         tokens.append(decode[-1].argmax(-1).tolist())
         positions = [p + 1 for p in positions]
-    verify = runner.score([TokenRun([t, 4, 50], p, b) for t, p, b in zip(tokens[-1], positions, blocks)])
+    verify = runner.score([TokenRun([t, 4, 50], p, b) for t, p, b in zip(tokens[-1], positions, blocks, strict=False)])
     return dict(prefill=prefill, decode=torch.stack(decode), verify=verify[: len(PROMPTS)].clone(), tokens=tokens)
 
 

@@ -33,7 +33,7 @@ from verifypd.engine.sequence import SeqStatus, Sequence
 from verifypd.engine.step_costs import PLAIN_SAMPLES
 from verifypd.engine.types import RequestSpec, RequestStats
 
-ROUNDS = [16, 128, 128]  # as bench/engine_throughput.py: a short warm-up round, then measured rounds
+ROUNDS = [16, 128, 128]  # as bench/engine/engine_throughput.py: a short warm-up round, then measured rounds
 ADAPTIVE = RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True)
 
 
@@ -393,7 +393,7 @@ class PerFamilyAcceptance(CostedLanes):
 def family_seconds(
     config: RuntimeConfig, families: list[str], alphas: dict[str, float], per_family: int = 8, **lane_args
 ) -> dict[str, float]:
-    """Families of requests run one after another, one request at a time (bench/draft_acceptance.py
+    """Families of requests run one after another, one request at a time (bench/drafts/draft_acceptance.py
     at batch 1): simulated seconds per family."""
     lanes = PerFamilyAcceptance(alphas, **lane_args)
     router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock, max_running=1)

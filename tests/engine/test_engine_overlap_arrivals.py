@@ -318,7 +318,7 @@ def test_chained_steps_reach_telemetry(tiny_models):
 def test_draft_none_plain_decodes_and_chains(tiny_models):
     """`--draft none` proposes nothing, so the adaptive policy never observes an acceptance and
     asked k_initial drafts every step (a draft call answering nothing, then a k = 0 verify): no step
-    ever chained (bench/serving_vs_engine.py's k0 rows). The scheduler knows k is 0 there."""
+    ever chained (bench/serving/serving_vs_engine.py's k0 rows). The scheduler knows k is 0 there."""
     engine = make_engine(tiny_models[0], "none", k=4, adaptive=True)
     calls = []
     draft = engine.router.draft_lane.draft
