@@ -1,7 +1,7 @@
 """bench/engine/router_host_overhead.py, bench/serving/serving_host_ceiling.py and bench/engine/profile_step.py
---closed-loop on the CPU (their real use is on the GPU host's CPU): they run, write their results with the metadata every benchmark records, and
-measure what they say (the router batches the concurrent streams; a pipelined pdv step verifies
-about half of them)."""
+--closed-loop on the CPU (their real use is on the GPU host's CPU): they run, write their results with the metadata
+every benchmark records, and measure what they say (the router batches the concurrent streams; a pipelined pdv step
+verifies about half of them)."""
 
 from __future__ import annotations
 
