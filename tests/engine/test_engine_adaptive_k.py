@@ -190,7 +190,7 @@ def test_probe_schedule_backs_off_and_resets():
         if due:
             probed_at.append(steps)
         steps += 1
-    gaps = [b - a for a, b in zip(probed_at, probed_at[1:])]
+    gaps = [b - a for a, b in zip(probed_at, probed_at[1:], strict=False)]
     assert probed_at[0] == PROBE_FIRST and gaps == [64 + 1, 128 + 1, 256 + 1, 512 + 1, 1024 + 1]
     assert probes.interval == PROBE_MAX
     probes.record(3, probed=False)  # drafting chosen on its merits: the next probe comes early again
@@ -341,7 +341,7 @@ def test_goodputs_for_all_k_equal_the_formula(with_rates):
     for r in p:
         none *= 1 - r
     for k in range(9):
-        tokens = sum(1 + r * (expected_tokens(a, k) - 1) for a, r in zip(alphas, p))
+        tokens = sum(1 + r * (expected_tokens(a, k) - 1) for a, r in zip(alphas, p, strict=False))
         cost = costs.step_s(64, 0) + (1 - none) * (costs.step_s(64, k) - costs.step_s(64, 0))
         assert got[k] == pytest.approx(tokens / cost, rel=1e-12), k
         assert costs.goodput(alphas, k, 64, rates) == got[k]

@@ -39,7 +39,7 @@ def run_harness(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess
     return proc
 
 
-def test_sweep_on_tiny_models(tiny_models, tmp_path):
+def test_sweep_on_tiny_models(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
     target, draft = tiny_models
     # `bad` passes a flag serve does not know: that server cannot start, and the sweep goes on.
     # --no-schedule-flag: k0 and pdv run without `--schedule` (serve's default schedule).
