@@ -94,11 +94,14 @@ def cmd_generate_offline(args) -> int:
     else:
         elapsed = (stats.token_times[-1] - stats.arrival_time) if stats.token_times else 0.0
         acc = stats.acceptance_rate
+        # No draft token at all: speculation was off, or the draft (e.g. ngram: no match) proposed none.
+        nothing = "speculation off" if k == 0 or options.draft == "none" else "no draft proposed"
         print(
             f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, "
             f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]"
             if acc is not None
-            else f"\n[{stats.completion_tokens} tokens, no speculation, {stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
+            else f"\n[{stats.completion_tokens} tokens, {nothing}, "
+            f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
             file=sys.stderr,
         )
     return 0

@@ -2,7 +2,7 @@
 
 One object serves as prefill, draft and verify lane. Each call advances a simulated clock (the
 router's `clock`) by a cost from the given functions; verify keeps each draft token with a seeded
-Bernoulli(alpha) (SIMULATED acceptance, as `bench/engine_throughput.py` on the GPU). So a router run
+Bernoulli(alpha) (SIMULATED acceptance, as `bench/engine/engine_throughput.py` on the GPU). So a router run
 yields simulated tok/s that can be compared with plain decoding under the same cost tables.
 """
 
@@ -103,7 +103,7 @@ class CostedLanes:
 
 
 def run_rounds(lanes: CostedLanes, config: RuntimeConfig, batch: int, gen_lens: list[int]) -> tuple[Router, float, int]:
-    """Rounds of `batch` requests started together (as bench/engine_throughput.py runs them), one
+    """Rounds of `batch` requests started together (as bench/engine/engine_throughput.py runs them), one
     round per entry of gen_lens, on one router. Returns (router, simulated seconds of the last
     round, tokens of the last round)."""
     router = Router(

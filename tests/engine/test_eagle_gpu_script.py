@@ -1,4 +1,4 @@
-"""bench/eagle_gpu.sh builds the `verifypd distill` command of the GPU training calls: EAGLE_DRAFT_VOCAB
+"""bench/drafts/eagle_gpu.sh builds the `verifypd distill` command of the GPU training calls: EAGLE_DRAFT_VOCAB
 picks the draft vocabulary (N: N tokens over the target's frozen lm_head rows; 0, the default and the
 committed head's: the whole vocabulary, which `verifypd distill` takes without --draft-vocab and refuses
 --frozen-lm-head for)."""
@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def distill_args(tmp_path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "bench/eagle_gpu.sh", "print-distill"],
+        ["bash", "bench/drafts/eagle_gpu.sh", "print-distill"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -24,7 +24,7 @@ def distill_args(tmp_path, **env) -> subprocess.CompletedProcess:
 
 
 def test_default_recipe_is_the_committed_heads_vocabulary(tmp_path):
-    """The committed head (session 29) drafts over the target's whole vocabulary: no map."""
+    """The shipped head (verifypd/heads/smollm2_eagle) drafts over the target's whole vocabulary: no map."""
     done = distill_args(tmp_path)
     assert done.returncode == 0, done.stderr
     args = done.stdout.split("\n")

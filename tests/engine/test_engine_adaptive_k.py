@@ -33,7 +33,7 @@ from verifypd.router.scheduler import Scheduler
 from verifypd.router.sequence import SeqStatus, Sequence
 from verifypd.router.step_costs import PLAIN_SAMPLES
 
-ROUNDS = [16, 128, 128]  # as bench/engine_throughput.py: a short warm-up round, then measured rounds
+ROUNDS = [16, 128, 128]  # as bench/engine/engine_throughput.py: a short warm-up round, then measured rounds
 ADAPTIVE = RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True)
 
 
@@ -190,7 +190,7 @@ def test_probe_schedule_backs_off_and_resets():
         if due:
             probed_at.append(steps)
         steps += 1
-    gaps = [b - a for a, b in zip(probed_at, probed_at[1:])]
+    gaps = [b - a for a, b in zip(probed_at, probed_at[1:], strict=False)]
     assert probed_at[0] == PROBE_FIRST and gaps == [64 + 1, 128 + 1, 256 + 1, 512 + 1, 1024 + 1]
     assert probes.interval == PROBE_MAX
     probes.record(3, probed=False)  # drafting chosen on its merits: the next probe comes early again
@@ -341,7 +341,7 @@ def test_goodputs_for_all_k_equal_the_formula(with_rates):
     for r in p:
         none *= 1 - r
     for k in range(9):
-        tokens = sum(1 + r * (expected_tokens(a, k) - 1) for a, r in zip(alphas, p))
+        tokens = sum(1 + r * (expected_tokens(a, k) - 1) for a, r in zip(alphas, p, strict=False))
         cost = costs.step_s(64, 0) + (1 - none) * (costs.step_s(64, k) - costs.step_s(64, 0))
         assert got[k] == pytest.approx(tokens / cost, rel=1e-12), k
         assert costs.goodput(alphas, k, 64, rates) == got[k]
@@ -393,7 +393,7 @@ class PerFamilyAcceptance(CostedLanes):
 def family_seconds(
     config: RuntimeConfig, families: list[str], alphas: dict[str, float], per_family: int = 8, **lane_args
 ) -> dict[str, float]:
-    """Families of requests run one after another, one request at a time (bench/draft_acceptance.py
+    """Families of requests run one after another, one request at a time (bench/drafts/draft_acceptance.py
     at batch 1): simulated seconds per family."""
     lanes = PerFamilyAcceptance(alphas, **lane_args)
     router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock, max_running=1)

@@ -353,8 +353,8 @@ def test_a_plan_that_cannot_go_ahead_is_the_next_steps(tiny_models, head, monkey
 
 
 def test_drafts_after_verify_and_steps_ahead_reach_telemetry(tiny_models, head):
-    """verifypd.speculation.drafts_after_verify, verifypd.router.speculative_steps_ahead and
-    verifypd.router.verify_calls_fitted count what the engine did (its own counters, as deltas)."""
+    """verifypd.speculation.drafts_after_verify, verifypd.engine.speculative_steps_ahead and
+    verifypd.engine.verify_calls_fitted count what the engine did (its own counters, as deltas)."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from verifypd.core.telemetry import Telemetry

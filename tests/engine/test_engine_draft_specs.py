@@ -99,3 +99,13 @@ def test_help_says_what_the_default_draft_is_and_why():
     for command in ("serve", "generate"):
         text = " ".join(sub.choices[command].format_help().split())
         assert "Default: ngram" in text and "self:N drafts are accepted too rarely" in text, command
+
+
+def test_the_summary_line_tells_speculation_off_from_no_draft_proposed(tiny_models, capsys):
+    """Without --json the last line says why no draft token was verified: speculation was off, or the
+    draft proposed none (prompt lookup found no earlier occurrence: ngram:32-32 never can here)."""
+    common = ["generate", "--offline", "w5 w6 w7", "--device", "cpu", "--dtype", "float32", "--max-tokens", "4"]
+    for extra, said in [(["--no-speculation"], "speculation off"), (["--draft", "ngram:32-32"], "no draft proposed")]:
+        assert main([*common, "--target", tiny_models[0], *extra]) == 0
+        err = capsys.readouterr().err
+        assert f"4 tokens, {said}," in err, err

@@ -292,7 +292,7 @@ def test_no_admission_in_the_chain_when_the_regular_step_would_not_start_it_besi
 
 
 def test_chained_steps_reach_telemetry(tiny_models):
-    """verifypd.router.chained_steps counts the steps launched ahead, split by whether they carried
+    """verifypd.engine.chained_steps counts the steps launched ahead, split by whether they carried
     a prefill of admitted requests (served benchmarks divide it by the verify calls)."""
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -318,7 +318,7 @@ def test_chained_steps_reach_telemetry(tiny_models):
 def test_draft_none_plain_decodes_and_chains(tiny_models):
     """`--draft none` proposes nothing, so the adaptive policy never observes an acceptance and
     asked k_initial drafts every step (a draft call answering nothing, then a k = 0 verify): no step
-    ever chained (bench/serving_vs_engine.py's k0 rows). The scheduler knows k is 0 there."""
+    ever chained (bench/serving/serving_vs_engine.py's k0 rows). The scheduler knows k is 0 there."""
     engine = make_engine(tiny_models[0], "none", k=4, adaptive=True)
     calls = []
     draft = engine.router.draft_lane.draft

@@ -1,4 +1,4 @@
-"""The benchmark's peer (bench/static_decoder.py, a static-batch decoder for --rows compiled) must
+"""The benchmark's peer (bench/engine/static_decoder.py, a static-batch decoder for --rows compiled) must
 compute what the engine computes: its greedy tokens equal the engine's plain decoding."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from engine_helpers import VOCAB, make_engine
 
 from verifypd.domain.requests import RequestSpec
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench" / "engine"))
 
 
 def test_static_decoder_tokens_equal_the_engine(tiny_models):

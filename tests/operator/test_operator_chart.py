@@ -14,7 +14,7 @@ import kmock
 import kubernetes_validate
 import pytest
 import yaml
-from operator_helpers import CHART, K8S_VERSION, declare_kinds, emulator, kubeconfig_for
+from operator_helpers import CHART, EXAMPLE, K8S_VERSION, declare_kinds, emulator, kubeconfig_for
 
 
 def lint(path=CHART):
@@ -100,6 +100,15 @@ def test_default_install_renders_valid_manifests():
     assert len(crd_posts) == 3
     notes = rel["info"].get("notes", "")
     assert "verifypd.v1.Generation/Generate" in notes
+    # README's walkthrough: the example config applied in the release namespace is the one NOTES and
+    # `helm test` call (its gateway Service is named after it: builders.build_services).
+    example = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    assert "kubectl apply -n verifypd -f deploy/examples/verifypdconfig.yaml" in notes
+    assert f"port-forward -n verifypd svc/{example} 50051:50051" in notes and "helm test vpd -n verifypd" in notes
+    assert "svc/verifypd" not in notes
+    hook = hooks[0]
+    assert hook["metadata"]["namespace"] == "verifypd"
+    assert f'target = "{example}.verifypd.svc:50051"' in hook["spec"]["containers"][0]["args"][0]
 
 
 def test_non_default_values():
@@ -134,6 +143,11 @@ def test_non_default_values():
     from test_operator_crd import validate_cr
 
     assert validate_cr(cfg)[0] == []
+    # NOTES and the test hook follow the default config into the first watched namespace.
+    notes = rel["info"].get("notes", "")
+    assert "kubectl apply -n team-a -f" in notes and "port-forward -n team-a svc/llm 50051:50051" in notes
+    assert hooks[0]["metadata"]["namespace"] == "team-a"
+    assert 'target = "llm.team-a.svc:50051"' in hooks[0]["spec"]["containers"][0]["args"][0]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""bench/control_loop.py --smoke on the CPU (its real use is on the GPU, issue 20): one server, the
+"""bench/operator/control_loop.py --smoke on the CPU (its real use is on the GPU, issue 20): one server, the
 three modes, the operator's loop acting on the server's own telemetry, the priority run, the
 result file with the benchmark metadata."""
 
@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
 def test_control_loop_bench_smoke(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "control_loop.py"), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "operator" / "control_loop.py"), "--smoke", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,7 +1,7 @@
-"""bench/router_host_overhead.py, bench/serving_host_ceiling.py and profile_step.py --closed-loop on the CPU (their real use is on
-the GPU host's CPU): they run, write their results with the metadata every benchmark records, and
-measure what they say (the router batches the concurrent streams; a pipelined pdv step verifies
-about half of them)."""
+"""bench/engine/router_host_overhead.py, bench/serving/serving_host_ceiling.py and bench/engine/profile_step.py
+--closed-loop on the CPU (their real use is on the GPU host's CPU): they run, write their results with the metadata
+every benchmark records, and measure what they say (the router batches the concurrent streams; a pipelined pdv step
+verifies about half of them)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def run(script: str, *argv: str) -> str:
 
 
 def test_router_host_overhead(tmp_path):
-    run("router_host_overhead.py", "--batch", "1,16", "--steps", "20", "--out", str(tmp_path))
+    run("engine/router_host_overhead.py", "--batch", "1,16", "--steps", "20", "--out", str(tmp_path))
     result = json.loads((tmp_path / "router_host_overhead_cpu.json").read_text())
     assert {"command", "git_revision", "date", "device"} <= result.keys() and "SIMULATED" in result["label"]
     rows = {(r["schedule"], r["batch"]): r for r in result["rows"]}
@@ -46,7 +46,7 @@ def test_router_host_overhead(tmp_path):
 @pytest.mark.parametrize("api", ["grpc", "openai"])
 def test_serving_host_ceiling(tmp_path, api):
     run(
-        "serving_host_ceiling.py",
+        "serving/serving_host_ceiling.py",
         "--concurrency",
         "1,8",
         "--seconds",
@@ -69,12 +69,12 @@ def test_serving_host_ceiling(tmp_path, api):
     assert eight["tokens_per_step"] > 3 * one["tokens_per_step"]  # the eight streams share steps
 
 
-def test_profile_step_closed_loop(tiny_models, tmp_path):
+def test_profile_step_closed_loop(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
     """The engine alone under a closed loop: three passes (prefill beside verify on, off, on), each
     keeping every request slot busy, written with the metadata every benchmark records."""
     target, draft = tiny_models
     run(
-        "profile_step.py",
+        "engine/profile_step.py",
         "--target",
         target,
         "--draft",
@@ -101,8 +101,8 @@ def test_profile_step_closed_loop(tiny_models, tmp_path):
         assert r["output_tok_s"] > 0 and r["tokens_per_step"] > 1  # four requests decode in each step
 
 
-def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):
-    """bench/engine_throughput.py's issue-22 command (plain decoding against SIMULATED acceptance 0.1
+def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
+    """bench/engine/engine_throughput.py's issue-22 command (plain decoding against SIMULATED acceptance 0.1
     with adaptive k), as a CPU smoke run on tiny checkpoints: it runs, every row counts the k
     decisions (drafting on merit, probes), and the adaptive rows carry their ratio to k = 0."""
     target, draft = tiny_models
@@ -110,7 +110,7 @@ def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "engine_throughput.py"),
+            str(ROOT / "bench" / "engine" / "engine_throughput.py"),
             "--device",
             "cpu",
             "--target",

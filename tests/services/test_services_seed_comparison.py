@@ -1,4 +1,4 @@
-"""bench/seed_comparison.py (the GPU serving sweep) on the CPU with tiny checkpoints: it starts real
+"""bench/seed_study/seed_comparison.py (the GPU serving sweep) on the CPU with tiny checkpoints: it starts real
 `verifypd serve` subprocesses, drives them with the loadgen library, records sane per-point rows,
 records a server that cannot start as errors and goes on, writes the report with its targets section,
 and merges partial runs (--report-only). The target checks are also tested on made-up rows."""
@@ -19,7 +19,7 @@ from services_helpers import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "seed_comparison.py"
+SCRIPT = ROOT / "bench" / "seed_study" / "seed_comparison.py"
 
 
 def load_harness():
@@ -39,7 +39,7 @@ def run_harness(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess
     return proc
 
 
-def test_sweep_on_tiny_models(tiny_models, tmp_path):
+def test_sweep_on_tiny_models(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
     target, draft = tiny_models
     # `bad` passes a flag serve does not know: that server cannot start, and the sweep goes on.
     # --no-schedule-flag: k0 and pdv run without `--schedule` (serve's default schedule).

@@ -31,6 +31,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "http://%s.%s.svc:%d" (include "verifypd.otlpService" .) .Release.Namespace (int .Values.otlp.port)) .Values.otlp.endpoint -}}
 {{- end -}}
 
+{{/* Where the chart's default config lands and where NOTES and `helm test` look for a config:
+defaultConfig.namespace, else the first watched namespace (the operator must see it), else the
+release namespace. */}}
+{{- define "verifypd.configNamespace" -}}
+{{- $watched := .Values.operator.watchNamespaces -}}
+{{- .Values.defaultConfig.namespace | default (empty $watched | ternary .Release.Namespace (first $watched)) -}}
+{{- end -}}
+
+{{/* The VerifyPDConfig whose gateway Service (named after it) NOTES and `helm test` call. */}}
+{{- define "verifypd.testConfigName" -}}
+{{- .Values.test.configName | default .Values.defaultConfig.name -}}
+{{- end -}}
+
 {{- define "verifypd.serviceImage" -}}
 {{- printf "%s:%s" .Values.serviceImage.repository (default .Chart.AppVersion .Values.serviceImage.tag) -}}
 {{- end -}}

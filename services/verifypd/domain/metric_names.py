@@ -22,7 +22,7 @@ KV_BLOCKS_IN_USE = "verifypd.kv.blocks_in_use"  # gauge, {block}; attribute veri
 # Verify steps launched before the previous step's results reached the host (engine.overlap), by
 # whether they carried a prefill of admitted requests; ÷ the verify lane's call count = the share
 # of chained steps. Prometheus: verifypd_engine_chained_steps_total{verifypd_step_prefill=...}.
-CHAINED_STEPS = "verifypd.router.chained_steps"  # counter, {step}; attribute verifypd.step.prefill
+CHAINED_STEPS = "verifypd.engine.chained_steps"  # counter, {step}; attribute verifypd.step.prefill
 # `--draft eagle+ngram:`: requests' verify steps whose drafts were prompt lookup's, not the head's
 # (engine.lookup_mix); ÷ verify steps that drafted = the share lookup took.
 LOOKUP_PROPOSALS = "verifypd.speculation.lookup_proposals"  # counter, {step}
@@ -30,10 +30,10 @@ LOOKUP_PROPOSALS = "verifypd.speculation.lookup_proposals"  # counter, {step}
 # call, fitted to its verdict on the device; ÷ verify steps that drafted = the share made so.
 DRAFTS_AFTER_VERIFY = "verifypd.speculation.drafts_after_verify"  # counter, {request}
 # Speculative steps launched before the previous step's tokens were streamed (engine.spec_ahead).
-STEPS_AHEAD = "verifypd.router.speculative_steps_ahead"  # counter, {step}
+STEPS_AHEAD = "verifypd.engine.speculative_steps_ahead"  # counter, {step}
 # Of those, steps whose verify call was launched before the verdict of the one before it reached the host,
 # laid out for its longest outcome and fitted on the device (engine.spec_ahead.fit_next).
-VERIFY_FITTED = "verifypd.router.verify_calls_fitted"  # counter, {step}
+VERIFY_FITTED = "verifypd.engine.verify_calls_fitted"  # counter, {step}
 
 # Attribute keys.
 ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"

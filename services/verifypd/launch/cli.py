@@ -290,7 +290,8 @@ def cmd_lane(args) -> int:
     calls += ", mutual TLS" if tls is not None else ""
     calls += f", plaintext health on port {health_port.port}" if health_port is not None else ""
     print(
-        f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} (pid {os.getpid()}{simulated_label(options)})",
+        f"verifypd: {args.lane} lane serving on {args.host}:{port}{calls} "
+        f"(pid {os.getpid()}{simulated_label(options)})",
         file=sys.stderr,
         flush=True,
     )
@@ -402,7 +403,9 @@ def cmd_generate_remote(args) -> int:
         )
         return 0
     rate = u.completion_tokens / max(elapsed, 1e-9)
-    acc = f"acceptance {u.accepted_tokens / u.draft_tokens:.0%}" if u.draft_tokens else "no speculation"
+    off = args.no_speculation or args.k == 0 or info.draft_model == "none"
+    acc = f"acceptance {u.accepted_tokens / u.draft_tokens:.0%}" if u.draft_tokens else "no draft proposed"
+    acc = "speculation off" if off and not u.draft_tokens else acc
     ttft_ms = f"TTFT {ttft * 1000:.0f} ms, " if ttft is not None else ""
     print(f"\n[{u.completion_tokens} tokens, {acc}, {ttft_ms}{rate:.1f} tok/s]", file=sys.stderr)
     return 0

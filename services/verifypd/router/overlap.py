@@ -37,7 +37,7 @@ recompute after preemption). Otherwise the step in flight is committed and the n
 regular step: speculative steps (k > 0, whose next positions depend on acceptance), chunked
 prefills, preemptions, pipelined pdv, split topology and tensor-parallel targets take today's path
 unchanged. `steps` / `admitting` count the steps launched ahead (with a prefill beside), `breaks`
-why a chain ended (telemetry exports them: verifypd.router.chained_steps).
+why a chain ended (telemetry exports them: verifypd.engine.chained_steps).
 """
 
 from __future__ import annotations
