@@ -11,8 +11,8 @@ import pathlib
 import pytest
 import torch
 
-from verifypd.heads import SHIPPED_HEADS, shipped_head
 from verifypd.domain.drafts import parse_draft
+from verifypd.heads import SHIPPED_HEADS, shipped_head
 from verifypd.model.eagle_head import load_eagle_head
 from verifypd.model.llama import LlamaShape
 from verifypd.model.loader import ModelLoadError, load_model
