@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -24,11 +25,17 @@ def gaps(rate: float, arrival: str = "poisson", burstiness: float = 1.0, seed: i
             yield 0.0
     rng = np.random.default_rng([seed, 0x0A11])
     if arrival == "poisson":
-        draw = lambda n: rng.exponential(1.0 / rate, size=n)  # noqa: E731
+
+        def draw(n: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+            return rng.exponential(1.0 / rate, size=n)
+
     elif arrival == "gamma":
         if burstiness <= 0:
             raise ValueError("burstiness must be > 0")
-        draw = lambda n: rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)  # noqa: E731
+
+        def draw(n: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+            return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)
+
     else:
         raise ValueError(f"unknown arrival process {arrival!r}")
     while True:

@@ -199,7 +199,8 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_plan(args, parser):
+def build_plan(args, parser, argv: list[str] | None = None):
+    """(Plan, config block of the results). `argv`: the run's arguments as given (default: sys.argv's)."""
     from verifypd.net.tls import TlsError, client_tls
     from verifypd_loadgen.session import Plan
 
@@ -287,7 +288,7 @@ def build_plan(args, parser):
         "model": args.model,
         "openai_api": args.openai_api if args.backend == "openai" else None,
         "raw_records": args.raw_records,
-        "argv": sys.argv[1:] if args._argv is None else args._argv,
+        "argv": sys.argv[1:] if argv is None else argv,
         "mode": loads[0].mode,
         "requests": requests,
         "duration_s": args.duration,
@@ -326,8 +327,7 @@ def cmd_run(argv: list[str]) -> int:
 
     parser = run_parser()
     args = parser.parse_args(argv)
-    args._argv = argv
-    plan, config = build_plan(args, parser)
+    plan, config = build_plan(args, parser, argv)
     outputs = Outputs(out=args.out, csv=args.csv, plot=args.plot, label=args.label, progress=not args.no_progress)
     return run_session(plan, config, outputs, _stdout_console())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -34,10 +35,12 @@ METRICS = [
 ]
 
 
-def _get(summary: dict, path: tuple[str, ...]):
+def _get(summary: dict, path: tuple[str, ...]) -> Any:
+    """The value at `path` in a summary; None where a key is missing."""
+    value: Any = summary
     for key in path:
-        summary = summary.get(key) if isinstance(summary, dict) else None
-    return summary
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def load_key(run: dict) -> tuple:
@@ -62,7 +65,7 @@ def _delta_cell(base, value, better: str) -> str:
 
 
 def labels_for(paths: list[str], docs: list[dict]) -> list[str]:
-    labels = [d.get("label") or Path(p).stem for p, d in zip(paths, docs)]
+    labels = [d.get("label") or Path(p).stem for p, d in zip(paths, docs, strict=True)]
     if len(set(labels)) < len(labels):  # ambiguous: fall back to the file names
         labels = [str(p) for p in paths]
     return labels
@@ -108,6 +111,6 @@ def run_compare(paths: list[str], plot_dir: str | None, console: Console) -> int
     if plot_dir:
         from verifypd_loadgen import plots  # matplotlib only when plotting
 
-        written = plots.plot_comparison(list(zip(labels_for(paths, docs), docs)), plot_dir)
+        written = plots.plot_comparison(list(zip(labels_for(paths, docs), docs, strict=True)), plot_dir)
         console.print("plots: " + ", ".join(str(p) for p in written), markup=False)
     return 0

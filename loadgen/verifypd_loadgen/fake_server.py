@@ -55,9 +55,9 @@ class FailRule:
     def applies(self, seq: int, request: generate_pb2.GenerateRequest) -> bool:
         if self.every and seq % self.every == 0:
             return True
-        return bool(self.match) and bool(
-            re.search(self.match, request.request_id) or re.search(self.match, request.text)
-        )
+        if not self.match:
+            return False
+        return bool(re.search(self.match, request.request_id) or re.search(self.match, request.text))
 
 
 @dataclass

@@ -11,6 +11,7 @@ Tokens of the first message are part of TTFT and have no ITL sample.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ def stats(values, scale: float = 1.0) -> dict:
         "min": float(a.min()),
         "max": float(a.max()),
     }
-    for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES)):
+    for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES), strict=True):
         out[f"p{p}"] = float(v)
     return out
 
@@ -53,10 +54,13 @@ class RequestTimes:
 
 
 def request_times(rec: RequestRecord) -> RequestTimes:
+    """The latencies of a finished request (`rec.end` set)."""
+    if rec.end is None:
+        raise ValueError(f"request {rec.request_id} has not finished")
     t = rec.chunk_times
     ttft = t[0] - rec.start if t else None
-    chunk = [b - a for a, b in zip(t, t[1:])]
-    token = [g / n for g, n in zip(chunk, rec.chunk_tokens[1:]) for _ in range(n)]
+    chunk = [b - a for a, b in itertools.pairwise(t)]
+    token = [g / n for g, n in zip(chunk, rec.chunk_tokens[1:], strict=True) for _ in range(n)]
     n_out = rec.output_tokens
     tpot = (t[-1] - t[0]) / (n_out - 1) if t and n_out > 1 else None
     return RequestTimes(ttft, tpot, rec.end - rec.start, token, chunk)
@@ -87,6 +91,10 @@ def samples(point: PointResult) -> dict[str, list[float]]:
     return out
 
 
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
+
+
 def records(point: PointResult) -> list[dict]:
     """Per-request raw records (`--raw-records`), in send order; times in ms, `start_ms` from
     the point's first send. `itl_chunk_ms` are the gaps between token-bearing messages and
@@ -94,7 +102,6 @@ def records(point: PointResult) -> list[dict]:
     out = []
     for rec in sorted(point.records, key=lambda r: r.start):
         times = request_times(rec) if rec.end is not None else None
-        ms = lambda v: None if v is None else v * 1e3
         out.append(
             {
                 "request_id": rec.request_id,
@@ -104,9 +111,9 @@ def records(point: PointResult) -> list[dict]:
                 "cancelled": rec.cancelled,
                 "finish_reason": rec.finish_reason or None,
                 "start_ms": (rec.start - point.t_start) * 1e3,
-                "ttft_ms": ms(times.ttft) if times else None,
-                "tpot_ms": ms(times.tpot) if times else None,
-                "e2e_ms": ms(times.e2e) if times else None,
+                "ttft_ms": _ms(times.ttft) if times else None,
+                "tpot_ms": _ms(times.tpot) if times else None,
+                "e2e_ms": _ms(times.e2e) if times else None,
                 "itl_chunk_ms": [g * 1e3 for g in times.itl_chunk] if times else [],
                 "chunk_tokens": list(rec.chunk_tokens),
                 "output_tokens": rec.output_tokens,
@@ -177,7 +184,7 @@ def summarize(point: PointResult, slo_ttft_ms: float | None = None, slo_itl_ms: 
         "by_priority": {
             str(p): {
                 "completed": len(rs),
-                "ttft_ms": stats([request_times(r).ttft * 1e3 for r in rs if r.chunk_times]),
+                "ttft_ms": stats([ttft * 1e3 for r in rs if (ttft := request_times(r).ttft) is not None]),
                 "e2e_ms": stats([request_times(r).e2e * 1e3 for r in rs]),
             }
             for p, rs in sorted(by_prio.items())

@@ -19,12 +19,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 
 from verifypd_loadgen import schema
+from verifypd_loadgen.errors import Unreachable
 from verifypd_loadgen.runner import INCOMPLETE, RequestRecord
 from verifypd_loadgen.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from verifypd.net.tls import ClientTls
 
 TIMEOUT, CONNECTION, STREAM_ERROR = "TIMEOUT", "CONNECTION_ERROR", "STREAM_ERROR"  # error names besides HTTP_<code>
 
@@ -137,8 +142,6 @@ async def execute(backend: OpenAIBackend, spec: RequestSpec, rec: RequestRecord,
 async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float) -> dict:
     """GET /models: reachability check and the server_info block (verifypd's extension fills
     draft model and topology; other servers give the model id and max_model_len if they have it)."""
-    from verifypd_loadgen.session import Unreachable
-
     try:
         resp = await client.get(url.rstrip("/") + "/models", timeout=timeout)
     except httpx.HTTPError as e:
@@ -165,7 +168,7 @@ async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float)
     )
 
 
-def new_client(tls=None) -> httpx.AsyncClient:
+def new_client(tls: ClientTls | None = None) -> httpx.AsyncClient:
     """`tls`: a verifypd.net.tls.ClientTls: https:// URLs are verified against its CA (and present its
     client certificate); None: the system's CAs."""
     # No connection cap: loadgen's concurrency decides how many requests are in flight.

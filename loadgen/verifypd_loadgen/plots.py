@@ -35,8 +35,15 @@ def _xlabel(docs: list[dict]) -> str:
     return "load (concurrency or requests/s)"
 
 
-def _series(doc: dict, getter):
-    pts = sorted((_x(r), getter(r["summary"])) for r in doc["runs"])
+def _summary_value(summary: dict, path: tuple[str, ...]):
+    for key in path:
+        summary = summary[key]
+    return summary
+
+
+def _series(doc: dict, *path: str) -> tuple[list[float], list[float]]:
+    """(x, y) of every run of `doc`, sorted by x; y is the summary's value at `path` (NaN for None)."""
+    pts = sorted((_x(r), _summary_value(r["summary"], path)) for r in doc["runs"])
     xs = [p[0] for p in pts]
     ys = [math.nan if p[1] is None else p[1] for p in pts]
     return xs, ys
@@ -52,11 +59,11 @@ def _save(fig, path: Path) -> Path:
 def throughput_plot(series: list[tuple[str, dict]], path: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, doc in series:
-        xs, ys = _series(doc, lambda s: s["throughput"]["output_tokens_per_s"])
+        xs, ys = _series(doc, "throughput", "output_tokens_per_s")
         ax1.plot(xs, ys, marker="o", label=label)
-        xs, ys = _series(doc, lambda s: s["throughput"]["requests_per_s"])
+        xs, ys = _series(doc, "throughput", "requests_per_s")
         (line,) = ax2.plot(xs, ys, marker="o", label=f"{label} throughput")
-        xs, ys = _series(doc, lambda s: s["goodput"]["requests_per_s"])
+        xs, ys = _series(doc, "goodput", "requests_per_s")
         if not all(math.isnan(y) for y in ys):
             ax2.plot(xs, ys, marker="s", linestyle="--", color=line.get_color(), label=f"{label} goodput")
     ax1.set_title("Output token throughput")
@@ -73,11 +80,11 @@ def throughput_plot(series: list[tuple[str, dict]], path: Path) -> Path:
 def latency_plot(series: list[tuple[str, dict]], path: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     styles = {"p50": "-", "p90": "--", "p99": ":"}
-    for ax, metric in zip(axes.flat, LAT_PLOTTED):
+    for ax, metric in zip(axes.flat, LAT_PLOTTED, strict=True):
         for label, doc in series:
             color = None
             for pct, style in styles.items():
-                xs, ys = _series(doc, lambda s: s["latency_ms"][metric][pct])
+                xs, ys = _series(doc, "latency_ms", metric, pct)
                 (line,) = ax.plot(
                     xs, ys, marker="o", linestyle=style, color=color, label=f"{label} {pct}" if len(series) > 1 else pct
                 )
@@ -117,7 +124,7 @@ def plot_results(doc: dict, samples: list[dict[str, list[float]]], outdir: str |
         ("itl_token", "cdf_itl_token.png"),
         ("itl_chunk", "cdf_itl_chunk.png"),
     ):
-        curves = [(run["load"]["label"], s[metric]) for run, s in zip(doc["runs"], samples)]
+        curves = [(run["load"]["label"], s[metric]) for run, s in zip(doc["runs"], samples, strict=True)]
         paths.append(cdf_plot(curves, METRIC_TITLES[metric], out / name))
     return paths
 

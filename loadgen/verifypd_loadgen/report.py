@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from verifypd_loadgen.metrics import LATENCY_METRICS, PERCENTILES
@@ -46,9 +46,10 @@ class LiveProgress:
             # little: keep it rare (--no-progress for none at all)
             refresh_per_second=4,
         )
-        self.task = None
+        self.task: TaskID | None = None
         self.done = self.errors = self.in_flight = 0
-        self.duration = None
+        self.n: int | None = None
+        self.duration: float | None = None
         self.t0 = 0.0
 
     def __enter__(self):
@@ -137,8 +138,8 @@ def print_summary(console: Console, runs: list[dict]) -> None:
         et = Table(title="Errors by status code", title_justify="left")
         for col in ("load", "code", "count"):
             et.add_column(col)
-        for row in errs:
-            et.add_row(row[0], row[1], str(row[2]))
+        for load_label, code, n in errs:
+            et.add_row(load_label, code, str(n))
         console.print(et)
 
 

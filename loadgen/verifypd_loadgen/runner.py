@@ -10,8 +10,9 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -71,13 +72,18 @@ class LoadPoint:
     def label(self) -> str:
         if self.mode == "closed":
             return f"c={self.concurrency}"
-        rate = "inf" if math.isinf(self.rate) else f"{self.rate:g}"
+        rate = "inf" if math.isinf(self.x) else f"{self.x:g}"
         return f"rate={rate}/s"
 
     @property
     def x(self) -> float:
         """The load value plotted on x axes (concurrency or requests/s)."""
-        return float(self.concurrency if self.mode == "closed" else self.rate)
+        value = self.concurrency if self.mode == "closed" else self.rate
+        if value is None:
+            raise ValueError(
+                f"a {self.mode} load point without its {'concurrency' if self.mode == 'closed' else 'rate'}"
+            )
+        return float(value)
 
 
 @dataclass
@@ -92,7 +98,9 @@ class PointResult:
         return max(self.t_end - self.t_start, 1e-9)
 
 
-async def execute(stub, spec: RequestSpec, rec: RequestRecord, timeout: float) -> None:
+async def execute(
+    stub: generate_pb2_grpc.GenerationStub, spec: RequestSpec, rec: RequestRecord, timeout: float
+) -> None:
     """Sends one request and fills `rec` with what its stream showed."""
     call = None
     rec.start = time.perf_counter()
@@ -128,12 +136,12 @@ class Runner:
 
     def __init__(
         self,
-        stub: generate_pb2_grpc.GenerationStub,
+        stub: Any,  # a generate_pb2_grpc.GenerationStub, or the backend object `execute` takes
         timeout: float,
         drain_timeout: float,
         on_record: Callable[[RequestRecord], None] | None = None,
         on_send: Callable[[], None] | None = None,
-        execute=execute,
+        execute: Callable[[Any, RequestSpec, RequestRecord, float], Awaitable[None]] = execute,
     ):
         self.stub, self.timeout, self.drain_timeout = stub, timeout, drain_timeout
         self.execute = execute

@@ -7,24 +7,22 @@ import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from rich.console import Console
 
-from verifypd.net.tls import grpc_channel
+from verifypd.net.tls import ClientTls, grpc_channel
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 from verifypd_loadgen import metrics, report, schema
+from verifypd_loadgen.errors import Unreachable
 from verifypd_loadgen.runner import LoadPoint, PointResult, Runner
 from verifypd_loadgen.workload import Workload
 
 
-class Unreachable(Exception):
-    """The server could not be reached; str() is the one-line message for the user."""
-
-
 @dataclass
 class Plan:
-    server: str
+    server: str | None  # grpc: HOST:PORT
     loads: list[LoadPoint]
     workload: Workload
     requests: int | None
@@ -41,7 +39,7 @@ class Plan:
     model: str | None = None  # openai: the model id to ask for
     openai_api: str = "auto"  # openai: auto | chat | completions
     raw_records: bool = False  # per-request records in the results JSON
-    tls: object | None = None  # a verifypd.net.tls.ClientTls (--tls-ca-file ...): both backends speak TLS
+    tls: ClientTls | None = None  # --tls-ca-file ...: both backends speak TLS
 
 
 async def probe(stub, server: str, timeout: float) -> dict:
@@ -59,6 +57,8 @@ async def probe(stub, server: str, timeout: float) -> dict:
 def warmup_load(plan: Plan) -> LoadPoint:
     first = plan.loads[0]
     cap = first.concurrency if first.mode == "closed" else (first.max_concurrency or plan.warmup)
+    if cap is None:
+        raise ValueError("a closed load point needs its concurrency")
     return LoadPoint("closed", concurrency=max(1, min(plan.warmup, cap)))
 
 
@@ -70,19 +70,29 @@ async def _ticker(progress: report.LiveProgress) -> None:
 
 async def execute_plan(plan: Plan, progress: report.LiveProgress) -> tuple[dict, dict, list[PointResult]]:
     """Returns (server_info block, warm-up counts, one PointResult per load point)."""
-    hooks = dict(on_record=progress.on_record, on_send=progress.on_send)
     if plan.backend == "openai":
         from verifypd_loadgen import openai_backend as ob
 
+        if plan.url is None or plan.model is None:
+            raise ValueError("the openai backend needs a URL and a model")
         async with ob.new_client(plan.tls) as client:
             info = await ob.probe(client, plan.url, plan.model, plan.connect_timeout)
             backend = ob.OpenAIBackend(client, plan.url, plan.model, plan.openai_api)
-            runner = Runner(backend, plan.timeout, plan.drain_timeout, execute=ob.execute, **hooks)
+            runner = Runner(
+                backend,
+                plan.timeout,
+                plan.drain_timeout,
+                on_record=progress.on_record,
+                on_send=progress.on_send,
+                execute=ob.execute,
+            )
             return (info, *await run_points(plan, runner, progress))
+    if plan.server is None:
+        raise ValueError("the grpc backend needs a server address")
     async with grpc_channel(plan.server, plan.tls, aio=True) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await probe(stub, plan.server, plan.connect_timeout)
-        runner = Runner(stub, plan.timeout, plan.drain_timeout, **hooks)
+        runner = Runner(stub, plan.timeout, plan.drain_timeout, on_record=progress.on_record, on_send=progress.on_send)
         return (info, *await run_points(plan, runner, progress))
 
 
@@ -145,7 +155,7 @@ def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) ->
     except Unreachable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runs = [
+    runs: list[dict[str, Any]] = [
         {
             "load": load_block(r.load),
             "summary": metrics.summarize(r, plan.slo_ttft_ms, plan.slo_itl_ms),
@@ -176,7 +186,7 @@ def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) ->
     sent = sum(run["summary"]["requests"]["sent"] for run in runs)
     done = sum(run["summary"]["requests"]["completed"] for run in runs)
     if sent and not done:
-        codes = {}
+        codes: dict[str, int] = {}
         for run in runs:
             for code, n in run["summary"]["errors"].items():
                 codes[code] = codes.get(code, 0) + n

@@ -21,10 +21,11 @@ class Distribution:
     params: tuple[float, ...]
 
     def sample(self, rng: np.random.Generator) -> int:
+        value: float
         if self.kind == "fixed":
             value = self.params[0]
         elif self.kind == "uniform":
-            value = rng.integers(int(self.params[0]), int(self.params[1]), endpoint=True)
+            value = int(rng.integers(int(self.params[0]), int(self.params[1]), endpoint=True))
         elif self.kind == "normal":
             value = rng.normal(self.params[0], self.params[1])
         else:  # lognormal, parameterised by its mean and the sigma of log(x)

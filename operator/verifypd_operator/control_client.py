@@ -7,7 +7,7 @@ same knobs. A router that restarted comes back with its CLI defaults: `sync` com
 
 Control is an admin API: every call carries `authorization: Bearer <admin key>`, the key of the
 config's admin Secret that the operator creates and mounts into the gateway pods
-(`builders.build_admin_secret`, `verifypd serve --admin-key-file`).
+(`config_secrets.build_admin_secret`, `verifypd serve --admin-key-file`).
 """
 
 from __future__ import annotations

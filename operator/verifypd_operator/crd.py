@@ -401,8 +401,8 @@ def build_crd() -> S:
                                 },
                                 {
                                     "rule": f"self.metadata.name.matches('{NAME_RE}')",
-                                    "message": "name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
-                                    "with a letter, ending with a letter or digit): it names Services",
+                                    "message": "name must be a DNS-1035 label (lowercase letters, digits and '-', "
+                                    "starting with a letter, ending with a letter or digit): it names Services",
                                 },
                             ],
                         }

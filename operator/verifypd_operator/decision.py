@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import TypedDict
 
 from .spec import COLOCATED, Spec
 
@@ -131,6 +132,13 @@ class Decision:
         return bool(self.scales) or self.knobs is not None
 
 
+class Streaks(TypedDict):
+    """The confirmation counts a Decision carries (its `breach_streak`, `headroom_streak`)."""
+
+    breach_streak: int
+    headroom_streak: int
+
+
 def _unit(spec: Spec, lane: str) -> str:
     return COLOCATED if spec.topology == COLOCATED else lane
 
@@ -142,7 +150,7 @@ def _ms(x: float | None) -> str:
 def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
     auto = spec.autoscaling
     now, knobs = current.now, current.knobs
-    streaks = dict(breach_streak=current.breach_streak, headroom_streak=current.headroom_streak)
+    streaks = Streaks(breach_streak=current.breach_streak, headroom_streak=current.headroom_streak)
 
     clamps = tuple(
         Scale(u, r, min(max(r, spec.bounds(u).min), spec.bounds(u).max))
@@ -183,7 +191,7 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
         breach, headroom = 0, current.headroom_streak + 1
     else:
         return Decision("hold", f"within SLO ({latency})")
-    waiting = dict(breach_streak=breach, headroom_streak=headroom)
+    waiting = Streaks(breach_streak=breach, headroom_streak=headroom)
     if breach and breach < auto.breach_periods:
         return Decision("hold", f"breach {breach}/{auto.breach_periods}, confirming ({latency})", **waiting)
     if headroom and headroom < auto.headroom_periods:
@@ -217,7 +225,7 @@ def decide(spec: Spec, observed: Observed, current: Current) -> Decision:
         prev = current.prev_queue_depth.get(lane)
         return prev is not None and q.get(lane, 0.0) > prev
 
-    acted = dict(breach_streak=0, headroom_streak=0)  # every action restarts the confirmation count
+    acted = Streaks(breach_streak=0, headroom_streak=0)  # every action restarts the confirmation count
     base = spec_knobs(spec)
     boosted = knobs.prio_prefill > base.prio_prefill or knobs.prefill_token_budget > base.prefill_token_budget
 

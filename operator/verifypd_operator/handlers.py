@@ -19,18 +19,12 @@ from typing import Any
 import kopf
 
 from . import status as st
-from .builders import (
-    admin_secret_name,
-    build_all,
-    deployment_name,
-    gateway_pods_service_name,
-    lane_secret_name,
-    read_admin_secret,
-    read_lane_secret,
-)
+from .builders import build_all
+from .config_secrets import read_admin_secret, read_lane_secret
 from .control_client import ControlClient
 from .decision import Decision, clamp_knobs, decide
 from .kube import ApiError, ApiNotServed, Kube
+from .object_meta import admin_secret_name, deployment_name, gateway_pods_service_name, lane_secret_name
 from .otlp_receiver import MetricsStore
 from .spec import COLOCATED, GROUP, GRPC_PORT, PLURAL, VERSION, parse_spec
 from .tls_issuer import TlsSettings, control_tls, tls_objects
@@ -135,11 +129,13 @@ def apply_all(ctx: OperatorContext, name: str, namespace: str, objs: list[Mappin
         raise ReconcileError(e.reason, f"cannot prune: {e}") from e
 
 
-def _tls_first(ctx: OperatorContext, body, name: str, namespace: str, objs: list, now: float, logger) -> list:
+def _tls_first(
+    ctx: OperatorContext, tls: TlsSettings, body, name: str, namespace: str, objs: list, now: float, logger
+) -> list:
     """The reconcile's objects with TLS: the certificate objects first (pods wait for their Secret),
     then the Deployments with the Secret mounted and the TLS flags (tls_manifests.with_tls)."""
     try:
-        tls_objs, why = tls_objects(ctx.kube, ctx.tls, body, namespace, now)
+        tls_objs, why = tls_objects(ctx.kube, tls, body, namespace, now)
     except ApiError as e:
         raise ReconcileError(e.reason, f"cannot read the TLS Secrets of {name}: {e}") from e
     if why:
@@ -147,13 +143,13 @@ def _tls_first(ctx: OperatorContext, body, name: str, namespace: str, objs: list
     return tls_objs + with_tls(objs, name)
 
 
-def _renew_tls(ctx: OperatorContext, body, name: str, namespace: str, now: float, logger):
+def _renew_tls(ctx: OperatorContext, tls: TlsSettings, body, name: str, namespace: str, now: float, logger):
     """Every tick (operator mode): re-issues the certificate when less than a third of its life is
     left, applying only the Secrets (the pods reload the files; nothing restarts). Returns the
     Control client's TLS for this config (None until its Secret exists)."""
     try:
-        if ctx.tls.mode == "operator":
-            tls_objs, why = tls_objects(ctx.kube, ctx.tls, body, namespace, now)
+        if tls.mode == "operator":
+            tls_objs, why = tls_objects(ctx.kube, tls, body, namespace, now)
             if why and ctx.kube.get("Secret", namespace, tls_secret_name(name)) is not None:  # the reconcile creates
                 for obj in tls_objs:
                     ctx.kube.apply(obj)
@@ -166,7 +162,7 @@ def _renew_tls(ctx: OperatorContext, body, name: str, namespace: str, now: float
 
 
 def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: float = 5.0) -> None:
-    res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    res: dict[str, Any] = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
     # kopf runs an object's timer and its change handlers side by side (sync handlers in threads):
     # per object, a reconcile's read-replicas-then-apply and the timer's scale exclude each other.
     locks: dict[tuple[str, str], threading.Lock] = {}
@@ -200,7 +196,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
                     spec_, body, namespace, replicas, ctx.otlp_endpoint, lane_secret=token, admin_key=admin_key
                 )
                 if ctx.tls is not None:
-                    objs = _tls_first(ctx, body, name, namespace, objs, now, logger)
+                    objs = _tls_first(ctx, ctx.tls, body, name, namespace, objs, now, logger)
                 pruned = apply_all(ctx, name, namespace, objs)
         except ReconcileError as e:
             # Visible where users look (status, events); kopf applies this status patch although
@@ -302,7 +298,7 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext, tick_s: floa
         control_tls = None
         if ctx.tls is not None:
             with scaling_lock(namespace, name):
-                control_tls = _renew_tls(ctx, body, name, namespace, now, logger)
+                control_tls = _renew_tls(ctx, ctx.tls, body, name, namespace, now, logger)
         sync = ctx.control.sync(
             ctx.control_target(name, namespace),
             knobs,

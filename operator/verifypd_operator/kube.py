@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 import kubernetes
 
-from .builders import CONFIG_LABEL, MANAGED_BY
+from .object_meta import CONFIG_LABEL, MANAGED_BY
 
 log = logging.getLogger(__name__)
 FIELD_MANAGER = MANAGED_BY

@@ -90,7 +90,7 @@ class Autoscaling:
     headroom_periods: int = 3  # consecutive evaluations with headroom before relaxing
     headroom_ratio: float = 0.7  # "headroom" means every p95 below this fraction of its SLO
     min_samples: int = 20  # fewer observations in the window: hold
-    # Newest telemetry older than this: hold (pods export every 5 s, builders.otel_env).
+    # Newest telemetry older than this: hold (pods export every 5 s, pod_parts.otel_env).
     stale_after_s: int = 20
 
 

@@ -14,26 +14,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .builders import (
-    GRPC_PORT,
-    Manifest,
-    _admin_key_volume,
-    _container,
-    _deployment,
-    _gateway_args,
-    _resources,
-    _scrape,
-    _volumes,
-    deployment_name,
+from .object_meta import Manifest, deployment_name
+from .pod_parts import (
+    admin_key_volume,
+    container,
+    container_resources,
+    deployment,
+    gateway_args,
     otel_env,
+    scrape_annotations,
+    volumes,
 )
-from .spec import COLOCATED, Spec
+from .spec import COLOCATED, GRPC_PORT, Spec
 
 
 def serve_args(spec: Spec) -> list[str]:
     """`serve` with in-process lanes (no --*-addr) and the target over `tensorParallel` ranks."""
     return [
-        *_gateway_args(spec, "colocated", []),
+        *gateway_args(spec, "colocated", []),
         "--device",
         "cuda",
         "--tensor-parallel",
@@ -46,14 +44,14 @@ def build_tensor_parallel_deployment(
 ) -> Manifest:
     config = owner["metadata"]["name"]
     b = spec.colocated
-    admin_vol, admin_mount = _admin_key_volume(config)
-    vols, mounts = _volumes(spec, [admin_vol], config)
+    admin_vol, admin_mount = admin_key_volume(config)
+    vols, mounts = volumes(spec, [admin_vol], config)
     if spec.gpu_sharing == "dra":  # the claim (count = gpu) of build_resource_claim_template
-        resources = _resources(b.resources, 0)
+        resources = container_resources(b.resources, 0)
         resources["claims"] = [{"name": "gpu"}]
     else:
-        resources = _resources(b.resources, b.gpu)
-    c = _container(
+        resources = container_resources(b.resources, b.gpu)
+    c = container(
         spec,
         "serve",
         serve_args(spec),
@@ -66,4 +64,6 @@ def build_tensor_parallel_deployment(
     pod: dict[str, Any] = {"containers": [c], "volumes": vols}
     if spec.gpu_sharing == "dra":
         pod["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": f"{config}-gpu"}]
-    return _deployment(deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod, _scrape(spec))
+    return deployment(
+        deployment_name(config, COLOCATED), namespace, COLOCATED, owner, replicas, pod, scrape_annotations(spec)
+    )

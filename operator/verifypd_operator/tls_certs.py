@@ -19,6 +19,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: cryptography itself is imported inside the functions that use it
+    from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes, PublicKeyTypes
 
 CA_DAYS = 3650
 RENEW_FRACTION = 1 / 3  # re-issue when less than this part of the leaf's validity is left
@@ -41,6 +45,32 @@ def _pem_key(key) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+
+
+def _same_public_key(a: PublicKeyTypes, b: PublicKeyTypes) -> bool:
+    """Whether two public keys (any algorithm) are the same key: their SubjectPublicKeyInfo DER."""
+    from cryptography.hazmat.primitives import serialization
+
+    enc, fmt = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    return a.public_bytes(enc, fmt) == b.public_bytes(enc, fmt)
+
+
+def _load_issuer_key(pem: bytes) -> CertificateIssuerPrivateKeyTypes:
+    """The CA's private key from PEM; TypeError when its algorithm cannot sign certificates."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+
+    key = serialization.load_pem_private_key(pem, None)
+    issuer_types = (
+        ec.EllipticCurvePrivateKey,
+        rsa.RSAPrivateKey,
+        dsa.DSAPrivateKey,
+        ed25519.Ed25519PrivateKey,
+        ed448.Ed448PrivateKey,
+    )
+    if not isinstance(key, issuer_types):
+        raise TypeError(f"a {type(key).__name__} cannot sign certificates")
+    return key
 
 
 def _pem_cert(cert) -> bytes:
@@ -88,7 +118,7 @@ def new_ca(config: str, now: float) -> tuple[bytes, bytes]:
 def _san(names: list[str]):
     from cryptography import x509
 
-    out = []
+    out: list[x509.GeneralName] = []
     for n in names:
         try:
             out.append(x509.IPAddress(ipaddress.ip_address(n)))
@@ -100,10 +130,10 @@ def _san(names: list[str]):
 def new_leaf(ca_key_pem: bytes, ca_cert_pem: bytes, names: list[str], now: float, days: int) -> tuple[bytes, bytes]:
     """A leaf for every name in `names` (DNS names and IP addresses), server and client auth."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    ca_key = serialization.load_pem_private_key(ca_key_pem, None)
+    ca_key = _load_issuer_key(ca_key_pem)
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     key = _key()
     start = _now(now) - BACKDATE
@@ -147,7 +177,7 @@ def renewal_reason(
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, Exception) as exc:  # InvalidSignature is not a ValueError
         return f"not signed by the config's CA ({type(exc).__name__})"
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+    if not _same_public_key(key.public_key(), cert.public_key()):
         return "key does not match the certificate"
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -176,9 +206,8 @@ def ca_usable(ca_key_pem: bytes | None, ca_cert_pem: bytes | None, now: float) -
         cert = x509.load_pem_x509_certificate(ca_cert_pem)
     except ValueError:
         return False
-    return key.public_key().public_numbers() == cert.public_key().public_numbers() and cert.not_valid_after_utc > _now(
-        now
-    ) + datetime.timedelta(days=1)
+    valid_for_a_day = cert.not_valid_after_utc > _now(now) + datetime.timedelta(days=1)
+    return _same_public_key(key.public_key(), cert.public_key()) and valid_for_a_day
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,12 +230,13 @@ def plan(
     """What the CA and leaf Secrets must hold: the live ones when still good, else new ones.
     `ca`, `leaf`: (key PEM, cert PEM) as read from the live Secrets (None where absent)."""
     ca_key, ca_cert = ca
-    if not ca_usable(ca_key, ca_cert, now):
-        ca_key, ca_cert = new_ca(config, now)
-        leaf_key, leaf_cert = new_leaf(ca_key, ca_cert, names, now, days)
-        return TlsPlan(ca_key, ca_cert, leaf_key, leaf_cert, "issued a new CA")
-    reason = renewal_reason(leaf[1], leaf[0], ca_cert, names, now)
-    if reason is None:
-        return TlsPlan(ca_key, ca_cert, leaf[0], leaf[1], None)
+    if ca_key is None or ca_cert is None or not ca_usable(ca_key, ca_cert, now):
+        new_ca_key, new_ca_cert = new_ca(config, now)
+        leaf_key, leaf_cert = new_leaf(new_ca_key, new_ca_cert, names, now, days)
+        return TlsPlan(new_ca_key, new_ca_cert, leaf_key, leaf_cert, "issued a new CA")
+    live_key, live_cert = leaf
+    reason = renewal_reason(live_cert, live_key, ca_cert, names, now)
+    if reason is None and live_key and live_cert:  # (renewal_reason passes only a present pair)
+        return TlsPlan(ca_key, ca_cert, live_key, live_cert, None)
     leaf_key, leaf_cert = new_leaf(ca_key, ca_cert, names, now, days)
     return TlsPlan(ca_key, ca_cert, leaf_key, leaf_cert, f"re-issued the certificate: {reason}")

@@ -34,7 +34,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from .builders import _meta, deployment_name, gateway_pods_service_name, lane_service_name
+from .object_meta import deployment_name, gateway_pods_service_name, lane_service_name, object_meta
 from .spec import COLOCATED, LANES
 
 MODES = ("off", "operator", "cert-manager", "auto")
@@ -81,7 +81,7 @@ def build_ca_secret(owner: Mapping[str, Any], namespace: str, key: bytes, cert: 
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(ca_secret_name(owner["metadata"]["name"]), namespace, "tls-ca", owner),
+        "metadata": object_meta(ca_secret_name(owner["metadata"]["name"]), namespace, "tls-ca", owner),
         "data": {"ca.key": _b64(key), "ca.crt": _b64(cert)},
     }
 
@@ -92,7 +92,7 @@ def build_tls_secret(owner: Mapping[str, Any], namespace: str, key: bytes, cert:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "kubernetes.io/tls",
-        "metadata": _meta(tls_secret_name(owner["metadata"]["name"]), namespace, "tls", owner),
+        "metadata": object_meta(tls_secret_name(owner["metadata"]["name"]), namespace, "tls", owner),
         "data": {"tls.crt": _b64(cert), "tls.key": _b64(key), "ca.crt": _b64(ca)},
     }
 
@@ -118,7 +118,7 @@ def build_cert_manager_objects(
         return {
             "apiVersion": CERT_MANAGER_API,
             "kind": kind,
-            "metadata": _meta(name, namespace, "tls", owner),
+            "metadata": object_meta(name, namespace, "tls", owner),
             "spec": spec,
         }
 

@@ -9,15 +9,9 @@ import kubernetes_validate
 import pytest
 from operator_helpers import K8S_VERSION
 
-from verifypd_operator.builders import (
-    ADMIN_KEY_FILE,
-    LANE_SECRET_FILE,
-    PROMETHEUS_ANNOTATIONS,
-    build_all,
-    otel_env,
-    read_admin_secret,
-    read_lane_secret,
-)
+from verifypd_operator.builders import build_all
+from verifypd_operator.config_secrets import ADMIN_KEY_FILE, LANE_SECRET_FILE, read_admin_secret, read_lane_secret
+from verifypd_operator.pod_parts import PROMETHEUS_ANNOTATIONS, otel_env
 from verifypd_operator.spec import CALL_PORT, COLOCATED_LANE_CALL_PORTS, COLOCATED_LANE_PORTS, parse_spec
 
 VARIANTS = {

@@ -29,7 +29,7 @@ from operator_helpers import declare_kinds, emulator
 
 from verifypd.domain import metric_names as mn
 from verifypd.v1 import control_pb2, control_pb2_grpc
-from verifypd_operator.builders import read_admin_secret
+from verifypd_operator.config_secrets import read_admin_secret
 from verifypd_operator.control_client import ControlClient
 from verifypd_operator.handlers import OperatorContext, register
 from verifypd_operator.kube import Kube, api_client_for

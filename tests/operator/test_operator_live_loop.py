@@ -44,14 +44,10 @@ from verifypd_operator.main import apply_settings
 from verifypd_operator.otlp_receiver import MetricsStore, serve
 
 sys.path.insert(0, str(ROOT / "tests" / "services"))
-from services_helpers import (  # noqa: E402
-    VOCAB,
-    Client,
-    Server,
-    free_port,
-    serve_cmd,
-    tiny_models,  # noqa: E402,F401 (a fixture)
-)
+import services_helpers  # noqa: E402
+from services_helpers import VOCAB, Client, Server, free_port, serve_cmd  # noqa: E402
+
+tiny_models = services_helpers.tiny_models  # a fixture of the services tests, used here too
 
 NAME, ADMIN_KEY = "loop", "live-loop-admin-key-0123456789abcdef"
 CR = {
@@ -129,7 +125,7 @@ class LiveOperator:
 
 
 def server_env(namespace: str, otlp_port: int, pod: str) -> dict[str, str]:
-    """What builders.otel_env gives a pod, pointed at the test's receiver, exporting faster."""
+    """What pod_parts.otel_env gives a pod, pointed at the test's receiver, exporting faster."""
     return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
