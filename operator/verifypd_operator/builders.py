@@ -3,6 +3,10 @@
 Every function returns plain dicts (apply-ready JSON); no client, no I/O. `build_all` is what the
 reconcile handler applies; anything the operator owns that `build_all` no longer returns is
 deleted (e.g. the lane Deployments after a switch to the colocated topology).
+
+Built from: object_meta (names, labels, owner references), config_secrets (the lane and admin
+Secrets), pod_parts (containers, probes, volumes, the Deployment around a pod) and
+tensor_parallel_pods (the colocated pod of a sharded target).
 """
 
 from __future__ import annotations
