@@ -48,13 +48,13 @@ ANY = frozenset({"*"})  # a room that may import every room
 VERIFYPD_ROOMS: dict[str, frozenset[str]] = {
     "__init__": frozenset(),  # verifypd/__init__.py: imports nothing
     "v1": frozenset(),  # the generated protocol
-    "domain": frozenset({"v1"}),
+    "domain": frozenset({"v1", "heads"}),  # heads: a shipped head by name (`--draft eagle:smollm2`)
     "net": frozenset({"v1", "domain"}),  # auth, TLS, health, lane TLS
     "router": frozenset({"domain"}),  # torch-free bookkeeping: scheduler, sequences, blocks, k policy, step strategies
     "model": frozenset({"domain"}),  # the torch/Triton leaf
     "heads": frozenset(),  # the shipped draft-head files
     "spec_decode": frozenset({"domain", "model", "heads"}),  # proposers
-    "lanes": frozenset({"v1", "domain", "net", "model", "spec_decode"}),  # in-process lanes, lanes.rpc, TP ranks
+    "lanes": frozenset({"v1", "domain", "net", "model", "spec_decode", "heads"}),  # in-process lanes, lanes.rpc, TP ranks
     # the engine-core process, its client, the assembly of stacks
     "core": frozenset({"v1", "domain", "net", "router", "model", "spec_decode", "lanes", "heads"}),
     # the in-process engine (engine.py)
