@@ -43,7 +43,7 @@ from verifypd_operator.kube import Kube
 from verifypd_operator.main import apply_settings
 from verifypd_operator.otlp_receiver import MetricsStore, serve
 
-sys.path.insert(0, str(ROOT / "tests" / "services"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from services_helpers import (  # noqa: E402
     VOCAB,
     Client,
