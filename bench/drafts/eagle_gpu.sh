@@ -150,8 +150,8 @@ case "${1:-}" in
     end_to_end "$2" ;;
   lossless)
     wheels
-    VERIFYPD_TEST_DEVICE=cuda python3 -m pytest -q -x tests/engine/test_engine_eagle.py \
-      tests/engine/test_engine_eagle_chain.py tests/engine/test_engine_distill.py tests/engine/test_engine_greedy_lossless.py \
+    VERIFYPD_TEST_DEVICE=cuda python3 -m pytest -q -x tests/model/test_model_eagle.py \
+      tests/model/test_model_eagle_chain.py tests/distill/test_distill_training.py tests/model/test_model_greedy_lossless.py \
       2>&1 | tee "$OUT/eagle_tests_cuda.txt" | tail -15 ;;
   cost)
     wheels

@@ -282,7 +282,7 @@ def smoke_models(work: Path) -> tuple[str, str]:
     """Tiny random Llama target + draft (the tests' writer), for a CPU run of the whole script."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("engine_helpers", ROOT / "tests" / "engine" / "engine_helpers.py")
+    spec = importlib.util.spec_from_file_location("engine_helpers", ROOT / "tests" / "support" / "engine_helpers.py")
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)
     return helpers.write_target_and_draft(work)

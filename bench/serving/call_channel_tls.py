@@ -2,7 +2,7 @@
 server and client (verifypd.lanes.rpc.call_channel) plaintext and over mTLS (verifypd.net.lane_tls),
 interleaved in rounds so load on a shared machine hits both alike. Certificates are made on the fly.
 
-    PYTHONPATH=services:tests/services python bench/serving/call_channel_tls.py [--calls 3000] [--rounds 5] \
+    PYTHONPATH=services:tests/support python bench/serving/call_channel_tls.py [--calls 3000] [--rounds 5] \
         [--out bench/results]
 """
 

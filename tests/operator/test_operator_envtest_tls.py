@@ -6,7 +6,7 @@ the config; the pods mount the certificate and get the TLS flags and the plainte
 a certificate near its expiry is re-issued by the same CA (only the Secret changes: the pods
 reload the files). With cert-manager's API served (auto -> cert-manager): Certificate and Issuer
 objects, owned by the config, instead. No pods run on envtest (nothing is mounted for real; the
-reload itself is tested in tests/services/test_services_lane_tls*.py).
+reload itself is tested in tests/lanes/test_lanes_tls_layer.py, tests/serving/test_serving_lane_tls.py).
 """
 
 from __future__ import annotations

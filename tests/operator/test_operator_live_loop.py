@@ -43,11 +43,8 @@ from verifypd_operator.kube import Kube
 from verifypd_operator.main import apply_settings
 from verifypd_operator.otlp_receiver import MetricsStore, serve
 
-sys.path.insert(0, str(ROOT / "tests" / "services"))
-import services_helpers  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from services_helpers import VOCAB, Client, Server, free_port, serve_cmd  # noqa: E402
-
-tiny_models = services_helpers.tiny_models  # a fixture of the services tests, used here too
 
 NAME, ADMIN_KEY = "loop", "live-loop-admin-key-0123456789abcdef"
 CR = {

@@ -59,7 +59,7 @@ def test_tensor_parallel_1_keeps_the_four_container_pod(owner):
 
 def test_split_lane_builder_passes_tensor_parallel(owner):
     """Refused by the CRD for now (split lane pods copy KV, sharded KV is imported only), but built as
-    it will run: `verifypd lane verify --tensor-parallel 4` works on one host (tests/services)."""
+    it will run: `verifypd lane verify --tensor-parallel 4` works on one host (tests/lanes)."""
     spec = parse_spec({"topology": "split", "lanes": {"verify": {"gpu": 4, "tensorParallel": 4}}})
     objs = build_all(spec, owner, "ns1", {}, "x")
     verify = _pod(objs, "demo-verify")["containers"][0]

@@ -8,7 +8,7 @@ reason, the usage sub-message, k and the elapsed time are, straight into the wir
 proto/verifypd/v1/generate.proto (proto3: a field equal to its default is left out, as the
 protobuf runtime does). The Generate handler is registered with no response serializer, so these
 bytes go out as they are (`add_generation_service`). Tests compare against the protobuf runtime's
-parse of every field (tests/services/test_services_response_wire.py).
+parse of every field (tests/gateway/test_gateway_response_wire.py).
 """
 
 from __future__ import annotations

@@ -6,22 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_cases import _second_token_marginal, chi_square_pvalue, sample_second_tokens, write_head
 from engine_helpers import make_engine
-from test_engine_greedy_lossless import random_prompts
-from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue, sample_second_tokens
+from test_model_greedy_lossless import random_prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.model.eagle_head import load_eagle_head, random_eagle_head, save_eagle_head
 from verifypd.model.loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
-
-
-def write_head(tiny_models, path, *, draft_vocab=None, with_lm_head=True, seed=3, std=0.3):
-    target = load_model(tiny_models[0], CPU, torch.float32)
-    config, weights = random_eagle_head(target.shape, seed=seed, draft_vocab=draft_vocab, std=std)
-    save_eagle_head(path, config, weights, with_lm_head=with_lm_head)
-    return f"eagle:{path}"
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +69,9 @@ def test_sampling_with_head_follows_target(tiny_models, hf_target, heads):
 
 @pytest.fixture(scope="module")
 def seeded_plain(tiny_models):
-    """test_engine_seeded_output's subjects, each alone with no draft."""
-    from test_engine_seeded_output import run, subjects
+    """test_model_seeded_output's subjects, each alone with no draft."""
+    from engine_cases import run
+    from test_model_seeded_output import subjects
 
     return {
         spec.request_id: run(make_engine(tiny_models[0], "none", k=0), [spec])[0][spec.request_id]
@@ -90,7 +84,8 @@ def test_seeded_output_with_head_equals_plain(tiny_models, heads, seeded_plain, 
     """A seed names one output (docs/engine.md "Seeds"): with the head drafting (its race winners for
     the same seed and positions), alone and in a crowd, the tokens are --draft none's token for token;
     and some of the head's sampled drafts are kept, some refused."""
-    from test_engine_seeded_output import crowd, run, subject_tokens, subjects
+    from engine_cases import crowd, run
+    from test_model_seeded_output import subject_tokens, subjects
 
     alone, stats = run(make_engine(tiny_models[0], heads["full"], k=4, adaptive=adaptive), subjects())
     assert subject_tokens(alone) == seeded_plain
@@ -111,7 +106,8 @@ def test_seeded_output_with_head_in_every_schedule_and_after_preemption(
 ):
     """Pipelined steps (drafts beside the other group's verify) and preemption by recompute (a
     re-prefill rewrites features and head rows) leave the seeded output alone."""
-    from test_engine_seeded_output import crowd, run, subject_tokens, subjects
+    from engine_cases import crowd, run
+    from test_model_seeded_output import subject_tokens, subjects
 
     engine = make_engine(tiny_models[0], heads["full"], k=3, adaptive=True, num_blocks=blocks)
     engine.router.config = engine.router.config.updated(schedule=schedule, pipeline=pipeline)
@@ -182,7 +178,7 @@ def test_bad_head_paths_name_the_flag(tiny_models, tmp_path):
 
 def test_greedy_with_head_in_every_schedule(tiny_models, heads):
     """Pipelined (pdv) steps draft one group beside the other's verify: features still line up."""
-    from test_engine_schedules import SCHEDULES, drive, specs
+    from engine_cases import SCHEDULES, drive, specs
 
     expected = {r: c.token_ids for r, c in make_engine(tiny_models[0], "none", k=0).generate(specs()).items()}
     for schedule, pipeline in SCHEDULES:

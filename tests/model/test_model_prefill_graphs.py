@@ -69,8 +69,8 @@ def test_prefill_chunks_through_the_graphs_equal_the_eager_forward(tiny_models):
 def test_a_feature_drafts_prefill_rows_through_its_graphs_equal_the_ragged_forward():
     """The head's rows of a prefill chunk (EagleRunner.prefill): one sequence through its prefill
     graphs writes the KV the ragged forward writes; several sequences go the ragged way."""
-    from test_engine_eagle_capture import BLOCKS_PER_RUN, SHAPE, make_head
-    from test_engine_eagle_capture import make_runner as make_eagle_runner
+    from test_model_eagle_capture import BLOCKS_PER_RUN, SHAPE, make_head
+    from test_model_eagle_capture import make_runner as make_eagle_runner
 
     from verifypd.model.eagle_draft import FeatureRun
 

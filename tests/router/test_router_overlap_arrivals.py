@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 from engine_helpers import make_engine
-from test_engine_overlap import check_blocks_returned, drive, fresh, make_specs, prompts
+from test_router_overlap import check_blocks_returned, drive, fresh, make_specs, prompts
 
 from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane

@@ -2,7 +2,7 @@
 load while lanes are SIGKILLed in rotation. Prints requests sent / OK / lost, lane kills, and
 whether every stream equals the fault-free output. Not collected by pytest (run it by hand):
 
-    PYTHONPATH=$PWD/services python3 tests/services/soak_lane_kills.py --requests 120 --kills 6
+    PYTHONPATH=$PWD/services python3 tests/serving/soak_lane_kills.py --requests 120 --kills 6
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "support"))
 
 import grpc  # noqa: E402
 from services_helpers import (  # noqa: E402
@@ -31,7 +32,7 @@ from services_helpers import (  # noqa: E402
     random_prompts,
     wait_until,
 )
-from test_services_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop  # noqa: E402
+from test_serving_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop  # noqa: E402
 
 from verifypd.domain.requests import RequestSpec  # noqa: E402
 

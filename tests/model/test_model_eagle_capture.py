@@ -167,9 +167,9 @@ def test_engine_through_the_graphed_call_path_drafts_as_the_eager_path(tiny_mode
     finish) through the graphs' path: greedy output == plain decoding, and every request's accepted
     draft count == the eager path's (same proposals; k fixed, so nothing depends on timing). On the
     CPU the graphs' functions run over the static buffers; on CUDA the engine captured them."""
+    from engine_cases import write_head
     from engine_helpers import eager_and_graphed, make_engine
-    from test_engine_eagle import write_head
-    from test_engine_greedy_lossless import random_prompts
+    from test_model_greedy_lossless import random_prompts
 
     from verifypd.domain.requests import RequestSpec
 

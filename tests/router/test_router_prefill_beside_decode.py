@@ -8,8 +8,9 @@ nothing (its wall time holds the prefill's launch)."""
 from __future__ import annotations
 
 import pytest
+from engine_cases import specs
 from engine_helpers import DEVICE, make_engine
-from test_engine_schedules import plain, specs  # noqa: F401 (plain: a fixture)
+from test_router_schedules import plain  # noqa: F401 (a fixture)
 
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
 

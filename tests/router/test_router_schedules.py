@@ -4,127 +4,18 @@ alternates two groups, one drafting while the other verifies the drafts it made 
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from engine_helpers import VOCAB, make_engine
+from engine_cases import SCHEDULES, Recorder, drive, specs
+from engine_helpers import make_engine
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.lanes import LaneError
-from verifypd.domain.requests import InvalidRequest, RequestSpec, SamplingParams
-
-SCHEDULES = [("baseline", True), ("pd", True), ("pdv", True), ("pdv", False)]
-
-
-def prompts(n: int = 7, seed: int = 3) -> list[tuple[int, ...]]:
-    rng = random.Random(seed)
-    return [tuple(rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 24))) for _ in range(n)]
-
-
-def specs(sampling: bool = False) -> list[RequestSpec]:
-    out = []
-    for i, p in enumerate(prompts()):
-        s = SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i) if sampling else SamplingParams()
-        out.append(
-            RequestSpec(
-                p,
-                max_tokens=[20, 7, 15, 26, 3, 18, 11][i],
-                stop_at_eos=False,
-                request_id=f"r{i}",
-                max_k=[None, None, 2, None, None, 0, None][i],
-                sampling=s,
-            )
-        )
-    return out
-
-
-class Recorder:
-    """Wraps a router's lanes: every call as (step, lane, [(request_id, k)], thread, start, end)."""
-
-    def __init__(self, router):
-        self.step = 0
-        self.calls: list[tuple] = []
-        self.plans: dict[int, bool] = {}
-        for lane, method in (("prefill", "prefill"), ("draft", "draft"), ("verify", "verify")):
-            obj = getattr(router, f"{lane}_lane")
-            setattr(router, f"{lane}_lane", _Proxy(obj, method, lane, self))
-        plan = router.scheduler.plan
-
-        def recording_plan(config, costs):
-            result = plan(config, costs)
-            self.plans[self.step] = result.pipelined
-            return result
-
-        router.scheduler.plan = recording_plan
-
-    def of(self, lane: str, step: int) -> list[tuple[str, int]]:
-        return [x for c in self.calls if c[0] == step and c[1] == lane for x in c[2]]
-
-
-class _Proxy:
-    def __init__(self, lane, method, name, rec):
-        self._lane, self._method, self._name, self._rec = lane, method, name, rec
-        self.fail_at: int | None = None  # raise LaneError on this step
-
-    def describe(self):
-        return self._lane.describe()
-
-    def __getattr__(self, attr):
-        if attr != self._method:
-            return getattr(self._lane, attr)
-
-        def call(items):
-            step, t0 = self._rec.step, time.monotonic()
-            if self.fail_at == step:
-                raise LaneError(f"{self._name} lane down")
-            out = getattr(self._lane, attr)(items)
-            ks = [
-                getattr(i, "k", None)
-                if self._name == "draft"
-                else len(i.draft_tokens)
-                if self._name == "verify"
-                else None
-                for i in items
-            ]
-            self._rec.calls.append(
-                (
-                    step,
-                    self._name,
-                    [(i.request_id, k) for i, k in zip(items, ks)],
-                    threading.get_ident(),
-                    t0,
-                    time.monotonic(),
-                )
-            )
-            return out
-
-        return call
-
-
-def drive(engine, all_specs, schedule: str, pipeline: bool = True, cancel: str | None = None):
-    """Requests join two per step; `cancel` is aborted mid-way (e.g. while holding pdv drafts)."""
-    router = engine.router
-    router.config = router.config.updated(schedule=schedule, pipeline=pipeline)
-    rec = Recorder(router)
-    tokens: dict[str, list[int]] = {}
-    pending = list(all_specs)
-    while pending or router.has_work():
-        for _ in range(2):
-            if pending:
-                spec = pending.pop(0)
-                tokens[router.add_request(spec)] = []
-        rec.step += 1
-        for out in router.step():
-            tokens[out.request_id] += out.token_ids
-        if cancel and rec.step == 9 and cancel in {s.request_id for s in router.sequences()}:
-            router.abort(cancel)
-    assert router.target_blocks.num_used == 0 and (router.draft_blocks is None or router.draft_blocks.num_used == 0)
-    router.close()
-    return tokens, rec
+from verifypd.domain.requests import InvalidRequest
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +123,7 @@ def test_step_costs_are_whole_steps_without_prefill(tiny_models, schedule):
     """Costs that decide k and pipelining are whole steps: the host work of committing tokens counts
     (a pipelined step pays it per half batch), a prefill run before or after decode does not."""
     # Overlap off: with it a regular plain step is costed by its verify call (the host work a chain
-    # hides; tests/engine/test_engine_overlap.py), and this test is about whole steps.
+    # hides; tests/router/test_router_overlap.py), and this test is about whole steps.
     engine = make_engine(*tiny_models, k=3)
     router = engine.router
     router.config = router.config.updated(overlap=False)

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from services_helpers import engine_options
+from services_helpers import SlowLane, engine_options
 
 MODEL = "tiny"
 # Renders the messages as plain words: the tiny word-level tokenizer then gives w-ids.
@@ -32,8 +32,6 @@ class HttpGateway:
     def __init__(
         self, models, *, max_queue: int = 256, max_body_bytes: int | None = None, api_key: str | None = None, **options
     ):
-        from test_services_gateway import SlowLane
-
         from verifypd.core.telemetry import Telemetry, prometheus_reader
         from verifypd.gateway.http_api import HttpApi
         from verifypd.gateway.http_server import HttpServer

@@ -16,7 +16,7 @@ from services_helpers import (
     random_prompts,
     tiny_models,  # noqa: F401 (a fixture)
 )
-from test_services_call_channel import GREEDY, TARGET, handle, verify_item
+from test_lanes_call_channel import GREEDY, TARGET, handle, verify_item
 
 from verifypd.domain.lanes import LaneError, PrefillItem
 from verifypd.lanes.rpc import call_codec as cc

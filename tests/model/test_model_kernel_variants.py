@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import write_head
 from engine_helpers import make_engine
-from test_engine_eagle import write_head
 
 from verifypd.model.eagle_chain import EagleGraphs
 from verifypd.model.graph_runner import GraphRunner

@@ -6,22 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_cases import _second_token_marginal, chi_square_pvalue, sample_second_tokens
 from engine_helpers import make_engine
 from scipy import stats
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.model import sampler
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square of observed counts against probs, pooling cells with small expectation."""
-    n = counts.sum()
-    expected = probs * n
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
 def test_race_samples_the_distribution_and_never_a_zero_probability_token():
@@ -153,41 +143,10 @@ def test_engine_first_speculative_token_matches_target_softmax(tiny_models, hf_t
     assert chi_square_pvalue(seconds, draft_p) < 1e-3, "test has no power: draft and target agree"
 
 
-def sample_second_tokens(
-    engine, prompt, temperature: float, n: int, max_tokens: int, seed0: int, vocab: int
-) -> np.ndarray:
-    """Counts of the 2nd output token (the first a verify step produces) over n seeded requests;
-    checks the run saw both accepted and rejected drafts."""
-    specs = [
-        RequestSpec(
-            prompt,
-            max_tokens=max_tokens,
-            stop_at_eos=False,
-            request_id=f"s{i}",
-            sampling=SamplingParams(temperature=temperature, seed=seed0 + i),
-        )
-        for i in range(n)
-    ]
-    done = engine.generate(specs)
-    drafted = sum(c.usage["draft_tokens"] for c in done.values())
-    accepted = sum(c.usage["accepted_tokens"] for c in done.values())
-    assert 0 < accepted < drafted
-    return np.bincount([c.token_ids[1] for c in done.values()], minlength=vocab)
-
-
 def _load(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def _second_token_marginal(model, prompt, temperature) -> np.ndarray:
-    with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([list(prompt)])).logits[0, -1].double() / temperature, -1)
-        vocab = p1.numel()
-        batch = torch.tensor([list(prompt) + [t] for t in range(vocab)])
-        p2 = torch.softmax(model(batch).logits[:, -1].double() / temperature, -1)  # [V(t1), V(t2)]
-    return (p1[:, None] * p2).sum(0).numpy()
 
 
 def test_same_seed_same_output_any_batch(tiny_models):

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 from engine_helpers import DEVICE, make_engine
-from test_engine_greedy_lossless import random_prompts
+from test_model_greedy_lossless import random_prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.model import layout as layout_module

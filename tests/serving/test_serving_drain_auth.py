@@ -1,5 +1,5 @@
 """Graceful drain on SIGTERM (`verifypd serve` as a subprocess) and the gateway's optional API key
-(the admin key of Control: test_services_control_access.py)."""
+(the admin key of Control: test_gateway_control_access.py)."""
 
 from __future__ import annotations
 

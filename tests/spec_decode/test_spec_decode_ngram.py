@@ -178,12 +178,12 @@ def test_router_sends_deltas_after_the_first_call(tiny_models):
 
 
 def test_sampling_with_ngram_draft_keeps_the_target_distribution(tiny_models, hf_target):
-    """The chi-square test of test_engine_sampling_lossless, with prompt lookup as the draft (q =
+    """The chi-square test of test_model_sampling_lossless, with prompt lookup as the draft (q =
     one-hot of the proposal). The prompt holds every token once, so after any first token t1 >= 3
     lookup proposes the token that followed t1 in the prompt: the 2nd output token is an accepted
     proposal or a residual sample, and must still follow the target's marginal."""
     import numpy as np
-    from test_engine_sampling_lossless import _second_token_marginal, chi_square_pvalue, sample_second_tokens
+    from engine_cases import _second_token_marginal, chi_square_pvalue, sample_second_tokens
 
     engine = make_engine(tiny_models[0], "ngram:1-2", k=2, num_blocks=8192, block_size=4, max_running=1024)
     engine.router.config = engine.router.config.updated(prefill_token_budget=1 << 16)  # few, big steps

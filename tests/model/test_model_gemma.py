@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from engine_helpers import DEVICE, hf_greedy, make_engine, write_tiny_llama
-from test_engine_greedy_lossless import random_prompts
+from test_model_greedy_lossless import random_prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.model.llama import BatchLayout, PagedLlama

@@ -1,10 +1,18 @@
-"""Fixtures of the engine tests (helpers live in engine_helpers.py)."""
+"""Set-up shared by every test room: tests/support on sys.path (the helpers every room imports by
+name), the Triton interpreter chosen and patched before anything imports triton, and the session
+fixtures of the tiny random checkpoints (helpers live in support/engine_helpers.py)."""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
 import pytest
+
+SUPPORT = str(pathlib.Path(__file__).resolve().parent / "support")
+if SUPPORT not in sys.path:
+    sys.path.insert(0, SUPPORT)
 
 # The Triton kernels run on CPU through Triton's interpreter; it must be chosen before triton loads.
 if os.environ.get("VERIFYPD_TEST_DEVICE", "cpu") == "cpu":
@@ -30,11 +38,11 @@ def _patch_triton_interpreter() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_interpreter()
 
-from engine_helpers import write_target_and_draft
-
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
+    from engine_helpers import write_target_and_draft
+
     return write_target_and_draft(tmp_path_factory.mktemp("models"))
 
 

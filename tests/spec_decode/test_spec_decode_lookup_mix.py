@@ -4,12 +4,10 @@ up from where the head left it; the verify lane writes host-list drafts beside t
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from engine_cases import repeating_prompts, write_head
 from engine_helpers import make_engine
-from test_engine_eagle import write_head
 
 from verifypd.domain.lanes import KvHandle, VerifyItem
 from verifypd.domain.requests import RequestSpec, RequestStats, SamplingParams
@@ -17,16 +15,6 @@ from verifypd.lanes.local import DeviceDraftTokens, DraftBatch
 from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import Sequence
 from verifypd.spec_decode.lookup_mix import LookupMix
-
-
-def repeating_prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts that quote themselves (as rewrites and extractions do), so lookup finds matches."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        base = [rng.randrange(3, 90) for _ in range(rng.randrange(8, 14))]
-        out.append(base + [rng.randrange(3, 90) for _ in range(3)] + base[:6] + base)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +149,7 @@ def test_seeded_output_with_lookup_in_every_schedule_and_after_preemption(
     ahead are the head's; baseline, one request a step) and under a pool small enough to preempt
     (a recompute re-prefills the head's rows; the lookup index is kept, it holds tokens only): each
     request's seeded tokens are --draft none's."""
-    from test_engine_seeded_output import crowd, run
+    from engine_cases import crowd, run
 
     specs = crowd(6, seed=5) + [
         RequestSpec(

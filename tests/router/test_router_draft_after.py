@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from engine_cases import repeating_prompts, write_head
 from engine_helpers import (
     DEVICE,
     assert_others_plain_and_blocks_free,
@@ -16,8 +17,6 @@ from engine_helpers import (
     make_engine,
     run_and_cancel_once,
 )
-from test_engine_eagle import write_head
-from test_engine_lookup_mix import repeating_prompts
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.model.eagle_chain import CallInputs

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from services_helpers import (
     Client,
+    SlowLane,
     engine_options,
     free_port,
     greedy_request,
@@ -25,27 +25,6 @@ from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import control_pb2, generate_pb2
 
 ADMIN_KEY = "test-admin-key-0123456789"  # Control.UpdateConfig needs it (auth.gateway_access)
-
-
-class SlowLane:
-    """Wraps a lane; `delay_s` makes every call slower so a request stays in flight (test knob)."""
-
-    def __init__(self, lane):
-        self.lane, self.delay_s = lane, 0.0
-
-    def describe(self):
-        return self.lane.describe()
-
-    def __getattr__(self, name):
-        method = getattr(self.lane, name)
-        if not callable(method):  # flags such as `feeds_tokens` pass through as they are
-            return method
-
-        def call(*args, **kwargs):
-            time.sleep(self.delay_s)
-            return method(*args, **kwargs)
-
-        return call
 
 
 class Recorder:

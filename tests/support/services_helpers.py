@@ -1,4 +1,4 @@
-"""Helpers and fixtures of the services tests.
+"""Helpers and fixtures of the tests that serve over gRPC/HTTP (gateway, lanes, core, serving rooms).
 
 Fixtures are defined here and imported by the test modules (test modules never import a module
 named `conftest`: several test directories have one).
@@ -6,8 +6,6 @@ named `conftest`: several test directories have one).
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import random
 import re
 import socket
@@ -16,15 +14,10 @@ import sys
 import threading
 import time
 
+import engine_helpers as _engine_models  # the tiny checkpoints' writers
 import grpc
 import pytest
 
-# The engine tests' checkpoint writers, loaded under another module name.
-_spec = importlib.util.spec_from_file_location(
-    "_engine_test_models", pathlib.Path(__file__).resolve().parent.parent / "engine" / "engine_helpers.py"
-)
-_engine_models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_engine_models)
 VOCAB = _engine_models.VOCAB
 
 K = 4
@@ -62,6 +55,27 @@ def offline_outputs(options, specs) -> list[list[int]]:
 
     done = Engine(options).generate(specs)
     return [c.token_ids for c in done.values()]
+
+
+class SlowLane:
+    """Wraps a lane; `delay_s` makes every call slower so a request stays in flight (test knob)."""
+
+    def __init__(self, lane):
+        self.lane, self.delay_s = lane, 0.0
+
+    def describe(self):
+        return self.lane.describe()
+
+    def __getattr__(self, name):
+        method = getattr(self.lane, name)
+        if not callable(method):  # flags such as `feeds_tokens` pass through as they are
+            return method
+
+        def call(*args, **kwargs):
+            time.sleep(self.delay_s)
+            return method(*args, **kwargs)
+
+        return call
 
 
 def free_port() -> int:

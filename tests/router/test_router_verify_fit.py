@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import write_head
 from engine_helpers import DEVICE, assert_others_plain_and_blocks_free, make_engine, run_and_cancel_once
-from test_engine_draft_after import _prompts, _proposals, _specs
-from test_engine_eagle import write_head
+from test_router_draft_after import _prompts, _proposals, _specs
 
 from verifypd.domain.requests import SamplingParams
 from verifypd.model.graph_runner import GraphRunner

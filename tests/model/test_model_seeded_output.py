@@ -4,10 +4,9 @@ or adaptive, any schedule, and with no draft at all (--draft none). See docs/eng
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from engine_helpers import VOCAB, make_engine
+from engine_cases import crowd, run
+from engine_helpers import make_engine
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 
@@ -29,35 +28,6 @@ def subjects() -> list[RequestSpec]:
         RequestSpec(p, max_tokens=MAX_TOKENS, stop_at_eos=False, request_id=f"s{i}", sampling=s)
         for i, (p, s) in enumerate(zip(SUBJECT_PROMPTS, SUBJECT_SAMPLING))
     ]
-
-
-def crowd(n: int = 8, seed: int = 1) -> list[RequestSpec]:
-    """Other requests: greedy and sampled, other seeds, lengths and speculation overrides."""
-    rng = random.Random(seed)
-    return [
-        RequestSpec(
-            tuple(rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))),
-            max_tokens=rng.randrange(5, 40),
-            stop_at_eos=False,
-            request_id=f"c{i}",
-            max_k=rng.choice([None, None, 0, 2]),
-            sampling=SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0]), seed=rng.randrange(99)),
-        )
-        for i in range(n)
-    ]
-
-
-def run(engine, specs) -> tuple[dict[str, list[int]], dict[str, dict]]:
-    """Drives the router to the end: tokens and final stats by request id."""
-    router, tokens, stats = engine.router, {}, {}
-    for spec in specs:
-        router.add_request(spec)
-    while router.has_work():
-        for out in router.step():
-            tokens.setdefault(out.request_id, []).extend(out.token_ids)
-            stats[out.request_id] = out.stats
-    assert router.target_blocks.num_used == 0
-    return tokens, stats
 
 
 @pytest.fixture(scope="module")
