@@ -35,7 +35,7 @@ from collections.abc import Mapping, Set
 
 import pytest
 
-REPO = pathlib.Path(__file__).parents[1]
+REPO = pathlib.Path(__file__).parents[2]
 ROOTS = {
     "verifypd": REPO / "services" / "verifypd",
     "verifypd_operator": REPO / "operator" / "verifypd_operator",
@@ -54,7 +54,9 @@ VERIFYPD_ROOMS: dict[str, frozenset[str]] = {
     "model": frozenset({"domain"}),  # the torch/Triton leaf
     "heads": frozenset(),  # the shipped draft-head files
     "spec_decode": frozenset({"domain", "model", "heads"}),  # proposers
-    "lanes": frozenset({"v1", "domain", "net", "model", "spec_decode", "heads"}),  # in-process lanes, lanes.rpc, TP ranks
+    "lanes": frozenset(
+        {"v1", "domain", "net", "model", "spec_decode", "heads"}
+    ),  # in-process lanes, lanes.rpc, TP ranks
     # the engine-core process, its client, the assembly of stacks
     "core": frozenset({"v1", "domain", "net", "router", "model", "spec_decode", "lanes", "heads"}),
     # the in-process engine (engine.py)
@@ -324,7 +326,9 @@ def test_a_function_level_import_of_a_higher_room_fails(tmp_path):
     problems = layer_violations({"verifypd": pkg}, "verifypd", VERIFYPD_ROOMS)
     assert len(problems) == 2, problems  # domain -> gateway, as the package and as the module
     assert all(p.startswith("verifypd.domain.types imports verifypd.gateway") for p in problems)
-    assert "verifypd/domain/types.py:5" in problems[0] and "domain -> gateway; domain may import heads, v1" in problems[0]
+    assert (
+        "verifypd/domain/types.py:5" in problems[0] and "domain -> gateway; domain may import heads, v1" in problems[0]
+    )
 
 
 def test_a_relative_import_of_a_higher_room_fails(tmp_path):
