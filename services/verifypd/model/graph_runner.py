@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from typing import Protocol
 
 import torch
 
@@ -80,7 +81,7 @@ class GraphRunner:
         self.draft = DraftState.allocate(
             rows, max_draft_steps, model.shape.vocab_size, self.tables, model.weights.embed.dtype
         )
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple, Replayable] = {}
         self._mempool = torch.cuda.graph_pool_handle() if replay == "cuda" else None
         # Each runner captures on its own stream. PyTorch keys the cuBLAS workspace by (handle,
         # stream) and a captured GEMM keeps the workspace address of its capture stream: graphs of
@@ -93,6 +94,13 @@ class GraphRunner:
     # -- sizes -------------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
+
+    def rows_for(self, batch: int) -> int:
+        """The captured bucket a call of `batch` runs in (callers check fits / draft_fits first)."""
+        rows = self.bucket(batch)
+        if rows is None:
+            raise ValueError(f"batch {batch} is over the largest captured bucket ({self.buckets[-1]})")
+        return rows
 
     def fits(self, batch: int, query: int) -> bool:
         rows = self.bucket(batch)
@@ -137,7 +145,7 @@ class GraphRunner:
     ) -> int:
         """Loads left-aligned runs, writes the device-side ids, fits the rows to the verdict of the
         call before (`fit`, model.verify_fit), replays (kind, rows, query); -> rows."""
-        rows = self.bucket(len(runs))
+        rows = self.rows_for(len(runs))
         graph = self._graph((kind, rows, query))
         self._load(runs, query, "left", rows, ks)
         if device_ids is not None and query > 1:  # see ModelRunner.score
@@ -153,7 +161,7 @@ class GraphRunner:
         return rows
 
     def last_logits(self, runs: list[TokenRun], query: int) -> torch.Tensor:
-        rows = self.bucket(len(runs))
+        rows = self.rows_for(len(runs))
         graph = self._graph(("last", rows, query))
         self._load(runs, query, "right", rows)
         graph.replay()
@@ -196,7 +204,7 @@ class GraphRunner:
     def draft_steps(self, samplings, first_tokens, next_pos: list[int], ks: list[int], mode: str) -> torch.Tensor:
         """Runs steps 1 .. max(ks)-1 of the draft loop; returns tokens [B, K], a view of a static
         buffer. The caller ran step 0 (`last_logits` + choose) just before."""
-        rows, steps = self.bucket(len(ks)), max(ks)
+        rows, steps = self.rows_for(len(ks)), max(ks)
         graph = self._graph(("draft", rows, mode))
         self.draft.start(samplings, first_tokens[: len(ks)], next_pos, ks, self.staging)
         for _ in range(steps - 1):
@@ -207,7 +215,7 @@ class GraphRunner:
         return self.bucket(batch) is not None and steps <= self.max_draft_steps
 
     # -- capture -----------------------------------------------------------------------------
-    def _graph(self, key: tuple) -> torch.cuda.CUDAGraph:
+    def _graph(self, key: tuple) -> Replayable:
         """The graph for `key`, captured on first use. Call before loading a call's inputs: capture
         runs the forward once and must find the static inputs inert."""
         graph = self._graphs.get(key)
@@ -217,7 +225,7 @@ class GraphRunner:
             return _CheckedGraph(graph, key)
         return graph
 
-    def _capture(self, key: tuple) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple) -> Replayable:
         kind, rows = key[0], key[1]
         if kind == "draft":
             state = self.draft.head(rows)
@@ -263,7 +271,7 @@ class GraphRunner:
         and the row count's parity (fit_layout's ks view starts rows * 8 bytes into its tensor: 16-byte
         aligned or not). Returns the (rows, query) launched."""
         launched = []
-        for rows in sorted({self.bucket(1), self.bucket(2)} - {None}):
+        for rows in sorted({self.rows_for(1), self.rows_for(2)}):
             for query in variant_queries(max_query):
                 if rows * query <= self.ids.numel():
                     n = rows * query
@@ -320,6 +328,12 @@ def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
             gc.enable()
     torch.cuda.synchronize()
     return graph
+
+
+class Replayable(Protocol):
+    """A captured CUDA graph, or what stands in for one (EagerReplay, _CheckedGraph)."""
+
+    def replay(self) -> None: ...
 
 
 class EagerReplay:
