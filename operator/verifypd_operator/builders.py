@@ -292,7 +292,7 @@ def build_services(spec: Spec, owner: Mapping[str, Any], namespace: str) -> list
 
 
 def build_network_policy(spec: Spec, owner: Mapping[str, Any], namespace: str) -> Manifest:
-    """Only the gateway may talk to the lanes (issue 10).
+    """Only the gateway may talk to the lanes.
 
     split: lane pods accept ingress on the gRPC port and the call-channel port (CALL_PORT, the
     gateway's fast path for work calls) only from this config's gateway pods and from its other

@@ -13,12 +13,12 @@ from typing import Any
 
 from .object_meta import Manifest, admin_secret_name, lane_secret_name, object_meta
 
-# The lanes' shared secret (issue 10): a Secret per config, mounted as a file into every pod that
+# The lanes' shared secret: a Secret per config, mounted as a file into every pod that
 # runs a lane or the gateway; lanes get `--secret-file`, the gateway `--lane-secret-file`.
 LANE_SECRET_KEY = "lane-secret"
 LANE_SECRET_DIR = "/var/run/verifypd/lane-secret"
 LANE_SECRET_FILE = f"{LANE_SECRET_DIR}/{LANE_SECRET_KEY}"
-# Control's admin key (issue 20): a Secret per config, mounted into the gateway container only
+# Control's admin key: a Secret per config, mounted into the gateway container only
 # (`verifypd serve --admin-key-file`); the operator's Control client reads it from the API and
 # presents it. Lanes never see it.
 ADMIN_KEY_KEY = "admin-key"

@@ -167,8 +167,8 @@ def accepted_length(
     t: token t + 1), a contiguous run per sequence from the prompt's last row. Walked as the engine
     walks: the first anchor is the first answer token's row; a step accepting a drafts moves the
     anchor a + 1 rows on. Not the mean over all anchors: the engine visits every anchor of a badly
-    drafted stretch but skips most of a well drafted one, so that mean overstates it (issue 19:
-    2.43 held-out vs 1.69 measured). Exact on data the target generated greedily, where the forced
+    drafted stretch but skips most of a well drafted one, so that mean overstates it (on the
+    embedded model's head: 2.43 held-out vs 1.69 measured). Exact on data the target generated greedily, where the forced
     tokens are the drafts the chain would have made."""
     # A draft of row t is token t + 2: the last row's is past the answer, which the engine never
     # drafts (k <= tokens left - 1).

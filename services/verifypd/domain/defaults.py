@@ -16,7 +16,7 @@ DEFAULT_TARGET = "smollm2"
 # embedded model and for any other target. The embedded model's trained EAGLE head
 # (verifypd/heads/smollm2_eagle, --draft eagle:smollm2, docs/eagle_results.md) was measured against it
 # and is not the default: it drafts better (2.50 tokens per verify step at k = 4 against ngram's
-# 1.71), but its steps cost more, and end to end on the H200 it ties ngram (session 29, three runs:
+# 1.71), but its steps cost more, and end to end on the H200 it ties ngram (three runs:
 # 1.31 / 1.41 / 1.39 vs 1.45 / 1.39 / 1.36 x --no-speculation at batch 1; ahead at 16, where both
 # lose to plain decoding: 0.89-0.94 vs 0.82-0.91 x), and the previous head tied it on the CPU
 # (1.27 vs 1.27 x).

@@ -53,7 +53,7 @@ class ChunkEvents:
     gives, without building and encoding the envelope's dicts per chunk: the fields that never
     change within a request are encoded once; per chunk only the text (json's C string encoder),
     the finish reason, the token ids and k are. At 128 streams this is one event per stream per
-    engine step on the gateway's one event loop (issue 22: gateway CPU per token)."""
+    engine step on the gateway's one event loop (the gateway's CPU per token)."""
 
     def __init__(self, envelope: dict, chat: bool, include_usage: bool):
         head = json.dumps(envelope, separators=(",", ":"))

@@ -266,7 +266,7 @@ class GraphRunner:
     def compile_fit_variants(self, max_query: int) -> list[tuple[int, int]]:
         """Launches the fit kernel (model.verify_fit) once per Triton variant a fitted verify call can
         take, every row padding (nothing is written). Triton compiles a variant the first time a launch
-        meets it: inside a timed batch-16 run that was one ~0.16 s launch (H200, session 34), and in a
+        meets it: inside a timed batch-16 run that was one ~0.16 s launch (H200), and in a
         server a stall of every request once per variant. Variants: the query's (verify_fit.kernel_variant),
         and the row count's parity (fit_layout's ks view starts rows * 8 bytes into its tensor: 16-byte
         aligned or not). Returns the (rows, query) launched."""

@@ -8,7 +8,7 @@
   `--secret-file` or `VERIFYPD_LANE_SECRET` (in Kubernetes: a Secret mounted as a file or env).
 * The gateway optionally requires `authorization: Bearer <key>` on Generation and GetConfig
   (`--api-key` / `VERIFYPD_API_KEY`).
-* Control is an admin API (issue 20): changing the runtime config needs the admin key
+* Control is an admin API: changing the runtime config needs the admin key
   (`--admin-key-file` / `VERIFYPD_ADMIN_KEY`), whether or not Generate has an API key; without one
   configured, nobody may change it. `gateway_access` is the rule, transport-agnostic.
 
