@@ -64,7 +64,8 @@ from bench_meta import git_revision  # noqa: E402
 
 from verifypd.domain.config import RuntimeConfig  # noqa: E402
 from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.model.build import load_models  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
 from verifypd.router.router import EngineObserver  # noqa: E402

@@ -94,11 +94,11 @@ def cmd_generate_offline(args) -> int:
     else:
         elapsed = (stats.token_times[-1] - stats.arrival_time) if stats.token_times else 0.0
         acc = stats.acceptance_rate
+        rate = f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s"
         print(
-            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, "
-            f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]"
+            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, {rate}]"
             if acc is not None
-            else f"\n[{stats.completion_tokens} tokens, no speculation, {stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
+            else f"\n[{stats.completion_tokens} tokens, no speculation, {rate}]",
             file=sys.stderr,
         )
     return 0
@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve hands them to its engine-core process
-    from verifypd.model.loader import ModelLoadError
+    from verifypd.domain.models import ModelLoadError
 
     try:
         if args.command == "generate" and args.offline:

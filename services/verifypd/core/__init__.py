@@ -2,7 +2,7 @@
 
 process.py      building the router (colocated or over lane clients) and running it as a process
 core_server.py  the router + engine loop behind the core channel; lane watchdog and re-wiring
-engine_loop.py  the one thread that steps the router; inbox of adds/cancels/config swaps
+loop.py  the one thread that steps the router; inbox of adds/cancels/config swaps
 channel.py      the core channel: length-prefixed JSON over a local socket, one message per step
 telemetry.py    OpenTelemetry metrics of the engine (OTLP, and Prometheus text for /metrics)
 """

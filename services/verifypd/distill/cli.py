@@ -123,7 +123,7 @@ def run(args) -> int:
     from verifypd.domain.config import RuntimeConfig
     from verifypd.engine import Engine, EngineOptions, load_models
     from verifypd.model.eagle_head import random_eagle_head
-    from verifypd.model.loader import ModelLoadError
+    from verifypd.domain.models import ModelLoadError
 
     out = pathlib.Path(args.out)
     checkpoint = latest_checkpoint(out)

@@ -6,6 +6,7 @@ client auth), and accept only peers whose certificate chains to the config's CA.
 the operator issues (docs/kubernetes.md "TLS"); by hand, any CA and one leaf per process work too.
 
     lane_tls(cert, key, ca, server_name, flags=...)  checked files -> LaneTls (None: TLS off)
+    serve_lane_tls(LaneTlsFiles)                     the same for `serve`'s --lane-tls-* files
 
 Where TLS goes: gRPC (Describe, ImportPools, health, KvTransfer, unary work calls) uses grpc's own
 TLS; the call channel (call_channel.py, a framed TCP socket) is wrapped in the `ssl` module's
@@ -31,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from verifypd.domain.options import LaneTlsFiles
 from verifypd.net.tls import TlsError, _load_ca, _load_chain, _read, files_stamp
 
 log = logging.getLogger("verifypd.net.lane_tls")
@@ -208,7 +210,7 @@ def lane_tls(
 ) -> LaneTls | None:
     """Checked lane TLS files; None when none of the three is given. All three or none: a lane
     with TLS accepts only peers with a certificate from the CA, and presents its own."""
-    given = dict(zip(flags, (cert_file, key_file, ca_file)))
+    given = dict(zip(flags, (cert_file, key_file, ca_file), strict=True))
     if not any(given.values()):
         if server_name:
             raise TlsError(
@@ -219,6 +221,14 @@ def lane_tls(
     if missing:
         raise TlsError(f"mutual TLS between gateway and lanes needs {', '.join(flags)}; missing {', '.join(missing)}")
     return LaneTls(cert_file, key_file, ca_file, server_name, flags)
+
+
+SERVE_FLAGS = ("--lane-tls-cert-file", "--lane-tls-key-file", "--lane-tls-ca-file")
+
+
+def serve_lane_tls(files: LaneTlsFiles) -> LaneTls | None:
+    """`serve`'s --lane-tls-* files, checked (TlsError naming serve's flags); None when not given."""
+    return lane_tls(files.cert_file, files.key_file, files.ca_file, files.server_name, flags=SERVE_FLAGS)
 
 
 class LaneChannel:

@@ -46,8 +46,9 @@ import time
 
 import torch
 
+from verifypd.lanes.processes import child_env
 from verifypd.lanes.tensor_parallel import calls as tp_calls
-from verifypd.model.loader import ModelLoadError
+from verifypd.domain.models import ModelLoadError
 from verifypd.model.runner import ModelRunner
 
 log = logging.getLogger("verifypd.tp")
@@ -120,8 +121,6 @@ class LeaderRanks:
         init_file = os.path.join(self._dir, "rendezvous")
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
-        from verifypd.launch.launcher import child_env
-
         for rank in range(1, world):
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             options = dict(

@@ -25,7 +25,7 @@ import threading
 import time
 
 import verifypd
-from verifypd.launch.mps import MpsDaemon, start_for_lanes
+from verifypd.lanes.mps import MpsDaemon, start_for_lanes
 from verifypd.net.auth import LANE_SECRET_ENV, new_secret
 
 log = logging.getLogger("verifypd.launcher")
