@@ -40,7 +40,6 @@ class EngineOptions:
     tensor_parallel: int = 1
 
 
-
 @dataclass
 class LaneTlsFiles:
     """`serve`'s --lane-tls-* files (mutual TLS to the lanes; all None: plaintext)."""
