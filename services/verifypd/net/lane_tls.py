@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from verifypd.domain.options import LaneTlsFiles
-from verifypd.net.tls import TlsError, _load_ca, _load_chain, _read, files_stamp
+from verifypd.net.tls import TlsError, files_stamp, load_ca, load_chain, read_pem
 
 log = logging.getLogger("verifypd.net.lane_tls")
 RELOAD_CHECK_S = 5.0  # how often (at most) the files' stat is checked for a change
@@ -75,14 +75,18 @@ class LaneTls:
 
     def _load(self) -> _Material:
         cert_flag, key_flag, ca_flag = self.flags
-        cert, key, ca = _read(self.cert_file, cert_flag), _read(self.key_file, key_flag), _read(self.ca_file, ca_flag)
+        cert, key, ca = (
+            read_pem(self.cert_file, cert_flag),
+            read_pem(self.key_file, key_flag),
+            read_pem(self.ca_file, ca_flag),
+        )
         server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         server.verify_mode = ssl.CERT_REQUIRED  # mutual: a peer without a certificate is refused
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
         for ctx in (server, client):
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            _load_chain(ctx, self.cert_file, self.key_file, cert_flag, key_flag)
-            _load_ca(ctx, self.ca_file, ca_flag)
+            load_chain(ctx, self.cert_file, self.key_file, cert_flag, key_flag)
+            load_ca(ctx, self.ca_file, ca_flag)
         return _Material(cert, key, ca, server, client)
 
     def current(self) -> _Material:
