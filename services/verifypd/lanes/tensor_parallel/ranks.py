@@ -1,6 +1,6 @@
 """The rank processes of a tensor-parallel target (`--tensor-parallel N`): one process per rank.
 
-Rank 0 is the lane: the process that builds the engine (the offline CLI, the engine core of
+Rank 0 is the lane: the process that builds the stack (the offline CLI, the engine core of
 `verifypd serve`) owns the lane calls, the host layouts and the sampler. It starts ranks 1..N-1
 (`python -m verifypd.lanes.tensor_parallel.follower`, spawn + exec, each with one end of a socketpair), and the
 N processes join one torch.distributed group (NCCL on GPUs, rank r on cuda:(base + r); gloo on the
