@@ -123,8 +123,8 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     step), and the tokens stay the offline engine's."""
     from verifypd.core.assembly import connect_lanes
     from verifypd.domain.requests import RequestSpec
-    from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.lanes.processes import LaneProcesses
+    from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)

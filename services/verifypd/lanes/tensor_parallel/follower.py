@@ -77,8 +77,8 @@ class Follower:
 
     def own_pool(self) -> bytes:
         """Builds this rank's pool and runner ("private" / "shared"); returns the ready answer."""
-        from verifypd.model.build import capture_graphs
         from verifypd.lanes.tensor_parallel.ranks import agree_blocks
+        from verifypd.model.build import capture_graphs
         from verifypd.model.kv_pool import KvPool, PoolGeometry
         from verifypd.model.runner import ModelRunner
 

@@ -46,9 +46,9 @@ import time
 
 import torch
 
+from verifypd.domain.models import ModelLoadError
 from verifypd.lanes.processes import child_env
 from verifypd.lanes.tensor_parallel import calls as tp_calls
-from verifypd.domain.models import ModelLoadError
 from verifypd.model.runner import ModelRunner
 
 log = logging.getLogger("verifypd.tp")
