@@ -20,7 +20,8 @@ from engine_throughput import git_revision, random_prompts  # noqa: E402
 
 from verifypd.domain.config import RuntimeConfig  # noqa: E402
 from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.model.build import load_models  # noqa: E402
 
 
 def run(engine, prompts, tag):

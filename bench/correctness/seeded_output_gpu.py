@@ -27,7 +27,8 @@ from engine_throughput import git_revision, random_prompts  # noqa: E402
 
 from verifypd.domain.config import RuntimeConfig  # noqa: E402
 from verifypd.domain.requests import RequestSpec, SamplingParams  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.model.build import load_models  # noqa: E402
 
 SUBJECTS, CROWD, MAX_TOKENS = 8, 16, 64
 

@@ -36,7 +36,8 @@ from verifypd.domain.config import RuntimeConfig  # noqa: E402
 from verifypd.domain.drafts import parse_draft  # noqa: E402
 from verifypd.domain.requests import RequestSpec  # noqa: E402
 from verifypd.domain.tokenizer import TextCodec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, Models, load_draft_model  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.model.build import Models, load_draft_model  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
 

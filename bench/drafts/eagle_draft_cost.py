@@ -30,7 +30,8 @@ from bench_meta import metadata  # noqa: E402
 from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402
 
 from verifypd.domain.config import RuntimeConfig  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.model.build import load_models  # noqa: E402
 from verifypd.model.eagle_draft import EagleModel, FeatureRun  # noqa: E402
 from verifypd.model.eagle_head import random_eagle_head  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402

@@ -20,7 +20,8 @@ from engine_throughput import git_revision  # noqa: E402
 
 from verifypd.domain.config import RuntimeConfig  # noqa: E402
 from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, Models  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.model.build import Models  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import load_model  # noqa: E402
 

@@ -63,9 +63,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # determinism.py, draft_acceptance.py and self_draft_acceptance.py import git_revision from here.
 from bench_meta import git_revision  # noqa: E402
 
+from verifypd.core.assembly import load_stack_models  # noqa: E402
 from verifypd.domain.config import RuntimeConfig  # noqa: E402
 from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions, load_models  # noqa: E402
+from verifypd.engine import Engine, EngineOptions  # noqa: E402
 from verifypd.model.llama import PagedLlama  # noqa: E402
 from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
 from verifypd.router.router import EngineObserver  # noqa: E402
@@ -323,7 +324,9 @@ def main() -> None:
         tensor_parallel=args.tensor_parallel,
     )
     t0 = time.perf_counter()
-    target_models = load_models(EngineOptions(target=model_spec(args.target), draft=model_spec(args.draft), **base))
+    target_models = load_stack_models(
+        EngineOptions(target=model_spec(args.target), draft=model_spec(args.draft), **base)
+    )
     results["load_seconds"] = round(time.perf_counter() - t0, 1)
     tm, dm = target_models.target_model, target_models.draft_model
     floors = {}

@@ -135,7 +135,7 @@ class ServeProcess:
     READY = "verifypd: serving"
 
     def __init__(self, cmd: list[str], echo: bool = False, env: dict[str, str] | None = None):
-        from verifypd.launch.launcher import child_env
+        from verifypd.lanes.processes import child_env
 
         self.cmd = cmd
         self.lines: deque[str] = deque(maxlen=200)

@@ -56,9 +56,9 @@ def core(args) -> None:
     """The engine-core process: the router over instant lanes behind the core channel."""
     import socket
 
+    from verifypd.core.assembly import server_info
     from verifypd.core.channel import BlockingChannel
     from verifypd.core.core_server import CoreServer
-    from verifypd.core.process import server_info
 
     channel = BlockingChannel(socket.socket(fileno=args.channel_fd))
     CoreServer(
@@ -90,7 +90,7 @@ def serve(args) -> None:
         "--verify-ms",
         str(args.verify_ms),
     ]
-    proc = CoreProcess(argv, program=[sys.executable, os.path.abspath(__file__), "--core"])
+    proc = CoreProcess(None, program=[sys.executable, os.path.abspath(__file__), "--core"], program_args=argv)
     gateway = Gateway(proc.sock, TextCodec(None), core_process=proc).start()
     if args.api == "openai":  # the OpenAI HTTP API on the gateway's loop, as `verifypd serve` runs it
         from verifypd.gateway.http_api import HttpApi

@@ -164,12 +164,12 @@ def main() -> int:
 
     from bench_meta import metadata
 
-    from verifypd.core.process import connect_lanes
+    from verifypd.core.assembly import connect_lanes
     from verifypd.domain.config import RuntimeConfig
     from verifypd.engine import Engine, EngineOptions
     from verifypd.gateway.server import load_codec
+    from verifypd.lanes.processes import LaneProcesses
     from verifypd.lanes.rpc.lane_client import wire_pools
-    from verifypd.launch.launcher import LaneProcesses
     from verifypd.router.router import Router
 
     config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False, schedule=args.schedule)

@@ -96,12 +96,11 @@ def cmd_generate_offline(args) -> int:
         acc = stats.acceptance_rate
         # No draft token at all: speculation was off, or the draft (e.g. ngram: no match) proposed none.
         nothing = "speculation off" if k == 0 or options.draft == "none" else "no draft proposed"
+        rate = f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s"
         print(
-            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, "
-            f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]"
+            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, {rate}]"
             if acc is not None
-            else f"\n[{stats.completion_tokens} tokens, {nothing}, "
-            f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s]",
+            else f"\n[{stats.completion_tokens} tokens, {nothing}, {rate}]",
             file=sys.stderr,
         )
     return 0
@@ -133,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve hands them to its engine-core process
-    from verifypd.model.loader import ModelLoadError
+    from verifypd.domain.models import ModelLoadError
 
     try:
         if args.command == "generate" and args.offline:

@@ -26,8 +26,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
+    from verifypd.domain.defaults import DEFAULT_TARGET
     from verifypd.domain.drafts import DRAFT_HELP
-    from verifypd.engine import DEFAULT_TARGET
 
     p.add_argument(
         "--target",

@@ -71,7 +71,7 @@ def test_one_message_per_step_carries_every_request_in_order(tiny_models, gatewa
         engine_options(*tiny_models), [RequestSpec(tuple(p), max_tokens=20, stop_at_eos=False) for p in prompts]
     )
     channel = gateway.core.channel
-    steps0, messages0 = gateway.engine.steps, channel.step_messages
+    steps0, messages0 = gateway.core_loop.steps, channel.step_messages
     results: dict[int, list[int]] = {}
     barrier = threading.Barrier(len(prompts))
 
@@ -85,7 +85,7 @@ def test_one_message_per_step_carries_every_request_in_order(tiny_models, gatewa
     for t in threads:
         t.join(60)
     assert [results[n] for n in range(len(prompts))] == expected  # every token, in order, to its request
-    steps, messages = gateway.engine.steps - steps0, channel.step_messages - messages0
+    steps, messages = gateway.core_loop.steps - steps0, channel.step_messages - messages0
     assert messages == steps, "a step must send exactly one message (steps with output)"
     assert max(channel.rows[messages0:]) > 1, "concurrent requests must share step messages"
 
@@ -101,7 +101,7 @@ def test_cancel_before_added_and_while_streaming_frees_everything(gateway, clien
         assert err.value.code() == grpc.StatusCode.CANCELLED
     assert wait_until(lambda: gateway.client.in_flight() == 0, 5)
     assert wait_until(
-        lambda: gateway.engine.call(lambda r: (r.target_blocks.num_used, len(r.sequences()))) == (0, 0), 5
+        lambda: gateway.core_loop.call(lambda r: (r.target_blocks.num_used, len(r.sequences()))) == (0, 0), 5
     )
 
 
@@ -219,14 +219,14 @@ def test_health_not_serving_after_core_loss_in_process(tiny_models):
 def test_a_stuck_core_gives_unavailable_not_a_hang(tiny_models, monkeypatch):
     """A core that is alive but does not take requests (a stopped process, a wedged step): the
     add is not answered, and the caller gets UNAVAILABLE after SUBMIT_TIMEOUT_S instead of waiting."""
-    from verifypd.gateway import engine_client
+    from verifypd.core import client as core_client
     from verifypd.gateway.server import build_colocated
 
-    monkeypatch.setattr(engine_client, "SUBMIT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(core_client, "SUBMIT_TIMEOUT_S", 0.5)
     gw = build_colocated(engine_options(*tiny_models)).start()
     try:
         release = threading.Event()
-        gw.engine.post(lambda router: release.wait(10))  # the engine thread is busy
+        gw.core_loop.post(lambda router: release.wait(10))  # the engine thread is busy
         c = Client(gw.address)
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
@@ -234,7 +234,7 @@ def test_a_stuck_core_gives_unavailable_not_a_hang(tiny_models, monkeypatch):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "did not take the request" in err.value.details()
         assert time.monotonic() - t0 < 3
         release.set()
-        assert wait_until(lambda: gw.engine.call(lambda r: len(r.sequences())) == 0, 5)  # cancelled in the core
+        assert wait_until(lambda: gw.core_loop.call(lambda r: len(r.sequences())) == 0, 5)  # cancelled in the core
         ids, _ = c.generate(**greedy_request([5, 6], max_tokens=4))
         assert len(ids) == 4
         c.close()

@@ -82,7 +82,7 @@ def client(gateway):
 
 
 def blocks_in_use(gw) -> tuple[int, int]:
-    return gw.engine.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))
+    return gw.core_loop.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))
 
 
 def test_greedy_output_equals_offline_engine(tiny_models, client):
@@ -211,7 +211,7 @@ def test_update_config_takes_effect_on_next_step(client, gateway):
     assert (applied.k_initial, applied.k_max, applied.priorities.prefill, applied.priorities.draft) == (1, 8, 5, 2)
     assert applied.revision == before.revision + 1
     msgs += list(call)
-    steps_at_swap, revision = gateway.engine.config_log[-1]
+    steps_at_swap, revision = gateway.core_loop.config_log[-1]
     assert revision == applied.revision
     ks = {s: v for s, v in recorder.k_by_step.items() if s >= start}
     assert steps_at_swap > start and all(v == [4] for s, v in ks.items() if s < steps_at_swap)

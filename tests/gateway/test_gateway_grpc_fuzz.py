@@ -115,6 +115,6 @@ def test_extreme_field_values_are_served_or_invalid_argument_naming_the_field(ga
             assert all(t < 96 for m in msgs for t in m.token_ids), what
     assert codes.get("OK", 0) > FUZZ_REQUESTS // 5 and codes.get("INVALID_ARGUMENT", 0) > FUZZ_REQUESTS // 5, codes
     assert elapsed < 60, f"{FUZZ_REQUESTS} requests took {elapsed:.0f} s"
-    blocks = lambda: gateway.engine.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))  # noqa: E731
+    blocks = lambda: gateway.core_loop.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))  # noqa: E731
     assert wait_until(lambda: blocks() == (0, 0), timeout_s=5.0), blocks()
     assert wait_until(lambda: gateway.client.in_flight() == 0, timeout_s=5.0)

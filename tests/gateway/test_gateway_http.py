@@ -294,15 +294,15 @@ def test_queue_full_429_and_not_serving_503(chat_models):
         # one or two are taken (two unless the second comes before the engine admitted the first).
         assert set(codes) <= {200, 429} and 1 <= codes.count(200) <= 2 and len(codes) == 4, codes
         with pytest.raises(openai.RateLimitError):  # what the official client makes of it
-            s.gw.engine.max_queue = 0
+            s.gw.core_loop.max_queue = 0
             s.openai().completions.create(model=MODEL, prompt="w5", max_tokens=2)
-        s.gw.engine.max_queue = 1
+        s.gw.core_loop.max_queue = 1
         # A failure after the stream began arrives as an error event, which the client raises.
         stream = s.openai().completions.create(
             model=MODEL, prompt=[5, 6], max_tokens=100, stream=True, extra_body={"ignore_eos": True}
         )
         next(iter(stream))
-        s.gw.engine.fail("test: a lane is down")
+        s.gw.core_loop.fail("test: a lane is down")
         with pytest.raises(openai.APIError, match="a lane is down"):
             list(stream)
         assert wait_until(lambda: httpx.get(s.url + "/health").status_code == 503, timeout_s=2.0)

@@ -121,10 +121,10 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     prefill work sends the prefill call before it reads the verify call's reply (before this, a
     lock-step step sent its prefill call only after decode, adding its whole round trip to the
     step), and the tokens stay the offline engine's."""
-    from verifypd.core.process import connect_lanes
+    from verifypd.core.assembly import connect_lanes
     from verifypd.domain.requests import RequestSpec
+    from verifypd.lanes.processes import LaneProcesses
     from verifypd.lanes.rpc.lane_client import wire_pools
-    from verifypd.launch.launcher import LaneProcesses
     from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)

@@ -135,7 +135,7 @@ def _cli_in_process(capsys, monkeypatch, *args: str) -> tuple[int, str]:
 
 
 def test_bad_tensor_parallel_sizes_exit_2(tiny_models, capsys, monkeypatch):
-    from verifypd.launch.launcher import child_env
+    from verifypd.lanes.processes import child_env
 
     target, draft = tiny_models  # 4 heads, 2 kv heads, intermediate 128
     # `serve` refuses through its engine-core process (exit 2 passed up): real processes, both
@@ -306,7 +306,7 @@ def _wait(predicate, timeout_s: float) -> bool:
 def _start_lanes(tiny_models, names, tmp_path) -> list[tuple[subprocess.Popen, str]]:
     """`verifypd lane NAME` processes, started together (each loads its models meanwhile); returns
     (process, address) per lane once every one has written its port file."""
-    from verifypd.launch.launcher import child_env
+    from verifypd.lanes.processes import child_env
 
     started = []
     for lane in names:

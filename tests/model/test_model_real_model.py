@@ -9,7 +9,8 @@ from engine_helpers import DEVICE, hf_greedy, write_tiny_llama
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.requests import RequestSpec
-from verifypd.engine import Engine, EngineOptions, Models
+from verifypd.engine import Engine, EngineOptions
+from verifypd.model.build import Models
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, embedded_model_path, shape_from_config, weights_from_state_dict
 

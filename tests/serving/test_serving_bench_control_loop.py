@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from verifypd.launch.launcher import child_env
+from verifypd.lanes.processes import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

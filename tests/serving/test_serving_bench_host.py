@@ -13,7 +13,7 @@ import sys
 import pytest
 from services_helpers import tiny_models  # noqa: F401 (a fixture)
 
-from verifypd.launch.launcher import child_env
+from verifypd.lanes.processes import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -30,7 +30,7 @@ def load_harness():
 
 
 def run_harness(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    from verifypd.launch.launcher import child_env
+    from verifypd.lanes.processes import child_env
 
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT

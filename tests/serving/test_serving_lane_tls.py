@@ -43,7 +43,7 @@ def tls_of(pki, leaf="leaf", ca="ca"):
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models, pki):
-    from verifypd.launch.launcher import LaneProcesses
+    from verifypd.lanes.processes import LaneProcesses
 
     procs = LaneProcesses(engine_options(*tiny_models), tls=tls_of(pki))
     procs.start(timeout_s=120)
@@ -97,7 +97,7 @@ def test_lanes_over_mtls_give_the_offline_tokens(tiny_models, lanes, pki, prompt
     ],
 )
 def test_lanes_refuse_a_core_without_the_right_certificate(tiny_models, lanes, pki, case, says):
-    from verifypd.core.process import connect_lanes
+    from verifypd.core.assembly import connect_lanes
 
     tls = {
         "plaintext": None,

@@ -1,5 +1,5 @@
 """`serve --topology split --mps`: the lanes it starts run under a private CUDA MPS daemon
-(launch/mps.py). CPU only: a stand-in `nvidia-cuda-mps-control` on PATH records what it is asked
+(lanes/mps.py). CPU only: a stand-in `nvidia-cuda-mps-control` on PATH records what it is asked
 and with which environment; the lanes are not really spawned."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from verifypd.engine import EngineOptions
-from verifypd.launch import mps
-from verifypd.launch.launcher import LaneProcesses
+from verifypd.lanes import mps
+from verifypd.lanes.processes import LaneProcesses
 
 FAKE_CONTROL = """#!/bin/sh
 # stand-in for nvidia-cuda-mps-control: logs argv, stdin and the pipe directory
@@ -83,7 +83,7 @@ def test_auto_falls_back_to_time_slicing_and_on_refuses(fake_control, tmp_path):
 
 
 def test_serve_mps_on_without_split_cuda_lanes_exits_2():
-    from verifypd.launch.launcher import child_env
+    from verifypd.lanes.processes import child_env
 
     for extra in (["--topology", "colocated", "--device", "cuda"], ["--topology", "split", "--device", "cpu"]):
         done = subprocess.run(

@@ -27,7 +27,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.launch.launcher import LaneProcesses
+    from verifypd.lanes.processes import LaneProcesses
 
     procs = LaneProcesses(engine_options(tiny_models[0], DRAFT))
     procs.start(timeout_s=120)

@@ -131,7 +131,7 @@ def test_split_serve_passes_it_to_the_verify_lane(unrelated_models):
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "nan", "high"])
 def test_out_of_range_is_a_cli_error(value):
-    from verifypd.launch.launcher import child_env
+    from verifypd.lanes.processes import child_env
 
     proc = subprocess.run(
         [sys.executable, "-m", "verifypd.cli", "serve", "--simulated-acceptance", value],

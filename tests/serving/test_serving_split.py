@@ -22,7 +22,7 @@ from verifypd.v1 import generate_pb2
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.launch.launcher import LaneProcesses
+    from verifypd.lanes.processes import LaneProcesses
 
     procs = LaneProcesses(engine_options(*tiny_models))
     procs.start(timeout_s=120)
@@ -120,7 +120,7 @@ def test_sampling_through_split_equals_offline(tiny_models, lanes, top_k):
 def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, prompts, expected):
     """The router's fast path (call channel: compact columns, request intros, block-table deltas)
     and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
-    from verifypd.core.process import connect_lanes
+    from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
     from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.router.router import Router
@@ -150,7 +150,7 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
 def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lanes, prompts, expected):
     """pdv with pipelining across the lane processes: one group's draft beside the other's verify,
     and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
-    from verifypd.core.process import connect_lanes
+    from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
     from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.router.router import Router
@@ -186,7 +186,7 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
     (held drafts verified alone first) keeps the offline tokens."""
     import itertools
 
-    from verifypd.core.process import connect_lanes
+    from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
     from verifypd.lanes.rpc.lane_client import wire_pools
     from verifypd.router import scheduler as scheduler_module

@@ -48,7 +48,7 @@ class HttpGateway:
         self.url = self.http.url
 
     def blocks_in_use(self) -> tuple[int, int]:
-        return self.gw.engine.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))
+        return self.gw.core_loop.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))
 
     def openai(self, **kwargs):
         import openai

@@ -154,7 +154,7 @@ class Server:
         echo: bool = True,
         env: dict[str, str] | None = None,
     ):
-        from verifypd.launch.launcher import child_env
+        from verifypd.lanes.processes import child_env
 
         self.proc = subprocess.Popen(cmd, env={**child_env(), **(env or {})}, stderr=subprocess.PIPE, text=True)
         self.ready_line, self.echo = ready_line, echo

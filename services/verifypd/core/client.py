@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import grpc
 
 from verifypd.core.channel import USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire, spec_to_wire, unb64
-from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
+from verifypd.core.loop import Draining, Overloaded, Unavailable
 from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec
 from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 
 log = logging.getLogger("verifypd.gateway")
-READY_TIMEOUT_S = 3600.0
-SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most  # a large model loads and captures graphs before the core is ready
+READY_TIMEOUT_S = 3600.0  # a large model loads and captures graphs before the core is ready
+SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class Chunk:
     ttft_s: float | None
 
     def usage_dict(self) -> dict[str, int]:
-        return dict(zip(USAGE_KEYS, self.usage))
+        return dict(zip(USAGE_KEYS, self.usage, strict=False))
 
 
 @dataclass(slots=True)
@@ -119,7 +119,7 @@ class RequestStream:
 _REFUSALS = {"INVALID_ARGUMENT": InvalidRequest, "RESOURCE_EXHAUSTED": Overloaded}
 
 
-class EngineClient:
+class CoreClient:
     def __init__(self, channel: AsyncChannel, codec, *, on_failure: Callable[[str, bool], None] | None = None):
         self.channel, self.codec, self.on_failure = channel, codec, on_failure
         self.info: generate_pb2.ServerInfo | None = None

@@ -3,7 +3,7 @@
 `verifypd serve` runs it as its own process (`python -m verifypd.core.process`, spawned by
 the gateway with the channel's socket inherited), so the router's steps never share an
 interpreter lock with gRPC, HTTP, tokenization or detokenization. Its main thread does nothing
-but steps (`EngineLoop`); one reader thread turns channel messages into inbox commands; the split
+but steps (`CoreLoop`); one reader thread turns channel messages into inbox commands; the split
 topology adds the lane watchdog and supervisor threads. Tests run the same `CoreServer` in
 threads of their own process (`gateway.build_colocated`), over a socketpair all the same.
 
@@ -17,7 +17,7 @@ import logging
 import threading
 
 from verifypd.core.channel import BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire, unb64
-from verifypd.core.engine_loop import EngineLoop, Overloaded, Unavailable
+from verifypd.core.loop import CoreLoop, Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import InvalidRequest, RequestOutput
@@ -38,7 +38,7 @@ def refusal(exc: BaseException) -> tuple[str, str]:
 
 
 class CoreServer:
-    """The router + EngineLoop serving one channel. `lanes`: gRPC lane clients to watch and re-wire
+    """The router + CoreLoop serving one channel. `lanes`: gRPC lane clients to watch and re-wire
     (split topology); `on_close`: run after the loop stops (terminate spawned lanes)."""
 
     def __init__(
@@ -57,7 +57,7 @@ class CoreServer:
     ):
         self.router, self.channel, self.info = router, channel, info
         self.lanes, self.kv_transport = list(lanes), kv_transport
-        self.engine = EngineLoop(
+        self.loop = CoreLoop(
             router,
             self,
             max_queue=max_queue,
@@ -73,7 +73,7 @@ class CoreServer:
         self.wiring = None  # split: the last ImportPools reply (re-wiring replaces it)
         self._reader = threading.Thread(target=self._read, name="core-channel", daemon=True)
 
-    # -- StepSink (engine thread) --------------------------------------------------------------
+    # -- StepSink (loop thread) --------------------------------------------------------------
     def step(self, outputs: list[RequestOutput]) -> None:
         self._send({"t": "step", "out": [output_to_wire(o) for o in outputs]})
 
@@ -111,15 +111,15 @@ class CoreServer:
         if self.lanes:
             threading.Thread(target=self._watch_lanes, name="lane-watchdog", daemon=True).start()
         if loop_in_thread:
-            self.engine.start()
+            self.loop.start()
         else:
-            self.engine.run()
+            self.loop.run()
             self._close()
 
     def stop(self) -> None:
         """Stops the loop (joining its thread) and closes lanes and channel. Idempotent."""
         self._stopped.set()
-        self.engine.stop()
+        self.loop.stop()
         self._close()
 
     def _close(self) -> None:
@@ -144,7 +144,7 @@ class CoreServer:
                 if kind == "add":
                     self._add(msg)
                 elif kind == "cancel":
-                    self.engine.cancel(str(msg["id"]))
+                    self.loop.cancel(str(msg["id"]))
                 elif kind == "call":
                     self._call(msg)
                 elif kind == "stop":
@@ -155,7 +155,7 @@ class CoreServer:
             if not self._stopped.is_set():
                 log.warning("core channel: %s; stopping", exc)
         self._stopped.set()
-        self.engine.stop(timeout_s=0)
+        self.loop.stop(timeout_s=0)
 
     def _add(self, msg: dict) -> None:
         rid = msg["id"]
@@ -165,7 +165,7 @@ class CoreServer:
             self._send({"t": "refused", "id": rid, "code": "INVALID_ARGUMENT", "message": f"bad request: {exc}"})
             return
 
-        def done(future) -> None:  # engine thread, before the step that first schedules it
+        def done(future) -> None:  # loop thread, before the step that first schedules it
             exc = future.exception()
             if exc is None:
                 self._send({"t": "added", "id": rid})
@@ -173,7 +173,7 @@ class CoreServer:
                 code, message = refusal(exc)
                 self._send({"t": "refused", "id": rid, "code": code, "message": message})
 
-        self.engine.submit(spec).add_done_callback(done)
+        self.loop.submit(spec).add_done_callback(done)
 
     def _call(self, msg: dict) -> None:
         cid, op, arg = msg["cid"], msg["op"], msg.get("arg")
@@ -197,7 +197,7 @@ class CoreServer:
                 else {"t": "reply", "cid": cid, "error": list(refusal(exc))}
             )
 
-        self.engine.post(ops[op]).add_done_callback(done)
+        self.loop.post(ops[op]).add_done_callback(done)
 
     @staticmethod
     def _config_b64(config) -> str:
@@ -208,7 +208,7 @@ class CoreServer:
         pb = control_pb2.RuntimeConfig.FromString(unb64(arg["config"]))
         new = router.config.updated(**convert.config_changes_from_pb(pb, router.config))
         router.config = new
-        self.engine.config_log.append((self.engine.steps, new.revision))
+        self.loop.config_log.append((self.loop.steps, new.revision))
         log.info(
             "config revision %d applied (by %r: %s): %s",
             new.revision,
@@ -220,7 +220,7 @@ class CoreServer:
 
     def _stats(self, router) -> dict:
         """What benches read: steps, their busy time and tokens, requests and blocks in use."""
-        e = self.engine
+        e = self.loop
         return {
             "in_flight": e.in_flight(),
             "steps": e.steps,
@@ -243,7 +243,7 @@ class CoreServer:
         while not self._stopped.wait(self._watch_interval_s):
             for lane in self.lanes:
                 if not lane.healthy(timeout_s=max(self._watch_interval_s, 1.0)) and not self._stopped.is_set():
-                    self.engine.lane_lost(f"{lane.lane} lane at {lane.addr} is not serving")
+                    self.loop.lane_lost(f"{lane.lane} lane at {lane.addr} is not serving")
                     break
 
     def _rewire(self) -> None:

@@ -5,7 +5,7 @@ the API's no-ops). The resource comes from the environment (OTEL_SERVICE_NAME,
 OTEL_RESOURCE_ATTRIBUTES: the operator sets the config name/namespace/pod there). Tests pass
 their own metric reader.
 
-Implements the router's EngineObserver; all hooks run on the engine thread, observable gauges are
+Implements the router's EngineObserver; all hooks run on the core loop's thread, observable gauges are
 read by the exporter thread from plain attributes set in `on_step`.
 """
 

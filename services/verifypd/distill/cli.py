@@ -121,9 +121,10 @@ def run(args) -> int:
     from verifypd.distill.data import make_data
     from verifypd.distill.trainer import Trainer, TrainSettings, latest_checkpoint
     from verifypd.domain.config import RuntimeConfig
-    from verifypd.engine import Engine, EngineOptions, load_models
+    from verifypd.domain.models import ModelLoadError
+    from verifypd.engine import Engine, EngineOptions
+    from verifypd.model.build import load_models
     from verifypd.model.eagle_head import random_eagle_head
-    from verifypd.model.loader import ModelLoadError
 
     out = pathlib.Path(args.out)
     checkpoint = latest_checkpoint(out)

@@ -32,8 +32,10 @@ def compare_drafts(
     dtype: str = "auto",
 ) -> dict:
     from verifypd.domain.config import RuntimeConfig
+    from verifypd.domain.models import draft_spec
     from verifypd.domain.requests import RequestSpec
-    from verifypd.engine import Engine, EngineOptions, draft_spec, load_draft_model, load_models
+    from verifypd.engine import Engine, EngineOptions
+    from verifypd.model.build import load_draft_model, load_models
 
     prompts, families = read_prompts(prompts_file), prompt_families(prompts_file)
     results = []

@@ -17,14 +17,14 @@ from verifypd.v1 import control_pb2, generate_pb2
 DEFAULT_MAX_TOKENS = 256
 MAX_REQUEST_ID_LEN = 256
 
-_FINISH = {
+FINISH_CODES = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
     FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
     FinishReason.CANCELLED: generate_pb2.FINISH_REASON_CANCELLED,
 }
-FINISH_NAMES = {v: (k.value if k else None) for k, v in _FINISH.items()}  # wire enum -> "length", ...
+FINISH_NAMES = {v: (k.value if k else None) for k, v in FINISH_CODES.items()}  # wire enum -> "length", ...
 
 
 def prompt_ids_from_pb(req: generate_pb2.GenerateRequest, codec) -> list[int]:
@@ -103,7 +103,7 @@ def response_to_pb(
         request_id=request_id,
         token_ids=token_ids,
         text=text,
-        finish_reason=_FINISH[finish],
+        finish_reason=FINISH_CODES[finish],
         usage=generate_pb2.Usage(**usage),
         applied_k=applied_k,
         server_elapsed_s=elapsed_s,

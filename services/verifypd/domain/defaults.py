@@ -1,7 +1,7 @@
 """The product's defaults that the operator must share with the CLI. Torch-free, dependency-free.
 
 The operator image copies this file (docker/Dockerfile.operator) beside `metric_names.py`; the CLI
-(`verifypd.domain.drafts`, `verifypd.engine`) and the operator's CRD and spec parser
+(`verifypd.domain.drafts`, `verifypd.domain.options`) and the operator's CRD and spec parser
 (`verifypd_operator.spec`, `verifypd_operator.crd`) all read these names, so a Kubernetes user and a
 `verifypd serve` user start from the same model and draft. tests/operator/test_operator_defaults.py
 fails when the chart, the examples or the generated CRD drift from them.

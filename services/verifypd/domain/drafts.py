@@ -11,7 +11,7 @@
 
 Adding a draft kind is one `DraftSpec.kind`, one parse rule here, and one builder: pool-less kinds
 build their lane in `verifypd.spec_decode.ngram.poolless_draft_lane` (torch-free); model kinds (e.g. a trained draft
-head distilled from the target) load their weights in `verifypd.engine.load_draft_model`
+head distilled from the target) load their weights in `verifypd.model.build.load_draft_model`
 and run in the model draft lane, which owns a draft pool.
 """
 

@@ -4,7 +4,7 @@
     GET  /v1/models, GET /health, GET /metrics          (Prometheus text)
 
 Same request path as gRPC `Generate`, on the same event loop as the grpc.aio server: body ->
-`GenerateRequest` (openai_convert) -> `convert.request_spec_from_pb` -> `EngineClient.submit`; the
+`GenerateRequest` (openai_convert) -> `convert.request_spec_from_pb` -> `CoreClient.submit`; the
 client's reader task puts each request's chunks into its stream's queue (no thread per request).
 A client that disconnects is noticed by a task waiting on ASGI `receive()`; the request is then
 aborted in the engine core before its next step (its KV blocks are free), as for a gRPC cancel.
@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from verifypd.core.client import Chunk, Failure
-from verifypd.core.engine_loop import Overloaded, Unavailable
+from verifypd.core.loop import Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest
 from verifypd.gateway import openai_convert as oc

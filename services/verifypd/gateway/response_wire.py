@@ -17,7 +17,7 @@ import struct
 
 import grpc
 
-from verifypd.domain.convert import _FINISH
+from verifypd.domain.convert import FINISH_CODES
 from verifypd.v1 import generate_pb2
 
 _DOUBLE = struct.Struct("<d")
@@ -53,7 +53,7 @@ _REQUEST_ID, _TOKEN_IDS, _TEXT, _FINISH_REASON, _USAGE, _APPLIED_K, _ELAPSED = (
     b"\x39",
 )
 _USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28")  # Usage fields 1..5, varint
-_FINISH_WIRE = {reason: varint(value) for reason, value in _FINISH.items()}
+_FINISH_WIRE = {reason: varint(value) for reason, value in FINISH_CODES.items()}
 
 
 class ResponseEncoder:

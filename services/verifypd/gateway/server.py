@@ -5,7 +5,7 @@ The router runs in the engine core (core/core_server.py), reached over the core 
 
     verifypd serve          the core is its own process (core/process.py: CoreProcess)
     build_colocated/split   the core runs in threads of this process, over a socketpair all the
-                            same (tests, benches): `gateway.router` / `gateway.engine` reach it
+                            same (tests, benches): `gateway.router` / `gateway.core_loop` reach it
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 
 import grpc
 
+from verifypd.core import assembly
 from verifypd.core.channel import AsyncChannel, BlockingChannel
-from verifypd.core.client import READY_TIMEOUT_S, EngineClient, Failure
+from verifypd.core.client import READY_TIMEOUT_S, CoreClient, Failure
 from verifypd.core.core_server import CoreServer
-from verifypd.core.engine_loop import Draining, Overloaded, Unavailable
-from verifypd.core.process import build_colocated_core, build_split_core
+from verifypd.core.loop import Draining, Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest
 from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
@@ -121,13 +121,14 @@ class Gateway:
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.core, self.core_process = core, core_process
         self.info = info if info is not None else (core.info if core is not None else None)
-        self.engine_exited = threading.Event()  # set when the core went away (serve exits then)
+        self.core_exited = threading.Event()  # set when the core went away (serve exits then)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="gateway-loop", daemon=True)
         self._thread.start()
         self._stopped = threading.Event()
         self._started = False
         self.http = None  # an HttpServer on self.loop (serve): stopped first
+        self.stack = None  # build_colocated / build_split: the in-process core's stack (core.assembly)
         try:
             self._run(self._setup(core_sock, host, port, api_key, admin_key, tls))
         except BaseException:
@@ -140,7 +141,7 @@ class Gateway:
 
     async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None, tls) -> None:
         """`tls`: a verifypd.net.tls.ServerTls (the port speaks only TLS) or None (plaintext)."""
-        self.client = EngineClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_engine_failure)
+        self.client = CoreClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_core_failure)
         # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
         self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
         add_generation_service(GenerationServicer(self), self.server)  # Generate yields wire bytes
@@ -171,9 +172,9 @@ class Gateway:
         return self.core.wiring
 
     @property
-    def engine(self):
-        """The in-process core's EngineLoop (tests read its state through `engine.call`)."""
-        return self.core.engine
+    def core_loop(self):
+        """The in-process core's CoreLoop (tests read its state through `core_loop.call`)."""
+        return self.core.loop
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self, ready_timeout_s: float | None = None) -> Gateway:
@@ -192,10 +193,10 @@ class Gateway:
         self.health.set(True)
         return self
 
-    def _on_engine_failure(self, message: str, exited: bool) -> None:
+    def _on_core_failure(self, message: str, exited: bool) -> None:
         self.health.set(False)
         if exited and not self._stopped.is_set():
-            self.engine_exited.set()
+            self.core_exited.set()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Graceful shutdown, phase by phase: NOT_SERVING and refuse new requests at once; let the
@@ -301,10 +302,11 @@ def serve_router(
 
 
 def build_colocated(options, *, observer=None, topology: str = "colocated", **kwargs) -> Gateway:
-    """Models, pools and lanes in this process (verifypd.engine.Engine), core in threads."""
-    router, info, engine = build_colocated_core(options, observer=observer, topology=topology)
-    gateway = serve_router(router, engine.codec, info, **kwargs)
-    gateway.local_engine = engine
+    """Models, pools and lanes in this process (core.assembly.build_colocated), core in threads.
+    The router does not detokenize: the gateway does. `gateway.stack` holds the stack."""
+    stack = assembly.build_colocated(options, observer=observer, detokenize=False)
+    gateway = serve_router(stack.router, stack.codec, stack.info(topology), **kwargs)
+    gateway.stack = stack
     return gateway
 
 
@@ -323,7 +325,7 @@ def build_split(
 ) -> Gateway:
     """Router over gRPC lane clients (core in threads of this process). `lane_tls`: a
     verifypd.net.lane_tls.LaneTls (mutual TLS to the lanes) or None."""
-    router, info, lanes, wiring = build_split_core(
+    stack = assembly.build_split(
         addrs,
         options,
         kv_transport=kv_transport,
@@ -334,9 +336,15 @@ def build_split(
         lane_tls=lane_tls,
     )
     gateway = serve_router(
-        router, codec or load_codec(options.target), info, lanes=lanes, kv_transport=kv_transport, **kwargs
+        stack.router,
+        codec or load_codec(options.target),
+        stack.info,
+        lanes=stack.lanes,
+        kv_transport=kv_transport,
+        **kwargs,
     )
-    gateway.core.wiring = wiring
+    gateway.core.wiring = stack.wiring
+    gateway.stack = stack
     return gateway
 
 
@@ -345,8 +353,8 @@ def load_codec(target: str):
     import os
     import pathlib
 
+    from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
     from verifypd.domain.tokenizer import TextCodec
-    from verifypd.model.loader import EMBEDDED_NAME, ModelLoadError, embedded_model_path
 
     if target.startswith("random:"):
         return TextCodec(None)

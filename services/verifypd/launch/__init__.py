@@ -1,7 +1,9 @@
-"""Process launch and supervision: the `serve` / `lane` / `generate --server` commands.
+"""Process launch: the `serve` / `lane` / `generate --server` commands.
 
-cli.py          the commands (the gateway process of `serve` spawns the engine core)
-serve_args.py   the arguments of serve and lane and the engine options they build
-launcher.py     spawning lane processes for `serve --topology split`
-supervisor.py   restarting lanes that die; crash-loop detection
+cli.py          the commands: `serve` resolves its arguments into CoreOptions and spawns the engine
+                core with them (verifypd.core.process), then serves the gateway
+serve_args.py   the arguments of serve and lane and what they resolve to (EngineOptions, CoreOptions)
+
+Lane processes and their supervision live in verifypd.lanes (processes.py, supervisor.py): the
+engine core runs them.
 """

@@ -15,15 +15,14 @@ import sys
 import threading
 import time
 
+from verifypd.domain.logs import setup_logging, simulated_label, warn_simulated
 from verifypd.launch.serve_args import (
     add_client_tls_arguments,
     add_lane_arguments,
     add_serve_arguments,
+    core_options,
     engine_options,
     serve_lane_tls,
-    setup_logging,
-    simulated_label,
-    warn_simulated,
 )
 from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
 
@@ -65,8 +64,9 @@ def _wait_for_signal(poll=None) -> None:
 
 
 def cmd_serve(args) -> int:
-    """The gateway process: spawns the engine core (core/process.py) with the same arguments, loads
-    the tokenizer meanwhile, then serves gRPC and HTTP on one event loop until SIGTERM/SIGINT."""
+    """The gateway process: resolves the arguments into CoreOptions, spawns the engine core with
+    them (core/process.py), loads the tokenizer meanwhile, then serves gRPC and HTTP on one event
+    loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
     from verifypd.gateway.server import Gateway, load_codec
     from verifypd.net.tls import server_tls
@@ -106,6 +106,7 @@ def cmd_serve(args) -> int:
         admin_key = _admin_key(args)
         tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
         lane_tls = serve_lane_tls(args)  # checked here; the engine core loads the files itself
+        resolved = core_options(args, options)  # reads the lane secret of --*-addr lanes
     except (OSError, ValueError) as exc:  # TlsError is a ValueError
         print(f"verifypd: error: {exc}", file=sys.stderr)
         return 2
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
             f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}", file=sys.stderr
         )
         return 2
-    core = CoreProcess(args.argv)
+    core = CoreProcess(resolved)
     try:
         gateway = Gateway(
             core.sock,
@@ -165,8 +166,8 @@ def cmd_serve(args) -> int:
             except OSError as exc:
                 print(f"verifypd: error: {exc}", file=sys.stderr)
                 return 2
-        _wait_for_signal(poll=gateway.engine_exited.is_set)
-        if gateway.engine_exited.is_set():
+        _wait_for_signal(poll=gateway.core_exited.is_set)
+        if gateway.core_exited.is_set():
             print(f"verifypd: error: {gateway.client.failed}; exiting", file=sys.stderr)
             return 1
         gateway.drain(args.drain_timeout)

@@ -1,17 +1,17 @@
-"""The arguments of `verifypd serve` and `verifypd lane` and what they build (engine options).
-Shared by the gateway process (launch/cli.py) and the engine-core process (core/process.py), which
-parses the very argv `serve` was given. Torch-free; imports nothing of the serving rooms.
+"""The arguments of `verifypd serve` and `verifypd lane` and what they resolve to: EngineOptions (a
+lane, the stack of a serve) and CoreOptions (what the gateway process hands its engine-core
+process, verifypd.core.process). Torch-free; imports nothing of the serving rooms.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 
 from verifypd.cli_flags import add_model_flags, add_schedule_flags, draft_arg, schedule_changes
-from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.options import CoreOptions, EngineOptions, LaneTlsFiles
+from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV, load_secret
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -188,17 +188,17 @@ def add_health_port_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def lane_tls_files(args) -> LaneTlsFiles:
+    return LaneTlsFiles(
+        args.lane_tls_cert_file, args.lane_tls_key_file, args.lane_tls_ca_file, args.lane_tls_server_name
+    )
+
+
 def serve_lane_tls(args):
     """`serve`'s --lane-tls-* flags, checked (verifypd.net.tls.TlsError naming the flag); None when not given."""
-    from verifypd.net.lane_tls import lane_tls
+    from verifypd.net.lane_tls import serve_lane_tls as load
 
-    return lane_tls(
-        args.lane_tls_cert_file,
-        args.lane_tls_key_file,
-        args.lane_tls_ca_file,
-        args.lane_tls_server_name,
-        flags=("--lane-tls-cert-file", "--lane-tls-key-file", "--lane-tls-ca-file"),
-    )
+    return load(lane_tls_files(args))
 
 
 def add_client_tls_arguments(p: argparse.ArgumentParser, what: str = "the server") -> None:
@@ -209,7 +209,7 @@ def add_client_tls_arguments(p: argparse.ArgumentParser, what: str = "the server
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """`serve`'s arguments alone (the engine-core process parses the gateway's argv with it)."""
+    """`serve`'s arguments alone."""
     parser = argparse.ArgumentParser(prog="verifypd serve")
     add_serve_arguments(parser)
     return parser
@@ -265,28 +265,7 @@ def acceptance_rate(text: str) -> float:
     return value
 
 
-SIMULATED_WARNING = (
-    "SIMULATED ACCEPTANCE alpha=%g (--simulated-acceptance): BENCHMARK ONLY. Draft tokens are "
-    "accepted at random with this probability instead of by the target model; every output of "
-    "this server is NOT the target model's output. Never serve real traffic like this."
-)
-
-
-def simulated_label(options) -> str:
-    """The words the start-up lines add when acceptance is simulated ('' otherwise)."""
-    alpha = getattr(options, "simulated_acceptance", None)
-    return "" if alpha is None else f", SIMULATED ACCEPTANCE alpha={alpha:g} (benchmark only)"
-
-
-def warn_simulated(options) -> None:
-    if getattr(options, "simulated_acceptance", None) is not None:
-        logging.getLogger("verifypd").warning(SIMULATED_WARNING, options.simulated_acceptance)
-
-
 def engine_options(args):
-    from verifypd.domain.config import RuntimeConfig
-    from verifypd.engine import EngineOptions
-
     options = EngineOptions(
         target=args.target,
         draft=draft_arg(args),
@@ -323,9 +302,27 @@ def engine_options(args):
     return options
 
 
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"),
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+def lane_addrs(args) -> dict[str, str]:
+    """`serve`'s --*-addr flags that were given (lane -> HOST:PORT)."""
+    return {lane: addr for lane in ("prefill", "draft", "verify") if (addr := getattr(args, f"{lane}_addr"))}
+
+
+def core_options(args, engine: EngineOptions | None = None) -> CoreOptions:
+    """`serve`'s arguments resolved for the engine-core process. The lane secret of --*-addr lanes
+    is read here (--lane-secret-file, else its environment variable: OSError / ValueError), so the
+    core gets it in its options on a pipe, never on a command line."""
+    addrs = lane_addrs(args)
+    return CoreOptions(
+        engine=engine if engine is not None else engine_options(args),
+        topology=args.topology,
+        lane_addrs=addrs,
+        lane_secret=load_secret(args.lane_secret_file) if addrs else None,
+        lane_tls=lane_tls_files(args),
+        kv_transport=args.kv_transport,
+        lane_timeout_s=args.lane_timeout,
+        recovery_timeout_s=args.recovery_timeout,
+        max_lane_restarts=args.max_lane_restarts,
+        max_queue=args.max_queue,
+        mps=args.mps,
+        metrics=bool(args.http_port),
     )

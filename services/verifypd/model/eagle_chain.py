@@ -246,8 +246,8 @@ class EagleGraphs:
         rows = self.bucket(n)
         # Every graph this call needs exists before its inputs are loaded (a capture runs its
         # function once over inert inputs and would overwrite them).
-        first = self._graph(("catch_up", rows, query, mode))
-        rest = self._graph(("chain", rows, steps, mode)) if steps > 1 else None
+        first = self.graph_for(("catch_up", rows, query, mode))
+        rest = self.graph_for(("chain", rows, steps, mode)) if steps > 1 else None
         arrays = host_inputs(
             draft_runs,
             target_runs,
@@ -318,7 +318,7 @@ class EagleGraphs:
 
         return run_chain
 
-    def _graph(self, key: tuple):
+    def graph_for(self, key: tuple):
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._capture(key)
@@ -351,9 +351,9 @@ class EagleGraphs:
         for rows in reversed(self.buckets):  # largest first: later captures reuse its pool memory
             for query in range(1, min(max_query or self.max_query, self.max_query) + 1):
                 if rows * query <= self.max_graph_tokens:
-                    self._graph(("catch_up", rows, query, sampler.GREEDY))
+                    self.graph_for(("catch_up", rows, query, sampler.GREEDY))
             for steps in range(2, min(max_steps or self.max_steps, self.max_steps) + 1):
-                self._graph(("chain", rows, steps, sampler.GREEDY))
+                self.graph_for(("chain", rows, steps, sampler.GREEDY))
         if "draft" in kinds and self.replay == "cuda":
             self.compile_shift_variants(min(max_query or self.max_query, self.max_query))
         return time.perf_counter() - t0

@@ -71,19 +71,19 @@ class EagleModel:
             block = tables.gather(1, (pos // block_size)[:, None]).squeeze(1)
             positions.copy_(pos)
             slots.copy_(torch.where(active, block * block_size + pos % block_size, -1))
-        _, e = self.shell._add_rms_norm(self.embed[ids], None, w.layer.input_norm)
-        _, x = self.shell._add_rms_norm(g, None, w.hidden_norm)
+        _, e = self.shell.add_rms_norm(self.embed[ids], None, w.layer.input_norm)
+        _, x = self.shell.add_rms_norm(g, None, w.hidden_norm)
         return torch.cat((e, x), dim=-1)
 
     def layer(self, pool: torch.Tensor, batch: BatchLayout, g: torch.Tensor, x_in: torch.Tensor):
         """(h, x): h = g + attn + mlp, the pre-norm output (g itself, updated in place, on Triton),
         x = final_norm(h). Writes the rows' KV."""
         w, shell = self.weights, self.shell
-        mask = shell._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
-        attn = F.linear(shell._attention(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
-        h, x = shell._add_rms_norm(g, attn, w.layer.post_norm)  # h = g + attn
-        mlp = F.linear(shell._act_mul(F.linear(x, w.layer.gate_up)), w.layer.down)
-        return shell._add_rms_norm(h, mlp, w.final_norm)  # h = g + attn + mlp
+        mask = shell.attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
+        attn = F.linear(shell.attend(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
+        h, x = shell.add_rms_norm(g, attn, w.layer.post_norm)  # h = g + attn
+        mlp = F.linear(shell.act_mul(F.linear(x, w.layer.gate_up)), w.layer.down)
+        return shell.add_rms_norm(h, mlp, w.final_norm)  # h = g + attn + mlp
 
     def rows(self, pool: torch.Tensor, batch: BatchLayout, features: torch.Tensor):
         """Rows from the target's features [T, 3Ht]: (pre-norm output [T, H], final-normed [T, H])."""
@@ -194,7 +194,7 @@ class EagleRunner:
             replay=self.graphs.replay,
         )
         for query in reversed(self.prefill_queries):
-            self.prefill_graphs._graph(("catch_up", 1, query, sampler.GREEDY))
+            self.prefill_graphs.graph_for(("catch_up", 1, query, sampler.GREEDY))
         return self.prefill_graphs.capture_seconds
 
     @torch.inference_mode()

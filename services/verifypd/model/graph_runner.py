@@ -146,7 +146,7 @@ class GraphRunner:
         """Loads left-aligned runs, writes the device-side ids, fits the rows to the verdict of the
         call before (`fit`, model.verify_fit), replays (kind, rows, query); -> rows."""
         rows = self.rows_for(len(runs))
-        graph = self._graph((kind, rows, query))
+        graph = self.graph_for((kind, rows, query))
         self._load(runs, query, "left", rows, ks)
         if device_ids is not None and query > 1:  # see ModelRunner.score
             self.ids[: rows * query].view(rows, query)[: len(runs), 1:] = device_ids
@@ -162,7 +162,7 @@ class GraphRunner:
 
     def last_logits(self, runs: list[TokenRun], query: int) -> torch.Tensor:
         rows = self.rows_for(len(runs))
-        graph = self._graph(("last", rows, query))
+        graph = self.graph_for(("last", rows, query))
         self._load(runs, query, "right", rows)
         graph.replay()
         return self.logits[: len(runs)]
@@ -205,7 +205,7 @@ class GraphRunner:
         """Runs steps 1 .. max(ks)-1 of the draft loop; returns tokens [B, K], a view of a static
         buffer. The caller ran step 0 (`last_logits` + choose) just before."""
         rows, steps = self.rows_for(len(ks)), max(ks)
-        graph = self._graph(("draft", rows, mode))
+        graph = self.graph_for(("draft", rows, mode))
         self.draft.start(samplings, first_tokens[: len(ks)], next_pos, ks, self.staging)
         for _ in range(steps - 1):
             graph.replay()
@@ -215,7 +215,7 @@ class GraphRunner:
         return self.bucket(batch) is not None and steps <= self.max_draft_steps
 
     # -- capture -----------------------------------------------------------------------------
-    def _graph(self, key: tuple) -> Replayable:
+    def graph_for(self, key: tuple) -> Replayable:
         """The graph for `key`, captured on first use. Call before loading a call's inputs: capture
         runs the forward once and must find the static inputs inert."""
         graph = self._graphs.get(key)
@@ -254,11 +254,11 @@ class GraphRunner:
         for rows in reversed(self.buckets):  # largest first: later captures reuse its pool memory
             for kind in kinds:
                 if kind == "draft":
-                    self._graph(("draft", rows, "greedy"))
+                    self.graph_for(("draft", rows, "greedy"))
                     continue
                 for query in range(1 if kind != "accept" else 2, (max_query or self.max_query) + 1):
                     if self.fits(rows, query):
-                        self._graph((kind, rows, query))
+                        self.graph_for((kind, rows, query))
         if "accept" in kinds and self.replay == "cuda":
             self.compile_fit_variants(max_query or self.max_query)
         return time.perf_counter() - t0

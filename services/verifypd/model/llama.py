@@ -180,22 +180,22 @@ class PagedLlama:
         """Writes the new tokens' KV into `pool`; returns logits [len(logits_index), V] in the model's
         dtype (into `logits_out` when given: a CUDA graph's static output)."""
         w = self.weights
-        norm = self._add_rms_norm
+        norm = self.add_rms_norm
         h, delta = w.embed[batch.input_ids], None
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        mask = self._attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
+        mask = self.attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
         features, tp = self.features, self.tp_group
         for i in range(self.num_layers):
             layer = w.layers[i]
             h, x = norm(h, delta, layer.input_norm)  # h += delta; x = norm(h)
             if features is not None and i in features.at:  # the residual stream entering layer i
                 features.write(i, h, batch.slots)
-            delta = F.linear(self._attention(x, layer, pool, i, batch, mask), layer.o)
+            delta = F.linear(self.attend(x, layer, pool, i, batch, mask), layer.o)
             if tp is not None:  # row-parallel o_proj: sum the ranks' partial outputs
                 tp.all_reduce(delta)
             h, x = norm(h, delta, layer.post_norm)
-            delta = F.linear(self._act_mul(F.linear(x, layer.gate_up)), layer.down)
+            delta = F.linear(self.act_mul(F.linear(x, layer.gate_up)), layer.down)
             if tp is not None:  # row-parallel down_proj
                 tp.all_reduce(delta)
         if features is not None and self.num_layers in features.at:  # the last layer's output
@@ -208,7 +208,7 @@ class PagedLlama:
             return F.linear(x, w.lm_head)
         return torch.mm(x, w.lm_head.t(), out=logits_out)
 
-    def _attention(self, x, layer: LayerWeights, pool, layer_idx, batch: BatchLayout, mask) -> torch.Tensor:
+    def attend(self, x, layer: LayerWeights, pool, layer_idx, batch: BatchLayout, mask) -> torch.Tensor:
         """[T, heads * D]: attention output of the new tokens, after writing their K/V."""
         s = self.shape
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
@@ -239,14 +239,14 @@ class PagedLlama:
         store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
         return self._reference_attention(q, k_cache, v_cache, batch, mask)
 
-    def _add_rms_norm(self, h, delta, weight):
+    def add_rms_norm(self, h, delta, weight):
         """(h + delta, rms_norm(h + delta)); the Triton kernel updates h in place."""
         if self.attention == "triton":
             return h, self._kernels[0](h, delta, weight, self.shape.rms_norm_eps)
         h = h if delta is None else h + delta
         return h, rms_norm(h, weight, self.shape.rms_norm_eps)
 
-    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of the fused gate/up projection: SwiGLU, or GeGLU (tanh GELU) for Gemma."""
         if self.attention == "triton":
             return self._kernels[1](gate_up)
@@ -274,7 +274,7 @@ class PagedLlama:
         )  # [B, heads, Q, D]
         return out.transpose(1, 2)[seq_of, idx_in_run].reshape(-1, s.num_heads * s.head_dim)
 
-    def _attention_mask(self, batch: BatchLayout, block_size: int) -> torch.Tensor:
+    def attention_mask(self, batch: BatchLayout, block_size: int) -> torch.Tensor:
         """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p."""
         num_seqs, max_blocks = batch.block_tables.shape
         ctx = max_blocks * block_size

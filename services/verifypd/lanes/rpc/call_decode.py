@@ -88,7 +88,7 @@ def _intros(state: ChannelState, batch) -> dict[int, HeldRequest]:
             raise lv.LaneInvalid(f"{f}.key: {intro.key} is already held on this channel")
         if not 0 < len(intro.request_id) <= MAX_REQUEST_ID:
             raise lv.LaneInvalid(f"{f}.request_id: must be 1..{MAX_REQUEST_ID} characters")
-        lv._sampling(f"{f}.sampling", intro.sampling)
+        lv.check_sampling(f"{f}.sampling", intro.sampling)
         new[intro.key] = HeldRequest(intro.request_id, sampling_from_pb(intro.sampling))
     if len(state.requests) + len(new) > MAX_HELD:
         raise lv.LaneInvalid(f"batch.intros: more than {MAX_HELD} requests held on one channel; release some")
@@ -98,7 +98,7 @@ def _intros(state: ChannelState, batch) -> dict[int, HeldRequest]:
 def _tables(
     state: ChannelState, field: str, delta, role: str, keys, ends: np.ndarray, limits: lv.LaneLimits
 ) -> list[tuple[int, ...]]:
-    """The items' new tables in one pool; checks them like lane_validate._handle does."""
+    """The items' new tables in one pool; checks them like lane_validate checks a handle."""
     pool = limits.pools.get(role)
     if pool is None:
         raise lv.LaneInvalid(
@@ -246,7 +246,7 @@ def _probs(batch, n: int, counts: np.ndarray, limits: lv.LaneLimits) -> dict[int
     if rows is None or len(rows) != len(batch.draft_probs) or any(r >= n for r in rows) or len(set(rows)) != len(rows):
         raise lv.LaneInvalid("batch.probs_items_u32: must list distinct item indices, one per draft_probs entry")
     for j, row in enumerate(rows):
-        lv._probs(f"batch.draft_probs[{j}]", batch.draft_probs[j], int(counts[row]), limits.vocab_size)
+        lv.check_probs(f"batch.draft_probs[{j}]", batch.draft_probs[j], int(counts[row]), limits.vocab_size)
     return dict(zip(rows, batch.draft_probs))
 
 

@@ -94,7 +94,8 @@ class _GrpcLane:
         if self._lane_channel.refresh():
             self._bind_stubs()
 
-    def _call(self, method: str, request, timeout_s: float | None = None):
+    def rpc(self, method: str, request, timeout_s: float | None = None):
+        """A unary gRPC call to the lane (setup, and work calls without the call channel)."""
         self._fresh_channel()
         try:
             reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
@@ -137,14 +138,14 @@ class _GrpcLane:
 
     def describe_pb(self, refresh: bool = False) -> lanes_pb2.LaneInfo:
         if self._info_pb is None or refresh:
-            self._info_pb = self._call("Describe", lanes_pb2.LaneInfoRequest())
+            self._info_pb = self.rpc("Describe", lanes_pb2.LaneInfoRequest())
         return self._info_pb
 
     def describe(self) -> LaneInfo:
         return lc.lane_info_from_pb(self.describe_pb())
 
     def import_pools(self, pools: list[lanes_pb2.PoolDescriptor], kv_transport: str) -> lanes_pb2.ImportPoolsReply:
-        return self._call("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
+        return self.rpc("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
 
     # -- work calls --------------------------------------------------------------------------
     @property
@@ -190,6 +191,24 @@ class _GrpcLane:
             pending.complete()
 
     _client_bytes = 0
+
+    def finish_started(self, call: _StartedLaneCall) -> None:
+        """Reads a started call's reply under the connection's lock; it is no longer pending."""
+        with self._call_lock:
+            if self._pending is call:
+                self._pending = None
+            call.complete()
+
+    def count_channel_call(self, client: CallClient) -> None:
+        """Counts a call-channel call: its connection's bytes so far, and one call."""
+        with self._lock:
+            self.wire_bytes = self.wire_bytes - self._client_bytes + client.bytes
+            self._client_bytes = client.bytes
+            self.calls += 1
+
+    def on_call_channel(self) -> bool:
+        """The lane's work calls go over its (reachable) call channel."""
+        return self._use_channel and self._client is not None and self._client.connected
 
     def _connected_client(self) -> CallClient | None:
         """The call channel's connection (a new one, with a fresh mirror, after any failure);
@@ -249,10 +268,7 @@ class _StartedLaneCall:
 
     def result(self) -> list:
         if not self.done:
-            with self.lane._call_lock:
-                if self.lane._pending is self:
-                    self.lane._pending = None
-                self.complete()
+            self.lane.finish_started(self)
         if self.error is not None:
             raise self.error
         return self.value
@@ -278,10 +294,7 @@ class _StartedLaneCall:
             client.close()
             self.error = LaneError(f"{where}: malformed reply: {exc}")
             return
-        with lane._lock:
-            lane.wire_bytes = lane.wire_bytes - lane._client_bytes + client.bytes
-            lane._client_bytes = client.bytes
-            lane.calls += 1
+        lane.count_channel_call(client)
 
 
 class GrpcPrefillLane(_GrpcLane):
@@ -308,7 +321,7 @@ class GrpcPrefillLane(_GrpcLane):
             return cc.decode_prefill(items, reply)
 
         def unary():
-            result = self._call("Prefill", lc.prefill_batch_to_pb(items))
+            result = self.rpc("Prefill", lc.prefill_batch_to_pb(items))
             self.kv_bytes_copied += result.kv_bytes_copied
             return lc.prefill_outputs_from_pb(result)
 
@@ -345,7 +358,7 @@ class GrpcDraftLane(_GrpcLane):
             items,
             lambda mirror, items: cc.encode_draft(mirror, items, slot),
             lambda items, reply: cc.decode_draft(items, reply, slot),
-            lambda: lc.draft_outputs_from_pb(self._call("Draft", lc.draft_batch_to_pb(items))),
+            lambda: lc.draft_outputs_from_pb(self.rpc("Draft", lc.draft_batch_to_pb(items))),
         )
 
 
@@ -368,7 +381,7 @@ class GrpcVerifyLane(_GrpcLane):
             items,
             lambda mirror, items: cc.encode_verify(mirror, items, encode),
             cc.decode_verify,
-            lambda: lc.verify_outputs_from_pb(self._call("Verify", lc.verify_batch_to_pb(items, encode))),
+            lambda: lc.verify_outputs_from_pb(self.rpc("Verify", lc.verify_batch_to_pb(items, encode))),
         )
 
 
@@ -394,8 +407,8 @@ def wire_pools(
     # calls to that lane go over gRPC, and nothing relies on device-side ordering.
     for lane in (prefill, draft, verify):
         lane.probe_channel()
-    forward = all(forward_ok(lane) for lane in (prefill, draft, verify))
-    reply = prefill._call(
+    forward = all(lane.on_call_channel() for lane in (prefill, draft, verify))
+    reply = prefill.rpc(
         "ImportPools",
         lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward),
     )
@@ -414,15 +427,10 @@ def _wire_handoff(draft: GrpcDraftLane, verify: GrpcVerifyLane) -> None:
     buffer: both on the call channel, on one GPU. Otherwise they keep travelling through us."""
     draft.handoff = None
     info = draft.describe_pb()
-    if not (info.HasField("draft_handoff") and forward_ok(draft) and forward_ok(verify)):
+    if not (info.HasField("draft_handoff") and draft.on_call_channel() and verify.on_call_channel()):
         return
     try:
-        verify._call("ImportPools", lanes_pb2.ImportPoolsRequest(draft_handoff=info.draft_handoff))
+        verify.rpc("ImportPools", lanes_pb2.ImportPoolsRequest(draft_handoff=info.draft_handoff))
     except LaneError:  # another device or host: the host path it is
         return
     draft.handoff = (info.draft_handoff.rows, info.draft_handoff.cols)
-
-
-def forward_ok(lane: _GrpcLane) -> bool:
-    """The lane's work calls go over its (reachable) call channel."""
-    return lane._use_channel and lane._client is not None and lane._client.connected

@@ -31,7 +31,8 @@ import grpc
 import torch
 
 from verifypd.domain.lanes import LaneInfo
-from verifypd.engine import EngineOptions, capture_graphs, draft_spec
+from verifypd.domain.models import draft_spec
+from verifypd.domain.options import EngineOptions
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
@@ -40,6 +41,7 @@ from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.lane_calls import CallChannelWork
 from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
+from verifypd.model.build import capture_graphs
 from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
 from verifypd.model.llama import PagedLlama
 from verifypd.model.runner import ModelRunner

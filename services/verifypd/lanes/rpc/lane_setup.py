@@ -6,10 +6,12 @@ from dataclasses import replace
 
 import torch
 
-from verifypd.engine import EngineOptions, draft_spec, load_draft_model, resolve_device, resolve_dtype
+from verifypd.domain.models import ModelLoadError, draft_spec
+from verifypd.domain.options import EngineOptions
+from verifypd.model.build import load_draft_model, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
-from verifypd.model.loader import ModelLoadError, load_model
+from verifypd.model.loader import load_model
 
 
 def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
@@ -91,7 +93,7 @@ def load_lane_shard(options: EngineOptions, spec, need_draft: bool):
 def start_lane_ranks(role: str, options: EngineOptions, target_model: PagedLlama, device, dtype, generation: int):
     """The follower ranks of a lane's sharded target: the verify lane's own a shared pool each (their
     descriptors become the pool's rank_shards), the prefill lane's open the verify lane's on ImportPools."""
-    from verifypd.engine import follower_options
+    from verifypd.lanes.tensor_parallel.assembly import follower_options
     from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
 
     mode = "shared" if role == "verify" else "import"

@@ -64,7 +64,7 @@ def _tokens(field: str, ids, limits: LaneLimits, *, min_len: int = 0) -> None:
         raise _bad(field, f"token id {max(ids)} is outside the vocabulary [0, {limits.vocab_size})")
 
 
-def _sampling(field: str, s) -> None:
+def check_sampling(field: str, s) -> None:
     params = SamplingParams(
         temperature=s.params.temperature, top_p=s.params.top_p or 1.0, top_k=s.params.top_k, seed=s.seed
     )
@@ -123,7 +123,7 @@ def check_prefill(batch, limits: LaneLimits) -> None:
         end = i.start_pos + len(i.token_ids)
         _handle(f"{f}.target_kv", i.target_kv, "target", end, limits)
         _draft_handle(f"{f}.draft_kv", i, end, limits)
-        _sampling(f"{f}.sampling", i.sampling)
+        check_sampling(f"{f}.sampling", i.sampling)
 
 
 def check_draft(batch, limits: LaneLimits) -> None:
@@ -135,7 +135,7 @@ def check_draft(batch, limits: LaneLimits) -> None:
         _tokens(f"{f}.input_tokens", i.input_tokens, limits, min_len=1)
         # Writes the inputs' KV and that of the first k - 1 drafts.
         _draft_handle(f"{f}.draft_kv", i, i.start_pos + len(i.input_tokens) + i.k - 1, limits)
-        _sampling(f"{f}.sampling", i.sampling)
+        check_sampling(f"{f}.sampling", i.sampling)
 
 
 def check_verify(batch, limits: LaneLimits) -> None:
@@ -148,12 +148,12 @@ def check_verify(batch, limits: LaneLimits) -> None:
         _tokens(f"{f}.pending_token", [i.pending_token], limits)
         _tokens(f"{f}.draft_tokens", i.draft_tokens, limits)
         _handle(f"{f}.target_kv", i.target_kv, "target", i.start_pos + 1 + k, limits)
-        _sampling(f"{f}.sampling", i.sampling)
+        check_sampling(f"{f}.sampling", i.sampling)
         if i.draft_probs.rows or i.draft_probs.ByteSize():
-            _probs(f"{f}.draft_probs", i.draft_probs, k, limits.vocab_size)
+            check_probs(f"{f}.draft_probs", i.draft_probs, k, limits.vocab_size)
 
 
-def _probs(field: str, d, rows: int, vocab: int) -> None:
+def check_probs(field: str, d, rows: int, vocab: int) -> None:
     import numpy as np
 
     if d.rows != rows:

@@ -44,7 +44,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def pool_budget(model, options: dict, device: torch.device, dtype: torch.dtype) -> int:
-    """This rank's blocks, as local_engine.make_pools / lane_setup.pool_blocks size rank 0's."""
+    """This rank's blocks, as model.build.make_pools / lane_setup.pool_blocks size rank 0's."""
     from verifypd.model.kv_pool import PoolGeometry
 
     if options.get("num_blocks") is not None:
@@ -77,8 +77,8 @@ class Follower:
 
     def own_pool(self) -> bytes:
         """Builds this rank's pool and runner ("private" / "shared"); returns the ready answer."""
-        from verifypd.engine import capture_graphs
         from verifypd.lanes.tensor_parallel.ranks import agree_blocks
+        from verifypd.model.build import capture_graphs
         from verifypd.model.kv_pool import KvPool, PoolGeometry
         from verifypd.model.runner import ModelRunner
 

@@ -1,6 +1,6 @@
 """The rank processes of a tensor-parallel target (`--tensor-parallel N`): one process per rank.
 
-Rank 0 is the lane: the process that builds the engine (the offline CLI, the engine core of
+Rank 0 is the lane: the process that builds the stack (the offline CLI, the engine core of
 `verifypd serve`) owns the lane calls, the host layouts and the sampler. It starts ranks 1..N-1
 (`python -m verifypd.lanes.tensor_parallel.follower`, spawn + exec, each with one end of a socketpair), and the
 N processes join one torch.distributed group (NCCL on GPUs, rank r on cuda:(base + r); gloo on the
@@ -46,8 +46,9 @@ import time
 
 import torch
 
+from verifypd.domain.models import ModelLoadError
+from verifypd.lanes.processes import child_env
 from verifypd.lanes.tensor_parallel import calls as tp_calls
-from verifypd.model.loader import ModelLoadError
 from verifypd.model.runner import ModelRunner
 
 log = logging.getLogger("verifypd.tp")
@@ -120,8 +121,6 @@ class LeaderRanks:
         init_file = os.path.join(self._dir, "rendezvous")
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
-        from verifypd.launch.launcher import child_env
-
         for rank in range(1, world):
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             options = dict(

@@ -1,4 +1,4 @@
-"""The engine thread: the one thread that touches the Router (which is not thread-safe).
+"""The core loop (CoreLoop): the one thread that touches the Router (which is not thread-safe).
 
 It runs in the engine-core process (core/core_server.py; a thread of the gateway's process in tests) and
 loops `router.step()` while there is work. Between steps it runs commands posted to its inbox by
@@ -43,7 +43,7 @@ class Overloaded(Exception):
 
 
 class Unavailable(Exception):
-    """The engine has failed (gRPC UNAVAILABLE)."""
+    """The engine core has failed (gRPC UNAVAILABLE)."""
 
 
 class Draining(Unavailable):
@@ -54,13 +54,13 @@ RECOVER_POLL_S = 0.25
 
 
 class StepSink(Protocol):
-    """Where the engine thread puts results (engine_core.CoreServer: the channel). Must not block long."""
+    """Where the loop thread puts results (core_server.CoreServer: the channel). Must not block long."""
 
     def step(self, outputs: list) -> None: ...  # RequestOutputs of one router step, all requests
     def fail(self, request_ids: list[str], code: str, message: str, fatal: bool) -> None: ...
 
 
-class EngineLoop:
+class CoreLoop:
     def __init__(
         self,
         router: Router,
@@ -93,7 +93,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # request ids added and not finished
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.run, name="verifypd-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="verifypd-core-loop", daemon=True)
 
     # -- called from any thread ------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +106,7 @@ class EngineLoop:
             self._thread.join(timeout_s)
 
     def post(self, fn: Callable[[Router], object]) -> Future:
-        """Runs fn(router) on the engine thread before its next step."""
+        """Runs fn(router) on the loop thread before its next step."""
         future: Future = Future()
         self._inbox.put((fn, future))
         return future
@@ -149,9 +149,9 @@ class EngineLoop:
     def in_flight(self) -> int:
         return len(self._live)
 
-    # -- engine thread ---------------------------------------------------------------------
+    # -- loop thread ---------------------------------------------------------------------
     def run(self) -> None:
-        """The loop (on the engine thread, or the engine-core process's main thread) until stop()."""
+        """The loop (on the loop thread, or the engine-core process's main thread) until stop()."""
         while not self._stop.is_set():
             busy = self.failed is None and self.recovering is None and self.router.has_work()
             wait = RECOVER_POLL_S if self.recovering is not None else self._idle_wait_s

@@ -8,7 +8,7 @@ gateway then ends in-flight requests with UNAVAILABLE and turns NOT_SERVING).
 
 The supervisor only restarts processes; the gateway notices the failure on its next lane call
 (or its watchdog), waits for the lane to serve again, re-wires the pools and re-prefills the
-requests in flight (core/engine_loop.py).
+requests in flight (core/loop.py).
 """
 
 from __future__ import annotations

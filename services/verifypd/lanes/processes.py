@@ -1,4 +1,6 @@
-"""Spawning the three lane processes of `verifypd serve --topology split`.
+"""Spawning the three lane processes of `verifypd serve --topology split` (the engine core does,
+verifypd.core.process), and `child_env`: the environment every verifypd process spawns its
+children with (lanes, tensor-parallel ranks, the engine core).
 
 Children are started with `sys.executable -m verifypd.cli lane ...` (spawn + exec: never a fork of
 a process that already initialized torch/CUDA). Each binds port 0 and writes the port it got to a
@@ -6,7 +8,7 @@ file once it serves, so there is no port race; the lines after the port name the
 files the lane owns, so they can be removed even after a SIGKILL. Children exit when this process
 goes away: they watch their parent pid, and `terminate()` runs at exit.
 
-The lane secret (auth.py) reaches the children through their environment. `restart(lane)`
+The lane secret (net/auth.py) reaches the children through their environment. `restart(lane)`
 starts a dead lane again on the same port (so the gateway's channel reconnects by itself); the
 supervisor (supervisor.py) decides when.
 """
@@ -25,7 +27,8 @@ import threading
 import time
 
 import verifypd
-from verifypd.launch.mps import MpsDaemon, start_for_lanes
+from verifypd.domain.options import EngineOptions
+from verifypd.lanes.mps import MpsDaemon, start_for_lanes
 from verifypd.net.auth import LANE_SECRET_ENV, new_secret
 
 log = logging.getLogger("verifypd.launcher")
@@ -33,7 +36,13 @@ LANES = ("prefill", "draft", "verify")
 
 
 def lane_command(
-    lane: str, options, *, host: str, port: int = 0, port_file: str | None = None, parent_pid: int | None = None
+    lane: str,
+    options: EngineOptions,
+    *,
+    host: str,
+    port: int = 0,
+    port_file: str | None = None,
+    parent_pid: int | None = None,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -99,7 +108,9 @@ class LaneStartError(RuntimeError):
 
 
 class LaneProcesses:
-    def __init__(self, options, host: str = "127.0.0.1", secret: str | None = None, tls=None, mps: str = "off"):
+    def __init__(
+        self, options: EngineOptions, host: str = "127.0.0.1", secret: str | None = None, tls=None, mps: str = "off"
+    ):
         """`tls`: a verifypd.net.lane_tls.LaneTls whose files every lane gets (mutual TLS)."""
         self.options, self.host, self.tls = options, host, tls
         self.mps_mode = mps  # --mps: a private MPS daemon for the lanes (mps.py); started by start()

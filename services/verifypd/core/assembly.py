@@ -1,0 +1,213 @@
+"""The one place that assembles an engine core's stack from resolved options.
+
+    build_colocated(options) -> ColocatedStack   models, KV pools, in-process lanes and the router,
+                                                 all in this process (the in-process engine,
+                                                 verifypd.engine.Engine, is one of these)
+    build_split(addrs, options) -> SplitStack    the router over gRPC lane clients; the prefill lane
+                                                 imports (or stages) the owners' pools
+    load_stack_models(options) -> Models         the models of a colocated stack: one process's, or
+                                                 rank 0's of a target over --tensor-parallel ranks
+    server_info(...)                             the ServerInfo the gateway answers with
+
+The pieces come from the rooms below: model.build (devices, models, pools, graphs),
+lanes.tensor_parallel.assembly (a sharded target), lanes.local / lanes.rpc (the lanes),
+spec_decode (pool-less drafts, lookup mix) and router (the Router).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from verifypd import __version__
+from verifypd.domain.lanes import LaneInfo
+from verifypd.domain.models import ModelLoadError, draft_spec
+from verifypd.domain.options import EngineOptions
+from verifypd.domain.tokenizer import TextCodec
+from verifypd.router.router import EngineObserver, Router
+from verifypd.v1 import generate_pb2
+
+if TYPE_CHECKING:  # torch: imported by the builder only (the gateway imports this module)
+    from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+    from verifypd.model.build import Models
+    from verifypd.model.kv_pool import KvPool
+
+log = logging.getLogger("verifypd.core")
+
+
+def server_info(target: str, draft: str, topology: str, max_context: int) -> generate_pb2.ServerInfo:
+    return generate_pb2.ServerInfo(
+        target_model=target, draft_model=draft, topology=topology, max_context=max_context, version=__version__
+    )
+
+
+# -- colocated: everything in this process -------------------------------------------------------
+@dataclass
+class ColocatedStack:
+    options: EngineOptions
+    models: Models
+    codec: TextCodec
+    target_pool: KvPool
+    draft_pool: KvPool | None  # None: a pool-less draft
+    prefill_lane: LocalPrefillLane
+    draft_lane: object  # LocalDraftLane, or a pool-less draft lane (spec_decode.ngram)
+    verify_lane: LocalVerifyLane
+    router: Router
+    startup_capture_seconds: float  # CUDA graphs captured before serving
+
+    def info(self, topology: str = "colocated") -> generate_pb2.ServerInfo:
+        return server_info(self.options.target, self.options.draft, topology, self.router.max_context)
+
+
+def load_stack_models(options: EngineOptions) -> Models:
+    """The models of a colocated stack: the whole target in this
+    process, or rank 0's shard with the follower ranks started (--tensor-parallel > 1)."""
+    if options.tensor_parallel != 1:
+        from verifypd.lanes.tensor_parallel.assembly import load_tensor_parallel
+
+        return load_tensor_parallel(options)
+    from verifypd.model.build import load_models
+
+    return load_models(options)
+
+
+def build_colocated(
+    options: EngineOptions,
+    *,
+    observer: EngineObserver | None = None,
+    models: Models | None = None,
+    simulated_acceptance: float | None = None,
+    detokenize: bool = True,
+) -> ColocatedStack:
+    """Models (`models`, else loaded), pools, in-process lanes and the router. `detokenize=False`:
+    outputs carry no text (a front end detokenizes, as the gateway does). `simulated_acceptance`
+    (benchmarks only, see LocalVerifyLane) overrides options.simulated_acceptance."""
+    from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+    from verifypd.model.build import capture_graphs, make_pools
+    from verifypd.model.eagle_draft import EagleModel, EagleRunner, attach_features
+    from verifypd.model.runner import ModelRunner
+    from verifypd.spec_decode.lookup_mix import LookupMix
+    from verifypd.spec_decode.ngram import poolless_draft_lane
+
+    if simulated_acceptance is None:
+        simulated_acceptance = options.simulated_acceptance
+    m = models or load_stack_models(options)
+    codec = TextCodec(m.target.tokenizer)
+    target_pool, draft_pool = make_pools(m, options)
+    graphs = None if options.cuda_graphs else False
+    buckets = options.graph_buckets
+    eagle = isinstance(m.draft_model, EagleModel)
+    # Before the target's graphs are captured: they must write the features too.
+    features = attach_features(m.target_model, target_pool, m.draft_model.config) if eagle else None
+    make_runner = m.ranks.runner if m.ranks is not None else ModelRunner  # rank 0 sends each forward to the others
+    target_runner = make_runner(m.target_model, target_pool, graphs=graphs, buckets=buckets)
+    common = dict(
+        vocab_size=m.target.shape.vocab_size,
+        max_context=m.target.shape.max_context,
+        target_model=m.target.name,
+        draft_model=m.draft_name,
+    )
+    pools = (target_pool.info(),) + ((draft_pool.info(),) if draft_pool else ())
+    if m.draft_model is None:  # pool-less draft lane: built from its spec, no runner, no KV
+        draft_runner = None
+        draft_lane = poolless_draft_lane(draft_spec(m.draft_name), LaneInfo("draft", (), **common))
+        if draft_lane is None:
+            raise ModelLoadError(f"draft {m.draft_name!r} needs a draft model, and none was loaded")
+    else:
+        runner_class = EagleRunner if eagle else ModelRunner
+        extra = (features,) if eagle else ()
+        draft_runner = runner_class(m.draft_model, draft_pool, *extra, graphs=graphs, buckets=buckets)
+        draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle, **common))
+    capture_seconds = capture_graphs(target_runner, draft_runner, options.config.k_max)
+    if m.ranks is not None:
+        m.ranks.wait_ready()  # the followers captured theirs too (a failed one ends this process)
+    verify_lane = LocalVerifyLane(
+        target_runner, LaneInfo("verify", (pools[0],), **common), simulated_acceptance=simulated_acceptance
+    )
+    decode_streams = (getattr(draft_lane, "stream", None), verify_lane.stream)
+    prefill_lane = LocalPrefillLane(
+        target_runner, draft_runner, LaneInfo("prefill", pools, **common), wait_for=decode_streams
+    )
+    router = Router(
+        prefill_lane,
+        draft_lane,
+        verify_lane,
+        decode=codec.decode if detokenize else None,
+        eos_token_ids=m.target.eos_token_ids,
+        config=options.config,
+        max_running=options.max_running,
+        observer=observer,
+        lookup=LookupMix() if eagle and draft_spec(m.draft_name).lookup else None,
+    )
+    return ColocatedStack(
+        options, m, codec, target_pool, draft_pool, prefill_lane, draft_lane, verify_lane, router, capture_seconds
+    )
+
+
+# -- split: the router over lane clients ---------------------------------------------------------
+@dataclass
+class SplitStack:
+    router: Router
+    lanes: tuple  # (GrpcPrefillLane, GrpcDraftLane, GrpcVerifyLane)
+    wiring: object  # the prefill lane's ImportPools reply (lanes.rpc.lane_client.wire_pools)
+    info: generate_pb2.ServerInfo
+
+
+def connect_lanes(
+    addrs: dict[str, str],
+    *,
+    timeout_s: float = 60.0,
+    ready_timeout_s: float = 120.0,
+    secret: str | None = None,
+    tls=None,
+):
+    """Lane clients of the three lanes at `addrs`, each serving. `tls`: a
+    verifypd.net.lane_tls.LaneTls (mutual TLS to every lane) or None (plaintext)."""
+    from verifypd.lanes.rpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
+
+    lanes = (
+        GrpcPrefillLane(addrs["prefill"], timeout_s, secret, tls=tls),
+        GrpcDraftLane(addrs["draft"], timeout_s, secret, tls=tls),
+        GrpcVerifyLane(addrs["verify"], timeout_s, secret, tls=tls),
+    )
+    for lane in lanes:
+        lane.wait_ready(ready_timeout_s)
+    return lanes
+
+
+def build_split(
+    addrs: dict[str, str],
+    options: EngineOptions,
+    *,
+    kv_transport: str = "auto",
+    observer: EngineObserver | None = None,
+    lane_timeout_s: float = 60.0,
+    topology: str = "split",
+    lane_secret: str | None = None,
+    lane_tls=None,
+    ready_timeout_s: float = 120.0,
+) -> SplitStack:
+    """The router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools
+    once (and again after a lane restart: CoreServer re-wires). The router does not detokenize:
+    the gateway does (decode=None)."""
+    from verifypd.lanes.rpc.lane_client import wire_pools
+
+    prefill, draft, verify = connect_lanes(
+        addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls, ready_timeout_s=ready_timeout_s
+    )
+    wiring = wire_pools(prefill, draft, verify, kv_transport)
+    log.info("lanes wired: %s (import %.3f s)", dict(wiring.mode_by_pool), wiring.import_seconds)
+    verify_info = verify.describe_pb()
+    router = Router(
+        prefill,
+        draft,
+        verify,
+        decode=None,
+        eos_token_ids=tuple(verify_info.eos_token_ids),
+        config=options.config,
+        max_running=options.max_running,
+        observer=observer,
+    )
+    info = server_info(options.target, options.draft, topology, router.max_context)
+    return SplitStack(router, (prefill, draft, verify), wiring, info)
