@@ -230,7 +230,7 @@ def test_the_walk_sees_the_packages():
         assert sum(m.split(".")[0] == package for m in modules) > 10, package
     graph = import_graph(import_edges(ROOTS))
     assert len(graph) > 100 and sum(map(len, graph.values())) > 300
-    assert "verifypd.model.runner" in graph["verifypd.engine"]
+    assert "verifypd.core.assembly" in graph["verifypd.engine"]
     assert "verifypd_operator.pod_parts" in graph["verifypd_operator.builders"]  # a relative import
     assert "verifypd.v1.generate_pb2" in graph["verifypd_loadgen.runner"]  # from a.b import module
 
