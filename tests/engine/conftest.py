@@ -30,7 +30,7 @@ def _patch_triton_interpreter() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_interpreter()
 
-from engine_helpers import write_target_and_draft
+from engine_helpers import write_target_and_draft  # noqa: E402 (after TRITON_INTERPRET is chosen: it may load triton)
 
 
 @pytest.fixture(scope="session")

@@ -280,16 +280,18 @@ def test_a_held_out_prompt_is_held_out_in_every_copy(tmp_path):
     assert len(rows) == 100 and sum(r["heldout"] for r in rows) % 10 == 0
 
 
-def test_fit_steps_ends_the_schedule_inside_max_minutes():
+def test_fit_steps_ends_the_schedule_inside_max_minutes(monkeypatch):
     """At step 20, 20 steps took 2 s (0.1 s each) and 10 s of the 60 are gone: 500 more steps fit,
     minus the held-out evaluations' share; --steps is lowered to that, never raised."""
-    import time
     from types import SimpleNamespace
 
+    from verifypd.distill import trainer as trainer_module
     from verifypd.distill.trainer import Trainer, TrainSettings
 
+    now = 1000.0  # the trainer's clock stands still: the fit depends on the given times only
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: now))
+
     def fitted(steps, heldout):
-        now = time.monotonic()
         trainer = SimpleNamespace(
             step=20, log=lambda m: None, s=TrainSettings(steps=steps, max_minutes=1.0, eval_every=100, batch_tokens=64)
         )

@@ -80,16 +80,19 @@ def test_greedy_with_head_and_lookup_equals_plain(tiny_models, mixed, k, adaptiv
 
 def test_seeded_output_with_head_and_lookup_equals_plain(tiny_models, mixed):
     prompts = repeating_prompts(5, seed=9)
-    specs = lambda: [
-        RequestSpec(
-            p,
-            max_tokens=24,
-            stop_at_eos=False,
-            request_id=f"r{i}",  # noqa: E731
-            sampling=SamplingParams(temperature=0.3, seed=100 + i),
-        )
-        for i, p in enumerate(prompts)
-    ]
+
+    def specs():
+        return [
+            RequestSpec(
+                p,
+                max_tokens=24,
+                stop_at_eos=False,
+                request_id=f"r{i}",
+                sampling=SamplingParams(temperature=0.3, seed=100 + i),
+            )
+            for i, p in enumerate(prompts)
+        ]
+
     plain = make_engine(tiny_models[0], "none", k=0).generate(specs())
     engine = make_engine(tiny_models[0], mixed, k=4)
     done = engine.generate(specs())

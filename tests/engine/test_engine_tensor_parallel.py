@@ -101,7 +101,7 @@ def test_tp2_over_gloo_equals_tp1(model_dirs, tmp_path):
                     single[phase],
                     rtol=1e-5,
                     atol=1e-5,
-                    msg=lambda m, phase=phase: f"{where} {phase}: {m}",
+                    msg=lambda m, phase=phase, where=where: f"{where} {phase}: {m}",
                 )
             assert result["tokens"] == single["tokens"], where
 

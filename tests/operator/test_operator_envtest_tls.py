@@ -76,7 +76,7 @@ def _pem(secret, field):
 
 def _pods_use_tls(admin, ns, uid, ops):
     for unit in ("gateway", "prefill", "draft", "verify"):
-        dep = wait_for(lambda: admin.get("Deployment", ns, f"llm-{unit}"), f"{unit} Deployment", ops)
+        dep = wait_for(lambda unit=unit: admin.get("Deployment", ns, f"llm-{unit}"), f"{unit} Deployment", ops)
         pod = dep["spec"]["template"]["spec"]
         tls_volume = {"name": "tls", "secret": {"secretName": "llm-tls", "defaultMode": 420}}
         assert tls_volume in pod["volumes"], pod["volumes"]

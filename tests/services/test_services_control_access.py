@@ -13,7 +13,6 @@ from services_helpers import (
     free_port,
     greedy_request,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.auth import gateway_access

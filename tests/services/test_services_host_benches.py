@@ -1,7 +1,7 @@
-"""bench/router_host_overhead.py, bench/serving_host_ceiling.py and profile_step.py --closed-loop on the CPU (their real use is on
-the GPU host's CPU): they run, write their results with the metadata every benchmark records, and
-measure what they say (the router batches the concurrent streams; a pipelined pdv step verifies
-about half of them)."""
+"""bench/router_host_overhead.py, bench/serving_host_ceiling.py and profile_step.py --closed-loop on
+the CPU (their real use is on the GPU host's CPU): they run, write their results with the metadata
+every benchmark records, and measure what they say (the router batches the concurrent streams; a
+pipelined pdv step verifies about half of them)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 
 from verifypd.launch.launcher import child_env
 

@@ -13,7 +13,6 @@ import openai
 import pytest
 from http_helpers import (
     MODEL,
-    chat_models,  # noqa: F401 (a fixture)
 )
 from services_helpers import (
     BLOCK_SIZE,
@@ -21,7 +20,6 @@ from services_helpers import (
     Client,
     Server,
     free_port,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 

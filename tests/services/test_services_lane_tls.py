@@ -24,7 +24,6 @@ from services_helpers import (
     offline_outputs,
     random_prompts,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.engine.types import RequestSpec

@@ -7,7 +7,6 @@ import json
 
 from services_helpers import (
     engine_options,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd_loadgen.cli import main as loadgen_main

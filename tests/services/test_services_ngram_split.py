@@ -9,7 +9,6 @@ from services_helpers import (
     engine_options,
     greedy_request,
     offline_outputs,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.engine.types import RequestSpec, SamplingParams

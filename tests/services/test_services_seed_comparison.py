@@ -15,7 +15,6 @@ import sys
 import pytest
 from services_helpers import (
     BLOCK_SIZE,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -13,7 +13,6 @@ from services_helpers import (
     greedy_request,
     offline_outputs,
     random_prompts,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.engine.types import RequestSpec, SamplingParams

@@ -17,7 +17,6 @@ from services_helpers import (
     Server,
     free_port,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd import tls as tls_mod
