@@ -65,6 +65,7 @@ def trained(tmp_path_factory):
     return target, out
 
 
+@pytest.mark.slow
 def test_distill_reports_heldout_acceptance(trained):
     _, out = trained
     summary = json.loads((out / "distill.json").read_text())
@@ -76,6 +77,7 @@ def test_distill_reports_heldout_acceptance(trained):
     assert [h["step"] for h in summary["history"]] == [30, 60]
 
 
+@pytest.mark.slow
 def test_checkpoint_and_resume(trained, tmp_path, capsys):
     target, _ = trained
     out = tmp_path / "head"
@@ -92,6 +94,7 @@ def test_checkpoint_and_resume(trained, tmp_path, capsys):
     assert second["finished"] and second["step"] == 5
 
 
+@pytest.mark.slow
 def test_resumed_run_trains_what_an_uninterrupted_run_trains(trained, tmp_path):
     """Stopped twice (after one step each time, --max-minutes 0) and resumed: the same weights, bit for
     bit, as one uninterrupted run: the optimizer state, the learning-rate schedule (the checkpoint's end,
@@ -124,6 +127,7 @@ def test_resumed_run_trains_what_an_uninterrupted_run_trains(trained, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 def test_engine_acceptance_equals_dense_replay(trained):
     target_path, out = trained
     steps: list[tuple[int, int]] = []

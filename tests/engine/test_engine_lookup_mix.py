@@ -18,6 +18,8 @@ from verifypd.engine.types import RequestSpec, RequestStats, SamplingParams
 from verifypd.lanes.interface import KvHandle, VerifyItem
 from verifypd.lanes.local import DeviceDraftTokens, DraftBatch
 
+pytestmark = pytest.mark.slow  # seeded decoding with a head and prompt lookup in every schedule (tests/README.md)
+
 
 def repeating_prompts(n: int, seed: int) -> list[list[int]]:
     """Prompts that quote themselves (as rewrites and extractions do), so lookup finds matches."""

@@ -229,6 +229,7 @@ def test_preemption_happens_in_the_pressure_test(tiny_models):
     assert sum(preempted) > 0
 
 
+@pytest.mark.slow
 def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
     """The config switches between plain decoding and drafting (k = 3) every few steps: chains start
     and end around speculative steps, tokens stay the target's greedy ones."""
@@ -258,6 +259,7 @@ def test_overlap_flag_reaches_the_config(flag, overlap, ahead):
     assert engine_options(build_parser().parse_args(["serve"])).config.admit_ahead is False
 
 
+@pytest.mark.slow
 def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_models):
     """Adaptive k that turned drafting off (SIMULATED acceptance 0) chains its plain steps. A probe
     falls due after PROBE_FIRST steps off, but only a request whose draft KV is at most PROBE_MAX_LAG
@@ -275,6 +277,7 @@ def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_model
     assert off > 70 and router.overlap.steps >= 0.8 * off, (router.overlap.steps, off)
 
 
+@pytest.mark.slow
 def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models):
     """Drafting off (SIMULATED acceptance 0), requests finishing one after another: a finish changes
     the batch the off decision was made for, and the chained step decides again for the smaller

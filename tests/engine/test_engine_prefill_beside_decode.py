@@ -13,6 +13,8 @@ from test_engine_schedules import specs
 
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
 
+pytestmark = pytest.mark.slow  # whole engine runs per schedule and overlap setting (tests/README.md)
+
 
 class _Logged:
     def __init__(self, started, log):

@@ -17,6 +17,8 @@ from verifypd.engine.draft_length import RuntimeConfig
 from verifypd.engine.types import InvalidRequest, RequestSpec, SamplingParams
 from verifypd.lanes.interface import LaneError
 
+pytestmark = pytest.mark.slow  # every schedule decoded through the engine, request by request (tests/README.md)
+
 SCHEDULES = [("baseline", True), ("pd", True), ("pdv", True), ("pdv", False)]
 
 

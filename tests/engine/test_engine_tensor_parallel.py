@@ -12,6 +12,8 @@ import pytest
 import torch
 from engine_helpers import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks as processes (gloo) (tests/README.md)
+
 WORLD = 2
 BLOCK_SIZE = 4
 DECODE_STEPS = 16

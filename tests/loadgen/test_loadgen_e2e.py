@@ -175,6 +175,7 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
         assert schema.load(out) == doc
 
 
+@pytest.mark.slow
 def test_csv_plots_and_compare(fake, loadgen, tmp_path):
     _, addr = fake(burst=(2,), k=3)
     for label in ("base", "new"):

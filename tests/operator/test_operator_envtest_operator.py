@@ -24,6 +24,8 @@ from operator_helpers import CHART, EXAMPLE, ROOT, wait_until
 
 from verifypd_operator.kube import Kube
 
+pytestmark = pytest.mark.live  # a real API server (envtest) (tests/README.md)
+
 RELEASE, SYSTEM_NS = "e2e", "e2e-sys"
 # A Go runtime panic inside the server's CEL evaluation (the race shows as "index out of range [i]
 # with length j" or "invalid memory address or nil pointer dereference"); a rule that really fails

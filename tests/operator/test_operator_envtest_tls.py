@@ -25,6 +25,8 @@ from verifypd_operator import tls_certs
 from verifypd_operator.kube import Kube
 from verifypd_operator.tls_manifests import CA_FILE, CERT_FILE, HEALTH_PORTS, KEY_FILE, dns_names
 
+pytestmark = pytest.mark.live  # a real API server (envtest) (tests/README.md)
+
 RELEASE, SYSTEM_NS, SA = "tlsop", "tlsop-sys", "tlsop-verifypd"
 DAY = 86400.0
 CONFIG = {

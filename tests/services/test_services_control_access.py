@@ -73,6 +73,7 @@ def served(request, tiny_models, tmp_path_factory):
     server.stop()
 
 
+@pytest.mark.slow
 def test_control_is_closed_to_outsiders_and_generate_callers(served):
     from verifypd_operator.control_client import ControlClient
     from verifypd_operator.decision import Knobs

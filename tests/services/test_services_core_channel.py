@@ -64,6 +64,7 @@ def client(gateway):
     c.close()
 
 
+@pytest.mark.slow
 def test_one_message_per_step_carries_every_request_in_order(tiny_models, gateway, client):
     prompts = random_prompts(6, seed=3)
     expected = offline_outputs(
@@ -129,6 +130,7 @@ def test_stop_string_is_applied_by_the_gateway(client):
     assert "".join(m.text for m in msgs).split() == text[: text.index(stop)]
 
 
+@pytest.mark.slow
 def test_engine_core_process_crash_fails_requests_and_serve_exits(tiny_models):
     port = free_port()
     cmd = [

@@ -65,6 +65,7 @@ def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
         )
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
     port = free_port()
     cmd = [

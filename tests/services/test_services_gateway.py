@@ -105,6 +105,7 @@ def blocks_in_use(gw) -> tuple[int, int]:
     return gw.engine.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))
 
 
+@pytest.mark.slow
 def test_greedy_output_equals_offline_engine(tiny_models, client):
     prompts = random_prompts(8, seed=0)
     expected = offline_outputs(
@@ -341,6 +342,7 @@ def test_cli_generate_against_server(gateway, capsys):
     assert captured.out.strip() == out["text"].strip() and "tokens" in captured.err and "tok/s" in captured.err
 
 
+@pytest.mark.slow
 def test_cli_unreachable_server_exits_2(capsys):
     from verifypd.cli import main
 

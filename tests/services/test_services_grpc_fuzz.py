@@ -87,6 +87,7 @@ def call(client: Client, req: pb.GenerateRequest):
         return err.code(), err.details() or "", []
 
 
+@pytest.mark.slow
 def test_extreme_field_values_are_served_or_invalid_argument_naming_the_field(gateway):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -14,6 +14,8 @@ import pytest
 
 from verifypd.launch.launcher import child_env
 
+pytestmark = pytest.mark.slow  # the bench scripts as subprocesses (tests/README.md)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

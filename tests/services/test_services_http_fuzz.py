@@ -17,9 +17,7 @@ from http_helpers import (
     MODEL,
     HttpGateway,
 )
-from services_helpers import (
-    wait_until,
-)
+from services_helpers import wait_until
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 FUZZ_BODIES = 2500
@@ -230,6 +228,7 @@ def check_answer(r: httpx.Response | str, body: bytes) -> None:
         ), what
 
 
+@pytest.mark.slow
 def test_fuzzed_bodies_get_4xx_and_leak_nothing(server):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -11,9 +11,7 @@ import sys
 import httpx
 import openai
 import pytest
-from http_helpers import (
-    MODEL,
-)
+from http_helpers import MODEL
 from services_helpers import (
     BLOCK_SIZE,
     MAX_CONTEXT,
@@ -21,6 +19,8 @@ from services_helpers import (
     Server,
     free_port,
 )
+
+pytestmark = pytest.mark.slow  # `verifypd serve` processes (tests/README.md)
 
 
 @pytest.fixture(scope="module")

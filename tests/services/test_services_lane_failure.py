@@ -38,6 +38,8 @@ from services_helpers import (
 from verifypd.engine.types import RequestSpec
 from verifypd.v1 import generate_pb2
 
+pytestmark = pytest.mark.slow  # `verifypd serve --topology split`, its lane processes killed (tests/README.md)
+
 MAX_TOKENS = 24
 CONCURRENCY = 4
 REQUESTS = 30

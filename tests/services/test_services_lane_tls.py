@@ -30,6 +30,8 @@ from verifypd.engine.types import RequestSpec
 from verifypd.lane_tls import LaneTls
 from verifypd.lanes.interface import LaneError
 
+pytestmark = pytest.mark.slow  # lane processes and `verifypd serve` over mutual TLS (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):

@@ -14,6 +14,8 @@ from services_helpers import (
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
+pytestmark = pytest.mark.slow  # lane processes (tests/README.md)
+
 DRAFT = "ngram:1-3"
 # Repeated segments, so prompt lookup proposes (and the tiny random models, which loop, accept).
 PROMPTS = [

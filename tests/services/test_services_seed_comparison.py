@@ -13,9 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from services_helpers import (
-    BLOCK_SIZE,
-)
+from services_helpers import BLOCK_SIZE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "seed_comparison.py"
@@ -38,6 +36,7 @@ def run_harness(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess
     return proc
 
 
+@pytest.mark.slow
 def test_sweep_on_tiny_models(tiny_models, tmp_path):
     target, draft = tiny_models
     # `bad` passes a flag serve does not know: that server cannot start, and the sweep goes on.

@@ -11,6 +11,8 @@ import sys
 import pytest
 from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, Server, _engine_models, free_port, greedy_request
 
+pytestmark = pytest.mark.slow  # `verifypd serve` processes (tests/README.md)
+
 K = 4
 
 

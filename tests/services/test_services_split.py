@@ -18,6 +18,8 @@ from services_helpers import (
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
+pytestmark = pytest.mark.slow  # lane processes (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):

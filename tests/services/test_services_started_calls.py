@@ -124,6 +124,7 @@ def test_a_started_call_that_fails_raises_lane_error_on_result():
         server.close()
 
 
+@pytest.mark.slow
 def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     """The real router over lane clients of three lane processes: a step with both decode and
     prefill work sends the prefill call before it reads the verify call's reply (before this, a

@@ -32,6 +32,8 @@ from services_helpers import (
 from verifypd.engine.types import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
 
+pytestmark = pytest.mark.slow  # `verifypd serve` and lanes with tensor-parallel rank processes (tests/README.md)
+
 FOLLOWER_LINE = re.compile(r"tensor-parallel rank 1 of 2: pid (\d+)")
 
 

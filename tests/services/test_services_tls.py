@@ -22,6 +22,8 @@ from services_helpers import (
 from verifypd import tls as tls_mod
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 
+pytestmark = pytest.mark.slow  # `verifypd serve` processes over TLS (tests/README.md)
+
 PROMPT = "w5 w6 w7"
 
 
