@@ -9,7 +9,6 @@ from services_helpers import (
     Client,
     engine_options,
     greedy_request,
-    tiny_models,  # noqa: F401 (a fixture)
     wait_until,
 )
 
@@ -43,8 +42,8 @@ def test_gauges_drop_to_zero_after_cancel_and_when_idle(tiny_models):
         call.cancel()
         with pytest.raises(grpc.RpcError):
             list(call)
-        assert wait_until(lambda: set(gauge_values(reader, mn.KV_BLOCKS_IN_USE).values()) == {0}, 5)
-        assert wait_until(lambda: set(gauge_values(reader, mn.LANE_QUEUE_DEPTH).values()) == {0}, 5)
+        assert wait_until(lambda: set(gauge_values(reader, mn.KV_BLOCKS_IN_USE).values()) == {0}, 30)
+        assert wait_until(lambda: set(gauge_values(reader, mn.LANE_QUEUE_DEPTH).values()) == {0}, 30)
         client.close()
 
 

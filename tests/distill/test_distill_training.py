@@ -65,6 +65,7 @@ def trained(tmp_path_factory):
     return target, out
 
 
+@pytest.mark.slow
 def test_distill_reports_heldout_acceptance(trained):
     _, out = trained
     summary = json.loads((out / "distill.json").read_text())
@@ -76,6 +77,7 @@ def test_distill_reports_heldout_acceptance(trained):
     assert [h["step"] for h in summary["history"]] == [30, 60]
 
 
+@pytest.mark.slow
 def test_checkpoint_and_resume(trained, tmp_path, capsys):
     target, _ = trained
     out = tmp_path / "head"
@@ -92,6 +94,7 @@ def test_checkpoint_and_resume(trained, tmp_path, capsys):
     assert second["finished"] and second["step"] == 5
 
 
+@pytest.mark.slow
 def test_resumed_run_trains_what_an_uninterrupted_run_trains(trained, tmp_path):
     """Stopped twice (after one step each time, --max-minutes 0) and resumed: the same weights, bit for
     bit, as one uninterrupted run: the optimizer state, the learning-rate schedule (the checkpoint's end,
@@ -124,6 +127,7 @@ def test_resumed_run_trains_what_an_uninterrupted_run_trains(trained, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 def test_engine_acceptance_equals_dense_replay(trained):
     target_path, out = trained
     steps: list[tuple[int, int]] = []
@@ -280,16 +284,18 @@ def test_a_held_out_prompt_is_held_out_in_every_copy(tmp_path):
     assert len(rows) == 100 and sum(r["heldout"] for r in rows) % 10 == 0
 
 
-def test_fit_steps_ends_the_schedule_inside_max_minutes():
+def test_fit_steps_ends_the_schedule_inside_max_minutes(monkeypatch):
     """At step 20, 20 steps took 2 s (0.1 s each) and 10 s of the 60 are gone: 500 more steps fit,
     minus the held-out evaluations' share; --steps is lowered to that, never raised."""
-    import time
     from types import SimpleNamespace
 
+    from verifypd.distill import trainer as trainer_module
     from verifypd.distill.trainer import Trainer, TrainSettings
 
+    now = 1000.0  # the trainer's clock stands still: the fit depends on the given times only
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: now))
+
     def fitted(steps, heldout):
-        now = time.monotonic()
         trainer = SimpleNamespace(
             step=20, log=lambda m: None, s=TrainSettings(steps=steps, max_minutes=1.0, eval_every=100, batch_tokens=64)
         )

@@ -67,6 +67,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "verifypd.cli", *args], capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_cli_offline_json_and_errors(tiny_models):
     target, draft = tiny_models
     ok = _cli(

@@ -13,7 +13,6 @@ from services_helpers import (
     free_port,
     greedy_request,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.net.auth import gateway_access
@@ -74,6 +73,7 @@ def served(request, tiny_models, tmp_path_factory):
     server.stop()
 
 
+@pytest.mark.slow
 def test_control_is_closed_to_outsiders_and_generate_callers(served):
     from verifypd_operator.control_client import ControlClient
     from verifypd_operator.decision import Knobs

@@ -17,7 +17,6 @@ from services_helpers import (
     greedy_request,
     offline_outputs,
     random_prompts,
-    tiny_models,  # noqa: F401 (a fixture)
     wait_until,
 )
 
@@ -85,6 +84,7 @@ def blocks_in_use(gw) -> tuple[int, int]:
     return gw.core_loop.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))
 
 
+@pytest.mark.slow
 def test_greedy_output_equals_offline_engine(tiny_models, client):
     prompts = random_prompts(8, seed=0)
     expected = offline_outputs(
@@ -176,10 +176,12 @@ def test_duplicate_in_flight_request_id(client, gateway):
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_cancel_and_deadline_free_blocks(client, gateway, how):
-    gateway.router.verify_lane.delay_s = 0.03
+    # 200 tokens take >= 40 steps (k = 4); >= 6 s at 0.15 s a step, past the 3 s deadline, by when
+    # at most 20 steps (100 tokens) ran: finishing would take >= 20 more steps.
+    gateway.router.verify_lane.delay_s = 0.15
     call = client.gen.Generate(
         generate_pb2.GenerateRequest(**greedy_request(list(range(3, 30)), 200)),
-        timeout=None if how == "cancel" else 0.5,
+        timeout=None if how == "cancel" else 3,
     )
     next(call)
     assert blocks_in_use(gateway) != (0, 0)
@@ -188,8 +190,11 @@ def test_cancel_and_deadline_free_blocks(client, gateway, how):
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == (grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED)
-    # The abort runs on the engine thread before its next step: a couple of (slow) steps at most.
-    assert wait_until(lambda: blocks_in_use(gateway) == (0, 0), timeout_s=2.0)
+    gateway.router.verify_lane.delay_s, steps = 0.5, gateway.engine.steps
+    # The abort runs on the engine thread before its next step: a couple of (slow) steps, not the
+    # >= 20 more that finishing the request would take (counted in steps, not seconds).
+    assert wait_until(lambda: blocks_in_use(gateway) == (0, 0), timeout_s=60)
+    assert gateway.engine.steps - steps < 10, "the request ran on: not aborted"
 
 
 def test_update_config_takes_effect_on_next_step(client, gateway):
@@ -316,6 +321,7 @@ def test_cli_generate_against_server(gateway, capsys):
     assert captured.out.strip() == out["text"].strip() and "tokens" in captured.err and "tok/s" in captured.err
 
 
+@pytest.mark.slow
 def test_cli_unreachable_server_exits_2(capsys):
     from verifypd.cli import main
 

@@ -4,14 +4,12 @@ INVALID_ARGUMENT naming the field, never INTERNAL/UNKNOWN or a hang, and nothing
 from __future__ import annotations
 
 import random
-import time
 
 import grpc
 import pytest
 from services_helpers import (
     Client,
     engine_options,
-    tiny_models,  # noqa: F401 (a fixture)
     wait_until,
 )
 
@@ -89,19 +87,18 @@ def call(client: Client, req: pb.GenerateRequest):
         return err.code(), err.details() or "", []
 
 
+@pytest.mark.slow
 def test_extreme_field_values_are_served_or_invalid_argument_naming_the_field(gateway):
     from concurrent.futures import ThreadPoolExecutor
 
     rng = random.Random(23)
     requests = [hostile_request(rng, n) for n in range(FUZZ_REQUESTS)]
     client = Client(gateway.address)
-    start = time.monotonic()
-    try:
+    try:  # a hang is a call's 30 s deadline (DEADLINE_EXCEEDED fails below), not a bound on the whole run
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda r: call(client, r[0]), requests))
     finally:
         client.close()
-    elapsed = time.monotonic() - start
     codes = {}
     for (req, fields, words), (code, details, msgs) in zip(requests, answers):
         what = f"{code.name} {details!r} for {fields}: {str(req)[:300]}"
@@ -114,7 +111,6 @@ def test_extreme_field_values_are_served_or_invalid_argument_naming_the_field(ga
             assert msgs and msgs[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED, what
             assert all(t < 96 for m in msgs for t in m.token_ids), what
     assert codes.get("OK", 0) > FUZZ_REQUESTS // 5 and codes.get("INVALID_ARGUMENT", 0) > FUZZ_REQUESTS // 5, codes
-    assert elapsed < 60, f"{FUZZ_REQUESTS} requests took {elapsed:.0f} s"
     blocks = lambda: gateway.core_loop.call(lambda r: (r.target_blocks.num_used, r.draft_blocks.num_used))  # noqa: E731
-    assert wait_until(lambda: blocks() == (0, 0), timeout_s=5.0), blocks()
-    assert wait_until(lambda: gateway.client.in_flight() == 0, timeout_s=5.0)
+    assert wait_until(lambda: blocks() == (0, 0), timeout_s=30), blocks()
+    assert wait_until(lambda: gateway.client.in_flight() == 0, timeout_s=30)

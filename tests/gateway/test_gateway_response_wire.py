@@ -101,7 +101,7 @@ def test_stream_box_gives_a_late_consumer_everything_as_one_chunk_in_order():
         for n in range(2, 6):  # four steps while the consumer does not run
             box.put(_chunk([n], chr(ord("a") + n - 1)))
         box.put(_chunk([6], "f", True, FinishReason.LENGTH))
-        await asyncio.wait_for(task, 2)
+        await asyncio.wait_for(task, 30)
         return got
 
     got = asyncio.run(main())
@@ -118,7 +118,7 @@ def test_stream_box_take_cancelled_while_waiting_loses_nothing():
         with pytest.raises(asyncio.CancelledError):
             await waiter
         box.put(_chunk([7], "x"))
-        return await asyncio.wait_for(box.take(), 1)
+        return await asyncio.wait_for(box.take(), 30)
 
     (item,) = asyncio.run(main())
     assert item.token_ids == [7]

@@ -20,7 +20,9 @@ import tomllib
 
 import pytest
 from packaging.requirements import Requirement
-from services_helpers import BLOCK_SIZE, Client, Server, free_port, greedy_request, tiny_models  # noqa: F401 (fixture)
+from services_helpers import BLOCK_SIZE, Client, Server, free_port, greedy_request
+
+pytestmark = pytest.mark.slow  # a plain install's environment and `verifypd serve` in it (tests/README.md)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # A fresh `python3 -m venv` (Python 3.11) comes with these; the README's install adds the embedded model.

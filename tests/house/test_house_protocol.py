@@ -40,24 +40,24 @@ def _descriptors(tmp_path) -> descriptor_pb2.FileDescriptorSet:
 
 def test_every_field_has_a_doc_comment(tmp_path):
     missing, fields = [], 0
+
+    def walk(docs, file_name, messages, path, prefix):
+        nonlocal fields
+        for mi, m in enumerate(messages):
+            if m.options.map_entry:  # synthesized by protoc for `map<,>`; the map field is documented
+                continue
+            for fi, field in enumerate(m.field):
+                fields += 1
+                if not docs.get((*path, mi, 2, fi)):
+                    missing.append(f"{file_name}: {prefix}{m.name}.{field.name}")
+            walk(docs, file_name, m.nested_type, (*path, mi, 3), f"{prefix}{m.name}.")
+
     for f in _descriptors(tmp_path).file:
         docs = {
             tuple(loc.path): (loc.leading_comments + loc.trailing_comments).strip()
             for loc in f.source_code_info.location
         }
-
-        def walk(messages, path, prefix):
-            nonlocal fields
-            for mi, m in enumerate(messages):
-                if m.options.map_entry:  # synthesized by protoc for `map<,>`; the map field is documented
-                    continue
-                for fi, field in enumerate(m.field):
-                    fields += 1
-                    if not docs.get((*path, mi, 2, fi)):
-                        missing.append(f"{f.name}: {prefix}{m.name}.{field.name}")
-                walk(m.nested_type, (*path, mi, 3), f"{prefix}{m.name}.")
-
-        walk(f.message_type, (4,), "")
+        walk(docs, f.name, f.message_type, (4,), "")
     assert fields > 100
     assert not missing, "fields without a doc comment:\n" + "\n".join(missing)
 

@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services_helpers import (
     VOCAB,
     engine_options,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.v1 import generate_pb2, lanes_pb2, lanes_pb2_grpc
@@ -311,6 +310,8 @@ def mutate(msg, rng: random.Random, lanes, depth=0):
     """Randomly rewrites some fields of a well-formed message (recursively), keeping it parseable."""
     from google.protobuf.descriptor import FieldDescriptor as F
 
+    scalar = (F.TYPE_UINT32, F.TYPE_UINT64, F.TYPE_INT32, F.TYPE_INT64, F.TYPE_FLOAT, F.TYPE_DOUBLE)
+    scalar += (F.TYPE_BOOL, F.TYPE_STRING, F.TYPE_BYTES, F.TYPE_ENUM)  # the types edge_value() fills
     for field in msg.DESCRIPTOR.fields:
         if field.type == F.TYPE_MESSAGE:
             if field.is_repeated:
@@ -324,38 +325,44 @@ def mutate(msg, rng: random.Random, lanes, depth=0):
             continue
         if rng.random() > 0.25:
             continue
-        if field.type in (F.TYPE_UINT32, F.TYPE_UINT64):
-            pick = lambda: rng.choice(EDGE["uint"] + ([2**64 - 1] if field.type == F.TYPE_UINT64 else []))
-        elif field.type in (F.TYPE_INT32, F.TYPE_INT64):
-            pick = lambda: rng.choice(EDGE["int"])
-        elif field.type in (F.TYPE_FLOAT, F.TYPE_DOUBLE):
-            pick = lambda: rng.choice(EDGE["float"])
-        elif field.type == F.TYPE_BOOL:
-            pick = lambda: rng.random() < 0.5
-        elif field.type == F.TYPE_STRING:
-            pick = lambda: rng.choice(
-                [
-                    "",
-                    "x",
-                    "../../etc/passwd",
-                    "a" * 300,
-                    lanes.pools["draft"].pool_id,
-                    lanes.pools["target"].pool_id,
-                    "/dev/shm/verifypd-x",
-                ]
-            )
-        elif field.type == F.TYPE_BYTES:
-            pick = lambda: rng.randbytes(rng.choice([0, 3, 4, 8, 4 * VOCAB, 8 * VOCAB]))
-        elif field.type == F.TYPE_ENUM:
-            pick = lambda: rng.choice([0, 1, 2, 99])
-        else:
+        if field.type not in scalar:
             continue
         if field.is_repeated:
             target = getattr(msg, field.name)
             del target[:]
-            target.extend(pick() for _ in range(rng.choice([0, 1, 2, 5, 17])))
+            target.extend(edge_value(field.type, rng, lanes) for _ in range(rng.choice([0, 1, 2, 5, 17])))
         else:
-            setattr(msg, field.name, pick())
+            setattr(msg, field.name, edge_value(field.type, rng, lanes))
+
+
+def edge_value(kind: int, rng: random.Random, lanes):
+    """A hostile value for a scalar protobuf field of type `kind` (a FieldDescriptor.TYPE_*)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    if kind in (F.TYPE_UINT32, F.TYPE_UINT64):
+        return rng.choice(EDGE["uint"] + ([2**64 - 1] if kind == F.TYPE_UINT64 else []))
+    if kind in (F.TYPE_INT32, F.TYPE_INT64):
+        return rng.choice(EDGE["int"])
+    if kind in (F.TYPE_FLOAT, F.TYPE_DOUBLE):
+        return rng.choice(EDGE["float"])
+    if kind == F.TYPE_BOOL:
+        return rng.random() < 0.5
+    if kind == F.TYPE_STRING:
+        return rng.choice(
+            [
+                "",
+                "x",
+                "../../etc/passwd",
+                "a" * 300,
+                lanes.pools["draft"].pool_id,
+                lanes.pools["target"].pool_id,
+                "/dev/shm/verifypd-x",
+            ]
+        )
+    if kind == F.TYPE_BYTES:
+        return rng.randbytes(rng.choice([0, 3, 4, 8, 4 * VOCAB, 8 * VOCAB]))
+    assert kind == F.TYPE_ENUM, kind
+    return rng.choice([0, 1, 2, 99])
 
 
 def test_fuzz_every_lane_rpc_never_unknown_internal_or_crash(lanes):

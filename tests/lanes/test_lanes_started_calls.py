@@ -14,7 +14,6 @@ from services_helpers import (
     engine_options,
     offline_outputs,
     random_prompts,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 from test_lanes_call_channel import GREEDY, TARGET, handle, verify_item
 
@@ -25,15 +24,17 @@ from verifypd.lanes.rpc.lane_client import GrpcPrefillLane, GrpcVerifyLane
 from verifypd.v1 import lanes_pb2
 
 DELAY_S = 0.3
+WAIT_S = 60  # a call waiting for another one: this long only when it never comes (a hang)
 
 
-def slow_server(log: list, name: str, refuse_first: bool = False):
-    """A lane stub that takes DELAY_S per call and logs (name, start, end); verify calls answer
-    accepted 0 and token 100 + call number, prefill calls the first token 200 + call number."""
+def slow_server(log: list, name: str, refuse_first: bool = False, hold=None):
+    """A lane stub that takes DELAY_S per call (or until `hold()` returns) and logs (name, start, end);
+    verify calls answer accepted 0 and token 100 + call number, prefill calls the first token
+    200 + call number."""
 
     def handler(call, state):
         t0 = time.perf_counter()
-        time.sleep(DELAY_S)
+        hold() if hold is not None else time.sleep(DELAY_S)
         state.calls += 1
         log.append((name, t0, time.perf_counter()))
         n = len(call.batch.keys_u32) // 4
@@ -53,7 +54,7 @@ def stub_client(cls, server):
     lane._call_lock, lane._lock, lane.calls, lane.wire_bytes = threading.Lock(), threading.Lock(), 0, 0
     lane._mirror, lane._pending = cc.ChannelMirror(), None
     lane.writes, lane.kv_bytes_copied, lane.kv_written_event = 0, 0, b""
-    lane._client = CallClient("127.0.0.1", server.port, None, 5.0)
+    lane._client = CallClient("127.0.0.1", server.port, None, WAIT_S)
     lane._client.connect()
     lane._connected_client = lambda: lane._client
     return lane
@@ -72,21 +73,28 @@ def two_lanes():
         s.close()
 
 
-def test_a_started_verify_and_prefill_compute_at_once(two_lanes):
-    log, verify, prefill = two_lanes
-    assert verify.starts_async and prefill.starts_async
-    t0 = time.perf_counter()
-    started = verify.verify_start([verify_item("a", 1, [3])])
-    assert time.perf_counter() - t0 < DELAY_S / 2  # returned before the lane answered
-    assert not started.ready()
-    beside = prefill.prefill_start([prefill_item("b")])
-    assert [o.new_tokens for o in started.result()] == [[101]]
-    assert [o.first_token for o in beside.result()] == [201]
-    wall = time.perf_counter() - t0
-    (_, v0, v1), (_, p0, p1) = sorted(log)[::-1]  # ("verify", ...) then ("prefill", ...)
-    assert p0 < v1 and v0 < p1, "the two lanes' calls did not overlap"
-    assert wall < 1.6 * DELAY_S
-    assert prefill.writes == 1 and verify.calls == 1 and prefill.calls == 1
+def test_a_started_verify_and_prefill_compute_at_once():
+    """Each lane holds its call until the other lane's call has arrived too (a barrier): the verify
+    lane cannot answer before the prefill call is sent, so verify_start must return without its
+    reply, and the two calls can only finish by computing at once (one after the other, the
+    barrier would break after WAIT_S and the calls fail)."""
+    log: list = []
+    both = threading.Barrier(2, timeout=WAIT_S)
+    servers = [slow_server(log, "verify", hold=both.wait), slow_server(log, "prefill", hold=both.wait)]
+    try:
+        verify, prefill = stub_client(GrpcVerifyLane, servers[0]), stub_client(GrpcPrefillLane, servers[1])
+        assert verify.starts_async and prefill.starts_async
+        started = verify.verify_start([verify_item("a", 1, [3])])
+        assert not started.ready()  # returned before the lane answered (it cannot answer yet)
+        beside = prefill.prefill_start([prefill_item("b")])
+        assert [o.new_tokens for o in started.result()] == [[101]]
+        assert [o.first_token for o in beside.result()] == [201]
+        (_, v0, v1), (_, p0, p1) = sorted(log)[::-1]  # ("verify", ...) then ("prefill", ...)
+        assert p0 < v1 and v0 < p1, "the two lanes' calls did not overlap"
+        assert prefill.writes == 1 and verify.calls == 1 and prefill.calls == 1
+    finally:
+        for s in servers:
+            s.close()
 
 
 def test_a_call_nobody_waited_for_is_settled_before_the_next(two_lanes):
@@ -116,6 +124,7 @@ def test_a_started_call_that_fails_raises_lane_error_on_result():
         server.close()
 
 
+@pytest.mark.slow
 def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     """The real router over lane clients of three lane processes: a step with both decode and
     prefill work sends the prefill call before it reads the verify call's reply (before this, a

@@ -27,11 +27,12 @@ from services_helpers import (
     offline_outputs,
     random_prompts,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
+
+pytestmark = pytest.mark.slow  # `verifypd serve` and lanes with tensor-parallel rank processes (tests/README.md)
 
 FOLLOWER_LINE = re.compile(r"tensor-parallel rank 1 of 2: pid (\d+)")
 
@@ -100,12 +101,10 @@ def test_follower_crash_fails_requests_and_serve_exits(tiny_models):
         for r in readers:
             r.start()
         assert started.wait(60)
-        t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         for r in readers:
             r.join(60)
         assert not any(r.is_alive() for r in readers), "a request hung after a tensor-parallel rank died"
-        assert time.monotonic() - t0 < 30
         assert outcomes and all(code == grpc.StatusCode.UNAVAILABLE for code, _ in outcomes), outcomes
         assert server.proc.wait(30) == 1, "serve must exit non-zero when a rank of its target is gone"
         # The watchdog ("exited with code -9") or the next call's write ("is gone") notices first.
@@ -281,11 +280,19 @@ def test_split_tp2_recovers_from_lost_ranks(tiny_models):
         for t in workers:
             t.start()
         assert _wait(lambda: len(results) >= 3, 120), "no progress"
+        # After each kill: a recovery ended (at least one: the lane watchdog may add one for a healthy
+        # lane whose health check was slow on a loaded machine; see Server.recovered_since).
+        assert _wait(lambda: not server.recovering(), 180), server.lines[-20:]
+        before = server.recoveries()
         os.kill(server.lane_pids()["verify"], signal.SIGKILL)
-        assert _wait(lambda: sum("lanes recovered after" in ln for ln in server.lines) == 1, 180), server.lines[-20:]
+        assert _wait(lambda: server.count(r"lane restarted, pid") == 1, 180), server.lines[-20:]
+        assert _wait(lambda: server.recovered_since(before), 180), server.lines[-20:]
         assert _wait(lambda: len(results) >= 8, 180), "no progress after the verify lane's restart"
+        assert _wait(lambda: not server.recovering(), 180), server.lines[-20:]
+        before = server.recoveries()
         os.kill(first_prefill_follower[0], signal.SIGKILL)
-        assert _wait(lambda: sum("lanes recovered after" in ln for ln in server.lines) == 2, 180), server.lines[-20:]
+        assert _wait(lambda: server.count(r"lane restarted, pid") == 2, 180), server.lines[-20:]
+        assert _wait(lambda: server.recovered_since(before), 180), server.lines[-20:]
         for t in workers:
             t.join(300)
         assert [results.get(n) for n in range(len(prompts))] == [("ok", e) for e in expected]
@@ -344,7 +351,10 @@ def _start_lanes(tiny_models, names, tmp_path) -> list[tuple[subprocess.Popen, s
         )
     try:
         for (proc, port_file), lane in zip(started, names):
-            assert _wait(lambda: port_file.exists() or proc.poll() is not None, 180) and proc.poll() is None, lane
+            assert (
+                _wait(lambda port_file=port_file, proc=proc: port_file.exists() or proc.poll() is not None, 180)
+                and proc.poll() is None
+            ), lane
     except BaseException:
         for proc, _ in started:
             proc.kill()

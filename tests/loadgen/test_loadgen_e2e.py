@@ -175,6 +175,7 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
         assert schema.load(out) == doc
 
 
+@pytest.mark.slow
 def test_csv_plots_and_compare(fake, loadgen, tmp_path):
     _, addr = fake(burst=(2,), k=3)
     for label in ("base", "new"):
@@ -239,7 +240,7 @@ def test_warmup_is_excluded(fake, loadgen, tmp_path):
 def test_duration_mode_is_bounded_and_cancels_stragglers(fake, loadgen, tmp_path):
     import time
 
-    _, addr = fake(ttft_s=0.005, itl_s=0.5)  # every request takes ~4 s
+    _, addr = fake(ttft_s=0.005, itl_s=3.0)  # every request takes ~24 s
     t0 = time.monotonic()
     rc, _, _ = loadgen(
         "--server",
@@ -255,7 +256,7 @@ def test_duration_mode_is_bounded_and_cancels_stragglers(fake, loadgen, tmp_path
         "--out",
         tmp_path / "r.json",
     )
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 20  # not waiting for a request to finish (a hang fails too)
     s = _load(tmp_path / "r.json")["runs"][0]["summary"]
     assert s["requests"] == {"sent": 2, "completed": 0, "failed": 0, "cancelled": 2}
     assert rc == 1  # nothing completed

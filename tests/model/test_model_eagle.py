@@ -36,6 +36,7 @@ def plain(tiny_models):
     return prompts, [c.token_ids for c in done.values()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["full", "small_vocab", "target_lm_head", "target_rows"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_head_equals_plain(tiny_models, heads, plain, head, k):
@@ -46,6 +47,7 @@ def test_greedy_with_head_equals_plain(tiny_models, heads, plain, head, k):
     assert sum(c.usage["draft_tokens"] for c in done.values()) > 0
 
 
+@pytest.mark.slow
 def test_greedy_with_head_and_adaptive_k_equals_plain(tiny_models, heads, plain):
     """k varies per step (and 0-steps make the head catch up over several verified positions)."""
     prompts, expected = plain
@@ -54,6 +56,7 @@ def test_greedy_with_head_and_adaptive_k_equals_plain(tiny_models, heads, plain)
     assert [c.token_ids for c in done.values()] == expected
 
 
+@pytest.mark.slow
 def test_sampling_with_head_follows_target(tiny_models, hf_target, heads):
     """The 2nd output token (the first a verify step makes) ~ the target's marginal, with the head's q
     over its 64-token draft vocabulary (zero elsewhere), and clearly not ~ uniform over it. (The race
@@ -79,6 +82,7 @@ def seeded_plain(tiny_models):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [False, True], ids=["k-fixed", "k-adaptive"])
 def test_seeded_output_with_head_equals_plain(tiny_models, heads, seeded_plain, adaptive):
     """A seed names one output (docs/engine.md "Seeds"): with the head drafting (its race winners for
@@ -98,6 +102,7 @@ def test_seeded_output_with_head_equals_plain(tiny_models, heads, seeded_plain, 
     assert 0 < drafted and (adaptive or 0 < accepted < drafted), (accepted, drafted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule, pipeline, blocks", [("pdv", True, 128), ("pdv", False, 128), ("baseline", True, 24)]
 )
@@ -176,6 +181,7 @@ def test_bad_head_paths_name_the_flag(tiny_models, tmp_path):
         make_engine(tiny_models[0], f"eagle:{tmp_path / 'wrong'}", k=2)
 
 
+@pytest.mark.slow
 def test_greedy_with_head_in_every_schedule(tiny_models, heads):
     """Pipelined (pdv) steps draft one group beside the other's verify: features still line up."""
     from engine_cases import SCHEDULES, drive, specs
@@ -186,6 +192,7 @@ def test_greedy_with_head_in_every_schedule(tiny_models, heads):
         assert tokens == expected, (schedule, pipeline)
 
 
+@pytest.mark.slow
 def test_split_lanes_refuse_feature_drafts(heads):
     from verifypd.engine import EngineOptions
     from verifypd.lanes.rpc.lane_setup import load_lane_models

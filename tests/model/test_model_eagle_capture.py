@@ -20,6 +20,8 @@ from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import LlamaShape
 
+pytestmark = pytest.mark.slow  # captured draft calls, partly on the Triton interpreter (tests/README.md)
+
 BLOCK, BLOCKS_PER_RUN, NUM_BLOCKS = 4, 16, 256
 SHAPE = LlamaShape(
     vocab_size=96,

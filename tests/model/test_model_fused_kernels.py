@@ -13,11 +13,11 @@ pytest.importorskip("triton")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 
-from verifypd.model.kernels.gelu_mul import gelu_mul  # noqa: E402
-from verifypd.model.kernels.rms_norm import add_rms_norm  # noqa: E402
-from verifypd.model.kernels.rope_kv import rope_and_store_kv  # noqa: E402
-from verifypd.model.kernels.silu_mul import silu_mul  # noqa: E402
-from verifypd.model.llama import apply_rope, rms_norm  # noqa: E402
+from verifypd.model.kernels.gelu_mul import gelu_mul
+from verifypd.model.kernels.rms_norm import add_rms_norm
+from verifypd.model.kernels.rope_kv import rope_and_store_kv
+from verifypd.model.kernels.silu_mul import silu_mul
+from verifypd.model.llama import apply_rope, rms_norm
 
 
 def rel(a, b):

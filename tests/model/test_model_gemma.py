@@ -122,6 +122,7 @@ def test_greedy_matches_transformers(gemma_models, gemma_references, draft, k):
         assert 0 < sum(c.usage["accepted_tokens"] for c in completions) < drafted
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("k", [0, 3])
 def test_triton_backend_matches_transformers(gemma_models, gemma_references, monkeypatch, k):

@@ -9,6 +9,8 @@ from engine_helpers import VOCAB, hf_greedy, make_engine
 
 from verifypd.domain.requests import FinishReason, RequestSpec
 
+pytestmark = pytest.mark.slow  # greedy decoding through the engine for every k (tests/README.md)
+
 
 def random_prompts(n: int, seed: int, max_len: int = 20) -> list[tuple[int, ...]]:
     rng = random.Random(seed)

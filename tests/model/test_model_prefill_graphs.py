@@ -82,13 +82,18 @@ def test_a_feature_drafts_prefill_rows_through_its_graphs_equal_the_ragged_forwa
     draft = graphed.prefill_graphs.draft
     graphed.prefill_graphs.draft = lambda *args: replays.append(args[-1]) or draft(*args)
     rng = random.Random(8)
-    tokens = lambda n: [rng.randrange(3, SHAPE.vocab_size) for _ in range(n)]  # noqa: E731
-    run = lambda ids, start, i: FeatureRun(
-        ids,
-        start,
-        tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN)),  # noqa: E731
-        target_block_ids=tuple(range((i + 8) * BLOCKS_PER_RUN, (i + 9) * BLOCKS_PER_RUN)),
-    )
+
+    def tokens(n):
+        return [rng.randrange(3, SHAPE.vocab_size) for _ in range(n)]
+
+    def run(ids, start, i):
+        return FeatureRun(
+            ids,
+            start,
+            tuple(range(i * BLOCKS_PER_RUN, (i + 1) * BLOCKS_PER_RUN)),
+            target_block_ids=tuple(range((i + 8) * BLOCKS_PER_RUN, (i + 9) * BLOCKS_PER_RUN)),
+        )
+
     prompt = tokens(50)
     for runs in (
         [run(tokens(6), 0, 0)],

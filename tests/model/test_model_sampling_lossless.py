@@ -127,6 +127,7 @@ def test_top_k_top_p_truncation():
     assert p.tolist() == [[1.0, 0, 0, 0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 def test_engine_first_speculative_token_matches_target_softmax(tiny_models, hf_target, k):
     """End to end: with draft != target, the first token produced by a verify step (the 2nd output
@@ -149,6 +150,7 @@ def _load(path: str):
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
+@pytest.mark.slow
 def test_same_seed_same_output_any_batch(tiny_models):
     """Counter-based randomness: a seeded request gives the same tokens alone or in a crowd."""
     engine = make_engine(*tiny_models, k=3)

@@ -10,6 +10,8 @@ from engine_helpers import make_engine
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 
+pytestmark = pytest.mark.slow  # seeded decoding of every draft kind, alone and in a crowd (tests/README.md)
+
 # Repetitive prompts and a low temperature give the n-gram draft something to propose and keep
 # (a random model sampled hot rarely repeats itself).
 SUBJECT_PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (40, 41, 9, 40, 41), (11, 12, 13, 14, 15, 16), (70,), (20, 21, 20, 21)]

@@ -12,6 +12,8 @@ import pytest
 import torch
 from engine_helpers import write_tiny_llama
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks as processes (gloo) (tests/README.md)
+
 WORLD = 2
 BLOCK_SIZE = 4
 DECODE_STEPS = 16
@@ -101,7 +103,7 @@ def test_tp2_over_gloo_equals_tp1(model_dirs, tmp_path):
                     single[phase],
                     rtol=1e-5,
                     atol=1e-5,
-                    msg=lambda m, phase=phase: f"{where} {phase}: {m}",
+                    msg=lambda m, phase=phase, where=where: f"{where} {phase}: {m}",
                 )
             assert result["tokens"] == single["tokens"], where
 

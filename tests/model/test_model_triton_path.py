@@ -27,6 +27,7 @@ def _outputs(engine, prompts):
     return [c.token_ids for c in done.values()]
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("k", [0, 3])
 def test_triton_backend_equals_reference(tiny_models, monkeypatch, k):

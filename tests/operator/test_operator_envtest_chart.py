@@ -11,6 +11,8 @@ import yaml
 from envtest import helm
 from operator_helpers import CHART
 
+pytestmark = pytest.mark.live  # a real API server (envtest) (tests/README.md)
+
 CRDS = ("verifypdconfigs.verifypd.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
 
 

@@ -12,6 +12,8 @@ from operator_helpers import EXAMPLE
 
 from verifypd_operator.spec import parse_spec
 
+pytestmark = pytest.mark.live  # a real API server (envtest) (tests/README.md)
+
 
 def cr_yaml(spec, name="demo"):
     return yaml.safe_dump(

@@ -24,6 +24,8 @@ from operator_helpers import CHART, EXAMPLE, ROOT, wait_until
 
 from verifypd_operator.kube import Kube
 
+pytestmark = pytest.mark.live  # a real API server (envtest) (tests/README.md)
+
 RELEASE, SYSTEM_NS = "e2e", "e2e-sys"
 # A Go runtime panic inside the server's CEL evaluation (the race shows as "index out of range [i]
 # with length j" or "invalid memory address or nil pointer dereference"); a rule that really fails
@@ -139,7 +141,7 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, "VerifyPDConfig", True)
         for svc in ("smollm2", "smollm2-gateway-pods"):
             # the Deployment is applied before the Services in one reconcile: wait, do not read once
-            live_svc = wait_for(lambda: admin.get("Service", namespace, svc), f"Service {svc}", ops)
+            live_svc = wait_for(lambda svc=svc: admin.get("Service", namespace, svc), f"Service {svc}", ops)
             assert live_svc["metadata"]["ownerReferences"][0]["uid"] == uid
             assert {"name": "http", "port": 8000} in [
                 {k: p[k] for k in ("name", "port")} for p in live_svc["spec"]["ports"]
@@ -193,7 +195,7 @@ def test_entry_point_reconciles_the_example(envtest, release, admin, namespace, 
         assert cr["status"]["applied"]["kMax"] == 6 and cr["status"]["replicasText"] == "2 pods"
         merge_patch(admin, namespace, "smollm2", {"topology": "split"})
         for lane in ("gateway", "prefill", "draft", "verify"):
-            wait_for(lambda: admin.get("Deployment", namespace, f"smollm2-{lane}"), f"{lane} Deployment", ops)
+            wait_for(lambda lane=lane: admin.get("Deployment", namespace, f"smollm2-{lane}"), f"{lane} Deployment", ops)
         wait_for(lambda: admin.get("Deployment", namespace, "smollm2-colocated") is None, "colocated pruned", ops)
         assert admin.get("Service", namespace, "smollm2-verify")["spec"]["clusterIP"] == "None"
         lanes = wait_for(

@@ -25,6 +25,8 @@ from verifypd_operator import tls_certs
 from verifypd_operator.kube import Kube
 from verifypd_operator.tls_manifests import CA_FILE, CERT_FILE, HEALTH_PORTS, KEY_FILE, dns_names
 
+pytestmark = pytest.mark.live  # a real API server (envtest) (tests/README.md)
+
 RELEASE, SYSTEM_NS, SA = "tlsop", "tlsop-sys", "tlsop-verifypd"
 DAY = 86400.0
 CONFIG = {
@@ -76,7 +78,7 @@ def _pem(secret, field):
 
 def _pods_use_tls(admin, ns, uid, ops):
     for unit in ("gateway", "prefill", "draft", "verify"):
-        dep = wait_for(lambda: admin.get("Deployment", ns, f"llm-{unit}"), f"{unit} Deployment", ops)
+        dep = wait_for(lambda unit=unit: admin.get("Deployment", ns, f"llm-{unit}"), f"{unit} Deployment", ops)
         pod = dep["spec"]["template"]["spec"]
         tls_volume = {"name": "tls", "secret": {"secretName": "llm-tls", "defaultMode": 420}}
         assert tls_volume in pod["volumes"], pod["volumes"]

@@ -47,11 +47,11 @@ class FakeRouter(control_pb2_grpc.ControlServicer):
         self.updates: list[control_pb2.UpdateConfigRequest] = []
         self.credentials: list[str] = []  # `authorization` of every UpdateConfig
 
-    def GetConfig(self, request, context):  # noqa: N802
+    def GetConfig(self, request, context):
         with self.lock:
             return control_pb2.RuntimeConfig(**{f.name: v for f, v in self.config.ListFields()})
 
-    def UpdateConfig(self, request, context):  # noqa: N802
+    def UpdateConfig(self, request, context):
         with self.lock:
             self.credentials.append(dict(context.invocation_metadata()).get("authorization", ""))
             self.updates.append(request)

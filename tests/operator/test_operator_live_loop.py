@@ -136,8 +136,8 @@ def server_env(namespace: str, otlp_port: int, pod: str) -> dict[str, str]:
 class Replica:
     """One `verifypd serve` standing in for a gateway pod, on a fixed port (a restart keeps it)."""
 
-    def __init__(self, tiny_models, namespace: str, otlp_port: int, pod: str, key_file: pathlib.Path):
-        self.models, self.env, self.key_file = tiny_models, server_env(namespace, otlp_port, pod), key_file
+    def __init__(self, models, namespace: str, otlp_port: int, pod: str, key_file: pathlib.Path):
+        self.models, self.env, self.key_file = models, server_env(namespace, otlp_port, pod), key_file
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.server: Server | None = None
@@ -191,7 +191,7 @@ def loadgen(address: str, seed: int) -> subprocess.Popen:
 
 @pytest.mark.timeout(420)
 @pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
-def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
+def test_live_control_loop(crds, namespace, tiny_models, tmp_path):  # noqa: F811 (the fixture imported above)
     admin = Kube(kubernetes.config.new_client_from_config(config_file=str(crds.kubeconfig)))
     key_file = tmp_path / "admin-key"
     key_file.write_text(ADMIN_KEY)

@@ -43,6 +43,7 @@ def _check_pools(router):
     router.draft_blocks.check(tables_d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_blocks", [14, 24])
 def test_oversubscribed_pool_finishes_everything_correctly(tiny_models, num_blocks):
     prompts = _prompts(10, seed=3)
@@ -66,6 +67,7 @@ def test_oversubscribed_pool_finishes_everything_correctly(tiny_models, num_bloc
     assert router.target_blocks.num_used == 0 and router.draft_blocks.num_used == 0
 
 
+@pytest.mark.slow
 def test_preemption_by_recompute_happens_and_is_lossless(tiny_models):
     """Long generations in a pool too small for all of them at once force preemption."""
     prompts = _prompts(4, seed=5)
@@ -114,6 +116,7 @@ def test_request_that_can_never_fit_the_pool_is_rejected_up_front_not_truncated(
     assert engine.router.target_blocks.num_used == 0
 
 
+@pytest.mark.slow
 def test_requests_that_fit_alone_are_never_truncated_under_pressure(tiny_models):
     """Several requests that each fit alone but not together: all complete with max_tokens (they
     wait or are preempted; none is cut short)."""

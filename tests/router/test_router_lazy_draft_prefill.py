@@ -86,6 +86,7 @@ def run_then_draft(tiny_models, lazy: bool, start_after: int = 4):
     return [(out[i], stats[i]) for i in ids], inputs
 
 
+@pytest.mark.slow
 def test_drafting_resumes_after_a_skipped_draft_prefill_as_if_prefilled(tiny_models):
     """Drafting starts after the prompts were prefilled without draft KV: the first draft call feeds
     each request's whole context (a catch-up), and every later proposal, hence every acceptance

@@ -75,6 +75,32 @@ def drive(engine, specs, *, overlap: bool, eos=None, arrive=None, cancel=None, c
     return {k: (tuple(v[0]), v[1], v[2]) for k, v in done.items()}, chunks, router
 
 
+def costed_clock(router, verify_s=0.010, per_draft_s=0.002, draft_s=0.003, prefill_s=0.005) -> None:
+    """Gives the router a virtual clock that stands still except in lane calls, each of which moves
+    it by a fixed cost (per verify call plus per draft token, per draft token proposed, per prefill
+    call): the step costs the adaptive policy decides on no longer follow the load on the machine."""
+    now = [0.0]
+    router._clock = lambda: now[0]
+
+    def costed(lane, name, cost):
+        call = getattr(lane, name)
+
+        def timed(items, *args, **kwargs):
+            now[0] += cost(items)
+            return call(items, *args, **kwargs)
+
+        setattr(lane, name, timed)
+
+    def verify_cost(items):
+        return verify_s + per_draft_s * sum(len(i.draft_tokens) for i in items)
+
+    costed(router.verify_lane, "verify", verify_cost)
+    costed(router.verify_lane, "verify_start", verify_cost)
+    costed(router.draft_lane, "draft", lambda items: draft_s * max((i.k for i in items), default=0))
+    costed(router.prefill_lane, "prefill", lambda items: prefill_s)
+    costed(router.prefill_lane, "prefill_start", lambda items: prefill_s)
+
+
 def matches_transformers(hf_target, specs, got) -> int:
     """Compares with transformers' greedy decoding the outputs that hold no EOS (id 2: the reference
     suppresses it to produce max_tokens); returns how many were compared."""
@@ -203,6 +229,7 @@ def test_preemption_happens_in_the_pressure_test(tiny_models):
     assert sum(preempted) > 0
 
 
+@pytest.mark.slow
 def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
     """The config switches between plain decoding and drafting (k = 3) every few steps: chains start
     and end around speculative steps, tokens stay the target's greedy ones."""
@@ -232,12 +259,14 @@ def test_overlap_flag_reaches_the_config(flag, overlap, ahead):
     assert engine_options(build_parser().parse_args(["serve"])).config.admit_ahead is False
 
 
+@pytest.mark.slow
 def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_models):
     """Adaptive k that turned drafting off (SIMULATED acceptance 0) chains its plain steps. A probe
     falls due after PROBE_FIRST steps off, but only a request whose draft KV is at most PROBE_MAX_LAG
     behind can be probed; here none is, so a probe can never run, and the chain must not wait for one
     (it did: 24 of 127 steps chained at batch 1 on the H200, against 126 with k fixed at 0)."""
     engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
+    costed_clock(engine.router)
     specs = [
         RequestSpec(p, max_tokens=110, stop_at_eos=False, request_id=f"a{i}") for i, p in enumerate(prompts(3, 44))
     ]
@@ -248,6 +277,7 @@ def test_adaptive_k_switched_off_keeps_chaining_when_no_probe_can_run(tiny_model
     assert off > 70 and router.overlap.steps >= 0.8 * off, (router.overlap.steps, off)
 
 
+@pytest.mark.slow
 def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models):
     """Drafting off (SIMULATED acceptance 0), requests finishing one after another: a finish changes
     the batch the off decision was made for, and the chained step decides again for the smaller
@@ -256,6 +286,7 @@ def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models
     from verifypd.router.step_costs import batch_bucket
 
     engine = make_engine(*tiny_models, k=2, adaptive=True, simulated_acceptance=0.0)
+    costed_clock(engine.router)
     specs = [
         RequestSpec(p, max_tokens=60 + 8 * i, stop_at_eos=False, request_id=f"s{i}")
         for i, p in enumerate(prompts(6, 44))

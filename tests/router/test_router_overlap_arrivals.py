@@ -18,6 +18,8 @@ from test_router_overlap import check_blocks_returned, drive, fresh, make_specs,
 from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
 
+pytestmark = pytest.mark.slow  # long overlapped decoding runs through the engine (tests/README.md)
+
 
 def per_request(chunks) -> dict[str, list[tuple]]:
     """Each request's chunks in order (tokens, finished, reason), without the step they came in:

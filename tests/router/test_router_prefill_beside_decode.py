@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 from engine_cases import specs
 from engine_helpers import DEVICE, make_engine
-from test_router_schedules import plain  # noqa: F401 (a fixture)
 
 from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+
+pytestmark = pytest.mark.slow  # whole engine runs per schedule and overlap setting (tests/README.md)
 
 
 class _Logged:
@@ -69,6 +70,13 @@ def overlapped_steps(log: list[str]) -> int:
     return sum("verify_start prefill_start verify_result" in s for s in steps)
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_models):
+    """The tokens of `specs()` decoded without drafts (as test_engine_schedules' fixture)."""
+    done = make_engine(*tiny_models, k=0).generate(specs())
+    return {rid: c.token_ids for rid, c in done.items()}
+
+
 @pytest.fixture
 def async_lanes(monkeypatch):
     monkeypatch.setattr(LocalVerifyLane, "starts_async", True)
@@ -111,13 +119,17 @@ def test_verify_lane_time_excludes_the_prefill_launch(tiny_models, async_lanes):
     prefill launched beside it; the prefill's own time does."""
     import time
 
-    SLOW = 1.0
+    # The router's clock jumps SLOW seconds during each prefill launch (no real sleep): a verify time
+    # that held a launch would be >= SLOW, one that holds none is a real CPU call (far below SLOW).
+    SLOW = 1000.0
     engine = make_engine(*tiny_models, k=4)
     router = engine.router
     start = router.prefill_lane.prefill_start
+    offset = [0.0]
+    router._clock = lambda: time.monotonic() + offset[0]
 
-    def slow_start(items):  # 1 s: well above a CPU verify call of the tiny model on a loaded CI machine
-        time.sleep(SLOW)
+    def slow_start(items):
+        offset[0] += SLOW
         return start(items)
 
     router.prefill_lane.prefill_start = slow_start
@@ -155,16 +167,20 @@ def test_step_costs_exclude_prefill_of_arrivals(tiny_models, plain, async_lanes,
     requests look 1.8 x as costly as it is, and the policy drafted at 0.7 x its speed."""
     import time
 
-    SLOW = 0.5  # s: a prefill launch; what a sample holds of it is measured against the step's own time
+    # A prefill launch: the router's clock jumps SLOW seconds in it (no real sleep); what a sample
+    # holds of it is measured against the step's own time on that clock.
+    SLOW = 1000.0
     engine = make_engine(*tiny_models, k=k)
     router = engine.router
     router.config = router.config.updated(overlap=overlap)
+    offset = [0.0]
+    router._clock = lambda: time.monotonic() + offset[0]
     start, verify_start = router.prefill_lane.prefill_start, router.verify_lane.verify_start
     launches = []
 
     def slow_start(items):
         launches.append(len(items))
-        time.sleep(SLOW)
+        offset[0] += SLOW
         return start(items)
 
     router.prefill_lane.prefill_start = slow_start
@@ -179,10 +195,10 @@ def test_step_costs_exclude_prefill_of_arrivals(tiny_models, plain, async_lanes,
         for _ in range(2):  # requests join two per step: most steps launch a prefill
             if pending:
                 tokens[router.add_request(pending.pop(0))] = []
-        n_launches, n_samples, t0 = len(launches), len(samples), time.perf_counter()
+        n_launches, n_samples, t0 = len(launches), len(samples), router._clock()
         for out in router.step():
             tokens[out.request_id] += out.token_ids
-        steps.append((time.perf_counter() - t0, len(launches) - n_launches, samples[n_samples:]))
+        steps.append((router._clock() - t0, len(launches) - n_launches, samples[n_samples:]))
     assert tokens == plain
     assert len(launches) >= 3 and (not overlap or k > 0 or router.overlap.admitting >= 1), router.overlap.breaks
     assert samples

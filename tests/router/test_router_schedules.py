@@ -17,6 +17,8 @@ from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import InvalidRequest
 
+pytestmark = pytest.mark.slow  # every schedule decoded through the engine, request by request (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def plain(tiny_models):

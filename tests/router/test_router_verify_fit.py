@@ -86,6 +86,7 @@ def _engine(tiny_models, head, **kw):
     return make_engine(tiny_models[0], head, k=kw.pop("k", 4), **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k, adaptive", [(1, False), (4, False), (3, True)])
 def test_greedy_equals_plain_and_verifies_the_drafts_of_unfitted_calls(tiny_models, head, k, adaptive):
     prompts = _prompts(6, seed=20 + k)

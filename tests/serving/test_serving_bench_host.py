@@ -11,9 +11,10 @@ import subprocess
 import sys
 
 import pytest
-from services_helpers import tiny_models  # noqa: F401 (a fixture)
 
 from verifypd.lanes.processes import child_env
+
+pytestmark = pytest.mark.slow  # the bench scripts as subprocesses (tests/README.md)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

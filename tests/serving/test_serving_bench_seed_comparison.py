@@ -13,10 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from services_helpers import (
-    BLOCK_SIZE,
-    tiny_models,  # noqa: F401 (a fixture)
-)
+from services_helpers import BLOCK_SIZE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "seed_study" / "seed_comparison.py"
@@ -39,7 +36,8 @@ def run_harness(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess
     return proc
 
 
-def test_sweep_on_tiny_models(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
+@pytest.mark.slow
+def test_sweep_on_tiny_models(tiny_models, tmp_path):
     target, draft = tiny_models
     # `bad` passes a flag serve does not know: that server cannot start, and the sweep goes on.
     # --no-schedule-flag: k0 and pdv run without `--schedule` (serve's default schedule).

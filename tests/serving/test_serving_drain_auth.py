@@ -19,7 +19,6 @@ from services_helpers import (
     engine_options,
     free_port,
     greedy_request,
-    tiny_models,  # noqa: F401 (a fixture)
     wait_until,
 )
 
@@ -66,6 +65,7 @@ def test_api_key_guards_generation_and_control_not_health(tiny_models, capsys):
         )
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
     port = free_port()
     cmd = [
@@ -114,7 +114,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
         for t in readers:
             t.start()
         proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+        assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 30)
         with pytest.raises(grpc.RpcError) as err:
             client.generate(**greedy_request([5, 6], 5), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()

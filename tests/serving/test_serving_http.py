@@ -11,18 +11,16 @@ import sys
 import httpx
 import openai
 import pytest
-from http_helpers import (
-    MODEL,
-    chat_models,  # noqa: F401 (a fixture)
-)
+from http_helpers import MODEL
 from services_helpers import (
     BLOCK_SIZE,
     MAX_CONTEXT,
     Client,
     Server,
     free_port,
-    tiny_models,  # noqa: F401 (a fixture)
 )
+
+pytestmark = pytest.mark.slow  # `verifypd serve` processes (tests/README.md)
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,13 @@ from services_helpers import (
     greedy_request,
     offline_outputs,
     random_prompts,
-    tiny_models,  # noqa: F401 (a fixture)
     wait_until,
 )
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.v1 import generate_pb2
+
+pytestmark = pytest.mark.slow  # `verifypd serve --topology split`, its lane processes killed (tests/README.md)
 
 MAX_TOKENS = 24
 CONCURRENCY = 4
@@ -178,20 +179,28 @@ def test_each_lane_killed_mid_run_loses_no_request_and_no_token(split_server, ti
     killed = []
     try:
         for n, lane in enumerate(("draft", "verify", "prefill")):
-            # Mid-run: requests are streaming (some done, more to come), and the last recovery is over.
-            assert wait_until(lambda: len(results) >= 4 + 7 * n, 120), f"no progress before killing {lane}"
-            assert wait_until(lambda: server.count(r"lanes recovered after") == n, 120)
-            pid = server.lane_pids()[lane]
+            # Mid-run: requests are streaming (some done, more to come), and no recovery is under way.
+            assert wait_until(lambda n=n: len(results) >= 4 + 7 * n, 120), f"no progress before killing {lane}"
+            assert wait_until(lambda: not server.recovering(), 120), "a recovery did not end"
+            before, pid = server.recoveries(), server.lane_pids()[lane]
             all_pids.add(pid)
             os.kill(pid, signal.SIGKILL)
             killed.append(lane)
-        assert wait_until(lambda: server.count(r"lanes recovered after") == 3, 120), "no recovery after the kills"
+            # Restarted, and a recovery ended after that. (Counting recoveries exactly would also count
+            # one the lane watchdog may start on a loaded machine for a healthy lane whose health check
+            # was slow: no restart, no request lost, so not what this test is about.)
+            assert wait_until(
+                lambda lane=lane, pid=pid, before=before: (
+                    server.lane_pids()[lane] != pid and server.recovered_since(before)
+                ),
+                120,
+            ), f"no recovery after killing {lane}"
         for t in workers:
             t.join(240)
     finally:
         stop.set()
     assert killed == ["draft", "verify", "prefill"]
-    assert server.count(r"lane restarted, pid") == 3
+    assert server.count(r"lane restarted, pid") == 3  # only the killed lanes were restarted
     assert len(results) == REQUESTS
     for n, (code, chunks) in sorted(results.items()):
         streamed = [t for m in chunks for t in m.token_ids]
@@ -233,7 +242,7 @@ def test_crash_loop_gives_up_clearly_and_sigterm_still_cleans_up(split_server):
             os.kill(pid, signal.SIGKILL)
         # Wait for the supervisor's next move: a restart (new pid) or giving up. The next kill
         # comes while the new lane is still loading, so recovery never completes in between.
-        wait_until(lambda: server.lane_pids()["draft"] != pid or server.count("crash loop"), 30)
+        wait_until(lambda pid=pid: server.lane_pids()["draft"] != pid or server.count("crash loop"), 30)
     assert server.count(r"supervisor ERROR draft lane crash loop.*the gateway stops serving") == 1, (
         "the crash loop was not reported once"
     )

@@ -24,12 +24,13 @@ from services_helpers import (
     offline_outputs,
     random_prompts,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import RequestSpec
 from verifypd.net.lane_tls import LaneTls
+
+pytestmark = pytest.mark.slow  # lane processes and `verifypd serve` over mutual TLS (tests/README.md)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from services_helpers import (
-    engine_options,
-    tiny_models,  # noqa: F401 (a fixture)
-)
+import pytest
+from services_helpers import engine_options
 
 from verifypd_loadgen.cli import main as loadgen_main
+
+pytestmark = pytest.mark.live  # loadgen end to end against the real stack (tests/README.md)
 
 
 def test_loadgen_drives_the_real_stack(tiny_models, tmp_path):

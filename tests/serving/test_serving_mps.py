@@ -82,6 +82,7 @@ def test_auto_falls_back_to_time_slicing_and_on_refuses(fake_control, tmp_path):
     assert mps.start_for_lanes("off", "cuda", str(tmp_path)) is None
 
 
+@pytest.mark.slow
 def test_serve_mps_on_without_split_cuda_lanes_exits_2():
     from verifypd.lanes.processes import child_env
 

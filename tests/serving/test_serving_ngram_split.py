@@ -9,11 +9,12 @@ from services_helpers import (
     engine_options,
     greedy_request,
     offline_outputs,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
+
+pytestmark = pytest.mark.slow  # lane processes (tests/README.md)
 
 DRAFT = "ngram:1-3"
 # Repeated segments, so prompt lookup proposes (and the tiny random models, which loop, accept).

@@ -10,7 +10,6 @@ from services_helpers import (
     engine_options,
     offline_outputs,
     random_prompts,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.domain.requests import RequestSpec, SamplingParams

@@ -11,6 +11,8 @@ import sys
 import pytest
 from services_helpers import BLOCK_SIZE, MAX_CONTEXT, Client, Server, _engine_models, free_port, greedy_request
 
+pytestmark = pytest.mark.slow  # `verifypd serve` processes (tests/README.md)
+
 K = 4
 
 
@@ -95,8 +97,8 @@ def test_colocated_serve_simulates_acceptance(unrelated_models, alpha):
         assert accepted == drafted  # the unrelated draft alone would be rejected nearly always
     else:
         assert accepted == 0
-    assert server.count(r"WARNING .*SIMULATED ACCEPTANCE alpha=%g .*BENCHMARK ONLY" % float(alpha)) == 1
-    assert server.count(r"verifypd: serving colocated .*SIMULATED ACCEPTANCE alpha=%g" % float(alpha)) == 1
+    assert server.count(rf"WARNING .*SIMULATED ACCEPTANCE alpha={float(alpha):g} .*BENCHMARK ONLY") == 1
+    assert server.count(rf"verifypd: serving colocated .*SIMULATED ACCEPTANCE alpha={float(alpha):g}") == 1
 
 
 def test_real_acceptance_of_the_unrelated_draft_is_low(unrelated_models):

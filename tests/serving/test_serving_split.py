@@ -13,11 +13,12 @@ from services_helpers import (
     greedy_request,
     offline_outputs,
     random_prompts,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
+
+pytestmark = pytest.mark.slow  # lane processes (tests/README.md)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,12 @@ from services_helpers import (
     Server,
     free_port,
     serve_cmd,
-    tiny_models,  # noqa: F401 (a fixture)
 )
 
 from verifypd.net import tls as tls_mod
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
+
+pytestmark = pytest.mark.slow  # `verifypd serve` processes over TLS (tests/README.md)
 
 PROMPT = "w5 w6 w7"
 

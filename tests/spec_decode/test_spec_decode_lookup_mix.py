@@ -16,6 +16,8 @@ from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import Sequence
 from verifypd.spec_decode.lookup_mix import LookupMix
 
+pytestmark = pytest.mark.slow  # seeded decoding with a head and prompt lookup in every schedule (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def mixed(tiny_models, tmp_path_factory):
@@ -68,16 +70,19 @@ def test_greedy_with_head_and_lookup_equals_plain(tiny_models, mixed, k, adaptiv
 
 def test_seeded_output_with_head_and_lookup_equals_plain(tiny_models, mixed):
     prompts = repeating_prompts(5, seed=9)
-    specs = lambda: [
-        RequestSpec(
-            p,
-            max_tokens=24,
-            stop_at_eos=False,
-            request_id=f"r{i}",  # noqa: E731
-            sampling=SamplingParams(temperature=0.3, seed=100 + i),
-        )
-        for i, p in enumerate(prompts)
-    ]
+
+    def specs():
+        return [
+            RequestSpec(
+                p,
+                max_tokens=24,
+                stop_at_eos=False,
+                request_id=f"r{i}",
+                sampling=SamplingParams(temperature=0.3, seed=100 + i),
+            )
+            for i, p in enumerate(prompts)
+        ]
+
     plain = make_engine(tiny_models[0], "none", k=0).generate(specs())
     engine = make_engine(tiny_models[0], mixed, k=4)
     done = engine.generate(specs())

@@ -177,6 +177,7 @@ def test_router_sends_deltas_after_the_first_call(tiny_models):
         assert all(1 <= n <= 2 for _, n in calls[1:]) and len(calls) > 3
 
 
+@pytest.mark.slow
 def test_sampling_with_ngram_draft_keeps_the_target_distribution(tiny_models, hf_target):
     """The chi-square test of test_model_sampling_lossless, with prompt lookup as the draft (q =
     one-hot of the proposal). The prompt holds every token once, so after any first token t1 >= 3

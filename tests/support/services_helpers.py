@@ -182,6 +182,20 @@ class Server:
                 pids[m.group(1)] = int(m.group(2))
         return pids
 
+    def recoveries(self) -> int:
+        """Recoveries the engine finished (split topology: each re-wires the lanes)."""
+        return self.count(r"lanes recovered after")
+
+    def recovering(self) -> bool:
+        """A recovery began (the engine's "lane failure: ...; recovering" line) and has not ended."""
+        return self.count(r"lane failure: .*; recovering") > self.recoveries()
+
+    def recovered_since(self, before: int) -> bool:
+        """A recovery ended after `before` had ended, and none is under way now. Not "exactly one
+        more": the lane watchdog may also recover from a healthy lane whose health check was slow on
+        a loaded machine (a recovery without a restart; see tests/README.md)."""
+        return self.recoveries() > before and not self.recovering()
+
     def wait_ready(self, timeout_s: float = 180) -> Server:
         if not self.ready.wait(timeout_s):
             self.stop()
