@@ -44,7 +44,7 @@ def drive(engine, specs, *, overlap: bool, eos=None, arrive=None, cancel=None, c
     router = engine.router
     router.config = dataclasses.replace(router.config, overlap=overlap)
     if eos is not None:
-        router._eos = frozenset(eos)
+        router.context.eos = frozenset(eos)
     later = {i for idx in (arrive or {}).values() for i in idx}
     for i, spec in enumerate(specs):
         if i not in later:
