@@ -15,7 +15,7 @@ plans step N + 1 and launches its verify call and the drafts after it *before* s
   * the plan is made as the next `Router.step()` would make it, and only taken when it is a decode
     step of requests that hold drafts or decode at k = 0 beside them (a block check before planning
     keeps it from preempting; a plan that is something else anyway is kept for the next step);
-  * the next `Router.step()` finds N + 1 in flight (`advance`): it waits for its verdict, commits it
+  * the next `Router.step()` finds N + 1 in flight (`step`): it waits for its verdict, commits it
     (which may launch N + 2) and streams it.
 The tokens are the ones the regular order gives: the same plan, the same drafts, the same verify call,
 launched earlier. A request cancelled while its step is in flight has its row dropped at commit; its
