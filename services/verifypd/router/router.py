@@ -82,7 +82,7 @@ class Router:
     config: _Shared[RuntimeConfig] = _Shared()  # one config per step; UpdateConfig takes effect on the next one
     costs: _Shared[StepCostModel] = _Shared()
     observer: _Shared[EngineObserver] = _Shared()
-    lookup: _Shared[PromptLookup | None] = _Shared()  # a feature draft mixed with prompt lookup (spec_decode.lookup_mix)
+    lookup: _Shared[PromptLookup | None] = _Shared()  # prompt lookup mixed into a feature draft (eagle+ngram:)
     feature_draft: _Shared[bool] = _Shared()  # see LaneInfo.reads_features
     vocab_size: _Shared[int] = _Shared()
     max_context: _Shared[int] = _Shared()
