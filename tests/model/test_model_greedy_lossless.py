@@ -28,7 +28,7 @@ def references(tiny_models):
 
 def test_plain_decoding_matches_transformers(tiny_models, hf_target, references):
     prompts, outputs = references
-    for prompt, ours in list(zip(prompts, outputs))[:4]:
+    for prompt, ours in list(zip(prompts, outputs, strict=False))[:4]:
         assert ours == hf_greedy(hf_target, list(prompt), 24)
 
 
@@ -101,12 +101,12 @@ def test_stop_conditions(tiny_models, references):
     (c,) = done.values()
     assert c.token_ids == expected[0][:3] and c.finish_reason == "length"
     # EOS: treat the 5th greedy token as end-of-sequence.
-    engine.router._eos = frozenset({expected[1][4]})
+    engine.router.context.eos = frozenset({expected[1][4]})
     first = expected[1].index(expected[1][4])
     (c,) = engine.generate([RequestSpec(prompts[1], max_tokens=24)]).values()
     assert c.finish_reason == "eos" and c.token_ids == expected[1][: first + 1]
     # Stop string: the text of the greedy continuation contains "w{tok}" for its 3rd token.
-    engine.router._eos = frozenset()
+    engine.router.context.eos = frozenset()
     word = f"w{expected[2][2]}"
     (c,) = engine.generate([RequestSpec(prompts[2], max_tokens=24, stop=(word,), stop_at_eos=False)]).values()
     assert c.finish_reason == "stop" and word not in c.text

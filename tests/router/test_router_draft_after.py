@@ -47,16 +47,16 @@ def _proposals(engine) -> dict[tuple[str, int], list[int]]:
     (request, pending position). (At commit: a verify call launched before the verdict before it is
     laid out for that verdict's longest outcome and gets its real positions only once it is known.)"""
     seen: dict[tuple[str, int], list[int]] = {}
-    router = engine.router
-    commit = router._commit_verify
+    ctx = engine.router.context
+    commit = ctx.commit_verdicts
 
-    def recording(work, items, *args, **kw):
+    def recording(work, items, results):
         for i in items:
             if len(i.draft_tokens):
                 seen[(i.request_id, i.start_pos)] = list(i.draft_tokens)
-        return commit(work, items, *args, **kw)
+        return commit(work, items, results)
 
-    router._commit_verify = recording
+    ctx.commit_verdicts = recording
     return seen
 
 
@@ -177,7 +177,7 @@ def test_partial_acceptance_moves_the_rows_as_drafting_in_their_own_step(tiny_mo
     compared = 0
     for n, rid in enumerate(outs[0]):
         a, b = outs[0][rid], outs[1][rid]
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
         assert len(a) == len(b) and same >= len(a) - 2 * k - 2, (rid, same, len(a))
         end = len(prompts[n]) + same  # positions before it hold the same tokens in both engines
         for (r, pos), drafts in seen[0].items():

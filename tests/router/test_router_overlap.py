@@ -44,7 +44,7 @@ def drive(engine, specs, *, overlap: bool, eos=None, arrive=None, cancel=None, c
     router = engine.router
     router.config = dataclasses.replace(router.config, overlap=overlap)
     if eos is not None:
-        router._eos = frozenset(eos)
+        router.context.eos = frozenset(eos)
     later = {i for idx in (arrive or {}).values() for i in idx}
     for i, spec in enumerate(specs):
         if i not in later:
@@ -80,7 +80,7 @@ def costed_clock(router, verify_s=0.010, per_draft_s=0.002, draft_s=0.003, prefi
     it by a fixed cost (per verify call plus per draft token, per draft token proposed, per prefill
     call): the step costs the adaptive policy decides on no longer follow the load on the machine."""
     now = [0.0]
-    router._clock = lambda: now[0]
+    router.context.clock = lambda: now[0]
 
     def costed(lane, name, cost):
         call = getattr(lane, name)

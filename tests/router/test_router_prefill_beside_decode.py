@@ -126,7 +126,7 @@ def test_verify_lane_time_excludes_the_prefill_launch(tiny_models, async_lanes):
     router = engine.router
     start = router.prefill_lane.prefill_start
     offset = [0.0]
-    router._clock = lambda: time.monotonic() + offset[0]
+    router.context.clock = lambda: time.monotonic() + offset[0]
 
     def slow_start(items):
         offset[0] += SLOW
@@ -174,7 +174,7 @@ def test_step_costs_exclude_prefill_of_arrivals(tiny_models, plain, async_lanes,
     router = engine.router
     router.config = router.config.updated(overlap=overlap)
     offset = [0.0]
-    router._clock = lambda: time.monotonic() + offset[0]
+    router.context.clock = lambda: time.monotonic() + offset[0]
     start, verify_start = router.prefill_lane.prefill_start, router.verify_lane.verify_start
     launches = []
 
@@ -195,10 +195,10 @@ def test_step_costs_exclude_prefill_of_arrivals(tiny_models, plain, async_lanes,
         for _ in range(2):  # requests join two per step: most steps launch a prefill
             if pending:
                 tokens[router.add_request(pending.pop(0))] = []
-        n_launches, n_samples, t0 = len(launches), len(samples), router._clock()
+        n_launches, n_samples, t0 = len(launches), len(samples), router.context.clock()
         for out in router.step():
             tokens[out.request_id] += out.token_ids
-        steps.append((router._clock() - t0, len(launches) - n_launches, samples[n_samples:]))
+        steps.append((router.context.clock() - t0, len(launches) - n_launches, samples[n_samples:]))
     assert tokens == plain
     assert len(launches) >= 3 and (not overlap or k > 0 or router.overlap.admitting >= 1), router.overlap.breaks
     assert samples

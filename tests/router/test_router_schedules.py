@@ -130,8 +130,9 @@ def test_step_costs_are_whole_steps_without_prefill(tiny_models, schedule):
     router = engine.router
     router.config = router.config.updated(overlap=False)
     offset = [0.0]  # a clock that also advances by simulated host work
-    router._clock = lambda: time.monotonic() + offset[0]
-    commit, call_prefill = router._commit_verify, router._call_prefill
+    ctx = router.context
+    ctx.clock = lambda: time.monotonic() + offset[0]
+    commit, call_prefill = ctx.commit_verdicts, ctx.call_prefill
 
     def slow_commit(*args):
         offset[0] += 1.0
@@ -141,7 +142,7 @@ def test_step_costs_are_whole_steps_without_prefill(tiny_models, schedule):
         offset[0] += 50.0
         return call_prefill(items)
 
-    router._commit_verify, router._call_prefill = slow_commit, slow_prefill
+    ctx.commit_verdicts, ctx.call_prefill = slow_commit, slow_prefill
     drive(engine, specs(), schedule)
     costs = router.costs
     samples = list(costs._step.values()) + list(costs._pipe.values())

@@ -175,7 +175,8 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
             order.append(rid)
         for out in router.step():
             tokens[out.request_id] += out.token_ids
-    assert router._prefill_pool is not None and router._pool is not None  # both overlaps happened
+    ctx = router.context
+    assert ctx.prefill_thread is not None and ctx.draft_thread is not None  # both overlaps happened
     router.close()
     for c in clients:
         c.close()

@@ -4,6 +4,7 @@ requests.py      request and sampling specs, outputs, finish reasons, InvalidReq
 config.py        RuntimeConfig (what the operator and Control change while serving)
 lanes.py         the lane protocol: PrefillLane / DraftLane / VerifyLane and their item types, KvHandle
 drafts.py        what `--draft` means: DraftSpec and its parsing
+lookup.py        prompt lookup beside a feature draft: what the router and the proposer share
 defaults.py      defaults shared with the operator's CRD
 metric_names.py  the telemetry contract between the services and the operator
 tokenizer.py     text <-> token ids

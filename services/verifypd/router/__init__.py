@@ -1,9 +1,13 @@
 """Floor 3: the router and its bookkeeping, torch-free and unit-tested without a model.
 
-router.py        owns every request's state; `step` runs one step of the speculative loop
-scheduler.py     continuous batching: who prefills (chunked), who decodes; scheduler_follow.py plans ahead
+router.py        owns every request's state; `step` picks this step's strategy and runs it
+step_context.py  StepContext: what the strategies share (lanes, pools, scheduler, config, step costs,
+                 sequences) and the operations they share (lane calls, commits, streaming, finishing)
+steps/           the step strategies, one per module: lock_step, pipelined, baseline, overlapped,
+                 speculate_ahead (with draft_after)
+scheduler.py     continuous batching: who prefills (chunked), who decodes with which k; plans ahead
 sequence.py      a request's state machine; block_manager.py: paged-KV block bookkeeping
+commits.py       lane results into a request's state: drafts taken, verdicts recorded, tokens appended
 draft_length.py  the draft-length (k) policy; step_costs.py: measured step costs and acceptance
-overlap.py, spec_ahead.py, draft_after.py   steps launched before the one before them has reached the host
 detokenize.py    incremental detokenization and stop strings
 """

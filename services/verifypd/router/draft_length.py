@@ -81,7 +81,7 @@ def choose_batch_k(
     if hi == 0:
         return 0
     if rates is not None:
-        rates = [p for a, p in zip(alphas, rates) if a is not None]
+        rates = [p for a, p in zip(alphas, rates, strict=False) if a is not None]
     if pipelined:
         goodput = [costs.pipelined_goodput(known, k, batch, rates) for k in range(hi + 1)]
     else:  # every k at once (host time: this runs every step, see StepCostModel.goodputs)

@@ -37,7 +37,7 @@ class HeldDraft:
     typical: bool  # the draft call caught up on <= 2 tokens (a cost sample worth keeping)
     requested_k: int = 0  # the k asked of the draft lane (a pool-less lane may propose fewer)
     # Made right after the verify call before this step, from its verdict on the device
-    # (engine.draft_after), not by a pipelined group: the next plan's other requests join at k = 0.
+    # (steps.draft_after), not by a pipelined group: the next plan's other requests join at k = 0.
     predrafted: bool = False
 
 
@@ -125,3 +125,8 @@ class Sequence:
         self.group = None
         self.held_draft = None
         self.stats.preemptions += 1
+
+
+def held_after(seq: Sequence) -> bool:
+    """Does `seq` hold drafts made right after its last verify call (steps.draft_after)?"""
+    return seq.held_draft is not None and seq.held_draft.predrafted

@@ -128,7 +128,7 @@ class StepCostModel:
             return self.goodput(alphas, 0, batch)
         group = -(-batch // 2)
         rates = rates or [1.0] * len(alphas)
-        tokens = sum(1 + p * (expected_tokens(a, k) - 1) for a, p in zip(alphas, rates))
+        tokens = sum(1 + p * (expected_tokens(a, k) - 1) for a, p in zip(alphas, rates, strict=False))
         return tokens / (2 * self.pipelined_step_s(group, k))
 
 

@@ -26,7 +26,9 @@ tokens if they draft again.
 
 from __future__ import annotations
 
-from verifypd.router.scheduler import DecodeWork
+from collections.abc import Sequence
+
+from verifypd.domain.lookup import LookupWork
 from verifypd.spec_decode.ngram import DEFAULT_CAPACITY_TOKENS, HistoryCache, TokenHistory
 
 # The shortest repeated suffix trusted over the head. The walk above: 2 -> 2.63, 3 -> 2.65, 4 -> 2.64,
@@ -46,7 +48,7 @@ class LookupMix:
         self._histories = HistoryCache(capacity_tokens)
         self.proposed = 0  # steps of a request that took lookup's proposal (telemetry, tests)
 
-    def take(self, work: list[DecodeWork]) -> dict[str, list[int]]:
+    def take(self, work: Sequence[LookupWork]) -> dict[str, list[int]]:
         """Lookup's proposals (k tokens) for the requests of `work` whose context repeats its last
         min_match or more tokens, by request id; the others draft with the head."""
         proposals = {}

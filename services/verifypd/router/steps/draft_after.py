@@ -18,12 +18,12 @@ at k = 0. So a step's host work is: launch verify, launch the next drafts, wait,
 
 Why the tokens are the same: the call is the one the next step would make (the same tokens once
 fitted, the same target features, which verify N wrote at the verified positions; a feature draft's
-catch-up re-feeds every verified token, as Router._commit_verify's rule says), with k decided by
+catch-up re-feeds every verified token, as StepContext.commit_verdicts's rule says), with k decided by
 the same policy a step earlier (`Scheduler.plan_after`, from the acceptance known before N's
 verdict). Held drafts that are dropped (the request finished, was preempted or cancelled) need no
 rollback: the head's rows past the verified positions are rewritten by its next catch-up.
 With prompt lookup mixed in (`eagle+ngram:`) the next step takes lookup's proposal instead where the
-request's context repeats (Router._run_decode); the head's rows stay valid either way.
+request's context repeats (StepContext.proposals); the head's rows stay valid either way.
 
 Not for: pipelined pdv, baseline, model and lookup-only drafts, lanes in other processes (the lane
 RPC carries no verdict), verify calls that carry no drafts (a plain step has no verdict to fit to;
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.lanes import DraftItem, VerifyItem
-from verifypd.router.router_calls import take_drafts
+from verifypd.router.commits import take_drafts
 from verifypd.router.scheduler import DecodeWork
-from verifypd.router.sequence import HeldDraft, SeqStatus, Sequence
+from verifypd.router.sequence import HeldDraft, SeqStatus
+from verifypd.router.step_context import StepContext
 
 MAX_VERIFIED_K = 8  # placeholders of a verify call with up to this k fit the head's catch-up graphs (9)
 
@@ -52,46 +52,50 @@ class Launched:
     drafts: dict[str, tuple[object, object]]
     typical: bool
     # The verify call of these drafts, launched right after them and fitted to the verdict on the
-    # device (engine.spec_ahead.Fitted), or None: the next step plans and launches it once committed.
+    # device (speculate_ahead.Fitted), or None: the next step plans and launches it once committed.
     verify: object = None
 
 
 class DraftAfter:
-    def __init__(self, router):  # verifypd.router.router.Router (which imports this module)
-        self.router = router
+    """Launches the next step's drafts right after a verify call and holds them once its verdict is
+    committed (the speculate-ahead strategy and the lock-step one call it)."""
+
+    def __init__(self):
         self.enabled = True  # off only to measure what it gains (bench/draft_acceptance.py --compare-draft-after)
         self.calls = 0  # draft calls launched after a verify call (tests, benchmarks)
         self.requests = 0  # requests drafted so, over all those calls
         self.held = 0  # of those, drafts the next step verified (the rest were dropped)
 
-    def eligible(self, config: RuntimeConfig, items: list[VerifyItem]) -> bool:
+    def eligible(self, ctx: StepContext, items: list[VerifyItem]) -> bool:
         """May the step whose verify call is `items` launch the next step's drafts right after it?"""
-        router = self.router
+        config = ctx.config
         return (
             self.enabled
-            and router.feature_draft
+            and ctx.feature_draft
             and config.schedule != "baseline"
             and not config.pipelined
-            and getattr(router.draft_lane, "drafts_after_verdict", False)
-            and hasattr(router.verify_lane, "verify_start")
+            and getattr(ctx.draft_lane, "drafts_after_verdict", False)
+            and hasattr(ctx.verify_lane, "verify_start")
             and any(len(i.draft_tokens) for i in items)
             and max(len(i.draft_tokens) for i in items) <= MAX_VERIFIED_K
         )
 
-    def launch(
-        self, config: RuntimeConfig, work: list[DecodeWork], items: list[VerifyItem], started
-    ) -> Launched | None:
+    def launch(self, ctx: StepContext, work: list[DecodeWork], items: list[VerifyItem], started) -> Launched | None:
         """Right after launching `items` (`started`): the next step's drafts of `work`'s requests."""
         if getattr(started, "verdict", None) is None:
             return None
-        router = self.router
+        config = ctx.config
         rows = {w.seq.request_id: n for n, w in enumerate(work)}
-        # (a verify call launched before the verdict before it, engine.spec_ahead, may hold rows of
+        # (a verify call launched before the verdict before it, steps.speculate_ahead, may hold rows of
         # requests that ended since: they draft no more)
-        plan = router.scheduler.plan_after(
+        plan = ctx.scheduler.plan_after(
             config,
-            router.costs,
-            [(w.seq, len(i.draft_tokens)) for w, i in zip(work, items) if w.seq.status is SeqStatus.DECODING],
+            ctx.costs,
+            [
+                (w.seq, len(i.draft_tokens))
+                for w, i in zip(work, items, strict=False)
+                if w.seq.status is SeqStatus.DECODING
+            ],
         )
         if not plan:
             return None
@@ -99,18 +103,19 @@ class DraftAfter:
         draft_items, verify_rows, verify_ks = [], [], []
         for w in after:
             row = rows[w.seq.request_id]
-            draft_items.append(self._item(work[row], items[row], w.k))
+            draft_items.append(self._item(ctx, work[row], items[row], w.k))
             verify_rows.append(row)
             verify_ks.append(len(items[row].draft_tokens))
-        results = router.draft_lane.draft_after(draft_items, started, verify_rows, verify_ks)
+        results = ctx.draft_lane.draft_after(draft_items, started, verify_rows, verify_ks)
         self.calls += 1
         self.requests += len(after)
         typical = max(len(i.input_tokens) for i in draft_items) <= config.k_max + 1
         return Launched(after, take_drafts(after, results), typical)
 
-    def _item(self, w: DecodeWork, item: VerifyItem, k: int) -> DraftItem:
+    @staticmethod
+    def _item(ctx: StepContext, w: DecodeWork, item: VerifyItem, k: int) -> DraftItem:
         """The draft item of `w`'s next step, for the longest outcome of its verify call `item`."""
-        router, seq, n = self.router, w.seq, item.start_pos
+        seq, n = w.seq, item.start_pos
         k_now = len(item.draft_tokens)
         # Where the head's valid rows end: a head call this step fed through x_n (its rows past it are
         # the chain's, speculative); lookup's proposal or k = 0 left draft_computed where it was.
@@ -121,8 +126,8 @@ class DraftAfter:
             start_pos=start,
             k=k,
             sampling=seq.spec.sampling,
-            draft_kv=router._draft_handle(seq, start, start),
-            target_kv=router._handle(router.target_pool, seq.target_blocks, n, n),
+            draft_kv=ctx.draft_handle(seq, start, start),
+            target_kv=ctx.target_handle(seq, n, n),
         )
 
     def hold(self, launched: Launched | None) -> None:
@@ -139,8 +144,3 @@ class DraftAfter:
             )
             seq.draft_computed = seq.pending_pos + 1  # the head was fed through the new pending token
             self.held += 1
-
-
-def held_after(seq: Sequence) -> bool:
-    """Does `seq` hold drafts made right after its last verify call?"""
-    return seq.held_draft is not None and seq.held_draft.predrafted

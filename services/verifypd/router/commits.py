@@ -1,60 +1,17 @@
-"""Small pieces of the router's lane calls and commits (split out of router.py to keep it under 500 lines). Torch-free."""
+"""Committing lane results into a request's state: drafts taken, verdicts recorded, tokens appended.
+Torch-free; the step context (verifypd.router.step_context) and the strategies call these."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from verifypd.domain.lanes import PoolInfo
 from verifypd.domain.requests import FinishReason
 from verifypd.router.draft_length import request_alpha, request_rate
-
-
-class BesidePrefill:
-    """A regular step's prefill chunks, started beside its verify call (Router._run_decode sets
-    `started`, a StartedPrefill); a chain started there takes the prefilled requests along."""
-
-    def __init__(self, chunks: list):
-        self.chunks, self.started = chunks, None
-
-
-class StartedPrefill:
-    """A prefill call started beside a verify call; `result()` is (outputs, launch + wait seconds),
-    as a pipelined prefill's Future gives."""
-
-    def __init__(self, started, launch_s: float, clock: Callable[[], float]):
-        self._started, self._launch_s, self._clock = started, launch_s, clock
-
-    @property
-    def launch_s(self) -> float:
-        """Seconds the host spent launching the call."""
-        return self._launch_s
-
-    @property
-    def next_tokens(self):
-        """The prefill's first tokens left on the device, where its lane leaves them (engine.overlap)."""
-        return getattr(self._started, "next_tokens", None)
-
-    def result(self) -> tuple[list, float]:
-        t0 = self._clock()
-        results = self._started.result()
-        return results, self._launch_s + self._clock() - t0
-
-
-def pool_of(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> PoolInfo | None:
-    """The pool of `role` a lane announced (None for a missing optional one)."""
-    for pool in pools:
-        if pool.role == role:
-            return pool
-    if not required:
-        return None
-    raise ValueError(f"lane announced no {role} pool")
 
 
 def take_drafts(work: list, results) -> dict[str, tuple[object, object]]:
     """Draft outputs by request id (of `work`, DecodeWork items), with the draft-position
     bookkeeping of pool-less lanes."""
     drafts = {}
-    for w, out in zip(work, results):
+    for w, out in zip(work, results, strict=False):
         # draft_tokens may be a lazy device-backed sequence (in-process lanes): only its length
         # is read here; the verify lane consumes the values on the device.
         drafts[out.request_id] = (out.draft_tokens, out.draft_probs)

@@ -3,12 +3,12 @@
 (docs/engine.md "Overlapped scheduling"; RuntimeConfig.overlap, `--overlap`.) Without it every
 step's host work (commit, stream, plan, layout, launch) runs while the GPU waits for it. With it:
 
-  * the router's regular step launches a plain-decoding verify call N (every request k = 0) and,
+  * a regular (lock-step) step launches a plain-decoding verify call N (every request k = 0) and,
     before waiting on it, `follow`s it: the same requests, each one position on, blocks reserved
     ahead (Scheduler.plan_follow), their pending tokens fed on the device from N's output (a
     TokenFeed: the verify lane writes row r of N's chosen tokens into its static input ids, stream-
     ordered after N). Then N's results are waited for and committed as usual;
-  * the next `Router.step()` finds N + 1 in flight (`advance`): it launches N + 2 the same way,
+  * the next `Router.step()` finds N + 1 in flight (`step`): it launches N + 2 the same way,
     then waits on N + 1 and commits it. So the GPU always has the next step queued, and the one
     wait per step is the device-to-host copy of the results.
 
@@ -45,11 +45,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.lanes import KvHandle, TokenFeed, VerifyItem
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, PrefillChunk
 from verifypd.router.sequence import SeqStatus, Sequence
+from verifypd.router.step_context import BesidePrefill, StartedPrefill, StepContext
+from verifypd.router.steps import StepResult
 
 
 @dataclass
@@ -61,11 +62,11 @@ class InFlight:
     items: list[VerifyItem]
     started: Any  # the lane's StartedCall; `.next_tokens` feeds the step after it
     prefill: list[PrefillChunk] = field(default_factory=list)  # whole prompts, each samples its first token
-    prefill_started: Any = None  # router_calls.StartedPrefill of `prefill`; `.next_tokens`: first tokens
+    prefill_started: StartedPrefill | None = None  # of `prefill`; `.next_tokens`: first tokens
     # Admitted requests prefilled just before this step's verify call, which decodes them (their first
     # token fed from the prefill on the device): (chunks, StartedPrefill), committed with the step
-    # before this one, in the same Router.step() call (Overlap.advance), so no TTFT is lost.
-    ahead: tuple[list[PrefillChunk], Any] | None = None
+    # before this one, in the same Router.step() call (Overlapped.step), so no TTFT is lost.
+    ahead: tuple[list[PrefillChunk], StartedPrefill] | None = None
     dead: set[str] = field(default_factory=set)  # request ids finished meanwhile: rows dropped at commit
     # (target, draft) block tables of dead requests, returned once the results are on the host
     held: list[tuple[list[int], list[int]]] = field(default_factory=list)
@@ -77,69 +78,81 @@ class InFlight:
         self.admitted = {c.seq.request_id for c in self.prefill}
 
 
-class Overlap:
-    def __init__(self, router):  # verifypd.router.router.Router (which imports this module)
-        self.router = router
+class Overlapped:
+    """Chains of plain-decoding steps, each launched before the one before it is committed."""
+
+    def __init__(self):
         self.inflight: InFlight | None = None
         self.steps = 0  # steps launched ahead (benchmarks, tests, telemetry)
         self.admitting = 0  # of those, steps that carried a prefill of admitted requests
         self.joined = 0  # requests that decoded in the step right after their prefill, fed on the device
         self.dropped = 0  # rows launched for requests that finished meanwhile (wasted work)
         self.breaks: dict[str, int] = {}  # why a chain ended: running, waiting, plan, off
-        # Host seconds the last `advance` spent launching and committing prefills of arrivals: not
+        # Host seconds the last `step` spent launching and committing prefills of arrivals: not
         # part of the plain step's cost the router records (the draft-length policy compares with it).
         self.prefill_s = 0.0
 
-    def supported(self) -> bool:
-        return getattr(self.router.verify_lane, "feeds_tokens", False)
+    def can_run(self, ctx: StepContext) -> bool:
+        """A chained step is in flight: this step launches the next one and commits it."""
+        return self.inflight is not None
 
-    def eligible(self, config: RuntimeConfig, work: list[DecodeWork], drafting_ahead: bool) -> bool:
+    @staticmethod
+    def supported(ctx: StepContext) -> bool:
+        return getattr(ctx.verify_lane, "feeds_tokens", False)
+
+    def eligible(self, ctx: StepContext, work: list[DecodeWork], drafting_ahead: bool) -> bool:
         """May a regular step's verify call of `work` start a chain (plain decoding, lock-step)?"""
         return (
-            config.overlap
+            ctx.config.overlap
             and bool(work)
             and not drafting_ahead
             and self.inflight is None
             and all(w.k == 0 and not w.held for w in work)
-            and self.supported()
+            and self.supported(ctx)
         )
 
     # -- launching --------------------------------------------------------------------------
     def start(
-        self, config: RuntimeConfig, work: list[DecodeWork], items: list[VerifyItem], started, beside=None
+        self,
+        ctx: StepContext,
+        work: list[DecodeWork],
+        items: list[VerifyItem],
+        started,
+        beside: BesidePrefill | None = None,
     ) -> None:
         """Called by the regular step right after launching `items` (and `beside`, its prefill started
-        beside them: router_calls.BesidePrefill), before waiting on them; the router commits them."""
+        beside them), before waiting on them; the regular step commits them."""
         prefill = (beside.chunks, beside.started) if beside is not None else ([], None)
         # Its arrivals join beside (not ahead): the regular step commits its own calls, not a
-        # prefill launched ahead of the step it starts (only `advance` commits those).
-        self.inflight = self._follow(config, InFlight(work, items, started, *prefill), ahead_ok=False)
+        # prefill launched ahead of the step it starts (only `step` commits those).
+        self.inflight = self._follow(ctx, InFlight(work, items, started, *prefill), ahead_ok=False)
 
     def _broken(self, reason: str) -> None:
         self.breaks[reason] = self.breaks.get(reason, 0) + 1
         return None
 
-    def _admits(self, config: RuntimeConfig) -> bool:
+    @staticmethod
+    def _admits(ctx: StepContext) -> bool:
         """May a chained step start a prefill beside its verify call, as a regular step would?"""
-        lane = self.router.prefill_lane
+        config, lane = ctx.config, ctx.prefill_lane
         return (
-            self.router.overlap_prefill
+            ctx.overlap_prefill
             and config.priorities.prefill <= config.priorities.verify
             and hasattr(lane, "prefill_start")
             and not getattr(lane, "remote", False)
         )
 
-    def _follow(self, config: RuntimeConfig, prev: InFlight, ahead_ok: bool = True) -> InFlight | None:
+    def _follow(self, ctx: StepContext, prev: InFlight, ahead_ok: bool = True) -> InFlight | None:
         """Launches the k = 0 step after `prev` (and the prefill of requests it admits) if it is
         certain to be the scheduler's next plan."""
-        router, sched = self.router, self.router.scheduler
+        config, sched = ctx.config, ctx.scheduler
         next_tokens = getattr(prev.started, "next_tokens", None)
         if not config.overlap or next_tokens is None:
             return self._broken("off")
         if any(not c.sample_first for c in prev.prefill):  # part of a long prompt, a recompute
             return self._broken("running")
         joining = [(j, c.seq) for j, c in enumerate(prev.prefill) if c.seq.request_id not in prev.dead]
-        first_tokens = prev.prefill_started.next_tokens if joining else None
+        first_tokens = prev.prefill_started.next_tokens if joining else None  # type: ignore[union-attr]
         if joining and first_tokens is None:
             return self._broken("off")  # a prefill lane that leaves no first tokens on the device
         alive, joiners = prev.members - prev.dead, {seq.request_id for _, seq in joining}
@@ -154,32 +167,32 @@ class Overlap:
             for s in sched.running
         ):
             return self._broken("running")  # something else runs next step (a chunked prefill, ...)
-        if sched.num_waiting and sched.follow_blocked(config) or sched.num_waiting and not self._admits(config):
+        if sched.num_waiting and sched.follow_blocked(config) or sched.num_waiting and not self._admits(ctx):
             return self._broken("waiting")
         rows, seqs = [], []
         for row, w in enumerate(prev.work):
             seq = w.seq
-            if seq.request_id in prev.dead or self._finishes(seq):
+            if seq.request_id in prev.dead or self._finishes(ctx, seq):
                 continue
             assert seq.pending_pos == prev.items[row].start_pos, "a request moved while its step was in flight"
             rows.append(row)
             seqs.append(seq)
         for j, seq in joining:  # first token in flight: row j of the prefill's, after prev's rows
-            if self._finishes(seq):
+            if self._finishes(ctx, seq):
                 continue
             assert seq.pending_pos == prev.prefill[j].end - 1, "a request moved while its prefill was in flight"
             rows.append(len(prev.items) + j)
             seqs.append(seq)
-        if not sched.plan_follow(config, router.costs, seqs):
+        if not sched.plan_follow(config, ctx.costs, seqs):
             return self._broken("plan")
-        chunks = sched.admit_follow(config, router.costs) if sched.num_waiting else []
+        chunks = sched.admit_follow(config, ctx.costs) if sched.num_waiting else []
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
         if chunks and ahead_ok and sched.join_now(config, chunks):
             offset = len(prev.items) + (len(prev.prefill) if joining else 0)  # rows of the sources before it
-            ahead = self._prefill_ahead(chunks, offset, rows, seqs, sources)
+            ahead = self._prefill_ahead(ctx, chunks, offset, rows, seqs, sources)
             chunks = []
-        pool = router.target_pool
+        pool = ctx.target_pool
         items = []
         for seq in seqs:
             n = seq.pending_pos + 1  # the position of the token in flight
@@ -194,7 +207,7 @@ class Overlap:
                 )
             )
         try:
-            started = router.verify_lane.verify_start(items, feed=TokenFeed(tuple(sources), tuple(rows)))
+            started = ctx.verify_lane.verify_start(items, feed=TokenFeed(tuple(sources), tuple(rows)))
         except BaseException:
             if ahead is not None:
                 self._wait_quietly(ahead[1])
@@ -203,8 +216,8 @@ class Overlap:
         if ahead is not None:
             self.admitting += 1
         if chunks:
-            try:  # beside the verify call, as Router.step's `beside`
-                prefill_started = router._start_prefill(chunks)
+            try:  # beside the verify call, as a regular step's `beside`
+                prefill_started = ctx.start_prefill(chunks)
                 self.prefill_s += prefill_started.launch_s
             except BaseException:
                 self._wait_quietly(started)
@@ -215,98 +228,111 @@ class Overlap:
         return InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started, ahead=ahead)
 
     def _prefill_ahead(
-        self, chunks: list[PrefillChunk], offset: int, rows: list[int], seqs: list[Sequence], sources: list
-    ) -> tuple[list[PrefillChunk], Any]:
+        self,
+        ctx: StepContext,
+        chunks: list[PrefillChunk],
+        offset: int,
+        rows: list[int],
+        seqs: list[Sequence],
+        sources: list,
+    ) -> tuple[list[PrefillChunk], StartedPrefill]:
         """Starts the admitted requests' prefill ahead of the verify call that decodes them too (adds
         their rows, from `offset` on, and the prefill's first tokens as the feed's next source): the
         verify stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with the step
-        before (`InFlight.ahead`, Overlap.advance)."""
-        started = self.router._start_prefill(chunks)
+        before (`InFlight.ahead`, Overlapped.step)."""
+        started = ctx.start_prefill(chunks)
         if started.next_tokens is None:
             self._wait_quietly(started)
             raise RuntimeError("a prefill lane that samples every item left no first tokens on the device")
         for j, c in enumerate(chunks):
-            if not self._finishes(c.seq):
+            if not self._finishes(ctx, c.seq):
                 rows.append(offset + j)
                 seqs.append(c.seq)
         sources.append(started.next_tokens)
         return chunks, started
 
-    def _finishes(self, seq: Sequence) -> bool:
-        """The token in flight surely ends `seq` (Router._emit's length checks)."""
-        return len(seq.output_ids) + 1 >= seq.spec.max_tokens or seq.num_tokens + 1 >= self.router.max_context
+    @staticmethod
+    def _finishes(ctx: StepContext, seq: Sequence) -> bool:
+        """The token in flight surely ends `seq` (the length checks of StepContext.emit)."""
+        return len(seq.output_ids) + 1 >= seq.spec.max_tokens or seq.num_tokens + 1 >= ctx.max_context
 
     # -- committing -------------------------------------------------------------------------
-    def advance(self, config: RuntimeConfig) -> tuple[list[RequestOutput], float, int]:
+    def step(self, ctx: StepContext) -> StepResult:
         """A `Router.step()` with a step in flight: launch the one after it, then wait on it and
-        commit its live rows (then its prefill's live chunks: first tokens). Returns (outputs,
-        seconds waited for the results, rows verified)."""
-        router, prev = self.router, self.inflight
+        commit its live rows (then its prefill's live chunks: first tokens). Its cost is a plain
+        step's of its rows, without the host work of arrivals' prefills (`prefill_s`)."""
+        prev = self.inflight
+        assert prev is not None, "no chained step in flight"
         self.prefill_s = 0.0
         try:
-            self.inflight = self._follow(config, prev)
+            self.inflight = self._follow(ctx, prev)
         except BaseException:
             self.inflight = None
-            self._settle(prev)
+            self._settle(ctx, prev)
             raise
         ahead, next_step = None, self.inflight
         if next_step is not None and next_step.ahead is not None:
             ahead, next_step.ahead = next_step.ahead, None
         try:
-            outputs, waited = self._commit(prev)
+            outputs, waited = self._commit(ctx, prev)
         except BaseException:
             if ahead is not None:  # no call left in flight behind the error
                 self._wait_quietly(ahead[1])
             raise
         if ahead is not None:  # first tokens of the requests the new step decodes already
             chunks, started = ahead
-            t0 = router._clock()
+            t0 = ctx.clock()
             results, seconds = started.result()
-            router.observer.on_lane_step("prefill", seconds, len(chunks))
-            outputs += router._commit_prefill(chunks, results)
-            self.prefill_s += started.launch_s + router._clock() - t0
-        return outputs, waited, len(prev.items)
+            ctx.observer.on_lane_step("prefill", seconds, len(chunks))
+            outputs += ctx.commit_prefill(chunks, results)
+            self.prefill_s += started.launch_s + ctx.clock() - t0
+        rows = len(prev.items)
+        ctx.observer.on_lane_step("verify", waited, rows)
+        return StepResult(outputs, (False, rows, 0), excluded=(self.prefill_s,))
 
-    def _commit(self, prev: InFlight) -> tuple[list[RequestOutput], float]:
+    def _commit(self, ctx: StepContext, prev: InFlight) -> tuple[list[RequestOutput], float]:
         """Waits for `prev` and commits its live rows, then its prefill's live chunks (first tokens)."""
-        router = self.router
-        results, prefilled, waited = self._settle(prev)
+        results, prefilled, waited = self._settle(ctx, prev)
         live = [
-            (w, item, res) for w, item, res in zip(prev.work, prev.items, results) if w.seq.request_id not in prev.dead
+            (w, item, res)
+            for w, item, res in zip(prev.work, prev.items, results, strict=False)
+            if w.seq.request_id not in prev.dead
         ]
         self.dropped += len(prev.items) - len(live)
         outputs: list[RequestOutput] = []
         if live:
-            work, items, res = (list(x) for x in zip(*live))
-            router._commit_verify(work, items, res, outputs)
+            work, items, res = (list(x) for x in zip(*live, strict=False))
+            ctx.commit_verify(work, items, res, outputs)
         if prefilled is not None:
-            t0 = router._clock()
+            t0 = ctx.clock()
             results, seconds = prefilled
-            router.observer.on_lane_step("prefill", seconds, len(prev.prefill))
-            kept = [(c, res) for c, res in zip(prev.prefill, results) if c.seq.request_id not in prev.dead]
+            ctx.observer.on_lane_step("prefill", seconds, len(prev.prefill))
+            kept = [
+                (c, res) for c, res in zip(prev.prefill, results, strict=False) if c.seq.request_id not in prev.dead
+            ]
             if kept:
-                outputs += router._commit_prefill(*(list(x) for x in zip(*kept)))
-            self.prefill_s += router._clock() - t0
+                outputs += ctx.commit_prefill(*(list(x) for x in zip(*kept, strict=False)))
+            self.prefill_s += ctx.clock() - t0
         return outputs, waited
 
-    def _settle(self, prev: InFlight) -> tuple[list, tuple[list, float] | None, float]:
+    def _settle(self, ctx: StepContext, prev: InFlight) -> tuple[list, tuple[list, float] | None, float]:
         """Waits for `prev`'s results (verify, then its prefill's), then returns the blocks held back
         for it (even on an error: its forwards are over or never ran). Returns (verify results,
         (prefill results, seconds) or None, seconds waited for the verify results)."""
-        t0 = self.router._clock()
+        t0 = ctx.clock()
         try:
             results = prev.started.result()
-            waited = self.router._clock() - t0
+            waited = ctx.clock() - t0
         finally:
             try:
                 prefilled = None
                 if prev.prefill_started is not None:  # (no clock reads in the chain's usual step)
-                    t0 = self.router._clock()
+                    t0 = ctx.clock()
                     prefilled = prev.prefill_started.result()
-                    self.prefill_s += self.router._clock() - t0
+                    self.prefill_s += ctx.clock() - t0
             finally:
                 for target, draft in prev.held:
-                    self.router.scheduler.release_tables(target, draft)
+                    ctx.scheduler.release_tables(target, draft)
                 prev.held.clear()
         return results, prefilled, waited
 

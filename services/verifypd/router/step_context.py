@@ -1,0 +1,436 @@
+"""The step context: what a step strategy (verifypd.router.steps) works with. Torch-free.
+
+One per Router, handed to every strategy's `step`: the lanes, the KV pools and their block managers,
+the scheduler, the runtime config, the step-cost model, the observer, the requests' sequences and
+detokenizers, and the plan of the step being run (`plan`). Its methods are the operations the
+strategies share: building lane items and making the lane calls, committing their results into
+sequence state (verdicts, tokens, first tokens), streaming chunks and finishing requests. A strategy
+keeps its own calls in flight; none holds the Router, and the context holds no strategy (a strategy
+that must hear of a request ending while a call of it is in flight registers in `finish_hooks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.lanes import (
+    DraftItem,
+    DraftLane,
+    KvHandle,
+    PoolInfo,
+    PrefillItem,
+    PrefillLane,
+    VerifyItem,
+    VerifyLane,
+)
+from verifypd.domain.lookup import PromptLookup
+from verifypd.domain.requests import FinishReason, RequestOutput
+from verifypd.router.block_manager import BlockManager
+from verifypd.router.commits import append_tokens, record_verdict, take_drafts
+from verifypd.router.detokenize import Decode, IncrementalDetokenizer
+from verifypd.router.draft_length import TYPICAL_DRAFT_INPUT, StepCostModel
+from verifypd.router.scheduler import DecodeWork, PrefillChunk, Scheduler, StepPlan
+from verifypd.router.sequence import SeqStatus, Sequence, held_after
+
+# A step's cost sample (StepCostModel): (pipelined, requests verified, k).
+CostSample = tuple[bool, int, int]
+
+
+class LaneObserver(Protocol):
+    """The observer hooks a step calls (the Router's EngineObserver; verifypd.core.telemetry)."""
+
+    def on_lane_step(self, lane: str, seconds: float, batch: int) -> None: ...
+    def on_verify(self, k: int, accepted: int) -> None: ...
+    def on_request_finished(self, seq: Sequence) -> None: ...
+
+
+@dataclass
+class Verified:
+    """A verify row committed into its sequence (`commit_verdicts`) and not yet streamed."""
+
+    seq: Sequence
+    tokens: list[int]
+    finish: FinishReason | None
+    k: int
+
+
+class BesidePrefill:
+    """A regular step's prefill chunks, started beside its verify call (the lock-step strategy sets
+    `started`, a StartedPrefill); a chain started there takes the prefilled requests along."""
+
+    def __init__(self, chunks: list[PrefillChunk]):
+        self.chunks: list[PrefillChunk] = chunks
+        self.started: StartedPrefill | None = None
+
+
+class StartedPrefill:
+    """A prefill call started beside a verify call; `result()` is (outputs, launch + wait seconds),
+    as a pipelined prefill's Future gives."""
+
+    def __init__(self, started, launch_s: float, clock: Callable[[], float]):
+        self._started, self._launch_s, self._clock = started, launch_s, clock
+
+    @property
+    def launch_s(self) -> float:
+        """Seconds the host spent launching the call."""
+        return self._launch_s
+
+    @property
+    def next_tokens(self):
+        """The prefill's first tokens left on the device, where its lane leaves them (steps.overlapped)."""
+        return getattr(self._started, "next_tokens", None)
+
+    def result(self) -> tuple[list, float]:
+        t0 = self._clock()
+        results = self._started.result()
+        return results, self._launch_s + self._clock() - t0
+
+
+def pool_of(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> PoolInfo | None:
+    """The pool of `role` a lane announced (None for a missing optional one)."""
+    for pool in pools:
+        if pool.role == role:
+            return pool
+    if not required:
+        return None
+    raise ValueError(f"lane announced no {role} pool")
+
+
+def starts_async(*lanes) -> bool:
+    """Do all of `lanes` start calls that run on while the host goes on (in-process CUDA lanes)?"""
+    return all(getattr(lane, "starts_async", False) for lane in lanes)
+
+
+class StepContext:
+    def __init__(
+        self,
+        prefill: PrefillLane,
+        draft: DraftLane,
+        verify: VerifyLane,
+        *,
+        decode: Decode | None,
+        eos_token_ids: frozenset[int],
+        config: RuntimeConfig,
+        max_running: int,
+        observer: LaneObserver,
+        clock: Callable[[], float],
+        lookup: PromptLookup | None,
+    ):
+        self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
+        # Lanes that keep per-request state for the router (the call channel's request keys and
+        # block tables) are told when a request is done.
+        self.releasing = [lane for lane in (prefill, draft, verify) if hasattr(lane, "release")]
+        verify_info, draft_info = verify.describe(), draft.describe()
+        self.feature_draft = draft_info.reads_features  # see LaneInfo.reads_features
+        self.lookup = lookup  # a feature draft mixed with prompt lookup (spec_decode.lookup_mix)
+        self.vocab_size = verify_info.vocab_size
+        self.max_context = verify_info.max_context
+        self.target_pool: PoolInfo
+        self.draft_pool: PoolInfo | None  # None: a pool-less draft lane (prompt lookup, none)
+        self.target_blocks: BlockManager
+        self.draft_blocks: BlockManager | None
+        self.scheduler: Scheduler
+        self.attach_pools(verify_info.pools, draft_info.pools, max_running)
+        self.config = config
+        self.config.validate()
+        self.costs = StepCostModel()
+        self.observer = observer
+        self.decode = decode
+        self.eos = eos_token_ids
+        self.clock = clock
+        # Prefill beside decode (docs/engine.md): with lanes whose calls start asynchronously, a
+        # step's prefill is launched while the GPU runs its verify call. Off only to measure it.
+        self.overlap_prefill = True
+        self.sequences: dict[str, Sequence] = {}  # every request in flight, by id
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.plan: StepPlan | None = None  # the plan of the step being run (None: a step launched ahead)
+        # Called with a request before its blocks are freed (finished, cancelled): strategies with
+        # a call of it in flight hold its blocks back until that call is over (steps.overlapped).
+        self.finish_hooks: list[Callable[[Sequence], None]] = []
+        self.draft_thread: ThreadPoolExecutor | None = None  # pdv: the draft call beside the verify call
+        self.prefill_thread: ThreadPoolExecutor | None = None  # pdv over lane processes: prefill beside decode
+
+    # -- pools -------------------------------------------------------------------------------
+    def attach_pools(self, target_pools: tuple[PoolInfo, ...], draft_pools: tuple[PoolInfo, ...], max_running: int):
+        """Block managers and a scheduler over the pools the lanes announced (at start, and after a
+        lane restart: Router.reset_kv)."""
+        target_pool = pool_of(target_pools, "target")
+        assert target_pool is not None  # (pool_of raises for a missing required pool)
+        self.target_pool = target_pool
+        self.draft_pool = pool_of(draft_pools, "draft", required=False)
+        self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
+        self.draft_blocks = (
+            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft") if self.draft_pool else None
+        )
+        self.scheduler = Scheduler(
+            self.target_blocks,
+            self.draft_blocks,
+            self.max_context,
+            max_running,
+            lazy_draft_prefill=self._lazy_draft_prefill(),
+            never_drafts=self._never_drafts(),
+        )
+
+    def _lazy_draft_prefill(self) -> bool:
+        """Prefill may skip a model draft's KV while nobody drafts (Scheduler.drafts_soon): in-process lanes."""
+        return (
+            self.draft_pool is not None
+            and not self.feature_draft
+            and getattr(self.prefill_lane, "per_item_draft_kv", False)
+        )  # the lane RPC sends all or none
+
+    def _never_drafts(self) -> bool:
+        """`--draft none` (spec_decode.ngram.NoDraftLane) proposes nothing: k is 0, whatever the policy says."""
+        return self.draft_lane.describe().draft_model == "none"
+
+    @staticmethod
+    def handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
+        return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
+
+    def target_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle:
+        return self.handle(self.target_pool, seq.target_blocks, seq_len, committed)
+
+    def draft_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle | None:
+        if self.draft_pool is None:
+            return None
+        return self.handle(self.draft_pool, seq.draft_blocks, seq_len, committed)
+
+    # -- worker threads ----------------------------------------------------------------------
+    def submit_draft(self, items: list[DraftItem]) -> Future:
+        """The draft call of `items` on the draft worker thread (pdv: beside the verify call)."""
+        if self.draft_thread is None:
+            self.draft_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-draft")
+        return self.draft_thread.submit(self.call_draft, items)
+
+    def submit_prefill(self, items: list[PrefillItem]) -> Future:
+        """The prefill call of `items` on the prefill worker thread (beside the decode calls)."""
+        if self.prefill_thread is None:
+            self.prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifypd-prefill")
+        return self.prefill_thread.submit(self.call_prefill, items)
+
+    def close(self) -> None:
+        """Stops the worker threads (if any were started); the context stays usable."""
+        threads, self.draft_thread, self.prefill_thread = (self.draft_thread, self.prefill_thread), None, None
+        for thread in threads:
+            if thread is not None:
+                thread.shutdown(wait=True)
+
+    # -- prefill -----------------------------------------------------------------------------
+    def prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
+        return [
+            PrefillItem(
+                request_id=c.seq.request_id,
+                token_ids=c.seq.ids(c.start, c.end),
+                start_pos=c.start,
+                target_kv=self.target_handle(c.seq, c.start, c.seq.target_computed),
+                draft_kv=self.draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
+                sample_first=c.sample_first,
+                sampling=c.seq.spec.sampling,
+            )
+            for c in chunks
+        ]
+
+    def start_prefill(self, chunks: list[PrefillChunk]) -> StartedPrefill:
+        t0 = self.clock()
+        started = self.prefill_lane.prefill_start(self.prefill_items(chunks))
+        return StartedPrefill(started, self.clock() - t0, self.clock)
+
+    def call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
+        t0 = self.clock()
+        results = self.prefill_lane.prefill(items)
+        return results, self.clock() - t0
+
+    def run_prefill(
+        self, chunks: list[PrefillChunk], pending: Future | StartedPrefill | None = None
+    ) -> list[RequestOutput]:
+        """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
+        if not chunks:
+            return []
+        results, seconds = pending.result() if pending is not None else self.call_prefill(self.prefill_items(chunks))
+        self.observer.on_lane_step("prefill", seconds, len(chunks))
+        return self.commit_prefill(chunks, results)
+
+    def commit_prefill(self, chunks: list[PrefillChunk], results) -> list[RequestOutput]:
+        outputs = []
+        for c, res in zip(chunks, results, strict=False):
+            seq = c.seq
+            seq.target_computed = c.end
+            # A pool-less lane gets the prompt with its first draft call, and so does a model draft
+            # whose KV this chunk skipped (draft_computed lags; the draft call catches up).
+            if self.draft_pool is not None and c.with_draft:
+                seq.draft_computed = c.end
+            if c.end == seq.prefill_target:
+                seq.status = SeqStatus.DECODING
+            if c.sample_first:
+                assert res.first_token is not None, "prefill lane returned no first token"
+                outputs += self.emit(seq, [res.first_token], applied_k=0)
+        return outputs
+
+    # -- draft -------------------------------------------------------------------------------
+    def draft_items(self, work: list[DecodeWork]) -> list[DraftItem]:
+        items = []
+        for w in work:
+            seq, n = w.seq, w.seq.pending_pos
+            items.append(
+                DraftItem(
+                    request_id=seq.request_id,
+                    input_tokens=seq.ids(seq.draft_computed, n + 1),
+                    start_pos=seq.draft_computed,
+                    k=w.k,
+                    sampling=seq.spec.sampling,
+                    draft_kv=self.draft_handle(seq, seq.draft_computed, seq.draft_computed),
+                    target_kv=self.target_handle(seq, seq.target_computed, seq.target_computed)
+                    if self.feature_draft
+                    else None,
+                )
+            )
+        return items
+
+    def call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
+        t0 = self.clock()
+        results = self.draft_lane.draft(items)
+        return results, self.clock() - t0
+
+    def typical_draft(self, items: list[DraftItem]) -> bool:
+        """A draft call worth costing: no long catch-up on tokens decoded without drafting (an eager
+        draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens. A
+        feature draft is re-fed every accepted token of the last step: up to k_max + 1 is typical."""
+        limit = self.config.k_max + 1 if self.feature_draft else TYPICAL_DRAFT_INPUT
+        return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= limit
+
+    def proposals(self, work: list[DecodeWork]) -> tuple[dict[str, tuple[Any, Any]], bool]:
+        """This step's proposals of `work`'s requests that draft now (k > 0, no held drafts, or held
+        ones made after the last verify call that prompt lookup replaces), by request id; and whether
+        the step is a typical cost sample (no long draft catch-up, no probe of part of the batch)."""
+        drafting = [w for w in work if w.k > 0 and not w.held]
+        drafts: dict[str, tuple[Any, Any]] = {}
+        typical = True
+        looking = drafting + [w for w in work if w.held and held_after(w.seq)]  # (steps.draft_after)
+        if self.lookup is not None and looking:
+            # Steps mixing lookup's proposals with the head's (or lookup's alone, no draft call) are
+            # cost samples too: the policy's k then weighs what this mix costs as it runs.
+            drafts = {rid: (tokens, None) for rid, tokens in self.lookup.take(looking).items()}
+            for w in looking:
+                w.lookup = w.seq.request_id in drafts
+            drafting = [w for w in drafting if not w.lookup]
+        if drafting:
+            items = self.draft_items(drafting)
+            results, draft_s = self.call_draft(items)
+            drafts.update(take_drafts(drafting, results))
+            self.observer.on_lane_step("draft", draft_s, len(items))
+            typical = self.typical_draft(items)
+            # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
+            typical = typical and sum(w.probe for w in work) in (0, len(work))
+        return drafts, typical
+
+    # -- verify ------------------------------------------------------------------------------
+    def verify_items(self, work: list[DecodeWork], drafts: dict, typical: bool) -> tuple[list[VerifyItem], bool]:
+        items = []
+        for w in work:
+            seq, n = w.seq, w.seq.pending_pos
+            if w.held:
+                held = seq.held_draft
+                assert held is not None and held.start_pos == n and len(held.tokens) == w.k, "held drafts out of step"
+                tokens, probs = drafts[seq.request_id] if w.lookup else (held.tokens, held.probs)
+                typical = typical and held.typical
+            else:
+                tokens, probs = drafts.get(seq.request_id, ((), None))
+            items.append(
+                VerifyItem(
+                    request_id=seq.request_id,
+                    pending_token=seq.ids(n, n + 1)[0],
+                    start_pos=n,
+                    draft_tokens=tokens,
+                    draft_probs=probs,
+                    sampling=seq.spec.sampling,
+                    target_kv=self.target_handle(seq, n, seq.target_computed),
+                )
+            )
+        return items, typical
+
+    def commit_verdicts(self, work: list[DecodeWork], items: list[VerifyItem], results) -> list[Verified]:
+        """Commits a verify call into its sequences: positions, verdicts, tokens (nothing streamed)."""
+        verified = []
+        for w, item, res in zip(work, items, results, strict=False):
+            seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)
+            m = res.accepted
+            assert 0 <= m <= k and len(res.new_tokens) == m + 1, "verify lane broke its contract"
+            seq.target_computed = n + m + 1
+            if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
+                # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
+                seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
+            record_verdict(
+                seq,
+                self.costs.acceptance,
+                k,
+                m,
+                asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k,
+            )
+            seq.held_draft = None
+            self.observer.on_verify(k, m)
+            tokens, finish = append_tokens(
+                seq, res.new_tokens, self.eos, self.vocab_size, self.max_context, self.clock()
+            )
+            verified.append(Verified(seq, tokens, finish, k))
+        return verified
+
+    def stream_verified(self, verified: list[Verified], outputs: list[RequestOutput]) -> None:
+        """Streams committed verify rows into `outputs`, in order (finishing the requests they end)."""
+        for v in verified:
+            outputs += self.stream(v.seq, v.tokens, v.finish, v.k)
+
+    def commit_verify(
+        self, work: list[DecodeWork], items: list[VerifyItem], results, outputs: list[RequestOutput]
+    ) -> None:
+        """Commits a verify call and streams its rows into `outputs`."""
+        self.stream_verified(self.commit_verdicts(work, items, results), outputs)
+
+    # -- streaming ---------------------------------------------------------------------------
+    def emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
+        """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
+        tokens, finish = append_tokens(seq, new_tokens, self.eos, self.vocab_size, self.max_context, self.clock())
+        return self.stream(seq, tokens, finish, applied_k)
+
+    def stream(
+        self, seq: Sequence, tokens: list[int], finish: FinishReason | None, applied_k: int
+    ) -> list[RequestOutput]:
+        """The chunk of tokens just appended (append_tokens): detokenized, stop strings applied."""
+        detok = self.detokenizers.get(seq.request_id)
+        text, stop_hit = detok.add([t for t in tokens if t not in self.eos]) if detok else ("", False)
+        if stop_hit:
+            finish = FinishReason.STOP
+        if finish is not None:
+            return [self.finish(seq, finish, tokens, text, applied_k)]
+        return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k)]
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str, applied_k: int = 0
+    ) -> RequestOutput:
+        """Ends `seq` (finished or cancelled): its last chunk; its blocks return to the pools."""
+        detok = self.detokenizers.pop(seq.request_id, None)
+        if detok is not None and reason is not FinishReason.STOP:
+            text += detok.flush()
+        for hook in self.finish_hooks:  # a row in a step still in flight: its blocks wait for that step
+            hook(seq)
+        if self.lookup is not None:
+            self.lookup.forget(seq.request_id)
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self.sequences[seq.request_id]
+        for lane in self.releasing:
+            lane.release((seq.request_id,))
+        self.observer.on_request_finished(seq)
+        return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k)
+
+    # -- costs -------------------------------------------------------------------------------
+    def record_cost(self, sample: CostSample, seconds: float) -> None:
+        pipelined, verified, k = sample
+        if pipelined:
+            self.costs.observe_pipelined(verified, k, seconds)
+        else:
+            self.costs.observe_step(verified, k, seconds)
