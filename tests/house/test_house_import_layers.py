@@ -33,8 +33,6 @@ import fnmatch
 import pathlib
 from collections.abc import Mapping, Set
 
-import pytest
-
 REPO = pathlib.Path(__file__).parents[2]
 ROOTS = {
     "verifypd": REPO / "services" / "verifypd",
@@ -244,12 +242,6 @@ def test_layer_table_names_only_its_rooms():
     assert table_errors(VERIFYPD_ROOMS) == []
 
 
-@pytest.mark.xfail(
-    reason="the table is verifypd's target layering; a few imports still cross it (core and lanes import "
-    "engine.py and launch, gateway imports model.loader, router and spec_decode import each other, domain "
-    "imports heads): remove this mark when the restructure has moved them",
-    strict=False,
-)
 def test_verifypd_layers():
     problems = layer_violations(ROOTS, "verifypd", VERIFYPD_ROOMS)
     assert not problems, f"{len(problems)} layer violations:\n" + "\n".join(problems)
