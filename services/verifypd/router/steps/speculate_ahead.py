@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from verifypd.domain.lanes import VerdictFit, VerifyItem
+from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, StepPlan
 from verifypd.router.sequence import SeqStatus, held_after
@@ -160,12 +160,13 @@ class SpeculateAhead:
         k = 0 in it, as they would join the next step. Only where that call is the one the next step
         would make: greedy, every running request in `items`, nothing waiting, target blocks for the
         longest outcome free without preemption, no prompt lookup (its proposals need the host's tokens)."""
+        lane = ctx.verify_lane
         if not (
             self.fit
             and self._chains(ctx)
             and launched.work
             and ctx.lookup is None
-            and getattr(ctx.verify_lane, "fits_verdict", False)
+            and fits_verdict(lane)
             and getattr(started, "verdict", None) is not None
             and all(i.sampling.greedy for i in items)
             and {id(s) for s in ctx.scheduler.running} <= {id(w.seq) for w in work}
@@ -204,7 +205,7 @@ class SpeculateAhead:
             )
         fit = VerdictFit(started, tuple(r for r, *_ in rows), tuple(len(items[r].draft_tokens) for r, *_ in rows))
         launched.verify = self.pending = Fitted(
-            next_work, next_items, ctx.verify_lane.verify_start(next_items, fit=fit), launched.typical
+            next_work, next_items, lane.verify_start(next_items, fit=fit), launched.typical
         )
 
     def _take(self, ctx: StepContext, fitted: Fitted) -> None:
