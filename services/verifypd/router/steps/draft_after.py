@@ -34,9 +34,10 @@ head's graphs fit as placeholders (k > MAX_VERIFIED_K).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from verifypd.domain.lanes import DraftItem, VerifyItem, drafts_after_verdict
-from verifypd.router.commits import take_drafts
+from verifypd.router.commits import Proposal, take_drafts
 from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import HeldDraft, SeqStatus
 from verifypd.router.step_context import StepContext
@@ -49,11 +50,22 @@ class Launched:
     """Drafts launched after a verify call, held once its verdict is committed."""
 
     work: list[DecodeWork]
-    drafts: dict[str, tuple[object, object]]
+    drafts: dict[str, Proposal]
     typical: bool
     # The verify call of these drafts, launched right after them and fitted to the verdict on the
-    # device (speculate_ahead.Fitted), or None: the next step plans and launches it once committed.
-    verify: object = None
+    # device (SpeculateAhead.fit_next), or None: the next step plans and launches it once committed.
+    verify: Fitted | None = None
+
+
+@dataclass
+class Fitted:
+    """A verify call launched right after the drafts made after the verify call before it, laid out
+    for that call's longest outcome and fitted to its verdict on the device (`SpeculateAhead.fit_next`)."""
+
+    work: list[DecodeWork]
+    items: list[VerifyItem]
+    started: Any
+    typical: bool
 
 
 class DraftAfter:

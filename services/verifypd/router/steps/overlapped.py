@@ -81,7 +81,7 @@ class InFlight:
 class Overlapped:
     """Chains of plain-decoding steps, each launched before the one before it is committed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.inflight: InFlight | None = None
         self.steps = 0  # steps launched ahead (benchmarks, tests, telemetry)
         self.admitting = 0  # of those, steps that carried a prefill of admitted requests

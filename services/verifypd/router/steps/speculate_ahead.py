@@ -34,7 +34,7 @@ from verifypd.router.scheduler import DecodeWork, StepPlan
 from verifypd.router.sequence import SeqStatus, held_after
 from verifypd.router.step_context import StepContext
 from verifypd.router.steps import StepResult
-from verifypd.router.steps.draft_after import DraftAfter, Launched
+from verifypd.router.steps.draft_after import DraftAfter, Fitted, Launched
 from verifypd.router.steps.overlapped import Overlapped
 
 
@@ -46,17 +46,6 @@ class InFlightStep:
     items: list[VerifyItem]
     started: Any
     launched: Launched | None
-    typical: bool
-
-
-@dataclass
-class Fitted:
-    """A verify call launched right after the drafts made after the verify call before it, laid out
-    for that call's longest outcome and fitted to its verdict on the device (`SpeculateAhead.fit_next`)."""
-
-    work: list[DecodeWork]
-    items: list[VerifyItem]
-    started: Any
     typical: bool
 
 
@@ -217,10 +206,10 @@ class SpeculateAhead:
             seq = w.seq
             if seq.status is not SeqStatus.DECODING:
                 continue  # ended (or was cancelled) in the step before: its row is dropped at commit
-            start = seq.pending_pos
-            assert start <= item.start_pos and (not w.held or held_after(seq) and seq.held_draft.start_pos == start), (
-                "a fitted verify call out of step"
-            )
+            start, held = seq.pending_pos, seq.held_draft
+            assert start <= item.start_pos and (
+                not w.held or held is not None and held.predrafted and held.start_pos == start
+            ), "a fitted verify call out of step"
             fitted.items[n] = replace(
                 item,
                 pending_token=seq.ids(start, start + 1)[0],
