@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
-from verifypd.domain.requests import SamplingParams
+from verifypd.domain.requests import RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,15 @@ class VerifyOutput:
 class LaneError(RuntimeError):
     """A lane failed or became unreachable; in-flight requests end with UNAVAILABLE."""
 
+    # Set by the router where a step failed after committing tokens: their chunks, for the caller to
+    # stream before the error (read with getattr: a lane's own LaneError carries none).
+    outputs: list[RequestOutput]
+
 
 class PrefillLane(Protocol):
     def describe(self) -> LaneInfo: ...
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]: ...
+    def prefill_start(self, items: list[PrefillItem]) -> StartedCall: ...  # see the note below
 
 
 class DraftLane(Protocol):
@@ -157,9 +162,45 @@ class DraftLane(Protocol):
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]: ...
 
 
+class DraftsAfterVerdict(DraftLane, Protocol):
+    """A draft lane with `drafts_after_verdict` (a feature draft, engine.draft_after): it drafts right
+    after a verify call (`started`), before that call's verdict reaches the host; item i's input ends
+    in verify row `verify_rows[i]`'s `verify_ks[i]` + 1 tokens as placeholders, fitted on the device."""
+
+    def draft_after(
+        self, items: list[DraftItem], started: StartedCall, verify_rows: list[int], verify_ks: list[int]
+    ) -> list[DraftOutput]: ...
+
+
 class VerifyLane(Protocol):
     def describe(self) -> LaneInfo: ...
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]: ...
+    def verify_start(self, items: list[VerifyItem]) -> StartedCall: ...  # see the note below
+
+
+class DeviceVerifyLane(VerifyLane, Protocol):
+    """A verify lane with `feeds_tokens` (engine.overlap) or `fits_verdict` (engine.spec_ahead): its
+    calls also take pending tokens left on the device (`feed`) or a layout fitted to an earlier call's
+    verdict (`fit`)."""
+
+    def verify_start(
+        self, items: list[VerifyItem], feed: TokenFeed | None = None, fit: VerdictFit | None = None
+    ) -> StartedCall: ...
+
+
+def drafts_after_verdict(lane: DraftLane) -> TypeGuard[DraftsAfterVerdict]:
+    """Does `lane` take `draft_after`?"""
+    return bool(getattr(lane, "drafts_after_verdict", False))
+
+
+def feeds_tokens(lane: VerifyLane) -> TypeGuard[DeviceVerifyLane]:
+    """Does `lane` take `verify_start(items, feed=...)`?"""
+    return bool(getattr(lane, "feeds_tokens", False))
+
+
+def fits_verdict(lane: VerifyLane) -> TypeGuard[DeviceVerifyLane]:
+    """Does `lane` take `verify_start(items, fit=...)` (greedy items only)?"""
+    return bool(getattr(lane, "fits_verdict", False))
 
 
 class StartedCall(Protocol):
@@ -183,8 +224,9 @@ class Finished:
         return self.value
 
 
-# In-process lanes may also offer `verify_start(items) -> StartedCall` and `prefill_start(items) ->
-# StartedCall`, with `starts_async = True` where the started work runs on without the host (CUDA).
+# `verify_start(items) -> StartedCall` and `prefill_start(items) -> StartedCall` start a call (the
+# router uses them only where it overlaps calls: fakes that never overlap may leave them out), with
+# `starts_async = True` where the started work runs on without the host (CUDA, or a call channel).
 # The router then launches a step's prefill while the GPU still runs its verify call, so the
 # prefill's host work (eager launches) overlaps the decode's GPU work (docs/engine.md "Prefill
 # beside decode"). `verify(items)` is `verify_start(items).result()`.

@@ -3,11 +3,18 @@ Torch-free; the step context (verifypd.router.step_context) and the strategies c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from verifypd.domain.lanes import DraftOutput
 from verifypd.domain.requests import FinishReason
 from verifypd.router.draft_length import request_alpha, request_rate
 
+# A request's drafts as its draft call left them: (DraftOutput.draft_tokens, DraftOutput.draft_probs).
+Proposal = tuple[Sequence[int], Any]
 
-def take_drafts(work: list, results) -> dict[str, tuple[object, object]]:
+
+def take_drafts(work: list, results: list[DraftOutput]) -> dict[str, Proposal]:
     """Draft outputs by request id (of `work`, DecodeWork items), with the draft-position
     bookkeeping of pool-less lanes."""
     drafts = {}

@@ -101,8 +101,9 @@ class Scheduler:
         self.never_drafts = never_drafts
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
-        self.draft = draft_blocks or _NoPool()  # None: a pool-less draft lane needs no draft blocks
-        self.poolless_draft = draft_blocks is None
+        # None: a pool-less draft lane needs no draft blocks (`draft` grows and frees none)
+        self.draft_blocks = draft_blocks
+        self.draft: BlockManager | _NoPool = draft_blocks or _NoPool()
         self.max_context = max_context
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
@@ -363,9 +364,9 @@ class Scheduler:
                 k, held = len(seq.held_draft.tokens), True
             else:
                 k, held = self._cap(config, seq, probed.get(seq.request_id, k_batch)), False
-            k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
-            if k is not None:
-                work.append(DecodeWork(seq, k, held=held and k > 0, probe=probe and k > 0))
+            reserved = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
+            if reserved is not None:
+                work.append(DecodeWork(seq, reserved, held=held and reserved > 0, probe=probe and reserved > 0))
         return [w for w in work if w.seq not in preempted]
 
     def _plan_pipelined(
@@ -392,9 +393,9 @@ class Scheduler:
                 # would be correct too; a possible latency trade.)
                 continue
             k = len(seq.held_draft.tokens) if seq.held_draft is not None else 0
-            k = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=False)
-            if k is not None:
-                verify.append(DecodeWork(seq, k, held=k > 0))
+            reserved = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=False)
+            if reserved is not None:
+                verify.append(DecodeWork(seq, reserved, held=reserved > 0))
         queue = len(verify)
         hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
         k_group, probed = self._batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
@@ -403,13 +404,13 @@ class Scheduler:
             if seq in preempted:
                 continue
             probe = seq.request_id in probed
-            k = self._reserve_or_preempt(
+            reserved = self._reserve_or_preempt(
                 seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
             )
-            if k is None:
+            if reserved is None:
                 continue
             # k = 0 (speculation off, nothing left to draft, no room): plain decoding now, not idling
-            (ahead if k > 0 else verify).append(DecodeWork(seq, k, probe=probe and k > 0))
+            (ahead if reserved > 0 else verify).append(DecodeWork(seq, reserved, probe=probe and reserved > 0))
         return [w for w in verify if w.seq not in preempted], [w for w in ahead if w.seq not in preempted]
 
     def _assign_groups(self, decoding: list[Sequence]) -> None:
@@ -478,7 +479,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
         if (
             len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
-            and (self.poolless_draft or len(seq.draft_blocks) * self.draft.block_size >= n + k)
+            and (self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k)
         ):
             return True
         if not (self.target.can_grow(seq.target_blocks, n + k + 1) and self.draft.can_grow(seq.draft_blocks, n + k)):
@@ -565,7 +566,7 @@ class Scheduler:
             pending = seq.pending_pos + k_now + 1  # the next pending position if all k_now are accepted
             k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1), self.max_context - 1 - pending)
             # the head writes rows up to pending + k - 1 (the chain's last step feeds at that position)
-            if k > 0 and (self.poolless_draft or self.draft.grow(seq.draft_blocks, pending + k)):
+            if k > 0 and (self.draft_blocks is None or self.draft_blocks.grow(seq.draft_blocks, pending + k)):
                 work.append((seq, k))
         return work
 
@@ -579,13 +580,11 @@ class Scheduler:
         )
         if target > self.target.num_free:
             return False
+        draft = self.draft_blocks
         return (
-            self.poolless_draft
-            or sum(
-                self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k)
-                for s, k in zip(seqs, ks, strict=False)
-            )
-            <= self.draft.num_free
+            draft is None
+            or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks, strict=False))
+            <= draft.num_free
         )
 
     def reserve_target(self, rows: list[tuple[Sequence, int]]) -> bool:
@@ -627,10 +626,10 @@ class Scheduler:
         """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
         needs pending_pos + 2 target positions (a draft holds one fewer). Are those blocks free?"""
         need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
+        draft = self.draft_blocks
         return need <= self.target.num_free and (
-            self.poolless_draft
-            or sum(self.draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs)
-            <= self.draft.num_free
+            draft is None
+            or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= draft.num_free
         )
 
     def _reserve_next_position(self, seqs: list[Sequence]) -> None:

@@ -34,9 +34,10 @@ head's graphs fit as placeholders (k > MAX_VERIFIED_K).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from verifypd.domain.lanes import DraftItem, VerifyItem
-from verifypd.router.commits import take_drafts
+from verifypd.domain.lanes import DraftItem, VerifyItem, drafts_after_verdict
+from verifypd.router.commits import Proposal, take_drafts
 from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import HeldDraft, SeqStatus
 from verifypd.router.step_context import StepContext
@@ -49,11 +50,22 @@ class Launched:
     """Drafts launched after a verify call, held once its verdict is committed."""
 
     work: list[DecodeWork]
-    drafts: dict[str, tuple[object, object]]
+    drafts: dict[str, Proposal]
     typical: bool
     # The verify call of these drafts, launched right after them and fitted to the verdict on the
-    # device (speculate_ahead.Fitted), or None: the next step plans and launches it once committed.
-    verify: object = None
+    # device (SpeculateAhead.fit_next), or None: the next step plans and launches it once committed.
+    verify: Fitted | None = None
+
+
+@dataclass
+class Fitted:
+    """A verify call launched right after the drafts made after the verify call before it, laid out
+    for that call's longest outcome and fitted to its verdict on the device (`SpeculateAhead.fit_next`)."""
+
+    work: list[DecodeWork]
+    items: list[VerifyItem]
+    started: Any
+    typical: bool
 
 
 class DraftAfter:
@@ -74,7 +86,7 @@ class DraftAfter:
             and ctx.feature_draft
             and config.schedule != "baseline"
             and not config.pipelined
-            and getattr(ctx.draft_lane, "drafts_after_verdict", False)
+            and drafts_after_verdict(ctx.draft_lane)
             and hasattr(ctx.verify_lane, "verify_start")
             and any(len(i.draft_tokens) for i in items)
             and max(len(i.draft_tokens) for i in items) <= MAX_VERIFIED_K
@@ -106,7 +118,10 @@ class DraftAfter:
             draft_items.append(self._item(ctx, work[row], items[row], w.k))
             verify_rows.append(row)
             verify_ks.append(len(items[row].draft_tokens))
-        results = ctx.draft_lane.draft_after(draft_items, started, verify_rows, verify_ks)
+        lane = ctx.draft_lane
+        if not drafts_after_verdict(lane):  # (`eligible` let the step launch this)
+            raise TypeError(f"{type(lane).__name__} does not draft after a verdict (drafts_after_verdict)")
+        results = lane.draft_after(draft_items, started, verify_rows, verify_ks)
         self.calls += 1
         self.requests += len(after)
         typical = max(len(i.input_tokens) for i in draft_items) <= config.k_max + 1

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifypd.domain.lanes import KvHandle, TokenFeed, VerifyItem
+from verifypd.domain.lanes import KvHandle, TokenFeed, VerifyItem, feeds_tokens
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, PrefillChunk
 from verifypd.router.sequence import SeqStatus, Sequence
@@ -81,7 +81,7 @@ class InFlight:
 class Overlapped:
     """Chains of plain-decoding steps, each launched before the one before it is committed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.inflight: InFlight | None = None
         self.steps = 0  # steps launched ahead (benchmarks, tests, telemetry)
         self.admitting = 0  # of those, steps that carried a prefill of admitted requests
@@ -98,7 +98,7 @@ class Overlapped:
 
     @staticmethod
     def supported(ctx: StepContext) -> bool:
-        return getattr(ctx.verify_lane, "feeds_tokens", False)
+        return feeds_tokens(ctx.verify_lane)
 
     def eligible(self, ctx: StepContext, work: list[DecodeWork], drafting_ahead: bool) -> bool:
         """May a regular step's verify call of `work` start a chain (plain decoding, lock-step)?"""
@@ -128,8 +128,8 @@ class Overlapped:
         self.inflight = self._follow(ctx, InFlight(work, items, started, *prefill), ahead_ok=False)
 
     def _broken(self, reason: str) -> None:
+        """Counts why a chain ended (`breaks`)."""
         self.breaks[reason] = self.breaks.get(reason, 0) + 1
-        return None
 
     @staticmethod
     def _admits(ctx: StepContext) -> bool:
@@ -145,16 +145,19 @@ class Overlapped:
     def _follow(self, ctx: StepContext, prev: InFlight, ahead_ok: bool = True) -> InFlight | None:
         """Launches the k = 0 step after `prev` (and the prefill of requests it admits) if it is
         certain to be the scheduler's next plan."""
-        config, sched = ctx.config, ctx.scheduler
+        config, sched, lane = ctx.config, ctx.scheduler, ctx.verify_lane
         next_tokens = getattr(prev.started, "next_tokens", None)
-        if not config.overlap or next_tokens is None:
-            return self._broken("off")
+        if not config.overlap or next_tokens is None or not feeds_tokens(lane):  # (chains start where it feeds)
+            self._broken("off")
+            return None
         if any(not c.sample_first for c in prev.prefill):  # part of a long prompt, a recompute
-            return self._broken("running")
+            self._broken("running")
+            return None
         joining = [(j, c.seq) for j, c in enumerate(prev.prefill) if c.seq.request_id not in prev.dead]
-        first_tokens = prev.prefill_started.next_tokens if joining else None  # type: ignore[union-attr]
+        first_tokens = prev.prefill_started.next_tokens if joining and prev.prefill_started is not None else None
         if joining and first_tokens is None:
-            return self._broken("off")  # a prefill lane that leaves no first tokens on the device
+            self._broken("off")  # a prefill lane that leaves no first tokens on the device
+            return None
         alive, joiners = prev.members - prev.dead, {seq.request_id for _, seq in joining}
         if len(sched.running) != len(alive) + len(joiners) or any(
             s.held_draft is not None
@@ -166,9 +169,11 @@ class Overlapped:
             )
             for s in sched.running
         ):
-            return self._broken("running")  # something else runs next step (a chunked prefill, ...)
+            self._broken("running")  # something else runs next step (a chunked prefill, ...)
+            return None
         if sched.num_waiting and sched.follow_blocked(config) or sched.num_waiting and not self._admits(ctx):
-            return self._broken("waiting")
+            self._broken("waiting")
+            return None
         rows, seqs = [], []
         for row, w in enumerate(prev.work):
             seq = w.seq
@@ -184,7 +189,8 @@ class Overlapped:
             rows.append(len(prev.items) + j)
             seqs.append(seq)
         if not sched.plan_follow(config, ctx.costs, seqs):
-            return self._broken("plan")
+            self._broken("plan")
+            return None
         chunks = sched.admit_follow(config, ctx.costs) if sched.num_waiting else []
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
@@ -207,7 +213,7 @@ class Overlapped:
                 )
             )
         try:
-            started = ctx.verify_lane.verify_start(items, feed=TokenFeed(tuple(sources), tuple(rows)))
+            started = lane.verify_start(items, feed=TokenFeed(tuple(sources), tuple(rows)))
         except BaseException:
             if ahead is not None:
                 self._wait_quietly(ahead[1])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from verifypd.domain.lanes import DraftOutput
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.commits import take_drafts
 from verifypd.router.scheduler import StepPlan
@@ -52,7 +53,8 @@ class Pipelined(LockStep):
             except BaseException as exc:  # first let the concurrent draft call finish
                 verify_error = exc
             verify_s = ctx.clock() - t0
-        ahead_results, draft_error = None, None
+        ahead_results: list[DraftOutput] = []  # (set unless draft_error is)
+        draft_error: BaseException | None = None
         try:
             ahead_results, ahead_s = future.result() if future is not None else ctx.call_draft(ahead_items)
         except BaseException as exc:

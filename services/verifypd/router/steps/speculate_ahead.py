@@ -28,13 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from verifypd.domain.lanes import VerdictFit, VerifyItem
+from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, StepPlan
 from verifypd.router.sequence import SeqStatus, held_after
 from verifypd.router.step_context import StepContext
 from verifypd.router.steps import StepResult
-from verifypd.router.steps.draft_after import DraftAfter, Launched
+from verifypd.router.steps.draft_after import DraftAfter, Fitted, Launched
 from verifypd.router.steps.overlapped import Overlapped
 
 
@@ -46,17 +46,6 @@ class InFlightStep:
     items: list[VerifyItem]
     started: Any
     launched: Launched | None
-    typical: bool
-
-
-@dataclass
-class Fitted:
-    """A verify call launched right after the drafts made after the verify call before it, laid out
-    for that call's longest outcome and fitted to its verdict on the device (`SpeculateAhead.fit_next`)."""
-
-    work: list[DecodeWork]
-    items: list[VerifyItem]
-    started: Any
     typical: bool
 
 
@@ -160,12 +149,13 @@ class SpeculateAhead:
         k = 0 in it, as they would join the next step. Only where that call is the one the next step
         would make: greedy, every running request in `items`, nothing waiting, target blocks for the
         longest outcome free without preemption, no prompt lookup (its proposals need the host's tokens)."""
+        lane = ctx.verify_lane
         if not (
             self.fit
             and self._chains(ctx)
             and launched.work
             and ctx.lookup is None
-            and getattr(ctx.verify_lane, "fits_verdict", False)
+            and fits_verdict(lane)
             and getattr(started, "verdict", None) is not None
             and all(i.sampling.greedy for i in items)
             and {id(s) for s in ctx.scheduler.running} <= {id(w.seq) for w in work}
@@ -204,7 +194,7 @@ class SpeculateAhead:
             )
         fit = VerdictFit(started, tuple(r for r, *_ in rows), tuple(len(items[r].draft_tokens) for r, *_ in rows))
         launched.verify = self.pending = Fitted(
-            next_work, next_items, ctx.verify_lane.verify_start(next_items, fit=fit), launched.typical
+            next_work, next_items, lane.verify_start(next_items, fit=fit), launched.typical
         )
 
     def _take(self, ctx: StepContext, fitted: Fitted) -> None:
@@ -216,10 +206,10 @@ class SpeculateAhead:
             seq = w.seq
             if seq.status is not SeqStatus.DECODING:
                 continue  # ended (or was cancelled) in the step before: its row is dropped at commit
-            start = seq.pending_pos
-            assert start <= item.start_pos and (not w.held or held_after(seq) and seq.held_draft.start_pos == start), (
-                "a fitted verify call out of step"
-            )
+            start, held = seq.pending_pos, seq.held_draft
+            assert start <= item.start_pos and (
+                not w.held or held is not None and held.predrafted and held.start_pos == start
+            ), "a fitted verify call out of step"
             fitted.items[n] = replace(
                 item,
                 pending_token=seq.ids(start, start + 1)[0],
