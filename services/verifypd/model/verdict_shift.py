@@ -20,12 +20,17 @@ One Triton launch (a program per row) on CUDA; `shift_reference` is the same rul
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from verifypd.model.verify_fit import kernel_block
 
+if TYPE_CHECKING:
+    from verifypd.model.eagle_chain import CallInputs
 
-def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: bool) -> None:
+
+def shift_to_verdict(inp: CallInputs, verdict: torch.Tensor, scratch_row: int, use_triton: bool) -> None:
     """Fits the catch-up inputs `inp` (eagle_chain.CallInputs, with vrows / vks filled) to `verdict`."""
     rows = inp.last.shape[0]
     if not use_triton:
@@ -50,7 +55,7 @@ def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: b
     )
 
 
-def shift_reference(inp, verdict: torch.Tensor, scratch_row: int) -> None:
+def shift_reference(inp: CallInputs, verdict: torch.Tensor, scratch_row: int) -> None:
     rows, query = inp.last.shape[0], inp.query
     active = inp.vrows >= 0
     rows_v = verdict[inp.vrows.clamp(min=0)].long()  # [R, W]
