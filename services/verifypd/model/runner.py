@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from verifypd.model import sampler
@@ -91,6 +93,10 @@ class ModelRunner:
     def layout(self, runs: list[TokenRun]) -> BatchLayout:
         return to_device(build_layout(runs, self.block_size), self.device, self.staging)
 
+    @overload
+    def forward(self, runs: list[TokenRun], logits_for: Literal["last", "all"]) -> torch.Tensor: ...
+    @overload
+    def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None: ...
     def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None:
         """Prefill. logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V]). One sequence of up
         to max(prefill_queries) tokens replays a prefill graph (right-aligned, padded: see
