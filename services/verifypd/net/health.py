@@ -120,6 +120,6 @@ class HealthPort:
         self.server.server_close()
 
 
-def serving_check(health: Health | AsyncHealth) -> Callable[[], tuple[bool, str]]:
-    """A HealthPort check reading a Health / AsyncHealth's state."""
+def serving_check(health) -> Callable[[], tuple[bool, str]]:
+    """A HealthPort check reading a Health / AsyncHealth's state (its `serving`)."""
     return lambda: (health.serving, "serving" if health.serving else "not serving")
