@@ -24,14 +24,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Protocol, overload
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from verifypd.model.features import FeaturePool
-    from verifypd.model.tensor_parallel import TpGroup
+
+
+class TpGroup(Protocol):
+    """What the forward needs of a process group (model.tensor_parallel: sharding, the groups)."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over the ranks, in place."""
 
 
 @dataclass
