@@ -166,9 +166,8 @@ class PagedLlama:
                 from verifypd.model.kernels.silu_mul import silu_mul as act_mul
             self._kernels = (add_rms_norm, act_mul, rope_and_store_kv, paged_attention)
         # Gemma (as transformers does): the factor is rounded to the hidden dtype before multiplying.
-        self.features: FeaturePool | None = (
-            None  # a FeaturePool (model.features) when a feature draft reads this model's states
-        )
+        # A FeaturePool (model.features) when a feature draft reads this model's states.
+        self.features: FeaturePool | None = None
         # A TpGroup (model.tensor_parallel) when this is one rank of a tensor-parallel model: the shape
         # and weights are then the rank's shard, and the attention and MLP outputs are partial sums.
         self.tp_group: TpGroup | None = None
