@@ -62,7 +62,7 @@ def compare_drafts(
             [RequestSpec(tuple(p), max_tokens=max_tokens, request_id=f"e{i}") for i, p in enumerate(ids)]
         )
         seconds = time.monotonic() - t0
-        per_family = defaultdict(lambda: [0, 0, 0])  # accepted, verify steps, tokens
+        per_family: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # accepted, verify steps, tokens
         for i, family in enumerate(families):
             usage = done[f"e{i}"].usage
             for key in (family, "all") if family != "all" else ("all",):

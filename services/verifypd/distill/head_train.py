@@ -20,6 +20,12 @@ from verifypd.model.llama import LayerWeights, apply_rope, rms_norm, rope_inv_fr
 
 
 class TrainableHead(nn.Module):
+    # Buffers (register_buffer), typed for the readers; lm_head is a Parameter when trained.
+    lm_head: torch.Tensor
+    embed: torch.Tensor
+    draft_to_target: torch.Tensor | None
+    inv_freq: torch.Tensor
+
     def __init__(self, config: EagleConfig, weights: EagleWeights, embed: torch.Tensor, train_lm_head: bool = True):
         """train_lm_head=False: the lm_head (the target's, shared) stays frozen and is not saved."""
         super().__init__()
@@ -129,7 +135,7 @@ def distill_loss(
     if head.draft_to_target is not None:
         label = label[..., head.draft_to_target]
     p = label.softmax(-1)  # [B, T, Vd]
-    total, agree = 0.0, []
+    total, agree = label.new_zeros(()), []  # float32, as the terms (0 + x is x exactly)
     for j, lg in enumerate(logits):
         rows = valid.clone()
         rows[:, :j] = False
@@ -168,8 +174,8 @@ def accepted_length(
     walks: the first anchor is the first answer token's row; a step accepting a drafts moves the
     anchor a + 1 rows on. Not the mean over all anchors: the engine visits every anchor of a badly
     drafted stretch but skips most of a well drafted one, so that mean overstates it (on the
-    embedded model's head: 2.43 held-out vs 1.69 measured). Exact on data the target generated greedily, where the forced
-    tokens are the drafts the chain would have made."""
+    embedded model's head: 2.43 held-out vs 1.69 measured). Exact on data the target generated
+    greedily, where the forced tokens are the drafts the chain would have made."""
     # A draft of row t is token t + 2: the last row's is past the answer, which the engine never
     # drafts (k <= tokens left - 1).
     drafted = valid & F.pad(valid[:, 1:], (0, 1), value=False)

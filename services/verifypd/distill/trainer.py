@@ -47,7 +47,9 @@ def batches(rows: list[dict], batch_tokens: int, seed: int, epoch: int) -> list[
     """Shuffled batches of sequences, each at most batch_tokens tokens (padded length x count)."""
     order = rows[:]
     random.Random(seed * 1000 + epoch).shuffle(order)
-    out, current, longest = [], [], 0
+    out: list[list[dict]] = []
+    current: list[dict] = []
+    longest = 0
     for row in order:
         longest_next = max(longest, len(row["tokens"]))
         if current and longest_next * (len(current) + 1) > batch_tokens:
@@ -189,9 +191,12 @@ class Trainer:
     def _fit_steps(self, since: tuple[int, float], t0: float, heldout_rows: list[dict]) -> None:
         """Lowers settings.steps to what the time left allows at the rate of the steps since `since`,
         held-out evaluations (every eval_every steps and a final one) counted at half a step per batch."""
+        max_minutes = self.s.max_minutes
+        if max_minutes is None:
+            raise ValueError("fitting the steps to --max-minutes needs --max-minutes")
         step0, when = since
         per_step = (time.monotonic() - when) / max(self.step - step0, 1)
-        left = 60 * self.s.max_minutes - (time.monotonic() - t0)
+        left = 60 * max_minutes - (time.monotonic() - t0)
         evals = int(left / per_step) // self.s.eval_every + 1 if heldout_rows else 0
         eval_seconds = evals * len(batches(heldout_rows, self.s.batch_tokens, 0, 0)) * per_step / 2
         fit = self.step + int((left - eval_seconds) / per_step)
@@ -218,7 +223,8 @@ class Trainer:
     def evaluate(self, rows: list[dict]) -> dict:
         """Held-out: loss, and the mean tokens per verify step (accepted drafts + 1) the engine would
         measure with a k = chain_steps greedy chain on the target's greedy answers (accepted_length)."""
-        accepted = verify_steps = 0
+        accepted: float = 0
+        verify_steps = 0
         losses = []
         for group in batches(rows, self.s.batch_tokens, 0, 0):
             b = self.capture([r["tokens"] for r in group], [r["prompt_len"] for r in group])

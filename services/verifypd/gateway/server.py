@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -29,6 +30,10 @@ from verifypd.gateway.response_wire import ResponseEncoder, add_generation_servi
 from verifypd.net.auth import gateway_interceptor
 from verifypd.net.health import AsyncHealth
 from verifypd.v1 import control_pb2_grpc
+
+if TYPE_CHECKING:
+    from verifypd.core.assembly import ColocatedStack, SplitStack
+    from verifypd.gateway.http_server import HttpServer
 
 log = logging.getLogger("verifypd.gateway")
 SERVICES = ["verifypd.v1.Generation", "verifypd.v1.Control"]
@@ -127,8 +132,9 @@ class Gateway:
         self._thread.start()
         self._stopped = threading.Event()
         self._started = False
-        self.http = None  # an HttpServer on self.loop (serve): stopped first
-        self.stack = None  # build_colocated / build_split: the in-process core's stack (core.assembly)
+        self.http: HttpServer | None = None  # an HttpServer on self.loop (serve): stopped first
+        # build_colocated / build_split: the in-process core's stack (core.assembly)
+        self.stack: ColocatedStack | SplitStack | None = None
         try:
             self._run(self._setup(core_sock, host, port, api_key, admin_key, tls))
         except BaseException:
@@ -343,6 +349,8 @@ def build_split(
         kv_transport=kv_transport,
         **kwargs,
     )
+    if gateway.core is None:
+        raise RuntimeError("serve_router made a gateway without its in-process core")
     gateway.core.wiring = stack.wiring
     gateway.stack = stack
     return gateway

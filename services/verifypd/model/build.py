@@ -12,7 +12,9 @@ processes); the stacks are put together by verifypd.core.assembly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,6 +30,33 @@ from verifypd.model.loader import LoadedModel, load_model
 from verifypd.model.runner import ModelRunner
 
 
+class RankSet(Protocol):
+    """What building a target over several ranks needs of its follower ranks
+    (lanes.tensor_parallel.ranks.LeaderRanks)."""
+
+    def agreed_blocks(self, blocks: int) -> int:
+        """The pool size in blocks every rank can hold (the smallest of the ranks' budgets)."""
+        ...
+
+    def target_pool(self, make: Callable[[], KvPool]) -> KvPool:
+        """Rank 0's target pool: made once by `make`, the same one after."""
+        ...
+
+    def runner(
+        self,
+        model: PagedLlama,
+        pool: KvPool,
+        graphs: bool | str | None = None,
+        buckets: tuple[int, ...] | None = None,
+    ) -> ModelRunner:
+        """Rank 0's target runner over `pool` (each forward is sent to the followers first)."""
+        ...
+
+    def wait_ready(self) -> list[bytes]:
+        """Each follower's start-up answer, in rank order, once it is ready."""
+        ...
+
+
 @dataclass
 class Models:
     target: LoadedModel
@@ -38,7 +67,7 @@ class Models:
     dtype: torch.dtype
     # --tensor-parallel > 1: the follower ranks (lanes.tensor_parallel.ranks.LeaderRanks); target.weights
     # and target_model then hold rank 0's shard (target.shape stays the full model's).
-    ranks: object | None = None
+    ranks: RankSet | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,6 +95,8 @@ def load_draft_model(
         config, weights = load_eagle_head(spec.model, target.shape, target.weights.lm_head, device, dtype)
         return EagleModel(config, weights, target.weights.embed)
     if spec.kind == "self":
+        if target is None:
+            raise ModelLoadError(f"--draft {spec.text} runs on the target's own weights: load the target first")
         return PagedLlama(
             target.shape, target.weights, num_layers=self_draft_layers(spec.text, target.shape.num_layers)
         )
@@ -98,7 +129,7 @@ def load_models(options: EngineOptions) -> Models:
 
 
 def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool | None]:
-    def geometry(model: PagedLlama, blocks: int) -> PoolGeometry:
+    def geometry(model: PagedLlama | EagleModel, blocks: int) -> PoolGeometry:
         s = model.shape
         return PoolGeometry(model.num_layers, blocks, options.block_size, s.num_kv_heads, s.head_dim)
 
@@ -121,7 +152,7 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     if models.ranks is not None:  # block ids are shared by the ranks: every pool gets the smallest budget
         blocks = models.ranks.agreed_blocks(blocks)
 
-    def pool(role: str, model) -> KvPool:
+    def pool(role: str, model: PagedLlama | EagleModel) -> KvPool:
         g = geometry(model, blocks)
         if options.shared_cpu_pools and models.device.type == "cpu":
             return KvPool.create_shared_cpu(role, g, models.dtype)
@@ -135,7 +166,9 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     return target, (pool("draft", models.draft_model) if models.draft_model is not None else None)
 
 
-def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max: int, prefill: bool = True) -> float:
+def capture_graphs(
+    target: ModelRunner | None, draft: ModelRunner | EagleRunner | None, k_max: int, prefill: bool = True
+) -> float:
     """Captures the CUDA graphs the lanes use at start-up (others on first use); returns seconds.
     A lane process passes only the runner it serves. `prefill`: also the one-sequence prefill graphs
     (ModelRunner.capture_prefill_graphs), not for tensor-parallel ranks (their prefill forwards pair
@@ -147,8 +180,9 @@ def capture_graphs(target: ModelRunner | None, draft: ModelRunner | None, k_max:
     if target is not None and target.graphs is not None:
         kinds = ("all", "accept") if k_max > 0 else ("all",)  # "accept": greedy verify calls with drafts
         seconds += target.graphs.warm_up(kinds, max_query=min(k_max + 1, target.graphs.max_query))
-    if getattr(draft, "reads_features", False) and draft.graphs is not None:  # a feature draft's call graphs
-        seconds += draft.graphs.warm_up(max_query=k_max + 1, max_steps=k_max)
+    if isinstance(draft, EagleRunner):  # a feature draft's call graphs
+        if draft.graphs is not None:
+            seconds += draft.graphs.warm_up(max_query=k_max + 1, max_steps=k_max)
     elif draft is not None and draft.graphs is not None:  # None: pool-less draft
         seconds += draft.graphs.warm_up(("last", "draft"))  # "last" up to 9 tokens: short catch-ups
     return seconds

@@ -51,10 +51,10 @@ class CallInputs:
     temp: torch.Tensor  # [R] float32, filled from the bits by the catch-up
     top_p: torch.Tensor  # [R]
     query: int
-    vrows: torch.Tensor | None = None  # [R] a call fitted to a verdict (model.verdict_shift): its verify rows
-    vks: torch.Tensor | None = None  # [R] and their k (-1 / 0: not fitted)
+    vrows: torch.Tensor  # [R] a call fitted to a verdict (model.verdict_shift): its verify rows
+    vks: torch.Tensor  # [R] and their k (-1 / 0: not fitted)
 
-    def params(self):
+    def params(self) -> sampler.SamplingTensors:
         return self.temp, self.top_k, self.top_p, self.seeds
 
 
@@ -176,7 +176,7 @@ class EagleGraphs:
         block_size: int,
         staging: PinnedStaging,
         *,
-        buckets=BUCKETS,
+        buckets: tuple[int, ...] = BUCKETS,
         max_query: int = 9,
         max_steps: int = 8,
         max_graph_tokens: int = 2048,
@@ -216,6 +216,13 @@ class EagleGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
+    def rows_for(self, batch: int) -> int:
+        """The captured bucket a call of `batch` runs in (callers check `fits` first)."""
+        rows = self.bucket(batch)
+        if rows is None:
+            raise ValueError(f"batch {batch} is over the largest captured bucket ({self.buckets[-1]})")
+        return rows
+
     def fits(self, batch: int, query: int, steps: int, width: int) -> bool:
         rows = self.bucket(batch)
         return (
@@ -243,7 +250,7 @@ class EagleGraphs:
         """Tokens [B, K] (K = max(ks)), a view of a static buffer valid until the next call. `after`
         (verdict, verify rows, their k): fitted to that verdict before the replays (model.verdict_shift)."""
         n, steps = len(ks), max(ks)
-        rows = self.bucket(n)
+        rows = self.rows_for(n)
         # Every graph this call needs exists before its inputs are loaded (a capture runs its
         # function once over inert inputs and would overwrite them).
         first = self.graph_for(("catch_up", rows, query, mode))

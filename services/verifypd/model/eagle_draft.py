@@ -27,6 +27,7 @@ from verifypd.model import sampler
 from verifypd.model.eagle_chain import EagleGraphs, catch_up, chain, device_inputs, host_inputs
 from verifypd.model.eagle_head import EagleConfig, EagleWeights
 from verifypd.model.features import FeaturePool
+from verifypd.model.graph_runner import BUCKETS
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout, LlamaWeights, PagedLlama
@@ -98,7 +99,9 @@ class EagleModel:
         out = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         return out.index_copy_(1, mapping, draft_logits)
 
-    def choose(self, x: torch.Tensor, mode: str, params, positions: torch.Tensor | None, out: torch.Tensor) -> None:
+    def choose(
+        self, x: torch.Tensor, mode: str, params: sampler.SamplingTensors, positions: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """The next draft of each row from final-normed x [N, H] into out [N] (target ids);
         params = (temp, top_k, top_p, seeds), positions = where the chosen tokens sit (sampled)."""
         w = self.weights
@@ -164,7 +167,7 @@ class EagleRunner:
                 self.block_size,
                 self.staging,
                 replay="eager" if graphs == "eager" else "cuda",
-                **({"buckets": buckets} if buckets else {}),
+                buckets=buckets or BUCKETS,
             )
         self.prefill_graphs: EagleGraphs | None = None  # capture_prefill_graphs
         self.prefill_queries: tuple[int, ...] = ()
@@ -235,13 +238,14 @@ class EagleRunner:
         if any(r.start_pos + len(r.token_ids) < 2 for r in runs):
             raise ValueError("a feature draft needs the pending token at position >= 1")
         mode = sampler.choice_mode(samplings)
-        if self.graphs is not None:
-            runs = self._catch_up_beyond_graphs(runs)
+        graphs = self.graphs
+        if graphs is not None:
+            runs = self._catch_up_beyond_graphs(runs, graphs.max_query)
         _, draft_runs, target_runs = head_rows(runs)  # every run has a row (position >= 1)
         query, steps = max(len(r.token_ids) for r in draft_runs), max(ks)
         width = max(len(r.block_ids) for r in draft_runs)
-        if self.graphs is not None and self.graphs.fits(len(runs), query, steps, width):
-            return self.graphs.draft(draft_runs, target_runs, ks, samplings, mode, query, after)
+        if graphs is not None and graphs.fits(len(runs), query, steps, width):
+            return graphs.draft(draft_runs, target_runs, ks, samplings, mode, query, after)
         n = len(runs)
         arrays = host_inputs(
             draft_runs,
@@ -276,14 +280,13 @@ class EagleRunner:
         )
         return out_steps.t().contiguous()
 
-    def _catch_up_beyond_graphs(self, runs: list[FeatureRun]) -> list[FeatureRun]:
-        """A run longer than the graphs' catch-up query (a request that plain-decoded for a while,
+    def _catch_up_beyond_graphs(self, runs: list[FeatureRun], tail: int) -> list[FeatureRun]:
+        """A run longer than the graphs' catch-up query `tail` (a request that plain-decoded for a while,
         then drafts again) has its older tokens' rows written first by one ragged forward, as a
         prefill chunk's are, and only its last max_query tokens go to the graphed call. The eager
         call it replaces (catch-up and chain, ~60 launches from Python) took 3.5-8.9 ms on an H200
         at batch 1-8 against ~0.2 ms for a graphed one. Same rows, same KV: a row reads only the
         KV of the rows before it, which the forward has written by then (same stream)."""
-        tail = self.graphs.max_query
         if all(len(r.token_ids) <= tail for r in runs):
             return runs
         older = [

@@ -36,7 +36,8 @@ def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
     """Low/mid/high as the anchors pick them (outputs of layers 1, N/2 - 1, N - 4), clamped to the
     target's depth so that tiny test targets work too."""
     top = target_layers - 1
-    return tuple(min(max(i, 0), top) for i in (1, target_layers // 2 - 1, target_layers - 4))
+    low, mid, high = (min(max(i, 0), top) for i in (1, target_layers // 2 - 1, target_layers - 4))
+    return low, mid, high
 
 
 @dataclass

@@ -30,7 +30,7 @@ from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.verify_fit import fit_layout, variant_queries
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # VERIFYPD_SYNC_DEBUG=1: synchronize after every replay, so a device fault names its graph.
 SYNC_DEBUG = os.environ.get("VERIFYPD_SYNC_DEBUG") == "1"
 # Diagnostics only (bench/pipeline_race.py): VERIFYPD_SHARED_CAPTURE_STREAM=1 captures on torch's one
@@ -46,7 +46,7 @@ class GraphRunner:
         block_size: int,
         staging: PinnedStaging,
         *,
-        buckets=BUCKETS,
+        buckets: tuple[int, ...] = BUCKETS,
         max_query: int = 9,
         max_draft_steps: int = 8,
         max_graph_tokens: int = 2048,

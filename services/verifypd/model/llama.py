@@ -24,9 +24,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, overload
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from verifypd.model.features import FeaturePool
+
+
+class TpGroup(Protocol):
+    """What the forward needs of a process group (model.tensor_parallel: sharding, the groups)."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` over the ranks, in place."""
 
 
 @dataclass
@@ -152,10 +166,11 @@ class PagedLlama:
                 from verifypd.model.kernels.silu_mul import silu_mul as act_mul
             self._kernels = (add_rms_norm, act_mul, rope_and_store_kv, paged_attention)
         # Gemma (as transformers does): the factor is rounded to the hidden dtype before multiplying.
-        self.features = None  # a FeaturePool (model.features) when a feature draft reads this model's states
+        # A FeaturePool (model.features) when a feature draft reads this model's states.
+        self.features: FeaturePool | None = None
         # A TpGroup (model.tensor_parallel) when this is one rank of a tensor-parallel model: the shape
         # and weights are then the rank's shard, and the attention and MLP outputs are partial sums.
-        self.tp_group = None
+        self.tp_group: TpGroup | None = None
         self.embed_scale = (
             torch.tensor(shape.hidden_size**0.5, dtype=weights.embed.dtype, device=device)
             if shape.embed_scale
@@ -169,6 +184,18 @@ class PagedLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rope_cos, self.rope_sin = emb.cos().to(weights.embed.dtype), emb.sin().to(weights.embed.dtype)
 
+    @overload
+    def forward(
+        self,
+        pool: torch.Tensor,
+        batch: BatchLayout,
+        logits_index: torch.Tensor,
+        logits_out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+    @overload
+    def forward(
+        self, pool: torch.Tensor, batch: BatchLayout, logits_index: None, logits_out: torch.Tensor | None = None
+    ) -> None: ...
     @torch.inference_mode()
     def forward(
         self,
@@ -198,6 +225,8 @@ class PagedLlama:
             delta = F.linear(self.act_mul(F.linear(x, layer.gate_up)), layer.down)
             if tp is not None:  # row-parallel down_proj
                 tp.all_reduce(delta)
+        # Every layer assigns delta, and __init__ checks num_layers >= 1.
+        assert delta is not None
         if features is not None and self.num_layers in features.at:  # the last layer's output
             features.write(self.num_layers, h + delta, batch.slots)
         if logits_index is None:

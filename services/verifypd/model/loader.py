@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,13 +22,15 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma")
 # transformers' hidden_act -> LlamaShape.mlp_activation. Gemma configs saying "gelu" mean the tanh
 # approximation (transformers rewrites it so).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-GEMMA = dict(mlp_activation="gelu_tanh", embed_scale=True, norm_offset=1.0, tied=True, rms_norm_eps=1e-6)
-QWEN2 = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1e6)
-LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0)
+# LlamaShape fields (mixed types, so Any), plus `tied` in RANDOM_SHAPES.
+ShapeFields = dict[str, Any]
+GEMMA: ShapeFields = dict(mlp_activation="gelu_tanh", embed_scale=True, norm_offset=1.0, tied=True, rms_norm_eps=1e-6)
+QWEN2: ShapeFields = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1e6)
+LLAMA3: ShapeFields = dict(vocab_size=128256, rope_theta=500000.0)
 
 # Real model shapes for GPU benchmarks with random weights (ARCHITECTURE.md). Any LlamaShape field may
 # be given; unset: vocab 32000, head_dim hidden / heads, Llama's eps and theta. `tied`: lm_head = embed.
-RANDOM_SHAPES = {
+RANDOM_SHAPES: dict[str, ShapeFields] = {
     "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4),
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
     "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_layers=48, num_heads=64, num_kv_heads=8),
@@ -219,7 +222,7 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
     def rand(*size) -> torch.Tensor:
         return (torch.randn(*size, generator=gen, device=device, dtype=torch.float32) * size[-1] ** -0.5).to(dtype)
 
-    H, I, D = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    H, inter, D = shape.hidden_size, shape.intermediate_size, shape.head_dim
     qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * D
     ones = torch.ones(H, device=device, dtype=dtype)
     layers = [
@@ -227,8 +230,8 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
             qkv=rand(qkv_rows, H),
             qkv_bias=rand(qkv_rows) if shape.qkv_bias else None,
             o=rand(H, shape.num_heads * D),
-            gate_up=rand(2 * I, H),
-            down=rand(H, I),
+            gate_up=rand(2 * inter, H),
+            down=rand(H, inter),
             input_norm=ones,
             post_norm=ones,
         )

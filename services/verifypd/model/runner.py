@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
-from verifypd.model.graph_runner import GraphRunner, write_verdict
+from verifypd.model.graph_runner import BUCKETS, GraphRunner, write_verdict
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
@@ -54,7 +56,7 @@ class ModelRunner:
                 self.block_size,
                 self.staging,
                 replay="eager" if graphs == "eager" else "cuda",
-                **({"buckets": buckets} if buckets else {}),
+                buckets=buckets or BUCKETS,
             )
         self.prefill_graphs: GraphRunner | None = None  # capture_prefill_graphs
         self.prefill_queries: tuple[int, ...] = ()
@@ -91,6 +93,10 @@ class ModelRunner:
     def layout(self, runs: list[TokenRun]) -> BatchLayout:
         return to_device(build_layout(runs, self.block_size), self.device, self.staging)
 
+    @overload
+    def forward(self, runs: list[TokenRun], logits_for: Literal["last", "all"]) -> torch.Tensor: ...
+    @overload
+    def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None: ...
     def forward(self, runs: list[TokenRun], logits_for: str | None) -> torch.Tensor | None:
         """Prefill. logits_for: None (KV only), "last" ([B, V]) or "all" ([T, V]). One sequence of up
         to max(prefill_queries) tokens replays a prefill graph (right-aligned, padded: see
@@ -197,19 +203,21 @@ class ModelRunner:
         mode = sampler.choice_mode(samplings)
         next_pos = [r.start_pos + len(r.token_ids) for r in runs]
         # The graphed loop reads the block tables the graphed first step loaded: both or neither.
-        graphed = (
-            self.graphs is not None
-            and self.graphs.fits(len(runs), max(len(r.token_ids) for r in runs))
-            and self.graphs.draft_fits(len(runs), max(ks))
-        )
+        graphs = self.graphs
+        if graphs is not None and not (
+            graphs.fits(len(runs), max(len(r.token_ids) for r in runs)) and graphs.draft_fits(len(runs), max(ks))
+        ):
+            graphs = None
         logits = self.last_logits(runs)[: len(runs)]
-        params = sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else (None,) * 4
+        params: sampler.ChoiceParams = (
+            sampler.params_tensor(samplings, self.device) if mode != sampler.GREEDY else sampler.NO_PARAMS
+        )
         first = sampler.choose(logits, mode, *params, sampler.small_tensor(next_pos, self.device))
         steps = max(ks)
         if steps == 1:
             return first[:, None]
-        if graphed:
-            return self.graphs.draft_steps(samplings, first, next_pos, ks, mode)
+        if graphs is not None:
+            return graphs.draft_steps(samplings, first, next_pos, ks, mode)
         tables = self.layout(runs).block_tables
         state = DraftState.allocate(len(runs), steps, self.vocab_size, tables, self.model.weights.embed.dtype)
         state.start(samplings, first, next_pos, ks, self.staging)

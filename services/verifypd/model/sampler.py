@@ -37,6 +37,12 @@ _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9
 RACE_CHUNK_ELEMENTS = 1 << 25  # rows x vocab per chunk of `race` (256 MiB per int64 temporary)
 
+# (temperature, top_k, top_p, seeds) of a batch (params_tensor), as `choose` takes them after `mode`.
+SamplingTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# What `choose` takes: the sampling tensors, or NO_PARAMS in greedy mode (which reads none).
+ChoiceParams = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+NO_PARAMS: ChoiceParams = (None, None, None, None)
+
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (lowbias32-style) in int64 arithmetic that never overflows."""
@@ -114,7 +120,7 @@ def small_tensor(values, device, dtype=torch.long) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def params_tensor(samplings, device) -> tuple[torch.Tensor, ...]:
+def params_tensor(samplings, device) -> SamplingTensors:
     """(temperature, top_k, top_p, seeds) of a batch's SamplingParams, on `device`."""
     temp = small_tensor([s.temperature for s in samplings], device, torch.float32)
     top_k = small_tensor([s.top_k for s in samplings], device)
@@ -193,11 +199,21 @@ def choice_mode(samplings) -> str:
     return SAMPLE_TRUNCATED if truncates else SAMPLE
 
 
-def choose(logits: torch.Tensor, mode: str, temp, top_k, top_p, seeds, positions: torch.Tensor) -> torch.Tensor:
+def choose(
+    logits: torch.Tensor,
+    mode: str,
+    temp: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    seeds: torch.Tensor | None,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """One token per row with no host sync: tokens [N]. `positions` are where the chosen tokens will
     sit: with the seeds they fix the race (module doc), so a draft and the target choosing for the
-    same position share their randomness."""
+    same position share their randomness. The sampling tensors may be None in GREEDY mode only."""
     if mode == GREEDY:
         return logits.argmax(-1)
+    if temp is None or top_k is None or top_p is None or seeds is None:
+        raise ValueError(f"choose in mode {mode!r} needs temperature, top_k, top_p and seeds tensors, got None")
     probs = probabilities(logits.float(), temp, top_k, top_p, truncate=mode == SAMPLE_TRUNCATED)
     return race(probs, seeds, positions)

@@ -23,22 +23,11 @@ intermediate_size % world == 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
 import torch
 
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup
 from verifypd.model.loader import LoadedModel, ModelLoadError, load_model, random_shape
-
-
-class TpGroup(Protocol):
-    """What the forward needs of a process group."""
-
-    rank: int
-    world: int
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sums `tensor` over the ranks, in place."""
 
 
 class SingleRank:

@@ -20,12 +20,27 @@ One Triton launch (a program per row) on CUDA; `shift_reference` is the same rul
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from verifypd.model.verify_fit import kernel_block
 
 
-def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: bool) -> None:
+class ShiftInputs(Protocol):
+    """What the shift reads and rewrites of a call's inputs (model.eagle_chain.CallInputs)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    feature_rows: torch.Tensor
+    last: torch.Tensor
+    vrows: torch.Tensor
+    vks: torch.Tensor
+    query: int
+
+
+def shift_to_verdict(inp: ShiftInputs, verdict: torch.Tensor, scratch_row: int, use_triton: bool) -> None:
     """Fits the catch-up inputs `inp` (eagle_chain.CallInputs, with vrows / vks filled) to `verdict`."""
     rows = inp.last.shape[0]
     if not use_triton:
@@ -50,7 +65,7 @@ def shift_to_verdict(inp, verdict: torch.Tensor, scratch_row: int, use_triton: b
     )
 
 
-def shift_reference(inp, verdict: torch.Tensor, scratch_row: int) -> None:
+def shift_reference(inp: ShiftInputs, verdict: torch.Tensor, scratch_row: int) -> None:
     rows, query = inp.last.shape[0], inp.query
     active = inp.vrows >= 0
     rows_v = verdict[inp.vrows.clamp(min=0)].long()  # [R, W]

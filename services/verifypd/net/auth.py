@@ -161,7 +161,9 @@ def _bearer(metadata) -> bytes | None:
 
 def _same(token: bytes | None, key: str | None) -> bool:
     # Constant time; evaluated for both keys on every call, so timing does not tell which matched.
-    return bool(key) and hmac.compare_digest(token or b"", key.encode())
+    if not key:
+        return False
+    return hmac.compare_digest(token or b"", key.encode())
 
 
 def gateway_access(method: str, metadata, *, api_key: str | None, admin_key: str | None) -> Denial | None:

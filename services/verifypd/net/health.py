@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -36,7 +39,7 @@ class AsyncHealth:
     """Health of a grpc.aio server: `set` may be called from any thread; the servicer is updated
     on the server's event loop."""
 
-    def __init__(self, server: grpc.aio.Server, services: list[str], loop):
+    def __init__(self, server: grpc.aio.Server, services: list[str], loop: asyncio.AbstractEventLoop):
         from grpc_health.v1 import _async
 
         self.servicer, self.loop = _async.HealthServicer(), loop
@@ -46,8 +49,6 @@ class AsyncHealth:
         self.serving = False
 
     def set(self, serving: bool) -> None:
-        import asyncio
-
         self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -80,7 +81,7 @@ class HealthPort:
         import threading
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (the stdlib's name)
+            def do_GET(self):
                 check = checks.get(self.path.split("?", 1)[0])
                 if check is None:
                     ok, body = False, {"error": "not found"}
@@ -102,9 +103,10 @@ class HealthPort:
         if ":" in host:
             import socket
 
-            server_class = type(
-                "HealthServer6", (http.server.ThreadingHTTPServer,), {"address_family": socket.AF_INET6}
-            )
+            class HealthServer6(http.server.ThreadingHTTPServer):
+                address_family = socket.AF_INET6
+
+            server_class = HealthServer6
         try:
             self.server = server_class((host.strip("[]"), port), Handler)
         except OSError as exc:
@@ -118,6 +120,6 @@ class HealthPort:
         self.server.server_close()
 
 
-def serving_check(health) -> callable:
-    """A HealthPort check reading a Health / AsyncHealth's state."""
+def serving_check(health) -> Callable[[], tuple[bool, str]]:
+    """A HealthPort check reading a Health / AsyncHealth's state (its `serving`)."""
     return lambda: (health.serving, "serving" if health.serving else "not serving")

@@ -31,9 +31,13 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from verifypd.domain.options import LaneTlsFiles
 from verifypd.net.tls import TlsError, files_stamp, load_ca, load_chain, read_pem
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("verifypd.net.lane_tls")
 RELOAD_CHECK_S = 5.0  # how often (at most) the files' stat is checked for a change
@@ -60,7 +64,7 @@ class LaneTls:
     flags: tuple[str, str, str] = ("--tls-cert-file", "--tls-key-file", "--tls-ca-file")
     check_s: float = RELOAD_CHECK_S
     generation: int = 0  # bumped when the files changed and loaded cleanly
-    _material: _Material | None = field(default=None, repr=False)
+    _material: _Material = field(init=False, repr=False)  # set by __post_init__
     _stamp: tuple = field(default=(), repr=False)
     _checked: float = field(default=0.0, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -171,7 +175,8 @@ class LaneTls:
         client.check_hostname = False  # names are the peer's business; validity and chain are ours
         client.load_verify_locations(cadata=m.ca.decode())
         a, b = socket.socketpair()
-        a.settimeout(5.0), b.settimeout(5.0)
+        a.settimeout(5.0)
+        b.settimeout(5.0)
         server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         server_ctx.load_cert_chain(self.cert_file, self.key_file)
         errors: list[str] = []
@@ -221,8 +226,8 @@ def lane_tls(
                 f"--{'lane-' if flags[0].startswith('--lane-') else ''}tls-server-name needs {', '.join(flags)} as well"
             )
         return None
-    missing = [flag for flag, value in given.items() if not value]
-    if missing:
+    if not (cert_file and key_file and ca_file):
+        missing = [flag for flag, value in given.items() if not value]
         raise TlsError(f"mutual TLS between gateway and lanes needs {', '.join(flags)}; missing {', '.join(missing)}")
     return LaneTls(cert_file, key_file, ca_file, server_name, flags)
 
@@ -241,7 +246,8 @@ class LaneChannel:
     certificate; the old ones stay open until close(), since a call may still run on them."""
 
     def __init__(self, addr: str, tls: LaneTls | None, options):
-        self.addr, self._tls, self._options, self._old = addr, tls, options, []
+        self.addr, self._tls, self._options = addr, tls, options
+        self._old: list[grpc.Channel] = []
         self._open()
 
     def _open(self) -> None:

@@ -26,10 +26,10 @@ class TlsError(ValueError):
 RELOAD_CHECK_S = 5.0  # how often (at most) servers look at their certificate files' stat
 
 
-def files_stamp(paths) -> tuple:
+def files_stamp(paths) -> tuple[tuple[int, int, int] | None, ...]:
     """(inode, size, mtime) of each file, None where it cannot be read: changes when a file is
     rewritten or its mount swapped to a new version (Kubernetes Secret volumes rename a directory)."""
-    out = []
+    out: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
             st = os.stat(path)
@@ -85,10 +85,12 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
-def _pair(cert_file: str | None, key_file: str | None, cert_flag: str, key_flag: str) -> None:
+def _pair(cert_file: str | None, key_file: str | None, cert_flag: str, key_flag: str) -> tuple[str, str] | None:
+    """(cert_file, key_file) when both are given, None when neither is; one without the other is an error."""
     if bool(cert_file) != bool(key_file):
         given, missing = (cert_flag, key_flag) if cert_file else (key_flag, cert_flag)
         raise TlsError(f"{given} needs {missing} as well")
+    return (cert_file, key_file) if cert_file and key_file else None
 
 
 def load_chain(ctx: ssl.SSLContext, cert_file: str, key_file: str, cert_flag: str, key_flag: str) -> None:
@@ -170,9 +172,10 @@ def server_tls(cert_file: str | None, key_file: str | None, client_ca_file: str 
     """`serve`'s --tls-cert-file/--tls-key-file/--tls-client-ca-file, checked; None when none given."""
     if not (cert_file or key_file or client_ca_file):
         return None
-    if client_ca_file and not (cert_file or key_file):
+    pair = _pair(cert_file, key_file, "--tls-cert-file", "--tls-key-file")
+    if pair is None:  # neither given: the client CA alone
         raise TlsError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file as well")
-    _pair(cert_file, key_file, "--tls-cert-file", "--tls-key-file")
+    cert_file, key_file = pair
     cert, key = read_pem(cert_file, "--tls-cert-file"), read_pem(key_file, "--tls-key-file")
     client_ca = read_pem(client_ca_file, "--tls-client-ca-file") if client_ca_file else None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -220,14 +223,14 @@ def client_tls(
         return None
     if not ca_file:
         raise TlsError(f"{'--tls-cert-file' if cert_file else '--tls-key-file'} needs --tls-ca-file as well")
-    _pair(cert_file, key_file, "--tls-cert-file", "--tls-key-file")
+    pair = _pair(cert_file, key_file, "--tls-cert-file", "--tls-key-file")
     ca = read_pem(ca_file, "--tls-ca-file")
-    cert = read_pem(cert_file, "--tls-cert-file") if cert_file else None
-    key = read_pem(key_file, "--tls-key-file") if key_file else None
+    cert = read_pem(pair[0], "--tls-cert-file") if pair else None
+    key = read_pem(pair[1], "--tls-key-file") if pair else None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     load_ca(ctx, ca_file, "--tls-ca-file")
-    if cert_file:
-        load_chain(ctx, cert_file, key_file, "--tls-cert-file", "--tls-key-file")
+    if pair:
+        load_chain(ctx, *pair, "--tls-cert-file", "--tls-key-file")
     return ClientTls(ca_file, cert_file, key_file, ca, cert, key, server_name)
 
 

@@ -4,7 +4,8 @@ GeGLU MLP (transformers' "gelu_pytorch_tanh").
     gate_up [T, 2I] (gate in the first half)  ->  [T, I] in the same dtype (math in float32)
 
 0.5 x (1 + tanh(u)) is computed as x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same
-function without a tanh (which Triton's core language lacks); e^(-2u) is clamped at e^80 (very negative x: x e^-80 instead of ~0).
+function without a tanh (which Triton's core language lacks); e^(-2u) is clamped at e^80 (very negative x:
+x e^-80 instead of ~0).
 """
 
 from __future__ import annotations
