@@ -74,8 +74,12 @@ def cmd_generate_offline(args) -> int:
             if not args.json:
                 print(out.text, end="", flush=True)
             last = out
+    if last is None:
+        raise RuntimeError(f"request {rid!r} produced no output")
     stats = last.stats
     if args.json:
+        if last.finish_reason is None:
+            raise RuntimeError(f"request {rid!r} ended without a finish reason")
         print(
             json.dumps(
                 {
@@ -97,8 +101,9 @@ def cmd_generate_offline(args) -> int:
         # No draft token at all: speculation was off, or the draft (e.g. ngram: no match) proposed none.
         nothing = "speculation off" if k == 0 or options.draft == "none" else "no draft proposed"
         rate = f"{stats.completion_tokens / max(elapsed, 1e-9):.1f} tok/s"
+        ttft = "?" if stats.ttft is None else f"{stats.ttft * 1000:.0f}"  # None: no token came
         print(
-            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {stats.ttft * 1000:.0f} ms, {rate}]"
+            f"\n[{stats.completion_tokens} tokens, acceptance {acc:.0%}, TTFT {ttft} ms, {rate}]"
             if acc is not None
             else f"\n[{stats.completion_tokens} tokens, {nothing}, {rate}]",
             file=sys.stderr,

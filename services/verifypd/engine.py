@@ -73,6 +73,8 @@ class Completion:
         self.usage = out.stats.usage()
         self.ttft_s = out.stats.ttft
         if out.finished:
+            if out.finish_reason is None:
+                raise ValueError(f"request {out.request_id!r}: a finished output carries no finish_reason")
             self.finish_reason = out.finish_reason.value
             self.elapsed_s = (
                 out.stats.token_times[-1] if out.stats.token_times else time.monotonic()

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 from verifypd import __version__
-from verifypd.domain.lanes import LaneInfo
+from verifypd.domain.lanes import LaneInfo, PoolInfo
 from verifypd.domain.models import ModelLoadError, draft_spec
 from verifypd.domain.options import EngineOptions
 from verifypd.domain.tokenizer import TextCodec
@@ -30,8 +30,13 @@ from verifypd.v1 import generate_pb2
 
 if TYPE_CHECKING:  # torch: imported by the builder only (the gateway imports this module)
     from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+    from verifypd.lanes.rpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
     from verifypd.model.build import Models
+    from verifypd.model.eagle_draft import EagleRunner
     from verifypd.model.kv_pool import KvPool
+    from verifypd.model.runner import ModelRunner
+    from verifypd.net.lane_tls import LaneTls
+    from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.core")
 
@@ -97,38 +102,51 @@ def build_colocated(
     target_pool, draft_pool = make_pools(m, options)
     graphs = None if options.cuda_graphs else False
     buckets = options.graph_buckets
-    eagle = isinstance(m.draft_model, EagleModel)
+    draft_model = m.draft_model
+    eagle = isinstance(draft_model, EagleModel)
     # Before the target's graphs are captured: they must write the features too.
-    features = attach_features(m.target_model, target_pool, m.draft_model.config) if eagle else None
+    features = (
+        attach_features(m.target_model, target_pool, draft_model.config)
+        if isinstance(draft_model, EagleModel)
+        else None
+    )
     make_runner = m.ranks.runner if m.ranks is not None else ModelRunner  # rank 0 sends each forward to the others
     target_runner = make_runner(m.target_model, target_pool, graphs=graphs, buckets=buckets)
-    common = dict(
-        vocab_size=m.target.shape.vocab_size,
-        max_context=m.target.shape.max_context,
-        target_model=m.target.name,
-        draft_model=m.draft_name,
-    )
+
+    def lane_info(lane: str, pools: tuple[PoolInfo, ...], reads_features: bool = False) -> LaneInfo:
+        return LaneInfo(
+            lane,
+            pools,
+            vocab_size=m.target.shape.vocab_size,
+            max_context=m.target.shape.max_context,
+            target_model=m.target.name,
+            draft_model=m.draft_name,
+            reads_features=reads_features,
+        )
+
     pools = (target_pool.info(),) + ((draft_pool.info(),) if draft_pool else ())
-    if m.draft_model is None:  # pool-less draft lane: built from its spec, no runner, no KV
-        draft_runner = None
-        draft_lane = poolless_draft_lane(draft_spec(m.draft_name), LaneInfo("draft", (), **common))
+    draft_runner: ModelRunner | EagleRunner | None = None
+    if draft_model is None:  # pool-less draft lane: built from its spec, no runner, no KV
+        draft_lane = poolless_draft_lane(draft_spec(m.draft_name), lane_info("draft", ()))
         if draft_lane is None:
             raise ModelLoadError(f"draft {m.draft_name!r} needs a draft model, and none was loaded")
     else:
-        runner_class = EagleRunner if eagle else ModelRunner
-        extra = (features,) if eagle else ()
-        draft_runner = runner_class(m.draft_model, draft_pool, *extra, graphs=graphs, buckets=buckets)
-        draft_lane = LocalDraftLane(draft_runner, LaneInfo("draft", pools[1:], reads_features=eagle, **common))
+        if draft_pool is None:
+            raise RuntimeError(f"draft {m.draft_name!r}: its model was loaded, but make_pools made no pool for it")
+        if isinstance(draft_model, EagleModel):
+            assert features is not None  # attached above for an EAGLE head
+            draft_runner = EagleRunner(draft_model, draft_pool, features, graphs=graphs, buckets=buckets)
+        else:
+            draft_runner = ModelRunner(draft_model, draft_pool, graphs=graphs, buckets=buckets)
+        draft_lane = LocalDraftLane(draft_runner, lane_info("draft", pools[1:], reads_features=eagle))
     capture_seconds = capture_graphs(target_runner, draft_runner, options.config.k_max)
     if m.ranks is not None:
         m.ranks.wait_ready()  # the followers captured theirs too (a failed one ends this process)
     verify_lane = LocalVerifyLane(
-        target_runner, LaneInfo("verify", (pools[0],), **common), simulated_acceptance=simulated_acceptance
+        target_runner, lane_info("verify", (pools[0],)), simulated_acceptance=simulated_acceptance
     )
     decode_streams = (getattr(draft_lane, "stream", None), verify_lane.stream)
-    prefill_lane = LocalPrefillLane(
-        target_runner, draft_runner, LaneInfo("prefill", pools, **common), wait_for=decode_streams
-    )
+    prefill_lane = LocalPrefillLane(target_runner, draft_runner, lane_info("prefill", pools), wait_for=decode_streams)
     router = Router(
         prefill_lane,
         draft_lane,
@@ -146,11 +164,15 @@ def build_colocated(
 
 
 # -- split: the router over lane clients ---------------------------------------------------------
+# The lane clients of a split stack, in this order.
+SplitLanes: TypeAlias = "tuple[GrpcPrefillLane, GrpcDraftLane, GrpcVerifyLane]"
+
+
 @dataclass
 class SplitStack:
     router: Router
-    lanes: tuple  # (GrpcPrefillLane, GrpcDraftLane, GrpcVerifyLane)
-    wiring: object  # the prefill lane's ImportPools reply (lanes.rpc.lane_client.wire_pools)
+    lanes: SplitLanes
+    wiring: lanes_pb2.ImportPoolsReply  # the prefill lane's (lanes.rpc.lane_client.wire_pools)
     info: generate_pb2.ServerInfo
 
 
@@ -160,10 +182,10 @@ def connect_lanes(
     timeout_s: float = 60.0,
     ready_timeout_s: float = 120.0,
     secret: str | None = None,
-    tls=None,
-):
-    """Lane clients of the three lanes at `addrs`, each serving. `tls`: a
-    verifypd.net.lane_tls.LaneTls (mutual TLS to every lane) or None (plaintext)."""
+    tls: LaneTls | None = None,
+) -> SplitLanes:
+    """Lane clients of the three lanes at `addrs`, each serving. `tls`: mutual TLS to every lane,
+    or None (plaintext)."""
     from verifypd.lanes.rpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
 
     lanes = (
@@ -185,7 +207,7 @@ def build_split(
     lane_timeout_s: float = 60.0,
     topology: str = "split",
     lane_secret: str | None = None,
-    lane_tls=None,
+    lane_tls: LaneTls | None = None,
     ready_timeout_s: float = 120.0,
 ) -> SplitStack:
     """The router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools

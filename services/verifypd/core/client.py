@@ -89,7 +89,7 @@ class StreamBox:
 
     __slots__ = ("_items", "_waiter")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._items: list = []
         self._waiter: asyncio.Future | None = None
 
@@ -307,8 +307,8 @@ class CoreClient:
             self.failed = message
             if not quiet:
                 log.error("not serving any more: %s", message)
-        for rid in list(self._streams):
-            stream = self._forget(rid)
+        for stream in list(self._streams.values()):
+            self._forget(stream.rid)
             if not stream.added.done():
                 stream.added.set_exception(Unavailable(message))
             else:

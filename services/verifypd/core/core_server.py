@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from verifypd.core.channel import BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire, unb64
 from verifypd.core.loop import CoreLoop, Overloaded, Unavailable
@@ -22,6 +23,10 @@ from verifypd.domain import convert
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import InvalidRequest, RequestOutput
 from verifypd.v1 import control_pb2
+
+if TYPE_CHECKING:
+    from verifypd.core.assembly import SplitLanes
+    from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.core")
 
@@ -48,7 +53,7 @@ class CoreServer:
         info,
         *,
         max_queue: int = 256,
-        lanes=(),
+        lanes: SplitLanes | tuple[()] = (),
         kv_transport: str = "auto",
         recovery_timeout_s: float = 120.0,
         on_close=(),
@@ -56,7 +61,7 @@ class CoreServer:
         metrics_registry=None,
     ):
         self.router, self.channel, self.info = router, channel, info
-        self.lanes, self.kv_transport = list(lanes), kv_transport
+        self.lanes, self.kv_transport = lanes, kv_transport
         self.loop = CoreLoop(
             router,
             self,
@@ -70,7 +75,9 @@ class CoreServer:
         self._watch_interval_s = watch_interval_s
         self._stopped = threading.Event()
         self._closed = False
-        self.wiring = None  # split: the last ImportPools reply (re-wiring replaces it)
+        self.wiring: lanes_pb2.ImportPoolsReply | None = (
+            None  # split: the last ImportPools reply (re-wiring replaces it)
+        )
         self._reader = threading.Thread(target=self._read, name="core-channel", daemon=True)
 
     # -- StepSink (loop thread) --------------------------------------------------------------
@@ -203,8 +210,10 @@ class CoreServer:
     def _config_b64(config) -> str:
         return b64(convert.config_to_pb(config).SerializeToString())
 
-    def _update_config(self, router, arg: dict) -> str:
+    def _update_config(self, router, arg: dict | None) -> str:
         # Runs between steps: the step after this one plans with the new config.
+        if arg is None:
+            raise ValueError("update_config: the call carries no arg (the new config)")
         pb = control_pb2.RuntimeConfig.FromString(unb64(arg["config"]))
         new = router.config.updated(**convert.config_changes_from_pb(pb, router.config))
         router.config = new
@@ -257,5 +266,8 @@ class CoreServer:
                 raise LaneError(f"{lane.lane} lane at {lane.addr} is not serving yet")
         for lane in self.lanes:
             lane.describe_pb(refresh=True)
-        self.wiring = wire_pools(*self.lanes, self.kv_transport)
+        if not self.lanes:
+            raise RuntimeError("no lanes to re-wire")  # recover is installed only with lanes (__init__)
+        prefill, draft, verify = self.lanes
+        self.wiring = wire_pools(prefill, draft, verify, self.kv_transport)
         log.info("lanes re-wired: %s", dict(self.wiring.mode_by_pool))

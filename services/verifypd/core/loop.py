@@ -226,6 +226,8 @@ class CoreLoop:
 
     def _try_recover(self) -> None:
         try:
+            if self._recover is None:  # recovery starts only with a recover function (_lane_lost)
+                raise RuntimeError("recovering lanes without a recover function")
             self._recover()
             requeued = self.router.reset_kv()
         except LaneError as exc:

@@ -18,8 +18,15 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from verifypd.domain.options import CoreOptions
+
+if TYPE_CHECKING:
+    from verifypd.core.assembly import SplitLanes, SplitStack
+    from verifypd.lanes.supervisor import LaneSupervisor
+    from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.core")
 
@@ -57,14 +64,25 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
         own = lane_tls.self_check()
         if own:
             raise LaneError(own)
-    split = dict(
-        kv_transport=options.kv_transport, lane_timeout_s=options.lane_timeout_s, lane_tls=lane_tls, observer=telemetry
-    )
-    lanes, on_close, supervisor, wiring = (), [telemetry.shutdown], None, None
-    if options.lane_addrs:
-        stack = build_split(
-            options.lane_addrs, engine_options, topology=options.topology, lane_secret=options.lane_secret, **split
+
+    def split_stack(addrs: dict[str, str], lane_secret: str | None, topology: str = "split") -> SplitStack:
+        return build_split(
+            addrs,
+            engine_options,
+            kv_transport=options.kv_transport,
+            observer=telemetry,
+            lane_timeout_s=options.lane_timeout_s,
+            topology=topology,
+            lane_secret=lane_secret,
+            lane_tls=lane_tls,
         )
+
+    lanes: SplitLanes | tuple[()] = ()
+    on_close: list[Callable[[], None]] = [telemetry.shutdown]
+    supervisor: LaneSupervisor | None = None
+    wiring: lanes_pb2.ImportPoolsReply | None = None
+    if options.lane_addrs:
+        stack = split_stack(options.lane_addrs, options.lane_secret, options.topology)
         router, info, lanes, wiring = stack.router, stack.info, stack.lanes, stack.wiring
     elif options.topology == "split":
         from verifypd.lanes.processes import LaneProcesses
@@ -76,7 +94,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
             addrs = procs.start()
             for lane, pid in procs.pids().items():
                 print(f"verifypd: {lane} lane pid={pid} addr={addrs[lane]}", file=sys.stderr, flush=True)
-            stack = build_split(addrs, engine_options, lane_secret=procs.secret, **split)
+            stack = split_stack(addrs, procs.secret)
             router, info, lanes, wiring = stack.router, stack.info, stack.lanes, stack.wiring
         except BaseException:
             procs.terminate()
@@ -88,8 +106,8 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
         )
         on_close[:0] = [supervisor.stop, procs.terminate]
     else:
-        stack = build_colocated(engine_options, observer=telemetry, detokenize=False)
-        router, info = stack.router, stack.info()
+        colocated = build_colocated(engine_options, observer=telemetry, detokenize=False)
+        router, info = colocated.router, colocated.info()
     core = CoreServer(
         router,
         channel,
@@ -125,7 +143,9 @@ def _exit_with_parent() -> None:
 class CoreProcess:
     """A spawned engine-core process and the gateway's end of its channel."""
 
-    def __init__(self, options: CoreOptions | None, *, program: list[str] | None = None, program_args: list[str] = ()):
+    def __init__(
+        self, options: CoreOptions | None, *, program: list[str] | None = None, program_args: Sequence[str] = ()
+    ):
         """`options`: written to the child's stdin as JSON (None: nothing is, stdin is empty).
         `program`: what runs the core (default this module; benches pass their own), called as
         PROGRAM --channel-fd N PROGRAM_ARGS..."""
@@ -141,10 +161,11 @@ class CoreProcess:
             stdin=subprocess.PIPE if options is not None else subprocess.DEVNULL,
         )
         child.close()
-        if options is not None:
+        stdin = self.proc.stdin  # a pipe exactly when there are options
+        if options is not None and stdin is not None:
             try:
-                self.proc.stdin.write(options.to_json().encode())
-                self.proc.stdin.close()
+                stdin.write(options.to_json().encode())
+                stdin.close()
             except BrokenPipeError:  # the child is gone already: its exit status tells why
                 pass
 

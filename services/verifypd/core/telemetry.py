@@ -111,7 +111,9 @@ class Telemetry(EngineObserver):
         self.verify_fitted = meter.create_counter(
             mn.VERIFY_FITTED,
             unit="{step}",
-            description="Speculative steps whose verify call was launched before the verdict before it, fitted on the device",
+            description=(
+                "Speculative steps whose verify call was launched before the verdict before it, fitted on the device"
+            ),
         )
         self._seen: dict[str, int] = {}  # the engine's own counts already added, by counter name
         meter.create_observable_gauge(

@@ -25,7 +25,8 @@ import contextlib
 import os
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from verifypd.domain.lanes import (
     DraftItem,
     DraftOutput,
     Finished,
+    KvHandle,
     LaneInfo,
     PrefillItem,
     PrefillOutput,
@@ -44,7 +46,11 @@ from verifypd.domain.lanes import (
     VerifyOutput,
 )
 from verifypd.model import sampler
+from verifypd.model.eagle_draft import EagleRunner, FeatureRun
 from verifypd.model.runner import ModelRunner, TokenRun
+
+# sampler.choose's (temperature, top_k, top_p, seeds): tensors, or None in greedy mode.
+_ChoiceParams = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 # CUDA stream priorities (lower = more urgent; CUDA clamps to the device's range). Prefill, the
 # low-priority lane, runs on the default stream (priority 0).
@@ -58,13 +64,13 @@ def lane_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None
 _INTERPRETER_LOCK = threading.Lock()
 
 
-def interpreted(runner: ModelRunner) -> bool:
+def interpreted(runner: ModelRunner | EagleRunner) -> bool:
     """Triton kernels under Triton's CPU interpreter (tests), whose launch state is global."""
     return os.environ.get("TRITON_INTERPRET") == "1" and getattr(runner.model, "attention", None) == "triton"
 
 
 @contextlib.contextmanager
-def on_stream(stream, serial: bool = False):
+def on_stream(stream: torch.cuda.Stream | None, serial: bool = False) -> Iterator[None]:
     """Runs the block on `stream` after the work already queued on the current stream. `serial`
     (the Triton interpreter): lane calls run one at a time."""
     if serial:
@@ -84,7 +90,13 @@ class LocalPrefillLane:
     # a draft_kv get a draft forward.
     per_item_draft_kv = True
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner | None, info: LaneInfo, wait_for=()):
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner | EagleRunner | None,
+        info: LaneInfo,
+        wait_for: Sequence[torch.cuda.Stream | None] = (),
+    ):
         """`wait_for`: the decode lanes' streams; prefill starts after their queued work."""
         self.target, self.draft, self.info = target, draft, info
         self.wait_for = [st for st in wait_for if st is not None]
@@ -108,19 +120,23 @@ class LocalPrefillLane:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
         target_runs = [TokenRun(i.token_ids, i.start_pos, i.target_kv.block_ids) for i in items]
         logits = self.target.forward(target_runs, "last")
-        if getattr(self.draft, "reads_features", False):  # a feature draft: the rows the target's features complete
-            self.draft.prefill([feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items])
-        elif self.draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
+        assert logits is not None  # forward(..., "last") returns the last positions' logits
+        draft = self.draft
+        if isinstance(draft, EagleRunner):  # a feature draft: the rows the target's features complete
+            draft.prefill([feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items])
+        elif draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
             runs = [TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items if i.draft_kv is not None]
             if runs:  # items without draft KV: the router skipped it while nobody drafts
-                self.draft.forward(runs, None)
+                draft.forward(runs, None)
         rows = [n for n, i in enumerate(items) if i.sample_first]
-        first: dict[int, int] = {}
         if rows:
             chosen = [items[n] for n in rows]
             samplings = [i.sampling for i in chosen]
             mode = sampler.choice_mode(samplings)
-            params = sampler.params_tensor(samplings, logits.device) if mode != sampler.GREEDY else (None,) * 4
+            params: _ChoiceParams = (None, None, None, None)  # greedy: none read
+            if mode != sampler.GREEDY:
+                temp, top_k, top_p, seeds = sampler.params_tensor(samplings, logits.device)
+                params = (temp, top_k, top_p, seeds)
             positions = sampler.small_tensor([i.start_pos + len(i.token_ids) for i in chosen], logits.device)
             # Not logits[rows]: a Python list as an index is copied to the device from pageable memory,
             # which waits for the stream's queued work, this whole prefill (~1 ms of the embedded
@@ -143,11 +159,12 @@ class LocalPrefillLane:
 
 
 class LocalDraftLane:
-    def __init__(self, draft: ModelRunner, info: LaneInfo):
+    def __init__(self, draft: ModelRunner | EagleRunner, info: LaneInfo):
         self.runner, self.info = draft, info
         self.stream = lane_stream(draft.device, DRAFT_STREAM_PRIORITY)
         self.serial = interpreted(draft)
-        self._after_stream = None  # the stream draft_after last ran on (a verify lane's)
+        # the stream draft_after last ran on (a verify lane's); only set where this lane has a stream
+        self._after_stream: torch.cuda.Stream | None = None
 
     def describe(self) -> LaneInfo:
         return self.info
@@ -155,19 +172,19 @@ class LocalDraftLane:
     @property
     def drafts_after_verdict(self) -> bool:
         """Takes `draft_after` (a feature draft: engine.draft_after)."""
-        return getattr(self.runner, "reads_features", False)
+        return isinstance(self.runner, EagleRunner)
 
     def draft(self, items: list[DraftItem]) -> list[DraftOutput]:
         if not items:
             return []
         if any(i.k < 1 for i in items):
             raise ValueError("draft items need k >= 1")
-        if self._after_stream is not None:  # a draft_after call may still write the head's KV there
-            self.stream.wait_stream(self._after_stream)
+        if self._after_stream is not None and self.stream is not None:  # a draft_after call may still
+            self.stream.wait_stream(self._after_stream)  # write the head's KV there
         return self._draft(items, self.stream)
 
     def draft_after(
-        self, items: list[DraftItem], started, verify_rows: list[int], verify_ks: list[int]
+        self, items: list[DraftItem], started: StartedCall, verify_rows: list[int], verify_ks: list[int]
     ) -> list[DraftOutput]:
         """Drafts launched right after a verify call (`started`, its StartedCall), before its verdict
         reaches the host (engine.draft_after): item i's input ends in verify row verify_rows[i]'s
@@ -175,19 +192,32 @@ class LocalDraftLane:
         verify call's stream, so both the verdict it reads and the next verify call are ordered with it."""
         if not items:
             return []
-        stream = getattr(started, "stream", None)
+        if not isinstance(started, HostCopy):
+            raise TypeError(f"draft_after reads an in-process verify call's verdict; got a {type(started).__name__}")
+        stream = started.stream
         if self.stream is not None:
             self._after_stream = stream
         return self._draft(items, stream, (started.verdict, verify_rows, verify_ks))
 
-    def _draft(self, items: list[DraftItem], stream, after: tuple | None = None) -> list[DraftOutput]:
-        if getattr(self.runner, "reads_features", False):
-            runs = [feature_run(i.input_tokens, i.start_pos, i.draft_kv, i.target_kv) for i in items]
+    def _draft(
+        self, items: list[DraftItem], stream: torch.cuda.Stream | None, after: tuple | None = None
+    ) -> list[DraftOutput]:
+        runner = self.runner
+        feature_runs: list[FeatureRun] = []
+        token_runs: list[TokenRun] = []
+        if isinstance(runner, EagleRunner):
+            feature_runs = [feature_run(i.input_tokens, i.start_pos, i.draft_kv, i.target_kv) for i in items]
+        elif after is not None:
+            raise TypeError("draft_after needs a feature draft (drafts_after_verdict)")
         else:
-            runs = [TokenRun(i.input_tokens, i.start_pos, i.draft_kv.block_ids) for i in items]
+            token_runs = [TokenRun(i.input_tokens, i.start_pos, _draft_blocks(i.draft_kv)) for i in items]
+        ks, samplings = [i.k for i in items], [i.sampling for i in items]
         with on_stream(stream, self.serial):
-            extra = {} if after is None else {"after": after}
-            tokens = self.runner.draft(runs, [i.k for i in items], [i.sampling for i in items], **extra)
+            tokens = (
+                runner.draft(feature_runs, ks, samplings, after)
+                if isinstance(runner, EagleRunner)
+                else runner.draft(token_runs, ks, samplings)
+            )
             # No host sync: the tokens stay on the device for the verify lane (a copy, since the
             # runner's buffers are reused by its next call).
             tokens = tokens.clone()
@@ -200,12 +230,26 @@ class LocalDraftLane:
         return [DraftOutput(i.request_id, DeviceDraftTokens(batch, n, i.k), None) for n, i in enumerate(items)]
 
 
-def feature_run(tokens, start_pos: int, draft_kv, target_kv) -> FeatureRun:
-    from verifypd.model.eagle_draft import FeatureRun
+def _draft_blocks(draft_kv: KvHandle | None) -> tuple[int, ...]:
+    if draft_kv is None:
+        raise ValueError("a draft lane with a pool needs every item's draft_kv (the blocks it writes)")
+    return draft_kv.block_ids
 
+
+def feature_run(
+    tokens: Sequence[int], start_pos: int, draft_kv: KvHandle | None, target_kv: KvHandle | None
+) -> FeatureRun:
     if target_kv is None:
         raise ValueError("a feature draft's items need target_kv (the blocks holding the target's features)")
-    return FeatureRun(list(tokens), start_pos, draft_kv.block_ids, target_block_ids=target_kv.block_ids)
+    return FeatureRun(list(tokens), start_pos, _draft_blocks(draft_kv), target_block_ids=target_kv.block_ids)
+
+
+class _Fed(TypedDict, total=False):
+    """What a verify call passes on to the runner's score() / verify_greedy() only when it has it
+    (a tensor-parallel runner takes neither: it never feeds tokens or fits verdicts)."""
+
+    first_ids: torch.Tensor
+    fit: tuple
 
 
 class LocalVerifyLane:
@@ -262,7 +306,7 @@ class LocalVerifyLane:
         self, items: list[VerifyItem], feed: TokenFeed | None = None, fit: VerdictFit | None = None
     ) -> StartedCall:
         ks = [len(i.draft_tokens) for i in items]
-        first_ids = None
+        first_ids: torch.Tensor | None = None
         if feed is not None:
             rows = list(feed.rows)
             if len(rows) != len(items):
@@ -284,7 +328,7 @@ class LocalVerifyLane:
         ]
         R, K = len(items), max(ks)
         device = self.target.device
-        fed = {} if first_ids is None else {"first_ids": first_ids}
+        fed: _Fed = {} if first_ids is None else {"first_ids": first_ids}
         if (
             K > 0
             and self.simulated_acceptance is None
@@ -461,7 +505,7 @@ def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-class DeviceDraftTokens(Sequence):
+class DeviceDraftTokens(Sequence[int]):
     """Row `row` of a DraftBatch: a sequence of `k` ints whose values stay on the device unless read."""
 
     def __init__(self, batch: DraftBatch, row: int, k: int):

@@ -75,7 +75,7 @@ def lane_command(
         cmd += ["--tensor-parallel", str(options.tensor_parallel)]
     if lane != "prefill":  # the owners capture graphs up to the router's longest draft
         cmd += ["--k-max", str(options.config.k_max)]
-    if lane == "verify" and getattr(options, "simulated_acceptance", None) is not None:  # benchmark only
+    if lane == "verify" and options.simulated_acceptance is not None:  # benchmark only
         cmd += ["--simulated-acceptance", repr(float(options.simulated_acceptance))]
     if port_file:
         cmd += ["--port-file", port_file]

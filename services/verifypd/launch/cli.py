@@ -140,6 +140,9 @@ def cmd_serve(args) -> int:
         raise
     try:
         gateway.start()
+        info = gateway.info
+        if info is None:  # start() waits for the core's ready message, which carries it
+            raise RuntimeError("the engine core was ready without its server info")
     except Exception as exc:  # the core exited before it was ready (it printed why)
         print(f"verifypd: error: the engine core did not start: {exc}", file=sys.stderr)
         gateway.stop()
@@ -147,7 +150,7 @@ def cmd_serve(args) -> int:
         return 2 if core.wait(5) == 2 else 1
     tls_label = f", {tls.label}" if tls is not None else ""
     print(
-        f"verifypd: serving {gateway.info.topology} on {gateway.address}{tls_label} "
+        f"verifypd: serving {info.topology} on {gateway.address}{tls_label} "
         f"(target {options.target}, draft {options.draft}, schedule {options.config.schedule}"
         f"{simulated_label(options)}; engine core pid {core.pid})",
         file=sys.stderr,
@@ -377,6 +380,9 @@ def cmd_generate_remote(args) -> int:
     except grpc.RpcError as exc:
         print(f"\nverifypd: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    if last is None:
+        print("\nverifypd: error: the server ended the stream without a response", file=sys.stderr)
+        return 1
     elapsed = time.monotonic() - t0
     u = last.usage
     usage = {

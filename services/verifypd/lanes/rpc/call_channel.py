@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import logging
 import os
 import select
@@ -113,29 +114,14 @@ class CallServer:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="call-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, raw: socket.socket) -> None:
+        conn: socket.socket | None = raw  # closed at the end; None: refused by _tls_accept, which closed it
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)  # the handshakes must come promptly; calls may then be far apart
+            raw.settimeout(HANDSHAKE_TIMEOUT_S)  # the handshakes must come promptly; calls may then be far apart
             if self.tls is not None:
-                conn = self._tls_accept(conn)  # None: refused, closed and logged
-                if conn is None:
-                    return
-            nonce = os.urandom(NONCE_BYTES)
-            conn.sendall(nonce)
-            f = conn.makefile("rb")
-            answer = _read_exact(f, MAC_BYTES)
-            if self.secret and not hmac.compare_digest(answer, proof(self.secret, nonce)):
-                log.warning("call channel: connection refused (bad lane secret proof)")
-                return
-            conn.settimeout(None)
-            state = self.new_state()
-            while True:
-                call = lanes_pb2.LaneCall.FromString(read_frame(f))
-                reply = self.handler(call, state)
-                reply.call_id = call.call_id
-                write_frame(conn, reply.SerializeToString())
-                if reply.status_code:
-                    return  # an error ends the connection and its state; the client reconnects
+                conn = self._tls_accept(raw)  # None: refused, closed and logged
+            if conn is not None:
+                self._converse(conn)
         except (ChannelClosed, OSError):
             pass
         except Exception:  # a malformed frame (DecodeError) or a fault: drop this connection only
@@ -146,7 +132,26 @@ class CallServer:
                     self._conns.discard(conn)
                 _close(conn)
 
-    def _tls_accept(self, raw: socket.socket):
+    def _converse(self, conn: socket.socket) -> None:
+        """The secret handshake, then calls until the peer goes or a call fails (raises as the socket)."""
+        nonce = os.urandom(NONCE_BYTES)
+        conn.sendall(nonce)
+        f = conn.makefile("rb")
+        answer = _read_exact(f, MAC_BYTES)
+        if self.secret and not hmac.compare_digest(answer, proof(self.secret, nonce)):
+            log.warning("call channel: connection refused (bad lane secret proof)")
+            return
+        conn.settimeout(None)
+        state = self.new_state()
+        while True:
+            call = lanes_pb2.LaneCall.FromString(read_frame(f))
+            reply = self.handler(call, state)
+            reply.call_id = call.call_id
+            write_frame(conn, reply.SerializeToString())
+            if reply.status_code:
+                return  # an error ends the connection and its state; the client reconnects
+
+    def _tls_accept(self, raw: socket.socket) -> socket.socket | None:
         """The TLS server handshake; None (logged, one line naming the problem) when refused."""
         peer = _peer(raw)
         try:
@@ -181,7 +186,7 @@ class CallClient:
     def __init__(self, host: str, port: int, secret: str | None, timeout_s: float, tls=None):
         self.host, self.port, self.secret, self.timeout_s, self.tls = host, port, secret, timeout_s, tls
         self.sock: socket.socket | None = None
-        self._file = None
+        self._file: io.BufferedReader | None = None
         self._call_id = 0
         self.bytes = 0  # framed bytes sent and received
 
@@ -189,7 +194,7 @@ class CallClient:
     def connected(self) -> bool:
         return self.sock is not None
 
-    def connect(self) -> None:
+    def connect(self) -> socket.socket:
         sock = socket.create_connection((self.host.strip("[]"), self.port), timeout=self.timeout_s)
         try:
             _tune(sock)
@@ -201,6 +206,7 @@ class CallClient:
             _close(sock)
             raise
         self.sock, self._file = sock, f
+        return sock
 
     def call(self, call: lanes_pb2.LaneCall) -> lanes_pb2.LaneReply:
         """One round trip. Raises OSError / ChannelClosed (and closes) when the connection fails."""
@@ -209,13 +215,12 @@ class CallClient:
     def send(self, call: lanes_pb2.LaneCall) -> int:
         """Writes one call and returns its call id; its reply is `receive(id)`. A started call lets
         the caller do other work (send a call to another lane) while this lane computes."""
-        if self.sock is None:
-            self.connect()
+        sock = self.sock if self.sock is not None else self.connect()
         self._call_id += 1
         call.call_id = self._call_id
         payload = call.SerializeToString()
         try:
-            write_frame(self.sock, payload)
+            write_frame(sock, payload)
         except BaseException:
             self.close()
             raise

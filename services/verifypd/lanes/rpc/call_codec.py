@@ -43,7 +43,7 @@ def from_u32(data: bytes, n: int | None = None) -> array:
     return out
 
 
-class HandoffTokens(Sequence):
+class HandoffTokens(Sequence[int]):
     """`k` proposals that sit in row `row` of DraftHandoff slot `slot` on the device: the router
     takes only their number; the verify lane reads them there. Never readable on the host."""
 
@@ -60,7 +60,7 @@ class HandoffTokens(Sequence):
 class ChannelMirror:
     """What the lane at the other end of one connection holds (keys, tables); reset on reconnect."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.keys: dict[str, int] = {}  # request id -> channel key
         self.tables: dict[tuple[str, int], tuple[int, ...]] = {}  # (role, key) -> held block table
         self.released: list[int] = []  # keys to drop with the next call
@@ -130,7 +130,7 @@ def encode_prefill(mirror: ChannelMirror, items: list[PrefillItem]) -> lanes_pb2
     batch.last_chunk_u32 = u32(int(i.sample_first) for i in items)
     batch.target_blocks.CopyFrom(mirror.delta("target", keys, [i.target_kv for i in items]))
     if items[0].draft_kv is not None:
-        batch.draft_blocks.CopyFrom(mirror.delta("draft", keys, [i.draft_kv for i in items]))
+        batch.draft_blocks.CopyFrom(mirror.delta("draft", keys, _every([i.draft_kv for i in items], "draft_kv")))
     return batch
 
 
@@ -139,22 +139,30 @@ def encode_draft(mirror: ChannelMirror, items: list[DraftItem], handoff_slot: in
     batch.handoff_slot = handoff_slot
     batch.k_u32 = u32(i.k for i in items)
     if items[0].draft_kv is not None:
-        batch.draft_blocks.CopyFrom(mirror.delta("draft", keys, [i.draft_kv for i in items]))
+        batch.draft_blocks.CopyFrom(mirror.delta("draft", keys, _every([i.draft_kv for i in items], "draft_kv")))
     return batch
+
+
+def _every(handles: list[KvHandle | None], field: str) -> list[KvHandle]:
+    """The items' handles in one pool: a call carries one for every item or for none."""
+    present = [h for h in handles if h is not None]
+    if len(present) != len(handles):
+        raise ValueError(f"{field}: {len(handles) - len(present)} of {len(handles)} items have none (all or none)")
+    return present
 
 
 def encode_verify(mirror: ChannelMirror, items: list[VerifyItem], encode_probs) -> lanes_pb2.PackedBatch:
     """`encode_probs(tensor, top_k)` serializes probabilities of an in-process draft lane (only when
     an in-process draft lane feeds a remote verify lane); `DraftProbs` messages pass as they are."""
-    handed = [isinstance(i.draft_tokens, HandoffTokens) for i in items]
+    handed = [i.draft_tokens if isinstance(i.draft_tokens, HandoffTokens) else None for i in items]
     batch, keys = mirror.batch(items, lambda i: () if isinstance(i.draft_tokens, HandoffTokens) else i.draft_tokens)
     batch.pending_u32 = u32(i.pending_token for i in items)
-    if any(handed):
-        slots = {i.draft_tokens.slot for i, h in zip(items, handed) if h}
+    if any(h is not None for h in handed):
+        slots = {h.slot for h in handed if h is not None}
         if len(slots) != 1:
             raise ValueError(f"one verify call reads one handoff slot; got drafts from slots {sorted(slots)}")
         batch.handoff_slot = slots.pop()
-        batch.draft_rows_u32 = u32(i.draft_tokens.row if h else NONE_U32 for i, h in zip(items, handed))
+        batch.draft_rows_u32 = u32(NONE_U32 if h is None else h.row for h in handed)
         batch.token_count_u32 = u32(len(i.draft_tokens) for i in items)
     batch.target_blocks.CopyFrom(mirror.delta("target", keys, [i.target_kv for i in items]))
     with_probs = [n for n, i in enumerate(items) if i.draft_probs is not None]

@@ -41,7 +41,7 @@ class HeldRequest:
 class ChannelState:
     """What one connection holds: its requests (by key) and their block tables (by role, key)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.requests: dict[int, HeldRequest] = {}
         self.tables: dict[tuple[str, int], tuple[int, ...]] = {}
         self.handles: dict[tuple[str, int], KvHandle] = {}  # built once per table, not per call
@@ -160,10 +160,12 @@ def decode(
     if n == 0:  # nothing to run (a keep-alive, or intros ahead of use)
         state.requests.update(new)
         return []
-    held = [state.requests.get(k) or new.get(k) for k in keys]
-    missing = [k for k, h in zip(keys, held) if h is None]
-    if missing:
-        raise lv.LaneInvalid(f"batch.keys_u32: key {missing[0]} is not held on this channel (no intro)")
+    held: list[HeldRequest] = []
+    for k in keys:
+        h = state.requests.get(k) or new.get(k)
+        if h is None:
+            raise lv.LaneInvalid(f"batch.keys_u32: key {k} is not held on this channel (no intro)")
+        held.append(h)
     if tokens.size and limits.vocab_size and int(tokens.max()) >= limits.vocab_size:
         raise lv.LaneInvalid(
             f"batch.tokens_u32: token id {int(tokens.max())} is outside the vocabulary [0, {limits.vocab_size})"

@@ -78,4 +78,4 @@ def open_tensor(h: lanes_pb2.CudaIpcHandle, uuid: str, shape: tuple[int, ...], d
         raise ValueError(
             f"pool of {numel * dtype.itemsize} bytes does not fit the shared storage ({h.storage_size_bytes} bytes)"
         )
-    return tensor.set_(storage, 0, shape)
+    return tensor.set_(storage, 0, shape, ())  # stride (): contiguous, set_'s default

@@ -10,15 +10,22 @@ ordering the channel makes possible:
 from __future__ import annotations
 
 import logging
+import threading
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from verifypd.lanes.local import DeviceDraftTokens
 from verifypd.lanes.rpc import call_decode as cd
+from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc.call_codec import HandoffTokens, u32
 from verifypd.v1 import lanes_pb2
+
+if TYPE_CHECKING:
+    from verifypd.domain.lanes import DraftItem, DraftOutput, PrefillItem, PrefillOutput, VerifyItem, VerifyOutput
+    from verifypd.lanes.rpc.draft_handoff import DraftHandoffBuffer, OpenedHandoff
 
 log = logging.getLogger("verifypd.lane")
 CALL_METHODS = {
@@ -30,15 +37,43 @@ MAX_PEER_EVENTS = 8
 
 
 class CallChannelWork:
-    # Set by LaneServicer: handoff (draft lane: DraftHandoffBuffer) / opened_handoff (verify lane).
-    handoff = None
-    opened_handoff = None
+    """Mixed into LaneServicer (lane_server.py), which sets the attributes declared here and
+    implements the lane's work (the methods below that raise NotImplementedError)."""
+
+    role: str  # "prefill" | "draft" | "verify"
+    lock: threading.Lock  # one per process: serializes work calls on the pools
+    device: torch.device
+    _peer_events: dict[bytes, torch.cuda.Event]  # opened IPC events of the prefill lane's KV writes
+    # Set by LaneServicer: handoff (draft lane on CUDA) / opened_handoff (verify lane, once opened).
+    handoff: DraftHandoffBuffer | None = None
+    opened_handoff: OpenedHandoff | None = None
+
+    @property
+    def lane(self) -> object | None:
+        """The lane the work calls run on; None: the prefill lane before ImportPools (or closed)."""
+        raise NotImplementedError
+
+    def _limits(self) -> lv.LaneLimits:
+        raise NotImplementedError
+
+    def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
+        raise NotImplementedError
+
+    def _draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
+        raise NotImplementedError
+
+    def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        raise NotImplementedError
+
+    def _encode_probs(self, probs: torch.Tensor, top_k: int) -> lanes_pb2.DraftProbs:
+        return kv.encode_probs(probs, top_k)
 
     def _handoff_dims(self) -> tuple[int, int] | None:
-        buf = self.handoff if self.handoff is not None else self.opened_handoff
-        if buf is None:
-            return None
-        return (buf.tokens.shape[1], buf.tokens.shape[2]) if self.handoff is not None else (buf.rows, buf.cols)
+        if self.handoff is not None:
+            return (self.handoff.tokens.shape[1], self.handoff.tokens.shape[2])
+        if self.opened_handoff is not None:
+            return (self.opened_handoff.rows, self.opened_handoff.cols)
+        return None
 
     def handle_call(self, call: lanes_pb2.LaneCall, state: cd.ChannelState) -> lanes_pb2.LaneReply:
         """One call on the call channel: the unary RPC's checks, lock and lane, compact messages."""
@@ -75,16 +110,23 @@ class CallChannelWork:
         state.release(call.batch.released)
         return reply
 
-    def _draft_call(self, items, slot: int) -> lanes_pb2.LaneReply:
-        outputs = self.lane.draft(items)
+    def _draft_call(self, items: list[DraftItem], slot: int) -> lanes_pb2.LaneReply:
+        outputs = self._draft_work(items)
         if not slot:
             return cd.draft_reply(outputs, self._encode_probs, [i.sampling.top_k for i in items])
         # Proposals into the handoff slot, its event recorded: no host sync, counts only.
-        self.handoff.write(slot, outputs[0].draft_tokens.batch)
+        if self.handoff is None:
+            raise RuntimeError("batch.handoff_slot: this lane has no handoff buffer")
+        drafts = outputs[0].draft_tokens if outputs else None
+        if not isinstance(drafts, DeviceDraftTokens):
+            raise RuntimeError("batch.handoff_slot: the draft lane returned no drafts on its device to hand off")
+        self.handoff.write(slot, drafts.batch)
         return lanes_pb2.LaneReply(count_u32=u32(len(o.draft_tokens) for o in outputs))
 
-    def _read_handoff(self, items, slot: int) -> None:
+    def _read_handoff(self, items: list[VerifyItem], slot: int) -> None:
         """Handed-off drafts become rows of one device DraftBatch (ordered after the draft lane's write)."""
+        if self.opened_handoff is None:
+            raise RuntimeError("batch.handoff_slot: this lane opened no draft handoff buffer")
         batch = self.opened_handoff.drafts(slot)
         for item in items:
             if isinstance(item.draft_tokens, HandoffTokens):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,9 +58,9 @@ SERVICE_NAMES = {
 class _GrpcLane:
     lane = ""
     remote = True  # another process: the router may overlap calls to different lanes
-    _stub_class = None
+    _stub_class: Callable[[grpc.Channel], Any]  # the lane's gRPC stub (lanes_pb2_grpc), set by each lane
 
-    _method = 0  # lanes_pb2.LaneMethod of this lane's work call
+    _method: lanes_pb2.LaneMethod = lanes_pb2.LANE_METHOD_UNSPECIFIED  # this lane's work call
 
     def __init__(
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
@@ -271,6 +273,8 @@ class _StartedLaneCall:
             self.lane.finish_started(self)
         if self.error is not None:
             raise self.error
+        if self.value is None:  # complete() raised while decoding (the first result() call raised it)
+            raise LaneError(f"{self.lane.lane} lane at {self.lane.addr}: {self.name}: its reply was not decoded")
         return self.value
 
     def complete(self) -> None:

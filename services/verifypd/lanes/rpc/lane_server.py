@@ -25,12 +25,25 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent import futures
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import grpc
 import torch
 
-from verifypd.domain.lanes import LaneInfo
+from verifypd.domain.lanes import (
+    DraftItem,
+    DraftLane,
+    DraftOutput,
+    KvHandle,
+    LaneInfo,
+    PoolInfo,
+    PrefillItem,
+    PrefillOutput,
+    VerifyItem,
+    VerifyOutput,
+)
 from verifypd.domain.models import draft_spec
 from verifypd.domain.options import EngineOptions
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
@@ -46,13 +59,24 @@ from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
 from verifypd.model.llama import PagedLlama
 from verifypd.model.runner import ModelRunner
 from verifypd.net.auth import lane_interceptor, lane_metadata
-from verifypd.net.health import add_health_and_reflection
+from verifypd.net.health import Health, add_health_and_reflection
 from verifypd.spec_decode.ngram import poolless_draft_lane
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+
+if TYPE_CHECKING:
+    from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
 
 log = logging.getLogger("verifypd.lane")
 LANES = ("prefill", "draft", "verify")
 MAX_PEER_POOL_BLOCKS = 1 << 22
+T = TypeVar("T")
+WorkBatch = lanes_pb2.PrefillBatch | lanes_pb2.DraftBatch | lanes_pb2.VerifyBatch  # a work RPC's request
+
+
+class RpcContext(Protocol):
+    """What the RPCs use of their grpc.ServicerContext: `abort` raises (it never returns)."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn: ...
 
 
 class LaneServicer(CallChannelWork):
@@ -75,32 +99,38 @@ class LaneServicer(CallChannelWork):
         self.vocab_size, self.max_context = (model.shape.vocab_size, model.shape.max_context) if model else (0, 0)
         self.eos_token_ids = target.eos_token_ids if target else ()
         self.owned: dict[str, KvPool] = {}
-        self.lane = None
+        # The lane the work calls run on, by role (the prefill lane's once ImportPools wired it).
+        self.prefill_lane: LocalPrefillLane | None = None
+        self.draft_lane: DraftLane | None = None
+        self.verify_lane: LocalVerifyLane | None = None
         # --tensor-parallel N (verify, prefill): this process is rank 0 of the target (lanes/tensor_parallel/ranks.py).
-        self.ranks, self.rank_shards = None, []
+        self.ranks: LeaderRanks | None = None
+        self.rank_shards: list[lanes_pb2.PoolDescriptor] = []
         if options.tensor_parallel != 1 and self.target_model is not None:
             self.ranks = start_lane_ranks(role, options, self.target_model, self.device, self.dtype, self.generation)
         if role == "verify":
+            target_model = self._loaded(self.target_model, "target")
             pool = owned_pool(
-                "target", self.target_model, options, self.device, self.dtype, self.generation, ranks=self.ranks
+                "target", target_model, options, self.device, self.dtype, self.generation, ranks=self.ranks
             )
             self.owned[pool.pool_id] = pool
-            runner = self._runner(self.target_model, pool)
+            runner = self._runner(target_model, pool)
             # At start-up, not inside the first calls; no prefill graphs: this lane prefills nothing.
             capture_graphs(runner, None, options.config.k_max, prefill=False)
             if self.ranks is not None:  # the other ranks' pools, for the prefill lane's ranks to open
                 self.rank_shards = [lanes_pb2.PoolDescriptor.FromString(b) for b in self.ranks.wait_ready()]
-            self.lane = LocalVerifyLane(
+            self.verify_lane = LocalVerifyLane(
                 runner, self._info((pool.info(),)), simulated_acceptance=options.simulated_acceptance
             )
         elif role == "draft" and self.draft_model is None:
-            self.lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
+            self.draft_lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":
-            pool = owned_pool("draft", self.draft_model, options, self.device, self.dtype, self.generation)
+            draft_model = self._loaded(self.draft_model, "draft")
+            pool = owned_pool("draft", draft_model, options, self.device, self.dtype, self.generation)
             self.owned[pool.pool_id] = pool
-            runner = self._runner(self.draft_model, pool)
+            runner = self._runner(draft_model, pool)
             capture_graphs(None, runner, options.config.k_max, prefill=False)
-            self.lane = LocalDraftLane(runner, self._info((pool.info(),)))
+            self.draft_lane = LocalDraftLane(runner, self._info((pool.info(),)))
             if self.device.type == "cuda":
                 from verifypd.lanes.rpc.draft_handoff import DraftHandoffBuffer
 
@@ -118,11 +148,23 @@ class LaneServicer(CallChannelWork):
         self.kv_written: torch.cuda.Event | None = None
         self._peer_events: dict[bytes, torch.cuda.Event] = {}
 
+    @property
+    def lane(self) -> LocalPrefillLane | DraftLane | LocalVerifyLane | None:
+        """The lane the work calls run on; None: the prefill lane before ImportPools (or closed)."""
+        if self.prefill_lane is not None:
+            return self.prefill_lane
+        return self.draft_lane if self.draft_lane is not None else self.verify_lane
+
+    def _loaded(self, model: PagedLlama | None, role: str) -> PagedLlama:
+        if model is None:
+            raise RuntimeError(f"the {self.role} lane loaded no {role} model")
+        return model
+
     def _runner(self, model: PagedLlama, pool: KvPool) -> ModelRunner:
         make = self.ranks.runner if self.ranks is not None and model is self.target_model else ModelRunner
         return make(model, pool, graphs=None if self.options.cuda_graphs else False, buckets=self.options.graph_buckets)
 
-    def _info(self, pools) -> LaneInfo:
+    def _info(self, pools: Iterable[PoolInfo]) -> LaneInfo:
         return LaneInfo(
             self.role,
             tuple(pools),
@@ -136,7 +178,8 @@ class LaneServicer(CallChannelWork):
         if self.call_server is not None:
             self.call_server.close()
         with self.lock:
-            self.lane, self.pushers = None, {}
+            self.prefill_lane = self.draft_lane = self.verify_lane = None
+            self.pushers = {}
         kv.release_imported()
         gc.collect()  # the imported storages go now, not at interpreter teardown
         if self.device.type == "cuda":
@@ -167,7 +210,9 @@ class LaneServicer(CallChannelWork):
             d.rank_shards.extend(self.rank_shards)
         return d
 
-    def _import_rank_shards(self, d: lanes_pb2.PoolDescriptor, mode: str, context) -> None:
+    def _import_rank_shards(
+        self, ranks: LeaderRanks, d: lanes_pb2.PoolDescriptor, mode: str, context: RpcContext
+    ) -> None:
         """A sharded prefill lane: follower r opens the verify lane's rank r pool (handle only)."""
         world = self.options.tensor_parallel
         if mode != "imported":
@@ -190,11 +235,11 @@ class LaneServicer(CallChannelWork):
             except lv.LaneInvalid as exc:
                 context.abort(exc.code, str(exc))
         try:
-            self.ranks.import_pool([s.SerializeToString() for s in d.rank_shards])
+            ranks.import_pool([s.SerializeToString() for s in d.rank_shards])
         except RuntimeError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the rank shards of {d.pool_id}: {exc}")
 
-    def ImportPools(self, request, context) -> lanes_pb2.ImportPoolsReply:
+    def ImportPools(self, request: lanes_pb2.ImportPoolsRequest, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
         if self.role == "verify" and request.HasField("draft_handoff") and not request.pools:
             return self._open_handoff(request.draft_handoff, context)
         if self.role != "prefill":
@@ -205,15 +250,17 @@ class LaneServicer(CallChannelWork):
                 grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}"
             )
         t0 = time.perf_counter()
-        pools, pushers, modes = {}, {}, {}
-        roles = [lc.ROLE_FROM_PB.get(d.role) for d in request.pools]
+        pools: dict[str, KvPool] = {}
+        pushers: dict[str, kv.KvPusher] = {}
+        modes: dict[str, str] = {}
+        roles = [lc.ROLE_FROM_PB.get(d.role, "") for d in request.pools]  # "": no pool role (refused below)
         if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
             if roles != ["target"]:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"pools: need one target pool (draft {self.options.draft!r} has no pool)",
                 )
-        elif sorted(r or "" for r in roles) != ["draft", "target"]:
+        elif sorted(roles) != ["draft", "target"]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
         for n, (d, role) in enumerate(zip(request.pools, roles)):
             try:
@@ -238,11 +285,9 @@ class LaneServicer(CallChannelWork):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
         if self.ranks is not None:
             target_d = next(d for d, role in zip(request.pools, roles) if role == "target")
-            self._import_rank_shards(target_d, modes[target_d.pool_id], context)
-        runners = (
-            self._runner(self.target_model, pools["target"]),
-            self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None,
-        )
+            self._import_rank_shards(self.ranks, target_d, modes[target_d.pool_id], context)
+        target_runner = self._runner(self._loaded(self.target_model, "target"), pools["target"])
+        draft_runner = self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None
         event = None
         # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
         # waits for them), not by an event on rank 0's device.
@@ -254,7 +299,7 @@ class LaneServicer(CallChannelWork):
         ):
             event = torch.cuda.Event(interprocess=True)
         with self.lock:
-            self.lane = LocalPrefillLane(*runners, self._info(()))
+            self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, self._info(()))
             self.pushers = pushers
             self.pools = dict(pools)
             self.kv_written = event
@@ -266,7 +311,7 @@ class LaneServicer(CallChannelWork):
             kv_written_event=bytes(event.ipc_handle()) if event else b"",
         )
 
-    def _open_handoff(self, d: lanes_pb2.DraftHandoff, context) -> lanes_pb2.ImportPoolsReply:
+    def _open_handoff(self, d: lanes_pb2.DraftHandoff, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
         """The verify lane opens the draft lane's DraftHandoff buffer (CUDA, same device only)."""
         if self.device.type != "cuda":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft_handoff: this verify lane runs on the CPU")
@@ -284,7 +329,7 @@ class LaneServicer(CallChannelWork):
         )
 
     def _pool_spec(self, role: str) -> lv.PoolSpec:
-        model = self.target_model if role == "target" else self.draft_model
+        model = self._loaded(self.target_model if role == "target" else self.draft_model, role)
         geometry = model_geometry(model, self.options)
         # The bound on a peer's pool: --num-blocks, else a sanity cap. Not this lane's free memory: an
         # imported pool allocates nothing here, and the owners have already taken theirs (a staging
@@ -307,7 +352,9 @@ class LaneServicer(CallChannelWork):
         }
         return lv.LaneLimits(self.vocab_size, self.max_context, pools)
 
-    def _check(self, context, check, request) -> bool:
+    def _check(
+        self, context: RpcContext, check: Callable[[WorkBatch, lv.LaneLimits], None], request: WorkBatch
+    ) -> bool:
         """Validates a work batch; False for an empty batch (a no-op). Aborts on bad input."""
         if self.lane is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefill lane has no pools yet: call ImportPools")
@@ -317,7 +364,7 @@ class LaneServicer(CallChannelWork):
             context.abort(exc.code, str(exc))
         return len(request.items) > 0
 
-    def _run(self, context, fn):
+    def _run(self, context: RpcContext, fn: Callable[[], T]) -> T:
         # Input was validated: whatever fails now is a fault of this lane (INTERNAL, logged with
         # its traceback here, never sent to the caller).
         try:
@@ -328,15 +375,17 @@ class LaneServicer(CallChannelWork):
             context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
 
     # -- the work, shared by unary RPCs and the call channel ----------------------------------
-    def _prefill_work(self, items) -> tuple[list, int]:
-        outputs = self.lane.prefill(items)
+    def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
+        if self.prefill_lane is None:
+            raise RuntimeError(f"the {self.role} lane runs no prefill (a prefill lane: call ImportPools first)")
+        outputs = self.prefill_lane.prefill(items)
         copied = 0
         for role, pusher in self.pushers.items():
             blocks = [
                 b
                 for i in items
                 for b in kv.touched_blocks(
-                    (i.target_kv if role == "target" else i.draft_kv).block_ids,
+                    _handle(i, role).block_ids,
                     i.start_pos,
                     i.start_pos + len(i.token_ids),
                     pusher.pool.geometry.block_size,
@@ -352,30 +401,34 @@ class LaneServicer(CallChannelWork):
         self.kv_bytes_copied += copied
         return outputs, copied
 
-    def _verify_work(self, items) -> list:
+    def _draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
+        if self.draft_lane is None:
+            raise RuntimeError(f"the {self.role} lane runs no draft calls")
+        return self.draft_lane.draft(items)
+
+    def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        if self.verify_lane is None:
+            raise RuntimeError(f"the {self.role} lane runs no verify calls")
         for item in items:  # DraftProbs bytes -> tensors on this lane's device
             if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
                 item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
-        return self.lane.verify(items)
+        return self.verify_lane.verify(items)
 
-    def _encode_probs(self, probs, top_k: int) -> lanes_pb2.DraftProbs:
-        return kv.encode_probs(probs, top_k)
-
-    def Prefill(self, request, context) -> lanes_pb2.PrefillResult:
+    def Prefill(self, request: lanes_pb2.PrefillBatch, context: RpcContext) -> lanes_pb2.PrefillResult:
         if not self._check(context, lv.check_prefill, request):
             return lanes_pb2.PrefillResult()
         items = lc.prefill_batch_from_pb(request)
         outputs, copied = self._run(context, lambda: self._prefill_work(items))
         return lc.prefill_outputs_to_pb(outputs, copied)
 
-    def Draft(self, request, context) -> lanes_pb2.DraftResult:
+    def Draft(self, request: lanes_pb2.DraftBatch, context: RpcContext) -> lanes_pb2.DraftResult:
         if not self._check(context, lv.check_draft, request):
             return lanes_pb2.DraftResult()
         items = lc.draft_batch_from_pb(request)
 
-        def work():
+        def work() -> lanes_pb2.DraftResult:
             result = lanes_pb2.DraftResult()
-            for item, out in zip(items, self.lane.draft(items)):
+            for item, out in zip(items, self._draft_work(items)):
                 msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
                 if out.resync_from is not None:
                     msg.resync_from = out.resync_from
@@ -385,11 +438,20 @@ class LaneServicer(CallChannelWork):
 
         return self._run(context, work)
 
-    def Verify(self, request, context) -> lanes_pb2.VerifyResult:
+    def Verify(self, request: lanes_pb2.VerifyBatch, context: RpcContext) -> lanes_pb2.VerifyResult:
         if not self._check(context, lv.check_verify, request):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
         return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
+
+
+def _handle(item: PrefillItem, role: str) -> KvHandle:
+    """The item's KV in the `role` pool (validated at the edge: a lane holding a draft pool gets
+    every item's draft_kv)."""
+    handle = item.target_kv if role == "target" else item.draft_kv
+    if handle is None:
+        raise RuntimeError(f"prefill item {item.request_id!r} has no {role}_kv, but this lane holds a {role} pool")
+    return handle
 
 
 def build_lane_server(
@@ -397,7 +459,7 @@ def build_lane_server(
     host: str,
     port: int,
     call_port: int | None = 0,
-) -> tuple[grpc.Server, int, object]:
+) -> tuple[grpc.Server, int, Health]:
     """A started gRPC server for the lane; returns (server, bound port, health servicer).
     With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
     channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);

@@ -3,25 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from verifypd.domain.models import ModelLoadError, draft_spec
+from verifypd.domain.models import DraftSpec, ModelLoadError, draft_spec
 from verifypd.domain.options import EngineOptions
 from verifypd.model.build import load_draft_model, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.llama import PagedLlama
-from verifypd.model.loader import load_model
+from verifypd.model.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
 
 
-def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool):
-    """(target LoadedModel or None, target PagedLlama or None, draft PagedLlama or None, eos ids).
-    With --tensor-parallel N the target is rank 0's shard (start_lane_ranks starts the others)."""
+class LaneModels(NamedTuple):
+    target: LoadedModel | None  # the target as loaded (its tokenizer, eos ids); rank 0's shard with ranks
+    target_model: PagedLlama | None  # the lanes that run the target: prefill, verify
+    draft_model: PagedLlama | None  # the lanes that run a draft model: prefill, draft
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool) -> LaneModels:
+    """The lane's models (each None where the lane needs none). With --tensor-parallel N the target
+    is rank 0's shard (start_lane_ranks starts the others)."""
     spec = draft_spec(options.draft)
+    if spec.kind == "eagle":  # docs/engine.md "Feature drafts": split lanes would need a shared feature pool
+        raise _colocated_only(spec)
     if options.tensor_parallel != 1 and need_target:
         return load_lane_shard(options, spec, need_draft)
-    if spec.kind == "eagle":  # docs/engine.md "Feature drafts": split lanes would need a shared feature pool
-        raise ModelLoadError(f"--draft {spec.text} runs co-located only (`verifypd serve` without split lanes)")
     need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
     device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
     dtype = resolve_dtype(options.dtype, device)
@@ -31,9 +43,23 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
         if (need_target or (need_draft and self_draft))
         else None
     )
-    target_model = PagedLlama(target.shape, target.weights) if need_target else None
-    draft_model = load_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
-    return target, target_model, draft_model, device, dtype
+    target_model = PagedLlama(target.shape, target.weights) if need_target and target is not None else None
+    draft_model = lane_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
+    return LaneModels(target, target_model, draft_model, device, dtype)
+
+
+def _colocated_only(spec: DraftSpec) -> ModelLoadError:
+    return ModelLoadError(f"--draft {spec.text} runs co-located only (`verifypd serve` without split lanes)")
+
+
+def lane_draft_model(
+    spec: DraftSpec, target: LoadedModel | None, device: torch.device, dtype: torch.dtype, max_context: int | None
+) -> PagedLlama | None:
+    """The draft model of a lane (a model draft: never a feature draft, which load_lane_models refuses)."""
+    draft = load_draft_model(spec, target, device, dtype, max_context)
+    if draft is not None and not isinstance(draft, PagedLlama):
+        raise _colocated_only(spec)
+    return draft
 
 
 def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -> int:
@@ -54,7 +80,13 @@ def model_geometry(model: PagedLlama, options: EngineOptions) -> PoolGeometry:
 
 
 def owned_pool(
-    role: str, model: PagedLlama, options: EngineOptions, device, dtype, generation: int = 1, ranks=None
+    role: str,
+    model: PagedLlama,
+    options: EngineOptions,
+    device: torch.device,
+    dtype: torch.dtype,
+    generation: int = 1,
+    ranks: LeaderRanks | None = None,
 ) -> KvPool:
     """`ranks` (a sharded target): num_blocks is the smallest of the ranks' budgets."""
     geometry = model_geometry(model, options)
@@ -68,7 +100,7 @@ def owned_pool(
     return pool
 
 
-def load_lane_shard(options: EngineOptions, spec, need_draft: bool):
+def load_lane_shard(options: EngineOptions, spec: DraftSpec, need_draft: bool) -> LaneModels:
     """load_lane_models for a target over `options.tensor_parallel` ranks: rank 0's shard."""
     from verifypd.lanes.tensor_parallel import ranks as tp_ranks
     from verifypd.model.tensor_parallel import load_target_shard, shard_shape
@@ -85,12 +117,19 @@ def load_lane_shard(options: EngineOptions, spec, need_draft: bool):
     target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)
     target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
     draft_model = (
-        load_draft_model(spec, target, device, dtype, options.max_context) if need_draft and spec.needs_model else None
+        lane_draft_model(spec, target, device, dtype, options.max_context) if need_draft and spec.needs_model else None
     )
-    return target, target_model, draft_model, device, dtype
+    return LaneModels(target, target_model, draft_model, device, dtype)
 
 
-def start_lane_ranks(role: str, options: EngineOptions, target_model: PagedLlama, device, dtype, generation: int):
+def start_lane_ranks(
+    role: str,
+    options: EngineOptions,
+    target_model: PagedLlama,
+    device: torch.device,
+    dtype: torch.dtype,
+    generation: int,
+) -> LeaderRanks:
     """The follower ranks of a lane's sharded target: the verify lane's own a shared pool each (their
     descriptors become the pool's rank_shards), the prefill lane's open the verify lane's on ImportPools."""
     from verifypd.lanes.tensor_parallel.assembly import follower_options

@@ -24,10 +24,15 @@ import os
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from verifypd.lanes.tensor_parallel import calls as tp_calls
+
+if TYPE_CHECKING:
+    from verifypd.model.kv_pool import KvPool
+    from verifypd.model.runner import ModelRunner
 
 log = logging.getLogger("verifypd.tp")
 
@@ -73,7 +78,8 @@ class Follower:
         loaded = load_target_shard(options["target"], self.rank, world, self.device, self.dtype, options["max_context"])
         self.model = PagedLlama(shard_shape(loaded.shape, world), loaded.weights)
         self.model.tp_group = self.group
-        self.pool = self.runner = None
+        self.pool: KvPool | None = None
+        self.runner: ModelRunner | None = None  # over the pool, once it is built or imported
 
     def own_pool(self) -> bytes:
         """Builds this rank's pool and runner ("private" / "shared"); returns the ready answer."""
@@ -86,21 +92,23 @@ class Follower:
         blocks = agree_blocks(self.group, pool_budget(self.model, o, self.device, self.dtype), self.device)
         geometry = PoolGeometry(self.model.num_layers, blocks, o["block_size"], s.num_kv_heads, s.head_dim)
         shared_cpu = o["pool"] == "shared" and self.device.type == "cpu"
-        self.pool = (
+        self.pool = pool = (
             KvPool.create_shared_cpu("target", geometry, self.dtype)
             if shared_cpu
             else KvPool("target", geometry, self.dtype, self.device)
         )
-        self.pool.generation = o.get("generation", 1)
+        pool.generation = o.get("generation", 1)
         buckets = tuple(o["graph_buckets"]) if o.get("graph_buckets") else None
-        self.runner = ModelRunner(self.model, self.pool, graphs=None if o["cuda_graphs"] else False, buckets=buckets)
-        capture_graphs(self.runner, None, o["k_max"], prefill=False)
+        self.runner = runner = ModelRunner(
+            self.model, pool, graphs=None if o["cuda_graphs"] else False, buckets=buckets
+        )
+        capture_graphs(runner, None, o["k_max"], prefill=False)
         log.info("tensor-parallel rank %d ready on %s (%d blocks)", self.rank, self.device, blocks)
         if o["pool"] != "shared":
             return b""
         from verifypd.lanes.rpc.kv_transport import describe_pool
 
-        return describe_pool(self.pool).SerializeToString()
+        return describe_pool(pool).SerializeToString()
 
     def import_pool(self, payload: bytes) -> None:
         """IMPORT: opens the matching owner rank's pool (same host and device only)."""
@@ -117,8 +125,8 @@ class Follower:
                 f"pool {d.pool_id} holds {d.num_kv_heads} kv heads x {d.head_dim} in {d.num_layers} "
                 f"layers; rank {self.rank} computes {s.num_kv_heads} x {s.head_dim} in {self.model.num_layers}"
             )
-        self.pool = kv.open_pool(d)
-        self.runner = ModelRunner(self.model, self.pool, graphs=False)  # prefill: eager forwards only
+        self.pool = pool = kv.open_pool(d)
+        self.runner = ModelRunner(self.model, pool, graphs=False)  # prefill: eager forwards only
 
     def serve(self) -> int:
         """Runs rank 0's calls until STOP or EOF; returns the exit status."""
@@ -140,7 +148,10 @@ class Follower:
                     tp_calls.send_reply(self.sock, error=str(exc))
                     continue
                 tp_calls.send_reply(self.sock)
-            elif call.kind == tp_calls.FORWARD:
+                continue
+            if self.runner is None:
+                raise RuntimeError(f"tensor-parallel call {call.seq} arrived before this rank had a pool (IMPORT)")
+            if call.kind == tp_calls.FORWARD:
                 self.runner.forward(call.runs, call.logits_for)
             elif call.kind == tp_calls.SCORE:
                 ids = None

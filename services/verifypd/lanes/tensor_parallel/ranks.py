@@ -43,6 +43,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -50,6 +52,10 @@ from verifypd.domain.models import ModelLoadError
 from verifypd.lanes.processes import child_env
 from verifypd.lanes.tensor_parallel import calls as tp_calls
 from verifypd.model.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from verifypd.model.kv_pool import KvPool
+    from verifypd.model.llama import PagedLlama
 
 log = logging.getLogger("verifypd.tp")
 # Seconds a collective waits for a peer before failing (gloo; NCCL's watchdog uses it too). The
@@ -116,7 +122,10 @@ class LeaderRanks:
         self.lock = threading.Lock()
         self.stopping = False
         self._seq = 0
-        self._blocks, self._pool, self._runner, self._ready = None, None, None, None
+        self._blocks: int | None = None
+        self._pool: KvPool | None = None
+        self._runner: LeaderRunner | None = None
+        self._ready: list[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="verifypd-tp-")
         init_file = os.path.join(self._dir, "rendezvous")
         self.procs: list[subprocess.Popen] = []
@@ -163,13 +172,13 @@ class LeaderRanks:
                 return
             time.sleep(0.1)
 
-    def fatal(self, message: str) -> None:
+    def fatal(self, message: str) -> NoReturn:
         """A rank is gone: rank 0 cannot finish a collective with it, so the process ends (exit 1)."""
         log.error("%s; the target's ranks cannot continue: exiting (status 1)", message)
         print(f"verifypd: error: {message}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
-    def forward_failed(self, exc: BaseException) -> None:
+    def forward_failed(self, exc: BaseException) -> NoReturn:
         """A forward raised on rank 0 (a collective whose peer is gone, or anything else): the ranks
         are out of step for good, so this is fatal too. Names the lost rank when one has exited."""
         deadline = time.monotonic() + 1.0
@@ -200,12 +209,18 @@ class LeaderRanks:
             self._blocks = agree_blocks(self.group, blocks, self.device)
         return self._blocks
 
-    def target_pool(self, make):
+    def target_pool(self, make: Callable[[], KvPool]) -> KvPool:
         if self._pool is None:
             self._pool = make()
         return self._pool
 
-    def runner(self, model, pool, graphs=None, buckets=None) -> LeaderRunner:
+    def runner(
+        self,
+        model: PagedLlama,
+        pool: KvPool,
+        graphs: bool | str | None = None,
+        buckets: tuple[int, ...] | None = None,
+    ) -> LeaderRunner:
         """The runner over `pool` (the same one again for the same pool; a new one after
         `import_pool` handed the followers another pool)."""
         if self._runner is None or self._runner.model is not model or self._runner.pool is not pool:
@@ -284,7 +299,14 @@ class LeaderRanks:
 class LeaderRunner(ModelRunner):
     """Rank 0's target runner: each forward is first sent to the followers (module doc)."""
 
-    def __init__(self, ranks: LeaderRanks, model, pool, graphs=None, buckets=None):
+    def __init__(
+        self,
+        ranks: LeaderRanks,
+        model: PagedLlama,
+        pool: KvPool,
+        graphs: bool | str | None = None,
+        buckets: tuple[int, ...] | None = None,
+    ):
         super().__init__(model, pool, graphs=graphs, buckets=buckets)
         self.ranks = ranks
 
