@@ -1,4 +1,4 @@
-"""Control is an admin API (issue 20): `Control.UpdateConfig` needs the admin key
+"""Control is an admin API: `Control.UpdateConfig` needs the admin key
 (`--admin-key-file`), which neither an outsider nor a caller holding Generate's API key has; the
 operator's Control client presents it and gets through. The rule itself (auth.gateway_access) as
 a table, then real `verifypd serve` processes in both topologies, then the CLI's refusals."""

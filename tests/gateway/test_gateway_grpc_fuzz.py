@@ -1,4 +1,4 @@
-"""Generate requests with extreme field values (issue 23): each is served or refused with
+"""Generate requests with extreme field values: each is served or refused with
 INVALID_ARGUMENT naming the field, never INTERNAL/UNKNOWN or a hang, and nothing leaks."""
 
 from __future__ import annotations

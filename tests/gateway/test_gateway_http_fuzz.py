@@ -1,4 +1,4 @@
-"""Hostile HTTP bodies (issue 23): every one gets a 4xx naming the problem, none a 5xx or a hang,
+"""Hostile HTTP bodies: every one gets a 4xx naming the problem, none a 5xx or a hang,
 and nothing leaks (KV blocks and open request streams back to 0 afterwards).
 
 The bodies are generated from a fixed seed: valid requests with one parameter replaced by a

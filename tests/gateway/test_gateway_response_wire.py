@@ -1,4 +1,4 @@
-"""The gateway's hand-made stream messages and its per-stream mailbox (issue 22: gateway CPU per
+"""The gateway's hand-made stream messages and its per-stream mailbox (gateway CPU per
 token): `response_wire.ResponseEncoder` gives exactly the protobuf runtime's bytes for every field
 combination, and `engine_client.StreamBox` hands a consumer that fell behind all pending chunks as
 one, in order, without merging across a failure or past a finished chunk."""

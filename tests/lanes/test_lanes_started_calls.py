@@ -1,4 +1,4 @@
-"""Started lane calls over the call channel (issue 22, split serving): the router sends a step's
+"""Started lane calls over the call channel (split serving): the router sends a step's
 prefill call to the prefill lane while the verify lane still computes, as it launches an
 in-process prefill beside an in-process verify (docs/services.md "Prefill beside decode across
 lane processes"). In-process stub lanes here; the real lane processes in the last test."""

@@ -1,4 +1,4 @@
-"""`--tensor-parallel` end to end on the CPU (issue 21): `verifypd serve --device cpu --tensor-parallel 2`
+"""`--tensor-parallel` end to end on the CPU: `verifypd serve --device cpu --tensor-parallel 2`
 (rank 0 in the engine core, one follower process, gloo) serves the tiny random Llama with a draft
 model, and its greedy output equals the single-process engine's token for token (a crowd of
 requests at once: ragged prefills, batched verify calls with device drafts broadcast to the

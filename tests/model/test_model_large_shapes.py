@@ -1,4 +1,4 @@
-"""The random-weight bench shapes of the large targets (issue 21) are the published models' shapes:
+"""The random-weight bench shapes of the large targets are the published models' shapes:
 each published config.json (its fields as on the Hugging Face hub, typed in here: no download) read
 by the real loader (`shape_from_config`) gives the same LlamaShape as `random:NAME`."""
 

@@ -1,4 +1,4 @@
-"""A seed names one output (issue 23): a seeded sampled request's tokens are the same alone, in a
+"""A seed names one output: a seeded sampled request's tokens are the same alone, in a
 busy batch, after preemption under a tiny KV pool, with any draft (model, self:N, ngram), k fixed
 or adaptive, any schedule, and with no draft at all (--draft none). See docs/engine.md, "Seeds"."""
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (issue 21): two ranks over a gloo process group run the sharded tiny
+"""Tensor parallelism on CPU: two ranks over a gloo process group run the sharded tiny
 Llama / Qwen2 (model.tensor_parallel) and must give the unsharded model's logits (float32, tight
 tolerance) for a ragged prefill, a paged decode step and a multi-token verify step, and the same
 greedy tokens over 16 decode steps. Each rank's KV pool holds only its kv heads; the block ids are

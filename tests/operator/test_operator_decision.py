@@ -269,7 +269,7 @@ def test_no_flapping_on_noisy_input():
 @pytest.mark.parametrize(
     "adaptive, knobs_kw, expect_action, expect_knobs",
     [
-        # The measured case (docs/kubernetes.md, issue 20): a prefill boost in force, both breached, the
+        # The measured case (docs/kubernetes.md): a prefill boost in force, both breached, the
         # pod at max. Undo the boost, the one knob that measurably cost ITL.
         (True, {"prio_prefill": 1, "prefill_token_budget": 3888}, "prefill-restore", (8, 0, 2592)),
         # No boost left, adaptive k: the router's k already minimises ITL; lowering kMax would raise it.

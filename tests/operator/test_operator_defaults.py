@@ -1,6 +1,6 @@
 """One default, everywhere: what `verifypd serve` loads without --target/--draft is what a
 VerifyPDConfig without `model` gets, through the CRD's structural defaults, the operator's spec
-parser, the chart's default config and the shipped example (issue 20, item 3)."""
+parser, the chart's default config and the shipped example."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The control loop, live (issue 20, item 1): two real `verifypd serve` processes (tiny random
+"""The control loop, live: two real `verifypd serve` processes (tiny random
 models, CPU, started through the CLI) export OTLP metrics to the operator's real receiver; the
 operator's real handlers run in kopf against a real API server (envtest) and push knobs through
 `Control.UpdateConfig` (with the admin key of the config's Secret) to both routers. The one part

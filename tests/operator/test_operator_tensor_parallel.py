@@ -1,4 +1,4 @@
-"""`tensorParallel` (issue 21): the CRD field on colocated / lanes.verify / lanes.prefill, the pods the
+"""`tensorParallel`: the CRD field on colocated / lanes.verify / lanes.prefill, the pods the
 operator builds for it (one `serve --tensor-parallel N` container requesting the GPUs), and the API
 server's own validation of the field (envtest): gpu >= tensorParallel, split lanes refused."""
 

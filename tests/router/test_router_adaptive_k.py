@@ -1,4 +1,4 @@
-"""Adaptive k that never costs (issue 22, item 4), torch-free: the real Router and Scheduler over
+"""Adaptive k that never costs, torch-free: the real Router and Scheduler over
 lanes that cost simulated time (costed_lanes.py), with SIMULATED acceptance, against plain decoding
 under the same cost tables; and the policy's pieces on their own."""
 
@@ -137,7 +137,7 @@ def test_plain_decoding_is_measured_before_drafting_is_judged():
 
 def test_one_slow_step_of_two_is_not_the_cost():
     """Of two samples the lower is the cost (one slow step, a GC pause say, moves nothing: the upper
-    median of two made single 4-5 ms steps the cost of k = 4 at batch 16, session 32); of three the middle."""
+    median of two made single 4-5 ms steps the cost of k = 4 at batch 16); of three the middle."""
     costs = StepCostModel()
     costs.observe_step(16, 4, 1.8e-3)
     costs.observe_step(16, 4, 5.2e-3)

@@ -298,7 +298,7 @@ def test_adaptive_k_switched_off_keeps_chaining_as_the_batch_shrinks(tiny_models
     # Six requests finish at six different steps (the batch shrinks 5 times while drafting is off),
     # through 4 batch buckets (8, 4, 2, 1): a chain may end where the plain cost of a new bucket is
     # unmeasured, and for a probe, not at every finish (13 "plan" breaks before, 5 after). Plain
-    # decoding is measured over PLAIN_SAMPLES chained steps (session 31): the chain then ends once
+    # decoding is measured over PLAIN_SAMPLES chained steps: the chain then ends once
     # more per bucket, where the measurement completes and drafting is decided anew (7).
     buckets = len({batch_bucket(n) for n in range(1, 7)})
     assert router.overlap.breaks.get("plan", 0) <= 2 * buckets + 1 + probes.probes, router.overlap.breaks

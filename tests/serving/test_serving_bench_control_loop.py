@@ -1,4 +1,4 @@
-"""bench/operator/control_loop.py --smoke on the CPU (its real use is on the GPU, issue 20): one server, the
+"""bench/operator/control_loop.py --smoke on the CPU (its real use is on the GPU): one server, the
 three modes, the operator's loop acting on the server's own telemetry, the priority run, the
 result file with the benchmark metadata."""
 

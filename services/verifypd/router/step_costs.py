@@ -23,7 +23,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 MIN_STEP_S = 1e-6
 # Plain decoding at a batch bucket is measured over this many steps before drafting is judged against
 # it: the first plain step after a batch's prefill also waits for that prefill's GPU work, and one
-# sample is its own median. At 16 requests (the embedded model, H200, session 31) that step read
+# sample is its own median. At 16 requests (the embedded model, H200) that step read
 # 1.58 ms against ~0.95 for the steps after it, and the policy drafted at 0.7 x plain decoding.
 PLAIN_SAMPLES = 3
 
@@ -74,7 +74,7 @@ class StepCostModel:
         samples.append(max(seconds, MIN_STEP_S))  # a coarse clock can read 0: costs stay positive
         # The lower median: of two samples, one slow step (a GC pause, a step that also waited on
         # other work) must not be the cost. Taking the upper one, single 4-5 ms samples of a batch-16
-        # step that costs ~1.8 ms made k = 4 and up look 2.5 x dearer than they are (session 32).
+        # step that costs ~1.8 ms made k = 4 and up look 2.5 x dearer than they are.
         medians[key] = sorted(samples)[(len(samples) - 1) // 2]
 
     def measured(self, batch: int, k: int) -> bool:

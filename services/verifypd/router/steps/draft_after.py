@@ -2,10 +2,10 @@
 
 A lock-step speculative step ran: draft call, verify call, wait for the verdict, commit (append,
 stream), plan, and only then the next draft call; the GPU idled through the host's commit and
-planning, and the host idled through the draft's GPU work. Session 29's host timings (H200, the
+planning, and the host idled through the draft's GPU work. Host timings (H200, the
 embedded model with its head, 16 requests): a step ~2.8 ms, of which the draft call's host work
 0.53 ms, the verify call's launch 0.46, the wait 0.96 and the commit 0.32. Launching the next
-drafts once the verdict is on the host (session 31's "predraft", reverted) hid only the streaming.
+drafts once the verdict is on the host (a "predraft" tried and reverted) hid only the streaming.
 
 With a feature draft (`--draft eagle:` / `eagle+ngram:`) and in-process lanes, the router now
 launches step N + 1's draft call right after verify call N, on the verify call's stream: each
