@@ -190,11 +190,11 @@ def test_cancel_and_deadline_free_blocks(client, gateway, how):
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == (grpc.StatusCode.CANCELLED if how == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED)
-    gateway.router.verify_lane.delay_s, steps = 0.5, gateway.engine.steps
+    gateway.router.verify_lane.delay_s, steps = 0.5, gateway.core_loop.steps
     # The abort runs on the engine thread before its next step: a couple of (slow) steps, not the
     # >= 20 more that finishing the request would take (counted in steps, not seconds).
     assert wait_until(lambda: blocks_in_use(gateway) == (0, 0), timeout_s=60)
-    assert gateway.engine.steps - steps < 10, "the request ran on: not aborted"
+    assert gateway.core_loop.steps - steps < 10, "the request ran on: not aborted"
 
 
 def test_update_config_takes_effect_on_next_step(client, gateway):
