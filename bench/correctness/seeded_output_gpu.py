@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
-from engine_throughput import git_revision, random_prompts  # noqa: E402
+from engine_throughput import git_revision, random_prompts
 
-from verifypd.domain.config import RuntimeConfig  # noqa: E402
-from verifypd.domain.requests import RequestSpec, SamplingParams  # noqa: E402
-from verifypd.engine import Engine, EngineOptions  # noqa: E402
-from verifypd.model.build import load_models  # noqa: E402
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec, SamplingParams
+from verifypd.engine import Engine, EngineOptions
+from verifypd.model.build import load_models
 
 SUBJECTS, CROWD, MAX_TOKENS = 8, 16, 64
 

@@ -24,9 +24,9 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
-from bench_meta import metadata  # noqa: E402
+from bench_meta import metadata
 
-from verifypd.distill.evaluate import compare_drafts  # noqa: E402
+from verifypd.distill.evaluate import compare_drafts
 
 BENCH = pathlib.Path(__file__).resolve().parents[1]
 

@@ -26,15 +26,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine"))  # engine_throughput
 
-from bench_meta import metadata  # noqa: E402
-from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine  # noqa: E402
+from bench_meta import metadata
+from engine_throughput import LaneTimes, copy_bandwidth, draft_call_seconds, run_engine
 
-from verifypd.domain.config import RuntimeConfig  # noqa: E402
-from verifypd.engine import Engine, EngineOptions  # noqa: E402
-from verifypd.model.build import load_models  # noqa: E402
-from verifypd.model.eagle_draft import EagleModel, FeatureRun  # noqa: E402
-from verifypd.model.eagle_head import random_eagle_head  # noqa: E402
-from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
+from verifypd.domain.config import RuntimeConfig
+from verifypd.engine import Engine, EngineOptions
+from verifypd.model.build import load_models
+from verifypd.model.eagle_draft import EagleModel, FeatureRun
+from verifypd.model.eagle_head import random_eagle_head
+from verifypd.model.loader import RANDOM_SHAPES
 
 
 def head_bytes(model: EagleModel) -> int:

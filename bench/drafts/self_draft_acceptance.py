@@ -16,14 +16,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
-from engine_throughput import git_revision  # noqa: E402
+from engine_throughput import git_revision
 
-from verifypd.domain.config import RuntimeConfig  # noqa: E402
-from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions  # noqa: E402
-from verifypd.model.build import Models  # noqa: E402
-from verifypd.model.llama import PagedLlama  # noqa: E402
-from verifypd.model.loader import load_model  # noqa: E402
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec
+from verifypd.engine import Engine, EngineOptions
+from verifypd.model.build import Models
+from verifypd.model.llama import PagedLlama
+from verifypd.model.loader import load_model
 
 PROMPTS = [
     "What is the capital of France?",

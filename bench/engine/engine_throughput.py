@@ -61,15 +61,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # static_decoder
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
 # determinism.py, draft_acceptance.py and self_draft_acceptance.py import git_revision from here.
-from bench_meta import git_revision  # noqa: E402
+from bench_meta import git_revision
 
-from verifypd.core.assembly import load_stack_models  # noqa: E402
-from verifypd.domain.config import RuntimeConfig  # noqa: E402
-from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions  # noqa: E402
-from verifypd.model.llama import PagedLlama  # noqa: E402
-from verifypd.model.loader import RANDOM_SHAPES  # noqa: E402
-from verifypd.router.router import EngineObserver  # noqa: E402
+from verifypd.core.assembly import load_stack_models
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec
+from verifypd.engine import Engine, EngineOptions
+from verifypd.model.llama import PagedLlama
+from verifypd.model.loader import RANDOM_SHAPES
+from verifypd.router.router import EngineObserver
 
 
 def copy_bandwidth() -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_meta
-from bench_meta import metadata  # noqa: E402
+from bench_meta import metadata
 
 
 def capture(nodes: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:

@@ -26,13 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_meta
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafts"))  # draft_acceptance
-import draft_acceptance as da  # noqa: E402
-from bench_meta import metadata  # noqa: E402
+import draft_acceptance as da
+from bench_meta import metadata
 
-from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.domain.tokenizer import TextCodec  # noqa: E402
-from verifypd.lanes import local  # noqa: E402
-from verifypd.model.loader import load_model  # noqa: E402
+from verifypd.domain.requests import RequestSpec
+from verifypd.domain.tokenizer import TextCodec
+from verifypd.lanes import local
+from verifypd.model.loader import load_model
 
 
 class WaitClock:

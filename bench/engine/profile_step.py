@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 
-from verifypd.domain.config import SCHEDULES, RuntimeConfig  # noqa: E402
-from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.engine import Engine, EngineOptions  # noqa: E402
+from verifypd.domain.config import SCHEDULES, RuntimeConfig
+from verifypd.domain.requests import RequestSpec
+from verifypd.engine import Engine, EngineOptions
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench_meta
-from bench_meta import metadata, write_result  # noqa: E402
+from bench_meta import metadata, write_result
 
 
 class LaneTimer:

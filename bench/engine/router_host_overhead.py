@@ -24,13 +24,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench_meta
 
-from bench_meta import metadata, write_result  # noqa: E402
+from bench_meta import metadata, write_result
 
-from verifypd.domain.config import RuntimeConfig  # noqa: E402
-from verifypd.domain.lanes import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput  # noqa: E402
-from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.domain.tokenizer import TextCodec  # noqa: E402
-from verifypd.router.router import Router  # noqa: E402
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.lanes import DraftOutput, LaneInfo, PoolInfo, PrefillOutput, VerifyOutput
+from verifypd.domain.requests import RequestSpec
+from verifypd.domain.tokenizer import TextCodec
+from verifypd.router.router import Router
 
 VOCAB, BLOCK = 32_000, 16
 

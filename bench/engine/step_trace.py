@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafts"))  # draft_acceptance
-import draft_acceptance as da  # noqa: E402
+import draft_acceptance as da
 
-from verifypd.domain.requests import RequestSpec  # noqa: E402
-from verifypd.domain.tokenizer import TextCodec  # noqa: E402
-from verifypd.model.loader import load_model  # noqa: E402
+from verifypd.domain.requests import RequestSpec
+from verifypd.domain.tokenizer import TextCodec
+from verifypd.model.loader import load_model
 
 
 def summarise(events: list[dict]) -> dict:
@@ -89,10 +89,7 @@ def main() -> None:
             engine.generate([RequestSpec(prompts[fam][0], max_tokens=16, request_id=f"w-{fam}")])
 
         def specs(tag):
-            return [
-                RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{tag}-{i}")  # noqa: E731
-                for i, p in enumerate(ids)
-            ]
+            return [RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{tag}-{i}") for i, p in enumerate(ids)]
 
         engine.generate(specs("warm"))
         t0 = time.perf_counter()

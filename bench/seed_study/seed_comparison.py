@@ -50,7 +50,7 @@ from bench_meta import git_revision  # noqa: E402
 from seed_report import (  # noqa: E402
     merge,
     output_paths,
-    render_report,  # noqa: E402,F401
+    render_report,  # noqa: F401
     write_json,
     write_report,
 )
@@ -189,7 +189,7 @@ def run_sweep(args) -> dict:
                         error=f"server exited with code {server.proc.returncode} during the sweep",
                         log_tail=server.tail(),
                     )
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 entry.update(status="error", error=f"{type(exc).__name__}: {exc}", log_tail=server.tail())
                 done = {r["concurrency"] for r in results["rows"] if r["pair"] == base["pair"] and r["mode"] == mode}
                 for c in args.concurrency:

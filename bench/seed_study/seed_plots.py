@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from seed_rows import MODE_TITLES, concurrencies, measured, mode_order, ratio, slug, table_by, value  # noqa: E402
+from seed_rows import MODE_TITLES, concurrencies, measured, mode_order, ratio, slug, table_by, value
 
 
 def make_plots(doc: dict, base: Path) -> tuple[dict[str, list[str]], str | None]:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from seed_plots import make_plots  # noqa: E402
-from seed_rows import LOAD_MODEL, MODE_TITLES, concurrencies, fmt, mode_order, ratio, slug, table_by, value  # noqa: E402
-from seed_targets import THEIRS, check_targets, theirs_section  # noqa: E402
+from seed_plots import make_plots
+from seed_rows import LOAD_MODEL, MODE_TITLES, concurrencies, fmt, mode_order, ratio, slug, table_by, value
+from seed_targets import THEIRS, check_targets, theirs_section
 
 
 def output_paths(out_dir: str, device_slug: str, tag: str | None) -> dict[str, Path]:

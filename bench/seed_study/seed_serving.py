@@ -321,7 +321,7 @@ async def drive(args, address: str, base: dict, nvml: Nvml, on_row, alive, out_o
                 summary = metrics.summarize(res)
                 row.update(point_row(summary, sampler.result()))
                 row["summary"] = summary
-            except Exception as exc:  # noqa: BLE001 (recorded; the sweep goes on)
+            except Exception as exc:
                 row.update(status="error", error=f"{type(exc).__name__}: {exc}")
             on_row(row)
     return info

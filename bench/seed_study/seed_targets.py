@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from seed_rows import MODE_TITLES, measured, value  # noqa: E402
+from seed_rows import MODE_TITLES, measured, value
 
 # The study's own figures: A100, real weights, their code. NOT measured here; shown beside ours only.
 THEIRS = {

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
-from bench_meta import metadata, write_result  # noqa: E402
+from bench_meta import metadata, write_result
 
 
 def main() -> None:

@@ -32,13 +32,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench_meta
 
-from bench_meta import metadata, write_result  # noqa: E402
+from bench_meta import metadata, write_result
 
-from verifypd.model.kv_pool import KvPool, PoolGeometry  # noqa: E402
-from verifypd.model.layout import TokenRun  # noqa: E402
-from verifypd.model.loader import RANDOM_SHAPES, random_model, random_shape  # noqa: E402
-from verifypd.model.runner import ModelRunner  # noqa: E402
-from verifypd.model.tensor_parallel import SingleRank, TorchDistributedGroup, shard_model, shard_shape  # noqa: E402
+from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.layout import TokenRun
+from verifypd.model.loader import RANDOM_SHAPES, random_model, random_shape
+from verifypd.model.runner import ModelRunner
+from verifypd.model.tensor_parallel import SingleRank, TorchDistributedGroup, shard_model, shard_shape
 
 BLOCK_SIZE = 16
 CHECK_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=4, vocab_size=1000)

@@ -8,10 +8,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from verifypd_loadgen.report import METRIC_TITLES  # noqa: E402
+from verifypd_loadgen.report import METRIC_TITLES
 
 LAT_PLOTTED = ("ttft", "itl_token", "itl_chunk", "e2e")
 

@@ -267,7 +267,7 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     def __init__(self, store: MetricsStore):
         self.store = store
 
-    def Export(self, request, context):  # noqa: N802 (gRPC method name)
+    def Export(self, request, context):
         _, rejected = self.store.ingest(request)
         resp = metrics_service_pb2.ExportMetricsServiceResponse()
         if rejected:

@@ -44,7 +44,7 @@ from verifypd_operator.main import apply_settings
 from verifypd_operator.otlp_receiver import MetricsStore, serve
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
-from services_helpers import VOCAB, Client, Server, free_port, serve_cmd  # noqa: E402
+from services_helpers import VOCAB, Client, Server, free_port, serve_cmd
 
 NAME, ADMIN_KEY = "loop", "live-loop-admin-key-0123456789abcdef"
 CR = {
@@ -191,7 +191,7 @@ def loadgen(address: str, seed: int) -> subprocess.Popen:
 
 @pytest.mark.timeout(420)
 @pytest.mark.serial  # its decisions follow measured latency: run alone (scripts/test.sh)
-def test_live_control_loop(crds, namespace, tiny_models, tmp_path):  # noqa: F811 (the fixture imported above)
+def test_live_control_loop(crds, namespace, tiny_models, tmp_path):
     admin = Kube(kubernetes.config.new_client_from_config(config_file=str(crds.kubeconfig)))
     key_file = tmp_path / "admin-key"
     key_file.write_text(ADMIN_KEY)

@@ -32,9 +32,9 @@ from services_helpers import (
     random_prompts,
     wait_until,
 )
-from test_serving_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop  # noqa: E402
+from test_serving_lane_failure import CONCURRENCY, MAX_TOKENS, closed_loop
 
-from verifypd.domain.requests import RequestSpec  # noqa: E402
+from verifypd.domain.requests import RequestSpec
 
 
 def main() -> int:

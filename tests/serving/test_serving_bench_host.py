@@ -70,7 +70,7 @@ def test_serving_host_ceiling(tmp_path, api):
     assert eight["tokens_per_step"] > 3 * one["tokens_per_step"]  # the eight streams share steps
 
 
-def test_profile_step_closed_loop(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
+def test_profile_step_closed_loop(tiny_models, tmp_path):
     """The engine alone under a closed loop: three passes (prefill beside verify on, off, on), each
     keeping every request slot busy, written with the metadata every benchmark records."""
     target, draft = tiny_models
@@ -102,7 +102,7 @@ def test_profile_step_closed_loop(tiny_models, tmp_path):  # noqa: F811 (the imp
         assert r["output_tok_s"] > 0 and r["tokens_per_step"] > 1  # four requests decode in each step
 
 
-def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):  # noqa: F811 (the imported fixture)
+def test_engine_throughput_adaptive_fallback_rows_on_cpu(tiny_models, tmp_path):
     """bench/engine/engine_throughput.py's issue-22 command (plain decoding against SIMULATED acceptance 0.1
     with adaptive k), as a CPU smoke run on tiny checkpoints: it runs, every row counts the k
     decisions (drafting on merit, probes), and the adaptive rows carry their ratio to k = 0."""
