@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from verifypd.model import sampler
-from verifypd.model.graph_runner import BUCKETS, EagerReplay, capture_graph
+from verifypd.model.graph_runner import BUCKETS, EagerReplay, bucket_rows, capture_graph
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
 from verifypd.model.llama import BatchLayout
 from verifypd.model.verdict_shift import shift_to_verdict
@@ -218,10 +218,7 @@ class EagleGraphs:
 
     def rows_for(self, batch: int) -> int:
         """The captured bucket a call of `batch` runs in (callers check `fits` first)."""
-        rows = self.bucket(batch)
-        if rows is None:
-            raise ValueError(f"batch {batch} is over the largest captured bucket ({self.buckets[-1]})")
-        return rows
+        return bucket_rows(self.buckets, batch)
 
     def fits(self, batch: int, query: int, steps: int, width: int) -> bool:
         rows = self.bucket(batch)

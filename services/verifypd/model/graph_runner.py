@@ -97,10 +97,7 @@ class GraphRunner:
 
     def rows_for(self, batch: int) -> int:
         """The captured bucket a call of `batch` runs in (callers check fits / draft_fits first)."""
-        rows = self.bucket(batch)
-        if rows is None:
-            raise ValueError(f"batch {batch} is over the largest captured bucket ({self.buckets[-1]})")
-        return rows
+        return bucket_rows(self.buckets, batch)
 
     def fits(self, batch: int, query: int) -> bool:
         rows = self.bucket(batch)
@@ -328,6 +325,14 @@ def capture_graph(fn, mempool, stream) -> torch.cuda.CUDAGraph:
             gc.enable()
     torch.cuda.synchronize()
     return graph
+
+
+def bucket_rows(buckets: tuple[int, ...], batch: int) -> int:
+    """The smallest of the sorted `buckets` that holds `batch` rows (a clear error past the largest)."""
+    rows = next((b for b in buckets if b >= batch), None)
+    if rows is None:
+        raise ValueError(f"batch {batch} is over the largest captured bucket ({buckets[-1]})")
+    return rows
 
 
 class Replayable(Protocol):
