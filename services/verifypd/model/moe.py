@@ -148,7 +148,9 @@ def experts_grouped(
     if tokens == 0:
         return torch.zeros_like(x)
     schedule = align_to_blocks(ids, w.router.shape[0], pick_block_m(tokens * top_k, w.router.shape[0]))
-    hidden = moe_gate_up(x, w.gate_up, schedule.sorted_pairs, schedule.block_expert, top_k, activation, schedule.block_m)
+    hidden = moe_gate_up(
+        x, w.gate_up, schedule.sorted_pairs, schedule.block_expert, top_k, activation, schedule.block_m
+    )
     per_pair = moe_down(hidden, w.down, weights, schedule.sorted_pairs, schedule.block_expert, schedule.block_m)
     # [T * k, H] -> [T, H]: the k weighted expert outputs of each token, summed in float32.
     return per_pair.view(tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)

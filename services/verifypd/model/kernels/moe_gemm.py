@@ -58,7 +58,9 @@ def _moe_gemm_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :], mask=real[:, None] & k_ok[None, :], other=0.0
+        )
         # B tile [BLOCK_K, BLOCK_N] of the expert's [N(, +N), K] matrix, read transposed.
         b_mask = k_ok[:, None] & col_ok[None, :]
         b = tl.load(b_base + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=b_mask, other=0.0)
@@ -143,7 +145,9 @@ def moe_gate_up(
     hidden = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     schedule = (sorted_pairs, block_expert, block_m)
     # The gated launch reads no routing weight: sorted_pairs stands in for the unused pointer.
-    _launch(x, gate_up, hidden, sorted_pairs, schedule, x.shape[0] * top_k, top_k, inter, True, activation == "gelu_tanh")
+    _launch(
+        x, gate_up, hidden, sorted_pairs, schedule, x.shape[0] * top_k, top_k, inter, True, activation == "gelu_tanh"
+    )
     return hidden
 
 
