@@ -54,13 +54,13 @@ class MoeWeights:
     down: torch.Tensor  # [E, H, I]
 
 
-def expert_path(name: str, device: torch.device) -> str:
-    """ "auto" picks the grouped Triton path on CUDA and the reference loop elsewhere;
-    VERIFYPD_MOE=reference|grouped overrides "auto" (tests, debugging)."""
-    if name == "auto":
-        name = os.environ.get("VERIFYPD_MOE") or ("grouped" if device.type == "cuda" else "reference")
+def expert_path(attention: str) -> str:
+    """The expert path of a model on attention backend `attention`: grouped with the Triton kernels
+    (the CUDA default; capturable), the reference loop with the torch reference. VERIFYPD_MOE=
+    reference|grouped overrides (tests, debugging)."""
+    name = os.environ.get("VERIFYPD_MOE") or ("grouped" if attention == "triton" else "reference")
     if name not in EXPERT_PATHS:
-        raise ValueError(f"MoE expert path must be reference, grouped or auto, got {name!r}")
+        raise ValueError(f"VERIFYPD_MOE must be reference or grouped, got {name!r}")
     return name
 
 
