@@ -131,7 +131,7 @@ def align_to_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> BlockS
     expert = flat[order]
     rank = torch.arange(pairs, device=dev) - (counts.cumsum(0) - counts)[expert]  # index within the expert
     sorted_pairs = torch.full((blocks * block_m,), pairs, dtype=torch.int64, device=dev)
-    sorted_pairs[(padded_end - padded)[expert] + rank] = order
+    sorted_pairs.scatter_(0, (padded_end - padded)[expert] + rank, order)
     starts = torch.arange(blocks, device=dev) * block_m
     block_expert = torch.searchsorted(padded_end, starts, right=True)  # first expert ending past the start
     block_expert = torch.where(block_expert < num_experts, block_expert, -1)

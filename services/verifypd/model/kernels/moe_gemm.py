@@ -37,6 +37,7 @@ def _moe_gemm_kernel(
     stride_cm,
     GATED: tl.constexpr,
     GELU: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,10 +65,17 @@ def _moe_gemm_kernel(
         # B tile [BLOCK_K, BLOCK_N] of the expert's [N(, +N), K] matrix, read transposed.
         b_mask = k_ok[:, None] & col_ok[None, :]
         b = tl.load(b_base + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=b_mask, other=0.0)
-        acc = tl.dot(a, b, acc)
+        # float32 models: exact products (no TF32 on the GPU), as transformers' float32 reference.
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         if GATED:  # the up rows sit N rows below the gate rows
             up = tl.load(b_base + (cols + N)[None, :] * stride_bn + (k0 + ks)[:, None], mask=b_mask, other=0.0)
-            acc_up = tl.dot(a, up, acc_up)
+            if IEEE:
+                acc_up = tl.dot(a, up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, up, acc_up)
     out_mask = real[:, None] & col_ok[None, :]
     dtype = c_ptr.dtype.element_ty
     if GATED:
@@ -123,6 +131,7 @@ def _launch(a, b, c, weight, schedule, num_pairs: int, top_k: int, n: int, gated
         c.stride(0),
         GATED=gated,
         GELU=gelu,
+        IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=_block(k),
