@@ -100,6 +100,8 @@ def run_family(
 def _run_family_once(engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int) -> dict:
     totals = dict(drafted=0, accepted=0, verify_steps=0, tokens=0, seconds=0.0, cpu_seconds=0.0)
     outputs = []
+    probes = engine.router.scheduler.probes
+    k_before, probes_before = dict(probes.k_counts), probes.probes
     for start in range(0, len(ids), batch):
         specs = [
             RequestSpec(p, max_tokens=max_tokens, request_id=f"{family}-{start + i}")
@@ -119,8 +121,12 @@ def _run_family_once(engine: Engine, family: str, ids: list[tuple[int, ...]], ma
             totals["tokens"] += c.usage["completion_tokens"]
             outputs.append(c.token_ids)
     d, a, steps = totals["drafted"], totals["accepted"], totals["verify_steps"]
+    # The policy's batch k decisions in this run (a decision per step of the batch), and its probes.
+    k_decisions = {k: n - k_before.get(k, 0) for k, n in sorted(probes.k_counts.items()) if n > k_before.get(k, 0)}
     return {
         **totals,
+        "k_decisions": k_decisions,
+        "probe_steps": probes.probes - probes_before,
         "acceptance_rate": a / d if d else None,
         "accepted_per_step": a / steps if steps else 0.0,
         "tok_per_s": totals["tokens"] / totals["seconds"],
@@ -273,6 +279,8 @@ def measure(
                     "seconds": r["seconds"],
                     "cpu_seconds": r["cpu_seconds"],
                     "seconds_all": r["seconds_all"],
+                    "k_decisions": r["k_decisions"],
+                    "probe_steps": r["probe_steps"],
                 }
             )
     return table

@@ -121,6 +121,7 @@ class ProbeSchedule:
         self.interval = PROBE_FIRST
         self.steps_off = 0  # k decisions of 0 since the last drafting or probing one
         self.decisions = self.drafting = self.probes = 0
+        self.k_counts: dict[int, int] = {}  # batch k decisions by k (benchmarks read it)
 
     @property
     def due(self) -> bool:
@@ -128,6 +129,7 @@ class ProbeSchedule:
 
     def record(self, k: int, probed: bool) -> None:
         self.decisions += 1
+        self.k_counts[k] = self.k_counts.get(k, 0) + 1
         if probed:
             self.probes += 1
             self.interval = min(2 * self.interval, PROBE_MAX)
