@@ -104,7 +104,8 @@ def test_both_name_layouts_load_the_same_weights(moe_models, hf_models, family):
     assert any(".experts.0." in n for n in on_disk) and not any("gate_up_proj" in n for n in on_disk)
     stacked = hf.state_dict()
     assert any(n.endswith("experts.gate_up_proj") for n in stacked)
-    a, b = (weights_from_source(StateDictSource(sd, torch.device("cpu"), torch.float32), shape, False) for sd in (on_disk, stacked))
+    cpu = torch.device("cpu")
+    a, b = (weights_from_source(StateDictSource(sd, cpu, torch.float32), shape, False) for sd in (on_disk, stacked))
     for la, lb in zip(a.layers, b.layers):
         assert (la.moe is None) == (lb.moe is None)
         if la.moe is not None and lb.moe is not None:
@@ -155,9 +156,10 @@ def references(hf_models):
 def test_greedy_matches_transformers(moe_models, references, family, draft, k):
     prompts, expected = references
     engine = make_engine(moe_models[family], draft, k=k)
-    done = engine.generate(
-        [RequestSpec(list(p), max_tokens=NEW_TOKENS, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(prompts)]
-    )
+    specs = [
+        RequestSpec(list(p), max_tokens=NEW_TOKENS, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(prompts)
+    ]
+    done = engine.generate(specs)
     assert [done[str(i)].token_ids for i in range(len(prompts))] == expected[family]
 
 
