@@ -28,7 +28,6 @@ import torch
 
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup
 from verifypd.model.loader import LoadedModel, ModelLoadError, load_model, random_shape
-from verifypd.model.moe import MoeWeights
 
 
 class SingleRank:
@@ -107,12 +106,13 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
     def cols(t: torch.Tensor, width: int) -> torch.Tensor:
         return t.narrow(1, rank * width, width).contiguous()
 
-    def experts(m: MoeWeights) -> MoeWeights:
+    def experts(m):
         # Every expert's slice of the intermediate dim: gate_up [E, 2I, H] rows, down [E, H, I] columns.
         assert shape.moe is not None and local.moe is not None
         full, part = shape.moe.intermediate_size, local.moe.intermediate_size
         gate_up = torch.cat([m.gate_up.narrow(1, start + rank * part, part) for start in (0, full)], 1)
-        return MoeWeights(m.router, gate_up.contiguous(), m.down.narrow(2, rank * part, part).contiguous())
+        down = m.down.narrow(2, rank * part, part)
+        return dataclasses.replace(m, gate_up=gate_up.contiguous(), down=down.contiguous())  # router replicated
 
     layers = [
         LayerWeights(
