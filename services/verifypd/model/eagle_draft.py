@@ -83,7 +83,7 @@ class EagleModel:
         mask = shell.attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
         attn = F.linear(shell.attend(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
         h, x = shell.add_rms_norm(g, attn, w.layer.post_norm)  # h = g + attn
-        mlp = F.linear(shell.act_mul(F.linear(x, w.layer.gate_up)), w.layer.down)
+        mlp = shell.mlp(w.layer, x)
         return shell.add_rms_norm(h, mlp, w.final_norm)  # h = g + attn + mlp
 
     def rows(self, pool: torch.Tensor, batch: BatchLayout, features: torch.Tensor):

@@ -222,7 +222,8 @@ def head_state_dict(config: EagleConfig, weights: EagleWeights, *, with_lm_head:
     L, s = weights.layer, config
     q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     q, k, v = L.qkv.split([q_dim, kv_dim, kv_dim])
-    gate, up = L.gate_up.chunk(2)
+    gate_up, down = L.dense_mlp()
+    gate, up = gate_up.chunk(2)
     m = "midlayer."
     sd = {
         "fc.weight": weights.fc,
@@ -232,7 +233,7 @@ def head_state_dict(config: EagleConfig, weights: EagleWeights, *, with_lm_head:
         f"{m}self_attn.o_proj.weight": L.o,
         f"{m}mlp.gate_proj.weight": gate,
         f"{m}mlp.up_proj.weight": up,
-        f"{m}mlp.down_proj.weight": L.down,
+        f"{m}mlp.down_proj.weight": down,
         f"{m}input_layernorm.weight": L.input_norm,
         f"{m}hidden_norm.weight": weights.hidden_norm,
         f"{m}post_attention_layernorm.weight": L.post_norm,

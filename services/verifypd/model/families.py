@@ -16,8 +16,9 @@ import torch
 
 from verifypd.domain.models import ModelLoadError
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.moe import MoeShape, MoeWeights
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3_moe")
 
 # transformers' hidden_act -> LlamaShape.mlp_activation. Gemma configs saying "gelu" mean the tanh
 # approximation (transformers rewrites it so).
@@ -44,13 +45,18 @@ class TensorSource(Protocol):
 # slices, and the rank keeps slice `rank` of every part, concatenated. None: replicated.
 ShardRule = tuple[int, tuple[int, ...] | None] | None
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split
-ROW_PARALLEL = ("o_proj", "down_proj")  # input columns split (partial sums all-reduced)
+# Mixtral's per-expert w1 (gate), w3 (up), w2 (down) shard as gate_proj, up_proj, down_proj.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # output rows split
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")  # input columns split (partial sums all-reduced)
 
 
 def shard_rule(name: str, shape: LlamaShape) -> ShardRule:
     """How `name` is cut across tensor-parallel ranks (model.tensor_parallel's layout)."""
     parts = name.split(".")
+    if shape.moe is not None and parts[-2:] == ["experts", "gate_up_proj"]:  # stacked [E, 2I, H]
+        return (1, (shape.moe.intermediate_size,) * 2)
+    if parts[-2:] == ["experts", "down_proj"]:  # stacked [E, H, I]
+        return (2, None)
     if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
         module = parts[-2]
         if module in COLUMN_PARALLEL:
@@ -77,6 +83,8 @@ def shape_from_config(config: Any, max_context: int | None) -> LlamaShape:
     act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act
     if act not in ACTIVATIONS:
         raise ModelLoadError(f"MLP activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
+    if getattr(config, "use_sliding_window", False):
+        raise ModelLoadError("sliding-window attention (config field 'use_sliding_window') is not supported")
     ctx = config.max_position_embeddings if max_context is None else min(max_context, config.max_position_embeddings)
     return LlamaShape(
         vocab_size=config.vocab_size,
@@ -94,6 +102,33 @@ def shape_from_config(config: Any, max_context: int | None) -> LlamaShape:
         mlp_activation=ACTIVATIONS[act],
         embed_scale=gemma,
         norm_offset=1.0 if gemma else 0.0,
+        qk_norm=config.model_type == "qwen3_moe",
+        moe=moe_shape(config),
+    )
+
+
+def moe_shape(config: Any) -> MoeShape | None:
+    """The experts of a Mixtral or Qwen3-MoE config (None: a dense model)."""
+    if config.model_type == "mixtral":
+        return MoeShape(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.intermediate_size,
+            normalize_topk=True,
+            float32_weights=True,
+        )
+    if config.model_type != "qwen3_moe" or not config.num_experts:
+        return None
+    # transformers' Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers or off the sparse step.
+    step, only = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    dense = tuple(i for i in range(config.num_hidden_layers) if i in only or (i + 1) % step)
+    return MoeShape(
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        normalize_topk=bool(config.norm_topk_prob),
+        float32_weights=False,
+        dense_layers=dense,
     )
 
 
@@ -116,17 +151,57 @@ def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> 
         p = f"model.layers.{i}."
         attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
         bias = cat([a + ".bias" for a in attn]) if shape.qkv_bias and source.has(attn[0] + ".bias") else None
+        moe = shape.moe is not None and shape.moe.is_moe_layer(i)
         layers.append(
             LayerWeights(
                 qkv=cat([a + ".weight" for a in attn]),
                 qkv_bias=bias,
                 o=source.get(p + "self_attn.o_proj.weight"),
-                gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=source.get(p + "mlp.down_proj.weight"),
+                gate_up=None if moe else cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=None if moe else source.get(p + "mlp.down_proj.weight"),
                 input_norm=norm(p + "input_layernorm.weight"),
                 post_norm=norm(p + "post_attention_layernorm.weight"),
+                moe=experts_from_source(source, p, shape) if moe else None,
+                q_norm=norm(p + "self_attn.q_norm.weight") if shape.qk_norm else None,
+                k_norm=norm(p + "self_attn.k_norm.weight") if shape.qk_norm else None,
             )
         )
     embed = source.get("model.embed_tokens.weight")
     head = embed if tied or not source.has("lm_head.weight") else source.get("lm_head.weight")
     return LlamaWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=head)
+
+
+# Per-expert tensor names (gate, up, down) as published checkpoints and transformers' save_pretrained
+# write them; a transformers 5 model's state dict holds them stacked (experts.gate_up_proj / down_proj).
+EXPERT_NAMES = {"block_sparse_moe.": ("w1", "w3", "w2"), "mlp.": ("gate_proj", "up_proj", "down_proj")}
+
+
+def experts_from_source(source: TensorSource, prefix: str, shape: LlamaShape) -> MoeWeights:
+    """Layer `prefix`'s router and stacked experts: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+    assert shape.moe is not None
+    experts = shape.moe.num_experts
+    block = prefix + ("block_sparse_moe." if source.has(prefix + "block_sparse_moe.gate.weight") else "mlp.")
+    router = source.get(block + "gate.weight")
+    if router.shape[0] != experts:
+        raise ModelLoadError(f"tensor {block + 'gate.weight'!r}: {router.shape[0]} experts, the config says {experts}")
+    if source.has(block + "experts.gate_up_proj"):
+        gate_up, down = source.get(block + "experts.gate_up_proj"), source.get(block + "experts.down_proj")
+        if gate_up.shape[0] != experts or down.shape[0] != experts:
+            raise ModelLoadError(f"tensor {block + 'experts.gate_up_proj'!r}: expected {experts} experts")
+        return MoeWeights(router, gate_up, down)
+    gate, up, down_name = EXPERT_NAMES[block.removeprefix(prefix)]
+    stacked_gate_up: torch.Tensor | None = None
+    stacked_down: torch.Tensor | None = None
+    for e in range(experts):  # filled in place: one expert's tensors at a time beside the stacks
+        name = f"{block}experts.{e}."
+        g, u, d = (source.get(name + n + ".weight") for n in (gate, up, down_name))
+        if stacked_gate_up is None or stacked_down is None:
+            stacked_gate_up = g.new_empty(experts, 2 * g.shape[0], g.shape[1])
+            stacked_down = d.new_empty(experts, *d.shape)
+        if g.shape != u.shape or 2 * g.shape[0] != stacked_gate_up.shape[1] or d.shape != stacked_down.shape[1:]:
+            raise ModelLoadError(f"tensor {name + gate + '.weight'!r}: expert {e}'s shapes differ from expert 0's")
+        stacked_gate_up[e, : g.shape[0]] = g
+        stacked_gate_up[e, g.shape[0] :] = u
+        stacked_down[e] = d
+    assert stacked_gate_up is not None and stacked_down is not None  # experts >= 1
+    return MoeWeights(router, stacked_gate_up, stacked_down)

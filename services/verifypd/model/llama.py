@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Protocol, overload
 import torch
 import torch.nn.functional as F
 
+from verifypd.model.moe import MoeShape, MoeWeights, expert_path, moe_forward
+
 if TYPE_CHECKING:
     from verifypd.model.features import FeaturePool
 
@@ -61,6 +63,8 @@ class LlamaShape:
     embed_scale: bool = False  # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
     norm_offset: float = 0.0  # Gemma: norms multiply by (offset + w); folded into the weights at
     # load (families.weights_from_source), never read by the forward
+    qk_norm: bool = False  # Qwen3-MoE: RMSNorm of each q and k head (over head_dim) before RoPE
+    moe: MoeShape | None = None  # Mixtral, Qwen3-MoE: the experts of the MoE layers (model.moe)
 
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -71,10 +75,19 @@ class LayerWeights:
     qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [H, heads * head_dim]
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor | None  # [2 * I, H] (None in an MoE layer)
+    down: torch.Tensor | None  # [H, I] (None in an MoE layer)
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
+    moe: MoeWeights | None = None  # the router and experts of an MoE layer (model.moe)
+    q_norm: torch.Tensor | None = None  # [head_dim] (shape.qk_norm)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+
+    def dense_mlp(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) of a dense layer."""
+        if self.gate_up is None or self.down is None:
+            raise ValueError("an MoE layer has no dense MLP")
+        return self.gate_up, self.down
 
 
 @dataclass
@@ -155,6 +168,7 @@ class PagedLlama:
             raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {shape.mlp_activation!r}")
         device = weights.embed.device
         self.attention = attention_backend(attention, device)
+        self.moe_path = expert_path(self.attention)
         if self.attention == "triton":  # imported only here: CPU installs need no Triton
             from verifypd.model.kernels.paged_attention import paged_attention
             from verifypd.model.kernels.rms_norm import add_rms_norm
@@ -222,7 +236,7 @@ class PagedLlama:
             if tp is not None:  # row-parallel o_proj: sum the ranks' partial outputs
                 tp.all_reduce(delta)
             h, x = norm(h, delta, layer.post_norm)
-            delta = F.linear(self.act_mul(F.linear(x, layer.gate_up)), layer.down)
+            delta = self.mlp(layer, x)
             if tp is not None:  # row-parallel down_proj
                 tp.all_reduce(delta)
         # Every layer assigns delta, and __init__ checks num_layers >= 1.
@@ -241,6 +255,8 @@ class PagedLlama:
         """[T, heads * D]: attention output of the new tokens, after writing their K/V."""
         s = self.shape
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            qkv = self.norm_qk(qkv, layer.q_norm, layer.k_norm)
         k_cache, v_cache = pool[0, layer_idx], pool[1, layer_idx]  # [blocks, block_size, kvh, D]
         flat = (-1, s.num_kv_heads, s.head_dim)
         if self.attention == "triton":
@@ -267,6 +283,31 @@ class PagedLlama:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
         return self._reference_attention(q, k_cache, v_cache, batch, mask)
+
+    def norm_qk(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+        """qkv [T, (heads + 2 kvh) * D] with every q and k head RMS-normed over D (v unchanged)."""
+        s = self.shape
+        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = rms_norm(q.reshape(-1, s.num_heads, s.head_dim), q_norm, s.rms_norm_eps).flatten(1)
+        k = rms_norm(k.reshape(-1, s.num_kv_heads, s.head_dim), k_norm, s.rms_norm_eps).flatten(1)
+        return torch.cat((q, k, v), dim=-1)
+
+    def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """[T, H]: the layer's MLP, dense or mixture of experts (a partial sum under tensor parallelism)."""
+        moe = self.shape.moe
+        if layer.moe is not None and moe is not None:
+            return moe_forward(
+                x,
+                layer.moe,
+                moe.top_k,
+                moe.normalize_topk,
+                self.shape.mlp_activation,
+                float32_weights=moe.float32_weights,
+                path=self.moe_path,
+            )
+        gate_up, down = layer.dense_mlp()
+        return F.linear(self.act_mul(F.linear(x, gate_up)), down)
 
     def add_rms_norm(self, h, delta, weight):
         """(h + delta, rms_norm(h + delta)); the Triton kernel updates h in place."""

@@ -70,11 +70,17 @@ def shard_shape(shape: LlamaShape, world: int) -> LlamaShape:
                 f"tensor parallel size {world} must divide {field} ({getattr(shape, field)}); "
                 f"kv heads are split across ranks, not replicated"
             )
+    moe = shape.moe
+    if moe is not None and moe.intermediate_size % world:
+        raise ValueError(
+            f"tensor parallel size {world} must divide the experts' intermediate size ({moe.intermediate_size})"
+        )
     return dataclasses.replace(
         shape,
         num_heads=shape.num_heads // world,
         num_kv_heads=shape.num_kv_heads // world,
         intermediate_size=shape.intermediate_size // world,
+        moe=None if moe is None else dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world),
     )
 
 
@@ -100,15 +106,26 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
     def cols(t: torch.Tensor, width: int) -> torch.Tensor:
         return t.narrow(1, rank * width, width).contiguous()
 
+    def experts(m):
+        # Every expert's slice of the intermediate dim: gate_up [E, 2I, H] rows, down [E, H, I] columns.
+        assert shape.moe is not None and local.moe is not None
+        full, part = shape.moe.intermediate_size, local.moe.intermediate_size
+        gate_up = torch.cat([m.gate_up.narrow(1, start + rank * part, part) for start in (0, full)], 1)
+        down = m.down.narrow(2, rank * part, part)
+        return dataclasses.replace(m, gate_up=gate_up.contiguous(), down=down.contiguous())  # router replicated
+
     layers = [
         LayerWeights(
             qkv=rows(lw.qkv, qkv_ranges),
             qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
             o=cols(lw.o, q_local),
-            gate_up=rows(lw.gate_up, gate_up_ranges),
-            down=cols(lw.down, i_local),
+            gate_up=None if lw.gate_up is None else rows(lw.gate_up, gate_up_ranges),
+            down=None if lw.down is None else cols(lw.down, i_local),
             input_norm=lw.input_norm,
             post_norm=lw.post_norm,
+            moe=None if lw.moe is None else experts(lw.moe),
+            q_norm=lw.q_norm,
+            k_norm=lw.k_norm,
         )
         for lw in weights.layers
     ]
