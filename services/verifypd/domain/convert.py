@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from verifypd.domain.config import LanePriorities, RuntimeConfig
 from verifypd.domain import grammar
+from verifypd.domain.config import LanePriorities, RuntimeConfig
 from verifypd.domain.requests import MAX_K, Constraint, FinishReason, InvalidRequest, RequestSpec, SamplingParams
 from verifypd.v1 import control_pb2, generate_pb2
 

@@ -46,7 +46,9 @@ def constraint_of(body: dict) -> generate_pb2.OutputConstraint | None:
 def to_pb(c: Constraint) -> generate_pb2.OutputConstraint:
     if c.kind == "json":
         return generate_pb2.OutputConstraint(json_object=True)
-    return generate_pb2.OutputConstraint(**{c.kind: c.text})
+    pb = generate_pb2.OutputConstraint()
+    setattr(pb, c.kind, c.text)  # json_schema, regex or grammar: the oneof's string forms
+    return pb
 
 
 def _response_format(value) -> Constraint | None:

@@ -159,7 +159,8 @@ class Router:
         """The matcher of a constrained request, or InvalidRequest naming its field."""
         assert spec.constraint is not None
         field = spec.constraint.field
-        if any(getattr(lane, "remote", False) for lane in (self.context.verify_lane, self.context.prefill_lane)):  # masks do not travel the lane RPC (yet)
+        lanes = (self.context.verify_lane, self.context.prefill_lane)
+        if any(getattr(lane, "remote", False) for lane in lanes):  # masks do not travel the lane RPC (yet)
             raise InvalidRequest(
                 f"{field}: structured output needs the colocated topology (in-process lanes); "
                 "this server runs its verify lane in another process"
