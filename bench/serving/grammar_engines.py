@@ -9,6 +9,9 @@ repetitions) and a few JSON schemas, records per engine (medians, ms):
   * mask_us:      one next-token bitmask fill, over a fixed accepted token sequence (per token)
   * spec_step_us: one verify step's k + 1 masks for k = 4 drafts: advance through the drafts,
                   fill each mask, roll back to the accepted prefix (the router's per-step work)
+  * apply_us:     the lane's share (verifypd.model.token_mask.apply_token_mask): masking a verify
+                  call's [rows, 49152] logits, rows = batch x (k + 1), on this script's device
+                  (CUDA if present: host-to-device copy + unpack + masked fill, synchronized)
 The token sequence is the tokenization of a valid instance, so every mask is a real mid-output one.
 Host-only work (no model): the numbers are the same on the GPU machine's CPU up to its clock.
 """
@@ -168,6 +171,31 @@ def bench_xgrammar(hf, schema, tokens, reps):
     return tokenizer_s, compile_s, mask_s, step_s
 
 
+def bench_apply(vocab: int, reps: int) -> dict:
+    import numpy as np
+    import torch
+
+    from verifypd.model.token_mask import apply_token_mask
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for batch, k in ((1, 4), (32, 4)):
+        rows = batch * (k + 1)
+        logits = torch.randn(rows, vocab, device=device)
+        masks = np.random.default_rng(0).integers(-(2**31), 2**31, size=(rows, (vocab + 31) // 32), dtype=np.int32)
+        samples = []
+        for _ in range(reps * 5):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            apply_token_mask(logits, masks)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        out[f"batch{batch}_k{k}"] = round(statistics.median(samples) * 1e6, 1)
+    return {"device": device, **out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -198,6 +226,7 @@ def main() -> None:
             }
         engines[engine] = {"version": version, "schemas": per_schema}
     result["engines"] = engines
+    result["apply_us"] = bench_apply(len(hf), reps)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(engines, indent=1))
