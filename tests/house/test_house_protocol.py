@@ -78,6 +78,7 @@ def test_public_field_numbers_are_stable():
         "speculation": 8,
         "priority": 9,
         "stop_at_eos": 10,
+        "constraint": 11,
     }
     cfg = {f.name: f.number for f in control_pb2.RuntimeConfig.DESCRIPTOR.fields}
     assert cfg == {

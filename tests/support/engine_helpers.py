@@ -195,3 +195,42 @@ def observe_plain(costs, batch: int, seconds: float) -> None:
 
     for _ in range(PLAIN_SAMPLES):
         costs.observe_step(batch, 0, seconds)
+
+
+# A character-level tokenizer (printable ASCII and newline, one token each) over a tiny model of
+# CHAR_VOCAB ids: JSON, regexes and tool-call tags are all spellable, as structured output needs.
+CHAR_VOCAB = 128
+
+
+def write_char_tokenizer(path: pathlib.Path, chat_template: str | None = None) -> pathlib.Path:
+    """Replaces the tokenizer of a tiny checkpoint (written with vocab=CHAR_VOCAB) by a char-level one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level BPE without merges (the grammar engine reads byte-level vocabularies): GPT-2's
+    # byte -> printable-character map spells each byte's token.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shown = {b: chr(b) for b in printable}
+    shown.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in shown)})
+    chars = [shown[c] for c in [*range(32, 127), 10]]
+    vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + n for n, ch in enumerate(chars)}}
+    vocab_map.update({f"<x{i}>": i for i in range(len(vocab_map), CHAR_VOCAB)})
+    tok = Tokenizer(models.BPE(vocab_map, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return path
+
+
+def write_char_models(root: pathlib.Path, chat_template: str | None = None) -> tuple[str, str]:
+    """A char-level tiny target and a noisy draft of it (write_target_and_draft's pair, CHAR_VOCAB ids)."""
+    target = write_tiny_llama(root / "target", seed=1, layers=3, vocab=CHAR_VOCAB)
+    draft = write_tiny_llama(root / "draft", seed=1, layers=3, vocab=CHAR_VOCAB, noise=0.2, noise_seed=7)
+    for path in (target, draft):
+        write_char_tokenizer(path, chat_template)
+    return str(target), str(draft)

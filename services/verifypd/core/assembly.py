@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
 from verifypd import __version__
+from verifypd.domain.grammar import GrammarCompiler
 from verifypd.domain.lanes import LaneInfo, PoolInfo
 from verifypd.domain.models import ModelLoadError, draft_spec
 from verifypd.domain.options import EngineOptions
@@ -157,6 +158,9 @@ def build_colocated(
         max_running=options.max_running,
         observer=observer,
         lookup=LookupMix() if eagle and draft_spec(m.draft_name).lookup else None,
+        grammar=GrammarCompiler(codec.tokenizer, m.target.shape.vocab_size, m.target.eos_token_ids)
+        if codec.tokenizer is not None
+        else None,
     )
     return ColocatedStack(
         options, m, codec, target_pool, draft_pool, prefill_lane, draft_lane, verify_lane, router, capture_seconds

@@ -34,7 +34,7 @@ import json
 import socket
 import struct
 
-from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
+from verifypd.domain.requests import Constraint, FinishReason, RequestSpec, SamplingParams
 
 MAX_FRAME = 64 << 20
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps")
@@ -71,7 +71,7 @@ def unb64(text: str) -> bytes:
 
 # -- request specs and outputs -----------------------------------------------------------------
 def spec_to_wire(spec: RequestSpec) -> dict:
-    s = spec.sampling
+    s, c = spec.sampling, spec.constraint
     return {
         "prompt_ids": list(spec.prompt_ids),
         "max_tokens": spec.max_tokens,
@@ -80,6 +80,7 @@ def spec_to_wire(spec: RequestSpec) -> dict:
         "stop_at_eos": spec.stop_at_eos,
         "max_k": spec.max_k,
         "priority": spec.priority,
+        "constraint": None if c is None else [c.kind, c.text, c.field],
     }
 
 
@@ -94,6 +95,7 @@ def spec_from_wire(d: dict, request_id: str) -> RequestSpec:
         max_k=d["max_k"],
         priority=d["priority"],
         request_id=request_id,
+        constraint=Constraint(*d["constraint"]) if d.get("constraint") else None,
     )
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+from verifypd.domain import grammar
 from verifypd.domain.config import LanePriorities, RuntimeConfig
-from verifypd.domain.requests import MAX_K, FinishReason, InvalidRequest, RequestSpec, SamplingParams
+from verifypd.domain.requests import MAX_K, Constraint, FinishReason, InvalidRequest, RequestSpec, SamplingParams
 from verifypd.v1 import control_pb2, generate_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -87,7 +88,27 @@ def request_spec_from_pb(
         max_k=max_k_from_pb(req),
         priority=req.priority,
         request_id=req.request_id,
+        constraint=constraint_from_pb(req),
     )
+
+
+def constraint_from_pb(req: generate_pb2.GenerateRequest) -> Constraint | None:
+    """The request's OutputConstraint, checked (a bad schema, regex or grammar names `constraint.<form>`)."""
+    if not req.HasField("constraint"):
+        return None
+    pb = req.constraint
+    form = pb.WhichOneof("kind")
+    if form is None:
+        raise InvalidRequest("constraint: set one of json_object, json_schema, regex or grammar")
+    if form == "json_object":
+        if not pb.json_object:
+            raise InvalidRequest("constraint.json_object must be true (unset the constraint for free text)")
+        constraint = Constraint("json", "", "constraint.json_object")
+    else:
+        kind = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}[form]
+        constraint = Constraint(kind, getattr(pb, form), f"constraint.{form}")
+    grammar.check(constraint)
+    return constraint
 
 
 def response_to_pb(

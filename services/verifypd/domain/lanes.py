@@ -67,6 +67,9 @@ class PrefillItem:
     draft_kv: KvHandle | None  # None: the draft lane owns no pool
     sample_first: bool  # last chunk of a fresh prompt: sample the first token
     sampling: SamplingParams
+    # Structured output: the first token's mask, int32 [1, ceil(V/32)] (numpy; domain.grammar's bit
+    # layout), or None. Only with sample_first.
+    token_mask: Any = None
 
 
 @dataclass
@@ -109,6 +112,9 @@ class VerifyItem:
     target_kv: KvHandle
     sampling: SamplingParams
     draft_probs: Any = None
+    # Structured output: int32 [len(draft_tokens) + 1, ceil(V/32)] (numpy; domain.grammar's bit
+    # layout), row j masking the target's choice at start_pos + 1 + j; None: unconstrained.
+    token_mask: Any = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,19 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be in [0, 2^64), got {self.seed}")
 
 
+# What a constraint says (structured output, verifypd.domain.grammar): "json" (any JSON object; text
+# ignored), "json_schema" (text: the schema as JSON), "regex" (text: a regular expression the whole
+# output matches), "grammar" (text: a Lark grammar in llguidance's dialect; %json embeds a schema).
+CONSTRAINT_KINDS = ("json", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    kind: str
+    text: str = ""
+    field: str = "response_format"  # the request field it came from: named in errors
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """What a caller asks for, before tokenization checks against the model.
@@ -68,6 +81,7 @@ class RequestSpec:
     max_k: int | None = None
     priority: int = 0
     request_id: str = ""
+    constraint: Constraint | None = None  # structured output: the output follows this grammar
 
     def validate(self, *, vocab_size: int, max_context: int) -> None:
         if len(self.prompt_ids) == 0:

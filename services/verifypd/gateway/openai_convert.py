@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 
 from verifypd.domain.requests import FinishReason
+from verifypd.gateway import structured
+from verifypd.gateway.errors import ApiError, bad
 from verifypd.gateway.json_body import JsonBodyError, parse_json_body
 from verifypd.v1 import generate_pb2
 
@@ -36,6 +38,10 @@ _COMMON = {
     "priority",
     "speculation",
     "ignore_eos",
+    "response_format",  # and the vLLM-style extensions (structured output, gateway.structured):
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
 }
 _ONLY = {CHAT: {"messages", "max_completion_tokens"}, COMPLETION: {"prompt"}}
 # OpenAI parameters we do not implement: accepted only at their neutral value (clients often send it).
@@ -48,7 +54,6 @@ _NEUTRAL: dict[str, tuple[object, ...] | None] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -64,28 +69,6 @@ _FINISH = {
     None: None,
     FinishReason.CANCELLED: "stop",
 }
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's `{"error": {message, type, param, code}}` with `status`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str | None, message: str) -> ApiError:
-    return ApiError(400, message, param, "invalid_value" if param else None)
 
 
 def decode_body(body: bytes | bytearray):
@@ -223,6 +206,9 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
     if ignore_eos is not None:
         req.stop_at_eos = not ignore_eos
     _speculation(body, req)
+    constraint = structured.constraint_of(body)
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
     stream = bool(_get(body, "stream", (bool,), "a boolean"))
     options = _get(body, "stream_options", (dict,), "an object")
     include_usage = False
@@ -265,6 +251,8 @@ _FIELD_PARAMS = [
     ("speculation.max_k", "speculation.max_k"),
     ("k ", "speculation.max_k"),
     ("priority", "priority"),
+    ("constraint", "response_format"),
+    ("response_format", "response_format"),
 ]
 
 

@@ -48,6 +48,7 @@ from verifypd.domain.lanes import (
 from verifypd.model import sampler
 from verifypd.model.eagle_draft import EagleRunner, FeatureRun
 from verifypd.model.runner import ModelRunner, TokenRun
+from verifypd.model.token_mask import apply_token_mask, stack_masks
 
 # sampler.choose's (temperature, top_k, top_p, seeds): tensors, or None in greedy mode.
 _ChoiceParams = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -144,6 +145,10 @@ class LocalPrefillLane:
             picked = (
                 logits if len(rows) == len(items) else logits.index_select(0, sampler.small_tensor(rows, logits.device))
             )
+            masks = [i.token_mask for i in chosen]
+            if any(m is not None for m in masks):  # structured output: the first token follows the grammar
+                words = next(m for m in masks if m is not None).shape[-1]
+                picked = apply_token_mask(picked, stack_masks(masks, 1, words)[:, 0])
             tokens = sampler.choose(picked, mode, *params, positions)
 
             def outputs(host: list[int]) -> list[PrefillOutput]:
@@ -329,8 +334,10 @@ class LocalVerifyLane:
         R, K = len(items), max(ks)
         device = self.target.device
         fed: _Fed = {} if first_ids is None else {"first_ids": first_ids}
+        masked = any(i.token_mask is not None for i in items)  # structured output (model.token_mask)
         if (
             K > 0
+            and not masked
             and self.simulated_acceptance is None
             and all(i.sampling.greedy for i in items)
             and getattr(self.target, "verifies_greedy", False)
@@ -350,6 +357,11 @@ class LocalVerifyLane:
                 drafts_np[n, : ks[n]] = list(item.draft_tokens)
             drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
             logits = self.target.score(runs, **fed)
+        if masked:
+            if self.simulated_acceptance is not None:
+                raise ValueError("structured output cannot run on a simulated-acceptance verify lane")
+            words = next(i.token_mask for i in items if i.token_mask is not None).shape[-1]
+            logits = apply_token_mask(logits, stack_masks([i.token_mask for i in items], K + 1, words))
         if K == 0 and all(i.sampling.greedy for i in items):  # plain greedy decoding: nothing to accept
             finals = logits[:, 0].argmax(-1)
             return HostCopy(

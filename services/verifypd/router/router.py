@@ -22,6 +22,7 @@ from collections.abc import Sequence as Seq
 from typing import Any, Generic, TypeVar, overload
 
 from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.grammar import GrammarCompiler
 from verifypd.domain.lanes import DraftLane, PoolInfo, PrefillLane, VerifyLane
 from verifypd.domain.lookup import PromptLookup
 from verifypd.domain.requests import FinishReason, InvalidRequest, RequestOutput, RequestSpec, RequestStats
@@ -103,7 +104,10 @@ class Router:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup: PromptLookup | None = None,
+        grammar: GrammarCompiler | None = None,
     ):
+        """`grammar`: compiles constrained requests' grammars (structured output); None refuses them."""
+        self.grammar = grammar
         self.context = StepContext(
             prefill,
             draft,
@@ -141,6 +145,8 @@ class Router:
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in ctx.sequences:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
+        if spec.constraint is not None:
+            ctx.grammars[request_id] = self.grammar_state(spec)
         stats = RequestStats(prompt_tokens=len(spec.prompt_ids), arrival_time=ctx.clock())
         seq = Sequence(spec=spec, request_id=request_id, arrival_order=next(self._arrivals), stats=stats)
         ctx.sequences[request_id] = seq
@@ -148,6 +154,20 @@ class Router:
             ctx.detokenizers[request_id] = IncrementalDetokenizer(ctx.decode, spec.prompt_ids, spec.stop)
         ctx.scheduler.add(seq)
         return request_id
+
+    def grammar_state(self, spec: RequestSpec):
+        """The matcher of a constrained request, or InvalidRequest naming its field."""
+        assert spec.constraint is not None
+        field = spec.constraint.field
+        lanes = (self.context.verify_lane, self.context.prefill_lane)
+        if any(getattr(lane, "remote", False) for lane in lanes):  # masks do not travel the lane RPC (yet)
+            raise InvalidRequest(
+                f"{field}: structured output needs the colocated topology (in-process lanes); "
+                "this server runs its verify lane in another process"
+            )
+        if self.grammar is None:
+            raise InvalidRequest(f"{field}: structured output needs the model's tokenizer; this model has none")
+        return self.grammar.state(spec.constraint)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancels a request; its blocks return to the pools immediately."""

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.grammar import GrammarError, GrammarState
 from verifypd.domain.lanes import (
     DraftItem,
     DraftLane,
     KvHandle,
+    LaneError,
     PoolInfo,
     PrefillItem,
     PrefillLane,
@@ -147,6 +149,10 @@ class StepContext:
         self.overlap_prefill = True
         self.sequences: dict[str, Sequence] = {}  # every request in flight, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Structured output: the matcher of each constrained request in flight, by id. While any is in
+        # flight no step is launched ahead (overlapped, draft-after, speculate-ahead): each step's
+        # masks need the tokens committed before it on the host.
+        self.grammars: dict[str, GrammarState] = {}
         self.plan: StepPlan | None = None  # the plan of the step being run (None: a step launched ahead)
         # Called with a request before its blocks are freed (finished, cancelled): strategies with
         # a call of it in flight hold its blocks back until that call is over (steps.overlapped).
@@ -230,9 +236,21 @@ class StepContext:
                 draft_kv=self.draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
                 sample_first=c.sample_first,
                 sampling=c.seq.spec.sampling,
+                token_mask=self.token_masks(c.seq, ()) if c.sample_first else None,
             )
             for c in chunks
         ]
+
+    def token_masks(self, seq: Sequence, drafts) -> Any:
+        """A constrained request's masks for its next choice and one per draft (domain.grammar), or None.
+        Reads the drafts' values on the host (an in-process draft's: one copy of its call's tokens)."""
+        state = self.grammars.get(seq.request_id)
+        if state is None:
+            return None
+        try:
+            return state.step_masks(seq.output_ids, list(drafts))
+        except GrammarError as exc:  # a committed token broke the grammar: the lane ignored its mask
+            raise LaneError(f"request {seq.request_id}: {exc}") from None
 
     def start_prefill(self, chunks: list[PrefillChunk]) -> StartedPrefill:
         t0 = self.clock()
@@ -348,6 +366,7 @@ class StepContext:
                     draft_probs=probs,
                     sampling=seq.spec.sampling,
                     target_kv=self.target_handle(seq, n, seq.target_computed),
+                    token_mask=self.token_masks(seq, tokens),
                 )
             )
         return items, typical
@@ -412,6 +431,7 @@ class StepContext:
     ) -> RequestOutput:
         """Ends `seq` (finished or cancelled): its last chunk; its blocks return to the pools."""
         detok = self.detokenizers.pop(seq.request_id, None)
+        self.grammars.pop(seq.request_id, None)
         if detok is not None and reason is not FinishReason.STOP:
             text += detok.flush()
         for hook in self.finish_hooks:  # a row in a step still in flight: its blocks wait for that step

@@ -83,6 +83,7 @@ class DraftAfter:
         config = ctx.config
         return (
             self.enabled
+            and not ctx.grammars  # structured output: masks need the host's tokens (StepContext.grammars)
             and ctx.feature_draft
             and config.schedule != "baseline"
             and not config.pipelined

@@ -104,6 +104,7 @@ class Overlapped:
         """May a regular step's verify call of `work` start a chain (plain decoding, lock-step)?"""
         return (
             ctx.config.overlap
+            and not ctx.grammars  # structured output: masks need the host's tokens (StepContext.grammars)
             and bool(work)
             and not drafting_ahead
             and self.inflight is None

@@ -75,6 +75,7 @@ class SpeculateAhead:
         running = sched.running
         return (
             self.enabled
+            and not ctx.grammars  # structured output: masks need the host's tokens (StepContext.grammars)
             and self.inflight is None
             and self.next_plan is None
             and self.overlapped.inflight is None
@@ -132,6 +133,7 @@ class SpeculateAhead:
         config, sched = ctx.config, ctx.scheduler
         return (
             self.enabled
+            and not ctx.grammars
             and self.overlapped.inflight is None
             and not config.pipelined
             and config.schedule != "baseline"
