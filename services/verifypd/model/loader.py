@@ -17,7 +17,7 @@ import torch
 from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
 from verifypd.model.checkpoint import StateDictSource
 from verifypd.model.families import shape_from_config, weights_from_source
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, unit_norms
 
 # LlamaShape fields (mixed types, so Any), plus `tied` in RANDOM_SHAPES.
 ShapeFields = dict[str, Any]
@@ -163,6 +163,7 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
             down=rand(H, inter),
             input_norm=ones,
             post_norm=ones,
+            **unit_norms(shape, device, dtype),
         )
         for _ in range(shape.num_layers)
     ]

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup, unit_norms
 from verifypd.model.loader import LoadedModel, ModelLoadError, load_model, random_shape
 
 
@@ -100,15 +100,14 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
     def cols(t: torch.Tensor, width: int) -> torch.Tensor:
         return t.narrow(1, rank * width, width).contiguous()
 
-    layers = [
-        LayerWeights(
+    layers = [  # the q/k norms and the output norms are per head_dim / hidden: replicated (replace keeps them)
+        dataclasses.replace(
+            lw,
             qkv=rows(lw.qkv, qkv_ranges),
             qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
             o=cols(lw.o, q_local),
             gate_up=rows(lw.gate_up, gate_up_ranges),
             down=cols(lw.down, i_local),
-            input_norm=lw.input_norm,
-            post_norm=lw.post_norm,
         )
         for lw in weights.layers
     ]
@@ -190,6 +189,7 @@ def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, d
             down=rand(own, H, local.intermediate_size),
             input_norm=ones,
             post_norm=ones,
+            **unit_norms(shape, device, dtype),
         )
         for _ in range(shape.num_layers)
     ]
