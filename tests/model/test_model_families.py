@@ -18,7 +18,7 @@ from family_checkpoints import FAMILIES, LONGROPE_CONTEXT, WINDOW, write_family
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.loader import ModelLoadError, load_model
+from verifypd.model.loader import RANDOM_SHAPES, ModelLoadError, load_model, random_model, random_shape
 from verifypd.model.runner import TokenRun, build_layout
 
 needs_triton = pytest.mark.skipif(
@@ -156,3 +156,20 @@ def test_longrope_past_the_original_context_is_refused(family):
     with pytest.raises(ModelLoadError, match=f"original_max_position_embeddings.*--max-context {LONGROPE_CONTEXT}"):
         load_model(path, torch.device(DEVICE), torch.float32, max_context=2 * LONGROPE_CONTEXT)
     assert load_model(path, torch.device(DEVICE), torch.float32, LONGROPE_CONTEXT).shape.max_context == 64
+
+
+def test_random_shapes_of_the_families(monkeypatch):
+    """The benchmark shapes: features as their configs, and a random model with every feature runs."""
+    gemma2, tied = random_shape("gemma-2-9b", 8192)
+    assert tied and (gemma2.window(0), gemma2.window(1), gemma2.final_softcap) == (4096, 0, 30.0)
+    assert random_shape("qwen3-8b", None)[0].qk_norm
+    assert random_shape("phi-3-mini", None)[0].window(31) == 2047
+    assert random_shape("llama-3.1-8b", None)[0].rope_scaling["rope_type"] == "llama3"
+    tiny = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+    features = dict(qk_norm=True, sandwich_norms=True, attn_softcap=5.0, sliding_window=3, sliding_layers=(0,))
+    monkeypatch.setitem(RANDOM_SHAPES, "tiny-all", dict(vocab_size=50, **tiny, **features))
+    loaded = random_model("tiny-all", torch.device(DEVICE), torch.float32, 64)
+    model = PagedLlama(loaded.shape, loaded.weights, attention="reference")
+    pool = torch.zeros(2, 2, 4, 4, 1, 16, device=DEVICE)
+    logits = _forward(model, pool, [TokenRun([1, 2, 3, 4, 5], 0, (1, 3))], 4)
+    assert logits.shape == (5, 50) and torch.isfinite(logits).all()
