@@ -117,3 +117,13 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
     with pytest.raises(ModelLoadError, match="'gpt2' is not supported; verifypd supports llama, mistral, qwen2"):
         load_model(str(tmp_path), "cpu", None)
+
+
+def test_multimodal_gemma3_is_refused_naming_the_text_layout(tmp_path):
+    from transformers import Gemma3Config
+
+    Gemma3Config().save_pretrained(tmp_path)
+    from verifypd.model.loader import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match="multimodal.*'gemma3_text'"):
+        load_model(str(tmp_path), "cpu", None)

@@ -77,3 +77,26 @@ def test_rope_and_store_kv_skips_negative_slots():
         assert torch.equal(v_cache[slot], v_ref[token])
     untouched = [1, 2, 3, 4]  # the slot -1 token wrote nowhere
     assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+
+
+def test_rope_and_store_kv_with_qk_norm():
+    """Qwen3 / Gemma 3: every q and k head RMS-normed over head_dim (own weights) before the rotation."""
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 3
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 5).to(DEVICE)
+    half = torch.randn(10, dim // 2, generator=gen)
+    table = torch.cat((half, half), dim=-1)
+    cos, sin = table.cos().to(DEVICE), table.sin().to(DEVICE)
+    q_norm, k_norm = (torch.randn(dim, generator=gen).to(DEVICE) for _ in range(2))
+    positions, slots = torch.tensor([7, 2, 9], device=DEVICE), torch.tensor([5, 1, 0], device=DEVICE)
+    k_cache = torch.zeros(6, kv_heads, dim, device=DEVICE)
+    v_cache = k_cache.clone()
+    q = rope_and_store_kv(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, q_norm, k_norm, 1e-6)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q_in = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k_in = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q_ref = apply_rope(rms_norm(q_in, q_norm, 1e-6), c, s)
+    k_ref = apply_rope(rms_norm(k_in, k_norm, 1e-6), c, s)
+    assert rel(q, q_ref) < 1e-6
+    assert rel(k_cache[slots], k_ref) < 1e-6
+    assert rel(q, apply_rope(q_in, c, s)) > 0.1  # the norm changed the answer

@@ -18,8 +18,9 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 from verifypd.model.kernels.paged_attention import paged_attention  # noqa: E402
 
 
-def reference(q, k_cache, v_cache, tables, positions, query_start, scale):
-    """Per sequence: gather its context through the block table, causal softmax in float64."""
+def reference(q, k_cache, v_cache, tables, positions, query_start, scale, window=0, softcap=0.0):
+    """Per sequence: gather its context through the block table, causal softmax in float64 (keys
+    > p - window only, with a window; scores capped to softcap * tanh(score / softcap), with a cap)."""
     out = torch.empty_like(q, dtype=torch.float64)
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     bs = k_cache.shape[1]
@@ -31,10 +32,18 @@ def reference(q, k_cache, v_cache, tables, positions, query_start, scale):
         slots = [int(tables[b, p // bs]) * bs + p % bs for p in range(ctx)]
         keys = k_cache.reshape(-1, kv_heads, k_cache.shape[-1])[slots].double()  # [C, kvh, D]
         vals = v_cache.reshape(-1, kv_heads, v_cache.shape[-1])[slots].double()
+        if window:  # slots before every query's window may hold garbage (a freed, reused block)
+            first = int(positions[lo:hi].min()) - window + 1
+            keys[: max(first, 0)], vals[: max(first, 0)] = 0, 0
         keys = keys.repeat_interleave(heads // kv_heads, dim=1)
         vals = vals.repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("thd,chd->htc", q[lo:hi].double(), keys) * scale
-        allowed = torch.arange(ctx)[None, :] <= positions[lo:hi].cpu()[:, None]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = positions[lo:hi].cpu()[:, None]
+        allowed = torch.arange(ctx)[None, :] <= qpos
+        if window:
+            allowed &= torch.arange(ctx)[None, :] > qpos - window
         scores = scores.masked_fill(~allowed.to(scores.device)[None], float("-inf"))
         out[lo:hi] = torch.einsum("htc,chd->thd", scores.softmax(-1), vals)
     return out
@@ -146,3 +155,30 @@ def test_padded_grid_and_empty_sequences():
     out = paged_attention(q, kc, vc, tables, pos, qs, 8, 32**-0.5)
     ref = reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 32**-0.5)
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify", "prefill", "chunked_prefill"])
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (20, 0.0), (0, 2.0), (20, 2.0)])
+def test_sliding_window_and_softcap(kind, window, softcap):
+    """Gemma 2 / Mistral features: a query at p sees keys > p - window only (windows shorter than the
+    contexts, one inside a 64-key tile and one across tiles), scores capped by softcap * tanh (a cap
+    of 2 clips scores of this size). Slots before every window are NaN: never loaded."""
+    gen = torch.Generator().manual_seed(11)
+    q, kc, vc, tables, pos, qs, max_q = make_case(
+        CASES[kind], heads=8, kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, gen=gen
+    )
+    q = q * 3  # scores well past the cap
+    if window:
+        bs = kc.shape[1]
+        for b in range(qs.numel() - 1):
+            lo = int(qs[b])
+            for p in range(max(int(pos[lo]) - window + 1, 0)):
+                kc[tables[b, p // bs], p % bs] = float("nan")
+                vc[tables[b, p // bs], p % bs] = float("nan")
+    out = paged_attention(q, kc, vc, tables, pos, qs, max_q, 32**-0.5, window=window, softcap=softcap)
+    args = (q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), pos.cpu(), qs.cpu(), 32**-0.5)
+    ref = reference(*args, window=window, softcap=softcap)
+    assert torch.isfinite(out).all()
+    assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-5
+    plain = reference(*[a.nan_to_num() for a in args[:3]], *args[3:])  # the feature changes the answer
+    assert (plain - ref).norm() / ref.norm() > 1e-2

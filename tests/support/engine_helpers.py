@@ -32,13 +32,11 @@ def write_tiny_llama(
     """`noise` > 0 perturbs every weight by that fraction of its std: same seed + noise gives a
     draft that agrees with the target often but not always (so tests see accepts and rejects).
     model_type "gemma": tied embeddings, GeGLU, (1 + w) norms with random w, `head_dim` as given."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import (
         GemmaConfig,
         GemmaForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
-        PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen2ForCausalLM,
     )
@@ -88,6 +86,15 @@ def write_tiny_llama(
             for param in model.parameters():
                 param.add_(torch.randn(param.shape, generator=gen) * param.std() * noise)
     model.save_pretrained(path)
+    write_tokenizer(path, vocab)
+    return path
+
+
+def write_tokenizer(path: pathlib.Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` tokens (<unk> <s> </s> w3 w4 ...) beside a checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -96,7 +103,6 @@ def write_tiny_llama(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
     )
     fast.save_pretrained(path)
-    return path
 
 
 def write_target_and_draft(root: pathlib.Path) -> tuple[str, str]:

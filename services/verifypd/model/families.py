@@ -10,6 +10,7 @@ layout).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +19,22 @@ from verifypd.domain.models import ModelLoadError
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
 from verifypd.model.moe import MoeShape, MoeWeights
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "gemma", "mixtral", "qwen3_moe")
+# transformers' model_type -> the family's name in the README's "Supported models" (a test compares them).
+FAMILY_NAMES = {
+    "llama": "Llama 2/3.x",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma": "Gemma",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 (text)",
+    "phi3": "Phi-3",
+    "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3-MoE",
+}
+SUPPORTED_TYPES = tuple(FAMILY_NAMES)
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")  # (1 + w) norms, embeddings scaled by sqrt(hidden)
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 # transformers' hidden_act -> LlamaShape.mlp_activation. Gemma configs saying "gelu" mean the tanh
 # approximation (transformers rewrites it so).
@@ -51,7 +67,8 @@ ROW_PARALLEL = ("o_proj", "down_proj", "w2")  # input columns split (partial sum
 
 
 def shard_rule(name: str, shape: LlamaShape) -> ShardRule:
-    """How `name` is cut across tensor-parallel ranks (model.tensor_parallel's layout)."""
+    """How `name` is cut across tensor-parallel ranks (model.tensor_parallel's layout). Phi-3's fused
+    qkv_proj / gate_up_proj are cut per section: each rank keeps its q, k, v (gate, up) rows."""
     parts = name.split(".")
     if shape.moe is not None and parts[-2:] == ["experts", "gate_up_proj"]:  # stacked [E, 2I, H]
         return (1, (shape.moe.intermediate_size,) * 2)
@@ -61,24 +78,30 @@ def shard_rule(name: str, shape: LlamaShape) -> ShardRule:
         module = parts[-2]
         if module in COLUMN_PARALLEL:
             return (0, None)
+        if module == "qkv_proj":
+            q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+            return (0, (q, kv, kv))
+        if module == "gate_up_proj":
+            return (0, (shape.intermediate_size, shape.intermediate_size))
         if module in ROW_PARALLEL and parts[-1] == "weight":
             return (1, None)
     return None
 
 
 def shape_from_config(config: Any, max_context: int | None) -> LlamaShape:
-    if config.model_type not in SUPPORTED_TYPES:
+    kind = config.model_type
+    if kind == "gemma3":
         raise ModelLoadError(
-            f"architecture {config.model_type!r} is not supported; verifypd supports {', '.join(SUPPORTED_TYPES)} only"
+            "Gemma 3 multimodal checkpoints (model_type 'gemma3') are not supported: serve a text-only "
+            "Gemma 3 checkpoint (model_type 'gemma3_text', e.g. gemma-3-1b)"
         )
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ModelLoadError(f"RoPE scaling {rope_type!r} is not supported (default, linear, llama3 are)")
+    if kind not in SUPPORTED_TYPES:
+        raise ModelLoadError(
+            f"architecture {kind!r} is not supported; verifypd supports {', '.join(SUPPORTED_TYPES)} only"
+        )
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    gemma = config.model_type == "gemma"
+    gemma = kind in GEMMA_TYPES
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act
     if act not in ACTIVATIONS:
@@ -86,6 +109,24 @@ def shape_from_config(config: Any, max_context: int | None) -> LlamaShape:
     if getattr(config, "use_sliding_window", False):
         raise ModelLoadError("sliding-window attention (config field 'use_sliding_window') is not supported")
     ctx = config.max_position_embeddings if max_context is None else min(max_context, config.max_position_embeddings)
+    rope, local_theta = rope_from_config(config, head_dim)
+    if rope["rope_type"] == "longrope":
+        # transformers rotates by the short factors while a sequence fits the original context and,
+        # once it grows past it, re-encodes the whole sequence with the long factors (Phi-3's
+        # generate drops its cache there). Paged KV keeps the keys it wrote, so the context is
+        # held to the original one, where both agree exactly.
+        original = rope["original_max_position_embeddings"]
+        if max_context is None:
+            ctx = min(ctx, original)
+        elif ctx > original:
+            raise ModelLoadError(
+                f"longrope RoPE scaling: a context of {ctx} tokens is past the original "
+                f"{original} (original_max_position_embeddings), where transformers re-encodes every "
+                f"earlier token with the long factors; verifypd serves such models up to "
+                f"{original} tokens: pass --max-context {original} or less"
+            )
+    window, sliding = sliding_from_config(config, ctx)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
     return LlamaShape(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -95,15 +136,24 @@ def shape_from_config(config: Any, max_context: int | None) -> LlamaShape:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps,
-        rope_theta=float(theta),
+        rope_theta=float(rope["rope_theta"]),
         max_context=ctx,
-        rope_scaling=rope if rope_type != "default" else None,
-        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+        rope_scaling=rope if rope["rope_type"] != "default" else None,
+        qkv_bias=bool(getattr(config, "attention_bias", False)) or kind == "qwen2",
         mlp_activation=ACTIVATIONS[act],
         embed_scale=gemma,
         norm_offset=1.0 if gemma else 0.0,
-        qk_norm=config.model_type == "qwen3_moe",
+        qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe"),
         moe=moe_shape(config),
+        sandwich_norms=kind in ("gemma2", "gemma3_text"),
+        attn_scale=float(scalar) ** -0.5 if scalar else None,
+        # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it (the
+        # released configs set none): neither do we, so that a set value stays exact.
+        attn_softcap=None if kind == "gemma3_text" else getattr(config, "attn_logit_softcapping", None) or None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) or None,
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=local_theta,
     )
 
 
@@ -132,9 +182,63 @@ def moe_shape(config: Any) -> MoeShape | None:
     )
 
 
+def rope_from_config(config: Any, head_dim: int) -> tuple[dict, float | None]:
+    """(the global layers' rope parameters with rope_type and rope_theta, the sliding layers' own
+    base or None). transformers 5 keeps them in `rope_parameters` (per layer type for Gemma 3);
+    older configs in rope_theta + rope_scaling."""
+    raw = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    local_theta = None
+    if "full_attention" in raw:  # Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}
+        local = dict(raw.get("sliding_attention") or {})
+        raw = dict(raw["full_attention"])
+        if local:
+            if local.get("rope_type", "default") != "default":
+                raise ModelLoadError(f"RoPE scaling {local['rope_type']!r} on sliding layers is not supported")
+            local_theta = float(local["rope_theta"])
+    raw.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    raw["rope_type"] = raw.get("rope_type", raw.pop("type", "default"))
+    kind = raw["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"RoPE scaling {kind!r} is not supported ({', '.join(ROPE_TYPES)} are)")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {raw['partial_rotary_factor']} is not supported (1.0 is)")
+    if kind == "longrope":  # Phi-3 128k: the short factors, and cos/sin times the attention factor
+        raw["original_max_position_embeddings"] = longrope_original_context(config, raw)
+        if len(raw.get("short_factor") or ()) != head_dim // 2:
+            raise ModelLoadError(f"longrope needs short_factor with head_dim / 2 = {head_dim // 2} entries")
+        factor = raw.get("factor") or config.max_position_embeddings / raw["original_max_position_embeddings"]
+        if raw.get("attention_factor") is None:  # transformers' default
+            log_ctx = math.log(raw["original_max_position_embeddings"])
+            raw["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / log_ctx)
+    return raw, local_theta
+
+
+def longrope_original_context(config: Any, rope: dict) -> int:
+    return int(rope.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+
+
+def sliding_from_config(config: Any, max_context: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that slide). transformers 5 names each layer's kind in `layer_types`;
+    without it, a `sliding_window` applies to every layer (Mistral, Phi-3). A window that covers
+    the whole context is dropped (those layers then run as full attention)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ModelLoadError(f"layer types {sorted(unknown)} are not supported")
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        sliding = tuple(range(config.num_hidden_layers))
+    if not window or window >= max_context or not sliding:
+        return None, ()
+    return int(window), sliding
+
+
 def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> LlamaWeights:
-    """The model's weights from checkpoint tensor names (Llama / Mistral / Qwen2 / Gemma layout).
-    Each tensor is read once; the fused projections are concatenated on the device."""
+    """The model's weights from checkpoint tensor names (the Llama layout, Phi-3's fused projections,
+    Qwen3's and Gemma 3's q/k norms, Gemma 2/3's four norms). Each tensor is read once; the fused
+    projections are concatenated on the device."""
 
     def norm(name: str) -> torch.Tensor:
         # Gemma's RMSNorm multiplies by (1 + w), in float32, then casts. Folded here: 1 + w is added
@@ -146,6 +250,14 @@ def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> 
     def cat(names: list[str]) -> torch.Tensor:
         return torch.cat([source.get(n) for n in names])
 
+    def fused(name: str, parts: list[str]) -> torch.Tensor:
+        """Phi-3 stores the fused projection (already cut per section); others its parts."""
+        return source.get(name) if source.has(name) else cat(parts)
+
+    # Gemma 2/3's post_attention_layernorm norms the attention output; their pre-MLP norm is
+    # pre_feedforward_layernorm. Llama's post_attention_layernorm is the pre-MLP norm.
+    sandwich = shape.sandwich_norms
+    pre_mlp = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     layers = []
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
@@ -154,16 +266,20 @@ def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> 
         moe = shape.moe is not None and shape.moe.is_moe_layer(i)
         layers.append(
             LayerWeights(
-                qkv=cat([a + ".weight" for a in attn]),
+                qkv=fused(p + "self_attn.qkv_proj.weight", [a + ".weight" for a in attn]),
                 qkv_bias=bias,
                 o=source.get(p + "self_attn.o_proj.weight"),
-                gate_up=None if moe else cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                gate_up=None
+                if moe
+                else fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=None if moe else source.get(p + "mlp.down_proj.weight"),
-                input_norm=norm(p + "input_layernorm.weight"),
-                post_norm=norm(p + "post_attention_layernorm.weight"),
                 moe=experts_from_source(source, p, shape) if moe else None,
+                input_norm=norm(p + "input_layernorm.weight"),
+                post_norm=norm(p + pre_mlp + ".weight"),
                 q_norm=norm(p + "self_attn.q_norm.weight") if shape.qk_norm else None,
                 k_norm=norm(p + "self_attn.k_norm.weight") if shape.qk_norm else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
             )
         )
     embed = source.get("model.embed_tokens.weight")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,20 @@ class LlamaShape:
     embed_scale: bool = False  # Gemma: embeddings * sqrt(hidden_size), the factor rounded to the dtype
     norm_offset: float = 0.0  # Gemma: norms multiply by (offset + w); folded into the weights at
     # load (families.weights_from_source), never read by the forward
-    qk_norm: bool = False  # Qwen3-MoE: RMSNorm of each q and k head (over head_dim) before RoPE
+    # The features below are all off for plain Llama: the forward then runs none of their ops.
+    qk_norm: bool = False  # Qwen3, Qwen3-MoE, Gemma 3: RMSNorm over head_dim of every q and k head, before RoPE
+    sandwich_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are normed too (4 norms a layer)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # Gemma 2: attention scores -> cap * tanh(scores / cap), before the mask
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # the sliding layers' window: a query at p sees keys > p - window
+    sliding_layers: tuple[int, ...] = ()  # which layers slide (Mistral, Phi-3: all; Gemma 2/3: some)
     moe: MoeShape | None = None  # Mixtral, Qwen3-MoE: the experts of the MoE layers (model.moe)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base (unscaled)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window in positions; 0: the whole context."""
+        return (self.sliding_window or 0) if layer in self.sliding_layers else 0
 
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -78,16 +90,28 @@ class LayerWeights:
     gate_up: torch.Tensor | None  # [2 * I, H] (None in an MoE layer)
     down: torch.Tensor | None  # [H, I] (None in an MoE layer)
     input_norm: torch.Tensor  # [H]
-    post_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H] the norm before the MLP
     moe: MoeWeights | None = None  # the router and experts of an MoE layer (model.moe)
     q_norm: torch.Tensor | None = None  # [head_dim] (shape.qk_norm)
     k_norm: torch.Tensor | None = None  # [head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [H] on the attention output (shape.sandwich_norms)
+    mlp_out_norm: torch.Tensor | None = None  # [H] on the MLP output
 
     def dense_mlp(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) of a dense layer."""
         if self.gate_up is None or self.down is None:
             raise ValueError("an MoE layer has no dense MLP")
         return self.gate_up, self.down
+
+
+def unit_norms(shape: LlamaShape, device, dtype) -> dict[str, Any]:
+    """LayerWeights' optional norms that `shape` uses, as ones (random-weight models for benchmarks)."""
+    norms: dict[str, Any] = {}
+    if shape.qk_norm:
+        norms["q_norm"] = norms["k_norm"] = torch.ones(shape.head_dim, device=device, dtype=dtype)
+    if shape.sandwich_norms:
+        norms["attn_out_norm"] = norms["mlp_out_norm"] = torch.ones(shape.hidden_size, device=device, dtype=dtype)
+    return norms
 
 
 @dataclass
@@ -118,10 +142,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def rope_inv_freq(shape: LlamaShape, device: torch.device) -> torch.Tensor:
-    inv = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
-    scaling = shape.rope_scaling
-    if scaling and scaling.get("rope_type") == "llama3":
+def rope_inv_freq(
+    shape: LlamaShape, device: torch.device, theta: float | None = None, scaling: dict | None = None
+) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies: base `theta` (default shape.rope_theta) under `scaling`
+    (default shape.rope_scaling): llama3, linear, or longrope's short factors (families.py holds
+    longrope models to their original context, where transformers uses those)."""
+    theta = shape.rope_theta if theta is None else theta
+    scaling = shape.rope_scaling if scaling is None else scaling
+    inv = 1.0 / (theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
+    kind = scaling.get("rope_type") if scaling else None
+    if kind == "llama3":
+        assert scaling is not None
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_ctx = scaling["original_max_position_embeddings"]
         wavelen = 2 * torch.pi / inv
@@ -130,9 +162,26 @@ def rope_inv_freq(shape: LlamaShape, device: torch.device) -> torch.Tensor:
         mid = (1 - smooth) * inv / factor + smooth * inv
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = torch.where(is_mid, mid, scaled)
-    elif scaling and scaling.get("rope_type") == "linear":
+    elif kind == "linear":
+        assert scaling is not None
         inv = inv / scaling["factor"]
+    elif kind == "longrope":
+        assert scaling is not None
+        inv = inv / torch.tensor(scaling["short_factor"], dtype=torch.float64)
     return inv.float().to(device)
+
+
+def rope_tables(shape: LlamaShape, dtype: torch.dtype, device: torch.device, local: bool = False):
+    """(cos, sin) [max_context + slack, head_dim] of every position, looked up per step.
+    `local`: the sliding layers' tables of a model with their own base (Gemma 3; no scaling).
+    longrope (Phi-3) also multiplies cos and sin by its attention factor."""
+    positions = torch.arange(shape.max_context + 64, device=device, dtype=torch.float32)
+    scaling: dict = {} if local else dict(shape.rope_scaling or {})
+    theta = shape.local_rope_theta if local else None
+    freqs = positions[:, None] * rope_inv_freq(shape, device, theta, scaling)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    factor = scaling.get("attention_factor", 1.0)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,13 +239,17 @@ class PagedLlama:
             if shape.embed_scale
             else None
         )
-        self.scale = shape.head_dim**-0.5
-        # cos/sin of every position, [max_context + slack, D]: looked up, not recomputed, per step.
-        # (positions.float() * inv_freq in float32, as computed per step before: same values.)
-        positions = torch.arange(shape.max_context + 64, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * rope_inv_freq(shape, device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos, self.rope_sin = emb.cos().to(weights.embed.dtype), emb.sin().to(weights.embed.dtype)
+        self.scale = shape.attn_scale or shape.head_dim**-0.5
+        # cos/sin of every position (rope_tables), and each layer's: the sliding layers of Gemma 3
+        # rotate by their own base.
+        dtype = weights.embed.dtype
+        self.rope_cos, self.rope_sin = rope_tables(shape, dtype, device)
+        local = rope_tables(shape, dtype, device, local=True) if shape.local_rope_theta is not None else None
+        self.layer_rope = [
+            local if local is not None and shape.window(i) else (self.rope_cos, self.rope_sin)
+            for i in range(self.num_layers)
+        ]
+        self.windows = sorted({shape.window(i) for i in range(self.num_layers)})  # 0: full attention
 
     @overload
     def forward(
@@ -225,20 +278,28 @@ class PagedLlama:
         h, delta = w.embed[batch.input_ids], None
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        mask = self.attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
-        features, tp = self.features, self.tp_group
+        # The reference path's additive masks, one per distinct window (0: plain causal).
+        masks = (
+            {win: self.attention_mask(batch, pool.shape[3], win) for win in self.windows}
+            if self.attention == "reference"
+            else {}
+        )
+        features, tp, sandwich = self.features, self.tp_group, self.shape.sandwich_norms
         for i in range(self.num_layers):
             layer = w.layers[i]
             h, x = norm(h, delta, layer.input_norm)  # h += delta; x = norm(h)
             if features is not None and i in features.at:  # the residual stream entering layer i
                 features.write(i, h, batch.slots)
+            mask = masks.get(self.shape.window(i))
             delta = F.linear(self.attend(x, layer, pool, i, batch, mask), layer.o)
             if tp is not None:  # row-parallel o_proj: sum the ranks' partial outputs
                 tp.all_reduce(delta)
+            if sandwich:  # Gemma 2/3: the attention output is normed before the residual add
+                delta = self.rms_norm(delta, layer.attn_out_norm)
             h, x = norm(h, delta, layer.post_norm)
             delta = self.mlp(layer, x)
-            if tp is not None:  # row-parallel down_proj
-                tp.all_reduce(delta)
+            if sandwich:
+                delta = self.rms_norm(delta, layer.mlp_out_norm)
         # Every layer assigns delta, and __init__ checks num_layers >= 1.
         assert delta is not None
         if features is not None and self.num_layers in features.at:  # the last layer's output
@@ -247,57 +308,71 @@ class PagedLlama:
             return None
         h, delta = h[logits_index], delta[logits_index]
         _, x = norm(h, delta, w.final_norm)
-        if logits_out is None:
-            return F.linear(x, w.lm_head)
-        return torch.mm(x, w.lm_head.t(), out=logits_out)
+        logits = F.linear(x, w.lm_head) if logits_out is None else torch.mm(x, w.lm_head.t(), out=logits_out)
+        cap = self.shape.final_softcap
+        if cap:  # in place: logits_out stays the output (a CUDA graph's static buffer)
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """rms_norm(x) without a residual add (Gemma 2/3's output norms)."""
+        assert weight is not None, "sandwich_norms needs attn_out_norm and mlp_out_norm"
+        if self.attention == "triton":
+            return self._kernels[0](x, None, weight, self.shape.rms_norm_eps)
+        return rms_norm(x, weight, self.shape.rms_norm_eps)
 
     def attend(self, x, layer: LayerWeights, pool, layer_idx, batch: BatchLayout, mask) -> torch.Tensor:
-        """[T, heads * D]: attention output of the new tokens, after writing their K/V."""
+        """[T, heads * D]: attention output of the new tokens, after writing their K/V. `mask`: the
+        reference path's additive mask for this layer's window (attention_mask)."""
         s = self.shape
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            qkv = self.norm_qk(qkv, layer.q_norm, layer.k_norm)
         k_cache, v_cache = pool[0, layer_idx], pool[1, layer_idx]  # [blocks, block_size, kvh, D]
         flat = (-1, s.num_kv_heads, s.head_dim)
+        cos_table, sin_table = self.layer_rope[layer_idx]
         if self.attention == "triton":
             _, _, rope_and_store_kv, paged_attention = self._kernels
             q = rope_and_store_kv(
                 qkv,
-                self.rope_cos,
-                self.rope_sin,
+                cos_table,
+                sin_table,
                 batch.positions,
                 batch.slots,
                 k_cache.view(flat),
                 v_cache.view(flat),
                 s.num_heads,
+                *((layer.q_norm, layer.k_norm, s.rms_norm_eps) if s.qk_norm else ()),
             )
             out = paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.positions, batch.query_start, batch.max_query, self.scale
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.positions,
+                batch.query_start,
+                batch.max_query,
+                self.scale,
+                window=s.window(layer_idx),
+                softcap=s.attn_softcap or 0.0,
             )
             return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[:, :q_dim].view(-1, s.num_heads, s.head_dim)
         k = qkv[:, q_dim : q_dim + kv_dim].view(-1, s.num_kv_heads, s.head_dim)
         v = qkv[:, q_dim + kv_dim :].view(-1, s.num_kv_heads, s.head_dim)
-        cos, sin = self.rope_cos[batch.positions][:, None, :], self.rope_sin[batch.positions][:, None, :]
+        if s.qk_norm:  # per head, over head_dim, before RoPE
+            assert layer.q_norm is not None and layer.k_norm is not None
+            q, k = rms_norm(q, layer.q_norm, s.rms_norm_eps), rms_norm(k, layer.k_norm, s.rms_norm_eps)
+        cos, sin = cos_table[batch.positions][:, None, :], sin_table[batch.positions][:, None, :]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
         return self._reference_attention(q, k_cache, v_cache, batch, mask)
 
-    def norm_qk(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
-        """qkv [T, (heads + 2 kvh) * D] with every q and k head RMS-normed over D (v unchanged)."""
-        s = self.shape
-        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = rms_norm(q.reshape(-1, s.num_heads, s.head_dim), q_norm, s.rms_norm_eps).flatten(1)
-        k = rms_norm(k.reshape(-1, s.num_kv_heads, s.head_dim), k_norm, s.rms_norm_eps).flatten(1)
-        return torch.cat((q, k, v), dim=-1)
-
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """[T, H]: the layer's MLP, dense or mixture of experts (a partial sum under tensor parallelism)."""
+        """[T, H]: the layer's MLP for the normed input x [T, H], dense or mixture of experts, summed over
+        tensor-parallel ranks (row-parallel down projections). The forward's one MLP step."""
         moe = self.shape.moe
         if layer.moe is not None and moe is not None:
-            return moe_forward(
+            delta = moe_forward(
                 x,
                 layer.moe,
                 moe.top_k,
@@ -306,8 +381,12 @@ class PagedLlama:
                 float32_weights=moe.float32_weights,
                 path=self.moe_path,
             )
-        gate_up, down = layer.dense_mlp()
-        return F.linear(self.act_mul(F.linear(x, gate_up)), down)
+        else:
+            gate_up, down = layer.dense_mlp()
+            delta = F.linear(self.act_mul(F.linear(x, gate_up)), down)
+        if self.tp_group is not None:
+            self.tp_group.all_reduce(delta)
+        return delta
 
     def add_rms_norm(self, h, delta, weight):
         """(h + delta, rms_norm(h + delta)); the Triton kernel updates h in place."""
@@ -339,13 +418,17 @@ class PagedLlama:
         num_seqs = tables.shape[0]
         qp = q.new_zeros(num_seqs, batch.max_query, s.num_heads, s.head_dim)
         qp[seq_of, idx_in_run] = q
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [B, heads, Q, D]
+        if s.attn_softcap:  # scaled_dot_product_attention has no soft-capping: spelled out
+            out = softcapped_attention(qp.transpose(1, 2), keys, values, mask, self.scale, s.attn_softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )  # [B, heads, Q, D]
         return out.transpose(1, 2)[seq_of, idx_in_run].reshape(-1, s.num_heads * s.head_dim)
 
-    def attention_mask(self, batch: BatchLayout, block_size: int) -> torch.Tensor:
-        """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p."""
+    def attention_mask(self, batch: BatchLayout, block_size: int, window: int = 0) -> torch.Tensor:
+        """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p, and with a
+        `window`, only those > p - window."""
         num_seqs, max_blocks = batch.block_tables.shape
         ctx = max_blocks * block_size
         seq_of, idx_in_run = _token_coordinates(batch)
@@ -353,9 +436,21 @@ class PagedLlama:
         qpos[seq_of, idx_in_run] = batch.positions
         kpos = torch.arange(ctx, device=qpos.device)
         allowed = kpos[None, None, :] <= qpos[:, :, None]
+        if window:
+            allowed &= kpos[None, None, :] > qpos[:, :, None] - window
         allowed[..., 0] |= qpos < 0  # padded query rows attend one key so softmax stays finite
         mask = torch.zeros(allowed.shape, dtype=self.weights.embed.dtype, device=qpos.device)
         return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """q [B, heads, Q, D], k/v [B, kv_heads, C, D], mask [B, 1, Q, C] -> [B, heads, Q, D]: softmax over
+    cap * tanh(q.k * scale / cap) + mask, in float32 (transformers' eager Gemma 2 attention)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap + mask
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def store_kv_reference(k, v, k_cache, v_cache, slots) -> None:

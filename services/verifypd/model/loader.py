@@ -17,7 +17,7 @@ import torch
 from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
 from verifypd.model.checkpoint import StateDictSource
 from verifypd.model.families import shape_from_config, weights_from_source
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, unit_norms
 
 # LlamaShape fields (mixed types, so Any), plus `tied` in RANDOM_SHAPES.
 ShapeFields = dict[str, Any]
@@ -76,6 +76,59 @@ RANDOM_SHAPES: dict[str, ShapeFields] = {
         head_dim=256,
         vocab_size=256000,
         **GEMMA,
+    ),
+    # Families with per-layer features (families.py): their Hugging Face configs' values.
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        **LLAMA3,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        qk_norm=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    ),
+    "gemma-2-9b": dict(
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_layers=42,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        vocab_size=256000,
+        sandwich_norms=True,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        sliding_window=4096,
+        sliding_layers=tuple(range(0, 42, 2)),
+        **GEMMA,
+    ),
+    "phi-3-mini": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        vocab_size=32064,
+        sliding_window=2047,
+        sliding_layers=tuple(range(32)),
     ),
 }
 
@@ -163,6 +216,7 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
             down=rand(H, inter),
             input_norm=ones,
             post_norm=ones,
+            **unit_norms(shape, device, dtype),
         )
         for _ in range(shape.num_layers)
     ]

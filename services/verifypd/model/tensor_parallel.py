@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup
+from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup, unit_norms
 from verifypd.model.loader import LoadedModel, ModelLoadError, load_model, random_shape
 
 
@@ -114,18 +114,15 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
         down = m.down.narrow(2, rank * part, part)
         return dataclasses.replace(m, gate_up=gate_up.contiguous(), down=down.contiguous())  # router replicated
 
-    layers = [
-        LayerWeights(
+    layers = [  # the q/k norms and the output norms are per head_dim / hidden: replicated (replace keeps them)
+        dataclasses.replace(
+            lw,
             qkv=rows(lw.qkv, qkv_ranges),
             qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
             o=cols(lw.o, q_local),
             gate_up=None if lw.gate_up is None else rows(lw.gate_up, gate_up_ranges),
             down=None if lw.down is None else cols(lw.down, i_local),
-            input_norm=lw.input_norm,
-            post_norm=lw.post_norm,
             moe=None if lw.moe is None else experts(lw.moe),
-            q_norm=lw.q_norm,
-            k_norm=lw.k_norm,
         )
         for lw in weights.layers
     ]
@@ -207,6 +204,7 @@ def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, d
             down=rand(own, H, local.intermediate_size),
             input_norm=ones,
             post_norm=ones,
+            **unit_norms(shape, device, dtype),
         )
         for _ in range(shape.num_layers)
     ]

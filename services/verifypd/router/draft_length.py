@@ -117,7 +117,7 @@ TYPICAL_DRAFT_INPUT = PROBE_MAX_LAG + 1  # tokens a draft call takes in a step w
 class ProbeSchedule:
     """When the next probe is due (see PROBE_FIRST); also counts decisions for benchmarks."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.interval = PROBE_FIRST
         self.steps_off = 0  # k decisions of 0 since the last drafting or probing one
         self.decisions = self.drafting = self.probes = 0

@@ -14,10 +14,12 @@ Shapes (T = new tokens of the batch, B = sequences, D = head_dim):
     query_start  [B + 1] int32                     tokens of sequence b are q[query_start[b]:query_start[b+1]]
     out          [T, heads, D]
 
-A query at position p attends keys at positions 0..p of its sequence. Those slots were written
-before the call (the new tokens' K/V are written into the pool first). Slots past what a tile
-needs are never loaded, and loads are masked to `other=0`, so garbage (even NaN) in unwritten or
-rolled-back slots cannot reach the output.
+A query at position p attends keys at positions 0..p of its sequence; with a `window` (sliding-window
+layers) only keys at positions > p - window, and the tile's loop starts at the first key any of its
+rows sees. `softcap` > 0 (Gemma 2) caps the scaled scores: cap * tanh(score / cap), before the mask.
+The keys' slots were written before the call (the new tokens' K/V go into the pool first). Slots
+outside what a tile needs are never loaded, and loads are masked to `other=0`, so garbage (even
+NaN) in unwritten, rolled-back or out-of-window slots cannot reach the output.
 """
 
 from __future__ import annotations
@@ -48,12 +50,16 @@ def _paged_attention_kernel(
     stride_oh,
     stride_bt,
     scale_log2,
+    window,
+    softcap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,13 +82,20 @@ def _paged_attention_kernel(
         # within a run, so that token's position is the tile's maximum).
         last_token = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
         kv_len = tl.load(positions_ptr + q_begin + last_token) + 1
+        first_key = 0
+        if SLIDING:  # the tile's first token has its smallest position, so the earliest key it sees
+            first_pos = tl.load(positions_ptr + q_begin + (tile * BLOCK_M) // GROUP)
+            first_seen = first_pos - window + 1
+            first_key = tl.maximum(first_seen, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         table = block_tables_ptr + seq * stride_bt
-        for start in range(0, kv_len, BLOCK_N):
+        for start in range(first_key, kv_len, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
             k_ok = kpos < kv_len
+            if SLIDING:  # keys before the window are not even loaded: their blocks may be reused
+                k_ok = k_ok & (kpos >= first_seen)
             page = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
             slot = page * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
             k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
@@ -90,7 +103,14 @@ def _paged_attention_kernel(
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(kpos[None, :] <= pos[:, None], s * scale_log2, float("-inf"))
+            s = s * scale_log2  # scores in log2 units (the softmax runs on exp2)
+            if SOFTCAP:  # softcap is in log2 units too: cap * tanh(x / cap), with
+                # tanh(y) = 1 - 2 / (exp2(2y log2 e) + 1), finite at both tails (overflow gives 1)
+                s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
+            seen = kpos[None, :] <= pos[:, None]
+            if SLIDING:
+                seen = seen & (kpos[None, :] > pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
             p = tl.exp2(s - m_safe[:, None])
@@ -125,9 +145,12 @@ def paged_attention(
     max_query: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
-    the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size)."""
+    the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size). `window` 0 and
+    `softcap` 0 are off (and compiled out)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -155,12 +178,16 @@ def paged_attention(
         out.stride(1),
         block_tables.stride(0),
         scale * math.log2(math.e),
+        window,
+        softcap * math.log2(math.e),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
         IEEE=q.dtype == torch.float32,
+        SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         # head_dim 256 (Gemma): the [BLOCK_M, D] float32 accumulator alone is 128 registers a thread
         # at 4 warps; 8 warps halve that. (Not yet timed on a GPU against 4 warps / smaller BLOCK_M.)
         num_warps=4 if head_dim <= 128 else 8,

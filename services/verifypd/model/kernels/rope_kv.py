@@ -5,6 +5,8 @@
     positions, slots [T] int64          slot = block_id * block_size + offset, or -1: write nowhere
                                         (a CUDA graph's padding, draft steps past a request's k)
     k_cache, v_cache [slots, kv_heads, D]  one layer's view of the pool, flattened
+    q_norm, k_norm [D]                  optional (Qwen3, Gemma 3): each q / k head is RMS-normed
+                                        over D with its weight before the rotation
     returns q [T, heads, D] rotated
 A program handles one (token, head): heads < `heads` are query heads, the rest key heads (whose
 value head is copied beside them).
@@ -27,6 +29,9 @@ def _rope_kv_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_t,
     stride_qt,
     stride_cs,
@@ -34,6 +39,7 @@ def _rope_kv_kernel(
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -44,6 +50,17 @@ def _rope_kv_kernel(
     src = qkv_ptr + token * stride_t + head * 2 * HALF
     x1 = tl.load(src + d).to(tl.float32)
     x2 = tl.load(src + HALF + d).to(tl.float32)
+    if QK_NORM:  # as model.llama.rms_norm: statistics in float32, rounded to the dtype, times w
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        if head < HEADS:
+            w1 = tl.load(q_norm_ptr + d)
+            w2 = tl.load(q_norm_ptr + HALF + d)
+        else:
+            w1 = tl.load(k_norm_ptr + d)
+            w2 = tl.load(k_norm_ptr + HALF + d)
+        dtype = q_ptr.dtype.element_ty
+        x1 = (w1 * (x1 * rstd).to(dtype)).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype)).to(tl.float32)
     out1 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)
     out2 = (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
     if head < HEADS:
@@ -72,6 +89,9 @@ def rope_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     tokens = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
@@ -87,6 +107,9 @@ def rope_and_store_kv(
             q,
             k_cache,
             v_cache,
+            q if q_norm is None else q_norm,  # unread without QK_NORM
+            q if k_norm is None else k_norm,
+            eps,
             qkv.stride(0),
             q.stride(0),
             k_cache.stride(0),
@@ -94,6 +117,7 @@ def rope_and_store_kv(
             HEADS=heads,
             KV_HEADS=kv_heads,
             HALF=head_dim // 2,
+            QK_NORM=q_norm is not None,
             num_warps=1,
         )
     return q
