@@ -21,6 +21,7 @@ import os
 import pathlib
 import pickle
 import struct
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -95,7 +96,8 @@ class StateDictSource:
         if name not in self.state:
             raise ModelLoadError(f"the checkpoint has no tensor {name!r}")
         t = rank_slice(self.state[name], self.rule(name), self.rank, self.world, name)
-        return t.to(device=self.device, dtype=dtype or self.dtype)
+        # copy=True: owned even when nothing changes (a state dict may map a file that can be rewritten)
+        return t.to(device=self.device, dtype=dtype or self.dtype, copy=True)
 
 
 @dataclass(frozen=True)
@@ -302,22 +304,38 @@ def read_torch_bin(path: pathlib.Path) -> dict[str, torch.Tensor]:
     weights_only=True: torch's restricted unpickler, which rebuilds tensors, plain containers and
     numbers only and refuses every other global (os.system, any class), so a published file cannot
     run code here as a plain pickle.load would. Anything but a dict of tensors is refused too."""
+
+    def load(mapped: bool):
+        with warnings.catch_warnings():  # "pickle protocol 4": torch reads it, the warning is noise
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+
     try:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = load(True)
         except RuntimeError as exc:
-            if "mmap" not in str(exc):  # the legacy (pre-zip) format cannot be mapped: read it whole
+            if "mmap" not in str(exc):
                 raise
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load(False)  # the legacy (pre-zip) format cannot be mapped: read whole
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"checkpoint file {path}: refused, it holds more than tensors ({first})") from None
+        reason = unpickler_reason(exc)
+        raise ModelLoadError(f"checkpoint file {path}: refused, it holds more than tensors ({reason})") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise ModelLoadError(f"checkpoint file {path}: not a readable torch state dict ({exc})") from None
     tensors = isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())
     if not tensors:
         raise ModelLoadError(f"checkpoint file {path}: refused, not a dict of named tensors")
     return state
+
+
+def unpickler_reason(exc: Exception) -> str:
+    """The restricted unpickler's own reason, without torch's advice around it (which is to turn the
+    protection off)."""
+    advice = ("Weights only load failed", "Check the documentation", "Please file an issue", "(1)", "(2)")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.strip().startswith(advice)]
+    if not lines:
+        return type(exc).__name__
+    return lines[0].removeprefix("WeightsUnpickler error:").split(". Please use")[0].strip()
 
 
 def resolve_checkpoint_dir(spec: str) -> pathlib.Path | None:
