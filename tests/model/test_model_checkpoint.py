@@ -211,3 +211,15 @@ def test_directory_without_weights_is_named(tiny, tmp_path):
     (directory / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"has no weights \(model\.safetensors, .*pytorch_model\.bin\)"):
         load_model(str(directory), CPU, torch.float32)
+
+
+def test_tensors_copied_in_chunks_of_rows_are_whole(tiny, reference, monkeypatch):
+    """Chunks of a few rows (each chunk's mapped pages dropped once copied): the same weights, for
+    the whole model and for a rank's column slices."""
+    from verifypd.model import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 700)  # 2-3 rows of 64 float32
+    shape, full = reference
+    assert_weights_equal(load_model(str(tiny), CPU, torch.float32).weights, full)
+    shard = load_target_shard(str(tiny), 1, 2, CPU, torch.float32, None)
+    assert_weights_equal(shard.weights, shard_weights(shape, full, 1, 2))

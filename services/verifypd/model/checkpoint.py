@@ -6,47 +6,28 @@ device, cut to one tensor-parallel rank's slice (model.families.shard_rule).
 
 `read_torch_bin` reads a `pytorch_model.bin` state dict without running code from the file.
 
-Host memory while loading from safetensors: a tensor is a view of the file's mapping; a rank narrows
-it to its slice (nothing read yet), copies that once to the device (converting there), and then
-drops the mapping's pages of that tensor again (MADV_DONTNEED: they stay in the page cache, but no
-longer count in the process's resident set). So the host holds at most one tensor's pages of the
-file beside whatever the weights themselves take (nothing more on a GPU).
+Host memory while loading from safetensors (model.safetensors_file): a tensor is a view of the
+file's mapping; a rank narrows it to its slice (nothing read yet) and copies that once to the device
+in chunks of rows (on a GPU through pinned buffers, converted there), dropping each chunk's mapped
+pages once copied (MADV_DONTNEED: the page cache keeps them, the process's resident set does not).
+So beside the weights themselves (nothing, on a GPU) the host holds about one chunk of the file.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
 import pathlib
 import pickle
-import struct
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
 from verifypd.domain.models import ModelLoadError
 from verifypd.model.families import ShardRule
+from verifypd.model.safetensors_file import INDEX_FILE, SINGLE_FILE, SafetensorsFile, checkpoint_files
 
-# safetensors dtype names -> torch. FP8 is left out on purpose: FP8 checkpoints carry scales that a
-# plain cast would ignore.
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER = 100 << 20  # the safetensors format's own bound on the JSON header
+CHUNK_BYTES = 64 << 20  # rows copied at a time: the host's peak of mapped pages while loading
 
 
 def rank_parts(tensor: torch.Tensor, rule: ShardRule, rank: int, world: int, name: str = "") -> list[torch.Tensor]:
@@ -100,139 +81,6 @@ class StateDictSource:
         return t.to(device=self.device, dtype=dtype or self.dtype, copy=True)
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte offsets in the file (header included)
-    end: int
-
-
-class SafetensorsFile:
-    """One .safetensors file: its header checked against the file's size, its bytes mapped on first use.
-
-    Layout: 8 bytes little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets:
-    [begin, end]}, "__metadata__": {...}}, then the data; offsets count from the end of the header."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        try:
-            size = path.stat().st_size
-            with path.open("rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise self.error(f"{size} bytes is too short for a safetensors header")
-                (length,) = struct.unpack("<Q", head)
-                if length > MAX_HEADER or 8 + length > size:
-                    raise self.error(
-                        f"truncated or not safetensors: the header length field says {length} bytes, "
-                        f"the file has {size}"
-                    )
-                raw = f.read(length)
-        except OSError as exc:
-            raise self.error(f"cannot read ({exc.strerror or exc})") from None
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self.error(f"corrupt header: not JSON ({exc})") from None
-        if not isinstance(header, dict):
-            raise self.error("corrupt header: not a JSON object")
-        base = 8 + length
-        self.entries: dict[str, TensorEntry] = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            self.entries[name] = self.check_entry(name, meta, base, size)
-        self.size = size
-        self.mapping: mmap.mmap | None = None
-
-    def error(self, what: str) -> ModelLoadError:
-        return ModelLoadError(f"checkpoint file {self.path}: {what}")
-
-    def check_entry(self, name: str, meta: object, base: int, size: int) -> TensorEntry:
-        if not isinstance(meta, dict):
-            raise self.error(f"corrupt header: the entry of tensor {name!r} is not an object")
-        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-        if dtype not in DTYPES:
-            raise self.error(f"tensor {name!r}: field 'dtype' {dtype!r} is not supported ({', '.join(DTYPES)} are)")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise self.error(f"corrupt header: tensor {name!r} field 'shape' {shape!r} is not a list of sizes")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise self.error(f"corrupt header: tensor {name!r} field 'data_offsets' {offsets!r} is not [begin, end]")
-        begin, end = offsets
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * DTYPES[dtype].itemsize
-        if begin < 0 or end - begin != nbytes:
-            raise self.error(
-                f"corrupt header: tensor {name!r} field 'data_offsets' {offsets} spans {end - begin} bytes, "
-                f"its dtype and shape need {nbytes}"
-            )
-        if base + end > size:
-            raise self.error(
-                f"truncated: tensor {name!r} field 'data_offsets' ends at byte {base + end}, the file has {size}"
-            )
-        return TensorEntry(DTYPES[dtype], tuple(shape), base + begin, base + end)
-
-    def view(self, name: str) -> torch.Tensor:
-        """The tensor as a view of the file's mapping (reads nothing until used)."""
-        entry = self.entries[name]
-        if entry.start == entry.end:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        if self.mapping is None:
-            with self.path.open("rb") as f:
-                # Copy-on-write private mapping: writable for torch.frombuffer (no warning), never written.
-                self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        numel = (entry.end - entry.start) // entry.dtype.itemsize
-        flat = torch.frombuffer(self.mapping, dtype=entry.dtype, count=numel, offset=entry.start)
-        return flat.view(entry.shape)
-
-    def release(self, name: str) -> None:
-        """Drops this tensor's mapped pages from the resident set (the page cache keeps them)."""
-        entry = self.entries[name]
-        if self.mapping is None or entry.start == entry.end:
-            return
-        page = mmap.PAGESIZE
-        start = entry.start - entry.start % page
-        self.mapping.madvise(mmap.MADV_DONTNEED, start, min(entry.end, self.size) - start)
-
-    def close(self) -> None:
-        if self.mapping is not None:
-            try:
-                self.mapping.close()
-            except BufferError:  # a tensor still views it (a caller kept a view): unmapped when freed
-                pass
-            self.mapping = None
-
-
-def checkpoint_files(directory: pathlib.Path) -> dict[str, pathlib.Path] | None:
-    """Tensor name -> file of a directory's safetensors checkpoint (sharded index or one file); None
-    when the directory has neither. Every file the index names must exist."""
-    index = directory / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"checkpoint index {index}: field 'weight_map' unreadable ({exc})") from None
-        files: dict[str, pathlib.Path] = {}
-        for name, file in weight_map.items():
-            path = directory / str(file)
-            if not path.is_file():
-                raise ModelLoadError(
-                    f"checkpoint index {index}: field 'weight_map' names shard {file!r} (tensor {name!r}), "
-                    f"which is missing from {directory}"
-                )
-            files[name] = path
-        return files
-    single = directory / SINGLE_FILE
-    if single.is_file():
-        return {"": single}  # "" : every tensor of the one file
-    return None
-
-
 class SafetensorsSource:
     """A TensorSource over a directory's safetensors checkpoint, memory-mapped, read tensor by tensor.
 
@@ -266,6 +114,7 @@ class SafetensorsSource:
             else:
                 self.where.update((n, opened[path]) for n in opened[path].entries)
         self.bytes_read = 0
+        self.pinned: PinnedStaging | None = None
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -276,26 +125,79 @@ class SafetensorsSource:
             files = ", ".join(sorted(f.path.name for f in self.files))
             raise ModelLoadError(f"checkpoint {self.directory}: no tensor {name!r} in {files}")
         rule = self.rule(name)
-        views = rank_parts(file.view(name), rule, self.rank, self.world, name)
-        parts = [self.materialise(v, dtype or self.dtype) for v in views]
-        del views
-        file.release(name)
+        base = file.view(name)
+        parts = [
+            self.materialise(file, name, base, v, dtype or self.dtype)
+            for v in rank_parts(base, rule, self.rank, self.world, name)
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0 if rule is None else rule[0])
 
-    def materialise(self, view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """One copy of `view` (a slice of the mapping) owned by the device, in `dtype`."""
+    def materialise(
+        self, file: SafetensorsFile, name: str, base: torch.Tensor, view: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """One copy of `view` (a slice of the mapping) owned by the device, in `dtype`: copied in chunks
+        of rows, each chunk's mapped pages dropped once copied (the host's peak: one chunk)."""
         self.bytes_read += view.numel() * view.element_size()
-        if self.device.type == "cpu":
-            out = torch.empty(view.shape, dtype=dtype)
-            out.copy_(view)  # reads the mapped bytes and converts in one pass
-            return out
-        # The checkpoint's bytes go to the device as they are and are converted there (bf16 -> the
-        # GPU moves half the bytes of an fp32 host copy, and the host never holds a converted copy).
-        return view.to(self.device).to(dtype)
+        host = self.device.type == "cpu"
+        # On the host: read and convert in one pass. On a GPU: the checkpoint's bytes go over as they
+        # are and are converted there (bf16 moves half the bytes of fp32; the host never converts).
+        out = torch.empty(view.shape, dtype=dtype if host else view.dtype, device=self.device)
+        if view.dim() == 0 or view.numel() == 0:
+            out.copy_(view)
+            return out.to(dtype)
+        rows = max(1, CHUNK_BYTES // max(1, view[0].numel() * view.element_size()))
+        for first in range(0, view.shape[0], rows):
+            chunk = view[first : first + rows]
+            if host:
+                out[first : first + rows].copy_(chunk)
+            else:
+                self.staging().copy(chunk, out[first : first + rows])
+            file.release(name, base, chunk)
+        return out if host else out.to(dtype)
+
+    def staging(self) -> PinnedStaging:
+        if self.pinned is None:
+            self.pinned = PinnedStaging(self.device)
+        return self.pinned
 
     def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.finish()
         for f in self.files:
             f.close()
+
+
+class PinnedStaging:
+    """Host-to-GPU copies through two pinned buffers: the CPU fills one from the file's mapping while
+    the GPU copies the other (a pageable copy would stage through the driver's buffers serially)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.done: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst (contiguous, on the GPU) <- src (host, any strides); returns once src was read."""
+        i, self.turn = self.turn, 1 - self.turn
+        previous = self.done[i]
+        if previous is not None:
+            previous.synchronize()  # the GPU finished reading this buffer
+        nbytes = src.numel() * src.element_size()
+        if nbytes > self.buffers[i].numel():  # a row longer than a chunk
+            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = self.buffers[i][:nbytes].view(src.dtype).view(src.shape)
+        staged.copy_(src)
+        with torch.cuda.device(self.device):
+            dst.copy_(staged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.done[i] = event
+
+    def finish(self) -> None:
+        for event in self.done:
+            if event is not None:
+                event.synchronize()
 
 
 def read_torch_bin(path: pathlib.Path) -> dict[str, torch.Tensor]:

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from verifypd.model.checkpoint import SafetensorsFile, read_torch_bin
+from verifypd.model.checkpoint import read_torch_bin
 from verifypd.model.llama import LayerWeights, LlamaShape
 from verifypd.model.loader import ModelLoadError
+from verifypd.model.safetensors_file import SafetensorsFile
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"

@@ -18,17 +18,10 @@ from typing import Any
 import torch
 
 from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
-from verifypd.model.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    SafetensorsSource,
-    StateDictSource,
-    checkpoint_files,
-    read_torch_bin,
-    resolve_checkpoint_dir,
-)
+from verifypd.model.checkpoint import SafetensorsSource, StateDictSource, read_torch_bin, resolve_checkpoint_dir
 from verifypd.model.families import ShardRule, TensorSource, shape_from_config, shard_rule, weights_from_source
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.safetensors_file import INDEX_FILE, SINGLE_FILE, checkpoint_files
 
 BIN_FILE = "pytorch_model.bin"
 
