@@ -27,7 +27,7 @@ from verifypd.domain.models import ModelLoadError
 from verifypd.model.families import ShardRule
 from verifypd.model.safetensors_file import INDEX_FILE, SINGLE_FILE, SafetensorsFile, checkpoint_files
 
-CHUNK_BYTES = 64 << 20  # rows copied at a time: the host's peak of mapped pages while loading
+CHUNK_BYTES = 32 << 20  # rows copied at a time: the host's peak of mapped pages while loading
 
 
 def rank_parts(tensor: torch.Tensor, rule: ShardRule, rank: int, world: int, name: str = "") -> list[torch.Tensor]:
