@@ -3,6 +3,8 @@ imports nothing of ours above the domain types.
 
 build.py           resolved options -> devices, models (Models), KV pools, start-up graph capture
 loader.py          checkpoints (local dir, HF cache, GGUF, the embedded model) and random weights
+checkpoint.py      tensor sources: safetensors memory-mapped per rank slice, state dicts, safe .bin
+safetensors_file.py  one safetensors file's header checked, its bytes mapped; a directory's shards
 llama.py           PagedLlama: the paged-KV forward of the Llama family (Gemma, Qwen2, Mistral too)
 kv_pool.py         KV pool tensors (device, /dev/shm-shared on the CPU)
 runner.py          ModelRunner: a model over its pool; prefill, verify and draft calls

@@ -10,7 +10,8 @@ target's); `embed_tokens` is always the target's (H must equal the target's hidd
 
 On disk (what `save_eagle_head` writes and `load_eagle_head` reads; the layout SGLang, vLLM and
 SpecForge use): `config.json` with architectures ["LlamaForCausalLMEagle3"], and `model.safetensors`
-with fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
+(or `pytorch_model.bin`, as the EAGLE-3 authors publish theirs, read safely) with fc.weight,
+midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
 midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight, norm.weight,
 [lm_head.weight, d2t, t2d]. A "model." prefix on names is accepted. Without lm_head.weight but with
 d2t, the draft vocabulary's rows are the target's own lm_head rows (what `verifypd distill
@@ -25,11 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from verifypd.model.checkpoint import read_torch_bin
 from verifypd.model.llama import LayerWeights, LlamaShape
 from verifypd.model.loader import ModelLoadError
+from verifypd.model.safetensors_file import SafetensorsFile
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_FILE = "model.safetensors"
+TORCH_FILE = "pytorch_model.bin"  # how the EAGLE-3 authors publish their heads
 
 
 def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
@@ -156,11 +160,27 @@ def check_against_target(config: EagleConfig, target: LlamaShape, path: str) -> 
         )
 
 
+def read_head_weights(root: pathlib.Path, path: str) -> dict[str, torch.Tensor]:
+    """The head's tensors: its .safetensors files (views of their mappings), else pytorch_model.bin
+    (read without running code from the file: model.checkpoint.read_torch_bin)."""
+    try:
+        files = sorted(root.glob("*.safetensors"))
+        if files:
+            sd = {}
+            for f in files:
+                st = SafetensorsFile(f)
+                sd.update({name: st.view(name) for name in st.entries})
+            return sd
+        if (root / TORCH_FILE).is_file():
+            return read_torch_bin(root / TORCH_FILE)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--draft eagle:{path}: {exc}") from None
+    raise ModelLoadError(f"--draft eagle:{path}: no weights ({WEIGHTS_FILE} or {TORCH_FILE})")
+
+
 def load_eagle_head(
     path: str, target: LlamaShape, target_lm_head: torch.Tensor, device, dtype
 ) -> tuple[EagleConfig, EagleWeights]:
-    from safetensors.torch import load_file
-
     root = pathlib.Path(path)
     if not (root / "config.json").is_file():
         raise ModelLoadError(
@@ -168,17 +188,12 @@ def load_eagle_head(
         )
     config = EagleConfig.from_json(json.loads((root / "config.json").read_text()), target, path)
     check_against_target(config, target, path)
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"--draft eagle:{path}: no .safetensors weights")
-    sd = {}
-    for f in files:
-        sd.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+    sd = {k.removeprefix("model."): v for k, v in read_head_weights(root, path).items()}
 
     def get(name):
         if name not in sd:
             raise ModelLoadError(f"--draft eagle:{path}: weights lack {name!r}")
-        return sd[name].to(device=device, dtype=dtype)
+        return sd[name].to(device=device, dtype=dtype, copy=True)  # owned: never a view of the file
 
     m = "midlayer."
     layer = LayerWeights(

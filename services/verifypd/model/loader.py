@@ -1,12 +1,15 @@
 """Loading models: Llama-family and Gemma checkpoints (local dir, Hugging Face cache name, GGUF file, the
 embedded SmolLM2) or random weights with a real model's shape (benchmarks).
 
-Config, tokenizer and chat template come from transformers; the weights are re-laid out for
-`PagedLlama` (fused qkv and gate/up projections).
+Config, tokenizer and chat template come from transformers; the weights are read tensor by tensor
+(model.checkpoint: safetensors memory-mapped, each tensor converted once on its device; a
+tensor-parallel rank reads only its slices) and re-laid out for `PagedLlama` (fused qkv and gate/up
+projections) by model.families. Only GGUF goes through a transformers model on the host.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from dataclasses import dataclass
@@ -15,9 +18,12 @@ from typing import Any
 import torch
 
 from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
-from verifypd.model.checkpoint import StateDictSource
-from verifypd.model.families import shape_from_config, weights_from_source
+from verifypd.model.checkpoint import SafetensorsSource, StateDictSource, read_torch_bin, resolve_checkpoint_dir
+from verifypd.model.families import ShardRule, TensorSource, shape_from_config, shard_rule, weights_from_source
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, unit_norms
+from verifypd.model.safetensors_file import INDEX_FILE, SINGLE_FILE, checkpoint_files
+
+BIN_FILE = "pytorch_model.bin"
 
 # LlamaShape fields (mixed types, so Any), plus `tied` in RANDOM_SHAPES.
 ShapeFields = dict[str, Any]
@@ -142,16 +148,29 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
-    if spec.startswith("random:"):
-        return random_model(spec.removeprefix("random:"), device, dtype, max_context)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class Checkpoint:
+    """A model found and its config read: what `load_weights` needs; no weight read yet."""
+
+    spec: str
+    config: Any  # the transformers config
+    shape: LlamaShape
+    source: str  # what transformers' from_pretrained takes (a directory)
+    kwargs: dict  # from_pretrained's extra arguments (gguf_file)
+    directory: pathlib.Path | None  # a checkpoint directory (None: GGUF)
+
+
+def open_checkpoint(spec: str, max_context: int | None = None) -> Checkpoint:
+    """Finds `spec` (a checkpoint directory, a name already in the Hugging Face cache, a .gguf file,
+    the embedded model) and reads its config; an unsupported family fails here, before any weights."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF dequantizer's own progress bar
 
     kwargs: dict = {}
+    directory = None
     if spec == EMBEDDED_NAME:
         path = embedded_model_path()
         source, kwargs["gguf_file"] = str(path.parent), path.name
@@ -160,11 +179,12 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context:
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {spec}")
         source, kwargs["gguf_file"] = str(path.parent), path.name
-    elif os.path.isdir(spec):
-        source = spec
-    else:  # a name already in the Hugging Face cache; nothing is downloaded
-        source, kwargs["local_files_only"] = spec, True
+    else:  # a directory, or a name already in the Hugging Face cache (its snapshot); nothing is downloaded
+        directory = resolve_checkpoint_dir(spec)
+        source = str(directory) if directory is not None else spec
     try:
+        if directory is None and "gguf_file" not in kwargs:
+            raise OSError(f"{spec!r} is neither a directory nor a name in the Hugging Face cache")
         config = AutoConfig.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
@@ -172,16 +192,80 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context:
             f"file, a name already in the Hugging Face cache, or {EMBEDDED_NAME!r} ({exc})"
         ) from exc
     try:
-        shape = shape_from_config(config, max_context)  # an unsupported family fails here, before any weights
+        shape = shape_from_config(config, max_context)
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {spec!r}: {exc}") from None
-    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    weights = weights_from_source(StateDictSource(hf.state_dict(), device, dtype), shape, config.tie_word_embeddings)
-    del hf
+    return Checkpoint(spec, config, shape, source, kwargs, directory)
+
+
+def load_weights(
+    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, rank: int = 0, world: int = 1
+) -> LoadedModel:
+    """The checkpoint's weights on `device` in `dtype`; with world > 1, rank `rank`'s slices only
+    (model.families.shard_rule), read as slices: no rank reads or holds the whole model."""
+    from transformers import AutoTokenizer
+
+    shape = checkpoint.shape
+
+    def rule(name: str) -> ShardRule:
+        return shard_rule(name, shape) if world > 1 else None
+
+    source = weight_source(checkpoint, device, dtype, rule, rank, world)
+    try:
+        weights = weights_from_source(source, shape, bool(getattr(checkpoint.config, "tie_word_embeddings", False)))
+    finally:
+        if isinstance(source, SafetensorsSource):
+            source.close()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.source, **checkpoint.kwargs)
+    config = checkpoint.config
     eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return LoadedModel(spec, shape, weights, tokenizer, eos_ids)
+    return LoadedModel(checkpoint.spec, shape, weights, tokenizer, eos_ids)
+
+
+def weight_source(checkpoint: Checkpoint, device, dtype, rule, rank: int, world: int) -> TensorSource:
+    """safetensors (memory-mapped, sliced per rank), else pytorch_model.bin (read safely), else GGUF
+    through transformers (the embedded model: small, dequantized on the host)."""
+    directory = checkpoint.directory
+    if directory is None:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint.source, dtype=torch.float32, **checkpoint.kwargs)
+        return StateDictSource(hf.state_dict(), device, dtype, rule, rank, world)
+    if checkpoint_files(directory) is not None:
+        return SafetensorsSource(directory, device, dtype, rule, rank, world)
+    bins = torch_bin_files(directory)
+    if bins:
+        state: dict[str, torch.Tensor] = {}
+        for path in bins:
+            state.update(read_torch_bin(path))
+        return StateDictSource(state, device, dtype, rule, rank, world)
+    raise ModelLoadError(
+        f"model {checkpoint.spec!r}: {directory} has no weights ({SINGLE_FILE}, {INDEX_FILE} or {BIN_FILE})"
+    )
+
+
+def torch_bin_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """pytorch_model.bin, or the shards its index names (each must exist)."""
+    index = directory / (BIN_FILE + ".index.json")
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"checkpoint index {index}: field 'weight_map' unreadable ({exc})") from None
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"checkpoint index {index}: field 'weight_map' names shard {missing[0]!r}, which is missing"
+            )
+        return [directory / n for n in names]
+    return [directory / BIN_FILE] if (directory / BIN_FILE).is_file() else []
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
+    if spec.startswith("random:"):
+        return random_model(spec.removeprefix("random:"), device, dtype, max_context)
+    return load_weights(open_checkpoint(spec, max_context), device, dtype)
 
 
 def random_shape(name: str, max_context: int | None) -> tuple[LlamaShape, bool]:

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup, unit_norms
-from verifypd.model.loader import LoadedModel, ModelLoadError, load_model, random_shape
+from verifypd.model.loader import LoadedModel, ModelLoadError, load_weights, open_checkpoint, random_shape
 
 
 class SingleRank:
@@ -155,32 +155,21 @@ def load_target_shard(
 ) -> LoadedModel:
     """Rank `rank`'s target: the full shape (vocabulary, context, tokenizer, eos ids as the unsharded
     model), weights = this rank's shard on `device`. Raises ModelLoadError (exit 2) when `world` does
-    not divide heads, kv heads or the intermediate size.
+    not divide heads, kv heads or the intermediate size, before any weight is read.
 
-    A checkpoint is read whole into host memory (float32 by transformers), sharded there, and only
-    the shard reaches the device (every rank reads it: a 70B checkpoint needs host memory to match;
-    reading only the rank's slices of safetensors files is the next step). A `random:` shape makes
-    its shard directly on the device: layer weights seeded per rank, the replicated embeddings,
-    head and norms with one seed, so every rank holds the same replicated tensors (its output is
-    meaningless either way; such shapes are for timing)."""
+    A checkpoint's tensors are read as this rank's slices straight onto `device` (loader.load_weights
+    with model.families.shard_rule: a column-parallel tensor's rows, a row-parallel tensor's
+    columns, the replicated ones whole), so no rank reads or holds the whole model. A `random:`
+    shape makes its shard directly on the device: layer weights seeded per rank, the replicated
+    embeddings, head and norms with one seed, so every rank holds the same replicated tensors (its
+    output is meaningless either way; such shapes are for timing)."""
     if spec.startswith("random:"):
         shape, tied = random_shape(spec.removeprefix("random:"), max_context)
         check_tensor_parallel(shape, world)
         return LoadedModel(spec, shape, random_shard_weights(shape, tied, rank, world, device, dtype), None, ())
-    full = load_model(spec, torch.device("cpu"), dtype, max_context)
-    check_tensor_parallel(full.shape, world)
-    shard = shard_weights(full.shape, full.weights, rank, world)
-
-    def move(t):
-        return None if t is None else t.to(device)
-
-    layers = [
-        LayerWeights(*(move(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights))) for lw in shard.layers
-    ]
-    embed = move(shard.embed)
-    head = embed if shard.lm_head is shard.embed else move(shard.lm_head)
-    weights = LlamaWeights(embed=embed, layers=layers, final_norm=move(shard.final_norm), lm_head=head)
-    return LoadedModel(full.name, full.shape, weights, full.tokenizer, full.eos_token_ids)
+    checkpoint = open_checkpoint(spec, max_context)
+    check_tensor_parallel(checkpoint.shape, world)
+    return load_weights(checkpoint, device, dtype, rank, world)
 
 
 def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, device, dtype) -> LlamaWeights:
