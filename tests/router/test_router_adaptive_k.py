@@ -423,3 +423,18 @@ def test_a_request_that_drafts_well_drafts_after_requests_that_did_not(lane_args
     adaptive = family_seconds(ADAPTIVE, ["bad", "good"], alphas, **lane_args)
     assert plain["bad"] / adaptive["bad"] >= 0.97, (plain, adaptive)
     assert plain["good"] / adaptive["good"] >= 1.3, (plain, adaptive)
+
+
+def test_a_cheap_sample_at_a_large_k_does_not_make_it_cheaper_than_a_smaller_k():
+    """Lock-step costs are monotone in k: one fast step at k = 6 (few rows proposed, a quiet host)
+    is costed at least as a measured k = 4 step, so it cannot look like the best k by itself."""
+    costs = StepCostModel()
+    for _ in range(3):
+        costs.observe_step(4, 0, 1.0e-3)
+    costs.observe_step(4, 4, 2.0e-3)
+    costs.observe_step(4, 6, 0.5e-3)
+    assert costs.step_s(4, 6) >= costs.step_s(4, 4) == 2.0e-3
+    assert costs.step_s(4, 5) >= 2.0e-3
+    alphas = [0.5] * 4
+    goodputs = costs.goodputs(alphas, 8, 4)
+    assert max(range(1, 9), key=goodputs.__getitem__) != 6

@@ -87,7 +87,7 @@ class StepCostModel:
         """Measured, or estimated from the k measured at this bucket (`_estimate`); with nothing
         measured there, the defaults."""
         b = batch_bucket(batch)
-        estimate = _estimate(self._step, b, k)
+        estimate = _estimate(self._step, b, k, monotone=True)
         return self.default_verify_s + k * self.default_draft_step_s if estimate is None else estimate
 
     def goodput(self, alphas: list[float], k: int, batch: int, rates: list[float] | None = None) -> float:
@@ -156,19 +156,32 @@ def _any_of(rates: list[float]) -> float:
     return 1.0 - none
 
 
-def _estimate(medians: dict[tuple[int, int], float], bucket: int, k: int) -> float | None:
+def _estimate(medians: dict[tuple[int, int], float], bucket: int, k: int, monotone: bool = False) -> float | None:
     """A step's cost at (bucket, k) from the ks measured at that bucket: exact; between two
     measured ks linearly; beyond them along the measured slope (least squares, never falling with
     k), or, with one point only, the prior that each drafted token adds DRAFT_COST_PRIOR of a plain
     step. None when nothing is measured at the bucket. Not a lower bound: an unmeasured k that
     would pay only if drafting were free is not tried (at acceptance 0.1 a k = 1 step must cost
     under 1.1 plain steps to pay)."""
-    exact = medians.get((bucket, k))
-    if exact is not None:
-        return exact
     measured = {kk: v for (bb, kk), v in medians.items() if bb == bucket}
     if not measured:
         return None
+    if not monotone:  # pipelined steps: a group's drafts overlap the other group's verify
+        return _raw_estimate(measured, k)
+    # `monotone` (lock-step): a step with more drafts runs at least the work of one with fewer, so
+    # it is never taken cheaper than a measured smaller k. Without this floor one fast sample at a
+    # large k (a step whose draft lane proposed for few rows, or that the host did not slow) made
+    # that k look several times cheaper than its neighbours, and the policy drafted at it (seen on
+    # the embedded model with prompt lookup: k = 6 predicted at 3 x the goodput of k = 5).
+    floor = max((v for kk, v in measured.items() if kk < k), default=0.0)
+    return max(_raw_estimate(measured, k), floor)
+
+
+def _raw_estimate(measured: dict[int, float], k: int) -> float:
+    """_estimate without the monotone floor."""
+    exact = measured.get(k)
+    if exact is not None:
+        return exact
     below, above = [kk for kk in measured if kk < k], [kk for kk in measured if kk > k]
     if below and above:
         lo, hi = max(below), min(above)
