@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ class Plan:
     openai_api: str = "auto"  # openai: auto | chat | completions
     raw_records: bool = False  # per-request records in the results JSON
     tls: ClientTls | None = None  # --tls-ca-file ...: both backends speak TLS
+    # Request ids are `{run_tag}-lg{point}-{n}`: a random tag per run and client process, so ids
+    # never repeat across processes, runs or loadgens sharing a server.
+    run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 async def probe(stub, server: str, timeout: float) -> dict:
@@ -103,7 +107,12 @@ async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress) 
         # A different request stream from the measured one, so that warm-up prompts do
         # not pre-fill any prefix cache for the measured requests.
         res = await runner.run(
-            warmup_load(plan), plan.workload.requests(stream=0), plan.warmup, None, "warmup", plan.seed
+            warmup_load(plan),
+            plan.workload.requests(stream=0),
+            plan.warmup,
+            None,
+            f"{plan.run_tag}-warmup",
+            plan.seed,
         )
         warm["failed"] = sum(not r.ok for r in res.records)
     results = []
@@ -114,7 +123,12 @@ async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress) 
             # stream=1 for every point: each load point sees the same requests
             results.append(
                 await runner.run(
-                    load, plan.workload.requests(stream=1), plan.requests, plan.duration, f"lg{i}", plan.seed
+                    load,
+                    plan.workload.requests(stream=1),
+                    plan.requests,
+                    plan.duration,
+                    f"{plan.run_tag}-lg{i}",
+                    plan.seed,
                 )
             )
         finally:

@@ -111,7 +111,8 @@ class RequestStream:
     """A request in flight: `box` yields Chunk | Failure (and whatever else a front end puts in)."""
 
     def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
-        self.request_id, self.rid, self.detok = request_id, rid, detok  # client id, channel id
+        # request_id: the client's id, a label only (echoed, logged); rid: the gateway's own key
+        self.request_id, self.rid, self.detok = request_id, rid, detok
         self.box = StreamBox()
         self.added: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -128,8 +129,10 @@ class CoreClient:
         self.draining = False
         self._ids = itertools.count(1)
         self._cids = itertools.count(1)
+        # Keyed by the gateway's own ids only. A client's `request_id` is a label: two callers (or
+        # two loadgen processes) may send the same one at once, and none can reach or cancel another's
+        # request by naming its id (cancel is the caller's own stream ending).
         self._streams: dict[int, RequestStream] = {}
-        self._by_client: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read())
@@ -148,11 +151,9 @@ class CoreClient:
         if self.draining:
             raise Draining("server is draining (shutting down); retry on another replica")
         client_id = spec.request_id or uuid.uuid4().hex
-        if client_id in self._by_client:
-            raise InvalidRequest(f"request_id {client_id!r} is already in flight; use a unique id")
         rid = next(self._ids)
         stream = RequestStream(client_id, rid, IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop))
-        self._streams[rid], self._by_client[client_id] = stream, stream
+        self._streams[rid] = stream
         try:
             self.channel.send({"t": "add", "id": rid, "spec": spec_to_wire(spec)})
             try:  # the core's answer: added, refused, or the channel closed
@@ -173,10 +174,7 @@ class CoreClient:
             self._send_quietly({"t": "cancel", "id": stream.rid})
 
     def _forget(self, rid: int) -> RequestStream | None:
-        stream = self._streams.pop(rid, None)
-        if stream is not None:
-            self._by_client.pop(stream.request_id, None)
-        return stream
+        return self._streams.pop(rid, None)
 
     def _send_quietly(self, msg: dict) -> None:
         try:
