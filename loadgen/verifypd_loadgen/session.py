@@ -79,7 +79,8 @@ async def execute_plan(plan: Plan, progress: report.LiveProgress) -> tuple[dict,
 
         if plan.url is None or plan.model is None:
             raise ValueError("the openai backend needs a URL and a model")
-        async with ob.new_client(plan.tls) as client:
+        client = ob.new_client(plan.url, plan.tls, plan.connect_timeout)
+        try:
             info = await ob.probe(client, plan.url, plan.model, plan.connect_timeout)
             backend = ob.OpenAIBackend(client, plan.url, plan.model, plan.openai_api)
             runner = Runner(
@@ -91,6 +92,8 @@ async def execute_plan(plan: Plan, progress: report.LiveProgress) -> tuple[dict,
                 execute=ob.execute,
             )
             return (info, *await run_points(plan, runner, progress))
+        finally:
+            await client.close()
     if plan.server is None:
         raise ValueError("the grpc backend needs a server address")
     async with grpc_channel(plan.server, plan.tls, aio=True) as channel:
