@@ -11,6 +11,7 @@ from rich.console import Console
 
 from verifypd_loadgen import __version__
 from verifypd_loadgen.datasets import DatasetError, load_dataset
+from verifypd_loadgen.procs import CONCURRENCY_PER_PROC, default_procs
 from verifypd_loadgen.runner import LoadPoint
 from verifypd_loadgen.workload import DIST_HELP, Workload, parse_distribution, parse_priority_mix
 
@@ -53,6 +54,15 @@ def _url(text: str) -> str:
     if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
         raise ValueError("expected http://HOST:PORT/v1 or https://...")
     return text
+
+
+def _procs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    n = int(text)
+    if n < 1:
+        raise ValueError("must be >= 1 or auto")
+    return n
 
 
 def _vocab_range(text: str) -> tuple[int, int]:
@@ -118,6 +128,13 @@ def run_parser() -> argparse.ArgumentParser:
         "--rate",
         type=_arg(_list(_positive(float, True)), "rate list"),
         help="open loop: R[,R...] requests/s ('inf': all at once)",
+    )
+    p.add_argument(
+        "--procs",
+        type=_arg(_procs, "process count"),
+        default="auto",
+        help="client processes sharing the load, started together, merged into one report "
+        f"(default auto: ceil(largest concurrency / {CONCURRENCY_PER_PROC}), at most the cores)",
     )
     p.add_argument(
         "--arrival", choices=("poisson", "gamma"), default="poisson", help="open-loop arrival process (default poisson)"
@@ -261,6 +278,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
     if tls is not None and args.backend == "openai" and not args.url.startswith("https://"):
         parser.error("--tls-ca-file with --backend openai needs an https:// --url")
     requests = args.requests if args.requests or args.duration else 100
+    n_procs = default_procs(loads) if args.procs == "auto" else args.procs
     plan = Plan(
         server=args.server,
         loads=loads,
@@ -280,6 +298,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         openai_api=args.openai_api,
         raw_records=args.raw_records,
         tls=tls,
+        procs=n_procs,
     )
     config = {
         "server": args.server or args.url,
@@ -312,6 +331,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "timeout_s": args.timeout,
         "drain_timeout_s": args.drain_timeout,
         "seed": args.seed,
+        "procs": n_procs,
     }
     return plan, config
 
@@ -329,7 +349,7 @@ def cmd_run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plan, config = build_plan(args, parser, argv)
     outputs = Outputs(out=args.out, csv=args.csv, plot=args.plot, label=args.label, progress=not args.no_progress)
-    return run_session(plan, config, outputs, _stdout_console())
+    return run_session(plan, config, outputs, _stdout_console(), argv)
 
 
 def cmd_compare(argv: list[str]) -> int:

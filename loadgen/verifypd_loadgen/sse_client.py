@@ -83,7 +83,12 @@ class Response:
 
     async def read(self) -> bytes:
         parts: list[bytes] = []
-        await self._body_parts(lambda p: parts.append(p) or False)
+
+        def on_part(part: bytes) -> bool:
+            parts.append(part)
+            return False
+
+        await self._body_parts(on_part)
         return b"".join(parts)
 
     def close(self) -> None:

@@ -141,13 +141,14 @@ class Workload:
     priority_mix: list[tuple[int, float]] = field(default_factory=lambda: [(0, 1.0)])
     ignore_eos: bool = False
     seed: int = 0
+    proc: int = 0  # --procs: the client process's index; each process draws its own requests
 
     DEFAULT_OUTPUT = Distribution("fixed", (128,))
 
     def requests(self, stream: int = 0) -> Iterator[RequestSpec]:
         """Stream `stream` of the workload: equal (seed, stream) give equal requests, so every
         sweep point sees the same requests; warm-up uses a different stream."""
-        rng = np.random.default_rng([self.seed, stream])
+        rng = np.random.default_rng([self.seed, stream] + ([self.proc] if self.proc else []))
         prios = np.array([p for p, _ in self.priority_mix])
         weights = np.array([w for _, w in self.priority_mix])
         order: list[int] = []
