@@ -56,6 +56,13 @@ def _url(text: str) -> str:
     return text
 
 
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:
+        raise ValueError("must be in (0, 1]")
+    return v
+
+
 def _procs(text: str) -> int | str:
     if text == "auto":
         return text
@@ -153,6 +160,25 @@ def run_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("workload")
     d.add_argument(
         "--dataset", default="synthetic", help="'synthetic' (token-id prompts), a JSONL prompt file or ShareGPT JSON"
+    )
+    d.add_argument(
+        "--workload",
+        choices=("uniform", "mixed"),
+        default="uniform",
+        help="uniform: every synthetic prompt from --input-len (default); mixed: a --long-fraction "
+        "share of them from --long-input-len (long prefills among streaming decodes)",
+    )
+    d.add_argument(
+        "--long-fraction",
+        type=_arg(_fraction, "fraction"),
+        default=0.1,
+        help="--workload mixed: share of long prompts (default 0.1)",
+    )
+    d.add_argument(
+        "--long-input-len",
+        type=_arg(parse_distribution, "distribution"),
+        default=parse_distribution("2048"),
+        help="--workload mixed: long prompt length (default 2048)",
     )
     d.add_argument(
         "--input-len",
@@ -256,6 +282,10 @@ def build_plan(args, parser, argv: list[str] | None = None):
     )
     if args.input_len is not None:
         workload.input_len = args.input_len
+    if args.workload == "mixed":
+        if prompts is not None:
+            parser.error("--workload mixed applies to the synthetic dataset only")
+        workload.long_fraction, workload.long_input_len = args.long_fraction, args.long_input_len
     if args.rate is not None:
         loads = [
             LoadPoint(
@@ -317,6 +347,9 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "burstiness": (args.burstiness or 1.0) if args.rate else None,
         "max_concurrency": args.max_concurrency,
         "dataset": args.dataset,
+        "workload": args.workload,
+        "long_fraction": args.long_fraction if args.workload == "mixed" else None,
+        "long_input_len": str(args.long_input_len) if args.workload == "mixed" else None,
         "input_len": str(workload.input_len) if prompts is None else None,
         "output_len": str(args.output_len)
         if args.output_len

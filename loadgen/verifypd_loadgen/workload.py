@@ -142,6 +142,10 @@ class Workload:
     ignore_eos: bool = False
     seed: int = 0
     proc: int = 0  # --procs: the client process's index; each process draws its own requests
+    # --workload mixed: this share of the synthetic requests get a prompt of `long_input_len`
+    # tokens instead (long prefills arriving among streaming decodes)
+    long_fraction: float = 0.0
+    long_input_len: Distribution = field(default_factory=lambda: Distribution("fixed", (2048,)))
 
     DEFAULT_OUTPUT = Distribution("fixed", (128,))
 
@@ -154,7 +158,8 @@ class Workload:
         order: list[int] = []
         while True:
             if self.prompts is None:
-                n = self.input_len.sample(rng)
+                long = self.long_fraction > 0 and rng.random() < self.long_fraction
+                n = (self.long_input_len if long else self.input_len).sample(rng)
                 ids = rng.integers(self.vocab_range[0], self.vocab_range[1], size=n)
                 prompt = Prompt(token_ids=[int(i) for i in ids])
             else:

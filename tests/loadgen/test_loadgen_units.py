@@ -205,3 +205,14 @@ def test_each_process_draws_its_own_requests():
     first = [next(Workload(proc=p).requests(stream=1)).prompt.token_ids for p in (0, 1)]
     assert first[0] != first[1]
     assert next(Workload().requests(stream=1)).prompt.token_ids == first[0]  # process 0: as before --procs
+
+
+def test_mixed_workload_puts_long_prompts_among_short_ones():
+    from verifypd_loadgen.workload import Workload
+
+    w = Workload(input_len=parse_distribution("16"), long_fraction=0.25, long_input_len=parse_distribution("900"))
+    it = w.requests(stream=1)
+    lengths = [len(next(it).prompt.token_ids) for _ in range(400)]
+    assert set(lengths) == {16, 900}
+    assert 0.18 < lengths.count(900) / 400 < 0.32  # binomial(400, 0.25): sd 0.022
+    assert [len(next(Workload().requests(1)).prompt.token_ids)] == [128]  # uniform: unchanged
