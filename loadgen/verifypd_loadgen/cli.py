@@ -382,7 +382,19 @@ def cmd_run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plan, config = build_plan(args, parser, argv)
     outputs = Outputs(out=args.out, csv=args.csv, plot=args.plot, label=args.label, progress=not args.no_progress)
-    return run_session(plan, config, outputs, _stdout_console(), argv)
+    return run_session(plan, config, outputs, _stdout_console(), argv, client_process)
+
+
+def _plan_of(argv: list[str]):
+    parser = run_parser()
+    return build_plan(parser.parse_args(argv), parser, argv)[0]
+
+
+def client_process(argv: list[str], index: int, procs: int, barrier, conn) -> None:
+    """The entry of each `--procs` client process (spawned: a module-level function)."""
+    from verifypd_loadgen import session
+
+    session.client_process(_plan_of, argv, index, procs, barrier, conn)
 
 
 def cmd_compare(argv: list[str]) -> int:

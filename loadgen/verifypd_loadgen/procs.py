@@ -13,14 +13,13 @@ saturated and its latencies and throughput are the client's, not the server's.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
 import multiprocessing
 import os
-import threading
 import time
+from collections.abc import Callable
 
 from verifypd_loadgen.errors import Unreachable
 from verifypd_loadgen.runner import LoadPoint, PointResult, RequestRecord
@@ -59,51 +58,11 @@ def _record_from(d: dict) -> RequestRecord:
     return RequestRecord(**d)
 
 
-def _child(argv: list[str], index: int, procs: int, barrier, conn) -> None:
-    """One client process: the plan's share, a barrier before each point, JSON results on `conn`."""
-    from rich.console import Console
-
-    from verifypd_loadgen import cli, report, session
-
-    parser = cli.run_parser()
-    plan, _ = cli.build_plan(parser.parse_args(argv), parser, argv)
-    plan.proc_index, plan.procs = index, procs
-    plan.workload.proc = index
-
-    def before_point() -> None:  # blocking: run in a thread so the loop stays free
-        barrier.wait()
-
-    try:
-        info, warm, results = asyncio.run(
-            session.execute_plan(plan, report.LiveProgress(Console(stderr=True), False), before_point=before_point)
-        )
-        out = {
-            "info": info,
-            "warm": warm,
-            "points": [
-                {
-                    "t_start": r.t_start,
-                    "t_end": r.t_end,
-                    "cpu": r.client_cpu,
-                    "records": [dataclasses.asdict(rec) for rec in r.records],
-                }
-                for r in results
-            ],
-        }
-    except Unreachable as e:
-        barrier.abort()
-        out = {"unreachable": str(e)}
-    except threading.BrokenBarrierError:
-        out = {"error": "another client process failed"}
-    except BaseException as e:
-        barrier.abort()
-        out = {"error": f"{type(e).__name__}: {e}"}
-    conn.send_bytes(json.dumps(out).encode())
-    conn.close()
-
-
-def run_parallel(argv: list[str], loads: list[LoadPoint], procs: int) -> tuple[dict, dict, list[PointResult]]:
-    """Runs `argv` (a `run` command line) in `procs` processes; returns what `execute_plan` does,
+def run_parallel(
+    child: Callable, argv: list[str], loads: list[LoadPoint], procs: int
+) -> tuple[dict, dict, list[PointResult]]:
+    """Runs `argv` (a `run` command line) in `procs` processes, each `child(argv, index, procs,
+    barrier, conn)` (a module-level function: spawn imports it); returns what `execute_plan` does,
     merged: records of all processes per point, the earliest start and latest end, and each
     process's CPU utilisation in `client_cpu`."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that holds gRPC threads
@@ -111,7 +70,7 @@ def run_parallel(argv: list[str], loads: list[LoadPoint], procs: int) -> tuple[d
     pipes, workers = [], []
     for i in range(procs):
         recv, send = ctx.Pipe(duplex=False)
-        w = ctx.Process(target=_child, args=(argv, i, procs, barrier, send), daemon=True)
+        w = ctx.Process(target=child, args=(argv, i, procs, barrier, send), daemon=True)
         w.start()
         send.close()
         pipes.append(recv)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -183,16 +186,19 @@ class Outputs:
     progress: bool = True
 
 
-def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console, argv: list[str] | None = None) -> int:
-    """`argv`: the run's command line, which --procs > 1 hands to its client processes."""
+def run_session(
+    plan: Plan, config: dict, outputs: Outputs, console: Console, argv: list[str] | None = None, child=None
+) -> int:
+    """`argv`: the run's command line, which --procs > 1 hands to its client processes, each
+    running `child` (cli.client_process)."""
     err = Console(stderr=True)
     try:
         if plan.procs > 1:
-            if argv is None:
-                raise ValueError("--procs > 1 needs the run's command line")
+            if argv is None or child is None:
+                raise ValueError("--procs > 1 needs the run's command line and the client process's entry")
             if outputs.progress and err.is_terminal:
                 err.print(f"{plan.procs} client processes; no live progress", markup=False)
-            info, warm, results = procs.run_parallel(argv, plan.loads, plan.procs)
+            info, warm, results = procs.run_parallel(child, argv, plan.loads, plan.procs)
         else:
             progress = report.LiveProgress(err, outputs.progress and err.is_terminal)
             with progress:
@@ -242,3 +248,42 @@ def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console, ar
         print(f"error: all {sent} requests failed ({detail})", file=sys.stderr)
         return 1
     return 0
+
+
+def client_process(build_plan, argv: list[str], index: int, procs: int, barrier, conn) -> None:
+    """One client process: `build_plan(argv)` -> its Plan; this process's share of it, a barrier
+    before each point, JSON results on `conn`. (`cli.client_process` is the spawn target.)"""
+    plan = build_plan(argv)
+    plan.proc_index, plan.procs = index, procs
+    plan.workload.proc = index
+
+    def before_point() -> None:  # blocking: run in a thread so the loop stays free
+        barrier.wait()
+
+    try:
+        info, warm, results = asyncio.run(
+            execute_plan(plan, report.LiveProgress(Console(stderr=True), False), before_point=before_point)
+        )
+        out = {
+            "info": info,
+            "warm": warm,
+            "points": [
+                {
+                    "t_start": r.t_start,
+                    "t_end": r.t_end,
+                    "cpu": r.client_cpu,
+                    "records": [dataclasses.asdict(rec) for rec in r.records],
+                }
+                for r in results
+            ],
+        }
+    except Unreachable as e:
+        barrier.abort()
+        out = {"unreachable": str(e)}
+    except threading.BrokenBarrierError:
+        out = {"error": "another client process failed"}
+    except BaseException as e:
+        barrier.abort()
+        out = {"error": f"{type(e).__name__}: {e}"}
+    conn.send_bytes(json.dumps(out).encode())
+    conn.close()
