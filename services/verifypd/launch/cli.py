@@ -68,6 +68,7 @@ def cmd_serve(args) -> int:
     them (core/process.py), loads the tokenizer meanwhile, then serves gRPC and HTTP on one event
     loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
+    from verifypd.core.tracing import make_tracer
     from verifypd.gateway.server import Gateway, load_codec
     from verifypd.net.tls import server_tls
 
@@ -140,6 +141,7 @@ def cmd_serve(args) -> int:
         raise
     try:
         gateway.start()
+        gateway.client.tracer = make_tracer("verifypd-gateway")  # None unless OTLP is configured
         info = gateway.info
         if info is None:  # start() waits for the core's ready message, which carries it
             raise RuntimeError("the engine core was ready without its server info")

@@ -325,4 +325,5 @@ def core_options(args, engine: EngineOptions | None = None) -> CoreOptions:
         max_queue=args.max_queue,
         mps=args.mps,
         metrics=bool(args.http_port),
+        model_name=args.served_model_name or "",
     )
