@@ -1,5 +1,5 @@
 """OpenTelemetry traces of real requests (tiny models, CPU, colocated), exported over OTLP/gRPC
-(the SDK's exporter, configured by OTEL_EXPORTER_OTLP_ENDPOINT as `verifypd serve` reads it) to
+(the SDK's exporter, configured by OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as `verifypd serve` reads it) to
 an in-process OTLP TraceService receiver: one request's spans cover the gateway, the engine
 core (queue, prefill, decode) and the lane calls, all in the caller's trace (`traceparent` over
 HTTP or gRPC metadata), each below the right parent, with times that nest."""
@@ -68,7 +68,8 @@ def traced(chat_models):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     env = pytest.MonkeyPatch()
-    env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    # Traces only: other tests' metric providers in this process must not export here.
+    env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{port}")
     env.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: export soon after a span ends
     gw = HttpGateway(chat_models)
@@ -143,7 +144,51 @@ def test_a_request_without_traceparent_gets_a_trace_of_its_own(traced):
     body = {"model": MODEL, "prompt": [9, 8], "max_tokens": 4, "ignore_eos": True}
     assert httpx.post(gw.url + "/v1/completions", json=body, timeout=60).status_code == 200
     assert wait_until(
-        lambda: any(s["name"] == "verifypd.core.request" and s["trace"] not in before for s in receiver.spans), 30
+        lambda: any(s["name"] == "verifypd.generate" and s["trace"] not in before for s in receiver.spans), 30
     )
     (new,) = {s["trace"] for s in receiver.spans if s["name"] == "verifypd.generate"} - before
     check_one_trace(receiver, new, 4, None)
+
+
+def test_access_log_lines_carry_request_and_trace_ids_as_json(traced, caplog):
+    """`serve --access-log --log-format json`: one verifypd.access line per request, its fields
+    (request id, trace id, outcome, tokens) as JSON keys; off by default."""
+    import json
+    import logging
+
+    from verifypd.domain.logs import JsonFormatter
+
+    gw, _ = traced
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 3, "ignore_eos": True}
+    headers = {"traceparent": f"00-{'ab' * 16}-{PARENT}-01"}
+    with caplog.at_level(logging.INFO, logger="verifypd.access"):
+        assert httpx.post(gw.url + "/v1/completions", json=body, headers=headers, timeout=60).status_code == 200
+        assert not [r for r in caplog.records if r.name == "verifypd.access"]  # off by default
+        gw.gw.client.access_log = True
+        try:
+            r = httpx.post(gw.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        finally:
+            gw.gw.client.access_log = False
+    (record,) = [r for r in caplog.records if r.name == "verifypd.access"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == r.json()["id"] and line["trace_id"] == "ab" * 16
+    assert line["api"] == "http" and line["outcome"] == "length" and line["output_tokens"] == 3
+    assert line["prompt_tokens"] == 2 and line["duration_ms"] > 0 and line["logger"] == "verifypd.access"
+
+
+def test_log_format_json_from_the_environment(tmp_path):
+    """The engine core and the lanes read $VERIFYPD_LOG_FORMAT (serve --log-format sets it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; from verifypd.domain.logs import setup_logging; setup_logging(); "
+        "logging.getLogger('verifypd.lanes').error('lane %s exited', 'draft', extra={'lane': 'draft', 'reason': 'x'})"
+    )
+    env = dict(os.environ, VERIFYPD_LOG_FORMAT="json")
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stderr
+    line = json.loads(err.strip().splitlines()[-1])
+    assert line["msg"] == "lane draft exited" and line["lane"] == "draft" and line["reason"] == "x"
+    assert line["level"] == "ERROR" and line["ts"].endswith("+00:00")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 
 log = logging.getLogger("verifypd.gateway")
+access_log = logging.getLogger("verifypd.access")
 READY_TIMEOUT_S = 3600.0  # a large model loads and captures graphs before the core is ready
 SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most
 
@@ -115,6 +117,7 @@ class RequestStream:
     def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
         # request_id: the client's id, a label only (echoed, logged); rid: the gateway's own key
         self.request_id, self.rid, self.detok = request_id, rid, detok
+        self.api, self.t0, self.prompt_tokens = "grpc", 0.0, 0  # for the access log line
         self.span: Span | None = None  # the gateway's trace span of this request (core/tracing.py), when tracing
         self.box = StreamBox()
         self.added: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -130,6 +133,7 @@ class CoreClient:
         self.eos: frozenset[int] = frozenset()
         self.failed: str | None = None
         self.draining = False
+        self.access_log = False  # `serve --access-log`: one verifypd.access line per request
         self.tracer: Tracer | None = None  # an OpenTelemetry Tracer when OTLP traces are on (core/tracing.py)
         self._ids = itertools.count(1)
         self._cids = itertools.count(1)
@@ -161,6 +165,8 @@ class CoreClient:
         stream = RequestStream(client_id, rid, IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop))
         self._streams[rid] = stream
         msg = {"t": "add", "id": rid, "spec": spec_to_wire(spec)}
+        if self.access_log:
+            stream.api, stream.t0, stream.prompt_tokens = api, time.monotonic(), len(spec.prompt_ids)
         if self.tracer is not None:
             stream.span = start_gateway_span(self.tracer, trace_carrier or {}, api, client_id, len(spec.prompt_ids))
             traceparent = traceparent_of(stream.span)
@@ -188,9 +194,31 @@ class CoreClient:
     def _forget(self, rid: int, outcome: str = "abort", chunk: Chunk | None = None) -> RequestStream | None:
         """Drops a request; ends its trace span with `outcome` (a finish reason, abort or error)."""
         stream = self._streams.pop(rid, None)
-        if stream is not None and stream.span is not None:
+        if stream is None:
+            return None
+        if self.access_log:
+            self._log_access(stream, outcome, chunk)
+        if stream.span is not None:
             end_gateway_span(stream.span, outcome, chunk.usage_dict() if chunk is not None else None)
         return stream
+
+    def _log_access(self, stream: RequestStream, outcome: str, chunk: Chunk | None) -> None:
+        trace_id = None
+        if stream.span is not None and stream.span.get_span_context().is_valid:
+            trace_id = format(stream.span.get_span_context().trace_id, "032x")
+        fields = {
+            "api": stream.api,
+            "request_id": stream.request_id,
+            "trace_id": trace_id,
+            "outcome": outcome,
+            "prompt_tokens": stream.prompt_tokens,
+            "output_tokens": chunk.usage[1] if chunk is not None else None,
+            "duration_ms": round((time.monotonic() - stream.t0) * 1e3, 1),
+        }
+        access_log.info(
+            "%s %s %s %s tokens %s ms", fields["api"], stream.request_id, outcome, fields["output_tokens"],
+            fields["duration_ms"], extra=fields,
+        )  # fmt: skip
 
     def _send_quietly(self, msg: dict) -> None:
         try:

@@ -142,7 +142,7 @@ class CoreServer:
         self.channel.close()
 
     def _on_failure(self, message: str) -> None:
-        log.error("not serving any more: %s", message)
+        log.error("not serving any more: %s", message, extra={"reason": message})
 
     # -- commands (reader thread) --------------------------------------------------------------
     def _read(self) -> None:

@@ -110,6 +110,9 @@ class ServingMetrics:
         # a long request's tokens show up while it runs, not all at its end.
         self.done_prompt = self.done_generation = self.done_preemptions = 0
         self.live_prompt = self.live_generation = self.live_preemptions = 0
+        # What the last scan counted per request in flight: taken back out when it finishes, so a
+        # finished request is never counted twice and the counters never go down.
+        self._live: dict[str, tuple[int, int, int]] = {}
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
         self.running = self.waiting = self.preempted = 0
         self.kv_usage = 0.0
@@ -134,6 +137,11 @@ class ServingMetrics:
         self.done_prompt += s.prompt_tokens
         self.done_generation += s.completion_tokens
         self.done_preemptions += s.preemptions
+        scanned = self._live.pop(seq.request_id, None)
+        if scanned is not None:
+            self.live_prompt -= scanned[0]
+            self.live_generation -= scanned[1]
+            self.live_preemptions -= scanned[2]
         if s.scheduled_time is not None:
             self.queue.observe(s.scheduled_time - s.arrival_time)
         if not times or reason == "abort":
@@ -161,12 +169,15 @@ class ServingMetrics:
     def scan(self, router) -> None:
         """Gauges and in-flight counts from the router's state (one pass over its requests)."""
         prompt = generation = preemptions = preempted = 0
+        live = {}
         for seq in router.sequences():
             s = seq.stats
+            live[seq.request_id] = (s.prompt_tokens, s.completion_tokens, s.preemptions)
             prompt += s.prompt_tokens
             generation += s.completion_tokens
             preemptions += s.preemptions
             preempted += s.preemptions > 0 and seq.status is SeqStatus.WAITING
+        self._live = live
         self.live_prompt, self.live_generation, self.live_preemptions = prompt, generation, preemptions
         self.running, self.waiting, self.preempted = (
             len(router.scheduler.running),
