@@ -73,7 +73,9 @@ def test_every_series_after_real_requests(server):
         body = {"model": MODEL, "prompt": [5, 6, 7 + i], "max_tokens": TOKENS, "ignore_eos": True}
         r = httpx.post(server.url + "/v1/completions", json=dict(body, stream=i % 2 == 1), timeout=60)
         assert r.status_code == 200
-    assert httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 7}).status_code == 400
+    assert (
+        httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 7}).status_code == 400
+    )
     with pytest.raises(grpc.RpcError):
         client.generate(**dict(greedy_request([5, 6], 5), sampling=generate_pb2.SamplingParams(top_p=3)))
     client.close()

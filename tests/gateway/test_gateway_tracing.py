@@ -115,7 +115,9 @@ def check_one_trace(receiver: Receiver, trace_id: str, max_tokens: int, parent: 
 def test_http_request_continues_the_callers_trace(traced):
     gw, receiver = traced
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "stream": True}
-    r = httpx.post(gw.url + "/v1/completions", json=body, headers={"traceparent": f"00-{TRACE}-{PARENT}-01"}, timeout=60)
+    r = httpx.post(
+        gw.url + "/v1/completions", json=body, headers={"traceparent": f"00-{TRACE}-{PARENT}-01"}, timeout=60
+    )
     assert r.status_code == 200
     check_one_trace(receiver, TRACE, 6, PARENT)
 
