@@ -1,0 +1,121 @@
+"""The custom all-reduce (model/custom_all_reduce.py, model/kernels/all_reduce.py) without GPUs: the
+real Triton kernel runs under Triton's interpreter in 2 and 3 processes whose buffers are shared
+memory, mapped at each process's own addresses (as CUDA IPC maps a peer's buffer on a GPU). Each
+process signals and polls the peers' words in that memory exactly as on GPUs, so these tests check
+the sums, the paths and the protocol: a rank that starts late (it sleeps first) must be waited for,
+and back-to-back calls of mixed sizes and paths must not read a slot a peer is still writing.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import pytest
+import torch
+
+MAX_BYTES, ONE_SHOT_MAX, PROGRAMS, BLOCK = 4096, 1024, 3, 64
+# (elements, dtype): one-shot, two-shot (chunks owned by both ranks, a ragged tail), the NCCL
+# stand-in (gloo) above MAX_BYTES, then one-shot again right after (slot parity, round counts).
+CALLS = [
+    (100, torch.float32),
+    (700, torch.float32),
+    (1000, torch.bfloat16),
+    (5, torch.float16),
+    (3000, torch.float32),
+    (300, torch.float32),
+    (256, torch.float32),
+]
+
+
+def inputs(call: int, rank: int) -> torch.Tensor:
+    n, dtype = CALLS[call]
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * call + rank)).to(dtype)
+
+
+def rank_main(rank: int, world: int, buffers: list[torch.Tensor], init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from triton_interpreter import patch_triton_interpreter
+
+    from verifypd.model.custom_all_reduce import CustomAllReduce
+    from verifypd.model.tensor_parallel import TorchDistributedGroup
+
+    patch_triton_interpreter()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # this process's mappings
+        group = CustomAllReduce(
+            TorchDistributedGroup(),
+            bases,
+            rank,
+            world,
+            max_bytes=MAX_BYTES,
+            one_shot_max_bytes=ONE_SHOT_MAX,
+            programs=PROGRAMS,
+            block=BLOCK,
+            keep=tuple(buffers),
+        )
+        results = []
+        for call in range(len(CALLS)):
+            x = inputs(call, rank)
+            if rank == (call % world):  # one rank arrives late each call: the others must wait for it
+                time.sleep(0.3)
+            path = group.path(x)
+            group.all_reduce(x)
+            results.append((path, x))
+        torch.save(results, pathlib.Path(out_dir) / f"rank{rank}.pt")  # a local test artifact
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_sum_over_shared_buffers(world, tmp_path):
+    import torch.multiprocessing as mp
+
+    from verifypd.model.custom_all_reduce import buffer_bytes
+
+    buffers = [torch.zeros(buffer_bytes(PROGRAMS, world, MAX_BYTES), dtype=torch.uint8).share_memory_() for _ in range(world)]
+    mp.spawn(rank_main, args=(world, buffers, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    paths = [path for path, _ in ranks[0]]
+    assert paths == ["one-shot", "two-shot", "two-shot", "one-shot", "fallback", "two-shot", "one-shot"]
+    for call, (n, dtype) in enumerate(CALLS):
+        # The kernel sums in float32 in rank order, then rounds once (the interpreter's bfloat16
+        # rounding may differ from torch's by one unit in the last place).
+        expected = sum(inputs(call, r).float() for r in range(world)).to(dtype)
+        tol = dict(rtol=2**-7, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+        if paths[call] == "fallback":
+            tol = dict(rtol=1e-6, atol=1e-6)  # gloo's own order
+        for rank in range(world):
+            got = ranks[rank][call][1]
+            assert got.shape == (n,) and got.dtype == dtype
+            torch.testing.assert_close(got, expected, **tol, msg=lambda m, c=call, r=rank: f"call {c} rank {r}: {m}")
+            assert torch.equal(got, ranks[0][call][1]), f"call {call}: rank {rank} differs from rank 0"
+
+
+def make_group(world: int = 2, **kw):
+    from verifypd.model.custom_all_reduce import CustomAllReduce
+
+    return CustomAllReduce(None, torch.zeros(world, dtype=torch.int64), 0, world, **kw)
+
+
+def test_path_by_size_dtype_and_layout():
+    group = make_group(max_bytes=4096, one_shot_max_bytes=1024)
+    assert group.path(torch.zeros(256)) == "one-shot"  # 1024 bytes
+    assert group.path(torch.zeros(257)) == "two-shot"
+    assert group.path(torch.zeros(2048, dtype=torch.bfloat16)) == "two-shot"  # 4096 bytes
+    assert group.path(torch.zeros(1025)) == "fallback"  # over the slot
+    assert group.path(torch.zeros(0)) == "fallback"
+    assert group.path(torch.zeros(8, dtype=torch.int32)) == "fallback"
+    assert group.path(torch.zeros(8, 8).t()) == "fallback"  # not contiguous
+    assert group.path(torch.zeros(16, dtype=torch.float16)[1:]) == "fallback"  # not 16-byte aligned
+
+
+def test_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="2..8 ranks"):
+        make_group(world=1)
+    with pytest.raises(ValueError, match="2..8 ranks"):
+        make_group(world=9)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        make_group(max_bytes=1000)
