@@ -75,7 +75,9 @@ def test_ranks_sum_over_shared_buffers(world, tmp_path):
 
     from verifypd.model.custom_all_reduce import buffer_bytes
 
-    buffers = [torch.zeros(buffer_bytes(PROGRAMS, world, MAX_BYTES), dtype=torch.uint8).share_memory_() for _ in range(world)]
+    buffers = [
+        torch.zeros(buffer_bytes(PROGRAMS, world, MAX_BYTES), dtype=torch.uint8).share_memory_() for _ in range(world)
+    ]
     mp.spawn(rank_main, args=(world, buffers, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     paths = [path for path, _ in ranks[0]]
