@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+# Processes spawned; the paths and errors below run in this process (tests/README.md).
 MAX_BYTES, ONE_SHOT_MAX, PROGRAMS, BLOCK = 4096, 1024, 3, 64
 # (elements, dtype): one-shot, two-shot (chunks owned by both ranks, a ragged tail), the NCCL
 # stand-in (gloo) above MAX_BYTES, then one-shot again right after (slot parity, round counts).
@@ -33,29 +34,42 @@ def inputs(call: int, rank: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(1000 * call + rank)).to(dtype)
 
 
+def custom_group(rank: int, world: int, buffers: list[torch.Tensor]):
+    """This rank's CustomAllReduce over the shared buffers (gloo as the NCCL stand-in)."""
+    from verifypd.model.custom_all_reduce import CustomAllReduce
+    from verifypd.model.tensor_parallel import TorchDistributedGroup
+
+    bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # this process's mappings
+    return CustomAllReduce(
+        TorchDistributedGroup(),
+        bases,
+        rank,
+        world,
+        max_bytes=MAX_BYTES,
+        one_shot_max_bytes=ONE_SHOT_MAX,
+        programs=PROGRAMS,
+        block=BLOCK,
+        keep=tuple(buffers),
+    )
+
+
+def shared_buffers(world: int) -> list[torch.Tensor]:
+    from verifypd.model.custom_all_reduce import buffer_bytes
+
+    return [
+        torch.zeros(buffer_bytes(PROGRAMS, world, MAX_BYTES), dtype=torch.uint8).share_memory_() for _ in range(world)
+    ]
+
+
 def rank_main(rank: int, world: int, buffers: list[torch.Tensor], init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     from triton_interpreter import patch_triton_interpreter
-
-    from verifypd.model.custom_all_reduce import CustomAllReduce
-    from verifypd.model.tensor_parallel import TorchDistributedGroup
 
     patch_triton_interpreter()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)  # this process's mappings
-        group = CustomAllReduce(
-            TorchDistributedGroup(),
-            bases,
-            rank,
-            world,
-            max_bytes=MAX_BYTES,
-            one_shot_max_bytes=ONE_SHOT_MAX,
-            programs=PROGRAMS,
-            block=BLOCK,
-            keep=tuple(buffers),
-        )
+        group = custom_group(rank, world, buffers)
         results = []
         for call in range(len(CALLS)):
             x = inputs(call, rank)
@@ -69,15 +83,12 @@ def rank_main(rank: int, world: int, buffers: list[torch.Tensor], init_file: str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_sum_over_shared_buffers(world, tmp_path):
     import torch.multiprocessing as mp
 
-    from verifypd.model.custom_all_reduce import buffer_bytes
-
-    buffers = [
-        torch.zeros(buffer_bytes(PROGRAMS, world, MAX_BYTES), dtype=torch.uint8).share_memory_() for _ in range(world)
-    ]
+    buffers = shared_buffers(world)
     mp.spawn(rank_main, args=(world, buffers, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     paths = [path for path, _ in ranks[0]]
@@ -94,6 +105,45 @@ def test_ranks_sum_over_shared_buffers(world, tmp_path):
             assert got.shape == (n,) and got.dtype == dtype
             torch.testing.assert_close(got, expected, **tol, msg=lambda m, c=call, r=rank: f"call {c} rank {r}: {m}")
             assert torch.equal(got, ranks[0][call][1]), f"call {call}: rank {rank} differs from rank 0"
+
+
+def forward_rank(rank: int, buffers: list[torch.Tensor], init_file: str, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from test_model_tensor_parallel import run_model
+    from triton_interpreter import patch_triton_interpreter
+
+    patch_triton_interpreter()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        group = custom_group(rank, 2, buffers)
+        result = run_model(model_dir, group)
+        result["calls"] = int(group.state[0, 1])  # the kernel's calls (program 0 counts every one)
+        torch.save(result, pathlib.Path(out_dir) / f"rank{rank}.pt")  # a local test artifact
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_forward_over_the_kernel_equals_tp1(tmp_path):
+    """The sharded tiny Llama with the custom all-reduce as its group (one-shot for decode rows,
+    two-shot and the fallback for the prefill) gives the unsharded model's logits and tokens."""
+    import torch.multiprocessing as mp
+    from engine_helpers import write_tiny_llama
+    from test_model_tensor_parallel import run_model
+
+    from verifypd.model.tensor_parallel import SingleRank
+
+    model_dir = str(write_tiny_llama(tmp_path / "llama", seed=3, layers=2, heads=4, kv_heads=2))
+    buffers = shared_buffers(2)
+    mp.spawn(forward_rank, args=(buffers, str(tmp_path / "rendezvous"), model_dir, str(tmp_path)), nprocs=2, join=True)
+    single = run_model(model_dir, SingleRank())
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["calls"] > 0  # the kernel ran (not only the fallback)
+        for phase in ("prefill", "decode", "verify"):
+            torch.testing.assert_close(result[phase], single[phase], rtol=1e-5, atol=1e-5)
+        assert result["tokens"] == single["tokens"]
 
 
 def make_group(world: int = 2, **kw):
