@@ -171,3 +171,44 @@ def test_rejects_bad_shapes():
         make_group(world=9)
     with pytest.raises(ValueError, match="multiple of 256"):
         make_group(max_bytes=1000)
+
+
+COMPILE_SM90 = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from verifypd.model.kernels.all_reduce import _all_reduce_kernel as fn
+out = {}
+for dt in ("bf16", "fp32"):
+    for two in (False, True):
+        for world in (2, 8):
+            sig = dict(data_ptr="*" + dt, n="i32", bases_ptr="*i64", state_ptr="*i64", rank="i32", sig_bytes="i32",
+                       data_bytes="i32", WORLD="constexpr", WPAD="constexpr", BLOCK="constexpr", TWO_SHOT="constexpr")
+            consts = dict(WORLD=world, WPAD=triton.next_power_of_2(world), BLOCK=2048, TWO_SHOT=two)
+            aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # as the launch specializes them
+            src = ASTSource(fn, sig, constexprs=consts, attrs=aligned)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
+            out[f"{dt} two_shot={two} world={world}"] = ptx
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_hopper_without_multicast():
+    """The kernel as the GPU compiles it (sm_90 PTX, no GPU needed; the interpreter above skips the
+    compiler): no multimem / multicast instruction (NVLink multicast must stay off), the signals are
+    system-scope release stores and acquire polls, and the data moves in 16-byte vectors."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, ptx in json.loads(proc.stdout).items():
+        assert "multimem" not in ptx and "multicast" not in ptx, name
+        assert "atom.global.sys.release.exch.b64" in ptx, name
+        assert "ld.global.sys.acquire.b64" in ptx, name  # the polls (an atomic add of 0 becomes a load)
+        assert "bar.sync" in ptx, name
+        scalar = "ld.global.b16" if name.startswith("bf16") else "ld.global.b32 "
+        assert "ld.global.v4" in ptx and scalar not in ptx, f"{name}: data not moved in 16-byte vectors"

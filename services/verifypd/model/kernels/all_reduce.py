@@ -39,20 +39,44 @@ import triton.language as tl
 
 
 @triton.jit
-def _signal_and_wait(bases, is_peer, my_sig, pid, rank, value, WPAD: tl.constexpr):
+def _signal_and_wait(bases_ptr, my_sig, pid, rank, value, WORLD: tl.constexpr, WPAD: tl.constexpr):
     """Tells every rank that this rank's program `pid` reached round `value`, then waits until every
-    rank's program `pid` has. `bases` int64 [WPAD]: the buffers as mapped here (signals at offset 0)."""
+    rank's program `pid` has. Scalar atomics: one thread each, the block barriers order the rest."""
     tl.debug_barrier()  # every thread's stores of this program precede the signal
-    to_peers = bases.to(tl.pointer_type(tl.int64)) + pid * WPAD + rank
-    tl.atomic_xchg(to_peers, tl.zeros([WPAD], tl.int64) + value, mask=is_peer, sem="release", scope="sys")
-    words = my_sig + pid * WPAD + tl.arange(0, WPAD)
-    seen = tl.atomic_add(words, tl.zeros([WPAD], tl.int64), mask=is_peer, sem="acquire", scope="sys")
-    while tl.min(tl.where(is_peer, seen, value)) < value:
-        seen = tl.atomic_add(words, tl.zeros([WPAD], tl.int64), mask=is_peer, sem="acquire", scope="sys")
+    for p in tl.static_range(WORLD):
+        word = tl.load(bases_ptr + p).to(tl.pointer_type(tl.int64)) + pid * WPAD + rank
+        tl.atomic_xchg(word, value, sem="release", scope="sys")
+    for p in tl.static_range(WORLD):
+        word = my_sig + pid * WPAD + p
+        while tl.atomic_add(word, 0, sem="acquire", scope="sys") < value:
+            pass
     tl.debug_barrier()  # no thread reads a peer's slot before the wait is over
 
 
-@triton.jit(do_not_specialize=["n", "rank"])
+@triton.jit
+def _slot_of(bases_ptr, p, slot, elem: tl.constexpr):
+    """Rank p's data slot (byte offset `slot` into its buffer) as a pointer to `elem`; the buffers and
+    slots are 256-byte aligned (lets the loads and stores be 16-byte vectors)."""
+    return tl.multiple_of((tl.load(bases_ptr + p) + slot).to(tl.pointer_type(elem)), 16)
+
+
+@triton.jit
+def _reduce_chunk(data_ptr, my_slot, bases_ptr, slot, offs, n, WORLD: tl.constexpr, KEEP: tl.constexpr):
+    """data[offs] = the sum of every rank's slot at offs, in rank order (float32, one rounding);
+    KEEP: also into this rank's slot, where the peers gather it from (two-shot)."""
+    ok = offs < n
+    elem = data_ptr.dtype.element_ty
+    acc = tl.zeros(offs.shape, tl.float32)
+    for p in tl.static_range(WORLD):
+        src = _slot_of(bases_ptr, p, slot, elem)
+        acc += tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+    total = acc.to(elem)
+    tl.store(data_ptr + offs, total, mask=ok)
+    if KEEP:
+        tl.store(my_slot + offs, total, mask=ok)
+
+
+@triton.jit(do_not_specialize=["rank"])  # n: its divisibility by 16 lets loads vectorize
 def _all_reduce_kernel(
     data_ptr,  # the tensor [n], reduced in place
     n,
@@ -72,12 +96,9 @@ def _all_reduce_kernel(
     calls = tl.load(state_ptr + 2 * pid + 1)
     slot = sig_bytes + (calls % 2) * data_bytes  # byte offset of this call's data slot
     elem = data_ptr.dtype.element_ty
-    ranks = tl.arange(0, WPAD)
-    is_peer = ranks < WORLD
-    bases = tl.load(bases_ptr + ranks, mask=is_peer, other=0)
     my_base = tl.load(bases_ptr + rank)
     my_sig = my_base.to(tl.pointer_type(tl.int64))
-    my_slot = (my_base + slot).to(tl.pointer_type(elem))
+    my_slot = _slot_of(bases_ptr, rank, slot, elem)
     chunks = tl.cdiv(n, BLOCK)
     lanes = tl.arange(0, BLOCK)
 
@@ -86,30 +107,24 @@ def _all_reduce_kernel(
         ok = offs < n
         tl.store(my_slot + offs, tl.load(data_ptr + offs, mask=ok), mask=ok)
     rounds += 1
-    _signal_and_wait(bases, is_peer, my_sig, pid, rank, rounds, WPAD)
+    _signal_and_wait(bases_ptr, my_sig, pid, rank, rounds, WORLD, WPAD)
 
     for c in range(pid, chunks, G):  # reduce (two-shot: only the chunks this rank owns)
-        if (not TWO_SHOT) or (c // G) % WORLD == rank:
-            offs = c * BLOCK + lanes
-            ok = offs < n
-            acc = tl.zeros([BLOCK], tl.float32)
-            for p in tl.static_range(WORLD):
-                src = (tl.load(bases_ptr + p) + slot).to(tl.pointer_type(elem))
-                acc += tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
-            total = acc.to(elem)
-            tl.store(data_ptr + offs, total, mask=ok)
-            if TWO_SHOT:
-                tl.store(my_slot + offs, total, mask=ok)
+        if TWO_SHOT:
+            if (c // G) % WORLD == rank:
+                _reduce_chunk(data_ptr, my_slot, bases_ptr, slot, c * BLOCK + lanes, n, WORLD, True)
+        else:
+            _reduce_chunk(data_ptr, my_slot, bases_ptr, slot, c * BLOCK + lanes, n, WORLD, False)
 
     if TWO_SHOT:
         rounds += 1
-        _signal_and_wait(bases, is_peer, my_sig, pid, rank, rounds, WPAD)
+        _signal_and_wait(bases_ptr, my_sig, pid, rank, rounds, WORLD, WPAD)
         for c in range(pid, chunks, G):  # gather the other owners' sums
             owner = (c // G) % WORLD
             if owner != rank:
                 offs = c * BLOCK + lanes
                 ok = offs < n
-                src = (tl.load(bases_ptr + owner) + slot).to(tl.pointer_type(elem))
+                src = _slot_of(bases_ptr, owner, slot, elem)
                 tl.store(data_ptr + offs, tl.load(src + offs, mask=ok), mask=ok)
 
     tl.store(state_ptr + 2 * pid, rounds)
