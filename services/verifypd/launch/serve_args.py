@@ -289,6 +289,7 @@ def engine_options(args):
         max_context=args.max_context,
         graph_buckets=args.graph_buckets,
         tensor_parallel=args.tensor_parallel,
+        tp_all_reduce=args.tp_all_reduce,
         simulated_acceptance=getattr(args, "simulated_acceptance", None),
     )
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
