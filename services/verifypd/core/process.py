@@ -118,6 +118,9 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
         recovery_timeout_s=options.recovery_timeout_s,
         on_close=on_close,
         metrics_registry=registry,
+        lane_timeout_s=options.lane_timeout_s,
+        on_hung=supervisor.kill_hung if supervisor is not None else None,
+        stall_timeout_s=options.stall_timeout_s,
     )
     core.wiring = wiring
     if supervisor is not None:

@@ -216,7 +216,9 @@ def _start_health_port(gateway, args) -> None:
     def check():
         if gateway.client.failed:
             return False, gateway.client.failed
-        return (True, "serving") if gateway.health.serving else (False, "not serving (starting, draining or stopped)")
+        if gateway.health.serving:
+            return True, "serving"
+        return False, gateway.client.stalled or "not serving (starting, draining or stopped)"
 
     port = HealthPort(args.host, args.health_port, {"/health": check})
     print(

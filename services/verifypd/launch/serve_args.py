@@ -75,6 +75,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="seconds to wait for a failed lane to serve again before failing its requests",
     )
     serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="health turns NOT_SERVING while one engine step has run longer than this (seconds; a "
+        "slow or hung lane): new requests wait for it instead of being admitted",
+    )
+    serve.add_argument(
         "--max-lane-restarts",
         type=int,
         default=5,
@@ -321,6 +328,7 @@ def core_options(args, engine: EngineOptions | None = None) -> CoreOptions:
         kv_transport=args.kv_transport,
         lane_timeout_s=args.lane_timeout,
         recovery_timeout_s=args.recovery_timeout,
+        stall_timeout_s=args.stall_timeout,
         max_lane_restarts=args.max_lane_restarts,
         max_queue=args.max_queue,
         mps=args.mps,
