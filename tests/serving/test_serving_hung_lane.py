@@ -35,8 +35,8 @@ from verifypd.v1 import generate_pb2
 pytestmark = pytest.mark.slow  # `verifypd serve --topology split`, a lane process stopped (tests/README.md)
 
 LANE_TIMEOUT_S = 4
-RECOVERY_TIMEOUT_S = 30  # the stopped lane would resume only after STOPPED_S: too late without the kill
-STOPPED_S = 45
+RECOVERY_TIMEOUT_S = 60  # generous: a lane restarts in ~20 s on a loaded 2-core machine
+STOPPED_S = 75  # without the kill the lane would resume only now: after the recovery timed out
 
 
 def split_cmd(tiny_models, port: int) -> list[str]:
@@ -79,11 +79,13 @@ def split_cmd(tiny_models, port: int) -> list[str]:
     ]
 
 
-def run(client: Client, prompt: list[int], max_tokens: int, out: dict, key) -> None:
+def run(client: Client, prompt: list[int], max_tokens: int, out: dict, key, streaming=None) -> None:
     chunks, code = [], grpc.StatusCode.OK
     try:
         for msg in client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request(prompt, max_tokens)), timeout=240):
             chunks.append(msg)
+            if streaming is not None:
+                streaming.set()
     except grpc.RpcError as exc:
         code = exc.code()
     out[key] = (code, [t for m in chunks for t in m.token_ids])
@@ -91,7 +93,7 @@ def run(client: Client, prompt: list[int], max_tokens: int, out: dict, key) -> N
 
 def test_a_stopped_lane_is_killed_restarted_and_loses_no_request(tiny_models):
     prompts = {"long": [5, 6, 7, 8], "late": [9, 10, 11]}
-    tokens = {"long": 120, "late": 8}
+    tokens = {"long": 240, "late": 8}
     expected = dict(
         zip(
             prompts,
@@ -108,9 +110,10 @@ def test_a_stopped_lane_is_killed_restarted_and_loses_no_request(tiny_models):
     stopped_pid = server.lane_pids()["verify"]
     out: dict = {}
     try:
-        long = threading.Thread(target=run, args=(client, prompts["long"], tokens["long"], out, "long"))
+        streaming = threading.Event()
+        long = threading.Thread(target=run, args=(client, prompts["long"], tokens["long"], out, "long", streaming))
         long.start()
-        time.sleep(0.5)  # streaming: in flight from here on
+        assert streaming.wait(60)  # in flight from here on (240 tokens: far from done)
         os.kill(stopped_pid, signal.SIGSTOP)
         t_stop = time.monotonic()
         # The core's step waits on the stopped lane: it takes no request, and health says so.

@@ -265,11 +265,11 @@ class CoreClient:
                 self.last_heard = time.monotonic()
                 kind = msg["t"]
                 if kind == "beat":
-                    if msg["stalled"] != self.stalled:
-                        was, self.stalled = self.stalled, msg["stalled"]
+                    was, self.stalled = self.stalled, msg["stalled"]  # the latest reason (its age grows)
+                    if (was is None) != (self.stalled is None):
                         if self.stalled:
                             log.warning("not taking requests: %s", self.stalled)
-                        elif was:
+                        else:
                             log.info("the engine core takes requests again")
                         self._state_changed()
                 elif kind == "step":

@@ -12,6 +12,7 @@ from verifypd.cli_flags import add_model_flags, add_schedule_flags, draft_arg, s
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.options import CoreOptions, EngineOptions, LaneTlsFiles
 from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV, load_secret
+from verifypd.net.limits import DEFAULT_IDLE_TIMEOUT_S
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -94,9 +95,30 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish",
     )
     serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file holding the key that Generate and Control.GetConfig require as `authorization: Bearer "
+        f"KEY` (first line; else env {API_KEY_ENV})",
+    )
+    serve.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require `authorization: Bearer KEY` on Generate and Control.GetConfig (env {API_KEY_ENV})",
+        default=None,
+        help="the same key on the command line: visible to every user of the machine (ps, /proc); prefer "
+        "--api-key-file",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections per public port (HTTP, gRPC); more are closed at once (default: what the "
+        "open-file limit allows, split between the ports)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds a new connection may take to send its first request (HTTP) or finish its handshake "
+        "(gRPC) before it is closed",
     )
     serve.add_argument(
         "--admin-key-file",
