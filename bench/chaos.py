@@ -218,11 +218,16 @@ def reference_run(address: str, reqs) -> list[list[int]]:
 
 
 def raw_call(address: str, method: str, payload: bytes, metadata=(), timeout: float = 30) -> str:
+    """Status of one call with raw request bytes (Generate is server-streaming: read it to the end)."""
     channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 1 << 30)])
     try:
-        channel.unary_unary(method, request_serializer=None, response_deserializer=None)(
-            payload, metadata=metadata, timeout=timeout
-        )
+        if method.endswith("/Generate"):
+            for _ in channel.unary_stream(method, request_serializer=None)(payload, metadata=metadata, timeout=timeout):
+                pass
+        else:
+            channel.unary_unary(method, request_serializer=None, response_deserializer=None)(
+                payload, metadata=metadata, timeout=timeout
+            )
         return "OK"
     except grpc.RpcError as exc:
         return exc.code().name

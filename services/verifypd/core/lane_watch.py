@@ -37,7 +37,3 @@ class LaneWatch:
             del self._failing_since[lane]  # the next failures (a restart under way) start a new span
             return HUNG
         return WAIT
-
-    def failing_for(self, lane: str, now: float) -> float:
-        since = self._failing_since.get(lane)
-        return 0.0 if since is None else now - since

@@ -22,7 +22,7 @@ import resource
 from dataclasses import dataclass
 
 FD_RESERVE = 256  # descriptors kept for the process itself (files, the core channel, lanes' channels, logs)
-GATEWAY_MAX_MESSAGE = 16 << 20  # a Generate request: a prompt of max_context tokens or its text, stops, chat
+GATEWAY_MAX_MESSAGE = 4 << 20  # gRPC's default, as --http-max-body-bytes: a 131k-token prompt is < 1 MiB
 # The lanes' largest legitimate messages: a KvBlockChunk (one block of one layer) and a work batch
 # (<= 4096 items / 131072 positions, lane_validate.py: token ids and block tables, a few MiB) are far below
 # this; dense DraftProbs ([rows, vocab] float32) are no longer sent by draft lanes (docs/services.md).
