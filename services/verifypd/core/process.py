@@ -160,7 +160,7 @@ class CoreProcess:
         self.proc = subprocess.Popen(
             cmd,
             pass_fds=(child.fileno(),),
-            env=child_env(),
+            env=child_env(core_share=2),  # colocated: the engine's torch gets half the cores
             stdin=subprocess.PIPE if options is not None else subprocess.DEVNULL,
         )
         child.close()

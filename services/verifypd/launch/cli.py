@@ -252,9 +252,7 @@ def _start_http(gateway, args, tls, sock, limits):
     api = HttpApi(
         gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes, api_key=args.api_key
     )
-    http = HttpServer(
-        api.app, args.host, args.http_port, loop=gateway.loop, tls=tls, sock=sock, limits=limits
-    ).start()
+    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop, tls=tls, sock=sock, limits=limits).start()
     print(
         f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})", file=sys.stderr, flush=True
     )
