@@ -16,7 +16,7 @@ the gateway. Every response is compared with the reference.
 
 Reported (JSON): requests sent / OK / lost (any non-OK end), wrong outputs (OK but not the reference
 tokens), status counts (UNKNOWN / INTERNAL are bugs), per fault the seconds until a new request
-completed again, the server tree's RSS and open-fd high-water marks against the baseline before the
+completed again, the server tree's memory (PSS) and open-fd high-water marks against the baseline before the
 first fault and after the last, the load average. Targets: 0 lost, 0 wrong, recovery within the
 configured timeouts, memory back near the baseline. The model is random weights (labelled).
 """
@@ -44,6 +44,11 @@ from bench_meta import metadata
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 
 VOCAB = 512
+WORK_METHODS = {
+    "prefill": "/verifypd.v1.PrefillLane/Prefill",
+    "draft": "/verifypd.v1.DraftLane/Draft",
+    "verify": "/verifypd.v1.VerifyLane/Verify",
+}
 
 
 def write_tiny_model(path: pathlib.Path, seed: int, noise: float = 0.0) -> str:
@@ -145,12 +150,13 @@ class ServerTree:
         return [self.proc.pid, *children(self.proc.pid)]
 
     def usage(self) -> tuple[float, int]:
-        """(RSS MiB, open descriptors) summed over the tree."""
+        """(PSS MiB, open descriptors) summed over the tree. PSS, not RSS: the lanes map the same
+        /dev/shm KV pools, which RSS would count once per process that touched them."""
         rss, fds = 0.0, 0
         for pid in self.pids():
             try:
-                status = pathlib.Path(f"/proc/{pid}/status").read_text()
-                rss += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+                rollup = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text()
+                rss += int(re.search(r"Pss:\s+(\d+)", rollup).group(1)) / 1024  # type: ignore[union-attr]
                 fds += len(os.listdir(f"/proc/{pid}/fd"))
             except (OSError, AttributeError):
                 continue
@@ -179,7 +185,7 @@ class Load:
         self.sent = self.ok = self.wrong = 0
         self.codes: dict[str, int] = {}
         self.lost: list[str] = []
-        self.completions: list[float] = []  # monotonic end time of each OK request
+        self.completions: list[tuple[float, float]] = []  # (start, end), monotonic, of each OK request
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(concurrency)]
 
     def _client(self, worker: int) -> None:
@@ -189,7 +195,7 @@ class Load:
         while not self.stop.is_set():
             i = n % len(self.reqs)
             n += len(self.threads)
-            code, ids = "OK", []
+            code, ids, start = "OK", [], time.monotonic()
             try:
                 for msg in stub.Generate(self.reqs[i], timeout=600):
                     ids += msg.token_ids
@@ -203,7 +209,7 @@ class Load:
                     self.lost.append(f"request {i}: {code}")
                 else:
                     self.ok += 1
-                    self.completions.append(time.monotonic())
+                    self.completions.append((start, time.monotonic()))
                     if self.reference is not None and ids != self.reference[i]:
                         self.wrong += 1
         channel.close()
@@ -352,21 +358,19 @@ def main(argv=None) -> int:
                             (("x-verifypd-lane-secret", lane_secret(lane_pid)),) if is_lane(lane_pid) else (),
                         )
                     )
-                    code = raw_call(*target, payload)
+                    code = raw_call(target[0], target[1], payload, target[2])
                     codes[code] = codes.get(code, 0) + 1
                 fault["codes"] = codes
             else:
                 payload = b"\x0a" + b"\xff" * (args.oversized_mb << 20)
-                fault["lane_unauthenticated"] = raw_call(
-                    server.lane_addr(rng.choice(["prefill", "draft", "verify"])),
-                    "/verifypd.v1.VerifyLane/Verify",
-                    payload,
-                )
+                fault["lane"] = lane
+                fault["lane_unauthenticated"] = raw_call(server.lane_addr(lane), WORK_METHODS[lane], payload)
                 fault["gateway"] = raw_call(address, "/verifypd.v1.Generation/Generate", payload[: 20 << 20])
-            # Recovered: a request that started after the fault completed OK.
-            while time.monotonic() < t_end and not any(c > t0 for c in list(load.completions)):
+            # Recovered: a request that started after the fault began completed OK (the next fault waits
+            # for that, so faults do not pile up on an unrecovered server).
+            while time.monotonic() < t_end + 120 and not any(a >= t0 for a, _ in list(load.completions)):
                 time.sleep(0.1)
-            done = [c for c in list(load.completions) if c > t0]
+            done = [b for a, b in list(load.completions) if a >= t0]
             fault["recovered_after_s"] = round(min(done) - t0, 2) if done else None
             faults.append(fault)
             print(json.dumps(fault), file=sys.stderr, flush=True)
@@ -374,6 +378,7 @@ def main(argv=None) -> int:
         load.stop.set()
         for t in load.threads:
             t.join(600)
+        settled = reference_run(address, reqs[:2]) == reference[:2]  # every lane serves again
         time.sleep(3)
         sampling.set()
         end_rss, end_fds = server.usage()
@@ -382,6 +387,7 @@ def main(argv=None) -> int:
             {
                 "config": {k: v for k, v in vars(args).items() if k != "out"},
                 "reference_deterministic": deterministic,
+                "served_the_reference_after_the_chaos": settled,
                 "requests": {"sent": load.sent, "ok": load.ok, "lost": len(load.lost), "wrong": load.wrong},
                 "status_counts": load.codes,
                 "lost_examples": load.lost[:10],

@@ -109,7 +109,7 @@ def run_config(target: str, threads: int | None, busy: int, seconds: float, clie
             return round(gaps[min(len(gaps) - 1, int(p * len(gaps)))], 1) if gaps else 0.0
 
         return {
-            "omp_num_threads": threads if threads is not None else "unset (torch: one per core)",
+            "omp_num_threads": threads if threads is not None else "unset (the default of the serve under test)",
             "busy_processes": busy,
             "tok_per_s": round((n1 - n0) / (t1 - t0), 1),
             "gap_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": round(gaps[-1], 1) if gaps else 0.0},
