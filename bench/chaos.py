@@ -249,6 +249,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None, help="default: a tiny random Llama written to a temp dir")
     ap.add_argument("--draft", default=None, help="default: a noisy copy of the tiny target")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-blocks", type=int, default=256, help="KV blocks per pool (fixed across restarts)")
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -282,8 +283,9 @@ def main(argv=None) -> int:
         *("--lane-timeout", str(args.lane_timeout), "--recovery-timeout", str(args.recovery_timeout)),
         *("--idle-timeout", str(args.idle_timeout), "--max-lane-restarts", "50", "--drain-timeout", "5"),
     ]
-    if args.device == "cpu":
-        cmd += ["--num-blocks", "256", "--max-context", "512"]
+    # A fixed pool: a restarted lane must own the geometry the router was built for (sized from free memory,
+    # a restarted CUDA lane would see less free memory than the first one did).
+    cmd += ["--num-blocks", str(args.num_blocks), "--max-context", "512"]
     env = dict(os.environ)
     server = ServerTree(cmd, env)
     address = f"127.0.0.1:{port}"
