@@ -140,14 +140,19 @@ class ServerTree:
         raise RuntimeError(f"no address of the {lane} lane in the log")
 
     def pids(self) -> list[int]:
-        def children(pid: int) -> list[int]:
+        """serve and all its descendants (by parent pid: a lane restarted by the supervisor thread is
+        not in the main thread's /proc/PID/task/PID/children)."""
+        parents: dict[int, int] = {}
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
             try:
-                direct = [int(c) for c in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-            except OSError:
-                return []
-            return direct + [d for c in direct for d in children(c)]
-
-        return [self.proc.pid, *children(self.proc.pid)]
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parents[int(stat.parent.name)] = int(fields[1])
+        tree = [self.proc.pid]
+        for pid in tree:  # grows while iterated: breadth-first
+            tree += [child for child, parent in parents.items() if parent == pid]
+        return tree
 
     def usage(self) -> tuple[float, int]:
         """(PSS MiB, open descriptors) summed over the tree. PSS, not RSS: the lanes map the same

@@ -39,12 +39,17 @@ def cmdline(pid: int) -> bytes:
 
 
 def descendants(pid: int) -> list[int]:
-    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        direct = [int(c) for c in children.read_text().split()]
-    except OSError:
-        return []
-    return direct + [d for c in direct for d in descendants(c)]
+    """By parent pid (a thread's children are not in the main thread's task/PID/children)."""
+    parents: dict[int, int] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+    tree = [pid]
+    for p in tree:
+        tree += [child for child, parent in parents.items() if parent == p]
+    return tree[1:]
 
 
 def lane_secret_of(pid: int) -> str:
