@@ -131,6 +131,16 @@ def test_seeded_sampling_is_reproducible_and_equals_grpc(server, client):
     assert a == b == ids and c != a
 
 
+def test_the_smallest_float32_top_p_keeps_only_the_top_token(client):
+    """top_p 1.4e-45 (the smallest float32 > 0, accepted) truncates to the most likely token: sampling at
+    temperature 1 then gives the greedy output, whatever the seed."""
+    kwargs = dict(model=MODEL, prompt=[5, 9, 13, 40], max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**kwargs, temperature=0).model_extra["verifypd"]["token_ids"]
+    for seed in (1, 2):
+        tiny = client.completions.create(**kwargs, temperature=1.0, top_p=1.4e-45, seed=seed)
+        assert tiny.model_extra["verifypd"]["token_ids"] == greedy
+
+
 def test_stop_string_and_speculation_override(client):
     base = client.completions.create(model=MODEL, prompt="w5 w6 w7", max_tokens=12, extra_body={"ignore_eos": True})
     words = base.choices[0].text.split()
@@ -168,6 +178,9 @@ BAD = [  # (path, body change, param named in the 400)
     (COMP, {"temperature": "hot"}, "temperature"),
     (COMP, {"top_p": 0}, "top_p"),
     (COMP, {"top_p": 1.5}, "top_p"),
+    (COMP, {"top_p": 5e-324}, "top_p"),  # float32 (the wire) holds 0 = "unset": it sampled as top_p 1
+    (COMP, {"top_p": 1e-46}, "top_p"),
+    (COMP, {"temperature": 1e39}, "temperature"),  # float32 inf
     (COMP, {"top_k": -2}, "top_k"),
     (COMP, {"seed": -1}, "seed"),
     (COMP, {"stop": ["x", ""]}, "stop[1]"),

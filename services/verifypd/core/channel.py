@@ -17,6 +17,8 @@ threads of one process in tests) carrying length-prefixed JSON objects, each wit
                                     usage: the five `RequestStats.usage()` numbers in USAGE_KEYS order)
       fail    {ids, code, message, fatal}   these requests end with a gRPC status name; fatal: the engine is gone
       reply   {cid, ok} / {cid, error: [code, message]}
+      beat    {stalled}             every second from a thread of its own: alive; stalled: null, or why no
+                                    request is taken now (a step past --stall-timeout)
 
 Why JSON over a socketpair (measured, bench/core_channel_codec.py on the dev CPU): a step message for
 128 requests encodes in ~0.1 ms and decodes in ~0.1 ms with the C json module, against a ~15 ms

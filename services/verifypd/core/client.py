@@ -8,7 +8,11 @@ with STOP at once and cancels the request in the core (the core may have run one
 those tokens are dropped, as vLLM's front end does).
 
 If the core process dies (the channel closes), every request in flight ends with UNAVAILABLE at
-once, nothing hangs, and `failed` says why. `on_failure(message, exited)` is told when the engine
+once, nothing hangs, and `failed` says why. While the core lives but takes no request (a step stuck
+on a slow or hung lane: its heartbeat says `stalled`; or no heartbeat for CORE_SILENCE_S),
+`admitting` is False and `on_state` tells the gateway (health NOT_SERVING); a request submitted
+meanwhile waits to be added rather than fail, as long as the core's heartbeat goes on.
+`on_failure(message, exited)` is told when the engine
 fails for good (health goes NOT_SERVING) and whether its process is gone (`verifypd serve` then
 exits, so that its supervisor, Kubernetes, restarts the pod).
 """
@@ -36,7 +40,9 @@ from verifypd.v1 import control_pb2, generate_pb2
 log = logging.getLogger("verifypd.gateway")
 access_log = logging.getLogger("verifypd.access")
 READY_TIMEOUT_S = 3600.0  # a large model loads and captures graphs before the core is ready
-SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most
+# The core sends a heartbeat every second (core_server.HEARTBEAT_S) from a thread of its own. Silent
+# this long: the process is stopped or wedged; requests waiting to be added fail, health NOT_SERVING.
+CORE_SILENCE_S = 30.0
 
 
 @dataclass(slots=True)
@@ -127,14 +133,25 @@ _REFUSALS = {"INVALID_ARGUMENT": InvalidRequest, "RESOURCE_EXHAUSTED": Overloade
 
 
 class CoreClient:
-    def __init__(self, channel: AsyncChannel, codec, *, on_failure: Callable[[str, bool], None] | None = None):
-        self.channel, self.codec, self.on_failure = channel, codec, on_failure
+    def __init__(
+        self,
+        channel: AsyncChannel,
+        codec,
+        *,
+        on_failure: Callable[[str, bool], None] | None = None,
+        on_state: Callable[[], None] | None = None,
+    ):
+        self.channel, self.codec, self.on_failure, self.on_state = channel, codec, on_failure, on_state
         self.info: generate_pb2.ServerInfo | None = None
         self.eos: frozenset[int] = frozenset()
         self.failed: str | None = None
         self.draining = False
         self.access_log = False  # `serve --access-log`: one verifypd.access line per request
         self.tracer: Tracer | None = None  # an OpenTelemetry Tracer when OTLP traces are on (core/tracing.py)
+        self.stopping = False  # stop() sent: the core's exit is a shutdown, not a failure
+        self.stalled: str | None = None  # why the core takes no request now (its heartbeat says)
+        self.last_heard = time.monotonic()  # any message from the core
+        self._silent = False
         self._ids = itertools.count(1)
         self._cids = itertools.count(1)
         # Keyed by the gateway's own ids only. A client's `request_id` is a label: two callers (or
@@ -144,6 +161,28 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read())
+        self._silence_watch = asyncio.create_task(self._watch_silence())
+
+    @property
+    def admitting(self) -> bool:
+        """The core takes requests now: alive, heard from lately, no step stuck past its limit."""
+        return self.failed is None and self.stalled is None and not self._silent
+
+    async def _watch_silence(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            silent = time.monotonic() - self.last_heard > CORE_SILENCE_S
+            if silent != self._silent:
+                self._silent = silent
+                if silent:
+                    log.warning("the engine core has sent nothing for %.0f s (stopped?): not serving", CORE_SILENCE_S)
+                else:
+                    log.info("the engine core answers again")
+                self._state_changed()
+
+    def _state_changed(self) -> None:
+        if self.on_state is not None:
+            self.on_state()
 
     async def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
@@ -174,10 +213,18 @@ class CoreClient:
                 msg["tp"] = traceparent
         try:
             self.channel.send(msg)
-            try:  # the core's answer: added, refused, or the channel closed
-                await asyncio.wait_for(asyncio.shield(stream.added), SUBMIT_TIMEOUT_S)
-            except TimeoutError:  # alive but stuck (e.g. stopped): never hang a caller
-                raise Unavailable(f"the engine core did not take the request within {SUBMIT_TIMEOUT_S:.0f} s") from None
+            # The core's answer: added, refused, or the channel closed. A core whose step is stuck on a
+            # lane (it is killed and restarted after --lane-timeout) takes it afterwards: wait while
+            # its heartbeat goes on; a silent core (stopped) fails the request instead of hanging it.
+            while not stream.added.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(stream.added), 1.0)
+                except TimeoutError:
+                    if time.monotonic() - self.last_heard > CORE_SILENCE_S:
+                        raise Unavailable(
+                            f"the engine core has not answered for {CORE_SILENCE_S:.0f} s; the request was not taken"
+                        ) from None
+            stream.added.result()
         except BaseException:
             # Refused or lost: already forgotten. Still known: the caller gave up while waiting, so
             # the core (which handles add before cancel) must drop it.
@@ -248,6 +295,7 @@ class CoreClient:
         return control_pb2.RuntimeConfig.FromString(unb64(await self.call("update_config", arg)))
 
     def stop(self) -> None:
+        self.stopping = True
         self._send_quietly({"t": "stop"})
 
     # -- the reader task -----------------------------------------------------------------------
@@ -255,8 +303,17 @@ class CoreClient:
         try:
             while True:
                 msg = await self.channel.receive()
+                self.last_heard = time.monotonic()
                 kind = msg["t"]
-                if kind == "step":
+                if kind == "beat":
+                    was, self.stalled = self.stalled, msg["stalled"]  # the latest reason (its age grows)
+                    if (was is None) != (self.stalled is None):
+                        if self.stalled:
+                            log.warning("not taking requests: %s", self.stalled)
+                        else:
+                            log.info("the engine core takes requests again")
+                        self._state_changed()
+                elif kind == "step":
                     self._on_step(msg["out"])
                 elif kind == "added":
                     self._resolve_add(msg["id"], None)
@@ -269,7 +326,7 @@ class CoreClient:
                 elif kind == "ready":
                     self._on_ready(msg)
         except ChannelClosed as exc:
-            self._lost(f"the engine-core process exited ({exc})")
+            self._lost(f"the engine-core process exited ({exc})", quiet=self.stopping)
         except asyncio.CancelledError:
             self._lost("the gateway is stopping", quiet=True)
             raise
@@ -353,7 +410,9 @@ class CoreClient:
         """The core is gone: fail everything in flight (UNAVAILABLE), pending adds and calls too."""
         if self.failed is None:
             self.failed = message
-            if not quiet:
+            if quiet:  # a shutdown: the core exits because it was told to
+                log.info("engine core stopped: %s", message)
+            else:
                 log.error("not serving any more: %s", message)
         for stream in list(self._streams.values()):
             self._forget(stream.rid, "error")

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from verifypd.core.channel import BlockingChannel, ChannelClosed, b64, output_to_wire, spec_from_wire, unb64
+from verifypd.core.lane_watch import HUNG, LOST, LaneWatch
 from verifypd.core.loop import CoreLoop, Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.lanes import LaneError
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.core")
+HEARTBEAT_S = 1.0  # the core tells the gateway it is alive (and whether it takes requests) this often
 
 
 def refusal(exc: BaseException) -> tuple[str, str]:
@@ -60,7 +64,13 @@ class CoreServer:
         on_close=(),
         watch_interval_s: float = 1.0,
         metrics_registry=None,
+        lane_timeout_s: float = 60.0,
+        on_hung: Callable[[str], None] | None = None,
+        stall_timeout_s: float = 10.0,
     ):
+        """`lane_timeout_s`: a lane whose health checks fail that long is hung; `on_hung(lane)` then
+        kills its process (the supervisor, when this core started the lanes). `stall_timeout_s`: a
+        step running longer makes the gateway's health NOT_SERVING (the core takes no request)."""
         self.router, self.channel, self.info = router, channel, info
         self.lanes, self.kv_transport = lanes, kv_transport
         self.loop = CoreLoop(
@@ -75,6 +85,9 @@ class CoreServer:
         self.tracing: RequestTracing | None = None  # core/tracing.py: set when OTLP traces are on
         self._on_close = list(on_close)
         self._watch_interval_s = watch_interval_s
+        self.lane_watch = LaneWatch(lane_timeout_s)
+        self._on_hung = on_hung
+        self._stall_timeout_s = stall_timeout_s
         self._stopped = threading.Event()
         self._closed = False
         self.wiring: lanes_pb2.ImportPoolsReply | None = (
@@ -117,6 +130,7 @@ class CoreServer:
         loop_in_thread=False, on the caller's thread until stopped (the process's main thread)."""
         self._send(self.ready_message())
         self._reader.start()
+        threading.Thread(target=self._heartbeat, name="core-heartbeat", daemon=True).start()
         if self.lanes:
             threading.Thread(target=self._watch_lanes, name="lane-watchdog", daemon=True).start()
         if loop_in_thread:
@@ -143,6 +157,22 @@ class CoreServer:
 
     def _on_failure(self, message: str) -> None:
         log.error("not serving any more: %s", message, extra={"reason": message})
+
+    def stalled(self) -> str | None:
+        """Why the core takes no request now (a step has run past the stall timeout), or None."""
+        began = self.loop.step_started
+        if began is None:
+            return None
+        running = time.monotonic() - began
+        if running <= self._stall_timeout_s:
+            return None
+        return f"an engine step has been running for {running:.0f} s (a lane is slow or hung); requests wait"
+
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, from a thread of its own (the loop thread may be stuck in a lane call):
+        alive, and whether requests are taken. The gateway's health follows it (core/client.py)."""
+        while not self._stopped.wait(HEARTBEAT_S):
+            self._send({"t": "beat", "stalled": self.stalled()})
 
     # -- commands (reader thread) --------------------------------------------------------------
     def _read(self) -> None:
@@ -256,10 +286,29 @@ class CoreServer:
     # -- split topology: lanes -----------------------------------------------------------------
     def _watch_lanes(self) -> None:
         """A lane that dies while idle starts recovery too (a call to a dead lane fails by itself:
-        the RPC ends with UNAVAILABLE). Repeated reports during one recovery are no-ops."""
+        the RPC ends with UNAVAILABLE); one that stops answering is lost only once it counts as hung
+        (lane_watch.py), and then killed so that it restarts. Repeated reports during one recovery
+        are no-ops."""
+        probe_s = max(self._watch_interval_s, 1.0)
         while not self._stopped.wait(self._watch_interval_s):
             for lane in self.lanes:
-                if not lane.healthy(timeout_s=max(self._watch_interval_s, 1.0)) and not self._stopped.is_set():
+                started = time.monotonic()
+                verdict = lane.probe(timeout_s=probe_s)
+                if self._stopped.is_set():
+                    return
+                action = self.lane_watch.observe(lane.lane, verdict, started, time.monotonic())
+                if action == HUNG:
+                    log.error(
+                        "%s lane at %s has not answered a health check for %.0f s (--lane-timeout): hung",
+                        lane.lane,
+                        lane.addr,
+                        self.lane_watch.hung_after_s,
+                    )
+                    if self._on_hung is not None:
+                        self._on_hung(lane.lane)
+                    self.loop.lane_lost(f"{lane.lane} lane at {lane.addr} is hung")
+                    break
+                if action == LOST:
                     self.loop.lane_lost(f"{lane.lane} lane at {lane.addr} is not serving")
                     break
 

@@ -84,6 +84,7 @@ class CoreLoop:
         self._max_consecutive = max_consecutive_failures
         self._consecutive = 0  # step failures with no successful step in between
         self._steps_at_recovery = -1
+        self.step_started: float | None = None  # monotonic start of the step running now (None: between steps)
         self.steps = 0  # router steps completed
         self.step_seconds = 0.0  # wall time inside router.step (busy share)
         self.tokens_out = 0  # tokens delivered
@@ -188,6 +189,7 @@ class CoreLoop:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        self.step_started = time.monotonic()
         try:
             outputs = self.router.step()
         except LaneError as exc:
@@ -199,6 +201,8 @@ class CoreLoop:
             log.exception("engine step failed")
             self._fail_all(f"internal error in the engine: {exc}", "INTERNAL")
             return
+        finally:
+            self.step_started = None
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
         self.tokens_out += sum(len(o.token_ids) for o in outputs)

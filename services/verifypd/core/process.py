@@ -127,6 +127,9 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
         recovery_timeout_s=options.recovery_timeout_s,
         on_close=on_close,
         metrics_registry=registry,
+        lane_timeout_s=options.lane_timeout_s,
+        on_hung=supervisor.kill_hung if supervisor is not None else None,
+        stall_timeout_s=options.stall_timeout_s,
     )
     core.wiring = wiring
     core.tracing = tracing
@@ -167,7 +170,7 @@ class CoreProcess:
         self.proc = subprocess.Popen(
             cmd,
             pass_fds=(child.fileno(),),
-            env=child_env(),
+            env=child_env(core_share=2),  # colocated: the engine's torch gets half the cores
             stdin=subprocess.PIPE if options is not None else subprocess.DEVNULL,
         )
         child.close()

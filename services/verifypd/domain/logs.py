@@ -1,5 +1,6 @@
-"""What every verifypd process logs the same way: the log set-up, and the warning of a server whose
-acceptance is simulated (`--simulated-acceptance`, benchmarks only). Torch-free."""
+"""What every verifypd process logs the same way: the log set-up, the rate limit on lines that a
+flood of connections or bad messages repeats, and the warning of a server whose acceptance is
+simulated (`--simulated-acceptance`, benchmarks only). Torch-free."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 
 SIMULATED_WARNING = (
     "SIMULATED ACCEPTANCE alpha=%g (--simulated-acceptance): BENCHMARK ONLY. Draft tokens are "
@@ -50,6 +53,52 @@ def setup_logging(fmt: str | None = None) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=os.environ.get("VERIFYPD_LOG_LEVEL", "INFO"), handlers=[handler])
+    for name in FLOODABLE:
+        rate_limited(logging.getLogger(name))
+
+
+# Loggers whose lines a client can make us repeat without limit: asyncio's accept loop ("socket.accept()
+# out of system resource ... Too many open files", once per loop turn while fds are exhausted), gRPC's
+# server (a traceback per undecodable message, per failed handshake), uvicorn's protocol errors.
+FLOODABLE = ("asyncio", "grpc._server", "grpc._cython.cygrpc", "grpc.aio", "uvicorn.error", "verifypd.wire")
+
+
+class RateLimit(logging.Filter):
+    """At most `burst` records per `per_s` seconds per (logger, message template); the rest are
+    counted, and the next record let through says how many were suppressed. Thread-safe."""
+
+    def __init__(self, burst: int = 5, per_s: float = 10.0, clock=time.monotonic):
+        super().__init__()
+        self.burst, self.per_s, self.clock = burst, per_s, clock
+        self._windows: dict[tuple[str, str], list] = {}  # key -> [window start, records let through, suppressed]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        now = self.clock()
+        with self._lock:
+            window = self._windows.get(key)
+            if window is None or now - window[0] >= self.per_s:
+                suppressed = window[2] if window is not None else 0
+                self._windows[key] = window = [now, 0, 0]
+                if len(self._windows) > 1000:  # many distinct templates: forget the old windows
+                    self._windows = {key: window}
+            else:
+                suppressed = 0
+            if window[1] >= self.burst:
+                window[2] += 1
+                return False
+            window[1] += 1
+        if suppressed:
+            record.msg = f"{record.msg} [suppressed {suppressed} similar lines in the last {self.per_s:.0f} s]"
+        return True
+
+
+def rate_limited(logger: logging.Logger, burst: int = 5, per_s: float = 10.0) -> logging.Logger:
+    """`logger` with a RateLimit filter (once: calling it again changes nothing)."""
+    if not any(isinstance(f, RateLimit) for f in logger.filters):
+        logger.addFilter(RateLimit(burst, per_s))
+    return logger
 
 
 def simulated_label(options) -> str:

@@ -71,6 +71,7 @@ class CoreOptions:
     kv_transport: str = "auto"  # "auto" | "handle" | "copy"
     lane_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0
+    stall_timeout_s: float = 10.0  # a step running longer: health NOT_SERVING (requests wait)
     max_lane_restarts: int = 5
     max_queue: int = 256
     mps: str = "off"  # "auto" | "on" | "off"

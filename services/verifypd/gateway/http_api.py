@@ -373,7 +373,7 @@ class HttpApi:
         if self.client.failed:
             return False, self.client.failed
         if not self.gateway.health.serving:
-            return False, "not serving (starting, draining or stopped)"
+            return False, self.client.stalled or "not serving (starting, draining or stopped)"
         return True, "serving"
 
     async def health(self, request: Request):

@@ -18,10 +18,64 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from verifypd.domain.logs import rate_limited
+from verifypd.net.limits import DEFAULT_IDLE_TIMEOUT_S, ConnectionLimits
+
 if TYPE_CHECKING:
     from verifypd.net.tls import ServerTls
 
 log = logging.getLogger("verifypd.http")
+flood_log = rate_limited(logging.getLogger("verifypd.http.connections"))
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket, bound (not listening yet); OSError naming the flag and port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it a response's header and body writes meet delayed ACKs (~40 ms per request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--http-port {port}: cannot bind the HTTP API to {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def guarded_protocol(limits: ConnectionLimits):
+    """uvicorn's HTTP protocol (httptools, else h11: what http="auto" picks) with two guards uvicorn
+    lacks: a connection over `limits.max_connections` is closed at once (its descriptor freed, so a
+    flood cannot take them all), and one that has not sent a whole request head within
+    `limits.idle_timeout_s` of connecting is closed (uvicorn's keep-alive timer starts only after a
+    first response: an idle or slow-header connection otherwise stays open for ever)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    base: type = AutoHTTPProtocol
+
+    class Guarded(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                flood_log.warning(
+                    "HTTP: %d connections open (the limit): closing a new one from %s",
+                    limits.max_connections,
+                    self.client,
+                )
+                transport.close()
+                return
+            self.loop.call_later(limits.idle_timeout_s, self.first_request_deadline)
+
+        def first_request_deadline(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                flood_log.info(
+                    "HTTP: closed a connection from %s that sent no request in %.0f s",
+                    self.client,
+                    limits.idle_timeout_s,
+                )
+                self.transport.close()
+
+    return Guarded
 
 
 class HttpServer:
@@ -38,20 +92,14 @@ class HttpServer:
         grace_s: float = 5.0,
         loop: asyncio.AbstractEventLoop | None = None,
         tls: ServerTls | None = None,
+        sock: socket.socket | None = None,
+        limits: ConnectionLimits | None = None,
     ):
+        """`sock`: a socket `bind_http` bound already (serve binds every port before loading models);
+        `limits`: connections and the first request's deadline (net/limits.py; None: its defaults)."""
         import uvicorn
 
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # Bound here, in the caller's thread: a taken port fails `serve` at once, and port 0 is known.
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
-        # without it a response's header and body writes meet delayed ACKs (~40 ms per request).
-        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as exc:
-            self.sock.close()
-            raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc.strerror or exc}") from None
+        self.sock = sock if sock is not None else bind_http(host, port)
         self.port = self.sock.getsockname()[1]
         self.address = f"{host}:{self.port}"
         self.url = f"{'https' if tls is not None else 'http'}://{'[' + host + ']' if ':' in host else host}:{self.port}"
@@ -63,7 +111,7 @@ class HttpServer:
             lifespan="off",
             # uvicorn annotates int, but passes it to asyncio.wait_for as a timeout: seconds, any float
             timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]
-            http="auto",
+            http=guarded_protocol(limits or ConnectionLimits(1024, DEFAULT_IDLE_TIMEOUT_S)),
             loop="asyncio",
             **(tls.uvicorn_options() if tls is not None else {}),
         )

@@ -9,7 +9,9 @@ Their messages name wire fields (`sampling.top_p`, `stop[1]`, `chat.messages[0].
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 import time
 from dataclasses import dataclass
 
@@ -111,6 +113,21 @@ def _number(body, name):
     return None if value is None else float(value)
 
 
+F32_TINY = struct.unpack("<f", struct.pack("<I", 1))[0]  # the smallest float32 > 0 (1.4e-45)
+
+
+def _float32(body, name):
+    """A number parameter as the wire's float32 holds it (what gRPC and the engine will see): too
+    large for float32 is refused here, naming the parameter, rather than becoming inf."""
+    value = _number(body, name)
+    if value is None or not math.isfinite(value):
+        return value  # nan / inf: the engine's own range check names them
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        raise bad(name, f"{name} is out of range (float32), got {body[name]}") from None
+
+
 def _text_of(content, where: str) -> str:
     """Message content: a string, or a list of {"type": "text", "text": ...} parts (joined)."""
     if isinstance(content, str):
@@ -182,12 +199,14 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
     max_tokens = _int(body, mt_param, 1, U32)
     if max_tokens is not None:
         req.max_tokens = max_tokens
-    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    temperature, top_p = _float32(body, "temperature"), _float32(body, "top_p")
     if temperature is not None:
-        req.sampling.temperature = temperature
+        req.sampling.temperature = temperature  # one below float32's smallest is 0: greedy, as it would be anyway
     if top_p is not None:
-        if top_p == 0:  # the wire's 0 means "unset" (= 1); OpenAI's 0 is a value the engine refuses
-            raise bad("top_p", "top_p must be in (0, 1], got 0")
+        # The wire's 0 means "unset" (= 1); OpenAI's 0 is a value the engine refuses, and so is one that
+        # float32 (the wire's type, as gRPC clients send it) cannot tell from 0.
+        if top_p == 0:
+            raise bad("top_p", f"top_p must be in (0, 1] (as a float32: at least {F32_TINY:.3g}), got {body['top_p']}")
         req.sampling.top_p = top_p
     for name, lo, hi in (("top_k", -I32, I32), ("priority", -I32, I32)):
         value = _int(body, name, lo, hi)

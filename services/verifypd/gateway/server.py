@@ -30,6 +30,8 @@ from verifypd.gateway.request_errors import RequestErrors
 from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
 from verifypd.net.auth import gateway_interceptor
 from verifypd.net.health import AsyncHealth
+from verifypd.net.limits import GATEWAY_GRPC_OPTIONS, ConnectionLimits
+from verifypd.net.wire_guard import AsyncWireGuard
 from verifypd.v1 import control_pb2_grpc
 
 if TYPE_CHECKING:
@@ -128,9 +130,13 @@ class Gateway:
         core_process=None,
         info=None,
         tls=None,
+        limits: ConnectionLimits | None = None,
     ):
+        """`limits`: connections and idle timeouts of the gRPC port (net/limits.py; serve sizes them
+        from the descriptor limit), None: the defaults of in-process gateways."""
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.errors = RequestErrors()  # verifypd_request_errors_total, rendered by /metrics
+        self._grpc_options = limits.gateway_grpc_options() if limits is not None else GATEWAY_GRPC_OPTIONS
         self.core, self.core_process = core, core_process
         self.info = info if info is not None else (core.info if core is not None else None)
         self.core_exited = threading.Event()  # set when the core went away (serve exits then)
@@ -139,6 +145,7 @@ class Gateway:
         self._thread.start()
         self._stopped = threading.Event()
         self._started = False
+        self._open = False  # started and neither draining, stopped nor failed (health follows the core too)
         self.http: HttpServer | None = None  # an HttpServer on self.loop (serve): stopped first
         # build_colocated / build_split: the in-process core's stack (core.assembly)
         self.stack: ColocatedStack | SplitStack | None = None
@@ -154,9 +161,16 @@ class Gateway:
 
     async def _setup(self, core_sock, host: str, port: int, api_key: str | None, admin_key: str | None, tls) -> None:
         """`tls`: a verifypd.net.tls.ServerTls (the port speaks only TLS) or None (plaintext)."""
-        self.client = CoreClient(await AsyncChannel.open(core_sock), self.codec, on_failure=self._on_core_failure)
+        self.client = CoreClient(
+            await AsyncChannel.open(core_sock),
+            self.codec,
+            on_failure=self._on_core_failure,
+            on_state=self._refresh_health,
+        )
         # Always installed: without an admin key, Control.UpdateConfig is refused (auth.gateway_access).
-        self.server = grpc.aio.server(interceptors=[gateway_interceptor(api_key, admin_key)])
+        self.server = grpc.aio.server(
+            interceptors=[gateway_interceptor(api_key, admin_key), AsyncWireGuard()], options=self._grpc_options
+        )
         add_generation_service(GenerationServicer(self), self.server)  # Generate yields wire bytes
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(self), self.server)
         self.health = AsyncHealth(self.server, SERVICES, self.loop)
@@ -203,10 +217,17 @@ class Gateway:
             await self.server.start()
 
         self._run(serve())
-        self.health.set(True)
+        self._open = True
+        self._refresh_health()
         return self
 
+    def _refresh_health(self) -> None:
+        """SERVING while started, not draining or stopped, and the core takes requests (core/client.py
+        `admitting`: alive, heard from, no step stuck past --stall-timeout)."""
+        self.health.set(self._open and self.client.admitting)
+
     def _on_core_failure(self, message: str, exited: bool) -> None:
+        self._open = False
         self.health.set(False)
         if exited and not self._stopped.is_set():
             self.core_exited.set()
@@ -215,6 +236,7 @@ class Gateway:
         """Graceful shutdown, phase by phase: NOT_SERVING and refuse new requests at once; let the
         requests in flight finish for up to `timeout_s`; then stop. True if none was cut short."""
         t0 = time.monotonic()
+        self._open = False
         self.health.set(False)
         self.loop.call_soon_threadsafe(setattr, self.client, "draining", True)
         log.info(
@@ -242,6 +264,7 @@ class Gateway:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._open = False
         self.health.set(False)
         if self.http is not None:
             self.http.stop()
@@ -295,6 +318,9 @@ def serve_router(
     on_close=(),
     metrics_registry=None,
     watch_interval_s: float = 1.0,
+    lane_timeout_s: float = 60.0,
+    stall_timeout_s: float = 10.0,
+    on_hung=None,
     **gateway_kwargs,
 ) -> Gateway:
     """A gateway over a router whose core runs in threads of this process (one socketpair)."""
@@ -310,6 +336,9 @@ def serve_router(
         on_close=on_close,
         metrics_registry=metrics_registry,
         watch_interval_s=watch_interval_s,
+        lane_timeout_s=lane_timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        on_hung=on_hung,
     )
     return Gateway(gateway_sock, codec, core=core, **gateway_kwargs)
 
@@ -354,6 +383,7 @@ def build_split(
         stack.info,
         lanes=stack.lanes,
         kv_transport=kv_transport,
+        lane_timeout_s=lane_timeout_s,
         **kwargs,
     )
     if gateway.core is None:

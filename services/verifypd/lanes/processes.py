@@ -33,6 +33,7 @@ from verifypd.net.auth import LANE_SECRET_ENV, new_secret
 
 log = logging.getLogger("verifypd.launcher")
 LANES = ("prefill", "draft", "verify")
+AUTO_THREADS_ENV = "VERIFYPD_AUTO_THREADS"  # marks an OMP_NUM_THREADS that child_env chose
 
 
 def lane_command(
@@ -84,9 +85,17 @@ def lane_command(
     return cmd
 
 
-def child_env() -> dict[str, str]:
-    """This process's env, with the directory holding the verifypd package on PYTHONPATH."""
+def child_env(core_share: int | None = None) -> dict[str, str]:
+    """This process's env, with the directory holding the verifypd package on PYTHONPATH.
+    `core_share`: the child runs torch on 1/core_share of this machine's cores: OMP_NUM_THREADS (torch's
+    intra-op threads) is set to that, at least 1, unless the user set it. Torch's default, one thread
+    per core in every process, made all streams of a CPU server stall together whenever another job
+    took a core (bench/serving/cpu_contention.py, docs/services.md "CPU threads")."""
     env = dict(os.environ)
+    ours = env.get(AUTO_THREADS_ENV) == "1"  # set by a verifypd parent, not by the user: recomputed
+    if core_share is not None and ("OMP_NUM_THREADS" not in env or ours):
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // core_share))
+        env[AUTO_THREADS_ENV] = "1"
     root = str(pathlib.Path(verifypd.__file__).resolve().parent.parent)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
@@ -127,7 +136,7 @@ class LaneProcesses:
         atexit.register(self.terminate)
 
     def _env(self) -> dict[str, str]:
-        env = child_env()
+        env = child_env(core_share=6)  # three lanes, each a sixth of the cores: half left for the rest
         env[LANE_SECRET_ENV] = self.secret
         if self.mps is not None:
             env.update(self.mps.env())

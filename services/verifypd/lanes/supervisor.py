@@ -6,6 +6,10 @@ the window (0.5 s, 1 s, 2 s, ... capped at `max_backoff_s`). More than `max_rest
 within `window_s` is a crash loop: one clear log line, no more restarts, and `on_give_up` (the
 gateway then ends in-flight requests with UNAVAILABLE and turns NOT_SERVING).
 
+A lane whose process lives but does not answer (SIGSTOPped, deadlocked) is no better than a dead
+one: the engine core's watchdog (core/lane_watch.py) calls `kill_hung` once its health checks have
+failed for `--lane-timeout`, the process is SIGKILLed, and the poll below restarts it as any exit.
+
 The supervisor only restarts processes; the gateway notices the failure on its next lane call
 (or its watchdog), waits for the lane to serve again, re-wires the pools and re-prefills the
 requests in flight (core/loop.py).
@@ -40,6 +44,7 @@ class LaneSupervisor:
         self.base_backoff_s, self.max_backoff_s, self.poll_s = base_backoff_s, max_backoff_s, poll_s
         self.restarts: dict[str, deque[float]] = {}
         self.total_restarts = 0
+        self.hung_kills = 0  # lanes killed because they stopped answering (kill_hung)
         self.gave_up: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lane-supervisor", daemon=True)
@@ -52,6 +57,16 @@ class LaneSupervisor:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5)
+
+    def kill_hung(self, lane: str) -> None:
+        """SIGKILLs `lane`'s process (alive but unresponsive); `_run` restarts it like any exit."""
+        with self.procs.lock:
+            proc = self.procs.procs.get(lane)
+            if proc is None or proc.poll() is not None or self.procs.stopping:
+                return
+            log.error("%s lane (pid %d) is alive but does not answer: killing it (SIGKILL)", lane, proc.pid)
+            self.hung_kills += 1
+            proc.kill()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):

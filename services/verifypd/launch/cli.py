@@ -69,7 +69,9 @@ def cmd_serve(args) -> int:
     loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
     from verifypd.core.tracing import make_tracer
+    from verifypd.gateway.http_server import bind_http
     from verifypd.gateway.server import Gateway, load_codec
+    from verifypd.net.limits import ConnectionLimits
     from verifypd.net.tls import server_tls
 
     if args.log_format:  # the engine core and the lanes it starts read it from the environment
@@ -106,6 +108,7 @@ def cmd_serve(args) -> int:
         )
         return 2
     try:
+        args.api_key = _api_key(args)
         admin_key = _admin_key(args)
         tls = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
         lane_tls = serve_lane_tls(args)  # checked here; the engine core loads the files itself
@@ -125,6 +128,20 @@ def cmd_serve(args) -> int:
             f"verifypd: error: --health-port must be 0 (off) or a port number; got {args.health_port}", file=sys.stderr
         )
         return 2
+    if args.idle_timeout <= 0 or (args.max_connections is not None and args.max_connections < 1):
+        print("verifypd: error: --idle-timeout must be > 0 and --max-connections >= 1", file=sys.stderr)
+        return 2
+    limits = ConnectionLimits.for_this_process(args.max_connections, args.idle_timeout)
+    # Every port this process serves, bound (or checked) before the engine core loads any model:
+    # a taken port fails in a second, naming its flag, not after minutes of loading.
+    try:
+        _check_grpc_port(args.host, args.port)
+        http_sock = bind_http(args.host, args.http_port) if args.http_port else None
+        health_state: dict = {}
+        health_port = _start_health_port(health_state, args) if args.health_port else None
+    except OSError as exc:
+        print(f"verifypd: error: {exc}", file=sys.stderr)
+        return 2
     core = CoreProcess(resolved)
     try:
         gateway = Gateway(
@@ -137,7 +154,12 @@ def cmd_serve(args) -> int:
             admin_key=admin_key,
             core_process=core,
             tls=tls,
+            limits=limits,
         )
+    except OSError as exc:  # the gRPC port was taken between the check and the bind
+        core.proc.kill()
+        print(f"verifypd: error: --port {args.port}: {exc}", file=sys.stderr)
+        return 2
     except BaseException:
         core.proc.kill()
         raise
@@ -162,18 +184,15 @@ def cmd_serve(args) -> int:
         flush=True,
     )
     try:
-        if args.http_port:
-            try:
-                gateway.http = _start_http(gateway, args, tls)
-            except OSError as exc:
-                print(f"verifypd: error: {exc}", file=sys.stderr)
-                return 2
-        if args.health_port:
-            try:
-                _start_health_port(gateway, args)
-            except OSError as exc:
-                print(f"verifypd: error: {exc}", file=sys.stderr)
-                return 2
+        if http_sock is not None:
+            gateway.http = _start_http(gateway, args, tls, http_sock, limits)
+        health_state["gateway"] = gateway
+        if health_port is not None:
+            print(
+                f"verifypd: health on http://{args.host}:{health_port.port}/health (plaintext, for probes)",
+                file=sys.stderr,
+                flush=True,
+            )
         _wait_for_signal(poll=gateway.core_exited.is_set)
         if gateway.core_exited.is_set():
             print(f"verifypd: error: {gateway.client.failed}; exiting", file=sys.stderr)
@@ -182,6 +201,22 @@ def cmd_serve(args) -> int:
     finally:
         gateway.stop()
     return 0
+
+
+def _api_key(args) -> str | None:
+    """--api-key-file, else env VERIFYPD_API_KEY, else --api-key (warned about: argv is public)."""
+    from verifypd.net.auth import load_secret
+
+    if args.api_key and args.api_key_file:
+        raise ValueError("give --api-key-file or --api-key, not both")
+    if args.api_key:
+        logging.getLogger("verifypd").warning(
+            "--api-key on the command line is visible to every user of this machine (ps, /proc/PID/cmdline); "
+            "use --api-key-file or env %s",
+            API_KEY_ENV,
+        )
+        return args.api_key
+    return load_secret(args.api_key_file, env=API_KEY_ENV, what="API key")
 
 
 def _admin_key(args) -> str | None:
@@ -200,35 +235,54 @@ def _admin_key(args) -> str | None:
     return key
 
 
-def _start_http(gateway, args, tls):
+def _check_grpc_port(host: str, port: int) -> None:
+    """OSError naming --port when host:port cannot be bound (the gateway binds it for real later)."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host.strip("[]"), port))
+            probe.listen(1)
+        except OSError as exc:
+            raise OSError(f"--port {port}: cannot bind the gRPC port {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _start_http(gateway, args, tls, sock, limits):
     from verifypd.gateway.http_api import HttpApi
     from verifypd.gateway.http_server import HttpServer
 
     api = HttpApi(
         gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes, api_key=args.api_key
     )
-    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop, tls=tls).start()
+    http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop, tls=tls, sock=sock, limits=limits).start()
     print(
         f"verifypd: OpenAI-compatible HTTP API on {http.url}/v1 (model {api.model_name!r})", file=sys.stderr, flush=True
     )
     return http
 
 
-def _start_health_port(gateway, args) -> None:
-    """Plaintext `GET /health` for probes: 200 while the gateway serves (as the HTTP API's /health)."""
+def _start_health_port(state: dict, args):
+    """Plaintext `GET /health` for probes: 200 while the gateway serves (as the HTTP API's /health);
+    503 "starting" until `state["gateway"]` is set (bound before the models load)."""
     from verifypd.net.health import HealthPort
 
     def check():
+        gateway = state.get("gateway")
+        if gateway is None:
+            return False, "starting"
         if gateway.client.failed:
             return False, gateway.client.failed
-        return (True, "serving") if gateway.health.serving else (False, "not serving (starting, draining or stopped)")
+        if gateway.health.serving:
+            return True, "serving"
+        return False, gateway.client.stalled or "not serving (starting, draining or stopped)"
 
-    port = HealthPort(args.host, args.health_port, {"/health": check})
-    print(
-        f"verifypd: health on http://{args.host}:{port.port}/health (plaintext, for probes)",
-        file=sys.stderr,
-        flush=True,
-    )
+    try:
+        return HealthPort(args.host, args.health_port, {"/health": check})
+    except OSError as exc:
+        raise OSError(f"--health-port {args.health_port}: {exc}") from None
 
 
 def cmd_lane(args) -> int:

@@ -12,6 +12,7 @@ from verifypd.cli_flags import add_model_flags, add_schedule_flags, draft_arg, s
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.options import CoreOptions, EngineOptions, LaneTlsFiles
 from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV, load_secret
+from verifypd.net.limits import DEFAULT_IDLE_TIMEOUT_S
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -88,6 +89,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="seconds to wait for a failed lane to serve again before failing its requests",
     )
     serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="health turns NOT_SERVING while one engine step has run longer than this (seconds; a "
+        "slow or hung lane): new requests wait for it instead of being admitted",
+    )
+    serve.add_argument(
         "--max-lane-restarts",
         type=int,
         default=5,
@@ -100,9 +108,30 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish",
     )
     serve.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file holding the key that Generate and Control.GetConfig require as `authorization: Bearer "
+        f"KEY` (first line; else env {API_KEY_ENV})",
+    )
+    serve.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        help=f"require `authorization: Bearer KEY` on Generate and Control.GetConfig (env {API_KEY_ENV})",
+        default=None,
+        help="the same key on the command line: visible to every user of the machine (ps, /proc); prefer "
+        "--api-key-file",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections per public port (HTTP, gRPC); more are closed at once (default: what the "
+        "open-file limit allows, split between the ports)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds a new connection may take to send its first request (HTTP) or finish its handshake "
+        "(gRPC) before it is closed",
     )
     serve.add_argument(
         "--admin-key-file",
@@ -335,6 +364,7 @@ def core_options(args, engine: EngineOptions | None = None) -> CoreOptions:
         kv_transport=args.kv_transport,
         lane_timeout_s=args.lane_timeout,
         recovery_timeout_s=args.recovery_timeout,
+        stall_timeout_s=args.stall_timeout,
         max_lane_restarts=args.max_lane_restarts,
         max_queue=args.max_queue,
         mps=args.mps,

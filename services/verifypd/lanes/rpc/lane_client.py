@@ -48,6 +48,8 @@ GRPC_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# What one health check of a lane says (`_GrpcLane.probe`).
+SERVING, SLOW, DOWN = "serving", "slow", "down"
 SERVICE_NAMES = {
     "prefill": "verifypd.v1.PrefillLane",
     "draft": "verifypd.v1.DraftLane",
@@ -131,12 +133,18 @@ class _GrpcLane:
             raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
+        return self.probe(timeout_s) == SERVING
+
+    def probe(self, timeout_s: float = 2.0) -> str:
+        """One health check: SERVING; SLOW when it did not answer within `timeout_s` (a loaded host
+        or a hung lane: only how long it lasts tells them apart, core_server.LaneWatch decides); DOWN
+        when the lane refused the connection or says NOT_SERVING (a dead or restarting process)."""
         self._fresh_channel()
         try:
             status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-        return status.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as exc:
+            return SLOW if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else DOWN
+        return SERVING if status.status == health_pb2.HealthCheckResponse.SERVING else DOWN
 
     def describe_pb(self, refresh: bool = False) -> lanes_pb2.LaneInfo:
         if self._info_pb is None or refresh:

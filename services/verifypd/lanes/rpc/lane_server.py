@@ -60,6 +60,8 @@ from verifypd.model.llama import PagedLlama
 from verifypd.model.runner import ModelRunner
 from verifypd.net.auth import lane_interceptor, lane_metadata
 from verifypd.net.health import Health, add_health_and_reflection
+from verifypd.net.limits import LANE_GRPC_OPTIONS
+from verifypd.net.wire_guard import WireGuard
 from verifypd.spec_decode.ngram import poolless_draft_lane
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
@@ -465,7 +467,10 @@ def build_lane_server(
     channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
     Describe announces its port. With `servicer.tls` both ports speak mutual TLS only."""
     interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=kv.GRPC_OPTIONS, interceptors=interceptors)
+    interceptors.append(WireGuard())  # garbage is INVALID_ARGUMENT, one rate-limited line
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8), options=LANE_GRPC_OPTIONS, interceptors=interceptors
+    )
     adders = {
         "prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
         "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
