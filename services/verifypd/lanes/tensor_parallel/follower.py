@@ -75,7 +75,15 @@ class Follower:
         self.device = torch.device(options["device"])
         self.dtype = getattr(torch, options["dtype"])
         self.group = init_group(self.rank, world, options["init_file"], self.device)
-        loaded = load_target_shard(options["target"], self.rank, world, self.device, self.dtype, options["max_context"])
+        loaded = load_target_shard(
+            options["target"],
+            self.rank,
+            world,
+            self.device,
+            self.dtype,
+            options["max_context"],
+            options.get("quantization"),
+        )
         self.model = PagedLlama(shard_shape(loaded.shape, world), loaded.weights)
         self.model.tp_group = self.group
         self.pool: KvPool | None = None
