@@ -168,3 +168,26 @@ def test_random_model_quantizes_each_layer(monkeypatch):
     assert shard.down.scale.equal(full.down.scale)
     assert isinstance(shard.gate_up, Fp8Weight) and isinstance(full.gate_up, Fp8Weight)
     assert shard.gate_up.scale.equal(torch.cat([full.gate_up.scale[48:96], full.gate_up.scale[144:]]))
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self:1", "model"])
+def test_speculation_on_an_fp8_target_is_lossless(tiny_models, draft):
+    """Greedy speculation (prompt lookup, the fp8 target's own first layer, a draft model) returns the
+    fp8 target's own plain decoding, token for token."""
+    from engine_helpers import make_engine
+
+    from verifypd.domain.requests import RequestSpec
+
+    target = tiny_models[0]
+    prompts = [(5, 6, 7, 5, 6, 7, 5, 6), (40, 41, 9), (12, 13, 14, 15, 12, 13), (88,)]
+
+    def run(draft: str, k: int):
+        engine = make_engine(target, draft, k=k, quantization="fp8")
+        assert isinstance(engine.models.target.weights.layers[0].qkv, Fp8Weight)
+        done = engine.generate([RequestSpec(p, max_tokens=20, stop_at_eos=False) for p in prompts])
+        return list(done.values())
+
+    plain = [c.token_ids for c in run("none", 0)]
+    spec = run(tiny_models[1] if draft == "model" else draft, 4)
+    assert [c.token_ids for c in spec] == plain
+    assert sum(c.usage["accepted_tokens"] for c in spec) > 0  # speculation did run
