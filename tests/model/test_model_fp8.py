@@ -5,6 +5,7 @@ everything else in the model dtype, logits close to the model's own."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -191,3 +192,36 @@ def test_speculation_on_an_fp8_target_is_lossless(tiny_models, draft):
     spec = run(tiny_models[1] if draft == "model" else draft, 4)
     assert [c.token_ids for c in spec] == plain
     assert sum(c.usage["accepted_tokens"] for c in spec) > 0  # speculation did run
+
+
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_kernel_equals_the_torch_reference(dtype):
+    """model.kernels.fp8_quant (the CUDA path's one launch) against quantize_tokens / quantize_static:
+    the same scales and the same fp8 values, ties to even at every grid midpoint included (equal as
+    numbers: the interpreter writes -0 as +0)."""
+    from verifypd.model.fp8 import MIN_AMAX, quantize_static, quantize_tokens
+    from verifypd.model.kernels.fp8_quant import quantize_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 1000, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    x[2], x[3, :50] = 0, 1e-30
+    x = x.to(device=device, dtype=dtype)
+    q, s = quantize_rows(x, None, FP8_MAX, MIN_AMAX)
+    want_q, want_s = quantize_tokens(x)
+    assert s.equal(want_s) and q.float().equal(want_q.float())
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2  # each halfway between two fp8 values: rounds to the even one
+    y = torch.cat([grid, mids, mids * 1.0000001, mids * 0.9999999, torch.tensor([500.0, -1e4])])[None].to(device)
+    one = torch.tensor(1.0, device=device)
+    q, s = quantize_rows(y, one, FP8_MAX, MIN_AMAX)
+    want_q, want_s = quantize_static(y, one)
+    assert s.equal(want_s) and q.float().equal(want_q.float())

@@ -96,7 +96,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     flat = x.reshape(-1, k)
     if flat.shape[0] == 0:  # no tokens (a shape, known on the host: no sync)
         return x.new_zeros(*lead, n)
-    q, x_scale = quantize_tokens(flat) if w.input_scale is None else quantize_static(flat, w.input_scale)
+    if x.is_cuda:  # one Triton launch (model.kernels.fp8_quant); the torch functions are its reference
+        from verifypd.model.kernels.fp8_quant import quantize_rows
+
+        flat = flat if flat.stride(1) == 1 else flat.contiguous()
+        q, x_scale = quantize_rows(flat, w.input_scale, FP8_MAX, MIN_AMAX)
+    else:
+        q, x_scale = quantize_tokens(flat) if w.input_scale is None else quantize_static(flat, w.input_scale)
     # Row-wise scaling on CUDA writes bfloat16 only: other model dtypes are cast after.
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(q, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, n), out_dtype=out_dtype)
