@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from verifypd.domain.defaults import DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET
+from verifypd.domain.options import QUANTIZATIONS
 
 from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 
@@ -143,6 +144,12 @@ def spec_schema() -> S:
                         "self:N (the target's first N layers) | eagle:PATH (a feature "
                         "head; colocated) | eagle+ngram:PATH (that head mixed with prompt "
                         "lookup) | none | a draft model",
+                    ),
+                    "quantization": _str(
+                        "none",
+                        "fp8: the target's attention and MLP projections quantized to fp8 while loading "
+                        "(`--quantization fp8`); published FP8 checkpoints load as fp8 either way",
+                        ["none", *QUANTIZATIONS],
                     ),
                     "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
                 },

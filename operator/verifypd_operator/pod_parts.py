@@ -67,7 +67,8 @@ def container_resources(spec_resources: Mapping[str, Any], gpu: int) -> dict[str
 
 
 def model_args(spec: Spec) -> list[str]:
-    return ["--target", spec.target, "--draft", spec.draft]
+    quantization = [] if spec.quantization == "none" else ["--quantization", spec.quantization]
+    return ["--target", spec.target, "--draft", spec.draft, *quantization]
 
 
 def volumes(spec: Spec, extra: list[dict[str, Any]], config: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -55,6 +55,7 @@ def cmd_generate_offline(args) -> int:
         draft=draft_arg(args),
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         num_blocks=args.num_blocks,
         config=config,
         tensor_parallel=args.tensor_parallel,

@@ -28,6 +28,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     from verifypd.domain.defaults import DEFAULT_TARGET
     from verifypd.domain.drafts import DRAFT_HELP
+    from verifypd.domain.options import QUANTIZATIONS
 
     p.add_argument(
         "--target",
@@ -38,6 +39,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help=DRAFT_HELP)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: quantize the target's attention and MLP projections to fp8 (per output channel) while "
+        "loading; activations are quantized per token (embeddings, norms and lm_head stay in --dtype). "
+        "Published FP8 checkpoints (compressed-tensors, fbgemm_fp8) load as fp8 without it",
+    )
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per pool (default: from memory)")
     p.add_argument(
         "--tensor-parallel",

@@ -24,6 +24,7 @@ def test_json_round_trip_keeps_every_field():
             num_blocks=64,
             config=RuntimeConfig(k_max=7, priorities=LanePriorities(draft=5), schedule="pd"),
             simulated_acceptance=0.5,
+            quantization="fp8",
         ),
         topology="split",
         lane_addrs={"prefill": "h:1", "draft": "h:2", "verify": "h:3"},
@@ -75,3 +76,12 @@ def test_no_lane_secret_without_lane_addresses(monkeypatch):
     monkeypatch.setenv("VERIFYPD_LANE_SECRET", SECRET)
     options = core_options(serve_parser().parse_args(["--topology", "split"]))
     assert options.lane_secret is None and options.lane_addrs == {} and options.metrics
+
+
+def test_quantization_flag_resolves_and_bad_values_exit_2(capsys):
+    args = serve_parser().parse_args(["--target", "random:tiny", "--quantization", "fp8"])
+    assert core_options(args).engine.quantization == "fp8"
+    assert core_options(serve_parser().parse_args([])).engine.quantization is None
+    with pytest.raises(SystemExit) as exit_:
+        serve_parser().parse_args(["--quantization", "int4"])
+    assert exit_.value.code == 2 and "--quantization: invalid choice: 'int4'" in capsys.readouterr().err

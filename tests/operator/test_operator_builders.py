@@ -286,6 +286,25 @@ def test_every_container_command_parses_with_the_real_cli(owner, topology):
             assert args.call_port == (CALL_PORT if topology == "split" else COLOCATED_LANE_CALL_PORTS[args.lane])
 
 
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_model_quantization_reaches_every_model_container(owner, topology, quantization):
+    """spec.model.quantization becomes `--quantization` on every container that loads models, as
+    the real CLI parses it; "none" (the default) passes no flag."""
+    from verifypd.cli import build_parser
+
+    parser = build_parser()
+    spec = parse_spec({"topology": topology, "model": {"quantization": quantization}})
+    loading = 0
+    for _, c in _containers(build_all(spec, owner, "ns1", {}, "x")):
+        argv = c["args"][1:] if c["args"][0] == "verifypd" else c["args"]
+        args = parser.parse_args(argv)
+        if hasattr(args, "target"):
+            loading += 1
+            assert args.quantization == (None if quantization == "none" else quantization)
+    assert loading > 0
+
+
 def _flag(args, flag):
     return args[args.index(flag) + 1]
 

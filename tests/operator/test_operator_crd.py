@@ -135,6 +135,7 @@ def test_example_and_empty_spec_are_valid_and_defaults_match_parser():
         ({"prefillTokenBudget": 8192}, "must not exceed prefillTokenBudgetMax"),
         ({"priorities": {"prefill": 3, "verify": 1}}, "prefill priority"),
         ({"topology": "mesh"}, "is not one of"),
+        ({"model": {"quantization": "int4"}}, "is not one of"),
         ({"speculation": {"kMax": 17}}, "greater than the maximum"),
     ],
 )

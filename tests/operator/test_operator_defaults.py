@@ -13,11 +13,12 @@ from verifypd_operator.spec import parse_spec
 
 
 def _cli_model() -> dict:
-    """The model `verifypd serve` loads when neither --target nor --draft is given."""
+    """The model `verifypd serve` loads when neither --target nor --draft is given (and how: no
+    --quantization is the CRD's "none")."""
     from verifypd.cli import build_parser, draft_arg
 
     args = build_parser().parse_args(["serve"])
-    return {"target": args.target, "draft": draft_arg(args)}
+    return {"target": args.target, "draft": draft_arg(args), "quantization": args.quantization or "none"}
 
 
 def _crd_model_default() -> dict:
@@ -31,7 +32,7 @@ def test_crd_default_model_is_the_clis():
     cli = _cli_model()
     assert _crd_model_default() == cli
     parsed = parse_spec({})
-    assert {"target": parsed.target, "draft": parsed.draft} == cli
+    assert {"target": parsed.target, "draft": parsed.draft, "quantization": parsed.quantization} == cli
 
 
 @pytest.mark.parametrize(
@@ -51,7 +52,7 @@ def test_shipped_configs_do_not_override_the_default_model(where):
 @pytest.mark.parametrize("topology", ["colocated", "split"])
 def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
     """The operator hands the default model to every container it starts (`--draft ngram`)."""
-    cli = _cli_model()
+    cli = {k: v for k, v in _cli_model().items() if k != "quantization"}
     objs = build_all(parse_spec({"topology": topology}), owner, "default", {}, "otel:4317")
     containers = [c for o in objs if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]]
     given = [
@@ -60,6 +61,7 @@ def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
         if "--draft" in a
     ]
     assert given and all(g == cli for g in given)
+    assert not any("--quantization" in c["args"] for c in containers)  # "none": no flag
 
 
 def test_crd_speculation_defaults_are_the_routers():

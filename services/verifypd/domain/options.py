@@ -16,6 +16,8 @@ from verifypd.domain.config import LanePriorities, RuntimeConfig
 from verifypd.domain.defaults import DEFAULT_TARGET
 from verifypd.domain.drafts import DEFAULT_DRAFT
 
+QUANTIZATIONS = ("fp8",)  # --quantization: how the target's weights are quantized while loading
+
 
 @dataclass
 class EngineOptions:
@@ -23,6 +25,9 @@ class EngineOptions:
     draft: str = DEFAULT_DRAFT  # see verifypd.domain.drafts: ngram[:MIN-MAX] | none | self:N | a model spec
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU) | "float32" | "bfloat16" | "float16"
+    # "fp8": the target's dense projections quantized to fp8 while loading (docs/engine.md "fp8");
+    # None: as the checkpoint stores them (a published FP8 checkpoint is fp8 either way).
+    quantization: str | None = None
     block_size: int = 16
     num_blocks: int | None = None  # per pool; None = sized from memory
     max_context: int | None = 4096

@@ -313,6 +313,7 @@ def engine_options(args):
         draft=draft_arg(args),
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_context=args.max_context,

@@ -122,7 +122,7 @@ def load_models(options: EngineOptions) -> Models:
     spec = draft_spec(options.draft)  # a bad --draft fails before the target is loaded
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    target = load_model(options.target, device, dtype, options.max_context)
+    target = load_model(options.target, device, dtype, options.max_context, options.quantization)
     target_model = PagedLlama(target.shape, target.weights)
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
     return Models(target, target_model, draft_model, options.draft, device, dtype)

@@ -55,6 +55,17 @@ def rank_slice(tensor: torch.Tensor, rule: ShardRule, rank: int, world: int, nam
     return parts[0] if len(parts) == 1 else torch.cat(parts, 0 if rule is None else rule[0])
 
 
+def check_cast(name: str, stored: torch.dtype, wanted: torch.dtype) -> None:
+    """FP8 tensors are read only as FP8 (with their scales, model.fp8_load): a plain cast would drop
+    the scales and serve wrong weights."""
+    if stored == torch.float8_e4m3fn and wanted != stored:
+        raise ModelLoadError(
+            f"tensor {name!r} is FP8 (F8_E4M3) and is read here as {str(wanted).removeprefix('torch.')}: "
+            "FP8 checkpoints must name their scheme in config.json 'quantization_config' (compressed-tensors or "
+            "fbgemm_fp8), and only the dense attention and MLP projections may be FP8"
+        )
+
+
 class StateDictSource:
     """A TensorSource over a state dict held in host memory."""
 
@@ -73,9 +84,13 @@ class StateDictSource:
     def has(self, name: str) -> bool:
         return name in self.state
 
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self.state[name].dtype
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         if name not in self.state:
             raise ModelLoadError(f"the checkpoint has no tensor {name!r}")
+        check_cast(name, self.state[name].dtype, dtype or self.dtype)
         t = rank_slice(self.state[name], self.rule(name), self.rank, self.world, name)
         # copy=True: owned even when nothing changes (a state dict may map a file that can be rewritten)
         return t.to(device=self.device, dtype=dtype or self.dtype, copy=True)
@@ -119,11 +134,15 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self.where
 
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self.where[name].entries[name].dtype
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         file = self.where.get(name)
         if file is None:
             files = ", ".join(sorted(f.path.name for f in self.files))
             raise ModelLoadError(f"checkpoint {self.directory}: no tensor {name!r} in {files}")
+        check_cast(f"{file.path}: {name}", file.entries[name].dtype, dtype or self.dtype)
         rule = self.rule(name)
         base = file.view(name)
         parts = [

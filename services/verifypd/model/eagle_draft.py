@@ -27,6 +27,7 @@ from verifypd.model import sampler
 from verifypd.model.eagle_chain import EagleGraphs, catch_up, chain, device_inputs, host_inputs
 from verifypd.model.eagle_head import EagleConfig, EagleWeights
 from verifypd.model.features import FeaturePool
+from verifypd.model.fp8 import linear
 from verifypd.model.graph_runner import BUCKETS
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, pack
@@ -81,7 +82,7 @@ class EagleModel:
         x = final_norm(h). Writes the rows' KV."""
         w, shell = self.weights, self.shell
         mask = shell.attention_mask(batch, pool.shape[3]) if self.attention == "reference" else None
-        attn = F.linear(shell.attend(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
+        attn = linear(shell.attend(x_in, w.layer, pool, 0, batch, mask), w.layer.o)
         h, x = shell.add_rms_norm(g, attn, w.layer.post_norm)  # h = g + attn
         mlp = shell.mlp(w.layer, x)
         return shell.add_rms_norm(h, mlp, w.final_norm)  # h = g + attn + mlp

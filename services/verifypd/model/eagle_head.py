@@ -236,8 +236,10 @@ def head_state_dict(config: EagleConfig, weights: EagleWeights, *, with_lm_head:
     """The published names (q/k/v and gate/up split again), contiguous CPU tensors."""
     L, s = weights.layer, config
     q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    q, k, v = L.qkv.split([q_dim, kv_dim, kv_dim])
     gate_up, down = L.dense_mlp()
+    # A head's layer is loaded in the model dtype, never fp8 (model.fp8 is for the target's layers).
+    assert isinstance(L.qkv, torch.Tensor) and isinstance(gate_up, torch.Tensor)
+    q, k, v = L.qkv.split([q_dim, kv_dim, kv_dim])
     gate, up = gate_up.chunk(2)
     m = "midlayer."
     sd = {

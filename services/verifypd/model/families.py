@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 
 from verifypd.domain.models import ModelLoadError
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights
+from verifypd.model.fp8_load import load_linear
+from verifypd.model.llama import LayerWeights, Linear, LlamaShape, LlamaWeights
 from verifypd.model.moe import MoeShape, MoeWeights
 
 # transformers' model_type -> the family's name in the README's "Supported models" (a test compares them).
@@ -48,6 +49,10 @@ class TensorSource(Protocol):
     device: torch.device
 
     def has(self, name: str) -> bool: ...
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype the checkpoint stores `name` in (FP8 projections are read as they are)."""
+        ...
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor on the serving device in `dtype` (default: the serving dtype), already cut to
@@ -235,10 +240,17 @@ def sliding_from_config(config: Any, max_context: int) -> tuple[int | None, tupl
     return int(window), sliding
 
 
-def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> LlamaWeights:
+def weights_from_source(
+    source: TensorSource, shape: LlamaShape, tied: bool, quantize: bool = False, published_fp8: bool = False
+) -> LlamaWeights:
     """The model's weights from checkpoint tensor names (the Llama layout, Phi-3's fused projections,
     Qwen3's and Gemma 3's q/k norms, Gemma 2/3's four norms). Each tensor is read once; the fused
-    projections are concatenated on the device."""
+    projections are concatenated on the device. The dense projections are fp8 where a published FP8
+    checkpoint (`published_fp8`) stores them so, or with `quantize` (model.fp8_load); everything else
+    stays in the model dtype."""
+
+    def linear(names: list[str]) -> Linear:
+        return load_linear(source, names, quantize, published_fp8)
 
     def norm(name: str) -> torch.Tensor:
         # Gemma's RMSNorm multiplies by (1 + w), in float32, then casts. Folded here: 1 + w is added
@@ -250,9 +262,9 @@ def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> 
     def cat(names: list[str]) -> torch.Tensor:
         return torch.cat([source.get(n) for n in names])
 
-    def fused(name: str, parts: list[str]) -> torch.Tensor:
+    def fused(name: str, parts: list[str]) -> Linear:
         """Phi-3 stores the fused projection (already cut per section); others its parts."""
-        return source.get(name) if source.has(name) else cat(parts)
+        return linear([name] if source.has(name) else parts)
 
     # Gemma 2/3's post_attention_layernorm norms the attention output; their pre-MLP norm is
     # pre_feedforward_layernorm. Llama's post_attention_layernorm is the pre-MLP norm.
@@ -268,11 +280,11 @@ def weights_from_source(source: TensorSource, shape: LlamaShape, tied: bool) -> 
             LayerWeights(
                 qkv=fused(p + "self_attn.qkv_proj.weight", [a + ".weight" for a in attn]),
                 qkv_bias=bias,
-                o=source.get(p + "self_attn.o_proj.weight"),
+                o=linear([p + "self_attn.o_proj.weight"]),
                 gate_up=None
                 if moe
                 else fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=None if moe else source.get(p + "mlp.down_proj.weight"),
+                down=None if moe else linear([p + "mlp.down_proj.weight"]),
                 moe=experts_from_source(source, p, shape) if moe else None,
                 input_norm=norm(p + "input_layernorm.weight"),
                 post_norm=norm(p + pre_mlp + ".weight"),

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 import torch
 import torch.nn.functional as F
 
+from verifypd.model.fp8 import Fp8Weight, linear
 from verifypd.model.moe import MoeShape, MoeWeights, expert_path, moe_forward
 
 if TYPE_CHECKING:
@@ -82,13 +83,17 @@ class LlamaShape:
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+Linear = torch.Tensor | Fp8Weight  # a projection's weight [N, K]
+
+
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, H]
+    # The four projections are plain tensors in the model dtype, or fp8 with scales (model.fp8).
+    qkv: Linear  # [(heads + 2 kv_heads) * head_dim, H]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, heads * head_dim]
-    gate_up: torch.Tensor | None  # [2 * I, H] (None in an MoE layer)
-    down: torch.Tensor | None  # [H, I] (None in an MoE layer)
+    o: Linear  # [H, heads * head_dim]
+    gate_up: Linear | None  # [2 * I, H] (None in an MoE layer)
+    down: Linear | None  # [H, I] (None in an MoE layer)
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H] the norm before the MLP
     moe: MoeWeights | None = None  # the router and experts of an MoE layer (model.moe)
@@ -97,7 +102,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [H] on the attention output (shape.sandwich_norms)
     mlp_out_norm: torch.Tensor | None = None  # [H] on the MLP output
 
-    def dense_mlp(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dense_mlp(self) -> tuple[Linear, Linear]:
         """(gate_up, down) of a dense layer."""
         if self.gate_up is None or self.down is None:
             raise ValueError("an MoE layer has no dense MLP")
@@ -291,7 +296,7 @@ class PagedLlama:
             if features is not None and i in features.at:  # the residual stream entering layer i
                 features.write(i, h, batch.slots)
             mask = masks.get(self.shape.window(i))
-            delta = F.linear(self.attend(x, layer, pool, i, batch, mask), layer.o)
+            delta = linear(self.attend(x, layer, pool, i, batch, mask), layer.o)
             if tp is not None:  # row-parallel o_proj: sum the ranks' partial outputs
                 tp.all_reduce(delta)
             if sandwich:  # Gemma 2/3: the attention output is normed before the residual add
@@ -325,7 +330,7 @@ class PagedLlama:
         """[T, heads * D]: attention output of the new tokens, after writing their K/V. `mask`: the
         reference path's additive mask for this layer's window (attention_mask)."""
         s = self.shape
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         k_cache, v_cache = pool[0, layer_idx], pool[1, layer_idx]  # [blocks, block_size, kvh, D]
         flat = (-1, s.num_kv_heads, s.head_dim)
         cos_table, sin_table = self.layer_rope[layer_idx]
@@ -383,7 +388,7 @@ class PagedLlama:
             )
         else:
             gate_up, down = layer.dense_mlp()
-            delta = F.linear(self.act_mul(F.linear(x, gate_up)), down)
+            delta = linear(self.act_mul(linear(x, gate_up)), down)
         if self.tp_group is not None:
             self.tp_group.all_reduce(delta)
         return delta

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from verifypd.domain.models import EMBEDDED_NAME, ModelLoadError, embedded_model_path
+from verifypd.domain.options import QUANTIZATIONS
 from verifypd.model.checkpoint import SafetensorsSource, StateDictSource, read_torch_bin, resolve_checkpoint_dir
 from verifypd.model.families import ShardRule, TensorSource, shape_from_config, shard_rule, weights_from_source
+from verifypd.model.fp8_load import checkpoint_quantization, quantize_layer
 from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, unit_norms
 from verifypd.model.safetensors_file import INDEX_FILE, SINGLE_FILE, checkpoint_files
 
@@ -158,6 +160,7 @@ class Checkpoint:
     source: str  # what transformers' from_pretrained takes (a directory)
     kwargs: dict  # from_pretrained's extra arguments (gguf_file)
     directory: pathlib.Path | None  # a checkpoint directory (None: GGUF)
+    quantization: str | None = None  # a published FP8 checkpoint's method (model.fp8_load), None: plain
 
 
 def open_checkpoint(spec: str, max_context: int | None = None) -> Checkpoint:
@@ -193,26 +196,42 @@ def open_checkpoint(spec: str, max_context: int | None = None) -> Checkpoint:
         ) from exc
     try:
         shape = shape_from_config(config, max_context)
+        quantization = checkpoint_quantization(config)
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {spec!r}: {exc}") from None
-    return Checkpoint(spec, config, shape, source, kwargs, directory)
+    return Checkpoint(spec, config, shape, source, kwargs, directory, quantization)
 
 
 def load_weights(
-    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, rank: int = 0, world: int = 1
+    checkpoint: Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    rank: int = 0,
+    world: int = 1,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """The checkpoint's weights on `device` in `dtype`; with world > 1, rank `rank`'s slices only
-    (model.families.shard_rule), read as slices: no rank reads or holds the whole model."""
+    (model.families.shard_rule), read as slices: no rank reads or holds the whole model.
+    `quantization` "fp8": the dense projections quantized per output channel as each is read, on
+    the device (model.fp8_load); a published FP8 checkpoint's projections are fp8 either way."""
     from transformers import AutoTokenizer
 
     shape = checkpoint.shape
+    check_quantization(quantization)
+    if checkpoint.quantization is not None and world > 1:
+        raise ModelLoadError(
+            f"model {checkpoint.spec!r}: FP8 checkpoints ({checkpoint.quantization}) are not supported with "
+            "--tensor-parallel > 1 yet; load its high-precision release with --quantization fp8"
+        )
 
     def rule(name: str) -> ShardRule:
         return shard_rule(name, shape) if world > 1 else None
 
     source = weight_source(checkpoint, device, dtype, rule, rank, world)
     try:
-        weights = weights_from_source(source, shape, bool(getattr(checkpoint.config, "tie_word_embeddings", False)))
+        tied = bool(getattr(checkpoint.config, "tie_word_embeddings", False))
+        published = checkpoint.quantization is not None
+        weights = weights_from_source(source, shape, tied, quantize=quantization == "fp8", published_fp8=published)
     finally:
         if isinstance(source, SafetensorsSource):
             source.close()
@@ -262,10 +281,21 @@ def torch_bin_files(directory: pathlib.Path) -> list[pathlib.Path]:
     return [directory / BIN_FILE] if (directory / BIN_FILE).is_file() else []
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype, max_context: int | None = None) -> LoadedModel:
+def load_model(
+    spec: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_context: int | None = None,
+    quantization: str | None = None,
+) -> LoadedModel:
     if spec.startswith("random:"):
-        return random_model(spec.removeprefix("random:"), device, dtype, max_context)
-    return load_weights(open_checkpoint(spec, max_context), device, dtype)
+        return random_model(spec.removeprefix("random:"), device, dtype, max_context, quantization=quantization)
+    return load_weights(open_checkpoint(spec, max_context), device, dtype, quantization=quantization)
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ModelLoadError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
 
 
 def random_shape(name: str, max_context: int | None) -> tuple[LlamaShape, bool]:
@@ -280,9 +310,14 @@ def random_shape(name: str, max_context: int | None) -> tuple[LlamaShape, bool]:
     return LlamaShape(**{**defaults, **dims}, max_context=max_context or 4096), tied
 
 
-def random_model(name: str, device, dtype, max_context: int | None, seed: int = 0) -> LoadedModel:
-    """Random weights with a real model's shape (no tokenizer). Scaled so activations stay finite."""
+def random_model(
+    name: str, device, dtype, max_context: int | None, seed: int = 0, quantization: str | None = None
+) -> LoadedModel:
+    """Random weights with a real model's shape (no tokenizer). Scaled so activations stay finite.
+    `quantization` "fp8": each layer's projections quantized as the layer is made."""
+    check_quantization(quantization)
     shape, tied = random_shape(name, max_context)
+    quantize = quantize_layer if quantization == "fp8" else (lambda lw: lw)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*size) -> torch.Tensor:
@@ -292,15 +327,17 @@ def random_model(name: str, device, dtype, max_context: int | None, seed: int = 
     qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * D
     ones = torch.ones(H, device=device, dtype=dtype)
     layers = [
-        LayerWeights(
-            qkv=rand(qkv_rows, H),
-            qkv_bias=rand(qkv_rows) if shape.qkv_bias else None,
-            o=rand(H, shape.num_heads * D),
-            gate_up=rand(2 * inter, H),
-            down=rand(H, inter),
-            input_norm=ones,
-            post_norm=ones,
-            **unit_norms(shape, device, dtype),
+        quantize(
+            LayerWeights(
+                qkv=rand(qkv_rows, H),
+                qkv_bias=rand(qkv_rows) if shape.qkv_bias else None,
+                o=rand(H, shape.num_heads * D),
+                gate_up=rand(2 * inter, H),
+                down=rand(H, inter),
+                input_norm=ones,
+                post_norm=ones,
+                **unit_norms(shape, device, dtype),
+            )
         )
         for _ in range(shape.num_layers)
     ]

@@ -18,9 +18,11 @@ import torch
 
 from verifypd.domain.models import ModelLoadError
 
-# safetensors dtype names -> torch. FP8 is left out on purpose: FP8 checkpoints carry scales that a
-# plain cast would ignore.
+# safetensors dtype names -> torch. F8_E4M3 is read only as what it is: FP8 projections come with
+# scales (model.fp8_load), and a plain cast to another dtype is refused (checkpoint.py). E5M2 and
+# the other 8-bit float kinds are not supported.
 DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,

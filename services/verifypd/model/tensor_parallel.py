@@ -26,8 +26,17 @@ import dataclasses
 
 import torch
 
-from verifypd.model.llama import LayerWeights, LlamaShape, LlamaWeights, TpGroup, unit_norms
-from verifypd.model.loader import LoadedModel, ModelLoadError, load_weights, open_checkpoint, random_shape
+from verifypd.model.fp8 import Fp8Weight
+from verifypd.model.fp8_load import quantize_layer
+from verifypd.model.llama import LayerWeights, Linear, LlamaShape, LlamaWeights, TpGroup, unit_norms
+from verifypd.model.loader import (
+    LoadedModel,
+    ModelLoadError,
+    check_quantization,
+    load_weights,
+    open_checkpoint,
+    random_shape,
+)
 
 
 class SingleRank:
@@ -106,6 +115,16 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
     def cols(t: torch.Tensor, width: int) -> torch.Tensor:
         return t.narrow(1, rank * width, width).contiguous()
 
+    def linear_rows(w: Linear, ranges) -> Linear:
+        if isinstance(w, Fp8Weight):  # the rows keep their own scales
+            return Fp8Weight(rows(w.weight, ranges), rows(w.scale, ranges), w.input_scale)
+        return rows(w, ranges)
+
+    def linear_cols(w: Linear, width: int) -> Linear:
+        if isinstance(w, Fp8Weight):  # a row's scale covers any slice of its columns
+            return Fp8Weight(cols(w.weight, width), w.scale, w.input_scale)
+        return cols(w, width)
+
     def experts(m):
         # Every expert's slice of the intermediate dim: gate_up [E, 2I, H] rows, down [E, H, I] columns.
         assert shape.moe is not None and local.moe is not None
@@ -117,11 +136,11 @@ def shard_weights(shape: LlamaShape, weights: LlamaWeights, rank: int, world: in
     layers = [  # the q/k norms and the output norms are per head_dim / hidden: replicated (replace keeps them)
         dataclasses.replace(
             lw,
-            qkv=rows(lw.qkv, qkv_ranges),
+            qkv=linear_rows(lw.qkv, qkv_ranges),
             qkv_bias=None if lw.qkv_bias is None else rows(lw.qkv_bias, qkv_ranges),
-            o=cols(lw.o, q_local),
-            gate_up=None if lw.gate_up is None else rows(lw.gate_up, gate_up_ranges),
-            down=None if lw.down is None else cols(lw.down, i_local),
+            o=linear_cols(lw.o, q_local),
+            gate_up=None if lw.gate_up is None else linear_rows(lw.gate_up, gate_up_ranges),
+            down=None if lw.down is None else linear_cols(lw.down, i_local),
             moe=None if lw.moe is None else experts(lw.moe),
         )
         for lw in weights.layers
@@ -151,7 +170,13 @@ def check_tensor_parallel(shape: LlamaShape, world: int) -> LlamaShape:
 
 
 def load_target_shard(
-    spec: str, rank: int, world: int, device: torch.device, dtype: torch.dtype, max_context: int | None
+    spec: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_context: int | None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Rank `rank`'s target: the full shape (vocabulary, context, tokenizer, eos ids as the unsharded
     model), weights = this rank's shard on `device`. Raises ModelLoadError (exit 2) when `world` does
@@ -166,14 +191,20 @@ def load_target_shard(
     if spec.startswith("random:"):
         shape, tied = random_shape(spec.removeprefix("random:"), max_context)
         check_tensor_parallel(shape, world)
-        return LoadedModel(spec, shape, random_shard_weights(shape, tied, rank, world, device, dtype), None, ())
+        weights = random_shard_weights(shape, tied, rank, world, device, dtype, quantization)
+        return LoadedModel(spec, shape, weights, None, ())
     checkpoint = open_checkpoint(spec, max_context)
     check_tensor_parallel(checkpoint.shape, world)
-    return load_weights(checkpoint, device, dtype, rank, world)
+    return load_weights(checkpoint, device, dtype, rank, world, quantization)
 
 
-def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, device, dtype) -> LlamaWeights:
-    """Random weights of one rank's shard, made on `device` (scaled as loader.random_model)."""
+def random_shard_weights(
+    shape: LlamaShape, tied: bool, rank: int, world: int, device, dtype, quantization: str | None = None
+) -> LlamaWeights:
+    """Random weights of one rank's shard, made on `device` (scaled as loader.random_model);
+    `quantization` "fp8": each layer's projections quantized as the layer is made."""
+    check_quantization(quantization)
+    quantize = quantize_layer if quantization == "fp8" else (lambda lw: lw)
     local = shard_shape(shape, world)
     shared = torch.Generator(device=device).manual_seed(0)
     own = torch.Generator(device=device).manual_seed(1 + rank)
@@ -185,15 +216,17 @@ def random_shard_weights(shape: LlamaShape, tied: bool, rank: int, world: int, d
     qkv_rows = (local.num_heads + 2 * local.num_kv_heads) * D
     ones = torch.ones(H, device=device, dtype=dtype)
     layers = [
-        LayerWeights(
-            qkv=rand(own, qkv_rows, H),
-            qkv_bias=rand(own, 1, qkv_rows)[0] if shape.qkv_bias else None,
-            o=rand(own, H, local.num_heads * D),
-            gate_up=rand(own, 2 * local.intermediate_size, H),
-            down=rand(own, H, local.intermediate_size),
-            input_norm=ones,
-            post_norm=ones,
-            **unit_norms(shape, device, dtype),
+        quantize(
+            LayerWeights(
+                qkv=rand(own, qkv_rows, H),
+                qkv_bias=rand(own, 1, qkv_rows)[0] if shape.qkv_bias else None,
+                o=rand(own, H, local.num_heads * D),
+                gate_up=rand(own, 2 * local.intermediate_size, H),
+                down=rand(own, H, local.intermediate_size),
+                input_norm=ones,
+                post_norm=ones,
+                **unit_norms(shape, device, dtype),
+            )
         )
         for _ in range(shape.num_layers)
     ]

@@ -39,7 +39,7 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
     dtype = resolve_dtype(options.dtype, device)
     self_draft = spec.kind == "self"
     target = (
-        load_model(options.target, device, dtype, options.max_context)
+        load_model(options.target, device, dtype, options.max_context, options.quantization)
         if (need_target or (need_draft and self_draft))
         else None
     )
@@ -114,7 +114,7 @@ def load_lane_shard(options: EngineOptions, spec: DraftSpec, need_draft: bool) -
             f"--draft {spec.text} runs on the target's own weights, which --tensor-parallel "
             f"{world} splits across ranks: use a draft model, ngram or none"
         )
-    target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)
+    target = load_target_shard(options.target, 0, world, device, dtype, options.max_context, options.quantization)
     target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
     draft_model = (
         lane_draft_model(spec, target, device, dtype, options.max_context) if need_draft and spec.needs_model else None

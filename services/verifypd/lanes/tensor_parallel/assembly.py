@@ -27,7 +27,8 @@ def load_tensor_parallel(options: EngineOptions) -> Models:
             f"--draft {spec.text} runs on the target's own weights or hidden states, which "
             f"--tensor-parallel {world} splits across ranks: use a draft model, ngram or none"
         )
-    target = load_target_shard(options.target, 0, world, device, dtype, options.max_context)  # checks divisibility
+    # checks divisibility
+    target = load_target_shard(options.target, 0, world, device, dtype, options.max_context, options.quantization)
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
     ranks = tp_ranks.LeaderRanks(world, device, follower_options(options, dtype, pool="private"))
     target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
@@ -44,6 +45,7 @@ def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, gene
         target=options.target,
         dtype=str(dtype).removeprefix("torch."),
         max_context=options.max_context,
+        quantization=options.quantization,
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         gpu_memory_fraction=options.gpu_memory_fraction,

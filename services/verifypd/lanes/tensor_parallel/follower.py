@@ -78,7 +78,15 @@ class Follower:
         self.group = init_group(
             self.rank, world, options["init_file"], self.device, options.get("tp_all_reduce", "auto")
         )
-        loaded = load_target_shard(options["target"], self.rank, world, self.device, self.dtype, options["max_context"])
+        loaded = load_target_shard(
+            options["target"],
+            self.rank,
+            world,
+            self.device,
+            self.dtype,
+            options["max_context"],
+            options.get("quantization"),
+        )
         self.model = PagedLlama(shard_shape(loaded.shape, world), loaded.weights)
         self.model.tp_group = self.group
         self.pool: KvPool | None = None
