@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
-from verifypd.domain.requests import RequestOutput, SamplingParams
+from verifypd.domain.requests import RequestOutput, SamplingParams, TokenLogprob
+from verifypd.domain.sampling_controls import ControlContext
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,15 @@ class PrefillItem:
     draft_kv: KvHandle | None  # None: the draft lane owns no pool
     sample_first: bool  # last chunk of a fresh prompt: sample the first token
     sampling: SamplingParams
+    # Of a sample_first item with sampling controls (domain.sampling_controls); None: none.
+    controls: ControlContext | None = None
 
 
 @dataclass
 class PrefillOutput:
     request_id: str
     first_token: int | None
+    logprobs: list[TokenLogprob] | None = None  # [the first token's], when its sampling asks
 
 
 @dataclass
@@ -109,6 +113,7 @@ class VerifyItem:
     target_kv: KvHandle
     sampling: SamplingParams
     draft_probs: Any = None
+    controls: ControlContext | None = None  # as PrefillItem.controls
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,7 @@ class VerifyOutput:
     request_id: str
     accepted: int
     new_tokens: list[int] = field(default_factory=list)  # accepted drafts + one target token
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the item's sampling asks
 
 
 class LaneError(RuntimeError):

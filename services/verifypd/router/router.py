@@ -138,6 +138,13 @@ class Router:
         ctx = self.context
         spec.validate(vocab_size=ctx.vocab_size, max_context=ctx.max_context)
         check_fits(spec, ctx.max_context, [b for b in (ctx.target_blocks, ctx.draft_blocks) if b is not None])
+        if not spec.sampling.plain and not all(
+            getattr(lane, "applies_controls", False) for lane in (ctx.prefill_lane, ctx.verify_lane)
+        ):
+            raise InvalidRequest(
+                "sampling: penalties, min_tokens, logit_bias and logprobs need in-process lanes (a colocated "
+                "server, tensor parallel included); this server's lanes do not apply them"
+            )
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in ctx.sequences:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")

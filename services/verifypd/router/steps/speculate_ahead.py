@@ -157,7 +157,7 @@ class SpeculateAhead:
             and ctx.lookup is None
             and fits_verdict(lane)
             and getattr(started, "verdict", None) is not None
-            and all(i.sampling.greedy for i in items)
+            and all(i.sampling.greedy and i.sampling.plain for i in items)
             and {id(s) for s in ctx.scheduler.running} <= {id(w.seq) for w in work}
             # A request that may reach max_tokens in `items` would likely waste its row (a whole verify
             # call at batch 1: ~3 % of the embedded model's time there, one per request, H200)
