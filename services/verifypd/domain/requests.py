@@ -92,7 +92,8 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise InvalidRequest(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {self.repetition_penalty}"
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                f"got {self.repetition_penalty}"
             )
         if self.min_tokens < 0:
             raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}")
@@ -119,7 +120,9 @@ class SamplingParams:
                 raise InvalidRequest(f"logit_bias: token id {token} is not in the vocabulary [0, {vocab_size})")
         for n, token in enumerate(self.stop_token_ids):
             if not 0 <= token < vocab_size:
-                raise InvalidRequest(f"stop_token_ids[{n}]: token id {token} is not in the vocabulary [0, {vocab_size})")
+                raise InvalidRequest(
+                    f"stop_token_ids[{n}]: token id {token} is not in the vocabulary [0, {vocab_size})"
+                )
 
 
 @dataclass(frozen=True)

@@ -181,9 +181,11 @@ class LocalPrefillLane:
                     result.append(PrefillOutput(item.request_id, None))
                     continue
                 m, token = first[n]
-                logprobs = logits_controls.logprobs_of(lp[m], [token], item.sampling.top_logprobs) if (
-                    lp is not None and item.sampling.logprobs
-                ) else None
+                logprobs = (
+                    logits_controls.logprobs_of(lp[m], [token], item.sampling.top_logprobs)
+                    if (lp is not None and item.sampling.logprobs)
+                    else None
+                )
                 result.append(PrefillOutput(item.request_id, token, logprobs))
             return result
 

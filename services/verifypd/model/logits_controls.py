@@ -104,9 +104,7 @@ def _output_counts(R: int, P: int, V: int, penalized, drafts: torch.Tensor | Non
     return counts.contiguous()
 
 
-def choose(
-    processed: torch.Tensor, samplings: Sequence[SamplingParams], first_pos: Sequence[int]
-) -> torch.Tensor:
+def choose(processed: torch.Tensor, samplings: Sequence[SamplingParams], first_pos: Sequence[int]) -> torch.Tensor:
     """The target's choice at every position: processed [R, P, V] -> tokens [R, P]; position p of row
     r sits at first_pos[r] + p (the seeded race's counter, model.sampler). Greedy rows: argmax."""
     R, P, V = processed.shape
