@@ -64,9 +64,7 @@ def test_the_controls_follow_their_definitions():
     # 0, 1: prompt only (repetition); 3: twice generated (repetition, then 2 x 0.5 + 0.25)
     assert out[0, 0].tolist() == [1.0, -2.0, 0.5, 1.5 - 1.25, -2.0]
     s = SamplingParams(min_tokens=3, logit_bias=((1, 4.0), (4, -100.0)))
-    out = logits_controls.apply(
-        logits.expand(1, 3, 5), [s], [ControlContext(1, banned=(2,))], torch.tensor([[0, 0]])
-    )
+    out = logits_controls.apply(logits.expand(1, 3, 5), [s], [ControlContext(1, banned=(2,))], torch.tensor([[0, 0]]))
     # output 1 and 2 (positions 0, 1) cannot be token 2; output 3 (position 2) may
     assert out[0, :, 2].tolist() == [float("-inf"), float("-inf"), 0.5]
     assert out[0, 2, 1].item() == 3.0 and out[0, 2, 4].item() == -102.0
