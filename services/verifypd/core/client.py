@@ -24,9 +24,18 @@ from dataclasses import dataclass
 
 import grpc
 
-from verifypd.core.channel import USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire, spec_to_wire, unb64
+from verifypd.core.channel import (
+    USAGE_KEYS,
+    AsyncChannel,
+    ChannelClosed,
+    b64,
+    finish_from_wire,
+    logprobs_from_wire,
+    spec_to_wire,
+    unb64,
+)
 from verifypd.core.loop import Draining, Overloaded, Unavailable
-from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec
+from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec, TokenLogprob
 from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 
@@ -47,6 +56,7 @@ class Chunk:
     usage: list[int]
     applied_k: int  # the draft length of the last step whose tokens this chunk carries
     ttft_s: float | None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
     def usage_dict(self) -> dict[str, int]:
         return dict(zip(USAGE_KEYS, self.usage, strict=False))
@@ -75,6 +85,7 @@ def merge_chunks(items: list) -> list:
                 item.usage,
                 item.applied_k,
                 last.ttft_s if last.ttft_s is not None else item.ttft_s,
+                None if last.logprobs is None or item.logprobs is None else last.logprobs + item.logprobs,
             )
         else:
             out.append(item)
@@ -110,8 +121,11 @@ class StreamBox:
 class RequestStream:
     """A request in flight: `box` yields Chunk | Failure (and whatever else a front end puts in)."""
 
-    def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
+    def __init__(
+        self, request_id: str, rid: int, detok: IncrementalDetokenizer, stop_ids: frozenset[int] = frozenset()
+    ):
         self.request_id, self.rid, self.detok = request_id, rid, detok  # client id, channel id
+        self.stop_ids = stop_ids  # the request's stop_token_ids
         self.box = StreamBox()
         self.added: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -151,7 +165,12 @@ class CoreClient:
         if client_id in self._by_client:
             raise InvalidRequest(f"request_id {client_id!r} is already in flight; use a unique id")
         rid = next(self._ids)
-        stream = RequestStream(client_id, rid, IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop))
+        stream = RequestStream(
+            client_id,
+            rid,
+            IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop),
+            frozenset(spec.sampling.stop_token_ids),
+        )
         self._streams[rid], self._by_client[client_id] = stream, stream
         try:
             self.channel.send({"t": "add", "id": rid, "spec": spec_to_wire(spec)})
@@ -260,19 +279,22 @@ class CoreClient:
 
     def _on_step(self, rows: list) -> None:
         eos = self.eos
-        for rid, ids, finish, usage, applied_k, ttft in rows:
+        for rid, ids, finish, usage, applied_k, ttft, logprobs in rows:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
             reason = finish_from_wire(finish)
-            text, stop_hit = stream.detok.add([t for t in ids if t not in eos])
+            hidden = stream.stop_ids  # stop_token_ids end the request and, as EOS, are not text
+            text, stop_hit = stream.detok.add([t for t in ids if t not in eos and t not in hidden])
             if stop_hit:
                 reason = FinishReason.STOP
                 self.cancel(stream)
             elif reason is not None:
                 text += stream.detok.flush()
                 self._forget(rid)
-            stream.box.put(Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft))
+            stream.box.put(
+                Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft, logprobs_from_wire(logprobs))
+            )
 
     def _on_fail(self, msg: dict) -> None:
         code = getattr(grpc.StatusCode, msg["code"], grpc.StatusCode.UNKNOWN)

@@ -43,3 +43,13 @@ def apply_token_mask(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
         host = host.pin_memory()
     device_masks = host.to(logits.device, non_blocking=True)
     return logits.masked_fill(~unpack(device_masks, vocab), float("-inf"))
+
+
+def apply_masks(logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+    """logits [R, P, V] and one host mask per row (int32 [<= P, words], None: unconstrained) -> the
+    masked logits; `logits` itself when no row has a mask. The lanes' mask seam (lanes.local:
+    after the sampling controls, before temperature / top-k / top-p)."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return logits
+    return apply_token_mask(logits, stack_masks(masks, logits.shape[1], present[0].shape[-1]))

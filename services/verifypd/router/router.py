@@ -142,6 +142,18 @@ class Router:
         ctx = self.context
         spec.validate(vocab_size=ctx.vocab_size, max_context=ctx.max_context)
         check_fits(spec, ctx.max_context, [b for b in (ctx.target_blocks, ctx.draft_blocks) if b is not None])
+        if not spec.plain and not all(
+            getattr(lane, "applies_controls", False) for lane in (ctx.prefill_lane, ctx.verify_lane)
+        ):  # the logits are processed in the lanes' process; nothing of it travels the lane RPC (yet)
+            field, what = (
+                (spec.constraint.field, "structured output")
+                if spec.constraint is not None
+                else ("sampling", "penalties, min_tokens, logit_bias and logprobs")
+            )
+            raise InvalidRequest(
+                f"{field}: {what} need in-process lanes (a colocated server, tensor parallel included); "
+                "this server's lanes do not apply them"
+            )
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in ctx.sequences:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
@@ -158,13 +170,7 @@ class Router:
     def grammar_state(self, spec: RequestSpec):
         """The matcher of a constrained request, or InvalidRequest naming its field."""
         assert spec.constraint is not None
-        field = spec.constraint.field
-        lanes = (self.context.verify_lane, self.context.prefill_lane)
-        if any(getattr(lane, "remote", False) for lane in lanes):  # masks do not travel the lane RPC (yet)
-            raise InvalidRequest(
-                f"{field}: structured output needs the colocated topology (in-process lanes); "
-                "this server runs its verify lane in another process"
-            )
+        field = spec.constraint.field  # (in-process lanes: checked by add_request)
         if self.grammar is None:
             raise InvalidRequest(f"{field}: structured output needs the model's tokenizer; this model has none")
         return self.grammar.state(spec.constraint)

@@ -30,7 +30,8 @@ from verifypd.domain.lanes import (
     VerifyLane,
 )
 from verifypd.domain.lookup import PromptLookup
-from verifypd.domain.requests import FinishReason, RequestOutput
+from verifypd.domain.requests import FinishReason, RequestOutput, TokenLogprob
+from verifypd.domain.sampling_controls import control_context
 from verifypd.router.block_manager import BlockManager
 from verifypd.router.commits import append_tokens, record_verdict, take_drafts
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
@@ -58,6 +59,7 @@ class Verified:
     tokens: list[int]
     finish: FinishReason | None
     k: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 class BesidePrefill:
@@ -149,9 +151,9 @@ class StepContext:
         self.overlap_prefill = True
         self.sequences: dict[str, Sequence] = {}  # every request in flight, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Structured output: the matcher of each constrained request in flight, by id. While any is in
-        # flight no step is launched ahead (overlapped, draft-after, speculate-ahead): each step's
-        # masks need the tokens committed before it on the host.
+        # Structured output: the matcher of each constrained request in flight, by id. No step of such a
+        # request is launched ahead (RequestSpec.plain; draft-after: plain_item): each step's masks need
+        # the tokens committed before it, and its drafts, on the host.
         self.grammars: dict[str, GrammarState] = {}
         self.plan: StepPlan | None = None  # the plan of the step being run (None: a step launched ahead)
         # Called with a request before its blocks are freed (finished, cancelled): strategies with
@@ -236,6 +238,7 @@ class StepContext:
                 draft_kv=self.draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
                 sample_first=c.sample_first,
                 sampling=c.seq.spec.sampling,
+                controls=control_context(c.seq.spec, (), self.eos) if c.sample_first else None,
                 token_mask=self.token_masks(c.seq, ()) if c.sample_first else None,
             )
             for c in chunks
@@ -285,7 +288,7 @@ class StepContext:
                 seq.status = SeqStatus.DECODING
             if c.sample_first:
                 assert res.first_token is not None, "prefill lane returned no first token"
-                outputs += self.emit(seq, [res.first_token], applied_k=0)
+                outputs += self.emit(seq, [res.first_token], applied_k=0, logprobs=getattr(res, "logprobs", None))
         return outputs
 
     # -- draft -------------------------------------------------------------------------------
@@ -366,6 +369,7 @@ class StepContext:
                     draft_probs=probs,
                     sampling=seq.spec.sampling,
                     target_kv=self.target_handle(seq, n, seq.target_computed),
+                    controls=control_context(seq.spec, seq.output_ids, self.eos),
                     token_mask=self.token_masks(seq, tokens),
                 )
             )
@@ -394,13 +398,14 @@ class StepContext:
             tokens, finish = append_tokens(
                 seq, res.new_tokens, self.eos, self.vocab_size, self.max_context, self.clock()
             )
-            verified.append(Verified(seq, tokens, finish, k))
+            logprobs = getattr(res, "logprobs", None)
+            verified.append(Verified(seq, tokens, finish, k, logprobs[: len(tokens)] if logprobs is not None else None))
         return verified
 
     def stream_verified(self, verified: list[Verified], outputs: list[RequestOutput]) -> None:
         """Streams committed verify rows into `outputs`, in order (finishing the requests they end)."""
         for v in verified:
-            outputs += self.stream(v.seq, v.tokens, v.finish, v.k)
+            outputs += self.stream(v.seq, v.tokens, v.finish, v.k, v.logprobs)
 
     def commit_verify(
         self, work: list[DecodeWork], items: list[VerifyItem], results, outputs: list[RequestOutput]
@@ -409,25 +414,39 @@ class StepContext:
         self.stream_verified(self.commit_verdicts(work, items, results), outputs)
 
     # -- streaming ---------------------------------------------------------------------------
-    def emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
+    def emit(
+        self, seq: Sequence, new_tokens: list[int], applied_k: int, logprobs: list[TokenLogprob] | None = None
+    ) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         tokens, finish = append_tokens(seq, new_tokens, self.eos, self.vocab_size, self.max_context, self.clock())
-        return self.stream(seq, tokens, finish, applied_k)
+        return self.stream(seq, tokens, finish, applied_k, logprobs[: len(tokens)] if logprobs is not None else None)
 
     def stream(
-        self, seq: Sequence, tokens: list[int], finish: FinishReason | None, applied_k: int
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        finish: FinishReason | None,
+        applied_k: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> list[RequestOutput]:
         """The chunk of tokens just appended (append_tokens): detokenized, stop strings applied."""
         detok = self.detokenizers.get(seq.request_id)
-        text, stop_hit = detok.add([t for t in tokens if t not in self.eos]) if detok else ("", False)
+        hidden = self.eos | frozenset(seq.spec.sampling.stop_token_ids)  # ids that end it, not text
+        text, stop_hit = detok.add([t for t in tokens if t not in hidden]) if detok else ("", False)
         if stop_hit:
             finish = FinishReason.STOP
         if finish is not None:
-            return [self.finish(seq, finish, tokens, text, applied_k)]
-        return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k)]
+            return [self.finish(seq, finish, tokens, text, applied_k, logprobs)]
+        return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k, logprobs)]
 
     def finish(
-        self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str, applied_k: int = 0
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        tokens: list[int],
+        text: str,
+        applied_k: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         """Ends `seq` (finished or cancelled): its last chunk; its blocks return to the pools."""
         detok = self.detokenizers.pop(seq.request_id, None)
@@ -445,7 +464,7 @@ class StepContext:
         for lane in self.releasing:
             lane.release((seq.request_id,))
         self.observer.on_request_finished(seq)
-        return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k)
+        return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k, logprobs)
 
     # -- costs -------------------------------------------------------------------------------
     def record_cost(self, sample: CostSample, seconds: float) -> None:
