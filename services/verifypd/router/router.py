@@ -103,7 +103,10 @@ class Router:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         lookup: PromptLookup | None = None,
+        prefix_cache: bool = True,
     ):
+        """`prefix_cache`: automatic prefix caching (router.prefix_cache), where the lanes allow it
+        (StepContext._prefix_cache)."""
         self.context = StepContext(
             prefill,
             draft,
@@ -115,6 +118,7 @@ class Router:
             observer=observer or EngineObserver(),
             clock=clock,
             lookup=lookup,
+            prefix_cache=prefix_cache,
         )
         self._arrivals = itertools.count()
         # The step strategies (verifypd.router.steps). Two launch steps ahead, the next step commits:
