@@ -99,6 +99,7 @@ def _shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
         base[:14] + [40, 41, 42, 43, 44],  # diverges inside block 3 (positions 12..15)
         base,  # all of it cached but the last position
         [base[0] + 1] + base[1:],  # same tokens after the first: nothing may be shared
+        base[:20],  # 5 full blocks, all cached: the last is computed again (its logits sample)
     ]
 
 
@@ -144,9 +145,9 @@ def test_cached_and_uncached_give_the_same_tokens(tiny_models, tmp_path, draft):
     engine = make_engine(tiny_models[0], spec, k=3)
     cached, counts = _one_by_one(engine, prompts)
     assert cached == plain
-    assert counts == [0, 20, 12, 20, 0]
+    assert counts == [0, 20, 12, 20, 0, 16]
     prefix = engine.router.context.prefix
-    assert prefix.hit_tokens == 52 and prefix.queried_tokens == sum(len(p) for p in prompts)
+    assert prefix.hit_tokens == 68 and prefix.queried_tokens == sum(len(p) for p in prompts)
     if draft in ("model", "self:1"):  # a model draft's pool is cached too; an EAGLE head's is not
         assert prefix.draft is not None and engine.router.draft_blocks.num_cached > 0
     else:
