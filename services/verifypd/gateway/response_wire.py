@@ -52,7 +52,7 @@ _REQUEST_ID, _TOKEN_IDS, _TEXT, _FINISH_REASON, _USAGE, _APPLIED_K, _ELAPSED = (
     b"\x30",
     b"\x39",
 )
-_USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28")  # Usage fields 1..5, varint
+_USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28", b"\x30")  # Usage fields 1..6, varint
 _FINISH_WIRE = {reason: varint(value) for reason, value in FINISH_CODES.items()}
 
 
@@ -67,7 +67,7 @@ class ResponseEncoder:
     def encode(
         self, token_ids: list[int], text: str, finish, usage: list[int], applied_k: int, elapsed_s: float
     ) -> bytes:
-        """`finish`: a FinishReason or None; `usage`: the five counts in USAGE_KEYS order."""
+        """`finish`: a FinishReason or None; `usage`: the counts in USAGE_KEYS order."""
         parts = [self._head]
         if token_ids:
             parts.append(_length_delimited(_TOKEN_IDS, b"".join([varint(t) for t in token_ids])))

@@ -28,6 +28,7 @@ from verifypd.domain.requests import FinishReason, InvalidRequest, RequestOutput
 from verifypd.router.block_manager import BlockManager, check_fits
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import StepCostModel
+from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.scheduler import Scheduler
 from verifypd.router.sequence import SeqStatus, Sequence
 from verifypd.router.step_context import StepContext
@@ -79,6 +80,7 @@ class Router:
     target_blocks: _Shared[BlockManager] = _Shared()
     draft_blocks: _Shared[BlockManager | None] = _Shared()
     scheduler: _Shared[Scheduler] = _Shared()
+    prefix: _Shared[PrefixCache | None] = _Shared()  # None: prefix caching off
     config: _Shared[RuntimeConfig] = _Shared()  # one config per step; UpdateConfig takes effect on the next one
     costs: _Shared[StepCostModel] = _Shared()
     observer: _Shared[EngineObserver] = _Shared()
