@@ -11,8 +11,8 @@ from rich.console import Console
 
 from verifypd_loadgen import __version__
 from verifypd_loadgen.datasets import DatasetError, load_dataset
-from verifypd_loadgen.runner import LoadPoint
 from verifypd_loadgen.multi_turn import WORKLOADS, MultiTurnWorkload
+from verifypd_loadgen.runner import LoadPoint
 from verifypd_loadgen.workload import DIST_HELP, Workload, parse_distribution, parse_priority_mix
 
 

@@ -90,6 +90,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def key_of(self, block: int) -> bytes | None:
+        """The content key `block` carries, or None."""
+        return self._key_of.get(block)
+
     def can_admit(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
         """Would an empty table take `hits` and grow to `num_tokens` positions, leaving `reserve`
         free? A hit no one holds sits in the free list: taking it uses a free block too."""
