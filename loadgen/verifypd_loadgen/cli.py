@@ -11,6 +11,7 @@ from rich.console import Console
 
 from verifypd_loadgen import __version__
 from verifypd_loadgen.datasets import DatasetError, load_dataset
+from verifypd_loadgen.multi_turn import WORKLOADS, MultiTurnWorkload
 from verifypd_loadgen.runner import LoadPoint
 from verifypd_loadgen.workload import DIST_HELP, Workload, parse_distribution, parse_priority_mix
 
@@ -138,6 +139,20 @@ def run_parser() -> argparse.ArgumentParser:
         "--dataset", default="synthetic", help="'synthetic' (token-id prompts), a JSONL prompt file or ShareGPT JSON"
     )
     d.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="single",
+        help="single: independent prompts (default); multi-turn: conversations whose turns resend the "
+        "conversation so far (synthetic; --turns, --conversations), to measure a server's prefix cache",
+    )
+    d.add_argument("--turns", type=_arg(_positive(int), "count"), default=4, help="multi-turn: turns per conversation")
+    d.add_argument(
+        "--conversations",
+        type=_arg(_positive(int), "count"),
+        default=8,
+        help="multi-turn: conversations taken turn by turn, round-robin (default 8)",
+    )
+    d.add_argument(
         "--input-len",
         type=_arg(parse_distribution, "distribution"),
         help=f"synthetic prompt length: {DIST_HELP} (default 128)",
@@ -228,7 +243,10 @@ def build_plan(args, parser, argv: list[str] | None = None):
             prompts = load_dataset(args.dataset)
         except DatasetError as e:
             parser.error(str(e))
-    workload = Workload(
+    if args.workload == "multi-turn" and prompts is not None:
+        parser.error("--workload multi-turn builds synthetic conversations: leave --dataset synthetic")
+    multi = {"turns": args.turns, "conversations": args.conversations} if args.workload == "multi-turn" else {}
+    workload = (MultiTurnWorkload if multi else Workload)(
         prompts=prompts,
         output_len=args.output_len,
         vocab_range=(lo, hi),
@@ -236,6 +254,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         ignore_eos=args.ignore_eos,
         priority_mix=args.priority_mix or [(0, 1.0)],
         seed=args.seed,
+        **multi,
     )
     if args.input_len is not None:
         workload.input_len = args.input_len
@@ -297,7 +316,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "arrival": args.arrival if args.rate else None,
         "burstiness": (args.burstiness or 1.0) if args.rate else None,
         "max_concurrency": args.max_concurrency,
-        "dataset": args.dataset,
+        "dataset": workload.describe() if isinstance(workload, MultiTurnWorkload) else args.dataset,
         "input_len": str(workload.input_len) if prompts is None else None,
         "output_len": str(args.output_len)
         if args.output_len

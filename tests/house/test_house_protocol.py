@@ -108,6 +108,15 @@ def test_public_field_numbers_are_stable():
         "server_elapsed_s": 7,
         "logprobs": 8,
     }
+    usage = {f.name: f.number for f in generate_pb2.Usage.DESCRIPTOR.fields}
+    assert usage == {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "draft_tokens": 3,
+        "accepted_tokens": 4,
+        "verify_steps": 5,
+        "cached_tokens": 6,
+    }
     cfg = {f.name: f.number for f in control_pb2.RuntimeConfig.DESCRIPTOR.fields}
     assert cfg == {
         "k_min": 1,

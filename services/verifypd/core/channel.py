@@ -14,7 +14,7 @@ threads of one process in tests) carrying length-prefixed JSON objects, each wit
       added   {id} / refused {id, code, message}
       step    {out: [[id, token_ids, finish, usage, applied_k, ttft, logprobs], ...]}   ONE per engine step,
                                     every request that got tokens in it (finish: null or a FinishReason value;
-                                    usage: the five `RequestStats.usage()` numbers in USAGE_KEYS order;
+                                    usage: the six `RequestStats.usage()` numbers in USAGE_KEYS order;
                                     logprobs: null, or `logprobs_to_wire`'s rows)
       fail    {ids, code, message, fatal}   these requests end with a gRPC status name; fatal: the engine is gone
       reply   {cid, ok} / {cid, error: [code, message]}
@@ -38,7 +38,7 @@ import struct
 from verifypd.domain.requests import Constraint, FinishReason, RequestSpec, SamplingParams, TokenLogprob
 
 MAX_FRAME = 64 << 20
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps")
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps", "cached_tokens")
 _LEN = struct.Struct("<I")
 _FINISH_BY_VALUE = {r.value: r for r in FinishReason}
 
@@ -134,7 +134,14 @@ def output_to_wire(out) -> list:
         int(out.request_id),
         out.token_ids,
         out.finish_reason.value if out.finish_reason else None,
-        [stats.prompt_tokens, stats.completion_tokens, stats.draft_tokens, stats.accepted_tokens, stats.verify_steps],
+        [
+            stats.prompt_tokens,
+            stats.completion_tokens,
+            stats.draft_tokens,
+            stats.accepted_tokens,
+            stats.verify_steps,
+            stats.cached_tokens,
+        ],
         out.applied_k,
         stats.ttft,
         logprobs_to_wire(out.logprobs),

@@ -47,7 +47,7 @@ SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: secon
 @dataclass(slots=True)
 class Chunk:
     """One streamed piece of a request: the tokens of one engine step, or of several in a row
-    (`merge_chunks`). `usage`: the five cumulative counts in USAGE_KEYS order (`usage_dict`)."""
+    (`merge_chunks`). `usage`: the cumulative counts in USAGE_KEYS order (`usage_dict`)."""
 
     token_ids: list[int]
     text: str

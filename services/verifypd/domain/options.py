@@ -38,6 +38,9 @@ class EngineOptions:
     # The target over this many ranks, one process (and GPU) each: this process is rank 0
     # (lanes/tensor_parallel/ranks.py); 1 = today's single-process target.
     tensor_parallel: int = 1
+    # Automatic prefix caching (docs/engine.md "Prefix caching"); `--no-prefix-cache` turns it off.
+    # The split topology serves without it (its start-up log says so).
+    prefix_cache: bool = True
 
 
 @dataclass

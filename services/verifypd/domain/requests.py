@@ -219,6 +219,8 @@ class RequestStats:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one emission time per output token
     preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    cached_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -235,6 +237,7 @@ class RequestStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "verify_steps": self.verify_steps,
+            "cached_tokens": self.cached_tokens,
         }
 
 

@@ -232,10 +232,13 @@ class Sample:
 
 
 def summed_usage(samples: list[Sample]) -> dict:
-    """One prompt, every sample's generated tokens (those best_of dropped included, as vLLM counts)."""
+    """One prompt, every sample's generated tokens (those best_of dropped included, as vLLM counts).
+    The prompt's counts are sample 0's: its tokens, and of them those the prefix cache served."""
     usages = [s.last.usage_dict() for s in samples if s.last is not None]
     total = {key: sum(u[key] for u in usages) for key in usages[0]}
-    total["prompt_tokens"] = usages[0]["prompt_tokens"]
+    for key in ("prompt_tokens", "cached_tokens"):
+        if key in usages[0]:
+            total[key] = usages[0][key]
     return total
 
 

@@ -291,6 +291,8 @@ def usage_json(usage: dict) -> dict:
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        # prompt tokens served from the prefix cache, as OpenAI reports its own prompt caching
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
         "completion_tokens_details": {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": drafted - accepted,

@@ -7,7 +7,8 @@ back to the OpenAI parameter by openai_convert.openai_param. Semantics: domain.s
 n / best_of: the gateway submits best_of (default n) requests of one prompt, sample i seeded with
 `sample_seed(seed, i)` (domain.sampling_controls); with best_of > n the n of highest cumulative
 logprob are returned (vLLM's rule), in that order. Each sample is its own sequence in the engine:
-they share no prompt KV (a prefix cache would make them share it).
+they share prompt KV only where the prefix cache holds it already (router.prefix_cache: samples
+admitted in one step each compute blocks no one had cached).
 """
 
 from __future__ import annotations

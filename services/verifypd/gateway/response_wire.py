@@ -54,7 +54,7 @@ _REQUEST_ID, _TOKEN_IDS, _TEXT, _FINISH_REASON, _USAGE, _APPLIED_K, _ELAPSED = (
     b"\x39",
 )
 _LOGPROBS = b"\x42"  # field 8, length-delimited (repeated TokenLogprob)
-_USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28")  # Usage fields 1..5, varint
+_USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28", b"\x30")  # Usage fields 1..6, varint
 _FINISH_WIRE = {reason: varint(value) for reason, value in FINISH_CODES.items()}
 
 
@@ -76,7 +76,7 @@ class ResponseEncoder:
         elapsed_s: float,
         logprobs: list[TokenLogprob] | None = None,
     ) -> bytes:
-        """`finish`: a FinishReason or None; `usage`: the five counts in USAGE_KEYS order;
+        """`finish`: a FinishReason or None; `usage`: the counts in USAGE_KEYS order;
         `logprobs` (requests that ask): encoded by the protobuf runtime, one message per token."""
         parts = [self._head]
         if token_ids:

@@ -126,7 +126,11 @@ class LocalPrefillLane:
         assert logits is not None  # forward(..., "last") returns the last positions' logits
         draft = self.draft
         if isinstance(draft, EagleRunner):  # a feature draft: the rows the target's features complete
-            draft.prefill([feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items])
+            # (items without draft KV: the head's rows lag, e.g. after a prefix-cache hit; its first
+            # draft call catches up from the target's features)
+            heads = [feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items if i.draft_kv]
+            if heads:
+                draft.prefill(heads)
         elif draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
             runs = [TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items if i.draft_kv is not None]
             if runs:  # items without draft KV: the router skipped it while nobody drafts

@@ -29,6 +29,7 @@ from verifypd.domain.requests import FinishReason, InvalidRequest, RequestOutput
 from verifypd.router.block_manager import BlockManager, check_fits
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import StepCostModel
+from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.scheduler import Scheduler
 from verifypd.router.sequence import SeqStatus, Sequence
 from verifypd.router.step_context import StepContext
@@ -80,6 +81,7 @@ class Router:
     target_blocks: _Shared[BlockManager] = _Shared()
     draft_blocks: _Shared[BlockManager | None] = _Shared()
     scheduler: _Shared[Scheduler] = _Shared()
+    prefix: _Shared[PrefixCache | None] = _Shared()  # None: prefix caching off
     config: _Shared[RuntimeConfig] = _Shared()  # one config per step; UpdateConfig takes effect on the next one
     costs: _Shared[StepCostModel] = _Shared()
     observer: _Shared[EngineObserver] = _Shared()
@@ -105,8 +107,11 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         lookup: PromptLookup | None = None,
         grammar: GrammarCompiler | None = None,
+        prefix_cache: bool = True,
     ):
-        """`grammar`: compiles constrained requests' grammars (structured output); None refuses them."""
+        """`grammar`: compiles constrained requests' grammars (structured output); None refuses them.
+        `prefix_cache`: automatic prefix caching (router.prefix_cache), where the lanes allow it
+        (StepContext._prefix_cache)."""
         self.grammar = grammar
         self.context = StepContext(
             prefill,
@@ -119,6 +124,7 @@ class Router:
             observer=observer or EngineObserver(),
             clock=clock,
             lookup=lookup,
+            prefix_cache=prefix_cache,
         )
         self._arrivals = itertools.count()
         # The step strategies (verifypd.router.steps). Two launch steps ahead, the next step commits:

@@ -36,6 +36,7 @@ from verifypd.router.block_manager import BlockManager
 from verifypd.router.commits import append_tokens, record_verdict, take_drafts
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import TYPICAL_DRAFT_INPUT, StepCostModel
+from verifypd.router.prefix_cache import PrefixCache, root_key
 from verifypd.router.scheduler import DecodeWork, PrefillChunk, Scheduler, StepPlan
 from verifypd.router.sequence import SeqStatus, Sequence, held_after
 
@@ -123,8 +124,10 @@ class StepContext:
         observer: LaneObserver,
         clock: Callable[[], float],
         lookup: PromptLookup | None,
+        prefix_cache: bool = True,
     ):
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
+        self.prefix_cache_wanted = prefix_cache  # on where the lanes allow it (`_prefix_cache`)
         # Lanes that keep per-request state for the router (the call channel's request keys and
         # block tables) are told when a request is done.
         self.releasing = [lane for lane in (prefill, draft, verify) if hasattr(lane, "release")]
@@ -133,11 +136,13 @@ class StepContext:
         self.lookup = lookup  # a feature draft mixed with prompt lookup (spec_decode.lookup_mix)
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
+        self.target_model = verify_info.target_model
         self.target_pool: PoolInfo
         self.draft_pool: PoolInfo | None  # None: a pool-less draft lane (prompt lookup, none)
         self.target_blocks: BlockManager
         self.draft_blocks: BlockManager | None
         self.scheduler: Scheduler
+        self.prefix: PrefixCache | None  # None: prefix caching off
         self.attach_pools(verify_info.pools, draft_info.pools, max_running)
         self.config = config
         self.config.validate()
@@ -170,9 +175,26 @@ class StepContext:
         assert target_pool is not None  # (pool_of raises for a missing required pool)
         self.target_pool = target_pool
         self.draft_pool = pool_of(draft_pools, "draft", required=False)
-        self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
+        caching = self._prefix_cache()
+        # A model draft's pool is keyed like the target's; an EAGLE head's is not (router.prefix_cache).
+        draft_caching = (
+            caching
+            and self.draft_pool is not None
+            and not self.feature_draft
+            and self.draft_pool.block_size == self.target_pool.block_size
+        )
+        self.target_blocks = BlockManager(
+            self.target_pool.num_blocks, self.target_pool.block_size, "target", caching=caching
+        )
         self.draft_blocks = (
-            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft") if self.draft_pool else None
+            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft", caching=draft_caching)
+            if self.draft_pool
+            else None
+        )
+        self.prefix = (
+            PrefixCache(self.target_blocks, self.draft_blocks if draft_caching else None, root_key(self.target_model))
+            if caching
+            else None
         )
         self.scheduler = Scheduler(
             self.target_blocks,
@@ -181,6 +203,14 @@ class StepContext:
             max_running,
             lazy_draft_prefill=self._lazy_draft_prefill(),
             never_drafts=self._never_drafts(),
+            prefix=self.prefix,
+        )
+
+    def _prefix_cache(self) -> bool:
+        """Prefix caching, if wanted, where a request may start with target KV longer than its draft
+        KV: without a draft pool, or with a prefill lane that takes draft KV per item (in-process)."""
+        return self.prefix_cache_wanted and (
+            self.draft_pool is None or getattr(self.prefill_lane, "per_item_draft_kv", False)
         )
 
     def _lazy_draft_prefill(self) -> bool:
@@ -284,6 +314,8 @@ class StepContext:
             # whose KV this chunk skipped (draft_computed lags; the draft call catches up).
             if self.draft_pool is not None and c.with_draft:
                 seq.draft_computed = c.end
+            if self.prefix is not None:
+                self.prefix.register(seq)
             if c.end == seq.prefill_target:
                 seq.status = SeqStatus.DECODING
             if c.sample_first:
@@ -386,6 +418,8 @@ class StepContext:
             if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
                 # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
+            if self.prefix is not None:
+                self.prefix.register(seq)
             record_verdict(
                 seq,
                 self.costs.acceptance,
