@@ -105,3 +105,20 @@ def test_mask_changes_the_output_and_others_are_unaffected(char_models):
     assert both["free"].token_ids == alone.token_ids
     assert isinstance(json.loads(both["json"].text)["ok"], bool)
     assert both["json"].text[:5] != alone.text[:5]
+
+
+@pytest.mark.parametrize("draft", ["model", "self:1"])
+def test_a_draft_that_ends_the_grammar_is_followed_by_eos(char_models, draft):
+    """A short bounded grammar: drafts that complete it are kept, and the position after them may only
+    be EOS (the matcher stops there): the output equals decoding without speculation, never a token
+    past the grammar's end."""
+    target, noisy = char_models
+    engine = make_engine(target, {"model": noisy, "self:1": "self:1"}[draft], k=4)
+    c = Constraint("regex", "[a-z]{1,3}")
+    prompts = ["x", "hello", "abc", "zz"]
+    plain = run(engine, c, prompts, max_k=0, max_tokens=20)
+    spec = run(engine, c, prompts, max_k=4, max_tokens=20)
+    assert [p.token_ids for p in plain] == [s.token_ids for s in spec]
+    for out in spec:
+        assert out.finish_reason == "eos" and __import__("re").fullmatch("[a-z]{1,3}", out.text), out.text
+    assert sum(s.usage["accepted_tokens"] for s in spec) > 0  # drafts were kept
