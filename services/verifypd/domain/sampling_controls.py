@@ -15,8 +15,10 @@ committed ones, then the drafts before t):
                   by it, a negative one multiplied.
   4. frequency_penalty, presence_penalty (OpenAI): logits[v] -= frequency * count_out(v)
                   + presence * (count_out(v) > 0), over generated tokens only.
-  5. (a grammar / structured-output mask goes here: model.logits_controls.apply's seam; as -inf
-     stays -inf under 1-4, masking before or after them is the same)
+  5. a structured-output mask (domain.grammar, model.token_mask.apply_masks at the lanes' mask
+     seam; as -inf stays -inf under 1-4, masking before or after them is the same). Where 1 leaves
+     the grammar no token (min_tokens holding back the EOS that a finished grammar requires), the
+     grammar wins: that position is chosen from the raw logits under the mask (the output parses).
   6. temperature, top-k, top-p (model.sampler.probabilities), then the seeded race or argmax.
 
 Logprobs are the *raw* model log-probabilities (log_softmax of the target's logits before 1-6), as

@@ -176,7 +176,7 @@ class LocalPrefillLane:
         raw = picked[:, None, :]  # [R, 1, V]
         processed = logits_controls.apply(raw, samplings, [i.controls for i in chosen])
         # the mask seam (domain.sampling_controls step 5): after the controls, before temperature / top-k / top-p
-        processed = apply_masks(processed, [i.token_mask for i in chosen])
+        processed = apply_masks(processed, [i.token_mask for i in chosen], fallback=raw)
         tokens = logits_controls.choose(processed, samplings, [i.start_pos + len(i.token_ids) for i in chosen])
         top_n = max(s.top_logprobs for s in samplings)
         table = logits_controls.logprob_table(raw, tokens, top_n) if any(s.logprobs for s in samplings) else None
@@ -456,7 +456,7 @@ class LocalVerifyLane:
         processed = logits_controls.apply(logits, samplings, [i.controls for i in items], drafts if K else None)
         # the mask seam (domain.sampling_controls step 5): row r position p masked under the same
         # history as the controls, before temperature / top-k / top-p in `choose`
-        processed = apply_masks(processed, [i.token_mask for i in items])
+        processed = apply_masks(processed, [i.token_mask for i in items], fallback=logits)
         tokens = logits_controls.choose(processed, samplings, [i.start_pos + 1 for i in items])  # [R, K + 1]
         accepted, final = sampler.accept_greedy(tokens, drafts, sampler.small_tensor(ks, device))
         verdict = torch.cat((accepted[:, None], final[:, None], drafts), dim=1)
