@@ -11,6 +11,7 @@ from rich.console import Console
 
 from verifypd_loadgen import __version__
 from verifypd_loadgen.datasets import DatasetError, load_dataset
+from verifypd_loadgen.multi_turn import WORKLOADS, MultiTurnWorkload
 from verifypd_loadgen.procs import CONCURRENCY_PER_PROC, default_procs
 from verifypd_loadgen.runner import LoadPoint
 from verifypd_loadgen.workload import DIST_HELP, Workload, parse_distribution, parse_priority_mix
@@ -163,10 +164,12 @@ def run_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--workload",
-        choices=("uniform", "mixed"),
+        choices=WORKLOADS,
         default="uniform",
-        help="uniform: every synthetic prompt from --input-len (default); mixed: a --long-fraction "
-        "share of them from --long-input-len (long prefills among streaming decodes)",
+        help="uniform: independent prompts, synthetic ones from --input-len (default); mixed: a "
+        "--long-fraction share of them from --long-input-len (long prefills among streaming decodes); "
+        "multi-turn: conversations whose turns resend the conversation so far (synthetic; --turns, "
+        "--conversations), to measure a server's prefix cache",
     )
     d.add_argument(
         "--long-fraction",
@@ -179,6 +182,13 @@ def run_parser() -> argparse.ArgumentParser:
         type=_arg(parse_distribution, "distribution"),
         default=parse_distribution("2048"),
         help="--workload mixed: long prompt length (default 2048)",
+    )
+    d.add_argument("--turns", type=_arg(_positive(int), "count"), default=4, help="multi-turn: turns per conversation")
+    d.add_argument(
+        "--conversations",
+        type=_arg(_positive(int), "count"),
+        default=8,
+        help="multi-turn: conversations taken turn by turn, round-robin (default 8)",
     )
     d.add_argument(
         "--input-len",
@@ -271,7 +281,10 @@ def build_plan(args, parser, argv: list[str] | None = None):
             prompts = load_dataset(args.dataset)
         except DatasetError as e:
             parser.error(str(e))
-    workload = Workload(
+    if args.workload == "multi-turn" and prompts is not None:
+        parser.error("--workload multi-turn builds synthetic conversations: leave --dataset synthetic")
+    multi = {"turns": args.turns, "conversations": args.conversations} if args.workload == "multi-turn" else {}
+    workload = (MultiTurnWorkload if multi else Workload)(
         prompts=prompts,
         output_len=args.output_len,
         vocab_range=(lo, hi),
@@ -279,6 +292,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         ignore_eos=args.ignore_eos,
         priority_mix=args.priority_mix or [(0, 1.0)],
         seed=args.seed,
+        **multi,
     )
     if args.input_len is not None:
         workload.input_len = args.input_len
@@ -346,7 +360,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "arrival": args.arrival if args.rate else None,
         "burstiness": (args.burstiness or 1.0) if args.rate else None,
         "max_concurrency": args.max_concurrency,
-        "dataset": args.dataset,
+        "dataset": workload.describe() if isinstance(workload, MultiTurnWorkload) else args.dataset,
         "workload": args.workload,
         "long_fraction": args.long_fraction if args.workload == "mixed" else None,
         "long_input_len": str(args.long_input_len) if args.workload == "mixed" else None,

@@ -12,7 +12,14 @@ import json
 import os
 import sys
 
-from verifypd.cli_flags import add_model_flags, add_sampling_flags, add_schedule_flags, draft_arg, schedule_changes
+from verifypd.cli_flags import (
+    add_model_flags,
+    add_prefix_cache_flag,
+    add_sampling_flags,
+    add_schedule_flags,
+    draft_arg,
+    schedule_changes,
+)
 from verifypd.domain.requests import InvalidRequest, RequestSpec, SamplingParams
 
 
@@ -60,6 +67,7 @@ def cmd_generate_offline(args) -> int:
         config=config,
         tensor_parallel=args.tensor_parallel,
         tp_all_reduce=args.tp_all_reduce,
+        prefix_cache=not args.no_prefix_cache,
     )
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
     if args.max_tokens <= 0:
@@ -123,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     add_model_flags(gen)
     add_schedule_flags(gen)
+    add_prefix_cache_flag(gen)
     from verifypd.distill import cli as distill_cli
 
     distill_cli.register(sub)

@@ -109,6 +109,15 @@ def add_schedule_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn automatic prefix caching off: every prompt is prefilled in full (default on; "
+        "the split topology serves without it; docs/engine.md 'Prefix caching')",
+    )
+
+
 def schedule_changes(args, split: bool = False, drafting: bool = True) -> dict:
     """RuntimeConfig fields of --schedule / --pipeline; `split`: the lanes are separate processes;
     `drafting`: a draft is loaded. Without one there is no draft call to overlap, and two groups

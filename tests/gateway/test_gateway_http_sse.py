@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from verifypd.gateway.http_api import ChunkEvents, _sse
+from verifypd.gateway.http_completion import ChunkEvents, sse
 
 TEXTS = [
     "",
@@ -32,7 +32,7 @@ def envelope_event(head: dict, chat: bool, include_usage: bool, text, reason, id
         else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
     )
     extra = {"usage": None} if include_usage else {}
-    return _sse({**head, "choices": [choice], **extra, "verifypd": {"token_ids": ids, "applied_k": k}})
+    return sse({**head, "choices": [choice], **extra, "verifypd": {"token_ids": ids, "applied_k": k}})
 
 
 @pytest.mark.parametrize("chat", [True, False])

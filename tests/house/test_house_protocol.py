@@ -80,6 +80,43 @@ def test_public_field_numbers_are_stable():
         "stop_at_eos": 10,
         "constraint": 11,
     }
+    sampling = {f.name: f.number for f in generate_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert sampling == {
+        "temperature": 1,
+        "top_p": 2,
+        "top_k": 3,
+        "seed": 4,
+        "presence_penalty": 5,
+        "frequency_penalty": 6,
+        "repetition_penalty": 7,
+        "min_tokens": 8,
+        "logit_bias": 9,
+        "stop_token_ids": 10,
+        "logprobs": 11,
+        "top_logprobs": 12,
+    }
+    constraint = {f.name: f.number for f in generate_pb2.OutputConstraint.DESCRIPTOR.fields}
+    assert constraint == {"json_object": 1, "json_schema": 2, "regex": 3, "grammar": 4}
+    resp = {f.name: f.number for f in generate_pb2.GenerateResponse.DESCRIPTOR.fields}
+    assert resp == {
+        "request_id": 1,
+        "token_ids": 2,
+        "text": 3,
+        "finish_reason": 4,
+        "usage": 5,
+        "applied_k": 6,
+        "server_elapsed_s": 7,
+        "logprobs": 8,
+    }
+    usage = {f.name: f.number for f in generate_pb2.Usage.DESCRIPTOR.fields}
+    assert usage == {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "draft_tokens": 3,
+        "accepted_tokens": 4,
+        "verify_steps": 5,
+        "cached_tokens": 6,
+    }
     cfg = {f.name: f.number for f in control_pb2.RuntimeConfig.DESCRIPTOR.fields}
     assert cfg == {
         "k_min": 1,

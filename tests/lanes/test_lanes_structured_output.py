@@ -105,3 +105,50 @@ def test_mask_changes_the_output_and_others_are_unaffected(char_models):
     assert both["free"].token_ids == alone.token_ids
     assert isinstance(json.loads(both["json"].text)["ok"], bool)
     assert both["json"].text[:5] != alone.text[:5]
+
+
+@pytest.mark.parametrize("draft", ["model", "self:1"])
+def test_a_draft_that_ends_the_grammar_is_followed_by_eos(char_models, draft):
+    """A short bounded grammar: drafts that complete it are kept, and the position after them may only
+    be EOS (the matcher stops there): the output equals decoding without speculation, never a token
+    past the grammar's end."""
+    target, noisy = char_models
+    engine = make_engine(target, {"model": noisy, "self:1": "self:1"}[draft], k=4)
+    c = Constraint("regex", "[a-z]{1,3}")
+    prompts = ["x", "hello", "abc", "zz"]
+    plain = run(engine, c, prompts, max_k=0, max_tokens=20)
+    spec = run(engine, c, prompts, max_k=4, max_tokens=20)
+    assert [p.token_ids for p in plain] == [s.token_ids for s in spec]
+    for out in spec:
+        assert out.finish_reason == "eos" and __import__("re").fullmatch("[a-z]{1,3}", out.text), out.text
+    assert sum(s.usage["accepted_tokens"] for s in spec) > 0  # drafts were kept
+
+
+@pytest.mark.parametrize("draft", ["self:1", "ngram"])
+def test_min_tokens_yields_to_the_end_of_the_grammar(char_models, draft):
+    """min_tokens past the longest output the grammar allows: where it holds back the EOS that is all
+    the finished grammar allows, the grammar wins (the request ends, its output matches), the same
+    with speculation as without, and the engine goes on serving."""
+    target, _ = char_models
+    engine = make_engine(target, draft, k=4)
+    c = Constraint("regex", "[a-z]{1,3}")
+    outs = {}
+    for max_k in (0, 4):
+        specs = [
+            RequestSpec(
+                tuple(engine.codec.encode(p)),
+                max_tokens=20,
+                sampling=SamplingParams(min_tokens=10, presence_penalty=1.0, **s),
+                constraint=c,
+                max_k=max_k,
+                request_id=f"{p}/{n}",
+            )
+            for p in ("x", "hello")
+            for n, s in enumerate([{}, {"temperature": 1.0, "seed": 5}])
+        ]
+        outs[max_k] = engine.generate(specs)
+    assert {r: o.token_ids for r, o in outs[0].items()} == {r: o.token_ids for r, o in outs[4].items()}
+    for out in outs[4].values():
+        assert out.finish_reason == "eos" and __import__("re").fullmatch("[a-z]{1,3}", out.text), out.text
+    after = engine.generate([RequestSpec(tuple(engine.codec.encode("x")), max_tokens=5, request_id="after")])
+    assert len(after["after"].token_ids) == 5

@@ -161,6 +161,7 @@ def build_colocated(
         grammar=GrammarCompiler(codec.tokenizer, m.target.shape.vocab_size, m.target.eos_token_ids)
         if codec.tokenizer is not None
         else None,
+        prefix_cache=options.prefix_cache,
     )
     return ColocatedStack(
         options, m, codec, target_pool, draft_pool, prefill_lane, draft_lane, verify_lane, router, capture_seconds
@@ -225,6 +226,10 @@ def build_split(
     wiring = wire_pools(prefill, draft, verify, kv_transport)
     log.info("lanes wired: %s (import %.3f s)", dict(wiring.mode_by_pool), wiring.import_seconds)
     verify_info = verify.describe_pb()
+    if options.prefix_cache:
+        # The copy transport's prefill lane attends over its own staging pools, which never see the
+        # KV the verify lane writes while decoding: a cached block's KV may not be there.
+        log.info("prefix caching: off in the split topology (docs/engine.md 'Prefix caching')")
     router = Router(
         prefill,
         draft,
@@ -234,6 +239,7 @@ def build_split(
         config=options.config,
         max_running=options.max_running,
         observer=observer,
+        prefix_cache=False,
     )
     info = server_info(options.target, options.draft, topology, router.max_context)
     return SplitStack(router, (prefill, draft, verify), wiring, info)

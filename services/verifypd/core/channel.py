@@ -12,9 +12,10 @@ threads of one process in tests) carrying length-prefixed JSON objects, each wit
     core -> gateway
       ready   {info, eos}           once, when the router serves (server info, EOS token ids)
       added   {id} / refused {id, code, message}
-      step    {out: [[id, token_ids, finish, usage, applied_k, ttft], ...]}   ONE per engine step,
+      step    {out: [[id, token_ids, finish, usage, applied_k, ttft, logprobs], ...]}   ONE per engine step,
                                     every request that got tokens in it (finish: null or a FinishReason value;
-                                    usage: the five `RequestStats.usage()` numbers in USAGE_KEYS order)
+                                    usage: the six `RequestStats.usage()` numbers in USAGE_KEYS order;
+                                    logprobs: null, or `logprobs_to_wire`'s rows)
       fail    {ids, code, message, fatal}   these requests end with a gRPC status name; fatal: the engine is gone
       reply   {cid, ok} / {cid, error: [code, message]}
       beat    {stalled}             every second from a thread of its own: alive; stalled: null, or why no
@@ -36,10 +37,10 @@ import json
 import socket
 import struct
 
-from verifypd.domain.requests import Constraint, FinishReason, RequestSpec, SamplingParams
+from verifypd.domain.requests import Constraint, FinishReason, RequestSpec, SamplingParams, TokenLogprob
 
 MAX_FRAME = 64 << 20
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps")
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "verify_steps", "cached_tokens")
 _LEN = struct.Struct("<I")
 _FINISH_BY_VALUE = {r.value: r for r in FinishReason}
 
@@ -74,7 +75,7 @@ def unb64(text: str) -> bytes:
 # -- request specs and outputs -----------------------------------------------------------------
 def spec_to_wire(spec: RequestSpec) -> dict:
     s, c = spec.sampling, spec.constraint
-    return {
+    wire = {
         "prompt_ids": list(spec.prompt_ids),
         "max_tokens": spec.max_tokens,
         "sampling": [s.temperature, s.top_p, s.top_k, s.seed],
@@ -82,8 +83,35 @@ def spec_to_wire(spec: RequestSpec) -> dict:
         "stop_at_eos": spec.stop_at_eos,
         "max_k": spec.max_k,
         "priority": spec.priority,
-        "constraint": None if c is None else [c.kind, c.text, c.field],
     }
+    controls = {name: getattr(s, name) for name in CONTROL_FIELDS if getattr(s, name) != _PLAIN[name]}
+    if controls:  # only where set: a plain request's message is as before
+        wire["controls"] = controls
+    if c is not None:  # structured output (domain.grammar): [kind, text, field]
+        wire["constraint"] = [c.kind, c.text, c.field]
+    return wire
+
+
+# SamplingParams fields beyond the four above (domain.sampling_controls), sent by name where set.
+CONTROL_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+)
+_PLAIN = {name: getattr(SamplingParams(), name) for name in CONTROL_FIELDS}
+
+
+def _controls_from_wire(d: dict) -> dict:
+    out = {name: d[name] for name in CONTROL_FIELDS if name in d}
+    for name in ("logit_bias", "stop_token_ids"):  # JSON lists -> the tuples SamplingParams holds
+        if name in out:
+            out[name] = tuple(tuple(v) if isinstance(v, list) else v for v in out[name])
+    return out
 
 
 def spec_from_wire(d: dict, request_id: str) -> RequestSpec:
@@ -91,7 +119,7 @@ def spec_from_wire(d: dict, request_id: str) -> RequestSpec:
     return RequestSpec(
         tuple(d["prompt_ids"]),
         max_tokens=d["max_tokens"],
-        sampling=SamplingParams(temperature, top_p, top_k, seed),
+        sampling=SamplingParams(temperature, top_p, top_k, seed, **_controls_from_wire(d.get("controls", {}))),
         stop=tuple(d["stop"]),
         stop_at_eos=d["stop_at_eos"],
         max_k=d["max_k"],
@@ -108,10 +136,31 @@ def output_to_wire(out) -> list:
         int(out.request_id),
         out.token_ids,
         out.finish_reason.value if out.finish_reason else None,
-        [stats.prompt_tokens, stats.completion_tokens, stats.draft_tokens, stats.accepted_tokens, stats.verify_steps],
+        [
+            stats.prompt_tokens,
+            stats.completion_tokens,
+            stats.draft_tokens,
+            stats.accepted_tokens,
+            stats.verify_steps,
+            stats.cached_tokens,
+        ],
         out.applied_k,
         stats.ttft,
+        logprobs_to_wire(out.logprobs),
     ]
+
+
+def logprobs_to_wire(logprobs: list[TokenLogprob] | None) -> list | None:
+    """[[token, logprob, [[token, logprob], ...]], ...] or None."""
+    if logprobs is None:
+        return None
+    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
+
+
+def logprobs_from_wire(rows: list | None) -> list[TokenLogprob] | None:
+    if rows is None:
+        return None
+    return [TokenLogprob(token, value, tuple((t, v) for t, v in top)) for token, value, top in rows]
 
 
 def finish_from_wire(value: str | None) -> FinishReason | None:

@@ -30,10 +30,19 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.trace import Span, Tracer
 
-from verifypd.core.channel import USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire, spec_to_wire, unb64
+from verifypd.core.channel import (
+    USAGE_KEYS,
+    AsyncChannel,
+    ChannelClosed,
+    b64,
+    finish_from_wire,
+    logprobs_from_wire,
+    spec_to_wire,
+    unb64,
+)
 from verifypd.core.loop import Draining, Overloaded, Unavailable
 from verifypd.core.tracing import end_gateway_span, start_gateway_span, traceparent_of
-from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec
+from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec, TokenLogprob
 from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 
@@ -48,7 +57,7 @@ CORE_SILENCE_S = 30.0
 @dataclass(slots=True)
 class Chunk:
     """One streamed piece of a request: the tokens of one engine step, or of several in a row
-    (`merge_chunks`). `usage`: the five cumulative counts in USAGE_KEYS order (`usage_dict`)."""
+    (`merge_chunks`). `usage`: the cumulative counts in USAGE_KEYS order (`usage_dict`)."""
 
     token_ids: list[int]
     text: str
@@ -57,6 +66,7 @@ class Chunk:
     usage: list[int]
     applied_k: int  # the draft length of the last step whose tokens this chunk carries
     ttft_s: float | None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
     def usage_dict(self) -> dict[str, int]:
         return dict(zip(USAGE_KEYS, self.usage, strict=False))
@@ -85,6 +95,7 @@ def merge_chunks(items: list) -> list:
                 item.usage,
                 item.applied_k,
                 last.ttft_s if last.ttft_s is not None else item.ttft_s,
+                None if last.logprobs is None or item.logprobs is None else last.logprobs + item.logprobs,
             )
         else:
             out.append(item)
@@ -120,9 +131,12 @@ class StreamBox:
 class RequestStream:
     """A request in flight: `box` yields Chunk | Failure (and whatever else a front end puts in)."""
 
-    def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
+    def __init__(
+        self, request_id: str, rid: int, detok: IncrementalDetokenizer, stop_ids: frozenset[int] = frozenset()
+    ):
         # request_id: the client's id, a label only (echoed, logged); rid: the gateway's own key
         self.request_id, self.rid, self.detok = request_id, rid, detok
+        self.stop_ids = stop_ids  # the request's stop_token_ids
         self.api, self.t0, self.prompt_tokens = "grpc", 0.0, 0  # for the access log line
         self.span: Span | None = None  # the gateway's trace span of this request (core/tracing.py), when tracing
         self.box = StreamBox()
@@ -201,7 +215,12 @@ class CoreClient:
             raise Draining("server is draining (shutting down); retry on another replica")
         client_id = spec.request_id or uuid.uuid4().hex
         rid = next(self._ids)
-        stream = RequestStream(client_id, rid, IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop))
+        stream = RequestStream(
+            client_id,
+            rid,
+            IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop),
+            frozenset(spec.sampling.stop_token_ids),
+        )
         self._streams[rid] = stream
         msg = {"t": "add", "id": rid, "spec": spec_to_wire(spec)}
         if self.access_log:
@@ -359,17 +378,18 @@ class CoreClient:
 
     def _on_step(self, rows: list) -> None:
         eos = self.eos
-        for rid, ids, finish, usage, applied_k, ttft in rows:
+        for rid, ids, finish, usage, applied_k, ttft, logprobs in rows:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
             reason = finish_from_wire(finish)
-            text, stop_hit = stream.detok.add([t for t in ids if t not in eos])
+            hidden = stream.stop_ids  # stop_token_ids end the request and, as EOS, are not text
+            text, stop_hit = stream.detok.add([t for t in ids if t not in eos and t not in hidden])
             if stop_hit:
                 reason = FinishReason.STOP
             elif reason is not None:
                 text += stream.detok.flush()
-            chunk = Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft)
+            chunk = Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft, logprobs_from_wire(logprobs))
             if stream.span is not None and ttft is not None:
                 stream.span.add_event("first_token")
             if stop_hit:

@@ -124,6 +124,19 @@ class Telemetry(EngineObserver):
                 "Speculative steps whose verify call was launched before the verdict before it, fitted on the device"
             ),
         )
+        self.prefix_queried = meter.create_counter(
+            mn.PREFIX_CACHE_QUERIED, unit="{token}", description="Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = meter.create_counter(
+            mn.PREFIX_CACHE_HITS, unit="{token}", description="Prompt tokens whose KV came from the prefix cache"
+        )
+        meter.create_observable_gauge(
+            mn.PREFIX_CACHE_HIT_RATE,
+            [self._observe_prefix_hit_rate],
+            unit="1",
+            description="Prefix cache hit tokens / queried tokens since the engine started",
+        )
+        self._prefix_hit_rate: float | None = None
         self._seen: dict[str, int] = {}  # the engine's own counts already added, by counter name
         meter.create_observable_gauge(
             mn.LANE_QUEUE_DEPTH,
@@ -225,6 +238,11 @@ class Telemetry(EngineObserver):
         if ahead is not None:
             self._add_delta(self.steps_ahead, mn.STEPS_AHEAD, ahead.steps)
             self._add_delta(self.verify_fitted, mn.VERIFY_FITTED, ahead.fitted)
+        prefix = getattr(router, "prefix", None)
+        if prefix is not None:  # None: prefix caching off
+            self._add_delta(self.prefix_queried, mn.PREFIX_CACHE_QUERIED, prefix.queried_tokens)
+            self._add_delta(self.prefix_hits, mn.PREFIX_CACHE_HITS, prefix.hit_tokens)
+            self._prefix_hit_rate = prefix.hit_rate
         running = router.scheduler.running
         decoding = sum(1 for s in running if s.status is SeqStatus.DECODING)
         self._queues = {
@@ -252,6 +270,10 @@ class Telemetry(EngineObserver):
         window = list(self._window)
         drafted = sum(k for k, _ in window)
         return [Observation(sum(a for _, a in window) / drafted)] if drafted else []
+
+    def _observe_prefix_hit_rate(self, options: CallbackOptions):
+        rate = self._prefix_hit_rate
+        return [] if rate is None else [Observation(rate)]
 
     def shutdown(self) -> None:
         if self.provider is not None:

@@ -12,7 +12,15 @@ import secrets
 
 from verifypd.domain import grammar
 from verifypd.domain.config import LanePriorities, RuntimeConfig
-from verifypd.domain.requests import MAX_K, Constraint, FinishReason, InvalidRequest, RequestSpec, SamplingParams
+from verifypd.domain.requests import (
+    MAX_K,
+    Constraint,
+    FinishReason,
+    InvalidRequest,
+    RequestSpec,
+    SamplingParams,
+    TokenLogprob,
+)
 from verifypd.v1 import control_pb2, generate_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -48,7 +56,20 @@ def prompt_ids_from_pb(req: generate_pb2.GenerateRequest, codec) -> list[int]:
 def sampling_from_pb(s: generate_pb2.SamplingParams) -> SamplingParams:
     """Unset seed -> a random one (so equal requests without a seed differ)."""
     seed = s.seed if s.HasField("seed") else secrets.randbits(63)
-    params = SamplingParams(temperature=s.temperature, top_p=s.top_p if s.top_p != 0 else 1.0, top_k=s.top_k, seed=seed)
+    params = SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p != 0 else 1.0,
+        top_k=s.top_k,
+        seed=seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        min_tokens=s.min_tokens,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        stop_token_ids=tuple(s.stop_token_ids),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+    )
     try:
         params.validate()
     except InvalidRequest as exc:  # the engine names the field; add the message it lives in
@@ -119,6 +140,7 @@ def response_to_pb(
     usage: dict,
     applied_k: int,
     elapsed_s: float,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> generate_pb2.GenerateResponse:
     return generate_pb2.GenerateResponse(
         request_id=request_id,
@@ -128,7 +150,19 @@ def response_to_pb(
         usage=generate_pb2.Usage(**usage),
         applied_k=applied_k,
         server_elapsed_s=elapsed_s,
+        logprobs=logprobs_to_pb(logprobs) if logprobs else None,
     )
+
+
+def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[generate_pb2.TokenLogprob]:
+    return [
+        generate_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
 
 
 # -- Control ---------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ the tokens the grammar allows after the tokens before t. With speculation, one v
 the pending token and k drafts: its k + 1 positions each need their own mask, the one after the
 committed tokens and the drafts before that position (`GrammarState.step_masks`). A draft the
 grammar forbids can never win the masked choice; the rows after it are left unmasked (all ones):
-they cannot be chosen from, since the draft before them is rejected.
+they cannot be chosen from, since the draft before them is rejected. Rows from the grammar's end on
+(a draft that completes it stops the matcher) allow only EOS: a kept draft that ends the output is
+followed by EOS, as without speculation.
 
 Bitmask layout (llguidance's, and what `verifypd.model.token_mask` reads): int32 [rows, ceil(V/32)],
 token v allowed iff bit (v % 32) of word v // 32 is set.
@@ -144,16 +146,19 @@ class GrammarState:
 
     def step_masks(self, output_ids: Sequence[int], drafts: Sequence[int] = ()) -> np.ndarray:
         """int32 [len(drafts) + 1, words]: row j is the mask of the position after the committed output
-        and drafts[:j]. Rows past a draft the grammar forbids (or past the end of the grammar) are all
-        ones: never chosen from (module doc)."""
+        and drafts[:j]. Rows past a draft the grammar forbids are all ones: never chosen from (module
+        doc). From the end of the grammar on (a draft completed it and the matcher stopped, or EOS was
+        drafted) every row allows only EOS, as decoding without drafts would: the target's choice
+        after a kept draft that ends the grammar is EOS, never a free token."""
         self._catch_up(output_ids)
         masks = np.full((len(drafts) + 1, self.words), -1, dtype=np.int32)
         m = self.matcher
         advanced = 0
         for j in range(len(drafts) + 1):
-            if m.is_stopped() and j > 0:
-                break  # past the end (EOS drafted): the request ends at that draft if it is kept
-            m.unsafe_compute_mask_ptr(masks[j].ctypes.data, masks[j].nbytes)
+            m.unsafe_compute_mask_ptr(masks[j].ctypes.data, masks[j].nbytes)  # (a stopped matcher's: EOS)
+            if m.is_stopped():  # the grammar's end: EOS only from here on
+                masks[j + 1 :] = masks[j]
+                break
             if j == len(drafts):
                 break
             token = int(drafts[j])

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
-from verifypd.domain.requests import RequestOutput, SamplingParams
+from verifypd.domain.requests import RequestOutput, SamplingParams, TokenLogprob
+from verifypd.domain.sampling_controls import ControlContext
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,10 @@ class PrefillItem:
     draft_kv: KvHandle | None  # None: the draft lane owns no pool
     sample_first: bool  # last chunk of a fresh prompt: sample the first token
     sampling: SamplingParams
+    # Of a sample_first item with sampling controls (domain.sampling_controls); None: none.
+    controls: ControlContext | None = None
     # Structured output: the first token's mask, int32 [1, ceil(V/32)] (numpy; domain.grammar's bit
-    # layout), or None. Only with sample_first.
+    # layout), or None. Only with sample_first. Applied after the controls (sampling_controls step 5).
     token_mask: Any = None
 
 
@@ -76,6 +79,7 @@ class PrefillItem:
 class PrefillOutput:
     request_id: str
     first_token: int | None
+    logprobs: list[TokenLogprob] | None = None  # [the first token's], when its sampling asks
 
 
 @dataclass
@@ -112,6 +116,7 @@ class VerifyItem:
     target_kv: KvHandle
     sampling: SamplingParams
     draft_probs: Any = None
+    controls: ControlContext | None = None  # as PrefillItem.controls
     # Structured output: int32 [len(draft_tokens) + 1, ceil(V/32)] (numpy; domain.grammar's bit
     # layout), row j masking the target's choice at start_pos + 1 + j; None: unconstrained.
     token_mask: Any = None
@@ -147,6 +152,7 @@ class VerifyOutput:
     request_id: str
     accepted: int
     new_tokens: list[int] = field(default_factory=list)  # accepted drafts + one target token
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the item's sampling asks
 
 
 class LaneError(RuntimeError):
@@ -207,6 +213,12 @@ def feeds_tokens(lane: VerifyLane) -> TypeGuard[DeviceVerifyLane]:
 def fits_verdict(lane: VerifyLane) -> TypeGuard[DeviceVerifyLane]:
     """Does `lane` take `verify_start(items, fit=...)` (greedy items only)?"""
     return bool(getattr(lane, "fits_verdict", False))
+
+
+def plain_item(item: PrefillItem | VerifyItem) -> bool:
+    """No sampling controls, logprobs or structured-output mask: the item's logits are chosen from as
+    the model gives them, on the lanes' fast paths (the item-level `RequestSpec.plain`)."""
+    return item.sampling.plain and item.token_mask is None
 
 
 class StartedCall(Protocol):

@@ -34,6 +34,12 @@ STEPS_AHEAD = "verifypd.engine.speculative_steps_ahead"  # counter, {step}
 # Of those, steps whose verify call was launched before the verdict of the one before it reached the host,
 # laid out for its longest outcome and fitted on the device (engine.spec_ahead.fit_next).
 VERIFY_FITTED = "verifypd.engine.verify_calls_fitted"  # counter, {step}
+# Automatic prefix caching (docs/engine.md "Prefix caching"): prompt tokens looked up when requests
+# are admitted, and of those the tokens whose KV came from the cache; hit rate = hits / queried
+# (the gauge: since the engine started; per window: rate(hits) / rate(queried)).
+PREFIX_CACHE_QUERIED = "verifypd.prefix_cache.queried_tokens"  # counter, {token}
+PREFIX_CACHE_HITS = "verifypd.prefix_cache.hit_tokens"  # counter, {token}
+PREFIX_CACHE_HIT_RATE = "verifypd.prefix_cache.hit_rate"  # gauge, ratio
 
 # Prometheus-only series of `/metrics` under vLLM's names, so vLLM's Grafana dashboards and alerts
 # read verifypd unchanged (core/serving_metrics.py; label model_name). OTel instrument names cannot

@@ -46,6 +46,9 @@ class EngineOptions:
     # The ranks' all-reduce (lanes/tensor_parallel/all_reduce.py): "auto" (the custom one-shot /
     # two-shot kernel where the GPUs are peer-accessible, else NCCL) | "custom" | "nccl".
     tp_all_reduce: str = "auto"
+    # Automatic prefix caching (docs/engine.md "Prefix caching"); `--no-prefix-cache` turns it off.
+    # The split topology serves without it (its start-up log says so).
+    prefix_cache: bool = True
 
 
 @dataclass

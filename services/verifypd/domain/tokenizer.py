@@ -47,6 +47,13 @@ class TextCodec:
             return "".join(f" {i}" for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (logprobs name their tokens so). A token
+        that is part of a UTF-8 character reads as U+FFFD, as in vLLM's and OpenAI's logprobs."""
+        if self.tokenizer is None:
+            return f" {token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
 
 # Every pattern transformers' clean_up_tokenization rewrites (" ." -> ".", " n't" -> "n't", ...).
 CLEANUP_PROBE = "a . b , c ? d ! e 's f n't g 'm h 've i 're j do not"

@@ -1,7 +1,8 @@
 """OpenAI-compatible JSON <-> the public `GenerateRequest` and the engine's chunks. Torch-free.
 
 The HTTP API goes through the same path as gRPC: a JSON body is checked for *shape* here (types,
-unknown or unsupported parameters, n = 1) and turned into a `generate_pb2.GenerateRequest`; from
+unknown or unsupported parameters; the sampling controls, logprobs and n / best_of in
+openai_sampling) and turned into a `generate_pb2.GenerateRequest`; from
 there `convert.request_spec_from_pb` and the engine do every range check, exactly as for gRPC.
 Their messages name wire fields (`sampling.top_p`, `stop[1]`, `chat.messages[0].role`, ...);
 `openai_param` maps them back to the OpenAI parameter, so a 400 always names what the client sent.
@@ -9,6 +10,7 @@ Their messages name wire fields (`sampling.top_p`, `stop[1]`, `chat.messages[0].
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import struct
@@ -16,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from verifypd.domain.requests import FinishReason
+from verifypd.gateway import openai_sampling as osm
 from verifypd.gateway import structured
 from verifypd.gateway.errors import ApiError, bad
 from verifypd.gateway.json_body import JsonBodyError, parse_json_body
@@ -48,16 +51,10 @@ _COMMON = {
 _ONLY = {CHAT: {"messages", "max_completion_tokens"}, COMPLETION: {"prompt"}}
 # OpenAI parameters we do not implement: accepted only at their neutral value (clients often send it).
 _NEUTRAL: dict[str, tuple[object, ...] | None] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
     "echo": (False,),
-    "best_of": (1,),
     "suffix": ("",),
     "metadata": None,
     "store": (False,),
@@ -89,6 +86,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     max_tokens_param: str  # which name the client used (for error messages)
+    samples: osm.Samples = dataclasses.field(default_factory=osm.Samples)  # n, best_of, logprobs to report
 
 
 # -- typed getters: None/absent = unset; a wrong type is a 400 naming the parameter ------------
@@ -179,7 +177,7 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     for name in body:
-        if name in _COMMON or name in _ONLY[kind]:
+        if name in _COMMON or name in _ONLY[kind] or name in osm.PARAMS:
             continue
         if name in _NEUTRAL:
             allowed = _NEUTRAL[name]
@@ -190,9 +188,6 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
     model = _get(body, "model", (str,), "a string")
     if not model:
         raise bad("model", "model is required (see GET /v1/models)")
-    n = _int(body, "n", 1, 2**31)
-    if n not in (None, 1):
-        raise bad("n", f"n must be 1 (one choice per request), got {n}")
     req = generate_pb2.GenerateRequest(request_id=request_id)
     _prompt(body, kind, req)
     mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -239,7 +234,8 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
             raise bad("stream_options", f"stream_options: unknown field {sorted(unknown)[0]}")
         include_usage = bool(_get(options, "include_usage", (bool,), "a boolean"))
     _get(body, "user", (str,), "a string")
-    return ParsedRequest(kind, model, req, stream, include_usage, mt_param)
+    samples = osm.parse(body, kind == CHAT, req, _get, _int, _number, stream)
+    return ParsedRequest(kind, model, req, stream, include_usage, mt_param, samples)
 
 
 def _speculation(body: dict, req: generate_pb2.GenerateRequest) -> None:
@@ -314,6 +310,8 @@ def usage_json(usage: dict) -> dict:
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        # prompt tokens served from the prefix cache, as OpenAI reports its own prompt caching
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
         "completion_tokens_details": {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": drafted - accepted,

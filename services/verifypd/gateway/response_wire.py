@@ -17,7 +17,8 @@ import struct
 
 import grpc
 
-from verifypd.domain.convert import FINISH_CODES
+from verifypd.domain.convert import FINISH_CODES, logprobs_to_pb
+from verifypd.domain.requests import TokenLogprob
 from verifypd.v1 import generate_pb2
 
 _DOUBLE = struct.Struct("<d")
@@ -52,7 +53,8 @@ _REQUEST_ID, _TOKEN_IDS, _TEXT, _FINISH_REASON, _USAGE, _APPLIED_K, _ELAPSED = (
     b"\x30",
     b"\x39",
 )
-_USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28")  # Usage fields 1..5, varint
+_LOGPROBS = b"\x42"  # field 8, length-delimited (repeated TokenLogprob)
+_USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28", b"\x30")  # Usage fields 1..6, varint
 _FINISH_WIRE = {reason: varint(value) for reason, value in FINISH_CODES.items()}
 
 
@@ -65,9 +67,17 @@ class ResponseEncoder:
         self._head = _length_delimited(_REQUEST_ID, request_id.encode()) if request_id else b""
 
     def encode(
-        self, token_ids: list[int], text: str, finish, usage: list[int], applied_k: int, elapsed_s: float
+        self,
+        token_ids: list[int],
+        text: str,
+        finish,
+        usage: list[int],
+        applied_k: int,
+        elapsed_s: float,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> bytes:
-        """`finish`: a FinishReason or None; `usage`: the five counts in USAGE_KEYS order."""
+        """`finish`: a FinishReason or None; `usage`: the counts in USAGE_KEYS order;
+        `logprobs` (requests that ask): encoded by the protobuf runtime, one message per token."""
         parts = [self._head]
         if token_ids:
             parts.append(_length_delimited(_TOKEN_IDS, b"".join([varint(t) for t in token_ids])))
@@ -81,6 +91,8 @@ class ResponseEncoder:
             parts += (_APPLIED_K, varint(applied_k))
         if elapsed_s != 0.0:
             parts += (_ELAPSED, _DOUBLE.pack(elapsed_s))
+        if logprobs:
+            parts += [_length_delimited(_LOGPROBS, m.SerializeToString()) for m in logprobs_to_pb(logprobs)]
         return b"".join(parts)
 
 

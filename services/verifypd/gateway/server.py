@@ -82,7 +82,13 @@ class GenerationServicer:
                         await context.abort(item.code, item.message)
                     finished = item.finished
                     yield encoder.encode(
-                        item.token_ids, item.text, item.finish_reason, item.usage, item.applied_k, time.monotonic() - t0
+                        item.token_ids,
+                        item.text,
+                        item.finish_reason,
+                        item.usage,
+                        item.applied_k,
+                        time.monotonic() - t0,
+                        item.logprobs,
                     )
         finally:  # client cancel or deadline (the task is cancelled): free its KV before the next step
             if not finished:

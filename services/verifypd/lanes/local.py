@@ -44,11 +44,12 @@ from verifypd.domain.lanes import (
     VerdictFit,
     VerifyItem,
     VerifyOutput,
+    plain_item,
 )
-from verifypd.model import sampler
+from verifypd.model import logits_controls, sampler
 from verifypd.model.eagle_draft import EagleRunner, FeatureRun
 from verifypd.model.runner import ModelRunner, TokenRun
-from verifypd.model.token_mask import apply_token_mask, stack_masks
+from verifypd.model.token_mask import apply_masks
 
 # sampler.choose's (temperature, top_k, top_p, seeds): tensors, or None in greedy mode.
 _ChoiceParams = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -90,6 +91,7 @@ class LocalPrefillLane:
     # Items may come without draft KV one by one (the router's lazy draft prefill): only those with
     # a draft_kv get a draft forward.
     per_item_draft_kv = True
+    applies_controls = True  # sampling controls, logprobs (model.logits_controls) and token masks (model.token_mask)
 
     def __init__(
         self,
@@ -124,7 +126,11 @@ class LocalPrefillLane:
         assert logits is not None  # forward(..., "last") returns the last positions' logits
         draft = self.draft
         if isinstance(draft, EagleRunner):  # a feature draft: the rows the target's features complete
-            draft.prefill([feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items])
+            # (items without draft KV: the head's rows lag, e.g. after a prefix-cache hit; its first
+            # draft call catches up from the target's features)
+            heads = [feature_run(i.token_ids, i.start_pos, i.draft_kv, i.target_kv) for i in items if i.draft_kv]
+            if heads:
+                draft.prefill(heads)
         elif draft is not None:  # None with a pool-less draft lane (prompt lookup): no draft KV
             runs = [TokenRun(i.token_ids, i.start_pos, i.draft_kv.block_ids) for i in items if i.draft_kv is not None]
             if runs:  # items without draft KV: the router skipped it while nobody drafts
@@ -145,10 +151,8 @@ class LocalPrefillLane:
             picked = (
                 logits if len(rows) == len(items) else logits.index_select(0, sampler.small_tensor(rows, logits.device))
             )
-            masks = [i.token_mask for i in chosen]
-            if any(m is not None for m in masks):  # structured output: the first token follows the grammar
-                words = next(m for m in masks if m is not None).shape[-1]
-                picked = apply_token_mask(picked, stack_masks(masks, 1, words)[:, 0])
+            if not all(plain_item(i) for i in chosen):  # sampling controls, logprobs or a mask: their own path
+                return self._first_processed(items, rows, chosen, picked)
             tokens = sampler.choose(picked, mode, *params, positions)
 
             def outputs(host: list[int]) -> list[PrefillOutput]:
@@ -161,6 +165,39 @@ class LocalPrefillLane:
             feed = tokens.to(torch.long).clamp(min=0) if len(rows) == len(items) else None
             return HostCopy(tokens, outputs, next_tokens=feed)
         return Finished([PrefillOutput(i.request_id, None) for i in items])
+
+    @staticmethod
+    def _first_processed(items: list[PrefillItem], rows: list[int], chosen: list[PrefillItem], picked) -> HostCopy:
+        """First tokens of a batch where some item has sampling controls, logprobs or a structured-output
+        mask: the controls on the last logits (model.logits_controls), the masks (model.token_mask),
+        then the same choice as `sampler.choose`. Leaves no tokens on the device to feed (a chain of
+        plain steps needs the host's history current)."""
+        samplings = [i.sampling for i in chosen]
+        raw = picked[:, None, :]  # [R, 1, V]
+        processed = logits_controls.apply(raw, samplings, [i.controls for i in chosen])
+        # the mask seam (domain.sampling_controls step 5): after the controls, before temperature / top-k / top-p
+        processed = apply_masks(processed, [i.token_mask for i in chosen], fallback=raw)
+        tokens = logits_controls.choose(processed, samplings, [i.start_pos + len(i.token_ids) for i in chosen])
+        top_n = max(s.top_logprobs for s in samplings)
+        table = logits_controls.logprob_table(raw, tokens, top_n) if any(s.logprobs for s in samplings) else None
+
+        def outputs(host: list[list[int]], lp: list | None = None) -> list[PrefillOutput]:
+            first = {row: (n, cell[0]) for n, (row, cell) in enumerate(zip(rows, host, strict=True))}
+            result = []
+            for n, item in enumerate(items):
+                if n not in first:
+                    result.append(PrefillOutput(item.request_id, None))
+                    continue
+                m, token = first[n]
+                logprobs = (
+                    logits_controls.logprobs_of(lp[m], [token], item.sampling.top_logprobs)
+                    if (lp is not None and item.sampling.logprobs)
+                    else None
+                )
+                result.append(PrefillOutput(item.request_id, token, logprobs))
+            return result
+
+        return HostCopy(tokens, outputs, extra=table)
 
 
 class LocalDraftLane:
@@ -272,6 +309,12 @@ class LocalVerifyLane:
         return self.info
 
     @property
+    def applies_controls(self) -> bool:
+        """Sampling controls, logprobs (model.logits_controls) and structured output's token masks
+        (model.token_mask); not under simulated acceptance."""
+        return self.simulated_acceptance is None
+
+    @property
     def starts_async(self) -> bool:
         return self.stream is not None
 
@@ -334,10 +377,16 @@ class LocalVerifyLane:
         R, K = len(items), max(ks)
         device = self.target.device
         fed: _Fed = {} if first_ids is None else {"first_ids": first_ids}
-        masked = any(i.token_mask is not None for i in items)  # structured output (model.token_mask)
+        if not all(plain_item(i) for i in items):  # sampling controls, logprobs or structured output
+            if self.simulated_acceptance is not None:
+                raise ValueError(
+                    "sampling controls, logprobs and token masks cannot run on a simulated-acceptance lane"
+                )
+            if fit is not None or first_ids is not None:
+                raise ValueError("verify items with sampling controls, logprobs or a token mask take no feed or fit")
+            return self._verify_processed(items, runs, ks, on_device)
         if (
             K > 0
-            and not masked
             and self.simulated_acceptance is None
             and all(i.sampling.greedy for i in items)
             and getattr(self.target, "verifies_greedy", False)
@@ -357,11 +406,6 @@ class LocalVerifyLane:
                 drafts_np[n, : ks[n]] = list(item.draft_tokens)
             drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
             logits = self.target.score(runs, **fed)
-        if masked:
-            if self.simulated_acceptance is not None:
-                raise ValueError("structured output cannot run on a simulated-acceptance verify lane")
-            words = next(i.token_mask for i in items if i.token_mask is not None).shape[-1]
-            logits = apply_token_mask(logits, stack_masks([i.token_mask for i in items], K + 1, words))
         if K == 0 and all(i.sampling.greedy for i in items):  # plain greedy decoding: nothing to accept
             finals = logits[:, 0].argmax(-1)
             return HostCopy(
@@ -386,6 +430,49 @@ class LocalVerifyLane:
             # embedding on the device; the router refuses it when this step's tokens arrive
             next_tokens=final.to(torch.long).clamp(min=0) if K == 0 else None,
         )
+
+    def _verify_processed(
+        self, items: list[VerifyItem], runs: list[TokenRun], ks: list[int], on_device: DraftBatch | None
+    ) -> HostCopy:
+        """A verify call where some item has sampling controls, logprobs or a structured-output mask:
+        score, the controls at every position (model.logits_controls: the drafts before a position
+        count as its history), the masks (model.token_mask: row j of an item's mask is its position
+        j's, made by the router from the same history), the target's choice at each position, then
+        the greedy rule over those choices (the coupled acceptance of `sampler.accept_raced`, on the
+        processed distributions). Eager; leaves no tokens on the device to feed (overlapped chains
+        need plain items)."""
+        R, K = len(items), max(ks)
+        device = self.target.device
+        if on_device is not None:
+            drafts = on_device.gather(items, K)
+            logits = self.target.score(runs, drafts)
+        else:
+            drafts_np = np.zeros((R, K), dtype=np.int64)
+            for n, item in enumerate(items):
+                drafts_np[n, : ks[n]] = list(item.draft_tokens)
+            drafts = torch.from_numpy(drafts_np).to(device, non_blocking=True)
+            logits = self.target.score(runs)
+        samplings = [i.sampling for i in items]
+        processed = logits_controls.apply(logits, samplings, [i.controls for i in items], drafts if K else None)
+        # the mask seam (domain.sampling_controls step 5): row r position p masked under the same
+        # history as the controls, before temperature / top-k / top-p in `choose`
+        processed = apply_masks(processed, [i.token_mask for i in items], fallback=logits)
+        tokens = logits_controls.choose(processed, samplings, [i.start_pos + 1 for i in items])  # [R, K + 1]
+        accepted, final = sampler.accept_greedy(tokens, drafts, sampler.small_tensor(ks, device))
+        verdict = torch.cat((accepted[:, None], final[:, None], drafts), dim=1)
+        top_n = max(s.top_logprobs for s in samplings)
+        table = logits_controls.logprob_table(logits, tokens, top_n) if any(s.logprobs for s in samplings) else None
+        rows_of = verdict_outputs(items)
+
+        def outputs(host: list[list[int]], lp: list | None = None) -> list[VerifyOutput]:
+            result = rows_of(host)
+            if lp is not None:
+                for n, (item, out) in enumerate(zip(items, result, strict=True)):
+                    if item.sampling.logprobs:
+                        out.logprobs = logits_controls.logprobs_of(lp[n], out.new_tokens, item.sampling.top_logprobs)
+            return result
+
+        return HostCopy(verdict, outputs, verdict=verdict if K > 0 else None, extra=table)
 
     def _accept_sampled(self, items, logits, drafts, k):
         """Coupled acceptance (sampler module doc): items' draft probabilities, if any came (an
@@ -436,17 +523,26 @@ class HostCopy:
         convert,
         next_tokens: torch.Tensor | None = None,
         verdict: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
     ):
+        """`extra`: a second tensor copied alongside (logprobs); `convert` then takes both lists."""
         self._convert, self._event, self.next_tokens, self.verdict = convert, None, next_tokens, verdict
         # (the stream is looked up only where a verdict is kept: current_stream costs host time every step)
         self.stream = torch.cuda.current_stream(tensor.device) if verdict is not None and tensor.is_cuda else None
+        self._host = self._snapshot(tensor)
+        self._extra = None if extra is None else self._snapshot(extra)
         if tensor.is_cuda:
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:  # a snapshot, as the copy is on CUDA: a graph's static buffer is rewritten by the next
-            self._host = tensor.clone()  # call, which may be launched before this one's result() (spec_ahead)
+
+    @staticmethod
+    def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            return host
+        # a snapshot, as the copy is on CUDA: a graph's static buffer is rewritten by the next
+        return tensor.clone()  # call, which may be launched before this one's result() (spec_ahead)
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
@@ -454,6 +550,8 @@ class HostCopy:
     def result(self) -> list:
         if self._event is not None:
             self._event.synchronize()
+        if self._extra is not None:
+            return self._convert(self._host.tolist(), self._extra.tolist())
         return self._convert(self._host.tolist())
 
 

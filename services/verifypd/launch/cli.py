@@ -450,6 +450,7 @@ def cmd_generate_remote(args) -> int:
         "draft_tokens": u.draft_tokens,
         "accepted_tokens": u.accepted_tokens,
         "verify_steps": u.verify_steps,
+        "cached_tokens": u.cached_tokens,
     }
     if args.json:
         print(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from verifypd.cli_flags import add_model_flags, add_schedule_flags, draft_arg, schedule_changes
+from verifypd.cli_flags import add_model_flags, add_prefix_cache_flag, add_schedule_flags, draft_arg, schedule_changes
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.options import CoreOptions, EngineOptions, LaneTlsFiles
 from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV, load_secret
@@ -53,6 +53,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     add_model_flags(serve)
     add_engine_flags(serve)
+    add_prefix_cache_flag(serve)
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="when a request sends max_tokens 0")
     serve.add_argument(
@@ -321,6 +322,7 @@ def engine_options(args):
         tensor_parallel=args.tensor_parallel,
         tp_all_reduce=args.tp_all_reduce,
         simulated_acceptance=getattr(args, "simulated_acceptance", None),
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
     )
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
         options.config = RuntimeConfig(

@@ -33,13 +33,38 @@ def unpack(masks: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :vocab].bool()
 
 
-def apply_token_mask(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
-    """logits [..., V] masked by host bitmasks [..., ceil(V/32)] (same leading shape): a new tensor."""
+def allowed(masks: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+    """Host bitmasks [..., ceil(V/32)] -> bool [..., V] on the logits' device: the tokens they allow."""
     vocab = logits.shape[-1]
     if masks.shape[-1] * _BITS < vocab:
         raise ValueError(f"token mask covers {masks.shape[-1] * _BITS} ids, logits have {vocab}")
     host = torch.from_numpy(masks)
     if logits.is_cuda:  # pinned: a pageable copy would wait for the stream's queued work (sampler.small_tensor)
         host = host.pin_memory()
-    device_masks = host.to(logits.device, non_blocking=True)
-    return logits.masked_fill(~unpack(device_masks, vocab), float("-inf"))
+    return unpack(host.to(logits.device, non_blocking=True), vocab)
+
+
+def apply_token_mask(logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
+    """logits [..., V] masked by host bitmasks [..., ceil(V/32)] (same leading shape): a new tensor."""
+    return logits.masked_fill(~allowed(masks, logits), float("-inf"))
+
+
+def apply_masks(
+    logits: torch.Tensor, masks: Sequence[np.ndarray | None], fallback: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits [R, P, V] and one host mask per row (int32 [<= P, words], None: unconstrained) -> the
+    masked logits; `logits` itself when no row has a mask. The lanes' mask seam (lanes.local:
+    after the sampling controls, before temperature / top-k / top-p).
+
+    `fallback` [R, P, V] (the raw logits): where the controls left the grammar no token (min_tokens
+    holds back the EOS that is all a finished grammar allows), that position is chosen from the
+    fallback under the mask instead: the grammar wins over min_tokens, and the output still parses."""
+    present = [m for m in masks if m is not None]
+    if not present:
+        return logits
+    ok = allowed(stack_masks(masks, logits.shape[1], present[0].shape[-1]), logits)
+    out = logits.masked_fill(~ok, float("-inf"))
+    if fallback is None:
+        return out
+    dead = torch.isneginf(out).all(-1, keepdim=True)  # [R, P, 1]
+    return torch.where(dead, fallback.to(out.dtype).masked_fill(~ok, float("-inf")), out)

@@ -54,7 +54,8 @@ def record_verdict(seq, acceptance, k: int, accepted: int, asked: int) -> None:
 def append_tokens(
     seq, new_tokens: list[int], eos: frozenset[int], vocab_size: int, max_context: int, now: float
 ) -> tuple[list[int], FinishReason | None]:
-    """Appends a step's tokens to `seq` up to the first that ends it (EOS, max_tokens, the context);
+    """Appends a step's tokens to `seq` up to the first that ends it (EOS, a stop token id, max_tokens,
+    the context);
     returns (the tokens appended, the finish reason or None). Stop strings are the detokenizer's."""
     bad = [t for t in new_tokens if not 0 <= t < vocab_size]
     if bad:  # e.g. the sampler's NO_TOKEN for a NaN distribution: a lane fault, never streamed
@@ -64,6 +65,9 @@ def append_tokens(
         tokens.append(tok)
         if seq.spec.stop_at_eos and tok in eos:
             finish = FinishReason.EOS
+            break
+        if tok in seq.spec.sampling.stop_token_ids:  # (masked until min_tokens: domain.sampling_controls)
+            finish = FinishReason.STOP
             break
         if len(seq.output_ids) + len(tokens) >= seq.spec.max_tokens:
             finish = FinishReason.LENGTH

@@ -29,6 +29,7 @@ from verifypd.domain.requests import FinishReason, InvalidRequest, RequestOutput
 from verifypd.router.block_manager import BlockManager, check_fits
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import StepCostModel
+from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.scheduler import Scheduler
 from verifypd.router.sequence import SeqStatus, Sequence
 from verifypd.router.step_context import StepContext
@@ -80,6 +81,7 @@ class Router:
     target_blocks: _Shared[BlockManager] = _Shared()
     draft_blocks: _Shared[BlockManager | None] = _Shared()
     scheduler: _Shared[Scheduler] = _Shared()
+    prefix: _Shared[PrefixCache | None] = _Shared()  # None: prefix caching off
     config: _Shared[RuntimeConfig] = _Shared()  # one config per step; UpdateConfig takes effect on the next one
     costs: _Shared[StepCostModel] = _Shared()
     observer: _Shared[EngineObserver] = _Shared()
@@ -105,8 +107,11 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         lookup: PromptLookup | None = None,
         grammar: GrammarCompiler | None = None,
+        prefix_cache: bool = True,
     ):
-        """`grammar`: compiles constrained requests' grammars (structured output); None refuses them."""
+        """`grammar`: compiles constrained requests' grammars (structured output); None refuses them.
+        `prefix_cache`: automatic prefix caching (router.prefix_cache), where the lanes allow it
+        (StepContext._prefix_cache)."""
         self.grammar = grammar
         self.context = StepContext(
             prefill,
@@ -119,6 +124,7 @@ class Router:
             observer=observer or EngineObserver(),
             clock=clock,
             lookup=lookup,
+            prefix_cache=prefix_cache,
         )
         self._arrivals = itertools.count()
         # The step strategies (verifypd.router.steps). Two launch steps ahead, the next step commits:
@@ -142,6 +148,18 @@ class Router:
         ctx = self.context
         spec.validate(vocab_size=ctx.vocab_size, max_context=ctx.max_context)
         check_fits(spec, ctx.max_context, [b for b in (ctx.target_blocks, ctx.draft_blocks) if b is not None])
+        if not spec.plain and not all(
+            getattr(lane, "applies_controls", False) for lane in (ctx.prefill_lane, ctx.verify_lane)
+        ):  # the logits are processed in the lanes' process; nothing of it travels the lane RPC (yet)
+            field, what = (
+                (spec.constraint.field, "structured output")
+                if spec.constraint is not None
+                else ("sampling", "penalties, min_tokens, logit_bias and logprobs")
+            )
+            raise InvalidRequest(
+                f"{field}: {what} need in-process lanes (a colocated server, tensor parallel included); "
+                "this server's lanes do not apply them"
+            )
         request_id = spec.request_id or uuid.uuid4().hex
         if request_id in ctx.sequences:
             raise InvalidRequest(f"request_id {request_id!r} is already in flight; use a unique id")
@@ -158,13 +176,7 @@ class Router:
     def grammar_state(self, spec: RequestSpec):
         """The matcher of a constrained request, or InvalidRequest naming its field."""
         assert spec.constraint is not None
-        field = spec.constraint.field
-        lanes = (self.context.verify_lane, self.context.prefill_lane)
-        if any(getattr(lane, "remote", False) for lane in lanes):  # masks do not travel the lane RPC (yet)
-            raise InvalidRequest(
-                f"{field}: structured output needs the colocated topology (in-process lanes); "
-                "this server runs its verify lane in another process"
-            )
+        field = spec.constraint.field  # (in-process lanes: checked by add_request)
         if self.grammar is None:
             raise InvalidRequest(f"{field}: structured output needs the model's tokenizer; this model has none")
         return self.grammar.state(spec.constraint)

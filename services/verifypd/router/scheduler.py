@@ -36,6 +36,7 @@ from verifypd.router.draft_length import (
     choose_batch_k,
     pipelining_pays,
 )
+from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.sequence import SeqStatus, Sequence
 
 # pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
@@ -94,15 +95,19 @@ class Scheduler:
         lazy_draft_prefill: bool = False,
         never_drafts: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        prefix: PrefixCache | None = None,
     ):
         """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
         draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
         writes draft KV only while drafting is expected (`drafts_soon`). `never_drafts`: the draft
         lane proposes nothing (`--draft none`), so every k is 0: the policy, which never sees an
         acceptance there, would otherwise keep asking for k_initial drafts, and each such step
-        (a draft call answering nothing, then a k = 0 verify) could not be chained (steps.overlapped)."""
+        (a draft call answering nothing, then a k = 0 verify) could not be chained (steps.overlapped).
+        `prefix`: prefix caching (router.prefix_cache): a waiting request is admitted after its cached
+        prefix (`_admit_cached`); its draft KV may then start shorter and catch up in the draft call."""
         self.never_drafts = never_drafts
         self.clock = clock  # the router's: stamps a request's first admission (queue time)
+        self.prefix = prefix
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         # None: a pool-less draft lane needs no draft blocks (`draft` grows and frees none)
@@ -530,6 +535,8 @@ class Scheduler:
         return chunks
 
     def _chunk(self, seq: Sequence, budget: int, reserve: int) -> PrefillChunk | None:
+        if self.prefix is not None and not seq.target_blocks:
+            return self._admit_cached(seq, budget, reserve, self.prefix)
         start = seq.target_computed
         end = min(seq.prefill_target, start + budget)
         if not (
@@ -540,7 +547,30 @@ class Scheduler:
         self.target.grow(seq.target_blocks, end)
         self.draft.grow(seq.draft_blocks, end)
         last = end == seq.prefill_target
-        return PrefillChunk(seq, start, end, sample_first=last and seq.samples_after_prefill)
+        return PrefillChunk(
+            seq, start, end, sample_first=last and seq.samples_after_prefill, with_draft=seq.draft_computed == start
+        )
+
+    def _admit_cached(self, seq: Sequence, budget: int, reserve: int, prefix: PrefixCache) -> PrefillChunk | None:
+        """A waiting request's first chunk, after the prefix the cache holds: the cached blocks count
+        as already there (only those no one holds take free blocks), all or nothing."""
+        hits, draft_hits = prefix.lookup(seq)
+        start = len(hits) * self.target.block_size
+        end = min(seq.prefill_target, start + budget)
+        if not (self.target.can_admit(hits, end, reserve) and self.draft.can_admit(draft_hits, end, reserve)):
+            return None
+        self.target.acquire(seq.target_blocks, hits)
+        self.target.grow(seq.target_blocks, end)
+        self.draft.acquire(seq.draft_blocks, draft_hits)
+        self.draft.grow(seq.draft_blocks, end)
+        seq.target_computed = start
+        if self.draft_blocks is not None:  # a pool-less lane is fed the whole history in its first call
+            seq.draft_computed = len(draft_hits) * self.draft_blocks.block_size
+        prefix.admitted(seq, hits, draft_hits)
+        last = end == seq.prefill_target
+        return PrefillChunk(
+            seq, start, end, sample_first=last and seq.samples_after_prefill, with_draft=seq.draft_computed == start
+        )
 
     # -- planning ahead: before the step in flight reaches the host ---------------------------
     # A chained plain step (steps.overlapped) is certain to be what `plan` would make: its decoding
@@ -731,6 +761,12 @@ class _NoPool:
         return True
 
     def grow(self, blocks: list[int], num_tokens: int) -> None:
+        pass
+
+    def can_admit(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        return True
+
+    def acquire(self, blocks: list[int], hits: list[int]) -> None:
         pass
 
     def free(self, blocks: list[int]) -> None:

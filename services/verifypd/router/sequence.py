@@ -79,6 +79,11 @@ class Sequence:
     # None until it first decodes; drafts held between the step that made them and the next one.
     group: int | None = None
     held_draft: HeldDraft | None = None
+    # Prefix caching (router.prefix_cache): content keys of all_ids' full blocks computed so far, and
+    # how many leading blocks of each table are keyed (registered, or taken from the cache).
+    block_keys: list[bytes] = field(default_factory=list)
+    keyed_target: int = 0
+    keyed_draft: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -124,6 +129,7 @@ class Sequence:
         self.draft_computed = 0
         self.group = None
         self.held_draft = None
+        self.keyed_target = self.keyed_draft = 0  # (block_keys stay: the tokens did not change)
         self.stats.preemptions += 1
 
 

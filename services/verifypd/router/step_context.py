@@ -30,11 +30,13 @@ from verifypd.domain.lanes import (
     VerifyLane,
 )
 from verifypd.domain.lookup import PromptLookup
-from verifypd.domain.requests import FinishReason, RequestOutput
+from verifypd.domain.requests import FinishReason, RequestOutput, TokenLogprob
+from verifypd.domain.sampling_controls import control_context
 from verifypd.router.block_manager import BlockManager
 from verifypd.router.commits import append_tokens, record_verdict, take_drafts
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import TYPICAL_DRAFT_INPUT, StepCostModel
+from verifypd.router.prefix_cache import PrefixCache, root_key
 from verifypd.router.scheduler import DecodeWork, PrefillChunk, Scheduler, StepPlan
 from verifypd.router.sequence import SeqStatus, Sequence, held_after
 
@@ -58,6 +60,7 @@ class Verified:
     tokens: list[int]
     finish: FinishReason | None
     k: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
 class BesidePrefill:
@@ -121,8 +124,10 @@ class StepContext:
         observer: LaneObserver,
         clock: Callable[[], float],
         lookup: PromptLookup | None,
+        prefix_cache: bool = True,
     ):
         self.prefill_lane, self.draft_lane, self.verify_lane = prefill, draft, verify
+        self.prefix_cache_wanted = prefix_cache  # on where the lanes allow it (`_prefix_cache`)
         # Lanes that keep per-request state for the router (the call channel's request keys and
         # block tables) are told when a request is done.
         self.releasing = [lane for lane in (prefill, draft, verify) if hasattr(lane, "release")]
@@ -131,12 +136,14 @@ class StepContext:
         self.lookup = lookup  # a feature draft mixed with prompt lookup (spec_decode.lookup_mix)
         self.vocab_size = verify_info.vocab_size
         self.max_context = verify_info.max_context
+        self.target_model = verify_info.target_model
         self.target_pool: PoolInfo
         self.draft_pool: PoolInfo | None  # None: a pool-less draft lane (prompt lookup, none)
         self.target_blocks: BlockManager
         self.draft_blocks: BlockManager | None
         self.scheduler: Scheduler
         self.clock = clock  # before attach_pools: the scheduler stamps admissions with it
+        self.prefix: PrefixCache | None  # None: prefix caching off
         self.attach_pools(verify_info.pools, draft_info.pools, max_running)
         self.config = config
         self.config.validate()
@@ -149,9 +156,9 @@ class StepContext:
         self.overlap_prefill = True
         self.sequences: dict[str, Sequence] = {}  # every request in flight, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Structured output: the matcher of each constrained request in flight, by id. While any is in
-        # flight no step is launched ahead (overlapped, draft-after, speculate-ahead): each step's
-        # masks need the tokens committed before it on the host.
+        # Structured output: the matcher of each constrained request in flight, by id. No step of such a
+        # request is launched ahead (RequestSpec.plain; draft-after: plain_item): each step's masks need
+        # the tokens committed before it, and its drafts, on the host.
         self.grammars: dict[str, GrammarState] = {}
         self.plan: StepPlan | None = None  # the plan of the step being run (None: a step launched ahead)
         # Called with a request before its blocks are freed (finished, cancelled): strategies with
@@ -168,9 +175,26 @@ class StepContext:
         assert target_pool is not None  # (pool_of raises for a missing required pool)
         self.target_pool = target_pool
         self.draft_pool = pool_of(draft_pools, "draft", required=False)
-        self.target_blocks = BlockManager(self.target_pool.num_blocks, self.target_pool.block_size, "target")
+        caching = self._prefix_cache()
+        # A model draft's pool is keyed like the target's; an EAGLE head's is not (router.prefix_cache).
+        draft_caching = (
+            caching
+            and self.draft_pool is not None
+            and not self.feature_draft
+            and self.draft_pool.block_size == self.target_pool.block_size
+        )
+        self.target_blocks = BlockManager(
+            self.target_pool.num_blocks, self.target_pool.block_size, "target", caching=caching
+        )
         self.draft_blocks = (
-            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft") if self.draft_pool else None
+            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft", caching=draft_caching)
+            if self.draft_pool
+            else None
+        )
+        self.prefix = (
+            PrefixCache(self.target_blocks, self.draft_blocks if draft_caching else None, root_key(self.target_model))
+            if caching
+            else None
         )
         self.scheduler = Scheduler(
             self.target_blocks,
@@ -180,6 +204,14 @@ class StepContext:
             lazy_draft_prefill=self._lazy_draft_prefill(),
             never_drafts=self._never_drafts(),
             clock=self.clock,
+            prefix=self.prefix,
+        )
+
+    def _prefix_cache(self) -> bool:
+        """Prefix caching, if wanted, where a request may start with target KV longer than its draft
+        KV: without a draft pool, or with a prefill lane that takes draft KV per item (in-process)."""
+        return self.prefix_cache_wanted and (
+            self.draft_pool is None or getattr(self.prefill_lane, "per_item_draft_kv", False)
         )
 
     def _lazy_draft_prefill(self) -> bool:
@@ -237,6 +269,7 @@ class StepContext:
                 draft_kv=self.draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
                 sample_first=c.sample_first,
                 sampling=c.seq.spec.sampling,
+                controls=control_context(c.seq.spec, (), self.eos) if c.sample_first else None,
                 token_mask=self.token_masks(c.seq, ()) if c.sample_first else None,
             )
             for c in chunks
@@ -282,11 +315,13 @@ class StepContext:
             # whose KV this chunk skipped (draft_computed lags; the draft call catches up).
             if self.draft_pool is not None and c.with_draft:
                 seq.draft_computed = c.end
+            if self.prefix is not None:
+                self.prefix.register(seq)
             if c.end == seq.prefill_target:
                 seq.status = SeqStatus.DECODING
             if c.sample_first:
                 assert res.first_token is not None, "prefill lane returned no first token"
-                outputs += self.emit(seq, [res.first_token], applied_k=0)
+                outputs += self.emit(seq, [res.first_token], applied_k=0, logprobs=getattr(res, "logprobs", None))
         return outputs
 
     # -- draft -------------------------------------------------------------------------------
@@ -367,6 +402,7 @@ class StepContext:
                     draft_probs=probs,
                     sampling=seq.spec.sampling,
                     target_kv=self.target_handle(seq, n, seq.target_computed),
+                    controls=control_context(seq.spec, seq.output_ids, self.eos),
                     token_mask=self.token_masks(seq, tokens),
                 )
             )
@@ -383,6 +419,8 @@ class StepContext:
             if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
                 # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
+            if self.prefix is not None:
+                self.prefix.register(seq)
             record_verdict(
                 seq,
                 self.costs.acceptance,
@@ -395,13 +433,14 @@ class StepContext:
             tokens, finish = append_tokens(
                 seq, res.new_tokens, self.eos, self.vocab_size, self.max_context, self.clock()
             )
-            verified.append(Verified(seq, tokens, finish, k))
+            logprobs = getattr(res, "logprobs", None)
+            verified.append(Verified(seq, tokens, finish, k, logprobs[: len(tokens)] if logprobs is not None else None))
         return verified
 
     def stream_verified(self, verified: list[Verified], outputs: list[RequestOutput]) -> None:
         """Streams committed verify rows into `outputs`, in order (finishing the requests they end)."""
         for v in verified:
-            outputs += self.stream(v.seq, v.tokens, v.finish, v.k)
+            outputs += self.stream(v.seq, v.tokens, v.finish, v.k, v.logprobs)
 
     def commit_verify(
         self, work: list[DecodeWork], items: list[VerifyItem], results, outputs: list[RequestOutput]
@@ -410,25 +449,39 @@ class StepContext:
         self.stream_verified(self.commit_verdicts(work, items, results), outputs)
 
     # -- streaming ---------------------------------------------------------------------------
-    def emit(self, seq: Sequence, new_tokens: list[int], applied_k: int) -> list[RequestOutput]:
+    def emit(
+        self, seq: Sequence, new_tokens: list[int], applied_k: int, logprobs: list[TokenLogprob] | None = None
+    ) -> list[RequestOutput]:
         """Appends tokens, applies EOS / max_tokens / context / stop strings, builds the chunk."""
         tokens, finish = append_tokens(seq, new_tokens, self.eos, self.vocab_size, self.max_context, self.clock())
-        return self.stream(seq, tokens, finish, applied_k)
+        return self.stream(seq, tokens, finish, applied_k, logprobs[: len(tokens)] if logprobs is not None else None)
 
     def stream(
-        self, seq: Sequence, tokens: list[int], finish: FinishReason | None, applied_k: int
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        finish: FinishReason | None,
+        applied_k: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> list[RequestOutput]:
         """The chunk of tokens just appended (append_tokens): detokenized, stop strings applied."""
         detok = self.detokenizers.get(seq.request_id)
-        text, stop_hit = detok.add([t for t in tokens if t not in self.eos]) if detok else ("", False)
+        hidden = self.eos | frozenset(seq.spec.sampling.stop_token_ids)  # ids that end it, not text
+        text, stop_hit = detok.add([t for t in tokens if t not in hidden]) if detok else ("", False)
         if stop_hit:
             finish = FinishReason.STOP
         if finish is not None:
-            return [self.finish(seq, finish, tokens, text, applied_k)]
-        return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k)]
+            return [self.finish(seq, finish, tokens, text, applied_k, logprobs)]
+        return [RequestOutput(seq.request_id, tokens, text, False, None, seq.stats, applied_k, logprobs)]
 
     def finish(
-        self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str, applied_k: int = 0
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        tokens: list[int],
+        text: str,
+        applied_k: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         """Ends `seq` (finished or cancelled): its last chunk; its blocks return to the pools."""
         detok = self.detokenizers.pop(seq.request_id, None)
@@ -446,7 +499,7 @@ class StepContext:
         for lane in self.releasing:
             lane.release((seq.request_id,))
         self.observer.on_request_finished(seq)
-        return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k)
+        return RequestOutput(seq.request_id, tokens, text, True, reason, seq.stats, applied_k, logprobs)
 
     # -- costs -------------------------------------------------------------------------------
     def record_cost(self, sample: CostSample, seconds: float) -> None:

@@ -83,7 +83,8 @@ class DraftAfter:
         config = ctx.config
         return (
             self.enabled
-            and not ctx.grammars  # structured output: masks need the host's tokens (StepContext.grammars)
+            # structured output: a step's masks need its drafts' values on the host (StepContext.token_masks)
+            and all(i.token_mask is None for i in items)
             and ctx.feature_draft
             and config.schedule != "baseline"
             and not config.pipelined

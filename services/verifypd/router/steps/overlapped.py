@@ -104,11 +104,12 @@ class Overlapped:
         """May a regular step's verify call of `work` start a chain (plain decoding, lock-step)?"""
         return (
             ctx.config.overlap
-            and not ctx.grammars  # structured output: masks need the host's tokens (StepContext.grammars)
             and bool(work)
             and not drafting_ahead
             and self.inflight is None
             and all(w.k == 0 and not w.held for w in work)
+            # sampling controls, logprobs and structured output need the host's history at every launch
+            and all(w.seq.spec.plain for w in work)
             and self.supported(ctx)
         )
 
@@ -195,7 +196,9 @@ class Overlapped:
         chunks = sched.admit_follow(config, ctx.costs) if sched.num_waiting else []
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
-        if chunks and ahead_ok and sched.join_now(config, chunks):
+        # (a request that is not plain, RequestSpec.plain, gets no first token to feed: beside, not ahead)
+        plain = all(c.seq.spec.plain for c in chunks)
+        if chunks and ahead_ok and plain and sched.join_now(config, chunks):
             offset = len(prev.items) + (len(prev.prefill) if joining else 0)  # rows of the sources before it
             ahead = self._prefill_ahead(ctx, chunks, offset, rows, seqs, sources)
             chunks = []

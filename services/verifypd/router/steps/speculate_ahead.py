@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict
+from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict, plain_item
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, StepPlan
 from verifypd.router.sequence import SeqStatus, held_after
@@ -75,7 +75,6 @@ class SpeculateAhead:
         running = sched.running
         return (
             self.enabled
-            and not ctx.grammars  # structured output: masks need the host's tokens (StepContext.grammars)
             and self.inflight is None
             and self.next_plan is None
             and self.overlapped.inflight is None
@@ -133,7 +132,6 @@ class SpeculateAhead:
         config, sched = ctx.config, ctx.scheduler
         return (
             self.enabled
-            and not ctx.grammars
             and self.overlapped.inflight is None
             and not config.pipelined
             and config.schedule != "baseline"
@@ -159,7 +157,7 @@ class SpeculateAhead:
             and ctx.lookup is None
             and fits_verdict(lane)
             and getattr(started, "verdict", None) is not None
-            and all(i.sampling.greedy for i in items)
+            and all(i.sampling.greedy and plain_item(i) for i in items)
             and {id(s) for s in ctx.scheduler.running} <= {id(w.seq) for w in work}
             # A request that may reach max_tokens in `items` would likely waste its row (a whole verify
             # call at batch 1: ~3 % of the embedded model's time there, one per request, H200)
