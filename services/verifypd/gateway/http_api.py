@@ -28,6 +28,7 @@ from verifypd.core.loop import Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest
 from verifypd.gateway import openai_convert as oc
+from verifypd.gateway import tool_stream, tools
 
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -141,8 +142,14 @@ class Completion:
                 texts.append(item.text)
                 ids += item.token_ids
                 last = item
+        text, reason = "".join(texts), oc.finish_reason(last.finish_reason)
+        parsed_tools = self.parsed.tools
+        if parsed_tools is not None and parsed_tools.parses:
+            choice = tool_stream.chat_choice(parsed_tools, text, reason)
+        else:
+            choice = self._choice(text, reason, False)
         body = self._envelope(
-            [self._choice("".join(texts), oc.finish_reason(last.finish_reason), False)],
+            [choice],
             usage=oc.usage_json(last.usage_dict()),
             verifypd={"token_ids": ids},
         )
@@ -181,6 +188,9 @@ class Completion:
                 )
             )
         chunks = ChunkEvents(self._envelope_head(), self.parsed.kind == oc.CHAT, self.parsed.include_usage)
+        tool_deltas = None
+        if self.parsed.tools is not None and self.parsed.tools.parses:
+            tool_deltas = tool_stream.StreamDeltas(self.parsed.tools)
         done = False
         while not done:
             # Everything since the last event: one event for several steps when behind.
@@ -193,13 +203,17 @@ class Completion:
                     break
                 assert isinstance(item, Chunk)
                 reason = oc.finish_reason(item.finish_reason) if item.finished else None
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": True,
-                        "body": chunks.event(item.text, reason, item.token_ids, item.applied_k),
-                    }
-                )
+                if tool_deltas is not None:  # content and tool_calls deltas, held back where undecided
+                    for choice in tool_deltas.choices(item.text, item.finished, reason):
+                        await event(self._envelope([choice], **usage_null))
+                else:
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": True,
+                            "body": chunks.event(item.text, reason, item.token_ids, item.applied_k),
+                        }
+                    )
                 if item.finished:
                     if self.parsed.include_usage:
                         await event(self._envelope([], usage=oc.usage_json(item.usage_dict())))
@@ -220,6 +234,7 @@ class HttpApi:
         metrics_registry=None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         api_key: str | None = None,
+        tool_parser: str = "auto",
     ):
         self.gateway, self.client, self.info = gateway, gateway.client, gateway.info
         # With --api-key the /v1 routes need `Authorization: Bearer KEY` (what OpenAI clients send),
@@ -228,6 +243,7 @@ class HttpApi:
         self.model_name = model_name or gateway.info.target_model
         self.registry, self.max_body_bytes = metrics_registry, max_body_bytes
         self.fingerprint = f"verifypd-{gateway.info.version}"
+        self.tool_parser = tool_parser  # tools.PARSERS: the tool-call format (docs/structured_output.md)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -312,6 +328,8 @@ class HttpApi:
                     "model",
                     "model_not_found",
                 )
+            if parsed.tools is not None:  # the prompt with its tools, rendered here (tools.render)
+                tools.render(parsed.tools, self.gateway.codec, parsed.pb, self.tool_parser)
             spec = convert.request_spec_from_pb(
                 parsed.pb,
                 self.gateway.codec,

@@ -1,0 +1,397 @@
+"""Tool calling in the OpenAI chat API, the output side: the model's text -> `content` and
+`tool_calls`, incrementally, so a stream and a whole answer are parsed by the same machine (a
+streamed answer's deltas add up to the non-streamed message). Torch-free.
+
+Formats (tools.py picks one per request):
+  hermes  (Hermes, Qwen 2.5/3, the generic rendering): <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+          one or more, whitespace around the JSON allowed;
+  llama3  (Llama 3.x): {"name": ..., "parameters": {...}} (or "arguments"), optionally after
+          <|python_tag|> (a special token the detokenizer usually drops), several separated by ";".
+Text before a call is content; a suffix that may be the start of a call marker is held back until
+it is decided; whitespace next to a call is dropped. A call whose name is not one of the request's
+functions, or whose JSON breaks before its name is known, is content after all (its text as it came).
+A call's `arguments` string is the raw JSON text of the model's arguments object, streamed as it
+comes once the name is known.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from verifypd.gateway.tools import ToolRequest
+
+HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
+_LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')
+# A tail that may still grow into _LLAMA_CALL.
+_LLAMA_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?')
+_WS = " \t\r\n"
+_ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Delta:
+    """One parser event: content text, a call's header (`name` set) or a piece of its arguments."""
+
+    content: str | None = None
+    index: int = -1  # the call's index in the answer's tool_calls
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _Fail(Exception):
+    """The text since the call marker is not a call object."""
+
+
+class CallObject:
+    """Scans one call's JSON object character by character: its name, and where its arguments
+    value starts and ends (the raw text between is the `arguments` string)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.state = "open"  # open, key_or_end, key_next, key, colon, value_start, value, after_value, done
+        self.failed = False
+        self.key = ""
+        self.name: str | None = None
+        self.args_start = self.args_end = -1
+        self.value_start = 0
+        self.depth = 0  # of the container value being scanned
+        self.in_string = self.escaped = False
+        self.value_kind = ""  # string | container | primitive
+
+    def feed(self, text: str) -> int:
+        """Consumes `text` up to the end of the object (or the character that broke it: `failed`);
+        returns how many characters it took."""
+        for n, ch in enumerate(text):
+            try:
+                self._char(ch)
+            except _Fail:
+                self.failed = True
+                return n + 1
+            if self.state == "done":
+                return n + 1
+        return len(text)
+
+    def _char(self, ch: str) -> None:
+        pos = len(self.text)
+        self.text += ch
+        s = self.state
+        if s == "value":
+            self._value_char(ch, pos)
+        elif s == "key":
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.key = json.loads(self.text[self.value_start :])
+                self.state = "colon"
+        elif ch in _WS:
+            return
+        elif s == "open":
+            self._expect(ch == "{", "key_or_end")
+        elif s == "key_or_end" and ch == "}":
+            self.state = "done"
+        elif s in ("key_or_end", "key_next"):
+            self._expect(ch == '"', "key")
+            self.value_start = pos
+        elif s == "colon":
+            self._expect(ch == ":", "value_start")
+        elif s == "value_start":
+            self.state, self.value_start, self.depth = "value", pos, 0
+            self.in_string = self.escaped = False
+            self.value_kind = "string" if ch == '"' else "container" if ch in "{[" else "primitive"
+            if self.key in _ARGUMENT_KEYS:
+                self.args_start = pos
+            self._value_char(ch, pos)
+        elif s == "after_value":
+            self._expect(ch in ",}", "key_next" if ch == "," else "done")
+        else:
+            raise _Fail
+
+    def _expect(self, ok: bool, state: str) -> None:
+        if not ok:
+            raise _Fail
+        self.state = state
+
+    def _value_char(self, ch: str, pos: int) -> None:
+        kind = self.value_kind
+        if kind == "primitive":
+            if ch in _WS or ch in ",}":
+                self._end_value(pos)
+                self.text = self.text[:pos]
+                self._char(ch)  # the delimiter belongs to the object
+            return
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+                if kind == "string":
+                    self._end_value(pos + 1)
+            return
+        if ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 0:
+                self._end_value(pos + 1)
+
+    def _end_value(self, end: int) -> None:
+        raw = self.text[self.value_start : end]
+        if self.key == "name":
+            try:
+                name = json.loads(raw)
+            except ValueError:
+                raise _Fail from None
+            if not isinstance(name, str):
+                raise _Fail
+            self.name = name
+        elif self.key in _ARGUMENT_KEYS:
+            self.args_end = end
+        self.state = "after_value"
+
+
+class ToolCallParser:
+    """Text in (`feed`, then `finish`), deltas out. `names`: the request's functions; calls past
+    `max_calls` (parallel_tool_calls false: one) are parsed and dropped."""
+
+    def __init__(self, fmt: str, names: tuple[str, ...], max_calls: int | None = None):
+        self.fmt, self.names, self.max_calls = fmt, set(names), max_calls
+        # content | call | close (hermes: up to </tool_call>) | separator (llama3: ";" between calls)
+        self.mode = "content"
+        self.held = ""  # text that may still become a marker (content) or the close tag (close)
+        self.pending_ws = ""  # trailing whitespace of the content: dropped if a call follows
+        self.after_call = False  # no content since the last call (its leading whitespace is dropped)
+        self.calls: list[tuple[str, str]] = []  # (id, name) of the calls given out
+        self.marker = ""  # the current call's marker text (content again if it is no call)
+        self.obj: CallObject | None = None
+        self.call_id = ""
+        self.header_out = False
+        self.args_sent = 0  # characters of the current call's arguments given out
+
+    # -- public --------------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Delta]:
+        out: list[Delta] = []
+        text = self.held + text
+        self.held = ""
+        while text:
+            if self.mode == "content":
+                text = self._content(text, out)
+            elif self.mode == "call":
+                text = self._call(text, out)
+            else:
+                text = self._close(text)
+        return out
+
+    def finish(self) -> list[Delta]:
+        """The end of the output: held text is content; a cut call keeps what it has."""
+        out: list[Delta] = []
+        if self.mode == "call":
+            assert self.obj is not None
+            if self.header_out:
+                self._args(out, final=True)
+                self._end_call()
+            else:
+                self._content_text(self.marker + self.obj.text, out)
+        elif self.mode == "content" and self.held:
+            self._content_text(self.held, out)
+        self.held, self.mode = "", "content"
+        if not self.calls and self.pending_ws:
+            out.append(Delta(content=self.pending_ws))
+        self.pending_ws = ""
+        return out
+
+    @property
+    def called(self) -> bool:
+        return bool(self.calls)
+
+    # -- content -------------------------------------------------------------------------------
+    def _marker(self, text: str) -> tuple[int, int]:
+        """(start, length) of the first call marker in `text`, (-1, 0) if none. A Llama JSON call's
+        marker is empty: the object is scanned from its opening brace."""
+        if self.fmt == "hermes":
+            p = text.find(HERMES_OPEN)
+            return (p, len(HERMES_OPEN)) if p >= 0 else (-1, 0)
+        found = [(p, len(PYTHON_TAG)) for p in [text.find(PYTHON_TAG)] if p >= 0]
+        m = _LLAMA_CALL.search(text)
+        if m:
+            found.append((m.start(), 0))
+        return min(found) if found else (-1, 0)
+
+    def _holdback(self, text: str) -> int:
+        """How many trailing characters may still become a marker."""
+        marker = HERMES_OPEN if self.fmt == "hermes" else PYTHON_TAG
+        hold = next((k for k in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-k:])), 0)
+        if self.fmt != "hermes":
+            brace = text.rfind("{")
+            if brace >= 0 and _LLAMA_PREFIX.fullmatch(text, brace):
+                hold = max(hold, len(text) - brace)
+        return hold
+
+    def _content(self, text: str, out: list[Delta]) -> str:
+        start, length = self._marker(text)
+        if start < 0:
+            hold = self._holdback(text)
+            self._content_text(text[: len(text) - hold], out)
+            self.held = text[len(text) - hold :]
+            return ""
+        self._content_text(text[:start], out)
+        self.pending_ws, self.mode, self.marker = "", "call", text[start : start + length]
+        self.obj, self.header_out, self.args_sent = CallObject(), False, 0
+        return text[start + length :]
+
+    def _content_text(self, text: str, out: list[Delta]) -> None:
+        s = self.pending_ws + text
+        if self.after_call:
+            s = s.lstrip(_WS)
+        body = s.rstrip(_WS)
+        self.pending_ws = s[len(body) :]
+        if body:
+            out.append(Delta(content=body))
+            self.after_call = False
+
+    # -- calls ---------------------------------------------------------------------------------
+    def _call(self, text: str, out: list[Delta]) -> str:
+        obj = self.obj
+        assert obj is not None
+        taken = obj.feed(text)
+        rest = text[taken:]
+        if obj.failed and not self.header_out:
+            return self._not_a_call(rest, out)
+        if obj.name is not None and not self.header_out:
+            if obj.name not in self.names:
+                return self._not_a_call(rest, out)
+            self.header_out, self.call_id = True, new_call_id()
+            if not self._dropped():
+                out.append(Delta(index=len(self.calls), call_id=self.call_id, name=obj.name, arguments=""))
+        if self.header_out:
+            self._args(out, final=obj.state == "done" or obj.failed)
+        if obj.failed:  # broken after its name: the call keeps what it has, the rest is content
+            self._end_call()
+            self.mode = "content"
+        elif obj.state == "done":
+            if not self.header_out:  # an object without a name
+                return self._not_a_call(rest, out)
+            self._end_call()
+        return rest
+
+    def _not_a_call(self, rest: str, out: list[Delta]) -> str:
+        """The marker and the object so far go out as content; scanning goes on after them."""
+        assert self.obj is not None
+        self._content_text(self.marker + self.obj.text, out)
+        self.mode, self.obj = "content", None
+        return rest
+
+    def _dropped(self) -> bool:
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
+
+    def _args(self, out: list[Delta], final: bool) -> None:
+        obj = self.obj
+        assert obj is not None
+        if obj.args_start < 0:  # no arguments (yet)
+            if final and not self._dropped():
+                out.append(Delta(index=len(self.calls), arguments="{}"))
+            return
+        end = obj.args_end if obj.args_end >= 0 else len(obj.text)
+        piece = obj.text[obj.args_start + self.args_sent : end]
+        self.args_sent += len(piece)
+        if piece and not self._dropped():
+            out.append(Delta(index=len(self.calls), arguments=piece))
+
+    def _end_call(self) -> None:
+        assert self.obj is not None and self.obj.name is not None
+        if not self._dropped():
+            self.calls.append((self.call_id, self.obj.name))
+        self.obj, self.after_call = None, True
+        self.mode = "close" if self.marker == HERMES_OPEN else "separator"
+
+    def _close(self, text: str) -> str:
+        """After a call: hermes' </tool_call> (whitespace before it allowed), Llama's ";"."""
+        stripped = text.lstrip(_WS + (";" if self.mode == "separator" else ""))
+        if not stripped:
+            return ""
+        if self.mode == "separator":
+            self.mode = "content"
+            return stripped
+        if stripped.startswith(HERMES_CLOSE):
+            self.mode = "content"
+            return stripped[len(HERMES_CLOSE) :]
+        if HERMES_CLOSE.startswith(stripped):
+            self.held = stripped
+            return ""
+        self.mode = "content"  # no close tag: the rest is content
+        return stripped
+
+
+def parse_all(fmt: str, names: tuple[str, ...], text: str, max_calls: int | None = None):
+    """A whole output -> (content or None, [{id, type, function: {name, arguments}}])."""
+    parser = ToolCallParser(fmt, names, max_calls)
+    content: list[str] = []
+    calls: list[dict] = []
+    for d in [*parser.feed(text), *parser.finish()]:
+        if d.content is not None:
+            content.append(d.content)
+        elif d.name is not None:
+            calls.append({"id": d.call_id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+        if d.arguments:
+            calls[d.index]["function"]["arguments"] += d.arguments
+    return ("".join(content) or None), calls
+
+
+def delta_json(d: Delta) -> dict:
+    """OpenAI's chat.completion.chunk delta of one parser event."""
+    if d.content is not None:
+        return {"content": d.content}
+    call: dict = {"index": d.index}
+    if d.name is not None:
+        call |= {"id": d.call_id, "type": "function", "function": {"name": d.name, "arguments": d.arguments or ""}}
+    else:
+        call["function"] = {"arguments": d.arguments}
+    return {"tool_calls": [call]}
+
+
+def _max_calls(req: ToolRequest) -> int | None:
+    return None if req.parallel else 1
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_choice(req: ToolRequest, text: str, reason: str | None) -> dict:
+    """The non-streamed choice of a request whose output is parsed for calls."""
+    content, calls = parse_all(req.parser, req.names, text, _max_calls(req))
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(reason, bool(calls))}
+
+
+class StreamDeltas:
+    """A streamed request's chunks -> OpenAI choice deltas (`choices[0]` of each event)."""
+
+    def __init__(self, req: ToolRequest):
+        self.parser = ToolCallParser(req.parser, req.names, _max_calls(req))
+
+    def choices(self, text: str, finished: bool, reason: str | None) -> list[dict]:
+        events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+        out: list[dict] = [
+            {"index": 0, "delta": delta_json(d), "logprobs": None, "finish_reason": None} for d in events
+        ]
+        if finished:  # the finish reason in a last, empty delta (as OpenAI sends it)
+            out.append(
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": _finish(reason, self.parser.called)}
+            )
+        return out
