@@ -176,6 +176,7 @@ class ToolCallParser:
         self.after_call = False  # no content since the last call (its leading whitespace is dropped)
         self.calls: list[tuple[str, str]] = []  # (id, name) of the calls given out
         self.marker = ""  # the current call's marker text (content again if it is no call)
+        self.ws_before = ""  # the whitespace before it (likewise)
         self.obj: CallObject | None = None
         self.call_id = ""
         self.header_out = False
@@ -204,6 +205,7 @@ class ToolCallParser:
                 self._args(out, final=True)
                 self._end_call()
             else:
+                self.pending_ws = self.ws_before
                 self._content_text(self.marker + self.obj.text, out)
         elif self.mode == "content" and self.held:
             self._content_text(self.held, out)
@@ -248,7 +250,8 @@ class ToolCallParser:
             self.held = text[len(text) - hold :]
             return ""
         self._content_text(text[:start], out)
-        self.pending_ws, self.mode, self.marker = "", "call", text[start : start + length]
+        self.ws_before, self.pending_ws = self.pending_ws, ""  # (given back if this is no call)
+        self.mode, self.marker = "call", text[start : start + length]
         self.obj, self.header_out, self.args_sent = CallObject(), False, 0
         return text[start + length :]
 
@@ -290,6 +293,7 @@ class ToolCallParser:
     def _not_a_call(self, rest: str, out: list[Delta]) -> str:
         """The marker and the object so far go out as content; scanning goes on after them."""
         assert self.obj is not None
+        self.pending_ws = self.ws_before
         self._content_text(self.marker + self.obj.text, out)
         self.mode, self.obj = "content", None
         return rest
