@@ -151,7 +151,8 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "w5"}]
 BAD = [  # (path, body change, param named in the 400)
     (CHAT, {"messages": []}, "messages"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     (CHAT, {"messages": [{"role": "user", "content": "w5 nosuchword"}]}, None),  # unknown word -> <unk>: valid
     (COMP, {"prompt": None}, "prompt"),
@@ -178,7 +179,9 @@ BAD = [  # (path, body change, param named in the 400)
     (COMP, {"stream": "yes"}, "stream"),
     (COMP, {"stream_options": {"include_usage": True}}, "stream_options"),
     (COMP, {"logprobs": 3}, "logprobs"),
-    (CHAT, {"tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools[0].function"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (COMP, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (COMP, {"frequency_penalty": 0.5}, "frequency_penalty"),
     (COMP, {"no_such_param": 1}, "no_such_param"),
     (COMP, {"ignore_eos": 1}, "ignore_eos"),
