@@ -272,3 +272,16 @@ def test_bad_tool_input_is_400_naming_the_field(client, kwargs, param, stream):
         _, calls, finish, _ = call(client, tool_choice=NAMED)
         assert finish == "tool_calls"
         valid(calls)
+
+
+def test_engine_refusal_of_the_calls_grammar_names_tool_choice():
+    """The engine's refusals name the wire's `constraint` (split topology, no tokenizer); for a
+    forcing tool_choice the 400 names tool_choice, not response_format."""
+    from verifypd.gateway import openai_convert as oc
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": NAMED}
+    parsed = oc.parse_request(body, oc.CHAT, request_id="r")
+    message = "constraint.grammar: structured output needs the colocated topology (in-process lanes)"
+    assert oc.openai_param(message, parsed) == ("tool_choice", message)
+    parsed = oc.parse_request(body | {"tool_choice": "auto"}, oc.CHAT, request_id="r")
+    assert oc.openai_param(message, parsed)[0] == "response_format"
