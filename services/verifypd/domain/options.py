@@ -72,6 +72,7 @@ class CoreOptions:
     max_queue: int = 256
     mps: str = "off"  # "auto" | "on" | "off"
     metrics: bool = False  # the gateway serves /metrics: keep this process's instruments' text
+    model_name: str = ""  # --served-model-name: the model_name label of the vLLM-named series ("": the target)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
