@@ -189,12 +189,12 @@ def test_history_with_tool_messages_renders_generic(client, stream):
 
 
 def test_generic_rendering_holds_tools_calls_and_results(gateway):
-    from verifypd.gateway import tools
+    from verifypd.gateway import tool_render, tools
     from verifypd.v1 import generate_pb2
 
     req = tools.parse({"messages": HISTORY, "tools": TOOLS})
     pb = generate_pb2.GenerateRequest()
-    tools.render(req, gateway.gw.codec, pb)
+    tool_render.render(req, gateway.gw.codec, pb)
     text = gateway.gw.codec.tokenizer.decode(list(pb.token_ids.ids))
     assert req.parser == tools.HERMES and not pb.HasField("constraint")
     assert text.startswith("Be brief.\n\n# Tools")  # one system message: the user's, then the tools
@@ -208,13 +208,13 @@ def test_native_template_renders_tools_and_history(tmp_path):
     from transformers import AutoTokenizer
 
     from verifypd.domain.tokenizer import TextCodec
-    from verifypd.gateway import tools
+    from verifypd.gateway import tool_render, tools
     from verifypd.v1 import generate_pb2
 
     codec = TextCodec(AutoTokenizer.from_pretrained(write_char_tokenizer(tmp_path, TOOLS_TEMPLATE)))
     req = tools.parse({"messages": HISTORY, "tools": TOOLS, "tool_choice": "required"})
     pb = generate_pb2.GenerateRequest()
-    tools.render(req, codec, pb)
+    tool_render.render(req, codec, pb)
     text = codec.tokenizer.decode(list(pb.token_ids.ids))
     assert text == (
         "<tools>get_weather add </tools>\nsystem: Be brief.\nuser: Weather in Oslo?\n"

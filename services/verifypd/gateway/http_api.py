@@ -28,7 +28,7 @@ from verifypd.core.loop import Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest
 from verifypd.gateway import openai_convert as oc
-from verifypd.gateway import tool_stream, tools
+from verifypd.gateway import tool_render, tool_stream
 
 log = logging.getLogger("verifypd.http")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -339,8 +339,8 @@ class HttpApi:
                     "model",
                     "model_not_found",
                 )
-            if parsed.tools is not None:  # the prompt with its tools, rendered here (tools.render)
-                tools.render(parsed.tools, self.gateway.codec, parsed.pb, self.tool_parser)
+            if parsed.tools is not None:  # the prompt with its tools, rendered here (tool_render.render)
+                tool_render.render(parsed.tools, self.gateway.codec, parsed.pb, self.tool_parser)
             spec = convert.request_spec_from_pb(
                 parsed.pb,
                 self.gateway.codec,

@@ -16,19 +16,17 @@ comes once the name is known.
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass
 
+from verifypd.gateway.tool_call_json import WS, CallObject
 from verifypd.gateway.tools import ToolRequest
 
 HERMES_OPEN, HERMES_CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 _LLAMA_CALL = re.compile(r'\{\s*"name"\s*:')
 # A tail that may still grow into _LLAMA_CALL.
 _LLAMA_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?')
-_WS = " \t\r\n"
-_ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 def new_call_id() -> str:
@@ -44,123 +42,6 @@ class Delta:
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-
-
-class _Fail(Exception):
-    """The text since the call marker is not a call object."""
-
-
-class CallObject:
-    """Scans one call's JSON object character by character: its name, and where its arguments
-    value starts and ends (the raw text between is the `arguments` string)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.state = "open"  # open, key_or_end, key_next, key, colon, value_start, value, after_value, done
-        self.failed = False
-        self.key = ""
-        self.name: str | None = None
-        self.args_start = self.args_end = -1
-        self.value_start = 0
-        self.depth = 0  # of the container value being scanned
-        self.in_string = self.escaped = False
-        self.value_kind = ""  # string | container | primitive
-
-    def feed(self, text: str) -> int:
-        """Consumes `text` up to the end of the object (or the character that broke it: `failed`);
-        returns how many characters it took."""
-        for n, ch in enumerate(text):
-            try:
-                self._char(ch)
-            except _Fail:
-                self.failed = True
-                return n + 1
-            if self.state == "done":
-                return n + 1
-        return len(text)
-
-    def _char(self, ch: str) -> None:
-        pos = len(self.text)
-        self.text += ch
-        s = self.state
-        if s == "value":
-            self._value_char(ch, pos)
-        elif s == "key":
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.key = json.loads(self.text[self.value_start :])
-                self.state = "colon"
-        elif ch in _WS:
-            return
-        elif s == "open":
-            self._expect(ch == "{", "key_or_end")
-        elif s == "key_or_end" and ch == "}":
-            self.state = "done"
-        elif s in ("key_or_end", "key_next"):
-            self._expect(ch == '"', "key")
-            self.value_start = pos
-        elif s == "colon":
-            self._expect(ch == ":", "value_start")
-        elif s == "value_start":
-            self.state, self.value_start, self.depth = "value", pos, 0
-            self.in_string = self.escaped = False
-            self.value_kind = "string" if ch == '"' else "container" if ch in "{[" else "primitive"
-            if self.key in _ARGUMENT_KEYS:
-                self.args_start = pos
-            self._value_char(ch, pos)
-        elif s == "after_value":
-            self._expect(ch in ",}", "key_next" if ch == "," else "done")
-        else:
-            raise _Fail
-
-    def _expect(self, ok: bool, state: str) -> None:
-        if not ok:
-            raise _Fail
-        self.state = state
-
-    def _value_char(self, ch: str, pos: int) -> None:
-        kind = self.value_kind
-        if kind == "primitive":
-            if ch in _WS or ch in ",}":
-                self._end_value(pos)
-                self.text = self.text[:pos]
-                self._char(ch)  # the delimiter belongs to the object
-            return
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-                if kind == "string":
-                    self._end_value(pos + 1)
-            return
-        if ch == '"':
-            self.in_string = True
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            self.depth -= 1
-            if self.depth == 0:
-                self._end_value(pos + 1)
-
-    def _end_value(self, end: int) -> None:
-        raw = self.text[self.value_start : end]
-        if self.key == "name":
-            try:
-                name = json.loads(raw)
-            except ValueError:
-                raise _Fail from None
-            if not isinstance(name, str):
-                raise _Fail
-            self.name = name
-        elif self.key in _ARGUMENT_KEYS:
-            self.args_end = end
-        self.state = "after_value"
 
 
 class ToolCallParser:
@@ -258,8 +139,8 @@ class ToolCallParser:
     def _content_text(self, text: str, out: list[Delta]) -> None:
         s = self.pending_ws + text
         if self.after_call:
-            s = s.lstrip(_WS)
-        body = s.rstrip(_WS)
+            s = s.lstrip(WS)
+        body = s.rstrip(WS)
         self.pending_ws = s[len(body) :]
         if body:
             out.append(Delta(content=body))
@@ -323,7 +204,7 @@ class ToolCallParser:
 
     def _close(self, text: str) -> str:
         """After a call: hermes' </tool_call> (whitespace before it allowed), Llama's ";"."""
-        stripped = text.lstrip(_WS + (";" if self.mode == "separator" else ""))
+        stripped = text.lstrip(WS + (";" if self.mode == "separator" else ""))
         if not stripped:
             return ""
         if self.mode == "separator":
