@@ -161,7 +161,8 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "w5"}]
 BAD = [  # (path, body change, param named in the 400)
     (CHAT, {"messages": []}, "messages"),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     (CHAT, {"messages": [{"role": "user", "content": "w5 nosuchword"}]}, None),  # unknown word -> <unk>: valid
     (COMP, {"prompt": None}, "prompt"),
@@ -204,8 +205,10 @@ BAD = [  # (path, body change, param named in the 400)
     (COMP, {"repetition_penalty": 0}, "repetition_penalty"),
     (COMP, {"min_tokens": -1}, "min_tokens"),
     (COMP, {"stop_token_ids": [99999]}, "stop_token_ids"),
-    (CHAT, {"tools": [{"type": "function"}]}, "tools"),
     (COMP, {"frequency_penalty": 3.0}, "frequency_penalty"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools[0].function"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (COMP, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (COMP, {"no_such_param": 1}, "no_such_param"),
     (COMP, {"ignore_eos": 1}, "ignore_eos"),
 ]

@@ -89,6 +89,8 @@ PARAMS = [
     "logit_bias",
     "logprobs",
     "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "response_format",
     "metadata",
     "best_of",

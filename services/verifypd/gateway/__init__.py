@@ -8,4 +8,8 @@ http_server.py     uvicorn on the gateway's loop
 openai_convert.py  OpenAI JSON <-> GenerateRequest
 json_body.py       untrusted JSON request bodies, parsed with limits
 response_wire.py   Generate responses encoded straight to wire bytes
+tools.py           OpenAI tool calling: tools, tool_choice and tool history checked (400s name the field)
+tool_render.py     ... the prompt rendered with the chat template (or the generic Hermes-style one), the calls' grammar
+tool_stream.py     ... the output parsed into content and tool_calls, streamed as OpenAI deltas
+tool_call_json.py  ... one call's JSON object scanned as it is generated
 """

@@ -27,6 +27,7 @@ from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest, RequestSpec
 from verifypd.domain.sampling_controls import sample_seed
 from verifypd.gateway import openai_convert as oc
+from verifypd.gateway import tool_render
 from verifypd.gateway.errors import ApiError, bad
 from verifypd.gateway.http_completion import Completion, error_response
 
@@ -45,6 +46,7 @@ class HttpApi:
         metrics_registry=None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         api_key: str | None = None,
+        tool_parser: str = "auto",
     ):
         self.gateway, self.client, self.info = gateway, gateway.client, gateway.info
         # With --api-key the /v1 routes need `Authorization: Bearer KEY` (what OpenAI clients send),
@@ -53,6 +55,7 @@ class HttpApi:
         self.model_name = model_name or gateway.info.target_model
         self.registry, self.max_body_bytes = metrics_registry, max_body_bytes
         self.fingerprint = f"verifypd-{gateway.info.version}"
+        self.tool_parser = tool_parser  # tools.PARSERS: the tool-call format (docs/structured_output.md)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -142,6 +145,8 @@ class HttpApi:
                     "model",
                     "model_not_found",
                 )
+            if parsed.tools is not None:  # the prompt with its tools, rendered here (tool_render.render)
+                tool_render.render(parsed.tools, self.gateway.codec, parsed.pb, self.tool_parser)
             spec = convert.request_spec_from_pb(
                 parsed.pb,
                 self.gateway.codec,

@@ -17,6 +17,7 @@ from starlette.types import Message
 from verifypd.core.client import Chunk, Failure
 from verifypd.gateway import openai_convert as oc
 from verifypd.gateway import openai_sampling as osm
+from verifypd.gateway import tool_stream
 from verifypd.gateway.errors import ApiError
 
 DISCONNECTED = object()  # put into a stream's queue when the client went away
@@ -150,8 +151,14 @@ class Completion:
                 texts.append(item.text)
                 ids += item.token_ids
                 last = item
+        text, reason = "".join(texts), oc.finish_reason(last.finish_reason)
+        parsed_tools = self.parsed.tools
+        if parsed_tools is not None and parsed_tools.parses:
+            choice = tool_stream.chat_choice(parsed_tools, text, reason)
+        else:
+            choice = self.choice(text, reason, False)
         body = self.envelope(
-            [self.choice("".join(texts), oc.finish_reason(last.finish_reason), False)],
+            [choice],
             usage=oc.usage_json(last.usage_dict()),
             verifypd={"token_ids": ids},
         )
@@ -190,6 +197,9 @@ class Completion:
                 )
             )
         chunks = ChunkEvents(self.envelope_head(), self.parsed.kind == oc.CHAT, self.parsed.include_usage)
+        tool_deltas = None
+        if self.parsed.tools is not None and self.parsed.tools.parses:
+            tool_deltas = tool_stream.StreamDeltas(self.parsed.tools)
         done = False
         while not done:
             # Everything since the last event: one event for several steps when behind.
@@ -202,13 +212,17 @@ class Completion:
                     break
                 assert isinstance(item, Chunk)
                 reason = oc.finish_reason(item.finish_reason) if item.finished else None
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "more_body": True,
-                        "body": chunks.event(item.text, reason, item.token_ids, item.applied_k),
-                    }
-                )
+                if tool_deltas is not None:  # content and tool_calls deltas, held back where undecided
+                    for choice in tool_deltas.choices(item.text, item.finished, reason):
+                        await event(self.envelope([choice], **usage_null))
+                else:
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": True,
+                            "body": chunks.event(item.text, reason, item.token_ids, item.applied_k),
+                        }
+                    )
                 if item.finished:
                     if self.parsed.include_usage:
                         await event(self.envelope([], usage=oc.usage_json(item.usage_dict())))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from verifypd.domain.requests import FinishReason
 from verifypd.gateway import openai_sampling as osm
-from verifypd.gateway import structured
+from verifypd.gateway import structured, tools
 from verifypd.gateway.errors import ApiError, bad
 from verifypd.gateway.json_body import JsonBodyError, parse_json_body
 from verifypd.v1 import generate_pb2
@@ -48,7 +48,7 @@ _COMMON = {
     "guided_regex",
     "guided_grammar",
 }
-_ONLY = {CHAT: {"messages", "max_completion_tokens"}, COMPLETION: {"prompt"}}
+_ONLY = {CHAT: {"messages", "max_completion_tokens", *tools.PARAMS}, COMPLETION: {"prompt"}}
 # OpenAI parameters we do not implement: accepted only at their neutral value (clients often send it).
 _NEUTRAL: dict[str, tuple[object, ...] | None] = {
     "tools": ([],),
@@ -87,6 +87,8 @@ class ParsedRequest:
     include_usage: bool
     max_tokens_param: str  # which name the client used (for error messages)
     samples: osm.Samples = dataclasses.field(default_factory=osm.Samples)  # n, best_of, logprobs to report
+    # Chat with tools or tool history: the prompt is rendered by the gateway (tools.render).
+    tools: tools.ToolRequest | None = None
 
 
 # -- typed getters: None/absent = unset; a wrong type is a 400 naming the parameter ------------
@@ -189,7 +191,9 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
     if not model:
         raise bad("model", "model is required (see GET /v1/models)")
     req = generate_pb2.GenerateRequest(request_id=request_id)
-    _prompt(body, kind, req)
+    tool_request = tools.parse(body) if kind == CHAT and tools.wanted(body) else None
+    if tool_request is None:
+        _prompt(body, kind, req)
     mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, mt_param, 1, U32)
     if max_tokens is not None:
@@ -235,7 +239,9 @@ def parse_request(body, kind: str, *, request_id: str) -> ParsedRequest:
         include_usage = bool(_get(options, "include_usage", (bool,), "a boolean"))
     _get(body, "user", (str,), "a string")
     samples = osm.parse(body, kind == CHAT, req, _get, _int, _number, stream)
-    return ParsedRequest(kind, model, req, stream, include_usage, mt_param, samples)
+    if tool_request is not None and (samples.n > 1 or samples.best_of > 1 or samples.report_logprobs):
+        raise bad("tools with n > 1, best_of or logprobs are not supported", "tools")
+    return ParsedRequest(kind, model, req, stream, include_usage, mt_param, samples, tool_request)
 
 
 def _speculation(body: dict, req: generate_pb2.GenerateRequest) -> None:
@@ -274,6 +280,8 @@ _FIELD_PARAMS = [
 def openai_param(message: str, parsed: ParsedRequest) -> tuple[str | None, str]:
     """The OpenAI parameter an InvalidRequest message is about, and the message in OpenAI's words."""
     prompt = "messages" if parsed.kind == CHAT else "prompt"
+    if message.startswith("constraint") and parsed.tools is not None and parsed.tools.constrained:
+        return "tool_choice", message  # the calls' grammar (tools.call_grammar)
     if "chat template" in message or "no tokenizer" in message:
         return prompt, message.replace("send the prompt as text or token_ids", "use /v1/completions")
     m = re.match(r"stop\[(\d+)\]", message)

@@ -255,7 +255,11 @@ def _start_http(gateway, args, tls, sock, limits):
     from verifypd.gateway.http_server import HttpServer
 
     api = HttpApi(
-        gateway, model_name=args.served_model_name, max_body_bytes=args.http_max_body_bytes, api_key=args.api_key
+        gateway,
+        model_name=args.served_model_name,
+        max_body_bytes=args.http_max_body_bytes,
+        api_key=args.api_key,
+        tool_parser=args.tool_parser,
     )
     http = HttpServer(api.app, args.host, args.http_port, loop=gateway.loop, tls=tls, sock=sock, limits=limits).start()
     print(

@@ -46,6 +46,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--served-model-name", default=None, help="the HTTP API's model id (default: the --target spec)")
     serve.add_argument(
+        "--tool-parser",
+        choices=["auto", "hermes", "llama3"],
+        default="auto",
+        help="the format of tool calls in the output (auto: from the chat template; docs/structured_output.md 'Tools')",
+    )
+    serve.add_argument(
         "--topology",
         choices=["colocated", "split"],
         default="colocated",
