@@ -63,7 +63,10 @@ JOBS = {
     "mixed": _specs(repeating_prompts(6, seed=2), "m", max_tokens=24),
     # a low temperature: sampled continuations repeat the context often enough for lookup to propose
     "mixed_seeded": _specs(
-        repeating_prompts(5, seed=9), "n", max_tokens=24, samplings=[dict(temperature=0.3, seed=100 + i) for i in range(5)]
+        repeating_prompts(5, seed=9),
+        "n",
+        max_tokens=24,
+        samplings=[dict(temperature=0.3, seed=100 + i) for i in range(5)],
     ),
 }
 
@@ -138,7 +141,7 @@ def tp2(tiny_models, head, tmp_path_factory):
     common = dict(target=tiny_models[0], tensor_parallel=2)
     runs = [
         _start(dict(common, draft=head, k=K, jobs=head_jobs), tmp, "head"),
-        _start(dict(common, draft="none", k=0, jobs=plain_jobs), tmp, "plain"),
+        _start(dict(common, draft="none", k=0, jobs=plain_jobs, late_draft=head), tmp, "plain"),
     ]
     try:
         return {"head": _finish(*runs[0]), "plain": _finish(*runs[1])}
@@ -206,9 +209,18 @@ def test_head_of_another_width_fails_before_any_follower_starts(tiny_models, tmp
         raise AssertionError("a follower was started for a head that cannot load")
 
     monkeypatch.setattr(tp_ranks, "LeaderRanks", no_followers)
-    options = EngineOptions(target=tiny_models[0], draft=f"eagle:{tmp_path / 'narrow'}", device="cpu", tensor_parallel=2)
+    options = EngineOptions(
+        target=tiny_models[0], draft=f"eagle:{tmp_path / 'narrow'}", device="cpu", tensor_parallel=2
+    )
     with pytest.raises(ModelLoadError) as err:
         load_stack_models(options)
     message = str(err.value)
     assert f"eagle:{tmp_path / 'narrow'}" in message and "hidden_size 32" in message, message
     assert "target's hidden size 64" in message, message
+
+
+def test_a_rank_set_built_without_features_refuses_a_head_later(tp2):
+    """The rank set's one target runner (its CUDA graphs, captured with the followers') writes no
+    features, so a head's engine built over it afterwards would read none: refused, with the reason."""
+    error = tp2["plain"]["late_draft_error"]
+    assert error is not None and "built with another feature pool" in error and "first" in error, error

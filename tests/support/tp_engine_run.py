@@ -7,22 +7,21 @@ the same models, e.g. eagle+ngram:), "simulated_acceptance" (optional), "specs":
 "request_id", "sampling": {SamplingParams fields}}]}]}. Jobs run in order; a job with a new draft gets a
 new engine over the same models (the rank set's runner, pool and features).
 OUT: {name: {"tokens": {request: ids}, "accepted": {request: n}, "drafted": {request: n},
-"proposals": {"request@position": drafts}, "draft_after_calls": n, "lookup_proposed": n}}.
+"proposals": {"request@position": drafts}, "draft_after_calls": n, "lookup_proposed": n}}; with
+"late_draft" in IN, "late_draft_error": the error of building that draft's engine over the same models
+after the jobs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_helpers import make_engine  # run as a script: its directory (tests/support) is on sys.path
 
-from engine_helpers import make_engine  # noqa: E402
-
-from verifypd.domain.requests import RequestSpec, SamplingParams  # noqa: E402
-from verifypd.engine import Engine  # noqa: E402
+from verifypd.domain.requests import RequestSpec, SamplingParams
+from verifypd.engine import Engine
 
 
 def record_proposals(engine) -> dict[str, list[int]]:
@@ -41,12 +40,24 @@ def record_proposals(engine) -> dict[str, list[int]]:
     return seen
 
 
+def late_draft_error(first, draft: str) -> str | None:
+    """The error of building an engine with `draft` over `first`'s models (None: it was built)."""
+    from verifypd.domain.models import draft_spec
+    from verifypd.model.build import load_draft_model
+
+    m = first.models
+    head = load_draft_model(draft_spec(draft), m.target, m.device, m.dtype, first.options.max_context)
+    try:
+        Engine(dataclasses.replace(first.options, draft=draft), models=dataclasses.replace(m, draft_model=head))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def main(path_in: str, path_out: str) -> None:
     with open(path_in) as f:
         job_set = json.load(f)
-    first = make_engine(
-        job_set["target"], job_set["draft"], k=job_set["k"], tensor_parallel=job_set["tensor_parallel"]
-    )
+    first = make_engine(job_set["target"], job_set["draft"], k=job_set["k"], tensor_parallel=job_set["tensor_parallel"])
     engines = {job_set["draft"]: first}
     out = {}
     try:
@@ -80,10 +91,11 @@ def main(path_in: str, path_out: str) -> None:
                 "drafted": {r: c.usage["draft_tokens"] for r, c in done.items()},
                 "proposals": seen,
                 "draft_after_calls": engine.router.draft_after.calls - after0,
-                "lookup_proposed": (engine.router.lookup.proposed if engine.router.lookup is not None else 0)
-                - lookup0,
+                "lookup_proposed": (engine.router.lookup.proposed if engine.router.lookup is not None else 0) - lookup0,
                 "features_on_rank0": first.verify_lane.target.features is not None,
             }
+        if job_set.get("late_draft"):  # a feature draft's engine over a rank set built without features
+            out["late_draft_error"] = late_draft_error(first, job_set["late_draft"])
     finally:
         if first.models.ranks is not None:
             first.models.ranks.close()
