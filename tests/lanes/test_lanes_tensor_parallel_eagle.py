@@ -196,7 +196,9 @@ def test_partial_acceptance_tp2_equals_tp1(tiny_models, head, tp2):
     assert len(tp1["proposals"]) >= 10 and got["proposals"] == tp1["proposals"]
 
 
-def test_head_of_another_width_fails_before_any_follower_starts(tiny_models, tmp_path, monkeypatch):
+def test_head_of_another_width_fails_before_any_follower_starts(tiny_models, tmp_path, monkeypatch, capsys):
+    """A ModelLoadError naming the head's directory and the field; the command line exits 2 with it."""
+    from verifypd import cli
     from verifypd.core.assembly import load_stack_models
     from verifypd.engine import EngineOptions
     from verifypd.lanes.tensor_parallel import ranks as tp_ranks
@@ -217,6 +219,12 @@ def test_head_of_another_width_fails_before_any_follower_starts(tiny_models, tmp
     message = str(err.value)
     assert f"eagle:{tmp_path / 'narrow'}" in message and "hidden_size 32" in message, message
     assert "target's hidden size 64" in message, message
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")  # cli.main sets it; undone at teardown
+    capsys.readouterr()
+    args = ["generate", "--offline", "--raw", "hi", "--target", tiny_models[0], "--max-tokens", "2"]
+    rc = cli.main([*args, "--draft", f"eagle:{tmp_path / 'narrow'}", "--device", "cpu", "--tensor-parallel", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err, (rc, err[-800:])
 
 
 def test_a_rank_set_built_without_features_refuses_a_head_later(tp2):
