@@ -232,3 +232,33 @@ def test_a_rank_set_built_without_features_refuses_a_head_later(tp2):
     features, so a head's engine built over it afterwards would read none: refused, with the reason."""
     error = tp2["plain"]["late_draft_error"]
     assert error is not None and "built with another feature pool" in error and "first" in error, error
+
+
+def test_eagle_tp_bench_smoke(tmp_path):
+    """bench/tensor_parallel/eagle_tp.py --smoke (CPU, gloo): both systems over their own rank sets, the
+    metadata every benchmark records, labelled rows, and the head's rows drafted."""
+    import pathlib
+
+    from verifypd.lanes.processes import child_env
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = tmp_path / "eagle_tp.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "tensor_parallel" / "eagle_tp.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(),
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys() and result["tensor_parallel"] == 2
+    assert "SIMULATED" in result["acceptance"] and "random" in result["weights"]
+    rows = {(r["system"], r["batch"]): r for r in result["rows"]}
+    systems = {s for s, _ in rows}
+    assert len(systems) == 4 and {b for _, b in rows} == {1, 2} and len(rows) == 8, sorted(rows)
+    assert any(s.startswith("--no-speculation") for s in systems) and any("REAL acceptance" in s for s in systems)
+    for (system, _), row in rows.items():
+        assert "speedup_vs_no_speculation" in row and row["tokens"] == row["batch"] * result["gen_len"]
+        assert (row["mean_k"] > 0) == ("EAGLE" in system and "SIMULATED" in system) or "REAL" in system, row
