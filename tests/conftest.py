@@ -27,24 +27,10 @@ if os.environ.get("VERIFYPD_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_triton_interpreter() -> None:
-    """Triton 3.6's interpreter turns a scalar tensor into a loop bound with int(ndarray), which
-    numpy >= 2.4 refuses for 1-element arrays of one dimension; read the element instead."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_triton_interpreter()
+    from triton_interpreter import patch_triton_interpreter
+
+    patch_triton_interpreter()
 
 
 @pytest.fixture(scope="session")

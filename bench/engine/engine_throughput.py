@@ -270,6 +270,7 @@ def main() -> None:
         help="the target over N GPUs (cuda:0..N-1; this process is rank 0, the draft stays on cuda:0); "
         "floors are then rank 0's shard's; the self rows are left out",
     )
+    ap.add_argument("--tp-all-reduce", choices=("auto", "custom", "nccl"), default="auto", help="the ranks' all-reduce")
     ap.add_argument(
         "--memory-test",
         action="store_true",
@@ -307,6 +308,7 @@ def main() -> None:
         "target_shape": args.target,
         "draft_shape": args.draft,
         "tensor_parallel": args.tensor_parallel,
+        "tp_all_reduce": args.tp_all_reduce,
         "devices": [torch.cuda.get_device_name(i) for i in range(args.tensor_parallel)] if cuda else ["cpu"],
         "prefill_token_budget": args.prefill_budget,
         "overlap": args.overlap,
@@ -322,6 +324,7 @@ def main() -> None:
         max_context=args.prompt_len + args.gen_len + 64,
         graph_buckets=tuple(batches) if cuda else None,
         tensor_parallel=args.tensor_parallel,
+        tp_all_reduce=args.tp_all_reduce,
     )
     t0 = time.perf_counter()
     target_models = load_stack_models(

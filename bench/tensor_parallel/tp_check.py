@@ -126,7 +126,7 @@ def time_decode(group, device, name: str, batches: list[int], graphs: bool, cont
         t0 = time.perf_counter()
         for _ in range(reps):
             for _ in range(2 * full.num_layers):
-                dist.all_reduce(x)
+                group.all_reduce(x)  # eager: the group's own path (NCCL, or the custom kernel)
         sync(device)
         reduce = (time.perf_counter() - t0) / reps if group.world > 1 else 0.0
         rows[batch] = dict(step_ms=step * 1e3, all_reduce_ms_per_step=reduce * 1e3)

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from verifypd_loadgen import __version__
 from verifypd_loadgen.datasets import DatasetError, load_dataset
+from verifypd_loadgen.procs import CONCURRENCY_PER_PROC, default_procs
 from verifypd_loadgen.runner import LoadPoint
 from verifypd_loadgen.workload import DIST_HELP, Workload, parse_distribution, parse_priority_mix
 
@@ -53,6 +54,22 @@ def _url(text: str) -> str:
     if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
         raise ValueError("expected http://HOST:PORT/v1 or https://...")
     return text
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= 1:
+        raise ValueError("must be in (0, 1]")
+    return v
+
+
+def _procs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    n = int(text)
+    if n < 1:
+        raise ValueError("must be >= 1 or auto")
+    return n
 
 
 def _vocab_range(text: str) -> tuple[int, int]:
@@ -120,6 +137,13 @@ def run_parser() -> argparse.ArgumentParser:
         help="open loop: R[,R...] requests/s ('inf': all at once)",
     )
     p.add_argument(
+        "--procs",
+        type=_arg(_procs, "process count"),
+        default="auto",
+        help="client processes sharing the load, started together, merged into one report "
+        f"(default auto: ceil(largest concurrency / {CONCURRENCY_PER_PROC}), at most the cores)",
+    )
+    p.add_argument(
         "--arrival", choices=("poisson", "gamma"), default="poisson", help="open-loop arrival process (default poisson)"
     )
     p.add_argument(
@@ -136,6 +160,25 @@ def run_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("workload")
     d.add_argument(
         "--dataset", default="synthetic", help="'synthetic' (token-id prompts), a JSONL prompt file or ShareGPT JSON"
+    )
+    d.add_argument(
+        "--workload",
+        choices=("uniform", "mixed"),
+        default="uniform",
+        help="uniform: every synthetic prompt from --input-len (default); mixed: a --long-fraction "
+        "share of them from --long-input-len (long prefills among streaming decodes)",
+    )
+    d.add_argument(
+        "--long-fraction",
+        type=_arg(_fraction, "fraction"),
+        default=0.1,
+        help="--workload mixed: share of long prompts (default 0.1)",
+    )
+    d.add_argument(
+        "--long-input-len",
+        type=_arg(parse_distribution, "distribution"),
+        default=parse_distribution("2048"),
+        help="--workload mixed: long prompt length (default 2048)",
     )
     d.add_argument(
         "--input-len",
@@ -239,6 +282,10 @@ def build_plan(args, parser, argv: list[str] | None = None):
     )
     if args.input_len is not None:
         workload.input_len = args.input_len
+    if args.workload == "mixed":
+        if prompts is not None:
+            parser.error("--workload mixed applies to the synthetic dataset only")
+        workload.long_fraction, workload.long_input_len = args.long_fraction, args.long_input_len
     if args.rate is not None:
         loads = [
             LoadPoint(
@@ -261,6 +308,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
     if tls is not None and args.backend == "openai" and not args.url.startswith("https://"):
         parser.error("--tls-ca-file with --backend openai needs an https:// --url")
     requests = args.requests if args.requests or args.duration else 100
+    n_procs = default_procs(loads) if args.procs == "auto" else args.procs
     plan = Plan(
         server=args.server,
         loads=loads,
@@ -280,6 +328,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         openai_api=args.openai_api,
         raw_records=args.raw_records,
         tls=tls,
+        procs=n_procs,
     )
     config = {
         "server": args.server or args.url,
@@ -298,6 +347,9 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "burstiness": (args.burstiness or 1.0) if args.rate else None,
         "max_concurrency": args.max_concurrency,
         "dataset": args.dataset,
+        "workload": args.workload,
+        "long_fraction": args.long_fraction if args.workload == "mixed" else None,
+        "long_input_len": str(args.long_input_len) if args.workload == "mixed" else None,
         "input_len": str(workload.input_len) if prompts is None else None,
         "output_len": str(args.output_len)
         if args.output_len
@@ -312,6 +364,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "timeout_s": args.timeout,
         "drain_timeout_s": args.drain_timeout,
         "seed": args.seed,
+        "procs": n_procs,
     }
     return plan, config
 
@@ -329,7 +382,19 @@ def cmd_run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plan, config = build_plan(args, parser, argv)
     outputs = Outputs(out=args.out, csv=args.csv, plot=args.plot, label=args.label, progress=not args.no_progress)
-    return run_session(plan, config, outputs, _stdout_console())
+    return run_session(plan, config, outputs, _stdout_console(), argv, client_process)
+
+
+def _plan_of(argv: list[str]):
+    parser = run_parser()
+    return build_plan(parser.parse_args(argv), parser, argv)[0]
+
+
+def client_process(argv: list[str], index: int, procs: int, barrier, conn) -> None:
+    """The entry of each `--procs` client process (spawned: a module-level function)."""
+    from verifypd_loadgen import session
+
+    session.client_process(_plan_of, argv, index, procs, barrier, conn)
 
 
 def cmd_compare(argv: list[str]) -> int:

@@ -181,6 +181,11 @@ def summarize(point: PointResult, slo_ttft_ms: float | None = None, slo_itl_ms: 
             "tokens_per_chunk": stats([n for r in ok for n in r.chunk_tokens]),
             "applied_k": {str(k): v for k, v in sorted(applied_k.items())},
         },
+        "client": {
+            "procs": len(point.client_cpu),
+            "cpu_util": [round(u, 3) for u in point.client_cpu],
+            "cpu_util_max": round(max(point.client_cpu), 3) if point.client_cpu else None,
+        },
         "by_priority": {
             str(p): {
                 "completed": len(rs),

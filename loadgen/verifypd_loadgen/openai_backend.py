@@ -1,5 +1,6 @@
 """`--backend openai`: the same load against any OpenAI-compatible server (streaming
-`/v1/completions` or `/v1/chat/completions`, server-sent events, httpx).
+`/v1/completions` or `/v1/chat/completions`, server-sent events over loadgen's own
+asyncio-streams client, `sse_client`).
 
 What each request sends: token-id and text prompts go to /completions (`prompt`), chat prompts
 to /chat/completions (`messages`); `--openai-api chat` sends text prompts as one user message.
@@ -21,11 +22,10 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-import httpx
-
 from verifypd_loadgen import schema
 from verifypd_loadgen.errors import Unreachable
 from verifypd_loadgen.runner import INCOMPLETE, RequestRecord
+from verifypd_loadgen.sse_client import HttpError, SsePool
 from verifypd_loadgen.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ TIMEOUT, CONNECTION, STREAM_ERROR = "TIMEOUT", "CONNECTION_ERROR", "STREAM_ERROR
 
 
 class OpenAIBackend:
-    def __init__(self, client: httpx.AsyncClient, url: str, model: str, api: str = "auto"):
+    def __init__(self, client: SsePool, url: str, model: str, api: str = "auto"):
         self.client, self.url, self.model, self.api = client, url.rstrip("/"), model, api
 
     def request(self, spec: RequestSpec) -> tuple[str, dict]:
@@ -100,56 +100,68 @@ def _error_text(raw: bytes) -> str:
         return raw[:200].decode(errors="replace")
 
 
+_JSON = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+
 async def execute(backend: OpenAIBackend, spec: RequestSpec, rec: RequestRecord, timeout: float) -> None:
     """Sends one request and fills `rec` (the gRPC backend's `runner.execute`, over HTTP)."""
     path, body = backend.request(spec)
+    payload = json.dumps(body).encode()
+    done = False
+
+    def on_data(data: bytes) -> bool:
+        # One `data:` payload. Read on to the body's end after [DONE] (here: the terminating
+        # chunk follows), so the connection is reused, as OpenAI's own client does.
+        nonlocal done
+        if data == b"[DONE]":
+            done = True
+            return False
+        obj = json.loads(data)
+        if "error" in obj:
+            rec.error, rec.error_detail = STREAM_ERROR, str(obj["error"].get("message", obj["error"]))
+            return True
+        _record_chunk(rec, obj, time.perf_counter())
+        return False
+
     rec.start = time.perf_counter()
+    resp = None
     try:
         async with asyncio.timeout(timeout):
-            async with backend.client.stream("POST", backend.url + path, json=body) as resp:
-                if resp.status_code != 200:
-                    rec.error, rec.error_detail = f"HTTP_{resp.status_code}", _error_text(await resp.aread())
-                    return
-                done = False
-                async for line in resp.aiter_lines():
-                    # After [DONE] the body is read to its end, not left: httpx closes a connection
-                    # whose response was not read to the end, and every next request would then pay
-                    # a new TCP connection (as OpenAI's own client does, the stream is consumed).
-                    if done or not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        rec.error, rec.error_detail = STREAM_ERROR, str(obj["error"].get("message", obj["error"]))
-                        return
-                    _record_chunk(rec, obj, time.perf_counter())
-        if not rec.finish_reason:
+            resp = await backend.client.request("POST", path, payload, _JSON)
+            if resp.status != 200:
+                rec.error, rec.error_detail = f"HTTP_{resp.status}", _error_text(await resp.read())
+                return
+            await resp.events(on_data)
+        if rec.error is None and not rec.finish_reason:
             rec.error, rec.error_detail = INCOMPLETE, "stream ended without finish_reason"
     except TimeoutError:
         rec.error, rec.error_detail = TIMEOUT, f"no complete answer within {timeout} s"
-    except (httpx.TransportError, ValueError) as e:
-        rec.error, rec.error_detail = CONNECTION if isinstance(e, httpx.TransportError) else STREAM_ERROR, str(e)
+    except (HttpError, asyncio.IncompleteReadError, OSError) as e:
+        rec.error, rec.error_detail = CONNECTION, f"{type(e).__name__}: {e}"
+    except ValueError as e:  # not JSON, a bad chunk size
+        rec.error, rec.error_detail = STREAM_ERROR, str(e)
     except asyncio.CancelledError:
-        rec.cancelled = True  # leaving `stream()` closes the connection: the server aborts it
+        rec.cancelled = True  # the connection is closed below: the server aborts the request
         raise
     finally:
+        if resp is not None:
+            resp.close()  # a no-op once the body was read to its end
         rec.end = time.perf_counter()
 
 
-async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float) -> dict:
+async def probe(client: SsePool, url: str, model: str, timeout: float) -> dict:
     """GET /models: reachability check and the server_info block (verifypd's extension fills
     draft model and topology; other servers give the model id and max_model_len if they have it)."""
     try:
-        resp = await client.get(url.rstrip("/") + "/models", timeout=timeout)
-    except httpx.HTTPError as e:
+        async with asyncio.timeout(timeout):
+            resp = await client.request("GET", "/models")
+            raw = await resp.read()
+    except (HttpError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
         raise Unreachable(f"cannot reach the OpenAI-compatible server at {url} ({type(e).__name__}: {e})") from None
-    if resp.status_code != 200:
-        return schema.server_info_block(None, f"HTTP_{resp.status_code}")
+    if resp.status != 200:
+        return schema.server_info_block(None, f"HTTP_{resp.status}")
     try:
-        entries = {m.get("id"): m for m in resp.json().get("data", [])}
+        entries = {m.get("id"): m for m in json.loads(raw).get("data", [])}
     except (ValueError, AttributeError):
         return schema.server_info_block(None, "BAD_RESPONSE")
     entry = entries.get(model)
@@ -168,12 +180,8 @@ async def probe(client: httpx.AsyncClient, url: str, model: str, timeout: float)
     )
 
 
-def new_client(tls: ClientTls | None = None) -> httpx.AsyncClient:
+def new_client(url: str, tls: ClientTls | None = None, connect_timeout: float = 10.0) -> SsePool:
     """`tls`: a verifypd.net.tls.ClientTls: https:// URLs are verified against its CA (and present its
-    client certificate); None: the system's CAs."""
-    # No connection cap: loadgen's concurrency decides how many requests are in flight.
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=10.0),
-        verify=tls.ssl_context() if tls else True,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-    )
+    client certificate); None: the system's CAs. No connection cap: loadgen's concurrency decides
+    how many requests are in flight."""
+    return SsePool(url, tls.ssl_context() if tls else None, connect_timeout)

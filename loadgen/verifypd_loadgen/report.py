@@ -91,12 +91,15 @@ class LiveProgress:
             self.progress.update(self.task, completed=self.done, status=status, count=f"{self.done}/{self.n} req")
 
 
+CLIENT_BUSY = 0.9  # CPU / wall of a client process above which the report warns
+
+
 def print_summary(console: Console, runs: list[dict]) -> None:
     slo = any(r["summary"]["goodput"]["requests_per_s"] is not None for r in runs)
     t = Table(title="Throughput", title_justify="left")
     cols = ["load", "ok", "err", "time s", "req/s", "out tok/s"]
     cols += ["good req/s", "in SLO"] if slo else []
-    cols += ["accept", "tok/msg"]
+    cols += ["accept", "tok/msg", "client cpu"]
     for col in cols:
         t.add_column(col, justify="left" if col == "load" else "right", no_wrap=True)
     for run in runs:
@@ -114,8 +117,17 @@ def print_summary(console: Console, runs: list[dict]) -> None:
             row += [fmt(g["requests_per_s"]), "-" if g["fraction"] is None else f"{100 * g['fraction']:.1f}%"]
         acc = s["speculation"]["acceptance_rate"]
         row += ["-" if acc is None else f"{100 * acc:.1f}%", fmt(s["speculation"]["tokens_per_chunk"]["mean"])]
+        cpu = s["client"]["cpu_util_max"]
+        row += ["-" if cpu is None else f"{s['client']['procs']}x {100 * cpu:.0f}%"]
         t.add_row(*row)
     console.print(t)
+    busy = [r["load"]["label"] for r in runs if (r["summary"]["client"]["cpu_util_max"] or 0) > CLIENT_BUSY]
+    if busy:
+        console.print(
+            f"warning: a client process used > {100 * CLIENT_BUSY:.0f}% of a core at {', '.join(busy)}: "
+            "the client may be the bottleneck there (more --procs)",
+            markup=False,
+        )
 
     lt = Table(title="Latency (ms)", title_justify="left")
     for col in ("load", "metric", "mean") + tuple(f"p{p}" for p in PERCENTILES) + ("max",):

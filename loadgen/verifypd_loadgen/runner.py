@@ -92,6 +92,8 @@ class PointResult:
     records: list[RequestRecord]
     t_start: float
     t_end: float
+    # CPU time (user + sys) / wall time of each client process over this point (procs.py)
+    client_cpu: list[float] = field(default_factory=list)
 
     @property
     def duration(self) -> float:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import sys
-from dataclasses import dataclass
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +20,7 @@ from rich.console import Console
 
 from verifypd.net.tls import ClientTls, grpc_channel
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
-from verifypd_loadgen import metrics, report, schema
+from verifypd_loadgen import metrics, procs, report, schema
 from verifypd_loadgen.errors import Unreachable
 from verifypd_loadgen.runner import LoadPoint, PointResult, Runner
 from verifypd_loadgen.workload import Workload
@@ -40,6 +46,11 @@ class Plan:
     openai_api: str = "auto"  # openai: auto | chat | completions
     raw_records: bool = False  # per-request records in the results JSON
     tls: ClientTls | None = None  # --tls-ca-file ...: both backends speak TLS
+    # Request ids are `{run_tag}-lg{point}-{n}`: a random tag per run and client process, so ids
+    # never repeat across processes, runs or loadgens sharing a server.
+    run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    procs: int = 1  # --procs: client processes in all (procs.py); this one is proc_index
+    proc_index: int = 0
 
 
 async def probe(stub, server: str, timeout: float) -> dict:
@@ -54,12 +65,12 @@ async def probe(stub, server: str, timeout: float) -> dict:
     return schema.server_info_block({k: getattr(info, k) for k in schema.SERVER_INFO_KEYS}, "OK")
 
 
-def warmup_load(plan: Plan) -> LoadPoint:
-    first = plan.loads[0]
-    cap = first.concurrency if first.mode == "closed" else (first.max_concurrency or plan.warmup)
+def warmup_load(plan: Plan, warmup: int) -> LoadPoint:
+    first = procs.share_load(plan.loads[0], plan.procs, plan.proc_index) or plan.loads[0]
+    cap = first.concurrency if first.mode == "closed" else (first.max_concurrency or warmup)
     if cap is None:
         raise ValueError("a closed load point needs its concurrency")
-    return LoadPoint("closed", concurrency=max(1, min(plan.warmup, cap)))
+    return LoadPoint("closed", concurrency=max(1, min(warmup, cap)))
 
 
 async def _ticker(progress: report.LiveProgress) -> None:
@@ -68,14 +79,18 @@ async def _ticker(progress: report.LiveProgress) -> None:
         await asyncio.sleep(0.25)
 
 
-async def execute_plan(plan: Plan, progress: report.LiveProgress) -> tuple[dict, dict, list[PointResult]]:
-    """Returns (server_info block, warm-up counts, one PointResult per load point)."""
+async def execute_plan(
+    plan: Plan, progress: report.LiveProgress, before_point: Callable[[], None] | None = None
+) -> tuple[dict, dict, list[PointResult]]:
+    """Returns (server_info block, warm-up counts, one PointResult per load point).
+    `before_point`: called (in a thread) before each load point: the barrier of --procs."""
     if plan.backend == "openai":
         from verifypd_loadgen import openai_backend as ob
 
         if plan.url is None or plan.model is None:
             raise ValueError("the openai backend needs a URL and a model")
-        async with ob.new_client(plan.tls) as client:
+        client = ob.new_client(plan.url, plan.tls, plan.connect_timeout)
+        try:
             info = await ob.probe(client, plan.url, plan.model, plan.connect_timeout)
             backend = ob.OpenAIBackend(client, plan.url, plan.model, plan.openai_api)
             runner = Runner(
@@ -86,41 +101,66 @@ async def execute_plan(plan: Plan, progress: report.LiveProgress) -> tuple[dict,
                 on_send=progress.on_send,
                 execute=ob.execute,
             )
-            return (info, *await run_points(plan, runner, progress))
+            return (info, *await run_points(plan, runner, progress, before_point))
+        finally:
+            await client.close()
     if plan.server is None:
         raise ValueError("the grpc backend needs a server address")
     async with grpc_channel(plan.server, plan.tls, aio=True) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await probe(stub, plan.server, plan.connect_timeout)
         runner = Runner(stub, plan.timeout, plan.drain_timeout, on_record=progress.on_record, on_send=progress.on_send)
-        return (info, *await run_points(plan, runner, progress))
+        return (info, *await run_points(plan, runner, progress, before_point))
 
 
-async def run_points(plan: Plan, runner: Runner, progress: report.LiveProgress) -> tuple[dict, list[PointResult]]:
-    warm = {"requests": plan.warmup, "failed": 0}
-    if plan.warmup:
-        progress.start_point("warm-up", plan.warmup, None)
+async def run_points(
+    plan: Plan, runner: Runner, progress: report.LiveProgress, before_point: Callable[[], None] | None = None
+) -> tuple[dict, list[PointResult]]:
+    n_procs, me = plan.procs, plan.proc_index
+    warmup = procs.share(plan.warmup, n_procs, me)
+    warm = {"requests": warmup, "failed": 0}
+    if warmup:
+        progress.start_point("warm-up", warmup, None)
         # A different request stream from the measured one, so that warm-up prompts do
         # not pre-fill any prefix cache for the measured requests.
         res = await runner.run(
-            warmup_load(plan), plan.workload.requests(stream=0), plan.warmup, None, "warmup", plan.seed
+            warmup_load(plan, warmup),
+            plan.workload.requests(stream=0),
+            warmup,
+            None,
+            f"{plan.run_tag}-warmup",
+            procs.point_seed(plan.seed, me),
         )
         warm["failed"] = sum(not r.ok for r in res.records)
     results = []
-    for i, load in enumerate(plan.loads):
-        progress.start_point(load.label, plan.requests, plan.duration)
+    for i, full_load in enumerate(plan.loads):
+        load = procs.share_load(full_load, n_procs, me)
+        n = None if plan.requests is None else procs.share(plan.requests, n_procs, me)
+        if before_point is not None:
+            await asyncio.to_thread(before_point)
+        if load is None:  # fewer requests in flight than processes: this one sits the point out
+            results.append(PointResult(full_load, [], time.perf_counter(), time.perf_counter()))
+            continue
+        progress.start_point(load.label, n, plan.duration)
         tick = asyncio.create_task(_ticker(progress))
+        cpu0, wall0 = procs.cpu_seconds(), time.perf_counter()
         try:
             # stream=1 for every point: each load point sees the same requests
-            results.append(
-                await runner.run(
-                    load, plan.workload.requests(stream=1), plan.requests, plan.duration, f"lg{i}", plan.seed
-                )
+            result = await runner.run(
+                load,
+                plan.workload.requests(stream=1),
+                n,
+                plan.duration,
+                f"{plan.run_tag}-lg{i}",
+                procs.point_seed(plan.seed, me),
             )
         finally:
             tick.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await tick
+        cpu, wall = procs.cpu_seconds() - cpu0, time.perf_counter() - wall0
+        result.load, result.client_cpu = full_load, [cpu / max(wall, 1e-9)]
+        results.append(result)
         progress.refresh()
     return warm, results
 
@@ -146,13 +186,27 @@ class Outputs:
     progress: bool = True
 
 
-def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) -> int:
+def run_session(
+    plan: Plan, config: dict, outputs: Outputs, console: Console, argv: list[str] | None = None, child=None
+) -> int:
+    """`argv`: the run's command line, which --procs > 1 hands to its client processes, each
+    running `child` (cli.client_process)."""
     err = Console(stderr=True)
-    progress = report.LiveProgress(err, outputs.progress and err.is_terminal)
     try:
-        with progress:
-            info, warm, results = asyncio.run(execute_plan(plan, progress))
+        if plan.procs > 1:
+            if argv is None or child is None:
+                raise ValueError("--procs > 1 needs the run's command line and the client process's entry")
+            if outputs.progress and err.is_terminal:
+                err.print(f"{plan.procs} client processes; no live progress", markup=False)
+            info, warm, results = procs.run_parallel(child, argv, plan.loads, plan.procs)
+        else:
+            progress = report.LiveProgress(err, outputs.progress and err.is_terminal)
+            with progress:
+                info, warm, results = asyncio.run(execute_plan(plan, progress))
     except Unreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a client process failed
         print(f"error: {e}", file=sys.stderr)
         return 2
     runs: list[dict[str, Any]] = [
@@ -194,3 +248,42 @@ def run_session(plan: Plan, config: dict, outputs: Outputs, console: Console) ->
         print(f"error: all {sent} requests failed ({detail})", file=sys.stderr)
         return 1
     return 0
+
+
+def client_process(build_plan, argv: list[str], index: int, procs: int, barrier, conn) -> None:
+    """One client process: `build_plan(argv)` -> its Plan; this process's share of it, a barrier
+    before each point, JSON results on `conn`. (`cli.client_process` is the spawn target.)"""
+    plan = build_plan(argv)
+    plan.proc_index, plan.procs = index, procs
+    plan.workload.proc = index
+
+    def before_point() -> None:  # blocking: run in a thread so the loop stays free
+        barrier.wait()
+
+    try:
+        info, warm, results = asyncio.run(
+            execute_plan(plan, report.LiveProgress(Console(stderr=True), False), before_point=before_point)
+        )
+        out = {
+            "info": info,
+            "warm": warm,
+            "points": [
+                {
+                    "t_start": r.t_start,
+                    "t_end": r.t_end,
+                    "cpu": r.client_cpu,
+                    "records": [dataclasses.asdict(rec) for rec in r.records],
+                }
+                for r in results
+            ],
+        }
+    except Unreachable as e:
+        barrier.abort()
+        out = {"unreachable": str(e)}
+    except threading.BrokenBarrierError:
+        out = {"error": "another client process failed"}
+    except BaseException as e:
+        barrier.abort()
+        out = {"error": f"{type(e).__name__}: {e}"}
+    conn.send_bytes(json.dumps(out).encode())
+    conn.close()

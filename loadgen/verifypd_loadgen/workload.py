@@ -141,19 +141,25 @@ class Workload:
     priority_mix: list[tuple[int, float]] = field(default_factory=lambda: [(0, 1.0)])
     ignore_eos: bool = False
     seed: int = 0
+    proc: int = 0  # --procs: the client process's index; each process draws its own requests
+    # --workload mixed: this share of the synthetic requests get a prompt of `long_input_len`
+    # tokens instead (long prefills arriving among streaming decodes)
+    long_fraction: float = 0.0
+    long_input_len: Distribution = field(default_factory=lambda: Distribution("fixed", (2048,)))
 
     DEFAULT_OUTPUT = Distribution("fixed", (128,))
 
     def requests(self, stream: int = 0) -> Iterator[RequestSpec]:
         """Stream `stream` of the workload: equal (seed, stream) give equal requests, so every
         sweep point sees the same requests; warm-up uses a different stream."""
-        rng = np.random.default_rng([self.seed, stream])
+        rng = np.random.default_rng([self.seed, stream] + ([self.proc] if self.proc else []))
         prios = np.array([p for p, _ in self.priority_mix])
         weights = np.array([w for _, w in self.priority_mix])
         order: list[int] = []
         while True:
             if self.prompts is None:
-                n = self.input_len.sample(rng)
+                long = self.long_fraction > 0 and rng.random() < self.long_fraction
+                n = (self.long_input_len if long else self.input_len).sample(rng)
                 ids = rng.integers(self.vocab_range[0], self.vocab_range[1], size=n)
                 prompt = Prompt(token_ids=[int(i) for i in ids])
             else:

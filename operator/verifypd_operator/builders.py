@@ -17,6 +17,7 @@ from typing import Any
 from .config_secrets import LANE_SECRET_FILE, build_admin_secret, build_lane_secret
 from .object_meta import (
     CONFIG_LABEL,
+    METRICS_LABEL,
     Manifest,
     deployment_name,
     gateway_pods_service_name,
@@ -283,6 +284,7 @@ def build_services(spec: Spec, owner: Mapping[str, Any], namespace: str) -> list
         _service(config, namespace, gw, owner, headless=False, http=True),
         _service(gateway_pods_service_name(config), namespace, gw, owner, headless=True, http=True),
     ]
+    out[1]["metadata"]["labels"][METRICS_LABEL] = "true"
     if spec.topology != COLOCATED:
         out += [
             _service(lane_service_name(config, lane), namespace, lane, owner, headless=True, calls=True)

@@ -14,6 +14,9 @@ from .spec import API_VERSION, KIND
 
 MANAGED_BY = "verifypd-operator"
 CONFIG_LABEL = "verifypd.dev/config"
+# On the one Service per config whose endpoints are the gateway pods' /metrics: what the chart's
+# ServiceMonitor selects (the public gateway Service has the same pods: scraping both would count twice).
+METRICS_LABEL = "verifypd.dev/metrics"
 
 Manifest = dict[str, Any]
 

@@ -58,6 +58,7 @@ def cmd_generate_offline(args) -> int:
         num_blocks=args.num_blocks,
         config=config,
         tensor_parallel=args.tensor_parallel,
+        tp_all_reduce=args.tp_all_reduce,
     )
     SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
     if args.max_tokens <= 0:

@@ -47,6 +47,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="shard the target over N processes, one GPU each (cuda:I..cuda:I+N-1 from --device "
         "cuda:I; gloo on --device cpu); N must divide its heads, kv heads and intermediate size",
     )
+    p.add_argument(
+        "--tp-all-reduce",
+        choices=("auto", "custom", "nccl"),
+        default="auto",
+        help="the ranks' all-reduce: custom = one-shot/two-shot kernel over peer-mapped GPU buffers "
+        "(NCCL for large messages); nccl = NCCL only; auto (default) = custom where every GPU can "
+        "access the others' memory, else NCCL",
+    )
 
 
 def tensor_parallel_size(text: str) -> int:

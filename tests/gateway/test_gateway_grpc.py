@@ -164,14 +164,34 @@ def test_invalid_requests_name_the_field(client, fields, names):
     assert names in err.value.details()
 
 
-def test_duplicate_in_flight_request_id(client, gateway):
+def test_a_request_id_is_each_callers_own_label(client, gateway):
+    """Two callers send the same request_id at once: both are served in full, each sees its id
+    echoed, and the one that cancels ends only its own request (ids never key requests across
+    callers: the gateway's own ids do)."""
     gateway.router.verify_lane.delay_s = 0.05
-    first = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6], 100), request_id="dup"))
-    next(first)  # in flight now
-    with pytest.raises(grpc.RpcError) as err:
-        client.generate(**greedy_request([5, 6], 5), request_id="dup")
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
-    first.cancel()
+    other = Client(gateway.address)
+    try:
+        first = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([5, 6], 40), request_id="dup"))
+        assert next(first).request_id == "dup"  # in flight now
+        ids, msgs = other.generate(**greedy_request([5, 6], 5), request_id="dup")
+        assert len(ids) == 5 and all(m.request_id == "dup" for m in msgs)
+        rest = list(first)
+        assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert rest[-1].usage.completion_tokens == 40
+
+        # Cancel one of two same-id requests: the other runs to its end.
+        victim = other.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([7, 8], 30), request_id="same"))
+        keeper = client.gen.Generate(generate_pb2.GenerateRequest(**greedy_request([7, 8], 30), request_id="same"))
+        next(victim), next(keeper)
+        victim.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            list(victim)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        kept = list(keeper)
+        assert kept[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert kept[-1].usage.completion_tokens == 30
+    finally:
+        other.close()
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])

@@ -164,6 +164,14 @@ def test_bad_tensor_parallel_sizes_exit_2(tiny_models, capsys, monkeypatch):
                 "--tensor-parallel",
             ),
             (["--device", "cpu", "--tensor-parallel", "2", "--draft", "self:1"], "--tensor-parallel 2 splits"),
+            (
+                ["--device", "cpu", "--tensor-parallel", "2", "--tp-all-reduce", "custom"],
+                "--tp-all-reduce custom needs the ranks on CUDA devices, not cpu",
+            ),
+            (
+                ["--device", "cpu", "--tensor-parallel", "2", "--tp-all-reduce", "fast"],
+                "--tp-all-reduce: invalid choice",
+            ),
         ):
             rc, err = _cli_in_process(capsys, monkeypatch, *common, *extra)
             assert rc == 2 and message in err, (extra, rc, err[-600:])

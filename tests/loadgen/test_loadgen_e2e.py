@@ -114,7 +114,7 @@ def test_errors_counted_by_code(fake, loadgen, tmp_path):
     from verifypd_loadgen.fake_server import FailRule
 
     _, addr = fake(
-        fail=[FailRule.parse("UNAVAILABLE,every=5"), FailRule.parse("RESOURCE_EXHAUSTED,match=^lg0-(3|7)$,after=2")]
+        fail=[FailRule.parse("UNAVAILABLE,every=5"), FailRule.parse("RESOURCE_EXHAUSTED,match=-lg0-(3|7)$,after=2")]
     )
     out = tmp_path / "r.json"
     rc, stdout, _ = loadgen("--server", addr, "--requests", 20, "--output-len", 4, "--out", out)
@@ -163,7 +163,7 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
         )
         assert rc == 0, err
         doc = _load(out)
-        assert doc["schema_version"] == SCHEMA_VERSION == 2
+        assert doc["schema_version"] == SCHEMA_VERSION == 3
         assert schema.key_paths(doc) == expected
         assert doc["server_info"]["status"] == ("OK" if server_info else "UNIMPLEMENTED")
         assert doc["config"]["concurrency"] == [1, 2] and doc["config"]["server"] == addr
@@ -233,7 +233,9 @@ def test_warmup_is_excluded(fake, loadgen, tmp_path):
     )
     assert rc == 0
     ids = [req.request_id for _, req in servicer.received]
-    assert len(ids) == 13 and sorted(ids[:3]) == ["warmup-0", "warmup-1", "warmup-2"]
+    tag = ids[0].split("-")[0]  # one random tag per run and process
+    assert len(tag) == 12 and all(i.startswith(tag + "-") for i in ids)
+    assert len(ids) == 13 and sorted(i[len(tag) + 1 :] for i in ids[:3]) == ["warmup-0", "warmup-1", "warmup-2"]
     assert _load(tmp_path / "r.json")["runs"][0]["summary"]["requests"]["sent"] == 10
 
 

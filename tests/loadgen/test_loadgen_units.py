@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -182,3 +183,36 @@ def test_fail_rule_parsing():
     for bad in ("NOPE,every=2", "UNAVAILABLE", "UNAVAILABLE,foo=1"):
         with pytest.raises(ValueError):
             FailRule.parse(bad)
+
+
+def test_procs_share_the_load_exactly():
+    from verifypd_loadgen.procs import default_procs, share, share_load
+    from verifypd_loadgen.runner import LoadPoint
+
+    assert [share(10, 3, i) for i in range(3)] == [4, 3, 3]
+    closed = [share_load(LoadPoint("closed", concurrency=5), 2, i) for i in range(2)]
+    assert [p.concurrency for p in closed] == [3, 2]
+    assert share_load(LoadPoint("closed", concurrency=1), 2, 1) is None  # sits the point out
+    opened = [share_load(LoadPoint("open", rate=30.0, max_concurrency=3), 2, i) for i in range(2)]
+    assert [p.rate for p in opened] == [15.0, 15.0] and [p.max_concurrency for p in opened] == [2, 1]
+    assert default_procs([LoadPoint("closed", concurrency=1)]) == 1
+    assert default_procs([LoadPoint("closed", concurrency=33)]) == min(2, os.cpu_count() or 1)
+
+
+def test_each_process_draws_its_own_requests():
+    from verifypd_loadgen.workload import Workload
+
+    first = [next(Workload(proc=p).requests(stream=1)).prompt.token_ids for p in (0, 1)]
+    assert first[0] != first[1]
+    assert next(Workload().requests(stream=1)).prompt.token_ids == first[0]  # process 0: as before --procs
+
+
+def test_mixed_workload_puts_long_prompts_among_short_ones():
+    from verifypd_loadgen.workload import Workload
+
+    w = Workload(input_len=parse_distribution("16"), long_fraction=0.25, long_input_len=parse_distribution("900"))
+    it = w.requests(stream=1)
+    lengths = [len(next(it).prompt.token_ids) for _ in range(400)]
+    assert set(lengths) == {16, 900}
+    assert 0.18 < lengths.count(900) / 400 < 0.32  # binomial(400, 0.25): sd 0.022
+    assert [len(next(Workload().requests(1)).prompt.token_ids)] == [128]  # uniform: unchanged

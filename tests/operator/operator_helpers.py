@@ -41,6 +41,11 @@ GROUPED = {
     "verifypd.dev/v1alpha1": [("verifypdconfigs", "VerifyPDConfig", True)],
     "resource.k8s.io/v1": [("resourceclaimtemplates", "ResourceClaimTemplate", True)],
     "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True)],
+    "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True)],
+    "monitoring.coreos.com/v1": [
+        ("servicemonitors", "ServiceMonitor", True),
+        ("prometheusrules", "PrometheusRule", True),
+    ],
 }
 VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
 

@@ -32,13 +32,16 @@ class HttpGateway:
     def __init__(
         self, models, *, max_queue: int = 256, max_body_bytes: int | None = None, api_key: str | None = None, **options
     ):
+        from verifypd.core.serving_metrics import ServingMetrics
         from verifypd.core.telemetry import Telemetry, prometheus_reader
         from verifypd.gateway.http_api import HttpApi
         from verifypd.gateway.http_server import HttpServer
         from verifypd.gateway.server import build_colocated
 
         reader, registry = prometheus_reader()
-        self.telemetry = Telemetry(readers=[reader])
+        self.serving = ServingMetrics(MODEL)  # the vLLM-named series, as `verifypd serve` registers them
+        registry.register(self.serving)
+        self.telemetry = Telemetry(readers=[reader], serving=self.serving)
         self.gw = build_colocated(engine_options(*models, **options), observer=self.telemetry, max_queue=max_queue)
         self.slow = self.gw.router.verify_lane = SlowLane(self.gw.router.verify_lane)
         self.gw.start()

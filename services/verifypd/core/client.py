@@ -18,19 +18,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Span, Tracer
 
 from verifypd.core.channel import USAGE_KEYS, AsyncChannel, ChannelClosed, b64, finish_from_wire, spec_to_wire, unb64
 from verifypd.core.loop import Draining, Overloaded, Unavailable
+from verifypd.core.tracing import end_gateway_span, start_gateway_span, traceparent_of
 from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec
 from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 
 log = logging.getLogger("verifypd.gateway")
+access_log = logging.getLogger("verifypd.access")
 READY_TIMEOUT_S = 3600.0  # a large model loads and captures graphs before the core is ready
 SUBMIT_TIMEOUT_S = 60.0  # an add is answered before the core's next step: seconds at most
 
@@ -111,7 +115,10 @@ class RequestStream:
     """A request in flight: `box` yields Chunk | Failure (and whatever else a front end puts in)."""
 
     def __init__(self, request_id: str, rid: int, detok: IncrementalDetokenizer):
-        self.request_id, self.rid, self.detok = request_id, rid, detok  # client id, channel id
+        # request_id: the client's id, a label only (echoed, logged); rid: the gateway's own key
+        self.request_id, self.rid, self.detok = request_id, rid, detok
+        self.api, self.t0, self.prompt_tokens = "grpc", 0.0, 0  # for the access log line
+        self.span: Span | None = None  # the gateway's trace span of this request (core/tracing.py), when tracing
         self.box = StreamBox()
         self.added: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -126,10 +133,14 @@ class CoreClient:
         self.eos: frozenset[int] = frozenset()
         self.failed: str | None = None
         self.draining = False
+        self.access_log = False  # `serve --access-log`: one verifypd.access line per request
+        self.tracer: Tracer | None = None  # an OpenTelemetry Tracer when OTLP traces are on (core/tracing.py)
         self._ids = itertools.count(1)
         self._cids = itertools.count(1)
+        # Keyed by the gateway's own ids only. A client's `request_id` is a label: two callers (or
+        # two loadgen processes) may send the same one at once, and none can reach or cancel another's
+        # request by naming its id (cancel is the caller's own stream ending).
         self._streams: dict[int, RequestStream] = {}
-        self._by_client: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read())
@@ -141,20 +152,28 @@ class CoreClient:
         return len(self._streams)
 
     # -- requests ------------------------------------------------------------------------------
-    async def submit(self, spec: RequestSpec) -> RequestStream:
-        """Raises InvalidRequest, Overloaded, Draining or Unavailable (as the in-process loop did)."""
+    async def submit(self, spec: RequestSpec, trace_carrier=None, api: str = "grpc") -> RequestStream:
+        """Raises InvalidRequest, Overloaded, Draining or Unavailable (as the in-process loop did).
+        `trace_carrier`: the call's headers or gRPC metadata, read for a W3C `traceparent` when
+        tracing is on; `api`: grpc | http, a span attribute."""
         if self.failed:
             raise Unavailable(self.failed)
         if self.draining:
             raise Draining("server is draining (shutting down); retry on another replica")
         client_id = spec.request_id or uuid.uuid4().hex
-        if client_id in self._by_client:
-            raise InvalidRequest(f"request_id {client_id!r} is already in flight; use a unique id")
         rid = next(self._ids)
         stream = RequestStream(client_id, rid, IncrementalDetokenizer(self.codec.decode, spec.prompt_ids, spec.stop))
-        self._streams[rid], self._by_client[client_id] = stream, stream
+        self._streams[rid] = stream
+        msg = {"t": "add", "id": rid, "spec": spec_to_wire(spec)}
+        if self.access_log:
+            stream.api, stream.t0, stream.prompt_tokens = api, time.monotonic(), len(spec.prompt_ids)
+        if self.tracer is not None:
+            stream.span = start_gateway_span(self.tracer, trace_carrier or {}, api, client_id, len(spec.prompt_ids))
+            traceparent = traceparent_of(stream.span)
+            if traceparent is not None:
+                msg["tp"] = traceparent
         try:
-            self.channel.send({"t": "add", "id": rid, "spec": spec_to_wire(spec)})
+            self.channel.send(msg)
             try:  # the core's answer: added, refused, or the channel closed
                 await asyncio.wait_for(asyncio.shield(stream.added), SUBMIT_TIMEOUT_S)
             except TimeoutError:  # alive but stuck (e.g. stopped): never hang a caller
@@ -172,11 +191,34 @@ class CoreClient:
         if self._forget(stream.rid) is not None:
             self._send_quietly({"t": "cancel", "id": stream.rid})
 
-    def _forget(self, rid: int) -> RequestStream | None:
+    def _forget(self, rid: int, outcome: str = "abort", chunk: Chunk | None = None) -> RequestStream | None:
+        """Drops a request; ends its trace span with `outcome` (a finish reason, abort or error)."""
         stream = self._streams.pop(rid, None)
-        if stream is not None:
-            self._by_client.pop(stream.request_id, None)
+        if stream is None:
+            return None
+        if self.access_log:
+            self._log_access(stream, outcome, chunk)
+        if stream.span is not None:
+            end_gateway_span(stream.span, outcome, chunk.usage_dict() if chunk is not None else None)
         return stream
+
+    def _log_access(self, stream: RequestStream, outcome: str, chunk: Chunk | None) -> None:
+        trace_id = None
+        if stream.span is not None and stream.span.get_span_context().is_valid:
+            trace_id = format(stream.span.get_span_context().trace_id, "032x")
+        fields = {
+            "api": stream.api,
+            "request_id": stream.request_id,
+            "trace_id": trace_id,
+            "outcome": outcome,
+            "prompt_tokens": stream.prompt_tokens,
+            "output_tokens": chunk.usage[1] if chunk is not None else None,
+            "duration_ms": round((time.monotonic() - stream.t0) * 1e3, 1),
+        }
+        access_log.info(
+            "%s %s %s %s tokens %s ms", fields["api"], stream.request_id, outcome, fields["output_tokens"],
+            fields["duration_ms"], extra=fields,
+        )  # fmt: skip
 
     def _send_quietly(self, msg: dict) -> None:
         try:
@@ -255,7 +297,7 @@ class CoreClient:
         if exc is None:
             stream.added.set_result(None)
         else:
-            self._forget(rid)
+            self._forget(rid, "error")
             stream.added.set_exception(exc)
 
     def _on_step(self, rows: list) -> None:
@@ -268,11 +310,17 @@ class CoreClient:
             text, stop_hit = stream.detok.add([t for t in ids if t not in eos])
             if stop_hit:
                 reason = FinishReason.STOP
-                self.cancel(stream)
             elif reason is not None:
                 text += stream.detok.flush()
-                self._forget(rid)
-            stream.box.put(Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft))
+            chunk = Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft)
+            if stream.span is not None and ttft is not None:
+                stream.span.add_event("first_token")
+            if stop_hit:
+                if self._forget(rid, "stop", chunk) is not None:
+                    self._send_quietly({"t": "cancel", "id": rid})
+            elif reason is not None:
+                self._forget(rid, "length" if reason is FinishReason.LENGTH else "stop", chunk)
+            stream.box.put(chunk)
 
     def _on_fail(self, msg: dict) -> None:
         code = getattr(grpc.StatusCode, msg["code"], grpc.StatusCode.UNKNOWN)
@@ -281,7 +329,7 @@ class CoreClient:
             if self.on_failure is not None:
                 self.on_failure(self.failed, False)
         for rid in msg["ids"]:
-            stream = self._forget(rid)
+            stream = self._forget(rid, "error")
             if stream is not None:
                 stream.box.put(Failure(code, msg["message"]))
 
@@ -308,7 +356,7 @@ class CoreClient:
             if not quiet:
                 log.error("not serving any more: %s", message)
         for stream in list(self._streams.values()):
-            self._forget(stream.rid)
+            self._forget(stream.rid, "error")
             if not stream.added.done():
                 stream.added.set_exception(Unavailable(message))
             else:

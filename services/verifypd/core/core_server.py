@@ -26,6 +26,7 @@ from verifypd.v1 import control_pb2
 
 if TYPE_CHECKING:
     from verifypd.core.assembly import SplitLanes
+    from verifypd.core.tracing import RequestTracing
     from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.core")
@@ -71,6 +72,7 @@ class CoreServer:
             recovery_timeout_s=recovery_timeout_s,
         )
         self.metrics_registry = metrics_registry
+        self.tracing: RequestTracing | None = None  # core/tracing.py: set when OTLP traces are on
         self._on_close = list(on_close)
         self._watch_interval_s = watch_interval_s
         self._stopped = threading.Event()
@@ -140,7 +142,7 @@ class CoreServer:
         self.channel.close()
 
     def _on_failure(self, message: str) -> None:
-        log.error("not serving any more: %s", message)
+        log.error("not serving any more: %s", message, extra={"reason": message})
 
     # -- commands (reader thread) --------------------------------------------------------------
     def _read(self) -> None:
@@ -172,11 +174,17 @@ class CoreServer:
             self._send({"t": "refused", "id": rid, "code": "INVALID_ARGUMENT", "message": f"bad request: {exc}"})
             return
 
+        tracing = self.tracing
+        if tracing is not None and msg.get("tp"):  # the gateway's span: this request's core spans hang below it
+            tracing.begin(str(rid), msg["tp"])
+
         def done(future) -> None:  # loop thread, before the step that first schedules it
             exc = future.exception()
             if exc is None:
                 self._send({"t": "added", "id": rid})
             else:
+                if tracing is not None:
+                    tracing.forget(str(rid))
                 code, message = refusal(exc)
                 self._send({"t": "refused", "id": rid, "code": code, "message": message})
 

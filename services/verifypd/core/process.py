@@ -39,6 +39,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
     from verifypd.core.channel import BlockingChannel
     from verifypd.core.core_server import CoreServer
     from verifypd.core.telemetry import Telemetry
+    from verifypd.core.tracing import RequestTracing, make_tracer
     from verifypd.domain.logs import setup_logging, warn_simulated
     from verifypd.net.lane_tls import serve_lane_tls
 
@@ -50,13 +51,19 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
     setup_logging()
     engine_options = options.engine
     warn_simulated(engine_options)
-    readers, registry = [], None
+    readers, registry, serving = [], None, None
     if options.metrics:  # /metrics on the gateway asks this process for its instruments' text
+        from verifypd.core.serving_metrics import ServingMetrics
         from verifypd.core.telemetry import prometheus_reader
 
         reader, registry = prometheus_reader()
         readers.append(reader)
-    telemetry = Telemetry("verifypd-gateway", readers=readers)
+        serving = ServingMetrics(options.model_name or engine_options.target)
+        registry.register(serving)
+    telemetry = Telemetry("verifypd-gateway", readers=readers, serving=serving)
+    tracer = make_tracer("verifypd-core")  # None unless OTLP is configured
+    tracing = RequestTracing(tracer) if tracer is not None else None
+    telemetry.tracing = tracing
     lane_tls = serve_lane_tls(options.lane_tls)
     if lane_tls is not None:  # fail at once on our own expired / foreign certificate, not after lane timeouts
         from verifypd.domain.lanes import LaneError
@@ -105,6 +112,8 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
             procs, lambda message: core.loop.fail(message), max_restarts=options.max_lane_restarts
         )
         on_close[:0] = [supervisor.stop, procs.terminate]
+        if serving is not None:
+            serving.lane_restarts = lambda: supervisor.total_restarts
     else:
         colocated = build_colocated(engine_options, observer=telemetry, detokenize=False)
         router, info = colocated.router, colocated.info()
@@ -120,6 +129,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
         metrics_registry=registry,
     )
     core.wiring = wiring
+    core.tracing = tracing
     if supervisor is not None:
         supervisor.start()
     _exit_with_parent()

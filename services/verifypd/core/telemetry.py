@@ -17,6 +17,8 @@ from collections import deque
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from verifypd.core.serving_metrics import ServingMetrics
+from verifypd.core.tracing import RequestTracing
 from verifypd.domain import metric_names as mn
 from verifypd.router.router import EngineObserver
 from verifypd.router.sequence import SeqStatus
@@ -69,8 +71,15 @@ def make_meter_provider(service_name: str, readers: list | None = None):
 
 class Telemetry(EngineObserver):
     def __init__(
-        self, service_name: str = "verifypd-gateway", readers: list | None = None, acceptance_window: int = 256
+        self,
+        service_name: str = "verifypd-gateway",
+        readers: list | None = None,
+        acceptance_window: int = 256,
+        serving: ServingMetrics | None = None,
     ):
+        """`serving`: the vLLM-named Prometheus series (core/serving_metrics.py), fed by the same hooks."""
+        self.serving = serving
+        self.tracing: RequestTracing | None = None  # core/tracing.py, when OTLP traces are on
         self.provider = make_meter_provider(service_name, readers)
         meter = (self.provider or metrics.NoOpMeterProvider()).get_meter("verifypd")
         self.ttft = meter.create_histogram(mn.TIME_TO_FIRST_TOKEN, unit="s", description="Time to first token")
@@ -140,12 +149,16 @@ class Telemetry(EngineObserver):
     # -- EngineObserver (engine thread) ----------------------------------------------------
     def on_lane_step(self, lane: str, seconds: float, batch: int) -> None:
         self.lane_step.record(seconds, {mn.ATTR_LANE: lane})
+        if self.tracing is not None:
+            self.tracing.on_lane_step(lane, seconds, batch)
 
     def on_verify(self, k: int, accepted: int) -> None:
         # Called per verify item (request) on the engine thread: an SDK instrument call costs
         # ~3-5 us, so at batch 128 three of them per item were ~1.5 ms of every step's host time.
         # Tallied here and handed to the instruments once per step (`_flush_verify`).
         self._step_ks.add(k)
+        if self.serving is not None:
+            self.serving.on_verify(k, accepted)
         if k:
             self._step_drafted += k
             self._step_accepted += accepted
@@ -163,6 +176,10 @@ class Telemetry(EngineObserver):
             self._step_drafted = self._step_accepted = 0
 
     def on_request_finished(self, seq) -> None:
+        if self.serving is not None:
+            self.serving.on_request_finished(seq)
+        if self.tracing is not None:
+            self.tracing.on_request_finished(seq)
         stats = seq.stats
         self.tokens.record(stats.prompt_tokens, {mn.ATTR_TOKEN_TYPE: "input"})
         self.tokens.record(stats.completion_tokens, {mn.ATTR_TOKEN_TYPE: "output"})
@@ -183,6 +200,10 @@ class Telemetry(EngineObserver):
         self._seen[name] = total
 
     def on_step(self, router) -> None:
+        if self.serving is not None:
+            self.serving.on_step(router)
+        if self.tracing is not None:
+            self.tracing.on_step(router)
         self._flush_verify()
         overlap = getattr(router, "overlap", None)
         if overlap is not None:  # counted when launched; the engine's own counters, as deltas
@@ -217,6 +238,8 @@ class Telemetry(EngineObserver):
 
     def on_idle(self, router) -> None:  # after an abort, while idle, after a lane recovery
         self.on_step(router)
+        if self.serving is not None:  # not throttled: the state just changed
+            self.serving.scan(router)
 
     # -- observable gauges (exporter thread) -----------------------------------------------
     def _observe_queues(self, options: CallbackOptions):

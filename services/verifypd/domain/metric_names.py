@@ -35,6 +35,38 @@ STEPS_AHEAD = "verifypd.engine.speculative_steps_ahead"  # counter, {step}
 # laid out for its longest outcome and fitted on the device (engine.spec_ahead.fit_next).
 VERIFY_FITTED = "verifypd.engine.verify_calls_fitted"  # counter, {step}
 
+# Prometheus-only series of `/metrics` under vLLM's names, so vLLM's Grafana dashboards and alerts
+# read verifypd unchanged (core/serving_metrics.py; label model_name). OTel instrument names cannot
+# hold a colon: these never go over OTLP, where the GenAI names above carry the same quantities.
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
+VLLM_ITL = "vllm:inter_token_latency_seconds"  # per output token
+VLLM_TPOT_OLD = "vllm:time_per_output_token_seconds"  # vLLM's older name of the same series
+VLLM_REQUEST_TPOT = "vllm:request_time_per_output_token_seconds"  # per request
+VLLM_E2E = "vllm:e2e_request_latency_seconds"
+VLLM_QUEUE = "vllm:request_queue_time_seconds"
+VLLM_PREFILL = "vllm:request_prefill_time_seconds"
+VLLM_DECODE = "vllm:request_decode_time_seconds"
+VLLM_INFERENCE = "vllm:request_inference_time_seconds"
+VLLM_PROMPT_LEN = "vllm:request_prompt_tokens"
+VLLM_OUTPUT_LEN = "vllm:request_generation_tokens"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # 0-1, as vLLM's
+VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: rendered with _total
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
+VLLM_PREEMPTIONS = "vllm:num_preemptions"
+VLLM_REQUEST_SUCCESS = "vllm:request_success"  # label finished_reason: stop | length | abort
+VLLM_SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
+VLLM_SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+VLLM_SPEC_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+VLLM_SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"  # label position
+# Ours, Prometheus-only, beside them.
+PREEMPTED_WAITING = "verifypd_num_requests_preempted"  # gauge
+ACCEPTANCE_LENGTH = "verifypd_spec_decode_acceptance_length"  # histogram, tokens per verify item
+LANE_RESTARTS = "verifypd_lane_restarts"  # counter
+REQUEST_ERRORS = "verifypd_request_errors"  # counter (gateway); labels api, code
+
 # Attribute keys.
 ATTR_LANE = "verifypd.lane"  # "prefill" | "draft" | "verify"
 ATTR_POOL = "verifypd.pool"  # "target" | "draft"

@@ -38,6 +38,9 @@ class EngineOptions:
     # The target over this many ranks, one process (and GPU) each: this process is rank 0
     # (lanes/tensor_parallel/ranks.py); 1 = today's single-process target.
     tensor_parallel: int = 1
+    # The ranks' all-reduce (lanes/tensor_parallel/all_reduce.py): "auto" (the custom one-shot /
+    # two-shot kernel where the GPUs are peer-accessible, else NCCL) | "custom" | "nccl".
+    tp_all_reduce: str = "auto"
 
 
 @dataclass
@@ -72,6 +75,7 @@ class CoreOptions:
     max_queue: int = 256
     mps: str = "off"  # "auto" | "on" | "off"
     metrics: bool = False  # the gateway serves /metrics: keep this process's instruments' text
+    model_name: str = ""  # --served-model-name: the model_name label of the vLLM-named series ("": the target)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -122,6 +122,7 @@ class RequestStats:
     accepted_tokens: int = 0
     verify_steps: int = 0
     arrival_time: float = 0.0
+    scheduled_time: float | None = None  # first admitted to prefill (queue time = this - arrival)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one emission time per output token
     preemptions: int = 0

@@ -136,7 +136,9 @@ class Completion:
                 if item is _DISCONNECTED:
                     return False
                 if isinstance(item, Failure):
-                    await error_response(_failure_error(item))(scope, _receive_elsewhere, send)
+                    err = _failure_error(item)
+                    self.api.gateway.errors.add("http", str(err.status), err.code)
+                    await error_response(err)(scope, _receive_elsewhere, send)
                     return True
                 texts.append(item.text)
                 ids += item.token_ids
@@ -188,7 +190,9 @@ class Completion:
                 if item is _DISCONNECTED:
                     return False
                 if isinstance(item, Failure):  # headers are sent: the error travels as an event
-                    await event(_failure_error(item).body())
+                    err = _failure_error(item)
+                    self.api.gateway.errors.add("http", "stream", err.code)
+                    await event(err.body())
                     done = True
                     break
                 assert isinstance(item, Chunk)
@@ -277,10 +281,17 @@ class HttpApi:
 
     # -- generation ----------------------------------------------------------------------------
     async def chat(self, request: Request):
-        return await self._generate(request, oc.CHAT, "chatcmpl-")
+        return self._counted(await self._generate(request, oc.CHAT, "chatcmpl-"))
 
     async def completions(self, request: Request):
-        return await self._generate(request, oc.COMPLETION, "cmpl-")
+        return self._counted(await self._generate(request, oc.COMPLETION, "cmpl-"))
+
+    def _counted(self, response):
+        """A refusal before the stream began: counted in verifypd_request_errors_total."""
+        if isinstance(response, JSONResponse) and response.status_code >= 400:
+            reason = json.loads(response.body).get("error", {}).get("code") or "error"
+            self.gateway.errors.add("http", str(response.status_code), reason)
+        return response
 
     async def _read_json(self, request: Request):
         too_big = oc.ApiError(
@@ -318,7 +329,7 @@ class HttpApi:
                 max_context=self.info.max_context,
                 default_max_tokens=self.gateway.default_max_tokens,
             )
-            stream = await self.client.submit(spec)
+            stream = await self.client.submit(spec, request.headers, "http")
         except oc.ApiError as err:
             return error_response(err)
         except InvalidRequest as exc:
@@ -375,7 +386,7 @@ class HttpApi:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         if self.registry is not None:  # the instruments live in this process
-            text = generate_latest(self.registry)
+            text = generate_latest(self.registry).decode()
         else:  # they live in the engine-core process (verifypd serve)
             try:
                 text = await self.client.call("metrics", timeout_s=10)
@@ -383,4 +394,5 @@ class HttpApi:
                 return error_response(
                     oc.ApiError(503, f"metrics unavailable: {exc}", None, "not_serving", "server_error")
                 )
+        text += generate_latest(self.gateway.errors.registry).decode()  # the gateway's own series
         return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -26,6 +26,7 @@ from verifypd.core.core_server import CoreServer
 from verifypd.core.loop import Draining, Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest
+from verifypd.gateway.request_errors import RequestErrors
 from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
 from verifypd.net.auth import gateway_interceptor
 from verifypd.net.health import AsyncHealth
@@ -51,17 +52,21 @@ class GenerationServicer:
             spec = convert.request_spec_from_pb(
                 request, gw.codec, max_context=gw.info.max_context, default_max_tokens=gw.default_max_tokens
             )
-            stream = await gw.client.submit(spec)
+            stream = await gw.client.submit(spec, context.invocation_metadata(), "grpc")
         except InvalidRequest as exc:
+            gw.errors.add("grpc", "INVALID_ARGUMENT", "invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
+            gw.errors.add("grpc", "RESOURCE_EXHAUSTED", "queue_full")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
+            gw.errors.add("grpc", "UNAVAILABLE", "draining")
             # gRPC's retry pushback: a client with a retry policy waits this long, then retries
             # (on another replica behind a load balancer; this one is going away).
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(DRAIN_RETRY_MS)),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (Unavailable, TimeoutError) as exc:
+            gw.errors.add("grpc", "UNAVAILABLE", "not_serving")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
         finished = False
         encoder = ResponseEncoder(stream.request_id)
@@ -71,6 +76,7 @@ class GenerationServicer:
                 for item in await stream.box.take():
                     if isinstance(item, Failure):
                         finished = True
+                        gw.errors.add("grpc", item.code.name, "failed")
                         await context.abort(item.code, item.message)
                     finished = item.finished
                     yield encoder.encode(
@@ -124,6 +130,7 @@ class Gateway:
         tls=None,
     ):
         self.codec, self.default_max_tokens = codec, default_max_tokens
+        self.errors = RequestErrors()  # verifypd_request_errors_total, rendered by /metrics
         self.core, self.core_process = core, core_process
         self.info = info if info is not None else (core.info if core is not None else None)
         self.core_exited = threading.Event()  # set when the core went away (serve exits then)

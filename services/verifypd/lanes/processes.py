@@ -72,7 +72,7 @@ def lane_command(
     if options.graph_buckets:
         cmd += ["--graph-buckets", ",".join(map(str, options.graph_buckets))]
     if lane != "draft" and getattr(options, "tensor_parallel", 1) > 1:  # the lanes that run the target
-        cmd += ["--tensor-parallel", str(options.tensor_parallel)]
+        cmd += ["--tensor-parallel", str(options.tensor_parallel), "--tp-all-reduce", options.tp_all_reduce]
     if lane != "prefill":  # the owners capture graphs up to the router's longest draft
         cmd += ["--k-max", str(options.config.k_max)]
     if lane == "verify" and options.simulated_acceptance is not None:  # benchmark only

@@ -72,7 +72,7 @@ class LaneSupervisor:
                 f"{lane} lane crash loop: exited (code {code}) after {len(recent)} restarts within "
                 f"{self.window_s:.0f} s; not restarting it again"
             )
-            log.error("%s; the gateway stops serving", self.gave_up)
+            log.error("%s; the gateway stops serving", self.gave_up, extra={"lane": lane, "reason": "crash_loop"})
             self.on_give_up(self.gave_up)
             return
         backoff = min(self.max_backoff_s, self.base_backoff_s * (2 ** len(recent)))
@@ -84,6 +84,7 @@ class LaneSupervisor:
             backoff,
             len(recent) + 1,
             self.window_s,
+            extra={"lane": lane, "reason": f"exit_code_{code}"},
         )
         if self._stop.wait(backoff) or self.procs.stopping:
             return
@@ -91,7 +92,7 @@ class LaneSupervisor:
         try:
             new_pid = self.procs.restart(lane)
         except (RuntimeError, OSError) as exc:
-            log.error("cannot restart the %s lane: %s", lane, exc)
+            log.error("cannot restart the %s lane: %s", lane, exc, extra={"lane": lane, "reason": "restart_failed"})
             return
         self.total_restarts += 1
-        log.info("%s lane restarted, pid %d", lane, new_pid)
+        log.info("%s lane restarted, pid %d", lane, new_pid, extra={"lane": lane, "reason": "restarted"})

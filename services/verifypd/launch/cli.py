@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from verifypd.domain.logs import setup_logging, simulated_label, warn_simulated
+from verifypd.domain.logs import LOG_FORMAT_ENV, setup_logging, simulated_label, warn_simulated
 from verifypd.launch.serve_args import (
     add_client_tls_arguments,
     add_lane_arguments,
@@ -68,9 +68,12 @@ def cmd_serve(args) -> int:
     them (core/process.py), loads the tokenizer meanwhile, then serves gRPC and HTTP on one event
     loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
+    from verifypd.core.tracing import make_tracer
     from verifypd.gateway.server import Gateway, load_codec
     from verifypd.net.tls import server_tls
 
+    if args.log_format:  # the engine core and the lanes it starts read it from the environment
+        os.environ[LOG_FORMAT_ENV] = args.log_format
     setup_logging()
     options = engine_options(args)  # bad flags fail here, before anything starts
     if args.http_port < 0 or args.http_max_body_bytes < 1:
@@ -140,6 +143,8 @@ def cmd_serve(args) -> int:
         raise
     try:
         gateway.start()
+        gateway.client.tracer = make_tracer("verifypd-gateway")  # None unless OTLP is configured
+        gateway.client.access_log = args.access_log
         info = gateway.info
         if info is None:  # start() waits for the core's ready message, which carries it
             raise RuntimeError("the engine core was ready without its server info")

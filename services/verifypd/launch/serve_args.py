@@ -30,6 +30,19 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--http-max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger HTTP request bodies get 413"
     )
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines as text (default) or one JSON object each (request_id, trace_id, lane, reason "
+        "fields); also $VERIFYPD_LOG_FORMAT, inherited by the engine core and the lanes",
+    )
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="one log line per request the engine took (logger verifypd.access: api, request_id, "
+        "trace_id, outcome, tokens, duration); off by default",
+    )
     serve.add_argument("--served-model-name", default=None, help="the HTTP API's model id (default: the --target spec)")
     serve.add_argument(
         "--topology",
@@ -276,6 +289,7 @@ def engine_options(args):
         max_context=args.max_context,
         graph_buckets=args.graph_buckets,
         tensor_parallel=args.tensor_parallel,
+        tp_all_reduce=args.tp_all_reduce,
         simulated_acceptance=getattr(args, "simulated_acceptance", None),
     )
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
@@ -325,4 +339,5 @@ def core_options(args, engine: EngineOptions | None = None) -> CoreOptions:
         max_queue=args.max_queue,
         mps=args.mps,
         metrics=bool(args.http_port),
+        model_name=args.served_model_name or "",
     )

@@ -14,5 +14,6 @@ sampler.py         token choice and lossless speculative acceptance
 verify_fit.py, verdict_shift.py   calls fitted on the device to the previous verify's verdict
 eagle_head.py, eagle_draft.py, eagle_chain.py, features.py   EAGLE-style feature drafts
 tensor_parallel.py the sharded forward behind a small process-group interface
+custom_all_reduce.py  the ranks' one-shot / two-shot all-reduce over peer-mapped buffers (NCCL beyond)
 kernels/           Triton kernels, a kernel per file
 """

@@ -20,6 +20,8 @@ The schedule (`RuntimeConfig.schedule`, docs/engine.md "Schedules") changes what
 from __future__ import annotations
 
 import heapq
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from verifypd.domain.config import RuntimeConfig
@@ -91,6 +93,7 @@ class Scheduler:
         max_running: int = 256,
         lazy_draft_prefill: bool = False,
         never_drafts: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`lazy_draft_prefill`: the prefill lane takes chunks without draft KV (per item), and the
         draft lane catches a lagging draft KV up (a model draft, not a feature draft): a chunk then
@@ -99,6 +102,7 @@ class Scheduler:
         acceptance there, would otherwise keep asking for k_initial drafts, and each such step
         (a draft call answering nothing, then a k = 0 verify) could not be chained (steps.overlapped)."""
         self.never_drafts = never_drafts
+        self.clock = clock  # the router's: stamps a request's first admission (queue time)
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
         self.target = target_blocks
         # None: a pool-less draft lane needs no draft blocks (`draft` grows and frees none)
@@ -469,12 +473,18 @@ class Scheduler:
             if chunk is None:
                 continue
             if seq is head:
-                heapq.heappop(self._waiting)
-                seq.status = SeqStatus.PREFILLING
-                self.running.append(seq)
+                self._admit_head()
             self._rr_last = seq.arrival_order
             return StepPlan([chunk], [], preempted, out_of_room)
         return StepPlan([], [], preempted, out_of_room)
+
+    def _admit_head(self) -> None:
+        """The head of the waiting queue starts prefilling; its first admission ends its queue time."""
+        seq = heapq.heappop(self._waiting)[1]
+        seq.status = SeqStatus.PREFILLING
+        self.running.append(seq)
+        if seq.stats.scheduled_time is None:
+            seq.stats.scheduled_time = self.clock()
 
     def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
         if (
@@ -514,9 +524,7 @@ class Scheduler:
             chunk = self._chunk(seq, budget, reserve=len(self.running))
             if chunk is None:
                 break  # head of the queue does not fit: keep FIFO-by-priority order, wait
-            heapq.heappop(self._waiting)
-            seq.status = SeqStatus.PREFILLING
-            self.running.append(seq)
+            self._admit_head()
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
         return chunks
@@ -689,9 +697,7 @@ class Scheduler:
             chunk = self._chunk(seq, budget, reserve=len(self.running))
             if chunk is None:
                 break  # no room: it waits, as in _plan_prefill
-            heapq.heappop(self._waiting)
-            seq.status = SeqStatus.PREFILLING
-            self.running.append(seq)
+            self._admit_head()
             chunks.append(chunk)
             budget -= need
         self._mark_draft_kv(config, costs, chunks)

@@ -136,6 +136,7 @@ class StepContext:
         self.target_blocks: BlockManager
         self.draft_blocks: BlockManager | None
         self.scheduler: Scheduler
+        self.clock = clock  # before attach_pools: the scheduler stamps admissions with it
         self.attach_pools(verify_info.pools, draft_info.pools, max_running)
         self.config = config
         self.config.validate()
@@ -143,7 +144,6 @@ class StepContext:
         self.observer = observer
         self.decode = decode
         self.eos = eos_token_ids
-        self.clock = clock
         # Prefill beside decode (docs/engine.md): with lanes whose calls start asynchronously, a
         # step's prefill is launched while the GPU runs its verify call. Off only to measure it.
         self.overlap_prefill = True
@@ -179,6 +179,7 @@ class StepContext:
             max_running,
             lazy_draft_prefill=self._lazy_draft_prefill(),
             never_drafts=self._never_drafts(),
+            clock=self.clock,
         )
 
     def _lazy_draft_prefill(self) -> bool:

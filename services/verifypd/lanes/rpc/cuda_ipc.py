@@ -79,3 +79,23 @@ def open_tensor(h: lanes_pb2.CudaIpcHandle, uuid: str, shape: tuple[int, ...], d
             f"pool of {numel * dtype.itemsize} bytes does not fit the shared storage ({h.storage_size_bytes} bytes)"
         )
     return tensor.set_(storage, 0, shape, ())  # stride (): contiguous, set_'s default
+
+
+def map_into(h: lanes_pb2.CudaIpcHandle, device: torch.device) -> torch.UntypedStorage:
+    """Maps another process's allocation (possibly on another GPU) into `device`'s address space:
+    cudaIpcOpenMemHandle in `device`'s context, which enables peer access to the owner's GPU. The
+    storage's data_ptr is then valid in kernels running on `device` (reads and writes go over
+    NVLink / PCIe); torch labels the storage with `device`, not the owner's GPU, so use its address,
+    not its tensors' device."""
+    torch.cuda._lazy_init()
+    with torch.cuda.device(device):
+        return torch.UntypedStorage._new_shared_cuda(
+            device.index,
+            h.mem_handle,
+            h.storage_size_bytes,
+            h.storage_offset_bytes,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle or None,
+            h.event_sync_required,
+        )

@@ -108,7 +108,7 @@ def load_lane_shard(options: EngineOptions, spec: DraftSpec, need_draft: bool) -
     world = options.tensor_parallel
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    tp_ranks.check_devices(device, world)
+    tp_ranks.check_devices(device, world, options.tp_all_reduce)
     if need_draft and spec.kind == "self":
         raise ModelLoadError(
             f"--draft {spec.text} runs on the target's own weights, which --tensor-parallel "

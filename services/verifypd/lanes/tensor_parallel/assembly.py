@@ -23,7 +23,7 @@ def load_tensor_parallel(options: EngineOptions) -> Models:
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     world = options.tensor_parallel
-    tp_ranks.check_devices(device, world)
+    tp_ranks.check_devices(device, world, options.tp_all_reduce)
     if spec.kind == "self":
         raise ModelLoadError(
             f"--draft {spec.text} runs on the target's own layers, which --tensor-parallel {world} "
@@ -52,4 +52,5 @@ def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, gene
         cuda_graphs=options.cuda_graphs,
         graph_buckets=list(options.graph_buckets) if options.graph_buckets else None,
         k_max=options.config.k_max,
+        tp_all_reduce=options.tp_all_reduce,
     )

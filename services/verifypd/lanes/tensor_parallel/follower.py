@@ -11,7 +11,8 @@ It joins the group and loads its shard. Then, by `pool` in the options:
 Then it runs rank 0's calls until rank 0 stops it or goes away.
 
 Options (JSON, from rank 0): rank, world, init_file, device, parent_pid, pool, generation, target,
-dtype, max_context, block_size, num_blocks, gpu_memory_fraction, cuda_graphs, graph_buckets, k_max.
+dtype, max_context, block_size, num_blocks, gpu_memory_fraction, cuda_graphs, graph_buckets, k_max,
+tp_all_reduce.
 The pool budget is this rank's own memory, as rank 0 computes its own; the ranks take the minimum.
 """
 
@@ -74,7 +75,9 @@ class Follower:
         self.rank, world = options["rank"], options["world"]
         self.device = torch.device(options["device"])
         self.dtype = getattr(torch, options["dtype"])
-        self.group = init_group(self.rank, world, options["init_file"], self.device)
+        self.group = init_group(
+            self.rank, world, options["init_file"], self.device, options.get("tp_all_reduce", "auto")
+        )
         loaded = load_target_shard(options["target"], self.rank, world, self.device, self.dtype, options["max_context"])
         self.model = PagedLlama(shard_shape(loaded.shape, world), loaded.weights)
         self.model.tp_group = self.group

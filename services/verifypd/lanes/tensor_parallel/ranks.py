@@ -75,9 +75,11 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def check_devices(base: torch.device, world: int) -> None:
+def check_devices(base: torch.device, world: int, all_reduce: str = "auto") -> None:
     if world < 1:
         raise ModelLoadError(f"--tensor-parallel must be >= 1, got {world}")
+    if all_reduce == "custom" and world > 1 and base.type != "cuda":
+        raise ModelLoadError(f"--tp-all-reduce custom needs the ranks on CUDA devices, not {base.type}")
     if base.type == "cuda":
         first, visible = base.index or 0, torch.cuda.device_count()
         if first + world > visible:
@@ -87,10 +89,12 @@ def check_devices(base: torch.device, world: int) -> None:
             )
 
 
-def init_group(rank: int, world: int, init_file: str, device: torch.device):
-    """Joins the ranks' process group and runs the eager warm-up collective; returns the TpGroup."""
+def init_group(rank: int, world: int, init_file: str, device: torch.device, all_reduce: str = "auto"):
+    """Joins the ranks' process group, runs the eager warm-up collective and sets up the all-reduce
+    that `all_reduce` (--tp-all-reduce) picks (all_reduce.py); returns the TpGroup."""
     import torch.distributed as dist
 
+    from verifypd.lanes.tensor_parallel.all_reduce import choose_group
     from verifypd.model.tensor_parallel import TorchDistributedGroup
 
     if device.type == "cuda":
@@ -104,7 +108,7 @@ def init_group(rank: int, world: int, init_file: str, device: torch.device):
     )
     group = TorchDistributedGroup()
     group.all_reduce(torch.zeros(1, device=device))  # creates the communicator before any capture
-    return group
+    return choose_group(group, device, all_reduce)
 
 
 def agree_blocks(group, blocks: int, device: torch.device) -> int:
@@ -157,7 +161,11 @@ class LeaderRanks:
             log.info("tensor-parallel rank %d of %d: pid %d on %s", rank, world, self.procs[-1].pid, options["device"])
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
-        self.group = init_group(0, world, init_file, self.device)
+        try:
+            self.group = init_group(0, world, init_file, self.device, follower_options.get("tp_all_reduce", "auto"))
+        except BaseException:  # e.g. --tp-all-reduce custom refused: stop the followers first (no watchdog exit)
+            self.close()
+            raise
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]

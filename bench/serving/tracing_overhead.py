@@ -1,0 +1,177 @@
+"""What OpenTelemetry tracing costs the serving path: `verifypd serve` run with tracing off and on
+(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT pointing at an OTLP receiver in this process that counts and
+drops spans; metrics export stays off in both), alternating off/on `--repeats` times, each driven
+by the real loadgen CLI closed loop at `--concurrency` for `--seconds`. Reports output tok/s per
+mode, the overhead 1 - on/off (target <= 2 % at c = 64) and how many spans arrived (proof that
+tracing was on: spans per request ~ 6 + lane calls).
+
+    python bench/serving/tracing_overhead.py --target random:llama-2-7b --concurrency 64 --out bench/results
+    python bench/serving/tracing_overhead.py --smoke --out /tmp/r     (CPU check: embedded model, c=4)
+
+Random weights unless --target names a real model; --draft none unless given (k = 0: the most
+steps, and so the most lane-call spans, per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "services"))
+
+from bench_meta import metadata, write_result  # noqa: E402
+
+
+def sink():
+    """(grpc server, counter dict): an OTLP TraceService that counts spans and keeps nothing."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    counts = {"spans": 0}
+    lock = threading.Lock()
+
+    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            with lock:
+                counts["spans"] += n
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, counts, port
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with_paths(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    paths = [os.path.join(ROOT, p) for p in ("services", "loadgen")]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run_point(args, traced: bool, sink_port: int) -> dict:
+    port = free_port()
+    extra = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}"} if traced else {}
+    extra["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+    env = env_with_paths(extra)
+    serve = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0"]
+    serve += ["--target", args.target, "--draft", args.draft, "--device", args.device] + args.serve_args.split()
+    proc = subprocess.Popen(serve, env=env, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read():
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "verifypd: serving" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        if not ready.wait(args.ready_timeout):
+            raise RuntimeError("serve did not start:\n" + "".join(lines[-30:]))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r.json")
+            cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
+            cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds), "--drain-timeout", "30"]
+            cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
+            cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
+            done = subprocess.run(cmd, env=env_with_paths({}), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
+            summary = json.load(open(out))["runs"][0]["summary"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {
+        "traced": traced,
+        "output_tokens_per_s": round(summary["throughput"]["output_tokens_per_s"], 1),
+        "completed": summary["requests"]["completed"],
+        "failed": summary["requests"]["failed"],
+        "ttft_p50_ms": summary["latency_ms"]["ttft"]["p50"],
+        "itl_token_p50_ms": summary["latency_ms"]["itl_token"]["p50"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="random:llama-2-7b")
+    p.add_argument("--draft", default="none")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--serve-args", default="", help="more `verifypd serve` flags, one string")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternating")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, one pair")
+    p.add_argument("--out", help="directory for the JSON result")
+    args = p.parse_args()
+    if args.smoke:
+        args.target, args.device, args.concurrency, args.seconds = "smollm2", "cpu", 4, 3.0
+        args.prompt, args.gen, args.vocab, args.repeats = 16, 16, 1000, 1
+    server, counts, sink_port = sink()
+    rows = []
+    try:
+        for _ in range(args.repeats):
+            for traced in (False, True):
+                before = counts["spans"]
+                row = run_point(args, traced, sink_port)
+                time.sleep(1.0)  # the batch exporter's last flush
+                row["spans_received"] = counts["spans"] - before
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        server.stop(0)
+    off = [r["output_tokens_per_s"] for r in rows if not r["traced"]]
+    on = [r["output_tokens_per_s"] for r in rows if r["traced"]]
+    mean_off, mean_on = sum(off) / len(off), sum(on) / len(on)
+    result = {
+        **metadata(),
+        "what": "verifypd serve output tok/s with OTLP tracing off vs on (spans to an in-process sink), "
+        "loadgen closed loop over gRPC" + ("; random weights" if args.target.startswith("random:") else ""),
+        "target": args.target,
+        "draft": args.draft,
+        "concurrency": args.concurrency,
+        "seconds": args.seconds,
+        "prompt": args.prompt,
+        "gen": args.gen,
+        "rows": rows,
+        "tokens_per_s_off": round(mean_off, 1),
+        "tokens_per_s_on": round(mean_on, 1),
+        "overhead": round(1 - mean_on / mean_off, 4) if mean_off else None,
+        "target_overhead": 0.02,
+    }
+    print(json.dumps({k: result[k] for k in ("tokens_per_s_off", "tokens_per_s_on", "overhead")}))
+    write_result(args.out, "tracing_overhead", result)
+
+
+if __name__ == "__main__":
+    main()
