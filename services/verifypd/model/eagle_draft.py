@@ -305,8 +305,21 @@ class EagleRunner:
 
 
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:
-    """A feature pool over the target pool's slots, filled by every forward of `target` from now on."""
+    """A feature pool over the target pool's slots, filled by every forward of `target` from now on.
+    The one `target` already fills is kept where it fits (same slots, layers, width, dtype and
+    device): a tensor-parallel rank set builds its target runner, and captures its graphs (which
+    write the features), once for every engine over the same models."""
     g = target_pool.geometry
+    old = target.features
+    if (
+        old is not None
+        and old.num_slots == g.num_blocks * g.block_size
+        and old.capture_layers == tuple(config.aux_layer_ids)
+        and old.tensor.shape[-1] == target.shape.hidden_size
+        and old.tensor.dtype == target.weights.embed.dtype
+        and old.tensor.device == target_pool.device
+    ):
+        return old
     features = FeaturePool(
         g.num_blocks * g.block_size,
         config.aux_layer_ids,

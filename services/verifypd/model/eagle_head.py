@@ -155,8 +155,9 @@ def check_against_target(config: EagleConfig, target: LlamaShape, path: str) -> 
         )
     if config.target_hidden_size != target.hidden_size or config.hidden_size != target.hidden_size:
         raise ModelLoadError(
-            f"--draft eagle:{path}: head hidden sizes ({config.hidden_size}, target "
-            f"{config.target_hidden_size}) must equal the target's hidden size {target.hidden_size}"
+            f"--draft eagle:{path}: head hidden sizes (config.json hidden_size {config.hidden_size}, "
+            f"target_hidden_size {config.target_hidden_size}) must equal the target's hidden size "
+            f"{target.hidden_size}"
         )
 
 

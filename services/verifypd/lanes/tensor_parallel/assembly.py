@@ -16,16 +16,18 @@ from verifypd.model.tensor_parallel import load_target_shard, shard_shape
 
 def load_tensor_parallel(options: EngineOptions) -> Models:
     """Rank 0 of a target sharded over `options.tensor_parallel` processes: its shard, the started
-    followers, and the draft (whole, on rank 0's device)."""
+    followers, and the draft (whole, on rank 0's device). An EAGLE head reads the features rank 0's
+    forwards write (core.assembly attaches them): the residual stream is whole after each all-reduce,
+    and the embeddings and lm_head it shares are replicated. A bad head fails before any follower starts."""
     spec = draft_spec(options.draft)  # a bad --draft fails before anything starts
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     world = options.tensor_parallel
     tp_ranks.check_devices(device, world, options.tp_all_reduce)
-    if spec.kind in ("self", "eagle"):
+    if spec.kind == "self":
         raise ModelLoadError(
-            f"--draft {spec.text} runs on the target's own weights or hidden states, which "
-            f"--tensor-parallel {world} splits across ranks: use a draft model, ngram or none"
+            f"--draft {spec.text} runs on the target's own layers, which --tensor-parallel {world} "
+            "splits across ranks: use a draft model, an EAGLE head (eagle:DIR), ngram or none"
         )
     # checks divisibility
     target = load_target_shard(options.target, 0, world, device, dtype, options.max_context, options.quantization)

@@ -233,6 +233,13 @@ class LeaderRanks:
         `import_pool` handed the followers another pool)."""
         if self._runner is None or self._runner.model is not model or self._runner.pool is not pool:
             self._runner = LeaderRunner(self, model, pool, graphs=graphs, buckets=buckets)
+        elif self._runner.features is not model.features:
+            # Its graphs write the feature pool it was built with (none: no features at all), and
+            # capturing again would start collectives no follower joins.
+            raise RuntimeError(
+                "this tensor-parallel target's runner was built with another feature pool (an engine "
+                "without the EAGLE head first?): over one rank set, build the feature draft's engine first"
+            )
         return self._runner
 
     def wait_ready(self) -> list[bytes]:
@@ -317,6 +324,10 @@ class LeaderRunner(ModelRunner):
     ):
         super().__init__(model, pool, graphs=graphs, buckets=buckets)
         self.ranks = ranks
+        # The feature pool rank 0's forwards fill for an EAGLE head (model.features; None without one).
+        # Only rank 0 has one: after each all-reduce the residual stream is whole and the same on
+        # every rank, so the followers' forwards need none and the head runs whole here.
+        self.features = model.features
 
     # Each call: under the lock, send, then issue the forward; any exception once the call was sent
     # is fatal (LeaderRanks.forward_failed): the followers have run or are running all of it.
