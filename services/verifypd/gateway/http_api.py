@@ -153,7 +153,7 @@ class HttpApi:
                 max_context=self.info.max_context,
                 default_max_tokens=self.gateway.default_max_tokens,
             )
-            streams = await self._submit(spec, parsed.samples.best_of)
+            streams = await self._submit(spec, parsed.samples.best_of, request.headers)
         except ApiError as err:
             return error_response(err)
         except InvalidRequest as exc:
