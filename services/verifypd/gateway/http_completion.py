@@ -52,6 +52,26 @@ def sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def start_events(send, request_id: str):
+    """Starts a server-sent-events response; returns the coroutine that sends one event (a dict)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                (b"x-request-id", request_id.encode()),
+            ],
+        }
+    )
+
+    async def event(obj) -> None:
+        await send({"type": "http.response.body", "body": sse(obj), "more_body": True})
+
+    return event
+
+
 class ChunkEvents:
     """The SSE event of each streamed chunk, byte for byte what `sse(Completion._envelope(...))`
     gives, without building and encoding the envelope's dicts per chunk: the fields that never
@@ -166,20 +186,7 @@ class Completion:
         return True
 
     async def _stream(self, send) -> bool:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-request-id", self.id.encode()),
-                ],
-            }
-        )
-
-        async def event(obj) -> None:
-            await send({"type": "http.response.body", "body": sse(obj), "more_body": True})
+        event = await start_events(send, self.id)
 
         usage_null = {"usage": None} if self.parsed.include_usage else {}
         if self.parsed.kind == oc.CHAT:  # OpenAI's first chunk: the role, no content yet
@@ -313,20 +320,7 @@ class SampledResponse:
     async def stream(self, send) -> bool:
         """Events of every sample as their chunks arrive (best_of > n is refused for streams)."""
         c = self.c
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-request-id", c.id.encode()),
-                ],
-            }
-        )
-
-        async def event(obj) -> None:
-            await send({"type": "http.response.body", "body": sse(obj), "more_body": True})
+        event = await start_events(send, c.id)
 
         usage_null = {"usage": None} if c.parsed.include_usage else {}
         if self.chat:  # OpenAI's first chunk of each choice: the role, no content yet

@@ -22,6 +22,7 @@ from verifypd.gateway import openai_sampling as osm
 from verifypd.gateway import structured, tools
 from verifypd.gateway.errors import ApiError, bad
 from verifypd.gateway.json_body import JsonBodyError, parse_json_body
+from verifypd.gateway.messages import message_text
 from verifypd.v1 import generate_pb2
 
 CHAT, COMPLETION = "chat", "completion"
@@ -128,20 +129,6 @@ def _float32(body, name):
         raise bad(name, f"{name} is out of range (float32), got {body[name]}") from None
 
 
-def _text_of(content, where: str) -> str:
-    """Message content: a string, or a list of {"type": "text", "text": ...} parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad(f"{where}[{i}]", f"{where}[{i}]: only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(where, f"{where} must be a string or a list of text parts")
-
-
 def _prompt(body: dict, kind: str, req: generate_pb2.GenerateRequest) -> None:
     if kind == CHAT:
         messages = body.get("messages")
@@ -156,7 +143,7 @@ def _prompt(body: dict, kind: str, req: generate_pb2.GenerateRequest) -> None:
                     f"messages[{i}].role",
                     f"messages[{i}].role must be one of system, developer, user, assistant; got {role!r:.40}",
                 )
-            text = _text_of(m.get("content"), f"messages[{i}].content")
+            text = message_text(m.get("content"), f"messages[{i}].content")
             req.chat.messages.add(role=_ROLES[role], content=text)
         return
     prompt = body.get("prompt")

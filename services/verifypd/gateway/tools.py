@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from verifypd.gateway.errors import bad
+from verifypd.gateway.messages import message_text
 
 HERMES, LLAMA3 = "hermes", "llama3"
 PARSERS = ("auto", HERMES, LLAMA3)
@@ -127,21 +128,6 @@ def _choice(value, names: list[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-def _text(content, where: str, *, optional: bool = False) -> str:
-    if content is None and optional:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad(f"{where}[{i}]", f"{where}[{i}]: only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(where, f"{where} must be a string or a list of text parts")
-
-
 def _messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
@@ -160,7 +146,7 @@ def _messages(messages) -> list[dict]:
         calls = m.get("tool_calls")
         if calls is not None and role != "assistant":
             raise bad(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages carry tool calls")
-        text = _text(m.get("content"), f"{where}.content", optional=role == "assistant" and bool(calls))
+        text = message_text(m.get("content"), f"{where}.content", optional=role == "assistant" and bool(calls))
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
