@@ -15,11 +15,12 @@ import pytest
 import torch
 from engine_helpers import DEVICE, VOCAB, make_engine
 from family_checkpoints import FAMILIES, LONGROPE_CONTEXT, WINDOW, write_family
+from paged_logits import forward_runs, relative_logit_errors
 
 from verifypd.domain.requests import RequestSpec
-from verifypd.model.llama import BatchLayout, PagedLlama
+from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import RANDOM_SHAPES, ModelLoadError, load_model, random_model, random_shape
-from verifypd.model.runner import TokenRun, build_layout
+from verifypd.model.runner import TokenRun
 
 needs_triton = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -72,20 +73,6 @@ def test_family_features_are_read(family):
             assert getattr(s, key) == want, key
 
 
-def _forward(model: PagedLlama, pool, runs: list[TokenRun], block_size: int) -> torch.Tensor:
-    lay = build_layout(runs, block_size)
-    to = lambda a, dtype=torch.long: torch.tensor(a, dtype=dtype, device=DEVICE)  # noqa: E731
-    batch = BatchLayout(
-        to(lay.ids),
-        to(lay.positions),
-        to(lay.slots),
-        to(lay.tables, torch.int32),
-        to(lay.query_start, torch.int32),
-        lay.max_query,
-    )
-    return model.forward(pool, batch, torch.arange(len(lay.ids), device=DEVICE))
-
-
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
 def test_logits_match_transformers(family, backend):
     """Two sequences (longer than the window) prefilled together, then decoded together through the
@@ -93,23 +80,7 @@ def test_logits_match_transformers(family, backend):
     name, path, hf = family
     loaded = load_model(path, torch.device(DEVICE), torch.float32)
     model = PagedLlama(loaded.shape, loaded.weights, attention=backend)
-    s, block_size = loaded.shape, 4
-    pool = torch.zeros(2, s.num_layers, 16, block_size, s.num_kv_heads, s.head_dim, device=DEVICE)
-    seqs = [[5, 17, 40, 8, 9, 60, 33], [71, 3, 12, 12, 90, 44, 45, 46, 47, 11, 29]]
-    blocks = [(9, 2, 14, 5), (0, 11, 7, 3, 12)]
-    logits = _forward(model, pool, [TokenRun(q, 0, b) for q, b in zip(seqs, blocks)], block_size)
-    rows = [list(logits[: len(seqs[0])]), list(logits[len(seqs[0]) :])]
-    for _ in range(5):
-        nxt = [int(r[-1].argmax()) for r in rows]
-        step = _forward(model, pool, [TokenRun([t], len(q), b) for t, q, b in zip(nxt, seqs, blocks)], block_size)
-        for i, t in enumerate(nxt):
-            seqs[i].append(t)
-            rows[i].append(step[i])
-    for seq, ours in zip(seqs, rows):
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0]
-        got = torch.stack(ours).cpu()[: len(seq)]
-        err = ((got - ref).norm() / ref.norm()).item()
+    for err in relative_logit_errors(model, hf, decode_steps=5):
         assert err < 1e-5, f"{name}: relative logits error {err:.2e}"
 
 
@@ -171,5 +142,5 @@ def test_random_shapes_of_the_families(monkeypatch):
     loaded = random_model("tiny-all", torch.device(DEVICE), torch.float32, 64)
     model = PagedLlama(loaded.shape, loaded.weights, attention="reference")
     pool = torch.zeros(2, 2, 4, 4, 1, 16, device=DEVICE)
-    logits = _forward(model, pool, [TokenRun([1, 2, 3, 4, 5], 0, (1, 3))], 4)
+    logits = forward_runs(model, pool, [TokenRun([1, 2, 3, 4, 5], 0, (1, 3))], 4)
     assert logits.shape == (5, 50) and torch.isfinite(logits).all()

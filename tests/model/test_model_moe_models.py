@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import torch
 from engine_helpers import DEVICE, VOCAB, hf_greedy, make_engine, write_tiny_llama
-from test_model_gemma import _forward
+from paged_logits import relative_logit_errors
 from test_model_greedy_lossless import random_prompts
 
 from verifypd.domain.requests import RequestSpec
@@ -22,7 +22,6 @@ from verifypd.model.families import shape_from_config, shard_rule, weights_from_
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import ModelLoadError, load_model
 from verifypd.model.moe import moe_forward
-from verifypd.model.runner import TokenRun
 
 needs_triton = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -122,23 +121,8 @@ def test_logits_match_transformers(moe_models, hf_models, family, backend):
     loaded = load_model(moe_models[family], torch.device(DEVICE), torch.float32)
     model = PagedLlama(loaded.shape, loaded.weights, attention=backend)
     assert model.moe_path == ("grouped" if backend == "triton" else "reference")
-    s, block_size = loaded.shape, 4
-    pool = torch.zeros(2, s.num_layers, 16, block_size, s.num_kv_heads, s.head_dim, device=DEVICE)
-    seqs = [[5, 17, 40, 8, 9, 60, 33], [71, 3, 12, 12, 90, 44, 45, 46, 47, 11, 29]]
-    blocks = [(9, 2, 14, 5), (0, 11, 7, 3, 12)]
-    logits = _forward(model, pool, [TokenRun(q, 0, b) for q, b in zip(seqs, blocks)], block_size)
-    rows = [list(logits[: len(seqs[0])]), list(logits[len(seqs[0]) :])]
-    for _ in range(4):
-        nxt = [int(r[-1].argmax()) for r in rows]
-        step = _forward(model, pool, [TokenRun([t], len(q), b) for t, q, b in zip(nxt, seqs, blocks)], block_size)
-        for i, t in enumerate(nxt):
-            seqs[i].append(t)
-            rows[i].append(step[i])
-    for seq, ours in zip(seqs, rows):
-        with torch.no_grad():
-            ref = hf_models[family](torch.tensor([seq])).logits[0]
-        err = ((torch.stack(ours).cpu() - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, f"relative logits error {err:.2e}"
+    for err in relative_logit_errors(model, hf_models[family], decode_steps=4):
+        assert err < 1e-5, f"{family}: relative logits error {err:.2e}"
 
 
 @pytest.fixture(scope="module")
