@@ -154,9 +154,12 @@ async def drive(address: str, c: int, seconds: float, tell, api: str = "grpc") -
         return metrics.summarize(res)
 
     if api == "openai":
-        async with ob.new_client() as client:
+        client = ob.new_client(f"http://{address}/v1")
+        try:
             backend = ob.OpenAIBackend(client, f"http://{address}/v1", "instant", "completions")
             return await go(Runner(backend, 120, 120, execute=ob.execute))
+        finally:
+            await client.close()
     async with grpc.aio.insecure_channel(address) as channel:
         return await go(Runner(generate_pb2_grpc.GenerationStub(channel), timeout=120, drain_timeout=120))
 

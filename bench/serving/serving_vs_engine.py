@@ -258,9 +258,12 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
         async with grpc.aio.insecure_channel(target) as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)
             return await go(Runner(generate_pb2_grpc.GenerationStub(channel), 300, DRAIN_S))  # ids: see --drive
-    async with ob.new_client() as client:
+    client = ob.new_client(f"http://{target}/v1")
+    try:
         backend = ob.OpenAIBackend(client, f"http://{target}/v1", args.target, "completions")
         return await go(Runner(backend, 300, DRAIN_S, execute=ob.execute))
+    finally:
+        await client.close()
 
 
 def drive_clients(args, api: str, target: str, c: int, on_start) -> dict:
