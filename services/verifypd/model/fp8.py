@@ -103,9 +103,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         q, x_scale = quantize_rows(flat, w.input_scale, FP8_MAX, MIN_AMAX)
     else:
         q, x_scale = quantize_tokens(flat) if w.input_scale is None else quantize_static(flat, w.input_scale)
-    # Row-wise scaling on CUDA writes bfloat16 only: other model dtypes are cast after.
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    y = torch._scaled_mm(q, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, n), out_dtype=out_dtype)
+    if x.is_cuda:  # Hopper's fp8 tensor cores; row-wise scaling writes bfloat16 only: other dtypes cast after
+        y = torch._scaled_mm(q, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, n), out_dtype=torch.bfloat16)
+    else:
+        # The same product in float32 (the fp8 values are exact in it): CPU _scaled_mm takes row-wise
+        # scales only in some torch releases (2.11 refuses them) and is no faster than this.
+        y = (q.float() @ w.weight.float().t()) * x_scale * w.scale.view(1, n)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if bias is not None:
