@@ -304,6 +304,15 @@ class EagleRunner:
         ]
 
 
+def same_device(a: torch.device, b: torch.device | str) -> bool:
+    """`cuda` and `cuda:0` name one GPU (torch.device equality says they differ)."""
+    b = torch.device(b)
+    if a.type != b.type:
+        return False
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig) -> FeaturePool:
     """A feature pool over the target pool's slots, filled by every forward of `target` from now on.
     The one `target` already fills is kept where it fits (same slots, layers, width, dtype and
@@ -317,7 +326,7 @@ def attach_features(target: PagedLlama, target_pool: KvPool, config: EagleConfig
         and old.capture_layers == tuple(config.aux_layer_ids)
         and old.tensor.shape[-1] == target.shape.hidden_size
         and old.tensor.dtype == target.weights.embed.dtype
-        and old.tensor.device == target_pool.device
+        and same_device(old.tensor.device, target_pool.device)
     ):
         return old
     features = FeaturePool(
