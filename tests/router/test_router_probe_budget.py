@@ -6,7 +6,7 @@ with SIMULATED acceptance."""
 from __future__ import annotations
 
 import pytest
-from costed_lanes import CostedLanes, h200_like_draft_s, h200_like_verify_s, ngram_like_draft_s, run_rounds
+from costed_lanes import CostedLanes, h200_like_draft_s, h200_like_verify_s, ngram_like_draft_s
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.requests import RequestSpec
