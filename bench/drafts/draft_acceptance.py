@@ -19,7 +19,6 @@ adaptive policy must not lose to plain decoding where drafts are rarely accepted
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -30,7 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))  # engine_throughput
-from engine_throughput import git_revision
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench_meta
+from bench_meta import metadata
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.drafts import parse_draft
@@ -140,6 +141,9 @@ def main() -> None:
     ap.add_argument("--drafts", default="ngram,self:12,self:24")
     ap.add_argument("--target", default="smollm2", help="the embedded model's spec, or a path to its GGUF")
     ap.add_argument("--per-family", type=int, default=4, help="prompts per family (the first N of the JSONL)")
+    ap.add_argument(
+        "--families", default=None, help="comma list of the prompt families to run (default: every family), e.g. chat"
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=None, help="fixed k (default: the adaptive policy, as served)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: CPU time measures work)")
@@ -180,6 +184,12 @@ def main() -> None:
     target = load_model(args.target, device, dtype, 2048)
     codec = TextCodec(target.tokenizer)
     rows = load_prompts(args.per_family)
+    if args.families:
+        wanted = [f.strip() for f in args.families.split(",") if f.strip()]
+        unknown = [f for f in wanted if f not in rows]
+        if unknown or not wanted:
+            ap.error(f"--families: unknown family {', '.join(unknown) or '(none given)'}; known: {', '.join(rows)}")
+        rows = {f: rows[f] for f in wanted}
     prompts = {
         f: [tuple(codec.encode_chat([{"role": "user", "content": r["prompt"]}])) for r in rs] for f, rs in rows.items()
     }
@@ -214,10 +224,7 @@ def main() -> None:
     for batch in batches:
         table += measure(engines, drafts, prompts, args.max_tokens, batch, args.repeats)
     result = {
-        "command": " ".join(["python"] + sys.argv),
-        "git_revision": git_revision(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        **metadata(),
         "threads": args.threads,
         "cpu_count": os.cpu_count(),
         "target": f"{args.target} (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized {str(dtype).removeprefix('torch.')})",
@@ -229,8 +236,9 @@ def main() -> None:
         "warm_batches": args.warm_batches,
         "repeats": args.repeats,
         "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)),
+        "families": list(prompts),
         "rows": table,
-        "totals": totals(table),
+        "totals": totals(table) + totals(table, per_family=True),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -286,25 +294,27 @@ def measure(
     return table
 
 
-def totals(table: list[dict]) -> list[dict]:
-    """All families together, per (draft, batch): tokens per verify step (accepted + 1; plain
-    decoding's steps count 1 token each) and wall / CPU time speed-up over plain decoding."""
+def totals(table: list[dict], per_family: bool = False) -> list[dict]:
+    """All families together (`family` "all"), or each family alone (`per_family`), per (draft,
+    batch): tokens per verify step (accepted + 1; plain decoding's steps count 1 token each) and wall
+    / CPU time speed-up over plain decoding."""
     sums: dict[tuple, dict] = {}
     for r in table:
         t = sums.setdefault(
-            (r["draft"], r["batch"]),
+            (r["draft"], r["batch"], r["family"] if per_family else "all"),
             dict(accepted=0, verify_steps=0, tokens=0, seconds=0.0, cpu_seconds=0.0, same=True),
         )
         for key in ("accepted", "verify_steps", "tokens", "seconds", "cpu_seconds"):
             t[key] += r[key]
         t["same"] &= r["same_output_as_no_speculation"]
     out = []
-    for (draft, batch), t in sums.items():
-        base = sums[("none", batch)]
+    for (draft, batch, family), t in sums.items():
+        base = sums[("none", batch, family)]
         out.append(
             {
                 "draft": draft,
                 "batch": batch,
+                "family": family,
                 "tokens": t["tokens"],
                 "tokens_per_verify_step": (t["accepted"] + t["verify_steps"]) / t["verify_steps"]
                 if t["verify_steps"]
@@ -321,13 +331,14 @@ def totals(table: list[dict]) -> list[dict]:
 
 def markdown_totals(rows: list[dict]) -> str:
     lines = [
-        "| draft | batch | tokens / verify step | tok/s (wall) | vs no-spec | CPU-time vs no-spec | same tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| draft | batch | family | tokens / verify step | tok/s (wall) | vs no-spec | CPU-time vs no-spec "
+        "| same tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tps = "–" if r["tokens_per_verify_step"] is None else f"{r['tokens_per_verify_step']:.2f}"
         lines.append(
-            f"| {r['draft']} | {r['batch']} | {tps} | {r['tok_per_s']:.1f} | "
+            f"| {r['draft']} | {r['batch']} | {r['family']} | {tps} | {r['tok_per_s']:.1f} | "
             f"{r['speedup_vs_no_speculation']:.2f}x | {r['cpu_speedup_vs_no_speculation']:.2f}x | "
             f"{'yes' if r['same_output_as_no_speculation'] else 'NO'} |"
         )

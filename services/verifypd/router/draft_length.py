@@ -112,20 +112,41 @@ PROBE_K = 1
 PROBE_FIRST, PROBE_MAX = 32, 1024
 PROBE_MAX_LAG = 1
 TYPICAL_DRAFT_INPUT = PROBE_MAX_LAG + 1  # tokens a draft call takes in a step worth costing
+# Probes (periodic and opening ones) are paid from a budget: each plain step while drafting is off
+# earns PROBE_BUDGET plain steps' worth of time, and a probe spends what it is measured to cost
+# above a plain step (StepCostModel: step(B, k) / step(B, 0) - 1, in plain steps). So at zero
+# acceptance probes cost at most 1 % of plain decoding, however cheap the backoff makes them look:
+# on the embedded model at 16 requests a probe step (~3.4 ms, the chain of plain steps broken)
+# cost 3.5 plain steps, and two probes plus an opening one per 128-step batch took ~6 % (H100).
+# Where probes are cheap (batch 1: a k = 1 step ~1.2 plain steps) the backoff decides, as before.
+# The credit is capped, so a long plain run does not bank a burst of probes.
+PROBE_BUDGET = 0.01
+PROBE_CREDIT_MAX = 16.0  # plain steps' worth
 
 
 class ProbeSchedule:
-    """When the next probe is due (see PROBE_FIRST); also counts decisions for benchmarks."""
+    """When the next probe is due (see PROBE_FIRST) and whether the budget affords it (see
+    PROBE_BUDGET); also counts decisions for benchmarks."""
 
     def __init__(self) -> None:
         self.interval = PROBE_FIRST
         self.steps_off = 0  # k decisions of 0 since the last drafting or probing one
+        self.credit = 0.0  # plain steps' worth of time probes may still spend (PROBE_BUDGET per plain step)
+        self.spent = 0.0  # plain steps' worth spent on probes so far (tests, benchmarks)
         self.decisions = self.drafting = self.probes = 0
         self.k_counts: dict[int, int] = {}  # batch k decisions by k (benchmarks read it)
 
     @property
     def due(self) -> bool:
         return self.steps_off >= self.interval
+
+    def affords(self, extra: float) -> bool:
+        """Does the credit cover a probe costing `extra` plain steps above a plain step?"""
+        return self.credit >= extra
+
+    def spend(self, extra: float) -> None:
+        self.credit -= extra
+        self.spent += extra
 
     def record(self, k: int, probed: bool) -> None:
         self.decisions += 1
@@ -140,6 +161,7 @@ class ProbeSchedule:
             self.steps_off = 0
         else:
             self.steps_off += 1
+            self.credit = min(self.credit + PROBE_BUDGET, PROBE_CREDIT_MAX)
 
 
 def pipelining_pays(

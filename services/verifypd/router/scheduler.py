@@ -268,34 +268,53 @@ class Scheduler:
             self._drafting[key] = k_batch
         probed: dict[str, int] = {}
         periodic = False
+        fresh = [s for s in seqs if not s.opened]  # (most steps: none, and no per-request work below)
         if k_batch == 0 and config.adaptive:
-            if not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
-                probed = self._opening_probes(config, seqs, hi)
-            if hi >= PROBE_K and self.probes.due:
+            if fresh and not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
+                probed = self._opening_probes(config, costs, fresh, hi, batch)
+            if hi >= PROBE_K and self.probes.due and self.probes.affords(self._probe_extra(costs, batch, PROBE_K)):
                 due = {
                     s.request_id: PROBE_K for s in seqs if s.request_id not in probed and self._cheap_probe(config, s)
                 }
+                if due:
+                    self.probes.spend(self._probe_extra(costs, batch, PROBE_K))
                 periodic = bool(due)
                 probed.update(due)
         self.probes.record(k_batch, periodic)
         if not plain_unmeasured:
-            for seq in seqs:  # a request's first decision is its only opening probe (its lag only grows)
+            for seq in fresh:  # a request's first decision is its only opening probe (its lag only grows)
                 seq.opened = True
         return k_batch, probed
 
-    def _opening_probes(self, config: RuntimeConfig, seqs: list[Sequence], hi: int) -> dict[str, int]:
+    @staticmethod
+    def _probe_extra(costs: StepCostModel, batch: int, k: int) -> float:
+        """What a step drafting k costs above a plain step at `batch`, in plain steps (measured, or
+        estimated from the ks measured: StepCostModel.step_s); what a probe spends (ProbeSchedule)."""
+        plain = costs.step_s(batch, 0)
+        return max(costs.step_s(batch, k) / plain - 1.0, 0.0)
+
+    def _opening_probes(
+        self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int, batch: int
+    ) -> dict[str, int]:
         """While the batch does not draft, each request in its first decode step drafts k_initial
         anyway, where that costs no catch-up (`_cheap_probe`): its own acceptance is then known
         from its start instead of being the engine-wide estimate, which other requests made (one
         kind of request switching drafting off kept the next kind from ever drafting, and the
         periodic probes, k = 1 and backing off to one per PROBE_MAX steps, rarely corrected it).
-        Once per request; a probe of part of the batch is not a cost sample (router)."""
+        Once per request; a probe of part of the batch is not a cost sample (router). Paid from the
+        probes' budget (ProbeSchedule.affords): a request whose first step the budget does not
+        cover starts from the engine-wide estimate, as before opening probes."""
         k_open = min(config.k_initial, hi)
         if k_open <= 0:
             return {}
-        return {
-            s.request_id: self._cap(config, s, k_open) for s in seqs if not s.opened and self._cheap_probe(config, s)
-        }
+        probed = {s.request_id: self._cap(config, s, k_open) for s in seqs if self._cheap_probe(config, s)}
+        if not probed:
+            return {}
+        extra = self._probe_extra(costs, batch, k_open)
+        if not self.probes.affords(extra):
+            return {}
+        self.probes.spend(extra)
+        return probed
 
     # -- overlapped scheduling (steps.overlapped; plan_follow, admit_follow below) ---------------
     def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
@@ -310,14 +329,16 @@ class Scheduler:
         # wait for a probe none can take (plan_follow checks `_batch_k`'s probes again anyway).
         if (
             config.adaptive
-            and any(self._cheap_probe(config, s) for s in seqs if not s.opened)
             and min(config.k_initial, config.k_max) > 0
+            and any(self._cheap_probe(config, s) for s in seqs if not s.opened)
+            and self.probes.affords(self._probe_extra(costs, len(seqs), min(config.k_initial, config.k_max)))
         ):
             return False  # an opening probe (_opening_probes)
         if (
             config.adaptive
             and self.probes.due
             and config.k_max >= PROBE_K
+            and self.probes.affords(self._probe_extra(costs, len(seqs), PROBE_K))
             and any(self._cheap_probe(config, s) for s in seqs)
         ):
             return False
@@ -655,8 +676,8 @@ class Scheduler:
         if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
-        if probed or any(self._cap(config, s, k_batch) for s in seqs):  # _plain_certain rules this out
-            return False
+        if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
+            return False  # (_plain_certain rules this out; with k 0 and k_min 0 every cap is 0)
         self._reserve_next_position(seqs)
         return True
 

@@ -216,13 +216,18 @@ class AcceptanceTracker:
     (Jeffreys' prior) keep one early outcome from reading as 0 or 1, and no estimate is given
     before `min_observations` verify outcomes: until then the policy drafts k_initial, since
     switching speculation off on one unlucky rejection may leave it off for a whole request (a
-    request not drafting is probed rarely, see draft_length.ProbeSchedule)."""
+    request not drafting is probed rarely, see draft_length.ProbeSchedule). An ask the draft lane
+    answered with no proposal (prompt lookup without a match) counts as an outcome here: a lane that
+    never proposes gives no verify outcome at all, and without an estimate the policy kept asking for
+    k_initial drafts every step (a draft call and an unchained step each time, for nothing); with
+    it, the prior acceptance and the measured proposal rate (goodput's `rates`) turn drafting off."""
 
     def __init__(self, decay: float = 0.99, min_observations: int = 8, prior: float = 0.5):
         self.decay, self.min_observations, self.prior = decay, min_observations, prior
         self.successes = 0.0
         self.failures = 0.0
         self.observations = 0
+        self.unanswered = 0  # asks answered with no proposal (not decayed; see `alpha`)
         self.asked = 0.0  # verify steps of requests asked for drafts (decayed) ...
         self.proposed = 0.0  # ... and of those, steps with a proposal
 
@@ -236,6 +241,7 @@ class AcceptanceTracker:
         """A request was asked for drafts; did the draft lane propose any?"""
         self.asked = self.decay * self.asked + 1
         self.proposed = self.decay * self.proposed + proposed
+        self.unanswered += not proposed
 
     @property
     def proposal_rate(self) -> float:
@@ -245,6 +251,6 @@ class AcceptanceTracker:
 
     @property
     def alpha(self) -> float | None:
-        if self.observations < self.min_observations:
+        if self.observations + self.unanswered < self.min_observations:
             return None
         return (self.successes + self.prior) / (self.successes + self.failures + 2 * self.prior)

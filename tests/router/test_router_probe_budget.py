@@ -1,0 +1,131 @@
+"""Speculation that never costs, torch-free: with drafting off, plain steps call no draft lane, probes
+stay within their budget (draft_length.PROBE_BUDGET) and back off, and drafting comes back when
+acceptance does. The real Router and Scheduler over lanes that cost simulated time (costed_lanes.py),
+with SIMULATED acceptance."""
+
+from __future__ import annotations
+
+import pytest
+from costed_lanes import CostedLanes, h200_like_draft_s, h200_like_verify_s, ngram_like_draft_s
+
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec
+from verifypd.router.draft_length import PROBE_BUDGET, PROBE_CREDIT_MAX, ProbeSchedule
+from verifypd.router.router import Router
+
+ADAPTIVE = RuntimeConfig(k_min=0, k_max=8, k_initial=4, adaptive=True)
+
+
+def host_bound_verify_s(batch: int, k: int) -> float:
+    """A step of the embedded model at 16 requests on an H100 (bench/results/policy_trace_h100.json):
+    a chained plain step ~1 ms; any step with drafts is unchained, its host work exposed: ~3.5 ms."""
+    return 1e-3 if k == 0 else 3.5e-3 + 0.1e-3 * k
+
+
+class Counting(CostedLanes):
+    """Costed lanes that log, per verify call, whether a draft call came before it in the same step."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.steps: list[int] = []  # per verify call: draft calls since the previous verify call
+        self._drafts = 0
+
+    def draft(self, items):
+        self._drafts += 1
+        return super().draft(items)
+
+    def verify(self, items):
+        self.steps.append(self._drafts)
+        self._drafts = 0
+        return super().verify(items)
+
+
+def run(lanes: CostedLanes, config: RuntimeConfig, batch: int, rounds: int, gen_len: int = 128) -> list[float]:
+    """`rounds` rounds of `batch` requests on one router; simulated seconds of each."""
+    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=config, clock=lanes.clock)
+    seconds = []
+    for r in range(rounds):
+        for i in range(batch):
+            router.add_request(
+                RequestSpec(tuple(range(3, 3 + 64)), max_tokens=gen_len, stop_at_eos=False, request_id=f"r{r}-{i}")
+            )
+        t0 = lanes.now
+        while router.has_work():
+            router.step()
+        seconds.append(lanes.now - t0)
+    lanes.router = router  # type: ignore[attr-defined]
+    return seconds
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["ngram", "model"])
+def test_zero_acceptance_probes_cost_at_most_the_budget(pooled):
+    """At zero acceptance, on a host-bound engine where any drafting step costs 3.5 plain steps, the
+    probes (opening and periodic) of eight 128-token rounds at batch 16 cost at most PROBE_BUDGET of
+    plain decoding after the first round (where the policy learns), and steps between probes call no
+    draft lane. Without the budget (backoff alone) they cost ~3 %: an opening probe per round and
+    periodic ones at 32, 96, 224, ... steps."""
+    draft_s = ngram_like_draft_s if not pooled else (lambda b, k, n: 0.0)
+    lanes = Counting(0.0, verify_s=host_bound_verify_s, draft_s=draft_s, pooled=pooled)
+    adaptive = run(lanes, ADAPTIVE, 16, 8)
+    plain = run(CostedLanes(0.0, verify_s=host_bound_verify_s, pooled=pooled), RuntimeConfig(k_initial=0), 16, 8)
+    later = sum(adaptive[1:]) / sum(plain[1:])
+    plain_steps = sum(plain[1:]) / 1e-3
+    # The budget's bound: what probes may spend in the later rounds' plain steps, plus the capped credit.
+    assert later <= 1 + PROBE_BUDGET + PROBE_CREDIT_MAX / plain_steps, later
+    assert later <= 1.012, later
+    steps_after_first_round = lanes.steps[len(lanes.steps) // 8 :]
+    drafted = [n for n in steps_after_first_round if n]
+    assert len(drafted) <= 4, drafted  # each probe spends 2.5+ plain steps of a 1 % credit
+    assert all(n <= 1 for n in steps_after_first_round)
+    schedule = lanes.router.scheduler.probes  # type: ignore[attr-defined]
+    assert schedule.spent <= PROBE_BUDGET * schedule.decisions + 1e-9
+
+
+def test_a_lane_that_never_proposes_turns_drafting_off():
+    """Prompt lookup on text it cannot predict proposes nothing: no verify outcome ever reaches the
+    acceptance estimate. Before, the policy then had no estimate and drafted k_initial every step
+    forever (a draft call and an unchained step each time, on the embedded model 0 of 474 plain steps
+    chained); asks answered with nothing now count, and drafting turns off."""
+    lanes = Counting(0.0, verify_s=host_bound_verify_s, draft_s=ngram_like_draft_s, pooled=False, propose_rate=0.0)
+    run(lanes, ADAPTIVE, 16, 3)
+    later = lanes.steps[len(lanes.steps) // 3 :]
+    assert sum(bool(n) for n in later) <= 4, sum(bool(n) for n in later)  # probes only (before: every step)
+    assert lanes.router.costs.acceptance.alpha is not None  # type: ignore[attr-defined]
+
+
+def test_drafting_resumes_when_acceptance_returns():
+    """Three rounds at zero acceptance switch drafting off; then the requests become predictable
+    (SIMULATED acceptance 0.9): the budget still affords probes, and the next rounds draft and gain."""
+    lanes = CostedLanes(0.0, verify_s=h200_like_verify_s, draft_s=h200_like_draft_s)
+    router = Router(lanes, lanes, lanes, decode=None, eos_token_ids=(), config=ADAPTIVE, clock=lanes.clock)
+
+    def round_(r: int) -> float:
+        for i in range(16):
+            router.add_request(
+                RequestSpec(tuple(range(3, 3 + 64)), max_tokens=128, stop_at_eos=False, request_id=f"r{r}-{i}")
+            )
+        t0 = lanes.now
+        while router.has_work():
+            router.step()
+        return lanes.now - t0
+
+    off = [round_(r) for r in range(3)]
+    assert router.scheduler.probes.k_counts.get(0, 0) > 200  # drafting was off
+    lanes.alpha = 0.9
+    drafting_before = router.scheduler.probes.drafting
+    on = [round_(r) for r in range(3, 6)]
+    assert router.scheduler.probes.drafting > drafting_before + 50  # back on, on its merits
+    assert on[-1] < 0.8 * off[-1], (off, on)
+
+
+def test_credit_accrues_per_plain_step_and_is_capped():
+    probes = ProbeSchedule()
+    for _ in range(100):
+        probes.record(0, probed=False)
+    assert probes.credit == pytest.approx(100 * PROBE_BUDGET)
+    assert probes.affords(1.0) and not probes.affords(1.01)
+    probes.spend(0.6)
+    assert probes.credit == pytest.approx(0.4) and probes.spent == pytest.approx(0.6)
+    for _ in range(100_000):
+        probes.record(0, probed=False)
+    assert probes.credit == PROBE_CREDIT_MAX
