@@ -66,6 +66,7 @@ class _GrpcLane:
     _stub_class: Callable[[grpc.Channel], Any]  # the lane's gRPC stub (lanes_pb2_grpc), set by each lane
 
     _method: lanes_pb2.LaneMethod = lanes_pb2.LANE_METHOD_UNSPECIFIED  # this lane's work call
+    spans: LaneCallSpans | None = None  # work-call spans (lane_spans.py), set when traces are on
 
     def __init__(
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
@@ -90,7 +91,6 @@ class _GrpcLane:
         self._lock = threading.Lock()
         self.wire_bytes = 0  # serialized request + reply bytes of every lane call
         self.calls = 0
-        self.spans: LaneCallSpans | None = None  # work-call spans (lane_spans.py), when traces are on
 
     def _bind_stubs(self) -> None:
         self.channel = self._lane_channel.channel
