@@ -139,13 +139,14 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternating")
-    p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--ready-timeout", type=float, default=240.0, help="seconds for serve to start (smoke: 600)")
     p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, one pair")
     p.add_argument("--out", help="directory for the JSON result")
     args = p.parse_args()
     if args.smoke:
         args.target, args.device, args.concurrency, args.seconds = "smollm2", "cpu", 4, 3.0
         args.prompt, args.gen, args.vocab, args.repeats = 16, 16, 1000, 1
+        args.ready_timeout = max(args.ready_timeout, 600.0)  # a loaded CPU box loads the GGUF slowly
     server, counts, sink_port = sink()
     rows = []
     try:
