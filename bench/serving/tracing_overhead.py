@@ -97,11 +97,11 @@ def run_point(args, traced: bool, sink_port: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
-            cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds), "--drain-timeout", "10"]
+            cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds), "--drain-timeout", str(args.drain)]
             cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
             cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
             done = subprocess.run(
-                cmd, env=env_with_paths({}), capture_output=True, text=True, timeout=args.seconds + 120
+                cmd, env=env_with_paths({}), capture_output=True, text=True, timeout=args.seconds + args.drain + 120
             )
             if done.returncode != 0:
                 raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternating")
+    p.add_argument("--drain", type=float, default=10.0, help="loadgen --drain-timeout: seconds for in-flight requests")
     p.add_argument("--ready-timeout", type=float, default=240.0, help="seconds for serve to start (smoke: 600)")
     p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, one pair")
     p.add_argument("--out", help="directory for the JSON result")
@@ -147,6 +148,7 @@ def main() -> None:
         args.target, args.device, args.concurrency, args.seconds = "smollm2", "cpu", 4, 3.0
         args.prompt, args.gen, args.vocab, args.repeats = 16, 16, 1000, 1
         args.ready_timeout = max(args.ready_timeout, 600.0)  # a loaded CPU box loads the GGUF slowly
+        args.drain = max(args.drain, 120.0)  # and streams slowly: in-flight requests must end, not be cancelled
     server, counts, sink_port = sink()
     rows = []
     try:
