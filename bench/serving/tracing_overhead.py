@@ -97,7 +97,8 @@ def run_point(args, traced: bool, sink_port: int) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
-            cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds), "--drain-timeout", str(args.drain)]
+            cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds)]
+            cmd += ["--drain-timeout", str(args.drain)]
             cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
             cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
             done = subprocess.run(
