@@ -266,15 +266,16 @@ async def drive(args, api: str, target: str, c: int, seed: int) -> dict:
         await client.close()
 
 
-def drive_clients(args, api: str, target: str, c: int, on_start) -> dict:
+def drive_clients(args, api: str, target: str, c: int, on_start, argv: list[str] | None = None) -> dict:
     """`--client-procs` loadgen processes, c split among them (a Python client saturates first
     over HTTP); once every one is READY (imported, connected) they start together at a wall-clock
-    time, told to `on_start(start_at)` first (the server-side window): their samples merged."""
+    time, told to `on_start(start_at)` first (the server-side window): their samples merged.
+    `argv`: this script's flags for the client processes (default: the ones it was run with)."""
     procs = max(1, min(args.client_procs, c))
     shares = [c // procs + (i < c % procs) for i in range(procs)]
     children = [
         subprocess.Popen(
-            [sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *sys.argv[1:]],
+            [sys.executable, __file__, "--drive", f"{api},{target},{share},{i}", *(argv or sys.argv[1:])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -6,14 +6,10 @@ HTTP or gRPC metadata), each below the right parent, with times that nest."""
 
 from __future__ import annotations
 
-import threading
-from concurrent import futures
-
-import grpc
 import httpx
 import pytest
 from http_helpers import MODEL, HttpGateway
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from otlp_receiver import Receiver, start_receiver
 from services_helpers import Client, greedy_request, wait_until
 
 from verifypd.v1 import generate_pb2
@@ -22,51 +18,12 @@ TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps every exported span as a dict: service, name, trace/span/parent ids (hex), times, attributes."""
-
-    def __init__(self):
-        self.spans: list[dict] = []
-        self.lock = threading.Lock()
-
-    def Export(self, request, context):
-        with self.lock:
-            for rs in request.resource_spans:
-                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        self.spans.append(
-                            {
-                                "service": service,
-                                "name": s.name,
-                                "trace": s.trace_id.hex(),
-                                "id": s.span_id.hex(),
-                                "parent": s.parent_span_id.hex(),
-                                "start": s.start_time_unix_nano,
-                                "end": s.end_time_unix_nano,
-                                "attrs": {a.key: a.value for a in s.attributes},
-                            }
-                        )
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def of_trace(self, trace_id: str) -> dict[str, list[dict]]:
-        with self.lock:
-            out: dict[str, list[dict]] = {}
-            for s in self.spans:
-                if s["trace"] == trace_id:
-                    out.setdefault(s["name"], []).append(s)
-            return out
-
-
 @pytest.fixture(scope="module")
 def traced(chat_models):
-    from verifypd.core.tracing import RequestTracing, make_tracer
+    from verifypd.core.tracing import RequestTracing
+    from verifypd.net.trace_context import make_tracer
 
-    receiver = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    receiver, server, port = start_receiver()
     env = pytest.MonkeyPatch()
     # Traces only: other tests' metric providers in this process must not export here.
     env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{port}")
@@ -100,8 +57,8 @@ def check_one_trace(receiver: Receiver, trace_id: str, max_tokens: int, parent: 
     for name in CORE[1:]:
         (s,) = spans[name]
         assert s["parent"] == core["id"], name
-    for name in LANES:  # the lane calls of the request's steps, below its gateway span
-        assert all(s["parent"] == gen["id"] and s["attrs"]["verifypd.batch.size"].int_value >= 1 for s in spans[name])
+    for name in LANES:  # the lane calls of the request's steps, below its core span
+        assert all(s["parent"] == core["id"] and s["attrs"]["verifypd.batch.size"].int_value >= 1 for s in spans[name])
     decode = spans["verifypd.decode"][0]
     assert decode["attrs"]["verifypd.output_tokens"].int_value == max_tokens
     assert gen["attrs"]["gen_ai.usage.output_tokens"].int_value == max_tokens

@@ -41,8 +41,9 @@ from verifypd.core.channel import (
     unb64,
 )
 from verifypd.core.loop import Draining, Overloaded, Unavailable
-from verifypd.core.tracing import end_gateway_span, start_gateway_span, traceparent_of
+from verifypd.core.tracing import end_gateway_span, start_gateway_span
 from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec, TokenLogprob
+from verifypd.net.trace_context import traceparent_of
 from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 

@@ -39,9 +39,10 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
     from verifypd.core.channel import BlockingChannel
     from verifypd.core.core_server import CoreServer
     from verifypd.core.telemetry import Telemetry
-    from verifypd.core.tracing import RequestTracing, make_tracer
+    from verifypd.core.tracing import RequestTracing
     from verifypd.domain.logs import setup_logging, warn_simulated
     from verifypd.net.lane_tls import serve_lane_tls
+    from verifypd.net.trace_context import make_tracer
 
     # The gateway decides when to stop (its drain): a terminal's Ctrl-C reaches the whole process
     # group, and the core must keep serving the requests the gateway is draining.
@@ -73,7 +74,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
             raise LaneError(own)
 
     def split_stack(addrs: dict[str, str], lane_secret: str | None, topology: str = "split") -> SplitStack:
-        return build_split(
+        stack = build_split(
             addrs,
             engine_options,
             kv_transport=options.kv_transport,
@@ -83,6 +84,9 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
             lane_secret=lane_secret,
             lane_tls=lane_tls,
         )
+        if tracing is not None:  # the lane calls' spans, their context sent to the lanes
+            tracing.trace_lane_calls(stack.lanes)
+        return stack
 
     lanes: SplitLanes | tuple[()] = ()
     on_close: list[Callable[[], None]] = [telemetry.shutdown]

@@ -1,32 +1,32 @@
 """OpenTelemetry traces of requests: the gateway's span per request (receive to the last byte
-streamed) and, in the engine core, the request's queue, prefill and decode spans and the lane
-calls of its steps; one trace per request, continued from the caller's W3C `traceparent` (an
-HTTP header, or gRPC metadata of the same name). Exported over OTLP/gRPC when
-OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; off otherwise, and
-then nothing here runs at all. Sampling follows OTEL_TRACES_SAMPLER (default: parent-based,
-always on).
+streamed) and, in the engine core, the request's span with its queue, prefill and decode spans
+and the lane calls of its steps; one trace per request, continued from the caller's W3C
+`traceparent` (net/trace_context.py: the wires, the tracer every process makes alike).
 
-Cost on the engine thread: a request's core spans are written once, when it finishes, with the
+Cost on the engine thread: a request's core span is started when the core receives it (channel
+reader thread); its queue / prefill / decode spans are written once, when it finishes, with the
 start and end times the router already keeps (RequestStats); no span per token or per step per
-request. Lane calls are one span per call per step, parented to the oldest traced request of the
-step's batch (attribute `verifypd.batch.size` says how many it served). Lane processes export no
-spans of their own: the core times every lane call, RPC included (as for metrics).
+request. Lane calls are one span per call (one per step and lane, whatever the batch), below the
+core span of the oldest traced request of the call's batch (`verifypd.batch.size` says how many
+it served):
+  * in-process lanes (colocated): written after the step from the router's lane timings;
+  * lane clients (split, `trace_lane_calls`): a CLIENT span around each call, its traceparent
+    sent with the call, and the lane process writes its SERVER span below it (lanes/rpc/lane_spans.py).
 """
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from verifypd.domain.requests import FinishReason
+from verifypd.lanes.rpc.lane_spans import LaneCallSpans, lane_attributes
+from verifypd.net.trace_context import context_of
 
-_PROPAGATOR = TraceContextTextMapPropagator()
 _REASONS = {
     FinishReason.EOS: "stop",
     FinishReason.STOP: "stop",
@@ -35,48 +35,12 @@ _REASONS = {
 }  # vLLM's finished_reason values
 
 
-def exporting() -> bool:
-    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
-        return False
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-
-
-def make_tracer(service_name: str, exporter=None) -> Tracer | None:
-    """A tracer exporting over OTLP/gRPC (batched, in a thread of the SDK) when the environment
-    names an endpoint, or to `exporter` (tests); None when tracing is off."""
-    if exporter is None and not exporting():
-        return None
-    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
-    provider = TracerProvider(resource=resource.merge(OTELResourceDetector().detect()))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider.get_tracer("verifypd")
-
-
-def traceparent_of(span) -> str | None:
-    """The W3C traceparent of a sampled span (what the gateway hands the core), else None."""
-    ctx = span.get_span_context()
-    if not ctx.is_valid or not ctx.trace_flags.sampled:
-        return None
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
-    return carrier.get("traceparent")
-
-
 def start_gateway_span(tracer: Tracer, carrier, api: str, request_id: str, prompt_tokens: int):
-    """The gateway's span of one request, a child of the caller's traceparent when it sent one."""
-    pairs = carrier.items() if isinstance(carrier, Mapping) else carrier  # gRPC metadata: (key, value) pairs
-    parent = _PROPAGATOR.extract({k.lower(): v for k, v in pairs if isinstance(v, str)})
+    """The gateway's span of one request, a child of the caller's traceparent when it sent one
+    (`carrier`: HTTP headers, or gRPC metadata as (key, value) pairs)."""
     return tracer.start_span(
         "verifypd.generate",
-        context=parent,
+        context=context_of(carrier) or Context(),  # none: a trace of its own
         kind=SpanKind.SERVER,
         attributes={
             "verifypd.api": api,
@@ -104,25 +68,51 @@ def _ns(t: float, mono_now: float, wall_now_ns: int) -> int:
 
 
 class RequestTracing:
-    """The core's side: `begin` (channel reader thread) remembers a request's parent context;
-    the router's observer hooks (core loop thread, through `Telemetry`) write its spans."""
+    """The core's side: `begin` (channel reader thread) starts a request's core span below the
+    gateway's; the router's observer hooks (core loop thread, through `Telemetry`) and the lane
+    clients (same thread) write the spans below it."""
 
     def __init__(self, tracer: Tracer, clock=time.monotonic):
         self.tracer, self.clock = tracer, clock
-        self._parents: dict[str, Context] = {}  # request id -> the gateway span's context
+        # request id -> (its verifypd.core.request span, a context holding it); dict operations
+        # only across the two threads (atomic under the GIL).
+        self._requests: dict[str, tuple[trace.Span, Context]] = {}
         self._lane_calls: list[tuple[str, float, float, int]] = []  # this step's (lane, start, end, batch)
+        self.spans_from_steps = True  # False once the lane clients write the lane spans (trace_lane_calls)
 
     def begin(self, request_id: str, traceparent: str) -> None:
-        ctx = _PROPAGATOR.extract({"traceparent": traceparent})
-        if trace.get_current_span(ctx).get_span_context().is_valid:
-            self._parents[request_id] = ctx
+        parent = context_of(traceparent)
+        if parent is None:
+            return
+        span = self.tracer.start_span("verifypd.core.request", context=parent)
+        if span.get_span_context().trace_flags.sampled:
+            self._requests[request_id] = (span, trace.set_span_in_context(span))
 
     def forget(self, request_id: str) -> None:
-        """A refused request: no spans."""
-        self._parents.pop(request_id, None)
+        """A refused request: its core span is dropped unended (never exported)."""
+        self._requests.pop(request_id, None)
 
+    def parent_of(self, request_ids: Iterable[str]) -> Context | None:
+        """The core span context of the first traced request among `request_ids`, or None."""
+        requests = self._requests
+        if not requests:
+            return None
+        for rid in request_ids:
+            held = requests.get(rid)
+            if held is not None:
+                return held[1]
+        return None
+
+    def trace_lane_calls(self, lanes) -> None:
+        """Lane clients (split) write a span around each call and send its context along."""
+        spans = LaneCallSpans(self.tracer, self.parent_of)
+        for lane in lanes:
+            lane.spans = spans
+        self.spans_from_steps = False
+
+    # -- in-process lanes: spans from the router's timings ------------------------------------
     def on_lane_step(self, lane: str, seconds: float, batch: int) -> None:
-        if self._parents:
+        if self.spans_from_steps and self._requests:
             now = self.clock()
             self._lane_calls.append((lane, now - seconds, now, batch))
 
@@ -130,8 +120,7 @@ class RequestTracing:
         if not self._lane_calls:
             return
         calls, self._lane_calls = self._lane_calls, []
-        parents = self._parents
-        anchor = next((parents[s.request_id] for s in router.scheduler.running if s.request_id in parents), None)
+        anchor = self.parent_of(s.request_id for s in router.scheduler.running)
         if anchor is None:
             return
         mono, wall = self.clock(), time.time_ns()
@@ -141,30 +130,27 @@ class RequestTracing:
                 context=anchor,
                 kind=SpanKind.CLIENT,
                 start_time=_ns(start, mono, wall),
-                attributes={"verifypd.lane": lane, "verifypd.batch.size": batch},
+                attributes=lane_attributes(lane, batch),
             )
             span.end(end_time=_ns(end, mono, wall))
 
     def on_request_finished(self, seq) -> None:
-        parent = self._parents.pop(seq.request_id, None)
-        if parent is None:
+        held = self._requests.pop(seq.request_id, None)
+        if held is None:
             return
+        root, ctx = held
         s, now = seq.stats, self.clock()
         mono, wall = now, time.time_ns()
         times = s.token_times
         end = times[-1] if times and seq.finish_reason is not FinishReason.CANCELLED else now
-        root = self.tracer.start_span(
-            "verifypd.core.request",
-            context=parent,
-            start_time=_ns(s.arrival_time, mono, wall),
-            attributes={
+        root.set_attributes(
+            {
                 "gen_ai.usage.input_tokens": s.prompt_tokens,
                 "gen_ai.usage.output_tokens": s.completion_tokens,
                 "gen_ai.response.finish_reasons": [_REASONS.get(seq.finish_reason, "abort")],
                 "verifypd.preemptions": s.preemptions,
-            },
+            }
         )
-        ctx = trace.set_span_in_context(root)
 
         def child(name: str, start: float, stop: float, **attributes) -> None:
             span = self.tracer.start_span(name, context=ctx, start_time=_ns(start, mono, wall), attributes=attributes)

@@ -68,11 +68,11 @@ def cmd_serve(args) -> int:
     them (core/process.py), loads the tokenizer meanwhile, then serves gRPC and HTTP on one event
     loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
-    from verifypd.core.tracing import make_tracer
     from verifypd.gateway.http_server import bind_http
     from verifypd.gateway.server import Gateway, load_codec
     from verifypd.net.limits import ConnectionLimits
     from verifypd.net.tls import server_tls
+    from verifypd.net.trace_context import make_tracer
 
     if args.log_format:  # the engine core and the lanes it starts read it from the environment
         os.environ[LOG_FORMAT_ENV] = args.log_format
@@ -291,6 +291,7 @@ def _start_health_port(state: dict, args):
 
 def cmd_lane(args) -> int:
     from verifypd.lanes.rpc.lane_server import LaneServicer, build_lane_server
+    from verifypd.lanes.rpc.lane_spans import LaneServerSpans
     from verifypd.net.auth import load_secret
     from verifypd.net.lane_tls import lane_tls
 
@@ -331,6 +332,7 @@ def cmd_lane(args) -> int:
         print("verifypd: error: --simulated-acceptance applies to the verify lane only", file=sys.stderr)
         return 2
     servicer = LaneServicer(args.lane, options, secret=secret, tls=tls)
+    servicer.spans = LaneServerSpans.from_env(args.lane)  # None unless OTLP is configured (inherited)
     if not -1 <= args.call_port <= 65535:
         print(f"verifypd: error: --call-port must be -1, 0 or a port number; got {args.call_port}", file=sys.stderr)
         return 2

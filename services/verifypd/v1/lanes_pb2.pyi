@@ -376,14 +376,16 @@ class PackedBatch(_message.Message):
     def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., wait_event: _Optional[bytes] = ..., handoff_slot: _Optional[int] = ..., draft_rows_u32: _Optional[bytes] = ...) -> None: ...
 
 class LaneCall(_message.Message):
-    __slots__ = ("call_id", "method", "batch")
+    __slots__ = ("call_id", "method", "batch", "traceparent")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     method: LaneMethod
     batch: PackedBatch
-    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[_Union[LaneMethod, str]] = ..., batch: _Optional[_Union[PackedBatch, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[_Union[LaneMethod, str]] = ..., batch: _Optional[_Union[PackedBatch, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class LaneReply(_message.Message):
     __slots__ = ("call_id", "status_code", "error", "count_u32", "tokens_u32", "probs_items_u32", "draft_probs", "resync_from_u32", "kv_bytes_copied")

@@ -6,4 +6,5 @@ call_channel.py   the fast path for work calls (framed protobufs over TCP); call
 lane_calls.py, lane_validate.py, lane_setup.py, lane_convert.py   the lane side's call handling
 kv_transport.py   pool descriptors, shared-memory import, the copy transport, DraftProbs codec
 cuda_ipc.py, draft_handoff.py     CUDA IPC handles of pools and of the draft-token buffer
+lane_spans.py     trace spans of lane calls, router and lane side (context sent with each call)
 """

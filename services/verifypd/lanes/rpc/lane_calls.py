@@ -4,7 +4,8 @@ ordering the channel makes possible:
   * `wait_event`: the prefill lane's KV writes, waited on by the owners' streams;
   * `handoff_slot`: draft tokens through the draft lane's DraftHandoff buffer (draft_handoff.py):
     the draft lane replies with counts as soon as its work is enqueued, the verify lane reads the
-    proposals on the device.
+    proposals on the device;
+  * `traceparent`: with traces on (`spans`), the call's SERVER span below the router's (lane_spans.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc.call_codec import HandoffTokens, u32
+from verifypd.lanes.rpc.lane_spans import LaneServerSpans, end_call_span
 from verifypd.v1 import lanes_pb2
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class CallChannelWork:
     # Set by LaneServicer: handoff (draft lane on CUDA) / opened_handoff (verify lane, once opened).
     handoff: DraftHandoffBuffer | None = None
     opened_handoff: OpenedHandoff | None = None
+    spans: LaneServerSpans | None = None  # set when the environment turns traces on (launch/cli.py)
 
     @property
     def lane(self) -> object | None:
@@ -91,6 +94,15 @@ class CallChannelWork:
                 self._wait_for_peer(call.batch.wait_event)
         except lv.LaneInvalid as exc:
             return lanes_pb2.LaneReply(status_code=exc.code.value[0], error=str(exc))
+        span = self.spans.start(call.traceparent, items) if self.spans is not None and call.traceparent else None
+        reply = self._call_work(call, items)
+        if span is not None:  # host time of the call: on CUDA its kernels may still run after the reply
+            end_call_span(span, reply.error if reply.status_code else None)
+        if not reply.status_code:
+            state.release(call.batch.released)
+        return reply
+
+    def _call_work(self, call: lanes_pb2.LaneCall, items: list) -> lanes_pb2.LaneReply:
         try:
             with self.lock:
                 if self.role == "prefill":
@@ -107,7 +119,6 @@ class CallChannelWork:
                 status_code=grpc.StatusCode.INTERNAL.value[0],
                 error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}",
             )
-        state.release(call.batch.released)
         return reply
 
     def _draft_call(self, items: list[DraftItem], slot: int) -> lanes_pb2.LaneReply:

@@ -7,7 +7,8 @@ columns, request state and block tables sent as deltas) when the lane announces 
 unary gRPC. Every failure of a lane call (process gone, deadline, error status) becomes
 `LaneError`; the gateway then ends in-flight requests with UNAVAILABLE. `wire_bytes` counts the
 serialized bytes of every lane call (request + reply), so a test can prove that with handles no
-KV crossed the wire.
+KV crossed the wire. With `spans` set (core/tracing.py, when traces are on) each work call gets a
+span whose context travels with it (lane_spans.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from verifypd.domain.lanes import (
 from verifypd.lanes.rpc import call_codec as cc
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
+from verifypd.lanes.rpc.lane_spans import LaneCallSpans, end_call_span
 from verifypd.net.auth import lane_metadata
 from verifypd.net.lane_tls import LaneChannel
+from verifypd.net.trace_context import TRACEPARENT
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
@@ -63,6 +66,7 @@ class _GrpcLane:
     _stub_class: Callable[[grpc.Channel], Any]  # the lane's gRPC stub (lanes_pb2_grpc), set by each lane
 
     _method: lanes_pb2.LaneMethod = lanes_pb2.LANE_METHOD_UNSPECIFIED  # this lane's work call
+    spans: LaneCallSpans | None = None  # work-call spans (lane_spans.py), set when traces are on
 
     def __init__(
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
@@ -98,11 +102,13 @@ class _GrpcLane:
         if self._lane_channel.refresh():
             self._bind_stubs()
 
-    def rpc(self, method: str, request, timeout_s: float | None = None):
-        """A unary gRPC call to the lane (setup, and work calls without the call channel)."""
+    def rpc(self, method: str, request, timeout_s: float | None = None, traceparent: str | None = None):
+        """A unary gRPC call to the lane (setup, and work calls without the call channel);
+        `traceparent`: the work call's span context, sent as metadata."""
         self._fresh_channel()
+        metadata = self._metadata if traceparent is None else (*self._metadata, (TRACEPARENT, traceparent))
         try:
-            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise LaneError(
                 f"{self.lane} lane at {self.addr}: {method} failed: {exc.code().name}: {exc.details()}"
@@ -165,7 +171,7 @@ class _GrpcLane:
         return self._use_channel
 
     def _work(self, items, encode, decode, unary):
-        """One work call: over the call channel when the lane has one, else `unary()`."""
+        """One work call: over the call channel when the lane has one, else `unary(traceparent)`."""
         return self._start(items, encode, decode, unary).result()
 
     def _start(self, items, encode, decode, unary) -> StartedCall:
@@ -177,8 +183,17 @@ class _GrpcLane:
         with self._call_lock:
             self._settle()
             client = self._connected_client()
+            traced = self.spans.start(self.lane, items) if self.spans is not None else None
+            span, traceparent = traced if traced is not None else (None, None)
             if client is None:
-                return Finished(unary())
+                error = None
+                try:
+                    return Finished(unary(traceparent))
+                except LaneError as exc:
+                    error = str(exc)
+                    raise
+                finally:
+                    _ended(span, error)
             name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
             try:
                 batch = encode(self._mirror, items)
@@ -186,10 +201,12 @@ class _GrpcLane:
                 if producer is not None and producer.kv_written_event and producer.writes != self._writes_seen:
                     self._writes_seen = producer.writes  # read before the handle goes out: never misses one
                     batch.wait_event = producer.kv_written_event
-                call_id = client.send(lanes_pb2.LaneCall(method=self._method, batch=batch))
+                call = lanes_pb2.LaneCall(method=self._method, batch=batch, traceparent=traceparent or "")
+                call_id = client.send(call)
             except (OSError, ChannelClosed) as exc:
+                _ended(span, str(exc))
                 raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
-            self._pending = _StartedLaneCall(self, client, call_id, items, decode, name)
+            self._pending = _StartedLaneCall(self, client, call_id, items, decode, name, span)
             return self._pending
 
     _pending: _StartedLaneCall | None = None
@@ -263,12 +280,19 @@ class _GrpcLane:
         self._lane_channel.close()
 
 
+def _ended(span, error: str | None = None) -> None:
+    """Ends a work call's span, if it has one."""
+    if span is not None:
+        end_call_span(span, error)
+
+
 class _StartedLaneCall:
     """A work call written to a lane's call channel, its reply not read yet (a StartedCall)."""
 
-    def __init__(self, lane: _GrpcLane, client: CallClient, call_id: int, items, decode, name: str):
+    def __init__(self, lane: _GrpcLane, client: CallClient, call_id: int, items, decode, name: str, span=None):
         self.lane, self.client, self.call_id = lane, client, call_id
         self.items, self.decode, self.name = items, decode, name
+        self.span = span  # the call's trace span (lane_spans.py), ended with its reply; None: untraced
         self.done = False
         self.value: list | None = None
         self.error: LaneError | None = None
@@ -290,6 +314,12 @@ class _StartedLaneCall:
         if self.done:
             return
         self.done = True
+        try:
+            self._complete()
+        finally:
+            _ended(self.span, str(self.error) if self.error is not None else None)
+
+    def _complete(self) -> None:
         lane, client, where = self.lane, self.client, f"{self.lane.lane} lane at {self.lane.addr}: {self.name}"
         try:
             reply = client.receive(self.call_id)
@@ -332,8 +362,8 @@ class GrpcPrefillLane(_GrpcLane):
             self.writes += 1  # also for a call settled on an error path: owners then wait
             return cc.decode_prefill(items, reply)
 
-        def unary():
-            result = self.rpc("Prefill", lc.prefill_batch_to_pb(items))
+        def unary(traceparent):
+            result = self.rpc("Prefill", lc.prefill_batch_to_pb(items), traceparent=traceparent)
             self.kv_bytes_copied += result.kv_bytes_copied
             return lc.prefill_outputs_from_pb(result)
 
@@ -370,7 +400,7 @@ class GrpcDraftLane(_GrpcLane):
             items,
             lambda mirror, items: cc.encode_draft(mirror, items, slot),
             lambda items, reply: cc.decode_draft(items, reply, slot),
-            lambda: lc.draft_outputs_from_pb(self.rpc("Draft", lc.draft_batch_to_pb(items))),
+            lambda tp: lc.draft_outputs_from_pb(self.rpc("Draft", lc.draft_batch_to_pb(items), traceparent=tp)),
         )
 
 
@@ -393,7 +423,9 @@ class GrpcVerifyLane(_GrpcLane):
             items,
             lambda mirror, items: cc.encode_verify(mirror, items, encode),
             cc.decode_verify,
-            lambda: lc.verify_outputs_from_pb(self.rpc("Verify", lc.verify_batch_to_pb(items, encode))),
+            lambda tp: lc.verify_outputs_from_pb(
+                self.rpc("Verify", lc.verify_batch_to_pb(items, encode), traceparent=tp)
+            ),
         )
 
 

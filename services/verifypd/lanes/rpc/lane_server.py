@@ -54,6 +54,7 @@ from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.lane_calls import CallChannelWork
 from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
+from verifypd.lanes.rpc.lane_spans import end_call_span
 from verifypd.model.build import capture_graphs
 from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
 from verifypd.model.llama import PagedLlama
@@ -79,6 +80,8 @@ class RpcContext(Protocol):
     """What the RPCs use of their grpc.ServicerContext: `abort` raises (it never returns)."""
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn: ...
+
+    def invocation_metadata(self): ...  # (key, value) pairs: the lane secret, a traceparent
 
 
 class LaneServicer(CallChannelWork):
@@ -366,15 +369,21 @@ class LaneServicer(CallChannelWork):
             context.abort(exc.code, str(exc))
         return len(request.items) > 0
 
-    def _run(self, context: RpcContext, fn: Callable[[], T]) -> T:
+    def _run(self, context: RpcContext, fn: Callable[[], T], items: list) -> T:
         # Input was validated: whatever fails now is a fault of this lane (INTERNAL, logged with
         # its traceback here, never sent to the caller).
+        span = self.spans.start(context.invocation_metadata() or (), items) if self.spans is not None else None
+        error = None
         try:
             with self.lock:
                 return fn()
         except Exception as exc:
             log.exception("%s lane call failed", self.role)
-            context.abort(grpc.StatusCode.INTERNAL, f"{self.role} lane: internal error: {type(exc).__name__}: {exc}")
+            error = f"{self.role} lane: internal error: {type(exc).__name__}: {exc}"
+            context.abort(grpc.StatusCode.INTERNAL, error)
+        finally:
+            if span is not None:
+                end_call_span(span, error)
 
     # -- the work, shared by unary RPCs and the call channel ----------------------------------
     def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
@@ -420,7 +429,7 @@ class LaneServicer(CallChannelWork):
         if not self._check(context, lv.check_prefill, request):
             return lanes_pb2.PrefillResult()
         items = lc.prefill_batch_from_pb(request)
-        outputs, copied = self._run(context, lambda: self._prefill_work(items))
+        outputs, copied = self._run(context, lambda: self._prefill_work(items), items)
         return lc.prefill_outputs_to_pb(outputs, copied)
 
     def Draft(self, request: lanes_pb2.DraftBatch, context: RpcContext) -> lanes_pb2.DraftResult:
@@ -438,13 +447,13 @@ class LaneServicer(CallChannelWork):
                     msg.probs.CopyFrom(self._encode_probs(out.draft_probs, item.sampling.top_k))
             return result
 
-        return self._run(context, work)
+        return self._run(context, work, items)
 
     def Verify(self, request: lanes_pb2.VerifyBatch, context: RpcContext) -> lanes_pb2.VerifyResult:
         if not self._check(context, lv.check_verify, request):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
-        return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
+        return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)), items)
 
 
 def _handle(item: PrefillItem, role: str) -> KvHandle:
