@@ -8,7 +8,8 @@ whose pools are the ones this process owns or imported, and converts messages at
     verify lane  owns the target pool (+ target weights); serves KvTransfer for it
     prefill lane has both models; after ImportPools it writes into the owners' pools directly
                  (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
-                 touched blocks it then streams to the owners (copy transport)
+                 touched blocks it then streams to the owners (copy transport) or copies into
+                 the owners' pools on another GPU, layer by layer (peer transport, peer_copy.py)
 
 One lock per process serializes work calls (and KvTransfer writes) on the pools.
 
@@ -45,12 +46,13 @@ from verifypd.domain.lanes import (
     VerifyOutput,
 )
 from verifypd.domain.models import draft_spec
-from verifypd.domain.options import EngineOptions
+from verifypd.domain.options import KV_TRANSPORTS, EngineOptions
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc import lane_validate as lv
+from verifypd.lanes.rpc import peer_copy
 from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.lane_calls import CallChannelWork
 from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
@@ -141,6 +143,7 @@ class LaneServicer(CallChannelWork):
             self.ranks.wait_ready()
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
+        self.peers: dict[str, peer_copy.PeerCopier] = {}  # role -> peer transport to the owner
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
@@ -181,8 +184,9 @@ class LaneServicer(CallChannelWork):
             self.call_server.close()
         with self.lock:
             self.prefill_lane = self.draft_lane = self.verify_lane = None
-            self.pushers = {}
+            self.pushers, self.peers = {}, {}
         kv.release_imported()
+        peer_copy.release_mapped()
         gc.collect()  # the imported storages go now, not at interpreter teardown
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -247,13 +251,15 @@ class LaneServicer(CallChannelWork):
         if self.role != "prefill":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
         mode_arg = request.kv_transport or "auto"
-        if mode_arg not in ("auto", "handle", "copy"):
+        if mode_arg not in KV_TRANSPORTS:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}; got {mode_arg!r}",
             )
         t0 = time.perf_counter()
         pools: dict[str, KvPool] = {}
         pushers: dict[str, kv.KvPusher] = {}
+        peers: dict[str, peer_copy.PeerCopier] = {}
         modes: dict[str, str] = {}
         roles = [lc.ROLE_FROM_PB.get(d.role, "") for d in request.pools]  # "": no pool role (refused below)
         if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
@@ -275,9 +281,15 @@ class LaneServicer(CallChannelWork):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"pool {d.pool_id} is on another host or device; use kv_transport copy",
                 )
+            far = peer_copy.unreachable(d, self.device)  # None: the peer transport reaches the owner
+            if mode_arg == "peer" and far is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pool {d.pool_id}: kv_transport peer: {far}")
             try:
-                if near and mode_arg != "copy":
+                if near and mode_arg in ("auto", "handle"):
                     pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
+                elif mode_arg == "peer" or (mode_arg == "auto" and far is None and self.device.type == "cuda"):
+                    pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "peer"
+                    peers[role] = peer_copy.PeerCopier(pools[role], peer_copy.open_owner_pool(d, self.device))
                 else:
                     pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
                     pushers[role] = kv.KvPusher(
@@ -293,19 +305,28 @@ class LaneServicer(CallChannelWork):
         event = None
         # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
         # waits for them), not by an event on rank 0's device.
+        # Nor with peer copies: the owners run on other GPUs, so the lane synchronizes its device instead.
         if (
             request.forward_kv_written_event
             and self.device.type == "cuda"
             and "imported" in modes.values()
+            and "peer" not in modes.values()
             and self.ranks is None
         ):
             event = torch.cuda.Event(interprocess=True)
         with self.lock:
             self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, self._info(()))
-            self.pushers = pushers
+            self.pushers, self.peers = pushers, peers
             self.pools = dict(pools)
             self.kv_written = event
             self.import_seconds = time.perf_counter() - t0
+        for role, copier in peers.items():  # the forward announces each layer's K/V to its copier
+            self._loaded(
+                self.target_model if role == "target" else self.draft_model, role
+            ).after_layer_kv = copier.layer_written
+        if "copy" in modes.values():
+            nixl = "installed, not used" if peer_copy.nixl_available() else "not installed"
+            log.info("KV to other hosts goes over the gRPC copy stream (NIXL %s)", nixl)
         log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
         return lanes_pb2.ImportPoolsReply(
             mode_by_pool=modes,
@@ -380,26 +401,22 @@ class LaneServicer(CallChannelWork):
     def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
         if self.prefill_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no prefill (a prefill lane: call ImportPools first)")
-        outputs = self.prefill_lane.prefill(items)
-        copied = 0
+        for role, copier in self.peers.items():
+            copier.begin(_touched(items, role, copier.staging.geometry.block_size))
+        try:
+            outputs = self.prefill_lane.prefill(items)
+        finally:  # orders this stream after the copies even when the forward failed
+            copied = sum(copier.finish() for copier in self.peers.values())
         for role, pusher in self.pushers.items():
-            blocks = [
-                b
-                for i in items
-                for b in kv.touched_blocks(
-                    _handle(i, role).block_ids,
-                    i.start_pos,
-                    i.start_pos + len(i.token_ids),
-                    pusher.pool.geometry.block_size,
-                )
-            ]
-            copied += pusher.push(blocks)
+            copied += pusher.push(_touched(items, role, pusher.pool.geometry.block_size))
         # IPC shares memory, not ordering: the owners' streams wait on kv_written (the router
         # forwards it), else the device finishes before we reply.
         if self.kv_written is not None:
             self.kv_written.record()
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        for copier in self.peers.values():
+            copier.collect()  # one log line per transfer (logger verifypd.lane.kv)
         self.kv_bytes_copied += copied
         return outputs, copied
 
@@ -445,6 +462,15 @@ class LaneServicer(CallChannelWork):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
         return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)))
+
+
+def _touched(items: list[PrefillItem], role: str, block_size: int) -> list[int]:
+    """The blocks of the `role` pool that this prefill batch writes."""
+    return [
+        b
+        for i in items
+        for b in kv.touched_blocks(_handle(i, role).block_ids, i.start_pos, i.start_pos + len(i.token_ids), block_size)
+    ]
 
 
 def _handle(item: PrefillItem, role: str) -> KvHandle:
