@@ -138,6 +138,9 @@ class PeerCopier:
 
     def layer_written(self, layer: int) -> None:
         """The model's after_layer_kv hook: layer `layer`'s K/V are queued on the current stream."""
+        self._issue(layer)
+
+    def _issue(self, layer: int) -> None:
         if self._index is None or layer in self._done:
             return
         self._done.append(layer)
@@ -170,7 +173,7 @@ class PeerCopier:
         if self._events is not None:
             self._events[1].record()  # the forward's end, on the compute stream
         for layer in range(self.staging.geometry.num_layers):
-            self.layer_written(layer)
+            self._issue(layer)
         if self.side is not None:
             assert self._events is not None
             self._events[2].record(self.side)
