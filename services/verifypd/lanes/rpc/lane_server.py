@@ -246,6 +246,10 @@ class LaneServicer(CallChannelWork):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the rank shards of {d.pool_id}: {exc}")
 
     def ImportPools(self, request: lanes_pb2.ImportPoolsRequest, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
+        with self.on_device():  # its events, streams and mappings belong to this lane's GPU
+            return self._import_pools(request, context)
+
+    def _import_pools(self, request: lanes_pb2.ImportPoolsRequest, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
         if self.role == "verify" and request.HasField("draft_handoff") and not request.pools:
             return self._open_handoff(request.draft_handoff, context)
         if self.role != "prefill":
@@ -391,7 +395,7 @@ class LaneServicer(CallChannelWork):
         # Input was validated: whatever fails now is a fault of this lane (INTERNAL, logged with
         # its traceback here, never sent to the caller).
         try:
-            with self.lock:
+            with self.lock, self.on_device():
                 return fn()
         except Exception as exc:
             log.exception("%s lane call failed", self.role)

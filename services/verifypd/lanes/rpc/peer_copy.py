@@ -37,7 +37,7 @@ def nixl_available() -> bool:
     """Whether NIXL (UCX/RDMA KV transfer across hosts) is importable. verifypd does not use it yet:
     across hosts KV goes over the gRPC copy stream either way (docs/services.md "KV transports")."""
     try:
-        import nixl  # type: ignore[import-not-found]  # noqa: F401
+        import nixl  # noqa: F401
     except ImportError:
         return False
     return True
@@ -84,7 +84,8 @@ def _map_owner_pool(d: lanes_pb2.PoolDescriptor, device: torch.device) -> KvPool
     storage = cuda_ipc.map_into(d.cuda_ipc, device)
     if g.bytes_per_block(dtype) * g.num_blocks > storage.nbytes():
         raise ValueError(f"pool {d.pool_id} does not fit the shared storage ({storage.nbytes()} bytes)")
-    tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, g.shape)
+    strides = torch.empty(g.shape, device="meta").stride()  # contiguous
+    tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, g.shape, strides)
     role = ROLE_FROM_PB[d.role]
     return KvPool(role, g, dtype, device, tensor=tensor, pool_id=d.pool_id, generation=d.generation, owner=False)
 
@@ -150,7 +151,7 @@ class PeerCopier:
             self._cpu_seconds += time.perf_counter() - t0
             return
         written = torch.cuda.Event()
-        written.record()  # on the compute stream, after this layer's K/V store
+        written.record(torch.cuda.current_stream(self.device))  # the compute stream, after this layer's K/V
         with torch.cuda.stream(self.side):
             self.side.wait_event(written)
             if len(self._done) == 1 and self._events is not None:
@@ -171,7 +172,7 @@ class PeerCopier:
             return 0
         hooked = len(self._done)
         if self._events is not None:
-            self._events[1].record()  # the forward's end, on the compute stream
+            self._events[1].record(torch.cuda.current_stream(self.device))  # the forward's end
         for layer in range(self.staging.geometry.num_layers):
             self._issue(layer)
         if self.side is not None:
