@@ -47,7 +47,8 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on these mach
 from bench_meta import metadata  # noqa: E402
 from seed_serving import ServeProcess, free_port  # noqa: E402
 
-CONFIGS = ("colocated-1gpu", "split-pd-2gpu", "split-draft-own-gpu", "replicas-2gpu")
+# In order of importance: a configuration not started within --budget-s is skipped (and says so).
+CONFIGS = ("colocated-1gpu", "split-pd-2gpu", "replicas-2gpu", "split-draft-own-gpu")
 
 
 def servers(args, config: str) -> list[list[str]]:
@@ -82,7 +83,7 @@ def start(flags: list[str], timeout_s: float) -> ServeProcess:
 
 def run_load(args, address: str, rate: float, seed: int, out: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", address, "--workload", "mixed"]
-    cmd += ["--rate", repr(rate), "--duration", str(args.duration), "--drain-timeout", "30", "--procs", "1"]
+    cmd += ["--rate", repr(rate), "--duration", str(args.duration), "--drain-timeout", "15", "--procs", "1"]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     cmd += ["--long-fraction", str(args.long_fraction), "--long-input-len", str(args.long_len)]
     cmd += ["--vocab-size", str(args.vocab), "--warmup", "2", "--seed", str(seed)]
@@ -206,7 +207,7 @@ def main() -> int:
     p.add_argument("--alpha", type=float, default=0.7, help="SIMULATED acceptance (negative: off)")
     p.add_argument("--kv-transport", default="auto", help="split configurations (auto picks peer across GPUs)")
     p.add_argument("--rate", type=float, default=6.0, help="requests/s over all servers of a configuration")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of sending per configuration")
+    p.add_argument("--duration", type=float, default=25.0, help="seconds of sending per configuration")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--long-fraction", type=float, default=0.15)
@@ -216,7 +217,7 @@ def main() -> int:
     p.add_argument("--slo-itl-ms", type=float, default=50.0)
     p.add_argument("--graph-buckets", default="1,2,4,8,16,32,64,128")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--budget-s", type=float, default=450.0, help="configurations not started by then are skipped")
+    p.add_argument("--budget-s", type=float, default=360.0, help="configurations not started by then are skipped")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny random checkpoint, short load")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -262,12 +263,13 @@ def main() -> int:
         src, dst, args.smoke, [4, 16] if args.smoke else [16, 128, 512], 2 if args.smoke else 5
     )
     result["wall_s"] = time.perf_counter() - t_start
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        result["plot"] = plot(result, str(Path(args.out).with_suffix(".png")))  # None: no matplotlib
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
-        result["plot"] = plot(result, str(Path(args.out).with_suffix(".png")))
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 

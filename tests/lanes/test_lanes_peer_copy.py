@@ -132,3 +132,20 @@ def test_reachability(model):
 
 def test_nixl_detection_is_a_plain_bool():
     assert peer_copy.nixl_available() in (True, False)
+
+
+def test_choose_transport(model):
+    s = model.shape
+    g = PoolGeometry(model.num_layers, 4, BLOCK, s.num_kv_heads, s.head_dim)
+    shared = KvPool.create_shared_cpu("target", g, torch.float32)
+    try:
+        d = describe_pool(shared)
+        got = {asked: peer_copy.choose_transport(asked, d, CPU) for asked in ("auto", "handle", "peer", "copy")}
+        assert got == {"auto": "imported", "handle": "imported", "peer": "peer", "copy": "copy"}
+        d.host_boot_id = "another-host"
+        assert peer_copy.choose_transport("auto", d, CPU) == "copy"
+        for asked, words in (("handle", "another host or device"), ("peer", "kv_transport peer: the owner runs")):
+            with pytest.raises(ValueError, match=words):
+                peer_copy.choose_transport(asked, d, CPU)
+    finally:
+        shared.close()

@@ -261,6 +261,9 @@ class LaneServicer(CallChannelWork):
                 f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}; got {mode_arg!r}",
             )
         t0 = time.perf_counter()
+        # A re-wiring (an owner restarted: new pools) forgets the old mappings; the copiers still wired
+        # hold theirs until they are replaced below, so an owner's memory goes with its last user.
+        peer_copy.release_mapped()
         pools: dict[str, KvPool] = {}
         pushers: dict[str, kv.KvPusher] = {}
         peers: dict[str, peer_copy.PeerCopier] = {}
@@ -279,23 +282,19 @@ class LaneServicer(CallChannelWork):
                 lv.check_pool_descriptor(f"pools[{n}]", d, role, self._pool_spec(role), LAYOUT, SHM_DIR)
             except lv.LaneInvalid as exc:
                 context.abort(exc.code, str(exc))
-            near = kv.colocated(d, self.device)
-            if mode_arg == "handle" and not near:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"pool {d.pool_id} is on another host or device; use kv_transport copy",
-                )
-            far = peer_copy.unreachable(d, self.device)  # None: the peer transport reaches the owner
-            if mode_arg == "peer" and far is not None:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pool {d.pool_id}: kv_transport peer: {far}")
             try:
-                if near and mode_arg in ("auto", "handle"):
-                    pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
-                elif mode_arg == "peer" or (mode_arg == "auto" and far is None and self.device.type == "cuda"):
-                    pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "peer"
+                mode = peer_copy.choose_transport(mode_arg, d, self.device)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            modes[d.pool_id] = mode
+            try:
+                if mode == "imported":
+                    pools[role] = kv.open_pool(d)
+                elif mode == "peer":
+                    pools[role] = kv.staging_pool(d, self.device)
                     peers[role] = peer_copy.PeerCopier(pools[role], peer_copy.open_owner_pool(d, self.device))
                 else:
-                    pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
+                    pools[role] = kv.staging_pool(d, self.device)
                     pushers[role] = kv.KvPusher(
                         pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret), tls=self.tls
                     )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from verifypd.lanes.rpc import cuda_ipc
-from verifypd.lanes.rpc.kv_transport import geometry_of, host_boot_id, open_pool
+from verifypd.lanes.rpc.kv_transport import colocated, geometry_of, host_boot_id, open_pool
 from verifypd.lanes.rpc.lane_convert import ROLE_FROM_PB
 from verifypd.model.kv_pool import KvPool
 from verifypd.v1 import lanes_pb2
@@ -41,6 +41,24 @@ def nixl_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def choose_transport(asked: str, d: lanes_pb2.PoolDescriptor, device: torch.device) -> str:
+    """How a prefill lane on `device` reaches pool `d` ("imported", "peer" or "copy") when the wiring
+    asks for `asked` (auto | handle | peer | copy); ValueError (one line, naming the pool) when the
+    transport asked for cannot reach it. auto: the same device -> imported; another GPU of this host
+    that this one can reach as a peer -> peer; else copy (the CPU never picks peer by itself)."""
+    near = colocated(d, device)
+    if asked == "handle" and not near:
+        raise ValueError(f"pool {d.pool_id} is on another host or device; use kv_transport copy")
+    far = unreachable(d, device)
+    if asked == "peer" and far is not None:
+        raise ValueError(f"pool {d.pool_id}: kv_transport peer: {far}")
+    if near and asked in ("auto", "handle"):
+        return "imported"
+    if asked == "peer" or (asked == "auto" and far is None and device.type == "cuda"):
+        return "peer"
+    return "copy"
 
 
 def unreachable(d: lanes_pb2.PoolDescriptor, device: torch.device) -> str | None:
