@@ -51,11 +51,13 @@ def choose_transport(asked: str, d: lanes_pb2.PoolDescriptor, device: torch.devi
     near = colocated(d, device)
     if asked == "handle" and not near:
         raise ValueError(f"pool {d.pool_id} is on another host or device; use kv_transport copy")
+    if near and asked in ("auto", "handle"):
+        return "imported"
+    if asked == "copy":
+        return "copy"
     far = unreachable(d, device)
     if asked == "peer" and far is not None:
         raise ValueError(f"pool {d.pool_id}: kv_transport peer: {far}")
-    if near and asked in ("auto", "handle"):
-        return "imported"
     if asked == "peer" or (asked == "auto" and far is None and device.type == "cuda"):
         return "peer"
     return "copy"
@@ -73,9 +75,15 @@ def unreachable(d: lanes_pb2.PoolDescriptor, device: torch.device) -> str | None
         owner = cuda_ipc.local_device_index(d.device_uuid)
     except RuntimeError as exc:
         return str(exc)
-    if owner != device.index and not torch.cuda.can_device_access_peer(device, owner):
-        return f"cuda:{device.index} cannot access cuda:{owner} as a peer (no NVLink / PCIe P2P)"
+    index = cuda_index(device)
+    if owner != index and not torch.cuda.can_device_access_peer(index, owner):
+        return f"cuda:{index} cannot access cuda:{owner} as a peer (no NVLink / PCIe P2P)"
     return None
+
+
+def cuda_index(device: torch.device) -> int:
+    """`device`'s index ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 _MAPPED: dict[tuple[str, int], KvPool] = {}  # (pool id, generation) -> mapped pool: a handle opens once
@@ -99,6 +107,7 @@ def open_owner_pool(d: lanes_pb2.PoolDescriptor, device: torch.device) -> KvPool
 
 def _map_owner_pool(d: lanes_pb2.PoolDescriptor, device: torch.device) -> KvPool:
     g, dtype = geometry_of(d), getattr(torch, d.dtype)
+    device = torch.device("cuda", cuda_index(device))
     storage = cuda_ipc.map_into(d.cuda_ipc, device)
     if g.bytes_per_block(dtype) * g.num_blocks > storage.nbytes():
         raise ValueError(f"pool {d.pool_id} does not fit the shared storage ({storage.nbytes()} bytes)")
