@@ -323,10 +323,11 @@ class LaneServicer(CallChannelWork):
             self.pools = dict(pools)
             self.kv_written = event
             self.import_seconds = time.perf_counter() - t0
-        for role, copier in peers.items():  # the forward announces each layer's K/V to its copier
-            self._loaded(
-                self.target_model if role == "target" else self.draft_model, role
-            ).after_layer_kv = copier.layer_written
+            # The forward announces each layer's K/V to its pool's copier (none: no peer transport;
+            # a re-wiring drops the old copiers' hooks with them).
+            for role, model in (("target", self.target_model), ("draft", self.draft_model)):
+                if model is not None:
+                    model.after_layer_kv = peers[role].layer_written if role in peers else None
         if "copy" in modes.values():
             nixl = "installed, not used" if peer_copy.nixl_available() else "not installed"
             log.info("KV to other hosts goes over the gRPC copy stream (NIXL %s)", nixl)
