@@ -174,6 +174,8 @@ def build_colocated_deployment(
             "--secret-file",
             LANE_SECRET_FILE,
         ]
+        if spec.lane_devices:  # disaggregated in the pod: each lane on its GPU of the pod's (laneDevices)
+            lane_cmd += ["--device", f"cuda:{spec.lane_devices.get(lane, 0)}"]
         env = otel_env(config, namespace, otlp_endpoint, f"verifypd-{lane}")
         if dra:
             resources = container_resources(b.resources, 0)
@@ -185,6 +187,8 @@ def build_colocated_deployment(
                 f'echo "$NVIDIA_VISIBLE_DEVICES" > {GPU_HANDOFF_FILE}.tmp && '
                 f'mv {GPU_HANDOFF_FILE}.tmp {GPU_HANDOFF_FILE} && exec "$@"'
             )
+            if spec.lane_devices:  # cuda:N must mean the same GPU in every container: the same list, in order
+                script = f'export CUDA_VISIBLE_DEVICES="$NVIDIA_VISIBLE_DEVICES"; {script}'
             c = container(
                 spec,
                 lane,

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from verifypd.domain.defaults import DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET
-from verifypd.domain.options import QUANTIZATIONS
+from verifypd.domain.options import KV_TRANSPORTS, QUANTIZATIONS
 
 from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 
@@ -113,6 +113,18 @@ SPLIT_TENSOR_PARALLEL_RULE = {
 }
 
 
+# Every named lane device must be one of the pod's GPUs, and the placement is for an unsharded target.
+LANE_DEVICES_RULE = {
+    "rule": "!has(self.laneDevices) || (self.tensorParallel == 1 && "
+    + " && ".join(
+        f"(!has(self.laneDevices.{lane}) || self.laneDevices.{lane} < self.gpu)"
+        for lane in ("prefill", "draft", "verify")
+    )
+    + ")",
+    "message": "laneDevices must name GPUs below gpu (the pod's GPUs) and needs tensorParallel 1",
+}
+
+
 def spec_schema() -> S:
     colocated = with_tensor_parallel(
         _replicas(
@@ -124,7 +136,15 @@ def spec_schema() -> S:
     colocated["properties"].update(
         gpuSharing=_str("devicePlugin", "how the lane containers share the pod's GPU", ["devicePlugin", "dra"]),
         draDeviceClass=_str("gpu.nvidia.com", "DeviceClass for gpuSharing=dra"),
+        laneDevices={
+            "type": "object",
+            "description": "prefill/verify disaggregation inside the pod: the GPU (0..gpu-1 of the pod's) each "
+            "lane runs on, e.g. {prefill: 0, verify: 1, draft: 1} with gpu: 2 (`--device cuda:N` per lane; "
+            "KV moves by the peer transport over NVLink). Lanes not named run on GPU 0",
+            "properties": {lane: _int(None, 0, 7) for lane in ("prefill", "draft", "verify")},
+        },
     )
+    colocated["x-kubernetes-validations"].append(LANE_DEVICES_RULE)
     gateway = _replicas(
         "the router/gateway (topology=split; its resources apply to the colocated pods' gateway container too)", gpu=0
     )
@@ -168,7 +188,12 @@ def spec_schema() -> S:
                 "colocated: one pod per replica, lanes share a GPU by KV handle; split: a Deployment per lane",
                 ["colocated", "split"],
             ),
-            "kvTransport": _str("auto", "KV transfer between lanes", ["auto", "handle", "copy"]),
+            "kvTransport": _str(
+                "auto",
+                "KV transfer between lanes: handle (one GPU), peer (another GPU of the pod: per-layer copies "
+                "over NVLink), copy (over gRPC, between pods); auto picks among them",
+                list(KV_TRANSPORTS),
+            ),
             "gateway": gateway,
             "colocated": colocated,
             "lanes": {

@@ -106,6 +106,8 @@ class Spec:
     gpu_sharing: str = "devicePlugin"  # colocated only: "devicePlugin" | "dra"
     dra_device_class: str = "gpu.nvidia.com"
     kv_transport: str = "auto"
+    # colocated.laneDevices: lane -> index among the pod's GPUs (prefill/verify disaggregation in a pod)
+    lane_devices: Mapping[str, int] = dataclasses.field(default_factory=dict)
     gateway: Replicas = Replicas(gpu=0, resources=GATEWAY_RESOURCES)
     colocated: Replicas = Replicas()
     lanes: Mapping[str, Replicas] = dataclasses.field(default_factory=lambda: {lane: Replicas() for lane in LANES})
@@ -161,6 +163,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
         gpu_sharing=colo.get("gpuSharing", d.gpu_sharing),
         dra_device_class=colo.get("draDeviceClass", d.dra_device_class),
         kv_transport=s.get("kvTransport", d.kv_transport),
+        lane_devices={lane: int(n) for lane, n in (colo.get("laneDevices") or {}).items()},
         gateway=_replicas(s.get("gateway"), gpu=0, resources=GATEWAY_RESOURCES),
         colocated=_replicas(colo),
         lanes={lane: _replicas(lanes.get(lane)) for lane in LANES},

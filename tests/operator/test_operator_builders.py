@@ -361,3 +361,20 @@ def test_colocated_lanes_serve_the_call_channel_on_distinct_localhost_ports(owne
     assert {o["metadata"]["name"] for o in objs if o["kind"] == "Service"} == {"demo", "demo-gateway-pods"}
     [np] = [o for o in objs if o["kind"] == "NetworkPolicy"]
     assert sorted(p["port"] for p in np["spec"]["ingress"][0]["ports"]) == [8000, 50051]
+
+
+def test_colocated_pod_with_lane_devices_puts_each_lane_on_its_gpu(owner):
+    """colocated.laneDevices: the pod holds 2 GPUs; prefill runs on cuda:0, verify and draft on cuda:1, and
+    every container numbers the GPUs alike (the verify container exports the allocation's list too)."""
+    spec = parse_spec({"colocated": {"gpu": 2, "laneDevices": {"prefill": 0, "verify": 1, "draft": 1}}})
+    objs = build_all(spec, owner, "ns1", {}, "x")
+    pod = _deps(objs)["demo-colocated"]["spec"]["template"]["spec"]
+    lanes = {c["name"]: c for c in pod["containers"] if c["name"] != "gateway"}
+    devices = {name: c["args"][c["args"].index("--device") + 1] for name, c in lanes.items()}
+    assert devices == {"prefill": "cuda:0", "draft": "cuda:1", "verify": "cuda:1"}
+    assert lanes["verify"]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert 'CUDA_VISIBLE_DEVICES="$NVIDIA_VISIBLE_DEVICES"' in lanes["verify"]["command"][2]
+    for o in objs:
+        kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+    plain = _deps(build_all(parse_spec({}), owner, "ns1", {}, "x"))["demo-colocated"]["spec"]["template"]["spec"]
+    assert all("--device" not in c["args"] for c in plain["containers"])

@@ -61,6 +61,9 @@ def test_empty_spec_gets_the_same_defaults_as_the_parser(crds, namespace):
         ({"colocated": {"resources": {"requests": {"cpu": "banana"}}}}, "demo", "should match"),
         ({"lanes": {"draft": {"resources": {"limits": {"memory": "8 GB"}}}}}, "demo", "should match"),
         ({"colocated": {"resources": {"requests": {"cpu": "1"}, "claimz": {}}}}, "demo", "unknown field"),
+        ({"colocated": {"gpu": 2, "laneDevices": {"verify": 2}}}, "demo", "laneDevices must name GPUs below gpu"),
+        ({"colocated": {"laneDevices": {"prefill": 1}}}, "demo", "laneDevices must name GPUs below gpu"),
+        ({"kvTransport": "nvlink"}, "demo", 'supported values: "auto", "handle", "copy", "peer"'),
         ({}, "9lives", "name must be a DNS-1035 label"),
         ({}, "my.model", "name must be a DNS-1035 label"),
         ({}, "x" * 41, "at most 40 characters"),
@@ -82,3 +85,10 @@ def test_valid_quantities_accepted(crds, namespace):
         }
     }
     crds.kubectl("apply", "-n", namespace, "-f", "-", input=cr_yaml(spec, "q"))
+
+
+def test_lane_devices_within_the_pods_gpus_are_accepted(crds, namespace):
+    spec = {"colocated": {"gpu": 2, "laneDevices": {"prefill": 0, "verify": 1, "draft": 1}}, "kvTransport": "peer"}
+    crds.kubectl("apply", "--validate=strict", "-n", namespace, "-f", "-", input=cr_yaml(spec, "pd"))
+    got = json.loads(crds.kubectl("get", "vpd", "pd", "-n", namespace, "-o", "json").stdout)
+    assert parse_spec(got["spec"]).lane_devices == {"prefill": 0, "verify": 1, "draft": 1}

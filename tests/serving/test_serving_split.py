@@ -1,4 +1,5 @@
-"""`split` topology on CPU: three lane processes, KV passed by handle (/dev/shm) or copied.
+"""`split` topology on CPU: three lane processes, KV passed by handle (/dev/shm), copied over gRPC or
+copied layer by layer into the owners' pools (peer).
 
 One set of lane processes serves the whole module; each test wires a fresh gateway (router) to
 them, so block allocation starts clean every time.
@@ -95,6 +96,19 @@ def test_copy_transport_gives_same_output(tiny_models, lanes, prompts, expected)
         copied = gw.lanes[0].kv_bytes_copied
         assert copied >= sum(len(p) for p in prompts) * kv_bytes_per_token(gw)
         assert owner_bytes_received(gw) - received_before == copied
+
+
+def test_peer_transport_gives_same_output(tiny_models, lanes, prompts, expected):
+    """The multi-GPU transport on the CPU: the prefill lane stages KV in its own memory and copies
+    each layer's blocks into the owners' /dev/shm pools as the forward goes (peer_copy.py); the
+    owners are other processes, as they are other GPUs there. Nothing crosses gRPC."""
+    with split_gateway(tiny_models, lanes, "peer") as gw:
+        assert set(gw.wiring.mode_by_pool.values()) == {"peer"}
+        received_before = owner_bytes_received(gw)
+        assert run_all(gw, prompts) == expected
+        copied = gw.lanes[0].kv_bytes_copied
+        assert copied >= sum(len(p) for p in prompts) * kv_bytes_per_token(gw)
+        assert owner_bytes_received(gw) == received_before
 
 
 @pytest.mark.parametrize("top_k", [0, 7])

@@ -16,6 +16,10 @@ from verifypd.domain.config import LanePriorities, RuntimeConfig
 from verifypd.domain.defaults import DEFAULT_TARGET
 from verifypd.domain.drafts import DEFAULT_DRAFT
 
+# How KV moves from the prefill lane to the pools' owners (docs/services.md "KV transports"):
+# handle (open the owner's pool: same device), peer (stage locally, copy each layer into the owner's
+# pool mapped by CUDA IPC: another GPU of this host), copy (stream blocks over gRPC: any host), auto.
+KV_TRANSPORTS = ("auto", "handle", "copy", "peer")
 QUANTIZATIONS = ("fp8",)  # --quantization: how the target's weights are quantized while loading
 
 
@@ -49,6 +53,9 @@ class EngineOptions:
     # Automatic prefix caching (docs/engine.md "Prefix caching"); `--no-prefix-cache` turns it off.
     # The split topology serves without it (its start-up log says so).
     prefix_cache: bool = True
+    # split: a device per lane process (`--lane-devices`, lane -> "cuda:N" or "cpu"); a lane not
+    # named runs on `device`.
+    lane_devices: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,7 +83,7 @@ class CoreOptions:
     # the launch layer; lanes the core starts get a fresh one instead.
     lane_secret: str | None = field(default=None, repr=False)
     lane_tls: LaneTlsFiles = field(default_factory=LaneTlsFiles)
-    kv_transport: str = "auto"  # "auto" | "handle" | "copy"
+    kv_transport: str = "auto"  # one of KV_TRANSPORTS
     lane_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0
     stall_timeout_s: float = 10.0  # a step running longer: health NOT_SERVING (requests wait)

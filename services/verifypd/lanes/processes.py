@@ -60,7 +60,7 @@ def lane_command(
         "--draft",
         options.draft,
         "--device",
-        options.device,
+        options.lane_devices.get(lane, options.device),  # --lane-devices: this lane's own GPU
         "--dtype",
         options.dtype,
         "--block-size",

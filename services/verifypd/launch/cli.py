@@ -16,6 +16,7 @@ import threading
 import time
 
 from verifypd.domain.logs import LOG_FORMAT_ENV, setup_logging, simulated_label, warn_simulated
+from verifypd.launch.lane_devices import lane_devices_error
 from verifypd.launch.serve_args import (
     add_client_tls_arguments,
     add_lane_arguments,
@@ -100,6 +101,12 @@ def cmd_serve(args) -> int:
                 file=sys.stderr,
             )
             return 2
+    placement = lane_devices_error(options.lane_devices, args.topology, options.tensor_parallel, options.draft)
+    if placement is None and options.lane_devices and any(addrs.values()):
+        placement = "--lane-devices places the lanes serve starts; with --*-addr give each `verifypd lane` its --device"
+    if placement is not None:
+        print(f"verifypd: error: {placement}", file=sys.stderr)
+        return 2
     if options.tensor_parallel > 1 and any(addrs.values()):  # the lanes were started with their own flags
         print(
             f"verifypd: error: with --*-addr, give --tensor-parallel {options.tensor_parallel} to `verifypd lane "

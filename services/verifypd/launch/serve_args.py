@@ -10,7 +10,8 @@ import os
 
 from verifypd.cli_flags import add_model_flags, add_prefix_cache_flag, add_schedule_flags, draft_arg, schedule_changes
 from verifypd.domain.config import RuntimeConfig
-from verifypd.domain.options import CoreOptions, EngineOptions, LaneTlsFiles
+from verifypd.domain.options import KV_TRANSPORTS, CoreOptions, EngineOptions, LaneTlsFiles
+from verifypd.launch.lane_devices import parse_lane_devices
 from verifypd.net.auth import ADMIN_KEY_ENV, API_KEY_ENV, LANE_SECRET_ENV, load_secret
 from verifypd.net.limits import DEFAULT_IDLE_TIMEOUT_S
 
@@ -72,9 +73,19 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--kv-transport",
-        choices=["auto", "handle", "copy"],
+        choices=KV_TRANSPORTS,
         default="auto",
-        help="split: import co-located pools (handle) or copy KV bytes over gRPC (copy)",
+        help="split: import co-located pools (handle), copy each layer's KV into a pool on another GPU of "
+        "this host (peer: CUDA IPC over NVLink/PCIe) or stream KV bytes over gRPC (copy); auto: handle "
+        "on one GPU, peer across GPUs that can reach each other, else copy",
+    )
+    serve.add_argument(
+        "--lane-devices",
+        type=parse_lane_devices,
+        default={},
+        metavar="LANE=DEVICE,...",
+        help="split: a device per lane process, e.g. prefill=cuda:0,verify=cuda:1,draft=cuda:1 (a bare "
+        "index means cuda:N); lanes not named run on --device (docs/services.md 'Disaggregation')",
     )
     for lane in ("prefill", "draft", "verify"):
         serve.add_argument(
@@ -329,6 +340,7 @@ def engine_options(args):
         tp_all_reduce=args.tp_all_reduce,
         simulated_acceptance=getattr(args, "simulated_acceptance", None),
         prefix_cache=not getattr(args, "no_prefix_cache", False),
+        lane_devices=dict(getattr(args, "lane_devices", None) or {}),
     )
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
         options.config = RuntimeConfig(

@@ -23,6 +23,7 @@ padded to whole blocks):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
@@ -239,6 +240,10 @@ class PagedLlama:
         # A TpGroup (model.tensor_parallel) when this is one rank of a tensor-parallel model: the shape
         # and weights are then the rank's shard, and the attention and MLP outputs are partial sums.
         self.tp_group: TpGroup | None = None
+        # Called with i once layer i's new K/V are in the pool (queued on the current stream), before
+        # layer i + 1 runs: a disaggregated prefill lane copies that layer to its owner meanwhile
+        # (lanes/rpc/peer_copy.py). Not called by a CUDA graph replay (its caller copies afterwards).
+        self.after_layer_kv: Callable[[int], None] | None = None
         self.embed_scale = (
             torch.tensor(shape.hidden_size**0.5, dtype=weights.embed.dtype, device=device)
             if shape.embed_scale
@@ -297,6 +302,8 @@ class PagedLlama:
                 features.write(i, h, batch.slots)
             mask = masks.get(self.shape.window(i))
             delta = linear(self.attend(x, layer, pool, i, batch, mask), layer.o)
+            if self.after_layer_kv is not None:
+                self.after_layer_kv(i)
             if tp is not None:  # row-parallel o_proj: sum the ranks' partial outputs
                 tp.all_reduce(delta)
             if sandwich:  # Gemma 2/3: the attention output is normed before the residual add

@@ -5,6 +5,7 @@ lane_client.py    GrpcPrefillLane / GrpcDraftLane / GrpcVerifyLane (the lane pro
 call_channel.py   the fast path for work calls (framed protobufs over TCP); call_codec/call_decode
 lane_calls.py, lane_validate.py, lane_setup.py, lane_convert.py   the lane side's call handling
 kv_transport.py   pool descriptors, shared-memory import, the copy transport, DraftProbs codec
+peer_copy.py      the peer transport: per-layer copies into an owner's pool on another GPU of the host
 cuda_ipc.py, draft_handoff.py     CUDA IPC handles of pools and of the draft-token buffer
 lane_spans.py     trace spans of lane calls, router and lane side (context sent with each call)
 """

@@ -10,6 +10,7 @@ ordering the channel makes possible:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -68,6 +69,14 @@ class CallChannelWork:
     def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         raise NotImplementedError
 
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """This lane's GPU as the calling thread's current device. gRPC and call-channel threads start
+        on cuda:0, and Triton launches, CUDA graphs and current_stream() follow the thread's current
+        device, not the tensors': a lane on cuda:1 (--lane-devices) runs its work inside this."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     def _encode_probs(self, probs: torch.Tensor, top_k: int) -> lanes_pb2.DraftProbs:
         return kv.encode_probs(probs, top_k)
 
@@ -104,7 +113,7 @@ class CallChannelWork:
 
     def _call_work(self, call: lanes_pb2.LaneCall, items: list) -> lanes_pb2.LaneReply:
         try:
-            with self.lock:
+            with self.lock, self.on_device():
                 if self.role == "prefill":
                     reply = cd.prefill_reply(*self._prefill_work(items))
                 elif self.role == "draft":

@@ -33,6 +33,7 @@ from verifypd.domain.lanes import (
     VerifyItem,
     VerifyOutput,
 )
+from verifypd.domain.options import KV_TRANSPORTS
 from verifypd.lanes.rpc import call_codec as cc
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
@@ -437,8 +438,8 @@ def wire_pools(
     The owners' KvTransfer addresses are the addresses we reach them at (only the wiring side
     knows them), used when a pool is copied rather than imported.
     """
-    if kv_transport not in ("auto", "handle", "copy"):
-        raise ValueError(f"kv_transport must be auto, handle or copy; got {kv_transport!r}")
+    if kv_transport not in KV_TRANSPORTS:
+        raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}; got {kv_transport!r}")
     pools = []
     for owner in (verify, draft):
         for d in owner.describe_pb().pools:

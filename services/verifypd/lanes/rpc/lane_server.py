@@ -8,7 +8,8 @@ whose pools are the ones this process owns or imported, and converts messages at
     verify lane  owns the target pool (+ target weights); serves KvTransfer for it
     prefill lane has both models; after ImportPools it writes into the owners' pools directly
                  (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
-                 touched blocks it then streams to the owners (copy transport)
+                 touched blocks it then streams to the owners (copy transport) or copies into
+                 the owners' pools on another GPU, layer by layer (peer transport, peer_copy.py)
 
 One lock per process serializes work calls (and KvTransfer writes) on the pools.
 
@@ -45,12 +46,13 @@ from verifypd.domain.lanes import (
     VerifyOutput,
 )
 from verifypd.domain.models import draft_spec
-from verifypd.domain.options import EngineOptions
+from verifypd.domain.options import KV_TRANSPORTS, EngineOptions
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
 from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc import lane_validate as lv
+from verifypd.lanes.rpc import peer_copy
 from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.lane_calls import CallChannelWork
 from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
@@ -144,6 +146,7 @@ class LaneServicer(CallChannelWork):
             self.ranks.wait_ready()
         self.transfer = kv.KvTransferServicer(self.owned, self.lock)
         self.pushers: dict[str, kv.KvPusher] = {}  # role -> copy transport to the owner
+        self.peers: dict[str, peer_copy.PeerCopier] = {}  # role -> peer transport to the owner
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
@@ -184,8 +187,9 @@ class LaneServicer(CallChannelWork):
             self.call_server.close()
         with self.lock:
             self.prefill_lane = self.draft_lane = self.verify_lane = None
-            self.pushers = {}
+            self.pushers, self.peers = {}, {}
         kv.release_imported()
+        peer_copy.release_mapped()
         gc.collect()  # the imported storages go now, not at interpreter teardown
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -245,18 +249,27 @@ class LaneServicer(CallChannelWork):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the rank shards of {d.pool_id}: {exc}")
 
     def ImportPools(self, request: lanes_pb2.ImportPoolsRequest, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
+        with self.on_device():  # its events, streams and mappings belong to this lane's GPU
+            return self._import_pools(request, context)
+
+    def _import_pools(self, request: lanes_pb2.ImportPoolsRequest, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
         if self.role == "verify" and request.HasField("draft_handoff") and not request.pools:
             return self._open_handoff(request.draft_handoff, context)
         if self.role != "prefill":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
         mode_arg = request.kv_transport or "auto"
-        if mode_arg not in ("auto", "handle", "copy"):
+        if mode_arg not in KV_TRANSPORTS:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be auto, handle or copy; got {mode_arg!r}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}; got {mode_arg!r}",
             )
         t0 = time.perf_counter()
+        # A re-wiring (an owner restarted: new pools) forgets the old mappings; the copiers still wired
+        # hold theirs until they are replaced below, so an owner's memory goes with its last user.
+        peer_copy.release_mapped()
         pools: dict[str, KvPool] = {}
         pushers: dict[str, kv.KvPusher] = {}
+        peers: dict[str, peer_copy.PeerCopier] = {}
         modes: dict[str, str] = {}
         roles = [lc.ROLE_FROM_PB.get(d.role, "") for d in request.pools]  # "": no pool role (refused below)
         if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
@@ -272,17 +285,19 @@ class LaneServicer(CallChannelWork):
                 lv.check_pool_descriptor(f"pools[{n}]", d, role, self._pool_spec(role), LAYOUT, SHM_DIR)
             except lv.LaneInvalid as exc:
                 context.abort(exc.code, str(exc))
-            near = kv.colocated(d, self.device)
-            if mode_arg == "handle" and not near:
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"pool {d.pool_id} is on another host or device; use kv_transport copy",
-                )
             try:
-                if near and mode_arg != "copy":
-                    pools[role], modes[d.pool_id] = kv.open_pool(d), "imported"
+                mode = peer_copy.choose_transport(mode_arg, d, self.device)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            modes[d.pool_id] = mode
+            try:
+                if mode == "imported":
+                    pools[role] = kv.open_pool(d)
+                elif mode == "peer":
+                    pools[role] = kv.staging_pool(d, self.device)
+                    peers[role] = peer_copy.PeerCopier(pools[role], peer_copy.open_owner_pool(d, self.device))
                 else:
-                    pools[role], modes[d.pool_id] = kv.staging_pool(d, self.device), "copy"
+                    pools[role] = kv.staging_pool(d, self.device)
                     pushers[role] = kv.KvPusher(
                         pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret), tls=self.tls
                     )
@@ -296,19 +311,29 @@ class LaneServicer(CallChannelWork):
         event = None
         # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
         # waits for them), not by an event on rank 0's device.
+        # Nor with peer copies: the owners run on other GPUs, so the lane synchronizes its device instead.
         if (
             request.forward_kv_written_event
             and self.device.type == "cuda"
             and "imported" in modes.values()
+            and "peer" not in modes.values()
             and self.ranks is None
         ):
             event = torch.cuda.Event(interprocess=True)
         with self.lock:
             self.prefill_lane = LocalPrefillLane(target_runner, draft_runner, self._info(()))
-            self.pushers = pushers
+            self.pushers, self.peers = pushers, peers
             self.pools = dict(pools)
             self.kv_written = event
             self.import_seconds = time.perf_counter() - t0
+            # The forward announces each layer's K/V to its pool's copier (none: no peer transport;
+            # a re-wiring drops the old copiers' hooks with them).
+            for role, model in (("target", self.target_model), ("draft", self.draft_model)):
+                if model is not None:
+                    model.after_layer_kv = peers[role].layer_written if role in peers else None
+        if "copy" in modes.values():
+            nixl = "installed, not used" if peer_copy.nixl_available() else "not installed"
+            log.info("KV to other hosts goes over the gRPC copy stream (NIXL %s)", nixl)
         log.info("prefill lane wired: %s in %.3f s", modes, self.import_seconds)
         return lanes_pb2.ImportPoolsReply(
             mode_by_pool=modes,
@@ -375,7 +400,7 @@ class LaneServicer(CallChannelWork):
         span = self.spans.start(context.invocation_metadata() or (), items) if self.spans is not None else None
         error = None
         try:
-            with self.lock:
+            with self.lock, self.on_device():
                 return fn()
         except Exception as exc:
             log.exception("%s lane call failed", self.role)
@@ -389,26 +414,22 @@ class LaneServicer(CallChannelWork):
     def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
         if self.prefill_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no prefill (a prefill lane: call ImportPools first)")
-        outputs = self.prefill_lane.prefill(items)
-        copied = 0
+        for role, copier in self.peers.items():
+            copier.begin(_touched(items, role, copier.staging.geometry.block_size))
+        try:
+            outputs = self.prefill_lane.prefill(items)
+        finally:  # orders this stream after the copies even when the forward failed
+            copied = sum(copier.finish() for copier in self.peers.values())
         for role, pusher in self.pushers.items():
-            blocks = [
-                b
-                for i in items
-                for b in kv.touched_blocks(
-                    _handle(i, role).block_ids,
-                    i.start_pos,
-                    i.start_pos + len(i.token_ids),
-                    pusher.pool.geometry.block_size,
-                )
-            ]
-            copied += pusher.push(blocks)
+            copied += pusher.push(_touched(items, role, pusher.pool.geometry.block_size))
         # IPC shares memory, not ordering: the owners' streams wait on kv_written (the router
         # forwards it), else the device finishes before we reply.
         if self.kv_written is not None:
             self.kv_written.record()
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        for copier in self.peers.values():
+            copier.collect()  # one log line per transfer (logger verifypd.lane.kv)
         self.kv_bytes_copied += copied
         return outputs, copied
 
@@ -454,6 +475,15 @@ class LaneServicer(CallChannelWork):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
         return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)), items)
+
+
+def _touched(items: list[PrefillItem], role: str, block_size: int) -> list[int]:
+    """The blocks of the `role` pool that this prefill batch writes."""
+    return [
+        b
+        for i in items
+        for b in kv.touched_blocks(_handle(i, role).block_ids, i.start_pos, i.start_pos + len(i.token_ids), block_size)
+    ]
 
 
 def _handle(item: PrefillItem, role: str) -> KvHandle:

@@ -36,6 +36,8 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
         return load_lane_shard(options, spec, need_draft)
     need_draft = need_draft and spec.needs_model  # pool-less drafts (ngram, none) load nothing
     device = resolve_device(options.device) if (need_target or need_draft) else torch.device("cpu")
+    if device.type == "cuda" and device.index is not None:  # a lane on its own GPU (--lane-devices):
+        torch.cuda.set_device(device)  # loading and graph capture on this thread run there
     dtype = resolve_dtype(options.dtype, device)
     self_draft = spec.kind == "self"
     target = (
