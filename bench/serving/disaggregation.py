@@ -88,7 +88,8 @@ def run_load(args, address: str, rate: float, seed: int, out: str) -> subprocess
     cmd += ["--long-fraction", str(args.long_fraction), "--long-input-len", str(args.long_len)]
     cmd += ["--vocab-size", str(args.vocab), "--warmup", "2", "--seed", str(seed)]
     cmd += ["--raw-records", "--no-progress", "--out", out]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / s) for s in ("loadgen", "services")))
+    ours = [str(ROOT / s) for s in ("loadgen", "services")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(ours + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
 
 

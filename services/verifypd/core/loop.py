@@ -31,6 +31,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Protocol
 
+import torch
+
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import RequestSpec
 from verifypd.router.router import Router
@@ -95,6 +97,9 @@ class CoreLoop:
         self._live: set[str] = set()  # request ids added and not finished
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.run, name="verifypd-core-loop", daemon=True)
+        # The GPU the models were loaded on (resolve_device made it current on the building thread):
+        # Triton launches and CUDA graphs follow the running thread's current device, not the tensors'.
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     # -- called from any thread ------------------------------------------------------------
     def start(self) -> None:
@@ -153,6 +158,8 @@ class CoreLoop:
     # -- loop thread ---------------------------------------------------------------------
     def run(self) -> None:
         """The loop (on the loop thread, or the engine-core process's main thread) until stop()."""
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         while not self._stop.is_set():
             busy = self.failed is None and self.recovering is None and self.router.has_work()
             wait = RECOVER_POLL_S if self.recovering is not None else self._idle_wait_s

@@ -71,9 +71,14 @@ class Models:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device of `name` ("auto": a GPU if there is one). A numbered GPU also becomes this thread's
+    current device: Triton launches and CUDA graphs run on the current device, whatever the tensors'."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
