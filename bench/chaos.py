@@ -3,22 +3,33 @@ stopped and resumed, idle connections flood its ports and malformed and oversize
 
     python bench/chaos.py --seconds 600 --out bench/results/chaos_cpu.json            # CPU, tiny random model
     python bench/chaos.py --smoke --out /tmp/chaos.json                               # ~1 minute
-    python bench/chaos.py --target random:llama-2-7b --draft random:tinyllama-1.1b --device cuda \\
-        --seconds 600 --out bench/results/chaos_h100.json                             # GPU
+    python bench/chaos.py --target "$G" --draft self:12 --device cuda --control-seconds 45 \
+        --seconds 75 --fault-kinds kill,stop --fault-every 15 --lane-timeout 10 --stop-s 12 \
+        --recovery-timeout 120 --out chaos_gpu.json                                     # GPU, ~3 minutes
 
 First a reference run: the request set (greedy and seeded-sampled, token-id prompts) once with no
-fault. Then `--seconds` of load (`--concurrency` clients cycling through the set) with one fault every
-`--fault-every` seconds, drawn at random (seeded) from: SIGKILL a lane; SIGSTOP a lane for
+fault, one request at a time. Then, with `--control-seconds`, that long of the same load with no
+fault (the control: what batching alone changes), then `--seconds` of load (`--concurrency` clients
+cycling through the set) with one fault every `--fault-every` seconds (`--no-faults`: none, a pure
+control run), drawn at random (seeded) from `--fault-kinds`: SIGKILL a lane; SIGSTOP a lane for
 `--stop-s` (longer than --lane-timeout: the supervisor must kill and restart it), then SIGCONT if it
 still lives; `--flood` idle TCP connections on both public ports for 2 x --idle-timeout; 200 random
 byte strings to Generate and to a lane; an oversized message to a lane without its secret and one to
 the gateway. Every response is compared with the reference.
 
-Reported (JSON): requests sent / OK / lost (any non-OK end), wrong outputs (OK but not the reference
-tokens), status counts (UNKNOWN / INTERNAL are bugs), per fault the seconds until a new request
-completed again, the server tree's memory (PSS) and open-fd high-water marks against the baseline before the
-first fault and after the last, the load average. Targets: 0 lost, 0 wrong, recovery within the
-configured timeouts, memory back near the baseline. The model is random weights (labelled).
+A response that differs from the reference is classified after the server has stopped
+(bench/chaos_check.py): the target re-scores it in float32 alone (batch 1, no speculation); it is
+"numerical" when every token from the first divergence on is the float32 choice or a near-tie of it
+(within --tie-epsilon, default 2e-2 logits in bf16 / 1e-4 in float32, or --tie-ulps of the serving
+dtype), else "wrong". Each differing output is listed with its first divergent position, the
+reference's top-2 margin there, and the faults that acted while it was in flight.
+
+Reported (JSON): requests sent / OK / lost (any non-OK end) / differ (OK but not the reference
+tokens) / numerical / wrong, the same for the control phase, status counts (UNKNOWN / INTERNAL are
+bugs), per fault the seconds until a new request completed again, the server tree's memory (PSS) and
+open-fd high-water marks against the baseline before the first fault and after the last, the load
+average. Targets: 0 lost, 0 wrong, recovery within the configured timeouts, memory back near the
+baseline. The default model is random weights (labelled).
 """
 
 from __future__ import annotations
@@ -337,6 +348,25 @@ def run_phase(args, rng, server, address, ports, reqs, reference, seconds: float
     return load, faults, windows
 
 
+def engine_counters(http_port: int) -> dict[str, float]:
+    """Speculation and prefix-cache counters from the gateway's /metrics (they live in the engine core,
+    so lane restarts do not reset them): shows the run did draft and did hit the cache."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    except OSError as exc:
+        return {"error": str(exc)[:200]}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = re.split(r"[{ ]", line, maxsplit=1)[0]
+        if not line.startswith("#") and re.search(
+            r"spec_decode_num_(draft|accepted)_tokens|prefix_cache_\w*tokens", name
+        ):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def phase_summary(load: Load) -> dict:
     return {
         # "wrong" until classify_phases explains some as numerical (every differing output otherwise)
@@ -445,6 +475,7 @@ def main(argv=None) -> int:
         )
         phases["no_faults" if args.no_faults else "chaos"] = (load, windows)
         settled = reference_run(address, reqs[:2]) == reference[:2]  # every lane serves again
+        result["engine_counters"] = engine_counters(http_port)
         time.sleep(3)
         sampling.set()
         end_rss, end_fds = server.usage()

@@ -19,8 +19,8 @@ from verifypd.model import sampler
 from verifypd.v1 import generate_pb2, generate_pb2_grpc
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-import chaos  # noqa: E402
-import chaos_check  # noqa: E402
+import chaos
+import chaos_check
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
