@@ -3,8 +3,8 @@ stopped and resumed, idle connections flood its ports and malformed and oversize
 
     python bench/chaos.py --seconds 600 --out bench/results/chaos_cpu.json            # CPU, tiny random model
     python bench/chaos.py --smoke --out /tmp/chaos.json                               # ~1 minute
-    python bench/chaos.py --target "$G" --draft self:12 --device cuda --control-seconds 45 \
-        --seconds 75 --fault-kinds kill,stop --fault-every 15 --lane-timeout 10 --stop-s 12 \
+    python bench/chaos.py --target "$G" --draft self:12 --device cuda --control-seconds 45 \\
+        --seconds 75 --fault-kinds kill,stop --fault-every 15 --lane-timeout 10 --stop-s 12 \\
         --recovery-timeout 120 --out chaos_gpu.json                                     # GPU, ~3 minutes
 
 First a reference run: the request set (greedy and seeded-sampled, token-id prompts) once with no
@@ -207,6 +207,7 @@ class Load:
         self.codes: dict[str, int] = {}
         self.lost: list[str] = []
         self.completions: list[Completion] = []  # each OK response
+        self.usage = dict.fromkeys(("draft_tokens", "accepted_tokens", "cached_tokens", "prompt_tokens"), 0)
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(concurrency)]
 
     def _client(self, worker: int) -> None:
@@ -216,10 +217,11 @@ class Load:
         while not self.stop.is_set():
             i = n % len(self.reqs)
             n += len(self.threads)
-            code, ids, start = "OK", [], time.monotonic()
+            code, ids, start, usage = "OK", [], time.monotonic(), None
             try:
                 for msg in stub.Generate(self.reqs[i], timeout=600):
                     ids += msg.token_ids
+                    usage = msg.usage if msg.HasField("usage") else usage
             except grpc.RpcError as exc:
                 code = f"{exc.code().name}: {(exc.details() or '')[:120]}"
             with self.lock:
@@ -231,6 +233,9 @@ class Load:
                 else:
                     self.ok += 1
                     self.completions.append(Completion(i, start, time.monotonic(), ids))
+                    if usage is not None:  # counts "so far": the last message's are the request's
+                        for field in self.usage:
+                            self.usage[field] += getattr(usage, field)
                     if self.reference is not None and ids != self.reference[i]:
                         self.wrong += 1
         channel.close()
@@ -379,6 +384,7 @@ def phase_summary(load: Load) -> dict:
         },
         "status_counts": load.codes,
         "lost_examples": load.lost[:10],
+        "usage": load.usage,  # summed over OK requests: did they draft, did they hit the prefix cache
     }
 
 
@@ -449,8 +455,10 @@ def main(argv=None) -> int:
     reqs = requests_set(args.requests, args.seed, args.max_tokens, args.shared_prefix)
     reference: list[list[int]] = []
     try:
-        if not server.ready.wait(900):
-            raise RuntimeError("serve did not start:\n" + "".join(server.lines[-30:]))
+        deadline = time.monotonic() + 900
+        while not server.ready.wait(1.0):
+            if server.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("serve did not start:\n" + "".join(server.lines[-30:]))
         reference = reference_run(address, reqs)
         reference_again = reference_run(address, reqs[:4])
         deterministic = reference_again == reference[:4]
