@@ -173,7 +173,10 @@ def check_output(
     gap = torch.where(allowed[rows, emitted], gap, torch.full_like(gap, math.inf))
     tol = rescorer.tolerance(logits, epsilon, ulps)
     bad = [t for t in range(start, len(output)) if gap[t] > tol[t]]
+    margins = top2[:, 0] - top2[:, 1]
     return {
+        "near_ties": int((margins[start:] <= tol[start:]).sum()),  # positions a rounding could flip
+        "not_the_float32_choice": int((gap[start:] > 0).sum()),
         "top2_margin": float(top2[start, 0] - top2[start, 1]) if start < len(output) else None,
         "gap": float(gap[start]) if start < len(output) else None,
         "tolerance": float(tol[start]) if start < len(output) else None,
@@ -236,6 +239,8 @@ def check_reference(
     rows = [check_output(rescorer, p, r, s, 0, epsilon, ulps) for p, s, r in zip(prompts, samplings, reference)]
     return {
         "outputs": len(rows),
+        "tokens": sum(len(r) for r in reference),
         "wrong": sum(r["class"] == "wrong" for r in rows),
-        "min_top2_margin_first_token": min(r["top2_margin"] for r in rows),
+        "not_the_float32_choice": sum(r["not_the_float32_choice"] for r in rows),  # tokens
+        "near_ties": sum(r["near_ties"] for r in rows),  # top-2 margin within the tolerance
     }
