@@ -105,7 +105,8 @@ def write_tiny_model(path: pathlib.Path, seed: int, noise: float = 0.0) -> str:
 
 
 def requests_set(n: int, seed: int, max_tokens: int, shared_prefix: int = 0) -> list[generate_pb2.GenerateRequest]:
-    """`shared_prefix` tokens common to every prompt: concurrent requests then share prefix-cache blocks."""
+    """`shared_prefix` tokens common to every prompt (prefix-cache hits where caching is on; split serve
+    turns it off today: the JSON's usage.cached_tokens shows whether any hit)."""
     rng = random.Random(seed)
     common = [rng.randrange(3, VOCAB) for _ in range(shared_prefix)]
     out = []
