@@ -3,9 +3,10 @@ stopped and resumed, idle connections flood its ports and malformed and oversize
 
     python bench/chaos.py --seconds 600 --out bench/results/chaos_cpu.json            # CPU, tiny random model
     python bench/chaos.py --smoke --out /tmp/chaos.json                               # ~1 minute
-    python bench/chaos.py --target "$G" --draft self:12 --device cuda --control-seconds 45 \\
-        --seconds 75 --fault-kinds kill,stop --fault-every 15 --lane-timeout 10 --stop-s 12 \\
-        --recovery-timeout 120 --out chaos_gpu.json                                     # GPU, ~3 minutes
+    python bench/chaos.py --target "$G" --draft self:12 --device cuda \\
+        --serve-args "--no-adaptive --k-initial 3 --k-max 3" --concurrency 16 --control-seconds 30 \\
+        --seconds 80 --fault-kinds kill,stop --fault-every 15 --lane-timeout 10 --stop-s 12 \\
+        --recovery-timeout 120 --out chaos_gpu.json         # GPU, embedded model ($G: its GGUF), ~3.5 min
 
 First a reference run: the request set (greedy and seeded-sampled, token-id prompts) once with no
 fault, one request at a time. Then, with `--control-seconds`, that long of the same load with no

@@ -22,6 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 import chaos
 import chaos_check
 
+pytestmark = pytest.mark.slow  # loads a model and decodes token by token, ~20 s (tests/README.md)
+
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
 EPS = 1e-4
