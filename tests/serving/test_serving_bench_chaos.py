@@ -1,5 +1,6 @@
 """bench/chaos.py --smoke: split serve under load while lanes are killed / stopped, ports flooded and
-garbage sent (a short run; the 10-minute CPU run is bench/results/chaos_cpu.json)."""
+garbage sent, after a short fault-free control phase (a short run; the 10-minute CPU run is
+bench/results/chaos_cpu.json)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ BENCH = pathlib.Path(__file__).parents[2] / "bench" / "chaos.py"
 def test_chaos_smoke_loses_nothing(tmp_path):
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--seed", "3", "--out", str(out)],
+        [sys.executable, str(BENCH), "--smoke", "--seed", "3", "--control-seconds", "5", "--out", str(out)],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -34,4 +35,9 @@ def test_chaos_smoke_loses_nothing(tmp_path):
     assert result["requests"]["sent"] > 0
     assert result["requests"]["lost"] == 0 and result["requests"]["wrong"] == 0, result["lost_examples"]
     assert set(result["status_counts"]) == {"OK"}
+    # the fault-free control phase, and every output re-scored: none differs on the CPU (float32)
+    assert result["control"]["requests"]["ok"] > 0 and result["control"]["requests"]["differ"] == 0
+    classified = result["classification"]
+    assert classified["reference_check"]["wrong"] == 0 and set(classified["phases"]) == {"control", "chaos"}
+    assert all(p["differ"] == 0 for p in classified["phases"].values())
     assert result["log"]["tracebacks"] == 0 and result["serve_exit_code"] == 0
