@@ -102,7 +102,9 @@ def quality(args, device: torch.device, dtype: torch.dtype) -> dict:
         prefix += same / args.max_tokens
         seq = ids + ref_out
         # Logits predicting each generated token: rows len(ids) - 1 .. len(seq) - 2.
-        ref_logits, fp8_logits = (Sequence(model, max_len, kv).forward(seq[:-1], 0)[len(ids) - 1 :] for kv in (dtype, fp8))
+        ref_logits, fp8_logits = (
+            Sequence(model, max_len, kv).forward(seq[:-1], 0)[len(ids) - 1 :] for kv in (dtype, fp8)
+        )
         p_log, q_log = ref_logits.log_softmax(-1), fp8_logits.log_softmax(-1)
         kl += float((p_log.exp() * (p_log - q_log)).sum(-1).sum())
         top1 += int((ref_logits.argmax(-1) == fp8_logits.argmax(-1)).sum())
@@ -167,7 +169,7 @@ def step_ms(model: PagedLlama, kv_dtype: torch.dtype, batch: int, context: int, 
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    del graph, pool
+    del graph
     return start.elapsed_time(end) / iters
 
 
@@ -220,7 +222,9 @@ def speed(args, device: torch.device) -> dict:
         iters=args.iters,
         cuda_graphs=device.type == "cuda",
         rows=rows,
-        speedup_fp8_over_bf16={str(b): round(by[("bf16", b)]["step_ms"] / by[("fp8", b)]["step_ms"], 3) for b in batches},
+        speedup_fp8_over_bf16={
+            str(b): round(by[("bf16", b)]["step_ms"] / by[("fp8", b)]["step_ms"], 3) for b in batches
+        },
         gpu_memory_fraction=args.gpu_memory_fraction,
         pool=capacity,
         capacity_ratio_fp8_over_bf16=round(capacity["fp8"]["blocks"] / max(capacity["bf16"]["blocks"], 1), 3),
@@ -233,7 +237,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=64, help="the first N prompts (the file holds 96)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--model", default="llama-2-7b", help="the speed model: a random: shape (model.loader.RANDOM_SHAPES)")
+    ap.add_argument(
+        "--model", default="llama-2-7b", help="the speed model: a random: shape (model.loader.RANDOM_SHAPES)"
+    )
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--context", type=int, default=512, help="KV tokens per sequence before the timed step")
     ap.add_argument("--iters", type=int, default=20)

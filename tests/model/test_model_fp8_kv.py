@@ -122,7 +122,12 @@ def test_make_pools_allocates_fp8_pools_twice_the_blocks(monkeypatch):
     blocks = {}
     for kv in (None, FP8):
         models = SimpleNamespace(
-            target_model=target, draft_model=None, dtype=torch.bfloat16, kv_dtype=kv, device=torch.device("cpu"), ranks=None
+            target_model=target,
+            draft_model=None,
+            dtype=torch.bfloat16,
+            kv_dtype=kv,
+            device=torch.device("cpu"),
+            ranks=None,
         )
         pool, draft = build.make_pools(models, EngineOptions(block_size=16))
         assert draft is None and pool.tensor.dtype == (kv or torch.bfloat16)

@@ -25,13 +25,14 @@ from verifypd.domain.options import EngineOptions
 from verifypd.model.eagle_draft import EagleModel, EagleRunner
 from verifypd.model.eagle_head import load_eagle_head
 from verifypd.model.features import FeaturePool
-from verifypd.model.kv_quant import kv_cache_dtype
 from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.kv_quant import kv_cache_dtype
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, load_model
 from verifypd.model.runner import ModelRunner
 
 log = logging.getLogger("verifypd.model")
+
 
 class RankSet(Protocol):
     """What building a target over several ranks needs of its follower ranks
@@ -144,9 +145,7 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     blocks = options.num_blocks
     if blocks is None:
         per_block = sum(
-            geometry(m, 1).bytes_per_block(kv_dtype)
-            for m in (models.target_model, models.draft_model)
-            if m is not None
+            geometry(m, 1).bytes_per_block(kv_dtype) for m in (models.target_model, models.draft_model) if m is not None
         )
         if isinstance(models.draft_model, EagleModel):  # its feature pool lives beside the target's KV
             per_block += options.block_size * FeaturePool.bytes_per_slot(

@@ -2,8 +2,9 @@
 
 Layout [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]; block ids are offsets into
 dim 2. The element type is the model dtype or float8_e4m3fn (`--kv-cache-dtype fp8`, model.kv_quant):
-sizing goes by the element size, so an fp8 pool holds twice the blocks of a bf16 one in a budget. On CPU the pool can live in a named shared-memory file so another process on the host can
-map the very same bytes (the CPU twin of CUDA IPC, so CI exercises the handle path for real).
+sizing goes by the element size, so an fp8 pool holds twice the blocks of a bf16 one in a budget.
+On CPU the pool can live in a named shared-memory file so another process on the host can map the
+very same bytes (the CPU twin of CUDA IPC, so CI exercises the handle path for real).
 """
 
 from __future__ import annotations
