@@ -1,5 +1,6 @@
 """`verifypd serve --kv-cache-dtype fp8` end to end on the CPU: colocated, split (the prefill lane
-writes the fp8 pools the verify and draft lanes own, through the shared-memory handle) and
+writes the fp8 pools the verify and draft lanes own, through the shared-memory handle, or pushes
+their bytes with the copy transport) and
 colocated under `--tensor-parallel 2` (each rank's own fp8 pool). Speculative greedy output over
 gRPC equals the offline engine's plain greedy output with fp8 KV, and every process logs its fp8
 pool (blocks, tokens, dtype) at start-up."""
@@ -27,8 +28,13 @@ pytestmark = pytest.mark.slow  # `verifypd serve` with lane and rank processes (
 
 @pytest.mark.parametrize(
     "topology,extra",
-    [("colocated", ()), ("split", ()), ("colocated", ("--tensor-parallel", "2"))],
-    ids=["colocated", "split", "colocated-tp2"],
+    [
+        ("colocated", ()),
+        ("split", ()),
+        ("split", ("--kv-transport", "copy")),
+        ("colocated", ("--tensor-parallel", "2")),
+    ],
+    ids=["colocated", "split", "split-copy", "colocated-tp2"],
 )
 def test_fp8_kv_serve_equals_plain_greedy(tiny_models, topology, extra):
     prompts = random_prompts(6, seed=31, max_len=24)
@@ -63,6 +69,6 @@ def test_fp8_kv_serve_equals_plain_greedy(tiny_models, topology, extra):
     assert pools and all("float8_e4m3fn" in ln and "128 blocks x 4 = 512 tokens" in ln for ln in pools), pools
     # split: the verify lane's target pool and the draft lane's draft pool; tp2: rank 1's pool too.
     assert {"target", "draft"} <= {ln.split(" KV pool:")[0].split()[-1] for ln in pools}
-    if extra:
+    if "--tensor-parallel" in extra:
         assert any("tensor-parallel rank 1 ready" in ln for ln in pools), pools
     assert server.proc.returncode == 0, "".join(server.lines[-20:])
