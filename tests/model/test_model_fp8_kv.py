@@ -40,6 +40,18 @@ def test_quantize_saturates_and_round_trips_within_e4m3():
     assert ((back - x).abs()[inside] <= x.abs()[inside] / 16 + 2 * 2**-10).all()
 
 
+def test_reference_store_quantizes_and_saturates():
+    """The CPU path's write: fp8 caches get kv_quant.quantize (saturating), not a plain cast (NaN past 448)."""
+    from verifypd.model.llama import store_kv_reference
+
+    k = torch.tensor([[[1.0, -600.0]], [[3.3, 1e5]]])  # [T, kvh, D]
+    v = -k
+    k_cache, v_cache = torch.zeros(4, 1, 2, dtype=FP8), torch.zeros(4, 1, 2, dtype=FP8)
+    store_kv_reference(k, v, k_cache, v_cache, torch.tensor([2, -1]))
+    assert k_cache[2].float().tolist() == [[1.0, -FP8_MAX]] and v_cache[2].float().tolist() == [[-1.0, FP8_MAX]]
+    assert (k_cache[[0, 1, 3]].float() == 0).all()  # slot -1: nowhere
+
+
 @needs_triton
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.25, 4.0)])
 def test_rope_kv_writes_the_quantized_reference(k_scale, v_scale):
