@@ -64,7 +64,8 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x (any float dtype) -> fp8: x / scale, saturated to +-448 (a plain cast would give NaN)."""
+    """x (any float dtype) -> fp8: x / scale, saturated to +-448 explicitly (how a plain cast treats
+    overflow differs between torch versions: NaN past 480 in some, 448 in others)."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 

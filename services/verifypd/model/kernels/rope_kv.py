@@ -96,7 +96,8 @@ def _rope_kv_kernel(
 
 @triton.jit
 def _saturate(x):
-    """Clamped to e4m3's range: a plain cast of a larger value gives NaN."""
+    """Clamped to e4m3's range, explicitly: the stored value then does not depend on how a conversion
+    treats overflow (the GPU's cvt saturates; torch's cast gives NaN past 480 in some versions)."""
     return tl.minimum(tl.maximum(x, -448.0), 448.0)
 
 
