@@ -216,3 +216,18 @@ def test_fp8_kv_logits_stay_close_to_the_model_dtypes(tiny_models):
     p, q = logits["auto"].log_softmax(-1), logits["fp8"].log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1).item()
     assert 0 < kl < 1e-2, kl
+
+
+@pytest.mark.slow
+def test_eagle_head_over_an_fp8_kv_target_is_lossless(tiny_models, tmp_path):
+    """A feature draft: its one-layer KV pool is fp8 too, its feature pool stays in the model dtype."""
+    from engine_cases import write_head
+
+    head = write_head(tiny_models, tmp_path / "head")
+    prompts = random_prompts(4, seed=9)
+    expected = _outputs(make_engine(tiny_models[0], "none", k=0, kv_cache_dtype="fp8"), prompts)
+    engine = make_engine(tiny_models[0], head, k=3, kv_cache_dtype="fp8")
+    assert engine.draft_pool is not None and engine.draft_pool.tensor.dtype == FP8
+    done = engine.generate([RequestSpec(p, max_tokens=16, stop_at_eos=False) for p in prompts])
+    assert [c.token_ids for c in done.values()] == expected
+    assert sum(c.usage["draft_tokens"] for c in done.values()) > 0
