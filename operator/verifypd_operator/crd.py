@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from verifypd.domain.defaults import DEFAULT_DRAFT, DEFAULT_K_INITIAL, DEFAULT_K_MAX, DEFAULT_K_MIN, DEFAULT_TARGET
-from verifypd.domain.options import KV_TRANSPORTS, QUANTIZATIONS
+from verifypd.domain.options import KV_CACHE_DTYPES, KV_TRANSPORTS, QUANTIZATIONS
 
 from .spec import GATEWAY_RESOURCES, GROUP, KIND, PLURAL, VERSION
 
@@ -170,6 +170,12 @@ def spec_schema() -> S:
                         "fp8: the target's attention and MLP projections quantized to fp8 while loading "
                         "(`--quantization fp8`); published FP8 checkpoints load as fp8 either way",
                         ["none", *QUANTIZATIONS],
+                    ),
+                    "kvCacheDtype": _str(
+                        "auto",
+                        "the KV cache's element type (`--kv-cache-dtype`): auto = the model dtype; fp8 = "
+                        "float8_e4m3fn, about twice the tokens in the same memory (GPUs of compute capability 8.9+)",
+                        list(KV_CACHE_DTYPES),
                     ),
                     "pvcName": _str(None, "PVC mounted read-only at /models", max_len=63),
                 },

@@ -68,7 +68,8 @@ def container_resources(spec_resources: Mapping[str, Any], gpu: int) -> dict[str
 
 def model_args(spec: Spec) -> list[str]:
     quantization = [] if spec.quantization == "none" else ["--quantization", spec.quantization]
-    return ["--target", spec.target, "--draft", spec.draft, *quantization]
+    kv_cache = [] if spec.kv_cache_dtype == "auto" else ["--kv-cache-dtype", spec.kv_cache_dtype]
+    return ["--target", spec.target, "--draft", spec.draft, *quantization, *kv_cache]
 
 
 def volumes(spec: Spec, extra: list[dict[str, Any]], config: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -99,6 +99,7 @@ class Spec:
     target: str = DEFAULT_TARGET
     draft: str = DEFAULT_DRAFT
     quantization: str = "none"  # "none" | "fp8": the target's `--quantization`
+    kv_cache_dtype: str = "auto"  # "auto" | "fp8": the KV pools' `--kv-cache-dtype`
     model_pvc: str | None = None  # PVC mounted read-only at /models (for local model dirs)
     image: str = "ghcr.io/verifypd/verifypd:0.1.0"
     image_pull_policy: str = "IfNotPresent"
@@ -156,6 +157,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> Spec:
         target=model.get("target", d.target),
         draft=model.get("draft", d.draft),
         quantization=model.get("quantization", d.quantization),
+        kv_cache_dtype=model.get("kvCacheDtype", d.kv_cache_dtype),
         model_pvc=model.get("pvcName") or None,
         image=f"{image.get('repository', 'ghcr.io/verifypd/verifypd')}:{image.get('tag', '0.1.0')}",
         image_pull_policy=image.get("pullPolicy", d.image_pull_policy),

@@ -63,6 +63,7 @@ def cmd_generate_offline(args) -> int:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_blocks=args.num_blocks,
         config=config,
         tensor_parallel=args.tensor_parallel,

@@ -28,7 +28,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     from verifypd.domain.defaults import DEFAULT_TARGET
     from verifypd.domain.drafts import DRAFT_HELP
-    from verifypd.domain.options import QUANTIZATIONS
+    from verifypd.domain.options import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument(
         "--target",
@@ -46,6 +46,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="fp8: quantize the target's attention and MLP projections to fp8 (per output channel) while "
         "loading; activations are quantized per token (embeddings, norms and lm_head stay in --dtype). "
         "Published FP8 checkpoints (compressed-tensors, fbgemm_fp8) load as fp8 without it",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV pools' element type: auto (default) = --dtype; fp8 = float8_e4m3fn, half the bytes of "
+        "bf16 a token, so about twice the tokens in the same memory (static scale 1.0, saturating; "
+        "GPUs of compute capability 8.9+, or the CPU)",
     )
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per pool (default: from memory)")
     p.add_argument(

@@ -305,6 +305,25 @@ def test_model_quantization_reaches_every_model_container(owner, topology, quant
     assert loading > 0
 
 
+@pytest.mark.parametrize("topology", ["colocated", "split"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_model_kv_cache_dtype_reaches_every_model_container(owner, topology, kv_cache_dtype):
+    """spec.model.kvCacheDtype becomes `--kv-cache-dtype` on every container that loads models (the
+    split topology's three lanes, which must agree on the pool they share), as the real CLI parses it."""
+    from verifypd.cli import build_parser
+
+    parser = build_parser()
+    spec = parse_spec({"topology": topology, "model": {"kvCacheDtype": kv_cache_dtype}})
+    loading = 0
+    for _, c in _containers(build_all(spec, owner, "ns1", {}, "x")):
+        argv = c["args"][1:] if c["args"][0] == "verifypd" else c["args"]
+        args = parser.parse_args(argv)
+        if hasattr(args, "target"):
+            loading += 1
+            assert args.kv_cache_dtype == kv_cache_dtype
+    assert loading >= (3 if topology == "split" else 1)
+
+
 def _flag(args, flag):
     return args[args.index(flag) + 1]
 

@@ -14,11 +14,16 @@ from verifypd_operator.spec import parse_spec
 
 def _cli_model() -> dict:
     """The model `verifypd serve` loads when neither --target nor --draft is given (and how: no
-    --quantization is the CRD's "none")."""
+    --quantization is the CRD's "none"; --kv-cache-dtype's default is its kvCacheDtype's)."""
     from verifypd.cli import build_parser, draft_arg
 
     args = build_parser().parse_args(["serve"])
-    return {"target": args.target, "draft": draft_arg(args), "quantization": args.quantization or "none"}
+    return {
+        "target": args.target,
+        "draft": draft_arg(args),
+        "quantization": args.quantization or "none",
+        "kvCacheDtype": args.kv_cache_dtype,
+    }
 
 
 def _crd_model_default() -> dict:
@@ -32,7 +37,12 @@ def test_crd_default_model_is_the_clis():
     cli = _cli_model()
     assert _crd_model_default() == cli
     parsed = parse_spec({})
-    assert {"target": parsed.target, "draft": parsed.draft, "quantization": parsed.quantization} == cli
+    assert {
+        "target": parsed.target,
+        "draft": parsed.draft,
+        "quantization": parsed.quantization,
+        "kvCacheDtype": parsed.kv_cache_dtype,
+    } == cli
 
 
 @pytest.mark.parametrize(
@@ -52,7 +62,7 @@ def test_shipped_configs_do_not_override_the_default_model(where):
 @pytest.mark.parametrize("topology", ["colocated", "split"])
 def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
     """The operator hands the default model to every container it starts (`--draft ngram`)."""
-    cli = {k: v for k, v in _cli_model().items() if k != "quantization"}
+    cli = {k: v for k, v in _cli_model().items() if k not in ("quantization", "kvCacheDtype")}
     objs = build_all(parse_spec({"topology": topology}), owner, "default", {}, "otel:4317")
     containers = [c for o in objs if o["kind"] == "Deployment" for c in o["spec"]["template"]["spec"]["containers"]]
     given = [
@@ -62,6 +72,7 @@ def test_pods_of_an_empty_spec_run_the_default_draft(owner, topology):
     ]
     assert given and all(g == cli for g in given)
     assert not any("--quantization" in c["args"] for c in containers)  # "none": no flag
+    assert not any("--kv-cache-dtype" in c["args"] for c in containers)  # "auto": no flag
 
 
 def test_crd_speculation_defaults_are_the_routers():

@@ -21,6 +21,7 @@ from verifypd.domain.drafts import DEFAULT_DRAFT
 # pool mapped by CUDA IPC: another GPU of this host), copy (stream blocks over gRPC: any host), auto.
 KV_TRANSPORTS = ("auto", "handle", "copy", "peer")
 QUANTIZATIONS = ("fp8",)  # --quantization: how the target's weights are quantized while loading
+KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: auto = the model dtype; fp8 = float8_e4m3fn
 
 
 @dataclass
@@ -32,6 +33,9 @@ class EngineOptions:
     # "fp8": the target's dense projections quantized to fp8 while loading (docs/engine.md "fp8");
     # None: as the checkpoint stores them (a published FP8 checkpoint is fp8 either way).
     quantization: str | None = None
+    # The KV pools' element type (model.kv_quant): "auto" = the model dtype, "fp8" = float8_e4m3fn
+    # (half the bytes of bf16 a token, so about twice the tokens in the same memory).
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None  # per pool; None = sized from memory
     max_context: int | None = 4096

@@ -66,6 +66,10 @@ def lane_command(
         "--block-size",
         str(options.block_size),
     ]
+    if options.quantization is not None:
+        cmd += ["--quantization", options.quantization]
+    if options.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", options.kv_cache_dtype]
     if options.max_context is not None:
         cmd += ["--max-context", str(options.max_context)]
     if options.num_blocks is not None:

@@ -332,6 +332,7 @@ def engine_options(args):
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_context=args.max_context,

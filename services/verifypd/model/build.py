@@ -12,6 +12,7 @@ processes); the stacks are put together by verifypd.core.assembly.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,9 +26,12 @@ from verifypd.model.eagle_draft import EagleModel, EagleRunner
 from verifypd.model.eagle_head import load_eagle_head
 from verifypd.model.features import FeaturePool
 from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.kv_quant import kv_cache_dtype
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, load_model
 from verifypd.model.runner import ModelRunner
+
+log = logging.getLogger("verifypd.model")
 
 
 class RankSet(Protocol):
@@ -68,6 +72,9 @@ class Models:
     # --tensor-parallel > 1: the follower ranks (lanes.tensor_parallel.ranks.LeaderRanks); target.weights
     # and target_model then hold rank 0's shard (target.shape stays the full model's).
     ranks: RankSet | None = None
+    # The KV pools' element type (`--kv-cache-dtype`, model.kv_quant); None: `dtype`. The feature pool
+    # of an EAGLE head stays in `dtype` (hidden states, not K/V).
+    kv_dtype: torch.dtype | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,10 +134,11 @@ def load_models(options: EngineOptions) -> Models:
     spec = draft_spec(options.draft)  # a bad --draft fails before the target is loaded
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype, device)  # a bad flag fails before loading
     target = load_model(options.target, device, dtype, options.max_context, options.quantization)
     target_model = PagedLlama(target.shape, target.weights)
     draft_model = load_draft_model(spec, target, device, dtype, options.max_context)
-    return Models(target, target_model, draft_model, options.draft, device, dtype)
+    return Models(target, target_model, draft_model, options.draft, device, dtype, kv_dtype=kv_dtype)
 
 
 def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool | None]:
@@ -138,12 +146,11 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
         s = model.shape
         return PoolGeometry(model.num_layers, blocks, options.block_size, s.num_kv_heads, s.head_dim)
 
+    kv_dtype = models.kv_dtype or models.dtype
     blocks = options.num_blocks
     if blocks is None:
         per_block = sum(
-            geometry(m, 1).bytes_per_block(models.dtype)
-            for m in (models.target_model, models.draft_model)
-            if m is not None
+            geometry(m, 1).bytes_per_block(kv_dtype) for m in (models.target_model, models.draft_model) if m is not None
         )
         if isinstance(models.draft_model, EagleModel):  # its feature pool lives beside the target's KV
             per_block += options.block_size * FeaturePool.bytes_per_slot(
@@ -160,15 +167,19 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     def pool(role: str, model: PagedLlama | EagleModel) -> KvPool:
         g = geometry(model, blocks)
         if options.shared_cpu_pools and models.device.type == "cpu":
-            return KvPool.create_shared_cpu(role, g, models.dtype)
-        return KvPool(role, g, models.dtype, models.device)
+            return KvPool.create_shared_cpu(role, g, kv_dtype)
+        return KvPool(role, g, kv_dtype, models.device)
 
     target = (
         pool("target", models.target_model)
         if models.ranks is None
         else models.ranks.target_pool(lambda: pool("target", models.target_model))
     )  # one per rank set
-    return target, (pool("draft", models.draft_model) if models.draft_model is not None else None)
+    draft = pool("draft", models.draft_model) if models.draft_model is not None else None
+    for p in (target, draft):
+        if p is not None:
+            log.info("%s", p.summary())
+    return target, draft
 
 
 def capture_graphs(

@@ -1,8 +1,10 @@
 """The KV pool: one contiguous tensor per model per device, allocated once.
 
 Layout [2 (k, v), layers, num_blocks, block_size, kv_heads, head_dim]; block ids are offsets into
-dim 2. On CPU the pool can live in a named shared-memory file so another process on the host can
-map the very same bytes (the CPU twin of CUDA IPC, so CI exercises the handle path for real).
+dim 2. The element type is the model dtype or float8_e4m3fn (`--kv-cache-dtype fp8`, model.kv_quant):
+sizing goes by the element size, so an fp8 pool holds twice the blocks of a bf16 one in a budget.
+On CPU the pool can live in a named shared-memory file so another process on the host can map the
+very same bytes (the CPU twin of CUDA IPC, so CI exercises the handle path for real).
 """
 
 from __future__ import annotations
@@ -90,6 +92,16 @@ class KvPool:
             pool_id=pool_id,
             generation=generation,
             owner=False,
+        )
+
+    def summary(self) -> str:
+        """The start-up log's line: blocks, tokens, element type and bytes of this pool."""
+        g = self.geometry
+        size = g.num_blocks * g.bytes_per_block(self.dtype) / 2**30
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{self.role} KV pool: {g.num_blocks} blocks x {g.block_size} = {g.num_blocks * g.block_size} tokens, "
+            f"{dtype}, {size:.2f} GiB on {self.device}"
         )
 
     def info(self) -> PoolInfo:

@@ -18,6 +18,11 @@ padded to whole blocks):
     hidden      [T, H]
     pool        [2, layers, num_blocks, block_size, kv_heads, head_dim]
     reference:  q (padded) [B, heads, Q, head_dim];  k, v (gathered) [B, kv_heads, C, head_dim]
+
+The pool is in the model dtype or in float8_e4m3fn (`--kv-cache-dtype fp8`, model.kv_quant): both
+backends quantize the new K/V as they store them and read the context back from the pool, the new
+tokens' own K/V included, so a token's logits depend on the same stored values whichever batch
+(prefill, decode, verify) computed it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 import torch
 import torch.nn.functional as F
 
+from verifypd.model import kv_quant
 from verifypd.model.fp8 import Fp8Weight, linear
 from verifypd.model.moe import MoeShape, MoeWeights, expert_path, moe_forward
 
@@ -352,7 +358,9 @@ class PagedLlama:
                 k_cache.view(flat),
                 v_cache.view(flat),
                 s.num_heads,
-                *((layer.q_norm, layer.k_norm, s.rms_norm_eps) if s.qk_norm else ()),
+                *((layer.q_norm, layer.k_norm, s.rms_norm_eps) if s.qk_norm else (None, None, 0.0)),
+                k_scale=kv_quant.K_SCALE,
+                v_scale=kv_quant.V_SCALE,
             )
             out = paged_attention(
                 q,
@@ -365,6 +373,8 @@ class PagedLlama:
                 self.scale,
                 window=s.window(layer_idx),
                 softcap=s.attn_softcap or 0.0,
+                k_scale=kv_quant.K_SCALE,
+                v_scale=kv_quant.V_SCALE,
             )
             return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -422,6 +432,9 @@ class PagedLlama:
         tables = batch.block_tables.long()
         keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kvh, C, D]
         values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        if kv_quant.is_fp8(k_cache):
+            keys = kv_quant.dequantize(keys, q.dtype, kv_quant.K_SCALE)
+            values = kv_quant.dequantize(values, q.dtype, kv_quant.V_SCALE)
         # Slots past a sequence's last position may hold garbage, NaN included: zero them, since
         # an additive -inf mask does not stop NaN (0 * NaN is NaN in the weighted sum).
         visible = mask.isfinite().any(2)  # [B, 1, C]
@@ -466,10 +479,13 @@ def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tenso
 
 
 def store_kv_reference(k, v, k_cache, v_cache, slots) -> None:
-    """Plain torch twin of `store_kv`: k/v [T, kvh, D] into the flat cache; negative slots skipped."""
+    """Plain torch twin of `store_kv`: k/v [T, kvh, D] into the flat cache (quantized when it is
+    fp8, model.kv_quant); negative slots skipped."""
     keep = slots >= 0
     if not bool(keep.all()):
         k, v, slots = k[keep], v[keep], slots[keep]
+    if kv_quant.is_fp8(k_cache):
+        k, v = kv_quant.quantize(k, kv_quant.K_SCALE), kv_quant.quantize(v, kv_quant.V_SCALE)
     k_cache[slots] = k
     v_cache[slots] = v
 

@@ -142,10 +142,11 @@ def write_chunks(pool: KvPool, chunks: list[lanes_pb2.KvBlockChunk]) -> int:
     raw = b"".join(c.data for c in chunks)
     if len(raw) != len(chunks) * pool.dtype.itemsize * 2 * g.block_size * g.num_kv_heads * g.head_dim:
         raise ValueError("chunk data size does not match the pool's block geometry")
-    src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(pool.dtype).view(len(chunks), *slice_shape)
+    # Bytes, not elements ([.., head_dim * itemsize]): one index_put for every pool dtype, fp8 included.
+    src = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(len(chunks), *slice_shape[:-1], -1)
     layers = torch.tensor([c.layer for c in chunks], device=pool.device)
     blocks = torch.tensor([c.block_id for c in chunks], device=pool.device)
-    pool.tensor[:, layers, blocks] = src.to(pool.device).transpose(0, 1)  # [2, n, slot, head, dim]
+    pool.tensor.view(torch.uint8)[:, layers, blocks] = src.to(pool.device).transpose(0, 1)  # [2, n, slot, head, dim]
     return len(raw)
 
 

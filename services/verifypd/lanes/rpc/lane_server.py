@@ -97,7 +97,7 @@ class LaneServicer(CallChannelWork):
         self.role, self.options, self.secret, self.tls = role, options, secret, tls
         self.generation = time.time_ns() // 1_000_000  # new for every start of this lane
         self.lock = threading.Lock()
-        target, self.target_model, self.draft_model, self.device, self.dtype = load_lane_models(
+        target, self.target_model, self.draft_model, self.device, self.dtype, self.kv_dtype = load_lane_models(
             options, need_target=role in ("prefill", "verify"), need_draft=role in ("prefill", "draft")
         )
         model = self.target_model or self.draft_model
@@ -118,7 +118,7 @@ class LaneServicer(CallChannelWork):
         if role == "verify":
             target_model = self._loaded(self.target_model, "target")
             pool = owned_pool(
-                "target", target_model, options, self.device, self.dtype, self.generation, ranks=self.ranks
+                "target", target_model, options, self.device, self.kv_dtype, self.generation, ranks=self.ranks
             )
             self.owned[pool.pool_id] = pool
             runner = self._runner(target_model, pool)
@@ -133,7 +133,7 @@ class LaneServicer(CallChannelWork):
             self.draft_lane = poolless_draft_lane(draft_spec(options.draft), self._info(()))
         elif role == "draft":
             draft_model = self._loaded(self.draft_model, "draft")
-            pool = owned_pool("draft", draft_model, options, self.device, self.dtype, self.generation)
+            pool = owned_pool("draft", draft_model, options, self.device, self.kv_dtype, self.generation)
             self.owned[pool.pool_id] = pool
             runner = self._runner(draft_model, pool)
             capture_graphs(None, runner, options.config.k_max, prefill=False)
@@ -370,8 +370,8 @@ class LaneServicer(CallChannelWork):
             geometry.num_kv_heads,
             geometry.head_dim,
             geometry.block_size,
-            kv.dtype_name(self.dtype),
-            self.dtype.itemsize,
+            kv.dtype_name(self.kv_dtype),  # the KV's element type (`--kv-cache-dtype`), not the weights'
+            self.kv_dtype.itemsize,
             max_blocks,
         )
 

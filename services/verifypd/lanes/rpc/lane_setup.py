@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -11,11 +12,14 @@ from verifypd.domain.models import DraftSpec, ModelLoadError, draft_spec
 from verifypd.domain.options import EngineOptions
 from verifypd.model.build import load_draft_model, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import KvPool, PoolGeometry
+from verifypd.model.kv_quant import kv_cache_dtype
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
+
+log = logging.getLogger("verifypd.lane")
 
 
 class LaneModels(NamedTuple):
@@ -24,6 +28,7 @@ class LaneModels(NamedTuple):
     draft_model: PagedLlama | None  # the lanes that run a draft model: prefill, draft
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pools' (`--kv-cache-dtype`, model.kv_quant)
 
 
 def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool) -> LaneModels:
@@ -39,6 +44,7 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
     if device.type == "cuda" and device.index is not None:  # a lane on its own GPU (--lane-devices):
         torch.cuda.set_device(device)  # loading and graph capture on this thread run there
     dtype = resolve_dtype(options.dtype, device)
+    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype, device)  # a bad flag fails before loading
     self_draft = spec.kind == "self"
     target = (
         load_model(options.target, device, dtype, options.max_context, options.quantization)
@@ -47,7 +53,7 @@ def load_lane_models(options: EngineOptions, need_target: bool, need_draft: bool
     )
     target_model = PagedLlama(target.shape, target.weights) if need_target and target is not None else None
     draft_model = lane_draft_model(spec, target, device, dtype, options.max_context) if need_draft else None
-    return LaneModels(target, target_model, draft_model, device, dtype)
+    return LaneModels(target, target_model, draft_model, device, dtype, kv_dtype)
 
 
 def _colocated_only(spec: DraftSpec) -> ModelLoadError:
@@ -65,7 +71,7 @@ def lane_draft_model(
 
 
 def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -> int:
-    """Blocks of a pool with this geometry: `--num-blocks`, else what memory allows. Also the
+    """Blocks of a pool with this geometry and element type: `--num-blocks`, else what memory allows. Also the
     bound on pools a peer asks this lane to import or stage (ImportPools)."""
     if options.num_blocks is not None:
         return options.num_blocks
@@ -90,7 +96,8 @@ def owned_pool(
     generation: int = 1,
     ranks: LeaderRanks | None = None,
 ) -> KvPool:
-    """`ranks` (a sharded target): num_blocks is the smallest of the ranks' budgets."""
+    """A pool of element type `dtype` (the KV dtype). `ranks` (a sharded target): num_blocks is the
+    smallest of the ranks' budgets."""
     geometry = model_geometry(model, options)
     blocks = pool_blocks(options, geometry, device, dtype)
     geometry = replace(geometry, num_blocks=ranks.agreed_blocks(blocks) if ranks is not None else blocks)
@@ -99,6 +106,7 @@ def owned_pool(
     else:
         pool = KvPool(role, geometry, dtype, device)
     pool.generation = generation
+    log.info("%s", pool.summary())
     return pool
 
 
@@ -110,6 +118,7 @@ def load_lane_shard(options: EngineOptions, spec: DraftSpec, need_draft: bool) -
     world = options.tensor_parallel
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype, device)
     tp_ranks.check_devices(device, world, options.tp_all_reduce)
     if need_draft and spec.kind == "self":
         raise ModelLoadError(
@@ -121,7 +130,7 @@ def load_lane_shard(options: EngineOptions, spec: DraftSpec, need_draft: bool) -
     draft_model = (
         lane_draft_model(spec, target, device, dtype, options.max_context) if need_draft and spec.needs_model else None
     )
-    return LaneModels(target, target_model, draft_model, device, dtype)
+    return LaneModels(target, target_model, draft_model, device, dtype, kv_dtype)
 
 
 def start_lane_ranks(

@@ -199,7 +199,7 @@ def check_pool_descriptor(field: str, d, role: str, spec: PoolSpec, layout: str,
     if d.layout != layout:
         raise _bad(f"{field}.layout", f"{d.layout[:64]!r}; this lane reads {layout!r}")
     if d.dtype != spec.dtype:
-        raise _bad(f"{field}.dtype", f"{d.dtype[:32]!r}; this lane computes in {spec.dtype}")
+        raise _bad(f"{field}.dtype", f"{d.dtype[:32]!r}; this lane's KV is {spec.dtype} (--kv-cache-dtype)")
     for name, want in (
         ("num_layers", spec.num_layers),
         ("num_kv_heads", spec.num_kv_heads),

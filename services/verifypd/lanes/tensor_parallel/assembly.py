@@ -10,6 +10,7 @@ from verifypd.domain.models import ModelLoadError, draft_spec
 from verifypd.domain.options import EngineOptions
 from verifypd.lanes.tensor_parallel import ranks as tp_ranks
 from verifypd.model.build import Models, load_draft_model, resolve_device, resolve_dtype
+from verifypd.model.kv_quant import kv_cache_dtype
 from verifypd.model.llama import PagedLlama
 from verifypd.model.tensor_parallel import load_target_shard, shard_shape
 
@@ -23,6 +24,7 @@ def load_tensor_parallel(options: EngineOptions) -> Models:
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     world = options.tensor_parallel
+    kv_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype, device)
     tp_ranks.check_devices(device, world, options.tp_all_reduce)
     if spec.kind == "self":
         raise ModelLoadError(
@@ -35,7 +37,7 @@ def load_tensor_parallel(options: EngineOptions) -> Models:
     ranks = tp_ranks.LeaderRanks(world, device, follower_options(options, dtype, pool="private"))
     target_model = PagedLlama(shard_shape(target.shape, world), target.weights)
     target_model.tp_group = ranks.group
-    return Models(target, target_model, draft_model, options.draft, device, dtype, ranks=ranks)
+    return Models(target, target_model, draft_model, options.draft, device, dtype, ranks=ranks, kv_dtype=kv_dtype)
 
 
 def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, generation: int = 1) -> dict:
@@ -48,6 +50,7 @@ def follower_options(options: EngineOptions, dtype: torch.dtype, pool: str, gene
         dtype=str(dtype).removeprefix("torch."),
         max_context=options.max_context,
         quantization=options.quantization,
+        kv_cache_dtype=options.kv_cache_dtype,
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         gpu_memory_fraction=options.gpu_memory_fraction,

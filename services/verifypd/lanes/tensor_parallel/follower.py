@@ -11,7 +11,7 @@ It joins the group and loads its shard. Then, by `pool` in the options:
 Then it runs rank 0's calls until rank 0 stops it or goes away.
 
 Options (JSON, from rank 0): rank, world, init_file, device, parent_pid, pool, generation, target,
-dtype, max_context, block_size, num_blocks, gpu_memory_fraction, cuda_graphs, graph_buckets, k_max,
+dtype, kv_cache_dtype, max_context, block_size, num_blocks, gpu_memory_fraction, cuda_graphs, graph_buckets, k_max,
 tp_all_reduce.
 The pool budget is this rank's own memory, as rank 0 computes its own; the ranks take the minimum.
 """
@@ -75,6 +75,9 @@ class Follower:
         self.rank, world = options["rank"], options["world"]
         self.device = torch.device(options["device"])
         self.dtype = getattr(torch, options["dtype"])
+        from verifypd.model.kv_quant import kv_cache_dtype
+
+        self.kv_dtype = kv_cache_dtype(options.get("kv_cache_dtype", "auto"), self.dtype, self.device)
         self.group = init_group(
             self.rank, world, options["init_file"], self.device, options.get("tp_all_reduce", "auto")
         )
@@ -100,13 +103,13 @@ class Follower:
         from verifypd.model.runner import ModelRunner
 
         o, s = self.options, self.model.shape
-        blocks = agree_blocks(self.group, pool_budget(self.model, o, self.device, self.dtype), self.device)
+        blocks = agree_blocks(self.group, pool_budget(self.model, o, self.device, self.kv_dtype), self.device)
         geometry = PoolGeometry(self.model.num_layers, blocks, o["block_size"], s.num_kv_heads, s.head_dim)
         shared_cpu = o["pool"] == "shared" and self.device.type == "cpu"
         self.pool = pool = (
-            KvPool.create_shared_cpu("target", geometry, self.dtype)
+            KvPool.create_shared_cpu("target", geometry, self.kv_dtype)
             if shared_cpu
-            else KvPool("target", geometry, self.dtype, self.device)
+            else KvPool("target", geometry, self.kv_dtype, self.device)
         )
         pool.generation = o.get("generation", 1)
         buckets = tuple(o["graph_buckets"]) if o.get("graph_buckets") else None
@@ -114,7 +117,7 @@ class Follower:
             self.model, pool, graphs=None if o["cuda_graphs"] else False, buckets=buckets
         )
         capture_graphs(runner, None, o["k_max"], prefill=False)
-        log.info("tensor-parallel rank %d ready on %s (%d blocks)", self.rank, self.device, blocks)
+        log.info("tensor-parallel rank %d ready: %s", self.rank, pool.summary())
         if o["pool"] != "shared":
             return b""
         from verifypd.lanes.rpc.kv_transport import describe_pool

@@ -7,7 +7,8 @@ pairs, so the K/V it loads are shared by all query heads of the group.
 
 Shapes (T = new tokens of the batch, B = sequences, D = head_dim):
     q            [T, heads, D]                     already rotated (RoPE)
-    k_cache      [num_blocks, block_size, kv_heads, D]   (one layer's view of the pool)
+    k_cache      [num_blocks, block_size, kv_heads, D]   (one layer's view of the pool), in q's dtype or
+                                                   float8_e4m3fn (model.kv_quant: k ~= k_cache * k_scale)
     block_tables [B, W] int32                      W >= blocks any sequence uses
     positions    [T] int64                         absolute position of each new token, non-decreasing
                                                    within a sequence's run
@@ -50,6 +51,7 @@ def _paged_attention_kernel(
     stride_oh,
     stride_bt,
     scale_log2,
+    v_scale,
     window,
     softcap,
     GROUP: tl.constexpr,
@@ -98,7 +100,8 @@ def _paged_attention_kernel(
                 k_ok = k_ok & (kpos >= first_seen)
             page = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
             slot = page * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
+            # An fp8 cache is widened to q's dtype (exact); its k_scale is folded into scale_log2.
+            k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -116,13 +119,13 @@ def _paged_attention_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0).to(q.dtype)
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
             m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: an fp8 cache's (else 1)
         tl.store(
             out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -147,10 +150,12 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
     the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size). `window` 0 and
-    `softcap` 0 are off (and compiled out)."""
+    `softcap` 0 are off (and compiled out). `k_scale` / `v_scale`: an fp8 cache's scales."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -177,7 +182,8 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
+        v_scale,
         window,
         softcap * math.log2(math.e),
         GROUP=group,

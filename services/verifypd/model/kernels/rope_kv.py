@@ -4,7 +4,9 @@
     cos, sin [positions, D]             tables (HF rotate-half convention: both halves equal)
     positions, slots [T] int64          slot = block_id * block_size + offset, or -1: write nowhere
                                         (a CUDA graph's padding, draft steps past a request's k)
-    k_cache, v_cache [slots, kv_heads, D]  one layer's view of the pool, flattened
+    k_cache, v_cache [slots, kv_heads, D]  one layer's view of the pool, flattened; in the model
+                                        dtype, or float8_e4m3fn (model.kv_quant): then k / k_scale
+                                        and v / v_scale are stored, saturated to +-448
     q_norm, k_norm [D]                  optional (Qwen3, Gemma 3): each q / k head is RMS-normed
                                         over D with its weight before the rotation
     returns q [T, heads, D] rotated
@@ -32,6 +34,8 @@ def _rope_kv_kernel(
     q_norm_ptr,
     k_norm_ptr,
     eps,
+    k_scale,
+    v_scale,
     stride_t,
     stride_qt,
     stride_cs,
@@ -40,6 +44,7 @@ def _rope_kv_kernel(
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     QK_NORM: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -72,12 +77,28 @@ def _rope_kv_kernel(
         if slot >= 0:
             kv_head = head - HEADS
             dst = k_cache_ptr + slot * stride_cs + kv_head * 2 * HALF
-            tl.store(dst + d, out1)
-            tl.store(dst + HALF + d, out2)
             v_src = src + KV_HEADS * 2 * HALF
             vdst = v_cache_ptr + slot * stride_cs + kv_head * 2 * HALF
-            tl.store(vdst + d, tl.load(v_src + d))
-            tl.store(vdst + HALF + d, tl.load(v_src + HALF + d))
+            v1 = tl.load(v_src + d)
+            v2 = tl.load(v_src + HALF + d)
+            if FP8_KV:  # from the values rounded to the model dtype, as the reference quantizes them
+                cache_ty = k_cache_ptr.dtype.element_ty
+                tl.store(dst + d, _saturate(out1.to(tl.float32) / k_scale).to(cache_ty))
+                tl.store(dst + HALF + d, _saturate(out2.to(tl.float32) / k_scale).to(cache_ty))
+                tl.store(vdst + d, _saturate(v1.to(tl.float32) / v_scale).to(cache_ty))
+                tl.store(vdst + HALF + d, _saturate(v2.to(tl.float32) / v_scale).to(cache_ty))
+            else:
+                tl.store(dst + d, out1)
+                tl.store(dst + HALF + d, out2)
+                tl.store(vdst + d, v1)
+                tl.store(vdst + HALF + d, v2)
+
+
+@triton.jit
+def _saturate(x):
+    """Clamped to e4m3's range, explicitly: the stored value then does not depend on how a conversion
+    treats overflow (the GPU's cvt saturates; torch's cast gives NaN past 480 in some versions)."""
+    return tl.minimum(tl.maximum(x, -448.0), 448.0)
 
 
 def rope_and_store_kv(
@@ -92,7 +113,10 @@ def rope_and_store_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
+    """`k_scale` / `v_scale`: the fp8 cache's scales (unused for a cache in the model dtype)."""
     tokens = qkv.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and cos.is_contiguous()
@@ -110,6 +134,8 @@ def rope_and_store_kv(
             q if q_norm is None else q_norm,  # unread without QK_NORM
             q if k_norm is None else k_norm,
             eps,
+            k_scale,
+            v_scale,
             qkv.stride(0),
             q.stride(0),
             k_cache.stride(0),
@@ -118,6 +144,7 @@ def rope_and_store_kv(
             KV_HEADS=kv_heads,
             HALF=head_dim // 2,
             QK_NORM=q_norm is not None,
+            FP8_KV=k_cache.dtype == torch.float8_e4m3fn,
             num_warps=1,
         )
     return q
