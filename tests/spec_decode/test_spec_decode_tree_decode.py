@@ -5,11 +5,11 @@ and a random EAGLE head, on both attention backends; the accepted path's KV is m
 
 from __future__ import annotations
 
-import pytest
-import torch
-from engine_cases import write_head
+import os
 import random
 
+import pytest
+from engine_cases import write_head
 from engine_helpers import VOCAB, make_engine
 
 from verifypd.domain.options import EngineOptions
@@ -54,9 +54,7 @@ def head(tiny_models, tmp_path_factory):
     return write_head(tiny_models, tmp_path_factory.mktemp("tree_head") / "head")
 
 
-def decoder(target: str, draft: str, shape: TreeShape, attention: str = "reference") -> TreeDecoder:
-    import os
-
+def decoder(target: str, draft: str, shape: TreeShape, attention: str = "reference", graphs=False) -> TreeDecoder:
     old = os.environ.get("VERIFYPD_ATTENTION")
     os.environ["VERIFYPD_ATTENTION"] = attention
     try:
@@ -66,7 +64,7 @@ def decoder(target: str, draft: str, shape: TreeShape, attention: str = "referen
             os.environ.pop("VERIFYPD_ATTENTION")
         else:
             os.environ["VERIFYPD_ATTENTION"] = old
-    return TreeDecoder(models, shape, block_size=4, num_blocks=512)
+    return TreeDecoder(models, shape, block_size=4, num_blocks=512, max_context=64, graphs=graphs)
 
 
 @pytest.mark.parametrize("draft", ["model", "self:1", "eagle"])
@@ -79,12 +77,23 @@ def test_tree_greedy_equals_plain(tiny_models, prompts, expected, head, draft, s
     assert stats.steps < sum(len(o) for o in out) - len(out)
 
 
+@pytest.mark.parametrize("draft", ["model", "eagle"])
+def test_tree_greedy_through_step_buffers_equals_plain(tiny_models, prompts, expected, head, draft):
+    """The CUDA graphs' static-buffer path (run eagerly): inputs copied in, outputs read back, per batch size
+    (the batch shrinks as requests finish at different steps)."""
+    spec = {"model": tiny_models[1], "eagle": head}[draft]
+    dec = decoder(tiny_models[0], spec, TreeShape(topk=3, budget=12, depth=4), graphs="eager")
+    out, _ = dec.generate(prompts, MAX_TOKENS)
+    assert out == expected
+    assert len(dec.tree_step.captured) >= 2
+
+
 def test_tree_greedy_on_triton_interpreter(tiny_models, prompts, expected, head):
     """The kernel's tree mode in the whole loop (target verify and the head's tree steps)."""
-    out, _ = decoder(tiny_models[0], head, TreeShape(topk=3, budget=10, depth=4), "triton").generate(
-        prompts[:3], MAX_TOKENS
+    out, _ = decoder(tiny_models[0], head, TreeShape(topk=2, budget=6, depth=3), "triton").generate(
+        prompts[:2], 10
     )
-    assert out == expected[:3]
+    assert out == [e[:10] for e in expected[:2]]
 
 
 @pytest.mark.parametrize("draft", ["model", "eagle"])
@@ -101,4 +110,3 @@ def test_tree_decoder_refuses_a_poolless_draft(tiny_models):
     models = load_models(EngineOptions(target=tiny_models[0], draft="none", device="cpu", dtype="float32"))
     with pytest.raises(ValueError, match="draft-tree"):
         TreeDecoder(models, TreeShape())
-    torch.manual_seed(0)

@@ -34,10 +34,11 @@ def move_rows(tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> Non
 def accepted_moves(
     tables: torch.Tensor, base: torch.Tensor, path: torch.Tensor, accepted: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src, dst) slots [M] of every accepted node that is not in place yet. base [B]: the root's
-    cache index; path [B, D + 1] accepted node indices (path[:, 0] = 0, valid to accepted + 1)."""
-    depth = torch.arange(path.shape[1], device=path.device)[None, :]
-    moving = (depth >= 1) & (depth <= accepted[:, None]) & (path != depth)
-    src = slots_at(tables, base[:, None] + path, block_size)[moving]
-    dst = slots_at(tables, base[:, None] + depth.expand_as(path), block_size)[moving]
+    """(src, dst) slots [B * D] for the accepted path: depth d's node to cache index base + d. base [B]:
+    the root's cache index; path [B, D + 1] accepted node indices (path[:, 0] = 0, valid to
+    accepted + 1). Fixed shape (CUDA-graph safe): past a row's accepted depth src = dst (a no-op copy)."""
+    depth = torch.arange(1, path.shape[1], device=path.device)[None, :].expand(path.shape[0], -1)
+    node = torch.where(depth <= accepted[:, None], path[:, 1:], depth)
+    src = slots_at(tables, base[:, None] + node, block_size).reshape(-1)
+    dst = slots_at(tables, base[:, None] + depth, block_size).reshape(-1)
     return src, dst

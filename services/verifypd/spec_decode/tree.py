@@ -119,12 +119,15 @@ def select_tree(
     cand_depth: torch.Tensor,
     cand_scores: torch.Tensor,
     budget: int,
+    max_depth: int | None = None,
 ) -> DraftTree:
     """The tree of the `budget` best candidates by cumulative draft log-probability (EAGLE-2's rerank).
 
     cand_* [B, C] in drafting order (a candidate after its parent); cand_parents index candidates,
     -1 = the root. Scores never increase from parent to child (log-probabilities <= 0) and a stable
-    sort keeps a parent ahead of an equal-scored child, so the cut is closed under ancestors."""
+    sort keeps a parent ahead of an equal-scored child, so the cut is closed under ancestors
+    (tests check it; no host sync here). max_depth: the deepest candidate's depth (None: looked up,
+    a host sync; CUDA-graph callers pass it)."""
     order = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :budget]
     chosen = torch.sort(order, dim=1).values  # drafting order again: topological
     rows, c = cand_tokens.shape
@@ -132,13 +135,12 @@ def select_tree(
     remap.scatter_(1, chosen, torch.arange(1, budget + 1, device=cand_tokens.device).expand(rows, -1))
     parent_cand = cand_parents.gather(1, chosen)
     parents = torch.where(parent_cand < 0, 0, remap.gather(1, parent_cand.clamp(min=0)))
-    if bool((parents < 0).any()):
-        raise AssertionError("draft tree cut is not closed under ancestors")
     root_col = torch.zeros(rows, 1, dtype=torch.long, device=cand_tokens.device)
     tokens = torch.cat((root_tokens.view(rows, 1), cand_tokens.gather(1, chosen)), dim=1)
     parents = torch.cat((root_col - 1, parents), dim=1)
     depth = torch.cat((root_col, cand_depth.gather(1, chosen)), dim=1)
-    return DraftTree(tokens, parents, depth, ancestor_bits(parents, int(depth.max())))
+    levels = int(depth.max()) if max_depth is None else max_depth
+    return DraftTree(tokens, parents, depth, ancestor_bits(parents, levels))
 
 
 @dataclass
@@ -148,10 +150,11 @@ class TreeVerdict:
     bonus: torch.Tensor  # [B] the target's token after the accepted path
 
 
-def walk(tree: DraftTree, choice: torch.Tensor) -> TreeVerdict:
-    """Greedy / coupled-race acceptance: choice [B, N] is the target's token after each node."""
+def walk(tree: DraftTree, choice: torch.Tensor, max_depth: int | None = None) -> TreeVerdict:
+    """Greedy / coupled-race acceptance: choice [B, N] is the target's token after each node.
+    max_depth: as select_tree's (None: looked up)."""
     rows, n = tree.tokens.shape
-    depth = tree.max_depth
+    depth = tree.max_depth if max_depth is None else max_depth
     path = torch.zeros(rows, depth + 1, dtype=torch.long, device=choice.device)
     cur = torch.zeros(rows, dtype=torch.long, device=choice.device)
     alive = torch.ones(rows, dtype=torch.bool, device=choice.device)

@@ -8,8 +8,10 @@ the child equal to that choice. The output is therefore exactly the target's pla
 or seeded, whatever the tree. (spec_decode.tree.accept_tree_sampled is the multi-draft rejection rule
 for drafts that carry probabilities; this driver's drafts do not need it.)
 
-Eager (no CUDA graphs), one batch of requests run to completion, its own pools and blocks: the
-router's serving loop still drafts chains (docs/engine.md "Draft trees").
+Per step: the draft's catch-up (eager, ragged), then spec_decode.tree_step's device half (one CUDA
+graph on a GPU, greedy), then one device-to-host copy. One batch of requests run to completion over
+the decoder's own pools and blocks: the router's serving loop still drafts chains (docs/engine.md
+"Draft trees").
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from verifypd.model.build import Models
 from verifypd.model.eagle_draft import EagleModel, attach_features
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.layout import TokenRun, build_layout, to_device
-from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.tree_kv import accepted_moves, move_kv, move_rows, slots_at
-from verifypd.spec_decode.tree import TreeShape, walk
-from verifypd.spec_decode.tree_draft import DraftSeq, EagleTreeDraft, ModelTreeDraft, grow_tree
+from verifypd.model.llama import PagedLlama
+from verifypd.spec_decode.tree import TreeShape
+from verifypd.spec_decode.tree_draft import DraftSeq, EagleTreeDraft, ModelTreeDraft
+from verifypd.spec_decode.tree_step import TreeStep
 
 
 @dataclass
@@ -45,7 +47,17 @@ class TreeStats:
 
 
 class TreeDecoder:
-    def __init__(self, models: Models, shape: TreeShape, block_size: int = 16, num_blocks: int = 1024):
+    def __init__(
+        self,
+        models: Models,
+        shape: TreeShape,
+        block_size: int = 16,
+        num_blocks: int = 1024,
+        max_context: int = 2048,
+        graphs: bool | str | None = None,
+    ):
+        """graphs: the step's device half as CUDA graphs (None: on CUDA with Triton attention; "eager":
+        their static buffers, run directly)."""
         shape.validate()
         if models.draft_model is None:
             raise ValueError(f"--draft-tree needs a draft with weights (eagle:, self:N, a model), got {models.draft_name!r}")
@@ -55,9 +67,14 @@ class TreeDecoder:
         self.target: PagedLlama = models.target_model
         if self.target.windows != [0]:
             raise ValueError("--draft-tree: tree attention takes no sliding-window layers")
-        self.target_pool = self.pool("target", self.target, num_blocks, models.dtype)
+        # Every sequence holds the same number of blocks (fixed-width tables for the graphs); block 0
+        # is the graphs' scratch.
+        self.max_context = max_context
+        self.blocks_per_seq = -(-(max_context + shape.nodes + 2) // block_size)
+        self.num_blocks = max(num_blocks, 1 + self.blocks_per_seq)
+        self.target_pool = self.pool("target", self.target, models.dtype)
         draft = models.draft_model
-        self.draft_pool = self.pool("draft", draft, num_blocks, models.dtype)
+        self.draft_pool = self.pool("draft", draft, models.dtype)
         self.features = None
         self.drafter: ModelTreeDraft | EagleTreeDraft
         if isinstance(draft, EagleModel):
@@ -65,11 +82,23 @@ class TreeDecoder:
             self.drafter = EagleTreeDraft(draft, self.draft_pool.tensor, self.features, block_size)
         else:
             self.drafter = ModelTreeDraft(draft, self.draft_pool.tensor, block_size)
-        self.num_blocks = num_blocks
+        if graphs is None:
+            graphs = self.device.type == "cuda" and self.target.attention == "triton"
+        self.tree_step = TreeStep(
+            self.target,
+            self.target_pool.tensor,
+            self.features,
+            self.drafter,
+            shape,
+            block_size,
+            self.blocks_per_seq,
+            graphs,
+        )
 
-    def pool(self, role: str, model: PagedLlama | EagleModel, blocks: int, dtype) -> KvPool:
+    def pool(self, role: str, model: PagedLlama | EagleModel, dtype) -> KvPool:
         s = model.shape
-        return KvPool(role, PoolGeometry(model.num_layers, blocks, self.block_size, s.num_kv_heads, s.head_dim), dtype, self.device)
+        geometry = PoolGeometry(model.num_layers, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        return KvPool(role, geometry, dtype, self.device)
 
     @torch.inference_mode()
     def generate(
@@ -77,13 +106,17 @@ class TreeDecoder:
     ) -> tuple[list[list[int]], TreeStats]:
         """Generated tokens per prompt (exactly max_tokens each) and the run's statistics."""
         sampling = sampling or SamplingParams()
-        if any(len(p) < 1 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        need = [-(-(len(p) + max_tokens + self.shape.nodes + 2) // self.block_size) for p in prompts]
-        if sum(need) > self.num_blocks:
-            raise ValueError(f"{len(prompts)} prompts need {sum(need)} blocks, the decoder's pools hold {self.num_blocks}")
-        starts = [sum(need[:i]) for i in range(len(need))]
-        blocks = [tuple(range(s, s + n)) for s, n in zip(starts, need, strict=True)]
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        for i, p in enumerate(prompts):
+            if not 1 <= len(p) or len(p) + max_tokens > self.max_context:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} tokens + max_tokens {max_tokens} must be in [1, {self.max_context}]"
+                )
+        if 1 + len(prompts) * self.blocks_per_seq > self.num_blocks:
+            raise ValueError(f"{len(prompts)} prompts need {len(prompts) * self.blocks_per_seq + 1} blocks, the pools hold {self.num_blocks}")
+        per = self.blocks_per_seq
+        blocks = [tuple(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
         stats = TreeStats()
         t0 = time.perf_counter()
         first = self.prefill(prompts, blocks, sampling)
@@ -112,59 +145,31 @@ class TreeDecoder:
         batch = to_device(build_layout(runs, self.block_size), self.device)
         logits = self.target.forward(self.target_pool.tensor, batch, batch.query_start[1:].long() - 1)
         positions = torch.tensor([len(p) for p in prompts], device=self.device)
-        return self.choose(logits, sampling, positions).tolist()
+        return self.choose(sampling, logits.shape[0])(logits, positions).tolist()
 
-    def choose(self, logits: torch.Tensor, sampling: SamplingParams, positions: torch.Tensor) -> torch.Tensor:
-        """The target's token per row of logits [R, V]: argmax, or the seeded race winner for `positions`."""
+    def choose(self, sampling: SamplingParams, rows: int):
+        """The target's choice for `rows` logits rows: argmax, or the seeded race winner for the
+        positions the tokens take (model.sampler)."""
         if sampling.greedy:
-            return logits.argmax(-1)
+            return lambda logits, positions: logits.argmax(-1)
         mode = sampler.choice_mode([sampling])
-        rows = logits.shape[0]
         params = sampler.params_tensor([sampling] * rows, self.device)
-        return sampler.choose(logits, mode, *params, positions)
+        return lambda logits, positions: sampler.choose(logits, mode, *params, positions)
 
     def step(self, seqs: list[DraftSeq], sampling: SamplingParams, stats: TreeStats) -> list[list[int]]:
         """One tree draft + verify for `seqs`; returns each one's new tokens (accepted drafts + one)."""
-        tree = grow_tree(self.drafter, seqs, self.shape)
-        rows, nodes = tree.tokens.shape
         dev = self.device
+        catch = self.drafter.catch_up(seqs)
+        root = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         base = torch.tensor([s.pending for s in seqs], device=dev)
-        tables = torch.tensor([list(s.target_blocks) for s in seqs], device=dev) if _even(seqs) else _padded(seqs, dev)
-        index = base[:, None] + torch.arange(nodes, device=dev)
-        batch = BatchLayout(
-            input_ids=tree.tokens.reshape(-1),
-            positions=(base[:, None] + tree.depth).reshape(-1),
-            slots=slots_at(tables, index, self.block_size).reshape(-1),
-            block_tables=tables,
-            query_start=torch.arange(rows + 1, device=dev, dtype=torch.int32) * nodes,
-            max_query=nodes,
-            tree_base=base,
-            tree_len=torch.full((rows,), nodes, device=dev, dtype=torch.int32),
-            tree_bits=tree.ancestors.reshape(-1),
-        )
-        logits = self.target.forward(self.target_pool.tensor, batch, torch.arange(rows * nodes, device=dev))
-        choice = self.choose(logits, sampling, batch.positions + 1).view(rows, nodes)
-        verdict = walk(tree, choice)
-        src, dst = accepted_moves(tables, base, verdict.path, verdict.accepted, self.block_size)
-        move_kv(self.target_pool.tensor, src, dst)
-        if self.features is not None:
-            move_rows(self.features.tensor, src, dst)
-        path_tokens = tree.tokens.gather(1, verdict.path)
-        accepted, bonus = verdict.accepted.tolist(), verdict.bonus.tolist()  # the step's one host sync
-        paths = path_tokens.tolist()
+        tables = torch.tensor([list(s.target_blocks) for s in seqs], device=dev)
+        choose = None if sampling.greedy else self.choose(sampling, len(seqs) * self.shape.nodes)
+        path_tokens, accepted_t, bonus_t = self.tree_step.run(root, catch, base, tables, choose)
+        accepted, bonus, paths = accepted_t.tolist(), bonus_t.tolist(), path_tokens.tolist()  # one sync
         out = []
         for s, a, b, p in zip(seqs, accepted, bonus, paths, strict=True):
             s.done = self.drafter.rows_kept(s)
             out.append(p[1 : a + 1] + [b])
         stats.steps += 1
-        stats.drafted_nodes += rows * (nodes - 1)
+        stats.drafted_nodes += len(seqs) * self.shape.budget
         return out
-
-
-def _even(seqs: list[DraftSeq]) -> bool:
-    return len({len(s.target_blocks) for s in seqs}) == 1
-
-
-def _padded(seqs: list[DraftSeq], dev) -> torch.Tensor:
-    width = max(len(s.target_blocks) for s in seqs)
-    return torch.tensor([list(s.target_blocks) + [0] * (width - len(s.target_blocks)) for s in seqs], device=dev)

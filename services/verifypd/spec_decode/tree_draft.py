@@ -48,6 +48,16 @@ class DraftSeq:
         return len(self.tokens) - 1
 
 
+@dataclass
+class CatchUp:
+    """What a catch-up leaves for the tree's growth (all on the device)."""
+
+    logp: torch.Tensor  # [B, V] float32: the root's next-token log-probabilities
+    hidden: torch.Tensor | None  # [B, H]: the root row's pre-norm output (a head), None (a model draft)
+    base: torch.Tensor  # [B] long: the draft's first tree row (cache index)
+    tables: torch.Tensor  # [B, W] long: the draft's block tables
+
+
 class ModelTreeDraft:
     """A PagedLlama draft over its own pool (rows = positions)."""
 
@@ -60,18 +70,17 @@ class ModelTreeDraft:
         """The draft's valid rows after this step's catch-up (the tree lies past them)."""
         return seq.pending + 1
 
-    def catch_up(self, seqs: list[DraftSeq]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def catch_up(self, seqs: list[DraftSeq]) -> CatchUp:
         runs = [TokenRun(s.tokens[s.done :], s.done, s.blocks) for s in seqs]
         batch = to_device(build_layout(runs, self.block_size), self.pool.device)
-        self.tables = batch.block_tables.long()
-        self.base = torch.tensor([s.pending + 1 for s in seqs], device=self.pool.device)
+        base = torch.tensor([s.pending + 1 for s in seqs], device=self.pool.device)
         logits = self.model.forward(self.pool, batch, batch.query_start[1:].long() - 1)
-        return logits.float().log_softmax(-1), None
+        return CatchUp(logits.float().log_softmax(-1), None, base, batch.block_tables.long())
 
-    def expand(self, tokens, hidden, depth: int, slot_index, bits, tree_len: int):
+    def expand(self, tokens, hidden, depth: int, slot_index, bits, tree_len: int, base, tables):
         rows, k = tokens.shape
-        positions = (self.base - 1 + depth)[:, None].expand(rows, k)
-        batch = tree_batch(tokens, positions, slot_index, bits, self.base, tree_len, self.tables, self.block_size)
+        positions = (base - 1 + depth)[:, None].expand(rows, k)
+        batch = tree_batch(tokens, positions, slot_index, bits, base, tree_len, tables, self.block_size)
         logits = self.model.forward(self.pool, batch, torch.arange(rows * k, device=tokens.device))
         return logits.float().log_softmax(-1).view(rows, k, -1), None
 
@@ -87,7 +96,7 @@ class EagleTreeDraft:
     def rows_kept(self, seq: DraftSeq) -> int:
         return seq.pending
 
-    def catch_up(self, seqs: list[DraftSeq]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def catch_up(self, seqs: list[DraftSeq]) -> CatchUp:
         """Rows done .. n - 1 from the target's features of those positions and tokens done + 1 .. n."""
         if any(s.pending < 1 for s in seqs):
             raise ValueError("an EAGLE head needs the pending token at position >= 1")
@@ -96,16 +105,15 @@ class EagleTreeDraft:
         dev = self.pool.device
         batch = to_device(build_layout(runs, self.block_size), dev)
         feature_slots = torch.as_tensor(build_layout(target_runs, self.block_size).slots, device=dev)
-        self.tables = batch.block_tables.long()
-        self.base = torch.tensor([s.pending for s in seqs], device=dev)
+        base = torch.tensor([s.pending for s in seqs], device=dev)
         h, x = self.model.rows(self.pool, batch, self.features.read(feature_slots))
         last = batch.query_start[1:].long() - 1
-        return self.log_probs(x[last]), h[last].clone()
+        return CatchUp(self.log_probs(x[last]), h[last].clone(), base, batch.block_tables.long())
 
-    def expand(self, tokens, hidden, depth: int, slot_index, bits, tree_len: int):
+    def expand(self, tokens, hidden, depth: int, slot_index, bits, tree_len: int, base, tables):
         rows, k = tokens.shape
-        positions = (self.base + depth - 1)[:, None].expand(rows, k)
-        batch = tree_batch(tokens, positions, slot_index, bits, self.base, tree_len, self.tables, self.block_size)
+        positions = (base + depth - 1)[:, None].expand(rows, k)
+        batch = tree_batch(tokens, positions, slot_index, bits, base, tree_len, tables, self.block_size)
         g = hidden.reshape(rows * k, -1).clone()  # the head's layer may update it in place
         h, x = self.model.layer(self.pool, batch, g, self.model.head_input(batch.input_ids, g))
         return self.log_probs(x).view(rows, k, -1), h.view(rows, k, -1).clone()
@@ -121,23 +129,30 @@ def tree_batch(tokens, positions, slot_index, bits, base, tree_len: int, tables,
     rows, k = tokens.shape
     dev = tokens.device
     slots = slots_at(tables, base[:, None] + slot_index, block_size)
-    return BatchLayout(
-        input_ids=tokens.reshape(-1),
-        positions=positions.reshape(-1),
-        slots=slots.reshape(-1),
+    return BatchLayout(  # contiguous: the kernels index these flat (an expanded row may be a stride-0 view)
+        input_ids=tokens.reshape(-1).contiguous(),
+        positions=positions.reshape(-1).contiguous(),
+        slots=slots.reshape(-1).contiguous(),
         block_tables=tables,
         query_start=torch.arange(rows + 1, device=dev, dtype=torch.int32) * k,
         max_query=k,
         tree_base=base,
         tree_len=torch.full((rows,), tree_len, device=dev, dtype=torch.int32),
-        tree_bits=bits.reshape(-1),
+        tree_bits=bits.reshape(-1).contiguous(),
     )
 
 
 def grow_tree(draft: ModelTreeDraft | EagleTreeDraft, seqs: list[DraftSeq], shape: TreeShape) -> DraftTree:
     """The draft tree of each sequence (module doc); node 0 is its pending token."""
-    k, dev = shape.topk, draft.pool.device
-    root_logp, root_hidden = draft.catch_up(seqs)
+    root = torch.tensor([s.tokens[-1] for s in seqs], device=draft.pool.device)
+    return grow_from_root(draft, root, draft.catch_up(seqs), shape)
+
+
+def grow_from_root(draft: ModelTreeDraft | EagleTreeDraft, root: torch.Tensor, c: CatchUp, shape: TreeShape) -> DraftTree:
+    """The expansions and the cut after a catch-up `c`; root [B] the pending tokens. Device work of
+    fixed shapes with no host sync (one CUDA graph per batch size: spec_decode.tree_step)."""
+    k, dev = shape.topk, root.device
+    root_logp, root_hidden = c.logp, c.hidden
     rows = root_logp.shape[0]
     score, tok = root_logp.topk(k, dim=-1)  # depth-1 candidates [B, K]
     cand_tok, cand_parent, cand_depth, cand_score = [tok], [torch.full_like(tok, -1)], [torch.ones_like(tok)], [score]
@@ -149,7 +164,7 @@ def grow_tree(draft: ModelTreeDraft | EagleTreeDraft, seqs: list[DraftSeq], shap
     for d in range(1, shape.depth):
         slot_index = ((d - 1) * k + torch.arange(k, device=dev)).expand(rows, k)
         bits = parent_bits | (one << slot_index)
-        logp, out_hidden = draft.expand(tok, hidden, d, slot_index, bits, d * k)
+        logp, out_hidden = draft.expand(tok, hidden, d, slot_index, bits, d * k, c.base, c.tables)
         child_lp, child_tok = logp.topk(k, dim=-1)  # [B, K, K]
         child_score = (score[:, :, None] + child_lp).reshape(rows, k * k)
         cand_tok.append(child_tok.reshape(rows, k * k))
@@ -166,7 +181,6 @@ def grow_tree(draft: ModelTreeDraft | EagleTreeDraft, seqs: list[DraftSeq], shap
         parent_bits = bits.gather(1, parent)
         if out_hidden is not None:
             hidden = out_hidden.gather(1, parent[:, :, None].expand(rows, k, out_hidden.shape[-1]))
-    root = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
     return select_tree(
         root,
         torch.cat(cand_tok, 1),
@@ -174,4 +188,5 @@ def grow_tree(draft: ModelTreeDraft | EagleTreeDraft, seqs: list[DraftSeq], shap
         torch.cat(cand_depth, 1),
         torch.cat(cand_score, 1),
         shape.budget,
+        max_depth=shape.depth,
     )
