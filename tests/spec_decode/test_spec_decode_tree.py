@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verifypd.domain.draft_tree import TreeShape, parse_tree_shape
+from verifypd.domain.requests import InvalidRequest
 from verifypd.spec_decode import tree as tree_mod
 from verifypd.spec_decode.tree import (
     DraftTree,
-    TreeShape,
     accept_siblings,
     accept_tree_sampled,
     ancestor_bits,
-    parse_tree_shape,
     select_tree,
     walk,
 )
@@ -127,7 +127,7 @@ def test_walk_follows_the_targets_choice():
 def test_parse_tree_shape_names_the_field():
     assert parse_tree_shape("topk=2,budget=8,depth=4") == TreeShape(2, 8, 4)
     for bad, field in [("topk=0", "topk"), ("budget=64", "budget"), ("depth=x", "depth"), ("width=3", "width")]:
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(InvalidRequest, match=field):
             parse_tree_shape(bad)
-    with pytest.raises(ValueError, match="candidates"):
+    with pytest.raises(InvalidRequest, match="candidates"):
         parse_tree_shape("topk=1,depth=2,budget=5")

@@ -12,10 +12,10 @@ import pytest
 from engine_cases import write_head
 from engine_helpers import VOCAB, make_engine
 
+from verifypd.domain.draft_tree import TreeShape
 from verifypd.domain.options import EngineOptions
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.model.build import load_models
-from verifypd.spec_decode.tree import TreeShape
 from verifypd.spec_decode.tree_decode import TreeDecoder
 
 pytestmark = pytest.mark.slow  # engines over tiny checkpoints (tests/README.md)
@@ -90,9 +90,7 @@ def test_tree_greedy_through_step_buffers_equals_plain(tiny_models, prompts, exp
 
 def test_tree_greedy_on_triton_interpreter(tiny_models, prompts, expected, head):
     """The kernel's tree mode in the whole loop (target verify and the head's tree steps)."""
-    out, _ = decoder(tiny_models[0], head, TreeShape(topk=2, budget=6, depth=3), "triton").generate(
-        prompts[:2], 10
-    )
+    out, _ = decoder(tiny_models[0], head, TreeShape(topk=2, budget=6, depth=3), "triton").generate(prompts[:2], 10)
     assert out == [e[:10] for e in expected[:2]]
 
 
@@ -100,9 +98,7 @@ def test_tree_greedy_on_triton_interpreter(tiny_models, prompts, expected, head)
 def test_tree_seeded_equals_plain(tiny_models, prompts, head, draft):
     spec = {"model": tiny_models[1], "eagle": head}[draft]
     want = plain_outputs(tiny_models[0], prompts, SEEDED)
-    out, _ = decoder(tiny_models[0], spec, TreeShape(topk=3, budget=12, depth=4)).generate(
-        prompts, MAX_TOKENS, SEEDED
-    )
+    out, _ = decoder(tiny_models[0], spec, TreeShape(topk=3, budget=12, depth=4)).generate(prompts, MAX_TOKENS, SEEDED)
     assert out == want
 
 

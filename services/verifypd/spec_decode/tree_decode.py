@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verifypd.domain.draft_tree import TreeShape
 from verifypd.domain.requests import SamplingParams
 from verifypd.model import sampler
 from verifypd.model.build import Models
@@ -28,7 +29,6 @@ from verifypd.model.eagle_draft import EagleModel, attach_features
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.layout import TokenRun, build_layout, to_device
 from verifypd.model.llama import PagedLlama
-from verifypd.spec_decode.tree import TreeShape
 from verifypd.spec_decode.tree_draft import DraftSeq, EagleTreeDraft, ModelTreeDraft
 from verifypd.spec_decode.tree_step import TreeStep
 
@@ -60,7 +60,9 @@ class TreeDecoder:
         their static buffers, run directly)."""
         shape.validate()
         if models.draft_model is None:
-            raise ValueError(f"--draft-tree needs a draft with weights (eagle:, self:N, a model), got {models.draft_name!r}")
+            raise ValueError(
+                f"--draft-tree needs a draft with weights (eagle:, self:N, a model), got {models.draft_name!r}"
+            )
         if models.ranks is not None:
             raise ValueError("--draft-tree runs on a single-process target")
         self.shape, self.block_size, self.device = shape, block_size, models.device
@@ -102,9 +104,14 @@ class TreeDecoder:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams | None = None
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> tuple[list[list[int]], TreeStats]:
-        """Generated tokens per prompt (exactly max_tokens each) and the run's statistics."""
+        """Generated tokens per prompt (max_tokens each, or through the first of `stop_ids`) and the
+        run's statistics."""
         sampling = sampling or SamplingParams()
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -114,14 +121,17 @@ class TreeDecoder:
                     f"prompt {i}: {len(p)} tokens + max_tokens {max_tokens} must be in [1, {self.max_context}]"
                 )
         if 1 + len(prompts) * self.blocks_per_seq > self.num_blocks:
-            raise ValueError(f"{len(prompts)} prompts need {len(prompts) * self.blocks_per_seq + 1} blocks, the pools hold {self.num_blocks}")
+            raise ValueError(
+                f"{len(prompts)} prompts need {len(prompts) * self.blocks_per_seq + 1} blocks, "
+                f"the pools hold {self.num_blocks}"
+            )
         per = self.blocks_per_seq
         blocks = [tuple(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(prompts))]
         stats = TreeStats()
         t0 = time.perf_counter()
         first = self.prefill(prompts, blocks, sampling)
         seqs = [DraftSeq(list(p) + [t], 0, b, b) for p, t, b in zip(prompts, first, blocks, strict=True)]
-        produced = [1] * len(prompts)
+        produced = [max_tokens if t in stop_ids else 1 for t in first]
         steps = [0] * len(prompts)
         while True:
             live = [i for i, n in enumerate(produced) if n < max_tokens]
@@ -130,8 +140,11 @@ class TreeDecoder:
             new = self.step([seqs[i] for i in live], sampling, stats)
             for i, toks in zip(live, new, strict=True):
                 take = toks[: max_tokens - produced[i]]
+                stop = next((j for j, t in enumerate(take) if t in stop_ids), None)
+                if stop is not None:
+                    take = take[: stop + 1]
                 seqs[i].tokens += take
-                produced[i] += len(take)
+                produced[i] = max_tokens if stop is not None else produced[i] + len(take)
                 stats.tokens += len(take)
                 steps[i] += 1
         if self.device.type == "cuda":
@@ -165,11 +178,12 @@ class TreeDecoder:
         tables = torch.tensor([list(s.target_blocks) for s in seqs], device=dev)
         choose = None if sampling.greedy else self.choose(sampling, len(seqs) * self.shape.nodes)
         path_tokens, accepted_t, bonus_t = self.tree_step.run(root, catch, base, tables, choose)
-        accepted, bonus, paths = accepted_t.tolist(), bonus_t.tolist(), path_tokens.tolist()  # one sync
+        rows = torch.cat((path_tokens, accepted_t[:, None], bonus_t[:, None]), 1).tolist()  # the one sync
         out = []
-        for s, a, b, p in zip(seqs, accepted, bonus, paths, strict=True):
+        for s, row in zip(seqs, rows, strict=True):
             s.done = self.drafter.rows_kept(s)
-            out.append(p[1 : a + 1] + [b])
+            *path, a, b = row
+            out.append(path[1 : a + 1] + [b])
         stats.steps += 1
         stats.drafted_nodes += len(seqs) * self.shape.budget
         return out

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verifypd.domain.draft_tree import TreeShape
 from verifypd.model.eagle_draft import EagleModel
 from verifypd.model.features import FeaturePool
 from verifypd.model.layout import TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.tree_kv import slots_at
-from verifypd.spec_decode.tree import DraftTree, TreeShape, select_tree
+from verifypd.spec_decode.tree import DraftTree, select_tree
 
 
 @dataclass
@@ -148,7 +149,9 @@ def grow_tree(draft: ModelTreeDraft | EagleTreeDraft, seqs: list[DraftSeq], shap
     return grow_from_root(draft, root, draft.catch_up(seqs), shape)
 
 
-def grow_from_root(draft: ModelTreeDraft | EagleTreeDraft, root: torch.Tensor, c: CatchUp, shape: TreeShape) -> DraftTree:
+def grow_from_root(
+    draft: ModelTreeDraft | EagleTreeDraft, root: torch.Tensor, c: CatchUp, shape: TreeShape
+) -> DraftTree:
     """The expansions and the cut after a catch-up `c`; root [B] the pending tokens. Device work of
     fixed shapes with no host sync (one CUDA graph per batch size: spec_decode.tree_step)."""
     k, dev = shape.topk, root.device

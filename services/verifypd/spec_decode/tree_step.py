@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from verifypd.domain.draft_tree import TreeShape
 from verifypd.model.features import FeaturePool
 from verifypd.model.graph_runner import EagerReplay, Replayable, capture_graph
 from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.tree_kv import accepted_moves, move_kv, move_rows, slots_at
-from verifypd.spec_decode.tree import TreeShape, walk
+from verifypd.spec_decode.tree import walk
 from verifypd.spec_decode.tree_draft import CatchUp, EagleTreeDraft, ModelTreeDraft, grow_from_root
 
 # The target's choice after each node: logits [R, V], the positions the chosen tokens take [R] -> [R].
@@ -107,7 +108,9 @@ class TreeStep:
         buf = StepBuffers(
             root=zeros(rows),
             logp=torch.zeros(rows, like.logp.shape[1], dtype=like.logp.dtype, device=dev),
-            hidden=None if like.hidden is None else torch.zeros(rows, like.hidden.shape[1], dtype=like.hidden.dtype, device=dev),
+            hidden=None
+            if like.hidden is None
+            else torch.zeros(rows, like.hidden.shape[1], dtype=like.hidden.dtype, device=dev),
             # the warm-up run writes through these: a tree at position 1 of block 0 (never a live row's)
             draft_base=torch.ones(rows, dtype=torch.long, device=dev),
             draft_tables=zeros(rows, self.width),
@@ -158,4 +161,3 @@ class TreeStep:
             buf.path_tokens.copy_(path_tokens)
             buf.accepted.copy_(verdict.accepted)
             buf.bonus.copy_(verdict.bonus)
-
