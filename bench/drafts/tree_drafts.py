@@ -8,6 +8,11 @@ Rows, on the same prompts (a family of bench/prompts/draft_acceptance.jsonl, cha
 Each row: tok/s (wall, generation only), tokens per verify step (emitted tokens / target passes,
 the bonus token included), and whether its tokens equal `none`'s.
 
+SIMULATED rows (`--simulated-shape`, default llama-2-7b on a GPU): a `random:` target with a
+random-weight head; a tree step's and a plain step's costs are measured (real compute; the step cost
+is the difference of two runs of different lengths, so prefill drops out), and the speed-up is
+computed for ASSUMED tokens per step (2.5 / 3.0 / 3.5): tau * t_plain / t_tree_step.
+
 GPU (the lead's command; ~1-2 min on an H100, the GGUF at --target):
 
     python bench/drafts/tree_drafts.py --device cuda --target /path/to/SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -38,6 +43,8 @@ from verifypd.domain.requests import RequestSpec
 from verifypd.domain.tokenizer import TextCodec
 from verifypd.engine import Engine, EngineOptions
 from verifypd.model.build import Models, load_draft_model
+from verifypd.model.eagle_draft import EagleModel
+from verifypd.model.eagle_head import random_eagle_head
 from verifypd.model.llama import PagedLlama
 from verifypd.model.loader import load_model
 from verifypd.spec_decode.tree_decode import TreeDecoder
@@ -66,7 +73,7 @@ def engine_row(target, draft: str, k: int | None, prompts, max_tokens: int, devi
     else:
         config = RuntimeConfig()
     engine = Engine(
-        EngineOptions(num_blocks=512, device=device.type, config=config),
+        EngineOptions(num_blocks=512, device=device.type, config=config, graph_buckets=(1,)),
         models=models_for(target, draft, device, dtype),
     )
     engine.generate([RequestSpec(prompts[0], max_tokens=16, stop_at_eos=False, request_id="warm")])
@@ -116,6 +123,60 @@ def tree_row(target, draft: str, tree: str, prompts, max_tokens: int, device, dt
     }
 
 
+def step_cost(run, short: int, long: int) -> float:
+    """Seconds per step: (time(long) - time(short)) / (steps(long) - steps(short)); run(n) -> (s, steps)."""
+    s1, n1 = run(short)
+    s2, n2 = run(long)
+    return (s2 - s1) / max(n2 - n1, 1)
+
+
+def simulated_rows(target, trees: list[str], device, dtype, tokens: int) -> list[dict]:
+    """SIMULATED speed-ups from measured step costs (module doc); the head is random (acceptance ~0)."""
+    prompt = [3 + i % (target.shape.vocab_size - 3) for i in range(128)]
+    engine = Engine(
+        EngineOptions(
+            num_blocks=256,
+            device=device.type,
+            config=RuntimeConfig(k_min=0, k_max=0, k_initial=0),
+            graph_buckets=(1,),
+        ),
+        models=models_for(target, "none", device, dtype),
+    )
+
+    def plain(n: int) -> tuple[float, int]:
+        spec = RequestSpec(tuple(prompt), max_tokens=n, stop_at_eos=False, request_id=f"p{n}")
+        t0 = time.perf_counter()
+        engine.generate([spec])
+        return time.perf_counter() - t0, n
+
+    plain(8)
+    t_plain = step_cost(plain, tokens // 2, tokens)
+    config, weights = random_eagle_head(target.shape, device=device, dtype=dtype)
+    head = EagleModel(config, weights, target.weights.embed)
+    rows = []
+    for tree in trees:
+        models = Models(target, PagedLlama(target.shape, target.weights), head, "eagle:random", device, dtype)
+        decoder = TreeDecoder(models, parse_tree_shape(tree), max_context=len(prompt) + tokens + 16, num_blocks=0)
+
+        def run(n: int, decoder: TreeDecoder = decoder) -> tuple[float, int]:
+            _, stats = decoder.generate([prompt], n)
+            return stats.seconds, stats.steps
+
+        run(8)
+        t_tree = step_cost(run, tokens // 2, tokens)
+        rows.append(
+            {
+                "system": f"SIMULATED tree eagle:random {tree}",
+                "target": target.name,
+                "plain_step_ms": 1000 * t_plain,
+                "tree_step_ms": 1000 * t_tree,
+                "graph_capture_s": decoder.tree_step.capture_seconds,
+                "simulated_speedup_at_tokens_per_step": {str(tau): tau * t_plain / t_tree for tau in (2.5, 3.0, 3.5)},
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2", help="the embedded model's spec, or a path to its GGUF")
@@ -128,10 +189,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     ap.add_argument("--smoke", action="store_true", help="one prompt, 12 tokens, one small tree (CPU check)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument(
+        "--simulated-shape",
+        default=None,
+        help="a random: shape for the SIMULATED rows (default llama-2-7b on cuda; 'none': skip; "
+        "'embedded': the --target model itself with a random head, as --smoke uses)",
+    )
     ap.add_argument("--out", default="tree_drafts.json")
     args = ap.parse_args()
     if args.smoke:
         args.prompts, args.max_tokens, args.trees = 1, 12, "topk=2,budget=6,depth=3"
+        args.simulated_shape = args.simulated_shape or "embedded"
+    if args.simulated_shape is None:
+        args.simulated_shape = "llama-2-7b" if args.device == "cuda" else "none"
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -159,6 +229,15 @@ def main() -> None:
             f"{r['system']:<48} {r['tok_per_s']:9.1f} tok/s  {r['speedup_vs_none']:5.2f}x  {tps} tok/step  "
             f"same as none {r['same_tokens_as_none']}/{len(prompts)}"
         )
+    simulated = []
+    if args.simulated_shape != "none":
+        sim_target = target if args.simulated_shape == "embedded" else None
+        if sim_target is None:
+            sim_target = load_model(f"random:{args.simulated_shape}", device, dtype, 2048)
+        sim_tokens = 12 if args.smoke else 64
+        simulated = simulated_rows(sim_target, [t for t in args.trees.split(";") if t], device, dtype, sim_tokens)
+        for r in simulated:
+            print(r["system"], {k: round(v, 3) for k, v in r["simulated_speedup_at_tokens_per_step"].items()})
     result = {
         **metadata(),
         "what": "batch 1, greedy, real acceptance (nothing simulated); tokens_per_step counts the bonus token",
@@ -170,6 +249,7 @@ def main() -> None:
         "dtype": str(dtype),
         "targets": {"tokens_per_step": 3.0, "speedup_vs_none_batch1": 2.0},
         "rows": rows,
+        "simulated_rows": simulated,
     }
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
