@@ -1,5 +1,6 @@
-"""Draft trees (EAGLE-2-style dynamic trees): their shape, how a tree is cut from the drafted
-candidates, and how the target's verdict over it is accepted. Pure torch, no model.
+"""Draft trees (EAGLE-2-style dynamic trees): how a tree is cut from the drafted candidates, and how
+the target's verdict over it is accepted. Pure torch, no model. (The tree's shape, `--draft-tree`:
+domain.draft_tree.)
 
 A tree per row (B rows), N = 1 + budget nodes, in topological order (a parent before its children):
 
