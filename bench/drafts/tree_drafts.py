@@ -99,10 +99,11 @@ def engine_row(target, draft: str, k: int | None, prompts, max_tokens: int, devi
     }
 
 
-def tree_row(target, draft: str, tree: str, prompts, max_tokens: int, device, dtype) -> dict:
+def tree_row(target, draft: str, tree: str, prompts, max_tokens: int, device, dtype, graphs) -> dict:
     shape = parse_tree_shape(tree)
     context = max(len(p) for p in prompts) + max(max_tokens, 16)
-    decoder = TreeDecoder(models_for(target, draft, device, dtype), shape, max_context=context, num_blocks=0)
+    models = models_for(target, draft, device, dtype)
+    decoder = TreeDecoder(models, shape, max_context=context, num_blocks=0, graphs=graphs)
     decoder.generate([list(prompts[0])], 16)  # graph capture and kernel compiles outside the timing
     outputs, tokens, steps, seconds = [], 0, 0, 0.0
     for p in prompts:
@@ -118,6 +119,8 @@ def tree_row(target, draft: str, tree: str, prompts, max_tokens: int, device, dt
         "tokens_per_step": (tokens - len(prompts)) / steps if steps else None,
         "seconds": seconds,
         "tok_per_s": tokens / seconds,
+        "graphs": bool(decoder.tree_step.graphs),
+        "graph_error": decoder.tree_step.graph_error,
         "graph_capture_s": decoder.tree_step.capture_seconds,
         "outputs": outputs,
     }
@@ -130,7 +133,7 @@ def step_cost(run, short: int, long: int) -> float:
     return (s2 - s1) / max(n2 - n1, 1)
 
 
-def simulated_rows(target, trees: list[str], device, dtype, tokens: int) -> list[dict]:
+def simulated_rows(target, trees: list[str], device, dtype, tokens: int, graphs) -> list[dict]:
     """SIMULATED speed-ups from measured step costs (module doc); the head is random (acceptance ~0)."""
     prompt = [3 + i % (target.shape.vocab_size - 3) for i in range(128)]
     engine = Engine(
@@ -156,7 +159,9 @@ def simulated_rows(target, trees: list[str], device, dtype, tokens: int) -> list
     rows = []
     for tree in trees:
         models = Models(target, PagedLlama(target.shape, target.weights), head, "eagle:random", device, dtype)
-        decoder = TreeDecoder(models, parse_tree_shape(tree), max_context=len(prompt) + tokens + 16, num_blocks=0)
+        decoder = TreeDecoder(
+            models, parse_tree_shape(tree), max_context=len(prompt) + tokens + 16, num_blocks=0, graphs=graphs
+        )
 
         def run(n: int, decoder: TreeDecoder = decoder) -> tuple[float, int]:
             _, stats = decoder.generate([prompt], n)
@@ -171,6 +176,7 @@ def simulated_rows(target, trees: list[str], device, dtype, tokens: int) -> list
                 "plain_step_ms": 1000 * t_plain,
                 "tree_step_ms": 1000 * t_tree,
                 "graph_capture_s": decoder.tree_step.capture_seconds,
+                "graph_error": decoder.tree_step.graph_error,
                 "simulated_speedup_at_tokens_per_step": {str(tau): tau * t_plain / t_tree for tau in (2.5, 3.0, 3.5)},
             }
         )
@@ -189,6 +195,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     ap.add_argument("--smoke", action="store_true", help="one prompt, 12 tokens, one small tree (CPU check)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--no-graphs", action="store_true", help="tree steps eagerly (no CUDA graphs)")
     ap.add_argument(
         "--simulated-shape",
         default=None,
@@ -210,14 +217,14 @@ def main() -> None:
     prompts = [
         tuple(codec.encode_chat([{"role": "user", "content": t}])) for t in load_prompts(args.family, args.prompts)
     ]
+    graphs = False if args.no_graphs else None
     rows = [
         engine_row(target, "none", None, prompts, args.max_tokens, device, dtype),
         engine_row(target, args.draft, None, prompts, args.max_tokens, device, dtype),
         engine_row(target, args.draft, args.k, prompts, args.max_tokens, device, dtype),
     ]
-    rows += [
-        tree_row(target, args.draft, t, prompts, args.max_tokens, device, dtype) for t in args.trees.split(";") if t
-    ]
+    trees = [t for t in args.trees.split(";") if t]
+    rows += [tree_row(target, args.draft, t, prompts, args.max_tokens, device, dtype, graphs) for t in trees]
     plain = rows[0]
     for r in rows:
         r["speedup_vs_none"] = r["tok_per_s"] / plain["tok_per_s"]
@@ -235,7 +242,7 @@ def main() -> None:
         if sim_target is None:
             sim_target = load_model(f"random:{args.simulated_shape}", device, dtype, 2048)
         sim_tokens = 12 if args.smoke else 64
-        simulated = simulated_rows(sim_target, [t for t in args.trees.split(";") if t], device, dtype, sim_tokens)
+        simulated = simulated_rows(sim_target, trees, device, dtype, sim_tokens, graphs)
         for r in simulated:
             print(r["system"], {k: round(v, 3) for k, v in r["simulated_speedup_at_tokens_per_step"].items()})
     result = {

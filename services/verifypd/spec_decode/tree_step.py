@@ -17,6 +17,7 @@ Outputs: path_tokens [B, D + 1] (the root, then the accepted drafts), accepted [
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.tree_kv import accepted_moves, move_kv, move_rows, slots_at
 from verifypd.spec_decode.tree import walk
 from verifypd.spec_decode.tree_draft import CatchUp, EagleTreeDraft, ModelTreeDraft, grow_from_root
+
+log = logging.getLogger(__name__)
 
 # The target's choice after each node: logits [R, V], the positions the chosen tokens take [R] -> [R].
 Choose = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +70,7 @@ class TreeStep:
         self.captured: dict[int, tuple[Replayable, StepBuffers]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if graphs is True else None
         self.capture_seconds = 0.0
+        self.graph_error: str | None = None  # why graphs were given up (run eagerly since), if they were
 
     def run(
         self, root: torch.Tensor, c: CatchUp, base: torch.Tensor, tables: torch.Tensor, choose: Choose | None
@@ -80,7 +84,13 @@ class TreeStep:
             return buf.path_tokens, buf.accepted, buf.bonus
         rows = root.shape[0]
         if rows not in self.captured:
-            self.captured[rows] = self.capture(rows, c)
+            try:
+                self.captured[rows] = self.capture(rows, c)
+            except RuntimeError as exc:  # a capture the device refuses: run eagerly from now on, say why
+                self.graph_error = f"{type(exc).__name__}: {exc}"
+                log.warning("draft-tree step: CUDA graph capture failed, running eagerly: %s", self.graph_error)
+                self.graphs = False
+                return self.run(root, c, base, tables, choose)
         graph, buf = self.captured[rows]
         buf.root.copy_(root)
         buf.logp.copy_(c.logp)
