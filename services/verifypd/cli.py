@@ -49,6 +49,8 @@ def cmd_generate_offline(args) -> int:
     from verifypd.domain.config import RuntimeConfig
     from verifypd.engine import Engine, EngineOptions
 
+    if args.draft_tree is not None:
+        return cmd_generate_tree(args)
     k = 0 if args.no_speculation else args.k
     if k is not None and k < 0:
         raise InvalidRequest(f"--k must be >= 0, got {k}")
@@ -122,6 +124,61 @@ def cmd_generate_offline(args) -> int:
     return 0
 
 
+def cmd_generate_tree(args) -> int:
+    """`generate --offline --draft-tree ...`: draft trees through spec_decode.tree_decode (offline only;
+    greedy or seeded, stops at EOS; no stop strings or the router's other request features)."""
+    from verifypd.domain.draft_tree import parse_tree_shape
+    from verifypd.domain.options import EngineOptions
+    from verifypd.domain.tokenizer import TextCodec
+    from verifypd.model.build import load_models
+    from verifypd.spec_decode.tree_decode import TreeDecoder
+
+    shape = parse_tree_shape(args.draft_tree)
+    if args.no_speculation or args.k is not None:
+        raise InvalidRequest("--draft-tree drafts trees: leave out --k and --no-speculation")
+    if args.tensor_parallel != 1:
+        raise InvalidRequest("--draft-tree runs on a single-process target: leave out --tensor-parallel")
+    if args.stop:
+        raise InvalidRequest("--draft-tree takes no --stop strings yet")
+    if args.max_tokens <= 0:
+        raise InvalidRequest(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    sampling.validate()
+    options = EngineOptions(
+        target=args.target, draft=draft_arg(args), device=args.device, dtype=args.dtype, quantization=args.quantization
+    )
+    models = load_models(options)
+    codec = TextCodec(models.target.tokenizer)
+    spec = _request_spec(args, codec)
+    try:
+        decoder = TreeDecoder(models, shape, max_context=len(spec.prompt_ids) + args.max_tokens, num_blocks=0)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    eos = frozenset(models.target.eos_token_ids)
+    [ids], stats = decoder.generate([list(spec.prompt_ids)], args.max_tokens, sampling, stop_ids=eos)
+    text = codec.decode(ids)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": ids,
+                    "verify_steps": stats.steps,
+                    "tokens_per_step": stats.tokens_per_step,
+                    "draft_tree": args.draft_tree,
+                    "target": args.target,
+                    "draft": options.draft,
+                    "device": str(models.device),
+                }
+            )
+        )
+    else:
+        print(text)
+        rate = len(ids) / max(stats.seconds, 1e-9)
+        print(f"[{len(ids)} tokens, {stats.tokens_per_step:.2f} per verify step, {rate:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verifypd", description="Speculative-decoding LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(gen)
     add_schedule_flags(gen)
     add_prefix_cache_flag(gen)
+    gen.add_argument(
+        "--draft-tree",
+        metavar="topk=K,budget=N,depth=D",
+        default=None,
+        help="draft EAGLE-2-style trees instead of chains (--offline only; an eagle: head, self:N or a "
+        "draft model): K best children per expansion, D expansions, cut to the N likeliest nodes "
+        "(N <= 63); e.g. topk=4,budget=32,depth=6. Off by default (chains) until measured",
+    )
     from verifypd.distill import cli as distill_cli
 
     distill_cli.register(sub)
@@ -154,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate" and args.offline:
             return cmd_generate_offline(args)
+        if getattr(args, "draft_tree", None) is not None:
+            raise InvalidRequest("--draft-tree runs with --offline only: the server drafts chains")
         return args.handler(args)
     except (InvalidRequest, ModelLoadError) as exc:
         print(f"verifypd: error: {exc}", file=sys.stderr)

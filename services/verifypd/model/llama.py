@@ -145,6 +145,18 @@ class BatchLayout:
     block_tables: torch.Tensor  # [B, W] int32/int64 (entries past a sequence's blocks are never read)
     query_start: torch.Tensor  # [B + 1] int32: tokens of sequence b are [query_start[b], query_start[b+1])
     max_query: int  # upper bound on tokens of one sequence
+    # Tree mode (draft trees; kernels/paged_attention.py's module doc): per sequence its tree's first
+    # key slot and node count [B], per token the bitmask of the tree slots it sees [T] int64. None: causal.
+    tree_base: torch.Tensor | None = None
+    tree_len: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
+
+    @property
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if self.tree_bits is None:
+            return None
+        assert self.tree_base is not None and self.tree_len is not None
+        return self.tree_base, self.tree_len, self.tree_bits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -375,6 +387,7 @@ class PagedLlama:
                 softcap=s.attn_softcap or 0.0,
                 k_scale=kv_quant.K_SCALE,
                 v_scale=kv_quant.V_SCALE,
+                tree=batch.tree,
             )
             return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -453,19 +466,40 @@ class PagedLlama:
 
     def attention_mask(self, batch: BatchLayout, block_size: int, window: int = 0) -> torch.Tensor:
         """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p, and with a
-        `window`, only those > p - window."""
+        `window`, only those > p - window; in tree mode, the prefix and its tree bits' slots."""
         num_seqs, max_blocks = batch.block_tables.shape
         ctx = max_blocks * block_size
         seq_of, idx_in_run = _token_coordinates(batch)
         qpos = torch.full((num_seqs, batch.max_query), -1, dtype=torch.long, device=batch.positions.device)
         qpos[seq_of, idx_in_run] = batch.positions
         kpos = torch.arange(ctx, device=qpos.device)
-        allowed = kpos[None, None, :] <= qpos[:, :, None]
+        if batch.tree is not None:
+            if window:
+                raise ValueError("tree attention takes no sliding window")
+            allowed = tree_allowed(batch, kpos, seq_of, idx_in_run)
+        else:
+            allowed = kpos[None, None, :] <= qpos[:, :, None]
         if window:
             allowed &= kpos[None, None, :] > qpos[:, :, None] - window
         allowed[..., 0] |= qpos < 0  # padded query rows attend one key so softmax stays finite
         mask = torch.zeros(allowed.shape, dtype=self.weights.embed.dtype, device=qpos.device)
         return mask.masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def tree_allowed(batch: BatchLayout, kpos: torch.Tensor, seq_of: torch.Tensor, idx_in_run: torch.Tensor):
+    """[B, Q, C] bool: which key slots each query of a tree batch sees (the kernel's tree rule)."""
+    assert batch.tree is not None
+    base, length, bits = batch.tree
+    base, length = base.long()[seq_of][:, None], length.long()[seq_of][:, None]
+    rel = kpos[None, :] - base
+    in_tree = (rel >= 0) & (rel < length)
+    bit = (bits.long()[:, None] >> rel.clamp(0, 63)) & 1
+    seen = (kpos[None, :] < base) | (in_tree & (bit != 0))
+    allowed = torch.zeros(
+        batch.block_tables.shape[0], batch.max_query, kpos.numel(), dtype=torch.bool, device=kpos.device
+    )
+    allowed[seq_of, idx_in_run] = seen
+    return allowed
 
 
 def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:

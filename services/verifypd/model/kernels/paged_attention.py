@@ -21,6 +21,12 @@ rows sees. `softcap` > 0 (Gemma 2) caps the scaled scores: cap * tanh(score / ca
 The keys' slots were written before the call (the new tokens' K/V go into the pool first). Slots
 outside what a tile needs are never loaded, and loads are masked to `other=0`, so garbage (even
 NaN) in unwritten, rolled-back or out-of-window slots cannot reach the output.
+
+Tree mode (draft trees, spec_decode.tree): `tree_base` [B], `tree_len` [B] (<= 64) and `tree_bits` [T]
+int64. Sequence b's tree nodes sit in the key slots [tree_base[b], tree_base[b] + tree_len[b]) (all
+written before the call); a query sees every key before tree_base (the committed prefix) and the tree
+slot tree_base + j iff bit j of its tree_bits is set (its ancestors and itself). `positions` then only
+place RoPE (depth-based, so siblings share one) and are not read here; no window, no position order.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ def _paged_attention_kernel(
     block_tables_ptr,
     positions_ptr,
     query_start_ptr,
+    tree_base_ptr,
+    tree_len_ptr,
+    tree_bits_ptr,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -62,6 +71,7 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,7 +93,12 @@ def _paged_attention_kernel(
         # Keys this tile needs: 0 .. the position of its last token (positions never decrease
         # within a run, so that token's position is the tile's maximum).
         last_token = tl.minimum(q_len - 1, (tile * BLOCK_M + BLOCK_M - 1) // GROUP)
-        kv_len = tl.load(positions_ptr + q_begin + last_token) + 1
+        if TREE:  # the prefix, then the tree's slots; each row's bits pick the tree keys it sees
+            tree_base = tl.load(tree_base_ptr + seq).to(tl.int64)
+            kv_len = tree_base + tl.load(tree_len_ptr + seq)
+            bits = tl.load(tree_bits_ptr + q_begin + token, mask=row_ok, other=0).to(tl.int64)
+        else:
+            kv_len = tl.load(positions_ptr + q_begin + last_token) + 1
         first_key = 0
         if SLIDING:  # the tile's first token has its smallest position, so the earliest key it sees
             first_pos = tl.load(positions_ptr + q_begin + (tile * BLOCK_M) // GROUP)
@@ -110,7 +125,13 @@ def _paged_attention_kernel(
             if SOFTCAP:  # softcap is in log2 units too: cap * tanh(x / cap), with
                 # tanh(y) = 1 - 2 / (exp2(2y log2 e) + 1), finite at both tails (overflow gives 1)
                 s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
-            seen = kpos[None, :] <= pos[:, None]
+            if TREE:
+                rel = kpos.to(tl.int64) - tree_base
+                in_tree = (rel >= 0) & k_ok  # (a shift by >= 64 is undefined: never taken)
+                bit = (bits[:, None] >> tl.where(in_tree, rel, 0)[None, :]) & 1
+                seen = (kpos[None, :] < tree_base) | (in_tree[None, :] & (bit != 0))
+            else:
+                seen = kpos[None, :] <= pos[:, None]
             if SLIDING:
                 seen = seen & (kpos[None, :] > pos[:, None] - window)
             s = tl.where(seen, s, float("-inf"))
@@ -152,10 +173,12 @@ def paged_attention(
     softcap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
     the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size). `window` 0 and
-    `softcap` 0 are off (and compiled out). `k_scale` / `v_scale`: an fp8 cache's scales."""
+    `softcap` 0 are off (and compiled out). `k_scale` / `v_scale`: an fp8 cache's scales.
+    `tree`: (tree_base, tree_len, tree_bits), tree mode."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -164,6 +187,9 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     num_seqs = query_start.numel() - 1
+    if tree is not None and window:
+        raise ValueError("tree attention takes no sliding window")
+    tree_base, tree_len, tree_bits = tree if tree is not None else (query_start, query_start, positions)
     block_m = tile_rows(max_query, group)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query * group, block_m))
     _paged_attention_kernel[grid](
@@ -174,6 +200,9 @@ def paged_attention(
         block_tables,
         positions,
         query_start,
+        tree_base,
+        tree_len,
+        tree_bits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -194,6 +223,7 @@ def paged_attention(
         IEEE=q.dtype == torch.float32,
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
+        TREE=tree is not None,
         # head_dim 256 (Gemma): the [BLOCK_M, D] float32 accumulator alone is 128 registers a thread
         # at 4 warps; 8 warps halve that. (Not yet timed on a GPU against 4 warps / smaller BLOCK_M.)
         num_warps=4 if head_dim <= 128 else 8,
