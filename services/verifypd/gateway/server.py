@@ -433,7 +433,7 @@ def build_split(
         lanes=stack.lanes,
         kv_transport=kv_transport,
         lane_timeout_s=lane_timeout_s,
-        share_prefix=False,  # no prefix cache in split (core.assembly)
+        share_prefix=stack.router.prefix is not None,  # split caches with KV by handle only (core.assembly)
         **kwargs,
     )
     if gateway.core is None:
