@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +37,7 @@ for sub in ("services", "bench"):
 
 from bench_meta import metadata, write_result  # noqa: E402
 
-READY_LINE = "verifypd: serving"
+READY_LINE = "OpenAI-compatible HTTP API on"  # the last port serve opens
 
 
 def free_port() -> int:
@@ -49,7 +51,7 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
 
 
-def start_server(args, port: int, cache: bool) -> tuple[subprocess.Popen, list[str]]:
+def start_server(args, port: int, http_port: int, cache: bool) -> tuple[subprocess.Popen, list[str]]:
     cmd = [
         sys.executable,
         "-m",
@@ -57,6 +59,8 @@ def start_server(args, port: int, cache: bool) -> tuple[subprocess.Popen, list[s
         "serve",
         "--port",
         str(port),
+        "--http-port",
+        str(http_port),
         "--target",
         args.target,
         "--draft",
@@ -126,9 +130,19 @@ def drive(args, port: int, vocab: int, label: str) -> dict:
         return json.loads(out.read_text())["runs"][0]["summary"]
 
 
-def row(summary: dict) -> dict:
+def prefix_hit_tokens(http_port: int) -> float:
+    """The server's verifypd_prefix_cache_hit_tokens counter (/metrics): prompt tokens served cached."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30).read().decode()
+    values = [
+        float(m.group(1)) for m in re.finditer(r"^verifypd_prefix_cache_hit_tokens(?:_total)?\S* (\S+)$", text, re.M)
+    ]
+    return sum(values)
+
+
+def row(summary: dict, hit_tokens: float) -> dict:
     ttft = summary["latency_ms"]["ttft"]
     return {
+        "prefix_cache_hit_tokens": hit_tokens,
         "ttft_p50_ms": ttft["p50"],
         "ttft_p90_ms": ttft["p90"],
         "output_tok_s": summary["throughput"]["output_tokens_per_s"],
@@ -159,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
     modes = {}
     for mode, cache in (("uncached", False), ("cached", True)):
-        port = free_port()
-        proc, _ = start_server(args, port, cache)
+        port, http_port = free_port(), free_port()
+        proc, _ = start_server(args, port, http_port, cache)
         try:
-            modes[mode] = row(drive(args, port, args.vocab_size, mode))
+            summary = drive(args, port, args.vocab_size, mode)
+            modes[mode] = row(summary, prefix_hit_tokens(http_port))
         finally:
             proc.terminate()
             try:
