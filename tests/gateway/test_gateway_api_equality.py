@@ -1,12 +1,14 @@
 """OpenAI-grade controls through both public APIs equal a server without speculation: logprobs, the
 penalties (presence, frequency, repetition), min_tokens with stop_token_ids, logit_bias and
 grammar-constrained output (a JSON schema), greedy and seeded, sent over HTTP (`/v1/completions`) and
-over gRPC (`Generate`) to a speculating server (the default draft: a draft model; and a random EAGLE
-head), give the tokens and logprobs a `--draft none` server (what `--no-speculation` builds) gives for
-the same request. The controls apply at every drafted position with the drafts before it counted as
-generated (model.logits_controls); an engine that dropped them there would draft, verify and keep a
-token plain decoding would not choose, and these tests see it (the control changes the output here:
-each case checks the controlled output differs from the uncontrolled one)."""
+over gRPC (`Generate`) to a speculating server (a draft model; a random EAGLE head), give the tokens
+and logprobs a `--draft none` server (what `--no-speculation` builds) gives for the same request. The
+controls apply at every drafted position with the drafts before it counted as generated
+(model.logits_controls); an engine that dropped them there would draft, verify and keep a token plain
+decoding would not choose, and these tests see it with the draft model (the control changes the
+output here: each case checks the controlled output differs from the uncontrolled one). A random
+EAGLE head's drafts are verified but seldom accepted (none greedy, a few seeded), so its cases check
+the serving path and the equality, and would see a broken control only where a draft is kept."""
 
 from __future__ import annotations
 
@@ -60,8 +62,12 @@ def plain(char_models):
     s.stop()
 
 
-@pytest.fixture(scope="module", params=["draft", "eagle"])
+@pytest.fixture(scope="module", params=["model", "eagle"])
 def spec(request, char_models, tmp_path_factory):
+    """Speculating servers: a draft model and a random EAGLE head, drafts that always propose. (The CPU's
+    default draft, prompt lookup, proposes only where the context repeats, which the penalties here
+    suppress: most of these requests would not speculate at all; test_gateway_structured_sampling.py
+    covers it with a JSON schema.)"""
     draft = char_models[1]
     if request.param == "eagle":
         draft = write_head(char_models, tmp_path_factory.mktemp("equality_head") / "head")
