@@ -79,6 +79,7 @@ def test_public_field_numbers_are_stable():
         "priority": 9,
         "stop_at_eos": 10,
         "constraint": 11,
+        "n": 12,
     }
     sampling = {f.name: f.number for f in generate_pb2.SamplingParams.DESCRIPTOR.fields}
     assert sampling == {
@@ -107,6 +108,7 @@ def test_public_field_numbers_are_stable():
         "applied_k": 6,
         "server_elapsed_s": 7,
         "logprobs": 8,
+        "choice_index": 9,
     }
     usage = {f.name: f.number for f in generate_pb2.Usage.DESCRIPTOR.fields}
     assert usage == {

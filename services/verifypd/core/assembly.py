@@ -218,7 +218,7 @@ def build_split(
     """The router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools
     once (and again after a lane restart: CoreServer re-wires). The router does not detokenize:
     the gateway does (decode=None)."""
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_client import shares_pools, wire_pools
 
     prefill, draft, verify = connect_lanes(
         addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls, ready_timeout_s=ready_timeout_s
@@ -226,10 +226,15 @@ def build_split(
     wiring = wire_pools(prefill, draft, verify, kv_transport)
     log.info("lanes wired: %s (import %.3f s)", dict(wiring.mode_by_pool), wiring.import_seconds)
     verify_info = verify.describe_pb()
-    if options.prefix_cache:
-        # The copy transport's prefill lane attends over its own staging pools, which never see the
-        # KV the verify lane writes while decoding: a cached block's KV may not be there.
-        log.info("prefix caching: off in the split topology (docs/engine.md 'Prefix caching')")
+    # The router allocates every block (one BlockManager per pool), so the lanes agree on which
+    # blocks are cached as long as they read one pool: with every pool imported by handle, a cached
+    # block's KV is in the memory the prefill lane attends over. The copy transport's prefill lane
+    # attends over its own staging pools, which never see the KV the verify lane writes while
+    # decoding: a cached block's KV may not be there, so caching stays off then.
+    shared = shares_pools(wiring)
+    caching = options.prefix_cache and shared
+    if options.prefix_cache and not shared:
+        log.info("prefix caching: off in the split topology with copied KV (docs/engine.md 'Prefix caching')")
     router = Router(
         prefill,
         draft,
@@ -239,7 +244,7 @@ def build_split(
         config=options.config,
         max_running=options.max_running,
         observer=observer,
-        prefix_cache=False,
+        prefix_cache=caching,  # the router keeps it off where the lanes cannot (StepContext._prefix_cache)
     )
     info = server_info(options.target, options.draft, topology, router.max_context)
     return SplitStack(router, (prefill, draft, verify), wiring, info)

@@ -316,7 +316,7 @@ class CoreServer:
         """Engine thread, during recovery: raises LaneError until every lane serves again; then
         re-reads the owners' pools (new ids and generations after a restart) and has the prefill
         lane import them. Old-generation handles are refused by the lanes from then on."""
-        from verifypd.lanes.rpc.lane_client import wire_pools
+        from verifypd.lanes.rpc.lane_client import shares_pools, wire_pools
 
         for lane in self.lanes:
             if not lane.healthy(timeout_s=1.0):
@@ -328,3 +328,5 @@ class CoreServer:
         prefill, draft, verify = self.lanes
         self.wiring = wire_pools(prefill, draft, verify, self.kv_transport)
         log.info("lanes re-wired: %s", dict(self.wiring.mode_by_pool))
+        if not shares_pools(self.wiring):  # copied KV now: cached blocks may miss in the prefill lane
+            self.router.context.prefix_cache_wanted = False

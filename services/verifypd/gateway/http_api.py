@@ -12,7 +12,6 @@ aborted in the engine core before its next step (its KV blocks are free), as for
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import uuid
@@ -25,9 +24,8 @@ from starlette.routing import Route
 from verifypd.core.loop import Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest, RequestSpec
-from verifypd.domain.sampling_controls import sample_seed
 from verifypd.gateway import openai_convert as oc
-from verifypd.gateway import tool_render
+from verifypd.gateway import samples, tool_render
 from verifypd.gateway.errors import ApiError, bad
 from verifypd.gateway.http_completion import Completion, error_response
 
@@ -165,27 +163,9 @@ class HttpApi:
             return error_response(ApiError(503, f"server is not serving: {exc}", None, "not_serving", "server_error"))
         return Completion(self, parsed, streams)
 
-    async def _submit(self, spec: RequestSpec, samples: int, headers=None) -> list:
-        """`samples` requests of `spec` (n / best_of): sample i seeded `sample_seed(seed, i)`, with the
-        request id `<id>/<i>` where there are several. All or none: a refusal cancels the others."""
-        if samples == 1:
-            return [await self.client.submit(spec, headers, "http")]
-        streams: list = []
-        try:
-            for i in range(samples):
-                sampling = dataclasses.replace(spec.sampling, seed=sample_seed(spec.sampling.seed, i))
-                streams.append(
-                    await self.client.submit(
-                        dataclasses.replace(spec, sampling=sampling, request_id=f"{spec.request_id}/{i}"),
-                        headers,
-                        "http",
-                    )
-                )
-        except BaseException:
-            for stream in streams:
-                self.client.cancel(stream)
-            raise
-        return streams
+    async def _submit(self, spec: RequestSpec, count: int, headers=None) -> list:
+        """`count` samples of `spec` (n / best_of): gateway.samples."""
+        return await samples.submit_samples(self.client, spec, count, headers, "http", self.gateway.share_prefix)
 
     # -- info ----------------------------------------------------------------------------------
     async def models(self, request: Request):

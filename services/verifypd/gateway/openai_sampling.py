@@ -6,9 +6,8 @@ back to the OpenAI parameter by openai_convert.openai_param. Semantics: domain.s
 
 n / best_of: the gateway submits best_of (default n) requests of one prompt, sample i seeded with
 `sample_seed(seed, i)` (domain.sampling_controls); with best_of > n the n of highest cumulative
-logprob are returned (vLLM's rule), in that order. Each sample is its own sequence in the engine:
-they share prompt KV only where the prefix cache holds it already (router.prefix_cache: samples
-admitted in one step each compute blocks no one had cached).
+logprob are returned (vLLM's rule), in that order. Each sample is its own sequence in the engine;
+samples 1.. share sample 0's prompt KV through the prefix cache (gateway.samples).
 """
 
 from __future__ import annotations
@@ -17,11 +16,9 @@ from dataclasses import dataclass
 
 from verifypd.domain.requests import MAX_TOP_LOGPROBS, TokenLogprob
 from verifypd.gateway.errors import bad
+from verifypd.gateway.samples import MAX_SAMPLES  # 400 naming n / best_of above it
 from verifypd.v1 import generate_pb2
 
-# Samples of one request at most (n, best_of): each holds its own KV, so a request may not crowd a
-# server out; 400 naming the parameter above it.
-MAX_SAMPLES = 16
 # Parameters this module reads (openai_convert accepts them on both endpoints).
 PARAMS = {
     "presence_penalty",

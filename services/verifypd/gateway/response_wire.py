@@ -54,6 +54,7 @@ _REQUEST_ID, _TOKEN_IDS, _TEXT, _FINISH_REASON, _USAGE, _APPLIED_K, _ELAPSED = (
     b"\x39",
 )
 _LOGPROBS = b"\x42"  # field 8, length-delimited (repeated TokenLogprob)
+_CHOICE_INDEX = b"\x48"  # field 9, varint
 _USAGE_KEYS = (b"\x08", b"\x10", b"\x18", b"\x20", b"\x28", b"\x30")  # Usage fields 1..6, varint
 _FINISH_WIRE = {reason: varint(value) for reason, value in FINISH_CODES.items()}
 
@@ -63,8 +64,12 @@ class ResponseEncoder:
 
     __slots__ = ("_head",)
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, choice_index: int = 0):
+        """`choice_index`: the sample of GenerateRequest.n (fields may come in any order on the wire:
+        it travels with the request id, in every message)."""
         self._head = _length_delimited(_REQUEST_ID, request_id.encode()) if request_id else b""
+        if choice_index:
+            self._head += _CHOICE_INDEX + varint(choice_index)
 
     def encode(
         self,

@@ -26,6 +26,7 @@ from verifypd.core.core_server import CoreServer
 from verifypd.core.loop import Draining, Overloaded, Unavailable
 from verifypd.domain import convert
 from verifypd.domain.requests import InvalidRequest
+from verifypd.gateway import samples
 from verifypd.gateway.request_errors import RequestErrors
 from verifypd.gateway.response_wire import ResponseEncoder, add_generation_service
 from verifypd.net.auth import gateway_interceptor
@@ -54,7 +55,13 @@ class GenerationServicer:
             spec = convert.request_spec_from_pb(
                 request, gw.codec, max_context=gw.info.max_context, default_max_tokens=gw.default_max_tokens
             )
-            stream = await gw.client.submit(spec, context.invocation_metadata(), "grpc")
+            count = samples.check_count(request.n)
+            if count > 1:
+                streams = await samples.submit_samples(
+                    gw.client, spec, count, context.invocation_metadata(), "grpc", gw.share_prefix
+                )
+            else:
+                stream = await gw.client.submit(spec, context.invocation_metadata(), "grpc")
         except InvalidRequest as exc:
             gw.errors.add("grpc", "INVALID_ARGUMENT", "invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -70,6 +77,10 @@ class GenerationServicer:
         except (Unavailable, TimeoutError) as exc:
             gw.errors.add("grpc", "UNAVAILABLE", "not_serving")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is not serving: {exc}")
+        if count > 1:
+            async for message in self._samples(streams, context, t0):
+                yield message
+            return
         finished = False
         encoder = ResponseEncoder(stream.request_id)
         try:
@@ -93,6 +104,34 @@ class GenerationServicer:
         finally:  # client cancel or deadline (the task is cancelled): free its KV before the next step
             if not finished:
                 gw.client.cancel(stream)
+
+    async def _samples(self, streams: list, context, t0: float):
+        """The messages of n > 1 samples (gateway.samples), each naming its `choice_index`."""
+        gw = self.gw
+        encoders = [ResponseEncoder(s.request_id.rsplit("/", 1)[0], i) for i, s in enumerate(streams)]
+        ended: set[int] = set()
+        try:
+            async for index, items in samples.interleaved(streams):
+                for item in items:
+                    if isinstance(item, Failure):
+                        ended.add(index)
+                        gw.errors.add("grpc", item.code.name, "failed")
+                        await context.abort(item.code, item.message)
+                    if item.finished:
+                        ended.add(index)
+                    yield encoders[index].encode(
+                        item.token_ids,
+                        item.text,
+                        item.finish_reason,
+                        item.usage,
+                        item.applied_k,
+                        time.monotonic() - t0,
+                        item.logprobs,
+                    )
+        finally:  # cancel, deadline or a failed sample: free the others' KV
+            for index, stream in enumerate(streams):
+                if index not in ended:
+                    gw.client.cancel(stream)
 
     async def GetServerInfo(self, request, context):
         return self.gw.info
@@ -137,9 +176,12 @@ class Gateway:
         info=None,
         tls=None,
         limits: ConnectionLimits | None = None,
+        share_prefix: bool = True,
     ):
         """`limits`: connections and idle timeouts of the gRPC port (net/limits.py; serve sizes them
-        from the descriptor limit), None: the defaults of in-process gateways."""
+        from the descriptor limit), None: the defaults of in-process gateways. `share_prefix`: the
+        core caches prefixes, so samples of one prompt share its KV (gateway.samples)."""
+        self.share_prefix = share_prefix
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.errors = RequestErrors()  # verifypd_request_errors_total, rendered by /metrics
         self._grpc_options = limits.gateway_grpc_options() if limits is not None else GATEWAY_GRPC_OPTIONS
@@ -353,6 +395,7 @@ def build_colocated(options, *, observer=None, topology: str = "colocated", **kw
     """Models, pools and lanes in this process (core.assembly.build_colocated), core in threads.
     The router does not detokenize: the gateway does. `gateway.stack` holds the stack."""
     stack = assembly.build_colocated(options, observer=observer, detokenize=False)
+    kwargs.setdefault("share_prefix", options.prefix_cache)
     gateway = serve_router(stack.router, stack.codec, stack.info(topology), **kwargs)
     gateway.stack = stack
     return gateway
@@ -390,6 +433,7 @@ def build_split(
         lanes=stack.lanes,
         kv_transport=kv_transport,
         lane_timeout_s=lane_timeout_s,
+        share_prefix=stack.router.prefix is not None,  # split caches with KV by handle only (core.assembly)
         **kwargs,
     )
     if gateway.core is None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1averifypd/v1/generate.proto\x12\x0bverifypd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.verifypd.v1.ChatMessage\"\x92\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12>\n\nlogit_bias\x18\t \x03(\x0b\x32*.verifypd.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"A\n\x13SpeculationOverride\x12\x11\n\x07\x64isable\x18\x01 \x01(\x08H\x00\x12\x0f\n\x05max_k\x18\x02 \x01(\rH\x00\x42\x06\n\x04mode\"\x8d\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.verifypd.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.verifypd.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.verifypd.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x35\n\x0bspeculation\x18\x08 \x01(\x0b\x32 .verifypd.v1.SpeculationOverride\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x0bstop_at_eos\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x31\n\nconstraint\x18\x0b \x01(\x0b\x32\x1d.verifypd.v1.OutputConstraintB\x08\n\x06promptB\x0e\n\x0c_stop_at_eos\"l\n\x10OutputConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x14\n\x0cverify_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.verifypd.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.verifypd.v1.Usage\x12\x11\n\tapplied_k\x18\x06 \x01(\r\x12\x18\n\x10server_elapsed_s\x18\x07 \x01(\x01\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.verifypd.v1.TokenLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.verifypd.v1.TopLogprob\"\x13\n\x11ServerInfoRequest\"o\n\nServerInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xa1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.verifypd.v1.GenerateRequest\x1a\x1d.verifypd.v1.GenerateResponse0\x01\x12H\n\rGetServerInfo\x12\x1e.verifypd.v1.ServerInfoRequest\x1a\x17.verifypd.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1averifypd/v1/generate.proto\x12\x0bverifypd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.verifypd.v1.ChatMessage\"\x92\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12>\n\nlogit_bias\x18\t \x03(\x0b\x32*.verifypd.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"A\n\x13SpeculationOverride\x12\x11\n\x07\x64isable\x18\x01 \x01(\x08H\x00\x12\x0f\n\x05max_k\x18\x02 \x01(\rH\x00\x42\x06\n\x04mode\"\x98\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.verifypd.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.verifypd.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.verifypd.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x35\n\x0bspeculation\x18\x08 \x01(\x0b\x32 .verifypd.v1.SpeculationOverride\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x18\n\x0bstop_at_eos\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x31\n\nconstraint\x18\x0b \x01(\x0b\x32\x1d.verifypd.v1.OutputConstraint\x12\t\n\x01n\x18\x0c \x01(\rB\x08\n\x06promptB\x0e\n\x0c_stop_at_eos\"l\n\x10OutputConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x95\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x14\n\x0cverify_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\x8c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.verifypd.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.verifypd.v1.Usage\x12\x11\n\tapplied_k\x18\x06 \x01(\r\x12\x18\n\x10server_elapsed_s\x18\x07 \x01(\x01\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.verifypd.v1.TokenLogprob\x12\x14\n\x0c\x63hoice_index\x18\t \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.verifypd.v1.TopLogprob\"\x13\n\x11ServerInfoRequest\"o\n\nServerInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x10\n\x08topology\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xa1\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.verifypd.v1.GenerateRequest\x1a\x1d.verifypd.v1.GenerateResponse0\x01\x12H\n\rGetServerInfo\x12\x1e.verifypd.v1.ServerInfoRequest\x1a\x17.verifypd.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1830
-  _globals['_FINISHREASON']._serialized_end=1977
+  _globals['_FINISHREASON']._serialized_start=1863
+  _globals['_FINISHREASON']._serialized_end=2010
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_CHATMESSAGE']._serialized_start=68
@@ -48,21 +48,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONOVERRIDE']._serialized_start=579
   _globals['_SPECULATIONOVERRIDE']._serialized_end=644
   _globals['_GENERATEREQUEST']._serialized_start=647
-  _globals['_GENERATEREQUEST']._serialized_end=1044
-  _globals['_OUTPUTCONSTRAINT']._serialized_start=1046
-  _globals['_OUTPUTCONSTRAINT']._serialized_end=1154
-  _globals['_USAGE']._serialized_start=1157
-  _globals['_USAGE']._serialized_end=1306
-  _globals['_GENERATERESPONSE']._serialized_start=1309
-  _globals['_GENERATERESPONSE']._serialized_end=1555
-  _globals['_TOPLOGPROB']._serialized_start=1557
-  _globals['_TOPLOGPROB']._serialized_end=1604
-  _globals['_TOKENLOGPROB']._serialized_start=1606
-  _globals['_TOKENLOGPROB']._serialized_end=1693
-  _globals['_SERVERINFOREQUEST']._serialized_start=1695
-  _globals['_SERVERINFOREQUEST']._serialized_end=1714
-  _globals['_SERVERINFO']._serialized_start=1716
-  _globals['_SERVERINFO']._serialized_end=1827
-  _globals['_GENERATION']._serialized_start=1980
-  _globals['_GENERATION']._serialized_end=2141
+  _globals['_GENERATEREQUEST']._serialized_end=1055
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=1057
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=1165
+  _globals['_USAGE']._serialized_start=1168
+  _globals['_USAGE']._serialized_end=1317
+  _globals['_GENERATERESPONSE']._serialized_start=1320
+  _globals['_GENERATERESPONSE']._serialized_end=1588
+  _globals['_TOPLOGPROB']._serialized_start=1590
+  _globals['_TOPLOGPROB']._serialized_end=1637
+  _globals['_TOKENLOGPROB']._serialized_start=1639
+  _globals['_TOKENLOGPROB']._serialized_end=1726
+  _globals['_SERVERINFOREQUEST']._serialized_start=1728
+  _globals['_SERVERINFOREQUEST']._serialized_end=1747
+  _globals['_SERVERINFO']._serialized_start=1749
+  _globals['_SERVERINFO']._serialized_end=1860
+  _globals['_GENERATION']._serialized_start=2013
+  _globals['_GENERATION']._serialized_end=2174
 # @@protoc_insertion_point(module_scope)

@@ -430,6 +430,13 @@ class GrpcVerifyLane(_GrpcLane):
         )
 
 
+def shares_pools(wiring: lanes_pb2.ImportPoolsReply) -> bool:
+    """Whether the prefill lane imported every pool by handle (reads and writes the owners' memory),
+    rather than copying KV through staging pools of its own: the condition of prefix caching in
+    split (core.assembly.build_split)."""
+    return all(mode == "imported" for mode in wiring.mode_by_pool.values())
+
+
 def wire_pools(
     prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane, kv_transport: str = "auto"
 ) -> lanes_pb2.ImportPoolsReply:

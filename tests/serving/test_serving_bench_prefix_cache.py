@@ -1,0 +1,60 @@
+"""bench/serving/prefix_cache.py (with a second target, as `--also random:llama-2-7b` runs on the GPU) and
+bench/serving/prefix_cache_multi_turn.py (loadgen multi-turn against `verifypd serve`, cache on and
+off) in their --smoke mode on the CPU: they run, record the benchmark metadata, label the weights, and
+measure what they say (the cached requests found their prefix cached; the uncached ones did not)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from verifypd.lanes.processes import child_env
+
+pytestmark = pytest.mark.slow  # the bench scripts as subprocesses (tests/README.md)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run(script: str, *argv: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serving" / script), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_prefix_cache_with_a_second_target(tiny_models, tmp_path):
+    target, second = tiny_models
+    run("prefix_cache.py", "--smoke", "--device", "cpu", "--target", target, "--also", second, "--out", str(tmp_path))
+    result = json.loads((tmp_path / "prefix_cache_cpu.json").read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys()
+    for run_ in (result, result["also"]):
+        assert run_["same_tokens"]
+        cached = {r["request"]: r["cached_tokens"] for r in run_["modes"]["cached"]}
+        assert cached["first"] == 0 and cached["second"] >= 48 and cached["repeat"] >= cached["second"]
+        assert all(r["cached_tokens"] == 0 for r in run_["modes"]["uncached"])
+    assert result["also"]["target"] == second and result["also"]["weights"] == f"as given: {second}"
+
+
+def test_multi_turn_cache_on_and_off(tiny_models, tmp_path):
+    target, draft = tiny_models
+    argv = ["--smoke", "--device", "cpu", "--target", target, "--draft", draft, "--out", str(tmp_path)]
+    run("prefix_cache_multi_turn.py", *argv)
+    result = json.loads((tmp_path / "prefix_cache_multi_turn_cpu.json").read_text())
+    assert {"command", "git_revision", "date", "device"} <= result.keys() and result["smoke"]
+    for mode in ("cached", "uncached"):
+        row = result["modes"][mode]
+        assert row["requests"]["completed"] == row["requests"]["sent"] > 0 and row["requests"]["failed"] == 0
+        assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
+    assert result["ttft_p50_cached_over_uncached"] > 0
+    # later turns found the earlier ones cached (the server's /metrics), and nothing was without a cache
+    assert result["modes"]["cached"]["prefix_cache_hit_tokens"] > 0
+    assert result["modes"]["uncached"]["prefix_cache_hit_tokens"] == 0
