@@ -180,7 +180,9 @@ def main() -> None:
 
     shape, _ = random_shape(shape_name, args.max_context)
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, shape.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(3, shape.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)
+    ]
     target = f"random:{shape_name}"
     with tempfile.TemporaryDirectory() as tmp:
         head_dir = pathlib.Path(tmp) / "EAGLE3-LLaMA3.1-Instruct-8B-random"

@@ -15,7 +15,9 @@ from verifypd.domain.options import EngineOptions
 from verifypd.v1 import generate_pb2
 
 
-@pytest.mark.parametrize("family,want", [("mistral", (WINDOW, "freed")), ("gemma2", (WINDOW, "kept")), ("qwen3", (0, ""))])
+@pytest.mark.parametrize(
+    "family,want", [("mistral", (WINDOW, "freed")), ("gemma2", (WINDOW, "kept")), ("qwen3", (0, ""))]
+)
 def test_models_entry_and_server_info_say_what_happens_to_windowed_kv(tmp_path, family, want):
     path = str(write_family(tmp_path / family, family))
     gw = HttpGateway((path, "none"), max_context=64)

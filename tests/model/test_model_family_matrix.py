@@ -14,10 +14,9 @@ import shutil
 import pytest
 import torch
 from engine_helpers import VOCAB, make_engine, write_tiny_llama
-from family_checkpoints import LONGROPE_CONTEXT, write_family
+from family_checkpoints import LONGROPE_CONTEXT, write_family, write_tiny_moe
 from test_model_families import hf_greedy_through_eos
 from test_model_gemma import GEMMA_DIMS
-from test_model_moe_models import write_tiny_moe
 
 from verifypd.domain.defaults import DEFAULT_DRAFT
 from verifypd.domain.requests import RequestSpec

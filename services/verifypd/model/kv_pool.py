@@ -96,9 +96,7 @@ class KvPool:
 
     def info(self) -> PoolInfo:
         g = self.geometry
-        return PoolInfo(
-            self.pool_id, self.generation, self.role, g.num_layers, g.num_blocks, g.block_size, self.window
-        )
+        return PoolInfo(self.pool_id, self.generation, self.role, g.num_layers, g.num_blocks, g.block_size, self.window)
 
     def close(self) -> None:
         """The owner removes the shared file; mappings held by peers stay valid until unmapped."""

@@ -45,9 +45,7 @@ def lane_table(table: list[int], freed: int) -> tuple[int, ...]:
 
 
 class BlockManager:
-    def __init__(
-        self, num_blocks: int, block_size: int, name: str = "pool", caching: bool = False, window: int = 0
-    ):
+    def __init__(self, num_blocks: int, block_size: int, name: str = "pool", caching: bool = False, window: int = 0):
         """`window` > 0: every layer of the pool's model sees only keys > p - window (PoolInfo.window)."""
         if num_blocks <= 0 or block_size <= 0 or window < 0:
             raise ValueError(f"{name}: num_blocks and block_size must be positive, window not negative")
