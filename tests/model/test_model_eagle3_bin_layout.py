@@ -50,3 +50,23 @@ def test_published_layout_loads_and_drafts_losslessly(tiny_models, tmp_path):
         )
         outputs[k] = [done[str(i)].token_ids for i in range(len(prompts))]
     assert outputs[3] == outputs[0]
+
+
+def test_specforge_style_safetensors_with_its_embeddings_loads_the_same_head(tiny_models, tmp_path):
+    """SpecForge's save_pretrained: model.safetensors with the same names plus embed_tokens.weight (the
+    target's embeddings, ignored: the head uses the target's own) and a "model." prefix on some names."""
+    from safetensors.torch import save_file
+
+    bench = bench_module()
+    target = load_model(tiny_models[0], torch.device("cpu"), torch.float32)
+    state = bench.write_published_head(tmp_path / "bin", target.shape, draft_vocab=40, seed=6)
+    st = {("model." + k if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    st["embed_tokens.weight"] = torch.randn(target.shape.vocab_size, target.shape.hidden_size).half()
+    (tmp_path / "st").mkdir()
+    save_file(st, str(tmp_path / "st" / "model.safetensors"))
+    (tmp_path / "st" / "config.json").write_text((tmp_path / "bin" / "config.json").read_text())
+    cpu = torch.device("cpu")
+    _, a = load_eagle_head(str(tmp_path / "bin"), target.shape, target.weights.lm_head, cpu, torch.float32)
+    _, b = load_eagle_head(str(tmp_path / "st"), target.shape, target.weights.lm_head, cpu, torch.float32)
+    assert torch.equal(a.layer.qkv, b.layer.qkv) and torch.equal(a.lm_head, b.lm_head)
+    assert torch.equal(a.draft_to_target, b.draft_to_target)
