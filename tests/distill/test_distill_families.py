@@ -12,6 +12,7 @@ from family_checkpoints import write_family, write_tiny_moe
 from verifypd.cli import main
 from verifypd.domain.requests import RequestSpec
 
+pytestmark = pytest.mark.slow  # distillation training
 TINY = ["--samples", "12", "--gen-tokens", "8", "--batch-tokens", "256", "--steps", "3", "--device", "cpu"]
 
 

@@ -22,6 +22,7 @@ from verifypd.domain.defaults import DEFAULT_DRAFT
 from verifypd.domain.requests import RequestSpec
 from verifypd.model.families import SUPPORTED_TYPES
 
+pytestmark = pytest.mark.slow  # 60 engines over 10 families (~40 s)
 NEW_TOKENS = 8
 REVISION = "0123abcd"
 # model_type -> how its tiny checkpoint is written (family_checkpoints' name where it has one).
