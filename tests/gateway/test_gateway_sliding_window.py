@@ -1,7 +1,7 @@
 """What the server says about sliding-window KV (ServerInfo.sliding_window / sliding_window_kv, the
 `verifypd` object of the OpenAI /v1/models entry): a model that slides in every layer frees the KV
 behind its window, one that mixes local and global layers keeps it, one without a window says nothing.
-The split topology keeps every block and reads the window from the target's config."""
+The split topology reads the window from the target's config."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def test_server_info_over_grpc_carries_the_fields():
     assert (again.sliding_window, again.sliding_window_kv) == (4096, "kept")
 
 
-def test_split_topology_reads_the_config_and_keeps_the_kv(tmp_path):
+def test_split_topology_reads_the_window_from_the_config(tmp_path):
     path = str(write_family(tmp_path / "mistral", "mistral"))
-    assert split_sliding(EngineOptions(target=path, max_context=64)) == (WINDOW, "kept")
-    assert split_sliding(EngineOptions(target="random:phi-3-mini", max_context=None)) == (2047, "kept")
-    assert split_sliding(EngineOptions(target=str(tmp_path / "missing"), max_context=64)) == (0, "")
+    assert split_sliding(EngineOptions(target=path, max_context=64), freed=True) == (WINDOW, "freed")
+    assert split_sliding(EngineOptions(target="random:phi-3-mini", max_context=None), freed=False) == (2047, "kept")
+    assert split_sliding(EngineOptions(target=str(tmp_path / "missing"), max_context=64), freed=True) == (0, "")
     assert sliding_fields(None, (), freed=True) == (0, "")
     assert sliding_fields(8, (0, 1), freed=True) == (8, "freed")

@@ -14,8 +14,7 @@ import shutil
 import pytest
 import torch
 from engine_helpers import VOCAB, make_engine, write_tiny_llama
-from family_checkpoints import LONGROPE_CONTEXT, write_family, write_tiny_moe
-from test_model_families import hf_greedy_through_eos
+from family_checkpoints import LONGROPE_CONTEXT, hf_greedy_through_eos, write_family, write_tiny_moe
 from test_model_gemma import GEMMA_DIMS
 
 from verifypd.domain.defaults import DEFAULT_DRAFT

@@ -11,8 +11,7 @@ import random
 import pytest
 import torch
 from engine_helpers import VOCAB, make_engine
-from family_checkpoints import WINDOW, write_family
-from test_model_families import hf_greedy_through_eos
+from family_checkpoints import WINDOW, hf_greedy_through_eos, write_family
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.router.block_manager import FREED

@@ -167,3 +167,15 @@ def write_tiny_moe(path: pathlib.Path, family: str, tokenizer_from: pathlib.Path
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
     return path
+
+
+def hf_greedy_through_eos(hf, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy `generate` that neither stops at nor suppresses EOS (the engine's
+    stop_at_eos=False: EOS is an ordinary token)."""
+    from transformers import GenerationConfig
+
+    hf.generation_config.eos_token_id = None  # else merged back into the config below
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt) :].tolist()

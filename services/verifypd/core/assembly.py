@@ -259,14 +259,15 @@ def build_split(
         observer=observer,
         prefix_cache=False,
     )
-    info = server_info(options.target, options.draft, topology, router.max_context, split_sliding(options))
+    freed = router.context.target_pool.window > 0  # the verify lane's pool descriptor says
+    info = server_info(options.target, options.draft, topology, router.max_context, split_sliding(options, freed))
     return SplitStack(router, (prefill, draft, verify), wiring, info)
 
 
-def split_sliding(options: EngineOptions) -> tuple[int, str]:
-    """ServerInfo's sliding fields in the split topology, from the target's config (no weights). The
-    lanes' pools keep every block there (lane RPC pool descriptors carry no window): "kept". A config
-    this process cannot read (the lanes' host has the checkpoint) gives (0, ""), with a log line."""
+def split_sliding(options: EngineOptions, freed: bool) -> tuple[int, str]:
+    """ServerInfo's sliding fields in the split topology: the window from the target's config (no
+    weights; the lanes hold the model), `freed` from the target pool's descriptor (PoolInfo.window). A
+    config this process cannot read (the lanes' host has the checkpoint) gives (0, ""), with a log line."""
     from verifypd.model.loader import target_shape
 
     try:
@@ -274,4 +275,4 @@ def split_sliding(options: EngineOptions) -> tuple[int, str]:
     except ModelLoadError as exc:
         log.warning("ServerInfo: sliding window unknown (%s)", exc)
         return 0, ""
-    return sliding_fields(shape.sliding_window, shape.sliding_layers, freed=False)
+    return sliding_fields(shape.sliding_window, shape.sliding_layers, freed)
