@@ -1,7 +1,8 @@
-"""Sliding-window KV in the split topology: the lane processes announce their pools' window (the lane
-RPC's PoolDescriptor.window), so the router frees the blocks behind it there too; a long generation of a
-tiny Mistral (every layer slides) over both KV transports holds few blocks, is exactly transformers'
-greedy output, and ServerInfo says "freed"."""
+"""Sliding-window KV through the serving processes. Split topology: the lane processes announce their
+pools' window (the lane RPC's PoolDescriptor.window), so the router frees the blocks behind it there
+too; a long generation of a tiny Mistral (every layer slides) over both KV transports holds few blocks,
+is exactly transformers' greedy output, and ServerInfo says "freed". `verifypd serve`: the engine-core
+process hands the fields to the gateway (its ready message), GetServerInfo answers them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 from family_checkpoints import WINDOW, hf_greedy_through_eos, write_family
-from services_helpers import BLOCK_SIZE, Client, engine_options, greedy_request
+from services_helpers import BLOCK_SIZE, Client, Server, engine_options, free_port, greedy_request, serve_cmd
 
 from verifypd.v1 import generate_pb2
 
@@ -62,3 +63,18 @@ def test_split_lanes_free_behind_the_window(setup, kv_transport):
     assert (info.sliding_window, info.sliding_window_kv) == (WINDOW, "freed")
     whole = -(-(len(prompts[0]) + NEW_TOKENS) // BLOCK_SIZE)
     assert held and max(held) <= -(-(WINDOW + K + 1) // BLOCK_SIZE) + 1 < whole
+
+
+def test_serve_answers_the_fields_from_the_core_process(setup):
+    path, _, prompts, expected = setup
+    port = free_port()
+    server = Server(serve_cmd((path, "self:1"), port)).wait_ready()
+    try:
+        client = Client(f"127.0.0.1:{port}")
+        info = client.gen.GetServerInfo(generate_pb2.ServerInfoRequest(), timeout=10)
+        got = client.generate(**greedy_request(prompts[0], max_tokens=NEW_TOKENS))[0]
+        client.close()
+    finally:
+        server.stop()
+    assert (info.sliding_window, info.sliding_window_kv) == (WINDOW, "freed")
+    assert got == expected[0]
