@@ -6,11 +6,12 @@ every block; its pool says so (PoolInfo.window 0)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
-from engine_helpers import VOCAB, make_engine
+from engine_helpers import DEVICE, VOCAB, make_engine
 from family_checkpoints import WINDOW, hf_greedy_through_eos, write_family
 
 from verifypd.domain.requests import RequestSpec
@@ -105,3 +106,22 @@ def test_mixed_local_and_global_layers_keep_every_block(tmp_path):
         engine, [RequestSpec(prompt, max_tokens=24, stop_at_eos=False, request_id="g")]
     )
     assert most_freed == 0 and most_target == -(-(PROMPT + 24 - 1) // BLOCK)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1",
+)
+def test_triton_kernels_over_released_blocks(mistral, monkeypatch):
+    """The paged-attention kernel with released entries in the tables (block 0 in their place, the
+    released blocks reused by the other request): still transformers' tokens."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("VERIFYPD_ATTENTION", "triton")
+    path, prompts, expected = mistral
+    engine = make_engine(path, "self:1", k=2, k_max=2, block_size=BLOCK, max_context=128)
+    assert engine.models.target_model.attention == "triton"
+    n = 20
+    specs = [RequestSpec(p, max_tokens=n, stop_at_eos=False, request_id=str(i)) for i, p in enumerate(prompts)]
+    tokens, _, _, most_freed = run_tracking_blocks(engine, specs)
+    assert [tokens["0"], tokens["1"]] == [e[:n] for e in expected] and most_freed > 0
