@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--num-blocks", type=int, default=1024)
+    ap.add_argument("--num-blocks", type=int, default=256)  # 4 prompts x 128 positions need ~40
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
