@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from engine_helpers import DEVICE, VOCAB, make_engine
-from family_checkpoints import FAMILIES, LONGROPE_CONTEXT, WINDOW, write_family
+from family_checkpoints import FAMILIES, LONGROPE_CONTEXT, WINDOW, hf_greedy_through_eos, write_family
 from paged_logits import forward_runs, relative_logit_errors
 
 from verifypd.domain.requests import RequestSpec
@@ -82,18 +82,6 @@ def test_logits_match_transformers(family, backend):
     model = PagedLlama(loaded.shape, loaded.weights, attention=backend)
     for err in relative_logit_errors(model, hf, decode_steps=5):
         assert err < 1e-5, f"{name}: relative logits error {err:.2e}"
-
-
-def hf_greedy_through_eos(hf, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' greedy `generate` that neither stops at nor suppresses EOS (the engine's
-    stop_at_eos=False: EOS is an ordinary token)."""
-    from transformers import GenerationConfig
-
-    hf.generation_config.eos_token_id = None  # else merged back into the config below
-    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), generation_config=config)
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

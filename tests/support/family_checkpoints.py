@@ -119,3 +119,63 @@ def write_family(path: pathlib.Path, family: str, seed: int = 0) -> pathlib.Path
     model.save_pretrained(path)
     write_tokenizer(path, VOCAB)
     return path
+
+
+MOE_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+    num_experts_per_tok=2,
+)
+
+
+def write_tiny_moe(path: pathlib.Path, family: str, tokenizer_from: pathlib.Path, seed: int) -> pathlib.Path:
+    """Mixtral: 4 experts of intermediate 48. Qwen3-MoE: 8 experts of 24, qk-norm, head_dim 32 (not
+    hidden / heads), layer 1 dense (mlp_only_layers), top-k weights not renormalised."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, **MOE_COMMON))
+    else:
+        config = Qwen3MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            num_experts=8,
+            head_dim=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            **MOE_COMMON,
+        )
+        model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):  # the router (Qwen3-MoE's starts at zero): distinct choices
+                param.normal_(0, 1.0)
+            elif "experts" in name:
+                param.normal_(0, param.shape[-1] ** -0.5)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.3)
+        model.lm_head.weight.mul_(8.0)  # greedy choices well separated (no float near-ties)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+    return path
+
+
+def hf_greedy_through_eos(hf, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy `generate` that neither stops at nor suppresses EOS (the engine's
+    stop_at_eos=False: EOS is an ordinary token)."""
+    from transformers import GenerationConfig
+
+    hf.generation_config.eos_token_id = None  # else merged back into the config below
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt) :].tolist()

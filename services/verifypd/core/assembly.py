@@ -42,10 +42,26 @@ if TYPE_CHECKING:  # torch: imported by the builder only (the gateway imports th
 log = logging.getLogger("verifypd.core")
 
 
-def server_info(target: str, draft: str, topology: str, max_context: int) -> generate_pb2.ServerInfo:
+def server_info(
+    target: str, draft: str, topology: str, max_context: int, sliding: tuple[int, str] = (0, "")
+) -> generate_pb2.ServerInfo:
+    """`sliding`: (sliding_window, sliding_window_kv) as ServerInfo documents them (sliding_fields)."""
     return generate_pb2.ServerInfo(
-        target_model=target, draft_model=draft, topology=topology, max_context=max_context, version=__version__
+        target_model=target,
+        draft_model=draft,
+        topology=topology,
+        max_context=max_context,
+        version=__version__,
+        sliding_window=sliding[0],
+        sliding_window_kv=sliding[1],
     )
+
+
+def sliding_fields(sliding_window: int | None, sliding_layers: tuple[int, ...], freed: bool) -> tuple[int, str]:
+    """ServerInfo's (sliding_window, sliding_window_kv) of a target whose shape has these fields;
+    `freed`: its KV pool releases the blocks behind the window (PoolInfo.window > 0)."""
+    window = (sliding_window or 0) if sliding_layers else 0
+    return window, ("" if not window else "freed" if freed else "kept")
 
 
 # -- colocated: everything in this process -------------------------------------------------------
@@ -63,7 +79,9 @@ class ColocatedStack:
     startup_capture_seconds: float  # CUDA graphs captured before serving
 
     def info(self, topology: str = "colocated") -> generate_pb2.ServerInfo:
-        return server_info(self.options.target, self.options.draft, topology, self.router.max_context)
+        s = self.models.target.shape
+        sliding = sliding_fields(s.sliding_window, s.sliding_layers, self.target_pool.window > 0)
+        return server_info(self.options.target, self.options.draft, topology, self.router.max_context, sliding)
 
 
 def load_stack_models(options: EngineOptions) -> Models:
@@ -246,5 +264,20 @@ def build_split(
         observer=observer,
         prefix_cache=caching,  # the router keeps it off where the lanes cannot (StepContext._prefix_cache)
     )
-    info = server_info(options.target, options.draft, topology, router.max_context)
+    freed = router.context.target_pool.window > 0  # the verify lane's pool descriptor says
+    info = server_info(options.target, options.draft, topology, router.max_context, split_sliding(options, freed))
     return SplitStack(router, (prefill, draft, verify), wiring, info)
+
+
+def split_sliding(options: EngineOptions, freed: bool) -> tuple[int, str]:
+    """ServerInfo's sliding fields in the split topology: the window from the target's config (no
+    weights; the lanes hold the model), `freed` from the target pool's descriptor (PoolInfo.window). A
+    config this process cannot read (the lanes' host has the checkpoint) gives (0, ""), with a log line."""
+    from verifypd.model.loader import target_shape
+
+    try:
+        shape = target_shape(options.target, options.max_context)
+    except ModelLoadError as exc:
+        log.warning("ServerInfo: sliding window unknown (%s)", exc)
+        return 0, ""
+    return sliding_fields(shape.sliding_window, shape.sliding_layers, freed)

@@ -362,6 +362,8 @@ class CoreClient:
             topology=i["topology"],
             max_context=i["max_context"],
             version=i["version"],
+            sliding_window=i["sliding_window"],
+            sliding_window_kv=i["sliding_window_kv"],
         )
         self.eos = frozenset(msg["eos"])
         if not self._ready.done():

@@ -121,6 +121,8 @@ class CoreServer:
                 "topology": info.topology,
                 "max_context": info.max_context,
                 "version": info.version,
+                "sliding_window": info.sliding_window,
+                "sliding_window_kv": info.sliding_window_kv,
             },
             "eos": sorted(self.router.eos_token_ids),
         }

@@ -32,6 +32,10 @@ class PoolInfo:
     num_layers: int
     num_blocks: int
     block_size: int
+    # > 0: every layer of the pool's model attends only keys > p - window from a query at p
+    # (Mistral-style), so the router releases the blocks behind the window; 0: some layer sees the
+    # whole context (or the lane did not say), every block of a sequence is kept.
+    window: int = 0
 
 
 @dataclass(frozen=True)

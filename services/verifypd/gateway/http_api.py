@@ -187,6 +187,9 @@ class HttpApi:
                             "topology": info.topology,
                             "max_context": info.max_context,
                             "version": info.version,
+                            # ServerInfo's doc: the window (0: none) and whether KV behind it is freed or kept
+                            "sliding_window": info.sliding_window,
+                            "sliding_window_kv": info.sliding_window_kv,
                         },
                     }
                 ],

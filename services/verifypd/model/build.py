@@ -167,8 +167,11 @@ def make_pools(models: Models, options: EngineOptions) -> tuple[KvPool, KvPool |
     def pool(role: str, model: PagedLlama | EagleModel) -> KvPool:
         g = geometry(model, blocks)
         if options.shared_cpu_pools and models.device.type == "cpu":
-            return KvPool.create_shared_cpu(role, g, kv_dtype)
-        return KvPool(role, g, kv_dtype, models.device)
+            kv = KvPool.create_shared_cpu(role, g, kv_dtype)
+        else:
+            kv = KvPool(role, g, kv_dtype, models.device)
+        kv.window = pool_window(model)
+        return kv
 
     target = (
         pool("target", models.target_model)
@@ -202,3 +205,13 @@ def capture_graphs(
     elif draft is not None and draft.graphs is not None:  # None: pool-less draft
         seconds += draft.graphs.warm_up(("last", "draft"))  # "last" up to 9 tokens: short catch-ups
     return seconds
+
+
+def pool_window(model: PagedLlama | EagleModel) -> int:
+    """PoolInfo.window of `model`'s KV pool: its window when every layer it runs slides (Mistral,
+    Phi-3, a self-draft of their first layers), else 0 (Gemma 2/3 mix local and global layers; an
+    EAGLE head's layer sees the whole context): the router frees only behind a window all layers share."""
+    if not isinstance(model, PagedLlama):
+        return 0
+    windows = {model.shape.window(i) for i in range(model.num_layers)}
+    return windows.pop() if len(windows) == 1 else 0

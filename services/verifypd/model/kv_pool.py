@@ -51,6 +51,8 @@ class KvPool:
         owner: bool = True,
     ):
         self.role = role
+        # PoolInfo.window: set by whoever builds the pool for a model that slides in every layer.
+        self.window = 0
         self.geometry = geometry
         self.dtype = dtype
         self.device = torch.device(device)
@@ -106,7 +108,7 @@ class KvPool:
 
     def info(self) -> PoolInfo:
         g = self.geometry
-        return PoolInfo(self.pool_id, self.generation, self.role, g.num_layers, g.num_blocks, g.block_size)
+        return PoolInfo(self.pool_id, self.generation, self.role, g.num_layers, g.num_blocks, g.block_size, self.window)
 
     def close(self) -> None:
         """The owner removes the shared file; mappings held by peers stay valid until unmapped."""

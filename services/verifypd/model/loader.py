@@ -293,6 +293,13 @@ def load_model(
     return load_weights(open_checkpoint(spec, max_context), device, dtype, quantization=quantization)
 
 
+def target_shape(spec: str, max_context: int | None) -> LlamaShape:
+    """The shape `load_model(spec, ...)` would give, from the config alone (no weights)."""
+    if spec.startswith("random:"):
+        return random_shape(spec.removeprefix("random:"), max_context)[0]
+    return open_checkpoint(spec, max_context).shape
+
+
 def check_quantization(quantization: str | None) -> None:
     if quantization not in (None, *QUANTIZATIONS):
         raise ModelLoadError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")

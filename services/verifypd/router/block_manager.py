@@ -14,9 +14,16 @@ take it; it loses the key only when it is handed out as a new block (`grow`: evi
 (nothing is lost by reusing it), a freed keyed one to the back, so the keyed blocks are evicted
 least recently freed first, and only when no keyless block is free.
 
+Sliding windows (docs/engine.md "Sliding-window KV"): in a pool whose model slides in EVERY layer
+(`window` > 0: a query at p sees keys > p - window only), the leading blocks a sequence's queries can
+no longer see are released (`release_before`); their table entries become `FREED`, so the table keeps
+its indexing (entry i still covers positions [i * B, (i + 1) * B)). Lanes get NULL_BLOCK in their
+place (`lane_table`): any valid block id does, since no query loads it (the Triton kernel starts at
+the window, the reference path zeroes out-of-window keys). Freed entries are always a leading run.
+
 Invariant (checked by `check()` in tests): every block id in [0, num_blocks) is either free or held
 (refcount = the number of tables listing it), never both; a block held twice carries a key; the key
-maps are each other's inverse.
+maps are each other's inverse. `FREED` entries count for nothing.
 """
 
 from __future__ import annotations
@@ -26,12 +33,24 @@ from collections.abc import Sequence
 
 from verifypd.domain.requests import InvalidRequest, RequestSpec
 
+FREED = -1  # a table entry whose block was released out of the window (never sent to a lane)
+NULL_BLOCK = 0  # what a lane gets for a FREED entry: a valid id that no query reads
+
+
+def lane_table(table: list[int], freed: int) -> tuple[int, ...]:
+    """`table` as lanes get it: its `freed` leading FREED entries as NULL_BLOCK."""
+    if not freed:
+        return tuple(table)
+    return (NULL_BLOCK,) * freed + tuple(table[freed:])
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, name: str = "pool", caching: bool = False):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"{name}: num_blocks and block_size must be positive")
+    def __init__(self, num_blocks: int, block_size: int, name: str = "pool", caching: bool = False, window: int = 0):
+        """`window` > 0: every layer of the pool's model sees only keys > p - window (PoolInfo.window)."""
+        if num_blocks <= 0 or block_size <= 0 or window < 0:
+            raise ValueError(f"{name}: num_blocks and block_size must be positive, window not negative")
         self.num_blocks = num_blocks
+        self.window = window
         self.block_size = block_size
         self.name = name
         self.caching = caching  # register() keys blocks only when on
@@ -123,23 +142,41 @@ class BlockManager:
             return
         for i in range(start, end):
             block, key = table[i], keys[i]
-            if block in self._key_of or key in self._block_of:
+            if block == FREED or block in self._key_of or key in self._block_of:
                 continue
             self._key_of[block] = key
             self._block_of[key] = block
 
     # -- releasing -----------------------------------------------------------------------------
+    def release_before(self, table: list[int], freed: int, first_query: int) -> int:
+        """With a window: releases the leading blocks no query at a position >= `first_query` can see
+        (every key of the block <= first_query - window) and returns how many leading entries of
+        `table` are FREED now (`freed` before). Without one: `freed` unchanged. A released block that
+        carries a content key stays cached (it goes back to the free list, key kept)."""
+        if not self.window:
+            return freed
+        # Keys at positions >= first_query - window + 1 are still seen; block i ends at (i + 1) * B.
+        dead = min(len(table), max(0, first_query - self.window + 1) // self.block_size)
+        for i in range(freed, dead):
+            self._release(table[i])
+            table[i] = FREED
+        return max(freed, dead)
+
     def trim(self, table: list[int], num_tokens: int) -> None:
         """Returns blocks past what `num_tokens` positions need (after a rollback)."""
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
-            self._release(table.pop())
+            block = table.pop()
+            if block != FREED:
+                self._release(block)
 
     def free(self, table: list[int]) -> None:
         """Releases the table from its end: of a request's keyed blocks, the later ones (the least
         likely to be shared) are evicted first."""
         while table:
-            self._release(table.pop())
+            block = table.pop()
+            if block != FREED:
+                self._release(block)
 
     def _release(self, block: int) -> None:
         refs = self._refs.get(block)
@@ -158,6 +195,8 @@ class BlockManager:
         counts: dict[int, int] = {}
         for table in tables:
             for block in table:
+                if block == FREED:
+                    continue
                 counts[block] = counts.get(block, 0) + 1
         if any(n > 1 and block not in self._key_of for block, n in counts.items()):
             raise AssertionError(f"{self.name}: a block without a content key is held by two sequences")

@@ -84,6 +84,9 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     keyed_target: int = 0
     keyed_draft: int = 0
+    # Sliding windows (BlockManager.release_before): how many leading entries of each table are FREED.
+    target_freed: int = 0
+    draft_freed: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -130,6 +133,7 @@ class Sequence:
         self.group = None
         self.held_draft = None
         self.keyed_target = self.keyed_draft = 0  # (block_keys stay: the tokens did not change)
+        self.target_freed = self.draft_freed = 0
         self.stats.preemptions += 1
 
 

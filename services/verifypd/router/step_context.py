@@ -32,7 +32,7 @@ from verifypd.domain.lanes import (
 from verifypd.domain.lookup import PromptLookup
 from verifypd.domain.requests import FinishReason, RequestOutput, TokenLogprob
 from verifypd.domain.sampling_controls import control_context
-from verifypd.router.block_manager import BlockManager
+from verifypd.router.block_manager import BlockManager, lane_table
 from verifypd.router.commits import append_tokens, record_verdict, take_drafts
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import TYPICAL_DRAFT_INPUT, StepCostModel
@@ -183,12 +183,13 @@ class StepContext:
             and not self.feature_draft
             and self.draft_pool.block_size == self.target_pool.block_size
         )
+        target, draft = self.target_pool, self.draft_pool
         self.target_blocks = BlockManager(
-            self.target_pool.num_blocks, self.target_pool.block_size, "target", caching=caching
+            target.num_blocks, target.block_size, "target", caching=caching, window=target.window
         )
         self.draft_blocks = (
-            BlockManager(self.draft_pool.num_blocks, self.draft_pool.block_size, "draft", caching=draft_caching)
-            if self.draft_pool
+            BlockManager(draft.num_blocks, draft.block_size, "draft", caching=draft_caching, window=draft.window)
+            if draft
             else None
         )
         self.prefix = (
@@ -227,16 +228,29 @@ class StepContext:
         return self.draft_lane.describe().draft_model == "none"
 
     @staticmethod
-    def handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int) -> KvHandle:
-        return KvHandle(pool.pool_id, pool.generation, tuple(blocks), seq_len, min(committed, seq_len))
+    def handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int, freed: int = 0) -> KvHandle:
+        """`freed`: leading entries of `blocks` released out of the window (lane_table)."""
+        return KvHandle(pool.pool_id, pool.generation, lane_table(blocks, freed), seq_len, min(committed, seq_len))
 
     def target_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle:
-        return self.handle(self.target_pool, seq.target_blocks, seq_len, committed)
+        return self.handle(self.target_pool, seq.target_blocks, seq_len, committed, seq.target_freed)
 
     def draft_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle | None:
         if self.draft_pool is None:
             return None
-        return self.handle(self.draft_pool, seq.draft_blocks, seq_len, committed)
+        return self.handle(self.draft_pool, seq.draft_blocks, seq_len, committed, seq.draft_freed)
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """After a commit: returns the blocks of windowed pools that no later query of `seq` can see
+        (BlockManager.release_before). Queries come at positions >= the committed ones (rollback
+        never goes below them); a feature draft also reads the target's rows from its own
+        draft_computed on, so the target keeps those too."""
+        first = seq.target_computed
+        if self.feature_draft:
+            first = min(first, seq.draft_computed)
+        seq.target_freed = self.target_blocks.release_before(seq.target_blocks, seq.target_freed, first)
+        if self.draft_blocks is not None:
+            seq.draft_freed = self.draft_blocks.release_before(seq.draft_blocks, seq.draft_freed, seq.draft_computed)
 
     # -- worker threads ----------------------------------------------------------------------
     def submit_draft(self, items: list[DraftItem]) -> Future:
@@ -317,6 +331,7 @@ class StepContext:
                 seq.draft_computed = c.end
             if self.prefix is not None:
                 self.prefix.register(seq)
+            self.release_out_of_window(seq)
             if c.end == seq.prefill_target:
                 seq.status = SeqStatus.DECODING
             if c.sample_first:
@@ -421,6 +436,7 @@ class StepContext:
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
             if self.prefix is not None:
                 self.prefix.register(seq)
+            self.release_out_of_window(seq)
             record_verdict(
                 seq,
                 self.costs.acceptance,

@@ -184,15 +184,19 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "topology", "max_context", "version")
+    __slots__ = ("target_model", "draft_model", "topology", "max_context", "version", "sliding_window", "sliding_window_kv")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_KV_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     topology: str
     max_context: int
     version: str
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., topology: _Optional[str] = ..., max_context: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    sliding_window: int
+    sliding_window_kv: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., topology: _Optional[str] = ..., max_context: _Optional[int] = ..., version: _Optional[str] = ..., sliding_window: _Optional[int] = ..., sliding_window_kv: _Optional[str] = ...) -> None: ...

@@ -47,7 +47,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, mem_handle: _Optional[bytes] = ..., storage_offset_bytes: _Optional[int] = ..., storage_size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("pool_id", "generation", "role", "host_boot_id", "device_uuid", "layout", "dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "shm_path", "cuda_ipc", "owner_pid", "kv_transfer_addr", "rank_shards")
+    __slots__ = ("pool_id", "generation", "role", "host_boot_id", "device_uuid", "layout", "dtype", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "window", "shm_path", "cuda_ipc", "owner_pid", "kv_transfer_addr", "rank_shards")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class PoolDescriptor(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     OWNER_PID_FIELD_NUMBER: _ClassVar[int]
@@ -77,12 +78,13 @@ class PoolDescriptor(_message.Message):
     block_size: int
     num_kv_heads: int
     head_dim: int
+    window: int
     shm_path: str
     cuda_ipc: CudaIpcHandle
     owner_pid: int
     kv_transfer_addr: str
     rank_shards: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
-    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., role: _Optional[_Union[PoolRole, str]] = ..., host_boot_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., owner_pid: _Optional[int] = ..., kv_transfer_addr: _Optional[str] = ..., rank_shards: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., role: _Optional[_Union[PoolRole, str]] = ..., host_boot_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., layout: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., window: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., owner_pid: _Optional[int] = ..., kv_transfer_addr: _Optional[str] = ..., rank_shards: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("pool_id", "generation", "block_ids", "seq_len", "committed_len")

@@ -59,6 +59,7 @@ def describe_pool(pool: KvPool) -> lanes_pb2.PoolDescriptor:
         num_kv_heads=g.num_kv_heads,
         head_dim=g.head_dim,
         owner_pid=os.getpid(),
+        window=pool.window,
     )
     if pool.device.type == "cuda":
         d.cuda_ipc.CopyFrom(cuda_ipc.share(pool.tensor))

@@ -63,7 +63,7 @@ def sampling_from_pb(s: lanes_pb2.LaneSampling) -> SamplingParams:
 
 
 def pool_info_from_pb(d: lanes_pb2.PoolDescriptor) -> PoolInfo:
-    return PoolInfo(d.pool_id, d.generation, ROLE_FROM_PB[d.role], d.num_layers, d.num_blocks, d.block_size)
+    return PoolInfo(d.pool_id, d.generation, ROLE_FROM_PB[d.role], d.num_layers, d.num_blocks, d.block_size, d.window)
 
 
 def lane_info_from_pb(info: lanes_pb2.LaneInfo) -> LaneInfo:

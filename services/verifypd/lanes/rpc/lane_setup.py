@@ -10,7 +10,7 @@ import torch
 
 from verifypd.domain.models import DraftSpec, ModelLoadError, draft_spec
 from verifypd.domain.options import EngineOptions
-from verifypd.model.build import load_draft_model, resolve_device, resolve_dtype
+from verifypd.model.build import load_draft_model, pool_window, resolve_device, resolve_dtype
 from verifypd.model.kv_pool import KvPool, PoolGeometry
 from verifypd.model.kv_quant import kv_cache_dtype
 from verifypd.model.llama import PagedLlama
@@ -106,6 +106,7 @@ def owned_pool(
     else:
         pool = KvPool(role, geometry, dtype, device)
     pool.generation = generation
+    pool.window = pool_window(model)  # PoolInfo.window: the router frees behind a window all layers share
     log.info("%s", pool.summary())
     return pool
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifypd.domain.lanes import KvHandle, TokenFeed, VerifyItem, feeds_tokens
+from verifypd.domain.lanes import TokenFeed, VerifyItem, feeds_tokens
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, PrefillChunk
 from verifypd.router.sequence import SeqStatus, Sequence
@@ -213,7 +213,7 @@ class Overlapped:
                     start_pos=n,
                     draft_tokens=(),
                     sampling=seq.spec.sampling,
-                    target_kv=KvHandle(pool.pool_id, pool.generation, tuple(seq.target_blocks), n, n),
+                    target_kv=ctx.handle(pool, seq.target_blocks, n, n, seq.target_freed),
                 )
             )
         try:
