@@ -268,7 +268,7 @@ class GraphRunner:
         and the row count's parity (fit_layout's ks view starts rows * 8 bytes into its tensor: 16-byte
         aligned or not). Returns the (rows, query) launched."""
         launched = []
-        for rows in sorted({self.rows_for(1), self.rows_for(2)}):
+        for rows in sorted({self.rows_for(b) for b in (1, 2) if self.bucket(b) is not None}):  # buckets (1,): one
             for query in variant_queries(max_query):
                 if rows * query <= self.ids.numel():
                     n = rows * query
