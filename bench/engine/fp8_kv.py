@@ -38,7 +38,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # fp8_quality, fp8_throughput
 from bench_meta import metadata
+from fp8_quality import Sequence
+from fp8_throughput import timed_ms
 
 from verifypd.domain.options import EngineOptions
 from verifypd.model.build import Models, make_pools
@@ -52,29 +55,6 @@ PROMPTS = pathlib.Path(__file__).resolve().parents[1] / "prompts" / "draft_accep
 BLOCK = 16
 CAPACITY_CONTEXT = 2048
 SMOKE_SHAPE = dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=4, vocab_size=1024)
-
-
-class Sequence:
-    """One sequence's forward passes through a model and a private pool of element type `kv_dtype`."""
-
-    def __init__(self, model: PagedLlama, max_len: int, kv_dtype: torch.dtype):
-        s, w = model.shape, model.weights
-        self.model, self.device = model, w.embed.device
-        self.blocks = tuple(range((max_len + BLOCK - 1) // BLOCK))
-        shape = (2, s.num_layers, len(self.blocks), BLOCK, s.num_kv_heads, s.head_dim)
-        self.pool = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-
-    def forward(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Logits [len(tokens), V] (float32) of `tokens` at positions start.. (earlier ones cached)."""
-        batch = to_device(build_layout([TokenRun(tokens, start, self.blocks)], BLOCK), self.device)
-        index = torch.arange(len(tokens), device=self.device)
-        return self.model.forward(self.pool, batch, index).float()
-
-    def greedy(self, prompt: list[int], new: int) -> list[int]:
-        out = [int(self.forward(prompt, 0)[-1].argmax())]
-        while len(out) < new:
-            out.append(int(self.forward([out[-1]], len(prompt) + len(out) - 1)[0].argmax()))
-        return out
 
 
 def quality(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -146,31 +126,7 @@ def step_ms(model: PagedLlama, kv_dtype: torch.dtype, batch: int, context: int, 
     def step():
         model.forward(pool, layout, index, out)
 
-    if device.type != "cuda":
-        step()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) / iters
+    return timed_ms(step, device, iters)
 
 
 def pool_capacity(loaded, model: PagedLlama, device: torch.device, kv_dtype: torch.dtype, fraction: float) -> dict:

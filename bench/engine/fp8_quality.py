@@ -36,14 +36,15 @@ BLOCK = 16
 
 
 class Sequence:
-    """One sequence's forward passes through a model and a private pool."""
+    """One sequence's forward passes through a model and a private pool (of element type `kv_dtype`;
+    None: the model's dtype)."""
 
-    def __init__(self, model: PagedLlama, max_len: int):
+    def __init__(self, model: PagedLlama, max_len: int, kv_dtype: torch.dtype | None = None):
         s, w = model.shape, model.weights
         self.model, self.device = model, w.embed.device
         self.blocks = tuple(range((max_len + BLOCK - 1) // BLOCK))
         shape = (2, s.num_layers, len(self.blocks), BLOCK, s.num_kv_heads, s.head_dim)
-        self.pool = torch.zeros(shape, dtype=w.embed.dtype, device=self.device)
+        self.pool = torch.zeros(shape, dtype=kv_dtype or w.embed.dtype, device=self.device)
 
     def forward(self, tokens: list[int], start: int) -> torch.Tensor:
         """Logits [len(tokens), V] (float32) of `tokens` at positions start.. (earlier ones cached)."""

@@ -77,6 +77,36 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * 2 * (1 << 30) / seconds
 
 
+def timed_ms(step, device: torch.device, iters: int) -> float:
+    """Milliseconds per call of step(): replayed from one CUDA graph on a GPU (captured after a warm-up
+    on a side stream), called in a loop on the CPU."""
+    if device.type != "cuda":
+        step()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / iters
+
+
 def step_ms(model: PagedLlama, batch: int, context: int, block_size: int, iters: int) -> float:
     """Milliseconds of one decode step of `batch` sequences at `context` tokens each."""
     s = model.shape
@@ -93,33 +123,7 @@ def step_ms(model: PagedLlama, batch: int, context: int, block_size: int, iters:
     def step():
         model.forward(pool, layout, index, out)
 
-    if device.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for _ in range(5):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / iters
-        del graph
-    else:
-        step()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        ms = (time.perf_counter() - t0) * 1e3 / iters
-    return ms
+    return timed_ms(step, device, iters)
 
 
 def main() -> int:

@@ -9,6 +9,8 @@ from services_helpers import (
     engine_options,
     greedy_request,
     offline_outputs,
+    split_gateway,
+    started_lanes,
 )
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
@@ -28,27 +30,18 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.lanes.processes import LaneProcesses
-
-    procs = LaneProcesses(engine_options(tiny_models[0], DRAFT))
-    procs.start(timeout_s=120)
-    yield procs
-    procs.terminate()
+    yield from started_lanes(engine_options(tiny_models[0], DRAFT))
 
 
-def split_gateway(tiny_models, lanes, kv_transport):
-    from verifypd.gateway.server import build_split
-
-    return build_split(
-        lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport, lane_secret=lanes.secret
-    ).start()
+def gateway(tiny_models, lanes, kv_transport):
+    return split_gateway(lanes, engine_options(tiny_models[0], DRAFT), kv_transport)
 
 
 @pytest.mark.parametrize("kv_transport", ["handle", "copy"])
 def test_poolless_ngram_lane_split_equals_colocated(tiny_models, lanes, kv_transport):
     specs = [RequestSpec(tuple(p), max_tokens=24, stop_at_eos=False) for p in PROMPTS]
     expected = offline_outputs(engine_options(tiny_models[0], DRAFT), specs)
-    with split_gateway(tiny_models, lanes, kv_transport) as gw:
+    with gateway(tiny_models, lanes, kv_transport) as gw:
         prefill, draft, verify = gw.lanes
         assert draft.describe().pools == ()  # the draft lane owns no pool ...
         # ... reads no KV the prefill lane writes, so never waits for its writes (on a GPU host a
@@ -93,7 +86,7 @@ def test_sampling_with_ngram_split_equals_colocated(tiny_models, lanes):
         engine_options(tiny_models[0], DRAFT),
         [RequestSpec(tuple(prompt), max_tokens=20, stop_at_eos=False, sampling=sampling)],
     )
-    with split_gateway(tiny_models, lanes, "auto") as gw:
+    with gateway(tiny_models, lanes, "auto") as gw:
         ids, msgs = Client(gw.address).generate(
             token_ids=generate_pb2.TokenIds(ids=prompt),
             max_tokens=20,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from services_helpers import Client, engine_options, greedy_request, offline_outputs
+from services_helpers import Client, engine_options, greedy_request, offline_outputs, split_gateway, started_lanes
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
@@ -28,20 +28,11 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def lanes(tiny_models):
-    from verifypd.lanes.processes import LaneProcesses
-
-    procs = LaneProcesses(engine_options(tiny_models[0], DRAFT))
-    procs.start(timeout_s=120)
-    yield procs
-    procs.terminate()
+    yield from started_lanes(engine_options(tiny_models[0], DRAFT))
 
 
-def split_gateway(tiny_models, lanes, kv_transport):
-    from verifypd.gateway.server import build_split
-
-    return build_split(
-        lanes.addrs, engine_options(tiny_models[0], DRAFT), kv_transport=kv_transport, lane_secret=lanes.secret
-    ).start()
+def gateway(tiny_models, lanes, kv_transport):
+    return split_gateway(lanes, engine_options(tiny_models[0], DRAFT), kv_transport)
 
 
 def run(gw, seed: int | None) -> tuple[list[list[int]], list[int]]:
@@ -80,7 +71,7 @@ def expected(tiny_models, seed: int | None) -> list[list[int]]:
 
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
 def test_handle_transport_caches_and_equals_uncached(tiny_models, lanes, seed):
-    with split_gateway(tiny_models, lanes, "handle") as gw:
+    with gateway(tiny_models, lanes, "handle") as gw:
         assert set(gw.wiring.mode_by_pool.values()) == {"imported"}
         assert gw.router.prefix is not None
         tokens, cached = run(gw, seed)
@@ -93,7 +84,7 @@ def test_handle_transport_caches_and_equals_uncached(tiny_models, lanes, seed):
 
 
 def test_copy_transport_keeps_caching_off(tiny_models, lanes):
-    with split_gateway(tiny_models, lanes, "copy") as gw:
+    with gateway(tiny_models, lanes, "copy") as gw:
         tokens, cached = run(gw, None)
         assert tokens == expected(tiny_models, None)
         assert cached == [0, 0, 0, 0, 0]

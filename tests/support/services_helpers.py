@@ -78,6 +78,23 @@ class SlowLane:
         return call
 
 
+def started_lanes(options):
+    """Yields the three lane processes of `options` started (a module fixture's body), then stops them."""
+    from verifypd.lanes.processes import LaneProcesses
+
+    procs = LaneProcesses(options)
+    procs.start(timeout_s=120)
+    yield procs
+    procs.terminate()
+
+
+def split_gateway(lanes, options, kv_transport: str):
+    """A started split gateway over `lanes` (started_lanes), its KV moved by `kv_transport`."""
+    from verifypd.gateway.server import build_split
+
+    return build_split(lanes.addrs, options, kv_transport=kv_transport, lane_secret=lanes.secret).start()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
