@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -75,7 +76,7 @@ def left_behind(files: set[str]) -> set[str]:
 @pytest.fixture(scope="module")
 def split_server(tiny_models):
     shm_before = shm_pool_files()
-    port = free_port()
+    port, http_port = free_port(), free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -107,9 +108,10 @@ def split_server(tiny_models):
         "--recovery-timeout",
         "90",
         "--http-port",
-        "0",
+        str(http_port),
     ]
     server = Server(cmd)
+    server.http_port = http_port  # /metrics
     if not server.ready.wait(180):
         server.proc.kill()
         pytest.fail("server did not start:\n" + "".join(server.lines[-30:]))
@@ -213,6 +215,10 @@ def test_each_lane_killed_mid_run_loses_no_request_and_no_token(split_server, ti
     client = Client(address)
     assert client.health_status() == health_pb2.HealthCheckResponse.SERVING
     client.close()
+    # The supervisor's count on /metrics: the three kills, and no restart it did not make.
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/metrics", timeout=10).read().decode()
+    restarts = [line for line in metrics.splitlines() if line.startswith("verifypd_lane_restarts")]
+    assert restarts and float(restarts[0].split()[-1]) == 3, restarts
 
 
 def test_crash_loop_gives_up_clearly_and_sigterm_still_cleans_up(split_server):
