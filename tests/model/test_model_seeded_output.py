@@ -61,7 +61,12 @@ def test_seeded_output_is_the_same_with_any_draft_alone_and_in_a_crowd(tiny_mode
         make_engine(tiny_models[0], name, k=k, adaptive=adaptive), crowd()[:4] + subjects() + crowd()[4:]
     )
     assert subject_tokens(busy) == reference
-    if draft != "none":  # speculation really happened: with a fixed k, accepts and rejects both
+    # Speculation really happened: with a fixed k, accepts and rejects both. Not asked of adaptive
+    # prompt lookup: on this sampled text it rarely has a proposal, an ask with none counts as an
+    # outcome (step_costs.AcceptanceTracker), so the policy turns drafting off within a few steps and
+    # its budgeted probes do not come back within 30 tokens; the fixed-k rows cover the seeds with
+    # lookup drafts.
+    if draft != "none" and not (adaptive and draft.startswith("ngram")):
         drafted = sum(s.draft_tokens for s in alone_stats.values())
         accepted = sum(s.accepted_tokens for s in alone_stats.values())
         assert 0 < drafted and (adaptive or 0 < accepted < drafted), (accepted, drafted)
