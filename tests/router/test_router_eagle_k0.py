@@ -40,7 +40,6 @@ def _count_draft_calls(engine) -> list[int]:
     return calls
 
 
-@pytest.mark.slow
 def test_eagle_k0_steps_chain_like_plain_decoding(tiny_models, head):
     plain = make_engine(tiny_models[0], "none", k=0, num_blocks=512)
     costed_clock(plain.router)
