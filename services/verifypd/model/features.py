@@ -37,9 +37,9 @@ class FeaturePool:
         """Slots with -1 (write/read nowhere) sent to the scratch row."""
         return torch.where(slots >= 0, slots, self.num_slots)
 
-    def write(self, input_of_layer: int, h: torch.Tensor, slots: torch.Tensor) -> None:
-        """h [T, Ht]: the residual stream entering layer `input_of_layer` (copied: h may change in place)."""
-        rows = self.rows(slots)
+    def write(self, input_of_layer: int, h: torch.Tensor, rows: torch.Tensor) -> None:
+        """h [T, Ht]: the residual stream entering layer `input_of_layer` (copied: h may change in place);
+        rows [T]: `rows(slots)` of the batch's slots (a forward resolves them once for all its writes)."""
         for column in self.at[input_of_layer]:
             self.tensor[:, column].index_copy_(0, rows, h)
 

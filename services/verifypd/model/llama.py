@@ -313,11 +313,13 @@ class PagedLlama:
             else {}
         )
         features, tp, sandwich = self.features, self.tp_group, self.shape.sandwich_norms
+        # The feature pool's rows of this batch's slots, resolved once for every captured layer.
+        feature_rows = features.rows(batch.slots) if features is not None else None
         for i in range(self.num_layers):
             layer = w.layers[i]
             h, x = norm(h, delta, layer.input_norm)  # h += delta; x = norm(h)
-            if features is not None and i in features.at:  # the residual stream entering layer i
-                features.write(i, h, batch.slots)
+            if features is not None and feature_rows is not None and i in features.at:  # the stream entering layer i
+                features.write(i, h, feature_rows)
             mask = masks.get(self.shape.window(i))
             delta = linear(self.attend(x, layer, pool, i, batch, mask), layer.o)
             if self.after_layer_kv is not None:
@@ -332,8 +334,8 @@ class PagedLlama:
                 delta = self.rms_norm(delta, layer.mlp_out_norm)
         # Every layer assigns delta, and __init__ checks num_layers >= 1.
         assert delta is not None
-        if features is not None and self.num_layers in features.at:  # the last layer's output
-            features.write(self.num_layers, h + delta, batch.slots)
+        if features is not None and feature_rows is not None and self.num_layers in features.at:  # last layer's output
+            features.write(self.num_layers, h + delta, feature_rows)
         if logits_index is None:
             return None
         h, delta = h[logits_index], delta[logits_index]

@@ -47,6 +47,27 @@ def cap_k(config: RuntimeConfig, k: int, request_max_k: int | None, remaining_to
     return max(min(config.k_min, hi), min(k, hi))
 
 
+# An opening probe (Scheduler._opening_probes) may cost at most this many plain steps above a plain
+# step, by the measured costs: at k = 8 an EAGLE head at 13 % acceptance spent ~3 plain steps on each
+# new batch's opening at batch 16 (H100, embedded model), most of what it lost to plain decoding.
+OPENING_MAX_EXTRA = 1.0
+
+
+def opening_k(config: RuntimeConfig, costs: StepCostModel, batch: int, hi: int) -> int:
+    """The k a request drafts in its opening probe: the largest k <= min(k_initial, hi) whose step at
+    `batch` costs at most OPENING_MAX_EXTRA plain steps more than a plain step (StepCostModel.step_s:
+    measured, or estimated from the ks measured; k = 1 if none does). Not the k of best goodput at
+    the engine-wide acceptance: the probe is there to find requests that draft better than that
+    estimate, and a longer probe tells a request's own acceptance sooner (a good request after bad
+    ones opened at k = 1 stayed near the estimate and rarely drafted)."""
+    k_open = max(min(config.k_initial, hi), 0)
+    if k_open <= 1:
+        return k_open
+    plain = costs.step_s(batch, 0)
+    fits = [k for k in range(2, k_open + 1) if costs.step_s(batch, k) / plain - 1.0 <= OPENING_MAX_EXTRA]
+    return max(fits, default=1)
+
+
 SWITCH_MARGIN = 1.1  # pdv: switching between pipelined and lock-step must promise 10 % more goodput
 # Drafting on or off, with hysteresis: a batch not drafting starts only for a predicted 10 % more
 # goodput than plain decoding (the first drafting step also catches the draft up on every token

@@ -34,6 +34,7 @@ from verifypd.router.draft_length import (
     batch_bucket,
     cap_k,
     choose_batch_k,
+    opening_k,
     pipelining_pays,
 )
 from verifypd.router.prefix_cache import PrefixCache
@@ -296,15 +297,16 @@ class Scheduler:
     def _opening_probes(
         self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int, batch: int
     ) -> dict[str, int]:
-        """While the batch does not draft, each request in its first decode step drafts k_initial
-        anyway, where that costs no catch-up (`_cheap_probe`): its own acceptance is then known
+        """While the batch does not draft, each request in its first decode step drafts anyway
+        (`opening_k`: k_initial, or less where the measured costs make that step dear), where
+        that costs no catch-up (`_cheap_probe`): its own acceptance is then known
         from its start instead of being the engine-wide estimate, which other requests made (one
         kind of request switching drafting off kept the next kind from ever drafting, and the
         periodic probes, k = 1 and backing off to one per PROBE_MAX steps, rarely corrected it).
         Once per request; a probe of part of the batch is not a cost sample (router). Paid from the
         probes' budget (ProbeSchedule.affords): a request whose first step the budget does not
         cover starts from the engine-wide estimate, as before opening probes."""
-        k_open = min(config.k_initial, hi)
+        k_open = opening_k(config, costs, batch, hi)
         if k_open <= 0:
             return {}
         probed = {s.request_id: self._cap(config, s, k_open) for s in seqs if self._cheap_probe(config, s)}
@@ -327,13 +329,10 @@ class Scheduler:
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
         # request not cheap now is not cheap one step on (its lag only grows), so the chain need not
         # wait for a probe none can take (plan_follow checks `_batch_k`'s probes again anyway).
-        if (
-            config.adaptive
-            and min(config.k_initial, config.k_max) > 0
-            and any(self._cheap_probe(config, s) for s in seqs if not s.opened)
-            and self.probes.affords(self._probe_extra(costs, len(seqs), min(config.k_initial, config.k_max)))
-        ):
-            return False  # an opening probe (_opening_probes)
+        if config.adaptive and any(self._cheap_probe(config, s) for s in seqs if not s.opened):
+            k_open = opening_k(config, costs, len(seqs), config.k_max)
+            if k_open > 0 and self.probes.affords(self._probe_extra(costs, len(seqs), k_open)):
+                return False  # an opening probe (_opening_probes)
         if (
             config.adaptive
             and self.probes.due
