@@ -7,15 +7,13 @@ pool (blocks, tokens, dtype) at start-up."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from services_helpers import (
     Client,
     Server,
+    concurrent_greedy,
     engine_options,
     free_port,
-    greedy_request,
     offline_outputs,
     random_prompts,
     serve_cmd,
@@ -51,17 +49,7 @@ def test_fp8_kv_serve_equals_plain_greedy(tiny_models, topology, extra):
     server = Server(cmd, echo=False).wait_ready()
     try:
         client = Client(f"127.0.0.1:{port}")
-        got: dict[int, list[int]] = {}
-
-        def run(n: int) -> None:
-            got[n] = client.generate(**greedy_request(prompts[n], max_tokens=max_tokens), timeout=120)[0]
-
-        threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert [got.get(n) for n in range(len(prompts))] == expected
+        assert concurrent_greedy(client, prompts, max_tokens) == expected
         client.close()
     finally:
         server.stop()

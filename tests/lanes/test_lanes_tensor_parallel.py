@@ -21,6 +21,7 @@ import pytest
 from services_helpers import (
     Client,
     Server,
+    concurrent_greedy,
     engine_options,
     free_port,
     greedy_request,
@@ -60,17 +61,7 @@ def test_tp2_serve_equals_single_process_greedy(tiny_models, topology):
         followers = [ln for ln in server.lines if FOLLOWER_LINE.search(ln)]
         assert len(followers) == (2 if topology == "split" else 1), "".join(server.lines[-20:])
         client = Client(f"127.0.0.1:{port}")
-        got: dict[int, list[int]] = {}
-
-        def run(n: int) -> None:
-            got[n] = client.generate(**greedy_request(prompts[n], max_tokens=max_tokens), timeout=120)[0]
-
-        threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        assert [got.get(n) for n in range(len(prompts))] == expected
+        assert concurrent_greedy(client, prompts, max_tokens) == expected
         assert os.kill(follower_pid(server), 0) is None  # the follower served them (alive, not replaced)
         client.close()
     finally:

@@ -78,6 +78,21 @@ class SlowLane:
         return call
 
 
+def concurrent_greedy(client, prompts: list[list[int]], max_tokens: int) -> list[list[int] | None]:
+    """Each prompt's greedy tokens from `client`, all requests in flight at once (None: no answer)."""
+    got: dict[int, list[int]] = {}
+
+    def run(n: int) -> None:
+        got[n] = client.generate(**greedy_request(prompts[n], max_tokens=max_tokens), timeout=120)[0]
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return [got.get(n) for n in range(len(prompts))]
+
+
 def started_lanes(options):
     """Yields the three lane processes of `options` started (a module fixture's body), then stops them."""
     from verifypd.lanes.processes import LaneProcesses
