@@ -92,8 +92,10 @@ def run_point(args, traced: bool, sink_port: int) -> dict:
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        if not ready.wait(args.ready_timeout):
-            raise RuntimeError("serve did not start:\n" + "".join(lines[-30:]))
+        deadline = time.monotonic() + args.ready_timeout
+        while not ready.wait(1.0):  # a serve that dies while starting is reported at once, not at the deadline
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not start (exit {proc.poll()}):\n" + "".join(lines[-30:]))
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r.json")
             cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]

@@ -14,6 +14,7 @@ the lane call channel.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from opentelemetry import trace
@@ -23,6 +24,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 TRACEPARENT = "traceparent"  # the header / metadata key
 _PROPAGATOR = TraceContextTextMapPropagator()
+log = logging.getLogger("verifypd.tracing")
 
 
 def exporting() -> bool:
@@ -34,7 +36,10 @@ def exporting() -> bool:
 
 def make_tracer(service_name: str, exporter=None) -> Tracer | None:
     """A tracer exporting over OTLP/gRPC when the environment names an endpoint, or to `exporter`
-    (tests); None when tracing is off. OTEL_SERVICE_NAME overrides `service_name`."""
+    (tests); None when tracing is off. OTEL_SERVICE_NAME overrides `service_name`.
+
+    An endpoint named with no importable OTLP exporter (a broken or partial install) turns tracing
+    off with one warning: serving must not depend on its telemetry."""
     if exporter is None and not exporting():
         return None
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
@@ -42,8 +47,15 @@ def make_tracer(service_name: str, exporter=None) -> Tracer | None:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            log.warning(
+                "tracing off in %s: an OTLP endpoint is set but the OTLP exporter can't be imported (%s)",
+                service_name,
+                exc,
+            )
+            return None
         exporter = OTLPSpanExporter()
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     provider = TracerProvider(resource=resource.merge(OTELResourceDetector().detect()))
