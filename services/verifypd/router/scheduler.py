@@ -128,10 +128,18 @@ class Scheduler:
         # plan_after's k decision when it drafted nothing: (request ids, k, probes), taken by the next
         # `_plan_decode` of the same requests instead of deciding again (one decision per step).
         self._decided: tuple[frozenset, int, dict] | None = None
+        # The k = 0 hold: the running requests changed `_roster` times; `_hold` is that count when
+        # `_batch_k` last found the lock-step batch off (k 0, decided) with no request it could
+        # probe (none fresh, every draft KV lagging: a lag only grows while nothing drafts). Until
+        # the roster changes or drafting is decided, plain steps skip the per-request probe checks
+        # (`held_steps` counts them): a k = 0 step with a draft costs the host what a plain one does.
+        self._roster, self._hold = 0, -1
+        self.held_steps = 0
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        self._roster += 1
 
     @property
     def num_waiting(self) -> int:
@@ -144,6 +152,7 @@ class Scheduler:
         """Drops a finished or cancelled sequence and returns its blocks."""
         self.target.free(seq.target_blocks)
         self.draft.free(seq.draft_blocks)
+        self._roster += 1
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -269,8 +278,11 @@ class Scheduler:
             self._drafting[key] = k_batch
         probed: dict[str, int] = {}
         periodic = False
-        fresh = [s for s in seqs if not s.opened]  # (most steps: none, and no per-request work below)
-        if k_batch == 0 and config.adaptive:
+        held = self._held(key, decoding) and k_batch == 0
+        if held:
+            self.held_steps += 1
+        fresh = [] if held else [s for s in seqs if not s.opened]  # (most steps: none)
+        if k_batch == 0 and config.adaptive and not held:
             if fresh and not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
                 probed = self._opening_probes(config, costs, fresh, hi, batch)
             if hi >= PROBE_K and self.probes.due and self.probes.affords(self._probe_extra(costs, batch, PROBE_K)):
@@ -285,7 +297,20 @@ class Scheduler:
         if not plain_unmeasured:
             for seq in fresh:  # a request's first decision is its only opening probe (its lag only grows)
                 seq.opened = True
+        if not held and key == "batch" and decoding is None:
+            self._hold = self._roster if self._holds(config, seqs, k_batch, probed, key) else -1
         return k_batch, probed
+
+    def _held(self, key: object, decoding: int | None) -> bool:
+        """The lock-step batch is in its k = 0 hold (`_hold`) and still decided off."""
+        return key == "batch" and decoding is None and self._hold == self._roster and self._off.get(key) is not None
+
+    def _holds(self, config: RuntimeConfig, seqs: list[Sequence], k_batch: int, probed: dict, key: object) -> bool:
+        """After a decision: does the batch enter the k = 0 hold? Off (decided), nothing probed, and no
+        request a probe could take (a pool-less draft can always be probed: never held)."""
+        if k_batch or probed or self._off.get(key) is None or isinstance(self.draft, _NoPool):
+            return False
+        return not any(not s.opened or self._cheap_probe(config, s) for s in seqs)
 
     @staticmethod
     def _probe_extra(costs: StepCostModel, batch: int, k: int) -> float:
@@ -324,6 +349,8 @@ class Scheduler:
         acceptance the step in flight teaches (a k = 0 step teaches none)."""
         if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
             return False
+        if self._held("batch", None):  # no request can be probed; decided off (see _batch_k)
+            return True
         if config.k_max == 0 or self.never_drafts or all(s.spec.max_k == 0 for s in seqs):
             return True
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
@@ -508,6 +535,7 @@ class Scheduler:
         seq = heapq.heappop(self._waiting)[1]
         seq.status = SeqStatus.PREFILLING
         self.running.append(seq)
+        self._roster += 1
         if seq.stats.scheduled_time is None:
             seq.stats.scheduled_time = self.clock()
 
