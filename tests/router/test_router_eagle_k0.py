@@ -11,8 +11,8 @@ import sys
 
 import pytest
 from engine_cases import write_head
-from engine_helpers import make_engine
-from test_router_overlap import costed_clock, drive, prompts
+from engine_helpers import costed_clock, make_engine
+from test_router_overlap import drive, prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.router.draft_length import PROBE_FIRST
@@ -111,3 +111,31 @@ def test_held_k0_steps_do_no_per_request_policy_work(tiny_models, head, batch):
     rechecks = steps // RECHECK_OFF_EVERY + 1
     assert counts.get("choose_batch_k", 0) <= rechecks, counts
     assert counts.get("step_s", 0) <= rechecks * (2 * (router.config.k_max + 1) + 2), counts
+
+
+def test_a_held_batch_that_drafts_again_grows_its_draft_blocks_then(tiny_models, head):
+    """Held at k = 0, plain steps grow no draft-pool blocks (nothing drafts); when drafting resumes
+    (here the operator sets k_min 2), the drafting step reserves the head's blocks for its whole
+    catch-up, every request drafts, and every block returns at the end."""
+    eagle = make_engine(tiny_models[0], head, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
+    router = eagle.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    for i, p in enumerate(prompts(6, 71)):
+        router.add_request(RequestSpec(p, max_tokens=150, stop_at_eos=False, request_id=f"g{i}"))
+    for _ in range(PROBE_FIRST + 10):
+        router.step()
+    scheduler = router.scheduler
+    assert scheduler.held_steps > PROBE_FIRST // 2, scheduler.held_steps
+    block = scheduler.draft_blocks.block_size
+    lagging = [s for s in scheduler.running if len(s.draft_blocks) * block < s.pending_pos - block]
+    assert len(lagging) == 6, [(len(s.draft_blocks), s.pending_pos) for s in scheduler.running]
+    drafted = {s.request_id: s.stats.draft_tokens for s in lagging}
+    router.config = router.config.updated(k_min=2)
+    for _ in range(3):
+        router.step()
+    assert all(s.stats.draft_tokens > drafted[s.request_id] for s in lagging), drafted
+    assert all(len(s.draft_blocks) * block >= s.pending_pos for s in scheduler.running)
+    while router.has_work():
+        router.step()
+    assert scheduler.draft_blocks.num_free == scheduler.draft_blocks.num_blocks
+    assert scheduler.target.num_free == scheduler.target.num_blocks

@@ -539,16 +539,17 @@ class Scheduler:
         if seq.stats.scheduled_time is None:
             seq.stats.scheduled_time = self.clock()
 
-    def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
-        if (
-            len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
-            and (self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k)
+    def _reserve(self, seq: Sequence, n: int, k: int, with_draft: bool = True) -> bool:
+        """Blocks for n + k + 1 target and (`with_draft`) n + k draft positions, all or nothing."""
+        draft = self.draft if with_draft else _NoPool()
+        if len(seq.target_blocks) * self.target.block_size >= n + k + 1 and (  # already held: most steps
+            not with_draft or self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k
         ):
             return True
-        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and self.draft.can_grow(seq.draft_blocks, n + k)):
+        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and draft.can_grow(seq.draft_blocks, n + k)):
             return False
         self.target.grow(seq.target_blocks, n + k + 1)
-        self.draft.grow(seq.draft_blocks, n + k)
+        draft.grow(seq.draft_blocks, n + k)
         return True
 
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
@@ -700,28 +701,33 @@ class Scheduler:
         is recorded as `plan` would record it. Only where that step is certain to be what `plan`
         would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
         Otherwise nothing changes and False is returned."""
-        if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs):
+        # Held at k = 0 (`_hold`), nothing drafts until the hold ends, so the draft pool's blocks are
+        # not grown: the step that drafts next reserves them all (`_reserve`), as a draft that
+        # catches up after plain steps needs them.
+        draft = not self._held("batch", None)
+        if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs, draft):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
         if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
             return False  # (_plain_certain rules this out; with k 0 and k_min 0 every cap is 0)
-        self._reserve_next_position(seqs)
+        self._reserve_next_position(seqs, draft)
         return True
 
-    def _next_position_fits(self, seqs: list[Sequence]) -> bool:
+    def _next_position_fits(self, seqs: list[Sequence], with_draft: bool = True) -> bool:
         """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
-        needs pending_pos + 2 target positions (a draft holds one fewer). Are those blocks free?"""
+        needs pending_pos + 2 target positions (a draft holds one fewer; `with_draft` False: not
+        counted). Are those blocks free?"""
         need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        draft = self.draft_blocks
+        draft = self.draft_blocks if with_draft else None
         return need <= self.target.num_free and (
             draft is None
             or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= draft.num_free
         )
 
-    def _reserve_next_position(self, seqs: list[Sequence]) -> None:
+    def _reserve_next_position(self, seqs: list[Sequence], with_draft: bool = True) -> None:
         """Reserves what `_next_position_fits` counted free (as _reserve(seq, n + 1, 0))."""
         for seq in seqs:
-            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
+            reserved = self._reserve(seq, seq.pending_pos + 1, 0, with_draft)
             assert reserved, "blocks counted free were not"
 
     def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
