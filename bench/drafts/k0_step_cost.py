@@ -77,7 +77,7 @@ def specs(prompts: list[list[int]], tag: str, max_tokens: int) -> list[RequestSp
 def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False) -> dict:
     router = engine.router
     sched = router.scheduler
-    before = (dict(sched.probes.k_counts), sched.held_steps, router.overlap.steps)
+    before = (dict(sched.probes.k_counts), getattr(sched, "held_steps", 0), router.overlap.steps)
     calls = [0]
 
     def profile(frame, event, arg):
@@ -100,7 +100,7 @@ def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False
         "decode_steps": steps,
         "python_calls": calls[0],
         "k_decisions": {k: n - before[0].get(k, 0) for k, n in sorted(k_counts.items()) if n > before[0].get(k, 0)},
-        "held_steps": sched.held_steps - before[1],
+        "held_steps": getattr(sched, "held_steps", 0) - before[1],  # (0 before the hold existed)
         "chained_steps": router.overlap.steps - before[2],
         "drafted": sum(c.usage["draft_tokens"] for c in done.values()),
         "outputs": [done[s.request_id].token_ids for s in batch],
