@@ -7,7 +7,8 @@ Rows (every row's outputs must equal plain decoding's; greedy):
     every forward), the policy fixed off: what attaching the draft costs a plain step;
   * `<draft> held at 0 (SIMULATED acceptance 0)`: the served adaptive policy, every draft rejected
     by a simulated verdict (real compute, Bernoulli(0) acceptance: labelled), so the batch drafts
-    only in its opening steps and is then held at k = 0 (Scheduler's k = 0 hold; `held_steps`).
+    only in its opening steps and is then held at k = 0 (Scheduler's k = 0 hold; `held_steps`);
+    the same for the head mixed with prompt lookup (`eagle+ngram:`).
 Per row: CPU ms per decode step of this single-threaded process (median run of --repeats, runs
 interleaved), wall ms per step, and Python function calls per decode step counted in one more run
 (deterministic: no load on a shared machine moves it), k decisions, held and chained steps.
@@ -135,11 +136,15 @@ def main() -> None:
             target, draft = args.target, args.draft or "eagle:smollm2"
             vocab, label = 32000, draft
         prompts = [[rng.randrange(3, vocab) for _ in range(40)] for _ in range(args.batch)]
+        mix = draft.replace("eagle:", "eagle+ngram:", 1) if draft.startswith("eagle:") else f"eagle+ngram:{draft}"
+        mix_label = label.replace("eagle:", "eagle+ngram:", 1)
         cases = [  # (row, draft, config, simulated acceptance)
             ("none", "none", OFF, None),
             (f"{label} k_max 0", draft, OFF, None),
             (f"{label} held at 0 (SIMULATED acceptance 0)", draft, RuntimeConfig(), 0.0),
+            (f"{mix_label} held at 0 (SIMULATED acceptance 0)", mix, RuntimeConfig(), 0.0),
         ]
+        labels = {"none": "none", draft: label, mix: mix_label}
         engines = {name: make_engine(target, d, c, args.device, sim) for name, d, c, sim in cases}
         for name in engines:  # warm: first calls, graphs, and the policy's costs at this batch
             for w in range(2):
@@ -159,7 +164,7 @@ def main() -> None:
         rows.append(
             {
                 "row": name,
-                "draft": label if d == draft else d,
+                "draft": labels[d],
                 "simulated_acceptance": sim,
                 "host_ms_per_step": host_ms,
                 "host_vs_none": host_ms / (1e3 * base["cpu_seconds"] / base["decode_steps"]),
