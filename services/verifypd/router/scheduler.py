@@ -297,7 +297,9 @@ class Scheduler:
         if not plain_unmeasured:
             for seq in fresh:  # a request's first decision is its only opening probe (its lag only grows)
                 seq.opened = True
-        if not held and key == "batch" and decoding is None:
+        if k_batch or probed:  # drafting (any batch or pdv group) may bring a draft KV up to date
+            self._hold = -1
+        elif not held and key == "batch" and decoding is None:
             self._hold = self._roster if self._holds(config, seqs, k_batch, probed, key) else -1
         return k_batch, probed
 
