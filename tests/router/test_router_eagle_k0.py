@@ -89,13 +89,15 @@ def _count_policy_calls(router, steps: int) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("batch", [4, 12])
-def test_held_k0_steps_do_no_per_request_policy_work(tiny_models, head, batch):
+@pytest.mark.parametrize("batch, mixed", [(4, False), (12, False), (12, True)])
+def test_held_k0_steps_do_no_per_request_policy_work(tiny_models, head, batch, mixed):
     """Once the batch is held at k = 0 (SIMULATED acceptance 0; past PROBE_FIRST steps, so a
     periodic probe is due, but every request's draft lags: none can take one), a step does none of
     the policy's per-request probe checks or cost estimates: only the decision recheck every
-    RECHECK_OFF_EVERY steps. (Without the hold each step checked every request and costed a probe.)"""
-    eagle = make_engine(tiny_models[0], head, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
+    RECHECK_OFF_EVERY steps. (Without the hold each step checked every request and costed a probe.)
+    `mixed`: the head mixed with prompt lookup (eagle+ngram), held the same way."""
+    draft = head.replace("eagle:", "eagle+ngram:", 1) if mixed else head
+    eagle = make_engine(tiny_models[0], draft, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
     router = eagle.router
     router.config = dataclasses.replace(router.config, overlap=True)
     for i, p in enumerate(prompts(batch, 71)):
