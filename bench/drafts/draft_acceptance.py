@@ -87,13 +87,18 @@ def run_family(
     engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int, repeats: int = 1
 ) -> dict:
     """`repeats` > 1: the family is generated that many times; the run of median wall time is reported
-    (`seconds_all`: every run's), and its tokens must be every run's (else `outputs` is None: a mismatch)."""
+    (`seconds_all`: every run's), and its tokens must be every run's (else `outputs` is None: a mismatch).
+    The repeats run on the same engine, so the draft-length policy's state (measured step costs,
+    acceptance estimate, probe schedule) carries from one into the next: `k_decisions_all` and
+    `drafted_all` give each run's, which is where repeats of an adaptive draft differ."""
     runs = [_run_family_once(engine, family, ids, max_tokens, batch) for _ in range(repeats)]
     chosen = sorted(runs, key=lambda r: r["seconds"])[(repeats - 1) // 2]
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     return {
         **chosen,
         "seconds_all": [round(r["seconds"], 5) for r in runs],
+        "k_decisions_all": [r["k_decisions"] for r in runs],
+        "drafted_all": [r["drafted"] for r in runs],
         "outputs": chosen["outputs"] if same else None,
     }
 
@@ -235,6 +240,9 @@ def main() -> None:
         "prompts_per_family": args.per_family,
         "warm_batches": args.warm_batches,
         "repeats": args.repeats,
+        "policy_state": "one engine per draft for the warm-up, every batch size and every repeat: the "
+        "adaptive policy's measured step costs, acceptance estimate and probe schedule carry from each "
+        "run into the next (rows: k_decisions_all, drafted_all per repeat)",
         "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)),
         "families": list(prompts),
         "rows": table,
@@ -287,6 +295,8 @@ def measure(
                     "seconds": r["seconds"],
                     "cpu_seconds": r["cpu_seconds"],
                     "seconds_all": r["seconds_all"],
+                    "k_decisions_all": r["k_decisions_all"],
+                    "drafted_all": r["drafted_all"],
                     "k_decisions": r["k_decisions"],
                     "probe_steps": r["probe_steps"],
                 }

@@ -6,12 +6,17 @@ target forward). SIMULATED acceptance 0, so that the policy turns drafting off w
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 from engine_cases import write_head
-from engine_helpers import make_engine
-from test_router_overlap import costed_clock, drive, prompts
+from engine_helpers import costed_clock, make_engine
+from test_router_overlap import drive, prompts
 
 from verifypd.domain.requests import RequestSpec
+from verifypd.router.draft_length import PROBE_FIRST
+from verifypd.router.scheduler import RECHECK_OFF_EVERY
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +65,79 @@ def test_eagle_k0_steps_chain_like_plain_decoding(tiny_models, head):
     assert router.overlap.steps >= off - 6, (router.overlap.steps, off, router.overlap.breaks)
     # Drafting calls come only from the steps that draft (the opening, probes), none from k = 0 steps.
     assert draft_calls[0] <= probes.drafting + probes.probes + 2, (draft_calls[0], probes.k_counts)
+
+
+# The draft-length policy's per-request and per-k work: none of it belongs in a step the policy
+# holds at k = 0 with no request it could probe (Scheduler._hold), bar the periodic recheck.
+POLICY_CALLS = frozenset({"_cheap_probe", "_probe_extra", "_opening_probes", "opening_k", "choose_batch_k", "step_s"})
+
+
+def _count_policy_calls(router, steps: int) -> dict[str, int]:
+    """Runs `steps` router steps, counting calls of POLICY_CALLS functions (by name) in them."""
+    counts: dict[str, int] = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in POLICY_CALLS:
+            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(steps):
+            router.step()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+@pytest.mark.parametrize("batch, mixed", [(4, False), (12, False), (12, True)])
+def test_held_k0_steps_do_no_per_request_policy_work(tiny_models, head, batch, mixed):
+    """Once the batch is held at k = 0 (SIMULATED acceptance 0; past PROBE_FIRST steps, so a
+    periodic probe is due, but every request's draft lags: none can take one), a step does none of
+    the policy's per-request probe checks or cost estimates: only the decision recheck every
+    RECHECK_OFF_EVERY steps. (Without the hold each step checked every request and costed a probe.)
+    `mixed`: the head mixed with prompt lookup (eagle+ngram), held the same way."""
+    draft = head.replace("eagle:", "eagle+ngram:", 1) if mixed else head
+    eagle = make_engine(tiny_models[0], draft, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
+    router = eagle.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    for i, p in enumerate(prompts(batch, 71)):
+        router.add_request(RequestSpec(p, max_tokens=120, stop_at_eos=False, request_id=f"h{i}"))
+    for _ in range(PROBE_FIRST + 10):
+        router.step()
+    scheduler = router.scheduler
+    assert scheduler.probes.due and scheduler.probes.k_counts.get(0, 0) > PROBE_FIRST, vars(scheduler.probes)
+    held_before, steps = scheduler.held_steps, 48
+    counts = _count_policy_calls(router, steps)
+    assert scheduler.held_steps - held_before >= steps - 2, scheduler.held_steps
+    assert not any(counts.get(name) for name in ("_cheap_probe", "_probe_extra", "_opening_probes")), counts
+    rechecks = steps // RECHECK_OFF_EVERY + 1
+    assert counts.get("choose_batch_k", 0) <= rechecks, counts
+    assert counts.get("step_s", 0) <= rechecks * (2 * (router.config.k_max + 1) + 2), counts
+
+
+def test_a_held_batch_that_drafts_again_grows_its_draft_blocks_then(tiny_models, head):
+    """Held at k = 0, plain steps grow no draft-pool blocks (nothing drafts); when drafting resumes
+    (here the operator sets k_min 2), the drafting step reserves the head's blocks for its whole
+    catch-up, every request drafts, and every block returns at the end."""
+    eagle = make_engine(tiny_models[0], head, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
+    router = eagle.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    for i, p in enumerate(prompts(6, 71)):
+        router.add_request(RequestSpec(p, max_tokens=150, stop_at_eos=False, request_id=f"g{i}"))
+    for _ in range(PROBE_FIRST + 10):
+        router.step()
+    scheduler = router.scheduler
+    assert scheduler.held_steps > PROBE_FIRST // 2, scheduler.held_steps
+    block = scheduler.draft_blocks.block_size
+    lagging = [s for s in scheduler.running if len(s.draft_blocks) * block < s.pending_pos - block]
+    assert len(lagging) == 6, [(len(s.draft_blocks), s.pending_pos) for s in scheduler.running]
+    drafted = {s.request_id: s.stats.draft_tokens for s in lagging}
+    router.config = router.config.updated(k_min=2)
+    for _ in range(3):
+        router.step()
+    assert all(s.stats.draft_tokens > drafted[s.request_id] for s in lagging), drafted
+    assert all(len(s.draft_blocks) * block >= s.pending_pos for s in scheduler.running)
+    while router.has_work():
+        router.step()
+    assert scheduler.draft_blocks.num_free == scheduler.draft_blocks.num_blocks
+    assert scheduler.target.num_free == scheduler.target.num_blocks

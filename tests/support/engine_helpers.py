@@ -240,3 +240,29 @@ def write_char_models(root: pathlib.Path, chat_template: str | None = None) -> t
     for path in (target, draft):
         write_char_tokenizer(path, chat_template)
     return str(target), str(draft)
+
+
+def costed_clock(router, verify_s=0.010, per_draft_s=0.002, draft_s=0.003, prefill_s=0.005) -> None:
+    """Gives the router a virtual clock that stands still except in lane calls, each of which moves
+    it by a fixed cost (per verify call plus per draft token, per draft token proposed, per prefill
+    call): the step costs the adaptive policy decides on no longer follow the load on the machine."""
+    now = [0.0]
+    router.context.clock = lambda: now[0]
+
+    def costed(lane, name, cost):
+        call = getattr(lane, name)
+
+        def timed(items, *args, **kwargs):
+            now[0] += cost(items)
+            return call(items, *args, **kwargs)
+
+        setattr(lane, name, timed)
+
+    def verify_cost(items):
+        return verify_s + per_draft_s * sum(len(i.draft_tokens) for i in items)
+
+    costed(router.verify_lane, "verify", verify_cost)
+    costed(router.verify_lane, "verify_start", verify_cost)
+    costed(router.draft_lane, "draft", lambda items: draft_s * max((i.k for i in items), default=0))
+    costed(router.prefill_lane, "prefill", lambda items: prefill_s)
+    costed(router.prefill_lane, "prefill_start", lambda items: prefill_s)

@@ -128,10 +128,18 @@ class Scheduler:
         # plan_after's k decision when it drafted nothing: (request ids, k, probes), taken by the next
         # `_plan_decode` of the same requests instead of deciding again (one decision per step).
         self._decided: tuple[frozenset, int, dict] | None = None
+        # The k = 0 hold: the running requests changed `_roster` times; `_hold` is that count when
+        # `_batch_k` last found the lock-step batch off (k 0, decided) with no request it could
+        # probe (none fresh, every draft KV lagging: a lag only grows while nothing drafts). Until
+        # the roster changes or drafting is decided, plain steps skip the per-request probe checks
+        # (`held_steps` counts them): a k = 0 step with a draft costs the host what a plain one does.
+        self._roster, self._hold = 0, -1
+        self.held_steps = 0
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        self._roster += 1
 
     @property
     def num_waiting(self) -> int:
@@ -144,6 +152,7 @@ class Scheduler:
         """Drops a finished or cancelled sequence and returns its blocks."""
         self.target.free(seq.target_blocks)
         self.draft.free(seq.draft_blocks)
+        self._roster += 1
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -269,8 +278,11 @@ class Scheduler:
             self._drafting[key] = k_batch
         probed: dict[str, int] = {}
         periodic = False
-        fresh = [s for s in seqs if not s.opened]  # (most steps: none, and no per-request work below)
-        if k_batch == 0 and config.adaptive:
+        held = self._held(key, decoding) and k_batch == 0
+        if held:
+            self.held_steps += 1
+        fresh = [] if held else [s for s in seqs if not s.opened]  # (most steps: none)
+        if k_batch == 0 and config.adaptive and not held:
             if fresh and not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
                 probed = self._opening_probes(config, costs, fresh, hi, batch)
             if hi >= PROBE_K and self.probes.due and self.probes.affords(self._probe_extra(costs, batch, PROBE_K)):
@@ -285,7 +297,22 @@ class Scheduler:
         if not plain_unmeasured:
             for seq in fresh:  # a request's first decision is its only opening probe (its lag only grows)
                 seq.opened = True
+        if k_batch or probed:  # drafting (any batch or pdv group) may bring a draft KV up to date
+            self._hold = -1
+        elif not held and key == "batch" and decoding is None:
+            self._hold = self._roster if self._holds(config, seqs, k_batch, probed, key) else -1
         return k_batch, probed
+
+    def _held(self, key: object, decoding: int | None) -> bool:
+        """The lock-step batch is in its k = 0 hold (`_hold`) and still decided off."""
+        return key == "batch" and decoding is None and self._hold == self._roster and self._off.get(key) is not None
+
+    def _holds(self, config: RuntimeConfig, seqs: list[Sequence], k_batch: int, probed: dict, key: object) -> bool:
+        """After a decision: does the batch enter the k = 0 hold? Off (decided), nothing probed, and no
+        request a probe could take (a pool-less draft can always be probed: never held)."""
+        if k_batch or probed or self._off.get(key) is None or isinstance(self.draft, _NoPool):
+            return False
+        return not any(not s.opened or self._cheap_probe(config, s) for s in seqs)
 
     @staticmethod
     def _probe_extra(costs: StepCostModel, batch: int, k: int) -> float:
@@ -324,6 +351,8 @@ class Scheduler:
         acceptance the step in flight teaches (a k = 0 step teaches none)."""
         if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
             return False
+        if self._held("batch", None):  # no request can be probed; decided off (see _batch_k)
+            return True
         if config.k_max == 0 or self.never_drafts or all(s.spec.max_k == 0 for s in seqs):
             return True
         # A due probe runs only for a request whose draft KV is close behind (_cheap_probe); a
@@ -508,19 +537,21 @@ class Scheduler:
         seq = heapq.heappop(self._waiting)[1]
         seq.status = SeqStatus.PREFILLING
         self.running.append(seq)
+        self._roster += 1
         if seq.stats.scheduled_time is None:
             seq.stats.scheduled_time = self.clock()
 
-    def _reserve(self, seq: Sequence, n: int, k: int) -> bool:
-        if (
-            len(seq.target_blocks) * self.target.block_size >= n + k + 1  # already held: most steps
-            and (self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k)
+    def _reserve(self, seq: Sequence, n: int, k: int, with_draft: bool = True) -> bool:
+        """Blocks for n + k + 1 target and (`with_draft`) n + k draft positions, all or nothing."""
+        draft = self.draft if with_draft else _NoPool()
+        if len(seq.target_blocks) * self.target.block_size >= n + k + 1 and (  # already held: most steps
+            not with_draft or self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k
         ):
             return True
-        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and self.draft.can_grow(seq.draft_blocks, n + k)):
+        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and draft.can_grow(seq.draft_blocks, n + k)):
             return False
         self.target.grow(seq.target_blocks, n + k + 1)
-        self.draft.grow(seq.draft_blocks, n + k)
+        draft.grow(seq.draft_blocks, n + k)
         return True
 
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
@@ -672,28 +703,33 @@ class Scheduler:
         is recorded as `plan` would record it. Only where that step is certain to be what `plan`
         would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
         Otherwise nothing changes and False is returned."""
-        if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs):
+        # Held at k = 0 (`_hold`), nothing drafts until the hold ends, so the draft pool's blocks are
+        # not grown: the step that drafts next reserves them all (`_reserve`), as a draft that
+        # catches up after plain steps needs them.
+        draft = not self._held("batch", None)
+        if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs, draft):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
         if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
             return False  # (_plain_certain rules this out; with k 0 and k_min 0 every cap is 0)
-        self._reserve_next_position(seqs)
+        self._reserve_next_position(seqs, draft)
         return True
 
-    def _next_position_fits(self, seqs: list[Sequence]) -> bool:
+    def _next_position_fits(self, seqs: list[Sequence], with_draft: bool = True) -> bool:
         """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
-        needs pending_pos + 2 target positions (a draft holds one fewer). Are those blocks free?"""
+        needs pending_pos + 2 target positions (a draft holds one fewer; `with_draft` False: not
+        counted). Are those blocks free?"""
         need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        draft = self.draft_blocks
+        draft = self.draft_blocks if with_draft else None
         return need <= self.target.num_free and (
             draft is None
             or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= draft.num_free
         )
 
-    def _reserve_next_position(self, seqs: list[Sequence]) -> None:
+    def _reserve_next_position(self, seqs: list[Sequence], with_draft: bool = True) -> None:
         """Reserves what `_next_position_fits` counted free (as _reserve(seq, n + 1, 0))."""
         for seq in seqs:
-            reserved = self._reserve(seq, seq.pending_pos + 1, 0)
+            reserved = self._reserve(seq, seq.pending_pos + 1, 0, with_draft)
             assert reserved, "blocks counted free were not"
 
     def join_now(self, config: RuntimeConfig, chunks: list) -> bool:

@@ -245,11 +245,12 @@ class StepContext:
         (BlockManager.release_before). Queries come at positions >= the committed ones (rollback
         never goes below them); a feature draft also reads the target's rows from its own
         draft_computed on, so the target keeps those too."""
-        first = seq.target_computed
-        if self.feature_draft:
-            first = min(first, seq.draft_computed)
-        seq.target_freed = self.target_blocks.release_before(seq.target_blocks, seq.target_freed, first)
-        if self.draft_blocks is not None:
+        if self.target_blocks.window:  # (a call per request per step saved where nothing slides)
+            first = seq.target_computed
+            if self.feature_draft:
+                first = min(first, seq.draft_computed)
+            seq.target_freed = self.target_blocks.release_before(seq.target_blocks, seq.target_freed, first)
+        if self.draft_blocks is not None and self.draft_blocks.window:
             seq.draft_freed = self.draft_blocks.release_before(seq.draft_blocks, seq.draft_freed, seq.draft_computed)
 
     # -- worker threads ----------------------------------------------------------------------

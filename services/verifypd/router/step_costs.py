@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-# Unmeasured: each drafted token is taken to add 10 % of a plain decode step (StepCostModel.step_s).
-DRAFT_COST_PRIOR = 0.1
+from verifypd.router.cost_estimates import DRAFT_COST_PRIOR, lock_step_estimate, pipelined_estimate
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -42,15 +41,17 @@ class StepCostModel:
     work is done (the tokens stay on the device for the verify call), so only their sum is real.
     The host work around the calls is included because it is paid per step: a pipelined step
     verifies half the batch, so it pays that work twice as often per token as a lock-step step.
-    An unmeasured k is estimated from the measured ones at that bucket (`step_s`); defaults describe
-    a memory-bound GPU until anything is measured. Steps whose draft first caught up on many
-    committed tokens (after steps without drafting), and probe steps that drafted for part of the
-    batch, are not typical and are not recorded by the router.
+    An unmeasured k is estimated conservatively from the measured ones (`step_s`,
+    router.cost_estimates); defaults describe a memory-bound GPU until anything is measured. Steps
+    whose draft first caught up on many committed tokens (after steps without drafting), and probe
+    steps that drafted for part of the batch, are not typical and are not recorded by the router.
     """
 
     def __init__(self, window: int = 9):
         self.window = window
         self._step: dict[tuple[int, int], float] = {}
+        # step_s of the current medians (a decision asks for every k, a nearby bucket's each time)
+        self._estimates: dict[tuple[int, int], float] = {}
         self._samples: dict[tuple[int, int], deque] = {}
         # pdv pipelined steps, by (padded group bucket, k): the wall time of one step in which one
         # group verifies its held drafts (k each) while the other group drafts.
@@ -63,7 +64,11 @@ class StepCostModel:
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         """A lock-step step (draft + verify of `batch` requests). Median of the last few steps: one
         slow step (a lazy compile, a GC pause) moves nothing."""
-        self._record(self._samples, self._step, (batch_bucket(batch), k), seconds)
+        key = (batch_bucket(batch), k)
+        before = self._step.get(key)
+        self._record(self._samples, self._step, key, seconds)
+        if self._step[key] != before:
+            self._estimates.clear()
 
     def observe_pipelined(self, group: int, k: int, seconds: float) -> None:
         """A pipelined pdv step whose verify call held `group` requests with k held drafts each."""
@@ -84,11 +89,16 @@ class StepCostModel:
         return samples is not None and len(samples) >= (PLAIN_SAMPLES if k == 0 else 1)
 
     def step_s(self, batch: int, k: int) -> float:
-        """Measured, or estimated from the k measured at this bucket (`_estimate`); with nothing
-        measured there, the defaults."""
-        b = batch_bucket(batch)
-        estimate = _estimate(self._step, b, k, monotone=True)
-        return self.default_verify_s + k * self.default_draft_step_s if estimate is None else estimate
+        """Measured, or estimated from the ks measured at this bucket, or from the relative costs of
+        a nearby one (`cost_estimates.lock_step_estimate`); with nothing measured here, the defaults."""
+        key = (batch_bucket(batch), k)
+        cached = self._estimates.get(key)
+        if cached is not None:
+            return cached
+        estimate = lock_step_estimate(self._step, key[0], k)
+        seconds = self.default_verify_s + k * self.default_draft_step_s if estimate is None else estimate
+        self._estimates[key] = seconds
+        return seconds
 
     def goodput(self, alphas: list[float], k: int, batch: int, rates: list[float] | None = None) -> float:
         """Tokens per second of a batch whose requests are asked for k drafts. `rates`: how often
@@ -112,9 +122,9 @@ class StepCostModel:
         pipelined step measured at the group's bucket, it is estimated by perfect overlap, half of
         the lock-step cost of one group (a pipelined step costs at least max(draft, verify) >=
         (draft + verify) / 2): optimistic, so pipelining is tried, and the measurement then
-        decides; once one k is measured there, other ks are estimated from it (`_estimate`), or at
+        decides; once one k is measured there, other ks are estimated from it (`pipelined_estimate`), or at
         low acceptance every unmeasured k would be tried in turn."""
-        estimate = _estimate(self._pipe, batch_bucket(group), k)
+        estimate = pipelined_estimate(self._pipe, batch_bucket(group), k)
         return self.step_s(group, k) / 2 if estimate is None else estimate
 
     def pipelined_goodput(self, alphas: list[float], k: int, batch: int, rates: list[float] | None = None) -> float:
@@ -154,56 +164,6 @@ def _any_of(rates: list[float]) -> float:
     for p in rates:
         none *= 1.0 - p
     return 1.0 - none
-
-
-def _estimate(medians: dict[tuple[int, int], float], bucket: int, k: int, monotone: bool = False) -> float | None:
-    """A step's cost at (bucket, k) from the ks measured at that bucket: exact; between two
-    measured ks linearly; beyond them along the measured slope (least squares, never falling with
-    k), or, with one point only, the prior that each drafted token adds DRAFT_COST_PRIOR of a plain
-    step. None when nothing is measured at the bucket. Not a lower bound: an unmeasured k that
-    would pay only if drafting were free is not tried (at acceptance 0.1 a k = 1 step must cost
-    under 1.1 plain steps to pay)."""
-    measured = {kk: v for (bb, kk), v in medians.items() if bb == bucket}
-    if not measured:
-        return None
-    if not monotone:  # pipelined steps: a group's drafts overlap the other group's verify
-        return _raw_estimate(measured, k)
-    # `monotone` (lock-step): a step with more drafts runs at least the work of one with fewer, so
-    # it is never taken cheaper than a measured smaller k. Without this floor one fast sample at a
-    # large k (a step whose draft lane proposed for few rows, or that the host did not slow) made
-    # that k look several times cheaper than its neighbours, and the policy drafted at it (seen on
-    # the embedded model with prompt lookup: k = 6 predicted at 3 x the goodput of k = 5).
-    floor = max((v for kk, v in measured.items() if kk < k), default=0.0)
-    return max(_raw_estimate(measured, k), floor)
-
-
-def _raw_estimate(measured: dict[int, float], k: int) -> float:
-    """_estimate without the monotone floor."""
-    exact = measured.get(k)
-    if exact is not None:
-        return exact
-    below, above = [kk for kk in measured if kk < k], [kk for kk in measured if kk > k]
-    if below and above:
-        lo, hi = max(below), min(above)
-        return measured[lo] + (measured[hi] - measured[lo]) * (k - lo) / (hi - lo)
-    ref = max(below) if below else min(above)
-    # Below the measured ks the line can reach 0 or less (a steep slope from k = 4, 5 down to 0;
-    # seen as a ZeroDivisionError in goodput when the operator lowered k_max under load): a step
-    # with fewer drafts still runs the whole verify forward, so it never costs less than half the
-    # cheapest step measured at this bucket.
-    return max(measured[ref] + (k - ref) * _slope(measured), 0.5 * min(measured.values()))
-
-
-def _slope(measured: dict[int, float]) -> float:
-    """Seconds per drafted token from the measured step costs of one bucket (see step_s)."""
-    if len(measured) == 1:
-        ((k, seconds),) = measured.items()
-        return DRAFT_COST_PRIOR * seconds / (1 + DRAFT_COST_PRIOR * k)
-    mean_k = sum(measured) / len(measured)
-    mean_s = sum(measured.values()) / len(measured)
-    num = sum((k - mean_k) * (v - mean_s) for k, v in measured.items())
-    den = sum((k - mean_k) ** 2 for k in measured)
-    return max(num / den, 0.0)
 
 
 class AcceptanceTracker:

@@ -1,0 +1,206 @@
+"""What a k = 0 step costs with a draft attached, against a `--no-speculation` step: host time and
+Python calls per decode step, at one batch size, in one process.
+
+Rows (every row's outputs must equal plain decoding's; greedy):
+  * `none`: plain decoding (`--no-speculation`);
+  * `<draft> k_max 0`: the draft attached (a feature draft: the target writes its feature rows in
+    every forward), the policy fixed off: what attaching the draft costs a plain step;
+  * `<draft> held at 0 (SIMULATED acceptance 0)`: the served adaptive policy, every draft rejected
+    by a simulated verdict (real compute, Bernoulli(0) acceptance: labelled), so the batch drafts
+    only in its opening steps and is then held at k = 0 (Scheduler's k = 0 hold; `held_steps`);
+    the same for the head mixed with prompt lookup (`eagle+ngram:`).
+Per row: CPU ms per decode step of this single-threaded process (median run of --repeats, runs
+interleaved), wall ms per step, and Python function calls per decode step counted in one more run
+(deterministic: no load on a shared machine moves it), k decisions, held and chained steps.
+
+CPU (default): a tiny random Llama (2 layers, hidden 32, vocabulary 512) and a random EAGLE head,
+written to a temp dir (the tests' writers); its forward is about as cheap as a step's host work.
+GPU: `--device cuda --target PATH.gguf` (the embedded SmolLM2-135M; draft `eagle:smollm2`).
+
+    python bench/drafts/k0_step_cost.py --out bench/results/k0_step_cost_cpu.json
+    python bench/drafts/k0_step_cost.py --smoke --out /tmp/k0_step_cost_smoke.json
+    python bench/drafts/k0_step_cost.py --device cuda --target $G --out k0_step_cost_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench_meta
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "support"))  # tiny checkpoints
+
+from bench_meta import metadata
+
+from verifypd.domain.config import RuntimeConfig
+from verifypd.domain.requests import RequestSpec
+from verifypd.engine import Engine, EngineOptions
+
+VOCAB = 512
+# --no-speculation; with a draft attached: the draft loaded (its feature rows written), never asked
+OFF = RuntimeConfig(k_min=0, k_max=0, k_initial=0, adaptive=False)
+
+
+def tiny_models(root: str) -> tuple[str, str]:
+    """A tiny target checkpoint and a random EAGLE head for it (the tests' writers)."""
+    import pathlib
+
+    from engine_cases import write_head
+    from engine_helpers import write_tiny_llama
+
+    target = write_tiny_llama(pathlib.Path(root) / "target", seed=1, layers=2, hidden=32, vocab=VOCAB)
+    return str(target), write_head((str(target),), os.path.join(root, "head"))
+
+
+def make_engine(target: str, draft: str, config: RuntimeConfig, device: str, simulated: float | None) -> Engine:
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    options = EngineOptions(
+        target=target, draft=draft, num_blocks=1024, block_size=16, dtype=dtype, device=device, config=config
+    )
+    return Engine(options, simulated_acceptance=simulated)
+
+
+def specs(prompts: list[list[int]], tag: str, max_tokens: int) -> list[RequestSpec]:
+    return [
+        RequestSpec(tuple(p), max_tokens=max_tokens, request_id=f"{tag}-{i}", stop_at_eos=False)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False) -> dict:
+    router = engine.router
+    sched = router.scheduler
+    before = (dict(sched.probes.k_counts), getattr(sched, "held_steps", 0), router.overlap.steps)
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    if count_calls:
+        sys.setprofile(profile)
+    try:
+        done = engine.generate(batch)
+    finally:
+        sys.setprofile(None)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps = max(c.usage["verify_steps"] for c in done.values())
+    k_counts = sched.probes.k_counts
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "decode_steps": steps,
+        "python_calls": calls[0],
+        "k_decisions": {k: n - before[0].get(k, 0) for k, n in sorted(k_counts.items()) if n > before[0].get(k, 0)},
+        "held_steps": getattr(sched, "held_steps", 0) - before[1],  # (0 before the hold existed)
+        "chained_steps": router.overlap.steps - before[2],
+        "drafted": sum(c.usage["draft_tokens"] for c in done.values()),
+        "outputs": [done[s.request_id].token_ids for s in batch],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--target", default=None, help="the target (default: a tiny random Llama written to a temp dir)")
+    ap.add_argument("--draft", default=None, help="default: a random EAGLE head (tiny), eagle:smollm2 (--target)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (interleaved); the median is kept")
+    ap.add_argument("--smoke", action="store_true", help="a quick run (2 repeats, 32 tokens, batch 4)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.batch < 1 or args.max_tokens < 2 or args.repeats < 1:
+        ap.error("--batch >= 1, --max-tokens >= 2, --repeats >= 1")
+    if args.smoke:
+        args.repeats, args.max_tokens, args.batch = 2, 32, 4
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device")
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as root:
+        if args.target is None:
+            target, head = tiny_models(root)
+            vocab, draft = VOCAB, args.draft or head
+            label = "eagle:<random head>" if draft == head else draft
+        else:
+            target, draft = args.target, args.draft or "eagle:smollm2"
+            vocab, label = 32000, draft
+        prompts = [[rng.randrange(3, vocab) for _ in range(40)] for _ in range(args.batch)]
+        mix = draft.replace("eagle:", "eagle+ngram:", 1) if draft.startswith("eagle:") else f"eagle+ngram:{draft}"
+        mix_label = label.replace("eagle:", "eagle+ngram:", 1)
+        cases = [  # (row, draft, config, simulated acceptance)
+            ("none", "none", OFF, None),
+            (f"{label} k_max 0", draft, OFF, None),
+            (f"{label} held at 0 (SIMULATED acceptance 0)", draft, RuntimeConfig(), 0.0),
+            (f"{mix_label} held at 0 (SIMULATED acceptance 0)", mix, RuntimeConfig(), 0.0),
+        ]
+        labels = {"none": "none", draft: label, mix: mix_label}
+        engines = {name: make_engine(target, d, c, args.device, sim) for name, d, c, sim in cases}
+        for name in engines:  # warm: first calls, graphs, and the policy's costs at this batch
+            for w in range(2):
+                engines[name].generate(specs(prompts, f"warm{w}", 32))
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for r in range(args.repeats):  # interleaved, so load from elsewhere spreads over every row
+            for name in engines:
+                runs[name].append(run_once(engines[name], specs(prompts, f"r{r}", args.max_tokens)))
+        counted = {name: run_once(engines[name], specs(prompts, "calls", args.max_tokens), True) for name in engines}
+    rows = []
+    base = sorted(runs["none"], key=lambda x: x["cpu_seconds"])[(args.repeats - 1) // 2]
+    base_calls = counted["none"]["python_calls"] / counted["none"]["decode_steps"]
+    for name, d, _, sim in cases:
+        chosen = sorted(runs[name], key=lambda x: x["cpu_seconds"])[(args.repeats - 1) // 2]
+        host_ms = 1e3 * chosen["cpu_seconds"] / chosen["decode_steps"]
+        calls = counted[name]["python_calls"] / counted[name]["decode_steps"]
+        rows.append(
+            {
+                "row": name,
+                "draft": labels[d],
+                "simulated_acceptance": sim,
+                "host_ms_per_step": host_ms,
+                "host_vs_none": host_ms / (1e3 * base["cpu_seconds"] / base["decode_steps"]),
+                "wall_ms_per_step": 1e3 * chosen["seconds"] / chosen["decode_steps"],
+                "python_calls_per_step": calls,
+                "python_calls_vs_none": calls / base_calls,
+                "same_output_as_no_speculation": all(r["outputs"] == runs["none"][0]["outputs"] for r in runs[name]),
+                **{k: chosen[k] for k in ("decode_steps", "k_decisions", "held_steps", "chained_steps", "drafted")},
+                "cpu_seconds_all": [round(x["cpu_seconds"], 5) for x in runs[name]],
+            }
+        )
+    result = {
+        **metadata(),
+        "what": (
+            "host work of k = 0 steps with a draft attached vs --no-speculation; "
+            f"target {'tiny random Llama (2 layers, hidden 32, vocab 512)' if args.target is None else args.target}"
+        ),
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "smoke": args.smoke,
+        "threads": 1,
+        "note": "median run by CPU time of this single-threaded process; python_calls from one more run, profiled",
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    for r in rows:
+        print(
+            f"{r['row']:52s} host {r['host_ms_per_step']:.3f} ms/step ({r['host_vs_none']:.3f}x) "
+            f"calls {r['python_calls_per_step']:.0f}/step ({r['python_calls_vs_none']:.3f}x) "
+            f"held {r['held_steps']} chained {r['chained_steps']}/{r['decode_steps']} k {r['k_decisions']} "
+            f"same {r['same_output_as_no_speculation']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
