@@ -17,7 +17,8 @@ triton = pytest.importorskip("triton")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernel runs on CPU only under TRITON_INTERPRET=1", allow_module_level=True)
 
-from verifypd.model.kernels.paged_attention import kv_splits, paged_attention  # noqa: E402
+from verifypd.model.kernels.paged_attention import paged_attention  # noqa: E402
+from verifypd.model.split_kv import attention_programs, kv_splits  # noqa: E402
 
 # a prefix-cache hit: a few new tokens after a long cached prefix; and two contexts shorter than the parts
 CASES = {**CASES, "cached_suffix": [(300, 18)], "short": [(3, 2), (0, 1)]}
@@ -56,6 +57,7 @@ def test_split_count():
     assert kv_splits(6, 132) == 16  # capped
     assert kv_splits(100, 132) == 4
     assert kv_splits(1024, 132) == 1
+    assert attention_programs(1, 32, 1, 32) == 32 and attention_programs(1, 3, 3, 32) == 6
     with pytest.raises(ValueError, match="splits"):
         q, kc, vc, tables, pos, qs, max_q = make_case(
             [(4, 1)], heads=2, kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, gen=torch.Generator()

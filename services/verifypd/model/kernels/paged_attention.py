@@ -201,15 +201,6 @@ def _combine_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def kv_splits(programs: int, sm_count: int, most: int = 16) -> int:
-    """How many parts to split each program's keys into (a power of two, 1..`most`) so that a grid of
-    `programs` (sequences x kv heads x query tiles) fills about twice `sm_count` SMs: one sequence's
-    long context otherwise runs on a few SMs, each walking every key of its head (Llama-2-7B's
-    32 heads at batch 1: 32 programs on an H200's 132 SMs)."""
-    want = -(-2 * sm_count // max(programs, 1))
-    return min(most, triton.next_power_of_2(max(want, 1)))
-
-
 def tile_rows(max_query: int, group: int) -> int:
     """Query rows per program: the smallest power of two >= the rows of one sequence, 16..64."""
     return min(64, max(16, triton.next_power_of_2(max_query * group)))
