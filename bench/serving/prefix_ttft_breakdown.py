@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # floor_profile
-from floor_profile import copy_bandwidth, gemm_bytes, kernel_class, runs_for, step_seconds  # noqa: E402
+from floor_profile import copy_bandwidth, gemm_bytes, kernel_class, runs_for, step_seconds
 
 PHASES = ("add_request", "plan", "prefill_launch", "first_token_wait", "commit")
 
@@ -80,9 +80,8 @@ def gpu_profile(fn, cuda: bool) -> dict:
         fn()
         if cuda:
             torch.cuda.synchronize()
-    kernels = [
-        ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0
-    ]
+    on_device = torch.autograd.DeviceType.CUDA
+    kernels = [ev for ev in prof.events() if ev.device_type == on_device and ev.time_range.elapsed_us() > 0]
     if not kernels:
         return {"kernels": 0, "note": "no device kernels recorded (CPU run)"}
     spans = sorted((ev.time_range.start, ev.time_range.end) for ev in kernels)
