@@ -67,6 +67,7 @@ class ModelRunner:
         # attention (model.split_kv): `prefill_splits[Q]` parts in the graph of query Q.
         self.split_min_context = SPLIT_MIN_CONTEXT
         self.prefill_splits: dict[int, int] = {}
+        self._sm_count: int | None = None  # splits_for's, read once
 
     def capture_prefill_graphs(self, queries: tuple[int, ...] = PREFILL_GRAPH_QUERIES) -> float:
         """Captures ("last", 1, Q) graphs for one-sequence prefill chunks (`forward`), in a GraphRunner
@@ -101,13 +102,14 @@ class ModelRunner:
         """Split-KV parts for one sequence of `query` new tokens (1: the Triton attention is not used)."""
         if self.model.attention != "triton":
             return 1
+        if self._sm_count is None:
+            cuda = self.device.type == "cuda"
+            self._sm_count = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else CPU_SM_STANDIN
+            )
         s = self.model.shape
-        if self.device.type == "cuda":
-            sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            sm_count = CPU_SM_STANDIN
         programs = attention_programs(1, s.num_kv_heads, s.num_heads // s.num_kv_heads, query)
-        return kv_splits(programs, sm_count)
+        return kv_splits(programs, self._sm_count)
 
     @property
     def vocab_size(self) -> int:
