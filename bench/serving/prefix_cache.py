@@ -45,7 +45,8 @@ for sub in ("services", "bench"):
 from bench_meta import metadata, write_result  # noqa: E402
 
 
-def run_mode(models, options, prompts: dict[str, list[int]], max_tokens: int) -> list[dict]:
+def run_mode(models, options, prompts: dict[str, list[int]], max_tokens: int, after=None) -> list[dict]:
+    """`after(engine)`: called on the engine once the rows are measured, before it is closed."""
     from verifypd.domain.requests import RequestSpec
     from verifypd.engine import Engine
 
@@ -64,6 +65,8 @@ def run_mode(models, options, prompts: dict[str, list[int]], max_tokens: int) ->
             }
         )
         print(f"  {name:8s} prompt {len(prompt):5d}  cached {rows[-1]['cached_tokens']:5d}  ttft {done.ttft_s:.3f} s")
+    if after is not None:
+        after(engine)
     engine.router.close()
     return rows
 
@@ -84,23 +87,25 @@ def measure(args, target: str, draft: str) -> dict:
     # a short and a full-length unrelated prompt: the shapes `first` will run are warm
     warmup = {"warmup": ids(32), "warmup_long": ids(args.prefix + args.suffix)}
 
-    modes = {}
-    for mode, on in (("uncached", False), ("cached", True)):
-        print(f"{target} {mode}:")
-        options = EngineOptions(**{**base.__dict__, "prefix_cache": on})
-        rows = run_mode(models, options, {**warmup, **prompts}, args.max_tokens)
-        modes[mode] = [r for r in rows if not r["request"].startswith("warmup")]
-    details = None
-    if args.breakdown:
+    details: dict = {}
+
+    def explain(engine) -> None:  # --breakdown, on the cached mode's engine (no second start-up)
         from prefix_ttft_breakdown import breakdown
 
         print(f"{target} breakdown of the cached request's TTFT:")
-        options = EngineOptions(**{**base.__dict__, "prefix_cache": True})
-        details = breakdown(models, options, prefix, lambda: ids(args.suffix), args.breakdown_requests, args.max_tokens)
+        details.update(breakdown(engine, prefix, lambda: ids(args.suffix), args.breakdown_requests, args.max_tokens))
         print(json.dumps({k: v for k, v in details.items() if not k.startswith("split_kv")}, default=str))
         for side in ("split_kv_on", "split_kv_off"):
             d = details[side]
             print(f"  {side}: ttft {d['ttft_ms_median']:.3f} ms, host {d['host_phase_ms_median']}, gpu {d['gpu']}")
+
+    modes = {}
+    for mode, on in (("uncached", False), ("cached", True)):
+        print(f"{target} {mode}:")
+        options = EngineOptions(**{**base.__dict__, "prefix_cache": on})
+        after = explain if on and args.breakdown else None
+        rows = run_mode(models, options, {**warmup, **prompts}, args.max_tokens, after)
+        modes[mode] = [r for r in rows if not r["request"].startswith("warmup")]
     del models
     cached = {r["request"]: r for r in modes["cached"]}
     uncached = {r["request"]: r for r in modes["uncached"]}
@@ -112,7 +117,7 @@ def measure(args, target: str, draft: str) -> dict:
         "second_over_first_ttft_uncached": uncached["second"]["ttft_s"] / uncached["first"]["ttft_s"],
         "second_cached_over_uncached_ttft": cached["second"]["ttft_s"] / uncached["second"]["ttft_s"],
         "same_tokens": all(cached[n]["token_ids"] == uncached[n]["token_ids"] for n in prompts),
-        **({"ttft_breakdown": details} if details is not None else {}),
+        **({"ttft_breakdown": details} if details else {}),
     }
 
 

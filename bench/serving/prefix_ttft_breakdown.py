@@ -1,7 +1,7 @@
 """Where a prefix-cache hit's time to first token goes (bench/serving/prefix_cache.py --breakdown).
 
-Over one in-process engine with the prefix cache on (the models prefix_cache.py loaded), after a warm-up
-and one uncached request of the prefix: `--breakdown-requests` requests PREFIX + a new suffix each
+Over prefix_cache.py's in-process engine with the prefix cache on (after its rows), after a warm-up and
+one request of the prefix (cached already, or cached by it): `--breakdown-requests` requests PREFIX + a new suffix each
 (every one a hit on all of PREFIX's full blocks), and per request:
   * TTFT (the engine's stats: arrival to first token);
   * host phases, wall time around the router's calls: add_request (validation, sequence), plan (the
@@ -111,12 +111,11 @@ def gpu_profile(fn, cuda: bool) -> dict:
     }
 
 
-def breakdown(models, options, prefix: list[int], new_suffix, requests: int, max_tokens: int) -> dict:
-    """See the module doc. `new_suffix()`: a fresh suffix (token ids) per request."""
+def breakdown(engine, prefix: list[int], new_suffix, requests: int, max_tokens: int) -> dict:
+    """See the module doc. `engine`: an in-process Engine with the prefix cache on (its methods are
+    wrapped: close it afterwards); `new_suffix()`: a fresh suffix (token ids) per request."""
     from verifypd.domain.requests import RequestSpec
-    from verifypd.engine import Engine
 
-    engine = Engine(options, models=models)
     runner = engine.verify_lane.target  # the target's ModelRunner (the prefill lane's too)
     cuda = runner.device.type == "cuda"
     clock = PhaseClock(engine)
@@ -149,18 +148,21 @@ def breakdown(models, options, prefix: list[int], new_suffix, requests: int, max
             "gpu": gpu_profile(lambda: one(prefix + new_suffix()), cuda),
         }
 
+    context = len(prefix)
     split_on = measure()
     min_context = runner.split_min_context
     runner.split_min_context = 1 << 30  # split-KV off: the plain graphs
     split_off = measure()
     runner.split_min_context = min_context
 
-    context = len(prefix)
     weights = sum(gemm_bytes(runner.model).values())
     result = {
         "requests": requests,
         "prefix_tokens": context,
         "prefill_splits": dict(runner.prefill_splits),
+        # split-KV runs in the Triton attention's prefill graphs (CUDA) past split_min_context; elsewhere
+        # (the CPU's reference attention, a short prefix) both sides run the same path
+        "split_kv_active": bool(runner.prefill_splits) and context >= runner.split_min_context,
         "split_kv_on": split_on,
         "split_kv_off": split_off,
         "weight_bytes": weights,
@@ -177,5 +179,4 @@ def breakdown(models, options, prefix: list[int], new_suffix, requests: int, max
             ttft_over_floor=round(split_on["ttft_ms_median"] / floor_ms, 3),
             ttft_over_floor_split_off=round(split_off["ttft_ms_median"] / floor_ms, 3),
         )
-    engine.router.close()
     return result
