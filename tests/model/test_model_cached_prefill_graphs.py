@@ -90,3 +90,38 @@ def test_short_context_takes_the_plain_graph(model_dir):
     runner.prefill_graphs.graph_for = lambda key: keys.append(key) or graph_for(key)
     runner.forward([TokenRun([5, 6, 7], 0, (1, 2))], "last")
     assert keys == [("last", 1, 16)]
+
+
+@pytest.mark.slow  # the Triton interpreter over whole requests
+def test_engine_prefix_hits_through_split_attention_equal_the_uncached_engine(model_dir, monkeypatch):
+    """The whole engine (prompt lookup drafts k = 3, greedy): requests sharing a 40-token prefix, the
+    cached engine's suffix prefills run split-KV attention (its eager path on the CPU), the uncached
+    engine's the torch reference; same tokens, and the hits were hits."""
+    from engine_helpers import make_engine
+
+    from verifypd.domain.requests import RequestSpec
+
+    rng = random.Random(6)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 7, 5)]
+
+    def run(engine):
+        out = []
+        for n, p in enumerate(prompts):  # one at a time: each finds the ones before it cached
+            done = engine.generate([RequestSpec(tuple(p), max_tokens=8, stop_at_eos=False, request_id=str(n))])
+            out.append((done[str(n)].token_ids, done[str(n)].usage["cached_tokens"]))
+        return out
+
+    monkeypatch.setenv("VERIFYPD_ATTENTION", "reference")
+    expected = run(make_engine(model_dir, "ngram", k=3, prefix_cache=False))
+    monkeypatch.setenv("VERIFYPD_ATTENTION", "triton")
+    engine = make_engine(model_dir, "ngram", k=3)
+    runner = engine.verify_lane.target
+    runner.split_min_context = 32
+    splits = []
+    splits_for = runner.splits_for
+    runner.splits_for = lambda query: splits.append(splits_for(query)) or splits[-1]
+    got = run(engine)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert [c for _, c in got] == [0, 40, 40] and [c for _, c in expected] == [0, 0, 0]
+    assert len(splits) == 2 and min(splits) > 1  # the two hits' suffixes went split
