@@ -14,6 +14,7 @@ the CPU, <= 0.1 on a GPU. PREFIX is seeded random token ids of the model's vocab
     python bench/serving/prefix_cache.py --device cuda --out bench/results        # GPU
     python bench/serving/prefix_cache.py --smoke --target TINY_DIR --draft ngram --out /tmp/x  (CPU test)
     python bench/serving/prefix_cache.py --device cuda --target $G --also random:llama-2-7b --out bench/results
+    python bench/serving/prefix_cache.py --device cuda --target $G --also random:llama-2-7b --breakdown --out /tmp/o
 
 Each mode first warms up on an unrelated prompt of the measured length too, so `first` pays its
 prefill, not the one-time costs of a new shape (kernel compilation, allocator growth).
@@ -22,6 +23,10 @@ prefill, not the one-time costs of a new shape (kernel compilation, allocator gr
 (the result's `also`, labelled so): a realistic prefill cost for a 1,500-token prefix, which the 135M
 embedded model's tiny prefill hides behind fixed per-request costs. Caching is by token ids, so
 random weights measure it exactly; the generated tokens mean nothing.
+
+`--breakdown` (per target, `ttft_breakdown` in the result; prefix_ttft_breakdown.py): the cached request's
+TTFT split into host phases and GPU kernels (busy / idle), with split-KV attention (model.split_kv) on
+and off on the same engine, and the floor: the target's weight bytes / the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ for sub in ("services", "bench"):
 from bench_meta import metadata, write_result  # noqa: E402
 
 
-def run_mode(models, options, prompts: dict[str, list[int]], max_tokens: int) -> list[dict]:
+def run_mode(models, options, prompts: dict[str, list[int]], max_tokens: int, after=None) -> list[dict]:
+    """`after(engine)`: called on the engine once the rows are measured, before it is closed."""
     from verifypd.domain.requests import RequestSpec
     from verifypd.engine import Engine
 
@@ -59,6 +65,8 @@ def run_mode(models, options, prompts: dict[str, list[int]], max_tokens: int) ->
             }
         )
         print(f"  {name:8s} prompt {len(prompt):5d}  cached {rows[-1]['cached_tokens']:5d}  ttft {done.ttft_s:.3f} s")
+    if after is not None:
+        after(engine)
     engine.router.close()
     return rows
 
@@ -79,11 +87,24 @@ def measure(args, target: str, draft: str) -> dict:
     # a short and a full-length unrelated prompt: the shapes `first` will run are warm
     warmup = {"warmup": ids(32), "warmup_long": ids(args.prefix + args.suffix)}
 
+    details: dict = {}
+
+    def explain(engine) -> None:  # --breakdown, on the cached mode's engine (no second start-up)
+        from prefix_ttft_breakdown import breakdown
+
+        print(f"{target} breakdown of the cached request's TTFT:")
+        details.update(breakdown(engine, prefix, lambda: ids(args.suffix), args.breakdown_requests, args.max_tokens))
+        print(json.dumps({k: v for k, v in details.items() if not k.startswith("split_kv")}, default=str))
+        for side in ("split_kv_on", "split_kv_off"):
+            d = details[side]
+            print(f"  {side}: ttft {d['ttft_ms_median']:.3f} ms, host {d['host_phase_ms_median']}, gpu {d['gpu']}")
+
     modes = {}
     for mode, on in (("uncached", False), ("cached", True)):
         print(f"{target} {mode}:")
         options = EngineOptions(**{**base.__dict__, "prefix_cache": on})
-        rows = run_mode(models, options, {**warmup, **prompts}, args.max_tokens)
+        after = explain if on and args.breakdown else None
+        rows = run_mode(models, options, {**warmup, **prompts}, args.max_tokens, after)
         modes[mode] = [r for r in rows if not r["request"].startswith("warmup")]
     del models
     cached = {r["request"]: r for r in modes["cached"]}
@@ -96,6 +117,7 @@ def measure(args, target: str, draft: str) -> dict:
         "second_over_first_ttft_uncached": uncached["second"]["ttft_s"] / uncached["first"]["ttft_s"],
         "second_cached_over_uncached_ttft": cached["second"]["ttft_s"] / uncached["second"]["ttft_s"],
         "same_tokens": all(cached[n]["token_ids"] == uncached[n]["token_ids"] for n in prompts),
+        **({"ttft_breakdown": details} if details else {}),
     }
 
 
@@ -109,11 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--also", default=None, help="a second target measured the same way (e.g. random:llama-2-7b)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also where a cache hit's TTFT goes: host phases, GPU kernels / busy / idle, split-KV on vs off, "
+        "the weight-bytes floor (prefix_ttft_breakdown.py)",
+    )
+    p.add_argument("--breakdown-requests", type=int, default=8, help="cached requests per --breakdown side")
     p.add_argument("--smoke", action="store_true", help="small sizes (a CPU test of the script)")
     p.add_argument("--out", default=None, help="directory for prefix_cache_<device>.json")
     args = p.parse_args(argv)
     if args.smoke:
         args.prefix, args.max_tokens = min(args.prefix, 64), min(args.max_tokens, 2)
+        args.breakdown_requests = min(args.breakdown_requests, 2)
 
     main_run = measure(args, args.target, args.draft)
     gpu = not metadata()["device"].startswith("cpu")

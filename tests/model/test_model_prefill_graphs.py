@@ -43,7 +43,9 @@ def test_prefill_chunks_through_the_graphs_equal_the_eager_forward(tiny_models):
     assert graphed.prefill_graphs is not None and eager.prefill_graphs is None
     replays = []
     last_logits = graphed.prefill_graphs.last_logits
-    graphed.prefill_graphs.last_logits = lambda runs, query: replays.append(query) or last_logits(runs, query)
+    graphed.prefill_graphs.last_logits = lambda runs, query, *rest: (
+        replays.append(query) or last_logits(runs, query, *rest)
+    )
     rng = random.Random(3)
     tokens = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
     blocks = lambda i: tuple(range(i * 24, (i + 1) * 24))  # noqa: E731  24 blocks: 96 positions

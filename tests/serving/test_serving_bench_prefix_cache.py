@@ -33,7 +33,8 @@ def run(script: str, *argv: str) -> None:
 
 def test_prefix_cache_with_a_second_target(tiny_models, tmp_path):
     target, second = tiny_models
-    run("prefix_cache.py", "--smoke", "--device", "cpu", "--target", target, "--also", second, "--out", str(tmp_path))
+    argv = ["--smoke", "--device", "cpu", "--target", target, "--also", second, "--breakdown", "--out", str(tmp_path)]
+    run("prefix_cache.py", *argv)
     result = json.loads((tmp_path / "prefix_cache_cpu.json").read_text())
     assert {"command", "git_revision", "date", "device"} <= result.keys()
     for run_ in (result, result["also"]):
@@ -41,6 +42,17 @@ def test_prefix_cache_with_a_second_target(tiny_models, tmp_path):
         cached = {r["request"]: r["cached_tokens"] for r in run_["modes"]["cached"]}
         assert cached["first"] == 0 and cached["second"] >= 48 and cached["repeat"] >= cached["second"]
         assert all(r["cached_tokens"] == 0 for r in run_["modes"]["uncached"])
+    for side in ("split_kv_on", "split_kv_off"):  # --breakdown: every measured request was a cache hit
+        details = result["ttft_breakdown"][side]
+        assert len(details["ttft_ms"]) == 2 and all(n >= 48 for n in details["cached_tokens"])
+        assert details["host_phase_ms_median"].keys() == {
+            "add_request",
+            "plan",
+            "prefill_launch",
+            "first_token_wait",
+            "commit",
+        }
+        assert all(v > 0 for v in details["host_phase_ms_median"].values())
     assert result["also"]["target"] == second and result["also"]["weights"] == f"as given: {second}"
 
 

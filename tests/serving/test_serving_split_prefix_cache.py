@@ -2,14 +2,26 @@
 draft): the router allocates every block, so with KV passed by handle the prefill lane attends over
 the very pool the verify lane writes, and a cached prompt's prefill computes only the uncached suffix.
 Greedy and seeded tokens equal the uncached offline engine's; usage reports the cached tokens. With
-copied KV (staging pools that never see the verify lane's writes) caching stays off."""
+copied KV (staging pools that never see the verify lane's writes) caching stays off. `verifypd serve
+--topology split` with n > 1: the gateway (another process) learns from the core that it caches, so
+samples 1.. start from sample 0's prompt KV."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from services_helpers import Client, engine_options, greedy_request, offline_outputs, split_gateway, started_lanes
+from services_helpers import (
+    Client,
+    Server,
+    engine_options,
+    free_port,
+    greedy_request,
+    offline_outputs,
+    serve_cmd,
+    split_gateway,
+    started_lanes,
+)
 
 from verifypd.domain.requests import RequestSpec, SamplingParams
 from verifypd.v1 import generate_pb2
@@ -74,6 +86,7 @@ def test_handle_transport_caches_and_equals_uncached(tiny_models, lanes, seed):
     with gateway(tiny_models, lanes, "handle") as gw:
         assert set(gw.wiring.mode_by_pool.values()) == {"imported"}
         assert gw.router.prefix is not None
+        assert gw.share_prefix  # the core's ready message says it caches (as `serve`'s gateway hears it)
         tokens, cached = run(gw, seed)
         assert tokens == expected(tiny_models, seed)
         # 30 shared tokens = 7 full blocks of 4; 17 shared: 4 blocks; the repeat: all but the last
@@ -89,3 +102,31 @@ def test_copy_transport_keeps_caching_off(tiny_models, lanes):
         assert tokens == expected(tiny_models, None)
         assert cached == [0, 0, 0, 0, 0]
         assert gw.router.prefix is None and not gw.share_prefix
+
+
+def test_serve_split_samples_share_sample_zeros_prompt_kv(tiny_models):
+    """The real command line: the gateway process cannot see the lanes' wiring; the core's ready
+    message says it caches, so samples 1.. are submitted after sample 0's first token. The prompt is
+    prefilled 16 tokens a step: samples submitted at once would be admitted while sample 0's prompt is
+    still being computed, and compute the rest of it themselves."""
+    port = free_port()
+    extra = ("--draft", DRAFT, "--prefill-token-budget", "16")
+    server = Server(serve_cmd(tiny_models, port, *extra, topology="split"), echo=False).wait_ready()
+    try:
+        client = Client(f"127.0.0.1:{port}")
+        rng = random.Random(9)
+        prompt = [rng.randrange(3, 90) for _ in range(64)]  # 16 blocks of 4: 4 prefill steps
+        request = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            max_tokens=6,
+            stop_at_eos=False,
+            sampling=generate_pb2.SamplingParams(temperature=1.0, seed=3),
+            n=3,
+        )
+        msgs = list(client.gen.Generate(request, timeout=120))
+        client.close()
+    finally:
+        server.stop()
+    cached = {m.choice_index: m.usage.cached_tokens for m in msgs if m.finish_reason}
+    # sample 0 computed the prompt; 1.. found all its blocks but the one that samples the first token
+    assert cached == {0: 0, 1: 60, 2: 60}, "".join(server.lines[-20:])

@@ -159,6 +159,7 @@ class CoreClient:
         self.channel, self.codec, self.on_failure, self.on_state = channel, codec, on_failure, on_state
         self.info: generate_pb2.ServerInfo | None = None
         self.eos: frozenset[int] = frozenset()
+        self.prefix_cache = False  # the core caches prefixes (its ready message says)
         self.failed: str | None = None
         self.draining = False
         self.access_log = False  # `serve --access-log`: one verifypd.access line per request
@@ -366,6 +367,7 @@ class CoreClient:
             sliding_window_kv=i["sliding_window_kv"],
         )
         self.eos = frozenset(msg["eos"])
+        self.prefix_cache = bool(msg.get("prefix_cache", False))
         if not self._ready.done():
             self._ready.set_result(None)
 

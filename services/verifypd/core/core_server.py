@@ -125,6 +125,9 @@ class CoreServer:
                 "sliding_window_kv": info.sliding_window_kv,
             },
             "eos": sorted(self.router.eos_token_ids),
+            # whether this core caches prefixes (split: only with KV passed by handle), so the
+            # gateway makes samples 1.. of a request wait for sample 0's prompt KV (gateway.samples)
+            "prefix_cache": self.router.prefix is not None,
         }
 
     def start(self, *, loop_in_thread: bool) -> None:

@@ -8,8 +8,8 @@ cache holds none of the prompt yet, so each would compute its own copy of every 
 first token is out, its full prompt blocks are in the cache, and samples 1.. are submitted then: each
 computes only the prompt's last partial block (and the position that samples its first token). They
 wait one prefill for that; a prompt shorter than a block shares nothing and still waits, a cost of
-one short prefill. Without a prefix cache (`--no-prefix-cache`; `serve --topology split`, whose
-gateway cannot tell whether its core caches) they are submitted together.
+one short prefill. Without a prefix cache (`--no-prefix-cache`; the split topology with copied KV:
+the core's ready message tells the gateway) they are submitted together.
 """
 
 from __future__ import annotations

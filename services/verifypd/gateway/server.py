@@ -176,12 +176,13 @@ class Gateway:
         info=None,
         tls=None,
         limits: ConnectionLimits | None = None,
-        share_prefix: bool = True,
+        share_prefix: bool | None = True,
     ):
         """`limits`: connections and idle timeouts of the gRPC port (net/limits.py; serve sizes them
         from the descriptor limit), None: the defaults of in-process gateways. `share_prefix`: the
-        core caches prefixes, so samples of one prompt share its KV (gateway.samples)."""
-        self.share_prefix = share_prefix
+        core caches prefixes, so samples of one prompt share its KV (gateway.samples); None: as the
+        core's ready message says (a core in another process, whose lanes decide it)."""
+        self._share_prefix = share_prefix
         self.codec, self.default_max_tokens = codec, default_max_tokens
         self.errors = RequestErrors()  # verifypd_request_errors_total, rendered by /metrics
         self._grpc_options = limits.gateway_grpc_options() if limits is not None else GATEWAY_GRPC_OPTIONS
@@ -231,6 +232,13 @@ class Gateway:
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+
+    @property
+    def share_prefix(self) -> bool:
+        """Whether samples 1.. of a request wait for sample 0's first token (gateway.samples)."""
+        if self._share_prefix is None:
+            return self.client.prefix_cache
+        return self._share_prefix
 
     # -- the in-process core (tests, benches) --------------------------------------------------
     @property
@@ -433,7 +441,7 @@ def build_split(
         lanes=stack.lanes,
         kv_transport=kv_transport,
         lane_timeout_s=lane_timeout_s,
-        share_prefix=stack.router.prefix is not None,  # split caches with KV by handle only (core.assembly)
+        share_prefix=None,  # as the core says, as in `serve` (split caches with KV by handle only: core.assembly)
         **kwargs,
     )
     if gateway.core is None:

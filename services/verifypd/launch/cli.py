@@ -162,8 +162,8 @@ def cmd_serve(args) -> int:
             core_process=core,
             tls=tls,
             limits=limits,
-            # the core caches prefixes: colocated with caching on (split has none: core.assembly)
-            share_prefix=options.prefix_cache and args.topology != "split" and not any(addrs.values()),
+            # the core says whether it caches prefixes (split: with KV by handle only, core.assembly)
+            share_prefix=None if options.prefix_cache else False,
         )
     except OSError as exc:  # the gRPC port was taken between the check and the bind
         core.proc.kill()

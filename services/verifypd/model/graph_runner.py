@@ -8,7 +8,9 @@ Graphs (all sharing one memory pool and one set of static input buffers):
   * ("last", B, Q): the same, logits of each sequence's last token (the draft's first step);
   * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times;
   * in a runner of its own (ModelRunner.capture_prefill_graphs), ("last", 1, Q) for prefill chunks of
-    one sequence padded to Q = 16 .. 256 tokens (model.runner.PREFILL_GRAPH_QUERIES).
+    one sequence padded to Q = 16 .. 256 tokens (model.runner.PREFILL_GRAPH_QUERIES), and ("last", 1,
+    Q, S) the same with split-KV attention in S parts (model.split_kv), for chunks after a long
+    cached prefix.
 B is a padded batch bucket (1, 2, 4, ..., 256), Q a tokens-per-sequence count. Static inputs are
 filled before each replay with one host-to-device copy; outputs are views of static buffers,
 valid until the next replay of this runner (callers consume them within the lane call).
@@ -157,9 +159,11 @@ class GraphRunner:
         graph.replay()
         return rows
 
-    def last_logits(self, runs: list[TokenRun], query: int) -> torch.Tensor:
+    def last_logits(self, runs: list[TokenRun], query: int, splits: int = 1) -> torch.Tensor:
+        """`splits` > 1: the graph whose attention cuts each program's keys into that many parts
+        (model.split_kv), captured beside the plain one."""
         rows = self.rows_for(len(runs))
-        graph = self.graph_for(("last", rows, query))
+        graph = self.graph_for(("last", rows, query) if splits == 1 else ("last", rows, query, splits))
         self._load(runs, query, "right", rows)
         graph.replay()
         return self.logits[: len(runs)]
@@ -178,10 +182,16 @@ class GraphRunner:
         self._meta[:span].copy_(host_buf, non_blocking=True)
         self.staging.sent()
 
-    def _forward(self, mode: str, rows: int, query: int) -> None:
+    def _forward(self, mode: str, rows: int, query: int, splits: int = 1) -> None:
         n = rows * query
         batch = BatchLayout(
-            self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:rows], self.arange[: rows + 1] * query, query
+            self.ids[:n],
+            self.positions[:n],
+            self.slots[:n],
+            self.tables[:rows],
+            self.arange[: rows + 1] * query,
+            query,
+            kv_splits=splits,
         )
         if mode in ("all", "accept"):
             self.model.forward(self.pool, batch, self.arange[:n], logits_out=self.logits[:n])
@@ -228,7 +238,8 @@ class GraphRunner:
             state = self.draft.head(rows)
             fn = lambda: draft_step(self.model, self.pool, state, self.block_size, key[2])  # noqa: E731
         else:
-            fn = lambda: self._forward(kind, rows, key[2])  # noqa: E731
+            splits = key[3] if len(key) > 3 else 1  # ("last", 1, Q, splits): split-KV prefill (ModelRunner)
+            fn = lambda: self._forward(kind, rows, key[2], splits)  # noqa: E731
         t0 = time.perf_counter()
         # Warm up on a side stream (lazy cuBLAS/Triton init stays out of the graph). Slots -1 and
         # draft rows inactive (k = 0): the warm-up run writes no KV. Token ids and positions past

@@ -150,6 +150,9 @@ class BatchLayout:
     tree_base: torch.Tensor | None = None
     tree_len: torch.Tensor | None = None
     tree_bits: torch.Tensor | None = None
+    # Split-KV attention (model.split_kv): parts each Triton attention program's keys are cut into
+    # (1: none). The reference path ignores it.
+    kv_splits: int = 1
 
     @property
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -390,6 +393,7 @@ class PagedLlama:
                 k_scale=kv_quant.K_SCALE,
                 v_scale=kv_quant.V_SCALE,
                 tree=batch.tree,
+                splits=batch.kv_splits,
             )
             return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim

@@ -12,6 +12,7 @@ from verifypd.model.graph_runner import BUCKETS, GraphRunner, write_verdict
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
+from verifypd.model.split_kv import SPLIT_MIN_CONTEXT, attention_programs, kv_splits
 from verifypd.model.verify_fit import fit_layout
 
 # One sequence's prefill chunk of up to 256 tokens runs as a CUDA graph padded to the next of these:
@@ -22,6 +23,8 @@ from verifypd.model.verify_fit import fit_layout
 # on large models either (longer chunks are compute-bound: eager). Several sequences in one call (a
 # burst) stay eager, their host time shared.
 PREFILL_GRAPH_QUERIES = (16, 32, 64, 96, 128, 192, 256)
+# SMs assumed where there are none (graphs="eager" on the CPU: tests of the split-KV plumbing).
+CPU_SM_STANDIN = 8
 
 
 def prefill_query(queries: tuple[int, ...], tokens: int) -> int | None:
@@ -60,6 +63,11 @@ class ModelRunner:
             )
         self.prefill_graphs: GraphRunner | None = None  # capture_prefill_graphs
         self.prefill_queries: tuple[int, ...] = ()
+        # A one-sequence prefill chunk after at least this many cached positions runs split-KV
+        # attention (model.split_kv): `prefill_splits[Q]` parts in the graph of query Q.
+        self.split_min_context = SPLIT_MIN_CONTEXT
+        self.prefill_splits: dict[int, int] = {}
+        self._sm_count: int | None = None  # splits_for's, read once
 
     def capture_prefill_graphs(self, queries: tuple[int, ...] = PREFILL_GRAPH_QUERIES) -> float:
         """Captures ("last", 1, Q) graphs for one-sequence prefill chunks (`forward`), in a GraphRunner
@@ -84,7 +92,24 @@ class ModelRunner:
         )
         for query in reversed(self.prefill_queries):  # largest first: the others reuse its pool memory
             self.prefill_graphs.graph_for(("last", 1, query))
+            splits = self.splits_for(query)
+            if splits > 1:
+                self.prefill_splits[query] = splits
+                self.prefill_graphs.graph_for(("last", 1, query, splits))
         return self.prefill_graphs.capture_seconds
+
+    def splits_for(self, query: int) -> int:
+        """Split-KV parts for one sequence of `query` new tokens (1: the Triton attention is not used)."""
+        if self.model.attention != "triton":
+            return 1
+        if self._sm_count is None:
+            cuda = self.device.type == "cuda"
+            self._sm_count = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else CPU_SM_STANDIN
+            )
+        s = self.model.shape
+        programs = attention_programs(1, s.num_kv_heads, s.num_heads // s.num_kv_heads, query)
+        return kv_splits(programs, self._sm_count)
 
     @property
     def vocab_size(self) -> int:
@@ -102,12 +127,17 @@ class ModelRunner:
         to max(prefill_queries) tokens replays a prefill graph (right-aligned, padded: see
         PREFILL_GRAPH_QUERIES; "last" logits, a view valid until the next prefill call), anything
         else runs eagerly, ragged."""
+        # one sequence after a long cached prefix (a prefix-cache hit, a late chunk): split-KV attention
+        long_context = len(runs) == 1 and runs[0].start_pos >= self.split_min_context
         if self.prefill_graphs is not None and len(runs) == 1 and logits_for != "all":
             query = prefill_query(self.prefill_queries, len(runs[0].token_ids))
             if query is not None:
-                return self.prefill_graphs.last_logits(runs, query)
+                splits = self.prefill_splits.get(query, 1) if long_context else 1
+                return self.prefill_graphs.last_logits(runs, query, splits)
         host = build_layout(runs, self.block_size)
         batch = to_device(host, self.device, self.eager_staging)
+        if long_context:
+            batch.kv_splits = self.splits_for(len(runs[0].token_ids))
         index = None
         if logits_for == "last":
             index = batch.query_start[1:] - 1

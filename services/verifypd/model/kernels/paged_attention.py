@@ -39,7 +39,7 @@ import triton.language as tl
 
 
 # The block-table row stride varies with the batch's widest table: don't compile a variant per value.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ps"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -51,6 +51,8 @@ def _paged_attention_kernel(
     tree_base_ptr,
     tree_len_ptr,
     tree_bits_ptr,
+    part_ptr,
+    part_ml_ptr,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -59,6 +61,7 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    stride_ps,
     scale_log2,
     v_scale,
     window,
@@ -72,10 +75,13 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     TREE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     if tile * BLOCK_M < q_len * GROUP:
@@ -108,9 +114,14 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         table = block_tables_ptr + seq * stride_bt
-        for start in range(first_key, kv_len, BLOCK_N):
+        key_end = kv_len
+        if SPLITS > 1:  # this program's share of the tile's keys: a run of whole BLOCK_N tiles
+            per = tl.cdiv(tl.cdiv(kv_len - first_key, SPLITS), BLOCK_N) * BLOCK_N
+            first_key = first_key + split * per
+            key_end = kv_len - tl.maximum(kv_len - first_key - per, 0)  # min(kv_len, first_key + per)
+        for start in range(first_key, key_end, BLOCK_N):
             kpos = start + tl.arange(0, BLOCK_N)
-            k_ok = kpos < kv_len
+            k_ok = kpos < key_end
             if SLIDING:  # keys before the window are not even loaded: their blocks may be reused
                 k_ok = k_ok & (kpos >= first_seen)
             page = tl.load(table + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
@@ -146,12 +157,48 @@ def _paged_attention_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
             m_i = m_new
-        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: an fp8 cache's (else 1)
-        tl.store(
-            out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+        if SPLITS > 1:  # unnormalized partials [SPLITS, T, heads, D] and (max, sum) [SPLITS, T, heads, 2]
+            row = split * stride_ps + (q_begin + token) * (GROUP * NUM_KV_HEADS) + head
+            tl.store(part_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+        else:
+            out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: an fp8 cache's (else 1)
+            tl.store(
+                out_ptr + (q_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_ps,
+    stride_ot,
+    stride_oh,
+    v_scale,
+    HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """One (token, head) row: the softmax-weighted sum of its SPLITS partials (log2 units)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = token * NUM_HEADS + head
+    parts = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_ml_ptr + (parts * stride_ps + row) * 2)
+    l_part = tl.load(part_ml_ptr + (parts * stride_ps + row) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key seen by any split: out 0
+    w = tl.exp2(m - m_safe)  # splits that saw nothing (m = -inf) weigh 0
+    total = tl.sum(w * l_part, axis=0)
+    acc = tl.load(part_ptr + (parts * stride_ps + row)[:, None] * HEAD_DIM + dims[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) * (v_scale / tl.where(total > 0, total, 1.0))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def tile_rows(max_query: int, group: int) -> int:
@@ -174,11 +221,16 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    splits: int = 1,
 ) -> torch.Tensor:
     """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
     the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size). `window` 0 and
     `softcap` 0 are off (and compiled out). `k_scale` / `v_scale`: an fp8 cache's scales.
-    `tree`: (tree_base, tree_len, tree_bits), tree mode."""
+    `tree`: (tree_base, tree_len, tree_bits), tree mode. `splits` (a power of two): each program's
+    keys are cut into that many parts, run by programs of their own, whose partial softmax sums a
+    second kernel combines (split-KV, "flash decoding"): for few sequences over long contexts. The
+    parts are cut on the device from each tile's key count, so a CUDA graph may replay it at any
+    context; a context shorter than `splits` key tiles leaves parts idle."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -190,8 +242,18 @@ def paged_attention(
     if tree is not None and window:
         raise ValueError("tree attention takes no sliding window")
     tree_base, tree_len, tree_bits = tree if tree is not None else (query_start, query_start, positions)
+    if splits < 1 or splits != triton.next_power_of_2(splits):
+        raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     block_m = tile_rows(max_query, group)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query * group, block_m))
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query * group, block_m) * splits)
+    stride_ps = num_tokens * num_heads
+    # [splits, T, heads, D] partial sums and [splits, T, heads, 2] (max, sum); unused when splits == 1
+    part = torch.empty(
+        (splits, num_tokens, num_heads, head_dim) if splits > 1 else (1,), dtype=torch.float32, device=q.device
+    )
+    part_ml = torch.empty(
+        (splits, num_tokens, num_heads, 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device
+    )
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -203,6 +265,8 @@ def paged_attention(
         tree_base,
         tree_len,
         tree_bits,
+        part,
+        part_ml,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -211,6 +275,7 @@ def paged_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        stride_ps,
         scale * k_scale * math.log2(math.e),
         v_scale,
         window,
@@ -224,9 +289,24 @@ def paged_attention(
         SLIDING=window > 0,
         SOFTCAP=softcap > 0,
         TREE=tree is not None,
+        NUM_KV_HEADS=num_kv_heads,
+        SPLITS=splits,
         # head_dim 256 (Gemma): the [BLOCK_M, D] float32 accumulator alone is 128 registers a thread
         # at 4 warps; 8 warps halve that. (Not yet timed on a GPU against 4 warps / smaller BLOCK_M.)
         num_warps=4 if head_dim <= 128 else 8,
         num_stages=2,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part,
+            part_ml,
+            out,
+            stride_ps,
+            out.stride(0),
+            out.stride(1),
+            v_scale,
+            HEAD_DIM=head_dim,
+            NUM_HEADS=num_heads,
+            SPLITS=splits,
+        )
     return out
