@@ -74,3 +74,55 @@ def test_serve_refuses_a_device_that_does_not_exist():
     lines = done.stderr.strip().splitlines()
     assert lines[-1] == "verifypd: error: --lane-devices verify=cuda:1: this machine has no CUDA device"
     assert "Traceback" not in done.stderr
+
+
+def test_each_lane_process_gets_the_share_of_its_gpu():
+    """Pools are sized by the lanes placed on each GPU, not as if all three always shared one."""
+
+    def shares(lane_devices):
+        options = EngineOptions(target="t", draft="self:2", device="cuda:0", lane_devices=lane_devices)
+        out = {}
+        for lane in LANES:
+            cmd = lane_command(lane, options, host="127.0.0.1")
+            out[lane] = int(cmd[cmd.index("--device-lanes") + 1])
+        return out
+
+    assert shares({}) == {"prefill": 3, "draft": 3, "verify": 3}
+    assert shares({"prefill": "cuda:0", "verify": "cuda:1", "draft": "cuda:1"}) == {
+        "prefill": 1,
+        "draft": 2,
+        "verify": 2,
+    }
+    assert shares({"verify": "cuda:1"}) == {"prefill": 2, "draft": 2, "verify": 1}
+
+
+def test_pool_blocks_take_the_lanes_share_of_free_memory(monkeypatch):
+    import torch
+
+    from verifypd.lanes.rpc.lane_setup import pool_blocks
+    from verifypd.model.kv_pool import PoolGeometry
+
+    geometry = PoolGeometry(2, 1, 16, 2, 64)
+    per_block = geometry.bytes_per_block(torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (600 * per_block, 10**12))
+    blocks = {
+        n: pool_blocks(
+            EngineOptions(target="t", device_lanes=n, gpu_memory_fraction=1.0),
+            geometry,
+            torch.device("cuda:1"),
+            torch.bfloat16,
+        )
+        for n in (1, 2, 3)
+    }
+    assert blocks == {1: 600, 2: 300, 3: 200}
+
+
+def test_lane_refuses_a_bad_device_share():
+    done = subprocess.run(
+        [sys.executable, "-m", "verifypd.cli", "lane", "verify", "--device-lanes", "0", "--allow-unauthenticated"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "verifypd: error: --device-lanes must be 1, 2 or 3; got 0"

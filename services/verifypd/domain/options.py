@@ -60,6 +60,9 @@ class EngineOptions:
     # split: a device per lane process (`--lane-devices`, lane -> "cuda:N" or "cpu"); a lane not
     # named runs on `device`.
     lane_devices: dict[str, str] = field(default_factory=dict)
+    # A lane process: how many lane processes share its GPU, each sizing its KV pool to that share of
+    # the free memory (`--device-lanes`; serve passes it from --lane-devices). 3: all of split's lanes.
+    device_lanes: int = 3
 
 
 @dataclass

@@ -36,6 +36,13 @@ LANES = ("prefill", "draft", "verify")
 AUTO_THREADS_ENV = "VERIFYPD_AUTO_THREADS"  # marks an OMP_NUM_THREADS that child_env chose
 
 
+def device_lanes(options: EngineOptions, lane: str) -> int:
+    """How many of the lane processes serve starts run on `lane`'s device (itself included): the
+    share of that GPU's free memory its KV pool may take (lanes/rpc/lane_setup.pool_blocks)."""
+    device = options.lane_devices.get(lane, options.device)
+    return sum(options.lane_devices.get(other, options.device) == device for other in LANES)
+
+
 def lane_command(
     lane: str,
     options: EngineOptions,
@@ -61,6 +68,8 @@ def lane_command(
         options.draft,
         "--device",
         options.lane_devices.get(lane, options.device),  # --lane-devices: this lane's own GPU
+        "--device-lanes",
+        str(device_lanes(options, lane)),
         "--dtype",
         options.dtype,
         "--block-size",

@@ -323,6 +323,9 @@ def cmd_lane(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if not 1 <= args.device_lanes <= 3:
+        print(f"verifypd: error: --device-lanes must be 1, 2 or 3; got {args.device_lanes}", file=sys.stderr)
+        return 2
     try:
         options = engine_options(args)
     except ValueError as exc:  # InvalidRequest: e.g. --k-max out of range

@@ -216,6 +216,13 @@ def add_lane_arguments(lane: argparse.ArgumentParser) -> None:
         default=None,
         help="name checked in the owners' certificates on KV pushes (default: their host)",
     )
+    lane.add_argument(
+        "--device-lanes",
+        type=int,
+        default=3,
+        help="lane processes sharing this lane's GPU: its KV pool takes 1/N of the free memory "
+        "(default 3: prefill, draft and verify on one GPU; serve --lane-devices sets it)",
+    )
     add_health_port_argument(lane)
     add_model_flags(lane)
     add_engine_flags(lane, router=False)
@@ -342,6 +349,7 @@ def engine_options(args):
         simulated_acceptance=getattr(args, "simulated_acceptance", None),
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         lane_devices=dict(getattr(args, "lane_devices", None) or {}),
+        device_lanes=getattr(args, "device_lanes", 3),
     )
     if getattr(args, "k_max", None) is not None and not hasattr(args, "max_running"):  # a lane process
         options.config = RuntimeConfig(

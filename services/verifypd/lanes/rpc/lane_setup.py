@@ -76,9 +76,9 @@ def pool_blocks(options: EngineOptions, geometry: PoolGeometry, device, dtype) -
     if options.num_blocks is not None:
         return options.num_blocks
     per_block = geometry.bytes_per_block(dtype)
-    if device.type == "cuda":  # two pool owners (and the prefill lane's weights) share the GPU
+    if device.type == "cuda":  # the GPU's free memory, shared by the lane processes placed on it
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * options.gpu_memory_fraction / 3) // per_block
+        return int(free * options.gpu_memory_fraction / options.device_lanes) // per_block
     return min(4096, max(256, (1 << 29) // per_block))
 
 
