@@ -193,9 +193,7 @@ def main() -> int:
         action="store_true",
         help="CPU check of the script: tiny random models written to a temp dir, small batches, 1 rep",
     )
-    p.add_argument(
-        "--no-unpipelined", action="store_true", help="leave out the split_unpipelined topology (chain off)"
-    )
+    p.add_argument("--no-unpipelined", action="store_true", help="leave out the split_unpipelined topology (chain off)")
     args = p.parse_args()
     if args.smoke:
         smoke_models(args)

@@ -167,7 +167,7 @@ class CallServer:
             while not writer.failed.is_set():
                 call = lanes_pb2.LaneCall.FromString(read_frame(f))
                 reply = self.handler(call, state)
-                if not writer.put(call.call_id, reply) or getattr(reply, "status_code", 0):
+                if not writer.put(call.call_id, reply) or isinstance(reply, lanes_pb2.LaneReply) and reply.status_code:
                     return  # an error ends the connection and its state; the client reconnects
         finally:
             writer.close()
