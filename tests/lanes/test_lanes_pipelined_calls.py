@@ -21,7 +21,7 @@ from services_helpers import engine_options, offline_outputs, random_prompts
 from test_lanes_call_channel import GREEDY, TARGET, handle
 from test_lanes_started_calls import stub_client
 
-from verifypd.domain.lanes import KvHandle, LaneError, TokenFeed, VerifyItem
+from verifypd.domain.lanes import HostTokens, KvHandle, LaneError, TokenFeed, VerifyItem
 from verifypd.domain.requests import RequestSpec
 from verifypd.lanes.rpc import call_codec as cc
 from verifypd.lanes.rpc import lane_validate as lv
@@ -60,6 +60,12 @@ def test_the_lane_takes_only_the_previous_calls_tokens_and_names_the_field():
         fed.feed(lanes_pb2.PackedBatch(feed_rows_u32=cc.u32([0])), 1)
     feed = fed.feed(fed_batch(5, [2, 0]), 2)
     assert feed is not None and feed.sources == (tokens,) and feed.rows == (2, 0)
+    # rows NONE_U32: the item's pending token came in pending_u32 (a host token), after the call's rows
+    batch = fed_batch(5, [cc.NONE_U32, 1, cc.NONE_U32])
+    batch.pending_u32 = cc.u32([40, 0, 41])
+    feed = fed.feed(batch, 3)
+    assert feed is not None and feed.sources == (tokens, (40, 41)) and feed.rows == (3, 1, 4)
+    assert isinstance(feed.sources[1], HostTokens)
     fed.keep(6, None, 2)  # a call that left no tokens (drafts, sampling controls): nothing feeds from it
     with pytest.raises(lv.LaneInvalid, match="batch.feed_call: 6 is not the previous"):
         fed.feed(fed_batch(6, [0]), 1)
@@ -68,7 +74,12 @@ def test_the_lane_takes_only_the_previous_calls_tokens_and_names_the_field():
 def test_the_router_feeds_only_from_the_last_call_on_the_same_connection():
     client, other = object(), object()
     source = ChannelTokens(client, 9, 2)
-    assert feed_fields(TokenFeed((source,), (1, 0)), client, 9, 2) == (9, cc.u32([1, 0]))
+    assert feed_fields(TokenFeed((source,), (1, 0)), client, 9, 2) == (9, cc.u32([1, 0]), None)
+    # host tokens after the call's rows: their rows go as NONE_U32, their tokens as pending tokens
+    mixed = TokenFeed((source, HostTokens((40, 41))), (3, 0, 2))
+    assert feed_fields(mixed, client, 9, 3) == (9, cc.u32([cc.NONE_U32, 0, cc.NONE_U32]), [41, 0, 40])
+    with pytest.raises(ValueError, match=r"one row in \[0, 4\)"):
+        feed_fields(TokenFeed((source, HostTokens((40, 41))), (4,)), client, 9, 1)
     with pytest.raises(ValueError, match="names call 9, not the previous verify call on this connection"):
         feed_fields(TokenFeed((source,), (0,)), other, 9, 1)  # a reconnect since
     with pytest.raises(ValueError, match="names call 9"):
@@ -193,6 +204,37 @@ def test_split_chains_plain_steps_and_gives_the_offline_greedy_tokens(split_lane
     # chained (launched before the step before was committed) and fed on the verify lane's device;
     # requests finish at different steps (max_tokens), so rows of finished requests were dropped
     assert router.overlap.steps >= 8, router.overlap.breaks
+
+
+@pytest.mark.slow
+def test_arrivals_join_the_split_chain_without_breaking_it(split_lanes):
+    """Requests arriving while a chain runs are prefilled beside a chained step (on the prefill lane,
+    another process); their first tokens reach the host with that step's commit, after the next step
+    was launched, so they join the step after it, their pending tokens sent from the host beside the
+    others' fed ones. Tokens equal the offline engine's; nearly every step stays chained."""
+    from verifypd.router.router import Router
+
+    options, _, clients = split_lanes
+    prompts = random_prompts(12, seed=5, max_len=30)
+    specs = [RequestSpec(tuple(p), max_tokens=6 + 3 * (n % 4), stop_at_eos=False) for n, p in enumerate(prompts)]
+    expected = offline_outputs(options, specs)
+    router = Router(*clients, decode=None, eos_token_ids=(), config=options.config)
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    todo, steps = list(specs), 0
+    while todo or router.has_work():
+        if todo and steps % 3 == 0:  # two arrivals every third step
+            for spec in todo[:2]:
+                ids.append(router.add_request(spec))
+                tokens[ids[-1]] = []
+            todo = todo[2:]
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+        steps += 1
+    assert [tokens[i] for i in ids] == expected
+    overlap = router.overlap
+    assert overlap.admitting >= 3 and overlap.joined >= 8, (overlap.admitting, overlap.joined, overlap.breaks)
+    assert overlap.steps >= steps - 4, (overlap.steps, steps, overlap.breaks)  # the chain did not break on arrivals
 
 
 @pytest.mark.slow

@@ -32,12 +32,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from verifypd.domain.lanes import TokenFeed
+from verifypd.domain.lanes import HostTokens, TokenFeed
 from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.call_channel")
 MAX_IN_FLIGHT = 2  # calls on one connection whose replies are not read yet
+HOST_ROW = 0xFFFFFFFF  # a feed_rows_u32 entry: this item's pending token is in pending_u32 (call_codec.NONE_U32)
 
 
 class ChannelTokens:
@@ -49,21 +50,29 @@ class ChannelTokens:
         self.client, self.call_id, self.rows = client, call_id, rows
 
 
-def feed_fields(feed: TokenFeed, client: object, last_call: int, items: int) -> tuple[int, bytes]:
-    """(feed_call, feed_rows_u32) of a verify call fed by `feed`; ValueError where the feed is not
-    the previous verify call's tokens on this same connection (a reconnect, a prefill's tokens)."""
-    from verifypd.lanes.rpc.call_codec import u32
+def feed_fields(feed: TokenFeed, client: object, last_call: int, items: int) -> tuple[int, bytes, list[int] | None]:
+    """(feed_call, feed_rows_u32, pending tokens or None) of a verify call fed by `feed`: rows of the
+    previous call's tokens, and after them, with a HostTokens source, tokens the host has (sent in
+    pending_u32, their rows NONE_U32). ValueError where the feed is not the previous verify call's
+    tokens on this same connection (a reconnect, an in-process prefill's tokens)."""
+    from verifypd.lanes.rpc.call_codec import NONE_U32, u32
 
-    if len(feed.sources) != 1 or not isinstance(feed.sources[0], ChannelTokens):
-        raise ValueError("a remote verify lane is fed only by its own previous call's tokens")
+    host = feed.sources[1] if len(feed.sources) == 2 and isinstance(feed.sources[1], HostTokens) else None
     source = feed.sources[0]
+    if len(feed.sources) != 1 + (host is not None) or not isinstance(source, ChannelTokens):
+        raise ValueError("a remote verify lane is fed only by its own previous call's tokens (and host tokens)")
     if source.client is not client or source.call_id != last_call:
         raise ValueError(
             f"the token feed names call {source.call_id}, not the previous verify call on this connection ({last_call})"
         )
-    if len(feed.rows) != items or any(not 0 <= r < source.rows for r in feed.rows):
-        raise ValueError(f"a token feed needs one row in [0, {source.rows}) per item; got {len(feed.rows)} rows")
-    return source.call_id, u32(feed.rows)
+    limit = source.rows + (len(host) if host is not None else 0)
+    if len(feed.rows) != items or any(not 0 <= r < limit for r in feed.rows):
+        raise ValueError(f"a token feed needs one row in [0, {limit}) per item; got {len(feed.rows)} rows")
+    if host is None:
+        return source.call_id, u32(feed.rows), None
+    rows = [r if r < source.rows else NONE_U32 for r in feed.rows]
+    pending = [0 if r < source.rows else host[r - source.rows] for r in feed.rows]
+    return source.call_id, u32(rows), pending
 
 
 class FedTokens:
@@ -78,8 +87,9 @@ class FedTokens:
         self.call_id, self.tokens, self.rows = call_id, tokens, rows
 
     def feed(self, batch: lanes_pb2.PackedBatch, items: int) -> TokenFeed | None:
-        """The TokenFeed of a verify call (None: its pending tokens came in pending_u32). Raises
-        LaneInvalid naming the field."""
+        """The TokenFeed of a verify call (None: its pending tokens came in pending_u32): rows of the
+        last call's tokens, then (rows NONE_U32) HostTokens of pending_u32. Raises LaneInvalid
+        naming the field."""
         if not batch.feed_call:
             if batch.feed_rows_u32:
                 raise lv.LaneInvalid("batch.feed_rows_u32: given without batch.feed_call")
@@ -93,10 +103,23 @@ class FedTokens:
         data = batch.feed_rows_u32
         if len(data) != 4 * items:
             raise lv.LaneInvalid(f"batch.feed_rows_u32: {len(data)} bytes, expected {4 * items} (uint32 per item)")
-        rows = tuple(int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4))
-        if rows and max(rows) >= self.rows:
-            raise lv.LaneInvalid(f"batch.feed_rows_u32: row {max(rows)} is outside call {self.call_id}'s {self.rows}")
-        return TokenFeed((self.tokens,), rows)
+        rows = [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
+        fed = [r for r in rows if r != HOST_ROW]
+        if fed and max(fed) >= self.rows:
+            raise lv.LaneInvalid(f"batch.feed_rows_u32: row {max(fed)} is outside call {self.call_id}'s {self.rows}")
+        if len(fed) == len(rows):
+            return TokenFeed((self.tokens,), tuple(rows))
+        if len(batch.pending_u32) != 4 * items:
+            raise lv.LaneInvalid(f"batch.pending_u32: {len(batch.pending_u32)} bytes, expected {4 * items}")
+        pending = batch.pending_u32
+        host, at = [], []
+        for i, r in enumerate(rows):
+            if r == HOST_ROW:  # the item's own pending token, after the last call's rows
+                at.append(i)
+                host.append(int.from_bytes(pending[4 * i : 4 * i + 4], "little"))
+        for j, i in enumerate(at):
+            rows[i] = self.rows + j
+        return TokenFeed((self.tokens, HostTokens(host)), tuple(rows))
 
 
 class DeferredReply:

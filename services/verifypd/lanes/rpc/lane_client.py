@@ -434,6 +434,11 @@ class GrpcVerifyLane(_GrpcLane):
         device for the next call (call_pipeline.py), which is sent before this one's reply."""
         return self._use_channel and self.describe_pb().feeds_tokens
 
+    @property
+    def feeds_host_tokens(self) -> bool:
+        """A feed may end with HostTokens (pending tokens the router has: a remote prefill's first ones)."""
+        return self.feeds_tokens
+
     def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None, fit=None) -> StartedCall:
         """`feed`: the items' pending tokens are rows of the previous call's `next_tokens` (a
         ChannelTokens), read on the lane's device; the call goes out with that one still in flight."""
@@ -450,7 +455,9 @@ class GrpcVerifyLane(_GrpcLane):
             if feed is not None:
                 client, last = self.last_sent or (None, 0)
                 try:
-                    batch.feed_call, batch.feed_rows_u32 = feed_fields(feed, client, last, len(items))
+                    batch.feed_call, batch.feed_rows_u32, pending = feed_fields(feed, client, last, len(items))
+                    if pending is not None:  # host tokens (HostTokens) go as pending tokens
+                        batch.pending_u32 = cc.u32(pending)
                 except ValueError as exc:  # a reconnect since: the lane that held the tokens is gone
                     raise LaneError(f"{self.lane} lane at {self.addr}: {exc}") from None
             return batch
