@@ -35,9 +35,15 @@ without preemption, the config still asking for it, and no waiting request that 
 step can start (Scheduler.follow_blocked: a prompt longer than the prefill budget, chunked; a
 recompute after preemption). Otherwise the step in flight is committed and the next call is a
 regular step: speculative steps (k > 0, whose next positions depend on acceptance), chunked
-prefills, preemptions, pipelined pdv, split topology and tensor-parallel targets take today's path
-unchanged. `steps` / `admitting` count the steps launched ahead (with a prefill beside), `breaks`
-why a chain ended (telemetry exports them: verifypd.engine.chained_steps).
+prefills, preemptions, pipelined pdv and tensor-parallel targets take today's path unchanged.
+`steps` / `admitting` count the steps launched ahead (with a prefill beside), `breaks` why a chain
+ended (telemetry exports them: verifypd.engine.chained_steps).
+
+Split topology (lanes in other processes, lanes/rpc/call_pipeline.py): N + 1 goes over the verify
+lane's call channel before N's reply, fed by reference to N's tokens on that lane's device. Arrivals
+are prefilled beside a chained step N + 1 on the prefill lane, whose first tokens reach this process
+only when N + 1 is committed, after N + 2 was launched: they join N + 3 (`InFlight.late`), their
+pending tokens sent from the host (HostTokens, the feed's last source) beside the fed rows.
 """
 
 from __future__ import annotations
