@@ -158,7 +158,8 @@ def smoke_models(args) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
     from engine_helpers import write_target_and_draft
 
-    args.target, args.draft = write_target_and_draft(__import__("pathlib").Path(tempfile.mkdtemp(prefix="svc-")))
+    target, draft = write_target_and_draft(__import__("pathlib").Path(tempfile.mkdtemp(prefix="svc-")))
+    args.target, args.draft = target, args.draft if args.draft in ("none", "same") else draft
     args.device = "cpu"
     if args.batches == "1,64":
         args.batches = "8"

@@ -168,6 +168,8 @@ class CallChannelWork:
                 end_call_span(span, reply.error if reply.status_code else None)
             return reply
 
+        if started is None or self.device.type != "cuda":  # computed at launch (CPU): reply now
+            return finish()
         return DeferredReply(finish)
 
     def _internal(self, exc: Exception) -> lanes_pb2.LaneReply:

@@ -170,8 +170,10 @@ class Overlapped:
         first_tokens = prev.prefill_started.next_tokens if joining and prev.prefill_started is not None else None
         late: list[Sequence] = []  # joiners of the step after this one (their first tokens come to the host)
         if joining and first_tokens is None:
-            if not feeds_host_tokens(lane):
-                self._broken("off")  # a prefill lane that leaves no first tokens on the device
+            # a prefill lane that leaves no first tokens on the device (a request that is not plain:
+            # sampling controls, logprobs, structured output; no chained step may hold it either)
+            if not feeds_host_tokens(lane) or not all(seq.spec.plain for _, seq in joining):
+                self._broken("off")
                 return None
             late, joining = [seq for _, seq in joining], []
         # prev's late joiners: their prefill was committed with the step before prev; first token on the host
