@@ -155,6 +155,9 @@ def smoke_models(args) -> None:
     """--smoke: tiny random Llama target and draft (tests/support/engine_helpers), CPU, small run."""
     import tempfile
 
+    # one torch thread per process (the lanes inherit it), set before torch loads: idle lanes'
+    # OpenMP threads spinning on 2 cores slowed the colocated engine 10-200 x here
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
     from engine_helpers import write_target_and_draft
 
@@ -163,7 +166,7 @@ def smoke_models(args) -> None:
     args.device = "cpu"
     if args.batches == "1,64":
         args.batches = "8"
-    args.prompt_len, args.max_tokens, args.reps, args.block_size = 16, 24, 1, 4
+    args.prompt_len, args.max_tokens, args.block_size = 16, 24, 4
 
 
 def main() -> int:

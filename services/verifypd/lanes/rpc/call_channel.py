@@ -86,9 +86,9 @@ class CallServer:
         tls=None,
         pipelined: bool = False,
     ):
-        """`pipelined`: the handler may return a DeferredReply (call_pipeline.py): the connection's
-        replies are then finished and written on a thread of their own, in call order, while the
-        next call is read and launched."""
+        """`pipelined`: the handler may return a DeferredReply (call_pipeline.py): without TLS the
+        connection's replies are then finished and written on a thread of their own, in call order,
+        while the next call is read and launched."""
         self.handler, self.new_state, self.secret, self.tls = handler, new_state, secret, tls
         self.pipelined = pipelined
         self.listener = socket.create_server((host.strip("[]"), port), family=_family(host), reuse_port=False)
@@ -148,11 +148,16 @@ class CallServer:
             return
         conn.settimeout(None)
         state = self.new_state()
-        if self.pipelined:
+        # Not over TLS: one SSL object must not be read and written by two threads at once (OpenSSL
+        # does not make that safe), so there a DeferredReply is finished before the next call is read.
+        if self.pipelined and self.tls is None:
             return self._converse_pipelined(conn, f, state)
         while True:
             call = lanes_pb2.LaneCall.FromString(read_frame(f))
             reply = self.handler(call, state)
+            finish = getattr(reply, "finish", None)  # a DeferredReply (call_pipeline.py)
+            if finish is not None:
+                reply = finish()
             reply.call_id = call.call_id
             write_frame(conn, reply.SerializeToString())
             if reply.status_code:
