@@ -93,9 +93,16 @@ def _median_or_none(values):
 
 
 def summarize(runs: list[dict]) -> dict:
+    step = statistics.median(r["decode_step_ms_median"] for r in runs)
+    verify = _median_or_none([r["lane_call_ms_median"]["verify"] for r in runs])
     return {
         "runs": len(runs),
-        "decode_step_ms_median_of_runs": statistics.median(r["decode_step_ms_median"] for r in runs),
+        "decode_step_ms_median_of_runs": step,
+        # where a decode step goes: waiting for the verify call's results (with a chain: the wait
+        # left after the step launched behind it), and the rest (the router's host work, the other
+        # lane calls, launching the next step)
+        "verify_wait_ms_median_of_runs": verify,
+        "rest_of_step_ms": step - verify if verify is not None else None,
         "tokens_per_s_median_of_runs": statistics.median(r["tokens_per_s"] for r in runs),
         "lane_call_ms_median_of_runs": {
             lane: _median_or_none([r["lane_call_ms_median"][lane] for r in runs])
