@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from verifypd.lanes.local import DeviceDraftTokens
+from verifypd.lanes.local import DeviceDraftTokens, LocalVerifyLane
 from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_validate as lv
@@ -66,6 +66,7 @@ class CallChannelWork:
     opened_handoff: OpenedHandoff | None = None
     spans: LaneServerSpans | None = None  # set when the environment turns traces on (launch/cli.py)
     call_server: CallServer | None = None  # the CallServer, once build_lane_server started it
+    verify_lane: LocalVerifyLane | None  # set by LaneServicer (the verify lane's only)
 
     @property
     def lane(self) -> object | None:
@@ -85,7 +86,13 @@ class CallChannelWork:
         raise NotImplementedError
 
     def _verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
-        raise NotImplementedError
+        """Launches a verify call on this lane's LocalVerifyLane (results by `.result()`)."""
+        if self.verify_lane is None:
+            raise RuntimeError(f"the {self.role} lane runs no verify calls")
+        for item in items:  # DraftProbs bytes -> tensors on this lane's device
+            if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
+                item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
+        return self.verify_lane.verify_start(items, feed=feed)
 
     @property
     def feeds_tokens(self) -> bool:
@@ -168,7 +175,9 @@ class CallChannelWork:
                 end_call_span(span, reply.error if reply.status_code else None)
             return reply
 
-        if started is None or self.device.type != "cuda":  # computed at launch (CPU): reply now
+        # Reply now where nothing can be launched behind it: computed at launch (CPU), or a lane that
+        # takes no feed (a tensor-parallel target), whose next call the router sends after this reply.
+        if started is None or self.device.type != "cuda" or not self.feeds_tokens:
             return finish()
         return DeferredReply(finish)
 

@@ -42,8 +42,6 @@ from verifypd.domain.lanes import (
     PoolInfo,
     PrefillItem,
     PrefillOutput,
-    StartedCall,
-    TokenFeed,
     VerifyItem,
     VerifyOutput,
 )
@@ -442,15 +440,7 @@ class LaneServicer(CallChannelWork):
         return self.draft_lane.draft(items)
 
     def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        return self._verify_start(items).result()
-
-    def _verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
-        if self.verify_lane is None:
-            raise RuntimeError(f"the {self.role} lane runs no verify calls")
-        for item in items:  # DraftProbs bytes -> tensors on this lane's device
-            if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
-                item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
-        return self.verify_lane.verify_start(items, feed=feed)
+        return self._verify_start(items).result()  # (CallChannelWork._verify_start)
 
     def Prefill(self, request: lanes_pb2.PrefillBatch, context: RpcContext) -> lanes_pb2.PrefillResult:
         if not self._check(context, lv.check_prefill, request):
@@ -536,13 +526,8 @@ def build_lane_server(
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     if call_port is not None:
+        pipelined = servicer.role == "verify"  # verify calls launched before the last one's reply
         servicer.call_server = CallServer(
-            servicer.handle_call,
-            cd.ChannelState,
-            host,
-            call_port,
-            servicer.secret,
-            servicer.tls,
-            pipelined=servicer.role == "verify",  # verify calls launched before the last one's reply
+            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls, pipelined
         )
     return server, bound, health
