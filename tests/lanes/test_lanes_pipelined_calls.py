@@ -238,6 +238,38 @@ def test_arrivals_join_the_split_chain_without_breaking_it(split_lanes):
 
 
 @pytest.mark.slow
+def test_a_request_cancelled_mid_chain_keeps_the_others_streams(split_lanes):
+    """A request cancelled while a chained step holding its row is in flight (and one more queued
+    behind it on the lane): its row is dropped at commit, its blocks wait for that step, the lane
+    drops its key with a later call; the others' tokens are the offline engine's, the chain goes on."""
+    from verifypd.router.router import Router
+
+    options, _, clients = split_lanes
+    prompts = random_prompts(6, seed=21, max_len=25)
+    specs = [RequestSpec(tuple(p), max_tokens=16 + 2 * n, stop_at_eos=False) for n, p in enumerate(prompts)]
+    expected = offline_outputs(options, specs)
+    router = Router(*clients, decode=None, eos_token_ids=(), config=options.config)
+    ids = [router.add_request(s) for s in specs]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    cancelled = None
+    while router.has_work():
+        if cancelled is None and router.overlap.inflight is not None and router.overlap.steps >= 3:
+            cancelled = ids[2]
+            out = router.abort(cancelled)
+            assert out is not None and out.finished
+        for out in router.step():
+            tokens[out.request_id] += out.token_ids
+    assert cancelled is not None
+    for i, rid in enumerate(ids):
+        if rid == cancelled:
+            assert tokens[rid] == expected[i][: len(tokens[rid])] and len(tokens[rid]) < len(expected[i])
+        else:
+            assert tokens[rid] == expected[i], rid
+    assert router.overlap.dropped >= 1 and router.overlap.steps >= 10, (router.overlap.dropped, router.overlap.breaks)
+    assert router.context.target_blocks.num_used == 0  # every block back, the held ones included
+
+
+@pytest.mark.slow
 def test_a_fed_call_reads_the_rows_it_names(split_lanes):
     """Against the real verify lane: call B fed with rows (1, 0) of call A must give what call B'
     gives with A's tokens, swapped, sent as pending tokens (same positions, fresh blocks). A lane
