@@ -73,9 +73,9 @@ class InFlight:
     # token fed from the prefill on the device): (chunks, StartedPrefill), committed with the step
     # before this one, in the same Router.step() call (Overlapped.step), so no TTFT is lost.
     ahead: tuple[list[PrefillChunk], StartedPrefill] | None = None
-    # Split (a prefill lane in another process): the requests `prefill` admits, whose first tokens
-    # reach this process only when that prefill is committed (with this step), after the next step
-    # was launched: they join the step after it, their pending tokens sent from the host (HostTokens).
+    # Split (a prefill lane in another process): the requests prefilled beside the step before this
+    # one, whose first tokens reached this process only when that step was committed, after this one
+    # was launched: they join the step after this one, their pending tokens sent from the host (HostTokens).
     late: list[Sequence] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)  # request ids finished meanwhile: rows dropped at commit
     # (target, draft) block tables of dead requests, returned once the results are on the host
