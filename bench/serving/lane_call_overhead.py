@@ -46,6 +46,11 @@ class StubVerifyLane:
     def verify(self, items):
         return [VerifyOutput(i.request_id, 0, [i.pending_token]) for i in items]
 
+    def verify_start(self, items, feed=None):
+        from verifypd.domain.lanes import Finished
+
+        return Finished(self.verify(items))
+
 
 def stub_servicer():
     import threading
@@ -56,8 +61,9 @@ def stub_servicer():
     from verifypd.lanes.rpc.lane_server import LaneServicer
 
     s = LaneServicer.__new__(LaneServicer)  # the real edge, without loading a model
-    s.role, s.secret, s.options = "verify", None, None
-    s.lock, s.lane, s.device = threading.Lock(), StubVerifyLane(), torch.device("cpu")
+    s.role, s.secret, s.options, s.tls = "verify", None, None, None
+    s.lock, s.verify_lane, s.device = threading.Lock(), StubVerifyLane(), torch.device("cpu")
+    s.prefill_lane = s.draft_lane = None
     s.vocab_size, s.max_context, s.eos_token_ids = VOCAB, 4096, ()
     s.owned, s.pushers, s.call_server, s.kv_bytes_copied = {}, {}, None, 0
     s.transfer = KvTransferServicer({}, s.lock)
@@ -113,7 +119,7 @@ def measure(port: int, batches: list[int], n: int) -> dict:
     client = fast._connected_client()
     empty = lanes_pb2.LaneCall(method=lanes_pb2.LANE_METHOD_VERIFY)
     out["round_trip_empty_ms"] = median_ms(lambda: client.call(empty), n)
-    out["grpc_unary_empty_ms"] = median_ms(lambda: unary._call("Verify", lanes_pb2.VerifyBatch()), n)
+    out["grpc_unary_empty_ms"] = median_ms(lambda: unary.rpc("Verify", lanes_pb2.VerifyBatch()), n)
     limits = lv.LaneLimits(VOCAB, 4096, {"target": lv.PoolLimits(POOL.pool_id, POOL.generation, 8192, 16)})
     for b in batches:
         work = items(b, 0)

@@ -2,7 +2,16 @@
 
     PYTHONPATH=services python bench/serving/split_vs_colocated.py --out FILE     # GPU: Llama-2-7B + TinyLlama,
                                                                          # simulated acceptance 0.7, batch 1 and 64
+    PYTHONPATH=services python bench/serving/split_vs_colocated.py --k 0 --batches 64 --out FILE   # plain decoding
     PYTHONPATH=services python bench/serving/split_vs_colocated.py --device cpu --target DIR --draft DIR --batches 4
+    PYTHONPATH=services python bench/serving/split_vs_colocated.py --smoke --k 0 --out FILE   # CPU, tiny random models
+
+`--k 0` (no speculation) compares the chained plain steps of both topologies: colocated launches
+step N + 1 before N's results reach the host (router/steps/overlapped.py), split sends it over the
+call channel before N's reply, fed by reference to N's tokens on the verify lane's device
+(lanes/rpc/call_pipeline.py). The `split_unpipelined` topology is the same split lanes with the
+chain off (RuntimeConfig.overlap = False: each call waits for the one before), measured in the same
+run as the before. Per topology: `chained_steps` (steps launched ahead) and why chains broke.
 
 Random weights; with --alpha the verify lane keeps each draft token with that probability
 (simulated acceptance: real draft and verify compute, seeded Bernoulli accept, labelled in the
@@ -46,6 +55,11 @@ class StepTimes:
         self.steps += 1
 
 
+def chain_counts(router) -> dict:
+    """The router's chained-step counters (Overlapped): steps launched ahead, why chains broke."""
+    return {"chained_steps": router.overlap.steps, "breaks": dict(router.overlap.breaks)}
+
+
 def run(router, specs, observer: StepTimes) -> tuple[list[list[int]], dict]:
     ids = [router.add_request(s) for s in specs]
     tokens = {i: [] for i in ids}
@@ -79,9 +93,16 @@ def _median_or_none(values):
 
 
 def summarize(runs: list[dict]) -> dict:
+    step = statistics.median(r["decode_step_ms_median"] for r in runs)
+    verify = _median_or_none([r["lane_call_ms_median"]["verify"] for r in runs])
     return {
         "runs": len(runs),
-        "decode_step_ms_median_of_runs": statistics.median(r["decode_step_ms_median"] for r in runs),
+        "decode_step_ms_median_of_runs": step,
+        # where a decode step goes: waiting for the verify call's results (with a chain: the wait
+        # left after the step launched behind it), and the rest (the router's host work, the other
+        # lane calls, launching the next step)
+        "verify_wait_ms_median_of_runs": verify,
+        "rest_of_step_ms": step - verify if verify is not None else None,
         "tokens_per_s_median_of_runs": statistics.median(r["tokens_per_s"] for r in runs),
         "lane_call_ms_median_of_runs": {
             lane: _median_or_none([r["lane_call_ms_median"][lane] for r in runs])
@@ -96,16 +117,24 @@ def interleaved(routers: dict, observers: dict, specs, reps: int):
     and thermal drift hit both alike). Fresh request ids every run."""
     outputs = {name: [] for name in routers}
     runs = {name: [] for name in routers}
+    counts = {}
     for rep in range(-1, reps):
         for name, router in routers.items():
             observers[name].lane = {lane: [] for lane in observers[name].lane}
+            before = chain_counts(router)
             tokens, stats = run(
                 router, [replace(s, request_id=f"{rep}-{s.request_id}") for s in specs], observers[name]
             )
             if rep >= 0:
                 outputs[name].append(tokens)
                 runs[name].append(stats)
-    return outputs, {name: summarize(r) for name, r in runs.items()}
+                after = chain_counts(router)
+                counts.setdefault(name, []).append(after["chained_steps"] - before["chained_steps"])
+    summary = {name: summarize(r) for name, r in runs.items()}
+    for name in summary:
+        summary[name]["chained_steps_per_run"] = counts[name]
+        summary[name]["chain_breaks_total"] = chain_counts(routers[name])["breaks"]
+    return outputs, summary
 
 
 def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
@@ -127,6 +156,24 @@ def specs_for(args, vocab: int, batch: int):
         )
         for n in range(batch)
     ]
+
+
+def smoke_models(args) -> None:
+    """--smoke: tiny random Llama target and draft (tests/support/engine_helpers), CPU, small run."""
+    import tempfile
+
+    # one torch thread per process (the lanes inherit it), set before torch loads: idle lanes'
+    # OpenMP threads spinning on 2 cores slowed the colocated engine 10-200 x here
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "support"))
+    from engine_helpers import write_target_and_draft
+
+    target, draft = write_target_and_draft(__import__("pathlib").Path(tempfile.mkdtemp(prefix="svc-")))
+    args.target, args.draft = target, args.draft if args.draft in ("none", "same") else draft
+    args.device = "cpu"
+    if args.batches == "1,64":
+        args.batches = "8"
+    args.prompt_len, args.max_tokens, args.block_size = 16, 24, 4
 
 
 def main() -> int:
@@ -152,7 +199,15 @@ def main() -> int:
     p.add_argument("--label", default="", help="free text kept in the output (e.g. 'MPS on')")
     p.add_argument("--out", default=None)
     p.add_argument("--watchdog", type=float, default=0, help="dump every thread's stack and exit after S seconds")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU check of the script: tiny random models written to a temp dir, small batches, 1 rep",
+    )
+    p.add_argument("--no-unpipelined", action="store_true", help="leave out the split_unpipelined topology (chain off)")
     args = p.parse_args()
+    if args.smoke:
+        smoke_models(args)
     if args.watchdog:
         import faulthandler
 
@@ -160,7 +215,7 @@ def main() -> int:
     if args.draft == "same":
         args.draft = args.target
     batches = [int(b) for b in args.batches.split(",")]
-    alpha = args.alpha if args.alpha >= 0 else None
+    alpha = args.alpha if args.alpha >= 0 and args.k > 0 else None  # k = 0: no drafts to accept
 
     from bench_meta import metadata
 
@@ -238,6 +293,16 @@ def main() -> int:
             ),
             "colocated": engine.router,
         }
+        if not args.no_unpipelined:  # the same lanes, each call waiting for the one before
+            observers["split_unpipelined"] = StepTimes()
+            routers["split_unpipelined"] = Router(
+                *lanes,
+                decode=codec.decode,
+                eos_token_ids=(),
+                config=replace(config, overlap=False),
+                max_running=max(batches),
+                observer=observers["split_unpipelined"],
+            )
         for batch in batches:
             before = {lane.lane: lane.wire_bytes for lane in lanes}
             outputs, summary = interleaved(routers, observers, specs_for(args, vocab, batch), args.reps)
@@ -250,6 +315,15 @@ def main() -> int:
                 mismatches(c, s_) for c, s_ in zip(outputs["colocated"], outputs["split"], strict=False)
             ]
             row["identical_output"] = not any(row["split_vs_colocated_mismatched_requests"])
+            if "split_unpipelined" in outputs:
+                row["split_unpipelined_vs_colocated_mismatched_requests"] = [
+                    mismatches(c, s_) for c, s_ in zip(outputs["colocated"], outputs["split_unpipelined"], strict=False)
+                ]
+                row["identical_output"] &= not any(row["split_unpipelined_vs_colocated_mismatched_requests"])
+                row["split_unpipelined_over_colocated_throughput"] = (
+                    row["split_unpipelined"]["tokens_per_s_median_of_runs"]
+                    / row["colocated"]["tokens_per_s_median_of_runs"]
+                )
             ok &= row["identical_output"]
             c, s_ = row["colocated"], row["split"]
             row["split_over_colocated_throughput"] = (
@@ -265,10 +339,11 @@ def main() -> int:
             print(
                 json.dumps(
                     {
-                        k: row[k]
+                        k: row.get(k)
                         for k in (
                             "batch",
                             "split_over_colocated_throughput",
+                            "split_unpipelined_over_colocated_throughput",
                             "per_step_overhead_ms",
                             "identical_output",
                         )

@@ -228,7 +228,7 @@ def test_lane_client_turns_channel_errors_into_lane_errors():
     lane = GrpcVerifyLane.__new__(GrpcVerifyLane)  # only the work path: no gRPC channel needed
     lane.lane, lane.addr, lane._use_channel, lane.producer = "verify", "127.0.0.1:1", True, None
     lane._call_lock, lane._lock, lane.calls, lane.wire_bytes = threading.Lock(), threading.Lock(), 0, 0
-    lane._mirror = cc.ChannelMirror()
+    lane._mirror, lane._pending = cc.ChannelMirror(), []
     server = echo_server(None)
     try:
         lane._client = CallClient("127.0.0.1", server.port, None, 5.0)

@@ -52,7 +52,7 @@ def stub_client(cls, server):
     lane = cls.__new__(cls)
     lane.lane, lane.addr, lane._use_channel, lane.producer = cls.lane, f"127.0.0.1:{server.port}", True, None
     lane._call_lock, lane._lock, lane.calls, lane.wire_bytes = threading.Lock(), threading.Lock(), 0, 0
-    lane._mirror, lane._pending = cc.ChannelMirror(), None
+    lane._mirror, lane._pending = cc.ChannelMirror(), []
     lane.writes, lane.kv_bytes_copied, lane.kv_written_event = 0, 0, b""
     lane._client = CallClient("127.0.0.1", server.port, None, WAIT_S)
     lane._client.connect()
@@ -150,8 +150,7 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
         plain_start = prefill.prefill_start
 
         def watched_start(items):
-            pending = verify._pending
-            beside.append(pending is not None and not pending.done)
+            beside.append(any(not p.done for p in verify._pending))
             return plain_start(items)
 
         prefill.prefill_start = watched_start

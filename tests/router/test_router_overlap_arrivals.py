@@ -331,3 +331,18 @@ def test_draft_none_plain_decodes_and_chains(tiny_models):
     assert got == want
     assert not calls, "a draft lane that proposes nothing was called"
     assert router.overlap.steps > 10 and router.overlap.admitting >= 4, (router.overlap.steps, router.overlap.breaks)
+
+
+def test_an_arrival_that_is_not_plain_breaks_the_chain_and_keeps_its_stream(tiny_models):
+    """An arrival asking for logprobs is admitted beside a chained step, but its prefill leaves no
+    first token on the device and no chained step may hold it (the verify lane refuses a feed with
+    sampling controls or logprobs): the chain breaks there ("off") instead of taking it in with its
+    token from the host, and every stream equals overlap off."""
+    specs = make_specs(8, seed=11)
+    specs[5] = dataclasses.replace(specs[5], sampling=SamplingParams(logprobs=True), stop_at_eos=False)
+    arrive = staggered(8)
+    want, want_chunks, _ = drive(fresh(tiny_models), specs, overlap=False, arrive=arrive)
+    got, got_chunks, router = drive(fresh(tiny_models), specs, overlap=True, arrive=arrive)
+    same_streams(want, want_chunks, got, got_chunks)
+    assert router.overlap.breaks.get("off", 0) >= 1 and router.overlap.admitting >= 2, router.overlap.breaks
+    check_blocks_returned(router)

@@ -238,3 +238,38 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
         c.close()
     assert any(plans) and not all(plans)  # both kinds of step ran
     assert [tokens[i] for i in ids] == expected
+
+
+def test_plain_decoding_chains_over_the_lane_rpc_under_concurrent_load(tiny_models, lanes, prompts):
+    """No speculation (k = 0), clients in parallel, arriving and finishing at different times: the
+    core chains plain steps over the verify lane's call channel (each sent before the reply of the
+    one before, fed on the lane's device; arrivals joining from the host) and every stream is the
+    offline engine's greedy output (with speculation or without: the same tokens)."""
+    import threading
+
+    from verifypd.gateway.server import build_split
+
+    lengths = [10 + 7 * (i % 3) for i in range(len(prompts))]  # finishes spread: arrivals mid-chain
+    specs = [RequestSpec(tuple(p), max_tokens=m, stop_at_eos=False) for p, m in zip(prompts, lengths)]
+    want = offline_outputs(engine_options(*tiny_models), specs)
+    assert offline_outputs(engine_options(*tiny_models, k=0), specs) == want
+    options = engine_options(*tiny_models, k=0)
+    with build_split(lanes.addrs, options, kv_transport="handle", lane_secret=lanes.secret).start() as gw:
+        got: dict[int, list[int]] = {}
+
+        def client(n: int) -> None:
+            c = Client(gw.address)
+            try:
+                for i in range(n, len(prompts), 3):
+                    got[i] = c.generate(**greedy_request(prompts[i], lengths[i]))[0]
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [got.get(i) for i in range(len(prompts))] == want
+        steps, admitting, breaks = gw.core_loop.call(lambda r: (r.overlap.steps, r.overlap.admitting, r.overlap.breaks))
+        assert steps >= 20 and admitting >= 1, (steps, admitting, breaks)

@@ -139,6 +139,12 @@ class TokenFeed:
     rows: tuple[int, ...]
 
 
+class HostTokens(tuple):
+    """A TokenFeed source of pending tokens the host already has (a request whose first token came
+    from a prefill lane in another process, committed after the step before this one was launched),
+    after the previous verify call's `next_tokens`. Only lanes with `feeds_host_tokens` take one."""
+
+
 @dataclass(frozen=True)
 class VerdictFit:
     """Items laid out for the longest outcome of an earlier verify call still in flight (engine.spec_ahead):
@@ -212,6 +218,11 @@ def drafts_after_verdict(lane: DraftLane) -> TypeGuard[DraftsAfterVerdict]:
 def feeds_tokens(lane: VerifyLane) -> TypeGuard[DeviceVerifyLane]:
     """Does `lane` take `verify_start(items, feed=...)`?"""
     return bool(getattr(lane, "feeds_tokens", False))
+
+
+def feeds_host_tokens(lane: VerifyLane) -> bool:
+    """Does `lane` take a TokenFeed whose last source is HostTokens (the split topology's verify lane)?"""
+    return bool(getattr(lane, "feeds_host_tokens", False))
 
 
 def fits_verdict(lane: VerifyLane) -> TypeGuard[DeviceVerifyLane]:

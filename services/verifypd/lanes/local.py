@@ -35,6 +35,7 @@ from verifypd.domain.lanes import (
     DraftItem,
     DraftOutput,
     Finished,
+    HostTokens,
     KvHandle,
     LaneInfo,
     PrefillItem,
@@ -324,6 +325,11 @@ class LocalVerifyLane:
         return getattr(self.target, "feeds_first_ids", False)
 
     @property
+    def feeds_host_tokens(self) -> bool:
+        """A feed's sources may end with HostTokens (the split topology's verify lane server)."""
+        return self.feeds_tokens
+
+    @property
     def fits_verdict(self) -> bool:
         """Takes `verify_start(items, fit=...)` of greedy items (engine.spec_ahead, model.verify_fit)."""
         return (
@@ -355,14 +361,19 @@ class LocalVerifyLane:
     ) -> StartedCall:
         ks = [len(i.draft_tokens) for i in items]
         first_ids: torch.Tensor | None = None
+        device = self.target.device
         if feed is not None:
             rows = list(feed.rows)
             if len(rows) != len(items):
                 raise ValueError(f"a token feed needs one row per item: {len(rows)} rows, {len(items)} items")
             if self.stream is not None:  # a prefill's tokens come from another stream: keep their memory
                 for source in feed.sources[1:]:  # from reuse there until this stream has read them (the
-                    source.record_stream(self.stream)  # first source is this stream's own last call's)
-            source = feed.sources[0] if len(feed.sources) == 1 else torch.cat(feed.sources)
+                    if not isinstance(source, HostTokens):  # first source is this stream's own last call's)
+                        source.record_stream(self.stream)
+            sources = [  # host tokens (split: a remote prefill's first tokens) reach the device on this stream
+                sampler.small_tensor(list(s), device) if isinstance(s, HostTokens) else s for s in feed.sources
+            ]
+            source = sources[0] if len(sources) == 1 else torch.cat(sources)
             first_ids = (
                 source if rows == list(range(source.shape[0])) else source[sampler.small_tensor(rows, source.device)]
             )
@@ -375,7 +386,6 @@ class LocalVerifyLane:
             for i, k in zip(items, ks)
         ]
         R, K = len(items), max(ks)
-        device = self.target.device
         fed: _Fed = {} if first_ids is None else {"first_ids": first_ids}
         if not all(plain_item(i) for i in items):  # sampling controls, logprobs or structured output
             if self.simulated_acceptance is not None:

@@ -129,7 +129,7 @@ class LaneInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LaneInfo(_message.Message):
-    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received", "call_port", "draft_handoff")
+    __slots__ = ("lane", "target_model", "draft_model", "pools", "vocab_size", "max_context", "eos_token_ids", "kv_bytes_received", "call_port", "draft_handoff", "feeds_tokens")
     LANE_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class LaneInfo(_message.Message):
     KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lane: str
     target_model: str
     draft_model: str
@@ -150,7 +151,8 @@ class LaneInfo(_message.Message):
     kv_bytes_received: int
     call_port: int
     draft_handoff: DraftHandoff
-    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., call_port: _Optional[int] = ..., draft_handoff: _Optional[_Union[DraftHandoff, _Mapping]] = ...) -> None: ...
+    feeds_tokens: bool
+    def __init__(self, lane: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_bytes_received: _Optional[int] = ..., call_port: _Optional[int] = ..., draft_handoff: _Optional[_Union[DraftHandoff, _Mapping]] = ..., feeds_tokens: _Optional[bool] = ...) -> None: ...
 
 class DraftHandoff(_message.Message):
     __slots__ = ("buffer", "device_uuid", "host_boot_id", "rows", "cols", "slot_events")
@@ -342,7 +344,7 @@ class BlockTableDelta(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., generation: _Optional[int] = ..., keep_u32: _Optional[bytes] = ..., added_count_u32: _Optional[bytes] = ..., added_u32: _Optional[bytes] = ...) -> None: ...
 
 class PackedBatch(_message.Message):
-    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs", "wait_event", "handoff_slot", "draft_rows_u32")
+    __slots__ = ("intros", "released", "keys_u32", "start_pos_u32", "token_count_u32", "tokens_u32", "pending_u32", "k_u32", "last_chunk_u32", "target_blocks", "draft_blocks", "probs_items_u32", "draft_probs", "wait_event", "handoff_slot", "draft_rows_u32", "feed_call", "feed_rows_u32")
     INTROS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     KEYS_U32_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +361,8 @@ class PackedBatch(_message.Message):
     WAIT_EVENT_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_SLOT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROWS_U32_FIELD_NUMBER: _ClassVar[int]
+    FEED_CALL_FIELD_NUMBER: _ClassVar[int]
+    FEED_ROWS_U32_FIELD_NUMBER: _ClassVar[int]
     intros: _containers.RepeatedCompositeFieldContainer[RequestIntro]
     released: _containers.RepeatedScalarFieldContainer[int]
     keys_u32: bytes
@@ -375,7 +379,9 @@ class PackedBatch(_message.Message):
     wait_event: bytes
     handoff_slot: int
     draft_rows_u32: bytes
-    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., wait_event: _Optional[bytes] = ..., handoff_slot: _Optional[int] = ..., draft_rows_u32: _Optional[bytes] = ...) -> None: ...
+    feed_call: int
+    feed_rows_u32: bytes
+    def __init__(self, intros: _Optional[_Iterable[_Union[RequestIntro, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., keys_u32: _Optional[bytes] = ..., start_pos_u32: _Optional[bytes] = ..., token_count_u32: _Optional[bytes] = ..., tokens_u32: _Optional[bytes] = ..., pending_u32: _Optional[bytes] = ..., k_u32: _Optional[bytes] = ..., last_chunk_u32: _Optional[bytes] = ..., target_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., draft_blocks: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., probs_items_u32: _Optional[bytes] = ..., draft_probs: _Optional[_Iterable[_Union[DraftProbs, _Mapping]]] = ..., wait_event: _Optional[bytes] = ..., handoff_slot: _Optional[int] = ..., draft_rows_u32: _Optional[bytes] = ..., feed_call: _Optional[int] = ..., feed_rows_u32: _Optional[bytes] = ...) -> None: ...
 
 class LaneCall(_message.Message):
     __slots__ = ("call_id", "method", "batch", "traceparent")

@@ -84,8 +84,13 @@ class CallServer:
         port: int = 0,
         secret: str | None = None,
         tls=None,
+        pipelined: bool = False,
     ):
+        """`pipelined`: the handler may return a DeferredReply (call_pipeline.py): without TLS the
+        connection's replies are then finished and written on a thread of their own, in call order,
+        while the next call is read and launched."""
         self.handler, self.new_state, self.secret, self.tls = handler, new_state, secret, tls
+        self.pipelined = pipelined
         self.listener = socket.create_server((host.strip("[]"), port), family=_family(host), reuse_port=False)
         self.port = self.listener.getsockname()[1]
         self._closed = False
@@ -143,13 +148,34 @@ class CallServer:
             return
         conn.settimeout(None)
         state = self.new_state()
+        # Not over TLS: one SSL object must not be read and written by two threads at once (OpenSSL
+        # does not make that safe), so there a DeferredReply is finished before the next call is read.
+        if self.pipelined and self.tls is None:
+            return self._converse_pipelined(conn, f, state)
         while True:
             call = lanes_pb2.LaneCall.FromString(read_frame(f))
             reply = self.handler(call, state)
+            finish = getattr(reply, "finish", None)  # a DeferredReply (call_pipeline.py)
+            if finish is not None:
+                reply = finish()
             reply.call_id = call.call_id
             write_frame(conn, reply.SerializeToString())
             if reply.status_code:
                 return  # an error ends the connection and its state; the client reconnects
+
+    def _converse_pipelined(self, conn: socket.socket, f, state) -> None:
+        """Calls until the peer goes or a reply fails; replies leave through a ReplyWriter."""
+        from verifypd.lanes.rpc.call_pipeline import ReplyWriter
+
+        writer = ReplyWriter(conn, write_frame, _shutdown)
+        try:
+            while not writer.failed.is_set():
+                call = lanes_pb2.LaneCall.FromString(read_frame(f))
+                reply = self.handler(call, state)
+                if not writer.put(call.call_id, reply) or isinstance(reply, lanes_pb2.LaneReply) and reply.status_code:
+                    return  # an error ends the connection and its state; the client reconnects
+        finally:
+            writer.close()
 
     def _tls_accept(self, raw: socket.socket) -> socket.socket | None:
         """The TLS server handshake; None (logged, one line naming the problem) when refused."""
@@ -270,9 +296,13 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
 
 
-def _close(sock: socket.socket) -> None:
+def _shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _close(sock: socket.socket) -> None:
+    _shutdown(sock)
     sock.close()

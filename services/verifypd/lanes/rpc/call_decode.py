@@ -25,6 +25,7 @@ from verifypd.domain.lanes import (
 from verifypd.domain.requests import MAX_K, SamplingParams
 from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc.call_codec import NONE_U32, HandoffTokens, u32
+from verifypd.lanes.rpc.call_pipeline import FedTokens
 from verifypd.lanes.rpc.lane_convert import sampling_from_pb
 from verifypd.v1 import lanes_pb2
 
@@ -45,6 +46,7 @@ class ChannelState:
         self.requests: dict[int, HeldRequest] = {}
         self.tables: dict[tuple[str, int], tuple[int, ...]] = {}
         self.handles: dict[tuple[str, int], KvHandle] = {}  # built once per table, not per call
+        self.fed = FedTokens()  # verify: the last call's tokens left on the device (call_pipeline.py)
 
     def release(self, keys) -> None:
         for key in keys:

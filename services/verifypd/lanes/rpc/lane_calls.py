@@ -5,7 +5,10 @@ ordering the channel makes possible:
   * `handoff_slot`: draft tokens through the draft lane's DraftHandoff buffer (draft_handoff.py):
     the draft lane replies with counts as soon as its work is enqueued, the verify lane reads the
     proposals on the device;
-  * `traceparent`: with traces on (`spans`), the call's SERVER span below the router's (lane_spans.py).
+  * `traceparent`: with traces on (`spans`), the call's SERVER span below the router's (lane_spans.py);
+  * `feed_call`: a verify call's pending tokens read on the device from the previous verify call
+    (call_pipeline.py). Verify calls are launched here and their replies finished on the
+    connection's reply thread (DeferredReply), so the next call is launched before this one's reply.
 """
 
 from __future__ import annotations
@@ -18,16 +21,27 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from verifypd.lanes.local import DeviceDraftTokens
+from verifypd.lanes.local import DeviceDraftTokens, LocalVerifyLane
 from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_validate as lv
+from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.call_codec import HandoffTokens, u32
+from verifypd.lanes.rpc.call_pipeline import DeferredReply
 from verifypd.lanes.rpc.lane_spans import LaneServerSpans, end_call_span
 from verifypd.v1 import lanes_pb2
 
 if TYPE_CHECKING:
-    from verifypd.domain.lanes import DraftItem, DraftOutput, PrefillItem, PrefillOutput, VerifyItem, VerifyOutput
+    from verifypd.domain.lanes import (
+        DraftItem,
+        DraftOutput,
+        PrefillItem,
+        PrefillOutput,
+        StartedCall,
+        TokenFeed,
+        VerifyItem,
+        VerifyOutput,
+    )
     from verifypd.lanes.rpc.draft_handoff import DraftHandoffBuffer, OpenedHandoff
 
 log = logging.getLogger("verifypd.lane")
@@ -51,6 +65,8 @@ class CallChannelWork:
     handoff: DraftHandoffBuffer | None = None
     opened_handoff: OpenedHandoff | None = None
     spans: LaneServerSpans | None = None  # set when the environment turns traces on (launch/cli.py)
+    call_server: CallServer | None = None  # the CallServer, once build_lane_server started it
+    verify_lane: LocalVerifyLane | None  # set by LaneServicer (the verify lane's only)
 
     @property
     def lane(self) -> object | None:
@@ -68,6 +84,21 @@ class CallChannelWork:
 
     def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         raise NotImplementedError
+
+    def _verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
+        """Launches a verify call on this lane's LocalVerifyLane (results by `.result()`)."""
+        if self.verify_lane is None:
+            raise RuntimeError(f"the {self.role} lane runs no verify calls")
+        for item in items:  # DraftProbs bytes -> tensors on this lane's device
+            if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
+                item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
+        return self.verify_lane.verify_start(items, feed=feed)
+
+    @property
+    def feeds_tokens(self) -> bool:
+        """A verify lane whose call channel takes `feed_call` (LaneInfo.feeds_tokens)."""
+        lane = self.lane if self.role == "verify" else None
+        return bool(getattr(lane, "feeds_tokens", False)) and self.call_server is not None
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """This lane's GPU as the calling thread's current device. gRPC and call-channel threads start
@@ -87,7 +118,7 @@ class CallChannelWork:
             return (self.opened_handoff.rows, self.opened_handoff.cols)
         return None
 
-    def handle_call(self, call: lanes_pb2.LaneCall, state: cd.ChannelState) -> lanes_pb2.LaneReply:
+    def handle_call(self, call: lanes_pb2.LaneCall, state: cd.ChannelState) -> lanes_pb2.LaneReply | DeferredReply:
         """One call on the call channel: the unary RPC's checks, lock and lane, compact messages."""
         try:
             if call.method != CALL_METHODS[self.role]:
@@ -98,18 +129,65 @@ class CallChannelWork:
                 raise lv.LaneInvalid(
                     "prefill lane has no pools yet: call ImportPools", grpc.StatusCode.FAILED_PRECONDITION
                 )
+            feed = None
+            if self.role == "verify":  # checked before decode changes the connection's state
+                feed = state.fed.feed(call.batch, len(call.batch.keys_u32) // 4)
             items = cd.decode(call.method, call.batch, state, self._limits(), self._handoff_dims())
             if call.batch.wait_event:
                 self._wait_for_peer(call.batch.wait_event)
         except lv.LaneInvalid as exc:
             return lanes_pb2.LaneReply(status_code=exc.code.value[0], error=str(exc))
         span = self.spans.start(call.traceparent, items) if self.spans is not None and call.traceparent else None
+        if self.role == "verify":
+            return self._verify_call(call, items, feed, state, span)
         reply = self._call_work(call, items)
         if span is not None:  # host time of the call: on CUDA its kernels may still run after the reply
             end_call_span(span, reply.error if reply.status_code else None)
         if not reply.status_code:
             state.release(call.batch.released)
         return reply
+
+    def _verify_call(
+        self, call: lanes_pb2.LaneCall, items: list[VerifyItem], feed: TokenFeed | None, state: cd.ChannelState, span
+    ) -> lanes_pb2.LaneReply | DeferredReply:
+        """Launches a verify call and keeps the tokens it leaves on the device for the next call's
+        feed; its reply is built by `finish` (on the reply thread: call_pipeline.ReplyWriter)."""
+        try:
+            with self.lock, self.on_device():
+                if call.batch.handoff_slot:
+                    self._read_handoff(items, call.batch.handoff_slot)
+                started = self._verify_start(items, feed) if items else None
+        except Exception as exc:
+            state.fed.keep(0, None, 0)
+            reply = self._internal(exc)
+            if span is not None:
+                end_call_span(span, reply.error)
+            return reply
+        state.fed.keep(call.call_id, getattr(started, "next_tokens", None), len(items))
+        state.release(call.batch.released)
+
+        def finish() -> lanes_pb2.LaneReply:
+            try:
+                reply = cd.verify_reply(started.result() if started is not None else [])
+            except Exception as exc:
+                reply = self._internal(exc)
+            if span is not None:
+                end_call_span(span, reply.error if reply.status_code else None)
+            return reply
+
+        # Reply now where nothing can be launched behind it: computed at launch (CPU), or a lane that
+        # takes no feed (a tensor-parallel target), whose next call the router sends after this reply.
+        if started is None or self.device.type != "cuda" or not self.feeds_tokens:
+            return finish()
+        return DeferredReply(finish)
+
+    def _internal(self, exc: Exception) -> lanes_pb2.LaneReply:
+        """A fault of this lane (input was validated): logged with its traceback, INTERNAL to the caller."""
+        log.error("%s lane call failed", self.role, exc_info=exc)
+        return lanes_pb2.LaneReply(
+            status_code=grpc.StatusCode.INTERNAL.value[0],
+            error=f"{self.role} lane: internal error: {type(exc).__name__}: {exc}",
+        )
 
     def _call_work(self, call: lanes_pb2.LaneCall, items: list) -> lanes_pb2.LaneReply:
         try:

@@ -30,13 +30,16 @@ from verifypd.domain.lanes import (
     PrefillItem,
     PrefillOutput,
     StartedCall,
+    TokenFeed,
     VerifyItem,
     VerifyOutput,
+    plain_item,
 )
 from verifypd.domain.options import KV_TRANSPORTS
 from verifypd.lanes.rpc import call_codec as cc
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
+from verifypd.lanes.rpc.call_pipeline import MAX_IN_FLIGHT, ChannelTokens, feed_fields
 from verifypd.lanes.rpc.lane_spans import LaneCallSpans, end_call_span
 from verifypd.net.auth import lane_metadata
 from verifypd.net.lane_tls import LaneChannel
@@ -82,6 +85,7 @@ class _GrpcLane:
         self._client: CallClient | None = None
         self._mirror = cc.ChannelMirror()
         self._call_lock = threading.Lock()  # one call at a time on the connection
+        self._pending = []
         # Owners: the prefill lane whose KV writes this lane must wait for (wire_pools sets it),
         # and how many of its writes this lane has been told about.
         self.producer: GrpcPrefillLane | None = None
@@ -175,14 +179,15 @@ class _GrpcLane:
         """One work call: over the call channel when the lane has one, else `unary(traceparent)`."""
         return self._start(items, encode, decode, unary).result()
 
-    def _start(self, items, encode, decode, unary) -> StartedCall:
+    def _start(self, items, encode, decode, unary, ahead: bool = False) -> StartedCall:
         """Writes one work call and returns without its reply (`.result()` reads and decodes it).
-        A call started and never waited for is settled (its reply read, its decode run) before
-        the next call on this connection, so the stream of replies stays in step."""
+        Calls started and never waited for are settled (their replies read, their decodes run)
+        before the next call on this connection, so the stream of replies stays in step; `ahead`
+        (a verify call fed by the one before it, call_pipeline.py): one of them may stay in flight."""
         if not items:
             return Finished([])
         with self._call_lock:
-            self._settle()
+            self._settle(MAX_IN_FLIGHT - 1 if ahead else 0)
             client = self._connected_client()
             traced = self.spans.start(self.lane, items) if self.spans is not None else None
             span, traceparent = traced if traced is not None else (None, None)
@@ -207,25 +212,33 @@ class _GrpcLane:
             except (OSError, ChannelClosed) as exc:
                 _ended(span, str(exc))
                 raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
-            self._pending = _StartedLaneCall(self, client, call_id, items, decode, name, span)
-            return self._pending
+            self.last_sent = (client, call_id)
+            started = _StartedLaneCall(self, client, call_id, items, decode, name, span)
+            self._pending.append(started)
+            return started
 
-    _pending: _StartedLaneCall | None = None
+    _pending: list[_StartedLaneCall]  # started calls whose replies are not read yet, in call order
+    last_sent: tuple[CallClient, int] | None = None  # the connection and id of the last call written
 
-    def _settle(self) -> None:
-        """Under _call_lock: reads the reply of a started call nobody waited for (an error path)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.complete()
+    def _settle(self, keep: int = 0) -> None:
+        """Under _call_lock: reads the replies of started calls nobody waited for yet (an error
+        path, or the call before a pipelined one) until at most `keep` are in flight."""
+        while len(self._pending) > keep:
+            self._pending.pop(0).complete()
 
     _client_bytes = 0
 
     def finish_started(self, call: _StartedLaneCall) -> None:
-        """Reads a started call's reply under the connection's lock; it is no longer pending."""
+        """Reads a started call's reply (and those of the calls before it: replies come in call
+        order) under the connection's lock; they are no longer pending."""
         with self._call_lock:
-            if self._pending is call:
-                self._pending = None
+            if call in self._pending:
+                self._settle(len(self._pending) - self._pending.index(call) - 1)
             call.complete()
+
+    def first_pending(self, call: _StartedLaneCall) -> bool:
+        """Is `call` the oldest started call whose reply is unread (the next reply is its)?"""
+        return bool(self._pending) and self._pending[0] is call
 
     def count_channel_call(self, client: CallClient) -> None:
         """Counts a call-channel call: its connection's bytes so far, and one call."""
@@ -295,11 +308,12 @@ class _StartedLaneCall:
         self.items, self.decode, self.name = items, decode, name
         self.span = span  # the call's trace span (lane_spans.py), ended with its reply; None: untraced
         self.done = False
+        self.next_tokens: ChannelTokens | None = None  # a plain verify call's tokens, on the lane's device
         self.value: list | None = None
         self.error: LaneError | None = None
 
     def ready(self) -> bool:
-        return self.done or self.client.reply_waiting()
+        return self.done or self.lane.first_pending(self) and self.client.reply_waiting()
 
     def result(self) -> list:
         if not self.done:
@@ -414,20 +428,53 @@ class GrpcVerifyLane(_GrpcLane):
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         return self.verify_start(items).result()
 
-    def verify_start(self, items: list[VerifyItem]) -> StartedCall:
+    @property
+    def feeds_tokens(self) -> bool:
+        """Takes `verify_start(items, feed=...)`: the lane keeps a plain step's chosen tokens on its
+        device for the next call (call_pipeline.py), which is sent before this one's reply."""
+        return self._use_channel and self.describe_pb().feeds_tokens
+
+    @property
+    def feeds_host_tokens(self) -> bool:
+        """A feed may end with HostTokens (pending tokens the router has: a remote prefill's first ones)."""
+        return self.feeds_tokens
+
+    def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None, fit=None) -> StartedCall:
+        """`feed`: the items' pending tokens are rows of the previous call's `next_tokens` (a
+        ChannelTokens), read on the lane's device; the call goes out with that one still in flight."""
+        if fit is not None:
+            raise ValueError("a remote verify lane fits no verdicts (fits_verdict is False)")
+
         def encode(probs, top_k):  # only when mixing an in-process draft lane with a remote verify
             from verifypd.lanes.rpc.kv_transport import encode_probs
 
             return encode_probs(probs, top_k)
 
-        return self._start(
+        def encode_call(mirror, items) -> lanes_pb2.PackedBatch:
+            batch = cc.encode_verify(mirror, items, encode)
+            if feed is not None:
+                client, last = self.last_sent or (None, 0)
+                try:
+                    batch.feed_call, batch.feed_rows_u32, pending = feed_fields(feed, client, last, len(items))
+                    if pending is not None:  # host tokens (HostTokens) go as pending tokens
+                        batch.pending_u32 = cc.u32(pending)
+                except ValueError as exc:  # a reconnect since: the lane that held the tokens is gone
+                    raise LaneError(f"{self.lane} lane at {self.addr}: {exc}") from None
+            return batch
+
+        started = self._start(
             items,
-            lambda mirror, items: cc.encode_verify(mirror, items, encode),
+            encode_call,
             cc.decode_verify,
             lambda tp: lc.verify_outputs_from_pb(
                 self.rpc("Verify", lc.verify_batch_to_pb(items, encode), traceparent=tp)
             ),
+            ahead=feed is not None,
         )
+        # A plain step leaves its chosen tokens on the lane's device (LocalVerifyLane: k = 0, plain items)
+        if isinstance(started, _StartedLaneCall) and all(not i.draft_tokens and plain_item(i) for i in items):
+            started.next_tokens = ChannelTokens(started.client, started.call_id, len(items))
+        return started
 
 
 def shares_pools(wiring: lanes_pb2.ImportPoolsReply) -> bool:

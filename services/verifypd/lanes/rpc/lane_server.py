@@ -211,6 +211,7 @@ class LaneServicer(CallChannelWork):
             kv_bytes_received=self.transfer.bytes_received,
             call_port=self.call_server.port if self.call_server is not None else 0,
             draft_handoff=self.handoff.describe() if self.handoff is not None else None,
+            feeds_tokens=self.feeds_tokens,
         )
 
     def _describe(self, pool: KvPool) -> lanes_pb2.PoolDescriptor:
@@ -439,12 +440,7 @@ class LaneServicer(CallChannelWork):
         return self.draft_lane.draft(items)
 
     def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        if self.verify_lane is None:
-            raise RuntimeError(f"the {self.role} lane runs no verify calls")
-        for item in items:  # DraftProbs bytes -> tensors on this lane's device
-            if isinstance(item.draft_probs, lanes_pb2.DraftProbs):
-                item.draft_probs = kv.decode_probs(item.draft_probs, self.device)
-        return self.verify_lane.verify(items)
+        return self._verify_start(items).result()  # (CallChannelWork._verify_start)
 
     def Prefill(self, request: lanes_pb2.PrefillBatch, context: RpcContext) -> lanes_pb2.PrefillResult:
         if not self._check(context, lv.check_prefill, request):
@@ -530,7 +526,8 @@ def build_lane_server(
         raise OSError(f"cannot bind {host}:{port}")
     server.start()
     if call_port is not None:
+        pipelined = servicer.role == "verify"  # verify calls launched before the last one's reply
         servicer.call_server = CallServer(
-            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls
+            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls, pipelined
         )
     return server, bound, health

@@ -35,9 +35,15 @@ without preemption, the config still asking for it, and no waiting request that 
 step can start (Scheduler.follow_blocked: a prompt longer than the prefill budget, chunked; a
 recompute after preemption). Otherwise the step in flight is committed and the next call is a
 regular step: speculative steps (k > 0, whose next positions depend on acceptance), chunked
-prefills, preemptions, pipelined pdv, split topology and tensor-parallel targets take today's path
-unchanged. `steps` / `admitting` count the steps launched ahead (with a prefill beside), `breaks`
-why a chain ended (telemetry exports them: verifypd.engine.chained_steps).
+prefills, preemptions, pipelined pdv and tensor-parallel targets take today's path unchanged.
+`steps` / `admitting` count the steps launched ahead (with a prefill beside), `breaks` why a chain
+ended (telemetry exports them: verifypd.engine.chained_steps).
+
+Split topology (lanes in other processes, lanes/rpc/call_pipeline.py): N + 1 goes over the verify
+lane's call channel before N's reply, fed by reference to N's tokens on that lane's device. Arrivals
+are prefilled beside a chained step N + 1 on the prefill lane, whose first tokens reach this process
+only when N + 1 is committed, after N + 2 was launched: they join N + 3 (`InFlight.late`), their
+pending tokens sent from the host (HostTokens, the feed's last source) beside the fed rows.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifypd.domain.lanes import TokenFeed, VerifyItem, feeds_tokens
+from verifypd.domain.lanes import HostTokens, TokenFeed, VerifyItem, feeds_host_tokens, feeds_tokens
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.scheduler import DecodeWork, PrefillChunk
 from verifypd.router.sequence import SeqStatus, Sequence
@@ -67,6 +73,10 @@ class InFlight:
     # token fed from the prefill on the device): (chunks, StartedPrefill), committed with the step
     # before this one, in the same Router.step() call (Overlapped.step), so no TTFT is lost.
     ahead: tuple[list[PrefillChunk], StartedPrefill] | None = None
+    # Split (a prefill lane in another process): the requests prefilled beside the step before this
+    # one, whose first tokens reached this process only when that step was committed, after this one
+    # was launched: they join the step after this one, their pending tokens sent from the host (HostTokens).
+    late: list[Sequence] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)  # request ids finished meanwhile: rows dropped at commit
     # (target, draft) block tables of dead requests, returned once the results are on the host
     held: list[tuple[list[int], list[int]]] = field(default_factory=list)
@@ -141,7 +151,8 @@ class Overlapped:
             ctx.overlap_prefill
             and config.priorities.prefill <= config.priorities.verify
             and hasattr(lane, "prefill_start")
-            and not getattr(lane, "remote", False)
+            # a remote prefill's first tokens come to the host: they join a step later (InFlight.late)
+            and (not getattr(lane, "remote", False) or feeds_host_tokens(ctx.verify_lane))
         )
 
     def _follow(self, ctx: StepContext, prev: InFlight, ahead_ok: bool = True) -> InFlight | None:
@@ -157,15 +168,24 @@ class Overlapped:
             return None
         joining = [(j, c.seq) for j, c in enumerate(prev.prefill) if c.seq.request_id not in prev.dead]
         first_tokens = prev.prefill_started.next_tokens if joining and prev.prefill_started is not None else None
+        late: list[Sequence] = []  # joiners of the step after this one (their first tokens come to the host)
         if joining and first_tokens is None:
-            self._broken("off")  # a prefill lane that leaves no first tokens on the device
-            return None
+            # a prefill lane that leaves no first tokens on the device (a request that is not plain:
+            # sampling controls, logprobs, structured output; no chained step may hold it either)
+            if not feeds_host_tokens(lane) or not all(seq.spec.plain for _, seq in joining):
+                self._broken("off")
+                return None
+            late, joining = [seq for _, seq in joining], []
+        # prev's late joiners: their prefill was committed with the step before prev; first token on the host
+        hosted = [s for s in prev.late if s.status is SeqStatus.DECODING]
         alive, joiners = prev.members - prev.dead, {seq.request_id for _, seq in joining}
-        if len(sched.running) != len(alive) + len(joiners) or any(
+        joiners |= {seq.request_id for seq in late}
+        hosted_ids = {s.request_id for s in hosted}
+        if len(sched.running) != len(alive) + len(joiners) + len(hosted) or any(
             s.held_draft is not None
             or not (
                 s.status is SeqStatus.DECODING
-                and s.request_id in alive
+                and (s.request_id in alive or s.request_id in hosted_ids)
                 or s.status is SeqStatus.PREFILLING
                 and s.request_id in joiners
             )
@@ -190,22 +210,29 @@ class Overlapped:
             assert seq.pending_pos == prev.prefill[j].end - 1, "a request moved while its prefill was in flight"
             rows.append(len(prev.items) + j)
             seqs.append(seq)
-        if not sched.plan_follow(config, ctx.costs, seqs):
+        if not sched.plan_follow(config, ctx.costs, seqs + hosted):
             self._broken("plan")
             return None
         chunks = sched.admit_follow(config, ctx.costs) if sched.num_waiting else []
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
-        # (a request that is not plain, RequestSpec.plain, gets no first token to feed: beside, not ahead)
-        plain = all(c.seq.spec.plain for c in chunks)
+        # (a request that is not plain, RequestSpec.plain, gets no first token to feed: beside, not ahead;
+        # nor one a remote prefill lane admits: its first token comes to the host)
+        plain = all(c.seq.spec.plain for c in chunks) and not getattr(ctx.prefill_lane, "remote", False)
         if chunks and ahead_ok and plain and sched.join_now(config, chunks):
             offset = len(prev.items) + (len(prev.prefill) if joining else 0)  # rows of the sources before it
             ahead = self._prefill_ahead(ctx, chunks, offset, rows, seqs, sources)
             chunks = []
+        in_flight = len(seqs)  # with a token in flight; the `hosted` after them have theirs on the host
+        if hosted:  # the last source: their pending tokens, from the host
+            offset = len(prev.items) + (len(prev.prefill) if joining else 0) + (len(ahead[0]) if ahead else 0)
+            rows += [offset + i for i in range(len(hosted))]
+            seqs += hosted
+            sources.append(HostTokens(s.ids(s.pending_pos, s.pending_pos + 1)[0] for s in hosted))
         pool = ctx.target_pool
         items = []
-        for seq in seqs:
-            n = seq.pending_pos + 1  # the position of the token in flight
+        for i, seq in enumerate(seqs):
+            n = seq.pending_pos + (1 if i < in_flight else 0)  # the position of its pending token
             items.append(
                 VerifyItem(
                     request_id=seq.request_id,
@@ -235,7 +262,9 @@ class Overlapped:
             self.admitting += 1
         self.steps += 1
         self.joined += sum(row >= len(prev.items) for row in rows)
-        return InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started, ahead=ahead)
+        flight = InFlight([DecodeWork(s, 0) for s in seqs], items, started, chunks, prefill_started, ahead=ahead)
+        flight.late = late
+        return flight
 
     def _prefill_ahead(
         self,
