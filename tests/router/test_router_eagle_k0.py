@@ -182,3 +182,28 @@ def test_the_hold_lasts_while_requests_leave(tiny_models, head, draft, warm):
     # and one in each step that measures plain decoding at a new batch size)
     if warm:
         assert counts.get("choose_batch_k", 0) <= left + window // RECHECK_OFF_EVERY + 1, counts
+
+
+@pytest.mark.parametrize("draft", ["head", "self:1"])
+def test_k_max_0_chained_steps_grow_no_draft_blocks(tiny_models, head, draft):
+    """With drafting configured off (k_max 0) and a draft attached, chained plain steps grow no
+    draft-pool blocks (each step grew every request's before: ~11 % more Python calls a step than
+    `--no-speculation` at 16 requests, bench/drafts/k0_step_cost.py), and output stays plain."""
+    name = head if draft == "head" else draft
+    engine = make_engine(tiny_models[0], name, k=0, k_max=0, num_blocks=512)
+    router = engine.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    for spec in _specs():
+        router.add_request(spec)
+    for _ in range(4):
+        router.step()
+    scheduler = router.scheduler
+    before = {s.request_id: len(s.draft_blocks) for s in scheduler.running}
+    chained = router.overlap.steps
+    for _ in range(40):
+        router.step()
+    assert router.overlap.steps - chained >= 38, router.overlap.steps - chained
+    assert {s.request_id: len(s.draft_blocks) for s in scheduler.running} == before
+    while router.has_work():
+        router.step()
+    assert scheduler.draft.num_free == scheduler.draft.num_blocks

@@ -709,10 +709,10 @@ class Scheduler:
         is recorded as `plan` would record it. Only where that step is certain to be what `plan`
         would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
         Otherwise nothing changes and False is returned."""
-        # Held at k = 0 (`_hold`), nothing drafts until the hold ends, so the draft pool's blocks are
-        # not grown: the step that drafts next reserves them all (`_reserve`), as a draft that
-        # catches up after plain steps needs them.
-        draft = not self._held("batch", None)
+        # Held at k = 0 (`_hold`), or k_max 0, nothing drafts until that ends, so the draft pool's
+        # blocks are not grown: the step that drafts next reserves them all (`_reserve`), as a
+        # draft that catches up after plain steps needs them.
+        draft = config.k_max > 0 and not self._held("batch", None)
         if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs, draft):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
