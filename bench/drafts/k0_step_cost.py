@@ -123,9 +123,7 @@ def extra_calls(row: dict, base: dict, top: int = 12) -> dict[str, float]:
     """The functions called more per decode step than in plain decoding (`base`), most first: where
     a row's extra host work goes (file:function -> extra calls per step)."""
     mine, theirs = row["calls_by_function"], base["calls_by_function"]
-    extra = {
-        name: n / row["decode_steps"] - theirs.get(name, 0) / base["decode_steps"] for name, n in mine.items()
-    }
+    extra = {name: n / row["decode_steps"] - theirs.get(name, 0) / base["decode_steps"] for name, n in mine.items()}
     ranked = sorted((e, name) for name, e in extra.items() if e >= 0.05)[::-1][:top]
     return {name: round(e, 2) for e, name in ranked}
 
@@ -189,9 +187,9 @@ def main() -> None:
             for w in range(2):
                 engines[name].generate(specs(prompts, f"warm{w}", lengths))
         runs: dict[str, list[dict]] = {name: [] for name in engines}
-        for r in range(args.repeats):  # interleaved, so load from elsewhere spreads over every row
+        for repeat in range(args.repeats):  # interleaved, so load from elsewhere spreads over every row
             for name in engines:
-                runs[name].append(run_once(engines[name], specs(prompts, f"r{r}", lengths)))
+                runs[name].append(run_once(engines[name], specs(prompts, f"r{repeat}", lengths)))
         counted = {name: run_once(engines[name], specs(prompts, "calls", lengths), True) for name in engines}
     rows = []
     base = sorted(runs["none"], key=lambda x: x["cpu_seconds"])[(args.repeats - 1) // 2]
