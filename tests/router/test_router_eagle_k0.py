@@ -143,16 +143,17 @@ def test_a_held_batch_that_drafts_again_grows_its_draft_blocks_then(tiny_models,
     assert scheduler.target.num_free == scheduler.target.num_blocks
 
 
-@pytest.mark.parametrize("draft, warm", [("head", True), ("self:1", True), ("head", False)])
+@pytest.mark.parametrize("draft, warm", [("head", True), ("mix", True), ("self:1", True), ("head", False)])
 def test_the_hold_lasts_while_requests_leave(tiny_models, head, draft, warm):
     """Requests finishing one by one (as chat requests end at EOS) keep the batch held: the others
     still cannot be probed, so a step after a request left does no per-request probe checks (each
     departure ended the hold before: a full check of every request, and the draft pool's blocks
-    grown, in that step). The k decision is still re-taken at the smaller batch. `self:1`: a
+    grown, in that step). The k decision is still re-taken at the smaller batch. `mix`: the head
+    with prompt lookup (eagle+ngram), held the same way. `self:1`: a
     model draft (the target's first layer; its draft KV lags as the head's does). Not `warm`: plain
     decoding is unmeasured at the smaller batch sizes, and the hold lasts through the plain steps
     that measure it (it ended at each before)."""
-    name = head if draft == "head" else draft
+    name = {"head": head, "mix": head.replace("eagle:", "eagle+ngram:", 1)}.get(draft, draft)
     engine = make_engine(tiny_models[0], name, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
     router = engine.router
     router.config = dataclasses.replace(router.config, overlap=True)
