@@ -8,14 +8,20 @@ Rows (every row's outputs must equal plain decoding's; greedy):
   * `<draft> held at 0 (SIMULATED acceptance 0)`: the served adaptive policy, every draft rejected
     by a simulated verdict (real compute, Bernoulli(0) acceptance: labelled), so the batch drafts
     only in its opening steps and is then held at k = 0 (Scheduler's k = 0 hold; `held_steps`);
-    the same for the head mixed with prompt lookup (`eagle+ngram:`).
+    the same for the head mixed with prompt lookup (`eagle+ngram:`);
+  * `self:N k_max 0` and `self:N held at 0 (...)`: the same for a model draft, the target's first N
+    layers (`--self-layers`: 1 of the tiny 2-layer target, 12 of the embedded model by default).
+Requests end one by one by default (`--lengths varied`: max tokens uniform in [max/2, max], seeded),
+as chat requests end at EOS, so the batch shrinks through smaller batch sizes; the warm runs are
+the same batch (every batch size's plain cost measured, as draft_acceptance's --warm-batches).
+`extra_calls_per_step`: the functions a row calls more per step than `none` (where the host work goes).
 Per row: CPU ms per decode step of this single-threaded process (median run of --repeats, runs
 interleaved), wall ms per step, and Python function calls per decode step counted in one more run
 (deterministic: no load on a shared machine moves it), k decisions, held and chained steps.
 
 CPU (default): a tiny random Llama (2 layers, hidden 32, vocabulary 512) and a random EAGLE head,
 written to a temp dir (the tests' writers); its forward is about as cheap as a step's host work.
-GPU: `--device cuda --target PATH.gguf` (the embedded SmolLM2-135M; draft `eagle:smollm2`).
+GPU: `--device cuda --target PATH.gguf` (the embedded SmolLM2-135M; drafts `eagle:smollm2`, `self:12`).
 
     python bench/drafts/k0_step_cost.py --out bench/results/k0_step_cost_cpu.json
     python bench/drafts/k0_step_cost.py --smoke --out /tmp/k0_step_cost_smoke.json
@@ -31,6 +37,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -68,10 +75,10 @@ def make_engine(target: str, draft: str, config: RuntimeConfig, device: str, sim
     return Engine(options, simulated_acceptance=simulated)
 
 
-def specs(prompts: list[list[int]], tag: str, max_tokens: int) -> list[RequestSpec]:
+def specs(prompts: list[list[int]], tag: str, lengths: list[int]) -> list[RequestSpec]:
     return [
-        RequestSpec(tuple(p), max_tokens=max_tokens, request_id=f"{tag}-{i}", stop_at_eos=False)
-        for i, p in enumerate(prompts)
+        RequestSpec(tuple(p), max_tokens=n, request_id=f"{tag}-{i}", stop_at_eos=False)
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
 
 
@@ -80,10 +87,13 @@ def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False
     sched = router.scheduler
     before = (dict(sched.probes.k_counts), getattr(sched, "held_steps", 0), router.overlap.steps)
     calls = [0]
+    by_function: Counter[str] = Counter()
 
     def profile(frame, event, arg):
         if event == "call":
             calls[0] += 1
+            code = frame.f_code
+            by_function[f"{os.path.basename(code.co_filename)}:{code.co_name}"] += 1
 
     t0, c0 = time.perf_counter(), time.process_time()
     if count_calls:
@@ -100,6 +110,7 @@ def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False
         "cpu_seconds": cpu,
         "decode_steps": steps,
         "python_calls": calls[0],
+        "calls_by_function": by_function,
         "k_decisions": {k: n - before[0].get(k, 0) for k, n in sorted(k_counts.items()) if n > before[0].get(k, 0)},
         "held_steps": getattr(sched, "held_steps", 0) - before[1],  # (0 before the hold existed)
         "chained_steps": router.overlap.steps - before[2],
@@ -108,19 +119,37 @@ def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False
     }
 
 
+def extra_calls(row: dict, base: dict, top: int = 12) -> dict[str, float]:
+    """The functions called more per decode step than in plain decoding (`base`), most first: where
+    a row's extra host work goes (file:function -> extra calls per step)."""
+    mine, theirs = row["calls_by_function"], base["calls_by_function"]
+    extra = {name: n / row["decode_steps"] - theirs.get(name, 0) / base["decode_steps"] for name, n in mine.items()}
+    ranked = sorted((e, name) for name, e in extra.items() if e >= 0.05)[::-1][:top]
+    return {name: round(e, 2) for e, name in ranked}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--target", default=None, help="the target (default: a tiny random Llama written to a temp dir)")
     ap.add_argument("--draft", default=None, help="default: a random EAGLE head (tiny), eagle:smollm2 (--target)")
+    ap.add_argument("--self-layers", type=int, default=None, help="the model draft's layers (self:N; 1 tiny, 12 GPU)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--lengths",
+        default="varied",
+        choices=("varied", "fixed"),
+        help="max tokens per request: uniform in [max/2, max] (seeded), or all --max-tokens",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (interleaved); the median is kept")
     ap.add_argument("--smoke", action="store_true", help="a quick run (2 repeats, 32 tokens, batch 4)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.batch < 1 or args.max_tokens < 2 or args.repeats < 1:
         ap.error("--batch >= 1, --max-tokens >= 2, --repeats >= 1")
+    if args.self_layers is None:
+        args.self_layers = 1 if args.target is None else 12
     if args.smoke:
         args.repeats, args.max_tokens, args.batch = 2, 32, 4
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -136,24 +165,32 @@ def main() -> None:
             target, draft = args.target, args.draft or "eagle:smollm2"
             vocab, label = 32000, draft
         prompts = [[rng.randrange(3, vocab) for _ in range(40)] for _ in range(args.batch)]
+        # varied: requests end one by one (as chat requests end at EOS), so the batch shrinks
+        lengths = [args.max_tokens] * args.batch
+        if args.lengths == "varied":
+            lengths = [rng.randrange(args.max_tokens // 2, args.max_tokens + 1) for _ in range(args.batch)]
         mix = draft.replace("eagle:", "eagle+ngram:", 1) if draft.startswith("eagle:") else f"eagle+ngram:{draft}"
         mix_label = label.replace("eagle:", "eagle+ngram:", 1)
+        # a model draft: the target's first layers (self:1 of the tiny 2-layer target; --self-layers)
+        model = f"self:{args.self_layers}"
         cases = [  # (row, draft, config, simulated acceptance)
             ("none", "none", OFF, None),
             (f"{label} k_max 0", draft, OFF, None),
             (f"{label} held at 0 (SIMULATED acceptance 0)", draft, RuntimeConfig(), 0.0),
             (f"{mix_label} held at 0 (SIMULATED acceptance 0)", mix, RuntimeConfig(), 0.0),
+            (f"{model} k_max 0", model, OFF, None),
+            (f"{model} held at 0 (SIMULATED acceptance 0)", model, RuntimeConfig(), 0.0),
         ]
-        labels = {"none": "none", draft: label, mix: mix_label}
+        labels = {"none": "none", draft: label, mix: mix_label, model: model}
         engines = {name: make_engine(target, d, c, args.device, sim) for name, d, c, sim in cases}
         for name in engines:  # warm: first calls, graphs, and the policy's costs at this batch
             for w in range(2):
-                engines[name].generate(specs(prompts, f"warm{w}", 32))
+                engines[name].generate(specs(prompts, f"warm{w}", lengths))
         runs: dict[str, list[dict]] = {name: [] for name in engines}
-        for r in range(args.repeats):  # interleaved, so load from elsewhere spreads over every row
+        for repeat in range(args.repeats):  # interleaved, so load from elsewhere spreads over every row
             for name in engines:
-                runs[name].append(run_once(engines[name], specs(prompts, f"r{r}", args.max_tokens)))
-        counted = {name: run_once(engines[name], specs(prompts, "calls", args.max_tokens), True) for name in engines}
+                runs[name].append(run_once(engines[name], specs(prompts, f"r{repeat}", lengths)))
+        counted = {name: run_once(engines[name], specs(prompts, "calls", lengths), True) for name in engines}
     rows = []
     base = sorted(runs["none"], key=lambda x: x["cpu_seconds"])[(args.repeats - 1) // 2]
     base_calls = counted["none"]["python_calls"] / counted["none"]["decode_steps"]
@@ -174,6 +211,7 @@ def main() -> None:
                 "same_output_as_no_speculation": all(r["outputs"] == runs["none"][0]["outputs"] for r in runs[name]),
                 **{k: chosen[k] for k in ("decode_steps", "k_decisions", "held_steps", "chained_steps", "drafted")},
                 "cpu_seconds_all": [round(x["cpu_seconds"], 5) for x in runs[name]],
+                "extra_calls_per_step": extra_calls(counted[name], counted["none"]),
             }
         )
     result = {
@@ -184,6 +222,7 @@ def main() -> None:
         ),
         "batch": args.batch,
         "max_tokens": args.max_tokens,
+        "lengths": args.lengths,
         "repeats": args.repeats,
         "smoke": args.smoke,
         "threads": 1,

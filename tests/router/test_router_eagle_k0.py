@@ -141,3 +141,70 @@ def test_a_held_batch_that_drafts_again_grows_its_draft_blocks_then(tiny_models,
         router.step()
     assert scheduler.draft_blocks.num_free == scheduler.draft_blocks.num_blocks
     assert scheduler.target.num_free == scheduler.target.num_blocks
+
+
+@pytest.mark.parametrize("draft, warm", [("head", True), ("mix", True), ("self:1", True), ("head", False)])
+def test_the_hold_lasts_while_requests_leave(tiny_models, head, draft, warm):
+    """Requests finishing one by one (as chat requests end at EOS) keep the batch held: the others
+    still cannot be probed, so a step after a request left does no per-request probe checks (each
+    departure ended the hold before: a full check of every request, and the draft pool's blocks
+    grown, in that step). The k decision is still re-taken at the smaller batch. `mix`: the head
+    with prompt lookup (eagle+ngram), held the same way. `self:1`: a
+    model draft (the target's first layer; its draft KV lags as the head's does). Not `warm`: plain
+    decoding is unmeasured at the smaller batch sizes, and the hold lasts through the plain steps
+    that measure it (it ended at each before)."""
+    name = {"head": head, "mix": head.replace("eagle:", "eagle+ngram:", 1)}.get(draft, draft)
+    engine = make_engine(tiny_models[0], name, k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
+    router = engine.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    window = 30
+
+    def batch(tag: str) -> list[RequestSpec]:  # the first finishes after the opening, the rest 3 steps apart
+        return [
+            RequestSpec(p, max_tokens=PROBE_FIRST + 16 + 3 * i, stop_at_eos=False, request_id=f"{tag}{i}")
+            for i, p in enumerate(prompts(12, 71))
+        ]
+
+    if warm:
+        engine.generate(batch("warm"))  # plain decoding measured at every batch size it shrinks through
+    for spec in batch("l"):
+        router.add_request(spec)
+    for _ in range(PROBE_FIRST + 12):
+        router.step()
+    scheduler = router.scheduler
+    assert scheduler.held_steps > 0 and len(scheduler.running) == 12, (scheduler.held_steps, len(scheduler.running))
+    held_before = scheduler.held_steps
+    counts = _count_policy_calls(router, window)
+    left = 12 - len(scheduler.running)
+    assert left >= 7 and scheduler.running, left
+    assert not any(counts.get(n) for n in ("_cheap_probe", "_probe_extra", "_opening_probes")), counts
+    assert scheduler.held_steps - held_before >= window - 2, (scheduler.held_steps - held_before, left)
+    # one decision per departure (the batch changed) and the periodic recheck, no more (not warm:
+    # and one in each step that measures plain decoding at a new batch size)
+    if warm:
+        assert counts.get("choose_batch_k", 0) <= left + window // RECHECK_OFF_EVERY + 1, counts
+
+
+@pytest.mark.parametrize("draft", ["head", "self:1"])
+def test_k_max_0_chained_steps_grow_no_draft_blocks(tiny_models, head, draft):
+    """With drafting configured off (k_max 0) and a draft attached, chained plain steps grow no
+    draft-pool blocks (each step grew every request's before: ~11 % more Python calls a step than
+    `--no-speculation` at 16 requests, bench/drafts/k0_step_cost.py), and output stays plain."""
+    name = head if draft == "head" else draft
+    engine = make_engine(tiny_models[0], name, k=0, k_max=0, num_blocks=512)
+    router = engine.router
+    router.config = dataclasses.replace(router.config, overlap=True)
+    for spec in _specs():
+        router.add_request(spec)
+    for _ in range(4):
+        router.step()
+    scheduler = router.scheduler
+    before = {s.request_id: len(s.draft_blocks) for s in scheduler.running}
+    chained = router.overlap.steps
+    for _ in range(40):
+        router.step()
+    assert router.overlap.steps - chained >= 38, router.overlap.steps - chained
+    assert {s.request_id: len(s.draft_blocks) for s in scheduler.running} == before
+    while router.has_work():
+        router.step()
+    assert scheduler.draft.num_free == scheduler.draft.num_blocks

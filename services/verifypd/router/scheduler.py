@@ -128,11 +128,13 @@ class Scheduler:
         # plan_after's k decision when it drafted nothing: (request ids, k, probes), taken by the next
         # `_plan_decode` of the same requests instead of deciding again (one decision per step).
         self._decided: tuple[frozenset, int, dict] | None = None
-        # The k = 0 hold: the running requests changed `_roster` times; `_hold` is that count when
-        # `_batch_k` last found the lock-step batch off (k 0, decided) with no request it could
-        # probe (none fresh, every draft KV lagging: a lag only grows while nothing drafts). Until
-        # the roster changes or drafting is decided, plain steps skip the per-request probe checks
-        # (`held_steps` counts them): a k = 0 step with a draft costs the host what a plain one does.
+        # The k = 0 hold: requests joined the running set `_roster` times (queued, admitted); `_hold`
+        # is that count when `_batch_k` last found the lock-step batch off (k 0, decided) with no
+        # request it could probe (none fresh, every draft KV lagging: a lag only grows while nothing
+        # drafts). Until a request joins or drafting is decided, plain steps skip the per-request
+        # probe checks (`held_steps` counts them): a k = 0 step with a draft costs the host what a
+        # plain one does. A request leaving keeps the hold (the others still cannot be probed); the
+        # k decision is re-taken then (the batch changed: `_off_signature`) and may end it.
         self._roster, self._hold = 0, -1
         self.held_steps = 0
 
@@ -152,7 +154,6 @@ class Scheduler:
         """Drops a finished or cancelled sequence and returns its blocks."""
         self.target.free(seq.target_blocks)
         self.draft.free(seq.draft_blocks)
-        self._roster += 1
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -278,7 +279,10 @@ class Scheduler:
             self._drafting[key] = k_batch
         probed: dict[str, int] = {}
         periodic = False
-        held = self._held(key, decoding) and k_batch == 0
+        # Held through the plain steps that measure a new batch size too (the batch shrank into a
+        # smaller bucket: k 0 until measured, and still no request a probe could take); not once the
+        # decision is no longer "off" for another reason (the config changed).
+        held = k_batch == 0 and self._held(key, decoding) and (self._off.get(key) is not None or plain_unmeasured)
         if held:
             self.held_steps += 1
         fresh = [] if held else [s for s in seqs if not s.opened]  # (most steps: none)
@@ -304,8 +308,10 @@ class Scheduler:
         return k_batch, probed
 
     def _held(self, key: object, decoding: int | None) -> bool:
-        """The lock-step batch is in its k = 0 hold (`_hold`) and still decided off."""
-        return key == "batch" and decoding is None and self._hold == self._roster and self._off.get(key) is not None
+        """The lock-step batch is in its k = 0 hold (`_hold`): no request joined since it was found
+        off with none a probe could take. (`_batch_k` ends it when a decision drafts or probes, or
+        is no longer off; plan_follow takes that decision before a chained step relies on it.)"""
+        return key == "batch" and decoding is None and self._hold == self._roster
 
     def _holds(self, config: RuntimeConfig, seqs: list[Sequence], k_batch: int, probed: dict, key: object) -> bool:
         """After a decision: does the batch enter the k = 0 hold? Off (decided), nothing probed, and no
@@ -703,10 +709,10 @@ class Scheduler:
         is recorded as `plan` would record it. Only where that step is certain to be what `plan`
         would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
         Otherwise nothing changes and False is returned."""
-        # Held at k = 0 (`_hold`), nothing drafts until the hold ends, so the draft pool's blocks are
-        # not grown: the step that drafts next reserves them all (`_reserve`), as a draft that
-        # catches up after plain steps needs them.
-        draft = not self._held("batch", None)
+        # Held at k = 0 (`_hold`), or k_max 0, nothing drafts until that ends, so the draft pool's
+        # blocks are not grown: the step that drafts next reserves them all (`_reserve`), as a
+        # draft that catches up after plain steps needs them.
+        draft = config.k_max > 0 and not self._held("batch", None)
         if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs, draft):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
