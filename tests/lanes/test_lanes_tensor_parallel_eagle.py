@@ -261,4 +261,9 @@ def test_eagle_tp_bench_smoke(tmp_path):
     assert any(s.startswith("--no-speculation") for s in systems) and any("REAL acceptance" in s for s in systems)
     for (system, _), row in rows.items():
         assert "speedup_vs_no_speculation" in row and row["tokens"] == row["batch"] * result["gen_len"]
-        assert (row["mean_k"] > 0) == ("EAGLE" in system and "SIMULATED" in system) or "REAL" in system, row
+        if system.startswith("--no-speculation"):
+            assert row["mean_k"] == 0, row
+        elif "SIMULATED" in system and "k=adaptive" not in system:  # a fixed k drafts every step
+            assert row["mean_k"] > 0, row
+        # The adaptive rows may stay at k = 0: in the smoke's 7 steps a few simulated rejections can
+        # make the policy's measured acceptance too low for its (conservative) costs of drafting.
