@@ -58,8 +58,9 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, keys in CLASSES if any(k in low for k in keys)), "other")
 
 
-def copy_bandwidth(device) -> float:
-    src = torch.randn(256 * 1024 * 1024, device=device)
+def copy_bandwidth(device, numel: int = 256 * 1024 * 1024) -> float:
+    """Device copy bandwidth (bytes read + written per second) over two float32 buffers of `numel`."""
+    src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(8):

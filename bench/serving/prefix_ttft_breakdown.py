@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # floor_profile
-from floor_profile import gemm_bytes, kernel_class, step_seconds
+from floor_profile import copy_bandwidth, gemm_bytes, kernel_class, step_seconds
 
 from verifypd.model.layout import TokenRun
 
@@ -71,20 +71,6 @@ class PhaseClock:
         if not getattr(scheduler.plan, "phase_clock", False):
             scheduler.plan = self.timed("plan", scheduler.plan)
             scheduler.plan.phase_clock = True
-
-
-def copy_bandwidth(device, numel: int = 64 * 1024 * 1024) -> float:
-    """Device copy bandwidth (bytes read + written per second), floor_profile's measure over 256 MB
-    buffers: the engine's KV pool holds most of the free memory."""
-    src = torch.randn(numel, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(times[2:])
 
 
 def gpu_profile(fn, cuda: bool) -> dict:
@@ -184,7 +170,7 @@ def breakdown(engine, prefix: list[int], new_suffix, requests: int, max_tokens: 
         "weight_bytes": weights,
     }
     if cuda:
-        bandwidth = copy_bandwidth(runner.device)
+        bandwidth = copy_bandwidth(runner.device, 64 * 1024 * 1024)  # 256 MB: the KV pool holds most free memory
         floor_ms = weights / bandwidth * 1e3
         blocks = tuple(range(-(-(context + 8) // runner.block_size)))  # the engine is done with its KV
         decode_ms = step_seconds(runner, [TokenRun([7], context, blocks)], 20, True) * 1e3
