@@ -161,6 +161,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: bf16 weights, CUDA graphs")
     ap.add_argument("--out", default="draft_acceptance.json")
     ap.add_argument(
+        "--warm-runs",
+        type=int,
+        default=0,
+        help="before timing, generate every family this many times per draft and batch at the measured "
+        "size, untimed (a server that has served this workload: each kernel variant an eager path "
+        "meets, e.g. a feature draft's long catch-up after a k = 0 hold, compiled or loaded once per "
+        "process, and the policy's costs measured); their wall times are kept in the JSON",
+    )
+    ap.add_argument(
         "--warm-batches",
         action="store_true",
         help="before timing, also run each measured batch size once over each family's first prompts "
@@ -225,9 +234,11 @@ def main() -> None:
                             for i, p in enumerate(ids[:batch])
                         ]
                     )
+    if args.warm_runs < 0:
+        ap.error("--warm-runs must be >= 0")
     table = []
     for batch in batches:
-        table += measure(engines, drafts, prompts, args.max_tokens, batch, args.repeats)
+        table += measure(engines, drafts, prompts, args.max_tokens, batch, args.repeats, args.warm_runs)
     result = {
         **metadata(),
         "threads": args.threads,
@@ -239,6 +250,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "prompts_per_family": args.per_family,
         "warm_batches": args.warm_batches,
+        "warm_runs": args.warm_runs,
         "repeats": args.repeats,
         "policy_state": "one engine per draft for the warm-up, every batch size and every repeat: the "
         "adaptive policy's measured step costs, acceptance estimate and probe schedule carry from each "
@@ -255,14 +267,16 @@ def main() -> None:
 
 
 def measure(
-    engines: dict, drafts: list[str], prompts: dict, max_tokens: int, batch: int, repeats: int = 1
+    engines: dict, drafts: list[str], prompts: dict, max_tokens: int, batch: int, repeats: int = 1, warm_runs: int = 0
 ) -> list[dict]:
     results: dict[str, dict] = {d: {} for d in drafts}
     for n, (family, ids) in enumerate(prompts.items()):
         # Drafts of one family run back to back, in an order rotated per family, so that load from
         # other work on the machine spreads over all of them rather than biasing one.
         for draft in drafts[n % len(drafts) :] + drafts[: n % len(drafts)]:
+            warm = [_run_family_once(engines[draft], family, ids, max_tokens, batch) for _ in range(warm_runs)]
             results[draft][family] = r = run_family(engines[draft], family, ids, max_tokens, batch, repeats)
+            r["warm_seconds"] = [round(w["seconds"], 5) for w in warm]
             print(
                 json.dumps(
                     {"draft": draft, "family": family, "batch": batch, **{k: v for k, v in r.items() if k != "outputs"}}
@@ -295,6 +309,7 @@ def measure(
                     "seconds": r["seconds"],
                     "cpu_seconds": r["cpu_seconds"],
                     "seconds_all": r["seconds_all"],
+                    "warm_seconds": r["warm_seconds"],
                     "k_decisions_all": r["k_decisions_all"],
                     "drafted_all": r["drafted_all"],
                     "k_decisions": r["k_decisions"],
