@@ -9,6 +9,8 @@ Rows (every row's outputs must equal plain decoding's; greedy):
     by a simulated verdict (real compute, Bernoulli(0) acceptance: labelled), so the batch drafts
     only in its opening steps and is then held at k = 0 (Scheduler's k = 0 hold; `held_steps`);
     the same for the head mixed with prompt lookup (`eagle+ngram:`);
+  * `ngram (adaptive, real acceptance)`: prompt lookup under the served policy; pool-less, so never
+    held: the policy decides every step (on random prompts lookup rarely proposes);
   * `self:N k_max 0` and `self:N held at 0 (...)`: the same for a model draft, the target's first N
     layers (`--self-layers`: 1 of the tiny 2-layer target, 12 of the embedded model by default).
 Requests end one by one by default (`--lengths varied`: max tokens uniform in [max/2, max], seeded),
@@ -18,6 +20,9 @@ the same batch (every batch size's plain cost measured, as draft_acceptance's --
 Per row: CPU ms per decode step of this single-threaded process (median run of --repeats, runs
 interleaved), wall ms per step, and Python function calls per decode step counted in one more run
 (deterministic: no load on a shared machine moves it), k decisions, held and chained steps.
+`--profile`: one more run per row under cProfile, `extra_host_time` the functions whose own host
+time per step exceeds `none`'s most, with their callers (a Triton launch or torch op on a GPU path
+shows there, where python call counts miss it).
 
 CPU (default): a tiny random Llama (2 layers, hidden 32, vocabulary 512) and a random EAGLE head,
 written to a temp dir (the tests' writers); its forward is about as cheap as a step's host work.
@@ -31,8 +36,10 @@ GPU: `--device cuda --target PATH.gguf` (the embedded SmolLM2-135M; drafts `eagl
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import sys
 import tempfile
@@ -119,6 +126,37 @@ def run_once(engine: Engine, batch: list[RequestSpec], count_calls: bool = False
     }
 
 
+def profile_once(engine: Engine, batch: list[RequestSpec]) -> dict:
+    """One more run under cProfile: host seconds per decode step by function (its own time, C
+    functions too: a Triton launch or a torch op shows as the call that made it), with the function
+    that called it most."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        done = engine.generate(batch)
+    finally:
+        profiler.disable()
+    steps = max(c.usage["verify_steps"] for c in done.values())
+    out = {}
+    for (path, line, name), (_, _, tottime, _, callers) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+        caller = max(callers.items(), key=lambda kv: kv[1][3], default=None)
+        out[f"{os.path.basename(path)}:{line}:{name}"] = (
+            tottime / steps,
+            f"{os.path.basename(caller[0][0])}:{caller[0][2]}" if caller else "",
+        )
+    return out
+
+
+def extra_time(row: dict, base: dict, top: int = 15) -> list[dict]:
+    """The functions whose own host time per step (under cProfile, which inflates every call alike)
+    exceeds plain decoding's most: where a row's extra host time goes, GPU paths included."""
+    extra = [(t - base.get(name, (0.0, ""))[0], name, caller) for name, (t, caller) in row.items()]
+    return [
+        {"function": name, "extra_us_per_step": round(1e6 * e, 1), "called_from": caller}
+        for e, name, caller in sorted(extra, reverse=True)[:top]
+    ]
+
+
 def extra_calls(row: dict, base: dict, top: int = 12) -> dict[str, float]:
     """The functions called more per decode step than in plain decoding (`base`), most first: where
     a row's extra host work goes (file:function -> extra calls per step)."""
@@ -144,6 +182,11 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (interleaved); the median is kept")
     ap.add_argument("--smoke", action="store_true", help="a quick run (2 repeats, 32 tokens, batch 4)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one cProfile run per row: the functions whose host time per step exceeds none's most",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.batch < 1 or args.max_tokens < 2 or args.repeats < 1:
@@ -180,8 +223,10 @@ def main() -> None:
             (f"{mix_label} held at 0 (SIMULATED acceptance 0)", mix, RuntimeConfig(), 0.0),
             (f"{model} k_max 0", model, OFF, None),
             (f"{model} held at 0 (SIMULATED acceptance 0)", model, RuntimeConfig(), 0.0),
+            # pool-less, never held: the served policy every step (random prompts: lookup finds little)
+            ("ngram (adaptive, real acceptance)", "ngram", RuntimeConfig(), None),
         ]
-        labels = {"none": "none", draft: label, mix: mix_label, model: model}
+        labels = {"none": "none", draft: label, mix: mix_label, model: model, "ngram": "ngram"}
         engines = {name: make_engine(target, d, c, args.device, sim) for name, d, c, sim in cases}
         for name in engines:  # warm: first calls, graphs, and the policy's costs at this batch
             for w in range(2):
@@ -191,6 +236,11 @@ def main() -> None:
             for name in engines:
                 runs[name].append(run_once(engines[name], specs(prompts, f"r{repeat}", lengths)))
         counted = {name: run_once(engines[name], specs(prompts, "calls", lengths), True) for name in engines}
+        profiled = (
+            {name: profile_once(engines[name], specs(prompts, "prof", lengths)) for name in engines}
+            if args.profile
+            else {}
+        )
     rows = []
     base = sorted(runs["none"], key=lambda x: x["cpu_seconds"])[(args.repeats - 1) // 2]
     base_calls = counted["none"]["python_calls"] / counted["none"]["decode_steps"]
@@ -214,6 +264,8 @@ def main() -> None:
                 "extra_calls_per_step": extra_calls(counted[name], counted["none"]),
             }
         )
+        if profiled:
+            rows[-1]["extra_host_time"] = extra_time(profiled[name], profiled["none"])
     result = {
         **metadata(),
         "what": (
