@@ -187,6 +187,9 @@ def main() -> None:
         action="store_true",
         help="also one cProfile run per row: the functions whose host time per step exceeds none's most",
     )
+    ap.add_argument(
+        "--rows", default=None, help="comma list of words: only the rows whose name holds one (none is always run)"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.batch < 1 or args.max_tokens < 2 or args.repeats < 1:
@@ -226,6 +229,9 @@ def main() -> None:
             # pool-less, never held: the served policy every step (random prompts: lookup finds little)
             ("ngram (adaptive, real acceptance)", "ngram", RuntimeConfig(), None),
         ]
+        if args.rows:
+            words = [w.strip() for w in args.rows.split(",") if w.strip()]
+            cases = [c for c in cases if c[0] == "none" or any(w in c[0] for w in words)]
         labels = {"none": "none", draft: label, mix: mix_label, model: model, "ngram": "ngram"}
         engines = {name: make_engine(target, d, c, args.device, sim) for name, d, c, sim in cases}
         for name in engines:  # warm: first calls, graphs, and the policy's costs at this batch
