@@ -126,6 +126,14 @@ def tree_row(target, draft: str, tree: str, prompts, max_tokens: int, device, dt
     }
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two outputs differ (one ending early counts), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def step_cost(run, short: int, long: int) -> float:
     """Seconds per step: (time(long) - time(short)) / (steps(long) - steps(short)); run(n) -> (s, steps)."""
     s1, n1 = run(short)
@@ -197,6 +205,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--no-graphs", action="store_true", help="tree steps eagerly (no CUDA graphs)")
     ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float32"),
+        help="model dtype (default bfloat16 on cuda, float32 on cpu); float32 tells a tree step's rounding "
+        "(bf16 near-ties resolved otherwise) from a wrong token",
+    )
+    ap.add_argument(
         "--simulated-shape",
         default=None,
         help="a random: shape for the SIMULATED rows (default llama-2-7b on cuda; 'none': skip; "
@@ -211,7 +226,7 @@ def main() -> None:
         args.simulated_shape = "llama-2-7b" if args.device == "cuda" else "none"
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(args.target, device, dtype, 2048)
     codec = TextCodec(target.tokenizer)
     prompts = [
@@ -229,6 +244,8 @@ def main() -> None:
     for r in rows:
         r["speedup_vs_none"] = r["tok_per_s"] / plain["tok_per_s"]
         r["same_tokens_as_none"] = sum(a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True))
+        # per prompt, the first output token that differs from plain decoding's (None: none differs)
+        r["first_difference"] = [first_difference(a, b) for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
     for r in rows:
         del r["outputs"]
         tps = "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
