@@ -11,11 +11,10 @@ import pytest
 from engine_cases import write_head
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.domain.requests import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, RequestStats, SamplingParams
 from verifypd.router.block_manager import BlockManager
 from verifypd.router.prefix_cache import PrefixCache, chain_key, chain_keys, root_key
 from verifypd.router.sequence import Sequence
-from verifypd.domain.requests import RequestStats
 
 ROOT = root_key("m")
 
