@@ -41,12 +41,21 @@ def test_many_keys_at_once_are_the_chain_of_single_keys():
     for size in (1, 4, 16):
         assert chain_keys(ROOT, tokens, size) == _keys(tokens, size)  # partial last block: no key
     assert chain_keys(ROOT, tokens[:3], 4) == []
+    links: dict[bytes, bytes] = {}  # the memo: filled by the first call, read by the second
+    assert chain_keys(ROOT, tokens, 4, links) == chain_keys(ROOT, tokens, 4, links) == _keys(tokens, 4)
+    assert len(links) == 10
+    other = tokens[:4] + [7, 7, 7, 7] + tokens[8:]  # block 1 differs: every key from it on differs
+    assert chain_keys(ROOT, other, 4, links) == _keys(other, 4) and len(links) == 19
     # A sequence's keys cover its prompt and output, computed in several calls as blocks fill.
     spec = RequestSpec(tuple(tokens[:30]), max_tokens=20)
     seq = Sequence(spec=spec, request_id="r", arrival_order=0, stats=RequestStats(), output_ids=tokens[30:])
     cache = PrefixCache(BlockManager(num_blocks=8, block_size=4, caching=True), None, ROOT)
     assert cache.keys(seq, 3) == _keys(tokens, 4)[:3]
     assert cache.keys(seq, 10) == _keys(tokens, 4)  # the rest, across the prompt's end (30)
+    assert cache.max_links == 32  # 4 per block of the pool; past that the memo is emptied
+    cache.links.update({bytes([n]): b"" for n in range(33 - len(cache.links))})
+    seq.block_keys.clear()
+    assert cache.keys(seq, 2) == _keys(tokens, 4)[:2] and len(cache.links) == 2
 
 
 def test_shared_blocks_are_refcounted_and_evicted_last_recently_freed_first():
