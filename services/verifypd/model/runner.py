@@ -103,9 +103,11 @@ class ModelRunner:
             # A graph's first launch also uploads it to the device (what cudaGraphUpload would do
             # ahead; torch does not expose it): paid here, not by the first request of each query
             # size. On the H200 the first cache hit of an engine (query 32) took 2.02 ms and its
-            # first full repeat (query 16) 2.10 ms, later hits 1.56 ms median: each a graph's first
-            # launch. The static inputs are as every capture's warm-up left them (slots -1: no KV
-            # written), so the replays are that warm-up again.
+            # first full repeat (query 16) 2.10 ms, later hits 1.56 ms median: the first launch of
+            # their graph is what those two alone had in common (bench/serving/prefix_cache.py's
+            # single pair against its median shows whether this removed it). The static inputs are
+            # as every capture's warm-up left them (slots -1: no KV written), so each replay is that
+            # warm-up again.
             t0 = time.perf_counter()
             for key in keys:
                 self.prefill_graphs.graph_for(key).replay()
