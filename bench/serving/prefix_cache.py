@@ -21,7 +21,8 @@ engine's very first cache hit (one-time costs of a path not taken before are in 
 Why medians over several prefixes and long warm-ups: on the H200 (rev af8dc83), one request per row
 read cold 15.8 ms in the uncached engine, the first of the process, and 10.1 ms in the cached engine
 built after it, 9.6 ms for the uncached engine's third full-length request: the first full-length
-prefills of a process pay one-time host costs, and one row caught them in one mode and not the other.
+prefills of a process pay one-time costs, and one row caught them in one mode and not the other.
+`warmup_ttft_s` keeps the full-length warm-ups' TTFTs per mode, in order: how long those costs last.
 
     python bench/serving/prefix_cache.py --out bench/results                      # CPU, 1,500-token prefix
     python bench/serving/prefix_cache.py --device cuda --out bench/results        # GPU
@@ -142,13 +143,15 @@ def measure(args, target: str, draft: str) -> dict:
             d = details[side]
             print(f"  {side}: ttft {d['ttft_ms_median']:.3f} ms, host {d['host_phase_ms_median']}, gpu {d['gpu']}")
 
-    modes = {}
+    modes, warmups = {}, {}
     for mode, on in (("uncached", False), ("cached", True)):
         print(f"{target} {mode}:")
         options = EngineOptions(**{**base.__dict__, "prefix_cache": on})
         after = explain if on and args.breakdown else None
         rows = run_mode(models, options, {**warmup, **prompts}, args.max_tokens, after)
         modes[mode] = [r for r in rows if r["kind"] != "warmup"]
+        # kept to show how long the one-time costs last (TTFT of each full-length warm-up, in order)
+        warmups[mode] = [r["ttft_s"] for r in rows if r["request"].startswith("warmup_long")]
     del models
     cached = {r["request"]: r for r in modes["cached"]}
     uncached = {r["request"]: r for r in modes["uncached"]}
@@ -157,6 +160,7 @@ def measure(args, target: str, draft: str) -> dict:
         "target": target,
         "draft": draft,
         "modes": modes,
+        "warmup_ttft_s": warmups,
         "ttft_s_median": medians,
         "main_figure": f"median TTFT of {len(prompts) - args.prefixes - 1} hit requests (distinct suffixes after "
         f"a cached prefix) / median TTFT of the {args.prefixes} cold first requests of those prefixes, cache on",

@@ -47,6 +47,7 @@ def test_prefix_cache_with_a_second_target(tiny_models, tmp_path):
         assert kinds.count("cold") == 2 and kinds.count("hit") == 4 and kinds.count("repeat") == 1
         for r in run_["modes"]["cached"]:
             assert (r["cached_tokens"] == 0) == (r["kind"] == "cold"), r
+        assert [len(v) for v in run_["warmup_ttft_s"].values()] == [1, 1]  # --smoke: one full-length warm-up
         medians = run_["ttft_s_median"]["cached"]
         assert run_["second_over_first_ttft_cached"] == medians["hit"] / medians["cold"]
     for side in ("split_kv_on", "split_kv_off"):  # --breakdown: every measured request was a cache hit
