@@ -6,11 +6,15 @@ one request of the prefix (cached already, or cached by it): `--breakdown-reques
   * TTFT (the engine's stats: arrival to first token);
   * host phases, wall time around the router's calls: add_request (validation, sequence), plan (the
     scheduler: prefix lookup and hashing, admission, chunking), prefill_launch (the prefill lane's
-    launch: layout, graph replay or eager forward, first-token sampling, the copy queued), first_token_wait
-    (waiting for the device and its copy), commit (first token committed, streamed);
-  * on the GPU, one request under torch.profiler (CUDA activity): kernels launched, GPU busy time
-    (union of the kernels' intervals), the span from the first to the last kernel, the idle time
-    inside it, and time per kernel class (floor_profile.kernel_class).
+    launch: layout, graph replay or eager forward, first-token sampling, the copy queued; of it,
+    prefill_forward: the target runner's forward call alone), first_token_wait (waiting for the
+    device and its copy), commit (first token committed, streamed); each summed over the request's
+    calls up to its first token (the plan and commit calls of the decode steps after it are not in
+    its TTFT), with the calls per phase seen (`host_phase_calls`);
+  * on the GPU, one more such request with max_tokens 1 (its prefill only: no decode step's kernels
+    in the figures) under torch.profiler (CUDA activity): kernels launched, GPU busy time (union of
+    the kernels' intervals), the span from the first to the last kernel, the idle time inside it,
+    and time per kernel class (floor_profile.kernel_class).
 Then the same requests with split-KV attention off (ModelRunner.split_min_context past the context), so
 the A/B of model.split_kv is measured on the same engine, and the bytes floor: the target's GEMM weight
 bytes (floor_profile.gemm_bytes: every weight a forward must read; no KV) / the measured device copy
@@ -31,21 +35,34 @@ from floor_profile import copy_bandwidth, gemm_bytes, kernel_class, step_seconds
 
 from verifypd.model.layout import TokenRun
 
-PHASES = ("add_request", "plan", "prefill_launch", "first_token_wait", "commit")
+PHASES = ("add_request", "plan", "prefill_launch", "prefill_forward", "first_token_wait", "commit")
 
 
 class PhaseClock:
     """Wraps the engine's calls on the cached request's path (instance attributes, nothing patched in
-    the classes) and sums wall time per phase for the request in flight."""
+    the classes) and sums wall time per phase for the request in flight, up to its first token (the
+    prefill's commit): the plan and commit calls of its decode steps after it are no part of its
+    TTFT (summed over a request of 4 tokens, `plan` read ~4 plan calls)."""
 
     def __init__(self, engine):
         self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.counting = False
         router, ctx = engine.router, engine.router.context
         router.add_request = self.timed("add_request", router.add_request)
-        ctx.commit_prefill = self.timed("commit", ctx.commit_prefill)
+        commit = self.timed("commit", ctx.commit_prefill)
+
+        def commit_prefill(*args, **kwargs):
+            try:
+                return commit(*args, **kwargs)
+            finally:
+                self.counting = False  # the first token is committed (one request in flight)
+
+        ctx.commit_prefill = commit_prefill
         self.ctx = ctx
         lane = engine.prefill_lane
         launch = lane.prefill_start
+        lane.target.forward = self.timed("prefill_forward", lane.target.forward)  # (only prefill calls it)
 
         def prefill_start(items):
             started = self.timed("prefill_launch", launch)(items)
@@ -60,13 +77,15 @@ class PhaseClock:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+                if self.counting:
+                    self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+                    self.calls[phase] = self.calls.get(phase, 0) + 1
 
         return call
 
     def start(self) -> None:
         """Before each request: zeroes the sums; the scheduler is wrapped anew (attach_pools may replace it)."""
-        self.seconds = {}
+        self.seconds, self.calls, self.counting = {}, {}, True
         scheduler = self.ctx.scheduler
         if not getattr(scheduler.plan, "phase_clock", False):
             scheduler.plan = self.timed("plan", scheduler.plan)
@@ -123,10 +142,10 @@ def breakdown(engine, prefix: list[int], new_suffix, requests: int, max_tokens: 
     clock = PhaseClock(engine)
     count = iter(range(1_000_000))
 
-    def one(prompt: list[int]) -> tuple[float, int]:
+    def one(prompt: list[int], tokens: int = max_tokens) -> tuple[float, int]:
         clock.start()
         name = f"b{next(count)}"
-        spec = RequestSpec(tuple(prompt), max_tokens=max_tokens, stop_at_eos=False, request_id=name)
+        spec = RequestSpec(tuple(prompt), max_tokens=tokens, stop_at_eos=False, request_id=name)
         done = engine.generate([spec])[name]
         return done.ttft_s, done.usage["cached_tokens"]
 
@@ -134,20 +153,25 @@ def breakdown(engine, prefix: list[int], new_suffix, requests: int, max_tokens: 
     one(prefix + new_suffix())  # the prefix, uncached: its blocks enter the cache
 
     def measure() -> dict:
-        ttfts, cached, phases = [], [], {p: [] for p in PHASES}
+        ttfts, cached = [], []
+        phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        calls: set[tuple] = set()
         for _ in range(requests):
             ttft, hit = one(prefix + new_suffix())
             ttfts.append(ttft)
             cached.append(hit)
             for p in PHASES:
                 phases[p].append(clock.seconds.get(p, 0.0))
+            calls.add(tuple(clock.calls.get(p, 0) for p in PHASES))
         host = {p: round(statistics.median(v) * 1e3, 4) for p, v in phases.items()}
         return {
             "ttft_ms_median": round(statistics.median(ttfts) * 1e3, 4),
             "ttft_ms": [round(t * 1e3, 4) for t in ttfts],
             "cached_tokens": cached,
             "host_phase_ms_median": host,
-            "gpu": gpu_profile(lambda: one(prefix + new_suffix()), cuda),
+            # calls per phase up to the first token, each distinct tuple seen (PHASES order)
+            "host_phase_calls": {"phases": list(PHASES), "seen": sorted(calls)},
+            "gpu": gpu_profile(lambda: one(prefix + new_suffix(), 1), cuda),  # the prefill's kernels only
         }
 
     context = len(prefix)

@@ -11,9 +11,10 @@ import pytest
 from engine_cases import write_head
 from engine_helpers import VOCAB, make_engine
 
-from verifypd.domain.requests import RequestSpec, SamplingParams
+from verifypd.domain.requests import RequestSpec, RequestStats, SamplingParams
 from verifypd.router.block_manager import BlockManager
-from verifypd.router.prefix_cache import chain_key, root_key
+from verifypd.router.prefix_cache import PrefixCache, chain_key, chain_keys, root_key
+from verifypd.router.sequence import Sequence
 
 ROOT = root_key("m")
 
@@ -32,6 +33,29 @@ def test_keys_chain_the_whole_prefix():
     b = _keys([4, 6, 7, 8, 9, 10, 11, 12])  # same second block, other first block
     assert a[0] != b[0] and a[1] != b[1]  # the second block's key depends on the first block too
     assert _keys([5, 6, 7, 8], root=root_key("other model"))[0] != a[0]  # the root is part of it
+
+
+def test_many_keys_at_once_are_the_chain_of_single_keys():
+    rng = random.Random(3)
+    tokens = [rng.randrange(VOCAB) for _ in range(41)] + [2**40]  # an id past 32 bits
+    for size in (1, 4, 16):
+        assert chain_keys(ROOT, tokens, size) == _keys(tokens, size)  # partial last block: no key
+    assert chain_keys(ROOT, tokens[:3], 4) == []
+    links: dict[bytes, bytes] = {}  # the memo: filled by the first call, read by the second
+    assert chain_keys(ROOT, tokens, 4, links) == chain_keys(ROOT, tokens, 4, links) == _keys(tokens, 4)
+    assert len(links) == 10
+    other = tokens[:4] + [7, 7, 7, 7] + tokens[8:]  # block 1 differs: every key from it on differs
+    assert chain_keys(ROOT, other, 4, links) == _keys(other, 4) and len(links) == 19
+    # A sequence's keys cover its prompt and output, computed in several calls as blocks fill.
+    spec = RequestSpec(tuple(tokens[:30]), max_tokens=20)
+    seq = Sequence(spec=spec, request_id="r", arrival_order=0, stats=RequestStats(), output_ids=tokens[30:])
+    cache = PrefixCache(BlockManager(num_blocks=8, block_size=4, caching=True), None, ROOT)
+    assert cache.keys(seq, 3) == _keys(tokens, 4)[:3]
+    assert cache.keys(seq, 10) == _keys(tokens, 4)  # the rest, across the prompt's end (30)
+    assert cache.max_links == 32  # 4 per block of the pool; past that the memo is emptied
+    cache.links.update({bytes([n]): b"" for n in range(33 - len(cache.links))})
+    seq.block_keys.clear()
+    assert cache.keys(seq, 2) == _keys(tokens, 4)[:2] and len(cache.links) == 2
 
 
 def test_shared_blocks_are_refcounted_and_evicted_last_recently_freed_first():
@@ -134,6 +158,9 @@ def _check_keyed_is_final(router):
                 assert key is None, f"block {i} of {seq.request_id} keyed before its KV was final"
             else:  # its own key, or none (another block computed at the same time carries it)
                 assert key in (None, seq.block_keys[i])
+        # every key is its block's tokens' (never a key over tokens not yet appended)
+        prefix = router.context.prefix
+        assert prefix is None or seq.block_keys == chain_keys(prefix.root, seq.all_ids, size)[: len(seq.block_keys)]
     router.target_blocks.check([s.target_blocks for s in router.sequences()])
 
 

@@ -42,6 +42,14 @@ def test_prefix_cache_with_a_second_target(tiny_models, tmp_path):
         cached = {r["request"]: r["cached_tokens"] for r in run_["modes"]["cached"]}
         assert cached["first"] == 0 and cached["second"] >= 48 and cached["repeat"] >= cached["second"]
         assert all(r["cached_tokens"] == 0 for r in run_["modes"]["uncached"])
+        # --smoke: 2 prefixes, each a cold first request and 2 hits; the medians are of those rows
+        kinds = [r["kind"] for r in run_["modes"]["cached"]]
+        assert kinds.count("cold") == 2 and kinds.count("hit") == 4 and kinds.count("repeat") == 1
+        for r in run_["modes"]["cached"]:
+            assert (r["cached_tokens"] == 0) == (r["kind"] == "cold"), r
+        assert [len(v) for v in run_["warmup_ttft_s"].values()] == [1, 1]  # --smoke: one full-length warm-up
+        medians = run_["ttft_s_median"]["cached"]
+        assert run_["second_over_first_ttft_cached"] == medians["hit"] / medians["cold"]
     for side in ("split_kv_on", "split_kv_off"):  # --breakdown: every measured request was a cache hit
         details = result["ttft_breakdown"][side]
         assert len(details["ttft_ms"]) == 2 and all(n >= 48 for n in details["cached_tokens"])
@@ -49,6 +57,7 @@ def test_prefix_cache_with_a_second_target(tiny_models, tmp_path):
             "add_request",
             "plan",
             "prefill_launch",
+            "prefill_forward",
             "first_token_wait",
             "commit",
         }

@@ -142,10 +142,13 @@ class LocalPrefillLane:
             samplings = [i.sampling for i in chosen]
             mode = sampler.choice_mode(samplings)
             params: _ChoiceParams = (None, None, None, None)  # greedy: none read
+            # nor positions: on CUDA each is a pinned allocation and a queued copy, host time on every
+            # greedy prefill's way to its first token
+            positions = None
             if mode != sampler.GREEDY:
                 temp, top_k, top_p, seeds = sampler.params_tensor(samplings, logits.device)
                 params = (temp, top_k, top_p, seeds)
-            positions = sampler.small_tensor([i.start_pos + len(i.token_ids) for i in chosen], logits.device)
+                positions = sampler.small_tensor([i.start_pos + len(i.token_ids) for i in chosen], logits.device)
             # Not logits[rows]: a Python list as an index is copied to the device from pageable memory,
             # which waits for the stream's queued work, this whole prefill (~1 ms of the embedded
             # model's GPU time at batch 1, H200: prefill_start took ~1.2 ms with a 0.13 ms forward).

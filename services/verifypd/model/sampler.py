@@ -206,14 +206,17 @@ def choose(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     seeds: torch.Tensor | None,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
 ) -> torch.Tensor:
     """One token per row with no host sync: tokens [N]. `positions` are where the chosen tokens will
     sit: with the seeds they fix the race (module doc), so a draft and the target choosing for the
-    same position share their randomness. The sampling tensors may be None in GREEDY mode only."""
+    same position share their randomness. The sampling tensors and `positions` may be None in GREEDY
+    mode only (a caller building them from host lists may skip that copy)."""
     if mode == GREEDY:
         return logits.argmax(-1)
-    if temp is None or top_k is None or top_p is None or seeds is None:
-        raise ValueError(f"choose in mode {mode!r} needs temperature, top_k, top_p and seeds tensors, got None")
+    if temp is None or top_k is None or top_p is None or seeds is None or positions is None:
+        raise ValueError(
+            f"choose in mode {mode!r} needs temperature, top_k, top_p, seeds and positions tensors, got None"
+        )
     probs = probabilities(logits.float(), temp, top_k, top_p, truncate=mode == SAMPLE_TRUNCATED)
     return race(probs, seeds, positions)

@@ -37,9 +37,48 @@ def root_key(namespace: str) -> bytes:
 
 
 def chain_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The key of one block of `tokens` after the block keyed `parent` (the definition; `chain_keys`
+    computes the same keys for many blocks at once)."""
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
     h.update(array("q", tokens).tobytes())  # int64: every token id fits, one byte layout per host
     return h.digest()
+
+
+_EMPTY = hashlib.blake2b(digest_size=KEY_BYTES)  # copied per block: cheaper than a new hasher
+
+
+def chain_keys(
+    parent: bytes, tokens: list[int], block_size: int, links: dict[bytes, bytes] | None = None
+) -> list[bytes]:
+    """chain_key over the consecutive full blocks of `tokens` (len(tokens) // block_size keys), the
+    first after `parent`. The same keys as a loop of chain_key, at about half the host time: one
+    int64 conversion for all blocks, a copied hasher per block (a cache hit on a 1,500-token prompt
+    hashes ~94 blocks before its prefill can start: ~0.14 ms of the plan step in a chain_key loop).
+
+    `links`: a memo of chain_key, parent key + the block's int64 bytes -> key, read and filled here. A
+    dict compares its keys byte for byte, so a hit is exactly the hash it saves (~0.4 of its time
+    per block: a prompt whose prefix an earlier request hashed costs about a third as much)."""
+    data = array("q", tokens).tobytes()
+    width = block_size * 8  # bytes per block (int64 ids, as chain_key)
+    keys = []
+    known = links.get if links is not None else None
+    for at in range(0, len(tokens) // block_size * width, width):
+        link = parent + data[at : at + width]
+        key = known(link) if known is not None else None
+        if key is None:
+            h = _EMPTY.copy()
+            h.update(link)
+            key = h.digest()
+            if links is not None:
+                links[link] = key
+        parent = key
+        keys.append(key)
+    return keys
+
+
+# PrefixCache.links holds at most this many entries (~250 bytes each), and as many as 4 per block of
+# the target pool: past that it is emptied (a memo of a pure function: only time is lost).
+MAX_LINKS = 1 << 16
 
 
 class PrefixCache:
@@ -51,6 +90,8 @@ class PrefixCache:
         if draft is not None and draft.block_size != target.block_size:
             raise ValueError("prefix caching of a draft pool needs the target's block size")
         self.target, self.draft, self.root = target, draft, root
+        self.links: dict[bytes, bytes] = {}  # chain_keys' memo
+        self.max_links = min(MAX_LINKS, 4 * target.num_blocks)
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -62,9 +103,14 @@ class PrefixCache:
         """seq.block_keys extended to at least `num_blocks` full blocks of all_ids (kept on the sequence:
         its tokens never change, so each key is computed once, also across preemptions)."""
         keys, size = seq.block_keys, self.block_size
-        while len(keys) < num_blocks:
-            i = len(keys)
-            keys.append(chain_key(keys[-1] if keys else self.root, seq.ids(i * size, (i + 1) * size)))
+        have = len(keys)
+        if have < num_blocks:
+            if num_blocks * size > seq.num_tokens:  # a key over fewer tokens than its block holds
+                raise ValueError(f"{seq.request_id}: block {num_blocks - 1} is not full of tokens yet")
+            if len(self.links) > self.max_links:
+                self.links.clear()
+            tokens = seq.ids(have * size, num_blocks * size)
+            keys += chain_keys(keys[-1] if keys else self.root, tokens, size, self.links)
         return keys
 
     def lookup(self, seq: Sequence) -> tuple[list[int], list[int]]:
@@ -92,13 +138,15 @@ class PrefixCache:
     def register(self, seq: Sequence) -> None:
         """Keys the blocks of `seq` that became full and final since the last call (after a prefill
         chunk or a verify step was committed into target_computed / draft_computed)."""
-        size = self.block_size
-        full = seq.target_computed // size
+        size, known = self.block_size, seq.num_tokens
+        # Computed KV can run ahead of the tokens: a verify call's accepted drafts are computed before
+        # they are appended, and a stop among them truncates what is. Only blocks of known tokens.
+        full = min(seq.target_computed, known) // size
         if full > seq.keyed_target:
             self.target.register(seq.target_blocks, self.keys(seq, full), seq.keyed_target, full)
             seq.keyed_target = full
         if self.draft is not None:
-            full = seq.draft_computed // size
+            full = min(seq.draft_computed, known) // size
             if full > seq.keyed_draft:
                 self.draft.register(seq.draft_blocks, self.keys(seq, full), seq.keyed_draft, full)
                 seq.keyed_draft = full

@@ -435,9 +435,6 @@ class StepContext:
             if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
                 # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
-            if self.prefix is not None:
-                self.prefix.register(seq)
-            self.release_out_of_window(seq)
             record_verdict(
                 seq,
                 self.costs.acceptance,
@@ -450,6 +447,10 @@ class StepContext:
             tokens, finish = append_tokens(
                 seq, res.new_tokens, self.eos, self.vocab_size, self.max_context, self.clock()
             )
+            # after the tokens: the accepted drafts' blocks are keyed by them (PrefixCache.register)
+            if self.prefix is not None:
+                self.prefix.register(seq)
+            self.release_out_of_window(seq)
             logprobs = getattr(res, "logprobs", None)
             verified.append(Verified(seq, tokens, finish, k, logprobs[: len(tokens)] if logprobs is not None else None))
         return verified
