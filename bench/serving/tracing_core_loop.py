@@ -5,7 +5,7 @@ a SIMULATED step loop (no model: each step is `--work-us` of Python bookkeeping,
 (lane span per step, the finished requests' spans, a new request's `begin` from a second
 thread like the channel reader), exporting over OTLP/gRPC to a receiver in another process.
 Reports steps/s, step-time p50/p99/max per mode and the overhead 1 - on/off (median of paired
-ratios over `--pairs` alternating off/on segments).
+ratios over `--pairs` off/on segments, order alternating).
 
     python bench/serving/tracing_core_loop.py --out /tmp/r               (CPU; seconds)
 """
@@ -135,13 +135,15 @@ def main() -> None:
     from verifypd.net.trace_context import make_tracing
 
     tracing = RequestTracing(make_tracing("verifypd-core"))
+    segment(args, tracing, 1.0)  # warm-up, not counted: the exporter's start, first connection
     rows, ratios = [], []
-    for _ in range(args.pairs):
-        off = segment(args, None, args.seconds)
-        on = segment(args, tracing, args.seconds)
-        rows += [{"traced": False, **off}, {"traced": True, **on}]
-        ratios.append(on["steps_per_s"] / off["steps_per_s"])
-        print(rows[-2], rows[-1], flush=True)
+    for i in range(args.pairs):
+        pair = {}
+        for traced in (False, True) if i % 2 == 0 else (True, False):  # order alternating: drift cancels
+            pair[traced] = segment(args, tracing if traced else None, args.seconds)
+            rows.append({"traced": traced, "pair": i, **pair[traced]})
+            print(rows[-1], flush=True)
+        ratios.append(pair[True]["steps_per_s"] / pair[False]["steps_per_s"])
     time.sleep(6.0)  # the exporter's last batches
     sink.stdin.write("\n")
     sink.stdin.flush()

@@ -6,9 +6,9 @@ and the lane calls of its steps; one trace per request, continued from the calle
 Cost on the engine thread: a request's core span is opened when the core receives it (channel
 reader thread: its ids and start time); it and its queue / prefill / decode spans are written
 once, when it finishes, as plain records (net/span_ship.py) with the start and end times the
-router already keeps (RequestStats); no span per token or per step per request. Lane calls are one span per call (one per step and lane, whatever the batch), below the
-core span of the oldest traced request of the call's batch (`verifypd.batch.size` says how many
-it served):
+router already keeps (RequestStats); no span per token or per step per request. Lane calls are
+one span per call (one per step and lane, whatever the batch), below the core span of the oldest
+traced request of the call's batch (`verifypd.batch.size` says how many it served):
   * in-process lanes (colocated): written after the step from the router's lane timings;
   * lane clients (split, `trace_lane_calls`): a CLIENT span around each call, its traceparent
     sent with the call, and the lane process writes its SERVER span below it (lanes/rpc/lane_spans.py).
@@ -171,7 +171,8 @@ class RequestTracing:
         write, trace_id, core = self.records.write, held.trace_id, held.span_id
 
         def child(name: str, start: float, stop: float, attributes: dict) -> None:
-            write((name, trace_id, new_id(), core, _INTERNAL, _ns(start, mono, wall), _ns(stop, mono, wall), attributes, 0, "", ()))
+            begin_ns, end_ns = _ns(start, mono, wall), _ns(stop, mono, wall)
+            write((name, trace_id, new_id(), core, _INTERNAL, begin_ns, end_ns, attributes, 0, "", ()))
 
         scheduled = s.scheduled_time
         child("verifypd.queue", s.arrival_time, scheduled if scheduled is not None else end, {})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
@@ -56,6 +57,10 @@ def read_frames(stream):
 def main(argv: list[str]) -> None:
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
+    # Its life is its stdin's: a terminal's Ctrl-C (sent to the whole process group) must not end
+    # it before its parent has shipped the last spans.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     service = os.environ.get("OTEL_SERVICE_NAME", argv[0] if argv else "verifypd")
     resource = Resource.create({"service.name": service}).merge(OTELResourceDetector().detect())
     processor = BatchSpanProcessor(OTLPSpanExporter())
@@ -63,8 +68,6 @@ def main(argv: list[str]) -> None:
         for batch in read_frames(sys.stdin.buffer):
             for record in batch:
                 processor.on_end(span_of(record, resource))
-    except KeyboardInterrupt:
-        pass
     finally:
         processor.shutdown()  # exports what is queued
 

@@ -37,6 +37,7 @@ log = logging.getLogger("verifypd.tracing")
 FLUSH_S = 0.2  # short: each flush holds the interpreter lock for well under a millisecond
 MAX_PENDING = 65536
 FRAME = struct.Struct("<I")  # a frame: its JSON length (little-endian u32), then the JSON
+FRAME_RECORDS = 128  # records per frame: its encoding holds the interpreter lock ~0.3 ms
 
 
 def new_id() -> int:
@@ -82,21 +83,23 @@ class SpanRecords:
     def flush(self) -> None:
         # The swap needs no lock: an append racing it lands in the list taken here or the new one.
         batch, self._pending = self._pending, []
-        if not batch:
-            return
-        data = json.dumps(batch, separators=(",", ":")).encode()
+        for i in range(0, len(batch), FRAME_RECORDS):  # one short lock hold per frame
+            self._send(batch[i : i + FRAME_RECORDS])
+
+    def _send(self, records: list[tuple]) -> None:
+        data = json.dumps(records, separators=(",", ":")).encode()
         with self._lock:
             if self._stream is None:
-                self.dropped += len(batch)
+                self.dropped += len(records)
                 return
             try:
                 self._stream.write(FRAME.pack(len(data)) + data)
                 self._stream.flush()
-                self.sent += len(batch)
+                self.sent += len(records)
             except (OSError, ValueError) as exc:  # the exporter process is gone: tracing stops, serving goes on
                 log.warning("span exporter of %s is gone (%s): spans are dropped from now on", self.service_name, exc)
                 self._stream = None
-                self.dropped += len(batch)
+                self.dropped += len(records)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ships what is pending and lets the exporter export it and exit."""

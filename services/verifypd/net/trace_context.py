@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -111,20 +112,21 @@ def context_of(carrier) -> Context | None:
     return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
-_HEX = frozenset("0123456789abcdef")
+# W3C trace context level 1, as the OTel propagator reads it (leading / trailing blanks allowed; a
+# version other than 00 may carry more fields).
+_TRACEPARENT_RE = re.compile(r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
 
 
 def parse_traceparent(text: str) -> tuple[int, int, bool] | None:
-    """(trace id, parent span id, sampled) of a W3C traceparent string, or None when malformed
-    (the propagator's rules, without building a Context: the core reads one per request)."""
-    if not isinstance(text, str) or len(text) < 55:
+    """(trace id, parent span id, sampled) of a W3C traceparent string, or None when malformed: the
+    propagator's rules, without building a Context (the core reads one per request)."""
+    if not isinstance(text, str) or len(text) > 512:
         return None
-    version, trace_hex, span_hex, flags = text[:2], text[3:35], text[36:52], text[53:55]
-    if text[2] != "-" or text[35] != "-" or text[52] != "-" or version == "ff":
+    match = _TRACEPARENT_RE.search(text)
+    if match is None:
         return None
-    if len(text) > 55 and (version == "00" or text[55] != "-"):
-        return None
-    if not _HEX.issuperset(version + trace_hex + span_hex + flags):
+    version, trace_hex, span_hex, flags, more = match.groups()
+    if version == "ff" or (version == "00" and more):
         return None
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if not trace_id or not span_id:
