@@ -149,3 +149,15 @@ def test_sample_ratio_env_samples_roots_by_ratio_and_follows_a_parent(receiver, 
         assert child.get_span_context().trace_flags.sampled
     finally:
         tracing.close()
+
+
+def test_a_record_json_cannot_hold_costs_its_frame_only(caplog):
+    stream = _Stream()
+    records = span_ship.SpanRecords("t", stream, flush_s=60.0)
+    records.write(("s", TRACE, 1, 0, 0, 1, 2, {"bad": object()}, 0, "", ()))
+    with caplog.at_level(logging.WARNING, logger="verifypd.tracing"):
+        records.flush()
+    records.write(("s", TRACE, 2, 0, 0, 1, 2, {}, 0, "", ()))
+    records.flush()
+    assert (records.dropped, records.sent) == (1, 1)
+    records.close()

@@ -62,10 +62,12 @@ class SpanRecords:
     @classmethod
     def start(cls, service_name: str) -> SpanRecords:
         """Starts the exporter process (it inherits this environment: the OTLP endpoint, sampler, BSP)."""
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # has verifypd/
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
             [sys.executable, "-m", "verifypd.net.span_export", service_name],
             stdin=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+            env={**os.environ, "PYTHONPATH": path},  # this verifypd, wherever the child starts
         )
         return cls(service_name, proc.stdin, proc)
 
@@ -87,7 +89,12 @@ class SpanRecords:
             self._send(batch[i : i + FRAME_RECORDS])
 
     def _send(self, records: list[tuple]) -> None:
-        data = json.dumps(records, separators=(",", ":")).encode()
+        try:
+            data = json.dumps(records, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:  # an attribute JSON can't hold: this frame only is lost
+            log.warning("spans of %s dropped: %s", self.service_name, exc)
+            self.dropped += len(records)
+            return
         with self._lock:
             if self._stream is None:
                 self.dropped += len(records)
