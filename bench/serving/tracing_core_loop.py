@@ -3,7 +3,8 @@ a SIMULATED step loop (no model: each step is `--work-us` of Python bookkeeping,
 `--wait-us` with the GIL released, as a GPU step's host sync) drives the core's real
 `RequestTracing` hooks as a closed loop of `--concurrency` requests of `--gen` tokens does
 (lane span per step, the finished requests' spans, a new request's `begin` from a second
-thread like the channel reader), exporting over OTLP/gRPC to a receiver in another process.
+thread like the channel reader), exporting over OTLP/gRPC to a receiver in another process
+(niced: otlp_sink.py).
 Reports steps/s, step-time p50/p99/max per mode and the overhead 1 - on/off (median of paired
 ratios over `--pairs` off/on segments, order alternating).
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -26,25 +26,10 @@ ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "services"))
 
-from bench_meta import metadata, write_result  # noqa: E402
+sys.path.insert(0, HERE)
 
-SINK = """
-import sys, threading
-from concurrent import futures
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb, trace_service_pb2_grpc as rpc
-n = [0]
-class S(rpc.TraceServiceServicer):
-    def Export(self, request, context):
-        n[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        return pb.ExportTraceServiceResponse()
-server = grpc.server(futures.ThreadPoolExecutor(2))
-rpc.add_TraceServiceServicer_to_server(S(), server)
-print(server.add_insecure_port("127.0.0.1:0"), flush=True)
-server.start()
-for line in sys.stdin:
-    print(n[0], flush=True)
-"""
+from bench_meta import metadata, write_result  # noqa: E402
+from otlp_sink import OtlpSink  # noqa: E402
 
 
 def spin(us: float) -> None:
@@ -126,10 +111,8 @@ def main() -> None:
     p.add_argument("--out", help="directory for the JSON result")
     args = p.parse_args()
 
-    sink = subprocess.Popen([sys.executable, "-c", SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert sink.stdout is not None and sink.stdin is not None
-    port = int(sink.stdout.readline())
-    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    sink = OtlpSink()
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{sink.port}"
     os.environ["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
     from verifypd.core.tracing import RequestTracing
     from verifypd.net.trace_context import make_tracing
@@ -145,10 +128,8 @@ def main() -> None:
             print(rows[-1], flush=True)
         ratios.append(pair[True]["steps_per_s"] / pair[False]["steps_per_s"])
     time.sleep(6.0)  # the exporter's last batches
-    sink.stdin.write("\n")
-    sink.stdin.flush()
-    spans = int(sink.stdout.readline())
-    sink.terminate()
+    spans = sink.spans()
+    sink.stop()
     result = {
         **metadata(),
         "what": "SIMULATED engine core loop (Python work + GIL-released wait per step, no model) driving "

@@ -1,7 +1,7 @@
 """What OpenTelemetry tracing costs the serving path: two `verifypd serve` processes, one with tracing
-off and one with it on (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT pointing at an OTLP receiver in this
-process that counts and drops spans; metrics export stays off in both), started once and loaded
-in turn by the real loadgen CLI closed loop at `--concurrency` for `--seconds` per segment, in
+off and one with it on (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT pointing at an OTLP receiver in a niced
+process of its own, otlp_sink.py, that counts and drops spans; metrics export stays off in both),
+started once and loaded in turn by the real loadgen CLI closed loop at `--concurrency` for `--seconds` per segment, in
 `--pairs` paired segments (order alternating off-on, on-off, so drift cancels). Reports per
 segment output tok/s, requests, TTFT p50, ITL p50/p99/max, spans received (proof that tracing
 was on: spans per request ~ 5 + lane calls); the overhead is 1 - the median of the pairs'
@@ -31,36 +31,16 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent import futures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "services"))
 
+sys.path.insert(0, HERE)
+
 from bench_meta import metadata, write_result  # noqa: E402
-
-
-def sink():
-    """(grpc server, counter dict): an OTLP TraceService that counts spans and keeps nothing."""
-    import grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
-    counts = {"spans": 0}
-    lock = threading.Lock()
-
-    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):
-            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            with lock:
-                counts["spans"] += n
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, counts, port
+from otlp_sink import OtlpSink  # noqa: E402
 
 
 def free_port() -> int:
@@ -173,7 +153,8 @@ def main() -> None:
         args.prompt, args.gen, args.vocab, args.pairs, args.num_blocks = 16, 16, 1000, 2, 256
         args.ready_timeout = max(args.ready_timeout, 600.0)  # a loaded CPU box loads the GGUF slowly
         args.drain = max(args.drain, 120.0)  # and streams slowly: in-flight requests must end, not be cancelled
-    server, counts, sink_port = sink()
+    sink = OtlpSink()
+    sink_port = sink.port
     rows, ratios = [], []
     servers = []
     try:
@@ -183,11 +164,11 @@ def main() -> None:
         for i in range(args.pairs):
             pair = {}
             for traced in (False, True) if i % 2 == 0 else (True, False):
-                before = counts["spans"]
+                before = sink.spans()
                 row = run_segment(args, traced, ports[traced])
                 if traced:
                     time.sleep(0.5)  # the exporter's last batch of the segment (its spans are counted here)
-                row["spans_received"] = counts["spans"] - before
+                row["spans_received"] = sink.spans() - before
                 row["pair"] = i
                 rows.append(row)
                 pair[traced] = row["output_tokens_per_s"]
@@ -197,7 +178,8 @@ def main() -> None:
         for proc, *_ in servers:
             stop_server(proc)  # a traced server exports what it still holds as it stops
         time.sleep(1.0)
-        server.stop(0)
+        spans_total = sink.spans()
+        sink.stop()
     off = [r["output_tokens_per_s"] for r in rows if not r["traced"]]
     on = [r["output_tokens_per_s"] for r in rows if r["traced"]]
     mean_off, mean_on = sum(off) / len(off), sum(on) / len(on)
@@ -216,7 +198,7 @@ def main() -> None:
         # rows' spans_received: what arrived during the segment (export is batched, so some arrive in
         # the next one); spans_total: all, after both servers stopped, over all traced requests (those
         # of the loadgen's warm-up too)
-        "spans_total": counts["spans"],
+        "spans_total": spans_total,
         "traced_requests_completed": sum(r["completed"] for r in rows if r["traced"]),
         "paired_ratios": [round(r, 4) for r in ratios],
         "overhead": round(1 - statistics.median(ratios), 4),  # 1 - median of the pairs' on/off ratios

@@ -60,6 +60,8 @@ def main(argv: list[str]) -> None:
     # Its life is its stdin's: a terminal's Ctrl-C (sent to the whole process group) must not end
     # it before its parent has shipped the last spans.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Below serving in the CPU scheduler: where cores are few (a CPU limit), export waits, not steps.
+    os.nice(10)
 
     service = os.environ.get("OTEL_SERVICE_NAME", argv[0] if argv else "verifypd")
     resource = Resource.create({"service.name": service}).merge(OTELResourceDetector().detect())
