@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--wait-us", type=float, default=1000.0, help="GIL-released wait per step (the GPU)")
     p.add_argument("--seconds", type=float, default=4.0, help="per segment")
     p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--flush-wait", type=float, default=6.0, help="seconds for the last spans to arrive")
     p.add_argument("--out", help="directory for the JSON result")
     args = p.parse_args()
 
@@ -127,7 +128,7 @@ def main() -> None:
             rows.append({"traced": traced, "pair": i, **pair[traced]})
             print(rows[-1], flush=True)
         ratios.append(pair[True]["steps_per_s"] / pair[False]["steps_per_s"])
-    time.sleep(6.0)  # the exporter's last batches
+    time.sleep(args.flush_wait)  # the exporter's last batches (OTEL_BSP_SCHEDULE_DELAY: 5 s by default)
     spans = sink.spans()
     sink.stop()
     result = {
