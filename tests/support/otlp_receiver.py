@@ -10,7 +10,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps every exported span as a dict: service, name, trace/span/parent ids (hex), times, attributes."""
+    """Keeps every exported span as a dict: service, name, trace/span/parent ids (hex), times,
+    attributes, kind, status code, events."""
 
     def __init__(self):
         self.spans: list[dict] = []
@@ -32,6 +33,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                                 "start": s.start_time_unix_nano,
                                 "end": s.end_time_unix_nano,
                                 "attrs": {a.key: a.value for a in s.attributes},
+                                "kind": s.kind,  # the OTLP enum: SPAN_KIND_INTERNAL = 1, SERVER = 2, CLIENT = 3
+                                "status": s.status.code,  # STATUS_CODE_UNSET = 0, OK = 1, ERROR = 2
+                                "events": [(e.name, e.time_unix_nano) for e in s.events],
                             }
                         )
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -42,7 +42,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
     from verifypd.core.tracing import RequestTracing
     from verifypd.domain.logs import setup_logging, warn_simulated
     from verifypd.net.lane_tls import serve_lane_tls
-    from verifypd.net.trace_context import make_tracer
+    from verifypd.net.trace_context import make_tracing
 
     # The gateway decides when to stop (its drain): a terminal's Ctrl-C reaches the whole process
     # group, and the core must keep serving the requests the gateway is draining.
@@ -62,8 +62,8 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
         serving = ServingMetrics(options.model_name or engine_options.target)
         registry.register(serving)
     telemetry = Telemetry("verifypd-gateway", readers=readers, serving=serving)
-    tracer = make_tracer("verifypd-core")  # None unless OTLP is configured
-    tracing = RequestTracing(tracer) if tracer is not None else None
+    spans = make_tracing("verifypd-core")  # None unless OTLP is configured
+    tracing = RequestTracing(spans) if spans is not None else None
     telemetry.tracing = tracing
     lane_tls = serve_lane_tls(options.lane_tls)
     if lane_tls is not None:  # fail at once on our own expired / foreign certificate, not after lane timeouts

@@ -3,12 +3,12 @@ streamed) and, in the engine core, the request's span with its queue, prefill an
 and the lane calls of its steps; one trace per request, continued from the caller's W3C
 `traceparent` (net/trace_context.py: the wires, the tracer every process makes alike).
 
-Cost on the engine thread: a request's core span is started when the core receives it (channel
-reader thread); its queue / prefill / decode spans are written once, when it finishes, with the
-start and end times the router already keeps (RequestStats); no span per token or per step per
-request. Lane calls are one span per call (one per step and lane, whatever the batch), below the
-core span of the oldest traced request of the call's batch (`verifypd.batch.size` says how many
-it served):
+Cost on the engine thread: a request's core span is opened when the core receives it (channel
+reader thread: its ids and start time); it and its queue / prefill / decode spans are written
+once, when it finishes, as plain records (net/span_ship.py) with the start and end times the
+router already keeps (RequestStats); no span per token or per step per request. Lane calls are
+one span per call (one per step and lane, whatever the batch), below the core span of the oldest
+traced request of the call's batch (`verifypd.batch.size` says how many it served):
   * in-process lanes (colocated): written after the step from the router's lane timings;
   * lane clients (split, `trace_lane_calls`): a CLIENT span around each call, its traceparent
     sent with the call, and the lane process writes its SERVER span below it (lanes/rpc/lane_spans.py).
@@ -21,11 +21,12 @@ from collections.abc import Iterable
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags, Tracer
 
 from verifypd.domain.requests import FinishReason
 from verifypd.lanes.rpc.lane_spans import LaneCallSpans, lane_attributes
-from verifypd.net.trace_context import context_of
+from verifypd.net.span_ship import new_id
+from verifypd.net.trace_context import Tracing, context_of, parse_traceparent
 
 _REASONS = {
     FinishReason.EOS: "stop",
@@ -67,41 +68,66 @@ def _ns(t: float, mono_now: float, wall_now_ns: int) -> int:
     return wall_now_ns - int((mono_now - t) * 1e9)
 
 
-class RequestTracing:
-    """The core's side: `begin` (channel reader thread) starts a request's core span below the
-    gateway's; the router's observer hooks (core loop thread, through `Telemetry`) and the lane
-    clients (same thread) write the spans below it."""
+_INTERNAL, _CLIENT = SpanKind.INTERNAL.value, SpanKind.CLIENT.value
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
-    def __init__(self, tracer: Tracer, clock=time.monotonic):
-        self.tracer, self.clock = tracer, clock
-        # request id -> (its verifypd.core.request span, a context holding it); dict operations
-        # only across the two threads (atomic under the GIL).
-        self._requests: dict[str, tuple[trace.Span, Context]] = {}
+
+class _Traced:
+    """A traced request's core span while it runs: its ids, start and (made when a lane client asks)
+    its OTel context."""
+
+    __slots__ = ("trace_id", "span_id", "parent_id", "start_ns", "context")
+
+    def __init__(self, trace_id: int, parent_id: int, start_ns: int):
+        self.trace_id, self.parent_id, self.start_ns = trace_id, parent_id, start_ns
+        self.span_id = new_id()
+        self.context: Context | None = None
+
+
+class RequestTracing:
+    """The core's side: `begin` (channel reader thread) opens a request's core span below the
+    gateway's; the router's observer hooks (core loop thread, through `Telemetry`) and the lane
+    clients (same thread) write the spans below it. The core's own spans are plain records
+    (`tracing.records`, net/span_ship.py: ~1 us each on the loop thread, where an SDK span costs
+    ~40 us); the lane clients' spans (split) are SDK spans of `tracing.tracer`."""
+
+    def __init__(self, tracing: Tracing, clock=time.monotonic):
+        self.tracer, self.records, self.clock = tracing.tracer, tracing.records, clock
+        # request id -> its open core span; dict operations only across the two threads (atomic
+        # under the GIL).
+        self._requests: dict[str, _Traced] = {}
         self._lane_calls: list[tuple[str, float, float, int]] = []  # this step's (lane, start, end, batch)
         self.spans_from_steps = True  # False once the lane clients write the lane spans (trace_lane_calls)
 
     def begin(self, request_id: str, traceparent: str) -> None:
-        parent = context_of(traceparent)
-        if parent is None:
+        parent = parse_traceparent(traceparent)
+        if parent is None or not parent[2]:  # malformed, or the gateway's span is not sampled
             return
-        span = self.tracer.start_span("verifypd.core.request", context=parent)
-        if span.get_span_context().trace_flags.sampled:
-            self._requests[request_id] = (span, trace.set_span_in_context(span))
+        self._requests[request_id] = _Traced(parent[0], parent[1], time.time_ns())
 
     def forget(self, request_id: str) -> None:
-        """A refused request: its core span is dropped unended (never exported)."""
+        """A refused request: its core span is dropped (never exported)."""
         self._requests.pop(request_id, None)
 
-    def parent_of(self, request_ids: Iterable[str]) -> Context | None:
-        """The core span context of the first traced request among `request_ids`, or None."""
+    def _first(self, request_ids: Iterable[str]) -> _Traced | None:
         requests = self._requests
         if not requests:
             return None
         for rid in request_ids:
             held = requests.get(rid)
             if held is not None:
-                return held[1]
+                return held
         return None
+
+    def parent_of(self, request_ids: Iterable[str]) -> Context | None:
+        """The core span context of the first traced request among `request_ids`, or None."""
+        held = self._first(request_ids)
+        if held is None:
+            return None
+        if held.context is None:
+            span = NonRecordingSpan(SpanContext(held.trace_id, held.span_id, is_remote=False, trace_flags=_SAMPLED))
+            held.context = trace.set_span_in_context(span)
+        return held.context
 
     def trace_lane_calls(self, lanes) -> None:
         """Lane clients (split) write a span around each call and send its context along."""
@@ -120,55 +146,54 @@ class RequestTracing:
         if not self._lane_calls:
             return
         calls, self._lane_calls = self._lane_calls, []
-        anchor = self.parent_of(s.request_id for s in router.scheduler.running)
+        anchor = self._first(s.request_id for s in router.scheduler.running)
         if anchor is None:
             return
         mono, wall = self.clock(), time.time_ns()
+        write, trace_id, parent = self.records.write, anchor.trace_id, anchor.span_id
         for lane, start, end, batch in calls:
-            span = self.tracer.start_span(
-                f"verifypd.lane.{lane}",
-                context=anchor,
-                kind=SpanKind.CLIENT,
-                start_time=_ns(start, mono, wall),
-                attributes=lane_attributes(lane, batch),
-            )
-            span.end(end_time=_ns(end, mono, wall))
+            write(
+                (
+                    f"verifypd.lane.{lane}", trace_id, new_id(), parent, _CLIENT,
+                    _ns(start, mono, wall), _ns(end, mono, wall), lane_attributes(lane, batch), 0, "", (),
+                )
+            )  # fmt: skip
 
     def on_request_finished(self, seq) -> None:
         held = self._requests.pop(seq.request_id, None)
         if held is None:
             return
-        root, ctx = held
         s, now = seq.stats, self.clock()
         mono, wall = now, time.time_ns()
         times = s.token_times
         end = times[-1] if times and seq.finish_reason is not FinishReason.CANCELLED else now
-        root.set_attributes(
-            {
-                "gen_ai.usage.input_tokens": s.prompt_tokens,
-                "gen_ai.usage.output_tokens": s.completion_tokens,
-                "gen_ai.response.finish_reasons": [_REASONS.get(seq.finish_reason, "abort")],
-                "verifypd.preemptions": s.preemptions,
-            }
-        )
+        end_ns = _ns(end, mono, wall)
+        write, trace_id, core = self.records.write, held.trace_id, held.span_id
 
-        def child(name: str, start: float, stop: float, **attributes) -> None:
-            span = self.tracer.start_span(name, context=ctx, start_time=_ns(start, mono, wall), attributes=attributes)
-            span.end(end_time=_ns(stop, mono, wall))
+        def child(name: str, start: float, stop: float, attributes: dict) -> None:
+            begin_ns, end_ns = _ns(start, mono, wall), _ns(stop, mono, wall)
+            write((name, trace_id, new_id(), core, _INTERNAL, begin_ns, end_ns, attributes, 0, "", ()))
 
         scheduled = s.scheduled_time
-        child("verifypd.queue", s.arrival_time, scheduled if scheduled is not None else end)
+        child("verifypd.queue", s.arrival_time, scheduled if scheduled is not None else end, {})
         if scheduled is not None and times:
-            child("verifypd.prefill", scheduled, times[0], **{"verifypd.prompt_tokens": s.prompt_tokens})
-            child(
-                "verifypd.decode",
-                times[0],
-                times[-1],
-                **{
-                    "verifypd.output_tokens": s.completion_tokens,
-                    "verifypd.verify_steps": s.verify_steps,
-                    "verifypd.draft_tokens": s.draft_tokens,
-                    "verifypd.accepted_tokens": s.accepted_tokens,
-                },
+            child("verifypd.prefill", scheduled, times[0], {"verifypd.prompt_tokens": s.prompt_tokens})
+            decode = {
+                "verifypd.output_tokens": s.completion_tokens,
+                "verifypd.verify_steps": s.verify_steps,
+                "verifypd.draft_tokens": s.draft_tokens,
+                "verifypd.accepted_tokens": s.accepted_tokens,
+            }
+            child("verifypd.decode", times[0], times[-1], decode)
+        attributes = {
+            "gen_ai.usage.input_tokens": s.prompt_tokens,
+            "gen_ai.usage.output_tokens": s.completion_tokens,
+            "gen_ai.response.finish_reasons": [_REASONS.get(seq.finish_reason, "abort")],
+            "verifypd.preemptions": s.preemptions,
+        }
+        write(
+            (
+                "verifypd.core.request", trace_id, core, held.parent_id, _INTERNAL,
+                held.start_ns, max(end_ns, held.start_ns), attributes, 0, "", (),
             )
-        root.end(end_time=_ns(end, mono, wall))
+        )  # fmt: skip

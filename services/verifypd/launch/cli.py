@@ -73,10 +73,12 @@ def cmd_serve(args) -> int:
     from verifypd.gateway.server import Gateway, load_codec
     from verifypd.net.limits import ConnectionLimits
     from verifypd.net.tls import server_tls
-    from verifypd.net.trace_context import make_tracer
+    from verifypd.net.trace_context import make_tracer, sample_ratio_env
 
     if args.log_format:  # the engine core and the lanes it starts read it from the environment
         os.environ[LOG_FORMAT_ENV] = args.log_format
+    if args.trace_sample_ratio is not None:  # read by every tracer: this process's, the core's, the lanes'
+        os.environ.update(sample_ratio_env(args.trace_sample_ratio))
     setup_logging()
     options = engine_options(args)  # bad flags fail here, before anything starts
     if args.http_port < 0 or args.http_max_body_bytes < 1:

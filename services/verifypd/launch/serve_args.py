@@ -45,6 +45,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="one log line per request the engine took (logger verifypd.access: api, request_id, "
         "trace_id, outcome, tokens, duration); off by default",
     )
+    serve.add_argument(
+        "--trace-sample-ratio",
+        type=acceptance_rate,
+        default=None,
+        metavar="RATIO",
+        help="with OTLP traces on: the share of new traces recorded (0..1, by trace id; a caller's "
+        "sampled traceparent is followed as OpenTelemetry's parentbased_traceidratio does); default: "
+        "OTEL_TRACES_SAMPLER, else all",
+    )
     serve.add_argument("--served-model-name", default=None, help="the HTTP API's model id (default: the --target spec)")
     serve.add_argument(
         "--tool-parser",
@@ -322,7 +331,8 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 
 def acceptance_rate(text: str) -> float:
-    """--simulated-acceptance: a probability in [0, 1] (argparse reports the error, exit 2)."""
+    """--simulated-acceptance, --trace-sample-ratio: a probability in [0, 1] (argparse reports the
+    error, exit 2)."""
     try:
         value = float(text)
     except ValueError:
