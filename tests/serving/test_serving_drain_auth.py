@@ -114,7 +114,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
         for t in readers:
             t.start()
         proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING, 30)
+        # NOT_SERVING alone could be a step past --stall-timeout on a loaded machine: wait for the drain
+        assert wait_until(lambda: "drain: started" in "".join(lines), 30), "".join(lines[-20:])
+        assert client.health_status() == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as err:
             client.generate(**greedy_request([5, 6], 5), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()

@@ -292,9 +292,12 @@ class Gateway:
         """Graceful shutdown, phase by phase: NOT_SERVING and refuse new requests at once; let the
         requests in flight finish for up to `timeout_s`; then stop. True if none was cut short."""
         t0 = time.monotonic()
+        # Refuse first, then say NOT_SERVING: a client that sees NOT_SERVING and sends a request must
+        # be refused. (Set through the event loop, the flag could land after a request the loop took
+        # meanwhile: a bool written from this thread is read by the loop's next submit.)
+        self.client.draining = True
         self._open = False
         self.health.set(False)
-        self.loop.call_soon_threadsafe(setattr, self.client, "draining", True)
         log.info(
             "drain: started: health NOT_SERVING, new requests refused; %d in flight, waiting up to %.0f s",
             self.client.in_flight(),
