@@ -75,7 +75,12 @@ def test_one_request_traced_through_gateway_core_and_lane_processes(traced_split
         lanes = [
             (by("verifypd-core", f"verifypd.lane.{n}"), by(f"verifypd-lane-{n}", f"verifypd.lane.{n}")) for n in LANES
         ]
-        return bool(by("verifypd-core", "verifypd.core.request")) and all(c and len(c) == len(s) for c, s in lanes)
+        # each process ships its spans on its own (span_ship: every 200 ms): the gateway's come apart
+        return (
+            bool(by("verifypd-gateway", "verifypd.generate"))
+            and bool(by("verifypd-core", "verifypd.core.request"))
+            and all(c and len(c) == len(s) for c, s in lanes)
+        )
 
     assert wait_until(complete, 30), {n: len(v) for n, v in receiver.of_trace(trace_id).items()}
     (gen,) = by("verifypd-gateway", "verifypd.generate")
