@@ -1,7 +1,11 @@
 """A step-by-step trace of the draft-length policy on the embedded model: per step, the batch, the
 k decided, the goodputs the policy predicted for every k (from its measured costs and acceptance),
-the cost sample recorded, and the wall time and tokens the step really took. Diagnostic, not a
-speed figure: the trace's own bookkeeping adds host time to each step.
+the cost sample recorded, and the wall time and tokens the step really took; also each lane call of
+the step (`lanes`: lane, ms, batch; a step that launches the next one ahead holds several) and the
+longest input of each draft call (`draft_input_max`: tokens a draft catches up on, > k_max + 1 after
+a k = 0 hold: such a step is no cost sample). `--repeats N` traces N runs of the family on one
+engine, the policy's state carried from each into the next (as draft_acceptance's repeats).
+Diagnostic, not a speed figure: the trace's own bookkeeping adds host time to each step.
 
     python bench/drafts/policy_trace.py --device cuda --target PATH.gguf --draft eagle:smollm2 \\
         --family chat --batch 16 --max-tokens 128 --out policy_trace.json
@@ -36,6 +40,9 @@ def traced_run(engine, specs: list[RequestSpec]) -> list[dict]:
     current: dict = {}
     original_choose = scheduler_module.choose_batch_k
     original_record = StepContext.record_cost
+    original_call_draft = StepContext.call_draft
+    observer = engine.router.context.observer
+    original_lane_step = observer.on_lane_step
 
     def choose(config, alphas, costs, batch, hi, **kw):
         k = original_choose(config, alphas, costs, batch, hi, **kw)
@@ -58,8 +65,18 @@ def traced_run(engine, specs: list[RequestSpec]) -> list[dict]:
         current["sample"] = [bool(sample[0]), sample[1], sample[2], round(seconds * 1e3, 3)]
         return original_record(self, sample, seconds)
 
+    def call_draft(self, items):
+        current.setdefault("draft_input_max", []).append(max((len(i.input_tokens) for i in items), default=0))
+        return original_call_draft(self, items)
+
+    def lane_step(lane, seconds, batch):
+        current.setdefault("lanes", []).append([lane, round(seconds * 1e3, 3), batch])
+        return original_lane_step(lane, seconds, batch)
+
     scheduler_module.choose_batch_k = choose
     StepContext.record_cost = record  # type: ignore[method-assign]
+    StepContext.call_draft = call_draft  # type: ignore[method-assign]
+    observer.on_lane_step = lane_step
     try:
         for s in specs:
             engine.router.add_request(s)
@@ -72,6 +89,8 @@ def traced_run(engine, specs: list[RequestSpec]) -> list[dict]:
     finally:
         scheduler_module.choose_batch_k = original_choose
         StepContext.record_cost = original_record  # type: ignore[method-assign]
+        StepContext.call_draft = original_call_draft  # type: ignore[method-assign]
+        observer.on_lane_step = original_lane_step
     return steps
 
 
@@ -83,8 +102,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--repeats", type=int, default=1, help="traced runs per family on one engine (state carried)")
     ap.add_argument("--out", default="policy_trace.json")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(args.target, device, dtype, 2048)
@@ -98,9 +120,9 @@ def main() -> None:
         engine = make_engine(target, draft, None, device, dtype)
         for family, ids in prompts.items():  # warm as draft_acceptance --warm-batches does
             engine.generate([RequestSpec(p, max_tokens=32, request_id=f"w-{family}-{i}") for i, p in enumerate(ids)])
-        for family in args.families.split(","):
+        for family, repeat in [(f, r) for f in args.families.split(",") for r in range(args.repeats)]:
             specs = [
-                RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{family}-{i}")
+                RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{family}-{repeat}-{i}")
                 for i, p in enumerate(prompts[family])
             ]
             t0 = time.perf_counter()
@@ -111,13 +133,14 @@ def main() -> None:
                 {
                     "draft": draft,
                     "family": family,
+                    "repeat": repeat,
                     "seconds": seconds,
                     "tokens": tokens,
                     "tok_per_s": tokens / seconds,
                     "steps": steps,
                 }
             )
-            print(draft, family, f"{tokens / seconds:.0f} tok/s", len(steps), "steps", flush=True)
+            print(draft, family, repeat, f"{tokens / seconds:.0f} tok/s", len(steps), "steps", flush=True)
     result = {
         "command": " ".join(["python"] + sys.argv),
         "git_revision": git_revision(),
