@@ -5,7 +5,10 @@ started once and loaded in turn by the real loadgen CLI closed loop at `--concur
 `--pairs` paired segments (order alternating off-on, on-off, so drift cancels). Reports per
 segment output tok/s, requests, TTFT p50, ITL p50/p99/max, spans received (proof that tracing
 was on: spans per request ~ 5 + lane calls); the overhead is 1 - the median of the pairs'
-on/off throughput ratios (target <= 2 % at c = 64); the mean ratio is reported beside it.
+on/off throughput ratios (target <= 2 % at c = 64); the mean ratio is reported beside it. Each row
+also has the CPU seconds each of the server's processes used in the segment (proc_cpu.py), so a cost
+shows where it is paid. `--arms off,off` is the A/A control: two identical untraced servers, read
+the same way, give the bench's own spread (and any bias of slot or start order).
 
     python bench/serving/tracing_overhead.py --target "$G" --concurrency 64 --out bench/results
     python bench/serving/tracing_overhead.py --smoke --out /tmp/r     (CPU check: embedded model, c=4)
@@ -41,6 +44,7 @@ sys.path.insert(0, HERE)
 
 from bench_meta import metadata, write_result  # noqa: E402
 from otlp_sink import OtlpSink  # noqa: E402
+from proc_cpu import cpu_delta, tree_cpu  # noqa: E402
 
 
 def free_port() -> int:
@@ -142,6 +146,13 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--pairs", type=int, default=6, help="paired off/on segments, order alternating")
+    p.add_argument(
+        "--arms",
+        default="off,on",
+        choices=("off,on", "off,off", "on,on"),
+        help="tracing in the two servers; off,off is the A/A control: what the bench reads between two "
+        "identical servers (its noise floor, and any bias of start order or placement)",
+    )
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per server (both share the device)")
     p.add_argument("--drain", type=float, default=10.0, help="loadgen --drain-timeout: seconds for in-flight requests")
     p.add_argument("--ready-timeout", type=float, default=240.0, help="seconds for serve to start (smoke: 600)")
@@ -158,35 +169,46 @@ def main() -> None:
     rows, ratios = [], []
     servers = []
     try:
-        servers = [start_server(args, traced, sink_port) for traced in (False, True)]
+        arms = [arm == "on" for arm in args.arms.split(",")]  # the servers' tracing, by slot
+        servers = [start_server(args, traced, sink_port) for traced in arms]
         wait_ready(args, servers)
-        ports = {False: servers[0][1], True: servers[1][1]}
         for i in range(args.pairs):
             pair = {}
-            for traced in (False, True) if i % 2 == 0 else (True, False):
-                before = sink.spans()
-                row = run_segment(args, traced, ports[traced])
+            for slot in (0, 1) if i % 2 == 0 else (1, 0):
+                traced, before, cpu_before = arms[slot], sink.spans(), tree_cpu(servers[slot][0].pid)
+                row = run_segment(args, traced, servers[slot][1])
+                row["slot"] = slot
+                # CPU seconds of each of the server's processes during the segment
+                row["cpu_s"] = cpu_delta(cpu_before, tree_cpu(servers[slot][0].pid))
                 if traced:
                     time.sleep(0.5)  # the exporter's last batch of the segment (its spans are counted here)
                 row["spans_received"] = sink.spans() - before
                 row["pair"] = i
                 rows.append(row)
-                pair[traced] = row["output_tokens_per_s"]
+                pair[slot] = row["output_tokens_per_s"]
                 print(json.dumps(row), flush=True)
-            ratios.append(pair[True] / pair[False] if pair[False] else 0.0)
+            ratios.append(pair[1] / pair[0] if pair[0] else 0.0)
     finally:
         for proc, *_ in servers:
             stop_server(proc)  # a traced server exports what it still holds as it stops
         time.sleep(1.0)
         spans_total = sink.spans()
         sink.stop()
-    off = [r["output_tokens_per_s"] for r in rows if not r["traced"]]
-    on = [r["output_tokens_per_s"] for r in rows if r["traced"]]
-    mean_off, mean_on = sum(off) / len(off), sum(on) / len(on)
+
+    def slot_mean(key: str, slot: int) -> float | None:
+        return _mean(r[key] for r in rows if r["slot"] == slot)
+
+    def slot_cpu(slot: int) -> dict[str, float]:
+        """Mean CPU seconds per segment of each of the slot's processes."""
+        seen = [r["cpu_s"] for r in rows if r["slot"] == slot]
+        return {k: round(sum(c.get(k, 0.0) for c in seen) / len(seen), 3) for k in sorted({k for c in seen for k in c})}
+
+    mean_off, mean_on = slot_mean("output_tokens_per_s", 0) or 0.0, slot_mean("output_tokens_per_s", 1) or 0.0
     result = {
         **metadata(),
         "what": "verifypd serve output tok/s with OTLP tracing off vs on (spans to an in-process sink), "
         "loadgen closed loop over gRPC" + ("; random weights" if args.target.startswith("random:") else ""),
+        "arms": args.arms,  # the two servers' tracing; "off,off" is the A/A control
         "target": args.target,
         "draft": args.draft,
         "concurrency": args.concurrency,
@@ -200,21 +222,25 @@ def main() -> None:
         # of the loadgen's warm-up too)
         "spans_total": spans_total,
         "traced_requests_completed": sum(r["completed"] for r in rows if r["traced"]),
+        # below, "off" is slot 0 and "on" slot 1 (both the same arm in a control run)
         "paired_ratios": [round(r, 4) for r in ratios],
         "overhead": round(1 - statistics.median(ratios), 4),  # 1 - median of the pairs' on/off ratios
         "overhead_of_means": round(1 - mean_on / mean_off, 4) if mean_off else None,
         "tokens_per_s_off": round(mean_off, 1),
         "tokens_per_s_on": round(mean_on, 1),
-        "itl_token_p50_ms_off": _mean(r["itl_token_p50_ms"] for r in rows if not r["traced"]),
-        "itl_token_p50_ms_on": _mean(r["itl_token_p50_ms"] for r in rows if r["traced"]),
-        "itl_chunk_p99_ms_off": _mean(r["itl_chunk_p99_ms"] for r in rows if not r["traced"]),
-        "itl_chunk_p99_ms_on": _mean(r["itl_chunk_p99_ms"] for r in rows if r["traced"]),
+        "itl_token_p50_ms_off": slot_mean("itl_token_p50_ms", 0),
+        "itl_token_p50_ms_on": slot_mean("itl_token_p50_ms", 1),
+        "itl_chunk_p99_ms_off": slot_mean("itl_chunk_p99_ms", 0),
+        "itl_chunk_p99_ms_on": slot_mean("itl_chunk_p99_ms", 1),
+        "cpu_s_per_segment_off": slot_cpu(0),
+        "cpu_s_per_segment_on": slot_cpu(1),
         "target_overhead": 0.02,
     }
     keys = ("paired_ratios", "overhead", "tokens_per_s_off", "tokens_per_s_on")
-    keys += ("itl_chunk_p99_ms_off", "itl_chunk_p99_ms_on")
+    keys += ("itl_chunk_p99_ms_off", "itl_chunk_p99_ms_on", "cpu_s_per_segment_off", "cpu_s_per_segment_on")
     print(json.dumps({k: result[k] for k in keys}))
-    write_result(args.out, "tracing_overhead", result)
+    name = "tracing_overhead" if args.arms == "off,on" else f"tracing_overhead_control_{args.arms.replace(',', '_')}"
+    write_result(args.out, name, result)
 
 
 if __name__ == "__main__":
