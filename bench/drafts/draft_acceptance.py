@@ -35,6 +35,7 @@ from bench_meta import metadata
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.domain.drafts import parse_draft
+from verifypd.domain.heap import freeze_startup_heap
 from verifypd.domain.requests import RequestSpec
 from verifypd.domain.tokenizer import TextCodec
 from verifypd.engine import Engine, EngineOptions
@@ -219,6 +220,7 @@ def main() -> None:
     for engine in engines.values():  # first-call allocations and kernel compiles outside the timings:
         for family, ids in prompts.items():  # a prompt of each family (lengths differ), a few drafting steps
             engine.generate([RequestSpec(ids[0], max_tokens=16, request_id=f"warm-{family}")])
+    freeze_startup_heap()  # as serve's engine core does once started (domain/heap.py)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if any(b < 1 for b in batches):
         ap.error("--batches: each batch size must be >= 1")

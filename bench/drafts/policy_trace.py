@@ -29,6 +29,7 @@ from draft_acceptance import load_prompts, make_engine
 from engine_throughput import git_revision
 
 import verifypd.router.scheduler as scheduler_module
+from verifypd.domain.heap import freeze_startup_heap, thaw_heap
 from verifypd.domain.requests import RequestSpec
 from verifypd.domain.tokenizer import TextCodec
 from verifypd.model.loader import load_model
@@ -120,6 +121,7 @@ def main() -> None:
         engine = make_engine(target, draft, None, device, dtype)
         for family, ids in prompts.items():  # warm as draft_acceptance --warm-batches does
             engine.generate([RequestSpec(p, max_tokens=32, request_id=f"w-{family}-{i}") for i, p in enumerate(ids)])
+        freeze_startup_heap()  # as serve's engine core does once started (domain/heap.py)
         for family, repeat in [(f, r) for f in args.families.split(",") for r in range(args.repeats)]:
             specs = [
                 RequestSpec(p, max_tokens=args.max_tokens, request_id=f"{family}-{repeat}-{i}")
@@ -141,6 +143,8 @@ def main() -> None:
                 }
             )
             print(draft, family, repeat, f"{tokens / seconds:.0f} tok/s", len(steps), "steps", flush=True)
+        del engine
+        thaw_heap()  # this engine's objects are collectable again
     result = {
         "command": " ".join(["python"] + sys.argv),
         "git_revision": git_revision(),

@@ -50,6 +50,11 @@ def role_of(pid: int) -> str:
 
 def tree_cpu(root: int) -> dict[str, float]:
     """{label: CPU seconds} of `root` and its descendants now."""
+    return {label: cpu for label, (_, cpu) in tree(root).items()}
+
+
+def tree(root: int) -> dict[str, tuple[int, float]]:
+    """{label: (pid, CPU seconds)} of `root` and its descendants now."""
     stats: dict[int, tuple[int, float]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -59,7 +64,7 @@ def tree_cpu(root: int) -> dict[str, float]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    out: dict[str, float] = {}
+    out: dict[str, tuple[int, float]] = {}
     stack = [root] if root in stats else []
     while stack:
         pid = stack.pop()
@@ -67,7 +72,7 @@ def tree_cpu(root: int) -> dict[str, float]:
         n = 1
         while (label if n == 1 else f"{label}#{n}") in out:
             n += 1
-        out[label if n == 1 else f"{label}#{n}"] = stats[pid][1]
+        out[label if n == 1 else f"{label}#{n}"] = (pid, stats[pid][1])
         stack.extend(sorted(children.get(pid, [])))
     return out
 

@@ -24,6 +24,7 @@ segment costs `--seconds` + the loadgen's start and warm-up (~4 s): the defaults
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -44,7 +45,7 @@ sys.path.insert(0, HERE)
 
 from bench_meta import metadata, write_result  # noqa: E402
 from otlp_sink import OtlpSink  # noqa: E402
-from proc_cpu import cpu_delta, tree_cpu  # noqa: E402
+from proc_cpu import cpu_delta, tree, tree_cpu  # noqa: E402
 
 
 def free_port() -> int:
@@ -99,8 +100,25 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def run_segment(args, traced: bool, port: int) -> dict:
-    """One loadgen closed loop against the server on `port`."""
+def start_profiles(args, server_pid: int, tag: str) -> list[subprocess.Popen]:
+    """py-spy sampling the server's gateway and engine core for a few seconds mid-segment (raw
+    folded stacks in --py-spy DIR/TAG_ROLE.txt), started after the loadgen's warm-up."""
+    if not args.py_spy:
+        return []
+    os.makedirs(args.py_spy, exist_ok=True)
+    procs = []
+    for role, (pid, _) in tree(server_pid).items():
+        if role in ("gateway", "engine-core"):
+            out = os.path.join(args.py_spy, f"{tag}_{role}.txt")
+            cmd = ["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(args.seconds) - 3)), "-r", "200"]
+            cmd += ["-f", "raw", "--nonblocking", "-o", out]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+def run_segment(args, traced: bool, port: int, profile=None) -> dict:
+    """One loadgen closed loop against the server on `port`; `profile()` is called 3 s into the load
+    (after the warm-up) and returns processes to wait for."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
@@ -108,9 +126,15 @@ def run_segment(args, traced: bool, port: int) -> dict:
         cmd += ["--drain-timeout", str(args.drain)]
         cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
         cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
-        done = subprocess.run(
-            cmd, env=env_with_paths({}), capture_output=True, text=True, timeout=args.seconds + args.drain + 120
-        )
+        load = subprocess.Popen(cmd, env=env_with_paths({}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        profiles = []
+        if profile is not None:
+            time.sleep(2.0 + 1.0)  # the loadgen's start and warm-up
+            profiles = profile()
+        _, stderr = load.communicate(timeout=args.seconds + args.drain + 120)
+        for proc in profiles:
+            proc.wait(60)
+        done = subprocess.CompletedProcess(cmd, load.returncode, "", stderr)
         if done.returncode != 0:
             raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
         summary = json.load(open(out))["runs"][0]["summary"]
@@ -156,6 +180,7 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per server (both share the device)")
     p.add_argument("--drain", type=float, default=10.0, help="loadgen --drain-timeout: seconds for in-flight requests")
     p.add_argument("--ready-timeout", type=float, default=240.0, help="seconds for serve to start (smoke: 600)")
+    p.add_argument("--py-spy", help="directory: py-spy profiles of each server's gateway and core, per segment")
     p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, two pairs")
     p.add_argument("--out", help="directory for the JSON result")
     args = p.parse_args()
@@ -176,7 +201,8 @@ def main() -> None:
             pair = {}
             for slot in (0, 1) if i % 2 == 0 else (1, 0):
                 traced, before, cpu_before = arms[slot], sink.spans(), tree_cpu(servers[slot][0].pid)
-                row = run_segment(args, traced, servers[slot][1])
+                profile = functools.partial(start_profiles, args, servers[slot][0].pid, f"p{i}_s{slot}")
+                row = run_segment(args, traced, servers[slot][1], profile)
                 row["slot"] = slot
                 # CPU seconds of each of the server's processes during the segment
                 row["cpu_s"] = cpu_delta(cpu_before, tree_cpu(servers[slot][0].pid))

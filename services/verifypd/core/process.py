@@ -40,6 +40,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
     from verifypd.core.core_server import CoreServer
     from verifypd.core.telemetry import Telemetry
     from verifypd.core.tracing import RequestTracing
+    from verifypd.domain.heap import freeze_startup_heap
     from verifypd.domain.logs import setup_logging, warn_simulated
     from verifypd.net.lane_tls import serve_lane_tls
     from verifypd.net.trace_context import make_tracing
@@ -140,6 +141,7 @@ def core_main(channel_fd: int, options: CoreOptions) -> int:
     if supervisor is not None:
         supervisor.start()
     _exit_with_parent()
+    freeze_startup_heap()  # domain/heap.py: a full collection would stall the loop for ~100 ms
     core.start(loop_in_thread=False)  # returns when the gateway says stop or goes away
     return 0
 

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from verifypd.domain.heap import freeze_startup_heap
 from verifypd.domain.logs import LOG_FORMAT_ENV, setup_logging, simulated_label, warn_simulated
 from verifypd.launch.lane_devices import lane_devices_error
 from verifypd.launch.serve_args import (
@@ -198,6 +199,7 @@ def cmd_serve(args) -> int:
         if http_sock is not None:
             gateway.http = _start_http(gateway, args, tls, http_sock, limits)
         health_state["gateway"] = gateway
+        freeze_startup_heap()  # domain/heap.py: full collections stop walking the start-up heap
         if health_port is not None:
             print(
                 f"verifypd: health on http://{args.host}:{health_port.port}/health (plaintext, for probes)",
@@ -369,6 +371,7 @@ def cmd_lane(args) -> int:
             shards = [d.shm_path for d in servicer.rank_shards if d.shm_path]  # --tensor-parallel: the other ranks'
             f.write("\n".join([str(port), *[p.shm_path for p in servicer.owned.values() if p.shm_path], *shards]))
         os.replace(tmp, args.port_file)
+    freeze_startup_heap()  # domain/heap.py (the lane's pools come later, in its setup call: few objects)
     calls = f", call channel on port {servicer.call_server.port}" if servicer.call_server else ""
     calls += ", mutual TLS" if tls is not None else ""
     calls += f", plaintext health on port {health_port.port}" if health_port is not None else ""
