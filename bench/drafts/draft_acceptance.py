@@ -84,16 +84,13 @@ def make_engine(target, name: str, k: int | None, device: torch.device, dtype: t
     return engine
 
 
-def run_family(
-    engine: Engine, family: str, ids: list[tuple[int, ...]], max_tokens: int, batch: int, repeats: int = 1
-) -> dict:
-    """`repeats` > 1: the family is generated that many times; the run of median wall time is reported
-    (`seconds_all`: every run's), and its tokens must be every run's (else `outputs` is None: a mismatch).
-    The repeats run on the same engine, so the draft-length policy's state (measured step costs,
-    acceptance estimate, probe schedule) carries from one into the next: `k_decisions_all` and
-    `drafted_all` give each run's, which is where repeats of an adaptive draft differ."""
-    runs = [_run_family_once(engine, family, ids, max_tokens, batch) for _ in range(repeats)]
-    chosen = sorted(runs, key=lambda r: r["seconds"])[(repeats - 1) // 2]
+def summarize_runs(runs: list[dict]) -> dict:
+    """Repeats of one family on one engine: the run of median wall time is reported (`seconds_all`:
+    every run's), and its tokens must be every run's (else `outputs` is None: a mismatch). The repeats
+    run on the same engine, so the draft-length policy's state (measured step costs, acceptance
+    estimate, probe schedule) carries from one into the next: `k_decisions_all` and `drafted_all` give
+    each run's, which is where repeats of an adaptive draft differ."""
+    chosen = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
     same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     return {
         **chosen,
@@ -257,6 +254,8 @@ def main() -> None:
         "policy_state": "one engine per draft for the warm-up, every batch size and every repeat: the "
         "adaptive policy's measured step costs, acceptance estimate and probe schedule carry from each "
         "run into the next (rows: k_decisions_all, drafted_all per repeat)",
+        "order": "round-robin: each repeat (and warm run) runs every draft once, the order rotated per "
+        "family and repeat",
         "prompts_file": str(PROMPTS.relative_to(PROMPTS.parent.parent.parent)),
         "families": list(prompts),
         "rows": table,
@@ -273,12 +272,24 @@ def measure(
 ) -> list[dict]:
     results: dict[str, dict] = {d: {} for d in drafts}
     for n, (family, ids) in enumerate(prompts.items()):
-        # Drafts of one family run back to back, in an order rotated per family, so that load from
-        # other work on the machine spreads over all of them rather than biasing one.
-        for draft in drafts[n % len(drafts) :] + drafts[: n % len(drafts)]:
-            warm = [_run_family_once(engines[draft], family, ids, max_tokens, batch) for _ in range(warm_runs)]
-            results[draft][family] = r = run_family(engines[draft], family, ids, max_tokens, batch, repeats)
-            r["warm_seconds"] = [round(w["seconds"], 5) for w in warm]
+        # Round-robin: each repeat runs every draft once, in an order rotated per family and per
+        # repeat, so that drift and load from other work on the machine spread over all drafts
+        # rather than biasing the ones that ran together (all repeats of one draft back to back let
+        # two engines doing the same k = 0 work read 7 % apart on an H200).
+        def order(shift: int) -> list[str]:
+            return drafts[shift % len(drafts) :] + drafts[: shift % len(drafts)]
+
+        warm: dict[str, list[dict]] = {d: [] for d in drafts}
+        for _ in range(warm_runs):
+            for draft in order(n):
+                warm[draft].append(_run_family_once(engines[draft], family, ids, max_tokens, batch))
+        runs: dict[str, list[dict]] = {d: [] for d in drafts}
+        for repeat in range(repeats):
+            for draft in order(n + repeat):
+                runs[draft].append(_run_family_once(engines[draft], family, ids, max_tokens, batch))
+        for draft in order(n):
+            results[draft][family] = r = summarize_runs(runs[draft])
+            r["warm_seconds"] = [round(w["seconds"], 5) for w in warm[draft]]
             print(
                 json.dumps(
                     {"draft": draft, "family": family, "batch": batch, **{k: v for k, v in r.items() if k != "outputs"}}

@@ -116,16 +116,18 @@ def start_profiles(args, server_pid: int, tag: str) -> list[subprocess.Popen]:
     return procs
 
 
-def run_segment(args, traced: bool, port: int, profile=None) -> dict:
+def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
     """One loadgen closed loop against the server on `port`; `profile()` is called 3 s into the load
-    (after the warm-up) and returns processes to wait for."""
+    (after the warm-up) and returns processes to wait for. `seed`: the loadgen's prompts; a pair's two
+    segments send the same ones, and each pair new ones (with one seed for all, a server's later
+    segments could hit its prefix cache; segments of one server then read up to 50 % apart)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
         cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds)]
         cmd += ["--drain-timeout", str(args.drain)]
         cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
-        cmd += ["--vocab-size", str(args.vocab), "--no-progress", "--out", out]
+        cmd += ["--vocab-size", str(args.vocab), "--seed", str(seed), "--no-progress", "--out", out]
         load = subprocess.Popen(cmd, env=env_with_paths({}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         profiles = []
         if profile is not None:
@@ -202,7 +204,7 @@ def main() -> None:
             for slot in (0, 1) if i % 2 == 0 else (1, 0):
                 traced, before, cpu_before = arms[slot], sink.spans(), tree_cpu(servers[slot][0].pid)
                 profile = functools.partial(start_profiles, args, servers[slot][0].pid, f"p{i}_s{slot}")
-                row = run_segment(args, traced, servers[slot][1], profile)
+                row = run_segment(args, traced, servers[slot][1], 1 + i, profile)
                 row["slot"] = slot
                 # CPU seconds of each of the server's processes during the segment
                 row["cpu_s"] = cpu_delta(cpu_before, tree_cpu(servers[slot][0].pid))
