@@ -20,8 +20,8 @@ PARENT = "00f067aa0ba902b7"
 
 @pytest.fixture(scope="module")
 def traced(chat_models):
-    from verifypd.core.tracing import RequestTracing
-    from verifypd.net.trace_context import make_tracer, make_tracing
+    from verifypd.core.tracing import RequestTracing, gateway_spans
+    from verifypd.net.trace_context import make_tracing
 
     receiver, server, port = start_receiver()
     env = pytest.MonkeyPatch()
@@ -31,7 +31,7 @@ def traced(chat_models):
     env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: export soon after a span ends
     gw = HttpGateway(chat_models)
     # What `verifypd serve` does in its two processes (launch/cli.py, core/process.py).
-    gw.gw.client.tracer = make_tracer("verifypd-gateway")
+    gw.gw.client.spans = gateway_spans("verifypd-gateway")
     tracing = RequestTracing(make_tracing("verifypd-core"))
     gw.telemetry.tracing = gw.gw.core.tracing = tracing
     yield gw, receiver

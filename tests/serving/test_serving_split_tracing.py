@@ -20,10 +20,10 @@ LANES = ("prefill", "draft", "verify")
 @pytest.fixture(scope="module")
 def traced_split(tiny_models):
     from verifypd.core.telemetry import Telemetry
-    from verifypd.core.tracing import RequestTracing
+    from verifypd.core.tracing import RequestTracing, gateway_spans
     from verifypd.gateway.server import build_split
     from verifypd.lanes.processes import LaneProcesses
-    from verifypd.net.trace_context import make_tracer, make_tracing
+    from verifypd.net.trace_context import make_tracing
 
     receiver, server, port = start_receiver()
     env = pytest.MonkeyPatch()
@@ -37,7 +37,7 @@ def traced_split(tiny_models):
     try:
         gw = build_split(procs.addrs, engine_options(*tiny_models), observer=telemetry, lane_secret=procs.secret)
         # What `verifypd serve --topology split` does in its processes (launch/cli.py, core/process.py).
-        gw.client.tracer = make_tracer("verifypd-gateway")
+        gw.client.spans = gateway_spans("verifypd-gateway")
         tracing = RequestTracing(make_tracing("verifypd-core"))
         telemetry.tracing = gw.core.tracing = tracing
         tracing.trace_lane_calls(gw.lanes)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry.trace import Span, Tracer
 
 from verifypd.core.channel import (
     USAGE_KEYS,
@@ -41,9 +40,8 @@ from verifypd.core.channel import (
     unb64,
 )
 from verifypd.core.loop import Draining, Overloaded, Unavailable
-from verifypd.core.tracing import end_gateway_span, start_gateway_span
+from verifypd.core.tracing import GatewaySpan, GatewaySpans
 from verifypd.domain.requests import FinishReason, InvalidRequest, RequestSpec, TokenLogprob
-from verifypd.net.trace_context import traceparent_of
 from verifypd.router.detokenize import IncrementalDetokenizer
 from verifypd.v1 import control_pb2, generate_pb2
 
@@ -139,7 +137,7 @@ class RequestStream:
         self.request_id, self.rid, self.detok = request_id, rid, detok
         self.stop_ids = stop_ids  # the request's stop_token_ids
         self.api, self.t0, self.prompt_tokens = "grpc", 0.0, 0  # for the access log line
-        self.span: Span | None = None  # the gateway's trace span of this request (core/tracing.py), when tracing
+        self.span: GatewaySpan | None = None  # the gateway's trace span of this request (core/tracing.py), when traced
         self.box = StreamBox()
         self.added: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -163,7 +161,7 @@ class CoreClient:
         self.failed: str | None = None
         self.draining = False
         self.access_log = False  # `serve --access-log`: one verifypd.access line per request
-        self.tracer: Tracer | None = None  # an OpenTelemetry Tracer when OTLP traces are on (core/tracing.py)
+        self.spans: GatewaySpans | None = None  # the requests' trace spans when OTLP traces are on (core/tracing.py)
         self.stopping = False  # stop() sent: the core's exit is a shutdown, not a failure
         self.stalled: str | None = None  # why the core takes no request now (its heartbeat says)
         self.last_heard = time.monotonic()  # any message from the core
@@ -227,11 +225,10 @@ class CoreClient:
         msg = {"t": "add", "id": rid, "spec": spec_to_wire(spec)}
         if self.access_log:
             stream.api, stream.t0, stream.prompt_tokens = api, time.monotonic(), len(spec.prompt_ids)
-        if self.tracer is not None:
-            stream.span = start_gateway_span(self.tracer, trace_carrier or {}, api, client_id, len(spec.prompt_ids))
-            traceparent = traceparent_of(stream.span)
-            if traceparent is not None:
-                msg["tp"] = traceparent
+        if self.spans is not None:
+            stream.span = self.spans.start(trace_carrier, api, client_id, len(spec.prompt_ids))
+            if stream.span is not None:
+                msg["tp"] = stream.span.traceparent
         try:
             self.channel.send(msg)
             # The core's answer: added, refused, or the channel closed. A core whose step is stuck on a
@@ -266,14 +263,14 @@ class CoreClient:
             return None
         if self.access_log:
             self._log_access(stream, outcome, chunk)
-        if stream.span is not None:
-            end_gateway_span(stream.span, outcome, chunk.usage_dict() if chunk is not None else None)
+        if stream.span is not None and self.spans is not None:
+            self.spans.end(stream.span, outcome, chunk.usage_dict() if chunk is not None else None)
         return stream
 
     def _log_access(self, stream: RequestStream, outcome: str, chunk: Chunk | None) -> None:
         trace_id = None
-        if stream.span is not None and stream.span.get_span_context().is_valid:
-            trace_id = format(stream.span.get_span_context().trace_id, "032x")
+        if stream.span is not None:
+            trace_id = format(stream.span.trace_id, "032x")
         fields = {
             "api": stream.api,
             "request_id": stream.request_id,
@@ -396,7 +393,7 @@ class CoreClient:
                 text += stream.detok.flush()
             chunk = Chunk(ids, text, reason is not None, reason, usage, applied_k, ttft, logprobs_from_wire(logprobs))
             if stream.span is not None and ttft is not None:
-                stream.span.add_event("first_token")
+                stream.span.first_token_ns = time.time_ns()
             if stop_hit:
                 if self._forget(rid, "stop", chunk) is not None:
                     self._send_quietly({"t": "cancel", "id": rid})

@@ -70,11 +70,12 @@ def cmd_serve(args) -> int:
     them (core/process.py), loads the tokenizer meanwhile, then serves gRPC and HTTP on one event
     loop until SIGTERM/SIGINT."""
     from verifypd.core.process import CoreProcess
+    from verifypd.core.tracing import gateway_spans
     from verifypd.gateway.http_server import bind_http
     from verifypd.gateway.server import Gateway, load_codec
     from verifypd.net.limits import ConnectionLimits
     from verifypd.net.tls import server_tls
-    from verifypd.net.trace_context import make_tracer, sample_ratio_env
+    from verifypd.net.trace_context import sample_ratio_env
 
     if args.log_format:  # the engine core and the lanes it starts read it from the environment
         os.environ[LOG_FORMAT_ENV] = args.log_format
@@ -177,7 +178,7 @@ def cmd_serve(args) -> int:
         raise
     try:
         gateway.start()
-        gateway.client.tracer = make_tracer("verifypd-gateway")  # None unless OTLP is configured
+        gateway.client.spans = gateway_spans("verifypd-gateway")  # None unless OTLP is configured
         gateway.client.access_log = args.access_log
         info = gateway.info
         if info is None:  # start() waits for the core's ready message, which carries it
