@@ -136,9 +136,8 @@ def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
         _, stderr = load.communicate(timeout=args.seconds + args.drain + 120)
         for proc in profiles:
             proc.wait(60)
-        done = subprocess.CompletedProcess(cmd, load.returncode, "", stderr)
-        if done.returncode != 0:
-            raise RuntimeError(f"loadgen failed: {done.stderr[-2000:]}")
+        if load.returncode != 0:
+            raise RuntimeError(f"loadgen failed: {stderr[-2000:]}")
         summary = json.load(open(out))["runs"][0]["summary"]
     lat = summary["latency_ms"]
     return {

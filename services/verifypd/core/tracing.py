@@ -19,7 +19,6 @@ written as one record when the request ends; the SDK only decides the sampling.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterable
 
@@ -29,8 +28,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFl
 
 from verifypd.domain.requests import FinishReason
 from verifypd.lanes.rpc.lane_spans import LaneCallSpans, lane_attributes
-from verifypd.net.span_ship import new_id
-from verifypd.net.trace_context import TRACEPARENT, Tracing, make_tracing, parse_traceparent
+from verifypd.net.span_ship import new_id, new_trace_id
+from verifypd.net.trace_context import Tracing, make_tracing, parse_traceparent, traceparent_in
 
 _REASONS = {
     FinishReason.EOS: "stop",
@@ -113,23 +112,6 @@ def gateway_spans(service_name: str) -> GatewaySpans | None:
     """The gateway's spans when the environment names an OTLP endpoint (net/trace_context.py), else None."""
     tracing = make_tracing(service_name)
     return GatewaySpans(tracing) if tracing is not None else None
-
-
-def traceparent_in(carrier) -> str | None:
-    """The traceparent of HTTP headers (a case-insensitive mapping) or gRPC metadata ((key, value) pairs)."""
-    if not carrier:
-        return None
-    if hasattr(carrier, "get"):
-        return carrier.get(TRACEPARENT)
-    for key, value in carrier:
-        if key.lower() == TRACEPARENT and isinstance(value, str):
-            return value
-    return None
-
-
-def new_trace_id() -> int:
-    """A random non-zero 128-bit trace id."""
-    return random.getrandbits(128) or 1
 
 
 def _ns(t: float, mono_now: float, wall_now_ns: int) -> int:

@@ -45,6 +45,11 @@ def new_id() -> int:
     return random.getrandbits(64) or 1
 
 
+def new_trace_id() -> int:
+    """A random non-zero 128-bit trace id."""
+    return random.getrandbits(128) or 1
+
+
 class SpanRecords:
     """One process's finished spans on their way to its exporter process (`start`)."""
 

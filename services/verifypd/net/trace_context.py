@@ -112,6 +112,19 @@ def context_of(carrier) -> Context | None:
     return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
+def traceparent_in(carrier) -> str | None:
+    """The traceparent of HTTP headers (a case-insensitive mapping) or gRPC metadata ((key, value)
+    pairs), without building a Context (the gateway reads one per request)."""
+    if not carrier:
+        return None
+    if hasattr(carrier, "get"):
+        return carrier.get(TRACEPARENT)
+    for key, value in carrier:
+        if key.lower() == TRACEPARENT and isinstance(value, str):
+            return value
+    return None
+
+
 # W3C trace context level 1, as the OTel propagator reads it (leading / trailing blanks allowed; a
 # version other than 00 may carry more fields).
 _TRACEPARENT_RE = re.compile(r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
