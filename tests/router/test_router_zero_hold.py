@@ -90,15 +90,17 @@ def test_k_max_0_takes_no_k_decision(tiny_models, draft):
 def test_a_held_step_takes_no_decision_between_rechecks(tiny_models):
     """Held (a model draft at SIMULATED acceptance 0, its draft KV lagging), with no request joining
     or leaving: only the periodic recheck decides again; every other step just records k 0 (no
-    measured-cost lookup, no alphas: `_batch_k` took both in every step before)."""
+    measured-cost lookup, no alphas: `_batch_k` took both in every step before). Its plain verdicts
+    read the engine-wide acceptance estimate once a step, not once a request (they change none)."""
     engine = make_engine(tiny_models[0], "self:1", k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
     router = _start(engine, 8, 140, "s")
     for _ in range(PROBE_FIRST + 10):
         router.step()
     scheduler = router.scheduler
     held_before, steps = scheduler.held_steps, 64
-    counts = _count_calls(router, steps, frozenset({"measured", "_alphas", "choose_batch_k"}))
+    counts = _count_calls(router, steps, frozenset({"measured", "_alphas", "choose_batch_k", "alpha"}))
     assert scheduler.held_steps - held_before >= steps - 2, scheduler.held_steps
     rechecks = steps // RECHECK_OFF_EVERY + 1
     assert counts.get("choose_batch_k", 0) <= rechecks, counts
     assert counts.get("_alphas", 0) <= rechecks and counts.get("measured", 0) <= 3 * rechecks, counts
+    assert counts.get("alpha", 0) <= steps + 4 * rechecks, counts

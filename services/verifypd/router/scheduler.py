@@ -321,7 +321,9 @@ class Scheduler:
         acceptance (`_off_signature`), the costs' recheck not due. Recorded as a k = 0 decision and
         nothing else evaluated, so the step costs the host what a plain step does."""
         off = self._off.get(key)
-        if off is None or off[1] >= RECHECK_OFF_EVERY or not self._held(key, decoding):
+        if off is None or off[1] >= RECHECK_OFF_EVERY or key != "batch" or decoding is not None:
+            return False  # (only the lock-step batch is held)
+        if not self.hold.active(self.probes):
             return False
         if off[0] != _off_signature(config, costs, seqs, hi, decoding):
             return False
