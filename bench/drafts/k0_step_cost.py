@@ -9,8 +9,11 @@ Rows (every row's outputs must equal plain decoding's; greedy):
     by a simulated verdict (real compute, Bernoulli(0) acceptance: labelled), so the batch drafts
     only in its opening steps and is then held at k = 0 (Scheduler's k = 0 hold; `held_steps`);
     the same for the head mixed with prompt lookup (`eagle+ngram:`);
-  * `ngram (adaptive, real acceptance)`: prompt lookup under the served policy; pool-less, so never
-    held: the policy decides every step (on random prompts lookup rarely proposes);
+  * `ngram (adaptive, real acceptance)`: prompt lookup under the served policy (pool-less: held
+    until a periodic probe may run; on these random prompts the tiny model's output may repeat, so
+    lookup may draft: not a k = 0 row, and it varies with the engine's history);
+  * `ngram held at 0 (SIMULATED acceptance 0)`: prompt lookup, every proposal rejected: the k = 0
+    hold of a pool-less draft;
   * `self:N k_max 0` and `self:N held at 0 (...)`: the same for a model draft, the target's first N
     layers (`--self-layers`: 1 of the tiny 2-layer target, 12 of the embedded model by default).
 Requests end one by one by default (`--lengths varied`: max tokens uniform in [max/2, max], seeded),
@@ -226,8 +229,9 @@ def main() -> None:
             (f"{mix_label} held at 0 (SIMULATED acceptance 0)", mix, RuntimeConfig(), 0.0),
             (f"{model} k_max 0", model, OFF, None),
             (f"{model} held at 0 (SIMULATED acceptance 0)", model, RuntimeConfig(), 0.0),
-            # pool-less, never held: the served policy every step (random prompts: lookup finds little)
+            # pool-less: held until a periodic probe may run
             ("ngram (adaptive, real acceptance)", "ngram", RuntimeConfig(), None),
+            ("ngram held at 0 (SIMULATED acceptance 0)", "ngram", RuntimeConfig(), 0.0),
         ]
         if args.rows:
             words = [w.strip() for w in args.rows.split(",") if w.strip()]

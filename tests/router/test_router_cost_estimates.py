@@ -80,3 +80,30 @@ def test_the_opening_k_follows_the_conservative_costs():
     k = opening_k(CONFIG, costs, 16, 8)
     assert 1 <= k < 5
     assert costs.step_s(16, k) / PLAIN_S - 1 <= OPENING_MAX_EXTRA < costs.step_s(16, k + 1) / PLAIN_S - 1
+
+
+def test_a_decision_after_the_plain_median_moved_costs_few_python_calls():
+    """Every k's cost after a plain step moved the median (as every plain step of a batch held at
+    k = 0 may): estimated together in one pass (`lock_step_estimates`), not one k at a time (~130
+    Python calls a decision, each a k = 0 step's host time on the GPU's critical path). The figures
+    are the one-at-a-time rules' (the other tests here)."""
+    import sys
+
+    costs = opened_at_8()
+    costs.observe_step(4, 0, 0.9e-3)  # (a bucket that borrows from 16's ratios)
+    costs.observe_step(4, 0, 0.9e-3)
+    costs.observe_step(4, 0, 0.9e-3)
+    calls = [0]
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call"
+
+    for batch in (16, 4):
+        costs.observe_step(batch, 0, 0.95e-3)  # the median moves: every estimate is recomputed
+        calls[0] = 0
+        sys.setprofile(profile)
+        try:
+            costs.goodputs([0.41] * batch, 8, batch)
+        finally:
+            sys.setprofile(None)
+        assert calls[0] <= 25, (batch, calls[0])

@@ -29,10 +29,12 @@ def take_drafts(work: list, results: list[DraftOutput]) -> dict[str, Proposal]:
     return drafts
 
 
-def record_verdict(seq, acceptance, k: int, accepted: int, asked: int) -> None:
+def record_verdict(seq, acceptance, k: int, accepted: int, asked: int, prior: float | None) -> float | None:
     """One verify step's outcome in the request's stats and the draft policy's estimates (`acceptance`:
     the engine-wide AcceptanceTracker); `asked`: the k the request was asked to draft, `k` the drafts
-    it verified."""
+    it verified. `prior`: `acceptance.alpha` before this outcome; returns it after (a step's rows are
+    committed in a row: a plain row changes no estimate, and reading it per row cost the host ~2 us
+    a request-step on the GPU)."""
     seq.stats.draft_tokens += k
     seq.stats.accepted_tokens += accepted
     seq.stats.verify_steps += 1
@@ -47,8 +49,11 @@ def record_verdict(seq, acceptance, k: int, accepted: int, asked: int) -> None:
         seq.drafts_proposed += k > 0
         acceptance.observe_proposal(k > 0)
         seq.proposal_rate = request_rate(seq.drafts_asked, seq.drafts_proposed, acceptance.proposal_rate)
-    seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections, acceptance.alpha)
+    if k > 0 or asked > 0:
+        prior = acceptance.alpha
+    seq.alpha_estimate = request_alpha(seq.stats.accepted_tokens, seq.draft_rejections, prior)
     seq.last_k = k
+    return prior
 
 
 def append_tokens(

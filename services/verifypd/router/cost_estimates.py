@@ -24,45 +24,61 @@ least that work), nor a drafting step less than half the cheapest step measured 
 
 from __future__ import annotations
 
+import bisect
+
 # Unmeasured: each drafted token is taken to add 10 % of a plain decode step.
 DRAFT_COST_PRIOR = 0.1
 # Relative drafting costs are borrowed from buckets at most this many doublings apart (4 x the batch).
 BORROW_SPAN = 2
 
 
-def lock_step_estimate(medians: dict[tuple[int, int], float], bucket: int, k: int) -> float | None:
-    """A lock-step step's seconds at (bucket, k) (see the module's rules); None when nothing is
-    measured at the bucket."""
+def lock_step_estimates(medians: dict[tuple[int, int], float], bucket: int, hi: int) -> list[float] | None:
+    """A lock-step step's seconds at `bucket` for every k in 0..hi (see the module's rules), in one
+    pass over what is measured there: a k decision asks for every k, and asked one at a time they
+    cost ~130 Python calls per decision (the medians move with every plain step, so each decision
+    recomputed them). None when nothing is measured at the bucket."""
     measured = at_bucket(medians, bucket)
     if not measured:
         return None
-    floor = max((v for kk, v in measured.items() if kk < k), default=0.0)
-    exact = measured.get(k)
-    if exact is not None:
-        return max(exact, floor)
     plain = measured.get(0)
     drafting = {kk: v for kk, v in measured.items() if kk > 0}
-    if k == 0:  # only drafting steps measured: below them by their per-token cost, at least half
-        lo = min(drafting)
-        return max(drafting[lo] - lo * _per_token(drafting, None), 0.5 * min(measured.values()))
-    if not drafting:
-        assert plain is not None
-        borrowed = _borrowed_ratio(medians, bucket, k)
-        estimate = plain * (borrowed if borrowed is not None else 1.0 + DRAFT_COST_PRIOR * k)
-    else:
-        below, above = [kk for kk in drafting if kk < k], [kk for kk in drafting if kk > k]
-        if below and above:
-            lo, hi = max(below), min(above)
-            estimate = drafting[lo] + (drafting[hi] - drafting[lo]) * (k - lo) / (hi - lo)
-        elif above:  # below every measured drafting k
-            lo = min(above)
-            estimate = drafting[lo] - (lo - k) * _per_token(drafting, plain)
-        else:  # beyond every measured k: the steeper of the slope over all measured ks and the prior
-            hi = max(below)
-            prior = DRAFT_COST_PRIOR * (plain if plain is not None else drafting[hi] / (1 + DRAFT_COST_PRIOR * hi))
-            estimate = drafting[hi] + (k - hi) * max(slope(measured), prior)
-        estimate = max(estimate, 0.5 * min(measured.values()))
-    return max(estimate, floor)
+    ks = sorted(drafting)
+    half = 0.5 * min(measured.values())
+    borrowed = None if drafting or hi == 0 else _borrowed_ratios(medians, bucket, hi)
+    per_token = _per_token(drafting, plain) if drafting else 0.0
+    steeper = 0.0
+    if drafting:  # beyond every measured k: the steeper of the slope over all measured ks and the prior
+        top = ks[-1]
+        prior = DRAFT_COST_PRIOR * (plain if plain is not None else drafting[top] / (1 + DRAFT_COST_PRIOR * top))
+        steeper = max(slope(measured), prior)
+    out, floor = [], 0.0  # floor: the dearest step measured at a smaller k
+    for k in range(hi + 1):
+        exact = measured.get(k)
+        if exact is not None:
+            out.append(max(exact, floor))
+            floor = max(floor, exact)
+            continue
+        if k == 0:  # only drafting steps measured: below them by their per-token cost, at least half
+            lo = ks[0]
+            out.append(max(drafting[lo] - lo * _per_token(drafting, None), half))
+            continue
+        if not drafting:
+            assert plain is not None
+            estimate = plain * (borrowed[k] if borrowed is not None else 1.0 + DRAFT_COST_PRIOR * k)
+        else:
+            above = bisect.bisect_right(ks, k)  # ks[above:] > k (k itself is not measured)
+            if 0 < above < len(ks):
+                lo, up = ks[above - 1], ks[above]
+                estimate = drafting[lo] + (drafting[up] - drafting[lo]) * (k - lo) / (up - lo)
+            elif above == 0:  # below every measured drafting k
+                lo = ks[0]
+                estimate = drafting[lo] - (lo - k) * per_token
+            else:
+                top = ks[-1]
+                estimate = drafting[top] + (k - top) * steeper
+            estimate = max(estimate, half)
+        out.append(max(estimate, floor))
+    return out
 
 
 def pipelined_estimate(medians: dict[tuple[int, int], float], bucket: int, k: int) -> float | None:
@@ -116,10 +132,10 @@ def _per_token(drafting: dict[int, float], plain: float | None) -> float:
     return max(seconds - plain, 0.0) / (k + 1)
 
 
-def _borrowed_ratio(medians: dict[tuple[int, int], float], bucket: int, k: int) -> float | None:
-    """step(b, k) / step(b, 0) at the bucket b nearest `bucket`, at most BORROW_SPAN doublings away
-    (ties: the smaller, the dearer relative to its plain step on a host-bound engine), where plain
-    decoding and a drafting k are measured; None if there is none."""
+def _borrowed_ratios(medians: dict[tuple[int, int], float], bucket: int, hi: int) -> list[float] | None:
+    """step(b, k) / step(b, 0) for k in 0..hi at the bucket b nearest `bucket`, at most BORROW_SPAN
+    doublings away (ties: the smaller, the dearer relative to its plain step on a host-bound
+    engine), where plain decoding and a drafting k are measured; None if there is none."""
     span = bucket.bit_length()
     buckets = {
         bb
@@ -129,6 +145,7 @@ def _borrowed_ratio(medians: dict[tuple[int, int], float], bucket: int, k: int) 
     if not buckets:
         return None
     nearest = min(buckets, key=lambda b: (abs(b.bit_length() - span), b))
-    estimate = lock_step_estimate(medians, nearest, k)
-    assert estimate is not None
-    return estimate / medians[(nearest, 0)]
+    estimates = lock_step_estimates(medians, nearest, hi)
+    assert estimates is not None
+    plain = medians[(nearest, 0)]
+    return [estimate / plain for estimate in estimates]

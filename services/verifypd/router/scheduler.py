@@ -39,6 +39,7 @@ from verifypd.router.draft_length import (
 )
 from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.sequence import SeqStatus, Sequence
+from verifypd.router.zero_hold import ZeroHold
 
 # pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
 # requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
@@ -128,20 +129,17 @@ class Scheduler:
         # plan_after's k decision when it drafted nothing: (request ids, k, probes), taken by the next
         # `_plan_decode` of the same requests instead of deciding again (one decision per step).
         self._decided: tuple[frozenset, int, dict] | None = None
-        # The k = 0 hold: requests joined the running set `_roster` times (queued, admitted); `_hold`
-        # is that count when `_batch_k` last found the lock-step batch off (k 0, decided) with no
-        # request it could probe (none fresh, every draft KV lagging: a lag only grows while nothing
-        # drafts). Until a request joins or drafting is decided, plain steps skip the per-request
-        # probe checks (`held_steps` counts them): a k = 0 step with a draft costs the host what a
-        # plain one does. A request leaving keeps the hold (the others still cannot be probed); the
-        # k decision is re-taken then (the batch changed: `_off_signature`) and may end it.
-        self._roster, self._hold = 0, -1
-        self.held_steps = 0
+        self.hold = ZeroHold()  # the k = 0 hold of the lock-step batch (router.zero_hold)
+
+    @property
+    def held_steps(self) -> int:
+        """Decisions taken in the k = 0 hold (benchmarks, tests)."""
+        return self.hold.steps
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         heapq.heappush(self._waiting, (seq.sort_key(), seq))
-        self._roster += 1
+        self.hold.joined()
 
     @property
     def num_waiting(self) -> int:
@@ -242,10 +240,13 @@ class Scheduler:
         request id with the k each drafts: opening probes (`_opening_probes`) and, when one is due
         (ProbeSchedule), PROBE_K for the requests among `seqs` a probe costs no catch-up for.
         `decoding`: pdv pipelined, `seqs` is one group of that many decoding requests."""
-        if not seqs or self.never_drafts:
+        # Nothing can draft (`--draft none`, k_max 0): k 0 without asking the policy, as plain decoding.
+        if not seqs or self.never_drafts or config.k_max == 0:
             if seqs:
                 self._last_k[key] = self._drafting[key] = 0
                 self.probes.record(0, False)
+            return 0, {}
+        if self._still_held(config, costs, seqs, hi, key, decoding):
             return 0, {}
         batch, current = decoding or len(seqs), self._drafting.get(key)
         plain_unmeasured = not costs.measured(batch, 0)
@@ -284,7 +285,7 @@ class Scheduler:
         # decision is no longer "off" for another reason (the config changed).
         held = k_batch == 0 and self._held(key, decoding) and (self._off.get(key) is not None or plain_unmeasured)
         if held:
-            self.held_steps += 1
+            self.hold.steps += 1
         fresh = [] if held else [s for s in seqs if not s.opened]  # (most steps: none)
         if k_batch == 0 and config.adaptive and not held:
             if fresh and not plain_unmeasured:  # that step measures plain decoding: the whole batch at k = 0
@@ -302,23 +303,57 @@ class Scheduler:
             for seq in fresh:  # a request's first decision is its only opening probe (its lag only grows)
                 seq.opened = True
         if k_batch or probed:  # drafting (any batch or pdv group) may bring a draft KV up to date
-            self._hold = -1
+            self.hold.end()
         elif not held and key == "batch" and decoding is None:
-            self._hold = self._roster if self._holds(config, seqs, k_batch, probed, key) else -1
+            self._begin_hold(config, costs, seqs, hi, key)
         return k_batch, probed
 
-    def _held(self, key: object, decoding: int | None) -> bool:
-        """The lock-step batch is in its k = 0 hold (`_hold`): no request joined since it was found
-        off with none a probe could take. (`_batch_k` ends it when a decision drafts or probes, or
-        is no longer off; plan_follow takes that decision before a chained step relies on it.)"""
-        return key == "batch" and decoding is None and self._hold == self._roster
-
-    def _holds(self, config: RuntimeConfig, seqs: list[Sequence], k_batch: int, probed: dict, key: object) -> bool:
-        """After a decision: does the batch enter the k = 0 hold? Off (decided), nothing probed, and no
-        request a probe could take (a pool-less draft can always be probed: never held)."""
-        if k_batch or probed or self._off.get(key) is None or isinstance(self.draft, _NoPool):
+    def _still_held(
+        self,
+        config: RuntimeConfig,
+        costs: StepCostModel,
+        seqs: list[Sequence],
+        hi: int,
+        key: object,
+        decoding: int | None,
+    ) -> bool:
+        """A decision in the k = 0 hold that the last one stands for: the same batch, config and
+        acceptance (`_off_signature`), the costs' recheck not due. Recorded as a k = 0 decision and
+        nothing else evaluated, so the step costs the host what a plain step does."""
+        off = self._off.get(key)
+        if off is None or off[1] >= RECHECK_OFF_EVERY or key != "batch" or decoding is not None:
+            return False  # (only the lock-step batch is held)
+        if not self.hold.active(self.probes):
             return False
-        return not any(not s.opened or self._cheap_probe(config, s) for s in seqs)
+        if off[0] != _off_signature(config, costs, seqs, hi, decoding):
+            return False
+        self._off[key] = (off[0], off[1] + 1)
+        self.hold.steps += 1
+        self.probes.record(0, False)
+        return True
+
+    def _held(self, key: object, decoding: int | None) -> bool:
+        """The lock-step batch is in its k = 0 hold (router.zero_hold). (`_batch_k` ends it when a
+        decision drafts or probes, or is no longer off; plan_follow takes that decision before a
+        chained step relies on it.)"""
+        return key == "batch" and decoding is None and self.hold.active(self.probes)
+
+    def _begin_hold(
+        self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int, key: object
+    ) -> None:
+        """After a decision that drafted and probed nothing: does the batch enter the k = 0 hold? Off
+        (decided) and no request in its first decode step (an opening probe). With a draft KV to
+        catch up, none whose draft a probe could take: held until one joins. Pool-less (prompt
+        lookup: any request can be probed), held until a periodic probe may run (a probe due now
+        and covered would have run in this decision)."""
+        if self._off.get(key) is None or any(not s.opened for s in seqs):
+            self.hold.end()
+        elif isinstance(self.draft, _NoPool):
+            self.hold.begin(self._probe_extra(costs, len(seqs), PROBE_K) if hi >= PROBE_K else None)
+        elif any(self._cheap_probe(config, s) for s in seqs):
+            self.hold.end()
+        else:
+            self.hold.begin()
 
     @staticmethod
     def _probe_extra(costs: StepCostModel, batch: int, k: int) -> float:
@@ -352,12 +387,12 @@ class Scheduler:
         return probed
 
     # -- overlapped scheduling (steps.overlapped; plan_follow, admit_follow below) ---------------
-    def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
+    def _plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], held: bool) -> bool:
         """`_plan_decode` would give every one of `seqs` k = 0 and probe none, whatever the
-        acceptance the step in flight teaches (a k = 0 step teaches none)."""
+        acceptance the step in flight teaches (a k = 0 step teaches none). `held`: in the k = 0 hold."""
         if config.schedule == "baseline" or config.pipelined or config.k_min > 0:
             return False
-        if self._held("batch", None):  # no request can be probed; decided off (see _batch_k)
+        if held:  # no request can be probed now; decided off (see _batch_k)
             return True
         if config.k_max == 0 or self.never_drafts or all(s.spec.max_k == 0 for s in seqs):
             return True
@@ -543,7 +578,7 @@ class Scheduler:
         seq = heapq.heappop(self._waiting)[1]
         seq.status = SeqStatus.PREFILLING
         self.running.append(seq)
-        self._roster += 1
+        self.hold.joined()
         if seq.stats.scheduled_time is None:
             seq.stats.scheduled_time = self.clock()
 
@@ -709,11 +744,12 @@ class Scheduler:
         is recorded as `plan` would record it. Only where that step is certain to be what `plan`
         would make: k 0 with no probe (`_plain_certain`), every block free without preemption.
         Otherwise nothing changes and False is returned."""
-        # Held at k = 0 (`_hold`), or k_max 0, nothing drafts until that ends, so the draft pool's
+        # Held at k = 0 (router.zero_hold), or k_max 0, nothing drafts until that ends, so the draft pool's
         # blocks are not grown: the step that drafts next reserves them all (`_reserve`), as a
         # draft that catches up after plain steps needs them.
-        draft = config.k_max > 0 and not self._held("batch", None)
-        if not seqs or not self._plain_certain(config, costs, seqs) or not self._next_position_fits(seqs, draft):
+        held = self._held("batch", None)
+        draft = config.k_max > 0 and not held
+        if not seqs or not self._plain_certain(config, costs, seqs, held) or not self._next_position_fits(seqs, draft):
             return False
         k_batch, probed = self._batch_k(config, costs, seqs, config.k_max, "batch")
         if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
@@ -804,16 +840,12 @@ class Scheduler:
 def _off_signature(
     config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], hi: int, decoding: int | None
 ) -> tuple:
-    """What a k = 0 decision depends on besides the measured costs (see Scheduler._batch_k)."""
-    return (
-        batch_bucket(decoding or len(seqs)),
-        len(seqs),
-        hi,
-        config,
-        costs.acceptance.observations,
-        costs.acceptance.asked,
-        decoding is None,
-    )
+    """What a k = 0 decision depends on besides the measured costs (see Scheduler._batch_k): the
+    batch (lock-step: its size gives its bucket; a pdv group: the bucket of every decoding request),
+    the config and acceptance. (It is computed in every step of the k = 0 hold: kept cheap.)"""
+    acceptance = costs.acceptance
+    bucket = None if decoding is None else batch_bucket(decoding)
+    return (bucket, len(seqs), hi, config, acceptance.observations, acceptance.asked)
 
 
 class _NoPool:

@@ -427,6 +427,7 @@ class StepContext:
     def commit_verdicts(self, work: list[DecodeWork], items: list[VerifyItem], results) -> list[Verified]:
         """Commits a verify call into its sequences: positions, verdicts, tokens (nothing streamed)."""
         verified = []
+        prior = self.costs.acceptance.alpha
         for w, item, res in zip(work, items, results, strict=False):
             seq, n, k = w.seq, item.start_pos, len(item.draft_tokens)
             m = res.accepted
@@ -435,12 +436,13 @@ class StepContext:
             if k > 0 and not w.lookup:  # the draft lane wrote positions draft_computed .. n + k - 1
                 # (a feature draft's rows past its inputs are speculative: re-fed from n + 1)
                 seq.draft_computed = n + 1 if self.feature_draft else min(n + k, n + m + 1)
-            record_verdict(
+            prior = record_verdict(
                 seq,
                 self.costs.acceptance,
                 k,
                 m,
                 asked=seq.held_draft.requested_k if seq.held_draft is not None else w.k,
+                prior=prior,
             )
             seq.held_draft = None
             self.observer.on_verify(k, m)

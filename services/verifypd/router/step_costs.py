@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from verifypd.router.cost_estimates import DRAFT_COST_PRIOR, lock_step_estimate, pipelined_estimate
+from verifypd.domain.requests import MAX_K
+from verifypd.router.cost_estimates import DRAFT_COST_PRIOR, lock_step_estimates, pipelined_estimate
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -50,8 +51,8 @@ class StepCostModel:
     def __init__(self, window: int = 9):
         self.window = window
         self._step: dict[tuple[int, int], float] = {}
-        # step_s of the current medians (a decision asks for every k, a nearby bucket's each time)
-        self._estimates: dict[tuple[int, int], float] = {}
+        # step_s of the current medians by bucket, for k = 0..MAX_K (a decision asks for every k)
+        self._estimates: dict[int, list[float]] = {}
         self._samples: dict[tuple[int, int], deque] = {}
         # pdv pipelined steps, by (padded group bucket, k): the wall time of one step in which one
         # group verifies its held drafts (k each) while the other group drafts.
@@ -90,15 +91,19 @@ class StepCostModel:
 
     def step_s(self, batch: int, k: int) -> float:
         """Measured, or estimated from the ks measured at this bucket, or from the relative costs of
-        a nearby one (`cost_estimates.lock_step_estimate`); with nothing measured here, the defaults."""
-        key = (batch_bucket(batch), k)
-        cached = self._estimates.get(key)
-        if cached is not None:
-            return cached
-        estimate = lock_step_estimate(self._step, key[0], k)
-        seconds = self.default_verify_s + k * self.default_draft_step_s if estimate is None else estimate
-        self._estimates[key] = seconds
-        return seconds
+        a nearby one (`cost_estimates.lock_step_estimates`); with nothing measured here, the defaults."""
+        return self.step_costs(batch)[k]
+
+    def step_costs(self, batch: int) -> list[float]:
+        """`step_s` at this batch for every k in 0..MAX_K (computed together, kept until a median moves)."""
+        bucket = batch_bucket(batch)
+        cached = self._estimates.get(bucket)
+        if cached is None:
+            estimates = lock_step_estimates(self._step, bucket, MAX_K)
+            if estimates is None:
+                estimates = [self.default_verify_s + k * self.default_draft_step_s for k in range(MAX_K + 1)]
+            cached = self._estimates[bucket] = estimates
+        return cached
 
     def goodput(self, alphas: list[float], k: int, batch: int, rates: list[float] | None = None) -> float:
         """Tokens per second of a batch whose requests are asked for k drafts. `rates`: how often
@@ -114,8 +119,9 @@ class StepCostModel:
         (the GPU idles meanwhile). With power sums it is one pass over the requests."""
         tokens = expected_token_sums(alphas, hi, rates)
         any_proposal = 1.0 if rates is None else _any_of(rates)
-        plain = self.step_s(batch, 0)
-        return [tokens[k] / (plain + any_proposal * (self.step_s(batch, k) - plain)) for k in range(hi + 1)]
+        costs = self.step_costs(batch)
+        plain = costs[0]
+        return [tokens[k] / (plain + any_proposal * (costs[k] - plain)) for k in range(hi + 1)]
 
     def pipelined_step_s(self, group: int, k: int) -> float:
         """Seconds of a pipelined step whose groups hold `group` requests drafting k. With no
