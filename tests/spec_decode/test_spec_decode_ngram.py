@@ -10,7 +10,7 @@ from engine_helpers import costed_clock, make_engine
 
 from verifypd.domain.lanes import DraftItem, LaneInfo
 from verifypd.domain.requests import RequestSpec, SamplingParams
-from verifypd.spec_decode.ngram import NgramDraftLane, propose
+from verifypd.spec_decode.ngram import NgramDraftLane, TokenHistory, propose
 
 
 @pytest.mark.parametrize(
@@ -40,6 +40,44 @@ from verifypd.spec_decode.ngram import NgramDraftLane, propose
 )
 def test_proposals_for_hand_made_contexts(context, k, n, expected):
     assert propose(context, k, *n) == expected
+
+
+def _scan(context: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Brute force, token by token: the most recent earlier start of the longest suffix n-gram."""
+    size = len(context)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for i in range(size - n - 1, -1, -1):
+            if context[i : i + n] == context[size - n :]:
+                out: list[int] = []
+                for j in range(k):
+                    pos = i + n + j
+                    out.append(context[pos] if pos < size else out[pos - size])
+                return out
+    return []
+
+
+@pytest.mark.parametrize("vocab", [4, 300, 1 << 31])
+def test_history_with_rollbacks_equals_a_token_by_token_scan(vocab):
+    """The history's byte search against a scan of the tokens themselves, as the router feeds it
+    (extend, truncate). Ids like 1, 256, 65536 and 16777216 make byte matches that straddle two
+    tokens (e.g. the bytes of [256, 0] contain those of 1 shifted by one byte): only aligned ones count."""
+    rng = random.Random(vocab)
+    straddlers = [0, 1, 256, 257, 65536, 16777216]
+    for _ in range(300):
+        min_n = rng.randint(1, 3)
+        history = TokenHistory(min_n, rng.randint(min_n, 5))
+        truth: list[int] = []
+        for _ in range(rng.randint(1, 8)):
+            pool = straddlers if rng.random() < 0.3 else None
+            chunk = [rng.choice(pool) if pool else rng.randrange(vocab) for _ in range(rng.randrange(30))]
+            history.extend(chunk)
+            truth += chunk
+            if truth and rng.random() < 0.3:
+                keep = rng.randrange(len(truth) + 1)
+                history.truncate(keep)
+                del truth[keep:]
+            k = rng.randint(1, 6)
+            assert history.propose(k) == _scan(truth, k, history.min_n, history.max_n)
 
 
 def _lane(min_n=1, max_n=3, capacity=1 << 20) -> NgramDraftLane:
