@@ -132,7 +132,8 @@ def summarize(args, records: list[dict]) -> dict:
 
 
 def transport_report(lines: list[str]) -> dict:
-    """What the split server's log says about its KV transport (lanes wired; peer copy lines)."""
+    """What the split server's log says about its KV transport (lanes wired: each pool's mode, direct or peer among
+    them; peer copy lines: a direct pool copies nothing)."""
     wired = [ln for ln in lines if "lanes wired" in ln]
     copies = [ln for ln in lines if "peer KV copy" in ln]
     sizes = [int(m.group(1)) for ln in copies if (m := re.search(r" (\d+) bytes", ln))]
@@ -206,7 +207,11 @@ def main() -> int:
     p.add_argument("--target", default="random:llama-2-7b")
     p.add_argument("--draft", default="random:tinyllama-1.1b")
     p.add_argument("--alpha", type=float, default=0.7, help="SIMULATED acceptance (negative: off)")
-    p.add_argument("--kv-transport", default="auto", help="split configurations (auto picks peer across GPUs)")
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        help="split configurations (auto picks peer across GPUs, direct where a staging pool would not fit)",
+    )
     p.add_argument("--rate", type=float, default=6.0, help="requests/s over all servers of a configuration")
     p.add_argument("--duration", type=float, default=25.0, help="seconds of sending per configuration")
     p.add_argument("--input-len", type=int, default=256)

@@ -197,7 +197,8 @@ def spec_schema() -> S:
             "kvTransport": _str(
                 "auto",
                 "KV transfer between lanes: handle (one GPU), peer (another GPU of the pod: per-layer copies "
-                "over NVLink), copy (over gRPC, between pods); auto picks among them",
+                "over NVLink), direct (another GPU of the pod: KV written over NVLink, no staging pool), copy "
+                "(over gRPC, between pods); auto picks among them",
                 list(KV_TRANSPORTS),
             ),
             "gateway": gateway,

@@ -140,12 +140,36 @@ def test_choose_transport(model):
     shared = KvPool.create_shared_cpu("target", g, torch.float32)
     try:
         d = describe_pool(shared)
-        got = {asked: peer_copy.choose_transport(asked, d, CPU) for asked in ("auto", "handle", "peer", "copy")}
-        assert got == {"auto": "imported", "handle": "imported", "peer": "peer", "copy": "copy"}
+        asks = ("auto", "handle", "peer", "direct", "copy")
+        got = {asked: peer_copy.choose_transport(asked, d, CPU) for asked in asks}
+        assert got == {"auto": "imported", "handle": "imported", "peer": "peer", "direct": "direct", "copy": "copy"}
         d.host_boot_id = "another-host"
         assert peer_copy.choose_transport("auto", d, CPU) == "copy"
-        for asked, words in (("handle", "another host or device"), ("peer", "kv_transport peer: the owner runs")):
+        for asked, words in (
+            ("handle", "another host or device"),
+            ("peer", "kv_transport peer: the owner runs"),
+            ("direct", "kv_transport direct: the owner runs"),
+        ):
             with pytest.raises(ValueError, match=words):
                 peer_copy.choose_transport(asked, d, CPU)
     finally:
         shared.close()
+
+
+def test_auto_stages_where_the_stage_fits_and_writes_directly_where_not(model, monkeypatch, caplog):
+    """An owner on another GPU (faked: not co-located, reachable): auto stages (peer) while a pool as
+    large as the owner's fits this lane's bound, and writes the owner's pool directly otherwise; a
+    transport asked for by name is what the lane gets, whatever the bound."""
+    s = model.shape
+    g = PoolGeometry(model.num_layers, 40, BLOCK, s.num_kv_heads, s.head_dim)
+    d = describe_pool(KvPool("target", g, torch.float32, CPU))
+    monkeypatch.setattr(peer_copy, "colocated", lambda d, device: False)
+    monkeypatch.setattr(peer_copy, "unreachable", lambda d, device: None)
+    gpu = torch.device("cuda", 0)  # a label only: nothing touches a device
+    caplog.set_level("INFO", logger="verifypd.lane.kv")
+    assert peer_copy.choose_transport("auto", d, gpu) == "peer"  # no bound
+    assert peer_copy.choose_transport("auto", d, gpu, stage_bound=40) == "peer"
+    assert peer_copy.choose_transport("auto", d, gpu, stage_bound=39) == "direct"
+    assert f"pool {d.pool_id}: direct transport (a 40-block staging pool exceeds this lane's 39 blocks)" in caplog.text
+    assert peer_copy.choose_transport("peer", d, gpu, stage_bound=1) == "peer"
+    assert peer_copy.choose_transport("direct", d, gpu, stage_bound=None) == "direct"

@@ -63,7 +63,7 @@ def test_empty_spec_gets_the_same_defaults_as_the_parser(crds, namespace):
         ({"colocated": {"resources": {"requests": {"cpu": "1"}, "claimz": {}}}}, "demo", "unknown field"),
         ({"colocated": {"gpu": 2, "laneDevices": {"verify": 2}}}, "demo", "laneDevices must name GPUs below gpu"),
         ({"colocated": {"laneDevices": {"prefill": 1}}}, "demo", "laneDevices must name GPUs below gpu"),
-        ({"kvTransport": "nvlink"}, "demo", 'supported values: "auto", "handle", "copy", "peer"'),
+        ({"kvTransport": "nvlink"}, "demo", 'supported values: "auto", "handle", "copy", "peer", "direct"'),
         ({}, "9lives", "name must be a DNS-1035 label"),
         ({}, "my.model", "name must be a DNS-1035 label"),
         ({}, "x" * 41, "at most 40 characters"),

@@ -1,5 +1,5 @@
-"""`split` topology on CPU: three lane processes, KV passed by handle (/dev/shm), copied over gRPC or
-copied layer by layer into the owners' pools (peer).
+"""`split` topology on CPU: three lane processes, KV passed by handle (/dev/shm), copied over gRPC,
+copied layer by layer into the owners' pools (peer) or written straight into them (direct).
 
 One set of lane processes serves the whole module; each test wires a fresh gateway (router) to
 them, so block allocation starts clean every time.
@@ -108,6 +108,18 @@ def test_peer_transport_gives_same_output(tiny_models, lanes, prompts, expected)
         assert run_all(gw, prompts) == expected
         copied = gw.lanes[0].kv_bytes_copied
         assert copied >= sum(len(p) for p in prompts) * kv_bytes_per_token(gw)
+        assert owner_bytes_received(gw) == received_before
+
+
+def test_direct_transport_gives_same_output(tiny_models, lanes, prompts, expected):
+    """The multi-GPU transport without staging, on the CPU: the prefill lane's pools are the owners'
+    /dev/shm pools, as a GPU's are the owners' pools mapped from other GPUs (peer_copy.py), and its
+    forward writes them directly. Nothing is staged, copied or sent over gRPC."""
+    with split_gateway(tiny_models, lanes, "direct") as gw:
+        assert set(gw.wiring.mode_by_pool.values()) == {"direct"}
+        received_before = owner_bytes_received(gw)
+        assert run_all(gw, prompts) == expected
+        assert gw.lanes[0].kv_bytes_copied == 0
         assert owner_bytes_received(gw) == received_before
 
 

@@ -252,7 +252,7 @@ def build_split(
     shared = shares_pools(wiring)
     caching = options.prefix_cache and shared
     if options.prefix_cache and not shared:
-        log.info("prefix caching: off in the split topology with copied KV (docs/engine.md 'Prefix caching')")
+        log.info("prefix caching: off in the split topology without KV by handle (docs/engine.md 'Prefix caching')")
     router = Router(
         prefill,
         draft,

@@ -18,8 +18,9 @@ from verifypd.domain.drafts import DEFAULT_DRAFT
 
 # How KV moves from the prefill lane to the pools' owners (docs/services.md "KV transports"):
 # handle (open the owner's pool: same device), peer (stage locally, copy each layer into the owner's
-# pool mapped by CUDA IPC: another GPU of this host), copy (stream blocks over gRPC: any host), auto.
-KV_TRANSPORTS = ("auto", "handle", "copy", "peer")
+# pool mapped by CUDA IPC: another GPU of this host), direct (write straight into that mapped pool:
+# no staging), copy (stream blocks over gRPC: any host), auto.
+KV_TRANSPORTS = ("auto", "handle", "copy", "peer", "direct")
 QUANTIZATIONS = ("fp8",)  # --quantization: how the target's weights are quantized while loading
 KV_CACHE_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: auto = the model dtype; fp8 = float8_e4m3fn
 

@@ -85,8 +85,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         choices=KV_TRANSPORTS,
         default="auto",
         help="split: import co-located pools (handle), copy each layer's KV into a pool on another GPU of "
-        "this host (peer: CUDA IPC over NVLink/PCIe) or stream KV bytes over gRPC (copy); auto: handle "
-        "on one GPU, peer across GPUs that can reach each other, else copy",
+        "this host (peer: CUDA IPC over NVLink/PCIe, from a staging pool as large as the owner's), write "
+        "it straight into that pool (direct: no staging) or stream KV bytes over gRPC (copy); auto: handle "
+        "on one GPU, peer across GPUs that can reach each other (direct where the staging pool would not "
+        "fit), else copy",
     )
     serve.add_argument(
         "--lane-devices",

@@ -9,7 +9,8 @@ whose pools are the ones this process owns or imported, and converts messages at
     prefill lane has both models; after ImportPools it writes into the owners' pools directly
                  (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
                  touched blocks it then streams to the owners (copy transport) or copies into
-                 the owners' pools on another GPU, layer by layer (peer transport, peer_copy.py)
+                 the owners' pools on another GPU, layer by layer (peer transport, peer_copy.py),
+                 or writes straight into the owners' pools mapped from another GPU (direct)
 
 One lock per process serializes work calls (and KvTransfer writes) on the pools.
 
@@ -55,7 +56,7 @@ from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc import peer_copy
 from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.lane_calls import CallChannelWork
-from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, start_lane_ranks
+from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks, start_lane_ranks
 from verifypd.lanes.rpc.lane_spans import end_call_span
 from verifypd.model.build import capture_graphs
 from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
@@ -287,7 +288,8 @@ class LaneServicer(CallChannelWork):
             except lv.LaneInvalid as exc:
                 context.abort(exc.code, str(exc))
             try:
-                mode = peer_copy.choose_transport(mode_arg, d, self.device)
+                bound = pool_blocks(self.options, kv.geometry_of(d), self.device, self.kv_dtype)
+                mode = peer_copy.choose_transport(mode_arg, d, self.device, stage_bound=bound)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             modes[d.pool_id] = mode
@@ -297,6 +299,8 @@ class LaneServicer(CallChannelWork):
                 elif mode == "peer":
                     pools[role] = kv.staging_pool(d, self.device)
                     peers[role] = peer_copy.PeerCopier(pools[role], peer_copy.open_owner_pool(d, self.device))
+                elif mode == "direct":  # the forward writes the owner's pool, mapped here
+                    pools[role] = peer_copy.open_owner_pool(d, self.device)
                 else:
                     pools[role] = kv.staging_pool(d, self.device)
                     pushers[role] = kv.KvPusher(
@@ -312,12 +316,13 @@ class LaneServicer(CallChannelWork):
         event = None
         # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
         # waits for them), not by an event on rank 0's device.
-        # Nor with peer copies: the owners run on other GPUs, so the lane synchronizes its device instead.
+        # Nor with peer copies or direct writes: the owners run on other GPUs, so the lane synchronizes
+        # its device instead.
         if (
             request.forward_kv_written_event
             and self.device.type == "cuda"
             and "imported" in modes.values()
-            and "peer" not in modes.values()
+            and not peer_copy.DEVICE_SYNCED & set(modes.values())
             and self.ranks is None
         ):
             event = torch.cuda.Event(interprocess=True)

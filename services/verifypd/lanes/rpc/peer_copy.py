@@ -1,7 +1,7 @@
-"""The peer KV transport: prefill on one GPU, the pool's owner (verify or draft lane) on another GPU of
-the same host (the DistServe / Dynamo / vLLM-PD shape on one node).
+"""The peer and direct KV transports: prefill on one GPU, the pool's owner (verify or draft lane) on
+another GPU of the same host (the DistServe / Dynamo / vLLM-PD shape on one node).
 
-The prefill lane computes into a local staging pool with the owner's geometry and pool id (so block
+Peer: the prefill lane computes into a local staging pool with the owner's geometry and pool id (so block
 ids mean the same in both, as the copy transport's), and maps the owner's pool into its own device
 once (CUDA IPC; cudaIpcOpenMemHandle in this lane's context enables peer access, so a copy kernel
 here writes the owner's memory over NVLink / PCIe). As soon as the forward has written layer i's
@@ -14,6 +14,12 @@ same hook, block and layer bookkeeping, exercised by the tests with the lanes as
 
 Ordering: `finish()` makes the compute stream wait for the side stream; the lane synchronizes its
 device before it replies, so an owner never reads a block before its copy landed.
+
+Direct: no staging; the prefill lane's pool is the owner's, as mapped into its
+own GPU's address space (`open_owner_pool`), so the forward's kernels store K/V straight into the
+owner's memory (peer stores; attention over earlier chunks reads it back the same way). Ordering as
+peer's: the lane synchronizes its device before it replies. On the CPU the pool is the owner's
+/dev/shm file. `choose_transport` says when auto picks which.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from verifypd.model.kv_pool import KvPool
 from verifypd.v1 import lanes_pb2
 
 log = logging.getLogger("verifypd.lane.kv")
+# Transports whose owners may run on another GPU: the lane orders their reads by synchronizing its
+# device before it replies, never by an IPC event (recorded on this GPU, waited on by the owner's).
+DEVICE_SYNCED = frozenset({"peer", "direct"})
 
 
 def nixl_available() -> bool:
@@ -43,11 +52,15 @@ def nixl_available() -> bool:
     return True
 
 
-def choose_transport(asked: str, d: lanes_pb2.PoolDescriptor, device: torch.device) -> str:
-    """How a prefill lane on `device` reaches pool `d` ("imported", "peer" or "copy") when the wiring
-    asks for `asked` (auto | handle | peer | copy); ValueError (one line, naming the pool) when the
-    transport asked for cannot reach it. auto: the same device -> imported; another GPU of this host
-    that this one can reach as a peer -> peer; else copy (the CPU never picks peer by itself)."""
+def choose_transport(
+    asked: str, d: lanes_pb2.PoolDescriptor, device: torch.device, stage_bound: int | None = None
+) -> str:
+    """How a prefill lane on `device` reaches pool `d` ("imported", "peer", "direct" or "copy") when the
+    wiring asks for `asked` (auto | handle | peer | direct | copy); ValueError (one line, naming the
+    pool) when the transport asked for cannot reach it. `stage_bound`: the most blocks this lane may
+    stage for `d` (lane_setup.pool_blocks; None: no bound). auto: the same device -> imported; another
+    GPU of this host that this one can reach as a peer -> peer when the stage fits the bound, else
+    direct; else copy (on the CPU a reachable owner is a co-located one: auto imports there)."""
     near = colocated(d, device)
     if asked == "handle" and not near:
         raise ValueError(f"pool {d.pool_id} is on another host or device; use kv_transport copy")
@@ -56,15 +69,31 @@ def choose_transport(asked: str, d: lanes_pb2.PoolDescriptor, device: torch.devi
     if asked == "copy":
         return "copy"
     far = unreachable(d, device)
-    if asked == "peer" and far is not None:
-        raise ValueError(f"pool {d.pool_id}: kv_transport peer: {far}")
-    if asked == "peer" or (asked == "auto" and far is None and device.type == "cuda"):
+    if asked in ("peer", "direct"):
+        if far is not None:
+            raise ValueError(f"pool {d.pool_id}: kv_transport {asked}: {far}")
+        return asked
+    if far is not None:
+        return "copy"
+    # Staging was chosen for bandwidth: the forward writes its own GPU's memory and the copies are
+    # bulk transfers that overlap the later layers. It costs a pool as large as the owner's on this
+    # GPU; where that does not fit (a draft lane beside this one, an owner alone on a larger share
+    # of its GPU), the forward writes the owner's pool directly: it trades some prefill time (its KV
+    # writes, and attention reads of earlier chunks, go over NVLink) for no staging memory.
+    if stage_bound is None or d.num_blocks <= stage_bound:
+        log.info("pool %s: peer transport (a %d-block staging pool fits this lane)", d.pool_id, d.num_blocks)
         return "peer"
-    return "copy"
+    log.info(
+        "pool %s: direct transport (a %d-block staging pool exceeds this lane's %d blocks)",
+        d.pool_id,
+        d.num_blocks,
+        stage_bound,
+    )
+    return "direct"
 
 
 def unreachable(d: lanes_pb2.PoolDescriptor, device: torch.device) -> str | None:
-    """Why the peer transport cannot reach pool `d` from `device`; None: it can."""
+    """Why the peer or direct transport cannot reach pool `d` from `device`; None: it can."""
     if d.host_boot_id != host_boot_id():
         return "the owner runs on another host (use kv_transport copy)"
     if device.type == "cpu":
