@@ -53,7 +53,9 @@ def test_low_acceptance_costs_nothing(batch, draft, pipeline):
         # A probe never catches the draft up on skipped tokens (its input is <= 2 tokens, the shape
         # of an ordinary drafting step); only drafting chosen on its merits may, in its first step
         # after k = 0 (lock-step: none at all here; pipelined: a few pipelining tries).
-        assert any(c.k == PROBE_K for c in lanes.draft_calls)
+        # Probes that ran drafted PROBE_K. (Pipelined at 64, the opening steps' measured cost,
+        # settled against the probe credit, leaves none for a periodic probe in runs this short.)
+        assert any(c.k == PROBE_K for c in lanes.draft_calls) or (pipeline and probes.probes == 0)
         catch_ups = [c for c in lanes.draft_calls if c.input_len > 2]
         assert len(catch_ups) <= (probes.drafting if pipeline else 0), catch_ups
 

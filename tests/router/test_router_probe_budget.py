@@ -129,3 +129,78 @@ def test_credit_accrues_per_plain_step_and_is_capped():
     for _ in range(100_000):
         probes.record(0, probed=False)
     assert probes.credit == PROBE_CREDIT_MAX
+
+
+class ColdAfterPrefill(CostedLanes):
+    """A model draft whose first draft call after a prefill costs COLD_S more (on the H200 the first
+    decode step after a batch's prefill ran eagerly with the chain broken): a cost the step-cost
+    model's estimates, taken from typical steps, never see."""
+
+    COLD_S = 8e-3
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.cold = False
+
+    def prefill(self, items):
+        self.cold = True
+        return super().prefill(items)
+
+    def draft(self, items):
+        if self.cold:
+            self.now += self.COLD_S
+            self.cold = False
+        return super().draft(items)
+
+
+def test_a_probe_is_charged_what_its_step_took():
+    """Opening probes whose step costs COLD_S (8 plain steps) more than the step-cost model
+    estimates are charged at least that (ProbeSchedule.settle, from the step's wall time): so
+    the budget, not the estimate, bounds what probes take. Charged by the estimate alone, `spent`
+    was 4.4 plain steps for two probing draft calls."""
+    lanes = ColdAfterPrefill(0.0, verify_s=host_bound_verify_s, draft_s=lambda b, k, n: 0.0)
+    run(lanes, ADAPTIVE, 16, 1)  # the first round drafts k_initial and learns acceptance 0
+    first = len(lanes.draft_calls)
+    schedule = lanes.router.scheduler.probes  # type: ignore[attr-defined]
+    spent_before = schedule.spent
+    run_more(lanes, 11)
+    probing_calls = len(lanes.draft_calls) - first
+    assert probing_calls >= 1
+    assert schedule.spent - spent_before >= probing_calls * ColdAfterPrefill.COLD_S / 1e-3, schedule.spent
+
+
+def run_more(lanes: CostedLanes, rounds: int) -> None:
+    """More rounds of 16 requests on the router `run` left on `lanes`."""
+    router = lanes.router  # type: ignore[attr-defined]
+    for r in range(rounds):
+        for i in range(16):
+            router.add_request(
+                RequestSpec(tuple(range(3, 3 + 64)), max_tokens=128, stop_at_eos=False, request_id=f"m{r}-{i}")
+            )
+        while router.has_work():
+            router.step()
+
+
+def test_settle_charges_the_measured_excess_once():
+    probes = ProbeSchedule()
+    probes.credit = 10.0
+    probes.spend(2.0)
+    probes.settle(7.0)  # the probing step took 7 plain steps more than a plain one: 5 more than charged
+    assert probes.credit == pytest.approx(3.0) and probes.spent == pytest.approx(7.0)
+    probes.spend(2.0)
+    probes.settle(1.0)  # cheaper than charged: the estimate stands
+    assert probes.credit == pytest.approx(1.0) and probes.spent == pytest.approx(9.0)
+
+
+def test_due_probe_writes_draft_kv_only_when_the_budget_affords_it():
+    """A prefill writes draft KV for a due probe only if the budget can pay for the opening probe
+    that KV is for; else it is work for a probe that will not run (every new batch paid it)."""
+    lanes = CostedLanes(0.0, verify_s=host_bound_verify_s)
+    run(lanes, ADAPTIVE, 16, 2)  # acceptance 0 learnt: drafting off
+    router = lanes.router  # type: ignore[attr-defined]
+    scheduler, probes = router.scheduler, router.scheduler.probes
+    probes.steps_off = probes.interval  # a probe is due
+    probes.credit = 0.0
+    assert not scheduler.drafts_soon(ADAPTIVE, router.costs)
+    probes.credit = PROBE_CREDIT_MAX
+    assert scheduler.drafts_soon(ADAPTIVE, router.costs)

@@ -13,7 +13,7 @@ from engine_helpers import costed_clock, make_engine
 from test_router_overlap import prompts
 
 from verifypd.domain.requests import RequestSpec
-from verifypd.router.draft_length import PROBE_FIRST
+from verifypd.router.draft_length import PROBE_CREDIT_MAX, PROBE_FIRST
 from verifypd.router.scheduler import RECHECK_OFF_EVERY
 
 
@@ -47,11 +47,14 @@ def test_prompt_lookup_is_held_and_still_probes_when_due(tiny_models):
     per-request probe check), and the probes still run on their schedule (ProbeSchedule: due, and
     covered by the probe budget), each ending the hold for its step."""
     engine = make_engine(tiny_models[0], "ngram", k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
-    costed_clock(engine.router, per_draft_s=1e-4)  # probes cheap on this clock: the budget covers them in time
+    costed_clock(engine.router, per_draft_s=1e-4, draft_s=1e-4)  # probes cheap on this clock: the budget covers them
     router = _start(engine, 6, 230, "n")
     for _ in range(PROBE_FIRST // 2):
         router.step()
     scheduler = router.scheduler
+    # Credit enough for the probes: this is about the hold stopping none; what a probe's step took
+    # (the plain chain broken: ~1 plain step here) is charged in full (ProbeSchedule.settle).
+    scheduler.probes.credit = PROBE_CREDIT_MAX
     probes_before, held_before, steps = scheduler.probes.probes, scheduler.held_steps, 200
     counts = _count_calls(router, steps, frozenset({"_cheap_probe"}))
     probes = scheduler.probes

@@ -215,10 +215,11 @@ class Router:
         t_step = ctx.clock()
         result = self._strategy(ctx).step(ctx)
         self.observer.on_step(self)
+        seconds = ctx.clock() - t_step
+        for excluded in result.excluded:  # a prefill run before, after or beside decode
+            seconds -= excluded
+        ctx.scheduler.settle_probes(ctx.plan, ctx.costs, seconds)
         if result.sample is not None:
-            seconds = ctx.clock() - t_step
-            for excluded in result.excluded:
-                seconds -= excluded
             if result.cap_s is not None:
                 seconds = min(seconds, result.cap_s)
             ctx.record_cost(result.sample, seconds)

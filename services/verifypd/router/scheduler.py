@@ -209,7 +209,21 @@ class Scheduler:
             return max(config.k_min, config.k_initial) > 0
         if costs.acceptance.alpha is None:
             return config.k_initial > 0
-        return any(k > 0 for k in self._drafting.values()) or self.probes.due
+        if any(k > 0 for k in self._drafting.values()):
+            return True
+        # A due probe needs fresh draft KV only if the budget can pay for an opening probe; else the
+        # draft's prefill is written for a probe that will not run (and `due` stays set meanwhile).
+        batch = max(len(self.running), 1)
+        k_open = max(opening_k(config, costs, batch, config.k_max), PROBE_K)
+        return self.probes.due and self.probes.affords(self._probe_extra(costs, batch, k_open))
+
+    def settle_probes(self, plan: StepPlan | None, costs: StepCostModel, seconds: float) -> None:
+        """After a step: if it probed, what it took above a plain step at its batch settles the
+        probes' charge (ProbeSchedule.settle)."""
+        if plan is None or not any(w.probe for w in plan.decode + plan.draft_ahead):
+            return
+        batch = len(plan.decode) + len(plan.draft_ahead)
+        self.probes.settle(seconds / costs.step_s(batch, 0) - 1.0)
 
     def _pipeline_now(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
         """pdv with pipelining allowed: pipeline this step only where it measures faster than
