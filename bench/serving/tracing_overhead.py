@@ -24,7 +24,10 @@ CPU placement (`--pin`, default on with 8 or more CPUs): the servers' process tr
 of this process's CPUs and the loadgens (and this process) on the other. Unpinned on an H200 host's
 16 CPUs, one untraced server's segments read 14,000 to 21,400 tok/s under the same load, ITL p50
 1.4 to 2.5 ms: its host-bound step loop shared cores with the loadgen's 64 streams as the kernel
-placed them. The JSON records both CPU sets and each CPU's SMT siblings.
+placed them. The JSON records both CPU sets and each CPU's SMT siblings. Pinned, the spread stayed
+(ratios 0.80 to 1.55): segments were fast or slow as a whole (ITL p50 ~1.4 or ~2.2 ms), which fits
+the closed loop's 64 equal-length requests running in waves that stay in step or fall out of it, so
+output lengths are spread (`--gen-spread`, default on).
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
         cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
         cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds)]
         cmd += ["--drain-timeout", str(args.drain)]
-        cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", str(args.gen)]
+        gen = f"uniform:{args.gen // 2},{args.gen * 3 // 2}" if args.gen_spread else str(args.gen)
+        cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", gen]
         cmd += ["--vocab-size", str(args.vocab), "--seed", str(seed), "--no-progress", "--out", out]
         load = subprocess.Popen(
             cmd,
@@ -210,6 +214,13 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument(
+        "--gen-spread",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="output lengths uniform in [gen/2, 3 gen/2]: with one fixed length the closed loop's requests "
+        "start and end in waves, and a segment's speed depended on whether its waves stayed in step",
+    )
     p.add_argument("--pairs", type=int, default=6, help="paired off/on segments, order alternating")
     p.add_argument(
         "--arms",
@@ -292,6 +303,7 @@ def main() -> None:
         "seconds": args.seconds,
         "prompt": args.prompt,
         "gen": args.gen,
+        "gen_spread": args.gen_spread,
         "rows": rows,
         "pairs": args.pairs,
         "cpus": {
