@@ -204,3 +204,47 @@ def test_due_probe_writes_draft_kv_only_when_the_budget_affords_it():
     assert not scheduler.drafts_soon(ADAPTIVE, router.costs)
     probes.credit = PROBE_CREDIT_MAX
     assert scheduler.drafts_soon(ADAPTIVE, router.costs)
+
+
+class DraftKvPrefill(CostedLanes):
+    """A model draft whose KV costs a prefill DRAFT_SHARE of the target's: a prefill item carrying a
+    draft KV handle costs that much more (the lane writes both). Per item, as in-process lanes take
+    it, so the scheduler may leave draft KV out (lazy draft prefill)."""
+
+    DRAFT_SHARE = 1.0
+    per_item_draft_kv = True
+
+    def prefill(self, items):
+        self.now += 1e-3 * self.DRAFT_SHARE * sum(i.draft_kv is not None for i in items)
+        return super().prefill(items)
+
+
+def test_draft_kv_written_for_probes_is_charged_to_them():
+    """At zero acceptance a due probe makes each new batch's prefill write draft KV for the opening
+    probe; that KV (here as dear as the target's prefill: 16 plain steps a batch) is the probes'
+    expense, so the budget bounds it too. Uncharged, every batch paid it: ~+11 % over plain."""
+    lanes = DraftKvPrefill(0.0, verify_s=host_bound_verify_s, draft_s=lambda b, k, n: 0.0)
+    adaptive = run(lanes, ADAPTIVE, 16, 12)
+    plain = run(DraftKvPrefill(0.0, verify_s=host_bound_verify_s), RuntimeConfig(k_initial=0), 16, 12)
+    later = sum(adaptive[2:]) / sum(plain[2:])
+    plain_steps = sum(plain[2:]) / 1e-3
+    assert later <= 1 + PROBE_BUDGET + PROBE_CREDIT_MAX / plain_steps, later
+
+
+def test_a_batch_the_policy_drafts_gets_draft_kv_at_prefill():
+    """Acceptance 0.9 learnt, and the last batch ended at k = 0 (chat batches end with one or two
+    requests, where drafting may not pay): the next batch's prefill still writes draft KV, because
+    the policy drafts such a batch at that acceptance, so no drafting step catches a draft up on a
+    whole 64-token prompt (ordinary draft inputs: accepted + 1 <= 9)."""
+    lanes = DraftKvPrefill(0.9, verify_s=h200_like_verify_s, draft_s=h200_like_draft_s)
+    run(lanes, ADAPTIVE, 16, 1)
+    router = lanes.router  # type: ignore[attr-defined]
+    assert router.scheduler.lazy_draft_prefill
+    router.scheduler._drafting["batch"] = 0  # the previous batch's last decision (see the docstring)
+    assert router.scheduler.drafts_soon(ADAPTIVE, router.costs)
+    first = len(lanes.draft_calls)
+    run_more(lanes, 1)
+    later = lanes.draft_calls[first:]
+    assert later, "the policy drafts at acceptance 0.9"
+    catch_ups = [c for c in later if c.input_len > ADAPTIVE.k_max + 1]
+    assert not catch_ups, catch_ups

@@ -171,6 +171,11 @@ class ProbeSchedule:
         self.spent += extra
         self.charged += extra
 
+    def charge(self, extra: float) -> None:
+        """A probe's cost no step's wall time settles (the draft KV a prefill wrote for it)."""
+        self.credit -= extra
+        self.spent += extra
+
     def settle(self, measured: float) -> None:
         """After the step that ran the probes charged since the last settle: `measured`, that step's
         cost above a plain step (in plain steps, from its wall time), replaces what the estimate

@@ -219,6 +219,7 @@ class Router:
         for excluded in result.excluded:  # a prefill run before, after or beside decode
             seconds -= excluded
         ctx.scheduler.settle_probes(ctx.plan, ctx.costs, seconds)
+        ctx.scheduler.charge_probe_kv(ctx.costs, sum(result.excluded))
         if result.sample is not None:
             if result.cap_s is not None:
                 seconds = min(seconds, result.cap_s)

@@ -130,6 +130,7 @@ class Scheduler:
         # `_plan_decode` of the same requests instead of deciding again (one decision per step).
         self._decided: tuple[frozenset, int, dict] | None = None
         self.hold = ZeroHold()  # the k = 0 hold of the lock-step batch (router.zero_hold)
+        self._probe_kv = False  # a prefill planned since the last step wrote draft KV only for a probe
 
     @property
     def held_steps(self) -> int:
@@ -191,31 +192,58 @@ class Scheduler:
     def _mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
         """Lazy draft prefill: a chunk writes draft KV only while drafting is expected soon."""
         if self.lazy_draft_prefill and chunks:
-            soon = self.drafts_soon(config, costs)
+            reason = self._draft_kv_reason(config, costs)
             for chunk in chunks:  # draft KV stays contiguous: a chunk after a skipped one skips too
                 seq = chunk.seq
-                chunk.with_draft = soon and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
+                chunk.with_draft = reason is not None and seq.spec.max_k != 0 and seq.draft_computed == chunk.start
+            if reason == "probe" and any(c.with_draft for c in chunks):
+                self._probe_kv = True  # the probes pay for it (charge_probe_kv, after the step)
 
     def drafts_soon(self, config: RuntimeConfig, costs: StepCostModel) -> bool:
         """Whether a request prefilled now is expected to draft before long, so its prefill should
-        write draft KV too: drafting is fixed on (k_initial, or k_min > 0), or the policy has no
-        acceptance estimate yet (it drafts k_initial), or a batch or group is drafting now, or a
-        probe is due (probes draft only for requests whose draft KV is up to date: those just
-        prefilled). Otherwise the draft's prefill is work for a draft nobody may call: a batch that
-        stopped drafting at acceptance 0.1 paid it for every new prompt."""
+        write draft KV too (`_draft_kv_reason`). Otherwise the draft's prefill is work for a draft
+        nobody may call: a batch that stopped drafting at acceptance 0.1 paid it for every new prompt."""
+        return self._draft_kv_reason(config, costs) is not None
+
+    def _draft_kv_reason(self, config: RuntimeConfig, costs: StepCostModel) -> str | None:
+        """Why a prefill now writes draft KV. "draft": drafting is fixed on (k_initial, or k_min > 0),
+        or the policy has no acceptance estimate yet (it drafts k_initial), or a batch or group drafts
+        now, or the policy would draft a batch of the running and waiting requests at the engine-wide
+        acceptance (a new batch after one that ended at k = 0: an EAGLE head at 35 % acceptance
+        resumes at once, and without draft KV its first drafting step would catch up on whole
+        prompts). "probe": a probe is due and the budget affords an opening probe (probes draft only
+        for requests whose draft KV is up to date: those just prefilled); that KV is then the probes'
+        expense. None: no draft KV."""
         if config.k_max == 0:
-            return False
+            return None
         if not config.adaptive or config.k_min > 0:
-            return max(config.k_min, config.k_initial) > 0
-        if costs.acceptance.alpha is None:
-            return config.k_initial > 0
+            return "draft" if max(config.k_min, config.k_initial) > 0 else None
+        alpha = costs.acceptance.alpha
+        if alpha is None:
+            return "draft" if config.k_initial > 0 else None
         if any(k > 0 for k in self._drafting.values()):
-            return True
-        # A due probe needs fresh draft KV only if the budget can pay for an opening probe; else the
-        # draft's prefill is written for a probe that will not run (and `due` stays set meanwhile).
-        batch = max(len(self.running), 1)
+            return "draft"
+        batch = max(len(self.running) + len(self._waiting), 1)
+        if choose_batch_k(config, [alpha], costs, batch, config.k_max) > 0:
+            return "draft"
         k_open = max(opening_k(config, costs, batch, config.k_max), PROBE_K)
-        return self.probes.due and self.probes.affords(self._probe_extra(costs, batch, k_open))
+        if self.probes.due and self.probes.affords(self._probe_extra(costs, batch, k_open)):
+            return "probe"
+        return None
+
+    def charge_probe_kv(self, costs: StepCostModel, prefill_s: float) -> None:
+        """After a step: if its prefill wrote draft KV only for a probe (`_draft_kv_reason`), the
+        draft's share of that prefill is charged to the probes (ProbeSchedule.charge). The share is
+        a k = 1 step's cost above a plain one, in plain steps (about the draft's forward against the
+        target's). On the H200 a 12-layer self draft's KV for 16 chat prompts added ~7 plain steps to
+        each batch, and nothing charged it: probes cost 2-3 % of plain decoding at acceptance 0."""
+        if not self._probe_kv:
+            return
+        self._probe_kv = False
+        batch = max(len(self.running), 1)
+        plain = costs.step_s(batch, 0)
+        share = min(max(costs.step_s(batch, 1) / plain - 1.0, 0.0), 1.0)
+        self.probes.charge(prefill_s * share / plain)
 
     def settle_probes(self, plan: StepPlan | None, costs: StepCostModel, seconds: float) -> None:
         """After a step: if it probed, what it took above a plain step at its batch settles the

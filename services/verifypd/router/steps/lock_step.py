@@ -104,8 +104,8 @@ class LockStep:
                 exc.outputs = outputs
             raise
         sample = decoded.sample
-        if sample is None:
-            return StepResult(outputs)
+        if sample is None:  # nothing to learn; the prefill's time still tells the probes (charge_probe_kv)
+            return StepResult(outputs, excluded=(serial_prefill_s, decoded.beside_s))
         # Whole-step cost: planning, the lane calls, committing and the observer, without a prefill
         # that ran before or after decode. Host work per step is what a pipelined step (half the batch
         # verified) pays twice per token as often as a lock-step one. Nor the launch of a prefill beside
