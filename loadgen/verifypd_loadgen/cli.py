@@ -238,6 +238,13 @@ def run_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--connect-timeout", type=_arg(_positive(float), "timeout"), default=10.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--trace-ratio",
+        type=_arg(_fraction, "fraction"),
+        default=0.0,
+        help="share of requests sent with a sampled W3C traceparent of a new trace (gRPC metadata or "
+        "HTTP header): the server traces them whatever its own sample ratio (default 0)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="results JSON file")
     o.add_argument("--csv", help="CSV file, one row per load point")
@@ -343,6 +350,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         raw_records=args.raw_records,
         tls=tls,
         procs=n_procs,
+        trace_ratio=args.trace_ratio,
     )
     config = {
         "server": args.server or args.url,
@@ -378,6 +386,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "timeout_s": args.timeout,
         "drain_timeout_s": args.drain_timeout,
         "seed": args.seed,
+        "trace_ratio": args.trace_ratio,
         "procs": n_procs,
     }
     return plan, config

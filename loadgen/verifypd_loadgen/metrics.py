@@ -120,6 +120,7 @@ def records(point: PointResult) -> list[dict]:
                 "prompt_tokens": rec.prompt_tokens or rec.input_len,
                 "draft_tokens": rec.draft_tokens,
                 "accepted_tokens": rec.accepted_tokens,
+                "traceparent": rec.traceparent or None,
             }
         )
     return out

@@ -127,7 +127,8 @@ async def execute(backend: OpenAIBackend, spec: RequestSpec, rec: RequestRecord,
     resp = None
     try:
         async with asyncio.timeout(timeout):
-            resp = await backend.client.request("POST", path, payload, _JSON)
+            headers = {**_JSON, "traceparent": rec.traceparent} if rec.traceparent else _JSON
+            resp = await backend.client.request("POST", path, payload, headers)
             if resp.status != 200:
                 rec.error, rec.error_detail = f"HTTP_{resp.status}", _error_text(await resp.read())
                 return

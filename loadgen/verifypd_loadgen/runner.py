@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class RequestRecord:
     accepted_tokens: int = 0
     verify_steps: int = 0
     reported_output_tokens: int | None = None  # openai backend: usage.completion_tokens
+    traceparent: str = ""  # the W3C trace context sent with it (`--trace-ratio`); "": none
 
     @property
     def ok(self) -> bool:
@@ -107,7 +109,8 @@ async def execute(
     call = None
     rec.start = time.perf_counter()
     try:
-        call = stub.Generate(spec.to_proto(rec.request_id), timeout=timeout)
+        metadata = (("traceparent", rec.traceparent),) if rec.traceparent else None
+        call = stub.Generate(spec.to_proto(rec.request_id), timeout=timeout, metadata=metadata)
         async for msg in call:
             now = time.perf_counter()
             if msg.token_ids:
@@ -132,6 +135,11 @@ async def execute(
         rec.end = time.perf_counter()
 
 
+def new_traceparent(rng: random.Random) -> str:
+    """A sampled W3C `traceparent` (version 00, flags 01) of a new trace, rooted at the client."""
+    return f"00-{rng.getrandbits(128) or 1:032x}-{rng.getrandbits(64) or 1:016x}-01"
+
+
 class Runner:
     """Runs load points against one Generation stub (or another backend: `execute(stub, spec,
     rec, timeout)` sends one request); `on_record` is called per finished request."""
@@ -144,14 +152,22 @@ class Runner:
         on_record: Callable[[RequestRecord], None] | None = None,
         on_send: Callable[[], None] | None = None,
         execute: Callable[[Any, RequestSpec, RequestRecord, float], Awaitable[None]] = execute,
+        trace_ratio: float = 0.0,
+        seed: int = 0,
     ):
+        """`trace_ratio`: the share of requests sent with a sampled `traceparent` of a new trace
+        (chosen by a generator seeded with `seed`), so the server traces them whatever its own
+        sampling ratio; their trace ids are in the raw records."""
         self.stub, self.timeout, self.drain_timeout = stub, timeout, drain_timeout
+        self.trace_ratio, self._trace_rng = trace_ratio, random.Random(seed)
         self.execute = execute
         self.on_record = on_record or (lambda rec: None)
         self.on_send = on_send or (lambda: None)
 
     async def _one(self, spec: RequestSpec, rid: str, records: list[RequestRecord]) -> None:
         rec = RequestRecord(rid, spec.priority, spec.max_tokens, spec.input_len)
+        if self.trace_ratio and self._trace_rng.random() < self.trace_ratio:
+            rec.traceparent = new_traceparent(self._trace_rng)
         self.on_send()
         try:
             await self.execute(self.stub, spec, rec, self.timeout)

@@ -50,6 +50,7 @@ class Plan:
     # never repeat across processes, runs or loadgens sharing a server.
     run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     procs: int = 1  # --procs: client processes in all (procs.py); this one is proc_index
+    trace_ratio: float = 0.0  # --trace-ratio: the share of requests sent with a sampled traceparent
     proc_index: int = 0
 
 
@@ -100,6 +101,8 @@ async def execute_plan(
                 on_record=progress.on_record,
                 on_send=progress.on_send,
                 execute=ob.execute,
+                trace_ratio=plan.trace_ratio,
+                seed=procs.point_seed(plan.seed, plan.proc_index),
             )
             return (info, *await run_points(plan, runner, progress, before_point))
         finally:
@@ -109,7 +112,15 @@ async def execute_plan(
     async with grpc_channel(plan.server, plan.tls, aio=True) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await probe(stub, plan.server, plan.connect_timeout)
-        runner = Runner(stub, plan.timeout, plan.drain_timeout, on_record=progress.on_record, on_send=progress.on_send)
+        runner = Runner(
+            stub,
+            plan.timeout,
+            plan.drain_timeout,
+            on_record=progress.on_record,
+            on_send=progress.on_send,
+            trace_ratio=plan.trace_ratio,
+            seed=procs.point_seed(plan.seed, plan.proc_index),
+        )
         return (info, *await run_points(plan, runner, progress, before_point))
 
 
