@@ -20,6 +20,13 @@ from free memory, so the second is not starved by the first); the idle one waits
 On an H200 each start (GGUF load, graph capture) took ~50 s; they start together, then each
 segment costs `--seconds` + the loadgen's start and warm-up (~4 s): the defaults fit 5 minutes.
 
+One server (`--one-server`, default): both arms are segments of the same traced server (OTLP
+endpoint set, `--trace-sample-ratio 0`, so it samples no request of its own), and the loadgen's
+`--trace-ratio` makes the "on" segments' requests carry a sampled `traceparent` (every one traced
+through gateway, core and lanes) and the "off" ones none (the sampler's no at the gateway, nothing
+after it). Two servers, as before (`--no-one-server`), compared two processes that differed in
+more than tracing: their A/A control read ratios 0.76 to 1.34 on an H200.
+
 CPU placement (`--pin`, default on with 8 or more CPUs): the servers' process trees run on one half
 of this process's CPUs and the loadgens (and this process) on the other. Unpinned on an H200 host's
 16 CPUs, one untraced server's segments read 14,000 to 21,400 tok/s under the same load, ITL p50
@@ -96,13 +103,15 @@ def pinned(cpus: list[int] | None):
     return None if not cpus else functools.partial(os.sched_setaffinity, 0, cpus)
 
 
-def start_server(args, traced: bool, sink_port: int) -> tuple[subprocess.Popen, int, list[str], threading.Event]:
+def start_server(
+    args, traced: bool, sink_port: int, more: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, int, list[str], threading.Event]:
     port = free_port()
     extra = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}"} if traced else {}
     extra["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
     serve = [sys.executable, "-m", "verifypd.cli", "serve", "--port", str(port), "--http-port", "0"]
     serve += ["--target", args.target, "--draft", args.draft, "--device", args.device]
-    serve += ["--num-blocks", str(args.num_blocks)] + args.serve_args.split()
+    serve += ["--num-blocks", str(args.num_blocks), *more] + args.serve_args.split()
     proc = subprocess.Popen(
         serve, env=env_with_paths(extra), stderr=subprocess.PIPE, text=True, preexec_fn=pinned(args.server_cpus)
     )
@@ -165,6 +174,8 @@ def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
         gen = f"uniform:{args.gen // 2},{args.gen * 3 // 2}" if args.gen_spread else str(args.gen)
         cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", gen]
         cmd += ["--vocab-size", str(args.vocab), "--seed", str(seed), "--no-progress", "--out", out]
+        if args.one_server:  # the arm is the loadgen's: its requests carry a sampled traceparent or none
+            cmd += ["--trace-ratio", "1" if traced else "0"]
         load = subprocess.Popen(
             cmd,
             env=env_with_paths({}),
@@ -234,6 +245,14 @@ def main() -> None:
     p.add_argument("--ready-timeout", type=float, default=240.0, help="seconds for serve to start (smoke: 600)")
     p.add_argument("--py-spy", help="directory: py-spy profiles of each server's gateway and core, per segment")
     p.add_argument(
+        "--one-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one traced server with --trace-sample-ratio 0, its segments' requests sent with a sampled "
+        "traceparent (on) or none (off) by the loadgen's --trace-ratio; --no-one-server: two servers, "
+        "one traced, one not",
+    )
+    p.add_argument(
         "--pin",
         choices=("auto", "on", "off"),
         default="auto",
@@ -256,9 +275,13 @@ def main() -> None:
     rows, ratios = [], []
     servers = []
     try:
-        arms = [arm == "on" for arm in args.arms.split(",")]  # the servers' tracing, by slot
-        servers = [start_server(args, traced, sink_port) for traced in arms]
-        wait_ready(args, servers)
+        arms = [arm == "on" for arm in args.arms.split(",")]  # tracing by slot
+        if args.one_server:  # both slots are one traced server that samples no request of its own
+            one = start_server(args, True, sink_port, ("--trace-sample-ratio", "0"))
+            servers = [one, one]
+        else:
+            servers = [start_server(args, traced, sink_port) for traced in arms]
+        wait_ready(args, servers[:1] if args.one_server else servers)
         for i in range(args.pairs):
             pair = {}
             for slot in (0, 1) if i % 2 == 0 else (1, 0):
@@ -277,7 +300,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             ratios.append(pair[1] / pair[0] if pair[0] else 0.0)
     finally:
-        for proc, *_ in servers:
+        for proc, *_ in servers[:1] if args.one_server else servers:
             stop_server(proc)  # a traced server exports what it still holds as it stops
         time.sleep(1.0)
         spans_total = sink.spans()
@@ -296,7 +319,8 @@ def main() -> None:
         **metadata(),
         "what": "verifypd serve output tok/s with OTLP tracing off vs on (spans to an in-process sink), "
         "loadgen closed loop over gRPC" + ("; random weights" if args.target.startswith("random:") else ""),
-        "arms": args.arms,  # the two servers' tracing; "off,off" is the A/A control
+        "arms": args.arms,
+        "one_server": args.one_server,  # the two servers' tracing; "off,off" is the A/A control
         "target": args.target,
         "draft": args.draft,
         "concurrency": args.concurrency,

@@ -64,6 +64,13 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _share(text: str) -> float:
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise ValueError("must be in [0, 1]")
+    return v
+
+
 def _procs(text: str) -> int | str:
     if text == "auto":
         return text
@@ -240,7 +247,7 @@ def run_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument(
         "--trace-ratio",
-        type=_arg(_fraction, "fraction"),
+        type=_arg(_share, "share"),
         default=0.0,
         help="share of requests sent with a sampled W3C traceparent of a new trace (gRPC metadata or "
         "HTTP header): the server traces them whatever its own sample ratio (default 0)",

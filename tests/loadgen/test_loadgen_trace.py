@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
+
 from verifypd.v1 import generate_pb2
 from verifypd_loadgen import metrics
+from verifypd_loadgen.cli import main
 from verifypd_loadgen.runner import LoadPoint, Runner
 from verifypd_loadgen.workload import Workload
 
@@ -69,3 +72,10 @@ def test_no_traceparent_by_default_and_all_at_ratio_one():
     assert all(m is None for m in stub.metadata)
     stub, _ = run(1.0, n=50)
     assert all(m and TRACEPARENT.match(dict(m)["traceparent"]) for m in stub.metadata)
+
+
+def test_trace_ratio_outside_zero_to_one_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--server", "127.0.0.1:1", "--trace-ratio", "1.5"])
+    assert exc.value.code == 2
+    assert "--trace-ratio" in capsys.readouterr().err
