@@ -80,6 +80,20 @@ async def _ticker(progress: report.LiveProgress) -> None:
         await asyncio.sleep(0.25)
 
 
+def plan_runner(plan: Plan, progress: report.LiveProgress, stub, **kwargs) -> Runner:
+    """The plan's Runner over `stub` (a Generation stub, or the openai backend with its `execute`)."""
+    return Runner(
+        stub,
+        plan.timeout,
+        plan.drain_timeout,
+        on_record=progress.on_record,
+        on_send=progress.on_send,
+        trace_ratio=plan.trace_ratio,
+        seed=procs.point_seed(plan.seed, plan.proc_index),
+        **kwargs,
+    )
+
+
 async def execute_plan(
     plan: Plan, progress: report.LiveProgress, before_point: Callable[[], None] | None = None
 ) -> tuple[dict, dict, list[PointResult]]:
@@ -94,16 +108,7 @@ async def execute_plan(
         try:
             info = await ob.probe(client, plan.url, plan.model, plan.connect_timeout)
             backend = ob.OpenAIBackend(client, plan.url, plan.model, plan.openai_api)
-            runner = Runner(
-                backend,
-                plan.timeout,
-                plan.drain_timeout,
-                on_record=progress.on_record,
-                on_send=progress.on_send,
-                execute=ob.execute,
-                trace_ratio=plan.trace_ratio,
-                seed=procs.point_seed(plan.seed, plan.proc_index),
-            )
+            runner = plan_runner(plan, progress, backend, execute=ob.execute)
             return (info, *await run_points(plan, runner, progress, before_point))
         finally:
             await client.close()
@@ -112,15 +117,7 @@ async def execute_plan(
     async with grpc_channel(plan.server, plan.tls, aio=True) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await probe(stub, plan.server, plan.connect_timeout)
-        runner = Runner(
-            stub,
-            plan.timeout,
-            plan.drain_timeout,
-            on_record=progress.on_record,
-            on_send=progress.on_send,
-            trace_ratio=plan.trace_ratio,
-            seed=procs.point_seed(plan.seed, plan.proc_index),
-        )
+        runner = plan_runner(plan, progress, stub)
         return (info, *await run_points(plan, runner, progress, before_point))
 
 

@@ -7,11 +7,10 @@ target forward). SIMULATED acceptance 0, so that the policy turns drafting off w
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 from engine_cases import write_head
-from engine_helpers import costed_clock, make_engine
+from engine_helpers import costed_clock, count_calls, make_engine
 from test_router_overlap import drive, prompts
 
 from verifypd.domain.requests import RequestSpec
@@ -72,23 +71,6 @@ def test_eagle_k0_steps_chain_like_plain_decoding(tiny_models, head):
 POLICY_CALLS = frozenset({"_cheap_probe", "_probe_extra", "_opening_probes", "opening_k", "choose_batch_k", "step_s"})
 
 
-def _count_policy_calls(router, steps: int) -> dict[str, int]:
-    """Runs `steps` router steps, counting calls of POLICY_CALLS functions (by name) in them."""
-    counts: dict[str, int] = {}
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name in POLICY_CALLS:
-            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
-
-    sys.setprofile(profile)
-    try:
-        for _ in range(steps):
-            router.step()
-    finally:
-        sys.setprofile(None)
-    return counts
-
-
 @pytest.mark.parametrize("batch, mixed", [(4, False), (12, False), (12, True)])
 def test_held_k0_steps_do_no_per_request_policy_work(tiny_models, head, batch, mixed):
     """Once the batch is held at k = 0 (SIMULATED acceptance 0; past PROBE_FIRST steps, so a
@@ -107,7 +89,7 @@ def test_held_k0_steps_do_no_per_request_policy_work(tiny_models, head, batch, m
     scheduler = router.scheduler
     assert scheduler.probes.due and scheduler.probes.k_counts.get(0, 0) > PROBE_FIRST, vars(scheduler.probes)
     held_before, steps = scheduler.held_steps, 48
-    counts = _count_policy_calls(router, steps)
+    counts = count_calls(router, steps, POLICY_CALLS)
     assert scheduler.held_steps - held_before >= steps - 2, scheduler.held_steps
     assert not any(counts.get(name) for name in ("_cheap_probe", "_probe_extra", "_opening_probes")), counts
     rechecks = steps // RECHECK_OFF_EVERY + 1
@@ -174,7 +156,7 @@ def test_the_hold_lasts_while_requests_leave(tiny_models, head, draft, warm):
     scheduler = router.scheduler
     assert scheduler.held_steps > 0 and len(scheduler.running) == 12, (scheduler.held_steps, len(scheduler.running))
     held_before = scheduler.held_steps
-    counts = _count_policy_calls(router, window)
+    counts = count_calls(router, window, POLICY_CALLS)
     left = 12 - len(scheduler.running)
     assert left >= 7 and scheduler.running, left
     assert not any(counts.get(n) for n in ("_cheap_probe", "_probe_extra", "_opening_probes")), counts

@@ -6,32 +6,14 @@ decision stands for takes no decision. Output stays plain decoding's."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
-from engine_helpers import costed_clock, make_engine
+from engine_helpers import costed_clock, count_calls, make_engine
 from test_router_overlap import prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.router.draft_length import PROBE_CREDIT_MAX, PROBE_FIRST
 from verifypd.router.scheduler import RECHECK_OFF_EVERY
-
-
-def _count_calls(router, steps: int, names: frozenset[str]) -> dict[str, int]:
-    """Runs `steps` router steps, counting calls of the functions named `names` in them."""
-    counts: dict[str, int] = {}
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name in names:
-            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
-
-    sys.setprofile(profile)
-    try:
-        for _ in range(steps):
-            router.step()
-    finally:
-        sys.setprofile(None)
-    return counts
 
 
 def _start(engine, batch: int, max_tokens: int, tag: str):
@@ -56,7 +38,7 @@ def test_prompt_lookup_is_held_and_still_probes_when_due(tiny_models):
     # (the plain chain broken: ~1 plain step here) is charged in full (ProbeSchedule.settle).
     scheduler.probes.credit = PROBE_CREDIT_MAX
     probes_before, held_before, steps = scheduler.probes.probes, scheduler.held_steps, 200
-    counts = _count_calls(router, steps, frozenset({"_cheap_probe"}))
+    counts = count_calls(router, steps, frozenset({"_cheap_probe"}))
     probes = scheduler.probes
     assert probes.probes - probes_before >= 2, vars(probes)  # the hold stopped no probe
     held = scheduler.held_steps - held_before
@@ -86,7 +68,7 @@ def test_k_max_0_takes_no_k_decision(tiny_models, draft):
     router = _start(engine, 6, 60, "z")
     for _ in range(4):
         router.step()
-    counts = _count_calls(router, 30, frozenset({"choose_batch_k", "_off_signature", "measured"}))
+    counts = count_calls(router, 30, frozenset({"choose_batch_k", "_off_signature", "measured"}))
     assert not counts, counts
 
 
@@ -101,7 +83,7 @@ def test_a_held_step_takes_no_decision_between_rechecks(tiny_models):
         router.step()
     scheduler = router.scheduler
     held_before, steps = scheduler.held_steps, 64
-    counts = _count_calls(router, steps, frozenset({"measured", "_alphas", "choose_batch_k", "alpha"}))
+    counts = count_calls(router, steps, frozenset({"measured", "_alphas", "choose_batch_k", "alpha"}))
     assert scheduler.held_steps - held_before >= steps - 2, scheduler.held_steps
     rechecks = steps // RECHECK_OFF_EVERY + 1
     assert counts.get("choose_batch_k", 0) <= rechecks, counts

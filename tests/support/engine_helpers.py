@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 import torch
 
@@ -266,3 +267,20 @@ def costed_clock(router, verify_s=0.010, per_draft_s=0.002, draft_s=0.003, prefi
     costed(router.draft_lane, "draft", lambda items: draft_s * max((i.k for i in items), default=0))
     costed(router.prefill_lane, "prefill", lambda items: prefill_s)
     costed(router.prefill_lane, "prefill_start", lambda items: prefill_s)
+
+
+def count_calls(router, steps: int, names) -> dict[str, int]:
+    """Runs `steps` router steps, counting calls of the functions named in `names` (by name) in them."""
+    counts: dict[str, int] = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in names:
+            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(steps):
+            router.step()
+    finally:
+        sys.setprofile(None)
+    return counts
