@@ -155,6 +155,7 @@ class ProbeSchedule:
         self.credit = 0.0  # plain steps' worth of time probes may still spend (PROBE_BUDGET per plain step)
         self.spent = 0.0  # plain steps' worth spent on probes so far (tests, benchmarks)
         self.charged = 0.0  # estimates spent since the last `settle` (the probing step's)
+        self.unsettled = False  # a probe was paid for since the last `settle`
         self.decisions = self.drafting = self.probes = 0
         self.k_counts: dict[int, int] = {}  # batch k decisions by k (benchmarks read it)
 
@@ -167,9 +168,9 @@ class ProbeSchedule:
         return self.credit >= extra
 
     def spend(self, extra: float) -> None:
-        self.credit -= extra
-        self.spent += extra
+        self.charge(extra)
         self.charged += extra
+        self.unsettled = True
 
     def charge(self, extra: float) -> None:
         """A probe's cost no step's wall time settles (the draft KV a prefill wrote for it)."""
@@ -186,7 +187,7 @@ class ProbeSchedule:
         more = max(measured - self.charged, 0.0)
         self.credit -= more
         self.spent += more
-        self.charged = 0.0
+        self.charged, self.unsettled = 0.0, False
 
     def record(self, k: int, probed: bool) -> None:
         self.decisions += 1

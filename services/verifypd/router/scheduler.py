@@ -248,7 +248,9 @@ class Scheduler:
     def settle_probes(self, plan: StepPlan | None, costs: StepCostModel, seconds: float) -> None:
         """After a step: if it probed, what it took above a plain step at its batch settles the
         probes' charge (ProbeSchedule.settle)."""
-        if plan is None or not any(w.probe for w in plan.decode + plan.draft_ahead):
+        if plan is None or not self.probes.unsettled:  # (most steps: nothing to scan the plan for)
+            return
+        if not any(w.probe for w in plan.decode) and not any(w.probe for w in plan.draft_ahead):
             return
         batch = len(plan.decode) + len(plan.draft_ahead)
         self.probes.settle(seconds / costs.step_s(batch, 0) - 1.0)
