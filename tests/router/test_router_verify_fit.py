@@ -146,3 +146,25 @@ def test_sampled_requests_are_not_fitted(tiny_models, head):
     done = engine.generate(specs())
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
     assert engine.router.ahead.fitted == 0 and engine.router.draft_after.held > 0
+
+
+@pytest.mark.slow
+def test_a_quiet_prompt_lookup_lets_verify_calls_launch_ahead(tiny_models, head):
+    """`eagle+ngram:` with lookup's proposals rarely taken: most steps skip lookup and their verify
+    calls are fitted ahead, one step in CONSULT_EVERY still consults it; the tokens stay plain's."""
+    from verifypd.spec_decode.lookup_mix import CONSULT_EVERY
+
+    prompts = _prompts(6, seed=41)
+    plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
+    engine = _engine(tiny_models, "eagle+ngram:" + head.removeprefix("eagle:"), k=3)
+    lookup = engine.router.lookup
+    consulted = []
+    take = lookup.take
+    lookup.take = lambda work: consulted.append(len(work)) or take(work)
+    lookup.rate = 0.0  # quiet from the start (a fresh mix is loud until its rate falls)
+    done = engine.generate(_specs(prompts))
+    assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
+    fitted = engine.router.ahead.fitted
+    assert fitted > 0 and consulted, (fitted, consulted)
+    if lookup.rate < 0.05:  # quiet throughout: at most CONSULT_EVERY - 1 fitted steps per consult
+        assert fitted <= (CONSULT_EVERY - 1) * len(consulted)

@@ -40,4 +40,12 @@ class PromptLookup(Protocol):
 
     def take(self, work: Sequence[LookupWork]) -> dict[str, list[int]]: ...
 
+    def settle(self, request_id: str, took_lookup: bool, k: int, accepted: int, verified: Sequence[int]) -> None:
+        """A verify step of a request `take` saw: whether it verified lookup's proposal, its drafts
+        (k), how many were accepted and the tokens it verified (accepted + 1)."""
+
+    def may_skip(self) -> bool:
+        """May the next step verify the head's drafts without consulting lookup (a verify call
+        launched before the verdict lookup would need)? Counted as skipped when yes."""
+
     def forget(self, request_id: str) -> None: ...

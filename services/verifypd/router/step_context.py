@@ -445,6 +445,8 @@ class StepContext:
                 prior=prior,
             )
             seq.held_draft = None
+            if self.lookup is not None:
+                self.lookup.settle(seq.request_id, w.lookup, k, m, res.new_tokens)
             self.observer.on_verify(k, m)
             tokens, finish = append_tokens(
                 seq, res.new_tokens, self.eos, self.vocab_size, self.max_context, self.clock()

@@ -148,13 +148,13 @@ class SpeculateAhead:
         next verify call queued while the host commits this one. Requests without drafts decode at
         k = 0 in it, as they would join the next step. Only where that call is the one the next step
         would make: greedy, every running request in `items`, nothing waiting, target blocks for the
-        longest outcome free without preemption, no prompt lookup (its proposals need the host's tokens)."""
+        longest outcome free without preemption, and no prompt lookup to consult (its proposals need
+        the verdict's tokens on the host: only while lookup is quiet, PromptLookup.may_skip)."""
         lane = ctx.verify_lane
         if not (
             self.fit
             and self._chains(ctx)
             and launched.work
-            and ctx.lookup is None
             and fits_verdict(lane)
             and getattr(started, "verdict", None) is not None
             and all(i.sampling.greedy and plain_item(i) for i in items)
@@ -166,6 +166,7 @@ class SpeculateAhead:
                 for w, i in zip(work, items, strict=False)
                 if w.seq.status is SeqStatus.DECODING
             )
+            and (ctx.lookup is None or ctx.lookup.may_skip())  # last: a yes counts as a skipped step
         ):
             return
         drafted = {w.seq.request_id: w.k for w in launched.work}
