@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.join(ROOT, "services"))
 
 sys.path.insert(0, HERE)
 
+import interleaved_slots  # noqa: E402
 from bench_meta import metadata, write_result  # noqa: E402
 from otlp_sink import OtlpSink  # noqa: E402
 from proc_cpu import cpu_delta, tree, tree_cpu  # noqa: E402
@@ -209,6 +210,57 @@ def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
     }
 
 
+def run_interleaved(args, port: int) -> list[dict]:
+    """One loadgen closed loop for `--pairs` pairs of `--interleave` s slots, its requests traced in odd
+    slots (`--trace-alternate`); its raw records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        duration = (2 * args.pairs + 2) * args.interleave  # a partial slot at each end is dropped
+        cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
+        cmd += ["--concurrency", str(args.concurrency), "--duration", str(duration)]
+        cmd += ["--drain-timeout", str(args.drain), "--trace-alternate", str(args.interleave), "--raw-records"]
+        gen = f"uniform:{args.gen // 2},{args.gen * 3 // 2}" if args.gen_spread else str(args.gen)
+        cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", gen]
+        cmd += ["--vocab-size", str(args.vocab), "--seed", "1", "--no-progress", "--out", out]
+        load = subprocess.run(
+            cmd, env=env_with_paths({}), capture_output=True, text=True, preexec_fn=pinned(args.load_cpus),
+            timeout=duration + args.drain + 180,
+        )  # fmt: skip
+        if load.returncode != 0:
+            raise RuntimeError(f"loadgen failed: {load.stderr[-2000:]}")
+        return json.load(open(out))["runs"][0]["records"]
+
+
+def interleaved(args, sink: OtlpSink) -> dict:
+    """`--interleave S`: one server, one loadgen run alternating traced and untraced slots
+    (interleaved_slots.py). Arms off,on: the server traces (sample ratio 0: only the loadgen's
+    traced requests); off,off, the A/A control: the same run against a server with tracing off."""
+    traced = args.arms != "off,off"
+    server = start_server(args, traced, sink.port, ("--trace-sample-ratio", "0") if traced else ())
+    try:
+        wait_ready(args, [server])
+        before, cpu_before = sink.spans(), tree_cpu(server[0].pid)
+        records = run_interleaved(args, server[1])
+        cpu = cpu_delta(cpu_before, tree_cpu(server[0].pid))
+    finally:
+        stop_server(server[0])
+    time.sleep(1.0)
+    rates = interleaved_slots.slot_rates(records, args.guard)
+    ratios = interleaved_slots.paired_ratios(rates)
+    return {
+        "interleave_s": args.interleave,
+        "guard_s": args.guard,
+        "requests": len(records),
+        "traced_requests": sum(bool(r.get("traceparent")) for r in records),
+        "spans_received": sink.spans() - before,
+        "cpu_s": cpu,
+        "slot_rates": [[arm, round(rate, 1)] for arm, rate in rates],
+        "paired_ratios": [round(r, 4) for r in ratios],
+        "overhead": interleaved_slots.overhead(ratios),
+        "overhead_of_means": round(1 - statistics.mean(ratios), 4) if ratios else None,
+    }
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return round(sum(values) / len(values), 3) if values else None
@@ -258,6 +310,15 @@ def main() -> None:
         default="auto",
         help="servers and loadgens on separate halves of the CPUs (auto: with 8 or more CPUs)",
     )
+    p.add_argument(
+        "--interleave",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="one server and one loadgen run whose requests are traced in alternate slots of SECONDS "
+        "(--pairs pairs), each traced slot against the untraced one beside it (interleaved_slots.py)",
+    )
+    p.add_argument("--guard", type=float, default=0.5, help="--interleave: seconds skipped at each slot's start")
     p.add_argument("--smoke", action="store_true", help="CPU check: embedded model, c=4, 3 s, two pairs")
     p.add_argument("--out", help="directory for the JSON result")
     args = p.parse_args()
@@ -271,6 +332,31 @@ def main() -> None:
     if pin:
         os.sched_setaffinity(0, args.load_cpus)  # this process (and its OTLP sink) beside the loadgens
     sink = OtlpSink()
+    if args.interleave:
+        try:
+            found = interleaved(args, sink)
+        finally:
+            sink.stop()
+        result = {
+            **metadata(),
+            "what": "verifypd serve output tok/s in alternate slots of one loadgen closed loop over gRPC, "
+            "requests traced (spans to an in-process OTLP sink) in every other slot",
+            "arms": args.arms,
+            "target": args.target,
+            "draft": args.draft,
+            "concurrency": args.concurrency,
+            "prompt": args.prompt,
+            "gen": args.gen,
+            "gen_spread": args.gen_spread,
+            "pairs": args.pairs,
+            "cpus": {"servers": args.server_cpus, "loadgens": args.load_cpus},
+            **found,
+            "target_overhead": 0.02,
+        }
+        print(json.dumps({k: result[k] for k in ("paired_ratios", "overhead", "overhead_of_means")}))
+        control = "" if args.arms == "off,on" else "_control_" + args.arms.replace(",", "_")
+        write_result(args.out, f"tracing_overhead_interleaved{control}", result)
+        return
     sink_port = sink.port
     rows, ratios = [], []
     servers = []

@@ -252,6 +252,15 @@ def run_parser() -> argparse.ArgumentParser:
         help="share of requests sent with a sampled W3C traceparent of a new trace (gRPC metadata or "
         "HTTP header): the server traces them whatever its own sample ratio (default 0)",
     )
+    s.add_argument(
+        "--trace-alternate",
+        type=_arg(_positive(float), "seconds"),
+        default=None,
+        metavar="SECONDS",
+        help="instead of --trace-ratio: trace every request started in odd slots of SECONDS (all client "
+        "processes switch together) and none in even ones; the raw records' traceparent says which, "
+        "for an A/B of tracing's cost in one run (bench/serving/tracing_overhead.py --interleave)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", help="results JSON file")
     o.add_argument("--csv", help="CSV file, one row per load point")
@@ -281,6 +290,8 @@ def build_plan(args, parser, argv: list[str] | None = None):
         parser.error("--max-concurrency applies to open loop (--rate)")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    if args.trace_alternate is not None and args.trace_ratio:
+        parser.error("--trace-alternate and --trace-ratio both choose which requests are traced: give one")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
     lo, hi = args.vocab_range
@@ -358,6 +369,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         tls=tls,
         procs=n_procs,
         trace_ratio=args.trace_ratio,
+        trace_slot_s=args.trace_alternate,
     )
     config = {
         "server": args.server or args.url,
@@ -394,6 +406,7 @@ def build_plan(args, parser, argv: list[str] | None = None):
         "drain_timeout_s": args.drain_timeout,
         "seed": args.seed,
         "trace_ratio": args.trace_ratio,
+        "trace_alternate_s": args.trace_alternate,
         "procs": n_procs,
     }
     return plan, config

@@ -154,19 +154,27 @@ class Runner:
         execute: Callable[[Any, RequestSpec, RequestRecord, float], Awaitable[None]] = execute,
         trace_ratio: float = 0.0,
         seed: int = 0,
+        trace_slot_s: float | None = None,
     ):
         """`trace_ratio`: the share of requests sent with a sampled `traceparent` of a new trace
         (chosen by a generator seeded with `seed`), so the server traces them whatever its own
-        sampling ratio; their trace ids are in the raw records."""
+        sampling ratio; their trace ids are in the raw records. `trace_slot_s`: instead, every
+        request started in an odd slot of that many seconds of the host's monotonic clock (shared by
+        all client processes, so they switch together) is traced, and none in an even one: an A/B of
+        tracing's cost in one run, each traced slot beside untraced ones."""
         self.stub, self.timeout, self.drain_timeout = stub, timeout, drain_timeout
         self.trace_ratio, self._trace_rng = trace_ratio, random.Random(seed)
+        self.trace_slot_s = trace_slot_s
         self.execute = execute
         self.on_record = on_record or (lambda rec: None)
         self.on_send = on_send or (lambda: None)
 
     async def _one(self, spec: RequestSpec, rid: str, records: list[RequestRecord]) -> None:
         rec = RequestRecord(rid, spec.priority, spec.max_tokens, spec.input_len)
-        if self.trace_ratio and self._trace_rng.random() < self.trace_ratio:
+        if self.trace_slot_s is not None:
+            if int(time.perf_counter() / self.trace_slot_s) % 2:
+                rec.traceparent = new_traceparent(self._trace_rng)
+        elif self.trace_ratio and self._trace_rng.random() < self.trace_ratio:
             rec.traceparent = new_traceparent(self._trace_rng)
         self.on_send()
         try:

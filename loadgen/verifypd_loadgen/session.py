@@ -51,6 +51,7 @@ class Plan:
     run_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     procs: int = 1  # --procs: client processes in all (procs.py); this one is proc_index
     trace_ratio: float = 0.0  # --trace-ratio: the share of requests sent with a sampled traceparent
+    trace_slot_s: float | None = None  # --trace-alternate: traced in odd slots of this many seconds
     proc_index: int = 0
 
 
@@ -89,6 +90,7 @@ def plan_runner(plan: Plan, progress: report.LiveProgress, stub, **kwargs) -> Ru
         on_record=progress.on_record,
         on_send=progress.on_send,
         trace_ratio=plan.trace_ratio,
+        trace_slot_s=plan.trace_slot_s,
         seed=procs.point_seed(plan.seed, plan.proc_index),
         **kwargs,
     )

@@ -79,3 +79,35 @@ def test_trace_ratio_outside_zero_to_one_is_refused_naming_the_flag(capsys):
         main(["run", "--server", "127.0.0.1:1", "--trace-ratio", "1.5"])
     assert exc.value.code == 2
     assert "--trace-ratio" in capsys.readouterr().err
+
+
+def test_trace_alternate_traces_the_requests_started_in_odd_slots(monkeypatch):
+    """`--trace-alternate S`: the slot of the shared monotonic clock a request starts in decides."""
+    import verifypd_loadgen.runner as runner_module
+
+    clock = iter(i * 0.25 for i in range(10_000))  # each read a quarter second on: slots of 1 s
+    starts: list[float] = []
+
+    def perf_counter() -> float:
+        t = next(clock)
+        starts.append(t)
+        return t
+
+    monkeypatch.setattr(runner_module.time, "perf_counter", perf_counter)
+    stub = Stub()
+    runner = Runner(stub, timeout=5.0, drain_timeout=1.0, trace_slot_s=1.0)
+    point = asyncio.run(
+        runner.run(LoadPoint("closed", concurrency=1), Workload(seed=0).requests(stream=1), 40, None, "t")
+    )
+    traced = [r.traceparent != "" for r in sorted(point.records, key=lambda r: r.start)]
+    assert any(traced) and not all(traced)
+    # The decision is read at each request's send, before execute stamps its start: its slot's parity.
+    decided = [bool(int((r.start - 0.25) / 1.0) % 2) for r in sorted(point.records, key=lambda r: r.start)]
+    assert traced == decided
+
+
+def test_trace_alternate_with_trace_ratio_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--server", "127.0.0.1:1", "--trace-alternate", "2", "--trace-ratio", "0.5"])
+    assert exc.value.code == 2
+    assert "--trace-alternate" in capsys.readouterr().err
