@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "services
 from draft_acceptance import load_prompts, make_engine
 from engine_throughput import git_revision
 
-import verifypd.router.scheduler as scheduler_module
+import verifypd.router.k_decision as k_decision_module
 from verifypd.domain.heap import freeze_startup_heap, thaw_heap
 from verifypd.domain.requests import RequestSpec
 from verifypd.domain.tokenizer import TextCodec
@@ -39,7 +39,7 @@ from verifypd.router.step_context import StepContext
 def traced_run(engine, specs: list[RequestSpec]) -> list[dict]:
     steps: list[dict] = []
     current: dict = {}
-    original_choose = scheduler_module.choose_batch_k
+    original_choose = k_decision_module.choose_batch_k
     original_record = StepContext.record_cost
     original_call_draft = StepContext.call_draft
     observer = engine.router.context.observer
@@ -74,7 +74,7 @@ def traced_run(engine, specs: list[RequestSpec]) -> list[dict]:
         current.setdefault("lanes", []).append([lane, round(seconds * 1e3, 3), batch])
         return original_lane_step(lane, seconds, batch)
 
-    scheduler_module.choose_batch_k = choose
+    k_decision_module.choose_batch_k = choose
     StepContext.record_cost = record  # type: ignore[method-assign]
     StepContext.call_draft = call_draft  # type: ignore[method-assign]
     observer.on_lane_step = lane_step
@@ -88,7 +88,7 @@ def traced_run(engine, specs: list[RequestSpec]) -> list[dict]:
             wall = time.perf_counter() - t0
             steps.append({**current, "wall_ms": round(wall * 1e3, 3), "tokens": sum(len(o.token_ids) for o in outs)})
     finally:
-        scheduler_module.choose_batch_k = original_choose
+        k_decision_module.choose_batch_k = original_choose
         StepContext.record_cost = original_record  # type: ignore[method-assign]
         StepContext.call_draft = original_call_draft  # type: ignore[method-assign]
         observer.on_lane_step = original_lane_step

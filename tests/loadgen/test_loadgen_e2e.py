@@ -163,7 +163,7 @@ def test_json_schema_is_stable(fake, loadgen, tmp_path):
         )
         assert rc == 0, err
         doc = _load(out)
-        assert doc["schema_version"] == SCHEMA_VERSION == 4
+        assert doc["schema_version"] == SCHEMA_VERSION == 5
         assert schema.key_paths(doc) == expected
         assert doc["server_info"]["status"] == ("OK" if server_info else "UNIMPLEMENTED")
         assert doc["config"]["concurrency"] == [1, 2] and doc["config"]["server"] == addr

@@ -160,7 +160,7 @@ def test_measuring_plain_decoding_does_not_switch_a_drafting_batch_off():
     costs.observe_step(2, 1, 1.5 / 1.05 * 10e-3)  # k = 1: 5 % more goodput than a 10 ms plain step
     for k in range(2, 5):
         costs.observe_step(2, k, 30e-3)
-    s._drafting["batch"] = 1  # the batch was drafting (at another batch size)
+    s.k.drafting["batch"] = 1  # the batch was drafting (at another batch size)
     assert [w.k for w in s.plan(config, costs).decode] == [0, 0]  # plain decoding measured first
     observe_plain(costs, 2, 10e-3)
     assert [w.k for w in s.plan(config, costs).decode] == [1, 1]
@@ -230,7 +230,7 @@ def test_probes_draft_k1_only_where_no_catch_up_is_needed(pooled):
     plan = s.plan(config, costs)
     ks = {w.seq.request_id: (w.k, w.probe) for w in plan.decode}
     assert ks == ({"fresh": (1, True), "behind": (0, False)} if pooled else {"fresh": (1, True), "behind": (1, True)})
-    assert s.probes.probes == 1 and s._last_k["batch"] == 0  # a probe is not the batch's k
+    assert s.probes.probes == 1 and s.k.last_k["batch"] == 0  # a probe is not the batch's k
 
 
 def test_a_probe_of_part_of_the_batch_is_not_a_cost_sample():
@@ -356,24 +356,24 @@ def test_policy_off_is_rechecked_rarely_not_every_step(monkeypatch):
     steps unless acceptance, the batch or the config changed (its evaluation was host time the GPU
     waited for, every step: alpha 0.1 ran at 0.93 x k = 0 at batch 64 on an H200). The decisions,
     and the speed-up, are those of the test above."""
-    import verifypd.router.scheduler as scheduler_module
+    import verifypd.router.k_decision as k_decision_module
 
     calls = []
-    real = scheduler_module.choose_batch_k
+    real = k_decision_module.choose_batch_k
 
     def counted(config, *args, **kwargs):
         if config.adaptive:  # not the plain-decoding run it is compared with
             calls.append(kwargs.get("current"))
         return real(config, *args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module, "choose_batch_k", counted)
+    monkeypatch.setattr(k_decision_module, "choose_batch_k", counted)
     speedup, lanes, router = speedup_over_plain(0.1, 16, ROUNDS)
     probes = router.scheduler.probes
     assert speedup >= 0.98
     assert probes.drafting <= 0.05 * probes.decisions
     # Every step with k = 0 and nothing new: one evaluation per RECHECK_OFF_EVERY steps, plus those
     # the batch changed for (requests finishing at different steps, new rounds).
-    assert len(calls) <= probes.decisions / scheduler_module.RECHECK_OFF_EVERY + 60, (len(calls), probes.decisions)
+    assert len(calls) <= probes.decisions / k_decision_module.RECHECK_OFF_EVERY + 60, (len(calls), probes.decisions)
     assert len(calls) < probes.decisions / 2
 
 
@@ -420,7 +420,7 @@ def test_a_request_that_drafts_well_drafts_after_requests_that_did_not(lane_args
     (0.1), one at a time: the engine-wide acceptance the first ones left is low, and without an
     opening probe each new request started at k = 0 from it and was rarely probed (periodic probes,
     k = 1, backing off): the good family ran at plain speed. Each request's first step now drafts
-    k_initial (Scheduler._opening_probes), so the good family gains, and the bad one still costs
+    k_initial (KDecision._opening_probes), so the good family gains, and the bad one still costs
     nothing."""
     alphas = {"bad": 0.1, "good": 0.8}
     plain = family_seconds(RuntimeConfig(k_initial=0, adaptive=False), ["bad", "good"], alphas, **lane_args)

@@ -15,7 +15,7 @@ from test_router_overlap import drive, prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.router.draft_length import PROBE_FIRST
-from verifypd.router.scheduler import RECHECK_OFF_EVERY
+from verifypd.router.k_decision import RECHECK_OFF_EVERY
 
 
 @pytest.fixture(scope="module")

@@ -240,7 +240,7 @@ def test_a_batch_the_policy_drafts_gets_draft_kv_at_prefill():
     run(lanes, ADAPTIVE, 16, 1)
     router = lanes.router  # type: ignore[attr-defined]
     assert router.scheduler.lazy_draft_prefill
-    router.scheduler._drafting["batch"] = 0  # the previous batch's last decision (see the docstring)
+    router.scheduler.k.drafting["batch"] = 0  # the previous batch's last decision (see the docstring)
     assert router.scheduler.drafts_soon(ADAPTIVE, router.costs)
     first = len(lanes.draft_calls)
     run_more(lanes, 1)

@@ -211,7 +211,7 @@ def test_pdv_pipelines_only_where_it_measures_faster():
         fast.observe_step(8, k, 7e-3 + 2.5e-3 * k)
         fast.observe_pipelined(4, k, 7e-3)
     observe_plain(fast, 8, 7e-3)
-    s._pipelining = None
+    s.k.pipelining = None
     plan = s.plan(config, fast)
     assert plan.pipelined and plan.draft_ahead
 

@@ -99,10 +99,10 @@ def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, p
     import itertools
 
     from verifypd.lanes.local import DeviceDraftTokens
-    from verifypd.router import scheduler as scheduler_module
+    from verifypd.router import k_decision as k_decision_module
 
     choices = itertools.cycle([True, True, False, True, False, False, True])
-    monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))
+    monkeypatch.setattr(k_decision_module, "pipelining_pays", lambda *args: next(choices))
     engine = make_engine(*tiny_models, k=3)
     verify_lane = engine.router.verify_lane
     sources: list[set] = []

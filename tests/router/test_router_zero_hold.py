@@ -13,7 +13,7 @@ from test_router_overlap import prompts
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.router.draft_length import PROBE_CREDIT_MAX, PROBE_FIRST
-from verifypd.router.scheduler import RECHECK_OFF_EVERY
+from verifypd.router.k_decision import RECHECK_OFF_EVERY
 
 
 def _start(engine, batch: int, max_tokens: int, tag: str):
@@ -75,7 +75,7 @@ def test_k_max_0_takes_no_k_decision(tiny_models, draft):
 def test_a_held_step_takes_no_decision_between_rechecks(tiny_models):
     """Held (a model draft at SIMULATED acceptance 0, its draft KV lagging), with no request joining
     or leaving: only the periodic recheck decides again; every other step just records k 0 (no
-    measured-cost lookup, no alphas: `_batch_k` took both in every step before). Its plain verdicts
+    measured-cost lookup, no alphas: `KDecision.batch_k` took both in every step before). Its plain verdicts
     read the engine-wide acceptance estimate once a step, not once a request (they change none)."""
     engine = make_engine(tiny_models[0], "self:1", k=2, adaptive=True, num_blocks=512, simulated_acceptance=0.0)
     router = _start(engine, 8, 140, "s")

@@ -217,11 +217,11 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
     from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
     from verifypd.lanes.rpc.lane_client import wire_pools
-    from verifypd.router import scheduler as scheduler_module
+    from verifypd.router import k_decision as k_decision_module
     from verifypd.router.router import Router
 
     choices = itertools.cycle([True, True, False, True, False, False, True])
-    monkeypatch.setattr(scheduler_module, "pipelining_pays", lambda *args: next(choices))
+    monkeypatch.setattr(k_decision_module, "pipelining_pays", lambda *args: next(choices))
     options = engine_options(*tiny_models)
     clients = connect_lanes(lanes.addrs, secret=lanes.secret)
     wire_pools(*clients, kv_transport="handle")

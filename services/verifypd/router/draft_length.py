@@ -47,7 +47,7 @@ def cap_k(config: RuntimeConfig, k: int, request_max_k: int | None, remaining_to
     return max(min(config.k_min, hi), min(k, hi))
 
 
-# An opening probe (Scheduler._opening_probes) may cost at most this many plain steps above a plain
+# An opening probe (KDecision._opening_probes) may cost at most this many plain steps above a plain
 # step, by the measured costs: at k = 8 an EAGLE head at 13 % acceptance spent ~3 plain steps on each
 # new batch's opening at batch 16 (H100, embedded model), most of what it lost to plain decoding.
 OPENING_MAX_EXTRA = 1.0

@@ -73,7 +73,7 @@ class Sequence:
     proposal_rate: float | None = None
     last_k: int = 0
     # The scheduler has decided this request's k once (its first decode step: the one chance of an
-    # opening probe, Scheduler._opening_probes).
+    # opening probe, KDecision._opening_probes).
     opened: bool = False
     # pdv pipelining (see Scheduler._plan_pipelined): the group (0 / 1) this request decodes in,
     # None until it first decodes; drafts held between the step that made them and the next one.

@@ -1,4 +1,4 @@
-"""The k = 0 hold of the lock-step batch (Scheduler._batch_k; docs/engine.md "The k = 0 hold").
+"""The k = 0 hold of the lock-step batch (KDecision.batch_k; docs/engine.md "The k = 0 hold").
 Torch-free.
 
 Once the batch is decided off (k 0) with no request a probe could take now, its plain steps skip the
