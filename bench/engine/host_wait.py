@@ -31,7 +31,7 @@ from bench_meta import metadata
 
 from verifypd.domain.requests import RequestSpec
 from verifypd.domain.tokenizer import TextCodec
-from verifypd.lanes import local
+from verifypd.lanes import device_values
 from verifypd.model.loader import load_model
 
 
@@ -40,7 +40,7 @@ class WaitClock:
 
     def __init__(self):
         self.seconds, self.waits = 0.0, 0
-        original = local.HostCopy.result
+        original = device_values.HostCopy.result
         clock = self
 
         def timed(copy):
@@ -51,7 +51,7 @@ class WaitClock:
             clock.waits += 1
             return original(copy)
 
-        local.HostCopy.result = timed
+        device_values.HostCopy.result = timed
 
 
 class CallClocks:

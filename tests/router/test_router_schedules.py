@@ -98,7 +98,7 @@ def test_switching_between_pipelined_and_lock_step_stays_lossless(tiny_models, p
     call's proposals over in one device slot: a mixed call fails there)."""
     import itertools
 
-    from verifypd.lanes.local import DeviceDraftTokens
+    from verifypd.lanes.device_values import DeviceDraftTokens
     from verifypd.router import k_decision as k_decision_module
 
     choices = itertools.cycle([True, True, False, True, False, False, True])

@@ -11,7 +11,7 @@ from engine_helpers import make_engine
 
 from verifypd.domain.lanes import KvHandle, VerifyItem
 from verifypd.domain.requests import RequestSpec, RequestStats, SamplingParams
-from verifypd.lanes.local import DeviceDraftTokens, DraftBatch
+from verifypd.lanes.device_values import DeviceDraftTokens, DraftBatch
 from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import Sequence
 from verifypd.spec_decode.lookup_mix import LookupMix
@@ -118,7 +118,7 @@ def test_verify_gathers_host_drafts_beside_device_rows():
     kv = KvHandle("t", 1, (0,), 1, 1)
     item = lambda drafts: VerifyItem("r", 1, 0, drafts, kv, SamplingParams())  # noqa: E731
     items = [item(DeviceDraftTokens(batch, 1, 3)), item([7, 8]), item([]), item(DeviceDraftTokens(batch, 0, 2))]
-    from verifypd.lanes.local import device_drafts
+    from verifypd.lanes.device_values import device_drafts
 
     assert device_drafts(items) is batch
     assert batch.gather(items, 3).tolist() == [[21, 22, 23], [7, 8, 0], [0, 0, 0], [11, 12, 13]]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from verifypd.domain.requests import MAX_K
-from verifypd.lanes.local import DraftBatch
+from verifypd.lanes.device_values import DraftBatch
 from verifypd.lanes.rpc import cuda_ipc
 from verifypd.lanes.rpc.kv_transport import host_boot_id
 from verifypd.v1 import lanes_pb2
