@@ -162,6 +162,16 @@ def start_profiles(args, server_pid: int, tag: str) -> list[subprocess.Popen]:
     return procs
 
 
+def loadgen_cmd(args, port: int, duration: float, seed: int, out: str) -> list[str]:
+    """The loadgen closed loop both methods run against the server on `port` (results JSON to `out`)."""
+    cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
+    cmd += ["--concurrency", str(args.concurrency), "--duration", str(duration)]
+    cmd += ["--drain-timeout", str(args.drain)]
+    gen = f"uniform:{args.gen // 2},{args.gen * 3 // 2}" if args.gen_spread else str(args.gen)
+    cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", gen]
+    return cmd + ["--vocab-size", str(args.vocab), "--seed", str(seed), "--no-progress", "--out", out]
+
+
 def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
     """One loadgen closed loop against the server on `port`; `profile()` is called 3 s into the load
     (after the warm-up) and returns processes to wait for. `seed`: the loadgen's prompts; a pair's two
@@ -169,12 +179,7 @@ def run_segment(args, traced: bool, port: int, seed: int, profile=None) -> dict:
     segments could hit its prefix cache; segments of one server then read up to 50 % apart)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
-        cmd += ["--concurrency", str(args.concurrency), "--duration", str(args.seconds)]
-        cmd += ["--drain-timeout", str(args.drain)]
-        gen = f"uniform:{args.gen // 2},{args.gen * 3 // 2}" if args.gen_spread else str(args.gen)
-        cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", gen]
-        cmd += ["--vocab-size", str(args.vocab), "--seed", str(seed), "--no-progress", "--out", out]
+        cmd = loadgen_cmd(args, port, args.seconds, seed, out)
         if args.one_server:  # the arm is the loadgen's: its requests carry a sampled traceparent or none
             cmd += ["--trace-ratio", "1" if traced else "0"]
         load = subprocess.Popen(
@@ -216,12 +221,7 @@ def run_interleaved(args, port: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         duration = (2 * args.pairs + 2) * args.interleave  # a partial slot at each end is dropped
-        cmd = [sys.executable, "-m", "verifypd_loadgen", "--server", f"127.0.0.1:{port}"]
-        cmd += ["--concurrency", str(args.concurrency), "--duration", str(duration)]
-        cmd += ["--drain-timeout", str(args.drain), "--trace-alternate", str(args.interleave), "--raw-records"]
-        gen = f"uniform:{args.gen // 2},{args.gen * 3 // 2}" if args.gen_spread else str(args.gen)
-        cmd += ["--warmup", str(args.concurrency), "--input-len", str(args.prompt), "--output-len", gen]
-        cmd += ["--vocab-size", str(args.vocab), "--seed", "1", "--no-progress", "--out", out]
+        cmd = loadgen_cmd(args, port, duration, 1, out) + ["--trace-alternate", str(args.interleave), "--raw-records"]
         load = subprocess.run(
             cmd, env=env_with_paths({}), capture_output=True, text=True, preexec_fn=pinned(args.load_cpus),
             timeout=duration + args.drain + 180,
