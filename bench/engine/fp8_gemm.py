@@ -83,9 +83,9 @@ def main() -> int:
                 n=n,
                 k=k,
                 tokens=m,
-                bf16_us=time_it(lambda w: F.linear(x, w), plain),
-                fp8_quantized_us=time_it(lambda w: quantized_product(x, w), fp8),
-                fp8_weight_only_us=time_it(lambda w: fp8_weight_gemm(x, w.weight, w.scale), fp8),
+                bf16_us=time_it(lambda w, x=x: F.linear(x, w), plain),
+                fp8_quantized_us=time_it(lambda w, x=x: quantized_product(x, w), fp8),
+                fp8_weight_only_us=time_it(lambda w, x=x: fp8_weight_gemm(x, w.weight, w.scale), fp8),
                 table_config=config(m, n),
             )
             for key, nbytes in (("bf16", 2 * n * k), ("fp8_weight_only", n * k)):
@@ -94,7 +94,9 @@ def main() -> int:
             if m in sweep:
                 timings = {}
                 for launch in candidates(m):
-                    timings[str(launch)] = time_it(lambda w: fp8_weight_gemm(x, w.weight, w.scale, launch=launch), fp8)
+                    timings[str(launch)] = time_it(
+                        lambda w, x=x, launch=launch: fp8_weight_gemm(x, w.weight, w.scale, launch=launch), fp8
+                    )
                 row["sweep_us"] = dict(sorted(timings.items(), key=lambda kv: kv[1])[:5])
                 best[f"{proj} m={m}"] = min(timings.items(), key=lambda kv: kv[1])
             rows.append({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
