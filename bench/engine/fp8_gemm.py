@@ -1,12 +1,13 @@
 """One projection of a decode / verify step, M tokens, three ways, in the same run: bf16 `F.linear`
-(cuBLAS), the fp8 quantized product (per-token activation quantization + `torch._scaled_mm`), and the
-weight-only fp8 kernel (model.kernels.fp8_gemm) with its launch table and with each candidate
-launch configuration (the sweep that sets the table and model.fp8.WEIGHT_ONLY_TOKENS).
+(cuBLAS), the fp8 product as quantize_rows + `torch._scaled_mm`, and the fused quantize + GEMV
+kernel (model.kernels.fp8_gemm, M <= its MAX_TOKENS) with its launch table and with each candidate
+launch configuration (the sweep that sets the table).
 
 RANDOM WEIGHTS with a real model's projection shapes (default Llama-2-7B: qkv, o, gate_up, down).
 Each timing replays one CUDA graph of `--calls` products, each on its own copy of the weight (more
 bytes than the L2 holds, as a step's layers are), timed with CUDA events. `weight_gb_s` is the
 weight bytes read per second; `of_copy` that over the measured device-to-device copy bandwidth.
+`fp8_gemv_us` is what model.fp8.linear runs at M <= 8; `fp8_scaled_mm_us` what it runs above.
 
     python bench/engine/fp8_gemm.py --out bench/results/fp8_gemm_h200.json
 """
@@ -27,8 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_meta import metadata
 from fp8_throughput import copy_bandwidth, timed_ms
 
-from verifypd.model.fp8 import quantize_weight, quantized_product
-from verifypd.model.kernels.fp8_gemm import CONFIGS, config, fp8_weight_gemm
+from verifypd.model.fp8 import FP8_MAX, MIN_AMAX, Fp8Weight, quantize_weight
+from verifypd.model.kernels.fp8_gemm import CONFIGS, MAX_TOKENS, config, fp8_gemv
+from verifypd.model.kernels.fp8_quant import quantize_rows
 from verifypd.model.loader import RANDOM_SHAPES
 
 
@@ -45,20 +47,27 @@ def projections(name: str) -> dict[str, tuple[int, int]]:
     }
 
 
+def scaled_mm_product(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """model.fp8.linear's path above 8 tokens: quantize_rows, then `_scaled_mm`."""
+    q, s = quantize_rows(x, None, FP8_MAX, MIN_AMAX)
+    return torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w.scale.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def gemv(x: torch.Tensor, w: Fp8Weight, launch=None) -> torch.Tensor:
+    return fp8_gemv(x, w.weight, w.scale, None, FP8_MAX, MIN_AMAX, launch=launch)
+
+
 def candidates(m: int) -> list[tuple[int, int, int, int, int]]:
-    """Launch configurations worth trying at M tokens: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
-    block_ms = [16] if m <= 16 else ([32] if m <= 32 else [32, 64] if m <= 64 else [64])
-    block_ns = [16, 32, 64] if m <= 16 else [32, 64] if m <= 64 else [64, 128]
-    block_ks = [256, 512] if m <= 16 else [128, 256] if m <= 64 else [64, 128]
-    shapes = [(4, 4), (8, 3)]
-    return [(bm, bn, bk, w, st) for bm, bn, bk, (w, st) in itertools.product(block_ms, block_ns, block_ks, shapes)]
+    """Launch configurations worth trying at M tokens: (ROWS, BLOCK_N, BLOCK_K, warps, stages)."""
+    rows = 1 << (m - 1).bit_length()
+    return [(rows, bn, bk, w, st) for bn, bk, (w, st) in itertools.product([8, 16, 32], [256, 512], [(4, 3), (8, 3)])]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-2-7b", help="a random: shape (model.loader.RANDOM_SHAPES)")
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,96,128")
-    ap.add_argument("--sweep-tokens", default="1,16,32,64,128", help="M values that also try every candidate")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64,128")
+    ap.add_argument("--sweep-tokens", default="1,4,8", help="M values that also try every candidate")
     ap.add_argument("--calls", type=int, default=16, help="products per graph, each on its own weight copy")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -84,19 +93,20 @@ def main() -> int:
                 k=k,
                 tokens=m,
                 bf16_us=time_it(lambda w, x=x: F.linear(x, w), plain),
-                fp8_quantized_us=time_it(lambda w, x=x: quantized_product(x, w), fp8),
-                fp8_weight_only_us=time_it(lambda w, x=x: fp8_weight_gemm(x, w.weight, w.scale), fp8),
-                table_config=config(m, n),
+                fp8_scaled_mm_us=time_it(lambda w, x=x: scaled_mm_product(x, w), fp8),
+                table_config=config(m) if m <= MAX_TOKENS else None,
             )
-            for key, nbytes in (("bf16", 2 * n * k), ("fp8_weight_only", n * k)):
+            if m <= MAX_TOKENS:
+                row["fp8_gemv_us"] = time_it(lambda w, x=x: gemv(x, w), fp8)
+            for key, nbytes in (("bf16", 2 * n * k), ("fp8_gemv", n * k), ("fp8_scaled_mm", n * k)):
+                if f"{key}_us" not in row:
+                    continue
                 row[f"{key}_weight_gb_s"] = nbytes / row[f"{key}_us"] / 1e3
                 row[f"{key}_of_copy"] = nbytes / row[f"{key}_us"] * 1e6 / bandwidth
             if m in sweep:
                 timings = {}
                 for launch in candidates(m):
-                    timings[str(launch)] = time_it(
-                        lambda w, x=x, launch=launch: fp8_weight_gemm(x, w.weight, w.scale, launch=launch), fp8
-                    )
+                    timings[str(launch)] = time_it(lambda w, x=x, launch=launch: gemv(x, w, launch), fp8)
                 row["sweep_us"] = dict(sorted(timings.items(), key=lambda kv: kv[1])[:5])
                 best[f"{proj} m={m}"] = min(timings.items(), key=lambda kv: kv[1])
             rows.append({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()})
@@ -107,7 +117,9 @@ def main() -> int:
     for m in tokens:
         at = [r for r in rows if r["tokens"] == m]
         totals[str(m)] = {
-            key: round(sum(r[f"{key}_us"] for r in at), 2) for key in ("bf16", "fp8_quantized", "fp8_weight_only")
+            key: round(sum(r[f"{key}_us"] for r in at), 2)
+            for key in ("bf16", "fp8_scaled_mm", "fp8_gemv")
+            if all(f"{key}_us" in r for r in at)
         }
     result = dict(
         metadata(),

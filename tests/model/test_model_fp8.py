@@ -11,14 +11,18 @@ import warnings
 import pytest
 import torch
 from engine_helpers import write_tiny_llama
-from fp8_reference import dequantized_tokens, reference_linear
 
-from verifypd.model import fp8
 from verifypd.model.fp8 import FP8, FP8_MAX, WARNED, Fp8Weight, linear, quantize_weight
 from verifypd.model.llama import LayerWeights, PagedLlama
 from verifypd.model.loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
+
+
+def dequantized_tokens(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """What the forward multiplies: each row of x rounded to fp8 by its own amax (or by `scale`)."""
+    s = (x.abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX) if scale is None else scale
+    return (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
 
 
 def test_quantize_weight_within_e4m3_rounding():
@@ -33,19 +37,14 @@ def test_quantize_weight_within_e4m3_rounding():
     assert torch.allclose(q.weight.float().abs().amax(1), torch.full((48,), FP8_MAX))  # each row uses the range
 
 
-@pytest.mark.parametrize("path", ["weight-only", "quantized"])
-def test_fp8_linear_equals_its_dequantized_reference(path, monkeypatch):
+def test_fp8_linear_equals_its_dequantized_reference():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, 64, generator=gen) * torch.logspace(-2, 2, 5)[:, None]  # tokens of different scale
     w = torch.randn(32, 64, generator=gen)
     bias = torch.randn(32, generator=gen)
     q = quantize_weight(w)
-    if path == "quantized":  # these 10 tokens take the prefill product
-        monkeypatch.setattr("verifypd.model.fp8.WEIGHT_ONLY_TOKENS", 0)
-        ref = torch.nn.functional.linear(dequantized_tokens(x.reshape(-1, 64)), q.dequantize(torch.float32), bias)
-    else:
-        ref = torch.nn.functional.linear(x.reshape(-1, 64), q.dequantize(torch.float32), bias)
     y = linear(x, q, bias)
+    ref = torch.nn.functional.linear(dequantized_tokens(x.reshape(-1, 64)), q.dequantize(torch.float32), bias)
     assert y.shape == (2, 5, 32) and y.dtype == x.dtype
     torch.testing.assert_close(y.reshape(-1, 32), ref, rtol=1e-5, atol=1e-5)
     exact = torch.nn.functional.linear(x, w, bias)  # and close to the unquantized product
@@ -53,27 +52,12 @@ def test_fp8_linear_equals_its_dequantized_reference(path, monkeypatch):
     assert linear(x, w, bias).equal(exact)  # a plain tensor is plain F.linear
 
 
-def test_the_token_count_picks_the_product():
-    """Up to WEIGHT_ONLY_TOKENS tokens the activations stay unrounded; one more and they are fp8."""
-    gen = torch.Generator().manual_seed(5)
-    q = quantize_weight(torch.randn(16, 32, generator=gen))
-    x = torch.randn(fp8.WEIGHT_ONLY_TOKENS + 1, 32, generator=gen)
-    weight = q.dequantize(torch.float32)
-    small, large = linear(x[:-1], q), linear(x, q)
-    torch.testing.assert_close(small, x[:-1] @ weight.t(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(large, dequantized_tokens(x) @ weight.t(), rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(large[:-1], small, rtol=1e-4, atol=1e-4)  # the rounding shows
-
-
-def test_static_input_scale_quantizes_by_it(monkeypatch):
+def test_static_input_scale_quantizes_by_it():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(7, 32, generator=gen)
     q = quantize_weight(torch.randn(16, 32, generator=gen))
     scale = torch.tensor(0.5 / FP8_MAX)  # calibrated for |x| <= 0.5: larger values clip
     static = Fp8Weight(q.weight, q.scale, scale)
-    # The weight-only product reads no activation scale.
-    torch.testing.assert_close(linear(x, static), linear(x, q), rtol=0, atol=0)
-    monkeypatch.setattr("verifypd.model.fp8.WEIGHT_ONLY_TOKENS", 0)
     ref = torch.nn.functional.linear(dequantized_tokens(x, scale), q.dequantize(torch.float32))
     torch.testing.assert_close(linear(x, static), ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(linear(x, static), linear(x, q), rtol=1e-2)  # not the dynamic path
@@ -127,6 +111,13 @@ def logits(model: PagedLlama, tokens: list[int]) -> torch.Tensor:
 
 
 PROMPT = [5, 17, 40, 8, 9, 60, 33, 12, 70, 4, 4, 81]
+
+
+def reference_linear(x, w, bias=None):
+    """model.fp8.linear spelled out in float32: fp8-rounded tokens times the dequantized weight."""
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w, bias)
+    return torch.nn.functional.linear(dequantized_tokens(x, w.input_scale), w.dequantize(x.dtype), bias)
 
 
 def test_quantization_fp8_on_load(tiny, monkeypatch):

@@ -12,10 +12,8 @@ import shutil
 import pytest
 import torch
 from engine_helpers import write_tiny_llama
-from fp8_reference import reference_linear
 from safetensors.torch import load_file, save_file
 
-from verifypd.model import fp8
 from verifypd.model.fp8 import FP8, FP8_MAX, Fp8Weight
 from verifypd.model.layout import TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
@@ -95,6 +93,16 @@ def logits(model: PagedLlama, tokens: list[int]) -> torch.Tensor:
     return model.forward(pool, batch, torch.arange(len(tokens)))
 
 
+def reference_linear(x, w, bias=None):
+    """model.fp8.linear in float32: fp8-rounded activations (per token, or by the static scale) times
+    the dequantized weight."""
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w, bias)
+    s = w.input_scale if w.input_scale is not None else x.abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    xq = (x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s
+    return torch.nn.functional.linear(xq, w.dequantize(x.dtype), bias)
+
+
 PROMPT = [5, 17, 40, 8, 9, 60, 33, 12, 70, 4]
 
 
@@ -123,15 +131,13 @@ def test_published_fp8_checkpoint_loads_as_written(tiny, tmp_path, kind, monkeyp
         assert qkv.input_scale is None and down.input_scale is None
     assert loaded.weights.lm_head.dtype == torch.float32 and loaded.weights.embed.dtype == torch.float32
     model = PagedLlama(loaded.shape, loaded.weights)
+    got = logits(model, PROMPT)
+    monkeypatch.setattr("verifypd.model.llama.linear", reference_linear)
+    torch.testing.assert_close(got, logits(model, PROMPT), rtol=1e-4, atol=1e-4)
+    # And near the original high-precision model's logits (measured: 0.042 dynamic, 0.052 static).
+    monkeypatch.undo()
     full = logits(PagedLlama(loaded.shape, load_model(str(tiny), CPU, torch.float32).weights), PROMPT)
-    for weight_only_tokens in (fp8.WEIGHT_ONLY_TOKENS, 0):  # both products (the static scale: the second)
-        monkeypatch.setattr("verifypd.model.fp8.WEIGHT_ONLY_TOKENS", weight_only_tokens)
-        got = logits(model, PROMPT)
-        with monkeypatch.context() as m:
-            m.setattr("verifypd.model.llama.linear", reference_linear)
-            torch.testing.assert_close(got, logits(model, PROMPT), rtol=1e-4, atol=1e-4)
-        # And near the original high-precision model's logits.
-        assert ((got - full).norm() / full.norm()).item() < 0.1
+    assert ((got - full).norm() / full.norm()).item() < 0.1
 
 
 def test_fp8_checkpoint_with_quantization_flag_keeps_its_weights(tiny, tmp_path):

@@ -1,26 +1,18 @@
 """FP8 (float8_e4m3fn) linear layers: weights stored in fp8 with one float32 scale per output
-channel. Two products, chosen by the number of tokens M of the forward (a shape, known on the host):
-
-    M <= WEIGHT_ONLY_TOKENS   weight-only: the fp8 weight widened to the activations' dtype, the
-                              activations unquantized (model.kernels.fp8_gemm on CUDA). Decode and
-                              verify steps are bound by the weights' bytes, which fp8 halves; a
-                              quantized activation would only add a kernel and its rounding.
-    larger M (prefill)        activations quantized per token inside the forward, the product on
-                              Hopper's fp8 tensor cores (`torch._scaled_mm`), where compute binds.
-
-Both are spelled out in float32 on the host (the reference of tests: the fp8 values are exact in
-float32), so a CPU run computes what the GPU does up to summation order.
+channel, activations quantized per token inside the forward, the product on fp8 tensor cores
+(`torch._scaled_mm`, Hopper and later; torch's CPU kernel on the host).
 
     Fp8Weight          weight [N, K] fp8, scale [N] float32 (w ~= weight * scale[:, None]),
-                       input_scale: a checkpoint's static activation scale (or None: dynamic);
-                       the weight-only product reads no activation scale
+                       input_scale: a checkpoint's static activation scale (or None: dynamic)
     quantize_weight    a high-precision [N, K] weight -> Fp8Weight, per output channel
     linear             F.linear over a plain tensor or an Fp8Weight (the forward's one entry)
 
-The forward has no host sync (amax, division and the cast stay on the device), so it is captured
-in CUDA graphs as the bf16 forward is. `_scaled_mm` needs K and N multiples of 16: a linear of
-another shape runs on its dequantized weight instead (one warning per shape; no model served today
-has such a projection).
+On CUDA a forward of at most 8 tokens (a decode or verify step) runs the same product in one
+launch, quantization fused into a GEMV (model.kernels.fp8_gemm): `_scaled_mm` tiles M by 64-128
+and would stream the weights through tiles of padding. The forward has no host sync (amax,
+division and the cast stay on the device), so it is captured in CUDA graphs as the bf16 forward
+is. `_scaled_mm` needs K and N multiples of 16: a linear of another shape runs on its dequantized
+weight instead (one warning per shape; no model served today has such a projection).
 """
 
 from __future__ import annotations
@@ -37,9 +29,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448.0
 # instead of 0 (a zero scale would turn 0 / 0 into NaN).
 MIN_AMAX = 1e-12
 ALIGN = 16  # _scaled_mm's alignment of K and N
-# Forwards of at most this many tokens take the weight-only product (the module doc). Set from the
-# kernels' measured crossover on an H200 (bench/engine/fp8_gemm.py); at most fp8_gemm.MAX_TOKENS.
-WEIGHT_ONLY_TOKENS = 64
+SKINNY_TOKENS = 8  # forwards of at most this many tokens take the fused GEMV on CUDA (its MAX_TOKENS)
 
 WARNED: set[tuple[int, int]] = set()  # shapes already warned about (the fallback warns once each)
 
@@ -109,40 +99,26 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     flat = x.reshape(-1, k)
     if flat.shape[0] == 0:  # no tokens (a shape, known on the host: no sync)
         return x.new_zeros(*lead, n)
-    if flat.shape[0] <= WEIGHT_ONLY_TOKENS:
-        y = weight_only_product(flat, w, bias)
-    else:
-        y = quantized_product(flat, w)
-        if bias is not None:
-            y = y + bias
-    return y.view(*lead, n)
+    if x.is_cuda and flat.shape[0] <= SKINNY_TOKENS and x.dtype in (torch.bfloat16, torch.float16):
+        from verifypd.model.kernels.fp8_gemm import fp8_gemv
 
-
-def weight_only_product(flat: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """flat [M, K] @ (weight * scale).T (+ bias) -> [M, N] in flat's dtype, accumulated in float32."""
-    if flat.is_cuda and flat.dtype in (torch.bfloat16, torch.float16):
-        from verifypd.model.kernels.fp8_gemm import fp8_weight_gemm
-
-        return fp8_weight_gemm(flat if flat.stride(1) == 1 else flat.contiguous(), w.weight, w.scale, bias)
-    y = (flat.float() @ w.weight.float().t()) * w.scale
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(flat.dtype)
-
-
-def quantized_product(flat: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """flat [M, K] quantized per token (or by w.input_scale), times the fp8 weight -> [M, N] in flat's dtype."""
-    n = w.weight.shape[0]
-    if flat.is_cuda:  # one Triton launch (model.kernels.fp8_quant); the torch functions are its reference
+        flat = flat if flat.stride(1) == 1 else flat.contiguous()
+        return fp8_gemv(flat, w.weight, w.scale, w.input_scale, FP8_MAX, MIN_AMAX, bias).view(*lead, n)
+    if x.is_cuda:  # one Triton launch (model.kernels.fp8_quant); the torch functions are its reference
         from verifypd.model.kernels.fp8_quant import quantize_rows
 
         flat = flat if flat.stride(1) == 1 else flat.contiguous()
         q, x_scale = quantize_rows(flat, w.input_scale, FP8_MAX, MIN_AMAX)
-        # Hopper's fp8 tensor cores; row-wise scaling writes bfloat16 only: other dtypes cast after
-        y = torch._scaled_mm(q, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, n), out_dtype=torch.bfloat16)
     else:
         q, x_scale = quantize_tokens(flat) if w.input_scale is None else quantize_static(flat, w.input_scale)
+    if x.is_cuda:  # Hopper's fp8 tensor cores; row-wise scaling writes bfloat16 only: other dtypes cast after
+        y = torch._scaled_mm(q, w.weight.t(), scale_a=x_scale, scale_b=w.scale.view(1, n), out_dtype=torch.bfloat16)
+    else:
         # The same product in float32 (the fp8 values are exact in it): CPU _scaled_mm takes row-wise
         # scales only in some torch releases (2.11 refuses them) and is no faster than this.
         y = (q.float() @ w.weight.float().t()) * x_scale * w.scale.view(1, n)
-    return y if y.dtype == flat.dtype else y.to(flat.dtype)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, n)
