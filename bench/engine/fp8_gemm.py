@@ -7,7 +7,7 @@ RANDOM WEIGHTS with a real model's projection shapes (default Llama-2-7B: qkv, o
 Each timing replays one CUDA graph of `--calls` products, each on its own copy of the weight (more
 bytes than the L2 holds, as a step's layers are), timed with CUDA events. `weight_gb_s` is the
 weight bytes read per second; `of_copy` that over the measured device-to-device copy bandwidth.
-`fp8_gemv_us` is what model.fp8.linear runs at M <= 8; `fp8_scaled_mm_us` what it runs above.
+`fp8_gemv_us` is what model.fp8.linear runs at M <= 16; `fp8_scaled_mm_us` what it runs above.
 
     python bench/engine/fp8_gemm.py --out bench/results/fp8_gemm_h200.json
 """
@@ -58,16 +58,16 @@ def gemv(x: torch.Tensor, w: Fp8Weight, launch=None) -> torch.Tensor:
 
 
 def candidates(m: int) -> list[tuple[int, int, int, int, int]]:
-    """Launch configurations worth trying at M tokens: (ROWS, BLOCK_N, BLOCK_K, warps, stages)."""
-    rows = 1 << (m - 1).bit_length()
-    return [(rows, bn, bk, w, st) for bn, bk, (w, st) in itertools.product([8, 16, 32], [256, 512], [(4, 3), (8, 3)])]
+    """Launch configurations worth trying at M tokens: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)."""
+    shapes = itertools.product([32, 64, 128], [128, 256, 512], [(4, 4), (8, 3)])
+    return [(16, bn, bk, w, st) for bn, bk, (w, st) in shapes]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-2-7b", help="a random: shape (model.loader.RANDOM_SHAPES)")
     ap.add_argument("--tokens", default="1,2,4,8,16,64,128")
-    ap.add_argument("--sweep-tokens", default="1,4,8", help="M values that also try every candidate")
+    ap.add_argument("--sweep-tokens", default="1,16", help="M values that also try every candidate")
     ap.add_argument("--calls", type=int, default=16, help="products per graph, each on its own weight copy")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", required=True)

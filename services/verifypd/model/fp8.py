@@ -7,7 +7,7 @@ channel, activations quantized per token inside the forward, the product on fp8 
     quantize_weight    a high-precision [N, K] weight -> Fp8Weight, per output channel
     linear             F.linear over a plain tensor or an Fp8Weight (the forward's one entry)
 
-On CUDA a forward of at most 8 tokens (a decode or verify step) runs the same product in one
+On CUDA a forward of at most 16 tokens (a decode or verify step) runs the same product in one
 launch, quantization fused into a GEMV (model.kernels.fp8_gemm): `_scaled_mm` tiles M by 64-128
 and would stream the weights through tiles of padding. The forward has no host sync (amax,
 division and the cast stay on the device), so it is captured in CUDA graphs as the bf16 forward
@@ -29,7 +29,7 @@ FP8_MAX = torch.finfo(FP8).max  # 448.0
 # instead of 0 (a zero scale would turn 0 / 0 into NaN).
 MIN_AMAX = 1e-12
 ALIGN = 16  # _scaled_mm's alignment of K and N
-SKINNY_TOKENS = 8  # forwards of at most this many tokens take the fused GEMV on CUDA (its MAX_TOKENS)
+SKINNY_TOKENS = 16  # forwards of at most this many tokens take the fused GEMV on CUDA (its MAX_TOKENS)
 
 WARNED: set[tuple[int, int]] = set()  # shapes already warned about (the fallback warns once each)
 

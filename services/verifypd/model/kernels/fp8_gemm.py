@@ -14,7 +14,8 @@ Why not quantize_rows + `torch._scaled_mm` at this size: that is a second kernel
 (~130 launches on a 32-layer decode step), and `_scaled_mm`'s kernels tile M by 64-128, so a
 batch-1 step streams the weights through tiles that are almost all padding. Here a program owns
 BLOCK_N output channels of every token and walks K once: the weight bytes are read once, which is
-all a skinny GEMM is bound by. Each program recomputes the tokens' amax from x (M * K elements,
+all a skinny GEMM is bound by, and the products run on the fp8 tensor cores as `_scaled_mm`'s
+do. Each program recomputes the tokens' amax from x (M * K elements,
 from L2) instead of waiting on another kernel. The launch configuration is a pure function of M
 (`config`), so a CUDA graph capture never tunes. K is a compile-time constant: a model has a
 handful of distinct K, and a known trip count lets the compiler unroll and pipeline the K loop.
@@ -26,13 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-# (ROWS, BLOCK_N, BLOCK_K, num_warps, num_stages) by the smallest bucket of tokens that holds M;
-# ROWS: a power of two >= M (every token of the step is in each program).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the smallest bucket of tokens that holds M.
 CONFIGS: dict[int, tuple[int, int, int, int, int]] = {
-    1: (1, 16, 512, 4, 3),
-    2: (2, 16, 512, 4, 3),
-    4: (4, 16, 256, 4, 3),
-    8: (8, 16, 128, 4, 3),
+    16: (16, 64, 256, 4, 4),
 }
 MAX_TOKENS = max(CONFIGS)  # larger M goes to quantize_rows + _scaled_mm (model.fp8)
 
@@ -48,31 +45,33 @@ def config(m: int) -> tuple[int, int, int, int, int]:
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, input_scale_ptr, bias_ptr, y_ptr, M, N, stride_x, stride_y,
     K: tl.constexpr, FP8_LIMIT: tl.constexpr, FLOOR: tl.constexpr, STATIC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # One program: BLOCK_N output channels of BLOCK_M tokens. The tokens are quantized tile by tile
+    # in registers and multiplied with the weight tile on the fp8 tensor cores (fp32 accumulator).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, ROWS)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     row_ok = rows < M
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # [ROWS, 1]
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]: w is [N, K] row-major
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # [BLOCK_M, 1]
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K  # [1, BLOCK_N]: w is [N, K] row-major
     if STATIC:
-        s = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(input_scale_ptr)
-    else:  # each token's amax (the same as model.kernels.fp8_quant, read again by every program)
-        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        s = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(input_scale_ptr)
+    else:  # each token's amax (as model.kernels.fp8_quant computes it), read again by every program
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
         s = tl.maximum(amax, FLOOR) / FP8_LIMIT
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
-        w = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         x = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         # The token's fp8 value (rounded to nearest even, saturated at +-448), as quantize_rows stores it.
-        q = tl.minimum(tl.maximum(x / s[:, None], -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.sum(q[:, None, :] * w[None, :, :], axis=2)  # [ROWS, BLOCK_N]
+        q = tl.minimum(tl.maximum(x / s[:, None], -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(q, w, acc)
     acc = acc * s[:, None] * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -99,11 +98,11 @@ def fp8_gemv(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    rows, block_n, block_k, warps, stages = launch or config(m)
-    assert m <= rows, "every token of the step is in each program"
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    block_m, block_n, block_k, warps, stages = launch or config(m)
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else scale,
         y, m, n, x.stride(0), y.stride(0), K=k, FP8_LIMIT=limit, FLOOR=floor, STATIC=input_scale is not None,
-        HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
