@@ -147,11 +147,3 @@ def test_unsupported_quantization_config_is_named(tiny, tmp_path, quantization_c
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(directory), CPU, torch.float32)
-
-
-def test_fp8_checkpoint_under_tensor_parallel_is_refused(tiny, tmp_path):
-    from verifypd.model.tensor_parallel import load_target_shard
-
-    write_fp8(tiny, tmp_path / "m", "ct-channel")
-    with pytest.raises(ModelLoadError, match=r"not supported with --tensor-parallel > 1 yet"):
-        load_target_shard(str(tmp_path / "m"), 0, 2, CPU, torch.float32, None)
