@@ -242,9 +242,10 @@ def analytic(shape, tied: bool, worlds: list[int]) -> dict:
     """From the shape alone: the checkpoint's bytes, what one rank of W reads, the largest tensor."""
     from verifypd.model.families import shard_rule
 
-    sizes = {name: math.prod(dims) * 2 for name, dims in tensor_list(shape, tied)}
+    tensors = tensor_list(shape, tied)
+    sizes = {name: math.prod(dims) * 2 for name, dims in tensors}
     total = sum(sizes.values())
-    sliced = sum(n for name, n in sizes.items() if shard_rule(name, shape) is not None)
+    sliced = sum(sizes[name] for name, dims in tensors if shard_rule(name, shape, dims) is not None)
     return {
         "checkpoint_bytes": total,
         "largest_tensor_bytes": max(sizes.values()),

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from engine_helpers import write_tiny_llama
+from fp8_checkpoints import KINDS, WEIGHTS, write_fp8
 from safetensors.torch import load_file, save_file
 
 from verifypd.model.fp8 import FP8, FP8_MAX, Fp8Weight
@@ -20,56 +21,6 @@ from verifypd.model.llama import BatchLayout, PagedLlama
 from verifypd.model.loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
-
-
-def compressed_tensors_config(strategy: str, static: bool) -> dict:
-    acts = {"num_bits": 8, "type": "float", "strategy": "tensor" if static else "token", "dynamic": not static}
-    group = {"targets": ["Linear"], "weights": {**WEIGHTS, "strategy": strategy}, "input_activations": acts}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {"group_0": group},
-        "ignore": ["lm_head"],
-    }
-
-
-def write_fp8(src: pathlib.Path, dst: pathlib.Path, kind: str, seed: int = 0) -> dict[str, dict]:
-    """`src` rewritten as a published FP8 checkpoint of `kind`; returns {module: its fp8 tensors}."""
-    shutil.copytree(src, dst)
-    state = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    written: dict[str, dict] = {}
-    for name in [n for n in state if n.split(".")[-2] in PROJECTIONS]:
-        w = state.pop(name).float()
-        module = name.removesuffix(".weight")
-        if kind == "ct-tensor":  # one scale for the whole tensor, stored as [1]
-            scale = (w.abs().amax() / FP8_MAX).reshape(1)
-            per_row = scale.expand(w.shape[0])
-        else:  # per channel, stored [N, 1]
-            per_row = w.abs().amax(1) / FP8_MAX
-            scale = per_row[:, None]
-        q = (w / per_row[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        tensors = {name: q, module + ".weight_scale": scale.contiguous()}
-        if kind == "ct-tensor":  # static activations: calibrated scales, different per projection
-            tensors[module + ".input_scale"] = (torch.rand(1, generator=gen) * 0.01 + 0.005).reshape(1)
-        if kind == "fbgemm":
-            tensors[module + ".input_scale_ub"] = torch.tensor([1200.0])
-        state.update(tensors)
-        written[module] = tensors
-    save_file(state, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    if kind == "fbgemm":
-        config["quantization_config"] = {
-            "quant_method": "fbgemm_fp8",
-            "activation_scale_ub": 1200.0,
-            "modules_to_not_convert": ["lm_head"],
-        }
-    else:
-        config["quantization_config"] = compressed_tensors_config(kind.removeprefix("ct-"), kind == "ct-tensor")
-    (dst / "config.json").write_text(json.dumps(config))
-    return written
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +57,7 @@ def reference_linear(x, w, bias=None):
 PROMPT = [5, 17, 40, 8, 9, 60, 33, 12, 70, 4]
 
 
-@pytest.mark.parametrize("kind", ["ct-channel", "ct-tensor", "fbgemm"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_published_fp8_checkpoint_loads_as_written(tiny, tmp_path, kind, monkeypatch):
     written = write_fp8(tiny, tmp_path / kind, kind)
     loaded = load_model(str(tmp_path / kind), CPU, torch.float32)
@@ -196,11 +147,3 @@ def test_unsupported_quantization_config_is_named(tiny, tmp_path, quantization_c
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=message):
         load_model(str(directory), CPU, torch.float32)
-
-
-def test_fp8_checkpoint_under_tensor_parallel_is_refused(tiny, tmp_path):
-    from verifypd.model.tensor_parallel import load_target_shard
-
-    write_fp8(tiny, tmp_path / "m", "ct-channel")
-    with pytest.raises(ModelLoadError, match=r"not supported with --tensor-parallel > 1 yet"):
-        load_target_shard(str(tmp_path / "m"), 0, 2, CPU, torch.float32, None)

@@ -124,7 +124,9 @@ def test_tensor_parallel_expert_shards_sum_to_the_layer(moe_models, hf_models, f
     for state in (on_disk, hf_models[family].state_dict()):
         parts = []
         for rank in range(2):
-            src = StateDictSource(state, torch.device("cpu"), torch.float32, lambda n: shard_rule(n, shape), rank, 2)
+            src = StateDictSource(
+                state, torch.device("cpu"), torch.float32, lambda n, dims: shard_rule(n, shape, dims), rank, 2
+            )
             read = weights_from_source(src, local, False).layers[0].moe
             cut = shard_weights(shape, loaded.weights, rank, 2).layers[0].moe
             assert read is not None and cut is not None

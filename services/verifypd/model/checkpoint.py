@@ -74,7 +74,7 @@ class StateDictSource:
         state: Mapping[str, torch.Tensor],
         device: torch.device,
         dtype: torch.dtype,
-        rule: Callable[[str], ShardRule] = lambda name: None,
+        rule: Callable[[str, tuple[int, ...]], ShardRule] = lambda name, stored: None,
         rank: int = 0,
         world: int = 1,
     ):
@@ -91,7 +91,7 @@ class StateDictSource:
         if name not in self.state:
             raise ModelLoadError(f"the checkpoint has no tensor {name!r}")
         check_cast(name, self.state[name].dtype, dtype or self.dtype)
-        t = rank_slice(self.state[name], self.rule(name), self.rank, self.world, name)
+        t = rank_slice(self.state[name], self.rule(name, tuple(self.state[name].shape)), self.rank, self.world, name)
         # copy=True: owned even when nothing changes (a state dict may map a file that can be rewritten)
         return t.to(device=self.device, dtype=dtype or self.dtype, copy=True)
 
@@ -107,7 +107,7 @@ class SafetensorsSource:
         directory: pathlib.Path,
         device: torch.device,
         dtype: torch.dtype,
-        rule: Callable[[str], ShardRule] = lambda name: None,
+        rule: Callable[[str, tuple[int, ...]], ShardRule] = lambda name, stored: None,
         rank: int = 0,
         world: int = 1,
     ):
@@ -143,7 +143,7 @@ class SafetensorsSource:
             files = ", ".join(sorted(f.path.name for f in self.files))
             raise ModelLoadError(f"checkpoint {self.directory}: no tensor {name!r} in {files}")
         check_cast(f"{file.path}: {name}", file.entries[name].dtype, dtype or self.dtype)
-        rule = self.rule(name)
+        rule = self.rule(name, file.entries[name].shape)
         base = file.view(name)
         parts = [
             self.materialise(file, name, base, v, dtype or self.dtype)

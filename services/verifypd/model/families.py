@@ -71,10 +71,13 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "
 ROW_PARALLEL = ("o_proj", "down_proj", "w2")  # input columns split (partial sums all-reduced)
 
 
-def shard_rule(name: str, shape: LlamaShape) -> ShardRule:
-    """How `name` is cut across tensor-parallel ranks (model.tensor_parallel's layout). Phi-3's fused
-    qkv_proj / gate_up_proj are cut per section: each rank keeps its q, k, v (gate, up) rows."""
+def shard_rule(name: str, shape: LlamaShape, stored: tuple[int, ...]) -> ShardRule:
+    """How `name`, stored with dims `stored`, is cut across tensor-parallel ranks (model.tensor_parallel's
+    layout). Phi-3's fused qkv_proj / gate_up_proj are cut per section: each rank keeps its q, k, v
+    (gate, up) rows. A published FP8 projection's scales follow its weight's rows (`fp8_scale_rule`)."""
     parts = name.split(".")
+    if len(parts) >= 2 and parts[-1] == "weight_scale":
+        return fp8_scale_rule(shard_rule(name.removesuffix("_scale"), shape, stored), stored)
     if shape.moe is not None and parts[-2:] == ["experts", "gate_up_proj"]:  # stacked [E, 2I, H]
         return (1, (shape.moe.intermediate_size,) * 2)
     if parts[-2:] == ["experts", "down_proj"]:  # stacked [E, H, I]
@@ -91,6 +94,20 @@ def shard_rule(name: str, shape: LlamaShape) -> ShardRule:
         if module in ROW_PARALLEL and parts[-1] == "weight":
             return (1, None)
     return None
+
+
+def fp8_scale_rule(weight_rule: ShardRule, stored: tuple[int, ...]) -> ShardRule:
+    """The rule of a `weight_scale` (model.fp8_load) beside a weight cut by `weight_rule`. Per output
+    channel ([N] or [N, 1]) a column-parallel rank keeps the scales of its rows: the weight's rule,
+    sections included (the scale's dim 0 is the weight's). A row-parallel rank keeps every output row,
+    so it keeps every scale: its partial sums over its columns are scaled by the whole row's scale
+    before the all-reduce, which is the unsharded product (scaling is linear). One value (per tensor,
+    stored [] or [1]) is the same for every row: whole on every rank. A static `input_scale` (one
+    value) is replicated by shard_rule's default."""
+    per_tensor = math.prod(stored) == 1
+    if weight_rule is None or weight_rule[0] != 0 or per_tensor:
+        return None
+    return weight_rule
 
 
 def shape_from_config(config: Any, max_context: int | None) -> LlamaShape:

@@ -18,6 +18,11 @@ norms, lm_head and MoE experts stay in the model dtype in every mode.
 A static input scale is honoured: activations of that projection are quantized by it (clamped to
 the fp8 range), as the checkpoint was calibrated. Fused projections (q/k/v, gate/up) take the
 largest of their parts' input scales, so no part's activations clip earlier than calibrated.
+
+Under tensor parallelism the source hands each projection already cut to the rank
+(families.shard_rule): a column-parallel weight's rows with the scales of those rows, a row-parallel
+weight's columns with every row's scale, a per-tensor or input scale whole. So a rank's Fp8Weight is
+model.tensor_parallel.shard_weights' cut of the unsharded one, and nothing here knows about ranks.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def published(source: Any, name: str) -> Fp8Weight:
     weight = source.get(name, FP8)
     rows = weight.shape[0]
     scale = source.get(scale_name, torch.float32).reshape(-1)
-    if scale.numel() == 1:  # per-tensor: the same scale for every row
+    if scale.numel() == 1:  # per-tensor: the same scale for every row (whole on every rank)
         scale = scale.expand(rows)
     elif scale.numel() != rows:
         raise ModelLoadError(

@@ -213,19 +213,15 @@ def load_weights(
     """The checkpoint's weights on `device` in `dtype`; with world > 1, rank `rank`'s slices only
     (model.families.shard_rule), read as slices: no rank reads or holds the whole model.
     `quantization` "fp8": the dense projections quantized per output channel as each is read, on
-    the device (model.fp8_load); a published FP8 checkpoint's projections are fp8 either way."""
+    the device (model.fp8_load); a published FP8 checkpoint's projections are fp8 either way, and
+    under tensor parallelism their scales are cut with their rows (families.fp8_scale_rule)."""
     from transformers import AutoTokenizer
 
     shape = checkpoint.shape
     check_quantization(quantization)
-    if checkpoint.quantization is not None and world > 1:
-        raise ModelLoadError(
-            f"model {checkpoint.spec!r}: FP8 checkpoints ({checkpoint.quantization}) are not supported with "
-            "--tensor-parallel > 1 yet; load its high-precision release with --quantization fp8"
-        )
 
-    def rule(name: str) -> ShardRule:
-        return shard_rule(name, shape) if world > 1 else None
+    def rule(name: str, stored: tuple[int, ...]) -> ShardRule:
+        return shard_rule(name, shape, stored) if world > 1 else None
 
     source = weight_source(checkpoint, device, dtype, rule, rank, world)
     try:

@@ -184,7 +184,8 @@ def load_target_shard(
 
     A checkpoint's tensors are read as this rank's slices straight onto `device` (loader.load_weights
     with model.families.shard_rule: a column-parallel tensor's rows, a row-parallel tensor's
-    columns, the replicated ones whole), so no rank reads or holds the whole model. A `random:`
+    columns, the replicated ones whole; a published FP8 projection's per-channel scales with their
+    rows), so no rank reads or holds the whole model. A `random:`
     shape makes its shard directly on the device: layer weights seeded per rank, the replicated
     embeddings, head and norms with one seed, so every rank holds the same replicated tensors (its
     output is meaningless either way; such shapes are for timing)."""
