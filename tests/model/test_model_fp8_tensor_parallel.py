@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_helpers import write_tiny_llama
 from fp8_checkpoints import KINDS, write_fp8
+from gloo_ranks import run_on_ranks
 from safetensors.torch import load_file
 
 from verifypd.model.checkpoint import SafetensorsSource
@@ -153,20 +154,6 @@ def run_greedy(model_dir: str, group) -> dict:
     return dict(logits=torch.cat(logits), tokens=tokens)
 
 
-def rank_main(rank: int, init_file: str, model_dirs: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from verifypd.model.tensor_parallel import TorchDistributedGroup
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        results = {d: run_greedy(d, TorchDistributedGroup()) for d in model_dirs}
-        torch.save(results, pathlib.Path(out_dir) / f"rank{rank}.pt")  # a local test artifact
-    finally:
-        dist.destroy_process_group()
-
-
 def as_ranks_compute(x, w, bias=None):
     """model.fp8.linear, with each row-parallel projection (o and down: the fp8 ones whose output is
     the hidden size) computed as WORLD ranks do: each rank quantizes its slice of the input columns
@@ -193,13 +180,10 @@ def test_fp8_tp2_over_gloo_equals_tp1(checkpoints, tmp_path, monkeypatch):
     Dynamic ones: a row-parallel rank scales its slice of each token by that slice's amax, so TP=2 is
     the single-rank model computed that way (as_ranks_compute), and 1.7% of the logits' norm from the
     plain single-rank model here (fp8 rounding of activations), with the same greedy tokens."""
-    import torch.multiprocessing as mp
-
     from verifypd.model.tensor_parallel import SingleRank
 
     dirs = [checkpoints[kind] for kind in KINDS]
-    mp.spawn(rank_main, args=(str(tmp_path / "rendezvous"), dirs, str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = run_on_ranks(run_greedy, dirs, tmp_path, WORLD)
     for kind, model_dir in zip(KINDS, dirs, strict=True):
         single = run_greedy(model_dir, SingleRank())
         with monkeypatch.context() as m:

@@ -11,6 +11,7 @@ import pathlib
 import pytest
 import torch
 from engine_helpers import write_tiny_llama
+from gloo_ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow  # tensor-parallel ranks as processes (gloo) (tests/README.md)
 
@@ -61,20 +62,6 @@ def run_model(model_dir: str, group) -> dict:
     )
 
 
-def rank_main(rank: int, init_file: str, model_dirs: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from verifypd.model.tensor_parallel import TorchDistributedGroup
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        results = {d: run_model(d, TorchDistributedGroup()) for d in model_dirs}
-        torch.save(results, pathlib.Path(out_dir) / f"rank{rank}.pt")  # a local test artifact
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("tp")
@@ -85,12 +72,9 @@ def model_dirs(tmp_path_factory) -> list[str]:
 
 
 def test_tp2_over_gloo_equals_tp1(model_dirs, tmp_path):
-    import torch.multiprocessing as mp
-
     from verifypd.model.tensor_parallel import SingleRank
 
-    mp.spawn(rank_main, args=(str(tmp_path / "rendezvous"), model_dirs, str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ranks = run_on_ranks(run_model, model_dirs, tmp_path, WORLD)
     for model_dir in model_dirs:
         single = run_model(model_dir, SingleRank())
         assert not single["tp_group"] and single["pool_shape"][4] == 2  # world 1: today's model, all kv heads
