@@ -31,7 +31,7 @@ from bench_meta import metadata
 from fp8_throughput import copy_bandwidth, timed_ms
 
 from verifypd.model.fp8 import FP8_MAX, MIN_AMAX, Fp8Weight, linear, quantize_weight
-from verifypd.model.kernels.fp8_gemm import MAX_TOKENS, fp8_gemv, plan, sm_count
+from verifypd.model.kernels.fp8_gemm import MAX_TOKENS, ROWS_MAX, fp8_gemv, plan, sm_count
 from verifypd.model.kernels.fp8_quant import quantize_rows
 from verifypd.model.loader import RANDOM_SHAPES
 
@@ -59,12 +59,16 @@ def gemv_all(x: torch.Tensor, weights: list[Fp8Weight], go) -> list[torch.Tensor
     return [fp8_gemv(x, w.weight, w.scale, None, FP8_MAX, MIN_AMAX, launch=go) for w in weights]
 
 
-def sweep_plans(n: int, k: int, sms: int) -> dict[str, object]:
-    """Launch plans worth trying for an [N, K] product: tile sizes, programs per SM, stages."""
+def sweep_plans(m: int, n: int, k: int, sms: int) -> dict[str, object]:
+    """Launch plans worth trying at M tokens for an [N, K] product: kernel, tile sizes, programs per SM."""
     plans = {}
-    for bn, bk, waves, stages in itertools.product([32, 64, 128], [128, 256], [2, 4, 8], [4]):
-        go = plan(n, k, sms, block_n=bn, block_k=bk, waves=waves, stages=stages)
-        plans[f"bn{bn} bk{bk} waves{waves} st{stages} splits{go.splits}"] = go
+    for bn, bk, waves in itertools.product([8, 16, 32], [64, 128, 256, 512], [1, 2, 4]):
+        if m <= ROWS_MAX and triton.next_power_of_2(m) * bn * bk <= 16384:
+            go = plan(m, n, k, sms, block_n=bn, block_k=bk, waves=waves, cuda_cores=True)
+            plans[f"cuda-cores bn{bn} bk{bk} waves{waves} splits{go.splits}"] = go
+    for bn, bk, waves in itertools.product([32, 64, 128], [128, 256], [2, 4]):
+        go = plan(m, n, k, sms, block_n=bn, block_k=bk, waves=waves, cuda_cores=False)
+        plans[f"tensor-cores bn{bn} bk{bk} waves{waves} splits{go.splits}"] = go
     return plans
 
 
@@ -72,7 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-2-7b", help="a random: shape (model.loader.RANDOM_SHAPES)")
     ap.add_argument("--tokens", default="1,4,8,16,64,128")
-    ap.add_argument("--sweep-tokens", default="1", help="M values that also try other launch plans")
+    ap.add_argument("--sweep-tokens", default="1,4", help="M values that also try other launch plans")
     ap.add_argument("--calls", type=int, default=16, help="products per graph, each on its own weight copy")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", required=True)
@@ -101,7 +105,7 @@ def main() -> int:
                 row[f"{key}_of_copy"] = round(nbytes / us * 1e6 / bandwidth, 3)
             if m <= MAX_TOKENS and m in sweep:
                 timings = {}
-                for name, go in sweep_plans(n, k, sms).items():
+                for name, go in sweep_plans(m, n, k, sms).items():
                     try:
                         ms = timed_ms(lambda x=x, ws=fp8, go=go: gemv_all(x, ws, go), device, args.iters)
                         timings[name] = round(ms / args.calls * 1e3, 3)

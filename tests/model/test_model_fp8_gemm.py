@@ -6,6 +6,7 @@ bfloat16 as raw bits); the GPU run covers bfloat16 too."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -60,15 +61,17 @@ def test_fused_gemv_equals_the_quantized_product(m, n, k, dtype, static, with_bi
 
 
 @pytest.mark.parametrize("splits_wanted", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [3, 7])  # the CUDA-core kernel, the tensor-core one
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_every_split_of_k_gives_the_same_product(splits_wanted, with_bias):
+def test_every_split_of_k_gives_the_same_product(splits_wanted, m, with_bias):
     """K = 1040 in steps of 64: 17 steps, so 3 and 5 slices leave a short last one."""
-    from verifypd.model.kernels.fp8_gemm import fp8_gemv, plan
+    from verifypd.model.kernels.fp8_gemm import ROWS_MAX, fp8_gemv, plan
 
-    x, q, bias = operands(7, 72, 1040, torch.float16, seed=9)
+    x, q, bias = operands(m, 72, 1040, torch.float16, seed=9)
     bias = bias if with_bias else None
     # waves * sms / tiles = splits: 2 column tiles of 64, so sms = splits * 2 at one wave.
-    launch = plan(72, 1040, sms=2 * splits_wanted, block_n=64, block_k=64, waves=1)
+    launch = plan(m, 72, 1040, sms=2 * splits_wanted, block_n=64, block_k=64, waves=1)
+    assert launch.cuda_cores == (m <= ROWS_MAX)
     assert launch.splits == splits_wanted and (launch.splits - 1) * launch.iters < 17 <= launch.splits * launch.iters
     close(fp8_gemv(x, q.weight, q.scale, None, FP8_MAX, MIN_AMAX, bias, launch=launch), reference(x, q, None, bias))
 
@@ -88,12 +91,13 @@ def test_activation_rounding_is_not_skipped():
 def test_plan_fills_the_gpu_without_empty_slices():
     from verifypd.model.kernels.fp8_gemm import MAX_TOKENS, fp8_gemv, plan
 
-    for n, k in ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (960, 576)):
-        go = plan(n, k, sms=132)
+    for m, n, k in itertools.product((1, 3, 4, 5, 16), (12288, 4096, 22016, 960), (4096, 11008, 576)):
+        go = plan(m, n, k, sms=132)
         steps = -(-k // go.block_k)
         assert (go.splits - 1) * go.iters < steps <= go.splits * go.iters, (n, k, go)
         programs = -(-n // go.block_n) * go.splits
-        assert programs <= 8 * 132 and (programs >= 2 * 132 or go.splits == steps), (n, k, go)
+        assert (programs <= 8 * 132 or go.splits == 1) and (programs >= 2 * 132 or go.splits == steps), (m, n, k, go)
+        assert go.cuda_cores == (m <= 4) and go.block_k >= 16
     x, q, _ = operands(MAX_TOKENS + 1, 16, 32, torch.float16, seed=1)
     with pytest.raises(ValueError, match=f"1..{MAX_TOKENS} tokens, got {MAX_TOKENS + 1}"):
         fp8_gemv(x, q.weight, q.scale, None, FP8_MAX, MIN_AMAX)

@@ -37,6 +37,9 @@ BLOCK_N = 64
 BLOCK_K = 256
 WAVES = 4  # programs per SM the grid aims at (bytes in flight on every SM)
 WARPS, STAGES = 4, 4
+ROWS_MAX = 4  # up to this many tokens the CUDA-core kernel can run them (_fp8_gemv_rows_kernel)
+CUDA_CORE_BLOCK_N = 16
+CUDA_CORE_ELEMENTS = 4096  # ROWS * BLOCK_N * BLOCK_K products held per program (32 registers a lane)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Launch:
     iters: int  # BLOCK_K steps per slice
     warps: int
     stages: int
+    cuda_cores: bool  # the CUDA-core kernel (at most ROWS_MAX tokens), else tl.dot's
 
 
 @cache
@@ -55,15 +59,22 @@ def sm_count(device: int) -> int:
 
 
 def plan(
-    n: int, k: int, sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K, waves: int = WAVES,
-    warps: int = WARPS, stages: int = STAGES,
+    m: int, n: int, k: int, sms: int, block_n: int | None = None, block_k: int | None = None, waves: int = WAVES,
+    warps: int = WARPS, stages: int = STAGES, cuda_cores: bool | None = None,
 ) -> Launch:  # fmt: skip
-    """How to cut an [N, K] product for a GPU of `sms` SMs: K split until the grid has about
-    `waves` programs per SM (never into empty slices)."""
+    """How to cut the product of M tokens and an [N, K] weight for a GPU of `sms` SMs: up to
+    ROWS_MAX tokens on the CUDA cores (tiles of CUDA_CORE_ELEMENTS products per program and step),
+    more on the tensor cores; K split until the grid has about `waves` programs per SM (never into
+    empty slices)."""
+    cuda_cores = m <= ROWS_MAX if cuda_cores is None else cuda_cores
+    if cuda_cores:
+        block_n = block_n or CUDA_CORE_BLOCK_N
+        block_k = block_k or CUDA_CORE_ELEMENTS // (triton.next_power_of_2(m) * block_n)
+    block_n, block_k = block_n or BLOCK_N, block_k or BLOCK_K
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = max(1, min(steps, round(waves * sms / tiles)))
     iters = triton.cdiv(steps, splits)
-    return Launch(block_n, block_k, triton.cdiv(steps, iters), iters, warps, stages)
+    return Launch(block_n, block_k, triton.cdiv(steps, iters), iters, warps, stages, cuda_cores)
 
 
 @triton.jit
@@ -111,6 +122,52 @@ def _fp8_splitk_kernel(
 
 
 @triton.jit
+def _fp8_gemv_rows_kernel(
+    x_ptr, w_ptr, scale_ptr, input_scale_ptr, bias_ptr, out_ptr, M, N, stride_x,
+    K: tl.constexpr, ITERS: tl.constexpr, SPLITS: tl.constexpr, FP8_LIMIT: tl.constexpr,
+    FLOOR: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # The CUDA-core twin of _fp8_splitk_kernel for up to ROWS (<= 4) tokens: the weight tile is read
+    # along K (its contiguous axis), multiplied into float32 products kept per lane, and reduced over
+    # K once at the end, so the loop is loads, conversions and FMAs only.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    row_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x  # [ROWS, 1]
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
+    if STATIC:
+        s = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(input_scale_ptr)
+    else:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        s = tl.maximum(amax, FLOOR) / FP8_LIMIT
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    start = split * (ITERS * BLOCK_K)
+    for i in range(ITERS):
+        k = start + i * BLOCK_K + ks
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / s[:, None], -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc += q.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2) * s[:, None]  # [ROWS, BLOCK_N]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLITS == 1:
+        out = out * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], out, mask=ok)
+
+
+@triton.jit
 def _splitk_reduce_kernel(
     part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -144,15 +201,18 @@ def fp8_gemv(
     if not 0 < m <= MAX_TOKENS:
         raise ValueError(f"the fused fp8 GEMV takes 1..{MAX_TOKENS} tokens, got {m}")
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.is_contiguous()
-    go = launch or plan(n, k, sm_count(x.device.index or 0) if x.is_cuda else 132)
+    go = launch or plan(m, n, k, sm_count(x.device.index or 0) if x.is_cuda else 132)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     out = y if go.splits == 1 else torch.empty(go.splits, m, n, dtype=torch.float32, device=x.device)
     unused = scale  # stands in for the pointers a launch does not read
-    _fp8_splitk_kernel[(triton.cdiv(n, go.block_n), go.splits)](
+    rows_kernel = go.cuda_cores
+    assert m <= ROWS_MAX or not rows_kernel, "the CUDA-core kernel holds every token in each program"
+    kernel = _fp8_gemv_rows_kernel if rows_kernel else _fp8_splitk_kernel
+    kernel[(triton.cdiv(n, go.block_n), go.splits)](
         x, weight, scale, input_scale if input_scale is not None else unused, bias if bias is not None else unused,
-        out, m, n, x.stride(0), K=k, ITERS=go.iters, SPLITS=go.splits, FP8_LIMIT=limit, FLOOR=floor,
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=go.block_n,
-        BLOCK_K=go.block_k, num_warps=go.warps, num_stages=go.stages,
+        out, m, n, x.stride(0), k, go.iters, go.splits, limit, floor, input_scale is not None, bias is not None,
+        triton.next_power_of_2(m) if rows_kernel else BLOCK_M, go.block_n, go.block_k,
+        num_warps=go.warps, num_stages=go.stages,
     )  # fmt: skip
     if go.splits > 1:
         block = 1024
