@@ -7,12 +7,10 @@ channel, activations quantized per token inside the forward, the product on fp8 
     quantize_weight    a high-precision [N, K] weight -> Fp8Weight, per output channel
     linear             F.linear over a plain tensor or an Fp8Weight (the forward's one entry)
 
-On CUDA a forward of at most 16 tokens (a decode or verify step) runs the same product with the
-quantization fused into a split-K GEMV (model.kernels.fp8_gemm): `_scaled_mm` reads the weights of
-such a product at a fraction of the memory bandwidth. The forward has no host sync (amax,
-division and the cast stay on the device), so it is captured in CUDA graphs as the bf16 forward
-is. `_scaled_mm` needs K and N multiples of 16: a linear of another shape runs on its dequantized
-weight instead (one warning per shape; no model served today has such a projection).
+The forward has no host sync (amax, division and the cast stay on the device), so it is captured
+in CUDA graphs as the bf16 forward is. `_scaled_mm` needs K and N multiples of 16: a linear of
+another shape runs on its dequantized weight instead (one warning per shape; no model served today
+has such a projection).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ FP8_MAX = torch.finfo(FP8).max  # 448.0
 # instead of 0 (a zero scale would turn 0 / 0 into NaN).
 MIN_AMAX = 1e-12
 ALIGN = 16  # _scaled_mm's alignment of K and N
-SKINNY_TOKENS = 16  # forwards of at most this many tokens take the fused GEMV on CUDA (its MAX_TOKENS)
 
 WARNED: set[tuple[int, int]] = set()  # shapes already warned about (the fallback warns once each)
 
@@ -99,11 +96,6 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
     flat = x.reshape(-1, k)
     if flat.shape[0] == 0:  # no tokens (a shape, known on the host: no sync)
         return x.new_zeros(*lead, n)
-    if x.is_cuda and flat.shape[0] <= SKINNY_TOKENS and x.dtype in (torch.bfloat16, torch.float16):
-        from verifypd.model.kernels.fp8_gemm import fp8_gemv
-
-        flat = flat if flat.stride(1) == 1 else flat.contiguous()
-        return fp8_gemv(flat, w.weight, w.scale, w.input_scale, FP8_MAX, MIN_AMAX, bias).view(*lead, n)
     if x.is_cuda:  # one Triton launch (model.kernels.fp8_quant); the torch functions are its reference
         from verifypd.model.kernels.fp8_quant import quantize_rows
 
