@@ -21,7 +21,7 @@ from verifypd.domain.requests import RequestSpec
 from verifypd.model import kv_quant
 from verifypd.model.fp8 import FP8, FP8_MAX
 from verifypd.model.kv_pool import PoolGeometry, blocks_that_fit
-from verifypd.model.llama import apply_rope
+from verifypd.model.rope import apply_rope
 
 needs_triton = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -42,7 +42,7 @@ def test_quantize_saturates_and_round_trips_within_e4m3():
 
 def test_reference_store_quantizes_and_saturates():
     """The CPU path's write: fp8 caches get kv_quant.quantize (saturating), not a plain cast (NaN past 448)."""
-    from verifypd.model.llama import store_kv_reference
+    from verifypd.model.reference_attention import store_kv_reference
 
     k = torch.tensor([[[1.0, -600.0]], [[3.3, 1e5]]])  # [T, kvh, D]
     v = -k

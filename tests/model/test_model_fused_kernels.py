@@ -17,7 +17,8 @@ from verifypd.model.kernels.gelu_mul import gelu_mul
 from verifypd.model.kernels.rms_norm import add_rms_norm
 from verifypd.model.kernels.rope_kv import rope_and_store_kv
 from verifypd.model.kernels.silu_mul import silu_mul
-from verifypd.model.llama import apply_rope, rms_norm
+from verifypd.model.llama import rms_norm
+from verifypd.model.rope import apply_rope
 
 
 def rel(a, b):

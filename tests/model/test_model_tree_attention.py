@@ -10,7 +10,8 @@ import pytest
 import torch
 from engine_helpers import DEVICE
 
-from verifypd.model.llama import BatchLayout, tree_allowed
+from verifypd.model.llama import BatchLayout
+from verifypd.model.reference_attention import tree_allowed
 from verifypd.spec_decode.tree import ancestor_bits
 
 triton = pytest.importorskip("triton")

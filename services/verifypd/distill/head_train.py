@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verifypd.model.eagle_head import EagleConfig, EagleWeights
-from verifypd.model.llama import LayerWeights, apply_rope, rms_norm, rope_inv_freq
+from verifypd.model.llama import LayerWeights, rms_norm
+from verifypd.model.rope import apply_rope, rope_inv_freq
 
 
 class TrainableHead(nn.Module):

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from verifypd.model import kv_quant
 from verifypd.model.fp8 import Fp8Weight, linear
 from verifypd.model.moe import MoeShape, MoeWeights, expert_path, moe_forward
+from verifypd.model.reference_attention import attention_mask, reference_attention, store_kv_reference
+from verifypd.model.rope import apply_rope, rope_tables
 
 if TYPE_CHECKING:
     from verifypd.model.features import FeaturePool
@@ -167,55 +169,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-def rope_inv_freq(
-    shape: LlamaShape, device: torch.device, theta: float | None = None, scaling: dict | None = None
-) -> torch.Tensor:
-    """[head_dim / 2] inverse frequencies: base `theta` (default shape.rope_theta) under `scaling`
-    (default shape.rope_scaling): llama3, linear, or longrope's short factors (families.py holds
-    longrope models to their original context, where transformers uses those)."""
-    theta = shape.rope_theta if theta is None else theta
-    scaling = shape.rope_scaling if scaling is None else scaling
-    inv = 1.0 / (theta ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float64) / shape.head_dim))
-    kind = scaling.get("rope_type") if scaling else None
-    if kind == "llama3":
-        assert scaling is not None
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * torch.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv = torch.where(is_mid, mid, scaled)
-    elif kind == "linear":
-        assert scaling is not None
-        inv = inv / scaling["factor"]
-    elif kind == "longrope":
-        assert scaling is not None
-        inv = inv / torch.tensor(scaling["short_factor"], dtype=torch.float64)
-    return inv.float().to(device)
-
-
-def rope_tables(shape: LlamaShape, dtype: torch.dtype, device: torch.device, local: bool = False):
-    """(cos, sin) [max_context + slack, head_dim] of every position, looked up per step.
-    `local`: the sliding layers' tables of a model with their own base (Gemma 3; no scaling).
-    longrope (Phi-3) also multiplies cos and sin by its attention factor."""
-    positions = torch.arange(shape.max_context + 64, device=device, dtype=torch.float32)
-    scaling: dict = {} if local else dict(shape.rope_scaling or {})
-    theta = shape.local_rope_theta if local else None
-    freqs = positions[:, None] * rope_inv_freq(shape, device, theta, scaling)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    factor = scaling.get("attention_factor", 1.0)
-    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, D]. HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def attention_backend(name: str, device: torch.device) -> str:
@@ -406,7 +359,7 @@ class PagedLlama:
         cos, sin = cos_table[batch.positions][:, None, :], sin_table[batch.positions][:, None, :]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kv_reference(k, v, k_cache.view(flat), v_cache.view(flat), batch.slots)
-        return self._reference_attention(q, k_cache, v_cache, batch, mask)
+        return reference_attention(q, k_cache, v_cache, batch, mask, self.scale, s.attn_softcap)
 
     def mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """[T, H]: the layer's MLP for the normed input x [T, H], dense or mixture of experts, summed over
@@ -445,94 +398,6 @@ class PagedLlama:
             return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
-    def _reference_attention(self, q, k_cache, v_cache, batch: BatchLayout, mask) -> torch.Tensor:
-        s = self.shape
-        seq_of, idx_in_run = _token_coordinates(batch)
-        tables = batch.block_tables.long()
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kvh, C, D]
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        if kv_quant.is_fp8(k_cache):
-            keys = kv_quant.dequantize(keys, q.dtype, kv_quant.K_SCALE)
-            values = kv_quant.dequantize(values, q.dtype, kv_quant.V_SCALE)
-        # Slots past a sequence's last position may hold garbage, NaN included: zero them, since
-        # an additive -inf mask does not stop NaN (0 * NaN is NaN in the weighted sum).
-        visible = mask.isfinite().any(2)  # [B, 1, C]
-        keys = torch.where(visible[..., None], keys, 0)
-        values = torch.where(visible[..., None], values, 0)
-        num_seqs = tables.shape[0]
-        qp = q.new_zeros(num_seqs, batch.max_query, s.num_heads, s.head_dim)
-        qp[seq_of, idx_in_run] = q
-        if s.attn_softcap:  # scaled_dot_product_attention has no soft-capping: spelled out
-            out = softcapped_attention(qp.transpose(1, 2), keys, values, mask, self.scale, s.attn_softcap)
-        else:
-            out = F.scaled_dot_product_attention(
-                qp.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )  # [B, heads, Q, D]
-        return out.transpose(1, 2)[seq_of, idx_in_run].reshape(-1, s.num_heads * s.head_dim)
-
     def attention_mask(self, batch: BatchLayout, block_size: int, window: int = 0) -> torch.Tensor:
-        """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p, and with a
-        `window`, only those > p - window; in tree mode, the prefix and its tree bits' slots."""
-        num_seqs, max_blocks = batch.block_tables.shape
-        ctx = max_blocks * block_size
-        seq_of, idx_in_run = _token_coordinates(batch)
-        qpos = torch.full((num_seqs, batch.max_query), -1, dtype=torch.long, device=batch.positions.device)
-        qpos[seq_of, idx_in_run] = batch.positions
-        kpos = torch.arange(ctx, device=qpos.device)
-        if batch.tree is not None:
-            if window:
-                raise ValueError("tree attention takes no sliding window")
-            allowed = tree_allowed(batch, kpos, seq_of, idx_in_run)
-        else:
-            allowed = kpos[None, None, :] <= qpos[:, :, None]
-        if window:
-            allowed &= kpos[None, None, :] > qpos[:, :, None] - window
-        allowed[..., 0] |= qpos < 0  # padded query rows attend one key so softmax stays finite
-        mask = torch.zeros(allowed.shape, dtype=self.weights.embed.dtype, device=qpos.device)
-        return mask.masked_fill_(~allowed, float("-inf"))[:, None]
-
-
-def tree_allowed(batch: BatchLayout, kpos: torch.Tensor, seq_of: torch.Tensor, idx_in_run: torch.Tensor):
-    """[B, Q, C] bool: which key slots each query of a tree batch sees (the kernel's tree rule)."""
-    assert batch.tree is not None
-    base, length, bits = batch.tree
-    base, length = base.long()[seq_of][:, None], length.long()[seq_of][:, None]
-    rel = kpos[None, :] - base
-    in_tree = (rel >= 0) & (rel < length)
-    bit = (bits.long()[:, None] >> rel.clamp(0, 63)) & 1
-    seen = (kpos[None, :] < base) | (in_tree & (bit != 0))
-    allowed = torch.zeros(
-        batch.block_tables.shape[0], batch.max_query, kpos.numel(), dtype=torch.bool, device=kpos.device
-    )
-    allowed[seq_of, idx_in_run] = seen
-    return allowed
-
-
-def softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """q [B, heads, Q, D], k/v [B, kv_heads, C, D], mask [B, 1, Q, C] -> [B, heads, Q, D]: softmax over
-    cap * tanh(q.k * scale / cap) + mask, in float32 (transformers' eager Gemma 2 attention)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / cap) * cap + mask
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
-
-
-def store_kv_reference(k, v, k_cache, v_cache, slots) -> None:
-    """Plain torch twin of `store_kv`: k/v [T, kvh, D] into the flat cache (quantized when it is
-    fp8, model.kv_quant); negative slots skipped."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        k, v, slots = k[keep], v[keep], slots[keep]
-    if kv_quant.is_fp8(k_cache):
-        k, v = kv_quant.quantize(k, kv_quant.K_SCALE), kv_quant.quantize(v, kv_quant.V_SCALE)
-    k_cache[slots] = k
-    v_cache[slots] = v
-
-
-def _token_coordinates(batch: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence of each token [T], index of the token within its sequence's run [T])."""
-    starts = batch.query_start.long()
-    lens = starts[1:] - starts[:-1]
-    seq_of = torch.repeat_interleave(torch.arange(lens.numel(), device=starts.device), lens)
-    return seq_of, torch.arange(seq_of.numel(), device=starts.device) - starts[seq_of]
+        """The reference path's additive mask [B, 1, Q, C] (model.reference_attention) in the model dtype."""
+        return attention_mask(batch, block_size, window, self.weights.embed.dtype)
