@@ -7,10 +7,12 @@ Graphs (all sharing one memory pool and one set of static input buffers):
     k > 0 is one replay instead of a replay and ~15 eager launches;
   * ("last", B, Q): the same, logits of each sequence's last token (the draft's first step);
   * ("draft", B, mode): one draft-loop step (`draft_loop.draft_step`), replayed k - 1 times;
+  * (kind, B, Q, S): any of the three with split-KV attention in S parts (model.split_kv), replayed
+    for a call whose longest sequence has at least `split_min_context` positions, where B x Q rows
+    of attention programs alone would leave SMs idle (few sequences over long contexts);
   * in a runner of its own (ModelRunner.capture_prefill_graphs), ("last", 1, Q) for prefill chunks of
     one sequence padded to Q = 16 .. 256 tokens (model.runner.PREFILL_GRAPH_QUERIES), and ("last", 1,
-    Q, S) the same with split-KV attention in S parts (model.split_kv), for chunks after a long
-    cached prefix.
+    Q, S) for chunks after a long cached prefix.
 B is a padded batch bucket (1, 2, 4, ..., 256), Q a tokens-per-sequence count. Static inputs are
 filled before each replay with one host-to-device copy; outputs are views of static buffers,
 valid until the next replay of this runner (callers consume them within the lane call).
@@ -30,6 +32,7 @@ from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout
 from verifypd.model.llama import BatchLayout, PagedLlama
+from verifypd.model.split_kv import DECODE_SPLIT_MIN_CONTEXT, attention_programs, kv_splits
 from verifypd.model.verify_fit import fit_layout, variant_queries
 
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -38,6 +41,23 @@ SYNC_DEBUG = os.environ.get("VERIFYPD_SYNC_DEBUG") == "1"
 # Diagnostics only (bench/pipeline_race.py): VERIFYPD_SHARED_CAPTURE_STREAM=1 captures on torch's one
 # default capture stream, as before the fix below, to show the race it caused.
 SHARED_CAPTURE_STREAM = os.environ.get("VERIFYPD_SHARED_CAPTURE_STREAM") == "1"
+# SMs assumed where there are none (graphs="eager" on the CPU: tests of the split-KV plumbing).
+CPU_SM_STANDIN = 8
+
+
+def device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_STANDIN
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_splits(model: PagedLlama, rows: int, query: int, sm_count: int) -> int:
+    """Split-KV parts for the attention of `rows` sequences x `query` tokens (model.split_kv); 1 when
+    its programs fill the SMs or the attention is not the Triton kernel."""
+    if model.attention != "triton":
+        return 1
+    s = model.shape
+    return kv_splits(attention_programs(rows, s.num_kv_heads, s.num_heads // s.num_kv_heads, query), sm_count)
 
 
 class GraphRunner:
@@ -92,6 +112,9 @@ class GraphRunner:
         # each other's split-K GEMMs. One runner's graphs replay one at a time, so they may share.
         self._capture_stream = None if SHARED_CAPTURE_STREAM or replay != "cuda" else torch.cuda.Stream(device=dev)
         self.capture_seconds = 0.0
+        self.sm_count = device_sm_count(dev)
+        # Calls whose longest sequence has this many positions replay the split-KV variant (module doc).
+        self.split_min_context = DECODE_SPLIT_MIN_CONTEXT
 
     # -- sizes -------------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
@@ -145,7 +168,7 @@ class GraphRunner:
         """Loads left-aligned runs, writes the device-side ids, fits the rows to the verdict of the
         call before (`fit`, model.verify_fit), replays (kind, rows, query); -> rows."""
         rows = self.rows_for(len(runs))
-        graph = self.graph_for((kind, rows, query))
+        graph = self.graph_for(self.key(kind, runs, rows, query))
         self._load(runs, query, "left", rows, ks)
         if device_ids is not None and query > 1:  # see ModelRunner.score
             self.ids[: rows * query].view(rows, query)[: len(runs), 1:] = device_ids
@@ -159,11 +182,15 @@ class GraphRunner:
         graph.replay()
         return rows
 
-    def last_logits(self, runs: list[TokenRun], query: int, splits: int = 1) -> torch.Tensor:
+    def last_logits(self, runs: list[TokenRun], query: int, splits: int | None = None) -> torch.Tensor:
         """`splits` > 1: the graph whose attention cuts each program's keys into that many parts
-        (model.split_kv), captured beside the plain one."""
+        (model.split_kv), captured beside the plain one; None: as `key` decides."""
         rows = self.rows_for(len(runs))
-        graph = self.graph_for(("last", rows, query) if splits == 1 else ("last", rows, query, splits))
+        if splits is None:
+            key = self.key("last", runs, rows, query)
+        else:
+            key = ("last", rows, query) if splits == 1 else ("last", rows, query, splits)
+        graph = self.graph_for(key)
         self._load(runs, query, "right", rows)
         graph.replay()
         return self.logits[: len(runs)]
@@ -222,6 +249,19 @@ class GraphRunner:
         return self.bucket(batch) is not None and steps <= self.max_draft_steps
 
     # -- capture -----------------------------------------------------------------------------
+    def key(self, kind: str, runs: list[TokenRun], rows: int, query: int) -> tuple:
+        """The graph of a call: its split-KV variant when its longest sequence reaches
+        `split_min_context` positions and the attention's grid leaves SMs idle."""
+        splits = attention_splits(self.model, rows, query, self.sm_count)
+        if splits > 1 and max(r.start_pos + len(r.token_ids) for r in runs) >= self.split_min_context:
+            return (kind, rows, query, splits)
+        return (kind, rows, query)
+
+    @property
+    def captured(self) -> list[tuple]:
+        """The keys of the graphs captured so far."""
+        return list(self._graphs)
+
     def graph_for(self, key: tuple) -> Replayable:
         """The graph for `key`, captured on first use. Call before loading a call's inputs: capture
         runs the forward once and must find the static inputs inert."""
@@ -238,7 +278,7 @@ class GraphRunner:
             state = self.draft.head(rows)
             fn = lambda: draft_step(self.model, self.pool, state, self.block_size, key[2])  # noqa: E731
         else:
-            splits = key[3] if len(key) > 3 else 1  # ("last", 1, Q, splits): split-KV prefill (ModelRunner)
+            splits = key[3] if len(key) > 3 else 1  # (kind, B, Q, splits): split-KV attention
             fn = lambda: self._forward(kind, rows, key[2], splits)  # noqa: E731
         t0 = time.perf_counter()
         # Warm up on a side stream (lazy cuBLAS/Triton init stays out of the graph). Slots -1 and
@@ -267,6 +307,9 @@ class GraphRunner:
                 for query in range(1 if kind != "accept" else 2, (max_query or self.max_query) + 1):
                     if self.fits(rows, query):
                         self.graph_for((kind, rows, query))
+                        splits = attention_splits(self.model, rows, query, self.sm_count)
+                        if splits > 1:
+                            self.graph_for((kind, rows, query, splits))
         if "accept" in kinds and self.replay == "cuda":
             self.compile_fit_variants(max_query or self.max_query)
         return time.perf_counter() - t0

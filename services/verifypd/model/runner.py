@@ -9,11 +9,11 @@ import torch
 
 from verifypd.model import sampler
 from verifypd.model.draft_loop import DraftState, draft_step
-from verifypd.model.graph_runner import BUCKETS, GraphRunner, write_verdict
+from verifypd.model.graph_runner import BUCKETS, GraphRunner, attention_splits, device_sm_count, write_verdict
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.layout import PinnedStaging, TokenRun, build_layout, to_device
 from verifypd.model.llama import BatchLayout, PagedLlama
-from verifypd.model.split_kv import SPLIT_MIN_CONTEXT, attention_programs, kv_splits
+from verifypd.model.split_kv import SPLIT_MIN_CONTEXT
 from verifypd.model.verify_fit import fit_layout
 
 # One sequence's prefill chunk of up to 256 tokens runs as a CUDA graph padded to the next of these:
@@ -24,8 +24,6 @@ from verifypd.model.verify_fit import fit_layout
 # on large models either (longer chunks are compute-bound: eager). Several sequences in one call (a
 # burst) stay eager, their host time shared.
 PREFILL_GRAPH_QUERIES = (16, 32, 64, 96, 128, 192, 256)
-# SMs assumed where there are none (graphs="eager" on the CPU: tests of the split-KV plumbing).
-CPU_SM_STANDIN = 8
 
 
 def prefill_query(queries: tuple[int, ...], tokens: int) -> int | None:
@@ -117,16 +115,9 @@ class ModelRunner:
 
     def splits_for(self, query: int) -> int:
         """Split-KV parts for one sequence of `query` new tokens (1: the Triton attention is not used)."""
-        if self.model.attention != "triton":
-            return 1
         if self._sm_count is None:
-            cuda = self.device.type == "cuda"
-            self._sm_count = (
-                torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else CPU_SM_STANDIN
-            )
-        s = self.model.shape
-        programs = attention_programs(1, s.num_kv_heads, s.num_heads // s.num_kv_heads, query)
-        return kv_splits(programs, self._sm_count)
+            self._sm_count = device_sm_count(self.device)
+        return attention_splits(self.model, 1, query, self._sm_count)
 
     @property
     def vocab_size(self) -> int:

@@ -12,6 +12,10 @@ from __future__ import annotations
 # program's walk over the keys is short and the combine's extra launch a layer would not pay.
 SPLIT_MIN_CONTEXT = 512
 MOST_SPLITS = 16
+# A decode or verify step of few sequences takes it (a captured variant of its graph) from this many
+# positions in its longest sequence: below, each program walks at most a few key tiles and the
+# combine's launch would cost about what the split saves (bench/engine/decode_splits.py).
+DECODE_SPLIT_MIN_CONTEXT = 256
 
 
 def next_power_of_2(n: int) -> int:
@@ -27,6 +31,8 @@ def attention_programs(num_seqs: int, num_kv_heads: int, group: int, max_query: 
 
 def kv_splits(programs: int, sm_count: int, most: int = MOST_SPLITS) -> int:
     """Parts per program (a power of two, 1..`most`) so that `programs` x parts fill about twice
-    `sm_count` SMs."""
+    `sm_count` SMs; 1 when `programs` alone fill them."""
+    if programs >= sm_count:
+        return 1
     want = -(-2 * sm_count // max(programs, 1))
     return min(most, next_power_of_2(max(want, 1)))
