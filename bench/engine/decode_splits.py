@@ -6,6 +6,10 @@ RANDOM WEIGHTS with a real model's shape (default Llama-2-7B). "split" lets the 
 split variant (split_min_context 0: whenever the grid leaves SMs idle); "plain" never splits. Each
 timing is the median of --repeats runs of --iters steps (CUDA events), after a warm-up.
 
+The split variants are captured at start-up beside the plain graphs: `warm_up` times a target's
+start-up capture (kinds "all" and "accept", queries up to --warm-query) without and with them, for
+each of --warm-models (random weights), and counts the graphs.
+
     python bench/engine/decode_splits.py --out bench/results/decode_splits_h200.json
 """
 
@@ -49,6 +53,26 @@ def step_ms(runner: ModelRunner, runs: list[TokenRun], iters: int, repeats: int)
     return statistics.median(times)
 
 
+def warm_up(name: str, query: int, device: torch.device) -> dict:
+    """Start-up capture of a target's verify graphs without and with the split variants."""
+    loaded = random_model(name, device, torch.bfloat16, 2048)
+    s = loaded.shape
+    row: dict = dict(model=f"random:{name}")
+    for label, min_context in (("plain", None), ("with_splits", 256)):
+        pool = KvPool(
+            "target", PoolGeometry(s.num_layers, 512, BLOCK, s.num_kv_heads, s.head_dim), torch.bfloat16, device
+        )
+        runner = ModelRunner(PagedLlama(s, loaded.weights), pool)
+        assert runner.graphs is not None
+        runner.graphs.split_min_context = min_context
+        row[f"{label}_s"] = round(runner.graphs.warm_up(("all", "accept"), max_query=query), 2)
+        row[f"{label}_graphs"] = len(runner.graphs.captured)
+        del runner, pool
+        torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-2-7b", help="a random: shape (model.loader.RANDOM_SHAPES)")
@@ -56,6 +80,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="64,256,1024,4096")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warm-models", default="tinyllama-1.1b,llama-2-7b")
+    ap.add_argument("--warm-query", type=int, default=8, help="k_max + 1 of the start-up capture")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -82,6 +108,9 @@ def main() -> int:
             row["split_speedup"] = round(row["plain_ms"] / row["split_ms"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    del runner, model, pool, loaded
+    torch.cuda.empty_cache()
+    warm = [warm_up(name, args.warm_query, device) for name in args.warm_models.split(",") if name]
     result = dict(
         metadata(),
         benchmark="decode_splits",
@@ -89,6 +118,7 @@ def main() -> int:
         model=f"random:{args.model}",
         dtype="bfloat16",
         rows=rows,
+        warm_up=warm,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

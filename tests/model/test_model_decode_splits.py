@@ -1,7 +1,8 @@
 """Decode and verify steps of few sequences over long contexts replay the split-KV variant of their
 graph (GraphRunner.key, model.split_kv): the logits equal the torch reference forward's over the same
 pool (fp32), for "last" (decode, a draft's first step), "all" (verify) and "accept" (greedy verify)
-graphs, and a short context keeps the plain graph. On the CPU the graphs' functions run over their
+graphs; a short context keeps the plain graphs, and so does every call with the variants switched
+off (split_min_context None). On the CPU the graphs' functions run over their
 static buffers (graphs="eager") and the Triton kernels under TRITON_INTERPRET=1 (conftest.py)."""
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def prefilled(model_dir: str, attention: str, prompts: list[list[int]], tables: 
     return runner
 
 
-@pytest.mark.parametrize(("lengths", "split"), [((150, 201), True), ((9, 20), False)])
-def test_split_graphs_equal_the_reference(model_dir, lengths, split):
+@pytest.mark.parametrize(
+    ("lengths", "min_context", "split"), [((150, 201), LONG, True), ((9, 20), LONG, False), ((150, 201), None, False)]
+)
+def test_split_graphs_equal_the_reference(model_dir, lengths, min_context, split):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
     # Contexts past two 64-key tiles: each split gets keys of its own.
@@ -59,6 +62,7 @@ def test_split_graphs_equal_the_reference(model_dir, lengths, split):
     ref = prefilled(model_dir, "reference", prompts, tables)
     got = prefilled(model_dir, "triton", prompts, tables)
     assert got.graphs is not None
+    got.graphs.split_min_context = min_context  # None: no split variants
     drafts = [[rng.randrange(3, VOCAB) for _ in range(3)] for _ in prompts]
     runs = [TokenRun([p[-1]], len(p), t) for p, t in zip(prompts, tables)]  # a decode step
     verify = [TokenRun([p[-1], *d], len(p), t) for p, d, t in zip(prompts, drafts, tables)]  # k = 3

@@ -113,8 +113,9 @@ class GraphRunner:
         self._capture_stream = None if SHARED_CAPTURE_STREAM or replay != "cuda" else torch.cuda.Stream(device=dev)
         self.capture_seconds = 0.0
         self.sm_count = device_sm_count(dev)
-        # Calls whose longest sequence has this many positions replay the split-KV variant (module doc).
-        self.split_min_context = DECODE_SPLIT_MIN_CONTEXT
+        # Calls whose longest sequence has this many positions replay the split-KV variant (module doc);
+        # None: no split variants (none captured at warm-up either).
+        self.split_min_context: int | None = DECODE_SPLIT_MIN_CONTEXT
 
     # -- sizes -------------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
@@ -252,6 +253,8 @@ class GraphRunner:
     def key(self, kind: str, runs: list[TokenRun], rows: int, query: int) -> tuple:
         """The graph of a call: its split-KV variant when its longest sequence reaches
         `split_min_context` positions and the attention's grid leaves SMs idle."""
+        if self.split_min_context is None:
+            return (kind, rows, query)
         splits = attention_splits(self.model, rows, query, self.sm_count)
         if splits > 1 and max(r.start_pos + len(r.token_ids) for r in runs) >= self.split_min_context:
             return (kind, rows, query, splits)
@@ -308,7 +311,7 @@ class GraphRunner:
                     if self.fits(rows, query):
                         self.graph_for((kind, rows, query))
                         splits = attention_splits(self.model, rows, query, self.sm_count)
-                        if splits > 1:
+                        if splits > 1 and self.split_min_context is not None:
                             self.graph_for((kind, rows, query, splits))
         if "accept" in kinds and self.replay == "cuda":
             self.compile_fit_variants(max_query or self.max_query)
