@@ -9,18 +9,27 @@ through its block table and attended with `scaled_dot_product_attention` on a pa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from verifypd.model import kv_quant
 
-if TYPE_CHECKING:
-    from verifypd.model.llama import BatchLayout
+
+class AttentionBatch(Protocol):
+    """What the reference path reads of a batch (model.llama.BatchLayout, which imports this module)."""
+
+    positions: torch.Tensor  # [T] long
+    block_tables: torch.Tensor  # [B, W]
+    query_start: torch.Tensor  # [B + 1] int32
+    max_query: int
+
+    @property
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
 
-def reference_attention(q, k_cache, v_cache, batch: BatchLayout, mask, scale: float, softcap: float | None):
+def reference_attention(q, k_cache, v_cache, batch: AttentionBatch, mask, scale: float, softcap: float | None):
     """[T, heads * D]: the new tokens' attention over their contexts (their own K/V already stored)."""
     heads, head_dim = q.shape[1], q.shape[2]
     seq_of, idx_in_run = token_coordinates(batch)
@@ -46,7 +55,7 @@ def reference_attention(q, k_cache, v_cache, batch: BatchLayout, mask, scale: fl
     return out.transpose(1, 2)[seq_of, idx_in_run].reshape(-1, heads * head_dim)
 
 
-def attention_mask(batch: BatchLayout, block_size: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+def attention_mask(batch: AttentionBatch, block_size: int, window: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, Q, C]: query at position p sees keys at positions <= p, and with a
     `window`, only those > p - window; in tree mode, the prefix and its tree bits' slots."""
     num_seqs, max_blocks = batch.block_tables.shape
@@ -68,7 +77,7 @@ def attention_mask(batch: BatchLayout, block_size: int, window: int, dtype: torc
     return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
-def tree_allowed(batch: BatchLayout, kpos: torch.Tensor, seq_of: torch.Tensor, idx_in_run: torch.Tensor):
+def tree_allowed(batch: AttentionBatch, kpos: torch.Tensor, seq_of: torch.Tensor, idx_in_run: torch.Tensor):
     """[B, Q, C] bool: which key slots each query of a tree batch sees (the kernel's tree rule)."""
     assert batch.tree is not None
     base, length, bits = batch.tree
@@ -106,7 +115,7 @@ def store_kv_reference(k, v, k_cache, v_cache, slots) -> None:
     v_cache[slots] = v
 
 
-def token_coordinates(batch: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def token_coordinates(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence of each token [T], index of the token within its sequence's run [T])."""
     starts = batch.query_start.long()
     lens = starts[1:] - starts[:-1]

@@ -4,16 +4,23 @@ rotation the reference path applies (the Triton path rotates in model.kernels.ro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from verifypd.model.llama import LlamaShape
+
+class RopeShape(Protocol):
+    """What RoPE reads of a shape (model.llama.LlamaShape, which imports this module)."""
+
+    head_dim: int
+    max_context: int
+    rope_theta: float
+    rope_scaling: dict | None
+    local_rope_theta: float | None
 
 
 def rope_inv_freq(
-    shape: LlamaShape, device: torch.device, theta: float | None = None, scaling: dict | None = None
+    shape: RopeShape, device: torch.device, theta: float | None = None, scaling: dict | None = None
 ) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies: base `theta` (default shape.rope_theta) under `scaling`
     (default shape.rope_scaling): llama3, linear, or longrope's short factors (families.py holds
@@ -41,7 +48,7 @@ def rope_inv_freq(
     return inv.float().to(device)
 
 
-def rope_tables(shape: LlamaShape, dtype: torch.dtype, device: torch.device, local: bool = False):
+def rope_tables(shape: RopeShape, dtype: torch.dtype, device: torch.device, local: bool = False):
     """(cos, sin) [max_context + slack, head_dim] of every position, looked up per step.
     `local`: the sliding layers' tables of a model with their own base (Gemma 3; no scaling).
     longrope (Phi-3) also multiplies cos and sin by its attention factor."""
