@@ -104,7 +104,7 @@ def engine_alone(args) -> None:
     from verifypd.cli import build_parser
     from verifypd.domain.requests import RequestSpec
     from verifypd.engine import Engine
-    from verifypd.launch.cli import engine_options
+    from verifypd.launch.serve_args import engine_options
 
     serve_args = build_parser().parse_args(["serve", *engine_flags(args, args.engine_alone)])
     engine = Engine(engine_options(serve_args))

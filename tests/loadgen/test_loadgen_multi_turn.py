@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from verifypd_loadgen.cli import build_plan, run_parser
 from verifypd_loadgen.multi_turn import MultiTurnWorkload
+from verifypd_loadgen.run_args import run_parser
+from verifypd_loadgen.run_plan import build_plan
 from verifypd_loadgen.workload import Distribution
 
 

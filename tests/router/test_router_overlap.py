@@ -226,7 +226,7 @@ def test_overlap_mixed_with_speculative_steps(tiny_models, hf_target):
 @pytest.mark.parametrize("flag,overlap,ahead", [("off", False, False), ("on", True, False), ("ahead", True, True)])
 def test_overlap_flag_reaches_the_config(flag, overlap, ahead):
     from verifypd.cli import build_parser
-    from verifypd.launch.cli import engine_options
+    from verifypd.launch.serve_args import engine_options
 
     config = engine_options(build_parser().parse_args(["serve", "--overlap", flag])).config
     assert (config.overlap, config.admit_ahead) == (overlap, ahead)

@@ -201,7 +201,7 @@ def test_schedule_validation_and_cli():
     assert RuntimeConfig(pipeline=True).pipelined
     assert not RuntimeConfig(schedule="pd").pipelined and not RuntimeConfig(pipeline=False).pipelined
     from verifypd.cli import build_parser, schedule_changes
-    from verifypd.launch.cli import engine_options
+    from verifypd.launch.serve_args import engine_options
 
     args = build_parser().parse_args(["generate", "--offline", "--schedule", "baseline", "hi"])
     assert schedule_changes(args) == {
