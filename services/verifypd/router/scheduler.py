@@ -22,7 +22,6 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.router.block_manager import BlockManager
@@ -30,48 +29,12 @@ from verifypd.router.draft_length import ProbeSchedule, StepCostModel, cap_k
 from verifypd.router.k_decision import KDecision
 from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.sequence import SeqStatus, Sequence
+from verifypd.router.step_plan import DecodeWork, PrefillChunk, StepPlan
 
 # pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
 # requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
 # compute-bound verify, where every drafted token costs its share of verify compute next step.
 VERIFY_QUEUE_SOFT = 32
-
-
-@dataclass
-class PrefillChunk:
-    seq: Sequence
-    start: int
-    end: int  # exclusive
-    sample_first: bool  # last chunk of a fresh prompt: sample the first output token
-    # Also write this chunk's draft KV (docs/engine.md "Draft prefill only when drafting"): False
-    # while the request is not expected to draft; its draft KV then lags and its first draft call
-    # catches up. Always True without lazy_draft_prefill (and meaningless with a pool-less draft).
-    with_draft: bool = True
-
-
-@dataclass
-class DecodeWork:
-    seq: Sequence
-    k: int
-    held: bool = False  # verify the drafts held from the previous (pipelined) step; draft nothing now
-    probe: bool = False  # drafts PROBE_K although the batch's k is 0 (see ProbeSchedule)
-    lookup: bool = False  # its drafts this step are prompt lookup's, not the head's (spec_decode.lookup_mix)
-
-
-@dataclass
-class StepPlan:
-    prefill: list[PrefillChunk]
-    decode: list[DecodeWork]
-    preempted: list[Sequence]
-    out_of_room: list[Sequence]  # alone in a full pool: the router ends them with LENGTH
-    # pdv pipelined steps: requests that draft now and verify next step (disjoint from `decode`,
-    # which then holds only requests verifying held drafts or plain-decoding with k = 0).
-    draft_ahead: list[DecodeWork] = field(default_factory=list)
-    pipelined: bool = False
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
 
 
 class Scheduler:

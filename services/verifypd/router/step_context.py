@@ -37,8 +37,9 @@ from verifypd.router.commits import append_tokens, record_verdict, take_drafts
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
 from verifypd.router.draft_length import TYPICAL_DRAFT_INPUT, StepCostModel
 from verifypd.router.prefix_cache import PrefixCache, root_key
-from verifypd.router.scheduler import DecodeWork, PrefillChunk, Scheduler, StepPlan
+from verifypd.router.scheduler import Scheduler
 from verifypd.router.sequence import SeqStatus, Sequence, held_after
+from verifypd.router.step_plan import DecodeWork, PrefillChunk, StepPlan
 
 # A step's cost sample (StepCostModel): (pipelined, requests verified, k).
 CostSample = tuple[bool, int, int]

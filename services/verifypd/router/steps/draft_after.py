@@ -38,9 +38,9 @@ from typing import Any
 
 from verifypd.domain.lanes import DraftItem, VerifyItem, drafts_after_verdict
 from verifypd.router.commits import Proposal, take_drafts
-from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import HeldDraft, SeqStatus
 from verifypd.router.step_context import StepContext
+from verifypd.router.step_plan import DecodeWork
 
 MAX_VERIFIED_K = 8  # placeholders of a verify call with up to this k fit the head's catch-up graphs (9)
 

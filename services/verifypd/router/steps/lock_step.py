@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import FinishReason, RequestOutput
-from verifypd.router.scheduler import StepPlan
 from verifypd.router.sequence import held_after
 from verifypd.router.step_context import BesidePrefill, CostSample, StepContext, starts_async
+from verifypd.router.step_plan import StepPlan
 from verifypd.router.steps import StepResult
 from verifypd.router.steps.overlapped import Overlapped
 from verifypd.router.steps.speculate_ahead import SpeculateAhead

@@ -53,9 +53,9 @@ from typing import Any
 
 from verifypd.domain.lanes import HostTokens, TokenFeed, VerifyItem, feeds_host_tokens, feeds_tokens
 from verifypd.domain.requests import RequestOutput
-from verifypd.router.scheduler import DecodeWork, PrefillChunk
 from verifypd.router.sequence import SeqStatus, Sequence
 from verifypd.router.step_context import BesidePrefill, StartedPrefill, StepContext
+from verifypd.router.step_plan import DecodeWork, PrefillChunk
 from verifypd.router.steps import StepResult
 
 

@@ -19,9 +19,9 @@ import os
 from verifypd.domain.lanes import DraftOutput
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.commits import take_drafts
-from verifypd.router.scheduler import StepPlan
 from verifypd.router.sequence import HeldDraft, held_after
 from verifypd.router.step_context import BesidePrefill, StepContext
+from verifypd.router.step_plan import StepPlan
 from verifypd.router.steps.lock_step import Decoded, LockStep
 
 # Diagnostics only: VERIFYPD_SERIAL_PIPELINE=1 keeps pdv's groups and held drafts but makes the

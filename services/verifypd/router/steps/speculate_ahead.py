@@ -30,9 +30,9 @@ from typing import Any
 
 from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict, plain_item
 from verifypd.domain.requests import RequestOutput
-from verifypd.router.scheduler import DecodeWork, StepPlan
 from verifypd.router.sequence import SeqStatus, held_after
 from verifypd.router.step_context import StepContext
+from verifypd.router.step_plan import DecodeWork, StepPlan
 from verifypd.router.steps import StepResult
 from verifypd.router.steps.draft_after import DraftAfter, Fitted, Launched
 from verifypd.router.steps.overlapped import Overlapped
