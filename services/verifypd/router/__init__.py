@@ -7,6 +7,7 @@ steps/           the step strategies, one per module: lock_step, pipelined, base
                  speculate_ahead (with draft_after)
 scheduler.py     continuous batching: who prefills (chunked), who decodes with which k; plans ahead
 step_plan.py     a step's plan (the scheduler's output): prefill chunks, decode work with its k
+block_reservations.py  the blocks a plan reserves over the target and draft pools, all or nothing
 sequence.py      a request's state machine; block_manager.py: paged-KV block bookkeeping
 commits.py       lane results into a request's state: drafts taken, verdicts recorded, tokens appended
 draft_length.py  the draft-length (k) policy; step_costs.py: measured step costs and acceptance

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.router.block_manager import BlockManager
+from verifypd.router.block_reservations import BlockReservations
 from verifypd.router.draft_length import ProbeSchedule, StepCostModel, cap_k
 from verifypd.router.k_decision import KDecision
 from verifypd.router.prefix_cache import PrefixCache
@@ -56,15 +57,12 @@ class Scheduler:
         acceptance there, would otherwise keep asking for k_initial drafts, and each such step
         (a draft call answering nothing, then a k = 0 verify) could not be chained (steps.overlapped).
         `prefix`: prefix caching (router.prefix_cache): a waiting request is admitted after its cached
-        prefix (`_admit_cached`); its draft KV may then start shorter and catch up in the draft call."""
+        prefix (`BlockReservations.admit_cached`); its draft KV may then start shorter and catch up in
+        the draft call."""
         self.never_drafts = never_drafts
         self.clock = clock  # the router's: stamps a request's first admission (queue time)
-        self.prefix = prefix
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
-        self.target = target_blocks
-        # None: a pool-less draft lane needs no draft blocks (`draft` grows and frees none)
-        self.draft_blocks = draft_blocks
-        self.draft: BlockManager | _NoPool = draft_blocks or _NoPool()
+        self.blocks = BlockReservations(target_blocks, draft_blocks, prefix)
         self.max_context = max_context
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
@@ -97,8 +95,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drops a finished or cancelled sequence and returns its blocks."""
-        self.target.free(seq.target_blocks)
-        self.draft.free(seq.draft_blocks)
+        self.blocks.free(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -280,7 +277,7 @@ class Scheduler:
         """Blocks for k + 1 target / k draft positions: k falls to 0 first, then the lowest-priority
         newest other request is preempted. Returns the k reserved, None if `seq` is out of room."""
         n = seq.pending_pos
-        while not self._reserve(seq, n, k):
+        while not self.blocks.reserve(seq, n, k):
             if k > 0 and can_drop_k:
                 k = 0
                 continue
@@ -305,7 +302,9 @@ class Scheduler:
                 decode = self._plan_decode(config, costs, preempted, out_of_room, only=seq)
                 self._rr_last = seq.arrival_order
                 return StepPlan([], decode, preempted, out_of_room)
-            chunk = self._chunk(seq, config.prefill_token_budget, reserve=len(self.running) if seq is head else 0)
+            chunk = self.blocks.prefill_chunk(
+                seq, config.prefill_token_budget, reserve=len(self.running) if seq is head else 0
+            )
             if chunk is None:
                 continue
             if seq is head:
@@ -323,26 +322,12 @@ class Scheduler:
         if seq.stats.scheduled_time is None:
             seq.stats.scheduled_time = self.clock()
 
-    def _reserve(self, seq: Sequence, n: int, k: int, with_draft: bool = True) -> bool:
-        """Blocks for n + k + 1 target and (`with_draft`) n + k draft positions, all or nothing."""
-        draft = self.draft if with_draft else _NoPool()
-        if len(seq.target_blocks) * self.target.block_size >= n + k + 1 and (  # already held: most steps
-            not with_draft or self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k
-        ):
-            return True
-        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and draft.can_grow(seq.draft_blocks, n + k)):
-            return False
-        self.target.grow(seq.target_blocks, n + k + 1)
-        draft.grow(seq.draft_blocks, n + k)
-        return True
-
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
         candidates = [s for s in self.running if s is not exclude]
         return max(candidates, key=Sequence.sort_key) if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
-        self.target.free(seq.target_blocks)
-        self.draft.free(seq.draft_blocks)
+        self.blocks.free(seq)
         self.running.remove(seq)
         seq.reset_for_recompute()
         self.add(seq)
@@ -352,58 +337,20 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.status is SeqStatus.PREFILLING), key=Sequence.sort_key):
             if budget <= 0:
                 return chunks
-            chunk = self._chunk(seq, budget, reserve=0)
+            chunk = self.blocks.prefill_chunk(seq, budget, reserve=0)
             if chunk is None:
                 continue
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
         while budget > 0 and self._waiting and len(self.running) < self.max_running:
             seq = self._waiting[0][1]
-            chunk = self._chunk(seq, budget, reserve=len(self.running))
+            chunk = self.blocks.prefill_chunk(seq, budget, reserve=len(self.running))
             if chunk is None:
                 break  # head of the queue does not fit: keep FIFO-by-priority order, wait
             self._admit_head()
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
         return chunks
-
-    def _chunk(self, seq: Sequence, budget: int, reserve: int) -> PrefillChunk | None:
-        if self.prefix is not None and not seq.target_blocks:
-            return self._admit_cached(seq, budget, reserve, self.prefix)
-        start = seq.target_computed
-        end = min(seq.prefill_target, start + budget)
-        if not (
-            self.target.can_grow(seq.target_blocks, end, reserve)
-            and self.draft.can_grow(seq.draft_blocks, end, reserve)
-        ):
-            return None
-        self.target.grow(seq.target_blocks, end)
-        self.draft.grow(seq.draft_blocks, end)
-        last = end == seq.prefill_target
-        return PrefillChunk(
-            seq, start, end, sample_first=last and seq.samples_after_prefill, with_draft=seq.draft_computed == start
-        )
-
-    def _admit_cached(self, seq: Sequence, budget: int, reserve: int, prefix: PrefixCache) -> PrefillChunk | None:
-        """A waiting request's first chunk, after the prefix the cache holds: the cached blocks count
-        as already there (only those no one holds take free blocks), all or nothing."""
-        hits, draft_hits = prefix.lookup(seq)
-        start = len(hits) * self.target.block_size
-        end = min(seq.prefill_target, start + budget)
-        if not (self.target.can_admit(hits, end, reserve) and self.draft.can_admit(draft_hits, end, reserve)):
-            return None
-        self.target.acquire(seq.target_blocks, hits)
-        self.target.grow(seq.target_blocks, end)
-        self.draft.acquire(seq.draft_blocks, draft_hits)
-        self.draft.grow(seq.draft_blocks, end)
-        seq.target_computed = start
-        if self.draft_blocks is not None:  # a pool-less lane is fed the whole history in its first call
-            seq.draft_computed = len(draft_hits) * self.draft_blocks.block_size
-        prefix.admitted(seq, hits, draft_hits)
-        last = end == seq.prefill_target
-        return PrefillChunk(
-            seq, start, end, sample_first=last and seq.samples_after_prefill, with_draft=seq.draft_computed == start
-        )
 
     # -- planning ahead: before the step in flight reaches the host ---------------------------
     # A chained plain step (steps.overlapped) is certain to be what `plan` would make: its decoding
@@ -413,8 +360,8 @@ class Scheduler:
     # step instead (`follow_blocked`): a prompt longer than the budget (chunked over several steps)
     # and a preempted request's recompute, which samples no first token for the next step to read.
     # Drafts launched after a verify call (steps.draft_after) take the k `plan_after` decides, and a
-    # speculative step launched ahead (steps.speculate_ahead) reserves blocks by `fits_ahead` and
-    # `reserve_target`.
+    # speculative step launched ahead (steps.speculate_ahead) reserves blocks by
+    # `BlockReservations.fits_ahead` and `reserve_target`.
     def plan_after(
         self, config: RuntimeConfig, costs: StepCostModel, rows: list[tuple[Sequence, int]]
     ) -> list[tuple[Sequence, int]]:
@@ -437,37 +384,9 @@ class Scheduler:
             pending = seq.pending_pos + k_now + 1  # the next pending position if all k_now are accepted
             k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1), self.max_context - 1 - pending)
             # the head writes rows up to pending + k - 1 (the chain's last step feeds at that position)
-            if k > 0 and (self.draft_blocks is None or self.draft_blocks.grow(seq.draft_blocks, pending + k)):
+            if k > 0 and self.blocks.draft.grow(seq.draft_blocks, pending + k):
                 work.append((seq, k))
         return work
-
-    def fits_ahead(self, seqs: list[Sequence]) -> bool:
-        """Would `_plan_decode` reserve the next step of `seqs` (each at the k of the drafts it holds, or
-        0) without preempting anyone? (steps.speculate_ahead plans ahead only then.)"""
-        ks = [len(s.held_draft.tokens) if s.held_draft is not None else 0 for s in seqs]
-        target = sum(
-            self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + k + 1)
-            for s, k in zip(seqs, ks, strict=False)
-        )
-        if target > self.target.num_free:
-            return False
-        draft = self.draft_blocks
-        return (
-            draft is None
-            or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks, strict=False))
-            <= draft.num_free
-        )
-
-    def reserve_target(self, rows: list[tuple[Sequence, int]]) -> bool:
-        """Target blocks for `rows` (request, positions it may write), all or none, without preemption:
-        a verify call launched before the verdict of the one before it may write its longest outcome's
-        positions (steps.speculate_ahead). False (nothing reserved) if they are not free."""
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, n) for s, n in rows)
-        if need > self.target.num_free:
-            return False
-        for seq, n in rows:
-            self.target.grow(seq.target_blocks, n)
-        return True
 
     def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
         """The k = 0 step after the one in flight, planned before that one's tokens are committed:
@@ -477,34 +396,21 @@ class Scheduler:
         would make: k 0 with no probe (KDecision.plain_certain), every block free without preemption.
         Otherwise nothing changes and False is returned."""
         # Held at k = 0 (router.zero_hold), or k_max 0, nothing drafts until that ends, so the draft pool's
-        # blocks are not grown: the step that drafts next reserves them all (`_reserve`), as a
+        # blocks are not grown: the step that drafts next reserves them all (`BlockReservations.reserve`), as a
         # draft that catches up after plain steps needs them.
         held = self.k.held("batch", None)
         draft = config.k_max > 0 and not held
-        if not seqs or not self.k.plain_certain(config, costs, seqs, held) or not self._next_position_fits(seqs, draft):
+        if (
+            not seqs
+            or not self.k.plain_certain(config, costs, seqs, held)
+            or not self.blocks.next_position_fits(seqs, draft)
+        ):
             return False
         k_batch, probed = self.k.batch_k(config, costs, seqs, config.k_max, "batch")
         if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
             return False  # (plain_certain rules this out; with k 0 and k_min 0 every cap is 0)
-        self._reserve_next_position(seqs, draft)
+        self.blocks.reserve_next_position(seqs, draft)
         return True
-
-    def _next_position_fits(self, seqs: list[Sequence], with_draft: bool = True) -> bool:
-        """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
-        needs pending_pos + 2 target positions (a draft holds one fewer; `with_draft` False: not
-        counted). Are those blocks free?"""
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        draft = self.draft_blocks if with_draft else None
-        return need <= self.target.num_free and (
-            draft is None
-            or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= draft.num_free
-        )
-
-    def _reserve_next_position(self, seqs: list[Sequence], with_draft: bool = True) -> None:
-        """Reserves what `_next_position_fits` counted free (as _reserve(seq, n + 1, 0))."""
-        for seq in seqs:
-            reserved = self._reserve(seq, seq.pending_pos + 1, 0, with_draft)
-            assert reserved, "blocks counted free were not"
 
     def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
         """Can the requests just admitted (`admit_follow`'s chunks) decode in the chained step
@@ -524,9 +430,9 @@ class Scheduler:
             or all(s.spec.max_k == 0 for s in self.running)
         ):
             return False
-        if not self._next_position_fits(seqs):  # the first token sits at pending_pos + 1: the prompt's end
+        if not self.blocks.next_position_fits(seqs):  # the first token sits at pending_pos + 1: the prompt's end
             return False
-        self._reserve_next_position(seqs)
+        self.blocks.reserve_next_position(seqs)
         return True
 
     def follow_blocked(self, config: RuntimeConfig) -> bool:
@@ -554,7 +460,7 @@ class Scheduler:
             need = seq.prefill_target - seq.target_computed
             if not seq.samples_after_prefill or need > budget:
                 break
-            chunk = self._chunk(seq, budget, reserve=len(self.running))
+            chunk = self.blocks.prefill_chunk(seq, budget, reserve=len(self.running))
             if chunk is None:
                 break  # no room: it waits, as in _plan_prefill
             self._admit_head()
@@ -562,27 +468,3 @@ class Scheduler:
             budget -= need
         self._mark_draft_kv(config, costs, chunks)
         return chunks
-
-    def release_tables(self, target: list[int], draft: list[int]) -> None:
-        """Returns blocks held back from a finished request (steps.overlapped) once nothing queued writes them."""
-        self.target.free(target)
-        self.draft.free(draft)
-
-
-class _NoPool:
-    """Stands in for the draft BlockManager when the draft lane owns no pool: always room, no blocks."""
-
-    def can_grow(self, blocks: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return True
-
-    def grow(self, blocks: list[int], num_tokens: int) -> None:
-        pass
-
-    def can_admit(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return True
-
-    def acquire(self, blocks: list[int], hits: list[int]) -> None:
-        pass
-
-    def free(self, blocks: list[int]) -> None:
-        pass

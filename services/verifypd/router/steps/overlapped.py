@@ -371,7 +371,7 @@ class Overlapped:
                     self.prefill_s += ctx.clock() - t0
             finally:
                 for target, draft in prev.held:
-                    ctx.scheduler.release_tables(target, draft)
+                    ctx.scheduler.blocks.release_tables(target, draft)
                 prev.held.clear()
         return results, prefilled, waited
 

@@ -83,7 +83,7 @@ class SpeculateAhead:
             and not sched.num_waiting
             and any(held_after(s) for s in running)
             and all(s.status is SeqStatus.DECODING for s in running)
-            and sched.fits_ahead(running)
+            and sched.blocks.fits_ahead(running)
         )
 
     def launch(self, ctx: StepContext, launched: Launched | None = None) -> None:
@@ -176,7 +176,7 @@ class SpeculateAhead:
                 continue  # ended since `items` was launched (fitted itself): its row is dropped
             start = item.start_pos + len(item.draft_tokens) + 1
             rows.append((r, w.seq, start, drafted.get(w.seq.request_id, 0)))
-        if not rows or not ctx.scheduler.reserve_target([(seq, start + k + 1) for _, seq, start, k in rows]):
+        if not rows or not ctx.scheduler.blocks.reserve_target([(seq, start + k + 1) for _, seq, start, k in rows]):
             return
         next_work, next_items = [], []
         for _, seq, start, k in rows:
