@@ -5,7 +5,8 @@ step_context.py  StepContext: what the strategies share (lanes, pools, scheduler
                  sequences) and the operations they share (lane calls, commits, streaming, finishing)
 steps/           the step strategies, one per module: lock_step, pipelined, baseline, overlapped,
                  speculate_ahead (with draft_after)
-scheduler.py     continuous batching: who prefills (chunked), who decodes with which k; plans ahead
+scheduler.py     continuous batching: who prefills (chunked), who decodes with which k
+plan_ahead.py    steps planned on the scheduler's state before the step in flight reaches the host
 step_plan.py     a step's plan (the scheduler's output): prefill chunks, decode work with its k
 block_reservations.py  the blocks a plan reserves over the target and draft pools, all or nothing
 sequence.py      a request's state machine; block_manager.py: paged-KV block bookkeeping

@@ -15,6 +15,9 @@ The schedule (`RuntimeConfig.schedule`, docs/engine.md "Schedules") changes what
   * pd, and pdv without pipelining: the above, every decoding request draft + verify lock-step;
   * pdv pipelined: decoding requests are in two groups; each step one group drafts (drafts held
     until the next step) while the other verifies the drafts it made the step before.
+
+Steps planned before the step in flight reaches the host (a chained plain step, the drafts launched
+after a verify call) are planned on the scheduler's state by router.plan_ahead.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
         self.running: list[Sequence] = []
         # the draft-length decisions and their state (router.k_decision)
-        self.k = KDecision(never_drafts, draft_blocks is None, self._cap)
+        self.k = KDecision(never_drafts, draft_blocks is None, self.cap)
         self._phase = 0  # pdv: the group that drafts in the current pipelined step
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
 
@@ -89,6 +92,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def queue_head(self) -> Sequence | None:
+        """The waiting request admitted next (None: none waits)."""
+        return self._waiting[0][1] if self._waiting else None
 
     def has_work(self) -> bool:
         return bool(self._waiting or self.running)
@@ -122,7 +130,7 @@ class Scheduler:
         if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
             budget = max(budget, config.idle_prefill_token_budget)
         prefill = self._plan_prefill(budget)
-        self._mark_draft_kv(config, costs, prefill)
+        self.mark_draft_kv(config, costs, prefill)
         return StepPlan(
             prefill=prefill,
             decode=decode,
@@ -132,7 +140,7 @@ class Scheduler:
             pipelined=pipelined,
         )
 
-    def _mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
+    def mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
         """Lazy draft prefill: a chunk writes draft KV only while drafting is expected soon."""
         if self.lazy_draft_prefill and chunks:
             reason = self.k.draft_kv_reason(config, costs, len(self.running) + len(self._waiting))
@@ -200,7 +208,7 @@ class Scheduler:
             if seq.held_draft is not None:
                 k, held = len(seq.held_draft.tokens), True
             else:
-                k, held = self._cap(config, seq, probed.get(seq.request_id, k_batch)), False
+                k, held = self.cap(config, seq, probed.get(seq.request_id, k_batch)), False
             reserved = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
             if reserved is not None:
                 work.append(DecodeWork(seq, reserved, held=held and reserved > 0, probe=probe and reserved > 0))
@@ -223,7 +231,7 @@ class Scheduler:
         for seq in verifying:  # first: their blocks for n + k + 1 were reserved when they drafted
             if seq in preempted:
                 continue
-            if seq.held_draft is None and self._cap(config, seq, config.k_max if last_k is None else last_k) > 0:
+            if seq.held_draft is None and self.cap(config, seq, config.k_max if last_k is None else last_k) > 0:
                 # Just moved here (joined, rebalanced): it waits one step and drafts with its group
                 # next step, so its k sequence is a lock-step run's. (Seeded tokens no longer depend
                 # on k: coupled acceptance, verifypd.model.sampler. Plain-decoding it now instead
@@ -242,7 +250,7 @@ class Scheduler:
                 continue
             probe = seq.request_id in probed
             reserved = self._reserve_or_preempt(
-                seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
+                seq, self.cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
             )
             if reserved is None:
                 continue
@@ -267,7 +275,8 @@ class Scheduler:
                 sizes[big] -= 1
                 sizes[1 - big] += 1
 
-    def _cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
+    def cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
+        """`seq`'s k from the batch's: within its max_k, its tokens left and the context."""
         k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
         return max(0, min(k, self.max_context - 1 - seq.pending_pos))  # verify writes positions n..n+k
 
@@ -308,12 +317,12 @@ class Scheduler:
             if chunk is None:
                 continue
             if seq is head:
-                self._admit_head()
+                self.admit_head()
             self._rr_last = seq.arrival_order
             return StepPlan([chunk], [], preempted, out_of_room)
         return StepPlan([], [], preempted, out_of_room)
 
-    def _admit_head(self) -> None:
+    def admit_head(self) -> None:
         """The head of the waiting queue starts prefilling; its first admission ends its queue time."""
         seq = heapq.heappop(self._waiting)[1]
         seq.status = SeqStatus.PREFILLING
@@ -347,124 +356,7 @@ class Scheduler:
             chunk = self.blocks.prefill_chunk(seq, budget, reserve=len(self.running))
             if chunk is None:
                 break  # head of the queue does not fit: keep FIFO-by-priority order, wait
-            self._admit_head()
+            self.admit_head()
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
-        return chunks
-
-    # -- planning ahead: before the step in flight reaches the host ---------------------------
-    # A chained plain step (steps.overlapped) is certain to be what `plan` would make: its decoding
-    # requests plain-decode (`plan_follow`), and the waiting requests it admits are the ones `plan`
-    # would admit now, by priority, within the prefill token budget, below max_running, with a block
-    # reserve of one per running request (`admit_follow`). Two kinds of admission need the regular
-    # step instead (`follow_blocked`): a prompt longer than the budget (chunked over several steps)
-    # and a preempted request's recompute, which samples no first token for the next step to read.
-    # Drafts launched after a verify call (steps.draft_after) take the k `plan_after` decides, and a
-    # speculative step launched ahead (steps.speculate_ahead) reserves blocks by
-    # `BlockReservations.fits_ahead` and `reserve_target`.
-    def plan_after(
-        self, config: RuntimeConfig, costs: StepCostModel, rows: list[tuple[Sequence, int]]
-    ) -> list[tuple[Sequence, int]]:
-        """The next step's drafting work, (request, k) pairs, for `rows` (request, k of its verify call
-        in flight), planned before that call's verdict (steps.draft_after): the batch's k as
-        `_plan_decode` would decide it now, capped per request for the longest outcome (every draft
-        accepted), draft blocks reserved for it without preemption (a request that does not fit is
-        left out: it joins the next step at k = 0). A decision of k = 0 (or with probes) drafts
-        nothing now and is kept for the next `_plan_decode`."""
-        self.k.decided = None
-        seqs = [seq for seq, _ in rows]
-        if not seqs:
-            return []
-        k_batch, probed = self.k.batch_k(config, costs, seqs, config.k_max, "batch")
-        if k_batch == 0 or probed:
-            self.k.decided = (frozenset(s.request_id for s in seqs), k_batch, probed)
-            return []
-        work = []
-        for seq, k_now in rows:
-            pending = seq.pending_pos + k_now + 1  # the next pending position if all k_now are accepted
-            k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1), self.max_context - 1 - pending)
-            # the head writes rows up to pending + k - 1 (the chain's last step feeds at that position)
-            if k > 0 and self.blocks.draft.grow(seq.draft_blocks, pending + k):
-                work.append((seq, k))
-        return work
-
-    def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
-        """The k = 0 step after the one in flight, planned before that one's tokens are committed:
-        `seqs` (each with one token in flight: a decoding request's next token, or the first token of
-        a request whose prefill is in flight) get the blocks of one more position, and the k decision
-        is recorded as `plan` would record it. Only where that step is certain to be what `plan`
-        would make: k 0 with no probe (KDecision.plain_certain), every block free without preemption.
-        Otherwise nothing changes and False is returned."""
-        # Held at k = 0 (router.zero_hold), or k_max 0, nothing drafts until that ends, so the draft pool's
-        # blocks are not grown: the step that drafts next reserves them all (`BlockReservations.reserve`), as a
-        # draft that catches up after plain steps needs them.
-        held = self.k.held("batch", None)
-        draft = config.k_max > 0 and not held
-        if (
-            not seqs
-            or not self.k.plain_certain(config, costs, seqs, held)
-            or not self.blocks.next_position_fits(seqs, draft)
-        ):
-            return False
-        k_batch, probed = self.k.batch_k(config, costs, seqs, config.k_max, "batch")
-        if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
-            return False  # (plain_certain rules this out; with k 0 and k_min 0 every cap is 0)
-        self.blocks.reserve_next_position(seqs, draft)
-        return True
-
-    def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
-        """Can the requests just admitted (`admit_follow`'s chunks) decode in the chained step
-        launched with their prefill (steps.overlapped: prefill first, their first token fed from it)?
-        Only with `config.admit_ahead`, where k is 0 whatever the batch (plan_follow decided k for the
-        batch without them), and the blocks of their first decode position are free; then those are
-        reserved. Otherwise nothing changes and False is returned (they join the step after, their
-        prefill beside)."""
-        seqs = [c.seq for c in chunks]
-        if not config.admit_ahead or not seqs or not all(c.sample_first for c in chunks):
-            return False
-        if not (
-            config.k_max == 0
-            or self.never_drafts
-            or not config.adaptive
-            and config.k_initial == 0
-            or all(s.spec.max_k == 0 for s in self.running)
-        ):
-            return False
-        if not self.blocks.next_position_fits(seqs):  # the first token sits at pending_pos + 1: the prompt's end
-            return False
-        self.blocks.reserve_next_position(seqs)
-        return True
-
-    def follow_blocked(self, config: RuntimeConfig) -> bool:
-        """`plan` would start the head of the queue now, but not as one whole-prompt chunk that
-        samples its first token (a prompt longer than the prefill budget, a recompute after
-        preemption): a chained step cannot take it, the chain must end for the regular step."""
-        if not self._waiting or len(self.running) >= self.max_running:
-            return False
-        head = self._waiting[0][1]
-        return (
-            not head.samples_after_prefill or head.prefill_target - head.target_computed > config.prefill_token_budget
-        )
-
-    def admit_follow(self, config: RuntimeConfig, costs: StepCostModel) -> list:
-        """Admits waiting requests into the chained step (called after `plan_follow` reserved its
-        decode blocks, as `plan` reserves decode before prefill): by priority while each whole
-        prompt fits the remaining budget and the pool (with a reserve of one block per running
-        request), below max_running. A request that would only get part of the remaining budget
-        stays queued (the head of the queue next step, with the whole budget). Returns the
-        scheduler's PrefillChunks (each a whole prompt that samples the first token)."""
-        budget = config.prefill_token_budget
-        chunks = []
-        while self._waiting and len(self.running) < self.max_running:
-            seq = self._waiting[0][1]
-            need = seq.prefill_target - seq.target_computed
-            if not seq.samples_after_prefill or need > budget:
-                break
-            chunk = self.blocks.prefill_chunk(seq, budget, reserve=len(self.running))
-            if chunk is None:
-                break  # no room: it waits, as in _plan_prefill
-            self._admit_head()
-            chunks.append(chunk)
-            budget -= need
-        self._mark_draft_kv(config, costs, chunks)
         return chunks

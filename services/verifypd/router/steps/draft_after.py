@@ -19,7 +19,7 @@ at k = 0. So a step's host work is: launch verify, launch the next drafts, wait,
 Why the tokens are the same: the call is the one the next step would make (the same tokens once
 fitted, the same target features, which verify N wrote at the verified positions; a feature draft's
 catch-up re-feeds every verified token, as StepContext.commit_verdicts's rule says), with k decided by
-the same policy a step earlier (`Scheduler.plan_after`, from the acceptance known before N's
+the same policy a step earlier (`plan_ahead.plan_after`, from the acceptance known before N's
 verdict). Held drafts that are dropped (the request finished, was preempted or cancelled) need no
 rollback: the head's rows past the verified positions are rewritten by its next catch-up.
 With prompt lookup mixed in (`eagle+ngram:`) the next step takes lookup's proposal instead where the
@@ -38,6 +38,7 @@ from typing import Any
 
 from verifypd.domain.lanes import DraftItem, VerifyItem, drafts_after_verdict
 from verifypd.router.commits import Proposal, take_drafts
+from verifypd.router.plan_ahead import plan_after
 from verifypd.router.sequence import HeldDraft, SeqStatus
 from verifypd.router.step_context import StepContext
 from verifypd.router.step_plan import DecodeWork
@@ -102,7 +103,8 @@ class DraftAfter:
         rows = {w.seq.request_id: n for n, w in enumerate(work)}
         # (a verify call launched before the verdict before it, steps.speculate_ahead, may hold rows of
         # requests that ended since: they draft no more)
-        plan = ctx.scheduler.plan_after(
+        plan = plan_after(
+            ctx.scheduler,
             config,
             ctx.costs,
             [
