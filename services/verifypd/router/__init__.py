@@ -6,6 +6,7 @@ step_context.py  StepContext: what the strategies share (lanes, pools, scheduler
 steps/           the step strategies, one per module: lock_step, pipelined, baseline, overlapped,
                  speculate_ahead (with draft_after)
 scheduler.py     continuous batching: who prefills (chunked), who decodes with which k
+pipeline_groups.py  pdv pipelining's two groups, the drafting group's k limit
 plan_ahead.py    steps planned on the scheduler's state before the step in flight reaches the host
 step_plan.py     a step's plan (the scheduler's output): prefill chunks, decode work with its k
 block_reservations.py  the blocks a plan reserves over the target and draft pools, all or nothing

@@ -31,14 +31,10 @@ from verifypd.router.block_manager import BlockManager
 from verifypd.router.block_reservations import BlockReservations
 from verifypd.router.draft_length import ProbeSchedule, StepCostModel, cap_k
 from verifypd.router.k_decision import KDecision
+from verifypd.router.pipeline_groups import assign_groups, drafting_k_limit
 from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.sequence import SeqStatus, Sequence
 from verifypd.router.step_plan import DecodeWork, PrefillChunk, StepPlan
-
-# pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
-# requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
-# compute-bound verify, where every drafted token costs its share of verify compute next step.
-VERIFY_QUEUE_SOFT = 32
 
 
 class Scheduler:
@@ -223,7 +219,7 @@ class Scheduler:
         token left) plain-decodes every step in the verify call, whichever its group."""
         self._phase ^= 1
         decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
-        self._assign_groups(decoding)
+        assign_groups(decoding, self._phase)
         drafting = [s for s in decoding if s.group == self._phase and s.held_draft is None]
         verifying = [s for s in decoding if not (s.group == self._phase and s.held_draft is None)]
         verify: list[DecodeWork] = []
@@ -242,7 +238,7 @@ class Scheduler:
             if reserved is not None:
                 verify.append(DecodeWork(seq, reserved, held=reserved > 0))
         queue = len(verify)
-        hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
+        hi = drafting_k_limit(config.k_max, queue)
         k_group, probed = self.k.batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
         ahead: list[DecodeWork] = []
         for seq in drafting:
@@ -257,23 +253,6 @@ class Scheduler:
             # k = 0 (speculation off, nothing left to draft, no room): plain decoding now, not idling
             (ahead if reserved > 0 else verify).append(DecodeWork(seq, reserved, probe=probe and reserved > 0))
         return [w for w in verify if w.seq not in preempted], [w for w in ahead if w.seq not in preempted]
-
-    def _assign_groups(self, decoding: list[Sequence]) -> None:
-        """Newcomers join the smaller group (ties: the one drafting now); when requests leave, the
-        newest requests holding no drafts move until the sizes differ by at most one."""
-        sizes = [sum(s.group == g for s in decoding) for g in (0, 1)]
-        for seq in decoding:
-            if seq.group is None:
-                seq.group = self._phase if sizes[self._phase] <= sizes[1 - self._phase] else 1 - self._phase
-                sizes[seq.group] += 1
-        for seq in reversed(decoding):
-            big = 0 if sizes[0] > sizes[1] else 1
-            if sizes[big] - sizes[1 - big] <= 1:
-                break
-            if seq.group == big and seq.held_draft is None:
-                seq.group = 1 - big
-                sizes[big] -= 1
-                sizes[1 - big] += 1
 
     def cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
         """`seq`'s k from the batch's: within its max_k, its tokens left and the context."""
