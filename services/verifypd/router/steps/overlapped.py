@@ -53,9 +53,11 @@ from typing import Any
 
 from verifypd.domain.lanes import HostTokens, TokenFeed, VerifyItem, feeds_host_tokens, feeds_tokens
 from verifypd.domain.requests import RequestOutput
+from verifypd.router.lane_items import kv_handle
 from verifypd.router.plan_ahead import admit_follow, follow_blocked, join_now, plan_follow
+from verifypd.router.prefill_calls import BesidePrefill, StartedPrefill, start_prefill
 from verifypd.router.sequence import SeqStatus, Sequence
-from verifypd.router.step_context import BesidePrefill, StartedPrefill, StepContext
+from verifypd.router.step_context import StepContext
 from verifypd.router.step_plan import DecodeWork, PrefillChunk
 from verifypd.router.steps import StepResult
 
@@ -241,7 +243,7 @@ class Overlapped:
                     start_pos=n,
                     draft_tokens=(),
                     sampling=seq.spec.sampling,
-                    target_kv=ctx.handle(pool, seq.target_blocks, n, n, seq.target_freed),
+                    target_kv=kv_handle(pool, seq.target_blocks, n, n, seq.target_freed),
                 )
             )
         try:
@@ -255,7 +257,7 @@ class Overlapped:
             self.admitting += 1
         if chunks:
             try:  # beside the verify call, as a regular step's `beside`
-                prefill_started = ctx.start_prefill(chunks)
+                prefill_started = start_prefill(ctx, chunks)
                 self.prefill_s += prefill_started.launch_s
             except BaseException:
                 self._wait_quietly(started)
@@ -280,7 +282,7 @@ class Overlapped:
         their rows, from `offset` on, and the prefill's first tokens as the feed's next source): the
         verify stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with the step
         before (`InFlight.ahead`, Overlapped.step)."""
-        started = ctx.start_prefill(chunks)
+        started = start_prefill(ctx, chunks)
         if started.next_tokens is None:
             self._wait_quietly(started)
             raise RuntimeError("a prefill lane that samples every item left no first tokens on the device")

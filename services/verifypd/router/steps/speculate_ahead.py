@@ -30,6 +30,8 @@ from typing import Any
 
 from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict, plain_item
 from verifypd.domain.requests import RequestOutput
+from verifypd.router.lane_items import target_handle, verify_items
+from verifypd.router.proposals import proposals
 from verifypd.router.sequence import SeqStatus, held_after
 from verifypd.router.step_context import StepContext
 from verifypd.router.step_plan import DecodeWork, StepPlan
@@ -109,8 +111,8 @@ class SpeculateAhead:
             self.next_plan = plan
             self.kept += 1
             return
-        drafts, typical = ctx.proposals(work)  # prompt lookup's in place of held drafts, if mixed
-        items, typical = ctx.verify_items(work, drafts, typical)
+        drafts, typical = proposals(ctx, work)  # prompt lookup's in place of held drafts, if mixed
+        items, typical = verify_items(ctx, work, drafts, typical)
         started = ctx.verify_lane.verify_start(items)
         launched = self.launch_after(ctx, work, items, started)[0] if self.draft_after.eligible(ctx, items) else None
         self.inflight = InFlightStep(work, items, started, launched, typical)
@@ -188,7 +190,7 @@ class SpeculateAhead:
                     0,
                     start,
                     tokens,
-                    ctx.target_handle(seq, start, seq.target_computed),
+                    target_handle(ctx, seq, start, seq.target_computed),
                     seq.spec.sampling,
                     probs,
                 )
@@ -215,7 +217,7 @@ class SpeculateAhead:
                 item,
                 pending_token=seq.ids(start, start + 1)[0],
                 start_pos=start,
-                target_kv=ctx.target_handle(seq, start, seq.target_computed),
+                target_kv=target_handle(ctx, seq, start, seq.target_computed),
             )
         launched = None
         if self._chains(ctx) and self.draft_after.eligible(ctx, fitted.items):
