@@ -282,7 +282,7 @@ class Scheduler:
         the head of the queue when a slot is free: its next prefill chunk, or its draft + verify."""
         preempted: list[Sequence] = []
         out_of_room: list[Sequence] = []
-        head = self._waiting[0][1] if self._waiting and len(self.running) < self.max_running else None
+        head = self.queue_head if len(self.running) < self.max_running else None
         order = sorted(self.running + ([head] if head is not None else []), key=lambda s: s.arrival_order)
         later = [s for s in order if s.arrival_order > self._rr_last]
         for seq in later + [s for s in order if s not in later]:
@@ -330,9 +330,8 @@ class Scheduler:
                 continue
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
-        while budget > 0 and self._waiting and len(self.running) < self.max_running:
-            seq = self._waiting[0][1]
-            chunk = self.blocks.prefill_chunk(seq, budget, reserve=len(self.running))
+        while budget > 0 and (head := self.queue_head) is not None and len(self.running) < self.max_running:
+            chunk = self.blocks.prefill_chunk(head, budget, reserve=len(self.running))
             if chunk is None:
                 break  # head of the queue does not fit: keep FIFO-by-priority order, wait
             self.admit_head()
