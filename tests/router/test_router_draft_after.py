@@ -345,7 +345,7 @@ def test_a_plan_that_cannot_go_ahead_is_the_next_steps(tiny_models, head, monkey
     prompts = _prompts(6, seed=4)
     plain = make_engine(tiny_models[0], "none", k=0).generate(_specs(prompts))
     engine = make_engine(tiny_models[0], head, k=4, num_blocks=24)
-    monkeypatch.setattr(type(engine.router.scheduler), "fits_ahead", lambda self, seqs: True)
+    monkeypatch.setattr(type(engine.router.scheduler.blocks), "fits_ahead", lambda self, seqs: True)
     done = engine.generate(_specs(prompts))
     assert {r: c.token_ids for r, c in done.items()} == {r: c.token_ids for r, c in plain.items()}
     assert engine.router.ahead.kept > 0 and engine.router.ahead.steps > 0

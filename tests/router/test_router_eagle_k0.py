@@ -110,7 +110,7 @@ def test_a_held_batch_that_drafts_again_grows_its_draft_blocks_then(tiny_models,
         router.step()
     scheduler = router.scheduler
     assert scheduler.held_steps > PROBE_FIRST // 2, scheduler.held_steps
-    block = scheduler.draft_blocks.block_size
+    block = router.draft_blocks.block_size
     lagging = [s for s in scheduler.running if len(s.draft_blocks) * block < s.pending_pos - block]
     assert len(lagging) == 6, [(len(s.draft_blocks), s.pending_pos) for s in scheduler.running]
     drafted = {s.request_id: s.stats.draft_tokens for s in lagging}
@@ -121,8 +121,8 @@ def test_a_held_batch_that_drafts_again_grows_its_draft_blocks_then(tiny_models,
     assert all(len(s.draft_blocks) * block >= s.pending_pos for s in scheduler.running)
     while router.has_work():
         router.step()
-    assert scheduler.draft_blocks.num_free == scheduler.draft_blocks.num_blocks
-    assert scheduler.target.num_free == scheduler.target.num_blocks
+    assert router.draft_blocks.num_free == router.draft_blocks.num_blocks
+    assert router.target_blocks.num_free == router.target_blocks.num_blocks
 
 
 @pytest.mark.parametrize("draft, warm", [("head", True), ("mix", True), ("self:1", True), ("head", False)])
@@ -189,4 +189,4 @@ def test_k_max_0_chained_steps_grow_no_draft_blocks(tiny_models, head, draft):
     assert {s.request_id: len(s.draft_blocks) for s in scheduler.running} == before
     while router.has_work():
         router.step()
-    assert scheduler.draft.num_free == scheduler.draft.num_blocks
+    assert router.draft_blocks.num_free == router.draft_blocks.num_blocks

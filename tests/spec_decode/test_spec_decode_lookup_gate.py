@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from verifypd.domain.requests import RequestSpec, RequestStats
-from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import Sequence
+from verifypd.router.step_plan import DecodeWork
 from verifypd.spec_decode.lookup_mix import CONSULT_EVERY, QUIET_RATE, LookupGate, LookupMix
 
 

@@ -12,8 +12,8 @@ from engine_helpers import make_engine
 from verifypd.domain.lanes import KvHandle, VerifyItem
 from verifypd.domain.requests import RequestSpec, RequestStats, SamplingParams
 from verifypd.lanes.device_values import DeviceDraftTokens, DraftBatch
-from verifypd.router.scheduler import DecodeWork
 from verifypd.router.sequence import Sequence
+from verifypd.router.step_plan import DecodeWork
 from verifypd.spec_decode.lookup_mix import LookupMix
 
 pytestmark = pytest.mark.slow  # seeded decoding with a head and prompt lookup in every schedule (tests/README.md)

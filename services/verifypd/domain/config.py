@@ -44,7 +44,7 @@ class RuntimeConfig:
     overlap: bool = True
     # With `overlap`: a request admitted into a chained step is prefilled ahead of that step's verify
     # call and decodes in it (first token one step call sooner), where k is 0 whatever the batch
-    # (Scheduler.join_now); off: its prefill runs beside the step and it joins the next one. Off by
+    # (plan_ahead.join_now); off: its prefill runs beside the step and it joins the next one. Off by
     # default until measured served on a GPU (docs/engine.md "Overlapped scheduling").
     admit_ahead: bool = False
     revision: int = 0

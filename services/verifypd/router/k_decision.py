@@ -1,6 +1,6 @@
 """The draft-length decision of each step's batch (its k, and which requests probe while it is 0),
 with the state it carries from step to step: the hysteresis, the k = 0 "off" decisions and their
-rechecks, the probes' schedule, the k = 0 hold, and a decision taken ahead (`Scheduler.plan_after`)
+rechecks, the probes' schedule, the k = 0 hold, and a decision taken ahead (`plan_ahead.plan_after`)
 for the plan right after it. Torch-free.
 
 The pure cost and goodput rules live in router/draft_length.py; the scheduler (router/scheduler.py)
@@ -35,7 +35,7 @@ class KDecision:
     def __init__(self, never_drafts: bool, pool_less: bool, cap: Callable[[RuntimeConfig, Sequence, int], int]):
         """`never_drafts`: the draft lane proposes nothing (`--draft none`); `pool_less`: it owns no
         KV pool (prompt lookup: nothing to catch up, any request can be probed); `cap`: a request's k
-        within its limits (Scheduler._cap: max_k, tokens left, the context)."""
+        within its limits (Scheduler.cap: max_k, tokens left, the context)."""
         self.never_drafts, self.pool_less, self.cap = never_drafts, pool_less, cap
         self.probes = ProbeSchedule()
         self.last_k: dict[object, int | None] = {}  # per decision key: the last k decided
@@ -260,7 +260,7 @@ class KDecision:
         self.probes.spend(extra)
         return probed
 
-    # -- overlapped scheduling (steps.overlapped; plan_follow, admit_follow below) ---------------
+    # -- overlapped scheduling (steps.overlapped; plan_ahead.plan_follow, admit_follow) ---------
     def plain_certain(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence], held: bool) -> bool:
         """`_plan_decode` would give every one of `seqs` k = 0 and probe none, whatever the
         acceptance the step in flight teaches (a k = 0 step teaches none). `held`: in the k = 0 hold."""

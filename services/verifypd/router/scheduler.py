@@ -15,6 +15,9 @@ The schedule (`RuntimeConfig.schedule`, docs/engine.md "Schedules") changes what
   * pd, and pdv without pipelining: the above, every decoding request draft + verify lock-step;
   * pdv pipelined: decoding requests are in two groups; each step one group drafts (drafts held
     until the next step) while the other verifies the drafts it made the step before.
+
+Steps planned before the step in flight reaches the host (a chained plain step, the drafts launched
+after a verify call) are planned on the scheduler's state by router.plan_ahead.
 """
 
 from __future__ import annotations
@@ -22,56 +25,16 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from verifypd.domain.config import RuntimeConfig
 from verifypd.router.block_manager import BlockManager
+from verifypd.router.block_reservations import BlockReservations
 from verifypd.router.draft_length import ProbeSchedule, StepCostModel, cap_k
 from verifypd.router.k_decision import KDecision
+from verifypd.router.pipeline_groups import assign_groups, drafting_k_limit
 from verifypd.router.prefix_cache import PrefixCache
 from verifypd.router.sequence import SeqStatus, Sequence
-
-# pdv pipelining: a drafting group's k is capped at k_max * VERIFY_QUEUE_SOFT / q once q, the
-# requests in the step's verify call, exceeds VERIFY_QUEUE_SOFT: a long verify queue means a large,
-# compute-bound verify, where every drafted token costs its share of verify compute next step.
-VERIFY_QUEUE_SOFT = 32
-
-
-@dataclass
-class PrefillChunk:
-    seq: Sequence
-    start: int
-    end: int  # exclusive
-    sample_first: bool  # last chunk of a fresh prompt: sample the first output token
-    # Also write this chunk's draft KV (docs/engine.md "Draft prefill only when drafting"): False
-    # while the request is not expected to draft; its draft KV then lags and its first draft call
-    # catches up. Always True without lazy_draft_prefill (and meaningless with a pool-less draft).
-    with_draft: bool = True
-
-
-@dataclass
-class DecodeWork:
-    seq: Sequence
-    k: int
-    held: bool = False  # verify the drafts held from the previous (pipelined) step; draft nothing now
-    probe: bool = False  # drafts PROBE_K although the batch's k is 0 (see ProbeSchedule)
-    lookup: bool = False  # its drafts this step are prompt lookup's, not the head's (spec_decode.lookup_mix)
-
-
-@dataclass
-class StepPlan:
-    prefill: list[PrefillChunk]
-    decode: list[DecodeWork]
-    preempted: list[Sequence]
-    out_of_room: list[Sequence]  # alone in a full pool: the router ends them with LENGTH
-    # pdv pipelined steps: requests that draft now and verify next step (disjoint from `decode`,
-    # which then holds only requests verifying held drafts or plain-decoding with k = 0).
-    draft_ahead: list[DecodeWork] = field(default_factory=list)
-    pipelined: bool = False
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
+from verifypd.router.step_plan import DecodeWork, PrefillChunk, StepPlan
 
 
 class Scheduler:
@@ -93,21 +56,18 @@ class Scheduler:
         acceptance there, would otherwise keep asking for k_initial drafts, and each such step
         (a draft call answering nothing, then a k = 0 verify) could not be chained (steps.overlapped).
         `prefix`: prefix caching (router.prefix_cache): a waiting request is admitted after its cached
-        prefix (`_admit_cached`); its draft KV may then start shorter and catch up in the draft call."""
+        prefix (`BlockReservations.admit_cached`); its draft KV may then start shorter and catch up in
+        the draft call."""
         self.never_drafts = never_drafts
         self.clock = clock  # the router's: stamps a request's first admission (queue time)
-        self.prefix = prefix
         self.lazy_draft_prefill = lazy_draft_prefill and draft_blocks is not None
-        self.target = target_blocks
-        # None: a pool-less draft lane needs no draft blocks (`draft` grows and frees none)
-        self.draft_blocks = draft_blocks
-        self.draft: BlockManager | _NoPool = draft_blocks or _NoPool()
+        self.blocks = BlockReservations(target_blocks, draft_blocks, prefix)
         self.max_context = max_context
         self.max_running = max_running
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap by sort_key
         self.running: list[Sequence] = []
         # the draft-length decisions and their state (router.k_decision)
-        self.k = KDecision(never_drafts, draft_blocks is None, self._cap)
+        self.k = KDecision(never_drafts, draft_blocks is None, self.cap)
         self._phase = 0  # pdv: the group that drafts in the current pipelined step
         self._rr_last = -1  # baseline: arrival order of the request served last (round-robin)
 
@@ -129,13 +89,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def queue_head(self) -> Sequence | None:
+        """The waiting request admitted next (None: none waits)."""
+        return self._waiting[0][1] if self._waiting else None
+
     def has_work(self) -> bool:
         return bool(self._waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
         """Drops a finished or cancelled sequence and returns its blocks."""
-        self.target.free(seq.target_blocks)
-        self.draft.free(seq.draft_blocks)
+        self.blocks.free(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:
@@ -162,7 +126,7 @@ class Scheduler:
         if not decode and not ahead:  # nothing decodes this step: a larger prefill delays nobody's token
             budget = max(budget, config.idle_prefill_token_budget)
         prefill = self._plan_prefill(budget)
-        self._mark_draft_kv(config, costs, prefill)
+        self.mark_draft_kv(config, costs, prefill)
         return StepPlan(
             prefill=prefill,
             decode=decode,
@@ -172,7 +136,7 @@ class Scheduler:
             pipelined=pipelined,
         )
 
-    def _mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
+    def mark_draft_kv(self, config: RuntimeConfig, costs: StepCostModel, chunks: list[PrefillChunk]) -> None:
         """Lazy draft prefill: a chunk writes draft KV only while drafting is expected soon."""
         if self.lazy_draft_prefill and chunks:
             reason = self.k.draft_kv_reason(config, costs, len(self.running) + len(self._waiting))
@@ -240,7 +204,7 @@ class Scheduler:
             if seq.held_draft is not None:
                 k, held = len(seq.held_draft.tokens), True
             else:
-                k, held = self._cap(config, seq, probed.get(seq.request_id, k_batch)), False
+                k, held = self.cap(config, seq, probed.get(seq.request_id, k_batch)), False
             reserved = self._reserve_or_preempt(seq, k, preempted, out_of_room, can_drop_k=not held)
             if reserved is not None:
                 work.append(DecodeWork(seq, reserved, held=held and reserved > 0, probe=probe and reserved > 0))
@@ -255,7 +219,7 @@ class Scheduler:
         token left) plain-decodes every step in the verify call, whichever its group."""
         self._phase ^= 1
         decoding = sorted((s for s in self.running if s.status is SeqStatus.DECODING), key=Sequence.sort_key)
-        self._assign_groups(decoding)
+        assign_groups(decoding, self._phase)
         drafting = [s for s in decoding if s.group == self._phase and s.held_draft is None]
         verifying = [s for s in decoding if not (s.group == self._phase and s.held_draft is None)]
         verify: list[DecodeWork] = []
@@ -263,7 +227,7 @@ class Scheduler:
         for seq in verifying:  # first: their blocks for n + k + 1 were reserved when they drafted
             if seq in preempted:
                 continue
-            if seq.held_draft is None and self._cap(config, seq, config.k_max if last_k is None else last_k) > 0:
+            if seq.held_draft is None and self.cap(config, seq, config.k_max if last_k is None else last_k) > 0:
                 # Just moved here (joined, rebalanced): it waits one step and drafts with its group
                 # next step, so its k sequence is a lock-step run's. (Seeded tokens no longer depend
                 # on k: coupled acceptance, verifypd.model.sampler. Plain-decoding it now instead
@@ -274,7 +238,7 @@ class Scheduler:
             if reserved is not None:
                 verify.append(DecodeWork(seq, reserved, held=reserved > 0))
         queue = len(verify)
-        hi = config.k_max if queue <= VERIFY_QUEUE_SOFT else max(1, config.k_max * VERIFY_QUEUE_SOFT // queue)
+        hi = drafting_k_limit(config.k_max, queue)
         k_group, probed = self.k.batch_k(config, costs, drafting, hi, ("group", self._phase), decoding=len(decoding))
         ahead: list[DecodeWork] = []
         for seq in drafting:
@@ -282,7 +246,7 @@ class Scheduler:
                 continue
             probe = seq.request_id in probed
             reserved = self._reserve_or_preempt(
-                seq, self._cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
+                seq, self.cap(config, seq, probed.get(seq.request_id, min(k_group, hi))), preempted, out_of_room
             )
             if reserved is None:
                 continue
@@ -290,24 +254,8 @@ class Scheduler:
             (ahead if reserved > 0 else verify).append(DecodeWork(seq, reserved, probe=probe and reserved > 0))
         return [w for w in verify if w.seq not in preempted], [w for w in ahead if w.seq not in preempted]
 
-    def _assign_groups(self, decoding: list[Sequence]) -> None:
-        """Newcomers join the smaller group (ties: the one drafting now); when requests leave, the
-        newest requests holding no drafts move until the sizes differ by at most one."""
-        sizes = [sum(s.group == g for s in decoding) for g in (0, 1)]
-        for seq in decoding:
-            if seq.group is None:
-                seq.group = self._phase if sizes[self._phase] <= sizes[1 - self._phase] else 1 - self._phase
-                sizes[seq.group] += 1
-        for seq in reversed(decoding):
-            big = 0 if sizes[0] > sizes[1] else 1
-            if sizes[big] - sizes[1 - big] <= 1:
-                break
-            if seq.group == big and seq.held_draft is None:
-                seq.group = 1 - big
-                sizes[big] -= 1
-                sizes[1 - big] += 1
-
-    def _cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
+    def cap(self, config: RuntimeConfig, seq: Sequence, k_batch: int) -> int:
+        """`seq`'s k from the batch's: within its max_k, its tokens left and the context."""
         k = cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens)
         return max(0, min(k, self.max_context - 1 - seq.pending_pos))  # verify writes positions n..n+k
 
@@ -317,7 +265,7 @@ class Scheduler:
         """Blocks for k + 1 target / k draft positions: k falls to 0 first, then the lowest-priority
         newest other request is preempted. Returns the k reserved, None if `seq` is out of room."""
         n = seq.pending_pos
-        while not self._reserve(seq, n, k):
+        while not self.blocks.reserve(seq, n, k):
             if k > 0 and can_drop_k:
                 k = 0
                 continue
@@ -334,7 +282,7 @@ class Scheduler:
         the head of the queue when a slot is free: its next prefill chunk, or its draft + verify."""
         preempted: list[Sequence] = []
         out_of_room: list[Sequence] = []
-        head = self._waiting[0][1] if self._waiting and len(self.running) < self.max_running else None
+        head = self.queue_head if len(self.running) < self.max_running else None
         order = sorted(self.running + ([head] if head is not None else []), key=lambda s: s.arrival_order)
         later = [s for s in order if s.arrival_order > self._rr_last]
         for seq in later + [s for s in order if s not in later]:
@@ -342,16 +290,18 @@ class Scheduler:
                 decode = self._plan_decode(config, costs, preempted, out_of_room, only=seq)
                 self._rr_last = seq.arrival_order
                 return StepPlan([], decode, preempted, out_of_room)
-            chunk = self._chunk(seq, config.prefill_token_budget, reserve=len(self.running) if seq is head else 0)
+            chunk = self.blocks.prefill_chunk(
+                seq, config.prefill_token_budget, reserve=len(self.running) if seq is head else 0
+            )
             if chunk is None:
                 continue
             if seq is head:
-                self._admit_head()
+                self.admit_head()
             self._rr_last = seq.arrival_order
             return StepPlan([chunk], [], preempted, out_of_room)
         return StepPlan([], [], preempted, out_of_room)
 
-    def _admit_head(self) -> None:
+    def admit_head(self) -> None:
         """The head of the waiting queue starts prefilling; its first admission ends its queue time."""
         seq = heapq.heappop(self._waiting)[1]
         seq.status = SeqStatus.PREFILLING
@@ -360,26 +310,12 @@ class Scheduler:
         if seq.stats.scheduled_time is None:
             seq.stats.scheduled_time = self.clock()
 
-    def _reserve(self, seq: Sequence, n: int, k: int, with_draft: bool = True) -> bool:
-        """Blocks for n + k + 1 target and (`with_draft`) n + k draft positions, all or nothing."""
-        draft = self.draft if with_draft else _NoPool()
-        if len(seq.target_blocks) * self.target.block_size >= n + k + 1 and (  # already held: most steps
-            not with_draft or self.draft_blocks is None or len(seq.draft_blocks) * self.draft_blocks.block_size >= n + k
-        ):
-            return True
-        if not (self.target.can_grow(seq.target_blocks, n + k + 1) and draft.can_grow(seq.draft_blocks, n + k)):
-            return False
-        self.target.grow(seq.target_blocks, n + k + 1)
-        draft.grow(seq.draft_blocks, n + k)
-        return True
-
     def _pick_victim(self, exclude: Sequence) -> Sequence | None:
         candidates = [s for s in self.running if s is not exclude]
         return max(candidates, key=Sequence.sort_key) if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
-        self.target.free(seq.target_blocks)
-        self.draft.free(seq.draft_blocks)
+        self.blocks.free(seq)
         self.running.remove(seq)
         seq.reset_for_recompute()
         self.add(seq)
@@ -389,237 +325,16 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.status is SeqStatus.PREFILLING), key=Sequence.sort_key):
             if budget <= 0:
                 return chunks
-            chunk = self._chunk(seq, budget, reserve=0)
+            chunk = self.blocks.prefill_chunk(seq, budget, reserve=0)
             if chunk is None:
                 continue
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
-        while budget > 0 and self._waiting and len(self.running) < self.max_running:
-            seq = self._waiting[0][1]
-            chunk = self._chunk(seq, budget, reserve=len(self.running))
+        while budget > 0 and (head := self.queue_head) is not None and len(self.running) < self.max_running:
+            chunk = self.blocks.prefill_chunk(head, budget, reserve=len(self.running))
             if chunk is None:
                 break  # head of the queue does not fit: keep FIFO-by-priority order, wait
-            self._admit_head()
+            self.admit_head()
             chunks.append(chunk)
             budget -= chunk.end - chunk.start
         return chunks
-
-    def _chunk(self, seq: Sequence, budget: int, reserve: int) -> PrefillChunk | None:
-        if self.prefix is not None and not seq.target_blocks:
-            return self._admit_cached(seq, budget, reserve, self.prefix)
-        start = seq.target_computed
-        end = min(seq.prefill_target, start + budget)
-        if not (
-            self.target.can_grow(seq.target_blocks, end, reserve)
-            and self.draft.can_grow(seq.draft_blocks, end, reserve)
-        ):
-            return None
-        self.target.grow(seq.target_blocks, end)
-        self.draft.grow(seq.draft_blocks, end)
-        last = end == seq.prefill_target
-        return PrefillChunk(
-            seq, start, end, sample_first=last and seq.samples_after_prefill, with_draft=seq.draft_computed == start
-        )
-
-    def _admit_cached(self, seq: Sequence, budget: int, reserve: int, prefix: PrefixCache) -> PrefillChunk | None:
-        """A waiting request's first chunk, after the prefix the cache holds: the cached blocks count
-        as already there (only those no one holds take free blocks), all or nothing."""
-        hits, draft_hits = prefix.lookup(seq)
-        start = len(hits) * self.target.block_size
-        end = min(seq.prefill_target, start + budget)
-        if not (self.target.can_admit(hits, end, reserve) and self.draft.can_admit(draft_hits, end, reserve)):
-            return None
-        self.target.acquire(seq.target_blocks, hits)
-        self.target.grow(seq.target_blocks, end)
-        self.draft.acquire(seq.draft_blocks, draft_hits)
-        self.draft.grow(seq.draft_blocks, end)
-        seq.target_computed = start
-        if self.draft_blocks is not None:  # a pool-less lane is fed the whole history in its first call
-            seq.draft_computed = len(draft_hits) * self.draft_blocks.block_size
-        prefix.admitted(seq, hits, draft_hits)
-        last = end == seq.prefill_target
-        return PrefillChunk(
-            seq, start, end, sample_first=last and seq.samples_after_prefill, with_draft=seq.draft_computed == start
-        )
-
-    # -- planning ahead: before the step in flight reaches the host ---------------------------
-    # A chained plain step (steps.overlapped) is certain to be what `plan` would make: its decoding
-    # requests plain-decode (`plan_follow`), and the waiting requests it admits are the ones `plan`
-    # would admit now, by priority, within the prefill token budget, below max_running, with a block
-    # reserve of one per running request (`admit_follow`). Two kinds of admission need the regular
-    # step instead (`follow_blocked`): a prompt longer than the budget (chunked over several steps)
-    # and a preempted request's recompute, which samples no first token for the next step to read.
-    # Drafts launched after a verify call (steps.draft_after) take the k `plan_after` decides, and a
-    # speculative step launched ahead (steps.speculate_ahead) reserves blocks by `fits_ahead` and
-    # `reserve_target`.
-    def plan_after(
-        self, config: RuntimeConfig, costs: StepCostModel, rows: list[tuple[Sequence, int]]
-    ) -> list[tuple[Sequence, int]]:
-        """The next step's drafting work, (request, k) pairs, for `rows` (request, k of its verify call
-        in flight), planned before that call's verdict (steps.draft_after): the batch's k as
-        `_plan_decode` would decide it now, capped per request for the longest outcome (every draft
-        accepted), draft blocks reserved for it without preemption (a request that does not fit is
-        left out: it joins the next step at k = 0). A decision of k = 0 (or with probes) drafts
-        nothing now and is kept for the next `_plan_decode`."""
-        self.k.decided = None
-        seqs = [seq for seq, _ in rows]
-        if not seqs:
-            return []
-        k_batch, probed = self.k.batch_k(config, costs, seqs, config.k_max, "batch")
-        if k_batch == 0 or probed:
-            self.k.decided = (frozenset(s.request_id for s in seqs), k_batch, probed)
-            return []
-        work = []
-        for seq, k_now in rows:
-            pending = seq.pending_pos + k_now + 1  # the next pending position if all k_now are accepted
-            k = min(cap_k(config, k_batch, seq.spec.max_k, seq.remaining_tokens - 1), self.max_context - 1 - pending)
-            # the head writes rows up to pending + k - 1 (the chain's last step feeds at that position)
-            if k > 0 and (self.draft_blocks is None or self.draft_blocks.grow(seq.draft_blocks, pending + k)):
-                work.append((seq, k))
-        return work
-
-    def fits_ahead(self, seqs: list[Sequence]) -> bool:
-        """Would `_plan_decode` reserve the next step of `seqs` (each at the k of the drafts it holds, or
-        0) without preempting anyone? (steps.speculate_ahead plans ahead only then.)"""
-        ks = [len(s.held_draft.tokens) if s.held_draft is not None else 0 for s in seqs]
-        target = sum(
-            self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + k + 1)
-            for s, k in zip(seqs, ks, strict=False)
-        )
-        if target > self.target.num_free:
-            return False
-        draft = self.draft_blocks
-        return (
-            draft is None
-            or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + k) for s, k in zip(seqs, ks, strict=False))
-            <= draft.num_free
-        )
-
-    def reserve_target(self, rows: list[tuple[Sequence, int]]) -> bool:
-        """Target blocks for `rows` (request, positions it may write), all or none, without preemption:
-        a verify call launched before the verdict of the one before it may write its longest outcome's
-        positions (steps.speculate_ahead). False (nothing reserved) if they are not free."""
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, n) for s, n in rows)
-        if need > self.target.num_free:
-            return False
-        for seq, n in rows:
-            self.target.grow(seq.target_blocks, n)
-        return True
-
-    def plan_follow(self, config: RuntimeConfig, costs: StepCostModel, seqs: list[Sequence]) -> bool:
-        """The k = 0 step after the one in flight, planned before that one's tokens are committed:
-        `seqs` (each with one token in flight: a decoding request's next token, or the first token of
-        a request whose prefill is in flight) get the blocks of one more position, and the k decision
-        is recorded as `plan` would record it. Only where that step is certain to be what `plan`
-        would make: k 0 with no probe (KDecision.plain_certain), every block free without preemption.
-        Otherwise nothing changes and False is returned."""
-        # Held at k = 0 (router.zero_hold), or k_max 0, nothing drafts until that ends, so the draft pool's
-        # blocks are not grown: the step that drafts next reserves them all (`_reserve`), as a
-        # draft that catches up after plain steps needs them.
-        held = self.k.held("batch", None)
-        draft = config.k_max > 0 and not held
-        if not seqs or not self.k.plain_certain(config, costs, seqs, held) or not self._next_position_fits(seqs, draft):
-            return False
-        k_batch, probed = self.k.batch_k(config, costs, seqs, config.k_max, "batch")
-        if probed or (k_batch or config.k_min) and any(self._cap(config, s, k_batch) for s in seqs):
-            return False  # (plain_certain rules this out; with k 0 and k_min 0 every cap is 0)
-        self._reserve_next_position(seqs, draft)
-        return True
-
-    def _next_position_fits(self, seqs: list[Sequence], with_draft: bool = True) -> bool:
-        """The token in flight of each of `seqs` sits at pending_pos + 1 and is verified there: its KV
-        needs pending_pos + 2 target positions (a draft holds one fewer; `with_draft` False: not
-        counted). Are those blocks free?"""
-        need = sum(self.target.extra_blocks_needed(s.target_blocks, s.pending_pos + 2) for s in seqs)
-        draft = self.draft_blocks if with_draft else None
-        return need <= self.target.num_free and (
-            draft is None
-            or sum(draft.extra_blocks_needed(s.draft_blocks, s.pending_pos + 1) for s in seqs) <= draft.num_free
-        )
-
-    def _reserve_next_position(self, seqs: list[Sequence], with_draft: bool = True) -> None:
-        """Reserves what `_next_position_fits` counted free (as _reserve(seq, n + 1, 0))."""
-        for seq in seqs:
-            reserved = self._reserve(seq, seq.pending_pos + 1, 0, with_draft)
-            assert reserved, "blocks counted free were not"
-
-    def join_now(self, config: RuntimeConfig, chunks: list) -> bool:
-        """Can the requests just admitted (`admit_follow`'s chunks) decode in the chained step
-        launched with their prefill (steps.overlapped: prefill first, their first token fed from it)?
-        Only with `config.admit_ahead`, where k is 0 whatever the batch (plan_follow decided k for the
-        batch without them), and the blocks of their first decode position are free; then those are
-        reserved. Otherwise nothing changes and False is returned (they join the step after, their
-        prefill beside)."""
-        seqs = [c.seq for c in chunks]
-        if not config.admit_ahead or not seqs or not all(c.sample_first for c in chunks):
-            return False
-        if not (
-            config.k_max == 0
-            or self.never_drafts
-            or not config.adaptive
-            and config.k_initial == 0
-            or all(s.spec.max_k == 0 for s in self.running)
-        ):
-            return False
-        if not self._next_position_fits(seqs):  # the first token sits at pending_pos + 1: the prompt's end
-            return False
-        self._reserve_next_position(seqs)
-        return True
-
-    def follow_blocked(self, config: RuntimeConfig) -> bool:
-        """`plan` would start the head of the queue now, but not as one whole-prompt chunk that
-        samples its first token (a prompt longer than the prefill budget, a recompute after
-        preemption): a chained step cannot take it, the chain must end for the regular step."""
-        if not self._waiting or len(self.running) >= self.max_running:
-            return False
-        head = self._waiting[0][1]
-        return (
-            not head.samples_after_prefill or head.prefill_target - head.target_computed > config.prefill_token_budget
-        )
-
-    def admit_follow(self, config: RuntimeConfig, costs: StepCostModel) -> list:
-        """Admits waiting requests into the chained step (called after `plan_follow` reserved its
-        decode blocks, as `plan` reserves decode before prefill): by priority while each whole
-        prompt fits the remaining budget and the pool (with a reserve of one block per running
-        request), below max_running. A request that would only get part of the remaining budget
-        stays queued (the head of the queue next step, with the whole budget). Returns the
-        scheduler's PrefillChunks (each a whole prompt that samples the first token)."""
-        budget = config.prefill_token_budget
-        chunks = []
-        while self._waiting and len(self.running) < self.max_running:
-            seq = self._waiting[0][1]
-            need = seq.prefill_target - seq.target_computed
-            if not seq.samples_after_prefill or need > budget:
-                break
-            chunk = self._chunk(seq, budget, reserve=len(self.running))
-            if chunk is None:
-                break  # no room: it waits, as in _plan_prefill
-            self._admit_head()
-            chunks.append(chunk)
-            budget -= need
-        self._mark_draft_kv(config, costs, chunks)
-        return chunks
-
-    def release_tables(self, target: list[int], draft: list[int]) -> None:
-        """Returns blocks held back from a finished request (steps.overlapped) once nothing queued writes them."""
-        self.target.free(target)
-        self.draft.free(draft)
-
-
-class _NoPool:
-    """Stands in for the draft BlockManager when the draft lane owns no pool: always room, no blocks."""
-
-    def can_grow(self, blocks: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return True
-
-    def grow(self, blocks: list[int], num_tokens: int) -> None:
-        pass
-
-    def can_admit(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
-        return True
-
-    def acquire(self, blocks: list[int], hits: list[int]) -> None:
-        pass
-
-    def free(self, blocks: list[int]) -> None:
-        pass

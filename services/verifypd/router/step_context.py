@@ -2,11 +2,13 @@
 
 One per Router, handed to every strategy's `step`: the lanes, the KV pools and their block managers,
 the scheduler, the runtime config, the step-cost model, the observer, the requests' sequences and
-detokenizers, and the plan of the step being run (`plan`). Its methods are the operations the
-strategies share: building lane items and making the lane calls, committing their results into
-sequence state (verdicts, tokens, first tokens), streaming chunks and finishing requests. A strategy
-keeps its own calls in flight; none holds the Router, and the context holds no strategy (a strategy
-that must hear of a request ending while a call of it is in flight registers in `finish_hooks`).
+detokenizers, and the plan of the step being run (`plan`). Its methods make the lane calls (timed,
+on a worker thread where one runs beside another), commit their results into sequence state
+(verdicts, tokens, first tokens, blocks out of the window), stream chunks and finish requests. What
+only reads it lives beside it: the lane items (router.lane_items), the step's draft proposals
+(router.proposals), a prefill call run or started beside a verify call (router.prefill_calls). A
+strategy keeps its own calls in flight; none holds the Router, and the context holds no strategy (a
+strategy that must hear of a request ending while a call of it is in flight registers in `finish_hooks`).
 """
 
 from __future__ import annotations
@@ -14,31 +16,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from verifypd.domain.config import RuntimeConfig
-from verifypd.domain.grammar import GrammarError, GrammarState
-from verifypd.domain.lanes import (
-    DraftItem,
-    DraftLane,
-    KvHandle,
-    LaneError,
-    PoolInfo,
-    PrefillItem,
-    PrefillLane,
-    VerifyItem,
-    VerifyLane,
-)
+from verifypd.domain.grammar import GrammarState
+from verifypd.domain.lanes import DraftItem, DraftLane, PoolInfo, PrefillItem, PrefillLane, VerifyItem, VerifyLane
 from verifypd.domain.lookup import PromptLookup
 from verifypd.domain.requests import FinishReason, RequestOutput, TokenLogprob
-from verifypd.domain.sampling_controls import control_context
-from verifypd.router.block_manager import BlockManager, lane_table
-from verifypd.router.commits import append_tokens, record_verdict, take_drafts
+from verifypd.router.block_manager import BlockManager
+from verifypd.router.commits import append_tokens, record_verdict
 from verifypd.router.detokenize import Decode, IncrementalDetokenizer
-from verifypd.router.draft_length import TYPICAL_DRAFT_INPUT, StepCostModel
+from verifypd.router.draft_length import StepCostModel
 from verifypd.router.prefix_cache import PrefixCache, root_key
-from verifypd.router.scheduler import DecodeWork, PrefillChunk, Scheduler, StepPlan
-from verifypd.router.sequence import SeqStatus, Sequence, held_after
+from verifypd.router.scheduler import Scheduler
+from verifypd.router.sequence import SeqStatus, Sequence
+from verifypd.router.step_plan import DecodeWork, PrefillChunk, StepPlan
 
 # A step's cost sample (StepCostModel): (pipelined, requests verified, k).
 CostSample = tuple[bool, int, int]
@@ -63,38 +55,6 @@ class Verified:
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
 
 
-class BesidePrefill:
-    """A regular step's prefill chunks, started beside its verify call (the lock-step strategy sets
-    `started`, a StartedPrefill); a chain started there takes the prefilled requests along."""
-
-    def __init__(self, chunks: list[PrefillChunk]):
-        self.chunks: list[PrefillChunk] = chunks
-        self.started: StartedPrefill | None = None
-
-
-class StartedPrefill:
-    """A prefill call started beside a verify call; `result()` is (outputs, launch + wait seconds),
-    as a pipelined prefill's Future gives."""
-
-    def __init__(self, started, launch_s: float, clock: Callable[[], float]):
-        self._started, self._launch_s, self._clock = started, launch_s, clock
-
-    @property
-    def launch_s(self) -> float:
-        """Seconds the host spent launching the call."""
-        return self._launch_s
-
-    @property
-    def next_tokens(self):
-        """The prefill's first tokens left on the device, where its lane leaves them (steps.overlapped)."""
-        return getattr(self._started, "next_tokens", None)
-
-    def result(self) -> tuple[list, float]:
-        t0 = self._clock()
-        results = self._started.result()
-        return results, self._launch_s + self._clock() - t0
-
-
 def pool_of(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> PoolInfo | None:
     """The pool of `role` a lane announced (None for a missing optional one)."""
     for pool in pools:
@@ -103,11 +63,6 @@ def pool_of(pools: tuple[PoolInfo, ...], role: str, required: bool = True) -> Po
     if not required:
         return None
     raise ValueError(f"lane announced no {role} pool")
-
-
-def starts_async(*lanes) -> bool:
-    """Do all of `lanes` start calls that run on while the host goes on (in-process CUDA lanes)?"""
-    return all(getattr(lane, "starts_async", False) for lane in lanes)
 
 
 class StepContext:
@@ -227,19 +182,6 @@ class StepContext:
         """`--draft none` (spec_decode.ngram.NoDraftLane) proposes nothing: k is 0, whatever the policy says."""
         return self.draft_lane.describe().draft_model == "none"
 
-    @staticmethod
-    def handle(pool: PoolInfo, blocks: list[int], seq_len: int, committed: int, freed: int = 0) -> KvHandle:
-        """`freed`: leading entries of `blocks` released out of the window (lane_table)."""
-        return KvHandle(pool.pool_id, pool.generation, lane_table(blocks, freed), seq_len, min(committed, seq_len))
-
-    def target_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle:
-        return self.handle(self.target_pool, seq.target_blocks, seq_len, committed, seq.target_freed)
-
-    def draft_handle(self, seq: Sequence, seq_len: int, committed: int) -> KvHandle | None:
-        if self.draft_pool is None:
-            return None
-        return self.handle(self.draft_pool, seq.draft_blocks, seq_len, committed, seq.draft_freed)
-
     def release_out_of_window(self, seq: Sequence) -> None:
         """After a commit: returns the blocks of windowed pools that no later query of `seq` can see
         (BlockManager.release_before). Queries come at positions >= the committed ones (rollback
@@ -253,7 +195,17 @@ class StepContext:
         if self.draft_blocks is not None and self.draft_blocks.window:
             seq.draft_freed = self.draft_blocks.release_before(seq.draft_blocks, seq.draft_freed, seq.draft_computed)
 
-    # -- worker threads ----------------------------------------------------------------------
+    # -- lane calls and worker threads -------------------------------------------------------
+    def call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
+        t0 = self.clock()
+        results = self.prefill_lane.prefill(items)
+        return results, self.clock() - t0
+
+    def call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
+        t0 = self.clock()
+        results = self.draft_lane.draft(items)
+        return results, self.clock() - t0
+
     def submit_draft(self, items: list[DraftItem]) -> Future:
         """The draft call of `items` on the draft worker thread (pdv: beside the verify call)."""
         if self.draft_thread is None:
@@ -273,54 +225,7 @@ class StepContext:
             if thread is not None:
                 thread.shutdown(wait=True)
 
-    # -- prefill -----------------------------------------------------------------------------
-    def prefill_items(self, chunks: list[PrefillChunk]) -> list[PrefillItem]:
-        return [
-            PrefillItem(
-                request_id=c.seq.request_id,
-                token_ids=c.seq.ids(c.start, c.end),
-                start_pos=c.start,
-                target_kv=self.target_handle(c.seq, c.start, c.seq.target_computed),
-                draft_kv=self.draft_handle(c.seq, c.start, c.seq.draft_computed) if c.with_draft else None,
-                sample_first=c.sample_first,
-                sampling=c.seq.spec.sampling,
-                controls=control_context(c.seq.spec, (), self.eos) if c.sample_first else None,
-                token_mask=self.token_masks(c.seq, ()) if c.sample_first else None,
-            )
-            for c in chunks
-        ]
-
-    def token_masks(self, seq: Sequence, drafts) -> Any:
-        """A constrained request's masks for its next choice and one per draft (domain.grammar), or None.
-        Reads the drafts' values on the host (an in-process draft's: one copy of its call's tokens)."""
-        state = self.grammars.get(seq.request_id)
-        if state is None:
-            return None
-        try:
-            return state.step_masks(seq.output_ids, list(drafts))
-        except GrammarError as exc:  # a committed token broke the grammar: the lane ignored its mask
-            raise LaneError(f"request {seq.request_id}: {exc}") from None
-
-    def start_prefill(self, chunks: list[PrefillChunk]) -> StartedPrefill:
-        t0 = self.clock()
-        started = self.prefill_lane.prefill_start(self.prefill_items(chunks))
-        return StartedPrefill(started, self.clock() - t0, self.clock)
-
-    def call_prefill(self, items: list[PrefillItem]) -> tuple[list, float]:
-        t0 = self.clock()
-        results = self.prefill_lane.prefill(items)
-        return results, self.clock() - t0
-
-    def run_prefill(
-        self, chunks: list[PrefillChunk], pending: Future | StartedPrefill | None = None
-    ) -> list[RequestOutput]:
-        """Prefills `chunks` (or takes the results of their call already in flight) and commits them."""
-        if not chunks:
-            return []
-        results, seconds = pending.result() if pending is not None else self.call_prefill(self.prefill_items(chunks))
-        self.observer.on_lane_step("prefill", seconds, len(chunks))
-        return self.commit_prefill(chunks, results)
-
+    # -- commits -----------------------------------------------------------------------------
     def commit_prefill(self, chunks: list[PrefillChunk], results) -> list[RequestOutput]:
         outputs = []
         for c, res in zip(chunks, results, strict=False):
@@ -339,90 +244,6 @@ class StepContext:
                 assert res.first_token is not None, "prefill lane returned no first token"
                 outputs += self.emit(seq, [res.first_token], applied_k=0, logprobs=getattr(res, "logprobs", None))
         return outputs
-
-    # -- draft -------------------------------------------------------------------------------
-    def draft_items(self, work: list[DecodeWork]) -> list[DraftItem]:
-        items = []
-        for w in work:
-            seq, n = w.seq, w.seq.pending_pos
-            items.append(
-                DraftItem(
-                    request_id=seq.request_id,
-                    input_tokens=seq.ids(seq.draft_computed, n + 1),
-                    start_pos=seq.draft_computed,
-                    k=w.k,
-                    sampling=seq.spec.sampling,
-                    draft_kv=self.draft_handle(seq, seq.draft_computed, seq.draft_computed),
-                    target_kv=self.target_handle(seq, seq.target_computed, seq.target_computed)
-                    if self.feature_draft
-                    else None,
-                )
-            )
-        return items
-
-    def call_draft(self, items: list[DraftItem]) -> tuple[list, float]:
-        t0 = self.clock()
-        results = self.draft_lane.draft(items)
-        return results, self.clock() - t0
-
-    def typical_draft(self, items: list[DraftItem]) -> bool:
-        """A draft call worth costing: no long catch-up on tokens decoded without drafting (an eager
-        draft prefill); a pool-less lane (prompt lookup) catches up by appending host tokens. A
-        feature draft is re-fed every accepted token of the last step: up to k_max + 1 is typical."""
-        limit = self.config.k_max + 1 if self.feature_draft else TYPICAL_DRAFT_INPUT
-        return self.draft_pool is None or max(len(i.input_tokens) for i in items) <= limit
-
-    def proposals(self, work: list[DecodeWork]) -> tuple[dict[str, tuple[Any, Any]], bool]:
-        """This step's proposals of `work`'s requests that draft now (k > 0, no held drafts, or held
-        ones made after the last verify call that prompt lookup replaces), by request id; and whether
-        the step is a typical cost sample (no long draft catch-up, no probe of part of the batch)."""
-        drafting = [w for w in work if w.k > 0 and not w.held]
-        drafts: dict[str, tuple[Any, Any]] = {}
-        typical = True
-        looking = drafting + [w for w in work if w.held and held_after(w.seq)]  # (steps.draft_after)
-        if self.lookup is not None and looking:
-            # Steps mixing lookup's proposals with the head's (or lookup's alone, no draft call) are
-            # cost samples too: the policy's k then weighs what this mix costs as it runs.
-            drafts = {rid: (tokens, None) for rid, tokens in self.lookup.take(looking).items()}
-            for w in looking:
-                w.lookup = w.seq.request_id in drafts
-            drafting = [w for w in drafting if not w.lookup]
-        if drafting:
-            items = self.draft_items(drafting)
-            results, draft_s = self.call_draft(items)
-            drafts.update(take_drafts(drafting, results))
-            self.observer.on_lane_step("draft", draft_s, len(items))
-            typical = self.typical_draft(items)
-            # A probe drafting for part of the batch costs less than a k = 1 step of all of it.
-            typical = typical and sum(w.probe for w in work) in (0, len(work))
-        return drafts, typical
-
-    # -- verify ------------------------------------------------------------------------------
-    def verify_items(self, work: list[DecodeWork], drafts: dict, typical: bool) -> tuple[list[VerifyItem], bool]:
-        items = []
-        for w in work:
-            seq, n = w.seq, w.seq.pending_pos
-            if w.held:
-                held = seq.held_draft
-                assert held is not None and held.start_pos == n and len(held.tokens) == w.k, "held drafts out of step"
-                tokens, probs = drafts[seq.request_id] if w.lookup else (held.tokens, held.probs)
-                typical = typical and held.typical
-            else:
-                tokens, probs = drafts.get(seq.request_id, ((), None))
-            items.append(
-                VerifyItem(
-                    request_id=seq.request_id,
-                    pending_token=seq.ids(n, n + 1)[0],
-                    start_pos=n,
-                    draft_tokens=tokens,
-                    draft_probs=probs,
-                    sampling=seq.spec.sampling,
-                    target_kv=self.target_handle(seq, n, seq.target_computed),
-                    controls=control_context(seq.spec, seq.output_ids, self.eos),
-                    token_mask=self.token_masks(seq, tokens),
-                )
-            )
-        return items, typical
 
     def commit_verdicts(self, work: list[DecodeWork], items: list[VerifyItem], results) -> list[Verified]:
         """Commits a verify call into its sequences: positions, verdicts, tokens (nothing streamed)."""

@@ -19,11 +19,11 @@ at k = 0. So a step's host work is: launch verify, launch the next drafts, wait,
 Why the tokens are the same: the call is the one the next step would make (the same tokens once
 fitted, the same target features, which verify N wrote at the verified positions; a feature draft's
 catch-up re-feeds every verified token, as StepContext.commit_verdicts's rule says), with k decided by
-the same policy a step earlier (`Scheduler.plan_after`, from the acceptance known before N's
+the same policy a step earlier (`plan_ahead.plan_after`, from the acceptance known before N's
 verdict). Held drafts that are dropped (the request finished, was preempted or cancelled) need no
 rollback: the head's rows past the verified positions are rewritten by its next catch-up.
 With prompt lookup mixed in (`eagle+ngram:`) the next step takes lookup's proposal instead where the
-request's context repeats (StepContext.proposals); the head's rows stay valid either way.
+request's context repeats (router.proposals); the head's rows stay valid either way.
 
 Not for: pipelined pdv, baseline, model and lookup-only drafts, lanes in other processes (the lane
 RPC carries no verdict), verify calls that carry no drafts (a plain step has no verdict to fit to;
@@ -38,9 +38,11 @@ from typing import Any
 
 from verifypd.domain.lanes import DraftItem, VerifyItem, drafts_after_verdict
 from verifypd.router.commits import Proposal, take_drafts
-from verifypd.router.scheduler import DecodeWork
+from verifypd.router.lane_items import draft_handle, target_handle
+from verifypd.router.plan_ahead import plan_after
 from verifypd.router.sequence import HeldDraft, SeqStatus
 from verifypd.router.step_context import StepContext
+from verifypd.router.step_plan import DecodeWork
 
 MAX_VERIFIED_K = 8  # placeholders of a verify call with up to this k fit the head's catch-up graphs (9)
 
@@ -83,7 +85,7 @@ class DraftAfter:
         config = ctx.config
         return (
             self.enabled
-            # structured output: a step's masks need its drafts' values on the host (StepContext.token_masks)
+            # structured output: a step's masks need its drafts' values on the host (lane_items.token_masks)
             and all(i.token_mask is None for i in items)
             and ctx.feature_draft
             and config.schedule != "baseline"
@@ -102,7 +104,8 @@ class DraftAfter:
         rows = {w.seq.request_id: n for n, w in enumerate(work)}
         # (a verify call launched before the verdict before it, steps.speculate_ahead, may hold rows of
         # requests that ended since: they draft no more)
-        plan = ctx.scheduler.plan_after(
+        plan = plan_after(
+            ctx.scheduler,
             config,
             ctx.costs,
             [
@@ -143,8 +146,8 @@ class DraftAfter:
             start_pos=start,
             k=k,
             sampling=seq.spec.sampling,
-            draft_kv=ctx.draft_handle(seq, start, start),
-            target_kv=ctx.target_handle(seq, n, n),
+            draft_kv=draft_handle(ctx, seq, start, start),
+            target_kv=target_handle(ctx, seq, n, n),
         )
 
     def hold(self, launched: Launched | None) -> None:

@@ -28,9 +28,12 @@ from typing import NamedTuple
 
 from verifypd.domain.lanes import LaneError
 from verifypd.domain.requests import FinishReason, RequestOutput
-from verifypd.router.scheduler import StepPlan
+from verifypd.router.lane_items import prefill_items, verify_items
+from verifypd.router.prefill_calls import BesidePrefill, run_prefill, start_prefill, starts_async
+from verifypd.router.proposals import proposals
 from verifypd.router.sequence import held_after
-from verifypd.router.step_context import BesidePrefill, CostSample, StepContext, starts_async
+from verifypd.router.step_context import CostSample, StepContext
+from verifypd.router.step_plan import StepPlan
 from verifypd.router.steps import StepResult
 from verifypd.router.steps.overlapped import Overlapped
 from verifypd.router.steps.speculate_ahead import SpeculateAhead
@@ -68,7 +71,7 @@ class LockStep:
             and config.pipelined
             and getattr(ctx.prefill_lane, "remote", False)
         ):
-            pending = ctx.submit_prefill(ctx.prefill_items(plan.prefill))
+            pending = ctx.submit_prefill(prefill_items(ctx, plan.prefill))
         beside = None  # in-process: the prefill call starts while the verify call runs on the GPU
         if (
             plan.prefill
@@ -84,7 +87,7 @@ class LockStep:
         try:
             if prefill_first and pending is None:
                 t0 = ctx.clock()
-                outputs += ctx.run_prefill(plan.prefill)
+                outputs += run_prefill(ctx, plan.prefill)
                 serial_prefill_s += ctx.clock() - t0
             try:
                 decoded = self.decode(ctx, plan, outputs, beside)
@@ -94,7 +97,7 @@ class LockStep:
                 raise
             if pending is not None or not prefill_first:
                 t0 = ctx.clock()
-                outputs += ctx.run_prefill(plan.prefill, pending or (beside.started if beside else None))
+                outputs += run_prefill(ctx, plan.prefill, pending or (beside.started if beside else None))
                 if pending is None:
                     serial_prefill_s += ctx.clock() - t0
         except BaseException as exc:
@@ -131,8 +134,8 @@ class LockStep:
         work = plan.decode
         if not work:
             return Decoded(None)
-        drafts, typical = ctx.proposals(work)
-        items, typical = ctx.verify_items(work, drafts, typical)
+        drafts, typical = proposals(ctx, work)
+        items, typical = verify_items(ctx, work, drafts, typical)
         results, verify_s, beside_s, launched, after_s = None, 0.0, 0.0, None, 0.0
         t0 = ctx.clock()
         after = self.ahead.draft_after.eligible(ctx, items)
@@ -142,7 +145,7 @@ class LockStep:
                 launched, after_s = self.ahead.launch_after(ctx, work, items, started)
         if beside is not None:
             t_beside = ctx.clock()
-            beside.started = ctx.start_prefill(beside.chunks)
+            beside.started = start_prefill(ctx, beside.chunks)
             if self.overlapped.eligible(ctx, work, False):
                 self.overlapped.start(ctx, work, items, started, beside)
             beside_s = ctx.clock() - t_beside  # the prefill's launch: not the verify lane's time

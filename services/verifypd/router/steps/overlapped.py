@@ -5,7 +5,7 @@ step's host work (commit, stream, plan, layout, launch) runs while the GPU waits
 
   * a regular (lock-step) step launches a plain-decoding verify call N (every request k = 0) and,
     before waiting on it, `follow`s it: the same requests, each one position on, blocks reserved
-    ahead (Scheduler.plan_follow), their pending tokens fed on the device from N's output (a
+    ahead (plan_ahead.plan_follow), their pending tokens fed on the device from N's output (a
     TokenFeed: the verify lane writes row r of N's chosen tokens into its static input ids, stream-
     ordered after N). Then N's results are waited for and committed as usual;
   * the next `Router.step()` finds N + 1 in flight (`step`): it launches N + 2 the same way,
@@ -13,7 +13,7 @@ step's host work (commit, stream, plan, layout, launch) runs while the GPU waits
     wait per step is the device-to-host copy of the results.
 
 Arrivals go on in the chain (a served closed loop admits a request nearly every step): when
-requests wait that `plan` would admit now (Scheduler.admit_follow: priorities, token budget, max
+requests wait that `plan` would admit now (plan_ahead.admit_follow: priorities, token budget, max
 running, block reserve), N + 1 carries their prefill, started beside its verify call as a regular
 step starts it (after it on the lanes' streams). The in-flight record holds the started prefill
 and its chunks; they are committed with N + 1 (first tokens streamed then, as a regular step
@@ -30,9 +30,9 @@ request while a queued forward may still write it. (Stream order would put that 
 anyway; the hold makes it independent of the stream the next owner writes from.)
 
 A chain goes on only while the next step is certain to be what the scheduler would plan: every
-running request in the step (or joining it), k certainly 0 (Scheduler.plan_follow), blocks free
+running request in the step (or joining it), k certainly 0 (plan_ahead.plan_follow), blocks free
 without preemption, the config still asking for it, and no waiting request that only a regular
-step can start (Scheduler.follow_blocked: a prompt longer than the prefill budget, chunked; a
+step can start (plan_ahead.follow_blocked: a prompt longer than the prefill budget, chunked; a
 recompute after preemption). Otherwise the step in flight is committed and the next call is a
 regular step: speculative steps (k > 0, whose next positions depend on acceptance), chunked
 prefills, preemptions, pipelined pdv and tensor-parallel targets take today's path unchanged.
@@ -53,9 +53,12 @@ from typing import Any
 
 from verifypd.domain.lanes import HostTokens, TokenFeed, VerifyItem, feeds_host_tokens, feeds_tokens
 from verifypd.domain.requests import RequestOutput
-from verifypd.router.scheduler import DecodeWork, PrefillChunk
+from verifypd.router.lane_items import kv_handle
+from verifypd.router.plan_ahead import admit_follow, follow_blocked, join_now, plan_follow
+from verifypd.router.prefill_calls import BesidePrefill, StartedPrefill, start_prefill
 from verifypd.router.sequence import SeqStatus, Sequence
-from verifypd.router.step_context import BesidePrefill, StartedPrefill, StepContext
+from verifypd.router.step_context import StepContext
+from verifypd.router.step_plan import DecodeWork, PrefillChunk
 from verifypd.router.steps import StepResult
 
 
@@ -193,7 +196,7 @@ class Overlapped:
         ):
             self._broken("running")  # something else runs next step (a chunked prefill, ...)
             return None
-        if sched.num_waiting and sched.follow_blocked(config) or sched.num_waiting and not self._admits(ctx):
+        if sched.num_waiting and follow_blocked(sched, config) or sched.num_waiting and not self._admits(ctx):
             self._broken("waiting")
             return None
         rows, seqs = [], []
@@ -210,16 +213,16 @@ class Overlapped:
             assert seq.pending_pos == prev.prefill[j].end - 1, "a request moved while its prefill was in flight"
             rows.append(len(prev.items) + j)
             seqs.append(seq)
-        if not sched.plan_follow(config, ctx.costs, seqs + hosted):
+        if not plan_follow(sched, config, ctx.costs, seqs + hosted):
             self._broken("plan")
             return None
-        chunks = sched.admit_follow(config, ctx.costs) if sched.num_waiting else []
+        chunks = admit_follow(sched, config, ctx.costs) if sched.num_waiting else []
         sources = [next_tokens, first_tokens] if joining else [next_tokens]
         ahead = None
         # (a request that is not plain, RequestSpec.plain, gets no first token to feed: beside, not ahead;
         # nor one a remote prefill lane admits: its first token comes to the host)
         plain = all(c.seq.spec.plain for c in chunks) and not getattr(ctx.prefill_lane, "remote", False)
-        if chunks and ahead_ok and plain and sched.join_now(config, chunks):
+        if chunks and ahead_ok and plain and join_now(sched, config, chunks):
             offset = len(prev.items) + (len(prev.prefill) if joining else 0)  # rows of the sources before it
             ahead = self._prefill_ahead(ctx, chunks, offset, rows, seqs, sources)
             chunks = []
@@ -240,7 +243,7 @@ class Overlapped:
                     start_pos=n,
                     draft_tokens=(),
                     sampling=seq.spec.sampling,
-                    target_kv=ctx.handle(pool, seq.target_blocks, n, n, seq.target_freed),
+                    target_kv=kv_handle(pool, seq.target_blocks, n, n, seq.target_freed),
                 )
             )
         try:
@@ -254,7 +257,7 @@ class Overlapped:
             self.admitting += 1
         if chunks:
             try:  # beside the verify call, as a regular step's `beside`
-                prefill_started = ctx.start_prefill(chunks)
+                prefill_started = start_prefill(ctx, chunks)
                 self.prefill_s += prefill_started.launch_s
             except BaseException:
                 self._wait_quietly(started)
@@ -279,7 +282,7 @@ class Overlapped:
         their rows, from `offset` on, and the prefill's first tokens as the feed's next source): the
         verify stream waits for the prefill's (LocalVerifyLane: on_stream). Committed with the step
         before (`InFlight.ahead`, Overlapped.step)."""
-        started = ctx.start_prefill(chunks)
+        started = start_prefill(ctx, chunks)
         if started.next_tokens is None:
             self._wait_quietly(started)
             raise RuntimeError("a prefill lane that samples every item left no first tokens on the device")
@@ -371,7 +374,7 @@ class Overlapped:
                     self.prefill_s += ctx.clock() - t0
             finally:
                 for target, draft in prev.held:
-                    ctx.scheduler.release_tables(target, draft)
+                    ctx.scheduler.blocks.release_tables(target, draft)
                 prev.held.clear()
         return results, prefilled, waited
 

@@ -19,9 +19,12 @@ import os
 from verifypd.domain.lanes import DraftOutput
 from verifypd.domain.requests import RequestOutput
 from verifypd.router.commits import take_drafts
-from verifypd.router.scheduler import StepPlan
+from verifypd.router.lane_items import draft_items, verify_items
+from verifypd.router.prefill_calls import BesidePrefill
+from verifypd.router.proposals import proposals, typical_draft
 from verifypd.router.sequence import HeldDraft, held_after
-from verifypd.router.step_context import BesidePrefill, StepContext
+from verifypd.router.step_context import StepContext
+from verifypd.router.step_plan import StepPlan
 from verifypd.router.steps.lock_step import Decoded, LockStep
 
 # Diagnostics only: VERIFYPD_SERIAL_PIPELINE=1 keeps pdv's groups and held drafts but makes the
@@ -40,11 +43,11 @@ class Pipelined(LockStep):
         k = 0) here; the drafts are held until the next step verifies them. (No prefill beside: that
         needs a verify call of the whole decoding batch.)"""
         work, ahead = plan.decode, plan.draft_ahead
-        drafts, typical = ctx.proposals(work)
-        ahead_items = ctx.draft_items(ahead)
-        ahead_typical = ctx.typical_draft(ahead_items)
+        drafts, typical = proposals(ctx, work)
+        ahead_items = draft_items(ctx, ahead)
+        ahead_typical = typical_draft(ctx, ahead_items)
         future = ctx.submit_draft(ahead_items) if work and not SERIAL_PIPELINE else None
-        items, typical = ctx.verify_items(work, drafts, typical)
+        items, typical = verify_items(ctx, work, drafts, typical)
         results, verify_error, verify_s = None, None, 0.0
         if items:
             t0 = ctx.clock()

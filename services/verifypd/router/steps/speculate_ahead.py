@@ -30,9 +30,11 @@ from typing import Any
 
 from verifypd.domain.lanes import VerdictFit, VerifyItem, fits_verdict, plain_item
 from verifypd.domain.requests import RequestOutput
-from verifypd.router.scheduler import DecodeWork, StepPlan
+from verifypd.router.lane_items import target_handle, verify_items
+from verifypd.router.proposals import proposals
 from verifypd.router.sequence import SeqStatus, held_after
 from verifypd.router.step_context import StepContext
+from verifypd.router.step_plan import DecodeWork, StepPlan
 from verifypd.router.steps import StepResult
 from verifypd.router.steps.draft_after import DraftAfter, Fitted, Launched
 from verifypd.router.steps.overlapped import Overlapped
@@ -83,7 +85,7 @@ class SpeculateAhead:
             and not sched.num_waiting
             and any(held_after(s) for s in running)
             and all(s.status is SeqStatus.DECODING for s in running)
-            and sched.fits_ahead(running)
+            and sched.blocks.fits_ahead(running)
         )
 
     def launch(self, ctx: StepContext, launched: Launched | None = None) -> None:
@@ -109,8 +111,8 @@ class SpeculateAhead:
             self.next_plan = plan
             self.kept += 1
             return
-        drafts, typical = ctx.proposals(work)  # prompt lookup's in place of held drafts, if mixed
-        items, typical = ctx.verify_items(work, drafts, typical)
+        drafts, typical = proposals(ctx, work)  # prompt lookup's in place of held drafts, if mixed
+        items, typical = verify_items(ctx, work, drafts, typical)
         started = ctx.verify_lane.verify_start(items)
         launched = self.launch_after(ctx, work, items, started)[0] if self.draft_after.eligible(ctx, items) else None
         self.inflight = InFlightStep(work, items, started, launched, typical)
@@ -176,7 +178,7 @@ class SpeculateAhead:
                 continue  # ended since `items` was launched (fitted itself): its row is dropped
             start = item.start_pos + len(item.draft_tokens) + 1
             rows.append((r, w.seq, start, drafted.get(w.seq.request_id, 0)))
-        if not rows or not ctx.scheduler.reserve_target([(seq, start + k + 1) for _, seq, start, k in rows]):
+        if not rows or not ctx.scheduler.blocks.reserve_target([(seq, start + k + 1) for _, seq, start, k in rows]):
             return
         next_work, next_items = [], []
         for _, seq, start, k in rows:
@@ -188,7 +190,7 @@ class SpeculateAhead:
                     0,
                     start,
                     tokens,
-                    ctx.target_handle(seq, start, seq.target_computed),
+                    target_handle(ctx, seq, start, seq.target_computed),
                     seq.spec.sampling,
                     probs,
                 )
@@ -215,7 +217,7 @@ class SpeculateAhead:
                 item,
                 pending_token=seq.ids(start, start + 1)[0],
                 start_pos=start,
-                target_kv=ctx.target_handle(seq, start, seq.target_computed),
+                target_kv=target_handle(ctx, seq, start, seq.target_computed),
             )
         launched = None
         if self._chains(ctx) and self.draft_after.eligible(ctx, fitted.items):
