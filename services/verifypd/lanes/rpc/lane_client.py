@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifypd.domain.lanes import (
     DraftItem,
     DraftOutput,
     Finished,
     LaneError,
-    LaneInfo,
     PrefillItem,
     PrefillOutput,
     StartedCall,
@@ -39,34 +35,15 @@ from verifypd.lanes.rpc import call_codec as cc
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
 from verifypd.lanes.rpc.call_pipeline import MAX_IN_FLIGHT, ChannelTokens, feed_fields
+from verifypd.lanes.rpc.lane_connection import LaneConnection
 from verifypd.lanes.rpc.lane_spans import LaneCallSpans, end_call_span
-from verifypd.net.auth import lane_metadata
-from verifypd.net.lane_tls import LaneChannel
-from verifypd.net.trace_context import TRACEPARENT
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
-# Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 512 << 20),
-    ("grpc.max_receive_message_length", 512 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-# What one health check of a lane says (`_GrpcLane.probe`).
-SERVING, SLOW, DOWN = "serving", "slow", "down"
-SERVICE_NAMES = {
-    "prefill": "verifypd.v1.PrefillLane",
-    "draft": "verifypd.v1.DraftLane",
-    "verify": "verifypd.v1.VerifyLane",
-}
 
 
-class _GrpcLane:
-    lane = ""
+class _GrpcLane(LaneConnection):
     remote = True  # another process: the router may overlap calls to different lanes
-    _stub_class: Callable[[grpc.Channel], Any]  # the lane's gRPC stub (lanes_pb2_grpc), set by each lane
 
     _method: lanes_pb2.LaneMethod = lanes_pb2.LANE_METHOD_UNSPECIFIED  # this lane's work call
     spans: LaneCallSpans | None = None  # work-call spans (lane_spans.py), set when traces are on
@@ -75,11 +52,7 @@ class _GrpcLane:
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
     ):
         """`tls`: a verifypd.net.lane_tls.LaneTls (gRPC and the call channel over mutual TLS), or None."""
-        self.addr = addr
-        self._tls = tls
-        self.timeout_s = timeout_s
-        self._secret = secret
-        self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
+        super().__init__(addr, timeout_s, secret, tls)
         self._use_channel = call_channel  # False: work calls over unary gRPC (tools, comparisons)
         self._client: CallClient | None = None
         self._mirror = cc.ChannelMirror()
@@ -89,83 +62,6 @@ class _GrpcLane:
         # and how many of its writes this lane has been told about.
         self.producer: GrpcPrefillLane | None = None
         self._writes_seen = 0
-        self._lane_channel = LaneChannel(addr, tls, GRPC_OPTIONS)
-        self._bind_stubs()
-        self._info_pb: lanes_pb2.LaneInfo | None = None
-        self._lock = threading.Lock()
-        self.wire_bytes = 0  # serialized request + reply bytes of every lane call
-        self.calls = 0
-
-    def _bind_stubs(self) -> None:
-        self.channel = self._lane_channel.channel
-        self.stub = self._stub_class(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-
-    def _fresh_channel(self) -> None:
-        """With TLS: a new channel once the certificate files changed (rotation); see LaneChannel."""
-        if self._lane_channel.refresh():
-            self._bind_stubs()
-
-    def rpc(self, method: str, request, timeout_s: float | None = None, traceparent: str | None = None):
-        """A unary gRPC call to the lane (setup, and work calls without the call channel);
-        `traceparent`: the work call's span context, sent as metadata."""
-        self._fresh_channel()
-        metadata = self._metadata if traceparent is None else (*self._metadata, (TRACEPARENT, traceparent))
-        try:
-            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
-        except grpc.RpcError as exc:
-            raise LaneError(
-                f"{self.lane} lane at {self.addr}: {method} failed: {exc.code().name}: {exc.details()}"
-            ) from None
-        with self._lock:
-            self.wire_bytes += request.ByteSize() + reply.ByteSize()
-            self.calls += 1
-        return reply
-
-    # -- setup -------------------------------------------------------------------------------
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Blocks until the lane's health says SERVING (raises LaneError on timeout; with TLS, one
-        naming what the handshake said, e.g. an expired or foreign certificate)."""
-        self._fresh_channel()
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
-            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
-            if self._tls is not None:
-                why = self._tls.diagnose(self.addr)
-            else:
-                why = (
-                    f"{str(exc) or type(exc).__name__} (a lane that serves mutual TLS refuses plaintext: "
-                    f"give --lane-tls-cert-file, --lane-tls-key-file and --lane-tls-ca-file)"
-                )
-            raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {why}") from None
-        if status.status != health_pb2.HealthCheckResponse.SERVING:
-            raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
-
-    def healthy(self, timeout_s: float = 2.0) -> bool:
-        return self.probe(timeout_s) == SERVING
-
-    def probe(self, timeout_s: float = 2.0) -> str:
-        """One health check: SERVING; SLOW when it did not answer within `timeout_s` (a loaded host
-        or a hung lane: only how long it lasts tells them apart, core_server.LaneWatch decides); DOWN
-        when the lane refused the connection or says NOT_SERVING (a dead or restarting process)."""
-        self._fresh_channel()
-        try:
-            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            return SLOW if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else DOWN
-        return SERVING if status.status == health_pb2.HealthCheckResponse.SERVING else DOWN
-
-    def describe_pb(self, refresh: bool = False) -> lanes_pb2.LaneInfo:
-        if self._info_pb is None or refresh:
-            self._info_pb = self.rpc("Describe", lanes_pb2.LaneInfoRequest())
-        return self._info_pb
-
-    def describe(self) -> LaneInfo:
-        return lc.lane_info_from_pb(self.describe_pb())
-
-    def import_pools(self, pools: list[lanes_pb2.PoolDescriptor], kv_transport: str) -> lanes_pb2.ImportPoolsReply:
-        return self.rpc("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
 
     # -- work calls --------------------------------------------------------------------------
     @property
@@ -240,11 +136,10 @@ class _GrpcLane:
         return bool(self._pending) and self._pending[0] is call
 
     def count_channel_call(self, client: CallClient) -> None:
-        """Counts a call-channel call: its connection's bytes so far, and one call."""
-        with self._lock:
-            self.wire_bytes = self.wire_bytes - self._client_bytes + client.bytes
-            self._client_bytes = client.bytes
-            self.calls += 1
+        """Counts a call-channel call: its connection's bytes since the last call counted, and one call."""
+        sent_and_received = client.bytes
+        self.count(sent_and_received - self._client_bytes)
+        self._client_bytes = sent_and_received
 
     def on_call_channel(self) -> bool:
         """The lane's work calls go over its (reachable) call channel."""
@@ -260,9 +155,8 @@ class _GrpcLane:
         port = self.describe_pb(refresh=True).call_port  # a restarted lane may listen elsewhere
         if not port:
             return None
-        with self._lock:  # the old connection's bytes stay counted
-            self._client_bytes = 0
-        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s, self._tls)
+        self._client_bytes = 0  # the old connection's bytes stay counted
+        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self.secret, self.timeout_s, self.tls)
         self._mirror = cc.ChannelMirror()
         try:
             self._client.connect()
@@ -290,7 +184,7 @@ class _GrpcLane:
         with self._call_lock:
             if self._client is not None:
                 self._client.close()
-        self._lane_channel.close()
+        super().close()
 
 
 def _ended(span, error: str | None = None) -> None:
@@ -355,7 +249,7 @@ class _StartedLaneCall:
 
 class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
-    _stub_class = lanes_pb2_grpc.PrefillLaneStub
+    stub_class = lanes_pb2_grpc.PrefillLaneStub
 
     def __init__(
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
@@ -386,7 +280,7 @@ class GrpcPrefillLane(_GrpcLane):
 
 class GrpcDraftLane(_GrpcLane):
     lane = "draft"
-    _stub_class = lanes_pb2_grpc.DraftLaneStub
+    stub_class = lanes_pb2_grpc.DraftLaneStub
 
     _method = lanes_pb2.LANE_METHOD_DRAFT
 
@@ -420,7 +314,7 @@ class GrpcDraftLane(_GrpcLane):
 
 class GrpcVerifyLane(_GrpcLane):
     lane = "verify"
-    _stub_class = lanes_pb2_grpc.VerifyLaneStub
+    stub_class = lanes_pb2_grpc.VerifyLaneStub
 
     _method = lanes_pb2.LANE_METHOD_VERIFY
 
