@@ -3,6 +3,7 @@
 lane_server.py    lane processes: own/import KV pools, serve Describe/ImportPools/work RPCs
 lane_client.py    GrpcPrefillLane / GrpcDraftLane / GrpcVerifyLane (the lane protocols over gRPC)
 lane_connection.py  a lane client's gRPC connection: unary calls, health (SERVING/SLOW/DOWN), Describe
+started_call.py   StartedLaneCall: a work call written on the call channel, its reply read later
 lane_wiring.py    wire_pools: the prefill lane imports the owners' pools; the draft handoff is opened
 call_channel.py   the fast path for work calls (framed protobufs over TCP); call_codec/call_decode
 lane_calls.py, lane_validate.py, lane_setup.py, lane_convert.py   the lane side's call handling

@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import grpc
-
 from verifypd.domain.lanes import (
     DraftItem,
     DraftOutput,
@@ -37,6 +35,7 @@ from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
 from verifypd.lanes.rpc.call_pipeline import MAX_IN_FLIGHT, ChannelTokens, feed_fields
 from verifypd.lanes.rpc.lane_connection import LaneConnection
 from verifypd.lanes.rpc.lane_spans import LaneCallSpans, end_call_span
+from verifypd.lanes.rpc.started_call import StartedLaneCall
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
@@ -94,7 +93,7 @@ class _GrpcLane(LaneConnection):
                     error = str(exc)
                     raise
                 finally:
-                    _ended(span, error)
+                    end_call_span(span, error)
             name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
             try:
                 batch = encode(self._mirror, items)
@@ -105,14 +104,14 @@ class _GrpcLane(LaneConnection):
                 call = lanes_pb2.LaneCall(method=self._method, batch=batch, traceparent=traceparent or "")
                 call_id = client.send(call)
             except (OSError, ChannelClosed) as exc:
-                _ended(span, str(exc))
+                end_call_span(span, str(exc))
                 raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
             self.last_sent = (client, call_id)
-            started = _StartedLaneCall(self, client, call_id, items, decode, name, span)
+            started = StartedLaneCall(self, client, call_id, items, decode, name, span)
             self._pending.append(started)
             return started
 
-    _pending: list[_StartedLaneCall]  # started calls whose replies are not read yet, in call order
+    _pending: list[StartedLaneCall]  # started calls whose replies are not read yet, in call order
     last_sent: tuple[CallClient, int] | None = None  # the connection and id of the last call written
 
     def _settle(self, keep: int = 0) -> None:
@@ -123,7 +122,7 @@ class _GrpcLane(LaneConnection):
 
     _client_bytes = 0
 
-    def finish_started(self, call: _StartedLaneCall) -> None:
+    def finish_started(self, call: StartedLaneCall) -> None:
         """Reads a started call's reply (and those of the calls before it: replies come in call
         order) under the connection's lock; they are no longer pending."""
         with self._call_lock:
@@ -131,7 +130,7 @@ class _GrpcLane(LaneConnection):
                 self._settle(len(self._pending) - self._pending.index(call) - 1)
             call.complete()
 
-    def first_pending(self, call: _StartedLaneCall) -> bool:
+    def first_pending(self, call: StartedLaneCall) -> bool:
         """Is `call` the oldest started call whose reply is unread (the next reply is its)?"""
         return bool(self._pending) and self._pending[0] is call
 
@@ -185,66 +184,6 @@ class _GrpcLane(LaneConnection):
             if self._client is not None:
                 self._client.close()
         super().close()
-
-
-def _ended(span, error: str | None = None) -> None:
-    """Ends a work call's span, if it has one."""
-    if span is not None:
-        end_call_span(span, error)
-
-
-class _StartedLaneCall:
-    """A work call written to a lane's call channel, its reply not read yet (a StartedCall)."""
-
-    def __init__(self, lane: _GrpcLane, client: CallClient, call_id: int, items, decode, name: str, span=None):
-        self.lane, self.client, self.call_id = lane, client, call_id
-        self.items, self.decode, self.name = items, decode, name
-        self.span = span  # the call's trace span (lane_spans.py), ended with its reply; None: untraced
-        self.done = False
-        self.next_tokens: ChannelTokens | None = None  # a plain verify call's tokens, on the lane's device
-        self.value: list | None = None
-        self.error: LaneError | None = None
-
-    def ready(self) -> bool:
-        return self.done or self.lane.first_pending(self) and self.client.reply_waiting()
-
-    def result(self) -> list:
-        if not self.done:
-            self.lane.finish_started(self)
-        if self.error is not None:
-            raise self.error
-        if self.value is None:  # complete() raised while decoding (the first result() call raised it)
-            raise LaneError(f"{self.lane.lane} lane at {self.lane.addr}: {self.name}: its reply was not decoded")
-        return self.value
-
-    def complete(self) -> None:
-        """Reads and decodes the reply (once); a failure is kept for `result()` to raise."""
-        if self.done:
-            return
-        self.done = True
-        try:
-            self._complete()
-        finally:
-            _ended(self.span, str(self.error) if self.error is not None else None)
-
-    def _complete(self) -> None:
-        lane, client, where = self.lane, self.client, f"{self.lane.lane} lane at {self.lane.addr}: {self.name}"
-        try:
-            reply = client.receive(self.call_id)
-        except (OSError, ChannelClosed) as exc:
-            self.error = LaneError(f"{where} failed: UNAVAILABLE: {exc}")
-            return
-        if reply.status_code:
-            code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
-            self.error = LaneError(f"{where} failed: {code}: {reply.error}")
-            return
-        try:
-            self.value = self.decode(self.items, reply)
-        except (IndexError, ValueError) as exc:
-            client.close()
-            self.error = LaneError(f"{where}: malformed reply: {exc}")
-            return
-        lane.count_channel_call(client)
 
 
 class GrpcPrefillLane(_GrpcLane):
@@ -365,6 +304,6 @@ class GrpcVerifyLane(_GrpcLane):
             ahead=feed is not None,
         )
         # A plain step leaves its chosen tokens on the lane's device (LocalVerifyLane: k = 0, plain items)
-        if isinstance(started, _StartedLaneCall) and all(not i.draft_tokens and plain_item(i) for i in items):
+        if isinstance(started, StartedLaneCall) and all(not i.draft_tokens and plain_item(i) for i in items):
             started.next_tokens = ChannelTokens(started.client, started.call_id, len(items))
         return started
