@@ -7,6 +7,7 @@ started_call.py   StartedLaneCall: a work call written on the call channel, its 
 lane_wiring.py    wire_pools: the prefill lane imports the owners' pools; the draft handoff is opened
 call_channel.py   the fast path for work calls (framed protobufs over TCP); call_codec/call_decode
 lane_calls.py, lane_validate.py, lane_setup.py, lane_convert.py   the lane side's call handling
+pool_import.py    ImportPools, lane side: the owners' pools checked, a KV transport chosen, each opened
 kv_transport.py   pool descriptors, shared-memory import, the copy transport, DraftProbs codec
 peer_copy.py      the peer transport: per-layer copies into an owner's pool on another GPU of the host
 cuda_ipc.py, draft_handoff.py     CUDA IPC handles of pools and of the draft-token buffer
