@@ -109,9 +109,6 @@ class CallChannelWork:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    def _encode_probs(self, probs: torch.Tensor, top_k: int) -> lanes_pb2.DraftProbs:
-        return kv.encode_probs(probs, top_k)
-
     def _handoff_dims(self) -> tuple[int, int] | None:
         if self.handoff is not None:
             return (self.handoff.tokens.shape[1], self.handoff.tokens.shape[2])
@@ -212,7 +209,7 @@ class CallChannelWork:
     def _draft_call(self, items: list[DraftItem], slot: int) -> lanes_pb2.LaneReply:
         outputs = self._draft_work(items)
         if not slot:
-            return cd.draft_reply(outputs, self._encode_probs, [i.sampling.top_k for i in items])
+            return cd.draft_reply(outputs, kv.encode_probs, [i.sampling.top_k for i in items])
         # Proposals into the handoff slot, its event recorded: no host sync, counts only.
         if self.handoff is None:
             raise RuntimeError("batch.handoff_slot: this lane has no handoff buffer")

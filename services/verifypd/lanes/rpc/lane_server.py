@@ -366,18 +366,10 @@ class LaneServicer(CallChannelWork):
         if not self._check(context, lv.check_draft, request):
             return lanes_pb2.DraftResult()
         items = lc.draft_batch_from_pb(request)
-
-        def work() -> lanes_pb2.DraftResult:
-            result = lanes_pb2.DraftResult()
-            for item, out in zip(items, self._draft_work(items)):
-                msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
-                if out.resync_from is not None:
-                    msg.resync_from = out.resync_from
-                if out.draft_probs is not None:
-                    msg.probs.CopyFrom(self._encode_probs(out.draft_probs, item.sampling.top_k))
-            return result
-
-        return self._run(context, work, items)
+        top_ks = [i.sampling.top_k for i in items]
+        return self._run(
+            context, lambda: lc.draft_outputs_to_pb(self._draft_work(items), kv.encode_probs, top_ks), items
+        )
 
     def Verify(self, request: lanes_pb2.VerifyBatch, context: RpcContext) -> lanes_pb2.VerifyResult:
         if not self._check(context, lv.check_verify, request):
