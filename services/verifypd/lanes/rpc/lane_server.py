@@ -155,7 +155,7 @@ class LaneServicer(CallChannelWork):
         # Prefill on CUDA with imported pools: recorded after writing KV, waited on by the owners
         # (instead of a device-wide synchronize before every reply). Owners: opened IPC events.
         self.kv_written: torch.cuda.Event | None = None
-        self._peer_events: dict[bytes, torch.cuda.Event] = {}
+        self.peer_events: dict[bytes, torch.cuda.Event] = {}
 
     @property
     def lane(self) -> LocalPrefillLane | DraftLane | LocalVerifyLane | None:
@@ -289,7 +289,7 @@ class LaneServicer(CallChannelWork):
             mode_by_pool={"draft_handoff": "imported"}, import_seconds=time.perf_counter() - t0
         )
 
-    def _limits(self) -> lv.LaneLimits:
+    def limits(self) -> lv.LaneLimits:
         pools = {
             role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
             for role, p in self.pools.items()
@@ -303,7 +303,7 @@ class LaneServicer(CallChannelWork):
         if self.lane is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefill lane has no pools yet: call ImportPools")
         try:
-            check(request, self._limits())
+            check(request, self.limits())
         except lv.LaneInvalid as exc:
             context.abort(exc.code, str(exc))
         return len(request.items) > 0
@@ -325,7 +325,7 @@ class LaneServicer(CallChannelWork):
                 end_call_span(span, error)
 
     # -- the work, shared by unary RPCs and the call channel ----------------------------------
-    def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
+    def prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
         if self.prefill_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no prefill (a prefill lane: call ImportPools first)")
         for role, copier in self.peers.items():
@@ -347,19 +347,19 @@ class LaneServicer(CallChannelWork):
         self.kv_bytes_copied += copied
         return outputs, copied
 
-    def _draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
+    def draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
         if self.draft_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no draft calls")
         return self.draft_lane.draft(items)
 
-    def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        return self._verify_start(items).result()  # (CallChannelWork._verify_start)
+    def verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self.verify_start(items).result()  # (CallChannelWork.verify_start)
 
     def Prefill(self, request: lanes_pb2.PrefillBatch, context: RpcContext) -> lanes_pb2.PrefillResult:
         if not self._check(context, lv.check_prefill, request):
             return lanes_pb2.PrefillResult()
         items = lc.prefill_batch_from_pb(request)
-        outputs, copied = self._run(context, lambda: self._prefill_work(items), items)
+        outputs, copied = self._run(context, lambda: self.prefill_work(items), items)
         return lc.prefill_outputs_to_pb(outputs, copied)
 
     def Draft(self, request: lanes_pb2.DraftBatch, context: RpcContext) -> lanes_pb2.DraftResult:
@@ -368,14 +368,14 @@ class LaneServicer(CallChannelWork):
         items = lc.draft_batch_from_pb(request)
         top_ks = [i.sampling.top_k for i in items]
         return self._run(
-            context, lambda: lc.draft_outputs_to_pb(self._draft_work(items), kv.encode_probs, top_ks), items
+            context, lambda: lc.draft_outputs_to_pb(self.draft_work(items), kv.encode_probs, top_ks), items
         )
 
     def Verify(self, request: lanes_pb2.VerifyBatch, context: RpcContext) -> lanes_pb2.VerifyResult:
         if not self._check(context, lv.check_verify, request):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
-        return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)), items)
+        return self._run(context, lambda: lc.verify_outputs_to_pb(self.verify_work(items)), items)
 
 
 def build_lane_server(
