@@ -1,6 +1,7 @@
 """Lanes over the network (split topology): lane servers, the router's lane clients, their codecs.
 
 lane_server.py    lane processes: own/import KV pools, serve Describe/ImportPools/work RPCs
+lane_ports.py     build_lane_server: a lane's gRPC port (auth, health, TLS) and its call-channel port
 lane_client.py    GrpcPrefillLane / GrpcDraftLane / GrpcVerifyLane (the lane protocols over gRPC)
 lane_connection.py  a lane client's gRPC connection: unary calls, health (SERVING/SLOW/DOWN), Describe
 started_call.py   StartedLaneCall: a work call written on the call channel, its reply read later

@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent import futures
 from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -49,7 +48,6 @@ from verifypd.domain.lanes import (
 from verifypd.domain.models import draft_spec
 from verifypd.domain.options import EngineOptions
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
-from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc import lane_validate as lv
@@ -63,12 +61,8 @@ from verifypd.model.build import capture_graphs
 from verifypd.model.kv_pool import KvPool
 from verifypd.model.llama import PagedLlama
 from verifypd.model.runner import ModelRunner
-from verifypd.net.auth import lane_interceptor
-from verifypd.net.health import Health, add_health_and_reflection
-from verifypd.net.limits import LANE_GRPC_OPTIONS
-from verifypd.net.wire_guard import WireGuard
 from verifypd.spec_decode.ngram import poolless_draft_lane
-from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+from verifypd.v1 import lanes_pb2
 
 if TYPE_CHECKING:
     from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
@@ -151,7 +145,7 @@ class LaneServicer(CallChannelWork):
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
-        self.call_server: CallServer | None = None  # started by build_lane_server
+        self.call_server: CallServer | None = None  # started by build_lane_server (lane_ports.py)
         # Prefill on CUDA with imported pools: recorded after writing KV, waited on by the owners
         # (instead of a device-wide synchronize before every reply). Owners: opened IPC events.
         self.kv_written: torch.cuda.Event | None = None
@@ -376,45 +370,3 @@ class LaneServicer(CallChannelWork):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
         return self._run(context, lambda: lc.verify_outputs_to_pb(self.verify_work(items)), items)
-
-
-def build_lane_server(
-    servicer: LaneServicer,
-    host: str,
-    port: int,
-    call_port: int | None = 0,
-) -> tuple[grpc.Server, int, Health]:
-    """A started gRPC server for the lane; returns (server, bound port, health servicer).
-    With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
-    channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
-    Describe announces its port. With `servicer.tls` both ports speak mutual TLS only."""
-    interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
-    interceptors.append(WireGuard())  # garbage is INVALID_ARGUMENT, one rate-limited line
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8), options=LANE_GRPC_OPTIONS, interceptors=interceptors
-    )
-    adders = {
-        "prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
-        "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
-        "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server,
-    }
-    adders[servicer.role](servicer, server)
-    services = [f"verifypd.v1.{servicer.role.capitalize()}Lane"]
-    if servicer.owned:
-        lanes_pb2_grpc.add_KvTransferServicer_to_server(servicer.transfer, server)
-        services.append("verifypd.v1.KvTransfer")
-    health = add_health_and_reflection(server, services)
-    bound = (
-        server.add_secure_port(f"{host}:{port}", servicer.tls.grpc_server_credentials())
-        if servicer.tls
-        else server.add_insecure_port(f"{host}:{port}")
-    )
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    server.start()
-    if call_port is not None:
-        pipelined = servicer.role == "verify"  # verify calls launched before the last one's reply
-        servicer.call_server = CallServer(
-            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls, pipelined
-        )
-    return server, bound, health
