@@ -74,7 +74,7 @@ def stub_servicer():
 
 
 def serve() -> None:
-    from verifypd.lanes.rpc.lane_server import build_lane_server
+    from verifypd.lanes.rpc.lane_ports import build_lane_server
 
     servicer = stub_servicer()
     server, port, _ = build_lane_server(servicer, "127.0.0.1", 0)

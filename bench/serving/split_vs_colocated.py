@@ -224,7 +224,7 @@ def main() -> int:
     from verifypd.engine import Engine, EngineOptions
     from verifypd.gateway.server import load_codec
     from verifypd.lanes.processes import LaneProcesses
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
     from verifypd.router.router import Router
 
     config = RuntimeConfig(k_min=0, k_max=max(args.k, 1), k_initial=args.k, adaptive=False, schedule=args.schedule)

@@ -24,7 +24,7 @@ from verifypd.core import client as core_client
 from verifypd.core import core_server
 from verifypd.core.channel import BlockingChannel
 from verifypd.core.lane_watch import HUNG, LOST, OK, WAIT, LaneWatch
-from verifypd.lanes.rpc.lane_client import DOWN, SERVING, SLOW
+from verifypd.lanes.rpc.lane_connection import DOWN, SERVING, SLOW
 
 
 def test_lane_watch_tells_slow_from_hung_and_dead():

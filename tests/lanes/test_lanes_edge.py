@@ -35,7 +35,8 @@ AUTH = (("x-verifypd-lane-secret", SECRET),)
 
 class Lanes:
     def __init__(self, options):
-        from verifypd.lanes.rpc.lane_server import LaneServicer, build_lane_server
+        from verifypd.lanes.rpc.lane_ports import build_lane_server
+        from verifypd.lanes.rpc.lane_server import LaneServicer
 
         self.servicers, self.servers, self.addrs, self.channels = {}, [], {}, {}
         for role in ("verify", "draft", "prefill"):

@@ -176,7 +176,7 @@ def run_router(router, specs, on_step=None) -> list[list[int]]:
 def split_lanes(tiny_models):
     from verifypd.core.assembly import connect_lanes
     from verifypd.lanes.processes import LaneProcesses
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
 
     options = engine_options(*tiny_models, k=0)
     procs = LaneProcesses(options)
@@ -300,7 +300,7 @@ def test_verify_lane_killed_mid_chain_loses_no_request_and_no_token(split_lanes)
     router waits for); the step fails with LaneError, the supervisor's part (restart, re-wire) is
     done here, the router re-queues every request for recompute, and each request's tokens are the
     fault-free ones, none twice."""
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
     from verifypd.router.router import Router
 
     options, procs, clients = split_lanes

@@ -133,7 +133,7 @@ def test_router_sends_the_prefill_while_the_verify_lane_computes(tiny_models):
     from verifypd.core.assembly import connect_lanes
     from verifypd.domain.requests import RequestSpec
     from verifypd.lanes.processes import LaneProcesses
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
     from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)

@@ -149,7 +149,7 @@ def test_call_channel_and_unary_grpc_give_the_same_tokens(tiny_models, lanes, pr
     and the unary gRPC path drive the same lanes to the same tokens; the channel is really used."""
     from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
     from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)
@@ -179,7 +179,7 @@ def test_pipelined_pdv_over_lane_processes_gives_offline_tokens(tiny_models, lan
     and prefill calls beside decode calls; greedy tokens stay those of offline decoding."""
     from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
     from verifypd.router.router import Router
 
     options = engine_options(*tiny_models)
@@ -216,7 +216,7 @@ def test_pdv_switching_pipelined_and_lock_step_over_lane_processes(tiny_models, 
 
     from verifypd.core.assembly import connect_lanes
     from verifypd.gateway.server import load_codec
-    from verifypd.lanes.rpc.lane_client import wire_pools
+    from verifypd.lanes.rpc.lane_wiring import wire_pools
     from verifypd.router import k_decision as k_decision_module
     from verifypd.router.router import Router
 

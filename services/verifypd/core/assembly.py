@@ -195,7 +195,7 @@ SplitLanes: TypeAlias = "tuple[GrpcPrefillLane, GrpcDraftLane, GrpcVerifyLane]"
 class SplitStack:
     router: Router
     lanes: SplitLanes
-    wiring: lanes_pb2.ImportPoolsReply  # the prefill lane's (lanes.rpc.lane_client.wire_pools)
+    wiring: lanes_pb2.ImportPoolsReply  # the prefill lane's (lanes.rpc.lane_wiring.wire_pools)
     info: generate_pb2.ServerInfo
 
 
@@ -236,7 +236,7 @@ def build_split(
     """The router over gRPC lane clients; the prefill lane imports (or stages) the owners' pools
     once (and again after a lane restart: CoreServer re-wires). The router does not detokenize:
     the gateway does (decode=None)."""
-    from verifypd.lanes.rpc.lane_client import shares_pools, wire_pools
+    from verifypd.lanes.rpc.lane_wiring import shares_pools, wire_pools
 
     prefill, draft, verify = connect_lanes(
         addrs, timeout_s=lane_timeout_s, secret=lane_secret, tls=lane_tls, ready_timeout_s=ready_timeout_s

@@ -321,7 +321,7 @@ class CoreServer:
         """Engine thread, during recovery: raises LaneError until every lane serves again; then
         re-reads the owners' pools (new ids and generations after a restart) and has the prefill
         lane import them. Old-generation handles are refused by the lanes from then on."""
-        from verifypd.lanes.rpc.lane_client import shares_pools, wire_pools
+        from verifypd.lanes.rpc.lane_wiring import shares_pools, wire_pools
 
         for lane in self.lanes:
             if not lane.healthy(timeout_s=1.0):

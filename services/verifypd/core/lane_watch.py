@@ -11,7 +11,7 @@ live on and never serve again.
 
 from __future__ import annotations
 
-from verifypd.lanes.rpc.lane_client import DOWN, SERVING
+from verifypd.lanes.rpc.lane_connection import DOWN, SERVING
 
 OK, LOST, WAIT, HUNG = "ok", "lost", "wait", "hung"
 
@@ -25,7 +25,7 @@ class LaneWatch:
 
     def observe(self, lane: str, verdict: str, started: float, now: float) -> str:
         """What to do after one check of `lane` that began at `started` and ended at `now` with
-        `verdict` (lane_client SERVING / SLOW / DOWN): OK, LOST (recover), WAIT (slow, not yet
+        `verdict` (lane_connection SERVING / SLOW / DOWN): OK, LOST (recover), WAIT (slow, not yet
         hung) or HUNG (kill the process and recover)."""
         if verdict == SERVING:
             self._failing_since.pop(lane, None)

@@ -14,7 +14,8 @@ from verifypd.net.auth import LANE_SECRET_ENV
 
 
 def cmd_lane(args) -> int:
-    from verifypd.lanes.rpc.lane_server import LaneServicer, build_lane_server
+    from verifypd.lanes.rpc.lane_ports import build_lane_server
+    from verifypd.lanes.rpc.lane_server import LaneServicer
     from verifypd.lanes.rpc.lane_spans import LaneServerSpans
     from verifypd.net.auth import load_secret
     from verifypd.net.lane_tls import lane_tls

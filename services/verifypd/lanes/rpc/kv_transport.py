@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import torch
 
+from verifypd.domain.lanes import KvHandle, PrefillItem
 from verifypd.lanes.rpc import cuda_ipc
 from verifypd.lanes.rpc.lane_convert import ROLE_FROM_PB, ROLE_TO_PB
 from verifypd.model.kv_pool import LAYOUT, KvPool, PoolGeometry
@@ -154,6 +155,24 @@ def write_chunks(pool: KvPool, chunks: list[lanes_pb2.KvBlockChunk]) -> int:
 def touched_blocks(block_ids, start: int, end: int, block_size: int) -> list[int]:
     """Blocks holding positions [start, end)."""
     return list(block_ids[start // block_size : -(-end // block_size)])
+
+
+def prefill_blocks(items: list[PrefillItem], role: str, block_size: int) -> list[int]:
+    """The blocks of the `role` pool that a prefill batch writes."""
+    return [
+        b
+        for i in items
+        for b in touched_blocks(_handle(i, role).block_ids, i.start_pos, i.start_pos + len(i.token_ids), block_size)
+    ]
+
+
+def _handle(item: PrefillItem, role: str) -> KvHandle:
+    """The item's KV in the `role` pool (validated at the edge: a lane holding a draft pool gets
+    every item's draft_kv)."""
+    handle = item.target_kv if role == "target" else item.draft_kv
+    if handle is None:
+        raise RuntimeError(f"prefill item {item.request_id!r} has no {role}_kv, but this lane holds a {role} pool")
+    return handle
 
 
 class KvPusher:

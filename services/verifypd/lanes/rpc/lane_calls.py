@@ -61,7 +61,7 @@ class CallChannelWork:
     role: str  # "prefill" | "draft" | "verify"
     lock: threading.Lock  # one per process: serializes work calls on the pools
     device: torch.device
-    _peer_events: dict[bytes, torch.cuda.Event]  # opened IPC events of the prefill lane's KV writes
+    peer_events: dict[bytes, torch.cuda.Event]  # opened IPC events of the prefill lane's KV writes
     # Set by LaneServicer: handoff (draft lane on CUDA) / opened_handoff (verify lane, once opened).
     handoff: DraftHandoffBuffer | None = None
     opened_handoff: OpenedHandoff | None = None
@@ -74,19 +74,19 @@ class CallChannelWork:
         """The lane the work calls run on; None: the prefill lane before ImportPools (or closed)."""
         raise NotImplementedError
 
-    def _limits(self) -> lv.LaneLimits:
+    def limits(self) -> lv.LaneLimits:
         raise NotImplementedError
 
-    def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
+    def prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
         raise NotImplementedError
 
-    def _draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
+    def draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
         raise NotImplementedError
 
-    def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+    def verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         raise NotImplementedError
 
-    def _verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
+    def verify_start(self, items: list[VerifyItem], feed: TokenFeed | None = None) -> StartedCall:
         """Launches a verify call on this lane's LocalVerifyLane (results by `.result()`)."""
         if self.verify_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no verify calls")
@@ -109,9 +109,6 @@ class CallChannelWork:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    def _encode_probs(self, probs: torch.Tensor, top_k: int) -> lanes_pb2.DraftProbs:
-        return kv.encode_probs(probs, top_k)
-
     def _handoff_dims(self) -> tuple[int, int] | None:
         if self.handoff is not None:
             return (self.handoff.tokens.shape[1], self.handoff.tokens.shape[2])
@@ -133,7 +130,7 @@ class CallChannelWork:
             feed = None
             if self.role == "verify":  # checked before decode changes the connection's state
                 feed = state.fed.feed(call.batch, len(call.batch.keys_u32) // 4)
-            items = cd.decode(call.method, call.batch, state, self._limits(), self._handoff_dims())
+            items = cd.decode(call.method, call.batch, state, self.limits(), self._handoff_dims())
             if call.batch.wait_event:
                 self._wait_for_peer(call.batch.wait_event)
         except lv.LaneInvalid as exc:
@@ -157,7 +154,7 @@ class CallChannelWork:
             with self.lock, self.on_device():
                 if call.batch.handoff_slot:
                     self._read_handoff(items, call.batch.handoff_slot)
-                started = self._verify_start(items, feed) if items else None
+                started = self.verify_start(items, feed) if items else None
         except Exception as exc:
             state.fed.keep(0, None, 0)
             reply = self._internal(exc)
@@ -194,13 +191,13 @@ class CallChannelWork:
         try:
             with self.lock, self.on_device():
                 if self.role == "prefill":
-                    reply = cd.prefill_reply(*self._prefill_work(items))
+                    reply = cd.prefill_reply(*self.prefill_work(items))
                 elif self.role == "draft":
                     reply = self._draft_call(items, call.batch.handoff_slot)
                 else:
                     if call.batch.handoff_slot:
                         self._read_handoff(items, call.batch.handoff_slot)
-                    reply = cd.verify_reply(self._verify_work(items))
+                    reply = cd.verify_reply(self.verify_work(items))
         except Exception as exc:
             log.exception("%s lane call failed", self.role)
             return lanes_pb2.LaneReply(
@@ -210,9 +207,9 @@ class CallChannelWork:
         return reply
 
     def _draft_call(self, items: list[DraftItem], slot: int) -> lanes_pb2.LaneReply:
-        outputs = self._draft_work(items)
+        outputs = self.draft_work(items)
         if not slot:
-            return cd.draft_reply(outputs, self._encode_probs, [i.sampling.top_k for i in items])
+            return cd.draft_reply(outputs, kv.encode_probs, [i.sampling.top_k for i in items])
         # Proposals into the handoff slot, its event recorded: no host sync, counts only.
         if self.handoff is None:
             raise RuntimeError("batch.handoff_slot: this lane has no handoff buffer")
@@ -235,13 +232,13 @@ class CallChannelWork:
         """Orders this lane's next work after the prefill lane's KV writes (PackedBatch.wait_event)."""
         if self.device.type != "cuda":
             raise lv.LaneInvalid("batch.wait_event: this lane runs on the CPU; there is no CUDA event to wait on")
-        event = self._peer_events.get(handle)
+        event = self.peer_events.get(handle)
         if event is None:
-            if len(handle) > lv.CUDA_HANDLE_BYTES or len(self._peer_events) >= MAX_PEER_EVENTS:
+            if len(handle) > lv.CUDA_HANDLE_BYTES or len(self.peer_events) >= MAX_PEER_EVENTS:
                 raise lv.LaneInvalid(f"batch.wait_event: not a CUDA IPC event handle ({len(handle)} bytes)")
             try:
                 event = torch.cuda.Event.from_ipc_handle(self.device, handle)
             except RuntimeError as exc:
                 raise lv.LaneInvalid(f"batch.wait_event: cannot open: {exc}") from None
-            self._peer_events[handle] = event
+            self.peer_events[handle] = event
         torch.cuda.current_stream(self.device).wait_event(event)

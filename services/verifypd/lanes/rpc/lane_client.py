@@ -15,18 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifypd.domain.lanes import (
     DraftItem,
     DraftOutput,
     Finished,
     LaneError,
-    LaneInfo,
     PrefillItem,
     PrefillOutput,
     StartedCall,
@@ -35,39 +29,20 @@ from verifypd.domain.lanes import (
     VerifyOutput,
     plain_item,
 )
-from verifypd.domain.options import KV_TRANSPORTS
 from verifypd.lanes.rpc import call_codec as cc
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc.call_channel import CallClient, ChannelClosed
 from verifypd.lanes.rpc.call_pipeline import MAX_IN_FLIGHT, ChannelTokens, feed_fields
+from verifypd.lanes.rpc.lane_connection import LaneConnection
 from verifypd.lanes.rpc.lane_spans import LaneCallSpans, end_call_span
-from verifypd.net.auth import lane_metadata
-from verifypd.net.lane_tls import LaneChannel
-from verifypd.net.trace_context import TRACEPARENT
+from verifypd.lanes.rpc.started_call import StartedLaneCall
 from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
 
 log = logging.getLogger("verifypd.lane_client")
-# Reconnect quickly to a restarted lane (gRPC's default back-off grows to 120 s).
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 512 << 20),
-    ("grpc.max_receive_message_length", 512 << 20),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-# What one health check of a lane says (`_GrpcLane.probe`).
-SERVING, SLOW, DOWN = "serving", "slow", "down"
-SERVICE_NAMES = {
-    "prefill": "verifypd.v1.PrefillLane",
-    "draft": "verifypd.v1.DraftLane",
-    "verify": "verifypd.v1.VerifyLane",
-}
 
 
-class _GrpcLane:
-    lane = ""
+class _GrpcLane(LaneConnection):
     remote = True  # another process: the router may overlap calls to different lanes
-    _stub_class: Callable[[grpc.Channel], Any]  # the lane's gRPC stub (lanes_pb2_grpc), set by each lane
 
     _method: lanes_pb2.LaneMethod = lanes_pb2.LANE_METHOD_UNSPECIFIED  # this lane's work call
     spans: LaneCallSpans | None = None  # work-call spans (lane_spans.py), set when traces are on
@@ -76,11 +51,7 @@ class _GrpcLane:
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
     ):
         """`tls`: a verifypd.net.lane_tls.LaneTls (gRPC and the call channel over mutual TLS), or None."""
-        self.addr = addr
-        self._tls = tls
-        self.timeout_s = timeout_s
-        self._secret = secret
-        self._metadata = lane_metadata(secret)  # the lane secret, on every call but health
+        super().__init__(addr, timeout_s, secret, tls)
         self._use_channel = call_channel  # False: work calls over unary gRPC (tools, comparisons)
         self._client: CallClient | None = None
         self._mirror = cc.ChannelMirror()
@@ -90,83 +61,6 @@ class _GrpcLane:
         # and how many of its writes this lane has been told about.
         self.producer: GrpcPrefillLane | None = None
         self._writes_seen = 0
-        self._lane_channel = LaneChannel(addr, tls, GRPC_OPTIONS)
-        self._bind_stubs()
-        self._info_pb: lanes_pb2.LaneInfo | None = None
-        self._lock = threading.Lock()
-        self.wire_bytes = 0  # serialized request + reply bytes of every lane call
-        self.calls = 0
-
-    def _bind_stubs(self) -> None:
-        self.channel = self._lane_channel.channel
-        self.stub = self._stub_class(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-
-    def _fresh_channel(self) -> None:
-        """With TLS: a new channel once the certificate files changed (rotation); see LaneChannel."""
-        if self._lane_channel.refresh():
-            self._bind_stubs()
-
-    def rpc(self, method: str, request, timeout_s: float | None = None, traceparent: str | None = None):
-        """A unary gRPC call to the lane (setup, and work calls without the call channel);
-        `traceparent`: the work call's span context, sent as metadata."""
-        self._fresh_channel()
-        metadata = self._metadata if traceparent is None else (*self._metadata, (TRACEPARENT, traceparent))
-        try:
-            reply = getattr(self.stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=metadata)
-        except grpc.RpcError as exc:
-            raise LaneError(
-                f"{self.lane} lane at {self.addr}: {method} failed: {exc.code().name}: {exc.details()}"
-            ) from None
-        with self._lock:
-            self.wire_bytes += request.ByteSize() + reply.ByteSize()
-            self.calls += 1
-        return reply
-
-    # -- setup -------------------------------------------------------------------------------
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Blocks until the lane's health says SERVING (raises LaneError on timeout; with TLS, one
-        naming what the handshake said, e.g. an expired or foreign certificate)."""
-        self._fresh_channel()
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
-            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
-            if self._tls is not None:
-                why = self._tls.diagnose(self.addr)
-            else:
-                why = (
-                    f"{str(exc) or type(exc).__name__} (a lane that serves mutual TLS refuses plaintext: "
-                    f"give --lane-tls-cert-file, --lane-tls-key-file and --lane-tls-ca-file)"
-                )
-            raise LaneError(f"{self.lane} lane at {self.addr} is not reachable: {why}") from None
-        if status.status != health_pb2.HealthCheckResponse.SERVING:
-            raise LaneError(f"{self.lane} lane at {self.addr} is not serving")
-
-    def healthy(self, timeout_s: float = 2.0) -> bool:
-        return self.probe(timeout_s) == SERVING
-
-    def probe(self, timeout_s: float = 2.0) -> str:
-        """One health check: SERVING; SLOW when it did not answer within `timeout_s` (a loaded host
-        or a hung lane: only how long it lasts tells them apart, core_server.LaneWatch decides); DOWN
-        when the lane refused the connection or says NOT_SERVING (a dead or restarting process)."""
-        self._fresh_channel()
-        try:
-            status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            return SLOW if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else DOWN
-        return SERVING if status.status == health_pb2.HealthCheckResponse.SERVING else DOWN
-
-    def describe_pb(self, refresh: bool = False) -> lanes_pb2.LaneInfo:
-        if self._info_pb is None or refresh:
-            self._info_pb = self.rpc("Describe", lanes_pb2.LaneInfoRequest())
-        return self._info_pb
-
-    def describe(self) -> LaneInfo:
-        return lc.lane_info_from_pb(self.describe_pb())
-
-    def import_pools(self, pools: list[lanes_pb2.PoolDescriptor], kv_transport: str) -> lanes_pb2.ImportPoolsReply:
-        return self.rpc("ImportPools", lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport))
 
     # -- work calls --------------------------------------------------------------------------
     @property
@@ -199,7 +93,7 @@ class _GrpcLane:
                     error = str(exc)
                     raise
                 finally:
-                    _ended(span, error)
+                    end_call_span(span, error)
             name = lanes_pb2.LaneMethod.Name(self._method).removeprefix("LANE_METHOD_").capitalize()
             try:
                 batch = encode(self._mirror, items)
@@ -210,14 +104,14 @@ class _GrpcLane:
                 call = lanes_pb2.LaneCall(method=self._method, batch=batch, traceparent=traceparent or "")
                 call_id = client.send(call)
             except (OSError, ChannelClosed) as exc:
-                _ended(span, str(exc))
+                end_call_span(span, str(exc))
                 raise LaneError(f"{self.lane} lane at {self.addr}: {name} failed: UNAVAILABLE: {exc}") from None
             self.last_sent = (client, call_id)
-            started = _StartedLaneCall(self, client, call_id, items, decode, name, span)
+            started = StartedLaneCall(self, client, call_id, items, decode, name, span)
             self._pending.append(started)
             return started
 
-    _pending: list[_StartedLaneCall]  # started calls whose replies are not read yet, in call order
+    _pending: list[StartedLaneCall]  # started calls whose replies are not read yet, in call order
     last_sent: tuple[CallClient, int] | None = None  # the connection and id of the last call written
 
     def _settle(self, keep: int = 0) -> None:
@@ -228,7 +122,7 @@ class _GrpcLane:
 
     _client_bytes = 0
 
-    def finish_started(self, call: _StartedLaneCall) -> None:
+    def finish_started(self, call: StartedLaneCall) -> None:
         """Reads a started call's reply (and those of the calls before it: replies come in call
         order) under the connection's lock; they are no longer pending."""
         with self._call_lock:
@@ -236,16 +130,15 @@ class _GrpcLane:
                 self._settle(len(self._pending) - self._pending.index(call) - 1)
             call.complete()
 
-    def first_pending(self, call: _StartedLaneCall) -> bool:
+    def first_pending(self, call: StartedLaneCall) -> bool:
         """Is `call` the oldest started call whose reply is unread (the next reply is its)?"""
         return bool(self._pending) and self._pending[0] is call
 
     def count_channel_call(self, client: CallClient) -> None:
-        """Counts a call-channel call: its connection's bytes so far, and one call."""
-        with self._lock:
-            self.wire_bytes = self.wire_bytes - self._client_bytes + client.bytes
-            self._client_bytes = client.bytes
-            self.calls += 1
+        """Counts a call-channel call: its connection's bytes since the last call counted, and one call."""
+        sent_and_received = client.bytes
+        self.count(sent_and_received - self._client_bytes)
+        self._client_bytes = sent_and_received
 
     def on_call_channel(self) -> bool:
         """The lane's work calls go over its (reachable) call channel."""
@@ -261,9 +154,8 @@ class _GrpcLane:
         port = self.describe_pb(refresh=True).call_port  # a restarted lane may listen elsewhere
         if not port:
             return None
-        with self._lock:  # the old connection's bytes stay counted
-            self._client_bytes = 0
-        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self._secret, self.timeout_s, self._tls)
+        self._client_bytes = 0  # the old connection's bytes stay counted
+        self._client = CallClient(self.addr.rsplit(":", 1)[0], port, self.secret, self.timeout_s, self.tls)
         self._mirror = cc.ChannelMirror()
         try:
             self._client.connect()
@@ -291,72 +183,12 @@ class _GrpcLane:
         with self._call_lock:
             if self._client is not None:
                 self._client.close()
-        self._lane_channel.close()
-
-
-def _ended(span, error: str | None = None) -> None:
-    """Ends a work call's span, if it has one."""
-    if span is not None:
-        end_call_span(span, error)
-
-
-class _StartedLaneCall:
-    """A work call written to a lane's call channel, its reply not read yet (a StartedCall)."""
-
-    def __init__(self, lane: _GrpcLane, client: CallClient, call_id: int, items, decode, name: str, span=None):
-        self.lane, self.client, self.call_id = lane, client, call_id
-        self.items, self.decode, self.name = items, decode, name
-        self.span = span  # the call's trace span (lane_spans.py), ended with its reply; None: untraced
-        self.done = False
-        self.next_tokens: ChannelTokens | None = None  # a plain verify call's tokens, on the lane's device
-        self.value: list | None = None
-        self.error: LaneError | None = None
-
-    def ready(self) -> bool:
-        return self.done or self.lane.first_pending(self) and self.client.reply_waiting()
-
-    def result(self) -> list:
-        if not self.done:
-            self.lane.finish_started(self)
-        if self.error is not None:
-            raise self.error
-        if self.value is None:  # complete() raised while decoding (the first result() call raised it)
-            raise LaneError(f"{self.lane.lane} lane at {self.lane.addr}: {self.name}: its reply was not decoded")
-        return self.value
-
-    def complete(self) -> None:
-        """Reads and decodes the reply (once); a failure is kept for `result()` to raise."""
-        if self.done:
-            return
-        self.done = True
-        try:
-            self._complete()
-        finally:
-            _ended(self.span, str(self.error) if self.error is not None else None)
-
-    def _complete(self) -> None:
-        lane, client, where = self.lane, self.client, f"{self.lane.lane} lane at {self.lane.addr}: {self.name}"
-        try:
-            reply = client.receive(self.call_id)
-        except (OSError, ChannelClosed) as exc:
-            self.error = LaneError(f"{where} failed: UNAVAILABLE: {exc}")
-            return
-        if reply.status_code:
-            code = next((c.name for c in grpc.StatusCode if c.value[0] == reply.status_code), reply.status_code)
-            self.error = LaneError(f"{where} failed: {code}: {reply.error}")
-            return
-        try:
-            self.value = self.decode(self.items, reply)
-        except (IndexError, ValueError) as exc:
-            client.close()
-            self.error = LaneError(f"{where}: malformed reply: {exc}")
-            return
-        lane.count_channel_call(client)
+        super().close()
 
 
 class GrpcPrefillLane(_GrpcLane):
     lane = "prefill"
-    _stub_class = lanes_pb2_grpc.PrefillLaneStub
+    stub_class = lanes_pb2_grpc.PrefillLaneStub
 
     def __init__(
         self, addr: str, timeout_s: float = 60.0, secret: str | None = None, call_channel: bool = True, tls=None
@@ -387,7 +219,7 @@ class GrpcPrefillLane(_GrpcLane):
 
 class GrpcDraftLane(_GrpcLane):
     lane = "draft"
-    _stub_class = lanes_pb2_grpc.DraftLaneStub
+    stub_class = lanes_pb2_grpc.DraftLaneStub
 
     _method = lanes_pb2.LANE_METHOD_DRAFT
 
@@ -421,7 +253,7 @@ class GrpcDraftLane(_GrpcLane):
 
 class GrpcVerifyLane(_GrpcLane):
     lane = "verify"
-    _stub_class = lanes_pb2_grpc.VerifyLaneStub
+    stub_class = lanes_pb2_grpc.VerifyLaneStub
 
     _method = lanes_pb2.LANE_METHOD_VERIFY
 
@@ -472,64 +304,6 @@ class GrpcVerifyLane(_GrpcLane):
             ahead=feed is not None,
         )
         # A plain step leaves its chosen tokens on the lane's device (LocalVerifyLane: k = 0, plain items)
-        if isinstance(started, _StartedLaneCall) and all(not i.draft_tokens and plain_item(i) for i in items):
+        if isinstance(started, StartedLaneCall) and all(not i.draft_tokens and plain_item(i) for i in items):
             started.next_tokens = ChannelTokens(started.client, started.call_id, len(items))
         return started
-
-
-def shares_pools(wiring: lanes_pb2.ImportPoolsReply) -> bool:
-    """Whether the prefill lane imported every pool by handle (reads and writes the owners' memory),
-    rather than copying KV through staging pools of its own: the condition of prefix caching in
-    split (core.assembly.build_split)."""
-    return all(mode == "imported" for mode in wiring.mode_by_pool.values())
-
-
-def wire_pools(
-    prefill: GrpcPrefillLane, draft: GrpcDraftLane, verify: GrpcVerifyLane, kv_transport: str = "auto"
-) -> lanes_pb2.ImportPoolsReply:
-    """The one-time pool exchange: tells the prefill lane about the owners' pools.
-
-    The owners' KvTransfer addresses are the addresses we reach them at (only the wiring side
-    knows them), used when a pool is copied rather than imported.
-    """
-    if kv_transport not in KV_TRANSPORTS:
-        raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}; got {kv_transport!r}")
-    pools = []
-    for owner in (verify, draft):
-        for d in owner.describe_pb().pools:
-            d = lanes_pb2.PoolDescriptor.FromString(d.SerializeToString())
-            d.kv_transfer_addr = owner.addr
-            pools.append(d)
-    # The prefill lane may skip its device sync only if every call that can read its KV carries
-    # the event: true when the owners are called over their call channels. A channel that cannot
-    # be reached now (a port a firewall or Service does not expose) is not used at all: work
-    # calls to that lane go over gRPC, and nothing relies on device-side ordering.
-    for lane in (prefill, draft, verify):
-        lane.probe_channel()
-    forward = all(lane.on_call_channel() for lane in (prefill, draft, verify))
-    reply = prefill.rpc(
-        "ImportPools",
-        lanes_pb2.ImportPoolsRequest(pools=pools, kv_transport=kv_transport, forward_kv_written_event=forward),
-    )
-    prefill.kv_written_event = reply.kv_written_event
-    for owner in (draft, verify):
-        # Only a lane that reads the prefill lane's KV waits for its writes: a pool-less draft lane
-        # (ngram, none) may run on the CPU, where there is no event to wait on (found on an H200:
-        # `serve --topology split --draft none` refused every draft call).
-        owner.producer = prefill if owner.describe_pb().pools else None
-    _wire_handoff(draft, verify)
-    return reply
-
-
-def _wire_handoff(draft: GrpcDraftLane, verify: GrpcVerifyLane) -> None:
-    """Draft tokens on the device (DraftHandoff) when the verify lane can open the draft lane's
-    buffer: both on the call channel, on one GPU. Otherwise they keep travelling through us."""
-    draft.handoff = None
-    info = draft.describe_pb()
-    if not (info.HasField("draft_handoff") and draft.on_call_channel() and verify.on_call_channel()):
-        return
-    try:
-        verify.rpc("ImportPools", lanes_pb2.ImportPoolsRequest(draft_handoff=info.draft_handoff))
-    except LaneError:  # another device or host: the host path it is
-        return
-    draft.handoff = (info.draft_handoff.rows, info.draft_handoff.cols)

@@ -154,6 +154,18 @@ def draft_batch_from_pb(batch: lanes_pb2.DraftBatch) -> list[DraftItem]:
     ]
 
 
+def draft_outputs_to_pb(outputs: list[DraftOutput], encode_probs, top_ks: list[int]) -> lanes_pb2.DraftResult:
+    """`encode_probs(probs, top_k)`: a draft lane's probability tensor -> `DraftProbs` (kv_transport.py)."""
+    result = lanes_pb2.DraftResult()
+    for out, top_k in zip(outputs, top_ks):
+        msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
+        if out.resync_from is not None:
+            msg.resync_from = out.resync_from
+        if out.draft_probs is not None:
+            msg.probs.CopyFrom(encode_probs(out.draft_probs, top_k))
+    return result
+
+
 def draft_outputs_from_pb(result: lanes_pb2.DraftResult) -> list[DraftOutput]:
     """`draft_probs` stays a `DraftProbs` message (or None for greedy): opaque to the router."""
     return [

@@ -6,11 +6,12 @@ whose pools are the ones this process owns or imported, and converts messages at
     draft lane   owns the draft pool (+ draft weights); serves KvTransfer for it. A pool-less
                  draft (ngram, none) loads no model and owns no pool: it needs no GPU
     verify lane  owns the target pool (+ target weights); serves KvTransfer for it
-    prefill lane has both models; after ImportPools it writes into the owners' pools directly
-                 (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging pools whose
-                 touched blocks it then streams to the owners (copy transport) or copies into
-                 the owners' pools on another GPU, layer by layer (peer transport, peer_copy.py),
-                 or writes straight into the owners' pools mapped from another GPU (direct)
+    prefill lane has both models; after ImportPools (pool_import.py) it writes into the owners'
+                 pools directly (imported: /dev/shm on CPU, CUDA IPC on GPU) or into local staging
+                 pools whose touched blocks it then streams to the owners (copy transport) or
+                 copies into the owners' pools on another GPU, layer by layer (peer transport,
+                 peer_copy.py), or writes straight into the owners' pools mapped from another GPU
+                 (direct)
 
 One lock per process serializes work calls (and KvTransfer writes) on the pools.
 
@@ -28,7 +29,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent import futures
 from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import grpc
@@ -38,7 +38,6 @@ from verifypd.domain.lanes import (
     DraftItem,
     DraftLane,
     DraftOutput,
-    KvHandle,
     LaneInfo,
     PoolInfo,
     PrefillItem,
@@ -47,34 +46,29 @@ from verifypd.domain.lanes import (
     VerifyOutput,
 )
 from verifypd.domain.models import draft_spec
-from verifypd.domain.options import KV_TRANSPORTS, EngineOptions
+from verifypd.domain.options import EngineOptions
 from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
-from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc import lane_validate as lv
 from verifypd.lanes.rpc import peer_copy
+from verifypd.lanes.rpc import pool_import as pi
 from verifypd.lanes.rpc.call_channel import CallServer
 from verifypd.lanes.rpc.lane_calls import CallChannelWork
-from verifypd.lanes.rpc.lane_setup import load_lane_models, model_geometry, owned_pool, pool_blocks, start_lane_ranks
+from verifypd.lanes.rpc.lane_setup import load_lane_models, owned_pool, start_lane_ranks
 from verifypd.lanes.rpc.lane_spans import end_call_span
 from verifypd.model.build import capture_graphs
-from verifypd.model.kv_pool import LAYOUT, SHM_DIR, KvPool
+from verifypd.model.kv_pool import KvPool
 from verifypd.model.llama import PagedLlama
 from verifypd.model.runner import ModelRunner
-from verifypd.net.auth import lane_interceptor, lane_metadata
-from verifypd.net.health import Health, add_health_and_reflection
-from verifypd.net.limits import LANE_GRPC_OPTIONS
-from verifypd.net.wire_guard import WireGuard
 from verifypd.spec_decode.ngram import poolless_draft_lane
-from verifypd.v1 import lanes_pb2, lanes_pb2_grpc
+from verifypd.v1 import lanes_pb2
 
 if TYPE_CHECKING:
     from verifypd.lanes.tensor_parallel.ranks import LeaderRanks
 
 log = logging.getLogger("verifypd.lane")
 LANES = ("prefill", "draft", "verify")
-MAX_PEER_POOL_BLOCKS = 1 << 22
 T = TypeVar("T")
 WorkBatch = lanes_pb2.PrefillBatch | lanes_pb2.DraftBatch | lanes_pb2.VerifyBatch  # a work RPC's request
 
@@ -151,11 +145,11 @@ class LaneServicer(CallChannelWork):
         self.pools: dict[str, KvPool] = {p.role: p for p in self.owned.values()}  # role -> pool handles name
         self.kv_bytes_copied = 0
         self.import_seconds = 0.0
-        self.call_server: CallServer | None = None  # started by build_lane_server
+        self.call_server: CallServer | None = None  # started by build_lane_server (lane_ports.py)
         # Prefill on CUDA with imported pools: recorded after writing KV, waited on by the owners
         # (instead of a device-wide synchronize before every reply). Owners: opened IPC events.
         self.kv_written: torch.cuda.Event | None = None
-        self._peer_events: dict[bytes, torch.cuda.Event] = {}
+        self.peer_events: dict[bytes, torch.cuda.Event] = {}
 
     @property
     def lane(self) -> LocalPrefillLane | DraftLane | LocalVerifyLane | None:
@@ -221,35 +215,6 @@ class LaneServicer(CallChannelWork):
             d.rank_shards.extend(self.rank_shards)
         return d
 
-    def _import_rank_shards(
-        self, ranks: LeaderRanks, d: lanes_pb2.PoolDescriptor, mode: str, context: RpcContext
-    ) -> None:
-        """A sharded prefill lane: follower r opens the verify lane's rank r pool (handle only)."""
-        world = self.options.tensor_parallel
-        if mode != "imported":
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"--tensor-parallel {world}: the prefill lane's ranks must import the target pool "
-                "(same host and devices); copying sharded KV is not supported",
-            )
-        if len(d.rank_shards) != world - 1:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pool {d.pool_id} has {len(d.rank_shards)} rank shards; this prefill lane runs "
-                f"--tensor-parallel {world} (the verify lane must run the same)",
-            )
-        for n, shard in enumerate(d.rank_shards):  # checked as the rank-0 pool is, before a follower maps it
-            try:
-                lv.check_pool_descriptor(
-                    f"pools[target].rank_shards[{n}]", shard, "target", self._pool_spec("target"), LAYOUT, SHM_DIR
-                )
-            except lv.LaneInvalid as exc:
-                context.abort(exc.code, str(exc))
-        try:
-            ranks.import_pool([s.SerializeToString() for s in d.rank_shards])
-        except RuntimeError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the rank shards of {d.pool_id}: {exc}")
-
     def ImportPools(self, request: lanes_pb2.ImportPoolsRequest, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
         with self.on_device():  # its events, streams and mappings belong to this lane's GPU
             return self._import_pools(request, context)
@@ -259,59 +224,18 @@ class LaneServicer(CallChannelWork):
             return self._open_handoff(request.draft_handoff, context)
         if self.role != "prefill":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the {self.role} lane imports no pools")
-        mode_arg = request.kv_transport or "auto"
-        if mode_arg not in KV_TRANSPORTS:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}; got {mode_arg!r}",
-            )
         t0 = time.perf_counter()
-        # A re-wiring (an owner restarted: new pools) forgets the old mappings; the copiers still wired
-        # hold theirs until they are replaced below, so an owner's memory goes with its last user.
-        peer_copy.release_mapped()
-        pools: dict[str, KvPool] = {}
-        pushers: dict[str, kv.KvPusher] = {}
-        peers: dict[str, peer_copy.PeerCopier] = {}
-        modes: dict[str, str] = {}
-        roles = [lc.ROLE_FROM_PB.get(d.role, "") for d in request.pools]  # "": no pool role (refused below)
-        if self.draft_model is None:  # pool-less draft (prompt lookup): the prefill lane writes no draft KV
-            if roles != ["target"]:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"pools: need one target pool (draft {self.options.draft!r} has no pool)",
-                )
-        elif sorted(roles) != ["draft", "target"]:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pools: need one target and one draft pool")
-        for n, (d, role) in enumerate(zip(request.pools, roles)):
-            try:
-                lv.check_pool_descriptor(f"pools[{n}]", d, role, self._pool_spec(role), LAYOUT, SHM_DIR)
-            except lv.LaneInvalid as exc:
-                context.abort(exc.code, str(exc))
-            try:
-                bound = pool_blocks(self.options, kv.geometry_of(d), self.device, self.kv_dtype)
-                mode = peer_copy.choose_transport(mode_arg, d, self.device, stage_bound=bound)
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            modes[d.pool_id] = mode
-            try:
-                if mode == "imported":
-                    pools[role] = kv.open_pool(d)
-                elif mode == "peer":
-                    pools[role] = kv.staging_pool(d, self.device)
-                    peers[role] = peer_copy.PeerCopier(pools[role], peer_copy.open_owner_pool(d, self.device))
-                elif mode == "direct":  # the forward writes the owner's pool, mapped here
-                    pools[role] = peer_copy.open_owner_pool(d, self.device)
-                else:
-                    pools[role] = kv.staging_pool(d, self.device)
-                    pushers[role] = kv.KvPusher(
-                        pools[role], d.kv_transfer_addr, metadata=lane_metadata(self.secret), tls=self.tls
-                    )
-            except (ValueError, OSError, RuntimeError) as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open pool {d.pool_id}: {exc}")
-        if self.ranks is not None:
-            target_d = next(d for d, role in zip(request.pools, roles) if role == "target")
-            self._import_rank_shards(self.ranks, target_d, modes[target_d.pool_id], context)
-        target_runner = self._runner(self._loaded(self.target_model, "target"), pools["target"])
+        models = {"target": self._loaded(self.target_model, "target")}
+        if self.draft_model is not None:
+            models["draft"] = self.draft_model
+        try:
+            opened = pi.open_pools(
+                request, models, self.options, self.device, self.kv_dtype, self.ranks, self.secret, self.tls
+            )
+        except lv.LaneInvalid as exc:
+            context.abort(exc.code, str(exc))
+        pools, pushers, peers, modes = opened.pools, opened.pushers, opened.peers, opened.modes
+        target_runner = self._runner(models["target"], pools["target"])
         draft_runner = self._runner(self.draft_model, pools["draft"]) if self.draft_model is not None else None
         event = None
         # Not with ranks: the others' KV writes are ordered by rank 0's device sync (its last all-reduce
@@ -348,40 +272,18 @@ class LaneServicer(CallChannelWork):
         )
 
     def _open_handoff(self, d: lanes_pb2.DraftHandoff, context: RpcContext) -> lanes_pb2.ImportPoolsReply:
-        """The verify lane opens the draft lane's DraftHandoff buffer (CUDA, same device only)."""
-        if self.device.type != "cuda":
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "draft_handoff: this verify lane runs on the CPU")
         t0 = time.perf_counter()
         try:
-            from verifypd.lanes.rpc.draft_handoff import OpenedHandoff
-
-            opened = OpenedHandoff(d, self.device)
-        except (ValueError, RuntimeError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft_handoff: cannot open: {exc}")
+            opened = pi.open_handoff(d, self.device)
+        except lv.LaneInvalid as exc:
+            context.abort(exc.code, str(exc))
         with self.lock:
             self.opened_handoff = opened
         return lanes_pb2.ImportPoolsReply(
             mode_by_pool={"draft_handoff": "imported"}, import_seconds=time.perf_counter() - t0
         )
 
-    def _pool_spec(self, role: str) -> lv.PoolSpec:
-        model = self._loaded(self.target_model if role == "target" else self.draft_model, role)
-        geometry = model_geometry(model, self.options)
-        # The bound on a peer's pool: --num-blocks, else a sanity cap. Not this lane's free memory: an
-        # imported pool allocates nothing here, and the owners have already taken theirs (a staging
-        # pool that does not fit fails to allocate, FAILED_PRECONDITION).
-        max_blocks = self.options.num_blocks if self.options.num_blocks is not None else MAX_PEER_POOL_BLOCKS
-        return lv.PoolSpec(
-            geometry.num_layers,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-            geometry.block_size,
-            kv.dtype_name(self.kv_dtype),  # the KV's element type (`--kv-cache-dtype`), not the weights'
-            self.kv_dtype.itemsize,
-            max_blocks,
-        )
-
-    def _limits(self) -> lv.LaneLimits:
+    def limits(self) -> lv.LaneLimits:
         pools = {
             role: lv.PoolLimits(p.pool_id, p.generation, p.geometry.num_blocks, p.geometry.block_size)
             for role, p in self.pools.items()
@@ -395,7 +297,7 @@ class LaneServicer(CallChannelWork):
         if self.lane is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "prefill lane has no pools yet: call ImportPools")
         try:
-            check(request, self._limits())
+            check(request, self.limits())
         except lv.LaneInvalid as exc:
             context.abort(exc.code, str(exc))
         return len(request.items) > 0
@@ -417,17 +319,17 @@ class LaneServicer(CallChannelWork):
                 end_call_span(span, error)
 
     # -- the work, shared by unary RPCs and the call channel ----------------------------------
-    def _prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
+    def prefill_work(self, items: list[PrefillItem]) -> tuple[list[PrefillOutput], int]:
         if self.prefill_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no prefill (a prefill lane: call ImportPools first)")
         for role, copier in self.peers.items():
-            copier.begin(_touched(items, role, copier.staging.geometry.block_size))
+            copier.begin(kv.prefill_blocks(items, role, copier.staging.geometry.block_size))
         try:
             outputs = self.prefill_lane.prefill(items)
         finally:  # orders this stream after the copies even when the forward failed
             copied = sum(copier.finish() for copier in self.peers.values())
         for role, pusher in self.pushers.items():
-            copied += pusher.push(_touched(items, role, pusher.pool.geometry.block_size))
+            copied += pusher.push(kv.prefill_blocks(items, role, pusher.pool.geometry.block_size))
         # IPC shares memory, not ordering: the owners' streams wait on kv_written (the router
         # forwards it), else the device finishes before we reply.
         if self.kv_written is not None:
@@ -439,100 +341,32 @@ class LaneServicer(CallChannelWork):
         self.kv_bytes_copied += copied
         return outputs, copied
 
-    def _draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
+    def draft_work(self, items: list[DraftItem]) -> list[DraftOutput]:
         if self.draft_lane is None:
             raise RuntimeError(f"the {self.role} lane runs no draft calls")
         return self.draft_lane.draft(items)
 
-    def _verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        return self._verify_start(items).result()  # (CallChannelWork._verify_start)
+    def verify_work(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self.verify_start(items).result()  # (CallChannelWork.verify_start)
 
     def Prefill(self, request: lanes_pb2.PrefillBatch, context: RpcContext) -> lanes_pb2.PrefillResult:
         if not self._check(context, lv.check_prefill, request):
             return lanes_pb2.PrefillResult()
         items = lc.prefill_batch_from_pb(request)
-        outputs, copied = self._run(context, lambda: self._prefill_work(items), items)
+        outputs, copied = self._run(context, lambda: self.prefill_work(items), items)
         return lc.prefill_outputs_to_pb(outputs, copied)
 
     def Draft(self, request: lanes_pb2.DraftBatch, context: RpcContext) -> lanes_pb2.DraftResult:
         if not self._check(context, lv.check_draft, request):
             return lanes_pb2.DraftResult()
         items = lc.draft_batch_from_pb(request)
-
-        def work() -> lanes_pb2.DraftResult:
-            result = lanes_pb2.DraftResult()
-            for item, out in zip(items, self._draft_work(items)):
-                msg = result.outputs.add(request_id=out.request_id, draft_tokens=out.draft_tokens)
-                if out.resync_from is not None:
-                    msg.resync_from = out.resync_from
-                if out.draft_probs is not None:
-                    msg.probs.CopyFrom(self._encode_probs(out.draft_probs, item.sampling.top_k))
-            return result
-
-        return self._run(context, work, items)
+        top_ks = [i.sampling.top_k for i in items]
+        return self._run(
+            context, lambda: lc.draft_outputs_to_pb(self.draft_work(items), kv.encode_probs, top_ks), items
+        )
 
     def Verify(self, request: lanes_pb2.VerifyBatch, context: RpcContext) -> lanes_pb2.VerifyResult:
         if not self._check(context, lv.check_verify, request):
             return lanes_pb2.VerifyResult()
         items = lc.verify_batch_from_pb(request, lambda d: d)
-        return self._run(context, lambda: lc.verify_outputs_to_pb(self._verify_work(items)), items)
-
-
-def _touched(items: list[PrefillItem], role: str, block_size: int) -> list[int]:
-    """The blocks of the `role` pool that this prefill batch writes."""
-    return [
-        b
-        for i in items
-        for b in kv.touched_blocks(_handle(i, role).block_ids, i.start_pos, i.start_pos + len(i.token_ids), block_size)
-    ]
-
-
-def _handle(item: PrefillItem, role: str) -> KvHandle:
-    """The item's KV in the `role` pool (validated at the edge: a lane holding a draft pool gets
-    every item's draft_kv)."""
-    handle = item.target_kv if role == "target" else item.draft_kv
-    if handle is None:
-        raise RuntimeError(f"prefill item {item.request_id!r} has no {role}_kv, but this lane holds a {role} pool")
-    return handle
-
-
-def build_lane_server(
-    servicer: LaneServicer,
-    host: str,
-    port: int,
-    call_port: int | None = 0,
-) -> tuple[grpc.Server, int, Health]:
-    """A started gRPC server for the lane; returns (server, bound port, health servicer).
-    With a secret, every RPC but health must carry it (auth.py). Also starts the lane's call
-    channel on `call_port` (0: any free port; None: no call channel, work calls over gRPC only);
-    Describe announces its port. With `servicer.tls` both ports speak mutual TLS only."""
-    interceptors = [lane_interceptor(servicer.secret)] if servicer.secret else []
-    interceptors.append(WireGuard())  # garbage is INVALID_ARGUMENT, one rate-limited line
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8), options=LANE_GRPC_OPTIONS, interceptors=interceptors
-    )
-    adders = {
-        "prefill": lanes_pb2_grpc.add_PrefillLaneServicer_to_server,
-        "draft": lanes_pb2_grpc.add_DraftLaneServicer_to_server,
-        "verify": lanes_pb2_grpc.add_VerifyLaneServicer_to_server,
-    }
-    adders[servicer.role](servicer, server)
-    services = [f"verifypd.v1.{servicer.role.capitalize()}Lane"]
-    if servicer.owned:
-        lanes_pb2_grpc.add_KvTransferServicer_to_server(servicer.transfer, server)
-        services.append("verifypd.v1.KvTransfer")
-    health = add_health_and_reflection(server, services)
-    bound = (
-        server.add_secure_port(f"{host}:{port}", servicer.tls.grpc_server_credentials())
-        if servicer.tls
-        else server.add_insecure_port(f"{host}:{port}")
-    )
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    server.start()
-    if call_port is not None:
-        pipelined = servicer.role == "verify"  # verify calls launched before the last one's reply
-        servicer.call_server = CallServer(
-            servicer.handle_call, cd.ChannelState, host, call_port, servicer.secret, servicer.tls, pipelined
-        )
-    return server, bound, health
+        return self._run(context, lambda: lc.verify_outputs_to_pb(self.verify_work(items)), items)

@@ -67,8 +67,10 @@ class LaneCallSpans:
         return span, traceparent
 
 
-def end_call_span(span: Span, error: str | None = None) -> None:
-    """Ends a call's span; `error`: what failed (the span's status says ERROR)."""
+def end_call_span(span: Span | None, error: str | None = None) -> None:
+    """Ends a call's span, if it has one; `error`: what failed (the span's status says ERROR)."""
+    if span is None:
+        return
     if error is not None:
         span.set_status(trace.Status(trace.StatusCode.ERROR, error))
     span.end()
