@@ -52,7 +52,7 @@ def prefilled(model_dir: str, attention: str, prompts: list[list[int]], tables: 
 
 
 @pytest.mark.parametrize(
-    ("lengths", "min_context", "split"), [((150, 201), LONG, True), ((9, 20), LONG, False), ((150, 201), None, False)]
+    ("lengths", "min_context", "split"), [((150, 201), LONG, True), ((3, 6), LONG, False), ((150, 201), None, False)]
 )
 def test_split_graphs_equal_the_reference(model_dir, lengths, min_context, split):
     rng = random.Random(1)
@@ -76,3 +76,21 @@ def test_split_graphs_equal_the_reference(model_dir, lengths, min_context, split
     keys = got.graphs.captured
     assert {k[0] for k in keys if len(k) == 4} == ({"last", "all", "accept"} if split else set()), keys
     assert all(k[3] > 1 for k in keys if len(k) == 4)
+
+
+def test_shorter_sequences_in_a_split_graph_equal_the_plain_graph_exactly(model_dir):
+    """Inside a split variant a sequence below split_min_context is not cut: a batch whose host-side
+    lengths chose the variant early computes exactly what the plain graphs do (fp32, bit for bit),
+    though its contexts (150, 170) span more than two key tiles a real split would cut."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (150, 170)]
+    tables = [tuple(range(0, 60)), tuple(range(60, 120))]
+    outs = {}
+    for name, min_context in (("plain", None), ("split", 180)):
+        runner = prefilled(model_dir, "triton", prompts, tables)
+        assert runner.graphs is not None
+        runner.graphs.split_min_context = min_context
+        runs = [TokenRun([p[-1]], len(p), t) for p, t in zip(prompts, tables)]
+        outs[name] = (runner.last_logits(runs)[: len(runs)].clone(), runner.graphs.captured)
+    assert any(len(k) == 4 for k in outs["split"][1]) and not any(len(k) == 4 for k in outs["plain"][1])
+    assert torch.equal(outs["split"][0], outs["plain"][0])

@@ -220,6 +220,7 @@ class GraphRunner:
             self.arange[: rows + 1] * query,
             query,
             kv_splits=splits,
+            kv_split_min_keys=self.split_min_context or 0,
         )
         if mode in ("all", "accept"):
             self.model.forward(self.pool, batch, self.arange[:n], logits_out=self.logits[:n])
@@ -251,12 +252,16 @@ class GraphRunner:
 
     # -- capture -----------------------------------------------------------------------------
     def key(self, kind: str, runs: list[TokenRun], rows: int, query: int) -> tuple:
-        """The graph of a call: its split-KV variant when its longest sequence reaches
-        `split_min_context` positions and the attention's grid leaves SMs idle."""
+        """The graph of a call: its split-KV variant when its longest sequence may have reached
+        `split_min_context` positions and the attention's grid leaves SMs idle. Inside that variant a
+        sequence shorter than `split_min_context` is not cut (`kv_split_min_keys`), so its output is
+        the plain graph's exactly: taking the variant early changes nothing but speed, and the margin
+        of two calls' tokens covers runs laid out before the verdict they follow (model.verify_fit)."""
         if self.split_min_context is None:
             return (kind, rows, query)
         splits = attention_splits(self.model, rows, query, self.sm_count)
-        if splits > 1 and max(r.start_pos + len(r.token_ids) for r in runs) >= self.split_min_context:
+        longest = max(r.start_pos + len(r.token_ids) for r in runs)
+        if splits > 1 and longest + 2 * self.max_query >= self.split_min_context:
             return (kind, rows, query, splits)
         return (kind, rows, query)
 

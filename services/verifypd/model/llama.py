@@ -155,6 +155,8 @@ class BatchLayout:
     # Split-KV attention (model.split_kv): parts each Triton attention program's keys are cut into
     # (1: none). The reference path ignores it.
     kv_splits: int = 1
+    # Sequences with fewer keys than this are not cut (kernels/paged_attention.py `split_min_keys`).
+    kv_split_min_keys: int = 0
 
     @property
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -347,6 +349,7 @@ class PagedLlama:
                 v_scale=kv_quant.V_SCALE,
                 tree=batch.tree,
                 splits=batch.kv_splits,
+                split_min_keys=batch.kv_split_min_keys,
             )
             return out.view(-1, s.num_heads * s.head_dim)
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim

@@ -66,6 +66,7 @@ def _paged_attention_kernel(
     v_scale,
     window,
     softcap,
+    split_min_keys,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -117,6 +118,11 @@ def _paged_attention_kernel(
         key_end = kv_len
         if SPLITS > 1:  # this program's share of the tile's keys: a run of whole BLOCK_N tiles
             per = tl.cdiv(tl.cdiv(kv_len - first_key, SPLITS), BLOCK_N) * BLOCK_N
+            # A sequence shorter than split_min_keys keeps all its keys in part 0, walked as the
+            # unsplit kernel walks them; the combine then reproduces the unsplit output bit for bit
+            # (one weight exp2(0) = 1, the idle parts' weights 0). So whether a sequence's attention
+            # is split depends on its own length only, not on which graph its batch replayed.
+            per = tl.where(kv_len < split_min_keys, kv_len - first_key + BLOCK_N, per)
             first_key = first_key + split * per
             key_end = kv_len - tl.maximum(kv_len - first_key - per, 0)  # min(kv_len, first_key + per)
         for start in range(first_key, key_end, BLOCK_N):
@@ -222,6 +228,7 @@ def paged_attention(
     v_scale: float = 1.0,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     splits: int = 1,
+    split_min_keys: int = 0,
 ) -> torch.Tensor:
     """See the module doc for shapes. `max_query` bounds the tokens of any one sequence (it sets
     the grid; it may exceed the real maximum, e.g. a CUDA graph's padded size). `window` 0 and
@@ -230,7 +237,8 @@ def paged_attention(
     keys are cut into that many parts, run by programs of their own, whose partial softmax sums a
     second kernel combines (split-KV, "flash decoding"): for few sequences over long contexts. The
     parts are cut on the device from each tile's key count, so a CUDA graph may replay it at any
-    context; a context shorter than `splits` key tiles leaves parts idle."""
+    context; a context shorter than `splits` key tiles leaves parts idle. A sequence with fewer than
+    `split_min_keys` keys is not cut (all in part 0): its output equals the unsplit kernel's exactly."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -280,6 +288,7 @@ def paged_attention(
         v_scale,
         window,
         softcap * math.log2(math.e),
+        split_min_keys,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
