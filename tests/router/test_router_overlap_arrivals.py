@@ -16,7 +16,8 @@ from engine_helpers import make_engine
 from test_router_overlap import check_blocks_returned, drive, fresh, make_specs, prompts
 
 from verifypd.domain.requests import FinishReason, RequestSpec, SamplingParams
-from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+from verifypd.lanes.local import LocalPrefillLane
+from verifypd.lanes.local_verify import LocalVerifyLane
 
 pytestmark = pytest.mark.slow  # long overlapped decoding runs through the engine (tests/README.md)
 

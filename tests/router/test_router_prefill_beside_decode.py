@@ -11,7 +11,8 @@ import pytest
 from engine_cases import specs
 from engine_helpers import DEVICE, make_engine
 
-from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+from verifypd.lanes.local import LocalPrefillLane
+from verifypd.lanes.local_verify import LocalVerifyLane
 
 pytestmark = pytest.mark.slow  # whole engine runs per schedule and overlap setting (tests/README.md)
 

@@ -30,7 +30,8 @@ from verifypd.router.router import EngineObserver, Router
 from verifypd.v1 import generate_pb2
 
 if TYPE_CHECKING:  # torch: imported by the builder only (the gateway imports this module)
-    from verifypd.lanes.local import LocalPrefillLane, LocalVerifyLane
+    from verifypd.lanes.local import LocalPrefillLane
+    from verifypd.lanes.local_verify import LocalVerifyLane
     from verifypd.lanes.rpc.lane_client import GrpcDraftLane, GrpcPrefillLane, GrpcVerifyLane
     from verifypd.model.build import Models
     from verifypd.model.eagle_draft import EagleRunner
@@ -107,7 +108,8 @@ def build_colocated(
     """Models (`models`, else loaded), pools, in-process lanes and the router. `detokenize=False`:
     outputs carry no text (a front end detokenizes, as the gateway does). `simulated_acceptance`
     (benchmarks only, see LocalVerifyLane) overrides options.simulated_acceptance."""
-    from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+    from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane
+    from verifypd.lanes.local_verify import LocalVerifyLane
     from verifypd.model.build import capture_graphs, make_pools
     from verifypd.model.eagle_draft import EagleModel, EagleRunner, attach_features
     from verifypd.model.runner import ModelRunner

@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from verifypd.lanes.device_values import DeviceDraftTokens
-from verifypd.lanes.local import LocalVerifyLane
+from verifypd.lanes.local_verify import LocalVerifyLane
 from verifypd.lanes.rpc import call_decode as cd
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_validate as lv

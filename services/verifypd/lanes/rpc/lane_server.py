@@ -47,7 +47,8 @@ from verifypd.domain.lanes import (
 )
 from verifypd.domain.models import draft_spec
 from verifypd.domain.options import EngineOptions
-from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane, LocalVerifyLane
+from verifypd.lanes.local import LocalDraftLane, LocalPrefillLane
+from verifypd.lanes.local_verify import LocalVerifyLane
 from verifypd.lanes.rpc import kv_transport as kv
 from verifypd.lanes.rpc import lane_convert as lc
 from verifypd.lanes.rpc import lane_validate as lv
