@@ -116,6 +116,7 @@ class GraphRunner:
         # Calls whose longest sequence has this many positions replay the split-KV variant (module doc);
         # None: no split variants (none captured at warm-up either).
         self.split_min_context: int | None = DECODE_SPLIT_MIN_CONTEXT
+        self._splits: dict[tuple[int, int], int] = {}  # (rows, query) -> attention_splits
 
     # -- sizes -------------------------------------------------------------------------------
     def bucket(self, batch: int) -> int | None:
@@ -259,9 +260,13 @@ class GraphRunner:
         of two calls' tokens covers runs laid out before the verdict they follow (model.verify_fit)."""
         if self.split_min_context is None:
             return (kind, rows, query)
-        splits = attention_splits(self.model, rows, query, self.sm_count)
-        longest = max(r.start_pos + len(r.token_ids) for r in runs)
-        if splits > 1 and longest + 2 * self.max_query >= self.split_min_context:
+        splits = self._splits.get((rows, query))
+        if splits is None:  # a function of the bucket alone: worked out once
+            splits = self._splits[(rows, query)] = attention_splits(self.model, rows, query, self.sm_count)
+        if (
+            splits > 1
+            and max(r.start_pos + len(r.token_ids) for r in runs) + 2 * self.max_query >= self.split_min_context
+        ):
             return (kind, rows, query, splits)
         return (kind, rows, query)
 
